@@ -1,0 +1,5 @@
+import sys
+
+from fived.cli import main
+
+sys.exit(main())

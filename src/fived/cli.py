@@ -1,0 +1,151 @@
+"""The `fived` command line: train, verify, prepare-data.
+
+Every config field is a flag `--<section>.<field>` (generated from the dataclasses, so the defaults
+live in one place); common ones have short forms (--model, --dp, --tp, --steps, ...).
+Configuration errors are reported before any rank is started.
+"""
+from __future__ import annotations
+
+import os
+
+# One BLAS thread per rank: with several ranks on a few cores, more threads thrash (20-30x slower).
+# Must happen before torch is imported.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import argparse  # noqa: E402
+import sys  # noqa: E402
+
+from fived.config import ConfigError, build_config, config_fields  # noqa: E402
+
+SHORT_FLAGS = {
+    "--model": "model.name", "--dp": "parallel.dp", "--tp": "parallel.tp", "--pp": "parallel.pp",
+    "--cp": "parallel.cp", "--ep": "parallel.ep", "--zero": "parallel.zero",
+    "--pp-schedule": "parallel.pp_schedule", "--pp-virtual": "parallel.pp_virtual",
+    "--microbatches": "train.microbatches", "--steps": "train.steps", "--seed": "train.seed",
+    "--dtype": "train.dtype", "--seq-len": "train.seq_len", "--global-batch": "train.global_batch",
+}
+
+
+def _add_config_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="a TOML file with [model], [parallel], [train], [data] tables")
+    parser.add_argument("--nproc", type=int, help="local ranks to start (default: the layout's world size, or 2)")
+    parser.add_argument("--sp", dest="parallel.sp", action="store_const", const=True, default=argparse.SUPPRESS,
+                        help="sequence parallelism (with --tp)")
+    for flag, dest in SHORT_FLAGS.items():
+        parser.add_argument(flag, dest=dest, default=argparse.SUPPRESS, help=f"= --{dest}")
+    group = parser.add_argument_group("every config field (defaults from fived.config)")
+    for section, name, default, kind in config_fields():
+        group.add_argument(f"--{section}.{name}", dest=f"{section}.{name}", default=argparse.SUPPRESS,
+                           metavar=kind.upper(), help=f"default {default!r}")
+
+
+def _overrides(ns: argparse.Namespace) -> dict:
+    return {k: v for k, v in vars(ns).items() if "." in k}
+
+
+def _world(cfg, nproc: int | None, default: int) -> int:
+    if nproc:
+        return nproc
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    p = cfg.parallel
+    return p.dp * p.tp * p.pp * p.cp if p.dp > 0 else max(p.tp * p.pp * p.cp, default)
+
+
+def _load(ns: argparse.Namespace, default_world: int):
+    from fived.mesh import check_config
+
+    cfg = build_config(ns.config, _overrides(ns))
+    world = _world(cfg, ns.nproc, default_world)
+    check_config(cfg, world)
+    return cfg, world
+
+
+def cmd_train(ns: argparse.Namespace) -> int:
+    import torch
+
+    from fived.launch import init_distributed, run_ranks, shutdown_distributed, under_torchrun
+    from fived.metrics import fresh_output_dir
+    from fived.report import format_report
+    from fived.train import run_training
+
+    default_world = torch.cuda.device_count() if torch.cuda.is_available() else 2
+    cfg, world = _load(ns, default_world)
+    if under_torchrun():
+        init_distributed()
+        result = run_training(cfg)
+        if ns.report and int(os.environ["RANK"]) == 0:
+            print(format_report(cfg, world, [result]))
+        shutdown_distributed()
+        return 0
+    cfg.train.output_dir = str(fresh_output_dir(cfg.train.output_dir))
+    print(f"fived train: model {cfg.model.name}, {world} local rank(s), layout "
+          f"dp={world // (cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp)} tp={cfg.parallel.tp} "
+          f"pp={cfg.parallel.pp} cp={cfg.parallel.cp} ep={cfg.parallel.ep} zero={cfg.parallel.zero}, "
+          f"{cfg.train.steps} steps -> {cfg.train.output_dir}/metrics.jsonl", flush=True)
+    results = run_ranks(world, run_training, cfg)
+    first, last = results[0].metrics[0], results[0].metrics[-1]
+    print(f"loss {first['loss']:.4f} (step {first['step']}) -> {last['loss']:.4f} (step {last['step']}); "
+          f"{last['tokens_per_s']:.0f} tokens/s, MFU {last['mfu']:.1%}")
+    if ns.report:
+        print(format_report(cfg, world, results))
+    return 0
+
+
+def cmd_verify(ns: argparse.Namespace) -> int:
+    from fived.verify import run_verify
+
+    ns_over = _overrides(ns)
+    ns_over.setdefault("train.steps", 5)
+    if ns.nproc is None:
+        ns_over.setdefault("parallel.dp", 1)  # `fived verify --tp 2` means tp=2 alone, not tp=2 x dp=...
+    cfg = build_config(ns.config, ns_over)
+    from fived.mesh import check_config
+
+    world = _world(cfg, ns.nproc, 1)
+    check_config(cfg, world)
+    report = run_verify(cfg, world)
+    return 0 if report.ok else 1
+
+
+def cmd_prepare_data(ns: argparse.Namespace) -> int:
+    from fived.data import prepare_data
+
+    out = prepare_data(ns.inputs, ns.output, ns.tokenizer)
+    print(f"wrote {out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fived", description="5D-parallel training of Llama-style models.")
+    sub = parser.add_subparsers(dest="command")
+    train = sub.add_parser("train", help="train a model (no arguments: the embedded tiny default on 2 CPU ranks)")
+    _add_config_flags(train)
+    train.add_argument("--report", action="store_true", help="print the ledger: bytes per rank and per collective")
+    train.set_defaults(func=cmd_train)
+    verify = sub.add_parser("verify", help="compare a layout with the single-process reference in float64")
+    _add_config_flags(verify)
+    verify.set_defaults(func=cmd_verify)
+    prep = sub.add_parser("prepare-data", help="tokenize text files into a token file (numpy memmap)")
+    prep.add_argument("inputs", nargs="+", help="text files, concatenated in order")
+    prep.add_argument("--output", required=True, help="output path (.bin; a .json sidecar is written beside it)")
+    prep.add_argument("--tokenizer", default="byte", help="'byte' or a Hugging Face tokenizer.json")
+    prep.set_defaults(func=cmd_prepare_data)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    if ns.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return ns.func(ns)
+    except ConfigError as e:
+        print(f"fived: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,217 @@
+"""Typed configuration: one dataclass per section, presets, TOML files and command-line overrides.
+
+Precedence, lowest first: dataclass defaults < model preset < TOML file < command line.
+The dataclass defaults below are the single source of truth; presets only list what they change.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run. Its message is one line: field, value, rule, alternative."""
+
+    def __init__(self, field_name: str, value: Any, rule: str, hint: str = ""):
+        self.field, self.value, self.rule, self.hint = field_name, value, rule, hint
+        msg = f"{field_name}={value}: {rule}"
+        super().__init__(f"{msg}; {hint}" if hint else msg)
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"
+    vocab_size: int = 256
+    dim: int = 64
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    ffn_dim: int = 128  # SwiGLU hidden size of the dense feed-forward
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    # Mixture of experts: n_experts = 0 means a dense model.
+    n_experts: int = 0
+    top_k: int = 2
+    moe_ffn_dim: int = 0  # hidden size of one routed expert; 0 means ffn_dim
+    n_shared_experts: int = 0  # dense experts every token goes through (hidden moe_ffn_dim each)
+    n_dense_layers: int = 0  # the first n layers keep a dense feed-forward (DeepSeek style)
+    route_norm: bool = True  # renormalise the top-k routing weights to sum to 1
+    capacity_factor: float = 0.0  # 0 = dropless; >0 drops per expert beyond cf*tokens*k/E
+    aux_loss_coef: float = 0.01  # load-balancing loss weight (per-sequence statistics)
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 0
+
+    @property
+    def expert_dim(self) -> int:
+        return self.moe_ffn_dim or self.ffn_dim
+
+
+@dataclass
+class ParallelConfig:
+    dp: int = -1  # -1: whatever the world size leaves after tp*pp*cp
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    zero: int = 0
+    sp: bool = False
+    pp_schedule: str = "1f1b"
+    pp_virtual: int = 1
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 200
+    seq_len: int = 64
+    global_batch: int = 16  # sequences per optimizer step, whatever the layout
+    microbatches: int = 1  # gradient-accumulation micro-batches per data-parallel rank
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # 0 disables clipping
+    dtype: str = "float32"  # float32 | bfloat16 (autocast compute, fp32 weights) | float64
+    activation_checkpointing: str = "none"  # none | full | selective
+    seed: int = 0
+    log_every: int = 10
+    output_dir: str = "runs/default"
+    tensorboard: bool = False
+    peak_tflops: float = 0.0  # per device, for MFU; 0 = look up the GPU or measure the CPU
+
+
+@dataclass
+class DataConfig:
+    path: str = ""  # "" = the bundled corpus; a .bin token file from `fived prepare-data`; or a text file
+    tokenizer: str = "byte"  # "byte" or a path to a Hugging Face tokenizer.json
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+SECTIONS = {f.name: f.type for f in fields(Config)}
+SECTION_TYPES = {"model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig, "data": DataConfig}
+
+_TINY = dict(vocab_size=256, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128)
+# Real shapes follow the published model cards; they are built on the meta device for planning.
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(_TINY),
+    "tiny-moe": dict(_TINY, n_experts=8, top_k=2, moe_ffn_dim=64, n_shared_experts=1),
+    "llama3-8b": dict(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                      ffn_dim=14336, rope_theta=500000.0),
+    "llama3-70b": dict(vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
+                       ffn_dim=28672, rope_theta=500000.0),
+    "llama3-405b": dict(vocab_size=128256, dim=16384, n_layers=126, n_heads=128, n_kv_heads=8,
+                        ffn_dim=53248, rope_theta=500000.0),
+    "mixtral-8x7b": dict(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                         ffn_dim=14336, rope_theta=1e6, n_experts=8, top_k=2),
+    # DeepSeek-V3's expert layout (256 routed experts, top-8, one shared, 3 dense layers) on our
+    # grouped-query attention instead of multi-head latent attention.
+    "deepseek-v3-like": dict(vocab_size=129280, dim=7168, n_layers=61, n_heads=128, n_kv_heads=128,
+                             ffn_dim=18432, n_experts=256, top_k=8, moe_ffn_dim=2048,
+                             n_shared_experts=1, n_dense_layers=3, rope_theta=10000.0),
+}
+
+
+def _close(name: str, options) -> str:
+    match = difflib.get_close_matches(name, list(options), n=1)
+    return f"did you mean '{match[0]}'?" if match else "valid: " + ", ".join(sorted(options))
+
+
+def coerce(section: str, key: str, value: Any) -> Any:
+    """Convert a TOML or command-line value to the field's declared type, or raise ConfigError."""
+    types = {f.name: f.type for f in fields(SECTION_TYPES[section])}
+    if key not in types:
+        raise ConfigError(f"{section}.{key}", value, "unknown field", _close(key, types))
+    kind = types[key] if isinstance(types[key], str) else types[key].__name__
+    try:
+        if kind == "bool":
+            if isinstance(value, bool):
+                return value
+            if str(value).lower() in ("1", "true", "yes", "on"):
+                return True
+            if str(value).lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if kind == "int":
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(value)
+        return {"float": float, "str": str}[kind](value)
+    except (ValueError, TypeError):
+        raise ConfigError(f"{section}.{key}", value, f"must be a {kind}") from None
+
+
+def model_preset(name: str) -> ModelConfig:
+    if name not in PRESETS:
+        raise ConfigError("model.name", name, "unknown preset", _close(name, PRESETS))
+    return ModelConfig(name=name, **PRESETS[name])
+
+
+def build_config(toml_path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
+    """Defaults, then the model preset, then the TOML file, then `overrides` ({"section.key": value})."""
+    file_values: dict[str, dict[str, Any]] = {}
+    if toml_path:
+        path = Path(toml_path)
+        if not path.is_file():
+            raise ConfigError("--config", toml_path, "file not found", "give the path of a TOML file")
+        with path.open("rb") as f:
+            try:
+                file_values = tomllib.load(f)
+            except tomllib.TOMLDecodeError as e:
+                raise ConfigError("--config", toml_path, f"not valid TOML ({e})") from None
+    merged: dict[str, dict[str, Any]] = {}
+    for section, values in file_values.items():
+        if section not in SECTION_TYPES or not isinstance(values, dict):
+            raise ConfigError(section, "...", "unknown section", _close(section, SECTION_TYPES))
+        merged.setdefault(section, {}).update(values)
+    for dotted, value in (overrides or {}).items():
+        section, _, key = dotted.partition(".")
+        if section not in SECTION_TYPES:
+            raise ConfigError(dotted, value, "unknown section", _close(section, SECTION_TYPES))
+        merged.setdefault(section, {})[key] = value
+
+    model_values = merged.get("model", {})
+    cfg = Config(model=model_preset(str(model_values.get("name", ModelConfig.name))))
+    for section, values in merged.items():
+        target = getattr(cfg, section)
+        for key, value in values.items():
+            setattr(target, key, coerce(section, key, value))
+    return cfg
+
+
+def config_fields() -> list[tuple[str, str, Any, str]]:
+    """(section, field, default, type name) for every field: the command line is generated from this."""
+    out = []
+    for section, cls in SECTION_TYPES.items():
+        for f in fields(cls):
+            kind = f.type if isinstance(f.type, str) else f.type.__name__
+            out.append((section, f.name, f.default, kind))
+    return out

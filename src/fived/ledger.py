@@ -1,0 +1,122 @@
+"""The ledger: measured bytes, so that memory and communication claims are checked, not assumed.
+
+- `CommLedger` counts every collective issued through `torch.distributed` while it is active (ours,
+  and those of DDP/FSDP2, which call the same functions), keyed by (mesh dimension, collective).
+  It wraps the real functions and calls them; nothing is simulated.
+- `model_state_bytes` sums the bytes of parameters, gradients and optimizer state held by this rank.
+
+Payload bytes per call are counted as: all_reduce / broadcast / send / recv the tensor itself;
+all_gather_into_tensor the gathered output; reduce_scatter_tensor the full input; all_to_all_single
+the input. Mesh dimensions are named by `Mesh.group_names`; any other group is named by its ranks.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+_TRACKED = {
+    # name: (index of the tensor whose bytes count, keyword of that tensor)
+    "all_reduce": (0, "tensor"),
+    "broadcast": (0, "tensor"),
+    "all_gather_into_tensor": (0, "output_tensor"),
+    "reduce_scatter_tensor": (1, "input"),
+    "all_to_all_single": (1, "input"),
+    "send": (0, "tensor"),
+    "recv": (0, "tensor"),
+    "isend": (0, "tensor"),
+    "irecv": (0, "tensor"),
+}
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class CommLedger:
+    def __init__(self, group_names: dict | None = None):
+        self.group_names = dict(group_names or {})
+        self.bytes: dict[tuple[str, str], int] = defaultdict(int)
+        self.calls: dict[tuple[str, str], int] = defaultdict(int)
+
+    def _dim(self, group) -> str:
+        ranks = _ranks(dist.group.WORLD if group is None else group)
+        for g, name in self.group_names.items():
+            if len(_ranks(g)) > 1 and _ranks(g) == ranks:
+                return name
+        return "ranks" + "-".join(map(str, ranks))
+
+    def record(self, op: str, group, nbytes: int) -> None:
+        key = (self._dim(group), op)
+        self.bytes[key] += nbytes
+        self.calls[key] += 1
+
+    def reset(self) -> None:
+        self.bytes.clear()
+        self.calls.clear()
+
+    def summary(self) -> dict[str, dict[str, int]]:
+        """{"dp/all_reduce": {"bytes": .., "calls": ..}, ...}"""
+        return {f"{d}/{op}": {"bytes": self.bytes[(d, op)], "calls": self.calls[(d, op)]}
+                for d, op in sorted(self.bytes)}
+
+    @contextlib.contextmanager
+    def track(self):
+        """Count collectives issued through torch.distributed inside the block."""
+        originals = {name: getattr(dist, name) for name in _TRACKED}
+
+        def wrap(name, real):
+            index, keyword = _TRACKED[name]
+
+            def counted(*args, **kwargs):
+                tensor = kwargs.get(keyword, args[index] if len(args) > index else None)
+                group = kwargs.get("group", _positional_group(name, args))
+                if tensor is not None:
+                    self.record(name, group, _nbytes(tensor))
+                return real(*args, **kwargs)
+
+            return counted
+
+        for name, real in originals.items():
+            setattr(dist, name, wrap(name, real))
+        try:
+            yield self
+        finally:
+            for name, real in originals.items():
+                setattr(dist, name, real)
+
+
+def _positional_group(name: str, args: tuple):
+    # Positional group argument index in torch.distributed's signatures.
+    index = {"all_reduce": 2, "broadcast": 2, "all_gather_into_tensor": 2, "reduce_scatter_tensor": 3,
+             "all_to_all_single": 4, "send": 2, "recv": 2, "isend": 2, "irecv": 2}[name]
+    return args[index] if len(args) > index else None
+
+
+def _ranks(group) -> tuple[int, ...]:
+    if group is None or not dist.is_initialized():
+        return ()
+    return tuple(dist.get_process_group_ranks(group))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this rank; a plain tensor as it is."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state held by this rank (local shards only)."""
+    params = list(model.parameters())
+    out = {
+        "params": sum(_nbytes(_local(p)) for p in params),
+        "grads": sum(_nbytes(_local(p.grad)) for p in params if p.grad is not None),
+        "optimizer": 0,
+    }
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            for value in state.values():
+                if torch.is_tensor(value) and value.dim() > 0:  # skip the scalar step counter
+                    out["optimizer"] += _nbytes(_local(value))
+    return out

@@ -1,0 +1,188 @@
+"""The device mesh: one ordered mesh from which every process group is derived, and the checks that a
+layout can run, made before any rank starts.
+
+Order, outermost to innermost: pp, dp, cp, tp (as Megatron-Core's rank generator: tp on the fastest
+links, pp across nodes). Expert parallelism folds over dp*cp (ep divides dp*cp).
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from fived.config import Config, ConfigError
+
+MESH_DIMS = ("pp", "dp", "cp", "tp")
+IMPLEMENTED = {"dp"}  # dimensions above 1 that the runtime builds today
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+CHECKPOINTING = ("none", "full", "selective")
+
+
+def resolve_dp(cfg: Config, world: int | None) -> int:
+    """dp=-1 means 'the rest of the world': world / (tp*pp*cp)."""
+    p = cfg.parallel
+    if p.dp != -1:
+        return p.dp
+    model_parallel = max(p.tp, 1) * max(p.pp, 1) * max(p.cp, 1)
+    if world is None or world % model_parallel:
+        return 1 if world is None else -1
+    return world // model_parallel
+
+
+def _layout_errors(cfg: Config, world: int | None) -> list[ConfigError]:
+    """Every rule a layout must meet; the first error is reported, the rest help the suggestions."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    dp = resolve_dp(cfg, world)
+    errs: list[ConfigError] = []
+
+    def need(ok: bool, field: str, value, rule: str):
+        if not ok:
+            errs.append(ConfigError(field, value, rule))
+
+    for name in ("tp", "pp", "cp", "ep"):
+        need(getattr(p, name) >= 1, f"parallel.{name}", getattr(p, name), "must be >= 1")
+    need(p.dp >= 1 or p.dp == -1, "parallel.dp", p.dp, "must be >= 1 (or -1 to fill the world size)")
+    if errs:
+        return errs
+    size = dp * p.tp * p.pp * p.cp
+    if world is not None:
+        need(dp >= 1 and size == world, "parallel", f"dp{dp}xtp{p.tp}xpp{p.pp}xcp{p.cp}",
+             f"dp*tp*pp*cp must equal the number of ranks ({world})")
+    need(m.n_heads % p.tp == 0, "parallel.tp", p.tp, f"must divide model.n_heads={m.n_heads}")
+    need(m.n_kv_heads % p.tp == 0 or p.tp % m.n_kv_heads == 0, "parallel.tp", p.tp,
+         f"must divide model.n_kv_heads={m.n_kv_heads} or be a multiple of it (kv heads are then replicated)")
+    need(m.n_layers >= p.pp * p.pp_virtual, "parallel.pp", p.pp,
+         f"pp*pp_virtual={p.pp * p.pp_virtual} stages need at least as many layers (model.n_layers={m.n_layers})")
+    need(p.pp_schedule in PP_SCHEDULES, "parallel.pp_schedule", p.pp_schedule, "must be one of " + ", ".join(PP_SCHEDULES))
+    need(p.ep == 1 or m.is_moe, "parallel.ep", p.ep, f"needs a mixture-of-experts model (model.name={m.name} is dense)")
+    need(not m.is_moe or m.n_experts % p.ep == 0, "parallel.ep", p.ep, f"must divide model.n_experts={m.n_experts}")
+    need(dp >= 1 and (dp * p.cp) % p.ep == 0, "parallel.ep", p.ep, f"must divide dp*cp={max(dp, 1) * p.cp}")
+    need(t.seq_len % (2 * p.cp) == 0 or p.cp == 1, "train.seq_len", t.seq_len,
+         f"must be divisible by 2*cp={2 * p.cp} (load-balanced context-parallel chunks)")
+    need(p.zero in (0, 1, 2, 3), "parallel.zero", p.zero, "must be 0, 1, 2 or 3")
+    need(t.microbatches >= 1, "train.microbatches", t.microbatches, "must be >= 1")
+    need(dp >= 1 and t.global_batch % dp == 0, "train.global_batch", t.global_batch, f"must be divisible by dp={dp}")
+    if dp >= 1 and t.global_batch % dp == 0 and t.microbatches >= 1:
+        local = t.global_batch // dp
+        need(local % t.microbatches == 0, "train.microbatches", t.microbatches,
+             f"must divide the per-rank batch global_batch/dp={local}")
+    need(p.pp == 1 or t.microbatches >= p.pp, "train.microbatches", t.microbatches, f"must be >= pp={p.pp}")
+    return errs
+
+
+def _model_errors(cfg: Config) -> list[ConfigError]:
+    m, t = cfg.model, cfg.train
+    errs = []
+    checks = [
+        (m.dim % m.n_heads == 0, "model.dim", m.dim, f"must be divisible by model.n_heads={m.n_heads}"),
+        (m.n_heads % max(m.n_kv_heads, 1) == 0 and m.n_kv_heads >= 1, "model.n_kv_heads", m.n_kv_heads,
+         f"must be >= 1 and divide model.n_heads={m.n_heads}"),
+        (m.head_dim % 2 == 0, "model.dim", m.dim, "dim/n_heads must be even for rotary embeddings"),
+        (not m.is_moe or 1 <= m.top_k <= m.n_experts, "model.top_k", m.top_k, f"must be in 1..n_experts={m.n_experts}"),
+        (t.dtype in DTYPES, "train.dtype", t.dtype, "must be one of " + ", ".join(DTYPES)),
+        (t.activation_checkpointing in CHECKPOINTING, "train.activation_checkpointing",
+         t.activation_checkpointing, "must be one of " + ", ".join(CHECKPOINTING)),
+        (t.steps >= 1, "train.steps", t.steps, "must be >= 1"),
+        (t.seq_len >= 2, "train.seq_len", t.seq_len, "must be >= 2"),
+        (t.global_batch >= 1, "train.global_batch", t.global_batch, "must be >= 1"),
+        (0 <= t.warmup_steps, "train.warmup_steps", t.warmup_steps, "must be >= 0"),
+        (t.lr > 0, "train.lr", t.lr, "must be > 0"),
+    ]
+    for ok, field, value, rule in checks:
+        if not ok:
+            errs.append(ConfigError(field, value, rule))
+    return errs
+
+
+def suggest_layouts(cfg: Config, world: int, limit: int = 3) -> list[str]:
+    """Valid (dp, tp, pp, cp, ep) layouts for `world` ranks, nearest to the requested one first."""
+    p = cfg.parallel
+    want = (resolve_dp(cfg, world), p.tp, p.pp, p.cp, p.ep)
+    found = []
+    for tp, pp, cp in itertools.product(range(1, world + 1), repeat=3):
+        if world % (tp * pp * cp):
+            continue
+        dp = world // (tp * pp * cp)
+        for ep in [e for e in range(1, dp * cp + 1) if (dp * cp) % e == 0]:
+            trial = Config(model=cfg.model, train=cfg.train, data=cfg.data,
+                           parallel=type(p)(**{**vars(p), "dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep}))
+            if not _layout_errors(trial, world) and not _unimplemented(trial):
+                dist = sum(abs(a - b) for a, b in zip((dp, tp, pp, cp, ep), want))
+                found.append((dist, f"--dp {dp} --tp {tp} --pp {pp} --cp {cp} --ep {ep}"))
+    return [s for _, s in sorted(found)[:limit]]
+
+
+def _unimplemented(cfg: Config) -> list[ConfigError]:
+    p = cfg.parallel
+    errs = []
+    for name in ("tp", "pp", "cp", "ep"):
+        if getattr(p, name) > 1 and name not in IMPLEMENTED:
+            errs.append(ConfigError(f"parallel.{name}", getattr(p, name), f"{name} parallelism is not implemented yet"))
+    if p.zero > 0 and "zero" not in IMPLEMENTED:
+        errs.append(ConfigError("parallel.zero", p.zero, "ZeRO stages 1-3 are not implemented yet"))
+    if p.sp and "tp" not in IMPLEMENTED:
+        errs.append(ConfigError("parallel.sp", p.sp, "sequence parallelism is not implemented yet"))
+    return errs
+
+
+def check_config(cfg: Config, world: int | None) -> None:
+    """Raise the first ConfigError for `cfg` on `world` ranks, with the nearest valid layouts as hint.
+    Called by the CLI before any process starts, and again by every rank as a guard."""
+    errs = _model_errors(cfg) or _unimplemented(cfg) or _layout_errors(cfg, world)
+    if not errs:
+        return
+    err = errs[0]
+    if not err.hint and err.field.startswith(("parallel", "train.microbatches", "train.global_batch", "train.seq_len")) and world:
+        near = suggest_layouts(cfg, world)
+        err = ConfigError(err.field, err.value, err.rule,
+                          ("nearest valid layouts: " + " | ".join(near)) if near else "no valid layout for this world size")
+    elif not err.hint:
+        err = ConfigError(err.field, err.value, err.rule, "use a value that meets the rule")
+    raise err
+
+
+@dataclass
+class Mesh:
+    """Sizes of every dimension and, once built, the torch DeviceMesh they index.
+
+    `Mesh.build` needs an initialised default process group; groups are taken by name."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    device_type: str = "cpu"
+    device_mesh: object = None
+
+    @classmethod
+    def from_config(cls, cfg: Config, world: int) -> "Mesh":
+        p = cfg.parallel
+        return cls(dp=resolve_dp(cfg, world), tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep)
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.cp * self.tp
+
+    def build(self, device_type: str) -> "Mesh":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.device_type = device_type
+        self.device_mesh = init_device_mesh(
+            device_type, tuple(getattr(self, d) for d in MESH_DIMS), mesh_dim_names=MESH_DIMS)
+        return self
+
+    def __getitem__(self, name: str):
+        return self.device_mesh[name]
+
+    def group(self, name: str):
+        return self.device_mesh.get_group(name)
+
+    def rank(self, name: str) -> int:
+        return self.device_mesh.get_local_rank(name)
+
+    def group_names(self) -> dict:
+        """ProcessGroup -> dimension name, for the communication ledger."""
+        return {self.device_mesh.get_group(d): d for d in MESH_DIMS}

@@ -1,0 +1,103 @@
+"""Step metrics: FLOP count for MFU, device peak, peak memory, and the JSON-lines / TensorBoard log.
+
+FLOPs per token (documented formula, as PaLM appendix B and torchtitan):
+    6 * N_matmul + 12 * n_layers * n_heads * head_dim * seq_len
+where N_matmul counts the parameters that take part in a matrix multiply for one token: every
+parameter except the input embedding (a lookup), with only top_k routed experts for MoE layers
+(plus shared experts and the router). The first term is forward (2N) + backward (4N); the second is
+attention's QK^T and AV products, without discounting the causal mask. Activation recomputation is
+not counted (this is MFU, not HFU).
+"""
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from fived.config import ModelConfig
+
+# Dense bf16 peak per GPU in TFLOP/s, from the vendors' data sheets (without sparsity).
+GPU_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "B200": 2250.0, "MI300X": 1307.0}
+
+
+def matmul_params_per_token(cfg: ModelConfig) -> int:
+    d, hd = cfg.dim, cfg.head_dim
+    attn = d * hd * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
+    dense_ffn = 3 * d * cfg.ffn_dim
+    moe_ffn = 3 * d * cfg.expert_dim * (cfg.top_k + cfg.n_shared_experts) + d * cfg.n_experts
+    n_moe = max(cfg.n_layers - cfg.n_dense_layers, 0) if cfg.is_moe else 0
+    per_layer_norms = 2 * d
+    return (cfg.n_layers * (attn + per_layer_norms) + (cfg.n_layers - n_moe) * dense_ffn + n_moe * moe_ffn
+            + d + d * cfg.vocab_size)
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    return 6.0 * matmul_params_per_token(cfg) + 12.0 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
+
+
+def device_peak_tflops(dtype: torch.dtype, configured: float = 0.0) -> float:
+    """The configured peak, else the GPU's data-sheet peak, else one CPU thread's measured matmul rate
+    (an estimate: MFU on CPU is only indicative)."""
+    if configured > 0:
+        return configured
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name().upper()
+        return next((v for k, v in GPU_PEAK_TFLOPS.items() if k in name), 0.0)
+    n, reps = 256, 20
+    a = torch.randn(n, n, dtype=dtype)
+    a @ a
+    start = time.perf_counter()
+    for _ in range(reps):
+        a @ a
+    return 2 * n**3 * reps / (time.perf_counter() - start) / 1e12
+
+
+def peak_memory_mb() -> float:
+    """Peak allocated GPU memory, or on CPU the process's peak resident set (includes the runtime)."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**20
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kb / 1024 if sys.platform != "darwin" else kb / 2**20
+
+
+def fresh_output_dir(path: str) -> Path:
+    """`path`, or `path-1`, `path-2`, ... if a previous run already logged there: never overwrite."""
+    base = Path(path)
+    candidate, n = base, 0
+    while (candidate / "metrics.jsonl").exists():
+        n += 1
+        candidate = base.with_name(f"{base.name}-{n}")
+    return candidate
+
+
+class MetricsLog:
+    """JSON lines (one object per step) and, if asked and installed, TensorBoard scalars."""
+
+    def __init__(self, output_dir: str, tensorboard: bool):
+        self.dir = Path(output_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.file = open(self.dir / "metrics.jsonl", "a")
+        self.tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+                self.tb = SummaryWriter(str(self.dir / "tensorboard"))
+            except ImportError:
+                print("tensorboard is not installed (pip install tensorboard); logging JSON lines only", file=sys.stderr)
+
+    def write(self, record: dict) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "step":
+                    self.tb.add_scalar(key, value, record["step"])
+
+    def close(self) -> None:
+        self.file.close()
+        if self.tb is not None:
+            self.tb.close()

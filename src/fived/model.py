@@ -1,0 +1,288 @@
+"""A Llama-style decoder with an optional mixture-of-experts feed-forward.
+
+The model code has no parallel branches: every parallel dimension is applied from outside by
+`fived.parallel.parallelize`, which swaps or wraps modules. Shapes inside forward are read from the
+tensors (e.g. the number of local heads), so a tensor-parallel shard runs the same code.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fived.config import ModelConfig
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos/sin tables for rotary embeddings at the given (global) positions, shape [s, head_dim]."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float64) / head_dim)
+    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half convention (as in Hugging Face Llama); x is [b, s, heads, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[None, :, None, :] + rotated * sin[None, :, None, :]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class CausalAttentionCore(nn.Module):
+    """softmax(QK^T/sqrt(d)) V with a causal mask. A module of its own so that context parallelism
+    can replace it with ring attention without touching `Attention`."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # [b, s, h, d] -> [b, h, s, d]; kv heads are shared by groups of query heads (GQA).
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        return out.transpose(1, 2)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.core = CausalAttentionCore()
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, -1, self.head_dim)
+        k = self.wk(x).view(b, s, -1, self.head_dim)
+        v = self.wv(x).view(b, s, -1, self.head_dim)
+        out = self.core(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
+        return self.wo(out.reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts stored as three [E, ...] tensors, so expert parallelism can shard dim 0.
+
+    forward takes tokens already sorted by expert and the count per expert."""
+
+    def __init__(self, n_experts: int, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n_experts, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(n_experts, dim, hidden))
+        self.w2 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        outs = []
+        for e, chunk in enumerate(torch.split(x, counts)):
+            outs.append((F.silu(chunk @ self.w1[e]) * (chunk @ self.w3[e])) @ self.w2[e])
+        return torch.cat(outs) if outs else x
+
+
+class AddAuxLossGrad(torch.autograd.Function):
+    """Identity on the activations whose backward also seeds the auxiliary loss with `scale`.
+
+    This puts the load-balancing loss into the gradient without adding it to the language-model loss,
+    so it works unchanged under pipeline stages and activation checkpointing."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, aux: torch.Tensor, scale: float):
+        ctx.scale = scale
+        ctx.save_for_backward(aux)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (aux,) = ctx.saved_tensors
+        return grad, torch.full_like(aux, ctx.scale), None
+
+
+class MoE(nn.Module):
+    """Top-k routed experts (+ optional shared experts), dropless unless capacity_factor > 0.
+
+    The load-balancing loss is Switch-style, E * sum_e f_e * P_e, computed **per sequence** (f: fraction
+    of the sequence's routing slots sent to e, P: mean router probability of e) and summed over
+    sequences; the trainer scales it by coef / global sequences. Whatever the layout, every sequence
+    is whole on one rank before context parallelism, so the value does not depend on the layout.
+    Capacity-factor dropping is per local micro-batch and therefore layout-dependent (documented)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_experts, self.top_k = cfg.n_experts, cfg.top_k
+        self.route_norm, self.capacity_factor = cfg.route_norm, cfg.capacity_factor
+        self.router = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
+        self.experts = GroupedExperts(cfg.n_experts, cfg.dim, cfg.expert_dim)
+        self.shared = FeedForward(cfg.dim, cfg.expert_dim * cfg.n_shared_experts) if cfg.n_shared_experts else None
+        self.aux_loss_scale = 0.0  # set by the trainer: coef / sequences in the global batch
+        self.last_aux_loss = None  # detached per-sequence sum, for logging
+        self.last_tokens_per_expert = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        probs = torch.softmax(self.router(x).to(torch.promote_types(x.dtype, torch.float32)), dim=-1)
+        weights, experts = probs.topk(self.top_k, dim=-1)  # [b, s, k]
+        if self.route_norm:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+
+        # Per-sequence load-balancing statistics.
+        slots = F.one_hot(experts, self.n_experts).sum(dim=2).to(probs.dtype)  # [b, s, E]
+        frac = slots.sum(dim=1) / (s * self.top_k)  # [b, E]
+        aux = (self.n_experts * (frac * probs.mean(dim=1)).sum(dim=-1)).sum()
+        self.last_aux_loss = aux.detach()
+
+        flat_experts = experts.reshape(-1)
+        order = torch.argsort(flat_experts, stable=True)  # slots grouped by expert, token order kept
+        counts = torch.bincount(flat_experts, minlength=self.n_experts)
+        self.last_tokens_per_expert = counts.detach()
+        token_of_slot = order // self.top_k
+        slot_weight = weights.reshape(-1)[order]
+        if self.capacity_factor > 0:
+            keep = self._within_capacity(flat_experts[order], counts, b * s)
+            token_of_slot, slot_weight = token_of_slot[keep], slot_weight[keep]
+            counts = torch.bincount(flat_experts[order][keep], minlength=self.n_experts)
+
+        tokens = x.reshape(-1, d)
+        expert_out = self.experts(tokens[token_of_slot], counts.tolist()) * slot_weight[:, None]
+        out = torch.zeros_like(tokens).index_add_(0, token_of_slot, expert_out).view(b, s, d)
+        if self.shared is not None:
+            out = out + self.shared(x)
+        if self.training and torch.is_grad_enabled():
+            out = AddAuxLossGrad.apply(out, aux, self.aux_loss_scale)
+        return out
+
+    def _within_capacity(self, sorted_experts: torch.Tensor, counts: torch.Tensor, n_tokens: int) -> torch.Tensor:
+        """Keep the first `capacity` slots of each expert in token order; deterministic."""
+        capacity = math.ceil(self.capacity_factor * n_tokens * self.top_k / self.n_experts)
+        starts = torch.cumsum(counts, 0) - counts
+        rank_in_expert = torch.arange(len(sorted_experts), device=sorted_experts.device) - starts[sorted_experts]
+        return rank_in_expert < capacity
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        moe = cfg.is_moe and layer_id >= cfg.n_dense_layers
+        self.feed_forward = MoE(cfg) if moe else FeedForward(cfg.dim, cfg.ffn_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    """Embedding -> blocks -> norm -> output head. Layers live in a ModuleDict keyed by layer index so
+    that a pipeline stage can drop layers and keep every parameter's name (and thus its init)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        if positions is None:
+            positions = torch.arange(h.shape[1], device=h.device)
+        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, h.dtype)
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+
+# ---------------------------------------------------------------------------------------------
+# Initialisation: every parameter's values depend only on (seed, canonical name), never on rank or
+# layout. Each rank generates one full parameter at a time and keeps only its local shard.
+
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def canonical_name(name: str) -> str:
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def init_value(name: str, shape: torch.Size, cfg: ModelConfig, seed: int) -> torch.Tensor:
+    """The full initial value of parameter `name` (float32, CPU)."""
+    leaf = name.rsplit(".", 1)[-1]
+    if "norm" in name:
+        return torch.ones(shape)
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+    std = cfg.init_std
+    if name.endswith(("attention.wo.weight", "w2.weight")) or (".experts." in name and leaf == "w2"):
+        std = cfg.init_std / math.sqrt(2 * cfg.n_layers)  # residual-branch outputs, GPT-2 style
+    return torch.randn(shape, generator=gen) * std
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, seed: int) -> None:
+    """Fill (already materialised) parameters; works on plain tensors and on DTensor shards."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    cfg = _find_config(model)
+    for name, param in model.named_parameters():
+        name = canonical_name(name)
+        full = init_value(name, param.shape, cfg, seed)
+        if isinstance(param, DTensor):
+            local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+            param.to_local().copy_(local)
+        else:
+            param.copy_(full)
+
+
+def _find_config(model: nn.Module) -> ModelConfig:
+    for module in model.modules():
+        if isinstance(module, Transformer):
+            return module.cfg
+    raise TypeError("init_weights expects a module containing a fived Transformer")
+
+
+def build_model(cfg: ModelConfig, device: str | torch.device = "meta", dtype: torch.dtype = torch.float32) -> Transformer:
+    """Build on `device` (meta by default: no memory is allocated until `to_empty`)."""
+    with torch.device(device):
+        model = Transformer(cfg)
+    return model.to(dtype)
+
+
+def count_params(cfg: ModelConfig, active: bool = False) -> int:
+    """Parameter count from the shapes (meta device, no memory); active=True counts top_k experts."""
+    model = build_model(cfg)
+    total = 0
+    for name, p in model.named_parameters():
+        n = p.numel()
+        if active and ".experts." in name:
+            n = n // cfg.n_experts * cfg.top_k
+        total += n
+    return total

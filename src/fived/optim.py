@@ -1,0 +1,47 @@
+"""AdamW with decoupled weight decay on matrices only, warmup + cosine schedule, and gradient-norm
+clipping whose norm covers every shard of every parameter (so it is the same whatever the layout)."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from fived.config import TrainConfig
+
+
+def build_optimizer(model: torch.nn.Module, t: TrainConfig) -> torch.optim.AdamW:
+    params = [p for p in model.parameters() if p.requires_grad]
+    # Norm gains (1-D) are not decayed: decaying them pulls every layer's scale toward zero.
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": t.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
+
+
+def lr_multiplier(step: int, t: TrainConfig) -> float:
+    """Linear warmup over warmup_steps, then cosine decay to min_lr_ratio at the last step."""
+    if step < t.warmup_steps:
+        return (step + 1) / t.warmup_steps
+    span = max(t.steps - t.warmup_steps, 1)
+    progress = min((step - t.warmup_steps) / span, 1.0)
+    return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, t: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, t))
+
+
+@torch.no_grad()
+def clip_gradients(params: list[torch.nn.Parameter], max_norm: float) -> float:
+    """Return the global L2 norm of all gradients (before clipping) and clip to max_norm (0: no clip).
+
+    DTensor gradients (sharded by FSDP or TP) contribute their norm over all shards."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm.item()

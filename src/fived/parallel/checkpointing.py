@@ -1,0 +1,42 @@
+"""Activation checkpointing applied to each transformer block from outside the model.
+
+- full: keep only each block's input; recompute the whole block in backward.
+- selective: keep the outputs of the matrix multiplications and attention (the expensive ops) and
+  recompute the cheap element-wise ones (norms, activations, RoPE), as in Korthikanti et al.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+_SAVE = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+}
+
+
+def _policy(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in _SAVE else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_context():
+    return create_selective_checkpoint_contexts(_policy)
+
+
+def apply_activation_checkpointing(model: torch.nn.Module, mode: str) -> None:
+    if mode == "none":
+        return
+    for name, block in list(model.layers.named_children()):
+        if mode == "full":
+            wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
+        else:
+            wrapped = checkpoint_wrapper(block, preserve_rng_state=False, context_fn=_selective_context)
+        model.layers.register_module(name, wrapped)

@@ -1,0 +1,164 @@
+"""The trainer: one rank's view of a training run. Runs the same on 1 rank or N, CPU or CUDA.
+
+Per step: fetch this dp rank's slice of the global batch, run the micro-batches (loss of each is its
+token-sum of cross-entropy divided by the *global* batch's token count, so gradients add up to the
+gradient of the mean loss over all tokens whatever the layout), finish gradient reduction once,
+clip by the global norm, step AdamW and the schedule, and log.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from fived.config import Config
+from fived.data import GlobalBatchSampler, load_tokenizer, load_tokens
+from fived.launch import device_type
+from fived.ledger import CommLedger, model_state_bytes
+from fived.mesh import DTYPES, Mesh, check_config
+from fived.metrics import MetricsLog, device_peak_tflops, flops_per_token, peak_memory_mb
+from fived.model import MoE, build_model, canonical_name, init_weights
+from fived.optim import build_optimizer, build_scheduler, clip_gradients
+from fived.parallel import parallelize
+
+
+def lm_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Sum of token cross-entropies, computed in at least float32."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+
+
+@dataclass
+class TrainResult:
+    metrics: list[dict]
+    state: dict[str, torch.Tensor] = field(default_factory=dict)  # full parameters, if asked for
+    memory: dict[str, int] = field(default_factory=dict)  # this rank's model-state bytes
+    comm: dict[str, dict[str, int]] = field(default_factory=dict)  # last step's collectives
+
+
+class Trainer:
+    def __init__(self, cfg: Config, log: bool = True):
+        self.cfg = cfg
+        self.world = dist.get_world_size()
+        self.rank = dist.get_rank()
+        check_config(cfg, self.world)  # already checked before launch; a cheap guard under torchrun
+        self.mesh = Mesh.from_config(cfg, self.world).build(device_type())
+        self.device = torch.device(device_type(), torch.cuda.current_device()) if device_type() == "cuda" else torch.device("cpu")
+        t = cfg.train
+        self.compute_dtype = DTYPES[t.dtype]
+        # bfloat16 means mixed precision: float32 weights and optimizer state, bf16 autocast compute.
+        param_dtype = torch.float32 if self.compute_dtype == torch.bfloat16 else self.compute_dtype
+
+        model = build_model(cfg.model, "meta", param_dtype)
+        for moe in (m for m in model.modules() if isinstance(m, MoE)):
+            moe.aux_loss_scale = cfg.model.aux_loss_coef / t.global_batch
+        self.par = parallelize(model, self.mesh, cfg)
+        self.model = self.par.model
+        self.model.to_empty(device=self.device)
+        init_weights(self.model, t.seed)
+        self.moe_layers = [m for m in self.model.modules() if isinstance(m, MoE)]
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(self.model, t)
+        self.scheduler = build_scheduler(self.optimizer, t)
+
+        tokenizer = load_tokenizer(cfg.data.tokenizer)
+        if tokenizer.vocab_size > cfg.model.vocab_size:
+            raise ValueError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
+                             f"vocabulary ({tokenizer.vocab_size}); set model.vocab_size >= {tokenizer.vocab_size}")
+        self.sampler = GlobalBatchSampler(load_tokens(cfg.data.path, cfg.data.tokenizer), t.seq_len, t.global_batch, t.seed)
+        self.global_tokens = t.global_batch * t.seq_len
+        self.ledger = CommLedger(self.mesh.group_names())
+        self.state_bytes: dict[str, int] = {}
+        self.log = MetricsLog(t.output_dir, t.tensorboard) if (log and self.rank == 0) else None
+        self.peak_flops = device_peak_tflops(param_dtype, t.peak_tflops) * 1e12
+        self.flops_per_step = flops_per_token(cfg.model, t.seq_len) * self.global_tokens
+
+    def _autocast(self):
+        if self.compute_dtype == torch.bfloat16:
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def step(self, step: int) -> dict:
+        t = self.cfg.train
+        start = time.perf_counter()
+        self.ledger.reset()
+        with self.ledger.track():
+            batch = self.sampler.local_batch_at(step, self.mesh.rank("dp"), self.mesh.dp).to(self.device)
+            loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+            aux_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+            for micro in batch.chunk(t.microbatches):
+                with self._autocast():
+                    logits = self.model(micro[:, :-1])
+                    loss = lm_loss_sum(logits, micro[:, 1:])
+                (loss / self.global_tokens).backward()
+                loss_sum += loss.detach().double()
+                for moe in self.moe_layers:
+                    aux_sum += moe.last_aux_loss.double()
+            self.par.finish_gradients()
+            grad_norm = clip_gradients(self.params, t.grad_clip)
+            self.optimizer.step()
+            lr = self.scheduler.get_last_lr()[0]
+            self.scheduler.step()
+            if not self.state_bytes:  # once, while gradients and optimizer state both exist
+                self.state_bytes = model_state_bytes(self.model, self.optimizer)
+            self.optimizer.zero_grad(set_to_none=True)
+        # Logged loss: the mean over every token of the global batch. (Outside the ledger: it is
+        # 16 bytes of logging, not part of the training step's communication.)
+        totals = torch.stack([loss_sum, aux_sum])
+        dist.all_reduce(totals, group=self.mesh.group("dp"))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        record = {
+            "step": step + 1,
+            "loss": totals[0].item() / self.global_tokens,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "tokens_per_s": self.global_tokens / elapsed,
+            "mfu": self.flops_per_step / elapsed / (self.peak_flops * self.world) if self.peak_flops else 0.0,
+            "peak_mem_mb": peak_memory_mb(),
+            "step_time_s": elapsed,
+        }
+        if self.moe_layers:
+            record["aux_loss"] = totals[1].item() / t.global_batch
+        return record
+
+    def fit(self, progress: bool = True) -> list[dict]:
+        from tqdm import tqdm
+
+        steps = range(self.sampler.step, self.cfg.train.steps)
+        bar = tqdm(steps, desc="train", unit="step", disable=not (progress and self.rank == 0), mininterval=0.5)
+        history = []
+        for step in bar:
+            record = self.step(step)
+            self.sampler.step = step + 1
+            history.append(record)
+            if self.log is not None:
+                self.log.write(record)
+            if step % self.cfg.train.log_every == 0 or step + 1 == self.cfg.train.steps:
+                bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}",
+                                tok_s=f"{record['tokens_per_s']:.0f}", mfu=f"{record['mfu']:.1%}")
+        if self.log is not None:
+            self.log.close()
+        return history
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """Every parameter, whole, on CPU, keyed by canonical name (gathers sharded DTensors)."""
+        out = {}
+        for name, p in self.model.named_parameters():
+            full = p.full_tensor() if hasattr(p, "full_tensor") else p
+            out[canonical_name(name)] = full.detach().cpu().clone()
+        return out
+
+
+def run_training(cfg: Config, log: bool = True, progress: bool = True, return_state: bool = False) -> TrainResult:
+    """Entry point on each rank (process group already initialised)."""
+    trainer = Trainer(cfg, log=log)
+    metrics = trainer.fit(progress=progress)
+    state = trainer.full_state() if return_state else {}
+    return TrainResult(metrics=metrics, state=state, memory=trainer.state_bytes,
+                       comm=trainer.ledger.summary())
