@@ -73,6 +73,8 @@ def cmd_train(ns: argparse.Namespace) -> int:
     cfg, world = _load(ns, default_world)
     if under_torchrun():
         init_distributed()
+        if int(os.environ["RANK"]) == 0:  # only rank 0 writes the log
+            cfg.train.output_dir = str(fresh_output_dir(cfg.train.output_dir))
         result = run_training(cfg)
         if ns.report and int(os.environ["RANK"]) == 0:
             print(format_report(cfg, world, [result]))
@@ -117,13 +119,14 @@ def cmd_prepare_data(ns: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fived", description="5D-parallel training of Llama-style models.")
+    parser = argparse.ArgumentParser(prog="fived", description="5D-parallel training of Llama-style models.",
+                                     allow_abbrev=False)
     sub = parser.add_subparsers(dest="command")
-    train = sub.add_parser("train", help="train a model (no arguments: the embedded tiny default on 2 CPU ranks)")
+    train = sub.add_parser("train", allow_abbrev=False, help="train a model (no arguments: the embedded tiny default on 2 CPU ranks)")
     _add_config_flags(train)
     train.add_argument("--report", action="store_true", help="print the ledger: bytes per rank and per collective")
     train.set_defaults(func=cmd_train)
-    verify = sub.add_parser("verify", help="compare a layout with the single-process reference in float64")
+    verify = sub.add_parser("verify", allow_abbrev=False, help="compare a layout with the single-process reference in float64")
     _add_config_flags(verify)
     verify.set_defaults(func=cmd_verify)
     prep = sub.add_parser("prepare-data", help="tokenize text files into a token file (numpy memmap)")
@@ -134,13 +137,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _refuse_unknown(unknown: list[str], parser: argparse.ArgumentParser) -> None:
+    """An unknown `--section.field` gets the config error (with the close match); anything else argparse's."""
+    from fived.config import coerce
+
+    flag = unknown[0].split("=", 1)[0]
+    if flag.startswith("--") and "." in flag:
+        section, _, key = flag[2:].partition(".")
+        value = unknown[0].split("=", 1)[1] if "=" in unknown[0] else (unknown[1] if len(unknown) > 1 else "")
+        build_config(overrides={f"{section}.{key}": value})  # raises the named ConfigError
+        coerce(section, key, value)
+    parser.error("unrecognized arguments: " + " ".join(unknown))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    ns = parser.parse_args(argv)
+    ns, unknown = parser.parse_known_args(argv)
     if ns.command is None:
         parser.print_help()
         return 2
     try:
+        if unknown:
+            _refuse_unknown(unknown, parser)
         return ns.func(ns)
     except ConfigError as e:
         print(f"fived: error: {e}", file=sys.stderr)

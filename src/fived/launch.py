@@ -64,9 +64,9 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, timeout_s: float,
     code = 0
     try:
         init_distributed(timeout_s)
-        result = ("ok", fn(*args))
+        result = ("ok", fn(*args), time.time())
     except BaseException as e:  # report every failure to the parent, whatever it is
-        result, code = ("error", f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}"), 1
+        result, code = ("error", f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}", time.time()), 1
     try:
         with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
             pickle.dump(result, f)
@@ -110,10 +110,14 @@ def run_ranks(world: int, fn: Callable, *args: Any, timeout_s: float = 600.0) ->
             path = os.path.join(out_dir, f"rank{r}.pkl")
             if os.path.exists(path):
                 with open(path, "rb") as f:
-                    status, value = pickle.load(f)
-                (results if status == "ok" else errors).append(value)
+                    status, value, when = pickle.load(f)
+                if status == "ok":
+                    results.append(value)
+                else:
+                    errors.append((when, value))
             elif p.exitcode not in (0, -signal.SIGKILL):
-                errors.append(f"rank {r}: exited with code {p.exitcode} and no report")
+                errors.append((float("inf"), f"rank {r}: exited with code {p.exitcode} and no report"))
         if errors or len(results) != world:
-            raise RankFailed((errors[0] if errors else "ranks killed after the timeout or another rank's failure"))
+            # The first failure is the cause; later ones are usually peers losing their connection.
+            raise RankFailed(min(errors)[1] if errors else "ranks killed after the timeout or another rank's failure")
         return results

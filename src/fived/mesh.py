@@ -130,7 +130,7 @@ def _unimplemented(cfg: Config) -> list[ConfigError]:
 def check_config(cfg: Config, world: int | None) -> None:
     """Raise the first ConfigError for `cfg` on `world` ranks, with the nearest valid layouts as hint.
     Called by the CLI before any process starts, and again by every rank as a guard."""
-    errs = _model_errors(cfg) or _unimplemented(cfg) or _layout_errors(cfg, world)
+    errs = _model_errors(cfg) or _layout_errors(cfg, world) or _unimplemented(cfg)
     if not errs:
         return
     err = errs[0]

@@ -1,0 +1,109 @@
+"""Multi-rank tests on real gloo ranks: initialisation invariance, data-parallel verification
+against the single-process reference, and the ledger's measured bytes."""
+import pytest
+import torch
+import torch.distributed as dist
+
+import fived.parallel
+from fived.config import model_preset
+from fived.launch import RankFailed
+from fived.model import build_model, init_weights
+from fived.report import expected_comm_bytes, expected_state_bytes
+from fived.testing import run_on_ranks, tiny_config
+from fived.train import run_training
+from fived.verify import TOLERANCE, run_verify
+
+
+def _reference_params(name: str, seed: int) -> dict:
+    model = build_model(model_preset(name), device="cpu")
+    init_weights(model, seed)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _sharded_init(name: str, seed: int) -> dict:
+    """Shard on the meta device (FSDP2 over all ranks, plus TP-style Colwise/Rowwise placements on a
+    2-d mesh), materialise, init, then gather every parameter whole."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = build_model(model_preset(name))
+    for block in model.layers.values():
+        parallelize_module(block.attention, mesh["tp"], {"wq": ColwiseParallel(), "wk": ColwiseParallel(),
+                                                         "wv": ColwiseParallel(), "wo": RowwiseParallel()})
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    model.to_empty(device="cpu")
+    init_weights(model, seed)
+    local_numel = sum(p.to_local().numel() for p in model.parameters())
+    full = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    return {"params": full, "local_numel": local_numel}
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-moe"])
+def test_sharded_init_is_bit_identical_to_single_rank(name):
+    results = run_on_ranks(4, _sharded_init, name, 7)
+    want = _reference_params(name, 7)
+    total = sum(p.numel() for p in want.values())
+    for res in results:
+        assert res["local_numel"] < total  # really sharded: no rank holds the whole model
+        assert res["params"].keys() == want.keys()
+        for n, p in want.items():
+            assert torch.equal(res["params"][n], p), n
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-moe"])
+@pytest.mark.parametrize("micro", [1, 2])
+def test_data_parallel_matches_reference(name, micro):
+    report = run_verify(tiny_config(name, parallel__dp=2, train__microbatches=micro), 2, printer=lambda *_: None)
+    assert report.max_relative_difference <= TOLERANCE, report.max_rel
+    assert report.max_rel["params"] > 0 or report.max_rel["loss"] >= 0  # compared something
+
+
+def _skip_reduction(params, group, *args, **kwargs):
+    """A broken data-parallel reduction: each rank keeps its own gradients."""
+
+
+def _average_twice(params, group, *args, **kwargs):
+    """A broken reduction: averages where the loss scaling already requires a sum."""
+    for p in params:
+        if p.grad is not None:
+            dist.all_reduce(p.grad, group=group)
+            p.grad /= dist.get_world_size(group)
+
+
+@pytest.mark.parametrize("broken", [_skip_reduction, _average_twice])
+def test_verify_catches_a_broken_reduction(broken, monkeypatch, capsys):
+    """Ranks are forked, so they inherit the patched reduction; verify must fail loudly."""
+    from fived.cli import main
+
+    monkeypatch.setattr(fived.parallel, "sum_gradients_over_dp", broken)
+    assert main(["verify", "--dp", "2", "--steps", "3", "--seq-len", "32", "--global-batch", "8"]) == 1
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("max relative difference: ")
+    assert float(last.split(": ")[1]) > 1e-6
+
+
+@pytest.mark.parametrize("micro", [1, 4])
+def test_ledger_matches_the_formulas(micro):
+    cfg = tiny_config("tiny-moe", parallel__dp=2, train__microbatches=micro, train__steps=2)
+    results = run_on_ranks(2, run_training, cfg, False, False)
+    want_state = expected_state_bytes(cfg)
+    for res in results:
+        assert res.memory == want_state
+        # the gradients cross the dp group once per step, whatever the number of micro-batches
+        assert {k: v["bytes"] for k, v in res.comm.items()} == expected_comm_bytes(cfg, 2)
+        assert res.comm["dp/all_reduce"]["calls"] == 1
+    n = sum(p.numel() for p in build_model(cfg.model).parameters())
+    assert want_state == {"params": 8 * n, "grads": 8 * n, "optimizer": 16 * n}  # float64 Adam
+
+
+def test_a_failing_rank_fails_fast():
+    def body():
+        if dist.get_rank() == 1:
+            raise RuntimeError("rank one fails")
+        dist.barrier()  # rank 0 would wait here until the timeout without the launcher's kill
+
+    with pytest.raises(RankFailed, match="rank one fails"):
+        run_on_ranks(2, body, timeout_s=30)

@@ -1,0 +1,63 @@
+"""Invalid configurations are refused with one line naming the field, before any rank starts."""
+import pytest
+
+import fived.launch
+import fived.verify
+from fived.cli import main
+
+
+@pytest.fixture
+def no_ranks(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a rank was started for an invalid configuration")
+
+    monkeypatch.setattr(fived.launch, "run_ranks", refuse)
+    monkeypatch.setattr(fived.verify, "run_ranks", refuse)
+
+
+CASES = [
+    # (command line, field named in the error, words of the rule)
+    (["train", "--nproc", "3", "--dp", "2"], "parallel", "must equal the number of ranks (3)"),
+    (["train", "--nproc", "2", "--tp", "3"], "parallel", "must equal the number of ranks"),
+    (["verify", "--tp", "3"], "parallel.tp", "must divide model.n_heads=4"),
+    (["verify", "--tp", "4", "--model.n_heads", "8", "--model.n_kv_heads", "3", "--model.dim", "96"],
+     "model.n_kv_heads", "divide model.n_heads=8"),
+    (["verify", "--pp", "8"], "parallel.pp", "at least as many layers"),
+    (["verify", "--ep", "2"], "parallel.ep", "needs a mixture-of-experts model"),
+    (["verify", "--dp", "3", "--ep", "3", "--model", "tiny-moe"], "parallel.ep", "must divide model.n_experts=8"),
+    (["verify", "--dp", "2", "--ep", "4", "--model", "tiny-moe"], "parallel.ep", "must divide dp*cp=2"),
+    (["verify", "--cp", "2", "--seq-len", "30"], "train.seq_len", "divisible by 2*cp=4"),
+    (["verify", "--dp", "3"], "train.global_batch", "divisible by dp=3"),
+    (["verify", "--dp", "2", "--microbatches", "3"], "train.microbatches", "must divide the per-rank batch"),
+    (["verify", "--zero", "4"], "parallel.zero", "must be 0, 1, 2 or 3"),
+    (["verify", "--pp-schedule", "gpipe2"], "parallel.pp_schedule", "must be one of"),
+    (["verify", "--dtype", "float16"], "train.dtype", "must be one of"),
+    (["verify", "--model.dim", "66"], "model.dim", "divisible by model.n_heads=4"),
+    (["verify", "--model", "tiny-moe", "--model.top_k", "9"], "model.top_k", "must be in 1..n_experts=8"),
+    (["verify", "--tp", "0"], "parallel.tp", "must be >= 1"),
+    (["train", "--train.activation_checkpointing", "some"], "train.activation_checkpointing", "must be one of"),
+    (["verify", "--train.stepz", "3"], "train.stepz", "unknown field"),
+    (["verify", "--model", "llama9"], "model.name", "unknown preset"),
+    (["verify", "--tp", "2"], "parallel.tp", "not implemented yet"),
+]
+
+
+@pytest.mark.parametrize("argv, field, rule", CASES, ids=[" ".join(c[0]) for c in CASES])
+def test_refused_before_any_rank(argv, field, rule, no_ranks, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0, err
+    assert err.startswith(f"fived: error: {field}="), err
+    assert rule in err, err
+    # the rule broken and a way out: a suggestion or valid values
+    assert ";" in err or "valid" in err or "did you mean" in err, err
+
+
+def test_world_size_errors_suggest_valid_layouts(no_ranks, capsys):
+    main(["train", "--nproc", "4", "--dp", "3"])
+    err = capsys.readouterr().err
+    assert "nearest valid layouts: --dp 4 --tp 1 --pp 1 --cp 1 --ep 1" in err
+
+
+def test_distinct_rules_covered():
+    assert len({(c[1], c[2]) for c in CASES}) >= 10
