@@ -53,7 +53,7 @@ def parse_args() -> argparse.Namespace:
                         "dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=688, vocab_size=4096")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence fed to the model")
-    p.add_argument("--steps", type=int, default=20, help="timed steps per model")
+    p.add_argument("--steps", type=int, default=60, help="timed steps per model")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per model (after the check step)")
     p.add_argument("--dtype", choices=list(DTYPES), default="float32",
                    help="parameter and compute dtype of both models (the loss is computed in float32)")
