@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import fived.parallel
+import fived.parallel.data_parallel
 from fived.config import model_preset
 from fived.launch import RankFailed
 from fived.model import build_model, init_weights
@@ -61,24 +61,30 @@ def test_data_parallel_matches_reference(name, micro):
     assert report.max_rel["params"] > 0 or report.max_rel["loss"] >= 0  # compared something
 
 
-def _skip_reduction(params, group, *args, **kwargs):
-    """A broken data-parallel reduction: each rank keeps its own gradients."""
+def _skip_reduction(state, bucket):
+    """A broken data-parallel reduction (a DDP comm hook): each rank keeps its own gradients."""
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
 
 
-def _average_twice(params, group, *args, **kwargs):
-    """A broken reduction: averages where the loss scaling already requires a sum."""
-    for p in params:
-        if p.grad is not None:
-            dist.all_reduce(p.grad, group=group)
-            p.grad /= dist.get_world_size(group)
+def _average(state, bucket):
+    """A broken reduction: averages (DDP's default) where the loss scaling requires a sum."""
+    group, _ = state
+    buf = bucket.buffer()
+    dist.all_reduce(buf, group=group)
+    buf /= dist.get_world_size(group)
+    fut = torch.futures.Future()
+    fut.set_result(buf)
+    return fut
 
 
-@pytest.mark.parametrize("broken", [_skip_reduction, _average_twice])
+@pytest.mark.parametrize("broken", [_skip_reduction, _average])
 def test_verify_catches_a_broken_reduction(broken, monkeypatch, capsys):
     """Ranks are forked, so they inherit the patched reduction; verify must fail loudly."""
     from fived.cli import main
 
-    monkeypatch.setattr(fived.parallel, "sum_gradients_over_dp", broken)
+    monkeypatch.setattr(fived.parallel.data_parallel, "_sum_hook", broken)
     assert main(["verify", "--dp", "2", "--steps", "3", "--seq-len", "32", "--global-batch", "8"]) == 1
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith("max relative difference: ")
@@ -89,7 +95,7 @@ def test_verify_catches_a_broken_reduction(broken, monkeypatch, capsys):
 def test_ledger_matches_the_formulas(micro):
     cfg = tiny_config("tiny-moe", parallel__dp=2, train__microbatches=micro, train__steps=2)
     results = run_on_ranks(2, run_training, cfg, False, False)
-    want_state = expected_state_bytes(cfg)
+    want_state = expected_state_bytes(cfg, 2)
     for res in results:
         assert res.memory == want_state
         # the gradients cross the dp group once per step, whatever the number of micro-batches

@@ -20,6 +20,7 @@ from fived.config import ConfigError, build_config, config_fields  # noqa: E402
 SHORT_FLAGS = {
     "--model": "model.name", "--dp": "parallel.dp", "--tp": "parallel.tp", "--pp": "parallel.pp",
     "--cp": "parallel.cp", "--ep": "parallel.ep", "--zero": "parallel.zero",
+    "--dp-replicate": "parallel.dp_replicate",
     "--pp-schedule": "parallel.pp_schedule", "--pp-virtual": "parallel.pp_virtual",
     "--microbatches": "train.microbatches", "--steps": "train.steps", "--seed": "train.seed",
     "--dtype": "train.dtype", "--seq-len": "train.seq_len", "--global-batch": "train.global_batch",
@@ -29,6 +30,7 @@ SHORT_FLAGS = {
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="a TOML file with [model], [parallel], [train], [data] tables")
     parser.add_argument("--nproc", type=int, help="local ranks to start (default: the layout's world size, or 2)")
+    parser.add_argument("--dp-shard", type=int, help="HSDP: ranks a ZeRO shard spans; dp = dp_shard x dp_replicate")
     parser.add_argument("--sp", dest="parallel.sp", action="store_const", const=True, default=argparse.SUPPRESS,
                         help="sequence parallelism (with --tp)")
     for flag, dest in SHORT_FLAGS.items():
@@ -40,7 +42,10 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _overrides(ns: argparse.Namespace) -> dict:
-    return {k: v for k, v in vars(ns).items() if "." in k}
+    over = {k: v for k, v in vars(ns).items() if "." in k}
+    if ns.dp_shard:
+        over["parallel.dp"] = ns.dp_shard * int(over.get("parallel.dp_replicate", 1))
+    return over
 
 
 def _world(cfg, nproc: int | None, default: int) -> int:

@@ -70,7 +70,10 @@ class ParallelConfig:
     pp: int = 1
     cp: int = 1
     ep: int = 1
-    zero: int = 0
+    zero: int = 0  # 0 DDP, 1 optimizer state sharded, 2 + gradients, 3 + parameters (FSDP2)
+    dp_replicate: int = 1  # HSDP: ZeRO shards over dp/dp_replicate ranks, replicated across groups
+    reduce_dtype: str = "float32"  # gradient reduction dtype in bfloat16 runs (float32 | bfloat16)
+    zero3_keep_gathered: bool = False  # ZeRO-3: keep gathered weights across micro-batches
     sp: bool = False
     pp_schedule: str = "1f1b"
     pp_virtual: int = 1

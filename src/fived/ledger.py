@@ -3,7 +3,7 @@
 - `CommLedger` counts every collective issued through `torch.distributed` while it is active (ours,
   and those of DDP/FSDP2, which call the same functions), keyed by (mesh dimension, collective).
   It wraps the real functions and calls them; nothing is simulated.
-- `model_state_bytes` sums the bytes of parameters, gradients and optimizer state held by this rank.
+- `model_state_bytes` measures the bytes of parameters, gradients and optimizer state this rank holds.
 
 Payload bytes per call are counted as: all_reduce / broadcast / send / recv the tensor itself;
 all_gather_into_tensor the gathered output; reduce_scatter_tensor the full input; all_to_all_single
@@ -22,7 +22,9 @@ _TRACKED = {
     "all_reduce": (0, "tensor"),
     "broadcast": (0, "tensor"),
     "all_gather_into_tensor": (0, "output_tensor"),
+    "all_gather_single": (0, "output_tensor"),
     "reduce_scatter_tensor": (1, "input"),
+    "reduce_scatter_single": (1, "input"),
     "all_to_all_single": (1, "input"),
     "send": (0, "tensor"),
     "recv": (0, "tensor"),
@@ -40,6 +42,7 @@ class CommLedger:
         self.group_names = dict(group_names or {})
         self.bytes: dict[tuple[str, str], int] = defaultdict(int)
         self.calls: dict[tuple[str, str], int] = defaultdict(int)
+        self._depth = 0
 
     def _dim(self, group) -> str:
         ranks = _ranks(dist.group.WORLD if group is None else group)
@@ -71,11 +74,17 @@ class CommLedger:
             index, keyword = _TRACKED[name]
 
             def counted(*args, **kwargs):
+                if self._depth:  # a deprecated name calling its replacement: count once
+                    return real(*args, **kwargs)
                 tensor = kwargs.get(keyword, args[index] if len(args) > index else None)
                 group = kwargs.get("group", _positional_group(name, args))
                 if tensor is not None:
                     self.record(name, group, _nbytes(tensor))
-                return real(*args, **kwargs)
+                self._depth += 1
+                try:
+                    return real(*args, **kwargs)
+                finally:
+                    self._depth -= 1
 
             return counted
 
@@ -90,7 +99,8 @@ class CommLedger:
 
 def _positional_group(name: str, args: tuple):
     # Positional group argument index in torch.distributed's signatures.
-    index = {"all_reduce": 2, "broadcast": 2, "all_gather_into_tensor": 2, "reduce_scatter_tensor": 3,
+    index = {"all_reduce": 2, "broadcast": 2, "all_gather_into_tensor": 2, "all_gather_single": 2,
+             "reduce_scatter_tensor": 3, "reduce_scatter_single": 3,
              "all_to_all_single": 4, "send": 2, "recv": 2, "isend": 2, "irecv": 2}[name]
     return args[index] if len(args) > index else None
 
@@ -106,17 +116,26 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
-    """Bytes of parameters, gradients and optimizer state held by this rank (local shards only)."""
-    params = list(model.parameters())
-    out = {
-        "params": sum(_nbytes(_local(p)) for p in params),
-        "grads": sum(_nbytes(_local(p.grad)) for p in params if p.grad is not None),
-        "optimizer": 0,
-    }
-    if optimizer is not None:
-        for state in optimizer.state.values():
-            for value in state.values():
-                if torch.is_tensor(value) and value.dim() > 0:  # skip the scalar step counter
-                    out["optimizer"] += _nbytes(_local(value))
-    return out
+def held_bytes(tensors) -> int:
+    """Bytes of memory the tensors occupy, each byte once: views of one buffer (flat ZeRO buffers,
+    parameters and their optimizer slices) are merged by storage and byte range."""
+    ranges: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    for t in tensors:
+        t = _local(t)
+        if t.numel() == 0:
+            continue
+        start = t.storage_offset() * t.element_size()
+        ranges[t.untyped_storage().data_ptr()].append((start, start + _nbytes(t)))
+    total = 0
+    for spans in ranges.values():
+        end = -1
+        for a, b in sorted(spans):
+            if b > end:
+                total += b - max(a, end)
+                end = b
+    return total
+
+
+def model_state_bytes(tensors: dict[str, list[torch.Tensor]]) -> dict[str, int]:
+    """{"params", "grads", "optimizer"} -> bytes this rank holds (local shards only, views once)."""
+    return {kind: held_bytes(ts) for kind, ts in tensors.items()}

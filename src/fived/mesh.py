@@ -2,7 +2,9 @@
 layout can run, made before any rank starts.
 
 Order, outermost to innermost: pp, dp, cp, tp (as Megatron-Core's rank generator: tp on the fastest
-links, pp across nodes). Expert parallelism folds over dp*cp (ep divides dp*cp).
+links, pp across nodes). dp is itself dp_replicate x dp_shard (HSDP: ZeRO shards within a dp_shard
+group, replicas across dp_replicate); the flattened "dp" group spans both. Expert parallelism folds
+over dp*cp (ep divides dp*cp).
 """
 from __future__ import annotations
 
@@ -13,8 +15,8 @@ import torch
 
 from fived.config import Config, ConfigError
 
-MESH_DIMS = ("pp", "dp", "cp", "tp")
-IMPLEMENTED = {"dp"}  # dimensions above 1 that the runtime builds today
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+IMPLEMENTED = {"dp", "zero"}  # dimensions above 1 that the runtime builds today
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 CHECKPOINTING = ("none", "full", "selective")
@@ -62,6 +64,12 @@ def _layout_errors(cfg: Config, world: int | None) -> list[ConfigError]:
     need(t.seq_len % (2 * p.cp) == 0 or p.cp == 1, "train.seq_len", t.seq_len,
          f"must be divisible by 2*cp={2 * p.cp} (load-balanced context-parallel chunks)")
     need(p.zero in (0, 1, 2, 3), "parallel.zero", p.zero, "must be 0, 1, 2 or 3")
+    need(p.dp_replicate >= 1 and dp >= 1 and dp % p.dp_replicate == 0, "parallel.dp_replicate", p.dp_replicate,
+         f"must be >= 1 and divide dp={dp} (dp = dp_replicate x dp_shard)")
+    need(p.dp_replicate == 1 or p.zero >= 1, "parallel.dp_replicate", p.dp_replicate,
+         "replica groups (HSDP) need a sharded stage: --zero 1, 2 or 3")
+    need(p.reduce_dtype in ("float32", "bfloat16"), "parallel.reduce_dtype", p.reduce_dtype,
+         "must be float32 or bfloat16")
     need(t.microbatches >= 1, "train.microbatches", t.microbatches, "must be >= 1")
     need(dp >= 1 and t.global_batch % dp == 0, "train.global_batch", t.global_batch, f"must be divisible by dp={dp}")
     if dp >= 1 and t.global_batch % dp == 0 and t.microbatches >= 1:
@@ -147,20 +155,27 @@ def check_config(cfg: Config, world: int | None) -> None:
 class Mesh:
     """Sizes of every dimension and, once built, the torch DeviceMesh they index.
 
-    `Mesh.build` needs an initialised default process group; groups are taken by name."""
+    `Mesh.build` needs an initialised default process group; sub-meshes and groups are taken by name:
+    pp, dp (= dp_replicate x dp_shard, flattened), dp_replicate, dp_shard, cp, tp."""
 
     dp: int = 1
     tp: int = 1
     pp: int = 1
     cp: int = 1
     ep: int = 1
+    dp_replicate: int = 1
     device_type: str = "cpu"
     device_mesh: object = None
+    dp_mesh: object = None
 
     @classmethod
     def from_config(cls, cfg: Config, world: int) -> "Mesh":
         p = cfg.parallel
-        return cls(dp=resolve_dp(cfg, world), tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep)
+        return cls(dp=resolve_dp(cfg, world), tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, dp_replicate=p.dp_replicate)
+
+    @property
+    def dp_shard(self) -> int:
+        return self.dp // self.dp_replicate
 
     @property
     def world_size(self) -> int:
@@ -172,17 +187,22 @@ class Mesh:
         self.device_type = device_type
         self.device_mesh = init_device_mesh(
             device_type, tuple(getattr(self, d) for d in MESH_DIMS), mesh_dim_names=MESH_DIMS)
+        self.dp_mesh = self.device_mesh["dp_replicate", "dp_shard"]._flatten("dp")
         return self
 
     def __getitem__(self, name: str):
-        return self.device_mesh[name]
+        return self.dp_mesh if name == "dp" else self.device_mesh[name]
 
     def group(self, name: str):
-        return self.device_mesh.get_group(name)
+        return self[name].get_group()
 
     def rank(self, name: str) -> int:
-        return self.device_mesh.get_local_rank(name)
+        return self[name].get_local_rank()
 
     def group_names(self) -> dict:
-        """ProcessGroup -> dimension name, for the communication ledger."""
-        return {self.device_mesh.get_group(d): d for d in MESH_DIMS}
+        """ProcessGroup -> dimension name, for the communication ledger. When two dimensions have the
+        same ranks (dp and dp_shard without replicas) the first listed names them."""
+        names: dict = {}
+        for d in ("dp", "dp_shard", "dp_replicate", "pp", "cp", "tp"):
+            names.setdefault(self.group(d), d)
+        return names

@@ -22,7 +22,7 @@ from fived.ledger import CommLedger, model_state_bytes
 from fived.mesh import DTYPES, Mesh, check_config
 from fived.metrics import MetricsLog, device_peak_tflops, flops_per_token, peak_memory_mb
 from fived.model import MoE, build_model, canonical_name, init_weights
-from fived.optim import build_optimizer, build_scheduler, clip_gradients
+from fived.optim import build_scheduler
 from fived.parallel import parallelize
 
 
@@ -56,13 +56,12 @@ class Trainer:
         model = build_model(cfg.model, "meta", param_dtype)
         for moe in (m for m in model.modules() if isinstance(m, MoE)):
             moe.aux_loss_scale = cfg.model.aux_loss_coef / t.global_batch
-        self.par = parallelize(model, self.mesh, cfg)
-        self.model = self.par.model
-        self.model.to_empty(device=self.device)
-        init_weights(self.model, t.seed)
-        self.moe_layers = [m for m in self.model.modules() if isinstance(m, MoE)]
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(self.model, t)
+        self.dp = parallelize(model, self.mesh, cfg)  # on the meta device: nothing allocated yet
+        model.to_empty(device=self.device)
+        init_weights(model, t.seed)
+        self.model = self.dp.wrap(model)  # the module forward is called on (DDP wraps)
+        self.moe_layers = [m for m in model.modules() if isinstance(m, MoE)]
+        self.optimizer = self.dp.build_optimizer()
         self.scheduler = build_scheduler(self.optimizer, t)
 
         tokenizer = load_tokenizer(cfg.data.tokenizer)
@@ -90,7 +89,9 @@ class Trainer:
             batch = self.sampler.local_batch_at(step, self.mesh.rank("dp"), self.mesh.dp).to(self.device)
             loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
             aux_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-            for micro in batch.chunk(t.microbatches):
+            micro_batches = batch.chunk(t.microbatches)
+            for i, micro in enumerate(micro_batches):
+                self.dp.before_micro_batch(is_last=i == len(micro_batches) - 1)
                 with self._autocast():
                     logits = self.model(micro[:, :-1])
                     loss = lm_loss_sum(logits, micro[:, 1:])
@@ -98,14 +99,14 @@ class Trainer:
                 loss_sum += loss.detach().double()
                 for moe in self.moe_layers:
                     aux_sum += moe.last_aux_loss.double()
-            self.par.finish_gradients()
-            grad_norm = clip_gradients(self.params, t.grad_clip)
-            self.optimizer.step()
+            self.dp.reduce_gradients()
+            grad_norm = self.dp.clip_gradients(t.grad_clip)
+            self.dp.step()
             lr = self.scheduler.get_last_lr()[0]
             self.scheduler.step()
             if not self.state_bytes:  # once, while gradients and optimizer state both exist
-                self.state_bytes = model_state_bytes(self.model, self.optimizer)
-            self.optimizer.zero_grad(set_to_none=True)
+                self.state_bytes = model_state_bytes(self.dp.tensors())
+            self.dp.zero_grad()
         # Logged loss: the mean over every token of the global batch. (Outside the ledger: it is
         # 16 bytes of logging, not part of the training step's communication.)
         totals = torch.stack([loss_sum, aux_sum])
@@ -149,7 +150,7 @@ class Trainer:
     def full_state(self) -> dict[str, torch.Tensor]:
         """Every parameter, whole, on CPU, keyed by canonical name (gathers sharded DTensors)."""
         out = {}
-        for name, p in self.model.named_parameters():
+        for name, p in self.dp.model.named_parameters():
             full = p.full_tensor() if hasattr(p, "full_tensor") else p
             out[canonical_name(name)] = full.detach().cpu().clone()
         return out

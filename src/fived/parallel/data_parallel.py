@@ -1,41 +1,114 @@
-"""Data parallelism without sharding: every dp rank holds the whole model and the gradients are
-summed over the dp group once per optimizer step, after the last micro-batch.
+"""Data parallelism, the interface every ZeRO stage implements, and stage 0 (DDP).
 
-Each rank's loss is already divided by the token count of the *global* batch, so the sum of the
-ranks' gradients is the gradient of the global mean loss: no further division is needed, and the
-result does not depend on how the batch was split.
+Every strategy sees the same contract from the trainer:
+    shard(model)            on the meta device, before materialisation (ZeRO-3 shards here)
+    wrap(model) -> model    after initialisation (DDP wraps, ZeRO-1/2 move parameters into buffers)
+    build_optimizer()       AdamW over what this rank updates
+    before_micro_batch(last)  gradient sync only on the last micro-batch
+    reduce_gradients()      after the last micro-batch's backward
+    clip_gradients(max)     global norm over every shard; returns it
+    step(); zero_grad()
+
+Each rank's loss is already divided by the token count of the *global* batch, so gradients must be
+**summed** over ranks (not averaged): the sum is the gradient of the mean loss over all tokens,
+whatever the split. Every strategy reduces with SUM for that reason.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-BUCKET_BYTES = 25 * 1024 * 1024  # as DDP's default bucket: few collectives, bounded extra memory
-
-
-def sum_gradients_over_dp(params: list[torch.nn.Parameter], group, bucket_bytes: int = BUCKET_BYTES) -> None:
-    """All-reduce (sum) the gradients of `params` over `group`, packed into flat buckets."""
-    if dist.get_world_size(group) == 1:
-        return
-    grads = [p.grad for p in params if p.grad is not None]
-    for bucket in _buckets(grads, bucket_bytes):
-        flat = torch.cat([g.reshape(-1) for g in bucket])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        offset = 0
-        for g in bucket:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+from fived.config import Config
+from fived.mesh import DTYPES, Mesh
+from fived.optim import build_optimizer, clip_gradients
 
 
-def _buckets(grads: list[torch.Tensor], bucket_bytes: int):
-    """Consecutive groups of same-dtype gradients of at most `bucket_bytes` (one tensor may exceed it)."""
-    bucket, size = [], 0
-    for g in grads:
-        nbytes = g.numel() * g.element_size()
-        if bucket and (size + nbytes > bucket_bytes or g.dtype != bucket[0].dtype):
-            yield bucket
-            bucket, size = [], 0
-        bucket.append(g)
-        size += nbytes
-    if bucket:
-        yield bucket
+class DataParallel:
+    """One data-parallel rank (dp = 1), and the base of the other strategies."""
+
+    def __init__(self, mesh: Mesh, cfg: Config):
+        self.mesh, self.cfg = mesh, cfg
+        self.model: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        # bf16 runs keep float32 weights and gradients; reduce_dtype=bfloat16 halves the bytes sent.
+        bf16 = cfg.train.dtype == "bfloat16"
+        self.reduce_dtype = DTYPES[cfg.parallel.reduce_dtype] if bf16 else DTYPES[cfg.train.dtype]
+
+    def shard(self, model: nn.Module) -> None:
+        pass
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        self.model = model
+        return model
+
+    def build_optimizer(self) -> torch.optim.Optimizer:
+        self.optimizer = build_optimizer(self.model, self.cfg.train)
+        return self.optimizer
+
+    def before_micro_batch(self, is_last: bool) -> None:
+        pass
+
+    def reduce_gradients(self) -> None:
+        pass
+
+    def clip_gradients(self, max_norm: float) -> float:
+        return clip_gradients([p for p in self.model.parameters() if p.requires_grad], max_norm)
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The tensors this rank holds for the model state, for the memory ledger."""
+        params = [p for p in self.model.parameters()]
+        return {"params": params, "grads": [p.grad for p in params if p.grad is not None],
+                "optimizer": [v for s in self.optimizer.state.values() for v in s.values()
+                              if torch.is_tensor(v) and v.dim() > 0]}
+
+
+def _sum_hook(state, bucket):
+    """DDP communication hook: all-reduce SUM (not DDP's default average), in the reduce dtype."""
+    group, reduce_dtype = state
+    buf = bucket.buffer()
+    send = buf if buf.dtype == reduce_dtype else buf.to(reduce_dtype)
+    fut = dist.all_reduce(send, group=group, async_op=True).get_future()
+
+    def copy_back(f):
+        out = f.value()[0]
+        if out is not buf:
+            buf.copy_(out)
+        return buf
+
+    return fut.then(copy_back)
+
+
+class ReplicatedDataParallel(DataParallel):
+    """ZeRO-0: torch DDP; gradients all-reduced in buckets while the backward pass still runs."""
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        from torch.nn.parallel import DistributedDataParallel
+
+        group = self.mesh.group("dp")
+        # init_sync=False: initialisation is already identical on every rank (seeded by name).
+        self.ddp = DistributedDataParallel(model, process_group=group, broadcast_buffers=False,
+                                           gradient_as_bucket_view=True, init_sync=False)
+        self.ddp.register_comm_hook((group, self.reduce_dtype), _sum_hook)
+        self.model = model
+        return self.ddp
+
+    def before_micro_batch(self, is_last: bool) -> None:
+        self.ddp.require_backward_grad_sync = is_last
+
+
+def make_data_parallel(mesh: Mesh, cfg: Config) -> DataParallel:
+    stage = cfg.parallel.zero
+    if stage == 3:
+        from fived.parallel.fsdp import FullyShardedDataParallel
+        return FullyShardedDataParallel(mesh, cfg)
+    if stage in (1, 2):
+        from fived.parallel.zero import ShardedOptimizerDataParallel
+        return ShardedOptimizerDataParallel(mesh, cfg)
+    return ReplicatedDataParallel(mesh, cfg) if mesh.dp > 1 else DataParallel(mesh, cfg)

@@ -1,0 +1,50 @@
+"""ZeRO-3 with FSDP2 (`fully_shard`): parameters, gradients and optimizer state sharded over
+dp_shard; each transformer block's parameters gathered just before use (the next block's gather is
+prefetched) and freed after; gradients reduce-scattered once per step. HSDP when dp_replicate > 1:
+a 2-d mesh (dp_replicate, dp_shard), shards within a group, all-reduce across groups.
+
+Gradient accumulation: gradients are reduced only on the last micro-batch. With
+`parallel.zero3_keep_gathered` the gathered weights also stay through the series of micro-batches
+(one gather per step instead of one per micro-batch, at the cost of holding the whole model
+unsharded meanwhile) — what a pipeline schedule wants.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fived.parallel.data_parallel import DataParallel
+
+
+class FullyShardedDataParallel(DataParallel):
+    def shard(self, model: nn.Module) -> None:
+        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+        if self.mesh.dp_replicate > 1:
+            mesh = self.mesh.device_mesh["dp_replicate", "dp_shard"]
+        else:
+            mesh = self.mesh["dp"]
+        mp = MixedPrecisionPolicy()
+        if self.cfg.train.dtype == "bfloat16":
+            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=self.reduce_dtype)
+        keep = self.cfg.parallel.zero3_keep_gathered
+        for block in model.layers.values():
+            fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=not keep)
+        # The root (embedding, final norm, head) is used again first in backward: keep it gathered.
+        fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+        # Our losses are divided by the global token count already: reduce with a plain SUM.
+        # (These setters act on one FSDP module's own parameters, so every module is set.)
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)
+        self.model = model
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        self.model = model
+        return model
+
+    def before_micro_batch(self, is_last: bool) -> None:
+        self.model.set_requires_gradient_sync(is_last)
+        if self.cfg.parallel.zero3_keep_gathered:
+            self.model.set_reshard_after_backward(is_last)

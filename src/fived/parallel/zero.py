@@ -1,0 +1,132 @@
+"""ZeRO-1 and ZeRO-2 over flat, balanced shards (PyTorch has no equivalent).
+
+All parameters of the rank live in one flat buffer, padded to a multiple of the dp_shard size;
+rank r of the dp_shard group owns the contiguous slice [r*L, (r+1)*L). Per step:
+  1. micro-batches accumulate gradients into a flat gradient buffer of the same layout;
+  2. one reduce-scatter (SUM) over dp_shard leaves each rank the reduced gradients of its slice
+     (then, with HSDP replicas, one all-reduce of that slice over dp_replicate);
+  3. AdamW updates only the slice — its parameters are views into the flat buffer, split at
+     parameter boundaries so weight decay still follows each parameter;
+  4. one all-gather over dp_shard refreshes every parameter.
+ZeRO-1 keeps the full gradient buffer between steps (reduce-scatter in place); ZeRO-2 frees it
+after the reduce-scatter and keeps only the slice's reduced gradients.
+
+Bytes per parameter held per rank (b = parameter dtype size, S = dp_shard):
+  ZeRO-1: params b + grads b + Adam 2b/S;   ZeRO-2: params b + grads b/S + Adam 2b/S.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fived.parallel.data_parallel import DataParallel
+
+
+class ShardedOptimizerDataParallel(DataParallel):
+    def wrap(self, model: nn.Module) -> nn.Module:
+        self.model = model
+        self.stage = self.cfg.parallel.zero
+        self.shard_group = self.mesh.group("dp_shard")
+        self.replicate_group = self.mesh.group("dp_replicate") if self.mesh.dp_replicate > 1 else None
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        dtype, device = self.params[0].dtype, self.params[0].device
+        shards, rank = self.mesh.dp_shard, self.mesh.rank("dp_shard")
+
+        total = sum(p.numel() for p in self.params)
+        self.shard_len = math.ceil(total / shards)
+        self.lo, self.hi = rank * self.shard_len, (rank + 1) * self.shard_len
+        self.param_buf = torch.zeros(self.shard_len * shards, dtype=dtype, device=device)
+        self.offsets = []
+        offset = 0
+        with torch.no_grad():
+            for p in self.params:
+                n = p.numel()
+                self.param_buf[offset:offset + n].copy_(p.reshape(-1))
+                p.data = self.param_buf[offset:offset + n].view_as(p)
+                self.offsets.append(offset)
+                offset += n
+
+        self.grad_buf: torch.Tensor | None = None
+        if self.stage == 1:
+            self._attach_grad_buffer()
+            self.shard_grad = self.grad_buf[self.lo:self.hi]
+        else:
+            self.shard_grad = torch.zeros(self.shard_len, dtype=dtype, device=device)
+        self.segments = self._slice_segments()
+        return model
+
+    def _attach_grad_buffer(self) -> None:
+        """A flat zeroed gradient buffer; each parameter's .grad is a view, so autograd accumulates
+        every micro-batch in place into the flat layout the reduce-scatter needs."""
+        self.grad_buf = torch.zeros_like(self.param_buf)
+        for p, offset in zip(self.params, self.offsets):
+            p.grad = self.grad_buf[offset:offset + p.numel()].view_as(p)
+
+    def _slice_segments(self) -> list[tuple[nn.Parameter, bool]]:
+        """This rank's slice cut at parameter boundaries: (view parameter, decayed?)."""
+        segments = []
+        for p, offset in zip(self.params, self.offsets):
+            a, b = max(offset, self.lo), min(offset + p.numel(), self.hi)
+            if a < b:
+                seg = nn.Parameter(self.param_buf[a:b])  # shares the buffer's storage
+                seg.grad = self.shard_grad[a - self.lo:b - self.lo]
+                segments.append((seg, p.dim() >= 2))
+        return segments
+
+    def build_optimizer(self) -> torch.optim.Optimizer:
+        t = self.cfg.train
+        groups = [
+            {"params": [s for s, decay in self.segments if decay], "weight_decay": t.weight_decay},
+            {"params": [s for s, decay in self.segments if not decay], "weight_decay": 0.0},
+        ]
+        self.optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
+        return self.optimizer
+
+    def before_micro_batch(self, is_last: bool) -> None:
+        if self.grad_buf is None:  # ZeRO-2: a full buffer only while the step's backward runs
+            self._attach_grad_buffer()
+
+    def reduce_gradients(self) -> None:
+        send = self.grad_buf if self.grad_buf.dtype == self.reduce_dtype else self.grad_buf.to(self.reduce_dtype)
+        out = send[self.lo:self.hi] if (self.stage == 1 or send is not self.grad_buf) else self.shard_grad
+        dist.reduce_scatter_single(out, send, group=self.shard_group)  # in place for ZeRO-1
+        if self.replicate_group is not None:
+            dist.all_reduce(out, group=self.replicate_group)
+        if out is not self.shard_grad:
+            self.shard_grad.copy_(out)
+        if self.stage == 2:
+            for p in self.params:
+                p.grad = None
+            self.grad_buf = None
+
+    @torch.no_grad()
+    def clip_gradients(self, max_norm: float) -> float:
+        grads = [s.grad for s, _ in self.segments]
+        sq = torch.zeros((), dtype=torch.float64, device=self.param_buf.device)
+        for g in grads:
+            sq += g.double().square().sum()
+        dist.all_reduce(sq, group=self.shard_group)  # the slices are disjoint: sum of squares
+        norm = sq.sqrt().to(self.param_buf.dtype)
+        if max_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_([s for s, _ in self.segments], max_norm, norm)
+        return norm.item()
+
+    def step(self) -> None:
+        self.optimizer.step()
+        with torch.no_grad():  # in place: this rank's slice is already where it belongs
+            dist.all_gather_single(self.param_buf, self.param_buf[self.lo:self.hi], group=self.shard_group)
+
+    def zero_grad(self) -> None:
+        if self.stage == 1:
+            self.grad_buf.zero_()
+        # ZeRO-2's reduce-scatter overwrites shard_grad; its full buffer is already gone.
+
+    def tensors(self) -> dict[str, list[torch.Tensor]]:
+        seg_params = [s for s, _ in self.segments]
+        return {"params": self.params + seg_params,
+                "grads": [p.grad for p in self.params if p.grad is not None] + [s.grad for s in seg_params],
+                "optimizer": [v for s in self.optimizer.state.values() for v in s.values()
+                              if torch.is_tensor(v) and v.dim() > 0]}
