@@ -39,6 +39,11 @@ CASES = [
     (["verify", "--train.stepz", "3"], "train.stepz", "unknown field"),
     (["verify", "--model", "llama9"], "model.name", "unknown preset"),
     (["verify", "--tp", "2"], "parallel.tp", "not implemented yet"),
+    (["verify", "--dp", "4", "--dp-replicate", "3", "--zero", "3", "--global-batch", "12"],
+     "parallel.dp_replicate", "divide dp=4"),
+    (["verify", "--dp", "4", "--dp-replicate", "2"], "parallel.dp_replicate", "need a sharded stage"),
+    (["verify", "--dtype", "bfloat16", "--parallel.reduce_dtype", "float16"], "parallel.reduce_dtype",
+     "must be float32 or bfloat16"),
 ]
 
 

@@ -145,7 +145,7 @@ def check_config(cfg: Config, world: int | None) -> None:
     if not err.hint and err.field.startswith(("parallel", "train.microbatches", "train.global_batch", "train.seq_len")) and world:
         near = suggest_layouts(cfg, world)
         err = ConfigError(err.field, err.value, err.rule,
-                          ("nearest valid layouts: " + " | ".join(near)) if near else "no valid layout for this world size")
+                          ("nearest valid layouts: " + " | ".join(near)) if near else "use a value that meets the rule")
     elif not err.hint:
         err = ConfigError(err.field, err.value, err.rule, "use a value that meets the rule")
     raise err

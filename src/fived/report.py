@@ -17,8 +17,9 @@ Communication per step, P = N padded to a multiple of S, r = bytes of the reduct
     ZeRO-0  all-reduce N r over dp (in buckets, during backward)
     ZeRO-1/2  reduce-scatter P r + all-gather P b over dp_shard, an 8-byte all-reduce of the
             squared gradient norm; with replicas an all-reduce of P r / S over dp_replicate
-    ZeRO-3  all-gather of every parameter for forward and of every block again for backward (per
-            micro-batch, or once per step with zero3_keep_gathered), reduce-scatter P r once
+    ZeRO-3  per micro-batch an all-gather of every parameter for forward and of every block again
+            for backward (with zero3_keep_gathered: every parameter once per step), reduce-scatter
+            P r once
 """
 from __future__ import annotations
 
@@ -74,8 +75,10 @@ def expected_comm_bytes(cfg: Config, world: int) -> dict[str, int]:
         # FSDP2 pads each parameter's first dimension to a multiple of S.
         padded = [math.ceil(s[0] / s_) * s_ * math.prod(s[1:]) for s, _ in shapes]
         blocks = sum(p for p, (_, in_block) in zip(padded, shapes) if in_block)
-        gathers = 1 if cfg.parallel.zero3_keep_gathered else cfg.train.microbatches
-        out[f"{shard_dim}/all_gather_single"] = gathers * (sum(padded) + blocks) * b
+        if cfg.parallel.zero3_keep_gathered:  # gathered once, kept through every micro-batch
+            out[f"{shard_dim}/all_gather_single"] = sum(padded) * b
+        else:  # per micro-batch: everything for forward, the blocks again for backward
+            out[f"{shard_dim}/all_gather_single"] = cfg.train.microbatches * (sum(padded) + blocks) * b
         out[f"{shard_dim}/reduce_scatter_single"] = sum(padded) * r
         if mesh.dp_replicate > 1:
             out["dp_replicate/all_reduce"] = sum(padded) // s_ * r
