@@ -135,7 +135,7 @@ def copy_weights(ours: torch.nn.Module, hf: torch.nn.Module) -> None:
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean token cross-entropy in (at least) float32, like fived.train.lm_loss_sum; same for both."""
+    """Mean token cross-entropy in (at least) float32, like fived.parallel.lm_loss_sum; same for both."""
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 

@@ -16,7 +16,7 @@ import torch
 from fived.config import Config, ConfigError
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-IMPLEMENTED = {"dp", "zero"}  # dimensions above 1 that the runtime builds today
+IMPLEMENTED = {"dp", "zero", "tp"}  # dimensions above 1 that the runtime builds today
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 CHECKPOINTING = ("none", "full", "selective")
@@ -61,6 +61,8 @@ def _layout_errors(cfg: Config, world: int | None) -> list[ConfigError]:
     need(p.ep == 1 or m.is_moe, "parallel.ep", p.ep, f"needs a mixture-of-experts model (model.name={m.name} is dense)")
     need(not m.is_moe or m.n_experts % p.ep == 0, "parallel.ep", p.ep, f"must divide model.n_experts={m.n_experts}")
     need(dp >= 1 and (dp * p.cp) % p.ep == 0, "parallel.ep", p.ep, f"must divide dp*cp={max(dp, 1) * p.cp}")
+    need(not p.sp or p.tp > 1, "parallel.sp", p.sp, "sequence parallelism splits over tp ranks: it needs tp > 1")
+    need(not p.sp or t.seq_len % p.tp == 0, "train.seq_len", t.seq_len, f"must be divisible by tp={p.tp} with --sp")
     need(t.seq_len % (2 * p.cp) == 0 or p.cp == 1, "train.seq_len", t.seq_len,
          f"must be divisible by 2*cp={2 * p.cp} (load-balanced context-parallel chunks)")
     need(p.zero in (0, 1, 2, 3), "parallel.zero", p.zero, "must be 0, 1, 2 or 3")

@@ -212,8 +212,8 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        if positions is None:
-            positions = torch.arange(h.shape[1], device=h.device)
+        if positions is None:  # from the input: h may hold only a sequence shard (SP)
+            positions = torch.arange(tokens.shape[1], device=h.device)
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, h.dtype)
         for layer in self.layers.values():
             h = layer(h, cos, sin)
@@ -247,14 +247,18 @@ def init_value(name: str, shape: torch.Size, cfg: ModelConfig, seed: int) -> tor
 
 
 @torch.no_grad()
-def init_weights(model: nn.Module, seed: int) -> None:
-    """Fill (already materialised) parameters; works on plain tensors and on DTensor shards."""
+def init_weights(model: nn.Module, seed: int, local_part=None) -> None:
+    """Fill (already materialised) parameters; works on plain tensors and on DTensor shards.
+    `local_part(name, full)` cuts this rank's tensor-parallel part out of a full value."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     cfg = _find_config(model)
+    full_shapes = {canonical_name(n): p.shape for n, p in build_model(cfg).named_parameters()}
     for name, param in model.named_parameters():
         name = canonical_name(name)
-        full = init_value(name, param.shape, cfg, seed)
+        full = init_value(name, full_shapes[name], cfg, seed)
+        if local_part is not None:
+            full = local_part(name, full)
         if isinstance(param, DTensor):
             local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
             param.to_local().copy_(local)
@@ -267,6 +271,17 @@ def _find_config(model: nn.Module) -> ModelConfig:
         if isinstance(module, Transformer):
             return module.cfg
     raise TypeError("init_weights expects a module containing a fived Transformer")
+
+
+def materialize(model: nn.Module, device: str | torch.device) -> None:
+    """Allocate (uninitialised) storage for a meta-device model. Tensors are swapped in place so a
+    parameter shared by two modules (tied embeddings) stays one parameter."""
+    previous = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model.to_empty(device=device)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(previous)
 
 
 def build_model(cfg: ModelConfig, device: str | torch.device = "meta", dtype: torch.dtype = torch.float32) -> Transformer:

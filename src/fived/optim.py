@@ -1,11 +1,10 @@
-"""AdamW with decoupled weight decay on matrices only, warmup + cosine schedule, and gradient-norm
-clipping whose norm covers every shard of every parameter (so it is the same whatever the layout)."""
+"""AdamW with decoupled weight decay on matrices only, and the warmup + cosine schedule.
+(Gradient clipping depends on how gradients are sharded: see DataParallel.clip_gradients.)"""
 from __future__ import annotations
 
 import math
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from fived.config import TrainConfig
 
@@ -31,17 +30,3 @@ def lr_multiplier(step: int, t: TrainConfig) -> float:
 
 def build_scheduler(optimizer: torch.optim.Optimizer, t: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, t))
-
-
-@torch.no_grad()
-def clip_gradients(params: list[torch.nn.Parameter], max_norm: float) -> float:
-    """Return the global L2 norm of all gradients (before clipping) and clip to max_norm (0: no clip).
-
-    DTensor gradients (sharded by FSDP or TP) contribute their norm over all shards."""
-    grads = [p.grad for p in params if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
-    if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-    return norm.item()

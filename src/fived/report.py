@@ -19,7 +19,7 @@ Communication per step, P = N padded to a multiple of S, r = bytes of the reduct
             squared gradient norm; with replicas an all-reduce of P r / S over dp_replicate
     ZeRO-3  per micro-batch an all-gather of every parameter for forward and of every block again
             for backward (with zero3_keep_gathered: every parameter once per step), reduce-scatter
-            P r once
+            P r once, and the 8-byte norm all-reduce
 """
 from __future__ import annotations
 
@@ -80,6 +80,7 @@ def expected_comm_bytes(cfg: Config, world: int) -> dict[str, int]:
         else:  # per micro-batch: everything for forward, the blocks again for backward
             out[f"{shard_dim}/all_gather_single"] = cfg.train.microbatches * (sum(padded) + blocks) * b
         out[f"{shard_dim}/reduce_scatter_single"] = sum(padded) * r
+        out[f"{shard_dim}/all_reduce"] = 8  # the squared gradient norm
         if mesh.dp_replicate > 1:
             out["dp_replicate/all_reduce"] = sum(padded) // s_ * r
     return out

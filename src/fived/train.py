@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from fived.config import Config
 from fived.data import GlobalBatchSampler, load_tokenizer, load_tokens
@@ -21,15 +20,9 @@ from fived.launch import device_type
 from fived.ledger import CommLedger, model_state_bytes
 from fived.mesh import DTYPES, Mesh, check_config
 from fived.metrics import MetricsLog, device_peak_tflops, flops_per_token, peak_memory_mb
-from fived.model import MoE, build_model, canonical_name, init_weights
+from fived.model import MoE, build_model, init_weights, materialize
 from fived.optim import build_scheduler
 from fived.parallel import parallelize
-
-
-def lm_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Sum of token cross-entropies, computed in at least float32."""
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
 
 
 @dataclass
@@ -56,9 +49,10 @@ class Trainer:
         model = build_model(cfg.model, "meta", param_dtype)
         for moe in (m for m in model.modules() if isinstance(m, MoE)):
             moe.aux_loss_scale = cfg.model.aux_loss_coef / t.global_batch
-        self.dp = parallelize(model, self.mesh, cfg)  # on the meta device: nothing allocated yet
-        model.to_empty(device=self.device)
-        init_weights(model, t.seed)
+        self.plan = parallelize(model, self.mesh, cfg)  # on the meta device: nothing allocated yet
+        self.dp = self.plan.data_parallel
+        materialize(model, self.device)
+        init_weights(model, t.seed, self.plan.local_init)
         self.model = self.dp.wrap(model)  # the module forward is called on (DDP wraps)
         self.moe_layers = [m for m in model.modules() if isinstance(m, MoE)]
         self.optimizer = self.dp.build_optimizer()
@@ -92,15 +86,15 @@ class Trainer:
             micro_batches = batch.chunk(t.microbatches)
             for i, micro in enumerate(micro_batches):
                 self.dp.before_micro_batch(is_last=i == len(micro_batches) - 1)
-                with self._autocast():
+                with self._autocast(), self.plan.forward_context():
                     logits = self.model(micro[:, :-1])
-                    loss = lm_loss_sum(logits, micro[:, 1:])
+                    loss = self.plan.loss_sum(logits, micro[:, 1:])
                 (loss / self.global_tokens).backward()
                 loss_sum += loss.detach().double()
                 for moe in self.moe_layers:
                     aux_sum += moe.last_aux_loss.double()
-            self.dp.reduce_gradients()
-            grad_norm = self.dp.clip_gradients(t.grad_clip)
+            self.plan.finish_gradients()
+            grad_norm = self.plan.clip_gradients(t.grad_clip)
             self.dp.step()
             lr = self.scheduler.get_last_lr()[0]
             self.scheduler.step()
@@ -147,19 +141,10 @@ class Trainer:
             self.log.close()
         return history
 
-    def full_state(self) -> dict[str, torch.Tensor]:
-        """Every parameter, whole, on CPU, keyed by canonical name (gathers sharded DTensors)."""
-        out = {}
-        for name, p in self.dp.model.named_parameters():
-            full = p.full_tensor() if hasattr(p, "full_tensor") else p
-            out[canonical_name(name)] = full.detach().cpu().clone()
-        return out
-
-
 def run_training(cfg: Config, log: bool = True, progress: bool = True, return_state: bool = False) -> TrainResult:
     """Entry point on each rank (process group already initialised)."""
     trainer = Trainer(cfg, log=log)
     metrics = trainer.fit(progress=progress)
-    state = trainer.full_state() if return_state else {}
+    state = trainer.plan.full_state() if return_state else {}
     return TrainResult(metrics=metrics, state=state, memory=trainer.state_bytes,
                        comm=trainer.ledger.summary())

@@ -2,23 +2,86 @@
 TP -> CP -> EP -> pipeline split -> activation checkpointing -> data parallelism (ZeRO / FSDP),
 each a short function in a file of its own. The model code itself has no parallel branches.
 
-It runs on the meta device, before any parameter is materialised, and returns the data-parallel
-strategy, whose `wrap` the trainer calls once the parameters are initialised.
+It runs on the meta device, before any parameter is materialised, and returns the `ParallelPlan`
+the trainer drives: initialise shards, loss, gradient finishing, clipping, whole parameters.
 """
 from __future__ import annotations
 
+import contextlib
+from dataclasses import dataclass
+
+import torch
 from torch import nn
 
 from fived.config import Config
 from fived.mesh import Mesh
+from fived.model import Transformer, canonical_name
 from fived.parallel.checkpointing import apply_activation_checkpointing
 from fived.parallel.data_parallel import DataParallel, make_data_parallel
+from fived.parallel.tensor import TensorParallel
 
 
-def parallelize(model: nn.Module, mesh: Mesh, cfg: Config) -> DataParallel:
-    # Tensor, context, expert and pipeline parallelism are added here by later issues; the layout
-    # checks refuse them before any rank starts until then.
+def lm_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Sum of token cross-entropies, computed in at least float32."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+
+
+@dataclass
+class ParallelPlan:
+    data_parallel: DataParallel
+    tensor_parallel: TensorParallel | None = None
+
+    def local_init(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a parameter's full initial value (before any ZeRO sharding)."""
+        spec = self.tensor_parallel.shards.get(name) if self.tensor_parallel else None
+        return spec.local(full) if spec else full
+
+    def forward_context(self):
+        tp = self.tensor_parallel
+        return tp.saved_tensor_hooks() if tp is not None and tp.sp else contextlib.nullcontext()
+
+    def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.tensor_parallel.loss_sum(logits, targets) if self.tensor_parallel else lm_loss_sum(logits, targets)
+
+    def finish_gradients(self) -> None:
+        """After the last micro-batch's backward: tensor-parallel partial sums, then the dp reduction."""
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.finish_gradients(self.data_parallel.named_grads(model_grads=True))
+        self.data_parallel.reduce_gradients()
+
+    def clip_gradients(self, max_norm: float) -> float:
+        tp = self.tensor_parallel
+        if tp is None:
+            return self.data_parallel.clip_gradients(max_norm)
+        return self.data_parallel.clip_gradients(max_norm, weight=tp.norm_weight, extra_groups=[tp.group])
+
+    @torch.no_grad()
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """Every parameter whole, on CPU, by canonical name (gathers ZeRO-3 and tensor-parallel shards)."""
+        out = {}
+        for name, p in self.data_parallel.model.named_parameters():
+            name = canonical_name(name)
+            full = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+            if self.tensor_parallel is not None:
+                full = self.tensor_parallel.gather_full(name, full)
+            out[name] = full.detach().cpu().clone()
+        return out
+
+
+def parallelize(model: Transformer, mesh: Mesh, cfg: Config) -> ParallelPlan:
+    tensor_parallel = apply_tensor_parallel(model, mesh, cfg)
+    # Context, expert and pipeline parallelism are added here by later issues; the layout checks
+    # refuse them before any rank starts until then.
     apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
     data_parallel = make_data_parallel(mesh, cfg)
     data_parallel.shard(model)
-    return data_parallel
+    return ParallelPlan(data_parallel, tensor_parallel)
+
+
+def apply_tensor_parallel(model: nn.Module, mesh: Mesh, cfg: Config) -> TensorParallel | None:
+    if mesh.tp == 1:
+        return None
+    tp = TensorParallel(model, mesh.group("tp"), cfg.parallel.sp)
+    tp.apply(model)
+    return tp

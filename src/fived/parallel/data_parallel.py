@@ -21,7 +21,8 @@ from torch import nn
 
 from fived.config import Config
 from fived.mesh import DTYPES, Mesh
-from fived.optim import build_optimizer, clip_gradients
+from fived.model import canonical_name
+from fived.optim import build_optimizer
 
 
 class DataParallel:
@@ -52,8 +53,35 @@ class DataParallel:
     def reduce_gradients(self) -> None:
         pass
 
-    def clip_gradients(self, max_norm: float) -> float:
-        return clip_gradients([p for p in self.model.parameters() if p.requires_grad], max_norm)
+    def named_grads(self, model_grads: bool = False):
+        """(canonical parameter name, local gradient) for what the optimizer steps; model_grads=True:
+        the model's own gradients (before the dp reduction of ZeRO-1/2)."""
+        for name, p in self.model.named_parameters():
+            if p.grad is not None:
+                yield canonical_name(name), _local(p.grad)
+
+    def norm_groups(self) -> list:
+        """Groups over which the local gradients of named_grads are disjoint pieces."""
+        return []
+
+    @torch.no_grad()
+    def clip_gradients(self, max_norm: float, weight=lambda name: 1.0, extra_groups=()) -> float:
+        """Global L2 norm over every piece of every gradient, then clip (as torch's clip_grad_norm_:
+        coefficient max_norm / (norm + 1e-6), at most 1). `weight(name)` counts pieces that other
+        ranks also hold (tensor-parallel replicas) once."""
+        grads = list(self.named_grads())
+        sq = torch.zeros((), dtype=torch.float64, device=grads[0][1].device)
+        for name, g in grads:
+            sq += weight(name) * g.double().square().sum()
+        for group in self.norm_groups() + list(extra_groups):
+            dist.all_reduce(sq, group=group)
+        norm = sq.sqrt().item()
+        if max_norm > 0:
+            coef = min(max_norm / (norm + 1e-6), 1.0)
+            if coef < 1.0:
+                for _, g in grads:
+                    g.mul_(coef)
+        return norm
 
     def step(self) -> None:
         self.optimizer.step()
@@ -67,6 +95,10 @@ class DataParallel:
         return {"params": params, "grads": [p.grad for p in params if p.grad is not None],
                 "optimizer": [v for s in self.optimizer.state.values() for v in s.values()
                               if torch.is_tensor(v) and v.dim() > 0]}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _sum_hook(state, bucket):
@@ -93,7 +125,7 @@ class ReplicatedDataParallel(DataParallel):
 
         group = self.mesh.group("dp")
         # init_sync=False: initialisation is already identical on every rank (seeded by name).
-        self.ddp = DistributedDataParallel(model, process_group=group, broadcast_buffers=False,
+        self.ddp = DistributedDataParallel(model, process_group=group,
                                            gradient_as_bucket_view=True, init_sync=False)
         self.ddp.register_comm_hook((group, self.reduce_dtype), _sum_hook)
         self.model = model

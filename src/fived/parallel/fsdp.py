@@ -44,6 +44,9 @@ class FullyShardedDataParallel(DataParallel):
         self.model = model
         return model
 
+    def norm_groups(self) -> list:
+        return [self.mesh.group("dp_shard")]
+
     def before_micro_batch(self, is_last: bool) -> None:
         self.model.set_requires_gradient_sync(is_last)
         if self.cfg.parallel.zero3_keep_gathered:

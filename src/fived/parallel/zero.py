@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fived.model import canonical_name
 from fived.parallel.data_parallel import DataParallel
 
 
@@ -31,7 +32,9 @@ class ShardedOptimizerDataParallel(DataParallel):
         self.stage = self.cfg.parallel.zero
         self.shard_group = self.mesh.group("dp_shard")
         self.replicate_group = self.mesh.group("dp_replicate") if self.mesh.dp_replicate > 1 else None
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        named = [(canonical_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in named]
+        self.names = [n for n, _ in named]
         dtype, device = self.params[0].dtype, self.params[0].device
         shards, rank = self.mesh.dp_shard, self.mesh.rank("dp_shard")
 
@@ -67,13 +70,14 @@ class ShardedOptimizerDataParallel(DataParallel):
 
     def _slice_segments(self) -> list[tuple[nn.Parameter, bool]]:
         """This rank's slice cut at parameter boundaries: (view parameter, decayed?)."""
-        segments = []
-        for p, offset in zip(self.params, self.offsets):
+        segments, self.segment_names = [], []
+        for p, name, offset in zip(self.params, self.names, self.offsets):
             a, b = max(offset, self.lo), min(offset + p.numel(), self.hi)
             if a < b:
                 seg = nn.Parameter(self.param_buf[a:b])  # shares the buffer's storage
                 seg.grad = self.shard_grad[a - self.lo:b - self.lo]
                 segments.append((seg, p.dim() >= 2))
+                self.segment_names.append(name)
         return segments
 
     def build_optimizer(self) -> torch.optim.Optimizer:
@@ -102,17 +106,15 @@ class ShardedOptimizerDataParallel(DataParallel):
                 p.grad = None
             self.grad_buf = None
 
-    @torch.no_grad()
-    def clip_gradients(self, max_norm: float) -> float:
-        grads = [s.grad for s, _ in self.segments]
-        sq = torch.zeros((), dtype=torch.float64, device=self.param_buf.device)
-        for g in grads:
-            sq += g.double().square().sum()
-        dist.all_reduce(sq, group=self.shard_group)  # the slices are disjoint: sum of squares
-        norm = sq.sqrt().to(self.param_buf.dtype)
-        if max_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_([s for s, _ in self.segments], max_norm, norm)
-        return norm.item()
+    def named_grads(self, model_grads: bool = False):
+        if model_grads:
+            yield from super().named_grads()
+        else:
+            for seg, name in zip(self.segments, self.segment_names):
+                yield name, seg[0].grad
+
+    def norm_groups(self) -> list:
+        return [self.shard_group]  # the slices are disjoint
 
     def step(self) -> None:
         self.optimizer.step()

@@ -1,0 +1,307 @@
+"""Tensor parallelism (Megatron-style) with optional sequence parallelism, applied from outside.
+
+Parameters are sharded in place on the meta device (names unchanged), and each attention / MLP
+block becomes a tensor-parallel *region* through forward hooks:
+
+    enter: without SP copy_to_tp (identity; all-reduce of the input gradient in backward)
+           with SP    gather_from_sp (all-gather along the sequence; reduce-scatter in backward)
+    inside: column-parallel q/k/v and gate/up (output features split), row-parallel o and down
+    exit:  without SP reduce_from_tp (all-reduce; identity in backward)
+           with SP    reduce_scatter_to_sp (reduce-scatter along the sequence; all-gather in backward)
+
+With SP the gathered input of a region is not kept for backward: a saved-tensor hook stores this
+rank's sequence shard and gathers it again when backward needs it (as Megatron-LM does), so
+activation memory really shrinks by tp; the price is one more all-gather per region in backward.
+
+The embedding is vocab-parallel and the output head column-parallel over the vocabulary; the loss is
+a vocab-parallel cross-entropy that never gathers the logits. A vocabulary that does not divide by
+tp is padded; padded logits are masked out, so the loss is exactly the one-device loss.
+Grouped-query attention with fewer kv heads than tp replicates kv heads: rank r holds kv head
+r // (tp / n_kv_heads), and the ranks sharing a head sum its gradient.
+"""
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from fived.model import MoE, Transformer
+
+
+# --- the communication of a tensor-parallel region, as autograd functions -------------------------
+
+class CopyToTensorParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class ReduceFromTensorParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _gather_seq(x: torch.Tensor, group) -> torch.Tensor:
+    """[b, s/tp, ...] on each rank -> [b, s, ...] (dim 1 is the sequence)."""
+    world = dist.get_world_size(group)
+    xt = x.transpose(0, 1).contiguous()
+    out = torch.empty((world * xt.shape[0],) + xt.shape[1:], dtype=x.dtype, device=x.device)
+    dist.all_gather_single(out, xt, group=group)
+    return out.transpose(0, 1).contiguous()
+
+
+def _reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
+    """[b, s, ...] partial sums -> [b, s/tp, ...] reduced sums of this rank's sequence chunk."""
+    world = dist.get_world_size(group)
+    xt = x.transpose(0, 1).contiguous()
+    out = torch.empty((xt.shape[0] // world,) + xt.shape[1:], dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_single(out, xt, group=group)
+    return out.transpose(0, 1)
+
+
+class GatherFromSequenceParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_seq(grad, ctx.group), None
+
+
+class ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_seq(grad, ctx.group), None
+
+
+# --- how a parameter is split ---------------------------------------------------------------------
+
+@dataclass
+class TPShard:
+    """Parameter split along `dim` into `pieces` equal chunks (after padding `dim` to `padded`);
+    this rank holds chunk `index`. `replicas` ranks hold each chunk (kv heads when tp > kv heads)."""
+
+    dim: int
+    pieces: int
+    index: int
+    replicas: int = 1
+    padded: int = 0
+
+    def local(self, full: torch.Tensor) -> torch.Tensor:
+        if self.padded and self.padded != full.shape[self.dim]:
+            pad = list(full.shape)
+            pad[self.dim] = self.padded - full.shape[self.dim]
+            full = torch.cat([full, full.new_zeros(pad)], dim=self.dim)
+        return full.chunk(self.pieces, dim=self.dim)[self.index].contiguous()
+
+
+class TensorParallel:
+    """The tensor-parallel plan of one model: how each parameter is split, which gradients are partial
+    sums over tp, and the region hooks."""
+
+    def __init__(self, model: Transformer, group, sequence_parallel: bool):
+        self.group, self.sp = group, sequence_parallel
+        self.tp, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.cfg = model.cfg
+        self.shards: dict[str, TPShard] = {}
+        self.partial_grads: set[str] = set()  # replicated over tp, but each rank holds a partial grad
+        self.vocab = model.cfg.vocab_size
+        self._regather: dict = {}  # storage of a gathered region input -> (sequence shard, weakref)
+        self.vocab_padded = math.ceil(self.vocab / self.tp) * self.tp
+
+    # parameters ----------------------------------------------------------------------------------
+    def _split(self, module: nn.Module, attr: str, name: str, dim: int, pieces: int | None = None,
+               index: int | None = None, replicas: int = 1, padded: int = 0) -> None:
+        param = getattr(module, attr)
+        spec = TPShard(dim, pieces or self.tp, self.rank if index is None else index, replicas, padded)
+        shape = list(param.shape)
+        shape[dim] = (padded or shape[dim]) // spec.pieces
+        setattr(module, attr, nn.Parameter(torch.empty(shape, dtype=param.dtype, device=param.device)))
+        self.shards[name] = spec
+
+    def apply(self, model: Transformer) -> None:
+        cfg = self.cfg
+        for lid, block in model.layers.items():
+            pre = f"layers.{lid}."
+            att = block.attention
+            for proj in ("wq",):
+                self._split(getattr(att, proj), "weight", pre + f"attention.{proj}.weight", 0)
+            if cfg.n_kv_heads % self.tp == 0:
+                kv = dict(dim=0)
+            else:  # fewer kv heads than ranks: each rank holds the one kv head its query heads use
+                rep = self.tp // cfg.n_kv_heads
+                kv = dict(dim=0, pieces=cfg.n_kv_heads, index=self.rank // rep, replicas=rep)
+            for proj in ("wk", "wv"):
+                self._split(getattr(att, proj), "weight", pre + f"attention.{proj}.weight", **kv)
+            self._split(att.wo, "weight", pre + "attention.wo.weight", 1)
+            self._region(att)
+            ff = block.feed_forward
+            if isinstance(ff, MoE):
+                self._split_moe(ff, pre + "feed_forward.")
+            else:
+                self._split_mlp(ff, pre + "feed_forward.")
+            self._region(ff)
+            if self.sp:
+                self.partial_grads |= {pre + "attention_norm.weight", pre + "ffn_norm.weight"}
+        self._vocab_parallel(model)
+        if self.sp:
+            self.partial_grads.add("norm.weight")
+
+    def _split_mlp(self, ff: nn.Module, pre: str) -> None:
+        self._split(ff.w1, "weight", pre + "w1.weight", 0)
+        self._split(ff.w3, "weight", pre + "w3.weight", 0)
+        self._split(ff.w2, "weight", pre + "w2.weight", 1)
+
+    def _split_moe(self, moe: MoE, pre: str) -> None:
+        """Every expert tensor-parallel over its hidden size; the router replicated. Routing weights
+        multiply partial expert outputs, so the router's gradient is a partial sum over tp; the
+        auxiliary loss, computed identically on each rank, is seeded 1/tp per rank to count once."""
+        self._split(moe.experts, "w1", pre + "experts.w1", 2)
+        self._split(moe.experts, "w3", pre + "experts.w3", 2)
+        self._split(moe.experts, "w2", pre + "experts.w2", 1)
+        if moe.shared is not None:
+            self._split_mlp(moe.shared, pre + "shared.")
+        self.partial_grads.add(pre + "router.weight")
+        moe.aux_loss_scale /= self.tp
+
+    def _vocab_parallel(self, model: Transformer) -> None:
+        tied = model.cfg.tie_embeddings
+        self._split(model.tok_embeddings, "weight", "tok_embeddings.weight", 0, padded=self.vocab_padded)
+        lo = self.rank * (self.vocab_padded // self.tp)
+        model.tok_embeddings.register_forward_hook(self._embedding_hook(lo), with_kwargs=False)
+        model.tok_embeddings.register_forward_pre_hook(self._embedding_pre_hook(lo))
+        if tied:
+            model.output.weight = model.tok_embeddings.weight
+        else:
+            self._split(model.output, "weight", "output.weight", 0, padded=self.vocab_padded)
+        model.output.register_forward_pre_hook(lambda m, args: (self._enter(args[0]),))
+
+    # forward -------------------------------------------------------------------------------------
+    def _enter(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.sp:
+            return CopyToTensorParallelRegion.apply(x, self.group)
+        full = GatherFromSequenceParallelRegion.apply(x, self.group)
+        # Weakly: the gathered input must be freed as soon as the region's ops are done with it.
+        self._regather[full.untyped_storage().data_ptr()] = (x.detach(), weakref.ref(full))
+        return full
+
+    def _exit(self, y: torch.Tensor) -> torch.Tensor:
+        if self.sp:
+            return ReduceScatterToSequenceParallelRegion.apply(y, self.group)
+        return ReduceFromTensorParallelRegion.apply(y, self.group)
+
+    def _region(self, module: nn.Module) -> None:
+        module.register_forward_pre_hook(lambda m, args: (self._enter(args[0]),) + tuple(args[1:]))
+        module.register_forward_hook(lambda m, args, out: self._exit(out))
+
+    def _embedding_pre_hook(self, lo: int):
+        def pre(module, args):
+            tokens = args[0]
+            self._outside = (tokens < lo) | (tokens >= lo + module.weight.shape[0])
+            return ((tokens - lo).masked_fill(self._outside, 0),)
+        return pre
+
+    def _embedding_hook(self, lo: int):
+        def post(module, args, out):
+            out = out.masked_fill(self._outside[..., None], 0.0)  # rows owned by another rank
+            return self._exit(out)
+        return post
+
+    # saved tensors: with SP keep the sequence shard of a gathered input, gather again in backward --
+    def saved_tensor_hooks(self):
+        self._regather.clear()
+
+        def pack(t: torch.Tensor):
+            ptr = t.untyped_storage().data_ptr()
+            entry = self._regather.get(ptr)
+            full = entry[1]() if entry is not None else None
+            if full is None or full.untyped_storage().data_ptr() != ptr:
+                return t
+            return ("sp-shard", entry[0], t.shape, t.stride(), t.storage_offset())
+
+        def unpack(packed):
+            if not isinstance(packed, tuple):
+                return packed
+            _, shard, shape, stride, offset = packed
+            full = _gather_seq(shard, self.group).contiguous()
+            return full.as_strided(shape, stride, offset)
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+    # loss ----------------------------------------------------------------------------------------
+    def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Vocab-parallel cross-entropy, summed over tokens; logits are this rank's vocab slice."""
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        width = logits.shape[-1]
+        lo = self.rank * width
+        if lo + width > self.vocab:  # padded columns: not part of the vocabulary
+            col = torch.arange(lo, lo + width, device=logits.device)
+            logits = logits.masked_fill(col >= self.vocab, float("-inf"))
+        top = logits.detach().amax(dim=-1)
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=self.group)
+        shifted = logits - top[..., None]
+        sum_exp = ReduceFromTensorParallelRegion.apply(shifted.exp().sum(dim=-1), self.group)
+        mine = (targets >= lo) & (targets < lo + width)
+        local_t = (targets - lo).masked_fill(~mine, 0)
+        picked = shifted.gather(-1, local_t[..., None]).squeeze(-1).masked_fill(~mine, 0.0)
+        target_logit = ReduceFromTensorParallelRegion.apply(picked, self.group)
+        return (sum_exp.log() - target_logit).sum()
+
+    # gradients, norms, whole parameters ----------------------------------------------------------
+    def finish_gradients(self, named_grads) -> None:
+        """Sum partial gradients over tp: replicated parameters that saw different data (norms under
+        SP, the MoE router) and kv heads that several ranks hold."""
+        for name, grad in named_grads:
+            spec = self.shards.get(name)
+            if name in self.partial_grads:
+                dist.all_reduce(grad, group=self.group)
+            elif spec is not None and spec.replicas > 1:
+                slots = grad.new_zeros((spec.pieces,) + tuple(grad.shape))
+                slots[spec.index] = grad
+                dist.all_reduce(slots, group=self.group)
+                grad.copy_(slots[spec.index])
+
+    def norm_weight(self, name: str) -> float:
+        """Weight of this rank's squared gradient norm when summed over tp: 1 for a split parameter,
+        1/tp for a replicated one (counted once), 1/replicas for shared kv heads."""
+        spec = self.shards.get(name)
+        return 1.0 / self.tp if spec is None else 1.0 / spec.replicas
+
+    def gather_full(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        spec = self.shards.get(name)
+        if spec is None:
+            return local
+        parts = torch.empty((self.tp * local.shape[0],) + tuple(local.shape[1:]), dtype=local.dtype, device=local.device)
+        dist.all_gather_single(parts, local.contiguous(), group=self.group)
+        parts = parts.view((self.tp,) + tuple(local.shape))
+        chunks = [parts[r] for r in range(0, self.tp, spec.replicas)]
+        full = torch.cat(chunks, dim=spec.dim)
+        if spec.padded:
+            full = full.narrow(spec.dim, 0, self.vocab)
+        return full
