@@ -4,6 +4,8 @@
   and those of DDP/FSDP2, which call the same functions), keyed by (mesh dimension, collective).
   It wraps the real functions and calls them; nothing is simulated.
 - `model_state_bytes` measures the bytes of parameters, gradients and optimizer state this rank holds.
+- `ActivationLedger` measures the bytes each transformer layer saves for backward (saved-tensor
+  hooks), so activation memory is a measured figure.
 
 Payload bytes per call are counted as: all_reduce / broadcast / send / recv the tensor itself;
 all_gather_into_tensor the gathered output; reduce_scatter_tensor the full input; all_to_all_single
@@ -139,3 +141,37 @@ def held_bytes(tensors) -> int:
 def model_state_bytes(tensors: dict[str, list[torch.Tensor]]) -> dict[str, int]:
     """{"params", "grads", "optimizer"} -> bytes this rank holds (local shards only, views once)."""
     return {kind: held_bytes(ts) for kind, ts in tensors.items()}
+
+
+class ActivationLedger:
+    """Bytes saved for backward per transformer layer during one recorded forward pass.
+
+    Parameters are not activations and are skipped; views of one buffer count once."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.recording = False
+        self.layer: str | None = None
+        self._saved: dict[str, list[torch.Tensor]] = defaultdict(list)
+        self.per_layer: dict[str, int] = {}
+        self._weights: set[int] = set()
+        for name, block in model.layers.items():
+            block.register_forward_pre_hook(lambda m, args, name=name: self._enter(name, m))
+            block.register_forward_hook(lambda m, args, out: setattr(self, "layer", None))
+
+    def _enter(self, name: str, block: torch.nn.Module) -> None:
+        self.layer = name
+        if self.recording:  # weights (and views of them, e.g. transposes) are saved too; not activations
+            self._weights = {p.untyped_storage().data_ptr() for p in block.parameters()}
+
+    def note(self, t: torch.Tensor) -> None:
+        if self.recording and self.layer is not None and t.untyped_storage().data_ptr() not in self._weights:
+            self._saved[self.layer].append(t)
+
+    def start(self) -> None:
+        self.recording, self._saved, self.per_layer = True, defaultdict(list), {}
+
+    def stop(self) -> None:
+        """Count what the recorded forward saved, and let go of the tensors."""
+        self.recording = False
+        self.per_layer = {name: held_bytes(ts) for name, ts in self._saved.items()}
+        self._saved = defaultdict(list)

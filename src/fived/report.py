@@ -28,12 +28,17 @@ import math
 from fived.config import Config
 from fived.mesh import DTYPES, Mesh
 from fived.model import build_model
+from fived.parallel.tensor import TensorParallel
 from fived.train import TrainResult
 
 
-def _sizes(cfg: Config) -> tuple[list, int, int]:
-    """(parameter shapes with their FSDP-block flag, bytes per weight, bytes per reduced gradient)"""
+def _sizes(cfg: Config, world: int) -> tuple[list, int, int]:
+    """(this rank's parameter shapes with their FSDP-block flag, bytes per weight, bytes per reduced
+    gradient). With tensor parallelism the shapes are the local shards (rank 0's; all are equal)."""
     model = build_model(cfg.model)
+    mesh = Mesh.from_config(cfg, world)
+    if mesh.tp > 1:
+        TensorParallel(model, None, cfg.parallel.sp, mesh.tp, 0).apply(model)
     shapes = [(p.shape, name.startswith("layers.")) for name, p in model.named_parameters()]
     bf16 = cfg.train.dtype == "bfloat16"
     b = 4 if bf16 else DTYPES[cfg.train.dtype].itemsize
@@ -43,7 +48,7 @@ def _sizes(cfg: Config) -> tuple[list, int, int]:
 
 def expected_state_bytes(cfg: Config, world: int) -> dict[str, int]:
     """The table above for this config (per rank, before shard padding)."""
-    shapes, b, _ = _sizes(cfg)
+    shapes, b, _ = _sizes(cfg, world)
     n = sum(math.prod(s) for s, _ in shapes)
     shards = Mesh.from_config(cfg, world).dp_shard
     stage = cfg.parallel.zero
@@ -55,13 +60,13 @@ def expected_state_bytes(cfg: Config, world: int) -> dict[str, int]:
 def expected_comm_bytes(cfg: Config, world: int) -> dict[str, int]:
     """The communication formulas above, keyed like the ledger ("dim/collective")."""
     mesh = Mesh.from_config(cfg, world)
-    shapes, b, r = _sizes(cfg)
+    shapes, b, r = _sizes(cfg, world)
     n = sum(math.prod(s) for s, _ in shapes)
     s_, stage = mesh.dp_shard, cfg.parallel.zero
+    out = expected_tp_comm_bytes(cfg, world) if mesh.tp > 1 else {}
     if mesh.dp == 1:
-        return {}
+        return out
     shard_dim = "dp" if mesh.dp_replicate == 1 else "dp_shard"
-    out: dict[str, int] = {}
     if stage == 0:
         out["dp/all_reduce"] = n * r
     elif stage in (1, 2):
@@ -86,6 +91,55 @@ def expected_comm_bytes(cfg: Config, world: int) -> dict[str, int]:
     return out
 
 
+def expected_tp_comm_bytes(cfg: Config, world: int) -> dict[str, int]:
+    """Tensor-parallel bytes per step, B tokens per micro-batch, h = dim, e = activation bytes:
+    per layer and micro-batch, without SP two all-reduces of B*h*e forward (region exits) and two
+    backward (region entries); with SP the same volume as all-gathers + reduce-scatters, plus one
+    all-gather per region in backward to rebuild the input it did not keep. Besides the layers: the
+    vocab-parallel embedding's exit and the output head's entry (one region boundary each), the
+    loss's three all-reduces of B values (max, sum of exponentials, target logit), the partial
+    gradients summed over tp (router; norms with SP; replicated kv heads), the 8-byte norm."""
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    mesh = Mesh.from_config(cfg, world)
+    e = DTYPES[t.dtype].itemsize
+    tokens = t.global_batch // mesh.dp // t.microbatches * t.seq_len
+    act = tokens * m.dim * e
+    loss = 3 * tokens * max(e, 4) * t.microbatches
+    layers = m.n_layers * t.microbatches
+    out = {"tp/all_reduce": loss + 8}
+    if p.sp:
+        out["tp/all_gather_single"] = (6 * layers + 3 * t.microbatches) * act
+        out["tp/reduce_scatter_single"] = (4 * layers + 2 * t.microbatches) * act
+        out["tp/all_reduce"] += (2 * m.n_layers + 1) * m.dim * e  # norm gains saw different tokens
+    else:
+        out["tp/all_reduce"] += (4 * layers + 2 * t.microbatches) * act
+    n_moe = m.n_layers - m.n_dense_layers if m.is_moe else 0
+    out["tp/all_reduce"] += n_moe * m.n_experts * m.dim * e  # the router's partial gradient
+    if m.n_kv_heads % mesh.tp:  # replicated kv heads: a [kv heads, head_dim, dim] slot tensor each
+        out["tp/all_reduce"] += m.n_layers * 2 * m.n_kv_heads * m.head_dim * m.dim * e
+    return out
+
+
+def expected_activation_bytes(cfg: Config, world: int) -> int:
+    """Bytes one dense transformer layer saves for backward per micro-batch on one rank, for our
+    architecture (RMSNorm, GQA, SwiGLU, SDPA keeping only its log-sum-exp; the Korthikanti et al.
+    count redone). Per token, in elements: each RMSNorm keeps its input, the normalised input and
+    its output (3h, twice), plus 1/rms; attention keeps q and its output (2h), k and v (2 h_kv) and
+    a log-sum-exp per head (a); SwiGLU keeps gate, up, silu(gate) and their product (4f). Per
+    layer the RoPE tables (2 s head_dim). Tensor parallelism divides q, attention output, the heads
+    and the MLP by T; sequence parallelism also divides the norms' part; kv heads are divided
+    while T <= n_kv_heads and one head is kept otherwise:
+        B*e*(6h/T_sp + 2/T_sp + (2h + 4f + a)/T + 2 h_kv_local) + 2*s*head_dim*e"""
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    mesh = Mesh.from_config(cfg, world)
+    e = DTYPES[t.dtype].itemsize
+    tokens = t.global_batch // mesh.dp // t.microbatches * t.seq_len
+    tp, tp_sp = mesh.tp, (mesh.tp if p.sp else 1)
+    kv_local = max(m.n_kv_heads // tp, 1) * m.head_dim
+    per_token = 6 * m.dim / tp_sp + 2 / tp_sp + (2 * m.dim + 4 * m.ffn_dim + m.n_heads) / tp + 2 * kv_local
+    return round(tokens * e * per_token + 2 * t.seq_len * m.head_dim * e)
+
+
 def format_report(cfg: Config, world: int, results: list[TrainResult]) -> str:
     lines = [f"model-state bytes per rank, ZeRO-{cfg.parallel.zero} (measured | formula):"]
     want = expected_state_bytes(cfg, world)
@@ -100,4 +154,11 @@ def format_report(cfg: Config, world: int, results: list[TrainResult]) -> str:
         lines.append(f"  {key}: {got['bytes']:,} B in {got['calls']} call(s) | {want_comm.get(key, 0):,} B")
     if not comm and not want_comm:
         lines.append("  (none: a single rank)")
+    acts = results[0].activations
+    if acts:
+        dense = expected_activation_bytes(cfg, world)
+        lines.append("activation bytes saved for backward per layer and micro-batch on rank 0 (measured | formula):")
+        for name, got in acts.items():
+            moe = cfg.model.is_moe and int(name) >= cfg.model.n_dense_layers
+            lines.append(f"  layer {name}: {got:,} | " + ("(MoE layer: no formula)" if moe else f"{dense:,}"))
     return "\n".join(lines)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from fived.config import Config
 from fived.data import GlobalBatchSampler, load_tokenizer, load_tokens
 from fived.launch import device_type
-from fived.ledger import CommLedger, model_state_bytes
+from fived.ledger import ActivationLedger, CommLedger, model_state_bytes
 from fived.mesh import DTYPES, Mesh, check_config
 from fived.metrics import MetricsLog, device_peak_tflops, flops_per_token, peak_memory_mb
 from fived.model import MoE, build_model, init_weights, materialize
@@ -31,6 +31,7 @@ class TrainResult:
     state: dict[str, torch.Tensor] = field(default_factory=dict)  # full parameters, if asked for
     memory: dict[str, int] = field(default_factory=dict)  # this rank's model-state bytes
     comm: dict[str, dict[str, int]] = field(default_factory=dict)  # last step's collectives
+    activations: dict[str, int] = field(default_factory=dict)  # bytes saved for backward per layer
 
 
 class Trainer:
@@ -65,6 +66,7 @@ class Trainer:
         self.sampler = GlobalBatchSampler(load_tokens(cfg.data.path, cfg.data.tokenizer), t.seq_len, t.global_batch, t.seed)
         self.global_tokens = t.global_batch * t.seq_len
         self.ledger = CommLedger(self.mesh.group_names())
+        self.activations = ActivationLedger(model)  # measured on the first micro-batch
         self.state_bytes: dict[str, int] = {}
         self.log = MetricsLog(t.output_dir, t.tensorboard) if (log and self.rank == 0) else None
         self.peak_flops = device_peak_tflops(param_dtype, t.peak_tflops) * 1e12
@@ -86,9 +88,13 @@ class Trainer:
             micro_batches = batch.chunk(t.microbatches)
             for i, micro in enumerate(micro_batches):
                 self.dp.before_micro_batch(is_last=i == len(micro_batches) - 1)
-                with self._autocast(), self.plan.forward_context():
+                if not self.activations.per_layer and i == 0:
+                    self.activations.start()
+                with self._autocast(), self.plan.forward_context(self.activations):
                     logits = self.model(micro[:, :-1])
                     loss = self.plan.loss_sum(logits, micro[:, 1:])
+                if self.activations.recording:
+                    self.activations.stop()
                 (loss / self.global_tokens).backward()
                 loss_sum += loss.detach().double()
                 for moe in self.moe_layers:
@@ -146,5 +152,5 @@ def run_training(cfg: Config, log: bool = True, progress: bool = True, return_st
     trainer = Trainer(cfg, log=log)
     metrics = trainer.fit(progress=progress)
     state = trainer.plan.full_state() if return_state else {}
-    return TrainResult(metrics=metrics, state=state, memory=trainer.state_bytes,
+    return TrainResult(metrics=metrics, state=state, memory=trainer.state_bytes, activations=trainer.activations.per_layer,
                        comm=trainer.ledger.summary())

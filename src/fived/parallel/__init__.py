@@ -37,9 +37,20 @@ class ParallelPlan:
         spec = self.tensor_parallel.shards.get(name) if self.tensor_parallel else None
         return spec.local(full) if spec else full
 
-    def forward_context(self):
-        tp = self.tensor_parallel
-        return tp.saved_tensor_hooks() if tp is not None and tp.sp else contextlib.nullcontext()
+    def forward_context(self, activations=None):
+        """Saved-tensor hooks for a forward pass: sequence-parallel shards stored instead of gathered
+        inputs, and the activation ledger's count of what is saved (when it records)."""
+        tp = self.tensor_parallel if self.tensor_parallel is not None and self.tensor_parallel.sp else None
+        if tp is None and (activations is None or not activations.recording):
+            return contextlib.nullcontext()
+
+        def pack(t):
+            packed = tp.pack(t) if tp is not None else t
+            if activations is not None:
+                activations.note(packed[1]["shard"] if isinstance(packed, tuple) else packed)
+            return packed
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, tp.unpack if tp is not None else (lambda p: p))
 
     def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return self.tensor_parallel.loss_sum(logits, targets) if self.tensor_parallel else lm_loss_sum(logits, targets)
@@ -82,6 +93,6 @@ def parallelize(model: Transformer, mesh: Mesh, cfg: Config) -> ParallelPlan:
 def apply_tensor_parallel(model: nn.Module, mesh: Mesh, cfg: Config) -> TensorParallel | None:
     if mesh.tp == 1:
         return None
-    tp = TensorParallel(model, mesh.group("tp"), cfg.parallel.sp)
+    tp = TensorParallel(model, mesh.group("tp"), cfg.parallel.sp, mesh.tp, mesh.rank("tp"))
     tp.apply(model)
     return tp

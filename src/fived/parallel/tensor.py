@@ -125,9 +125,11 @@ class TensorParallel:
     """The tensor-parallel plan of one model: how each parameter is split, which gradients are partial
     sums over tp, and the region hooks."""
 
-    def __init__(self, model: Transformer, group, sequence_parallel: bool):
+    def __init__(self, model: Transformer, group, sequence_parallel: bool, size: int, rank: int):
+        """`size`/`rank` are given, not read from `group`, so a plan can be made without processes
+        (the memory formulas split a meta model the same way)."""
         self.group, self.sp = group, sequence_parallel
-        self.tp, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.tp, self.rank = size, rank
         self.cfg = model.cfg
         self.shards: dict[str, TPShard] = {}
         self.partial_grads: set[str] = set()  # replicated over tp, but each rank holds a partial grad
@@ -208,7 +210,8 @@ class TensorParallel:
             return CopyToTensorParallelRegion.apply(x, self.group)
         full = GatherFromSequenceParallelRegion.apply(x, self.group)
         # Weakly: the gathered input must be freed as soon as the region's ops are done with it.
-        self._regather[full.untyped_storage().data_ptr()] = (x.detach(), weakref.ref(full))
+        self._regather[full.untyped_storage().data_ptr()] = {
+            "shard": x.detach(), "gathered": weakref.ref(full), "uses": 0, "full": None}
         return full
 
     def _exit(self, y: torch.Tensor) -> torch.Tensor:
@@ -234,25 +237,29 @@ class TensorParallel:
         return post
 
     # saved tensors: with SP keep the sequence shard of a gathered input, gather again in backward --
-    def saved_tensor_hooks(self):
-        self._regather.clear()
+    def pack(self, t: torch.Tensor):
+        """Saved-tensor pack hook: a view of a gathered region input is stored as this rank's shard.
+        All views of one gathered input share a holder, so backward gathers it once and drops it
+        after its last use."""
+        ptr = t.untyped_storage().data_ptr()
+        holder = self._regather.get(ptr)
+        full = holder["gathered"]() if holder is not None else None
+        if full is None or full.untyped_storage().data_ptr() != ptr:
+            return t
+        holder["uses"] += 1
+        return ("sp-shard", holder, t.shape, t.stride(), t.storage_offset())
 
-        def pack(t: torch.Tensor):
-            ptr = t.untyped_storage().data_ptr()
-            entry = self._regather.get(ptr)
-            full = entry[1]() if entry is not None else None
-            if full is None or full.untyped_storage().data_ptr() != ptr:
-                return t
-            return ("sp-shard", entry[0], t.shape, t.stride(), t.storage_offset())
-
-        def unpack(packed):
-            if not isinstance(packed, tuple):
-                return packed
-            _, shard, shape, stride, offset = packed
-            full = _gather_seq(shard, self.group).contiguous()
-            return full.as_strided(shape, stride, offset)
-
-        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+    def unpack(self, packed):
+        if not isinstance(packed, tuple):
+            return packed
+        _, holder, shape, stride, offset = packed
+        if holder["full"] is None:
+            holder["full"] = _gather_seq(holder["shard"], self.group)
+        full = holder["full"]
+        holder["uses"] -= 1
+        if holder["uses"] == 0:
+            holder["full"] = None
+        return full.as_strided(shape, stride, offset)
 
     # loss ----------------------------------------------------------------------------------------
     def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
