@@ -24,6 +24,7 @@ SHORT_FLAGS = {
     "--pp-schedule": "parallel.pp_schedule", "--pp-virtual": "parallel.pp_virtual",
     "--microbatches": "train.microbatches", "--steps": "train.steps", "--seed": "train.seed",
     "--dtype": "train.dtype", "--seq-len": "train.seq_len", "--global-batch": "train.global_batch",
+    "--trace": "train.trace", "--pp-layers": "parallel.pp_layers",
 }
 
 
@@ -71,6 +72,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
 
     from fived.launch import init_distributed, run_ranks, shutdown_distributed, under_torchrun
     from fived.metrics import fresh_output_dir
+    from fived.parallel.pipeline import write_chrome_trace
     from fived.report import format_report
     from fived.train import run_training
 
@@ -81,6 +83,13 @@ def cmd_train(ns: argparse.Namespace) -> int:
         if int(os.environ["RANK"]) == 0:  # only rank 0 writes the log
             cfg.train.output_dir = str(fresh_output_dir(cfg.train.output_dir))
         result = run_training(cfg)
+        if cfg.train.trace:  # every rank's timeline, gathered to rank 0
+            import torch.distributed as dist
+
+            timelines = [None] * dist.get_world_size()
+            dist.all_gather_object(timelines, result.timeline)
+            if dist.get_rank() == 0:
+                write_chrome_trace(cfg.train.trace, [a for t in timelines for a in t])
         if ns.report and int(os.environ["RANK"]) == 0:
             print(format_report(cfg, world, [result]))
         shutdown_distributed()
@@ -91,6 +100,9 @@ def cmd_train(ns: argparse.Namespace) -> int:
           f"pp={cfg.parallel.pp} cp={cfg.parallel.cp} ep={cfg.parallel.ep} zero={cfg.parallel.zero}, "
           f"{cfg.train.steps} steps -> {cfg.train.output_dir}/metrics.jsonl", flush=True)
     results = run_ranks(world, run_training, cfg)
+    if cfg.train.trace:
+        write_chrome_trace(cfg.train.trace, [a for r in results for a in r.timeline])
+        print(f"pipeline trace of {world} rank(s) -> {cfg.train.trace}")
     first, last = results[0].metrics[0], results[0].metrics[-1]
     print(f"loss {first['loss']:.4f} (step {first['step']}) -> {last['loss']:.4f} (step {last['step']}); "
           f"{last['tokens_per_s']:.0f} tokens/s, MFU {last['mfu']:.1%}")

@@ -75,8 +75,9 @@ class ParallelConfig:
     reduce_dtype: str = "float32"  # gradient reduction dtype in bfloat16 runs (float32 | bfloat16)
     zero3_keep_gathered: bool = False  # ZeRO-3: keep gathered weights across micro-batches
     sp: bool = False
-    pp_schedule: str = "1f1b"
-    pp_virtual: int = 1
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved-1f1b | zero-bubble | zbv | dualpipev
+    pp_virtual: int = 1  # stages per rank for interleaved-1f1b / zero-bubble (zbv, dualpipev: 2)
+    pp_layers: str = ""  # explicit layers per stage, e.g. "3,1" (default: balanced by cost)
 
 
 @dataclass
@@ -98,6 +99,7 @@ class TrainConfig:
     seed: int = 0
     log_every: int = 10
     output_dir: str = "runs/default"
+    trace: str = ""  # write the executed pipeline actions of every rank as a Chrome/Perfetto trace
     tensorboard: bool = False
     peak_tflops: float = 0.0  # per device, for MFU; 0 = look up the GPU or measure the CPU
 

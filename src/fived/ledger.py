@@ -30,9 +30,9 @@ _TRACKED = {
     "all_to_all_single": (1, "input"),
     "send": (0, "tensor"),
     "recv": (0, "tensor"),
-    "isend": (0, "tensor"),
-    "irecv": (0, "tensor"),
 }
+# isend/irecv are not wrapped: P2POp checks their identity. Batched point-to-point (pipeline
+# stages) is counted from batch_isend_irecv's ops instead.
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -90,20 +90,30 @@ class CommLedger:
 
             return counted
 
+        real_batch = dist.batch_isend_irecv
+
+        def counted_batch(ops):
+            for op in ops:
+                kind = "send" if op.op is dist.distributed_c10d.isend else "recv"
+                self.record(kind, op.group, _nbytes(op.tensor))
+            return real_batch(ops)
+
         for name, real in originals.items():
             setattr(dist, name, wrap(name, real))
+        dist.batch_isend_irecv = counted_batch
         try:
             yield self
         finally:
             for name, real in originals.items():
                 setattr(dist, name, real)
+            dist.batch_isend_irecv = real_batch
 
 
 def _positional_group(name: str, args: tuple):
     # Positional group argument index in torch.distributed's signatures.
     index = {"all_reduce": 2, "broadcast": 2, "all_gather_into_tensor": 2, "all_gather_single": 2,
              "reduce_scatter_tensor": 3, "reduce_scatter_single": 3,
-             "all_to_all_single": 4, "send": 2, "recv": 2, "isend": 2, "irecv": 2}[name]
+             "all_to_all_single": 4, "send": 2, "recv": 2}[name]
     return args[index] if len(args) > index else None
 
 

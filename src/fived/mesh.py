@@ -16,7 +16,7 @@ import torch
 from fived.config import Config, ConfigError
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-IMPLEMENTED = {"dp", "zero", "tp"}  # dimensions above 1 that the runtime builds today
+IMPLEMENTED = {"dp", "zero", "tp", "pp"}  # dimensions above 1 that the runtime builds today
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 CHECKPOINTING = ("none", "full", "selective")
@@ -55,9 +55,26 @@ def _layout_errors(cfg: Config, world: int | None) -> list[ConfigError]:
     need(m.n_heads % p.tp == 0, "parallel.tp", p.tp, f"must divide model.n_heads={m.n_heads}")
     need(m.n_kv_heads % p.tp == 0 or p.tp % m.n_kv_heads == 0, "parallel.tp", p.tp,
          f"must divide model.n_kv_heads={m.n_kv_heads} or be a multiple of it (kv heads are then replicated)")
-    need(m.n_layers >= p.pp * p.pp_virtual, "parallel.pp", p.pp,
-         f"pp*pp_virtual={p.pp * p.pp_virtual} stages need at least as many layers (model.n_layers={m.n_layers})")
     need(p.pp_schedule in PP_SCHEDULES, "parallel.pp_schedule", p.pp_schedule, "must be one of " + ", ".join(PP_SCHEDULES))
+    if errs:
+        return errs
+    need(p.pp_virtual >= 1, "parallel.pp_virtual", p.pp_virtual, "must be >= 1")
+    need(p.pp_virtual == 1 or p.pp_schedule in ("interleaved-1f1b", "zero-bubble"), "parallel.pp_virtual",
+         p.pp_virtual, f"only interleaved-1f1b and zero-bubble take virtual stages ({p.pp_schedule} uses "
+         f"{2 if p.pp_schedule in ('zbv', 'dualpipev') else 1} per rank)")
+    stages = p.pp * (2 if p.pp_schedule in ("zbv", "dualpipev") else max(p.pp_virtual, 1)) if p.pp > 1 else 1
+    need(m.n_layers >= stages, "parallel.pp", p.pp,
+         f"{stages} pipeline stages need at least as many layers (model.n_layers={m.n_layers})")
+    if p.pp_layers:
+        try:
+            counts = [int(c) for c in p.pp_layers.split(",")]
+        except ValueError:
+            counts = []
+        need(len(counts) == stages and all(c >= 1 for c in counts) and sum(counts) == m.n_layers,
+             "parallel.pp_layers", p.pp_layers,
+             f"must list {stages} positive layer counts summing to model.n_layers={m.n_layers}")
+    need(p.pp_schedule != "dualpipev" or p.pp == 1 or t.microbatches >= 2 * p.pp, "train.microbatches",
+         t.microbatches, f"dualpipev needs at least as many micro-batches as stages (2*pp={2 * p.pp})")
     need(p.ep == 1 or m.is_moe, "parallel.ep", p.ep, f"needs a mixture-of-experts model (model.name={m.name} is dense)")
     need(not m.is_moe or m.n_experts % p.ep == 0, "parallel.ep", p.ep, f"must divide model.n_experts={m.n_experts}")
     need(dp >= 1 and (dp * p.cp) % p.ep == 0, "parallel.ep", p.ep, f"must divide dp*cp={max(dp, 1) * p.cp}")

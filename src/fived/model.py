@@ -109,15 +109,18 @@ class AddAuxLossGrad(torch.autograd.Function):
     so it works unchanged under pipeline stages and activation checkpointing."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, aux: torch.Tensor, scale: float):
-        ctx.scale = scale
+    def forward(ctx, x: torch.Tensor, aux: torch.Tensor, scale: float, sink: list):
+        ctx.scale, ctx.sink = scale, sink
         ctx.save_for_backward(aux)
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (aux,) = ctx.saved_tensors
-        return grad, torch.full_like(aux, ctx.scale), None
+        # Logged here, not in forward: backward runs once per micro-batch even when activation
+        # checkpointing runs the forward twice, and inside pipeline schedules too.
+        ctx.sink.append(aux.detach())
+        return grad, torch.full_like(aux, ctx.scale), None, None
 
 
 class MoE(nn.Module):
@@ -137,7 +140,8 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(cfg.n_experts, cfg.dim, cfg.expert_dim)
         self.shared = FeedForward(cfg.dim, cfg.expert_dim * cfg.n_shared_experts) if cfg.n_shared_experts else None
         self.aux_loss_scale = 0.0  # set by the trainer: coef / sequences in the global batch
-        self.last_aux_loss = None  # detached per-sequence sum, for logging
+        self.last_aux_loss = None  # detached per-sequence sum of the last forward
+        self.aux_losses: list[torch.Tensor] = []  # one per backward since the trainer last read it
         self.last_tokens_per_expert = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -171,7 +175,7 @@ class MoE(nn.Module):
         if self.shared is not None:
             out = out + self.shared(x)
         if self.training and torch.is_grad_enabled():
-            out = AddAuxLossGrad.apply(out, aux, self.aux_loss_scale)
+            out = AddAuxLossGrad.apply(out, aux, self.aux_loss_scale, self.aux_losses)
         return out
 
     def _within_capacity(self, sorted_experts: torch.Tensor, counts: torch.Tensor, n_tokens: int) -> torch.Tensor:
@@ -203,6 +207,7 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
+        self.sequence_shards = 1  # >1 when the hidden states between pipeline stages are sequence shards
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
@@ -212,8 +217,9 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        if positions is None:  # from the input: h may hold only a sequence shard (SP)
-            positions = torch.arange(tokens.shape[1], device=h.device)
+        if positions is None:  # tokens are whole sequences; hidden states may be sequence shards (SP)
+            seq_len = tokens.shape[1] * (1 if self.tok_embeddings is not None else self.sequence_shards)
+            positions = torch.arange(seq_len, device=h.device)
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, h.dtype)
         for layer in self.layers.values():
             h = layer(h, cos, sin)

@@ -9,8 +9,8 @@ import torch
 from fived.config import TrainConfig
 
 
-def build_optimizer(model: torch.nn.Module, t: TrainConfig) -> torch.optim.AdamW:
-    params = [p for p in model.parameters() if p.requires_grad]
+def build_optimizer(params, t: TrainConfig) -> torch.optim.AdamW:
+    params = [p for p in params if p.requires_grad]
     # Norm gains (1-D) are not decayed: decaying them pulls every layer's scale toward zero.
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": t.weight_decay},

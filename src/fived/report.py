@@ -154,7 +154,16 @@ def format_report(cfg: Config, world: int, results: list[TrainResult]) -> str:
         lines.append(f"  {key}: {got['bytes']:,} B in {got['calls']} call(s) | {want_comm.get(key, 0):,} B")
     if not comm and not want_comm:
         lines.append("  (none: a single rank)")
-    acts = results[0].activations
+    timeline = [a for res in results for a in res.timeline]
+    if timeline:
+        from fived.parallel.pipeline import stages_per_rank
+        from fived.parallel.schedule_sim import bubble_of
+
+        p, m = cfg.parallel.pp, cfg.train.microbatches
+        stages = p * stages_per_rank(cfg.parallel.pp_schedule, cfg.parallel.pp_virtual)
+        lines.append(f"pipeline bubble of {cfg.parallel.pp_schedule}, simulated from the executed actions with unit "
+                     f"times: {bubble_of(timeline, stages):.4f} (GPipe/1F1B textbook (p-1)/(m+p-1) = {(p - 1) / (m + p - 1):.4f})")
+    acts = {k: v for k, v in results[0].activations.items() if k != "-"}
     if acts:
         dense = expected_activation_bytes(cfg, world)
         lines.append("activation bytes saved for backward per layer and micro-batch on rank 0 (measured | formula):")

@@ -23,6 +23,7 @@ from fived.metrics import MetricsLog, device_peak_tflops, flops_per_token, peak_
 from fived.model import MoE, build_model, init_weights, materialize
 from fived.optim import build_scheduler
 from fived.parallel import parallelize
+from fived.parallel.pipeline import Pipeline
 
 
 @dataclass
@@ -32,6 +33,7 @@ class TrainResult:
     memory: dict[str, int] = field(default_factory=dict)  # this rank's model-state bytes
     comm: dict[str, dict[str, int]] = field(default_factory=dict)  # last step's collectives
     activations: dict[str, int] = field(default_factory=dict)  # bytes saved for backward per layer
+    timeline: list = field(default_factory=list)  # pipeline actions this rank executed (last step)
 
 
 class Trainer:
@@ -47,15 +49,20 @@ class Trainer:
         # bfloat16 means mixed precision: float32 weights and optimizer state, bf16 autocast compute.
         param_dtype = torch.float32 if self.compute_dtype == torch.bfloat16 else self.compute_dtype
 
-        model = build_model(cfg.model, "meta", param_dtype)
-        for moe in (m for m in model.modules() if isinstance(m, MoE)):
+        self.pipeline = Pipeline(cfg, self.mesh) if self.mesh.pp > 1 else None
+        chunks = self.pipeline.build_chunks(param_dtype) if self.pipeline else [build_model(cfg.model, "meta", param_dtype)]
+        self.moe_layers = [m for c in chunks for m in c.modules() if isinstance(m, MoE)]
+        for moe in self.moe_layers:
             moe.aux_loss_scale = cfg.model.aux_loss_coef / t.global_batch
-        self.plan = parallelize(model, self.mesh, cfg)  # on the meta device: nothing allocated yet
+        self.plan = parallelize(chunks, self.mesh, cfg)  # on the meta device: nothing allocated yet
         self.dp = self.plan.data_parallel
-        materialize(model, self.device)
-        init_weights(model, t.seed, self.plan.local_init)
-        self.model = self.dp.wrap(model)  # the module forward is called on (DDP wraps)
-        self.moe_layers = [m for m in model.modules() if isinstance(m, MoE)]
+        for chunk in chunks:
+            materialize(chunk, self.device)
+            init_weights(chunk, t.seed, self.plan.local_init)
+        modules = self.dp.wrap(chunks)  # what forward is called on (DDP wraps)
+        self.model = modules[0]
+        if self.pipeline:
+            self.pipeline.build_schedule(modules, self._pipeline_loss, self.device)
         self.optimizer = self.dp.build_optimizer()
         self.scheduler = build_scheduler(self.optimizer, t)
 
@@ -66,7 +73,9 @@ class Trainer:
         self.sampler = GlobalBatchSampler(load_tokens(cfg.data.path, cfg.data.tokenizer), t.seq_len, t.global_batch, t.seed)
         self.global_tokens = t.global_batch * t.seq_len
         self.ledger = CommLedger(self.mesh.group_names())
-        self.activations = ActivationLedger(model)  # measured on the first micro-batch
+        # Bytes saved for backward, measured on the first micro-batch (not inside pipeline schedules).
+        self.activations = ActivationLedger(chunks[0])
+        self.activations.per_layer = {"-": 0} if self.pipeline else {}
         self.state_bytes: dict[str, int] = {}
         self.log = MetricsLog(t.output_dir, t.tensorboard) if (log and self.rank == 0) else None
         self.peak_flops = device_peak_tflops(param_dtype, t.peak_tflops) * 1e12
@@ -77,28 +86,45 @@ class Trainer:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
+    def _pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        with self._autocast():
+            return self.plan.loss_sum(logits, targets) / self.global_tokens
+
+    def _forward_backward(self, batch: torch.Tensor) -> torch.Tensor:
+        """Every micro-batch of this rank's batch; returns the summed token cross-entropy."""
+        if self.pipeline:
+            self.dp.before_micro_batch(is_last=True)
+            with self._autocast(), self.plan.forward_context():
+                return self.pipeline.step(batch) * self.global_tokens
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        micro_batches = batch.chunk(self.cfg.train.microbatches)
+        for i, micro in enumerate(micro_batches):
+            self.dp.before_micro_batch(is_last=i == len(micro_batches) - 1)
+            if not self.activations.per_layer and i == 0:
+                self.activations.start()
+            with self._autocast(), self.plan.forward_context(self.activations):
+                logits = self.model(micro[:, :-1])
+                loss = self.plan.loss_sum(logits, micro[:, 1:])
+            if self.activations.recording:
+                self.activations.stop()
+            (loss / self.global_tokens).backward()
+            loss_sum += loss.detach().double()
+        return loss_sum
+
     def step(self, step: int) -> dict:
         t = self.cfg.train
         start = time.perf_counter()
         self.ledger.reset()
         with self.ledger.track():
             batch = self.sampler.local_batch_at(step, self.mesh.rank("dp"), self.mesh.dp).to(self.device)
-            loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+            loss_sum = self._forward_backward(batch)
             aux_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-            micro_batches = batch.chunk(t.microbatches)
-            for i, micro in enumerate(micro_batches):
-                self.dp.before_micro_batch(is_last=i == len(micro_batches) - 1)
-                if not self.activations.per_layer and i == 0:
-                    self.activations.start()
-                with self._autocast(), self.plan.forward_context(self.activations):
-                    logits = self.model(micro[:, :-1])
-                    loss = self.plan.loss_sum(logits, micro[:, 1:])
-                if self.activations.recording:
-                    self.activations.stop()
-                (loss / self.global_tokens).backward()
-                loss_sum += loss.detach().double()
-                for moe in self.moe_layers:
-                    aux_sum += moe.last_aux_loss.double()
+            for moe in self.moe_layers:
+                # One entry per micro-batch's backward; a pipeline schedule's first step also runs a
+                # shape-inference backward on dummy data first, which is not a training value.
+                for aux in moe.aux_losses[-t.microbatches:]:
+                    aux_sum += aux.double()
+                moe.aux_losses.clear()
             self.plan.finish_gradients()
             grad_norm = self.plan.clip_gradients(t.grad_clip)
             self.dp.step()
@@ -107,10 +133,12 @@ class Trainer:
             if not self.state_bytes:  # once, while gradients and optimizer state both exist
                 self.state_bytes = model_state_bytes(self.dp.tensors())
             self.dp.zero_grad()
-        # Logged loss: the mean over every token of the global batch. (Outside the ledger: it is
-        # 16 bytes of logging, not part of the training step's communication.)
+        # Logged loss: the mean over every token of the global batch; pipeline stages other than the
+        # last contribute zero. (Outside the ledger: 16 bytes of logging, not the step's traffic.)
         totals = torch.stack([loss_sum, aux_sum])
         dist.all_reduce(totals, group=self.mesh.group("dp"))
+        if self.pipeline:
+            dist.all_reduce(totals, group=self.mesh.group("pp"))
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
@@ -124,7 +152,7 @@ class Trainer:
             "peak_mem_mb": peak_memory_mb(),
             "step_time_s": elapsed,
         }
-        if self.moe_layers:
+        if self.cfg.model.is_moe:
             record["aux_loss"] = totals[1].item() / t.global_batch
         return record
 
@@ -152,5 +180,6 @@ def run_training(cfg: Config, log: bool = True, progress: bool = True, return_st
     trainer = Trainer(cfg, log=log)
     metrics = trainer.fit(progress=progress)
     state = trainer.plan.full_state() if return_state else {}
+    timeline = trainer.pipeline.last_step_actions() if trainer.pipeline else []
     return TrainResult(metrics=metrics, state=state, memory=trainer.state_bytes, activations=trainer.activations.per_layer,
-                       comm=trainer.ledger.summary())
+                       comm=trainer.ledger.summary(), timeline=timeline)

@@ -8,12 +8,14 @@ Relative difference: |a - b| / |b| for scalars (per step), ||a - b|| / ||b|| for
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field
 
 import torch
 
 from fived.config import Config, ParallelConfig
 from fived.launch import run_ranks
+from fived.mesh import check_config
 from fived.train import TrainResult, run_training
 
 TOLERANCE = 1e-9
@@ -35,7 +37,8 @@ class VerifyReport:
 
 
 def _rel(a: float, b: float) -> float:
-    return abs(a - b) / max(abs(b), 1e-300)
+    diff = abs(a - b) / max(abs(b), 1e-300)
+    return diff if math.isfinite(diff) else math.inf  # a NaN must fail, not compare as "not larger"
 
 
 def reference_config(cfg: Config) -> Config:
@@ -63,6 +66,7 @@ def compare(ref: TrainResult, lay: TrainResult) -> VerifyReport:
     for name, expected in ref.state.items():
         diff = (torch.linalg.vector_norm(lay.state[name].double() - expected.double())
                 / torch.linalg.vector_norm(expected.double()).clamp_min(1e-300)).item()
+        diff = diff if math.isfinite(diff) else math.inf
         if diff >= report.max_rel["params"]:
             report.max_rel["params"], report.worst_param = diff, name
     return report
@@ -71,6 +75,7 @@ def compare(ref: TrainResult, lay: TrainResult) -> VerifyReport:
 def run_verify(cfg: Config, world: int, printer=print) -> VerifyReport:
     cfg = copy.deepcopy(cfg)
     cfg.train.dtype = "float64"
+    check_config(cfg, world)  # a clear error here rather than from every rank
     ref = run_ranks(1, run_training, reference_config(cfg), False, False, True)[0]
     lay = run_ranks(world, run_training, cfg, False, False, True)[0]
     report = compare(ref, lay)

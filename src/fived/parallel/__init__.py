@@ -31,6 +31,7 @@ def lm_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 class ParallelPlan:
     data_parallel: DataParallel
     tensor_parallel: TensorParallel | None = None
+    pp_group: object = None  # the pipeline group, when the model is split into stages
 
     def local_init(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's part of a parameter's full initial value (before any ZeRO sharding)."""
@@ -63,36 +64,43 @@ class ParallelPlan:
 
     def clip_gradients(self, max_norm: float) -> float:
         tp = self.tensor_parallel
+        groups = [self.pp_group] if self.pp_group is not None else []  # stages hold disjoint parameters
         if tp is None:
-            return self.data_parallel.clip_gradients(max_norm)
-        return self.data_parallel.clip_gradients(max_norm, weight=tp.norm_weight, extra_groups=[tp.group])
+            return self.data_parallel.clip_gradients(max_norm, extra_groups=groups)
+        return self.data_parallel.clip_gradients(max_norm, weight=tp.norm_weight, extra_groups=groups + [tp.group])
 
     @torch.no_grad()
     def full_state(self) -> dict[str, torch.Tensor]:
         """Every parameter whole, on CPU, by canonical name (gathers ZeRO-3 and tensor-parallel shards)."""
         out = {}
-        for name, p in self.data_parallel.model.named_parameters():
-            name = canonical_name(name)
+        for name, p in self.data_parallel.named_parameters():
             full = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
             if self.tensor_parallel is not None:
                 full = self.tensor_parallel.gather_full(name, full)
             out[name] = full.detach().cpu().clone()
+        if self.pp_group is not None:  # every stage's parameters, on every rank
+            parts = [None] * torch.distributed.get_world_size(self.pp_group)
+            torch.distributed.all_gather_object(parts, out, group=self.pp_group)
+            out = {k: v for part in parts for k, v in part.items()}
         return out
 
 
-def parallelize(model: Transformer, mesh: Mesh, cfg: Config) -> ParallelPlan:
-    tensor_parallel = apply_tensor_parallel(model, mesh, cfg)
-    # Context, expert and pipeline parallelism are added here by later issues; the layout checks
-    # refuse them before any rank starts until then.
-    apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
+def parallelize(chunks: list[Transformer], mesh: Mesh, cfg: Config) -> ParallelPlan:
+    """`chunks`: the whole model, or this rank's pipeline stages (already split, on meta)."""
+    tensor_parallel = apply_tensor_parallel(chunks, mesh, cfg)
+    # Context and expert parallelism are added here by later issues; the layout checks refuse them
+    # before any rank starts until then.
+    for chunk in chunks:
+        apply_activation_checkpointing(chunk, cfg.train.activation_checkpointing)
     data_parallel = make_data_parallel(mesh, cfg)
-    data_parallel.shard(model)
-    return ParallelPlan(data_parallel, tensor_parallel)
+    data_parallel.shard(chunks)
+    return ParallelPlan(data_parallel, tensor_parallel, mesh.group("pp") if mesh.pp > 1 else None)
 
 
-def apply_tensor_parallel(model: nn.Module, mesh: Mesh, cfg: Config) -> TensorParallel | None:
+def apply_tensor_parallel(chunks: list[Transformer], mesh: Mesh, cfg: Config) -> TensorParallel | None:
     if mesh.tp == 1:
         return None
-    tp = TensorParallel(model, mesh.group("tp"), cfg.parallel.sp, mesh.tp, mesh.rank("tp"))
-    tp.apply(model)
+    tp = TensorParallel(chunks[0], mesh.group("tp"), cfg.parallel.sp, mesh.tp, mesh.rank("tp"))
+    for chunk in chunks:
+        tp.apply(chunk)
     return tp

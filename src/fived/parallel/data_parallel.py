@@ -1,8 +1,9 @@
 """Data parallelism, the interface every ZeRO stage implements, and stage 0 (DDP).
 
-Every strategy sees the same contract from the trainer:
-    shard(model)            on the meta device, before materialisation (ZeRO-3 shards here)
-    wrap(model) -> model    after initialisation (DDP wraps, ZeRO-1/2 move parameters into buffers)
+Every strategy sees the same contract from the trainer, for the model chunks this rank holds
+(one, or several pipeline stages):
+    shard(chunks)             on the meta device, before materialisation (ZeRO-3 shards here)
+    wrap(chunks) -> modules   after initialisation (DDP wraps, ZeRO-1/2 move parameters into buffers)
     build_optimizer()       AdamW over what this rank updates
     before_micro_batch(last)  gradient sync only on the last micro-batch
     reduce_gradients()      after the last micro-batch's backward
@@ -30,21 +31,27 @@ class DataParallel:
 
     def __init__(self, mesh: Mesh, cfg: Config):
         self.mesh, self.cfg = mesh, cfg
-        self.model: nn.Module | None = None
+        self.chunks: list[nn.Module] = []
         self.optimizer: torch.optim.Optimizer | None = None
         # bf16 runs keep float32 weights and gradients; reduce_dtype=bfloat16 halves the bytes sent.
         bf16 = cfg.train.dtype == "bfloat16"
         self.reduce_dtype = DTYPES[cfg.parallel.reduce_dtype] if bf16 else DTYPES[cfg.train.dtype]
 
-    def shard(self, model: nn.Module) -> None:
+    def shard(self, chunks: list[nn.Module]) -> None:
         pass
 
-    def wrap(self, model: nn.Module) -> nn.Module:
-        self.model = model
-        return model
+    def wrap(self, chunks: list[nn.Module]) -> list[nn.Module]:
+        self.chunks = chunks
+        return chunks
+
+    def named_parameters(self):
+        """(canonical name, parameter) over every chunk this rank holds."""
+        for chunk in self.chunks:
+            for name, p in chunk.named_parameters():
+                yield canonical_name(name), p
 
     def build_optimizer(self) -> torch.optim.Optimizer:
-        self.optimizer = build_optimizer(self.model, self.cfg.train)
+        self.optimizer = build_optimizer((p for _, p in self.named_parameters()), self.cfg.train)
         return self.optimizer
 
     def before_micro_batch(self, is_last: bool) -> None:
@@ -56,9 +63,9 @@ class DataParallel:
     def named_grads(self, model_grads: bool = False):
         """(canonical parameter name, local gradient) for what the optimizer steps; model_grads=True:
         the model's own gradients (before the dp reduction of ZeRO-1/2)."""
-        for name, p in self.model.named_parameters():
+        for name, p in self.named_parameters():
             if p.grad is not None:
-                yield canonical_name(name), _local(p.grad)
+                yield name, _local(p.grad)
 
     def norm_groups(self) -> list:
         """Groups over which the local gradients of named_grads are disjoint pieces."""
@@ -91,7 +98,7 @@ class DataParallel:
 
     def tensors(self) -> dict[str, list[torch.Tensor]]:
         """The tensors this rank holds for the model state, for the memory ledger."""
-        params = [p for p in self.model.parameters()]
+        params = [p for _, p in self.named_parameters()]
         return {"params": params, "grads": [p.grad for p in params if p.grad is not None],
                 "optimizer": [v for s in self.optimizer.state.values() for v in s.values()
                               if torch.is_tensor(v) and v.dim() > 0]}
@@ -120,16 +127,17 @@ def _sum_hook(state, bucket):
 class ReplicatedDataParallel(DataParallel):
     """ZeRO-0: torch DDP; gradients all-reduced in buckets while the backward pass still runs."""
 
-    def wrap(self, model: nn.Module) -> nn.Module:
+    def wrap(self, chunks: list[nn.Module]) -> list[nn.Module]:
         from torch.nn.parallel import DistributedDataParallel
 
+        (model,) = chunks  # without pipeline stages: one chunk
         group = self.mesh.group("dp")
         # init_sync=False: initialisation is already identical on every rank (seeded by name).
         self.ddp = DistributedDataParallel(model, process_group=group,
                                            gradient_as_bucket_view=True, init_sync=False)
         self.ddp.register_comm_hook((group, self.reduce_dtype), _sum_hook)
-        self.model = model
-        return self.ddp
+        self.chunks = chunks
+        return [self.ddp]
 
     def before_micro_batch(self, is_last: bool) -> None:
         self.ddp.require_backward_grad_sync = is_last
@@ -140,7 +148,11 @@ def make_data_parallel(mesh: Mesh, cfg: Config) -> DataParallel:
     if stage == 3:
         from fived.parallel.fsdp import FullyShardedDataParallel
         return FullyShardedDataParallel(mesh, cfg)
-    if stage in (1, 2):
-        from fived.parallel.zero import ShardedOptimizerDataParallel
-        return ShardedOptimizerDataParallel(mesh, cfg)
-    return ReplicatedDataParallel(mesh, cfg) if mesh.dp > 1 else DataParallel(mesh, cfg)
+    if mesh.dp == 1 and stage == 0:
+        return DataParallel(mesh, cfg)
+    if stage == 0 and mesh.pp == 1:
+        return ReplicatedDataParallel(mesh, cfg)
+    # ZeRO-1/2, and ZeRO-0 under a pipeline schedule (one all-reduce of a flat buffer per step,
+    # after the schedule, instead of DDP hooks inside it)
+    from fived.parallel.zero import ShardedOptimizerDataParallel
+    return ShardedOptimizerDataParallel(mesh, cfg)

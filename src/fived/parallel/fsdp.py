@@ -17,7 +17,7 @@ from fived.parallel.data_parallel import DataParallel
 
 
 class FullyShardedDataParallel(DataParallel):
-    def shard(self, model: nn.Module) -> None:
+    def shard(self, chunks: list[nn.Module]) -> None:
         from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
         if self.mesh.dp_replicate > 1:
@@ -27,27 +27,27 @@ class FullyShardedDataParallel(DataParallel):
         mp = MixedPrecisionPolicy()
         if self.cfg.train.dtype == "bfloat16":
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=self.reduce_dtype)
-        keep = self.cfg.parallel.zero3_keep_gathered
-        for block in model.layers.values():
-            fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=not keep)
-        # The root (embedding, final norm, head) is used again first in backward: keep it gathered.
-        fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
-        # Our losses are divided by the global token count already: reduce with a plain SUM.
-        # (These setters act on one FSDP module's own parameters, so every module is set.)
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.set_gradient_divide_factor(1.0)
-                module.set_force_sum_reduction_for_comms(True)
-        self.model = model
-
-    def wrap(self, model: nn.Module) -> nn.Module:
-        self.model = model
-        return model
+        # Under a pipeline schedule the weights stay gathered through the micro-batches by default.
+        keep = self.cfg.parallel.zero3_keep_gathered or self.mesh.pp > 1
+        for model in chunks:
+            for block in model.layers.values():
+                fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=not keep)
+            # The root (embedding, final norm, head) is used again first in backward: keep it gathered.
+            fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+            # Our losses are divided by the global token count already: reduce with a plain SUM.
+            # (These setters act on one FSDP module's own parameters, so every module is set.)
+            for module in model.modules():
+                if isinstance(module, FSDPModule):
+                    module.set_gradient_divide_factor(1.0)
+                    module.set_force_sum_reduction_for_comms(True)
+        self.chunks = chunks
 
     def norm_groups(self) -> list:
         return [self.mesh.group("dp_shard")]
 
     def before_micro_batch(self, is_last: bool) -> None:
-        self.model.set_requires_gradient_sync(is_last)
-        if self.cfg.parallel.zero3_keep_gathered:
-            self.model.set_reshard_after_backward(is_last)
+        # (Pipeline stages set these themselves per micro-batch; this is the plain loop's.)
+        for model in self.chunks:
+            model.set_requires_gradient_sync(is_last)
+            if self.cfg.parallel.zero3_keep_gathered:
+                model.set_reshard_after_backward(is_last)

@@ -75,7 +75,7 @@ def _reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
     xt = x.transpose(0, 1).contiguous()
     out = torch.empty((xt.shape[0] // world,) + xt.shape[1:], dtype=x.dtype, device=x.device)
     dist.reduce_scatter_single(out, xt, group=group)
-    return out.transpose(0, 1)
+    return out.transpose(0, 1).contiguous()  # contiguous: it may be sent to the next pipeline stage
 
 
 class GatherFromSequenceParallelRegion(torch.autograd.Function):
@@ -173,7 +173,9 @@ class TensorParallel:
                 self.partial_grads |= {pre + "attention_norm.weight", pre + "ffn_norm.weight"}
         self._vocab_parallel(model)
         if self.sp:
-            self.partial_grads.add("norm.weight")
+            model.sequence_shards = self.tp  # hidden states between pipeline stages are shards
+            if model.norm is not None:
+                self.partial_grads.add("norm.weight")
 
     def _split_mlp(self, ff: nn.Module, pre: str) -> None:
         self._split(ff.w1, "weight", pre + "w1.weight", 0)
@@ -193,12 +195,15 @@ class TensorParallel:
         moe.aux_loss_scale /= self.tp
 
     def _vocab_parallel(self, model: Transformer) -> None:
-        tied = model.cfg.tie_embeddings
-        self._split(model.tok_embeddings, "weight", "tok_embeddings.weight", 0, padded=self.vocab_padded)
+        """(A pipeline stage may have only one of the two, or neither.)"""
         lo = self.rank * (self.vocab_padded // self.tp)
-        model.tok_embeddings.register_forward_hook(self._embedding_hook(lo), with_kwargs=False)
-        model.tok_embeddings.register_forward_pre_hook(self._embedding_pre_hook(lo))
-        if tied:
+        if model.tok_embeddings is not None:
+            self._split(model.tok_embeddings, "weight", "tok_embeddings.weight", 0, padded=self.vocab_padded)
+            model.tok_embeddings.register_forward_hook(self._embedding_hook(lo), with_kwargs=False)
+            model.tok_embeddings.register_forward_pre_hook(self._embedding_pre_hook(lo))
+        if model.output is None:
+            return
+        if model.cfg.tie_embeddings and model.tok_embeddings is not None:
             model.output.weight = model.tok_embeddings.weight
         else:
             self._split(model.output, "weight", "output.weight", 0, padded=self.vocab_padded)

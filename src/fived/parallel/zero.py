@@ -9,7 +9,9 @@ rank r of the dp_shard group owns the contiguous slice [r*L, (r+1)*L). Per step:
      parameter boundaries so weight decay still follows each parameter;
   4. one all-gather over dp_shard refreshes every parameter.
 ZeRO-1 keeps the full gradient buffer between steps (reduce-scatter in place); ZeRO-2 frees it
-after the reduce-scatter and keeps only the slice's reduced gradients.
+after the reduce-scatter and keeps only the slice's reduced gradients. "Stage 0" here (used under
+pipeline schedules, where DDP's hooks would fire inside the schedule) is the same flat buffer
+unsharded: one all-reduce over dp per step.
 
 Bytes per parameter held per rank (b = parameter dtype size, S = dp_shard):
   ZeRO-1: params b + grads b + Adam 2b/S;   ZeRO-2: params b + grads b/S + Adam 2b/S.
@@ -22,21 +24,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fived.model import canonical_name
 from fived.parallel.data_parallel import DataParallel
 
 
 class ShardedOptimizerDataParallel(DataParallel):
-    def wrap(self, model: nn.Module) -> nn.Module:
-        self.model = model
+    def wrap(self, chunks: list[nn.Module]) -> list[nn.Module]:
+        self.chunks = chunks
         self.stage = self.cfg.parallel.zero
-        self.shard_group = self.mesh.group("dp_shard")
-        self.replicate_group = self.mesh.group("dp_replicate") if self.mesh.dp_replicate > 1 else None
-        named = [(canonical_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
+        if self.stage == 0:  # unsharded (under pipeline schedules): one all-reduce over dp
+            self.shard_group, shards, rank = None, 1, 0
+            self.replicate_group = self.mesh.group("dp")
+        else:
+            self.shard_group, shards, rank = self.mesh.group("dp_shard"), self.mesh.dp_shard, self.mesh.rank("dp_shard")
+            self.replicate_group = self.mesh.group("dp_replicate") if self.mesh.dp_replicate > 1 else None
+        named = [(n, p) for n, p in self.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
         self.names = [n for n, _ in named]
         dtype, device = self.params[0].dtype, self.params[0].device
-        shards, rank = self.mesh.dp_shard, self.mesh.rank("dp_shard")
 
         total = sum(p.numel() for p in self.params)
         self.shard_len = math.ceil(total / shards)
@@ -53,13 +57,13 @@ class ShardedOptimizerDataParallel(DataParallel):
                 offset += n
 
         self.grad_buf: torch.Tensor | None = None
-        if self.stage == 1:
+        if self.stage <= 1:
             self._attach_grad_buffer()
             self.shard_grad = self.grad_buf[self.lo:self.hi]
         else:
             self.shard_grad = torch.zeros(self.shard_len, dtype=dtype, device=device)
         self.segments = self._slice_segments()
-        return model
+        return chunks
 
     def _attach_grad_buffer(self) -> None:
         """A flat zeroed gradient buffer; each parameter's .grad is a view, so autograd accumulates
@@ -95,8 +99,9 @@ class ShardedOptimizerDataParallel(DataParallel):
 
     def reduce_gradients(self) -> None:
         send = self.grad_buf if self.grad_buf.dtype == self.reduce_dtype else self.grad_buf.to(self.reduce_dtype)
-        out = send[self.lo:self.hi] if (self.stage == 1 or send is not self.grad_buf) else self.shard_grad
-        dist.reduce_scatter_single(out, send, group=self.shard_group)  # in place for ZeRO-1
+        out = send[self.lo:self.hi] if (self.stage <= 1 or send is not self.grad_buf) else self.shard_grad
+        if self.shard_group is not None:
+            dist.reduce_scatter_single(out, send, group=self.shard_group)  # in place for ZeRO-1
         if self.replicate_group is not None:
             dist.all_reduce(out, group=self.replicate_group)
         if out is not self.shard_grad:
@@ -114,15 +119,16 @@ class ShardedOptimizerDataParallel(DataParallel):
                 yield name, seg[0].grad
 
     def norm_groups(self) -> list:
-        return [self.shard_group]  # the slices are disjoint
+        return [self.shard_group] if self.shard_group is not None else []  # the slices are disjoint
 
     def step(self) -> None:
         self.optimizer.step()
-        with torch.no_grad():  # in place: this rank's slice is already where it belongs
-            dist.all_gather_single(self.param_buf, self.param_buf[self.lo:self.hi], group=self.shard_group)
+        if self.shard_group is not None:
+            with torch.no_grad():  # in place: this rank's slice is already where it belongs
+                dist.all_gather_single(self.param_buf, self.param_buf[self.lo:self.hi], group=self.shard_group)
 
     def zero_grad(self) -> None:
-        if self.stage == 1:
+        if self.stage <= 1:
             self.grad_buf.zero_()
         # ZeRO-2's reduce-scatter overwrites shard_grad; its full buffer is already gone.
 

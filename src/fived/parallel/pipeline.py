@@ -1,0 +1,204 @@
+"""Pipeline parallelism: the model split by depth into pp x pp_virtual stages, run by the schedules
+of `torch.distributed.pipelining`, with every executed action recorded.
+
+- Stages: contiguous layers, balanced by cost (a layer's FLOPs per token; the output head counts on
+  the last stage), or as `parallel.pp_layers` says ("3,1,2,2"). The embedding lives on the first
+  stage, the final norm, head and loss on the last. Stage s runs on pp rank s % pp for looped
+  schedules, and on ranks 0..pp-1 then back pp-1..0 for the V-shaped ones (zbv, dualpipev).
+- The loss of a micro-batch is its summed cross-entropy over the *global* batch's token count, and
+  the schedules do not rescale gradients (scale_grads=False): every schedule gives the same gradients.
+- Each rank records what it executed — F (forward), B (full backward), I (backward for inputs),
+  W (backward for weights), and the send/recv it issued — with stage, micro-batch and time.
+  `fived.parallel.schedule_sim` costs such action lists with unit times to give the bubble.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from fived.config import Config, ModelConfig
+from fived.metrics import matmul_params_per_token
+from fived.model import Transformer, build_model
+
+V_SHAPED = ("zbv", "dualpipev")
+SINGLE_STAGE = ("gpipe", "1f1b")
+
+
+def stages_per_rank(schedule: str, virtual: int) -> int:
+    return 2 if schedule in V_SHAPED else (1 if schedule in SINGLE_STAGE else virtual)
+
+
+def stage_rank(stage: int, pp: int, schedule: str) -> int:
+    if schedule in V_SHAPED:
+        return stage if stage < pp else 2 * pp - 1 - stage
+    return stage % pp
+
+
+def layer_costs(cfg: ModelConfig) -> tuple[list[float], float]:
+    """FLOPs-proportional cost of each layer, and of the output head (on the last stage)."""
+    d = cfg.dim
+    attn = d * cfg.head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
+    dense = 3 * d * cfg.ffn_dim
+    moe = 3 * d * cfg.expert_dim * (cfg.top_k + cfg.n_shared_experts) + d * cfg.n_experts
+    costs = [attn + (moe if cfg.is_moe and i >= cfg.n_dense_layers else dense) for i in range(cfg.n_layers)]
+    return costs, d * cfg.vocab_size
+
+
+def split_layers(cfg: ModelConfig, n_stages: int, override: str = "") -> list[list[int]]:
+    """Contiguous layer ids per stage minimising the most expensive stage, then (among equal maxima)
+    the sum of squared stage costs — exact, by dynamic programming over split points — or the
+    explicit counts of `override`."""
+    if override:
+        counts = [int(c) for c in override.split(",")]
+        starts = [sum(counts[:i]) for i in range(len(counts))]
+        return [list(range(a, a + c)) for a, c in zip(starts, counts)]
+    costs, head = layer_costs(cfg)
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    worst = (float("inf"), float("inf"))
+    # best[k][i]: (max cost, sum of squares) of putting layers i.. into stages k.. (>= 1 layer each)
+    best = [[worst] * (n + 1) for _ in range(n_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(n_stages + 1)]
+    best[n_stages][n] = (0.0, 0.0)
+    for k in range(n_stages - 1, -1, -1):
+        for i in range(n - 1, -1, -1):
+            for j in range(i + 1, n - (n_stages - k - 1) + 1):
+                stage = prefix[j] - prefix[i] + (head if k == n_stages - 1 else 0.0)
+                rest = best[k + 1][j]
+                value = (max(stage, rest[0]), stage * stage + rest[1])
+                if value < best[k][i]:
+                    best[k][i], cut[k][i] = value, j
+    out, i = [], 0
+    for k in range(n_stages):
+        out.append(list(range(i, cut[k][i])))
+        i = cut[k][i]
+    return out
+
+
+def build_stage(cfg: ModelConfig, layers: list[int], first: bool, last: bool, dtype: torch.dtype) -> Transformer:
+    """A meta-device Transformer holding only `layers` (names kept), the embedding if first, and
+    the final norm and head if last."""
+    model = build_model(cfg, "meta", dtype)
+    for name in [n for n in model.layers if int(n) not in layers]:
+        del model.layers[name]
+    if not first:
+        model.tok_embeddings = None
+    if not last:
+        model.norm, model.output = None, None
+    return model
+
+
+@dataclass
+class Action:
+    rank: int
+    kind: str  # F, B, I, W, send_f, recv_f, send_b, recv_b
+    stage: int
+    microbatch: int
+    start: float
+    end: float
+
+
+@dataclass
+class Timeline:
+    """What one rank executed, in order."""
+
+    actions: list[Action] = field(default_factory=list)
+
+    def record(self, stage, kind: str, fn):
+        rank = torch.distributed.get_rank()
+
+        def run(chunk_id, *args, **kwargs):
+            start = time.perf_counter()
+            out = fn(chunk_id, *args, **kwargs)
+            k = kind if kind != "B?" else ("B" if kwargs.get("full_backward", True) else "I")
+            self.actions.append(Action(rank, k, stage.stage_index, chunk_id, start, time.perf_counter()))
+            return out
+
+        return run
+
+    def instrument(self, stage) -> None:
+        stage.forward_one_chunk = self.record(stage, "F", stage.forward_one_chunk)
+        stage.backward_one_chunk = self.record(stage, "B?", stage.backward_one_chunk)
+        stage.backward_weight_one_chunk = self.record(stage, "W", stage.backward_weight_one_chunk)
+        for kind in ("fwd_send", "fwd_recv", "bwd_send", "bwd_recv"):
+            name = f"get_{kind}_ops"
+            label = {"fwd_send": "send_f", "fwd_recv": "recv_f", "bwd_send": "send_b", "bwd_recv": "recv_b"}[kind]
+            setattr(stage, name, self.record(stage, label, getattr(stage, name)))
+
+
+class Pipeline:
+    """The stages of this pp rank and the schedule that runs them."""
+
+    def __init__(self, cfg: Config, mesh):
+        p = cfg.parallel
+        self.cfg, self.mesh, self.schedule_name = cfg, mesh, p.pp_schedule
+        self.n_stages = p.pp * stages_per_rank(p.pp_schedule, p.pp_virtual)
+        self.layers = split_layers(cfg.model, self.n_stages, p.pp_layers)
+        rank = mesh.rank("pp")
+        self.stage_ids = [s for s in range(self.n_stages) if stage_rank(s, p.pp, p.pp_schedule) == rank]
+        self.timeline = Timeline()
+
+    def build_chunks(self, dtype: torch.dtype) -> list[Transformer]:
+        return [build_stage(self.cfg.model, self.layers[s], s == 0, s == self.n_stages - 1, dtype)
+                for s in self.stage_ids]
+
+    @property
+    def has_last_stage(self) -> bool:
+        return self.n_stages - 1 in self.stage_ids
+
+    def build_schedule(self, modules: list[nn.Module], loss_fn, device: torch.device):
+        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining import schedules as S
+
+        group = self.mesh.group("pp")
+        stages = [PipelineStage(m, s, self.n_stages, device, group=group) for m, s in zip(modules, self.stage_ids)]
+        for stage in stages:
+            self.timeline.instrument(stage)
+        cls = {"gpipe": S.ScheduleGPipe, "1f1b": S.Schedule1F1B, "interleaved-1f1b": S.ScheduleInterleaved1F1B,
+               "zero-bubble": S.ScheduleInterleavedZeroBubble, "zbv": S.ScheduleZBVZeroBubble,
+               "dualpipev": S.ScheduleDualPipeV}[self.schedule_name]
+        micro = self.cfg.train.microbatches
+        if self.schedule_name in SINGLE_STAGE:
+            self.schedule = cls(stages[0], n_microbatches=micro, loss_fn=loss_fn, scale_grads=False)
+        else:
+            self.schedule = cls(stages, n_microbatches=micro, loss_fn=loss_fn, scale_grads=False)
+        return self.schedule
+
+    def last_step_actions(self) -> list[Action]:
+        """The actions of the last schedule.step (the first step also holds shape inference)."""
+        actions = self.timeline.actions
+        return actions[self._step_start:] if hasattr(self, "_step_start") else actions
+
+    def step(self, batch: torch.Tensor) -> torch.Tensor:
+        """Run every micro-batch of `batch` ([b, s+1] tokens) through the schedule; return the sum
+        of the micro-batch losses on the last stage (zero elsewhere)."""
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        losses: list[torch.Tensor] = []
+        first = 0 in self.stage_ids
+        self._step_start = len(self.timeline.actions)
+        self.schedule.step(inputs if first else None, target=targets if self.has_last_stage else None,
+                           losses=losses)
+        total = torch.zeros((), dtype=torch.float64, device=batch.device)
+        for loss in losses:
+            total += loss.detach().double()
+        return total
+
+
+def write_chrome_trace(path: str, actions: list[Action]) -> None:
+    """Chrome / Perfetto trace: one process per rank, one thread per stage, times in microseconds
+    from the earliest action."""
+    import json
+
+    t0 = min((a.start for a in actions), default=0.0)
+    events = [{"name": f"{a.kind}{a.microbatch}", "cat": a.kind, "ph": "X", "pid": a.rank, "tid": a.stage,
+               "ts": (a.start - t0) * 1e6, "dur": max((a.end - a.start) * 1e6, 0.001),
+               "args": {"stage": a.stage, "microbatch": a.microbatch, "kind": a.kind}} for a in actions]
+    events += [{"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}}
+               for r in sorted({a.rank for a in actions})]
+    with open(path, "w") as f:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
