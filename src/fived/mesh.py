@@ -16,7 +16,7 @@ import torch
 from fived.config import Config, ConfigError
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-IMPLEMENTED = {"dp", "zero", "tp", "pp"}  # dimensions above 1 that the runtime builds today
+IMPLEMENTED = {"dp", "zero", "tp", "pp", "cp"}  # dimensions above 1 that the runtime builds today
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 CHECKPOINTING = ("none", "full", "selective")
@@ -79,7 +79,8 @@ def _layout_errors(cfg: Config, world: int | None) -> list[ConfigError]:
     need(not m.is_moe or m.n_experts % p.ep == 0, "parallel.ep", p.ep, f"must divide model.n_experts={m.n_experts}")
     need(dp >= 1 and (dp * p.cp) % p.ep == 0, "parallel.ep", p.ep, f"must divide dp*cp={max(dp, 1) * p.cp}")
     need(not p.sp or p.tp > 1, "parallel.sp", p.sp, "sequence parallelism splits over tp ranks: it needs tp > 1")
-    need(not p.sp or t.seq_len % p.tp == 0, "train.seq_len", t.seq_len, f"must be divisible by tp={p.tp} with --sp")
+    need(not p.sp or t.seq_len % (p.tp * p.cp) == 0, "train.seq_len", t.seq_len,
+         f"must be divisible by tp*cp={p.tp * p.cp} with --sp")
     need(t.seq_len % (2 * p.cp) == 0 or p.cp == 1, "train.seq_len", t.seq_len,
          f"must be divisible by 2*cp={2 * p.cp} (load-balanced context-parallel chunks)")
     need(p.zero in (0, 1, 2, 3), "parallel.zero", p.zero, "must be 0, 1, 2 or 3")
@@ -185,7 +186,7 @@ class Mesh:
     dp_replicate: int = 1
     device_type: str = "cpu"
     device_mesh: object = None
-    dp_mesh: object = None
+    flat: dict = None
 
     @classmethod
     def from_config(cls, cfg: Config, world: int) -> "Mesh":
@@ -206,11 +207,16 @@ class Mesh:
         self.device_type = device_type
         self.device_mesh = init_device_mesh(
             device_type, tuple(getattr(self, d) for d in MESH_DIMS), mesh_dim_names=MESH_DIMS)
-        self.dp_mesh = self.device_mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        # Flattened views: "dp" picks the data (the batch split), "dp_cp" reduces gradients (cp ranks
+        # see other tokens of the same sequences), "dp_shard_cp" holds the ZeRO shards.
+        mesh = self.device_mesh
+        self.flat = {"dp": mesh["dp_replicate", "dp_shard"]._flatten("dp"),
+                     "dp_cp": mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
+                     "dp_shard_cp": mesh["dp_shard", "cp"]._flatten("dp_shard_cp")}
         return self
 
     def __getitem__(self, name: str):
-        return self.dp_mesh if name == "dp" else self.device_mesh[name]
+        return self.flat[name] if name in self.flat else self.device_mesh[name]
 
     def group(self, name: str):
         return self[name].get_group()
@@ -222,6 +228,6 @@ class Mesh:
         """ProcessGroup -> dimension name, for the communication ledger. When two dimensions have the
         same ranks (dp and dp_shard without replicas) the first listed names them."""
         names: dict = {}
-        for d in ("dp", "dp_shard", "dp_replicate", "pp", "cp", "tp"):
+        for d in ("dp", "dp_cp", "dp_shard", "dp_shard_cp", "dp_replicate", "pp", "cp", "tp"):
             names.setdefault(self.group(d), d)
         return names

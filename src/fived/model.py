@@ -143,6 +143,9 @@ class MoE(nn.Module):
         self.last_aux_loss = None  # detached per-sequence sum of the last forward
         self.aux_losses: list[torch.Tensor] = []  # one per backward since the trainer last read it
         self.last_tokens_per_expert = None
+        # Sums the per-sequence statistics over the ranks that hold parts of a sequence (context
+        # parallelism sets it); identity when every sequence is whole on this rank.
+        self.reduce_sequence_stats = _identity
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
@@ -152,10 +155,14 @@ class MoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         weights = weights.to(x.dtype)
 
-        # Per-sequence load-balancing statistics.
-        slots = F.one_hot(experts, self.n_experts).sum(dim=2).to(probs.dtype)  # [b, s, E]
-        frac = slots.sum(dim=1) / (s * self.top_k)  # [b, E]
-        aux = (self.n_experts * (frac * probs.mean(dim=1)).sum(dim=-1)).sum()
+        # Per-sequence load-balancing statistics: routing slots and router probability per expert.
+        e = self.n_experts
+        slots = F.one_hot(experts, e).sum(dim=2).to(probs.dtype)  # [b, s, E]
+        tokens = torch.full((b, 1), float(s), dtype=probs.dtype, device=x.device)
+        stats = self.reduce_sequence_stats(torch.cat([slots.sum(dim=1), probs.sum(dim=1), tokens], dim=-1))
+        frac = stats[:, :e] / (stats[:, -1:] * self.top_k)  # [b, E]
+        mean_prob = stats[:, e:2 * e] / stats[:, -1:]
+        aux = (e * (frac * mean_prob).sum(dim=-1)).sum()
         self.last_aux_loss = aux.detach()
 
         flat_experts = experts.reshape(-1)
@@ -186,6 +193,10 @@ class MoE(nn.Module):
         return rank_in_expert < capacity
 
 
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 class TransformerBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
@@ -208,6 +219,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.sequence_shards = 1  # >1 when the hidden states between pipeline stages are sequence shards
+        self.positions: torch.Tensor | None = None  # global positions of the local tokens (context parallelism)
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
@@ -217,9 +229,12 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        if positions is None:
+            positions = self.positions
         if positions is None:  # tokens are whole sequences; hidden states may be sequence shards (SP)
             seq_len = tokens.shape[1] * (1 if self.tok_embeddings is not None else self.sequence_shards)
             positions = torch.arange(seq_len, device=h.device)
+        positions = positions.to(h.device)
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, h.dtype)
         for layer in self.layers.values():
             h = layer(h, cos, sin)

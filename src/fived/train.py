@@ -55,6 +55,7 @@ class Trainer:
         for moe in self.moe_layers:
             moe.aux_loss_scale = cfg.model.aux_loss_coef / t.global_batch
         self.plan = parallelize(chunks, self.mesh, cfg)  # on the meta device: nothing allocated yet
+        self.positions = self.plan.positions
         self.dp = self.plan.data_parallel
         for chunk in chunks:
             materialize(chunk, self.device)
@@ -90,21 +91,21 @@ class Trainer:
         with self._autocast():
             return self.plan.loss_sum(logits, targets) / self.global_tokens
 
-    def _forward_backward(self, batch: torch.Tensor) -> torch.Tensor:
+    def _forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Every micro-batch of this rank's batch; returns the summed token cross-entropy."""
         if self.pipeline:
             self.dp.before_micro_batch(is_last=True)
             with self._autocast(), self.plan.forward_context():
-                return self.pipeline.step(batch) * self.global_tokens
+                return self.pipeline.step(inputs, targets) * self.global_tokens
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        micro_batches = batch.chunk(self.cfg.train.microbatches)
-        for i, micro in enumerate(micro_batches):
+        micro_batches = list(zip(inputs.chunk(self.cfg.train.microbatches), targets.chunk(self.cfg.train.microbatches)))
+        for i, (micro, micro_targets) in enumerate(micro_batches):
             self.dp.before_micro_batch(is_last=i == len(micro_batches) - 1)
             if not self.activations.per_layer and i == 0:
                 self.activations.start()
             with self._autocast(), self.plan.forward_context(self.activations):
-                logits = self.model(micro[:, :-1])
-                loss = self.plan.loss_sum(logits, micro[:, 1:])
+                logits = self.model(micro)
+                loss = self.plan.loss_sum(logits, micro_targets)
             if self.activations.recording:
                 self.activations.stop()
             (loss / self.global_tokens).backward()
@@ -117,7 +118,10 @@ class Trainer:
         self.ledger.reset()
         with self.ledger.track():
             batch = self.sampler.local_batch_at(step, self.mesh.rank("dp"), self.mesh.dp).to(self.device)
-            loss_sum = self._forward_backward(batch)
+            inputs, targets = batch[:, :-1], batch[:, 1:]
+            if self.positions is not None:  # context parallelism: this rank's chunks of each sequence
+                inputs, targets = inputs[:, self.positions], targets[:, self.positions]
+            loss_sum = self._forward_backward(inputs, targets)
             aux_sum = torch.zeros((), dtype=torch.float64, device=self.device)
             for moe in self.moe_layers:
                 # One entry per micro-batch's backward; a pipeline schedule's first step also runs a
@@ -136,7 +140,7 @@ class Trainer:
         # Logged loss: the mean over every token of the global batch; pipeline stages other than the
         # last contribute zero. (Outside the ledger: 16 bytes of logging, not the step's traffic.)
         totals = torch.stack([loss_sum, aux_sum])
-        dist.all_reduce(totals, group=self.mesh.group("dp"))
+        dist.all_reduce(totals, group=self.mesh.group("dp_cp"))
         if self.pipeline:
             dist.all_reduce(totals, group=self.mesh.group("pp"))
         if self.device.type == "cuda":
@@ -152,8 +156,8 @@ class Trainer:
             "peak_mem_mb": peak_memory_mb(),
             "step_time_s": elapsed,
         }
-        if self.cfg.model.is_moe:
-            record["aux_loss"] = totals[1].item() / t.global_batch
+        if self.cfg.model.is_moe:  # (every cp rank computed each of its sequences' whole statistic)
+            record["aux_loss"] = totals[1].item() / t.global_batch / self.mesh.cp
         return record
 
     def fit(self, progress: bool = True) -> list[dict]:

@@ -17,6 +17,7 @@ from fived.config import Config
 from fived.mesh import Mesh
 from fived.model import Transformer, canonical_name
 from fived.parallel.checkpointing import apply_activation_checkpointing
+from fived.parallel.context import apply_context_parallel
 from fived.parallel.data_parallel import DataParallel, make_data_parallel
 from fived.parallel.tensor import TensorParallel
 
@@ -32,6 +33,7 @@ class ParallelPlan:
     data_parallel: DataParallel
     tensor_parallel: TensorParallel | None = None
     pp_group: object = None  # the pipeline group, when the model is split into stages
+    positions: torch.Tensor | None = None  # this rank's token positions under context parallelism
 
     def local_init(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's part of a parameter's full initial value (before any ZeRO sharding)."""
@@ -88,13 +90,15 @@ class ParallelPlan:
 def parallelize(chunks: list[Transformer], mesh: Mesh, cfg: Config) -> ParallelPlan:
     """`chunks`: the whole model, or this rank's pipeline stages (already split, on meta)."""
     tensor_parallel = apply_tensor_parallel(chunks, mesh, cfg)
-    # Context and expert parallelism are added here by later issues; the layout checks refuse them
-    # before any rank starts until then.
+    positions = None
+    if mesh.cp > 1:
+        positions = apply_context_parallel(chunks, mesh.group("cp"), mesh.cp, mesh.rank("cp"), cfg.train.seq_len)
+    # Expert parallelism is added here by a later issue; the layout checks refuse it until then.
     for chunk in chunks:
         apply_activation_checkpointing(chunk, cfg.train.activation_checkpointing)
     data_parallel = make_data_parallel(mesh, cfg)
     data_parallel.shard(chunks)
-    return ParallelPlan(data_parallel, tensor_parallel, mesh.group("pp") if mesh.pp > 1 else None)
+    return ParallelPlan(data_parallel, tensor_parallel, mesh.group("pp") if mesh.pp > 1 else None, positions)
 
 
 def apply_tensor_parallel(chunks: list[Transformer], mesh: Mesh, cfg: Config) -> TensorParallel | None:

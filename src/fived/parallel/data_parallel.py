@@ -131,7 +131,7 @@ class ReplicatedDataParallel(DataParallel):
         from torch.nn.parallel import DistributedDataParallel
 
         (model,) = chunks  # without pipeline stages: one chunk
-        group = self.mesh.group("dp")
+        group = self.mesh.group("dp_cp")  # context-parallel ranks hold other tokens: reduce over both
         # init_sync=False: initialisation is already identical on every rank (seeded by name).
         self.ddp = DistributedDataParallel(model, process_group=group,
                                            gradient_as_bucket_view=True, init_sync=False)
@@ -148,7 +148,7 @@ def make_data_parallel(mesh: Mesh, cfg: Config) -> DataParallel:
     if stage == 3:
         from fived.parallel.fsdp import FullyShardedDataParallel
         return FullyShardedDataParallel(mesh, cfg)
-    if mesh.dp == 1 and stage == 0:
+    if mesh.dp * mesh.cp == 1 and stage == 0:
         return DataParallel(mesh, cfg)
     if stage == 0 and mesh.pp == 1:
         return ReplicatedDataParallel(mesh, cfg)

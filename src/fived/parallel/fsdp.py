@@ -21,9 +21,9 @@ class FullyShardedDataParallel(DataParallel):
         from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
         if self.mesh.dp_replicate > 1:
-            mesh = self.mesh.device_mesh["dp_replicate", "dp_shard"]
+            mesh = self.mesh.device_mesh["dp_replicate", "dp_shard_cp"]
         else:
-            mesh = self.mesh["dp"]
+            mesh = self.mesh["dp_shard_cp"]
         mp = MixedPrecisionPolicy()
         if self.cfg.train.dtype == "bfloat16":
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=self.reduce_dtype)
@@ -43,7 +43,7 @@ class FullyShardedDataParallel(DataParallel):
         self.chunks = chunks
 
     def norm_groups(self) -> list:
-        return [self.mesh.group("dp_shard")]
+        return [self.mesh.group("dp_shard_cp")]
 
     def before_micro_batch(self, is_last: bool) -> None:
         # (Pipeline stages set these themselves per micro-batch; this is the plain loop's.)

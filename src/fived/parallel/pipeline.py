@@ -174,16 +174,15 @@ class Pipeline:
         actions = self.timeline.actions
         return actions[self._step_start:] if hasattr(self, "_step_start") else actions
 
-    def step(self, batch: torch.Tensor) -> torch.Tensor:
-        """Run every micro-batch of `batch` ([b, s+1] tokens) through the schedule; return the sum
-        of the micro-batch losses on the last stage (zero elsewhere)."""
-        inputs, targets = batch[:, :-1], batch[:, 1:]
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Run every micro-batch through the schedule; return the sum of the micro-batch losses on
+        the last stage (zero elsewhere)."""
         losses: list[torch.Tensor] = []
         first = 0 in self.stage_ids
         self._step_start = len(self.timeline.actions)
         self.schedule.step(inputs if first else None, target=targets if self.has_last_stage else None,
                            losses=losses)
-        total = torch.zeros((), dtype=torch.float64, device=batch.device)
+        total = torch.zeros((), dtype=torch.float64, device=inputs.device)
         for loss in losses:
             total += loss.detach().double()
         return total

@@ -33,9 +33,10 @@ class ShardedOptimizerDataParallel(DataParallel):
         self.stage = self.cfg.parallel.zero
         if self.stage == 0:  # unsharded (under pipeline schedules): one all-reduce over dp
             self.shard_group, shards, rank = None, 1, 0
-            self.replicate_group = self.mesh.group("dp")
+            self.replicate_group = self.mesh.group("dp_cp")
         else:
-            self.shard_group, shards, rank = self.mesh.group("dp_shard"), self.mesh.dp_shard, self.mesh.rank("dp_shard")
+            shards = self.mesh.dp_shard * self.mesh.cp  # context-parallel ranks shard too
+            self.shard_group, rank = self.mesh.group("dp_shard_cp"), self.mesh.rank("dp_shard_cp")
             self.replicate_group = self.mesh.group("dp_replicate") if self.mesh.dp_replicate > 1 else None
         named = [(n, p) for n, p in self.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
