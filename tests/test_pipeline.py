@@ -10,9 +10,9 @@ import pytest
 from fived.config import model_preset
 from fived.parallel.pipeline import split_layers, stages_per_rank
 from fived.parallel.schedule_sim import bubble_of, simulate
-from fived.testing import run_on_ranks, tiny_config
+from fived.testing import EXACT, run_on_ranks, tiny_config
 from fived.train import run_training
-from fived.verify import TOLERANCE, run_verify
+from fived.verify import run_verify
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev"]
 
@@ -23,7 +23,7 @@ def _virtual(schedule):
 
 def _verify(world, model, **over):
     report = run_verify(tiny_config(model, train__steps=2, **over), world, printer=lambda *_: None)
-    assert report.max_relative_difference <= TOLERANCE, report.max_rel
+    assert report.max_relative_difference <= EXACT, report.max_rel
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-moe"])

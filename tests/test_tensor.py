@@ -3,14 +3,14 @@ activation memory, communication and model-state bytes measured by the ledger eq
 import pytest
 
 from fived.report import expected_activation_bytes, expected_comm_bytes, expected_state_bytes
-from fived.testing import run_on_ranks, tiny_config
+from fived.testing import EXACT, run_on_ranks, tiny_config
 from fived.train import run_training
-from fived.verify import TOLERANCE, run_verify
+from fived.verify import run_verify
 
 
 def _verify(world, model="tiny", **over):
     report = run_verify(tiny_config(model, train__steps=2, **over), world, printer=lambda *_: None)
-    assert report.max_relative_difference <= TOLERANCE, report.max_rel
+    assert report.max_relative_difference <= EXACT, report.max_rel
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-moe"])
@@ -18,6 +18,12 @@ def _verify(world, model="tiny", **over):
 @pytest.mark.parametrize("tp", [2, 4])  # tp=4 > n_kv_heads=2: kv heads replicated
 def test_tensor_parallel_matches_reference(tp, sp, name):
     _verify(tp, name, parallel__dp=1, parallel__tp=tp, parallel__sp=sp)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("sp", [False, True])
+def test_with_activation_checkpointing(sp, mode):
+    _verify(2, "tiny-moe", parallel__dp=1, parallel__tp=2, parallel__sp=sp, train__activation_checkpointing=mode)
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])

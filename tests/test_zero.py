@@ -4,9 +4,9 @@ import pytest
 
 from fived.model import build_model
 from fived.report import expected_comm_bytes, expected_state_bytes
-from fived.testing import run_on_ranks, tiny_config
+from fived.testing import EXACT, run_on_ranks, tiny_config
 from fived.train import run_training
-from fived.verify import TOLERANCE, run_verify
+from fived.verify import run_verify
 
 
 def _quiet(*_):
@@ -19,7 +19,7 @@ def _quiet(*_):
 def test_zero_stage_matches_reference(zero, micro, name):
     cfg = tiny_config(name, parallel__dp=4, parallel__zero=zero, train__microbatches=micro, train__steps=2)
     report = run_verify(cfg, 4, printer=_quiet)
-    assert report.max_relative_difference <= TOLERANCE, report.max_rel
+    assert report.max_relative_difference <= EXACT, report.max_rel
 
 
 @pytest.mark.parametrize("zero", [1, 2, 3])
@@ -27,7 +27,7 @@ def test_hsdp_matches_reference(zero):
     cfg = tiny_config("tiny-moe", parallel__dp=4, parallel__dp_replicate=2, parallel__zero=zero,
                       train__microbatches=2, train__steps=2)
     report = run_verify(cfg, 4, printer=_quiet)
-    assert report.max_relative_difference <= TOLERANCE, report.max_rel
+    assert report.max_relative_difference <= EXACT, report.max_rel
 
 
 def _ledger(zero, micro=1, dtype="float32", replicate=1, **extra):
@@ -46,9 +46,10 @@ def test_model_state_memory_is_the_formula(zero, dtype):
     weight_bytes = 8 if dtype == "float64" else 4  # bf16 runs keep float32 weights
     textbook = {0: 16, 1: 8 + 8 / 4, 2: 4 + 12 / 4, 3: 16 / 4}[zero]  # per float32 parameter, S = 4
     assert sum(want.values()) / n == pytest.approx(textbook * weight_bytes / 4, rel=0.02)
+    pad = 4 * weight_bytes * 2  # a slice may lack up to S-1 padding elements, for up to 2 Adam states
     for res in results:
         for kind in ("params", "grads", "optimizer"):
-            assert res.memory[kind] == pytest.approx(want[kind], rel=0.02), (kind, res.memory, want)
+            assert res.memory[kind] == pytest.approx(want[kind], abs=pad), (kind, res.memory, want)
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
@@ -85,7 +86,7 @@ def test_hsdp_ledger():
     cfg, results = _ledger(2, replicate=2)
     for res in results:
         assert {k: v["bytes"] for k, v in res.comm.items()} == expected_comm_bytes(cfg, 4)
-        assert res.memory == pytest.approx(expected_state_bytes(cfg, 4), rel=0.02)
+        assert res.memory == pytest.approx(expected_state_bytes(cfg, 4), abs=2 * 2 * 8)
     assert "dp_replicate/all_reduce" in results[0].comm and "dp_shard/reduce_scatter_single" in results[0].comm
 
 

@@ -43,10 +43,18 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _overrides(ns: argparse.Namespace) -> dict:
-    over = {k: v for k, v in vars(ns).items() if "." in k}
-    if ns.dp_shard:
-        over["parallel.dp"] = ns.dp_shard * int(over.get("parallel.dp_replicate", 1))
-    return over
+    return {k: v for k, v in vars(ns).items() if "." in k}
+
+
+def _build(ns: argparse.Namespace, extra: dict | None = None):
+    """The config from file + flags; --dp-shard resolved against the final dp_replicate."""
+    over = {**(extra or {}), **_overrides(ns)}
+    cfg = build_config(ns.config, over)
+    if ns.dp_shard is not None:
+        if ns.dp_shard < 1:
+            raise ConfigError("--dp-shard", ns.dp_shard, "must be >= 1")
+        cfg.parallel.dp = ns.dp_shard * cfg.parallel.dp_replicate
+    return cfg
 
 
 def _world(cfg, nproc: int | None, default: int) -> int:
@@ -61,25 +69,54 @@ def _world(cfg, nproc: int | None, default: int) -> int:
 def _load(ns: argparse.Namespace, default_world: int):
     from fived.mesh import check_config
 
-    cfg = build_config(ns.config, _overrides(ns))
+    cfg = _build(ns)
     world = _world(cfg, ns.nproc, default_world)
     check_config(cfg, world)
+    check_data(cfg)
     return cfg, world
+
+
+def check_data(cfg) -> None:
+    """The data a run needs, checked before any rank starts."""
+    from pathlib import Path
+
+    from fived.data import load_tokenizer, load_tokens
+
+    d, t = cfg.data, cfg.train
+    if d.path and not Path(d.path).exists():
+        raise ConfigError("data.path", d.path, "file not found",
+                          "give a .bin from `fived prepare-data`, a text file, or leave it empty for the bundled corpus")
+    try:
+        vocab = load_tokenizer(d.tokenizer).vocab_size
+        tokens = load_tokens(d.path, d.tokenizer)
+    except (ValueError, ImportError) as e:
+        raise ConfigError("data", d.path or "bundled corpus", str(e).splitlines()[0]) from None
+    if vocab > cfg.model.vocab_size:
+        raise ConfigError("model.vocab_size", cfg.model.vocab_size, f"smaller than the tokenizer's vocabulary ({vocab})",
+                          f"set --model.vocab_size {vocab}")
+    windows = max(0, (len(tokens) - 1) // t.seq_len)
+    if windows < t.global_batch:
+        raise ConfigError("train.global_batch", t.global_batch,
+                          f"the data holds only {windows} sequences of seq_len={t.seq_len}",
+                          "use more data, a shorter seq_len or a smaller global batch")
+    if t.trace and Path(t.trace).exists():
+        raise ConfigError("train.trace", t.trace, "file exists; fived does not overwrite it", "name a new file")
 
 
 def cmd_train(ns: argparse.Namespace) -> int:
     import torch
 
     from fived.launch import init_distributed, run_ranks, shutdown_distributed, under_torchrun
+    from fived.mesh import resolve_dp
     from fived.metrics import fresh_output_dir
     from fived.parallel.pipeline import write_chrome_trace
     from fived.report import format_report
     from fived.train import run_training
 
-    default_world = torch.cuda.device_count() if torch.cuda.is_available() else 2
+    default_world = torch.cuda.device_count() if torch.cuda.is_available() else 2  # (device auto)
     cfg, world = _load(ns, default_world)
     if under_torchrun():
-        init_distributed()
+        init_distributed(device=cfg.train.device)
         if int(os.environ["RANK"]) == 0:  # only rank 0 writes the log
             cfg.train.output_dir = str(fresh_output_dir(cfg.train.output_dir))
         result = run_training(cfg)
@@ -96,10 +133,10 @@ def cmd_train(ns: argparse.Namespace) -> int:
         return 0
     cfg.train.output_dir = str(fresh_output_dir(cfg.train.output_dir))
     print(f"fived train: model {cfg.model.name}, {world} local rank(s), layout "
-          f"dp={world // (cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp)} tp={cfg.parallel.tp} "
+          f"dp={resolve_dp(cfg, world)} tp={cfg.parallel.tp} "
           f"pp={cfg.parallel.pp} cp={cfg.parallel.cp} ep={cfg.parallel.ep} zero={cfg.parallel.zero}, "
           f"{cfg.train.steps} steps -> {cfg.train.output_dir}/metrics.jsonl", flush=True)
-    results = run_ranks(world, run_training, cfg)
+    results = run_ranks(world, run_training, cfg, device=cfg.train.device)
     if cfg.train.trace:
         write_chrome_trace(cfg.train.trace, [a for r in results for a in r.timeline])
         print(f"pipeline trace of {world} rank(s) -> {cfg.train.trace}")
@@ -114,22 +151,31 @@ def cmd_train(ns: argparse.Namespace) -> int:
 def cmd_verify(ns: argparse.Namespace) -> int:
     from fived.verify import run_verify
 
-    ns_over = _overrides(ns)
-    ns_over.setdefault("train.steps", 5)
+    defaults = {"train.steps": 5}
     if ns.nproc is None:
-        ns_over.setdefault("parallel.dp", 1)  # `fived verify --tp 2` means tp=2 alone, not tp=2 x dp=...
-    cfg = build_config(ns.config, ns_over)
+        defaults["parallel.dp"] = 1  # `fived verify --tp 2` means tp=2 alone, not tp=2 x dp=...
+    cfg = _build(ns, defaults)
     from fived.mesh import check_config
 
     world = _world(cfg, ns.nproc, 1)
     check_config(cfg, world)
+    check_data(cfg)
     report = run_verify(cfg, world)
     return 0 if report.ok else 1
 
 
 def cmd_prepare_data(ns: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from fived.data import prepare_data
 
+    bin_path = Path(ns.output if ns.output.endswith(".bin") else ns.output + ".bin")
+    if bin_path.exists():
+        raise ConfigError("--output", ns.output, f"{bin_path} exists; fived does not overwrite token files",
+                          "name a new output")
+    for path in ns.inputs:
+        if not Path(path).is_file():
+            raise ConfigError("inputs", path, "file not found", "give existing text files")
     out = prepare_data(ns.inputs, ns.output, ns.tokenizer)
     print(f"wrote {out}")
     return 0

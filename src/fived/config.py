@@ -102,6 +102,7 @@ class TrainConfig:
     trace: str = ""  # write the executed pipeline actions of every rank as a Chrome/Perfetto trace
     tensorboard: bool = False
     peak_tflops: float = 0.0  # per device, for MFU; 0 = look up the GPU or measure the CPU
+    device: str = "auto"  # auto (cuda if available, else cpu) | cpu | cuda
 
 
 @dataclass

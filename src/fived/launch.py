@@ -31,18 +31,20 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
-def device_type() -> str:
+def device_type(requested: str = "auto") -> str:
+    if requested != "auto":
+        return requested
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def init_distributed(timeout_s: float = 600.0) -> None:
+def init_distributed(timeout_s: float = 600.0, device: str = "auto") -> None:
     """Initialise the default process group from the environment (torchrun or run_ranks)."""
     if dist.is_initialized():
         return
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    if device_type() == "cuda":
+    if device_type(device) == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if device_type() == "cuda" else "gloo",
+    dist.init_process_group("nccl" if device_type(device) == "cuda" else "gloo",
                             timeout=datetime.timedelta(seconds=timeout_s))
 
 
@@ -57,13 +59,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, world: int, port: int, out_dir: str, timeout_s: float,
+def _rank_main(rank: int, world: int, port: int, out_dir: str, timeout_s: float, device: str,
                fn: Callable, args: tuple) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     code = 0
     try:
-        init_distributed(timeout_s)
+        init_distributed(timeout_s, device)
         result = ("ok", fn(*args), time.time())
     except BaseException as e:  # report every failure to the parent, whatever it is
         result, code = ("error", f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}", time.time()), 1
@@ -81,20 +83,25 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, timeout_s: float,
         os._exit(code)
 
 
-def run_ranks(world: int, fn: Callable, *args: Any, timeout_s: float = 600.0) -> list[Any]:
+def run_ranks(world: int, fn: Callable, *args: Any, timeout_s: float = 600.0,
+              deadline_s: float | None = None, device: str = "auto") -> list[Any]:
     """Run fn(*args) on `world` fresh ranks with an initialised process group; return their results.
 
-    If any rank fails, the others are killed (they would otherwise wait on a collective until the
-    timeout) and RankFailed carries the failing rank's traceback."""
+    `timeout_s` bounds each collective; `deadline_s` (if given) the whole run. If any rank fails,
+    the others are killed (they would otherwise wait on a collective until the timeout) and
+    RankFailed carries the failing rank's traceback."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    ctx = mp.get_context("spawn" if device_type() == "cuda" else "fork")
+    cuda = device_type(device) == "cuda"
+    if cuda and world > torch.cuda.device_count():
+        raise RankFailed(f"{world} ranks need {world} GPUs; this machine has {torch.cuda.device_count()}")
+    ctx = mp.get_context("spawn" if cuda else "fork")
     port = _free_port()
     with tempfile.TemporaryDirectory(prefix="fived-ranks-") as out_dir:
-        procs = [ctx.Process(target=_rank_main, args=(r, world, port, out_dir, timeout_s, fn, args), daemon=False)
+        procs = [ctx.Process(target=_rank_main, args=(r, world, port, out_dir, timeout_s, device, fn, args), daemon=False)
                  for r in range(world)]
         for p in procs:
             p.start()
-        deadline = time.monotonic() + timeout_s + 30
+        deadline = time.monotonic() + deadline_s if deadline_s else float("inf")
         try:
             while any(p.is_alive() for p in procs):
                 if any(p.exitcode not in (None, 0) for p in procs) or time.monotonic() > deadline:

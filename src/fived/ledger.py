@@ -123,7 +123,7 @@ def _ranks(group) -> tuple[int, ...]:
     return tuple(dist.get_process_group_ranks(group))
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's shard on this rank; a plain tensor as it is."""
     return t.to_local() if hasattr(t, "to_local") else t
 
@@ -133,7 +133,7 @@ def held_bytes(tensors) -> int:
     parameters and their optimizer slices) are merged by storage and byte range."""
     ranges: dict[int, list[tuple[int, int]]] = defaultdict(list)
     for t in tensors:
-        t = _local(t)
+        t = local_tensor(t)
         if t.numel() == 0:
             continue
         start = t.storage_offset() * t.element_size()

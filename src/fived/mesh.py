@@ -20,6 +20,12 @@ IMPLEMENTED = {"dp", "zero", "tp", "pp", "cp"}  # dimensions above 1 that the ru
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 CHECKPOINTING = ("none", "full", "selective")
+V_SHAPED = ("zbv", "dualpipev")  # two stages per rank, V-shaped
+SINGLE_STAGE = ("gpipe", "1f1b")
+
+
+def stages_per_rank(schedule: str, virtual: int) -> int:
+    return 2 if schedule in V_SHAPED else (1 if schedule in SINGLE_STAGE else virtual)
 
 
 def resolve_dp(cfg: Config, world: int | None) -> int:
@@ -53,6 +59,10 @@ def _layout_errors(cfg: Config, world: int | None) -> list[ConfigError]:
         need(dp >= 1 and size == world, "parallel", f"dp{dp}xtp{p.tp}xpp{p.pp}xcp{p.cp}",
              f"dp*tp*pp*cp must equal the number of ranks ({world})")
     need(m.n_heads % p.tp == 0, "parallel.tp", p.tp, f"must divide model.n_heads={m.n_heads}")
+    for name in ("ffn_dim", "moe_ffn_dim"):
+        need(getattr(m, name) % p.tp == 0, f"model.{name}", getattr(m, name), f"must be divisible by tp={p.tp}")
+    need(p.pp == 1 or not m.tie_embeddings, "model.tie_embeddings", m.tie_embeddings,
+         "tied embeddings across pipeline stages are not supported yet; set it false or use pp=1")
     need(m.n_kv_heads % p.tp == 0 or p.tp % m.n_kv_heads == 0, "parallel.tp", p.tp,
          f"must divide model.n_kv_heads={m.n_kv_heads} or be a multiple of it (kv heads are then replicated)")
     need(p.pp_schedule in PP_SCHEDULES, "parallel.pp_schedule", p.pp_schedule, "must be one of " + ", ".join(PP_SCHEDULES))
@@ -61,8 +71,8 @@ def _layout_errors(cfg: Config, world: int | None) -> list[ConfigError]:
     need(p.pp_virtual >= 1, "parallel.pp_virtual", p.pp_virtual, "must be >= 1")
     need(p.pp_virtual == 1 or p.pp_schedule in ("interleaved-1f1b", "zero-bubble"), "parallel.pp_virtual",
          p.pp_virtual, f"only interleaved-1f1b and zero-bubble take virtual stages ({p.pp_schedule} uses "
-         f"{2 if p.pp_schedule in ('zbv', 'dualpipev') else 1} per rank)")
-    stages = p.pp * (2 if p.pp_schedule in ("zbv", "dualpipev") else max(p.pp_virtual, 1)) if p.pp > 1 else 1
+         f"{stages_per_rank(p.pp_schedule, 1)} per rank)")
+    stages = p.pp * stages_per_rank(p.pp_schedule, p.pp_virtual) if p.pp > 1 else 1
     need(m.n_layers >= stages, "parallel.pp", p.pp,
          f"{stages} pipeline stages need at least as many layers (model.n_layers={m.n_layers})")
     if p.pp_layers:
@@ -110,6 +120,7 @@ def _model_errors(cfg: Config) -> list[ConfigError]:
         (m.head_dim % 2 == 0, "model.dim", m.dim, "dim/n_heads must be even for rotary embeddings"),
         (not m.is_moe or 1 <= m.top_k <= m.n_experts, "model.top_k", m.top_k, f"must be in 1..n_experts={m.n_experts}"),
         (t.dtype in DTYPES, "train.dtype", t.dtype, "must be one of " + ", ".join(DTYPES)),
+        (t.device in ("auto", "cpu", "cuda"), "train.device", t.device, "must be auto, cpu or cuda"),
         (t.activation_checkpointing in CHECKPOINTING, "train.activation_checkpointing",
          t.activation_checkpointing, "must be one of " + ", ".join(CHECKPOINTING)),
         (t.steps >= 1, "train.steps", t.steps, "must be >= 1"),
@@ -228,6 +239,6 @@ class Mesh:
         """ProcessGroup -> dimension name, for the communication ledger. When two dimensions have the
         same ranks (dp and dp_shard without replicas) the first listed names them."""
         names: dict = {}
-        for d in ("dp", "dp_cp", "dp_shard", "dp_shard_cp", "dp_replicate", "pp", "cp", "tp"):
+        for d in ("dp", "cp", "tp", "pp", "dp_shard", "dp_replicate", "dp_cp", "dp_shard_cp"):
             names.setdefault(self.group(d), d)
         return names

@@ -9,12 +9,14 @@ import torch
 from fived.config import TrainConfig
 
 
-def build_optimizer(params, t: TrainConfig) -> torch.optim.AdamW:
+def build_optimizer(params, t: TrainConfig, decayed=None) -> torch.optim.AdamW:
+    """AdamW; `decayed(p)` says whether p is weight-decayed (default: matrices, p.dim() >= 2)."""
     params = [p for p in params if p.requires_grad]
+    decayed = decayed or (lambda p: p.dim() >= 2)
     # Norm gains (1-D) are not decayed: decaying them pulls every layer's scale toward zero.
     groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": t.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        {"params": [p for p in params if decayed(p)], "weight_decay": t.weight_decay},
+        {"params": [p for p in params if not decayed(p)], "weight_decay": 0.0},
     ]
     return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
 

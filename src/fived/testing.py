@@ -7,12 +7,17 @@ from typing import Any, Callable
 from fived.launch import run_ranks
 
 TEST_TIMEOUT_S = 60.0
+# Tests hold layouts to this, far tighter than `fived verify`'s 1e-9 exit threshold: a correct float64
+# layout differs from the reference by summation order only (~1e-16..1e-14).
+EXACT = 1e-12
 
 
 def run_on_ranks(world: int, body: Callable[..., Any], *args: Any, timeout_s: float = TEST_TIMEOUT_S) -> list[Any]:
     """body(*args) on `world` ranks with the default process group initialised; returns each rank's
     return value, in rank order. A failure on any rank raises RankFailed with its traceback."""
-    return run_ranks(world, body, *args, timeout_s=timeout_s)
+    # Always CPU + gloo + fork (also on a GPU host): test bodies may be closures, and tests rely on
+    # ranks inheriting the parent's state.
+    return run_ranks(world, body, *args, timeout_s=timeout_s, deadline_s=10 * timeout_s, device="cpu")
 
 
 def tiny_config(model: str = "tiny", **overrides: Any):
@@ -20,6 +25,6 @@ def tiny_config(model: str = "tiny", **overrides: Any):
     from fived.config import build_config
 
     base = {"model.name": model, "train.steps": 3, "train.dtype": "float64", "train.global_batch": 8,
-            "train.seq_len": 32, "train.warmup_steps": 1, "train.log_every": 1000}
+            "train.seq_len": 32, "train.warmup_steps": 1, "train.log_every": 1000, "train.device": "cpu"}
     base.update({k.replace("__", "."): v for k, v in overrides.items()})
     return build_config(overrides=base)

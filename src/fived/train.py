@@ -42,8 +42,9 @@ class Trainer:
         self.world = dist.get_world_size()
         self.rank = dist.get_rank()
         check_config(cfg, self.world)  # already checked before launch; a cheap guard under torchrun
-        self.mesh = Mesh.from_config(cfg, self.world).build(device_type())
-        self.device = torch.device(device_type(), torch.cuda.current_device()) if device_type() == "cuda" else torch.device("cpu")
+        kind = device_type(cfg.train.device)
+        self.mesh = Mesh.from_config(cfg, self.world).build(kind)
+        self.device = torch.device(kind, torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
         t = cfg.train
         self.compute_dtype = DTYPES[t.dtype]
         # bfloat16 means mixed precision: float32 weights and optimizer state, bf16 autocast compute.

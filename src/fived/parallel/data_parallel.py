@@ -22,6 +22,7 @@ from torch import nn
 
 from fived.config import Config
 from fived.mesh import DTYPES, Mesh
+from fived.ledger import local_tensor as _local
 from fived.model import canonical_name
 from fived.optim import build_optimizer
 
@@ -100,12 +101,11 @@ class DataParallel:
         """The tensors this rank holds for the model state, for the memory ledger."""
         params = [p for _, p in self.named_parameters()]
         return {"params": params, "grads": [p.grad for p in params if p.grad is not None],
-                "optimizer": [v for s in self.optimizer.state.values() for v in s.values()
-                              if torch.is_tensor(v) and v.dim() > 0]}
+                "optimizer": self.optimizer_state()}
 
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
+    def optimizer_state(self) -> list[torch.Tensor]:
+        """Adam's tensors (not the scalar step counters)."""
+        return [v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
 
 
 def _sum_hook(state, bucket):

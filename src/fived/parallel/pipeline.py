@@ -20,15 +20,9 @@ import torch
 from torch import nn
 
 from fived.config import Config, ModelConfig
-from fived.metrics import matmul_params_per_token
 from fived.model import Transformer, build_model
 
-V_SHAPED = ("zbv", "dualpipev")
-SINGLE_STAGE = ("gpipe", "1f1b")
-
-
-def stages_per_rank(schedule: str, virtual: int) -> int:
-    return 2 if schedule in V_SHAPED else (1 if schedule in SINGLE_STAGE else virtual)
+from fived.mesh import SINGLE_STAGE, V_SHAPED, stages_per_rank
 
 
 def stage_rank(stage: int, pp: int, schedule: str) -> int:
@@ -170,16 +164,15 @@ class Pipeline:
         return self.schedule
 
     def last_step_actions(self) -> list[Action]:
-        """The actions of the last schedule.step (the first step also holds shape inference)."""
-        actions = self.timeline.actions
-        return actions[self._step_start:] if hasattr(self, "_step_start") else actions
+        """The actions of the last schedule.step."""
+        return list(self.timeline.actions)
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Run every micro-batch through the schedule; return the sum of the micro-batch losses on
         the last stage (zero elsewhere)."""
         losses: list[torch.Tensor] = []
         first = 0 in self.stage_ids
-        self._step_start = len(self.timeline.actions)
+        self.timeline.actions.clear()  # keep the last step's actions only
         self.schedule.step(inputs if first else None, target=targets if self.has_last_stage else None,
                            losses=losses)
         total = torch.zeros((), dtype=torch.float64, device=inputs.device)

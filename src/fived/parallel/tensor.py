@@ -51,7 +51,9 @@ class CopyToTensorParallelRegion(torch.autograd.Function):
 class ReduceFromTensorParallelRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        x = x.contiguous()
+        # A copy: the input may be kept elsewhere (selective checkpointing saves matmul outputs
+        # and would reduce them a second time on recompute if reduced in place).
+        x = x.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(x, group=group)
         return x
 
@@ -214,6 +216,8 @@ class TensorParallel:
         if not self.sp:
             return CopyToTensorParallelRegion.apply(x, self.group)
         full = GatherFromSequenceParallelRegion.apply(x, self.group)
+        # Regions run one after another: the previous region's saved tensors are packed already.
+        self._regather.clear()
         # Weakly: the gathered input must be freed as soon as the region's ops are done with it.
         self._regather[full.untyped_storage().data_ptr()] = {
             "shard": x.detach(), "gathered": weakref.ref(full), "uses": 0, "full": None}

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fived.optim import build_optimizer
 from fived.parallel.data_parallel import DataParallel
 
 
@@ -86,12 +87,9 @@ class ShardedOptimizerDataParallel(DataParallel):
         return segments
 
     def build_optimizer(self) -> torch.optim.Optimizer:
-        t = self.cfg.train
-        groups = [
-            {"params": [s for s, decay in self.segments if decay], "weight_decay": t.weight_decay},
-            {"params": [s for s, decay in self.segments if not decay], "weight_decay": 0.0},
-        ]
-        self.optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
+        # A slice of a matrix is decayed like the matrix (the slices themselves are 1-D).
+        decayed = {id(s) for s, decay in self.segments if decay}
+        self.optimizer = build_optimizer([s for s, _ in self.segments], self.cfg.train, lambda p: id(p) in decayed)
         return self.optimizer
 
     def before_micro_batch(self, is_last: bool) -> None:
@@ -137,5 +135,4 @@ class ShardedOptimizerDataParallel(DataParallel):
         seg_params = [s for s, _ in self.segments]
         return {"params": self.params + seg_params,
                 "grads": [p.grad for p in self.params if p.grad is not None] + [s.grad for s in seg_params],
-                "optimizer": [v for s in self.optimizer.state.values() for v in s.values()
-                              if torch.is_tensor(v) and v.dim() > 0]}
+                "optimizer": self.optimizer_state()}
