@@ -128,6 +128,13 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def _storage_ptr(t: torch.Tensor) -> int:
+    try:
+        return local_tensor(t).untyped_storage().data_ptr()
+    except RuntimeError:  # a sharded parameter whose gathered storage is freed right now
+        return -1
+
+
 def held_bytes(tensors) -> int:
     """Bytes of memory the tensors occupy, each byte once: views of one buffer (flat ZeRO buffers,
     parameters and their optimizer slices) are merged by storage and byte range."""
@@ -171,7 +178,7 @@ class ActivationLedger:
     def _enter(self, name: str, block: torch.nn.Module) -> None:
         self.layer = name
         if self.recording:  # weights (and views of them, e.g. transposes) are saved too; not activations
-            self._weights = {p.untyped_storage().data_ptr() for p in block.parameters()}
+            self._weights = {_storage_ptr(p) for p in block.parameters()}
 
     def note(self, t: torch.Tensor) -> None:
         if self.recording and self.layer is not None and t.untyped_storage().data_ptr() not in self._weights:

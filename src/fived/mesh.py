@@ -16,7 +16,7 @@ import torch
 from fived.config import Config, ConfigError
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-IMPLEMENTED = {"dp", "zero", "tp", "pp", "cp"}  # dimensions above 1 that the runtime builds today
+IMPLEMENTED = {"dp", "zero", "tp", "pp", "cp", "ep"}  # dimensions above 1 that the runtime builds today
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 CHECKPOINTING = ("none", "full", "selective")
@@ -94,6 +94,7 @@ def _layout_errors(cfg: Config, world: int | None) -> list[ConfigError]:
     need(t.seq_len % (2 * p.cp) == 0 or p.cp == 1, "train.seq_len", t.seq_len,
          f"must be divisible by 2*cp={2 * p.cp} (load-balanced context-parallel chunks)")
     need(p.zero in (0, 1, 2, 3), "parallel.zero", p.zero, "must be 0, 1, 2 or 3")
+    need(p.ep == 1 or p.dp_replicate == 1, "parallel.ep", p.ep, "expert parallelism with HSDP replicas is not supported yet")
     need(p.dp_replicate >= 1 and dp >= 1 and dp % p.dp_replicate == 0, "parallel.dp_replicate", p.dp_replicate,
          f"must be >= 1 and divide dp={dp} (dp = dp_replicate x dp_shard)")
     need(p.dp_replicate == 1 or p.zero >= 1, "parallel.dp_replicate", p.dp_replicate,
@@ -198,6 +199,7 @@ class Mesh:
     device_type: str = "cpu"
     device_mesh: object = None
     flat: dict = None
+    expert_mesh: object = None
 
     @classmethod
     def from_config(cls, cfg: Config, world: int) -> "Mesh":
@@ -221,12 +223,17 @@ class Mesh:
         # Flattened views: "dp" picks the data (the batch split), "dp_cp" reduces gradients (cp ranks
         # see other tokens of the same sequences), "dp_shard_cp" holds the ZeRO shards.
         mesh = self.device_mesh
+        # Experts: dp*cp cut into ep groups of consecutive ranks (ep innermost) and edp groups across.
+        self.expert_mesh = init_device_mesh(
+            device_type, (self.pp, self.dp * self.cp // self.ep, self.ep, self.tp), mesh_dim_names=("pp", "edp", "ep", "tp"))
         self.flat = {"dp": mesh["dp_replicate", "dp_shard"]._flatten("dp"),
                      "dp_cp": mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
                      "dp_shard_cp": mesh["dp_shard", "cp"]._flatten("dp_shard_cp")}
         return self
 
     def __getitem__(self, name: str):
+        if name in ("ep", "edp"):
+            return self.expert_mesh[name]
         return self.flat[name] if name in self.flat else self.device_mesh[name]
 
     def group(self, name: str):
@@ -239,6 +246,6 @@ class Mesh:
         """ProcessGroup -> dimension name, for the communication ledger. When two dimensions have the
         same ranks (dp and dp_shard without replicas) the first listed names them."""
         names: dict = {}
-        for d in ("dp", "cp", "tp", "pp", "dp_shard", "dp_replicate", "dp_cp", "dp_shard_cp"):
+        for d in ("dp", "cp", "tp", "pp", "ep", "dp_shard", "dp_replicate", "dp_cp", "dp_shard_cp", "edp"):
             names.setdefault(self.group(d), d)
         return names

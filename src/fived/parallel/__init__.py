@@ -8,7 +8,7 @@ the trainer drives: initialise shards, loss, gradient finishing, clipping, whole
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -19,6 +19,7 @@ from fived.model import Transformer, canonical_name
 from fived.parallel.checkpointing import apply_activation_checkpointing
 from fived.parallel.context import apply_context_parallel
 from fived.parallel.data_parallel import DataParallel, make_data_parallel
+from fived.parallel.expert import apply_expert_parallel
 from fived.parallel.tensor import TensorParallel
 
 
@@ -34,9 +35,14 @@ class ParallelPlan:
     tensor_parallel: TensorParallel | None = None
     pp_group: object = None  # the pipeline group, when the model is split into stages
     positions: torch.Tensor | None = None  # this rank's token positions under context parallelism
+    expert_shards: dict = field(default_factory=dict)  # expert parameter -> (dim, pieces, index)
+    ep_group: object = None
 
     def local_init(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's part of a parameter's full initial value (before any ZeRO sharding)."""
+        if name in self.expert_shards:
+            dim, pieces, index = self.expert_shards[name]
+            full = full.chunk(pieces, dim=dim)[index].contiguous()
         spec = self.tensor_parallel.shards.get(name) if self.tensor_parallel else None
         return spec.local(full) if spec else full
 
@@ -79,6 +85,11 @@ class ParallelPlan:
             full = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
             if self.tensor_parallel is not None:
                 full = self.tensor_parallel.gather_full(name, full)
+            if name in self.expert_shards:
+                pieces = self.expert_shards[name][1]
+                parts = full.new_empty((pieces * full.shape[0],) + tuple(full.shape[1:]))
+                torch.distributed.all_gather_single(parts, full.contiguous(), group=self.ep_group)
+                full = parts
             out[name] = full.detach().cpu().clone()
         if self.pp_group is not None:  # every stage's parameters, on every rank
             parts = [None] * torch.distributed.get_world_size(self.pp_group)
@@ -93,12 +104,15 @@ def parallelize(chunks: list[Transformer], mesh: Mesh, cfg: Config) -> ParallelP
     positions = None
     if mesh.cp > 1:
         positions = apply_context_parallel(chunks, mesh.group("cp"), mesh.cp, mesh.rank("cp"), cfg.train.seq_len)
-    # Expert parallelism is added here by a later issue; the layout checks refuse it until then.
+    expert_shards = {}
+    if mesh.ep > 1:
+        expert_shards = apply_expert_parallel(chunks, mesh.group("ep"), mesh.ep, mesh.rank("ep"))
     for chunk in chunks:
         apply_activation_checkpointing(chunk, cfg.train.activation_checkpointing)
     data_parallel = make_data_parallel(mesh, cfg)
     data_parallel.shard(chunks)
-    return ParallelPlan(data_parallel, tensor_parallel, mesh.group("pp") if mesh.pp > 1 else None, positions)
+    return ParallelPlan(data_parallel, tensor_parallel, mesh.group("pp") if mesh.pp > 1 else None, positions,
+                        expert_shards, mesh.group("ep") if mesh.ep > 1 else None)
 
 
 def apply_tensor_parallel(chunks: list[Transformer], mesh: Mesh, cfg: Config) -> TensorParallel | None:

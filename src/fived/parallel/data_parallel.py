@@ -24,6 +24,7 @@ from fived.config import Config
 from fived.mesh import DTYPES, Mesh
 from fived.ledger import local_tensor as _local
 from fived.model import canonical_name
+from fived.parallel.expert import is_expert
 from fived.optim import build_optimizer
 
 
@@ -61,11 +62,26 @@ class DataParallel:
     def reduce_gradients(self) -> None:
         pass
 
+    # Experts under expert parallelism (outside ZeRO-3, which shards them over edp itself) are kept
+    # apart: their gradients are summed over edp only, and their norm over ep.
+    experts_apart = True
+
+    def expert_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        if self.mesh.ep == 1 or not self.experts_apart:
+            return []
+        return [(n, p) for n, p in self.named_parameters() if is_expert(n)]
+
+    def reduce_expert_gradients(self) -> None:
+        if self.mesh.dp * self.mesh.cp // self.mesh.ep > 1:
+            _all_reduce_flat([p.grad for _, p in self.expert_parameters() if p.grad is not None],
+                             self.mesh.group("edp"), self.reduce_dtype)
+
     def named_grads(self, model_grads: bool = False):
         """(canonical parameter name, local gradient) for what the optimizer steps; model_grads=True:
         the model's own gradients (before the dp reduction of ZeRO-1/2)."""
+        apart = {n for n, _ in self.expert_parameters()}
         for name, p in self.named_parameters():
-            if p.grad is not None:
+            if p.grad is not None and (model_grads or name not in apart):
                 yield name, _local(p.grad)
 
     def norm_groups(self) -> list:
@@ -81,6 +97,14 @@ class DataParallel:
         sq = torch.zeros((), dtype=torch.float64, device=grads[0][1].device)
         for name, g in grads:
             sq += weight(name) * g.double().square().sum()
+        experts = [(n, p.grad) for n, p in self.expert_parameters() if p.grad is not None]
+        if experts:  # disjoint over ep, equal over edp: summed over ep, then counted once below
+            expert_sq = sum(weight(n) * g.double().square().sum() for n, g in experts)
+            dist.all_reduce(expert_sq, group=self.mesh.group("ep"))
+            for group in self.norm_groups():
+                expert_sq = expert_sq / dist.get_world_size(group)
+            sq += expert_sq
+            grads += experts
         for group in self.norm_groups() + list(extra_groups):
             dist.all_reduce(sq, group=group)
         norm = sq.sqrt().item()
@@ -132,6 +156,9 @@ class ReplicatedDataParallel(DataParallel):
 
         (model,) = chunks  # without pipeline stages: one chunk
         group = self.mesh.group("dp_cp")  # context-parallel ranks hold other tokens: reduce over both
+        self.chunks = chunks
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            model, [n for n, p in model.named_parameters() if is_expert(n) and self.mesh.ep > 1])
         # init_sync=False: initialisation is already identical on every rank (seeded by name).
         self.ddp = DistributedDataParallel(model, process_group=group,
                                            gradient_as_bucket_view=True, init_sync=False)
@@ -141,6 +168,21 @@ class ReplicatedDataParallel(DataParallel):
 
     def before_micro_batch(self, is_last: bool) -> None:
         self.ddp.require_backward_grad_sync = is_last
+
+    def reduce_gradients(self) -> None:
+        self.reduce_expert_gradients()  # (the rest was reduced during backward)
+
+
+def _all_reduce_flat(grads: list[torch.Tensor], group, reduce_dtype: torch.dtype) -> None:
+    """Sum `grads` over `group` with one all-reduce of a flat buffer."""
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads]).to(reduce_dtype)
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
 
 
 def make_data_parallel(mesh: Mesh, cfg: Config) -> DataParallel:

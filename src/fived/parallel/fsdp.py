@@ -17,6 +17,8 @@ from fived.parallel.data_parallel import DataParallel
 
 
 class FullyShardedDataParallel(DataParallel):
+    experts_apart = False  # sharded over edp by FSDP itself
+
     def shard(self, chunks: list[nn.Module]) -> None:
         from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
@@ -29,8 +31,13 @@ class FullyShardedDataParallel(DataParallel):
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=self.reduce_dtype)
         # Under a pipeline schedule the weights stay gathered through the micro-batches by default.
         keep = self.cfg.parallel.zero3_keep_gathered or self.mesh.pp > 1
+        experts_mesh = self.mesh["edp"] if self.mesh.ep > 1 else None
         for model in chunks:
             for block in model.layers.values():
+                if experts_mesh is not None and hasattr(block.feed_forward, "experts"):
+                    # sharded over the ranks that hold the same experts (before the block takes the rest)
+                    fully_shard(block.feed_forward.experts, mesh=experts_mesh, mp_policy=mp,
+                                reshard_after_forward=not keep)
                 fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=not keep)
             # The root (embedding, final norm, head) is used again first in backward: keep it gathered.
             fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)

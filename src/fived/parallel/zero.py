@@ -39,7 +39,8 @@ class ShardedOptimizerDataParallel(DataParallel):
             shards = self.mesh.dp_shard * self.mesh.cp  # context-parallel ranks shard too
             self.shard_group, rank = self.mesh.group("dp_shard_cp"), self.mesh.rank("dp_shard_cp")
             self.replicate_group = self.mesh.group("dp_replicate") if self.mesh.dp_replicate > 1 else None
-        named = [(n, p) for n, p in self.named_parameters() if p.requires_grad]
+        apart = {n for n, _ in self.expert_parameters()}
+        named = [(n, p) for n, p in self.named_parameters() if p.requires_grad and n not in apart]
         self.params = [p for _, p in named]
         self.names = [n for n, _ in named]
         dtype, device = self.params[0].dtype, self.params[0].device
@@ -89,7 +90,10 @@ class ShardedOptimizerDataParallel(DataParallel):
     def build_optimizer(self) -> torch.optim.Optimizer:
         # A slice of a matrix is decayed like the matrix (the slices themselves are 1-D).
         decayed = {id(s) for s, decay in self.segments if decay}
-        self.optimizer = build_optimizer([s for s, _ in self.segments], self.cfg.train, lambda p: id(p) in decayed)
+        experts = [p for _, p in self.expert_parameters()]  # not ZeRO-sharded: reduced over edp
+        decayed |= {id(p) for p in experts}
+        self.optimizer = build_optimizer([s for s, _ in self.segments] + experts, self.cfg.train,
+                                         lambda p: id(p) in decayed)
         return self.optimizer
 
     def before_micro_batch(self, is_last: bool) -> None:
@@ -109,6 +113,7 @@ class ShardedOptimizerDataParallel(DataParallel):
             for p in self.params:
                 p.grad = None
             self.grad_buf = None
+        self.reduce_expert_gradients()
 
     def named_grads(self, model_grads: bool = False):
         if model_grads:
@@ -127,12 +132,15 @@ class ShardedOptimizerDataParallel(DataParallel):
                 dist.all_gather_single(self.param_buf, self.param_buf[self.lo:self.hi], group=self.shard_group)
 
     def zero_grad(self) -> None:
+        for _, p in self.expert_parameters():
+            p.grad = None
         if self.stage <= 1:
             self.grad_buf.zero_()
         # ZeRO-2's reduce-scatter overwrites shard_grad; its full buffer is already gone.
 
     def tensors(self) -> dict[str, list[torch.Tensor]]:
         seg_params = [s for s, _ in self.segments]
-        return {"params": self.params + seg_params,
-                "grads": [p.grad for p in self.params if p.grad is not None] + [s.grad for s in seg_params],
+        experts = [p for _, p in self.expert_parameters()]
+        return {"params": self.params + seg_params + experts,
+                "grads": [p.grad for p in self.params + experts if p.grad is not None] + [s.grad for s in seg_params],
                 "optimizer": self.optimizer_state()}

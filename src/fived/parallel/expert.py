@@ -1,0 +1,82 @@
+"""Expert parallelism: the routed experts of every MoE layer sharded over `ep` ranks (ep divides
+dp*cp); tokens travel to their experts' ranks and back with all-to-all (uneven splits).
+
+The ranks of one dp*cp group are cut into ep groups of consecutive ranks (ep innermost) and
+expert-data-parallel (edp) groups across them. Rank j of an ep group holds experts
+[j*E/ep, (j+1)*E/ep). Routing, the shared experts and the load-balancing statistics stay local and
+dense, so the auxiliary loss does not depend on the layout; dropless by default.
+
+Gradients: an expert's gradient already sums the tokens of every rank of its ep group (the
+all-to-all carries them back), so it is reduced only over edp; dense gradients over all of dp*cp.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fived.model import GroupedExperts, MoE
+
+
+class AllToAll(torch.autograd.Function):
+    """all_to_all_single with uneven splits; backward sends the gradients back the same way."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits: list[int], in_splits: list[int], group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        back = grad.new_empty((sum(in_splits),) + tuple(grad.shape[1:]))
+        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return back, None, None, None
+
+
+class ExpertParallelExperts(GroupedExperts):
+    """This rank's experts (same parameter names as GroupedExperts), fed through all-to-all."""
+
+    def __init__(self, n_experts: int, dim: int, hidden: int, group, ep: int):
+        super().__init__(n_experts // ep, dim, hidden)
+        self.group, self.ep, self.n_experts = group, ep, n_experts
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """x: this rank's routing slots sorted by (global) expert; counts: slots per global expert."""
+        local = self.n_experts // self.ep
+        send_counts = torch.tensor(counts, dtype=torch.int64, device=x.device)
+        recv_counts = torch.empty_like(send_counts)  # [source rank, local expert], flattened
+        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        send_splits = send_counts.view(self.ep, local).sum(1).tolist()
+        recv = recv_counts.view(self.ep, local)
+        tokens = AllToAll.apply(x, recv.sum(1).tolist(), send_splits, self.group)
+        # Received rows are grouped by source rank, then expert; regroup by expert for the GEMMs.
+        by_source = torch.split(torch.arange(tokens.shape[0], device=x.device), recv.flatten().tolist())
+        order = torch.cat([by_source[r * local + e] for e in range(local) for r in range(self.ep)])
+        y = torch.empty_like(tokens)
+        y[order] = super().forward(tokens[order], recv.sum(0).tolist())
+        return AllToAll.apply(y, send_splits, recv.sum(1).tolist(), self.group)
+
+
+def apply_expert_parallel(chunks: list[nn.Module], group, ep: int, rank: int) -> dict[str, tuple[int, int, int]]:
+    """Swap each MoE's experts for this rank's share (on the meta device). Returns, per expert
+    parameter name, how it is split: (dim, pieces, index) for initialisation and gathering."""
+    shards = {}
+    for chunk in chunks:
+        for lid, block in chunk.layers.items():
+            moe = block.feed_forward
+            if not isinstance(moe, MoE):
+                continue
+            old = moe.experts
+            dim, hidden = old.w1.shape[1], old.w1.shape[2]
+            with torch.device(old.w1.device):
+                moe.experts = ExpertParallelExperts(moe.n_experts, dim, hidden, group, ep).to(old.w1.dtype)
+            for w in ("w1", "w3", "w2"):
+                shards[f"layers.{lid}.feed_forward.experts.{w}"] = (0, ep, rank)
+    return shards
+
+
+def is_expert(name: str) -> bool:
+    return ".experts." in name
