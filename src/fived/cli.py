@@ -46,10 +46,22 @@ def _overrides(ns: argparse.Namespace) -> dict:
     return {k: v for k, v in vars(ns).items() if "." in k}
 
 
+def _in_file(path: str | None, section: str, key: str) -> bool:
+    if not path:
+        return False
+    from fived.config import tomllib
+
+    with open(path, "rb") as f:
+        return key in tomllib.load(f).get(section, {})
+
+
 def _build(ns: argparse.Namespace, extra: dict | None = None):
     """The config from file + flags; --dp-shard resolved against the final dp_replicate."""
     over = {**(extra or {}), **_overrides(ns)}
     cfg = build_config(ns.config, over)
+    if "train.microbatches" not in over and not _in_file(ns.config, "train", "microbatches"):
+        # a pipeline needs at least pp micro-batches: default to pp, as torchtitan does
+        cfg.train.microbatches = max(cfg.train.microbatches, cfg.parallel.pp)
     if ns.dp_shard is not None:
         if ns.dp_shard < 1:
             raise ConfigError("--dp-shard", ns.dp_shard, "must be >= 1")

@@ -49,6 +49,7 @@ class ModelConfig:
     route_norm: bool = True  # renormalise the top-k routing weights to sum to 1
     capacity_factor: float = 0.0  # 0 = dropless; >0 drops per expert beyond cf*tokens*k/E
     aux_loss_coef: float = 0.01  # load-balancing loss weight (per-sequence statistics)
+    router_bias_rate: float = 0.0  # >0: aux-loss-free balancing (DeepSeek-V3): per-expert bias step
 
     @property
     def head_dim(self) -> int:

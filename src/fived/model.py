@@ -109,18 +109,18 @@ class AddAuxLossGrad(torch.autograd.Function):
     so it works unchanged under pipeline stages and activation checkpointing."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, aux: torch.Tensor, scale: float, sink: list):
+    def forward(ctx, x: torch.Tensor, aux: torch.Tensor, load: torch.Tensor, scale: float, sink: list):
         ctx.scale, ctx.sink = scale, sink
-        ctx.save_for_backward(aux)
+        ctx.save_for_backward(aux, load)
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        (aux,) = ctx.saved_tensors
+        aux, load = ctx.saved_tensors
         # Logged here, not in forward: backward runs once per micro-batch even when activation
         # checkpointing runs the forward twice, and inside pipeline schedules too.
-        ctx.sink.append(aux.detach())
-        return grad, torch.full_like(aux, ctx.scale), None, None
+        ctx.sink.append((aux.detach(), load))
+        return grad, torch.full_like(aux, ctx.scale), None, None, None
 
 
 class MoE(nn.Module):
@@ -137,11 +137,14 @@ class MoE(nn.Module):
         self.n_experts, self.top_k = cfg.n_experts, cfg.top_k
         self.route_norm, self.capacity_factor = cfg.route_norm, cfg.capacity_factor
         self.router = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
+        # Aux-loss-free balancing: added to the scores only to choose experts, never to the weights;
+        # the trainer moves it after each step from the global load (zero and fixed by default).
+        self.register_buffer("router_bias", torch.zeros(cfg.n_experts))
         self.experts = GroupedExperts(cfg.n_experts, cfg.dim, cfg.expert_dim)
         self.shared = FeedForward(cfg.dim, cfg.expert_dim * cfg.n_shared_experts) if cfg.n_shared_experts else None
         self.aux_loss_scale = 0.0  # set by the trainer: coef / sequences in the global batch
         self.last_aux_loss = None  # detached per-sequence sum of the last forward
-        self.aux_losses: list[torch.Tensor] = []  # one per backward since the trainer last read it
+        self.aux_losses: list = []  # (aux, tokens per expert) per backward since the trainer last read it
         self.last_tokens_per_expert = None
         # Sums the per-sequence statistics over the ranks that hold parts of a sequence (context
         # parallelism sets it); identity when every sequence is whole on this rank.
@@ -150,7 +153,8 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
         probs = torch.softmax(self.router(x).to(torch.promote_types(x.dtype, torch.float32)), dim=-1)
-        weights, experts = probs.topk(self.top_k, dim=-1)  # [b, s, k]
+        experts = (probs + self.router_bias.to(probs.dtype)).topk(self.top_k, dim=-1).indices  # [b, s, k]
+        weights = probs.gather(-1, experts)
         if self.route_norm:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         weights = weights.to(x.dtype)
@@ -182,7 +186,8 @@ class MoE(nn.Module):
         if self.shared is not None:
             out = out + self.shared(x)
         if self.training and torch.is_grad_enabled():
-            out = AddAuxLossGrad.apply(out, aux, self.aux_loss_scale, self.aux_losses)
+            load = torch.bincount(flat_experts, minlength=self.n_experts).double()
+            out = AddAuxLossGrad.apply(out, aux, load, self.aux_loss_scale, self.aux_losses)
         return out
 
     def _within_capacity(self, sorted_experts: torch.Tensor, counts: torch.Tensor, n_tokens: int) -> torch.Tensor:
@@ -285,6 +290,8 @@ def init_weights(model: nn.Module, seed: int, local_part=None) -> None:
             param.to_local().copy_(local)
         else:
             param.copy_(full)
+    for _, buffer in model.named_buffers():  # (router biases start at zero)
+        buffer.zero_()
 
 
 def _find_config(model: nn.Module) -> ModelConfig:

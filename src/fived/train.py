@@ -113,6 +113,38 @@ class Trainer:
             loss_sum += loss.detach().double()
         return loss_sum
 
+    def _read_moe_statistics(self):
+        """The step's auxiliary loss (summed) and tokens per expert (per local MoE layer)."""
+        aux_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        loads = []
+        for moe in self.moe_layers:
+            # One entry per micro-batch's backward; a pipeline schedule's first step also runs a
+            # shape-inference backward on dummy data first, which is not a training value.
+            entries = moe.aux_losses[-self.cfg.train.microbatches:]
+            aux_sum += sum(aux.double() for aux, _ in entries)
+            loads.append(sum(load for _, load in entries))
+            moe.aux_losses.clear()
+        return aux_sum, loads
+
+    @torch.no_grad()
+    def _balance_experts(self, loads: list[torch.Tensor]) -> float:
+        """Global tokens per expert of each local MoE layer (summed over dp*cp); with
+        model.router_bias_rate > 0, step each router bias toward balance (DeepSeek-V3's
+        aux-loss-free method: underloaded experts up, overloaded down). Returns the worst layer's
+        max/mean load (over the whole pipeline)."""
+        worst = torch.zeros((), dtype=torch.float64, device=self.device)
+        if loads:
+            stacked = torch.stack(loads)
+            dist.all_reduce(stacked, group=self.mesh.group("dp_cp"))
+            rate = self.cfg.model.router_bias_rate
+            for moe, load in zip(self.moe_layers, stacked):
+                if rate > 0:
+                    moe.router_bias += rate * torch.sign(load.mean() - load).to(moe.router_bias.dtype)
+            worst = (stacked.amax(dim=1) / stacked.mean(dim=1).clamp_min(1e-9)).max()
+        if self.pipeline:
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=self.mesh.group("pp"))
+        return worst.item()
+
     def step(self, step: int) -> dict:
         t = self.cfg.train
         start = time.perf_counter()
@@ -123,13 +155,7 @@ class Trainer:
             if self.positions is not None:  # context parallelism: this rank's chunks of each sequence
                 inputs, targets = inputs[:, self.positions], targets[:, self.positions]
             loss_sum = self._forward_backward(inputs, targets)
-            aux_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-            for moe in self.moe_layers:
-                # One entry per micro-batch's backward; a pipeline schedule's first step also runs a
-                # shape-inference backward on dummy data first, which is not a training value.
-                for aux in moe.aux_losses[-t.microbatches:]:
-                    aux_sum += aux.double()
-                moe.aux_losses.clear()
+            aux_sum, loads = self._read_moe_statistics()
             self.plan.finish_gradients()
             grad_norm = self.plan.clip_gradients(t.grad_clip)
             self.dp.step()
@@ -144,6 +170,7 @@ class Trainer:
         dist.all_reduce(totals, group=self.mesh.group("dp_cp"))
         if self.pipeline:
             dist.all_reduce(totals, group=self.mesh.group("pp"))
+        imbalance = self._balance_experts(loads) if self.cfg.model.is_moe else 0.0
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
@@ -159,6 +186,7 @@ class Trainer:
         }
         if self.cfg.model.is_moe:  # (every cp rank computed each of its sequences' whole statistic)
             record["aux_loss"] = totals[1].item() / t.global_batch / self.mesh.cp
+            record["expert_load_max_over_mean"] = imbalance
         return record
 
     def fit(self, progress: bool = True) -> list[dict]:
