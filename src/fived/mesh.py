@@ -16,7 +16,6 @@ import torch
 from fived.config import Config, ConfigError
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-IMPLEMENTED = {"dp", "zero", "tp", "pp", "cp", "ep"}  # dimensions above 1 that the runtime builds today
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 CHECKPOINTING = ("none", "full", "selective")
@@ -148,29 +147,16 @@ def suggest_layouts(cfg: Config, world: int, limit: int = 3) -> list[str]:
         for ep in [e for e in range(1, dp * cp + 1) if (dp * cp) % e == 0]:
             trial = Config(model=cfg.model, train=cfg.train, data=cfg.data,
                            parallel=type(p)(**{**vars(p), "dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep}))
-            if not _layout_errors(trial, world) and not _unimplemented(trial):
+            if not _layout_errors(trial, world):
                 dist = sum(abs(a - b) for a, b in zip((dp, tp, pp, cp, ep), want))
                 found.append((dist, f"--dp {dp} --tp {tp} --pp {pp} --cp {cp} --ep {ep}"))
     return [s for _, s in sorted(found)[:limit]]
 
 
-def _unimplemented(cfg: Config) -> list[ConfigError]:
-    p = cfg.parallel
-    errs = []
-    for name in ("tp", "pp", "cp", "ep"):
-        if getattr(p, name) > 1 and name not in IMPLEMENTED:
-            errs.append(ConfigError(f"parallel.{name}", getattr(p, name), f"{name} parallelism is not implemented yet"))
-    if p.zero > 0 and "zero" not in IMPLEMENTED:
-        errs.append(ConfigError("parallel.zero", p.zero, "ZeRO stages 1-3 are not implemented yet"))
-    if p.sp and "tp" not in IMPLEMENTED:
-        errs.append(ConfigError("parallel.sp", p.sp, "sequence parallelism is not implemented yet"))
-    return errs
-
-
 def check_config(cfg: Config, world: int | None) -> None:
     """Raise the first ConfigError for `cfg` on `world` ranks, with the nearest valid layouts as hint.
     Called by the CLI before any process starts, and again by every rank as a guard."""
-    errs = _model_errors(cfg) or _layout_errors(cfg, world) or _unimplemented(cfg)
+    errs = _model_errors(cfg) or _layout_errors(cfg, world)
     if not errs:
         return
     err = errs[0]
