@@ -44,3 +44,15 @@ def test_all_to_all_bytes_are_the_formula():
         got = sum(v["bytes"] for r in results for k, v in r.comm.items() if k.endswith("/all_to_all_single"))
         assert got == want
         assert "expert_load_max_over_mean" in results[0].metrics[0]
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_model_state_memory_with_experts_and_context(zero):
+    """Per-rank bytes equal fived.report's formula: experts E/ep per rank, sharded over edp by ZeRO-3
+    only; the rest ZeRO-sharded over dp_shard x cp."""
+    from fived.report import expected_state_bytes
+
+    cfg = tiny_config("tiny-moe", parallel__dp=2, parallel__cp=2, parallel__ep=2, parallel__zero=zero,
+                      train__steps=1)
+    for res in run_on_ranks(4, run_training, cfg, False, False):
+        assert res.memory == pytest.approx(expected_state_bytes(cfg, 4), abs=4 * 2 * 8)

@@ -28,6 +28,7 @@ import math
 from fived.config import Config
 from fived.mesh import DTYPES, Mesh
 from fived.model import build_model
+from fived.parallel.expert import apply_expert_parallel, is_expert
 from fived.parallel.tensor import TensorParallel
 from fived.train import TrainResult
 
@@ -35,10 +36,7 @@ from fived.train import TrainResult
 def _sizes(cfg: Config, world: int) -> tuple[list, int, int]:
     """(this rank's parameter shapes with their FSDP-block flag, bytes per weight, bytes per reduced
     gradient). With tensor parallelism the shapes are the local shards (rank 0's; all are equal)."""
-    model = build_model(cfg.model)
-    mesh = Mesh.from_config(cfg, world)
-    if mesh.tp > 1:
-        TensorParallel(model, None, cfg.parallel.sp, mesh.tp, 0).apply(model)
+    model = _local_model(cfg, world)
     shapes = [(p.shape, name.startswith("layers.")) for name, p in model.named_parameters()]
     bf16 = cfg.train.dtype == "bfloat16"
     b = 4 if bf16 else DTYPES[cfg.train.dtype].itemsize
@@ -47,14 +45,29 @@ def _sizes(cfg: Config, world: int) -> tuple[list, int, int]:
 
 
 def expected_state_bytes(cfg: Config, world: int) -> dict[str, int]:
-    """The table above for this config (per rank, before shard padding)."""
-    shapes, b, _ = _sizes(cfg, world)
-    n = sum(math.prod(s) for s, _ in shapes)
-    shards = Mesh.from_config(cfg, world).dp_shard
-    stage = cfg.parallel.zero
+    """The table above for this config (per rank, before shard padding). ZeRO shards over
+    S = dp_shard x cp. With expert parallelism this rank's experts (E/ep of them) are sharded over
+    edp = dp*cp/ep by ZeRO-3 and kept whole by ZeRO-0/1/2."""
+    _, b, _ = _sizes(cfg, world)
+    mesh = Mesh.from_config(cfg, world)
+    model = _local_model(cfg, world)
+    n_exp = sum(p.numel() for name, p in model.named_parameters() if mesh.ep > 1 and is_expert(name))
+    n = sum(p.numel() for p in model.parameters()) - n_exp
+    shards, stage = mesh.dp_shard * mesh.cp, cfg.parallel.zero
     sharded = {0: (), 1: ("optimizer",), 2: ("optimizer", "grads"), 3: ("optimizer", "grads", "params")}[stage]
-    full = {"params": n * b, "grads": n * b, "optimizer": 2 * n * b}
-    return {k: (v // shards if k in sharded else v) for k, v in full.items()}
+    edp = mesh.dp * mesh.cp // mesh.ep if stage == 3 else 1
+    full = {"params": b, "grads": b, "optimizer": 2 * b}
+    return {k: n * v // (shards if k in sharded else 1) + n_exp * v // edp for k, v in full.items()}
+
+
+def _local_model(cfg: Config, world: int):
+    model = build_model(cfg.model)
+    mesh = Mesh.from_config(cfg, world)
+    if mesh.tp > 1:
+        TensorParallel(model, None, cfg.parallel.sp, mesh.tp, 0).apply(model)
+    if mesh.ep > 1:
+        apply_expert_parallel([model], None, mesh.ep, 0)
+    return model
 
 
 def expected_comm_bytes(cfg: Config, world: int) -> dict[str, int]:
