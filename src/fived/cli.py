@@ -78,41 +78,16 @@ def _world(cfg, nproc: int | None, default: int) -> int:
     return p.dp * p.tp * p.pp * p.cp if p.dp > 0 else max(p.tp * p.pp * p.cp, default)
 
 
-def _load(ns: argparse.Namespace, default_world: int):
+def _load(ns: argparse.Namespace, default_world: int, defaults: dict | None = None):
+    """Config and world size, both checked (layout and data) before any rank starts."""
+    from fived.data import check_data
     from fived.mesh import check_config
 
-    cfg = _build(ns)
+    cfg = _build(ns, defaults)
     world = _world(cfg, ns.nproc, default_world)
     check_config(cfg, world)
     check_data(cfg)
     return cfg, world
-
-
-def check_data(cfg) -> None:
-    """The data a run needs, checked before any rank starts."""
-    from pathlib import Path
-
-    from fived.data import load_tokenizer, load_tokens
-
-    d, t = cfg.data, cfg.train
-    if d.path and not Path(d.path).exists():
-        raise ConfigError("data.path", d.path, "file not found",
-                          "give a .bin from `fived prepare-data`, a text file, or leave it empty for the bundled corpus")
-    try:
-        vocab = load_tokenizer(d.tokenizer).vocab_size
-        tokens = load_tokens(d.path, d.tokenizer)
-    except (ValueError, ImportError) as e:
-        raise ConfigError("data", d.path or "bundled corpus", str(e).splitlines()[0]) from None
-    if vocab > cfg.model.vocab_size:
-        raise ConfigError("model.vocab_size", cfg.model.vocab_size, f"smaller than the tokenizer's vocabulary ({vocab})",
-                          f"set --model.vocab_size {vocab}")
-    windows = max(0, (len(tokens) - 1) // t.seq_len)
-    if windows < t.global_batch:
-        raise ConfigError("train.global_batch", t.global_batch,
-                          f"the data holds only {windows} sequences of seq_len={t.seq_len}",
-                          "use more data, a shorter seq_len or a smaller global batch")
-    if t.trace and Path(t.trace).exists():
-        raise ConfigError("train.trace", t.trace, "file exists; fived does not overwrite it", "name a new file")
 
 
 def cmd_train(ns: argparse.Namespace) -> int:
@@ -166,12 +141,7 @@ def cmd_verify(ns: argparse.Namespace) -> int:
     defaults = {"train.steps": 5}
     if ns.nproc is None:
         defaults["parallel.dp"] = 1  # `fived verify --tp 2` means tp=2 alone, not tp=2 x dp=...
-    cfg = _build(ns, defaults)
-    from fived.mesh import check_config
-
-    world = _world(cfg, ns.nproc, 1)
-    check_config(cfg, world)
-    check_data(cfg)
+    cfg, world = _load(ns, 1, defaults)
     report = run_verify(cfg, world)
     return 0 if report.ok else 1
 

@@ -250,3 +250,30 @@ class GlobalBatchSampler:
             if key in state and state[key] != getattr(self, key):
                 raise ValueError(f"sampler state has {key}={state[key]}, this sampler has {getattr(self, key)}")
         self.step = int(state["step"])
+
+
+def check_data(cfg) -> np.ndarray:
+    """The data a run needs, checked before any rank starts (and by each rank as a guard); returns
+    the tokens. Errors are ConfigErrors: one line naming the field."""
+    from fived.config import ConfigError
+
+    d, t = cfg.data, cfg.train
+    if d.path and not Path(d.path).exists():
+        raise ConfigError("data.path", d.path, "file not found",
+                          "give a .bin from `fived prepare-data`, a text file, or leave it empty for the bundled corpus")
+    try:
+        vocab = load_tokenizer(d.tokenizer).vocab_size
+        tokens = load_tokens(d.path, d.tokenizer)
+    except (ValueError, ImportError) as e:
+        raise ConfigError("data", d.path or "bundled corpus", str(e).splitlines()[0]) from None
+    if vocab > cfg.model.vocab_size:
+        raise ConfigError("model.vocab_size", cfg.model.vocab_size, f"smaller than the tokenizer's vocabulary ({vocab})",
+                          f"set --model.vocab_size {vocab}")
+    windows = max(0, (len(tokens) - 1) // t.seq_len)
+    if windows < t.global_batch:
+        raise ConfigError("train.global_batch", t.global_batch,
+                          f"the data holds only {windows} sequences of seq_len={t.seq_len}",
+                          "use more data, a shorter seq_len or a smaller global batch")
+    if t.trace and Path(t.trace).exists():
+        raise ConfigError("train.trace", t.trace, "file exists; fived does not overwrite it", "name a new file")
+    return tokens

@@ -38,17 +38,21 @@ def _sizes(cfg: Config, world: int) -> tuple[list, int, int]:
     gradient). With tensor parallelism the shapes are the local shards (rank 0's; all are equal)."""
     model = _local_model(cfg, world)
     shapes = [(p.shape, name.startswith("layers.")) for name, p in model.named_parameters()]
+    return (shapes,) + _dtype_bytes(cfg)
+
+
+def _dtype_bytes(cfg: Config) -> tuple[int, int]:
+    """(bytes per weight, bytes per reduced gradient): bf16 runs keep float32 weights."""
     bf16 = cfg.train.dtype == "bfloat16"
     b = 4 if bf16 else DTYPES[cfg.train.dtype].itemsize
-    r = DTYPES[cfg.parallel.reduce_dtype].itemsize if bf16 else b
-    return shapes, b, r
+    return b, (DTYPES[cfg.parallel.reduce_dtype].itemsize if bf16 else b)
 
 
 def expected_state_bytes(cfg: Config, world: int) -> dict[str, int]:
     """The table above for this config (per rank, before shard padding). ZeRO shards over
     S = dp_shard x cp. With expert parallelism this rank's experts (E/ep of them) are sharded over
     edp = dp*cp/ep by ZeRO-3 and kept whole by ZeRO-0/1/2."""
-    _, b, _ = _sizes(cfg, world)
+    b, _ = _dtype_bytes(cfg)
     mesh = Mesh.from_config(cfg, world)
     model = _local_model(cfg, world)
     n_exp = sum(p.numel() for name, p in model.named_parameters() if mesh.ep > 1 and is_expert(name))
@@ -176,7 +180,7 @@ def format_report(cfg: Config, world: int, results: list[TrainResult]) -> str:
         stages = p * stages_per_rank(cfg.parallel.pp_schedule, cfg.parallel.pp_virtual)
         lines.append(f"pipeline bubble of {cfg.parallel.pp_schedule}, simulated from the executed actions with unit "
                      f"times: {bubble_of(timeline, stages):.4f} (GPipe/1F1B textbook (p-1)/(m+p-1) = {(p - 1) / (m + p - 1):.4f})")
-    acts = {k: v for k, v in results[0].activations.items() if k != "-"}
+    acts = results[0].activations
     if acts:
         dense = expected_activation_bytes(cfg, world)
         lines.append("activation bytes saved for backward per layer and micro-batch on rank 0 (measured | formula):")

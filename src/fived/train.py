@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from fived.config import Config
-from fived.data import GlobalBatchSampler, load_tokenizer, load_tokens
+from fived.data import GlobalBatchSampler, check_data
 from fived.launch import device_type
 from fived.ledger import ActivationLedger, CommLedger, model_state_bytes
 from fived.mesh import DTYPES, Mesh, check_config
@@ -68,16 +68,11 @@ class Trainer:
         self.optimizer = self.dp.build_optimizer()
         self.scheduler = build_scheduler(self.optimizer, t)
 
-        tokenizer = load_tokenizer(cfg.data.tokenizer)
-        if tokenizer.vocab_size > cfg.model.vocab_size:
-            raise ValueError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
-                             f"vocabulary ({tokenizer.vocab_size}); set model.vocab_size >= {tokenizer.vocab_size}")
-        self.sampler = GlobalBatchSampler(load_tokens(cfg.data.path, cfg.data.tokenizer), t.seq_len, t.global_batch, t.seed)
+        self.sampler = GlobalBatchSampler(check_data(cfg), t.seq_len, t.global_batch, t.seed)
         self.global_tokens = t.global_batch * t.seq_len
         self.ledger = CommLedger(self.mesh.group_names())
         # Bytes saved for backward, measured on the first micro-batch (not inside pipeline schedules).
         self.activations = ActivationLedger(chunks[0])
-        self.activations.per_layer = {"-": 0} if self.pipeline else {}
         self.state_bytes: dict[str, int] = {}
         self.log = MetricsLog(t.output_dir, t.tensorboard) if (log and self.rank == 0) else None
         self.peak_flops = device_peak_tflops(param_dtype, t.peak_tflops) * 1e12
@@ -102,7 +97,7 @@ class Trainer:
         micro_batches = list(zip(inputs.chunk(self.cfg.train.microbatches), targets.chunk(self.cfg.train.microbatches)))
         for i, (micro, micro_targets) in enumerate(micro_batches):
             self.dp.before_micro_batch(is_last=i == len(micro_batches) - 1)
-            if not self.activations.per_layer and i == 0:
+            if i == 0 and not self.activations.per_layer:
                 self.activations.start()
             with self._autocast(), self.plan.forward_context(self.activations):
                 logits = self.model(micro)
