@@ -1,4 +1,5 @@
-"""Bubble of a pipeline schedule from its per-rank action lists, costed with unit times.
+"""Bubble of a pipeline schedule from its per-rank action lists, costed with unit times; and the
+action lists of fived's six schedules generated without running anything (for the planner).
 
 Each rank runs its compute actions in the given order; an action starts when the rank is free and
 its inputs exist: F(s, m) needs F(s-1, m); B or I(s, m) needs F(s, m) and the input gradient from
@@ -6,62 +7,83 @@ B or I(s+1, m); W(s, m) needs I(s, m). Communication is free. A stage's share of
 is 1/chunks (a rank holding v stages does 1/v of its work per action): F = 1, B = 2, I = W = 1,
 each divided by the number of stages per rank. The bubble is the idle fraction of the makespan,
 averaged over ranks: for GPipe and 1F1B exactly (p-1)/(m+p-1).
+
+Generated orders (`schedule_actions`) are the orders the runtime executes: for the multi-stage
+schedules they come from torch.distributed.pipelining's own per-rank order generators; for GPipe
+and 1F1B, whose runtime order is hard-coded in their `_step_microbatches`, from a few lines here.
 """
 from __future__ import annotations
 
+import functools
+import types
+
+from fived.mesh import stages_per_rank
+
 COST = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev")
+Actions = dict[int, list[tuple[str, int, int]]]
+_PRODUCES = {"F": "F", "B": "G", "I": "IG", "W": ""}  # the finish-time tables an action fills
 
 
-def simulate(actions_per_rank: dict[int, list[tuple[str, int, int]]], n_stages: int) -> dict[str, float]:
+def simulate(actions_per_rank: Actions, n_stages: int) -> dict[str, float]:
     """actions_per_rank: rank -> [(kind, stage, microbatch)] in execution order (F/B/I/W only).
-    Returns makespan, busy time per rank and the bubble fraction."""
+    Returns makespan, busy time per rank and the bubble fraction.
+
+    Every action's start is fixed by its rank's previous action and its dependencies, so the times
+    do not depend on the order in which ranks are visited. A rank runs ahead until it blocks on a
+    dependency and is woken when that dependency completes: each action is visited once (sweeping
+    all ranks until none progresses would cost ranks x waves). Finish times live in flat lists
+    indexed by stage * mbs + microbatch, about twice as fast as a dict keyed by tuples."""
     ranks = sorted(actions_per_rank)
     per_rank_stages = max(1, n_stages // len(ranks))
-    done: dict[tuple[str, int, int], float] = {}
+    cost_of = {k: c / per_rank_stages for k, c in COST.items()}
+    mbs = 1 + max((mb for acts in actions_per_rank.values() for _, _, mb in acts), default=0)
+    # finish times of F, I and G: the input gradient a stage sends back, from its B or its I
+    finish = {k: [None] * (n_stages * mbs) for k in "FIG"}
     free = {r: 0.0 for r in ranks}
     busy = {r: 0.0 for r in ranks}
     cursor = {r: 0 for r in ranks}
-    remaining = sum(len(a) for a in actions_per_rank.values())
-    while remaining:
-        progressed = False
-        for r in ranks:
-            queue = actions_per_rank[r]
-            while cursor[r] < len(queue):
-                kind, stage, mb = queue[cursor[r]]
-                deps = _dependencies(kind, stage, mb, n_stages)
-                if any(_finished(done, d) is None for d in deps):
+    waiting: dict[tuple[str, int], list[int]] = {}  # (table, index) -> ranks blocked on it
+    runnable = list(reversed(ranks))
+    while runnable:
+        r = runnable.pop()
+        queue, i, ready_at = actions_per_rank[r], cursor[r], free[r]
+        while i < len(queue):
+            kind, stage, mb = queue[i]
+            x = stage * mbs + mb
+            if kind == "F":  # the previous stage's output
+                deps = (("F", x - mbs),) if stage > 0 else ()
+            elif kind == "W":  # after its own I
+                deps = (("I", x),)
+            elif stage < n_stages - 1:  # B or I: own forward and the next stage's input gradient
+                deps = (("F", x), ("G", x + mbs))
+            else:
+                deps = (("F", x),)
+            start, blocked = ready_at, False
+            for table, j in deps:
+                t = finish[table][j]
+                if t is None:
+                    waiting.setdefault((table, j), []).append(r)
+                    blocked = True
                     break
-                ready = max([free[r]] + [_finished(done, d) for d in deps])
-                cost = COST[kind] / per_rank_stages
-                done[(kind, stage, mb)] = ready + cost
-                free[r] = ready + cost
-                busy[r] += cost
-                cursor[r] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            raise ValueError("the action lists deadlock: some dependency is never produced")
+                start = max(start, t)
+            if blocked:
+                break
+            cost = cost_of[kind]
+            ready_at = start + cost
+            busy[r] += cost
+            i += 1
+            for table in _PRODUCES[kind]:
+                # should a malformed list hold both, the B's gradient wins over the I's (as it always has)
+                if table != "G" or kind == "B" or finish["G"][x] is None:
+                    finish[table][x] = ready_at
+                runnable.extend(waiting.pop((table, x), ()))
+        cursor[r], free[r] = i, ready_at
+    if any(cursor[r] < len(actions_per_rank[r]) for r in ranks):
+        raise ValueError("the action lists deadlock: some dependency is never produced")
     makespan = max(free.values())
     bubble = sum(1 - busy[r] / makespan for r in ranks) / len(ranks)
     return {"makespan": makespan, "bubble": bubble, "busy": busy}
-
-
-def _dependencies(kind: str, stage: int, mb: int, n_stages: int) -> list[tuple[str, int, int]]:
-    if kind == "F":
-        return [("F", stage - 1, mb)] if stage > 0 else []
-    if kind in ("B", "I"):
-        deps = [("F", stage, mb)]
-        if stage < n_stages - 1:
-            deps.append(("grad", stage + 1, mb))
-        return deps
-    return [("I", stage, mb)]  # W
-
-
-def _finished(done: dict, dep: tuple[str, int, int]) -> float | None:
-    kind, stage, mb = dep
-    if kind == "grad":  # the input gradient of the next stage: from its B or its I
-        return done.get(("B", stage, mb), done.get(("I", stage, mb)))
-    return done.get(dep)
 
 
 def bubble_of(actions, n_stages: int) -> float:
@@ -71,3 +93,128 @@ def bubble_of(actions, n_stages: int) -> float:
         if a.kind in COST:
             per_rank.setdefault(a.rank, []).append((a.kind, a.stage, a.microbatch))
     return simulate(per_rank, n_stages)["bubble"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Action lists without running: what the runtime (fived.parallel.pipeline + torch) executes.
+
+def n_stages_of(schedule: str, pp: int, virtual: int) -> int:
+    return pp * stages_per_rank(schedule, virtual) if pp > 1 else 1
+
+
+def check_schedule(schedule: str, pp: int, virtual: int, microbatches: int) -> None:
+    """Raise ValueError where fived's config check or torch's schedule constructor would refuse."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; one of {', '.join(SCHEDULES)}")
+    if pp < 1 or virtual < 1 or microbatches < 1:
+        raise ValueError(f"pp, virtual and microbatches must be >= 1, got {pp}, {virtual}, {microbatches}")
+    if pp == 1:
+        return
+    if microbatches < pp:  # fived.mesh (torch's 1F1B refuses it too)
+        raise ValueError(f"{microbatches} micro-batches < pp={pp}")
+    if schedule == "dualpipev" and microbatches < 2 * pp:  # torch: at least as many as stages
+        raise ValueError(f"dualpipev needs >= 2*pp={2 * pp} micro-batches, got {microbatches}")
+    rounds = max(1, microbatches // pp)
+    if schedule in ("interleaved-1f1b", "zero-bubble") and microbatches % rounds:
+        raise ValueError(f"{schedule} needs micro-batches divisible by the rounds ({rounds}), got {microbatches}")
+
+
+def schedule_actions(schedule: str, pp: int, virtual: int, microbatches: int) -> Actions:
+    """rank -> [(kind, stage, microbatch)] in the order the runtime executes them (F, B, I, W; no
+    communication). Stages and their ranks as in fived.parallel.pipeline.stage_rank. `virtual` only
+    matters for interleaved-1f1b and zero-bubble (V-shaped schedules hold 2 stages per rank). pp == 1
+    is fived's unpipelined gradient accumulation: F then B per micro-batch."""
+    check_schedule(schedule, pp, virtual, microbatches)
+    m = microbatches
+    if pp == 1:
+        return {0: [a for i in range(m) for a in (("F", 0, i), ("B", 0, i))]}
+    if schedule == "gpipe":  # all forwards, then all backwards (ScheduleGPipe._step_microbatches)
+        return {r: [("F", r, i) for i in range(m)] + [("B", r, i) for i in range(m)] for r in range(pp)}
+    if schedule == "1f1b":
+        return {r: _one_f_one_b(r, pp, m) for r in range(pp)}
+    return _torch_order(schedule, pp, stages_per_rank(schedule, virtual), m)
+
+
+def _one_f_one_b(rank: int, pp: int, m: int) -> list[tuple[str, int, int]]:
+    """Schedule1F1B._step_microbatches: min(m, pp - rank) warm-up forwards, then B,F pairs, then the
+    remaining backwards. (Its `_get_pipeline_order` is not what runs, and in torch 2.13 it numbers
+    the last rank's forwards from 1.)"""
+    warmup = min(m, pp - rank)
+    out = [("F", rank, i) for i in range(warmup)]
+    for i in range(m):
+        out.append(("B", rank, i))
+        if warmup + i < m:
+            out.append(("F", rank, warmup + i))
+    return out
+
+
+_TORCH_CLASS = {"interleaved-1f1b": "ScheduleInterleaved1F1B", "zero-bubble": "ScheduleInterleavedZeroBubble",
+                "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
+
+
+def _torch_order(schedule: str, pp: int, local_stages: int, m: int) -> Actions:
+    """The per-rank compute order from torch's own `_calculate_single_rank_operations`, called on a
+    stand-in `self` holding only the plain numbers those generators read. Constructing the schedule
+    would need real stages and a process group, and would also lower the order with comms, FSDP
+    unshard/reshard and REDUCE_GRAD (quadratic in the actions per rank); that lowering and
+    ZeroBubble's `_add_bubbles_to_actions` only add actions or idle slots, never reorder compute."""
+    from torch.distributed.pipelining import schedules as S
+
+    rounds = max(1, m // pp)
+    fake = types.SimpleNamespace(pp_group_size=pp, n_local_stages=local_stages, _n_microbatches=m,
+                                 number_of_rounds=rounds, microbatches_per_round=m // rounds,
+                                 num_stages=pp * local_stages, _num_stages=pp * local_stages)
+    generate = getattr(S, _TORCH_CLASS[schedule])._calculate_single_rank_operations
+    # keyed by id: hashing torch's str-Enum members runs Python code, a third of the time here
+    kind_of = {id(S.FORWARD): "F", id(S.FULL_BACKWARD): "B", id(S.BACKWARD_INPUT): "I", id(S.BACKWARD_WEIGHT): "W"}
+    out: Actions = {}
+    for rank in range(pp):
+        actions = []
+        for a in generate(fake, rank):
+            if a is None:  # an idle slot of torch's lock-step picture
+                continue
+            for stage, ctype, mb, _ in a.sub_actions or (a,):  # OVERLAP_F_B runs its F then its B
+                kind = kind_of.get(id(ctype))
+                if kind is not None:
+                    actions.append((kind, stage, mb))
+        out[rank] = actions
+    return out
+
+
+def schedule_bubble(schedule: str, pp: int, virtual: int, microbatches: int) -> float:
+    """Bubble fraction (unit costs, see `simulate`) of a schedule, without running it. Memoised."""
+    return _analyse(schedule, pp, virtual, microbatches)[0]
+
+
+def in_flight_microbatches(schedule: str, pp: int, virtual: int, microbatches: int) -> list[float]:
+    """Per rank: the most micro-batch activations alive at once, in whole-rank micro-batches.
+
+    F(s, m) stays alive until its B, or until its W where the backward is split: the weight
+    gradient still needs the layer inputs after I. Only the rank's own actions change its count,
+    so the peak follows from the order alone. Counted per stage and divided by stages per rank
+    (a stage holds 1/v of the rank's layers), so it can be a half: GPipe gives m, 1F1B
+    min(pp - rank, m), ZB-V pp on every rank once m >= 2pp - 1. Memoised."""
+    return list(_analyse(schedule, pp, virtual, microbatches)[1])
+
+
+@functools.lru_cache(maxsize=4096)
+def _analyse(schedule: str, pp: int, virtual: int, microbatches: int) -> tuple[float, tuple[float, ...]]:
+    """Bubble and in-flight counts from one generation of the action lists (the planner asks for
+    both; the lists themselves are too big to keep: 786k actions at pp=64, m=2048)."""
+    actions = schedule_actions(schedule, pp, virtual, microbatches)
+    n_stages = n_stages_of(schedule, pp, virtual)
+    in_flight = tuple(peak_alive(actions[rank]) / (n_stages // pp) for rank in sorted(actions))
+    return simulate(actions, n_stages)["bubble"], in_flight
+
+
+def peak_alive(actions: list[tuple[str, int, int]]) -> int:
+    """Most (stage, micro-batch) forwards of one rank's ordered actions alive at once: from F to B,
+    or to W where the backward is split (I frees nothing, W still needs the layer inputs)."""
+    alive = peak = 0
+    for kind, _, _ in actions:
+        if kind == "F":
+            alive += 1
+            peak = max(peak, alive)
+        elif kind in ("B", "W"):
+            alive -= 1
+    return peak
