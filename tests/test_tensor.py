@@ -54,7 +54,7 @@ def test_activation_memory_is_the_formula(shape):
     for tp, sp in [(1, False), (2, False), (2, True), (4, False), (4, True)]:
         cfg, results = _run(tp, sp, shape)
         for res in results:
-            for layer, got in res.activations.items():
+            for layer, got in ((k, v) for k, v in res.activations.items() if k.isdigit()):
                 assert got == expected_activation_bytes(cfg, tp), (tp, sp, layer)
         measured[tp, sp] = results[0].activations["0"]
     base = measured[1, False]

@@ -32,7 +32,8 @@ class TrainResult:
     state: dict[str, torch.Tensor] = field(default_factory=dict)  # full parameters, if asked for
     memory: dict[str, int] = field(default_factory=dict)  # this rank's model-state bytes
     comm: dict[str, dict[str, int]] = field(default_factory=dict)  # last step's collectives
-    activations: dict[str, int] = field(default_factory=dict)  # bytes saved for backward per layer
+    # bytes saved for backward per micro-batch: per layer id, "embedding" and "head" where this rank has them
+    activations: dict[str, int] = field(default_factory=dict)
     timeline: list = field(default_factory=list)  # pipeline actions this rank executed (last step)
 
 
@@ -63,16 +64,18 @@ class Trainer:
             init_weights(chunk, t.seed, self.plan.local_init)
         modules = self.dp.wrap(chunks)  # what forward is called on (DDP wraps)
         self.model = modules[0]
+        # Bytes saved for backward per micro-batch, measured on the first step: its first micro-batch,
+        # or under a pipeline schedule every micro-batch it runs (mean), over all of this rank's chunks.
+        self.activations = ActivationLedger(chunks)
         if self.pipeline:
-            self.pipeline.build_schedule(modules, self._pipeline_loss, self.device)
+            schedule = self.pipeline.build_schedule(modules, self._pipeline_loss, self.device)
+            self.activations.watch_stages(getattr(schedule, "_stages", None) or [schedule._stage])
         self.optimizer = self.dp.build_optimizer()
         self.scheduler = build_scheduler(self.optimizer, t)
 
         self.sampler = GlobalBatchSampler(check_data(cfg), t.seq_len, t.global_batch, t.seed)
         self.global_tokens = t.global_batch * t.seq_len
         self.ledger = CommLedger(self.mesh.group_names())
-        # Bytes saved for backward, measured on the first micro-batch (not inside pipeline schedules).
-        self.activations = ActivationLedger(chunks[0])
         self.state_bytes: dict[str, int] = {}
         self.log = MetricsLog(t.output_dir, t.tensorboard) if (log and self.rank == 0) else None
         self.peak_flops = device_peak_tflops(param_dtype, t.peak_tflops) * 1e12
@@ -85,14 +88,21 @@ class Trainer:
 
     def _pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         with self._autocast():
-            return self.plan.loss_sum(logits, targets) / self.global_tokens
+            loss = self.plan.loss_sum(logits, targets) / self.global_tokens
+        self.activations.leave()  # the head's part of this micro-batch ends with its loss
+        return loss
 
     def _forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Every micro-batch of this rank's batch; returns the summed token cross-entropy."""
         if self.pipeline:
             self.dp.before_micro_batch(is_last=True)
-            with self._autocast(), self.plan.forward_context():
-                return self.pipeline.step(inputs, targets) * self.global_tokens
+            if not self.activations.per_layer:
+                self.activations.start()
+            with self._autocast(), self.plan.forward_context(self.activations):
+                loss_sum = self.pipeline.step(inputs, targets) * self.global_tokens
+            if self.activations.recording:
+                self.activations.stop()
+            return loss_sum
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         micro_batches = list(zip(inputs.chunk(self.cfg.train.microbatches), targets.chunk(self.cfg.train.microbatches)))
         for i, (micro, micro_targets) in enumerate(micro_batches):
@@ -102,6 +112,7 @@ class Trainer:
             with self._autocast(), self.plan.forward_context(self.activations):
                 logits = self.model(micro)
                 loss = self.plan.loss_sum(logits, micro_targets)
+                self.activations.leave()
             if self.activations.recording:
                 self.activations.stop()
             (loss / self.global_tokens).backward()
