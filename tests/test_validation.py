@@ -23,6 +23,8 @@ CASES = [
     (["verify", "--tp", "4", "--model.n_heads", "8", "--model.n_kv_heads", "3", "--model.dim", "96"],
      "model.n_kv_heads", "divide model.n_heads=8"),
     (["verify", "--pp", "8"], "parallel.pp", "at least as many layers"),
+    (["verify", "--pp", "2", "--pp-schedule", "zbv", "--train.activation_checkpointing", "selective"],
+     "train.activation_checkpointing", "selective checkpointing cannot run under zbv"),
     (["verify", "--ep", "2"], "parallel.ep", "needs a mixture-of-experts model"),
     (["verify", "--dp", "3", "--ep", "3", "--model", "tiny-moe"], "parallel.ep", "must divide model.n_experts=8"),
     (["verify", "--dp", "2", "--ep", "4", "--model", "tiny-moe"], "parallel.ep", "must divide dp*cp=2"),

@@ -1,4 +1,4 @@
-"""The `fived` command line: train, verify, prepare-data.
+"""The `fived` command line: train, verify, plan, prepare-data.
 
 Every config field is a flag `--<section>.<field>` (generated from the dataclasses, so the defaults
 live in one place); common ones have short forms (--model, --dp, --tp, --steps, ...).
@@ -78,6 +78,27 @@ def _world(cfg, nproc: int | None, default: int) -> int:
     return p.dp * p.tp * p.pp * p.cp if p.dp > 0 else max(p.tp * p.pp * p.cp, default)
 
 
+def _auto_layout(cfg, world: int) -> None:
+    """`--layout auto`: the planner's best layout for `world` ranks of the local device, applied to cfg."""
+    from fived.config import coerce
+    from fived.planner.hardware import local_hardware
+    from fived.planner.search import plan
+    from fived.planner.timing import Cluster
+
+    hw = local_hardware(world)
+    search = plan(cfg.model, Cluster(hw, world, world), cfg.train.seq_len, cfg.train.global_batch, cfg.train.dtype)
+    if not search.plans:
+        raise ConfigError("--layout", "auto", f"no layout of {cfg.model.name} fits {world} rank(s) of {hw.name}",
+                          "use more ranks, a shorter train.seq_len or a smaller train.global_batch")
+    best = search.plans[0]
+    for dotted, value in best.layout.overrides(cfg.train.global_batch).items():
+        section, _, key = dotted.partition(".")
+        setattr(getattr(cfg, section), key, coerce(section, key, value))
+    print(f"fived train --layout auto: {best.layout.describe()} on {world} x {hw.name} "
+          f"(predicted {best.time.total:.3g} s/step, {best.memory.total / 2**30:.2f} GiB/rank) = "
+          f"{best.layout.flags(cfg.train.global_batch)}", flush=True)
+
+
 def _load(ns: argparse.Namespace, default_world: int, defaults: dict | None = None):
     """Config and world size, both checked (layout and data) before any rank starts."""
     from fived.data import check_data
@@ -85,6 +106,17 @@ def _load(ns: argparse.Namespace, default_world: int, defaults: dict | None = No
 
     cfg = _build(ns, defaults)
     world = _world(cfg, ns.nproc, default_world)
+    layout = getattr(ns, "layout", None)
+    if layout is not None:
+        if layout != "auto":
+            raise ConfigError("--layout", layout, "unknown", "the only value is 'auto' (the planner chooses)")
+        given = [k for k in _overrides(ns) if k.startswith("parallel.") or k == "train.microbatches"]
+        if given or ns.dp_shard is not None:
+            raise ConfigError("--layout", "auto", "chooses the parallel layout itself, but "
+                              + ", ".join(given or ["--dp-shard"]) + " was given", "drop one of them")
+        if ns.nproc is None:
+            raise ConfigError("--layout", "auto", "needs the number of ranks", "add --nproc N")
+        _auto_layout(cfg, world)
     check_config(cfg, world)
     check_data(cfg)
     return cfg, world
@@ -163,6 +195,51 @@ def cmd_prepare_data(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _plan_model(name: str):
+    """A preset name or a TOML config's [model] table."""
+    from fived.config import model_preset
+
+    if name.endswith(".toml"):
+        return build_config(name).model
+    return model_preset(name)
+
+
+def cmd_plan(ns: argparse.Namespace) -> int:
+    import json
+
+    from fived.planner import calibration, explain
+    from fived.planner.hardware import hardware
+    from fived.planner.search import plan
+    from fived.planner.timing import Cluster
+
+    if ns.validate:
+        calibration.validate(ns.validate)
+        return 0
+    missing = [flag for flag, v in (("--model", ns.model), ("--gpus", ns.gpus), ("--seq", ns.seq),
+                                    ("--global-batch-tokens", ns.global_batch_tokens)) if v is None]
+    if missing:
+        raise ConfigError(missing[0], None, "required", "fived plan --model llama3-8b --gpus 64 --gpus-per-node 8 "
+                          "--gpu h100 --seq 8192 --global-batch-tokens 4194304 (or --validate FILE.csv)")
+    model = _plan_model(ns.model)
+    for flag, value in (("--gpus", ns.gpus), ("--gpus-per-node", ns.gpus_per_node), ("--seq", ns.seq),
+                        ("--global-batch-tokens", ns.global_batch_tokens), ("--top", ns.top)):
+        if value < 1:
+            raise ConfigError(flag, value, "must be >= 1")
+    if ns.global_batch_tokens % ns.seq:
+        raise ConfigError("--global-batch-tokens", ns.global_batch_tokens, f"must be a multiple of --seq {ns.seq}",
+                          f"e.g. {max(1, ns.global_batch_tokens // ns.seq) * ns.seq}")
+    if ns.dtype not in ("bfloat16", "float32"):
+        raise ConfigError("--dtype", ns.dtype, "must be bfloat16 or float32")
+    cluster = Cluster(hardware(ns.gpu), ns.gpus, min(ns.gpus_per_node, ns.gpus))
+    global_batch = ns.global_batch_tokens // ns.seq
+    search = plan(model, cluster, ns.seq, global_batch, ns.dtype)
+    if ns.json:
+        print(json.dumps(explain.to_json(search, model, cluster, ns.seq, global_batch, ns.top), indent=1))
+    else:
+        print(explain.report(search, model, cluster, ns.seq, global_batch, ns.top))
+    return 0 if search.plans else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fived", description="5D-parallel training of Llama-style models.",
                                      allow_abbrev=False)
@@ -170,10 +247,23 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", allow_abbrev=False, help="train a model (no arguments: the embedded tiny default on 2 CPU ranks)")
     _add_config_flags(train)
     train.add_argument("--report", action="store_true", help="print the ledger: bytes per rank and per collective")
+    train.add_argument("--layout", help="'auto': the planner picks the fastest layout that fits the --nproc ranks")
     train.set_defaults(func=cmd_train)
     verify = sub.add_parser("verify", allow_abbrev=False, help="compare a layout with the single-process reference in float64")
     _add_config_flags(verify)
     verify.set_defaults(func=cmd_verify)
+    planp = sub.add_parser("plan", allow_abbrev=False, help="rank 5D layouts for a model on a cluster by predicted memory and step time")
+    planp.add_argument("--model", help="a preset (llama3-405b, mixtral-8x7b, ...) or a TOML config with a [model] table")
+    planp.add_argument("--gpus", type=int, help="GPUs in the job")
+    planp.add_argument("--gpus-per-node", type=int, default=8, help="GPUs sharing NVLink (default 8)")
+    planp.add_argument("--gpu", default="h100", help="a100, h100, h200, h800, b200, mi300x or a hardware .toml")
+    planp.add_argument("--seq", type=int, help="sequence length")
+    planp.add_argument("--global-batch-tokens", type=int, help="tokens per optimizer step")
+    planp.add_argument("--dtype", default="bfloat16", help="bfloat16 (default) or float32")
+    planp.add_argument("--top", type=int, default=5, help="plans to list (default 5)")
+    planp.add_argument("--json", action="store_true", help="machine-readable output")
+    planp.add_argument("--validate", metavar="FILE.csv", help="predict published runs and print the error per row")
+    planp.set_defaults(func=cmd_plan)
     prep = sub.add_parser("prepare-data", help="tokenize text files into a token file (numpy memmap)")
     prep.add_argument("inputs", nargs="+", help="text files, concatenated in order")
     prep.add_argument("--output", required=True, help="output path (.bin; a .json sidecar is written beside it)")

@@ -21,6 +21,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch
 CHECKPOINTING = ("none", "full", "selective")
 V_SHAPED = ("zbv", "dualpipev")  # two stages per rank, V-shaped
 SINGLE_STAGE = ("gpipe", "1f1b")
+SPLIT_BACKWARD = ("zero-bubble", "zbv", "dualpipev")  # backward split into input- and weight-gradient passes
 
 
 def stages_per_rank(schedule: str, virtual: int) -> int:
@@ -107,6 +108,10 @@ def _layout_errors(cfg: Config, world: int | None) -> list[ConfigError]:
         need(local % t.microbatches == 0, "train.microbatches", t.microbatches,
              f"must divide the per-rank batch global_batch/dp={local}")
     need(p.pp == 1 or t.microbatches >= p.pp, "train.microbatches", t.microbatches, f"must be >= pp={p.pp}")
+    need(p.pp == 1 or p.pp_schedule not in SPLIT_BACKWARD or t.activation_checkpointing != "selective",
+         "train.activation_checkpointing", t.activation_checkpointing,
+         f"selective checkpointing cannot run under {p.pp_schedule}: its split backward (input, then weight "
+         f"gradients) would replay the cached ops twice, which torch refuses; use full, or 1f1b/interleaved-1f1b")
     return errs
 
 

@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import math
 
+from fived.activation_model import activation_bytes, layer_bytes
 from fived.config import Config
 from fived.mesh import DTYPES, Mesh
 from fived.model import build_model
-from fived.parallel.expert import apply_expert_parallel, is_expert
+from fived.parallel.expert import apply_expert_parallel
 from fived.parallel.tensor import TensorParallel
 from fived.train import TrainResult
 
@@ -48,20 +49,17 @@ def _dtype_bytes(cfg: Config) -> tuple[int, int]:
     return b, (DTYPES[cfg.parallel.reduce_dtype].itemsize if bf16 else b)
 
 
-def expected_state_bytes(cfg: Config, world: int) -> dict[str, int]:
-    """The table above for this config (per rank, before shard padding). ZeRO shards over
-    S = dp_shard x cp. With expert parallelism this rank's experts (E/ep of them) are sharded over
-    edp = dp*cp/ep by ZeRO-3 and kept whole by ZeRO-0/1/2."""
-    b, _ = _dtype_bytes(cfg)
-    mesh = Mesh.from_config(cfg, world)
-    model = _local_model(cfg, world)
-    n_exp = sum(p.numel() for name, p in model.named_parameters() if mesh.ep > 1 and is_expert(name))
-    n = sum(p.numel() for p in model.parameters()) - n_exp
-    shards, stage = mesh.dp_shard * mesh.cp, cfg.parallel.zero
-    sharded = {0: (), 1: ("optimizer",), 2: ("optimizer", "grads"), 3: ("optimizer", "grads", "params")}[stage]
-    edp = mesh.dp * mesh.cp // mesh.ep if stage == 3 else 1
-    full = {"params": b, "grads": b, "optimizer": 2 * b}
-    return {k: n * v // (shards if k in sharded else 1) + n_exp * v // edp for k, v in full.items()}
+def expected_state_bytes(cfg: Config, world: int, rank: int = 0) -> dict[str, int]:
+    """The table above for global rank `rank`, exactly (the planner's model-state formula: this
+    rank's pipeline stages, its ZeRO slice or FSDP2 rows over S = dp_shard x cp; with expert
+    parallelism its E/ep experts sharded over edp = dp*cp/ep by ZeRO-3 and kept whole by 0/1/2)."""
+    from fived.planner.layout import Layout
+    from fived.planner.memory import rank_chunks, state_bytes
+
+    layout = Layout.from_config(cfg, world)
+    where = layout.coordinates(rank)
+    return state_bytes(cfg.model, layout, cfg.train.dtype, rank_chunks(cfg.model, layout, where["pp"]),
+                       where["shard"], where["edp"])
 
 
 def _local_model(cfg: Config, world: int):
@@ -137,30 +135,51 @@ def expected_tp_comm_bytes(cfg: Config, world: int) -> dict[str, int]:
     return out
 
 
-def expected_activation_bytes(cfg: Config, world: int) -> int:
-    """Bytes one dense transformer layer saves for backward per micro-batch on one rank, for our
-    architecture (RMSNorm, GQA, SwiGLU, SDPA keeping only its log-sum-exp; the Korthikanti et al.
-    count redone). Per token, in elements: each RMSNorm keeps its input, the normalised input and
-    its output (3h, twice), plus 1/rms; attention keeps q and its output (2h), k and v (2 h_kv) and
-    a log-sum-exp per head (a); SwiGLU keeps gate, up, silu(gate) and their product (4f). Per
-    layer the RoPE tables (2 s head_dim). Tensor parallelism divides q, attention output, the heads
-    and the MLP by T; sequence parallelism also divides the norms' part; kv heads are divided
-    while T <= n_kv_heads and one head is kept otherwise:
-        B*e*(6h/T_sp + 2/T_sp + (2h + 4f + a)/T + 2 h_kv_local) + 2*s*head_dim*e"""
-    m, t, p = cfg.model, cfg.train, cfg.parallel
+def _activation_layout(cfg: Config, world: int) -> dict:
+    """The layout arguments of `fived.activation_model.activation_bytes` for this config."""
+    t, p = cfg.train, cfg.parallel
     mesh = Mesh.from_config(cfg, world)
-    e = DTYPES[t.dtype].itemsize
-    tokens = t.global_batch // mesh.dp // t.microbatches * t.seq_len
-    tp, tp_sp = mesh.tp, (mesh.tp if p.sp else 1)
-    kv_local = max(m.n_kv_heads // tp, 1) * m.head_dim
-    per_token = 6 * m.dim / tp_sp + 2 / tp_sp + (2 * m.dim + 4 * m.ffn_dim + m.n_heads) / tp + 2 * kv_local
-    return round(tokens * e * per_token + 2 * t.seq_len * m.head_dim * e)
+    return dict(micro_batch_seqs=t.global_batch // mesh.dp // t.microbatches, seq_len=t.seq_len, tp=mesh.tp,
+                sp=p.sp, cp=mesh.cp, ep=mesh.ep, dtype_bytes=DTYPES[t.dtype].itemsize,
+                checkpointing=t.activation_checkpointing)
+
+
+def expected_activation_bytes(cfg: Config, world: int) -> int:
+    """Bytes one dense transformer layer saves for backward per micro-batch on one rank (the
+    formula of `fived.activation_model`, which documents every term), for our architecture
+    (RMSNorm, GQA, SwiGLU, SDPA keeping only its log-sum-exp; the Korthikanti et al. count redone).
+    Per token, in elements, without checkpointing: each RMSNorm keeps its input, the normalised
+    input and its output (3h, twice), plus 1/rms; attention keeps q and its output (2h), k and v
+    (2 h_kv) and a log-sum-exp per head (a); SwiGLU keeps gate, up, silu(gate) and their product
+    (4f). Per layer the RoPE tables (2 s head_dim). Tensor parallelism divides q, attention output,
+    the heads and the MLP by T; sequence parallelism also divides the norms' part; kv heads are
+    divided while T <= n_kv_heads and one head is kept otherwise; B counts this rank's tokens
+    (seq_len / cp of each sequence; ring attention also keeps the s/cp global positions):
+        B*e*(6h/T_sp + 2/T_sp + (2h + 4f + a)/T + 2 h_kv_local) + 2*s*head_dim*e"""
+    return layer_bytes(cfg.model, moe=False, **_activation_layout(cfg, world))
+
+
+def expected_activations(cfg: Config, world: int, rank: int = 0) -> dict[str, int]:
+    """{part: bytes saved for backward per micro-batch} on global rank `rank`: its layers (all
+    of them, or its pipeline stages'), "embedding" and "head" where it holds them."""
+    from fived.parallel.pipeline import split_layers, stage_rank, stages_per_rank
+
+    p = cfg.parallel
+    layers, first, last = list(range(cfg.model.n_layers)), True, True
+    if p.pp > 1:
+        pp_rank = rank // (world // p.pp)  # pp is the outermost mesh dimension
+        n_stages = p.pp * stages_per_rank(p.pp_schedule, p.pp_virtual)
+        split = split_layers(cfg.model, n_stages, p.pp_layers)
+        stages = [s for s in range(n_stages) if stage_rank(s, p.pp, p.pp_schedule) == pp_rank]
+        layers = sorted(lid for s in stages for lid in split[s])
+        first, last = 0 in stages, n_stages - 1 in stages
+    return activation_bytes(cfg.model, layers=layers, first=first, last=last, **_activation_layout(cfg, world))
 
 
 def format_report(cfg: Config, world: int, results: list[TrainResult]) -> str:
     lines = [f"model-state bytes per rank, ZeRO-{cfg.parallel.zero} (measured | formula):"]
-    want = expected_state_bytes(cfg, world)
     for rank, res in enumerate(results):
+        want = expected_state_bytes(cfg, world, rank)
         cells = [f"{k} {res.memory.get(k, 0):,} | {want[k]:,}" for k in ("params", "grads", "optimizer")]
         lines.append(f"  rank {rank}: " + "; ".join(cells))
     lines.append("communication per step on rank 0, by mesh dimension (measured bytes, calls | formula bytes):")
@@ -180,11 +199,19 @@ def format_report(cfg: Config, world: int, results: list[TrainResult]) -> str:
         stages = p * stages_per_rank(cfg.parallel.pp_schedule, cfg.parallel.pp_virtual)
         lines.append(f"pipeline bubble of {cfg.parallel.pp_schedule}, simulated from the executed actions with unit "
                      f"times: {bubble_of(timeline, stages):.4f} (GPipe/1F1B textbook (p-1)/(m+p-1) = {(p - 1) / (m + p - 1):.4f})")
-    acts = results[0].activations
-    if acts:
-        dense = expected_activation_bytes(cfg, world)
-        lines.append("activation bytes saved for backward per layer and micro-batch on rank 0 (measured | formula):")
-        for name, got in acts.items():
-            moe = cfg.model.is_moe and int(name) >= cfg.model.n_dense_layers
-            lines.append(f"  layer {name}: {got:,} | " + ("(MoE layer: no formula)" if moe else f"{dense:,}"))
+    if any(res.activations for res in results):
+        lines.append(f"activation bytes saved for backward per micro-batch ({cfg.train.activation_checkpointing} "
+                     "checkpointing; measured | formula):")
+        for rank, res in enumerate(results):
+            want_act = expected_activations(cfg, world, rank)
+            got_total, want_total = sum(res.activations.values()), sum(want_act.values())
+            err = (got_total - want_total) / want_total if want_total else 0.0
+            lines.append(f"  rank {rank} total: {got_total:,} | {want_total:,} ({err:+.2%})")
+            if rank % (world // cfg.parallel.pp):  # parts listed for one rank per pipeline rank
+                continue
+            for name, got in res.activations.items():
+                label = name if name in ("embedding", "head") else f"layer {name}"
+                if name not in ("embedding", "head") and cfg.model.is_moe and int(name) >= cfg.model.n_dense_layers:
+                    label += " (MoE, balanced routing)"
+                lines.append(f"    {label}: {got:,} | {want_act.get(name, 0):,}")
     return "\n".join(lines)

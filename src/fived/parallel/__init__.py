@@ -11,11 +11,10 @@ import contextlib
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
 
 from fived.config import Config
 from fived.mesh import Mesh
-from fived.model import Transformer, canonical_name
+from fived.model import Transformer
 from fived.parallel.checkpointing import apply_activation_checkpointing
 from fived.parallel.context import apply_context_parallel
 from fived.parallel.data_parallel import DataParallel, make_data_parallel

@@ -6,7 +6,6 @@
 """
 from __future__ import annotations
 
-from functools import partial
 
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper

@@ -55,8 +55,9 @@ class ExpertParallelExperts(GroupedExperts):
         # Received rows are grouped by source rank, then expert; regroup by expert for the GEMMs.
         by_source = torch.split(torch.arange(tokens.shape[0], device=x.device), recv.flatten().tolist())
         order = torch.cat([by_source[r * local + e] for e in range(local) for r in range(self.ep)])
-        y = torch.empty_like(tokens)
-        y[order] = super().forward(tokens[order], recv.sum(0).tolist())
+        out = super().forward(tokens[order], recv.sum(0).tolist())  # bf16 under autocast
+        y = torch.empty_like(out)
+        y[order] = out
         return AllToAll.apply(y, send_splits, recv.sum(1).tolist(), self.group)
 
 

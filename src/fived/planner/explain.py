@@ -1,0 +1,114 @@
+"""What `fived plan` prints: the ranking, the winner's time and memory, and why the runners-up lose.
+
+Runners-up are not the next entries of the ranking (those differ from the winner in a detail); they
+are, for each decision (tp, pp, cp, ep, ZeRO stage, HSDP, SP, schedule, micro-batch, checkpointing),
+the best plan that decides it differently — and the line says which part of its step grew, or, when
+no plan with that value fits, how much memory the least hungry one needed.
+"""
+from __future__ import annotations
+
+from fived.config import ModelConfig
+from fived.metrics import matmul_params_per_token
+from fived.planner.search import DECISIONS, Plan, Search
+from fived.planner.timing import Cluster
+
+PARTS = {"compute": "compute", "bubble": "pipeline bubble", "tp": "tensor-parallel communication",
+         "cp": "context-parallel ring", "ep": "expert all-to-all", "pp": "pipeline send/recv",
+         "dp": "gradient reduction (exposed)", "optimizer": "optimizer step"}
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f}"
+
+
+def _time_parts(plan: Plan) -> str:
+    t = plan.time
+    return " + ".join(f"{PARTS[k]} {getattr(t, k):.3g}" for k in PARTS if getattr(t, k) > 0)
+
+
+def _memory_parts(plan: Plan) -> str:
+    m = plan.memory
+    return ", ".join(f"{k} {_gib(getattr(m, k))}" for k in ("params", "grads", "optimizer", "activations", "buffers", "reserve"))
+
+
+def _why_slower(plan: Plan, winner: Plan) -> str:
+    deltas = sorted(((getattr(plan.time, k) - getattr(winner.time, k), k) for k in PARTS), reverse=True)
+    grew = [f"{PARTS[k]} +{d:.3g} s" for d, k in deltas[:2] if d > 1e-9 * winner.time.total]
+    return ", ".join(grew) or "equal time (a tie broken by order)"
+
+
+def _link_notes(plan: Plan, cluster: Cluster) -> list[str]:
+    L, g = plan.layout, cluster.gpus_per_node
+    notes = []
+    if L.tp > 1:
+        notes.append(f"tp{L.tp} " + ("inside a node (NVLink)" if L.tp <= g else "across nodes (network)"))
+    if L.cp > 1:
+        notes.append(f"cp{L.cp} " + ("inside a node" if L.tp * L.cp <= g else "across nodes"))
+    if L.ep > 1:
+        notes.append(f"ep{L.ep} " + ("inside a node" if L.tp * L.ep <= g else "across nodes"))
+    if L.dp * L.cp > 1:
+        notes.append("gradients reduced " + ("inside a node" if L.tp * L.cp * L.dp <= g else "across nodes"))
+    return notes
+
+
+def runners_up(search: Search) -> list[tuple[str, list, Plan | None]]:
+    """Per decision: (decision, [value], the best plan deciding it otherwise), then
+    (decision, [values], None) for the values no fitting plan has."""
+    winner = search.plans[0]
+    best: dict = {}
+    for plan in search.plans[1:]:  # fastest first: the first plan seen per decision is its best
+        for d in DECISIONS:
+            value = getattr(plan.layout, d)
+            if value != getattr(winner.layout, d) and d not in best:
+                best[d] = plan
+    out = [(d, [getattr(p.layout, d)], p) for d, p in best.items()]
+    seen = {(d, getattr(p.layout, d)) for p in search.plans for d in DECISIONS}
+    for d in DECISIONS:
+        missing = sorted((v for (dd, v) in search.smallest if dd == d and (d, v) not in seen), key=str)
+        if missing:
+            out.append((d, missing, None))
+    return out
+
+
+def report(search: Search, model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int, top: int) -> str:
+    hw = cluster.hardware
+    lines = [f"fived plan: {model.name} ({matmul_params_per_token(model) / 1e9:.1f}B matmul params per token), "
+             f"{cluster.gpus} x {hw.name} ({cluster.gpus_per_node} per node, {hw.memory_gib:g} GiB each), "
+             f"seq {seq_len}, global batch {global_batch} sequences ({global_batch * seq_len:,} tokens)",
+             f"{search.considered} valid layouts considered, {len(search.plans)} fit in memory"]
+    if not search.plans:
+        need = min(search.smallest.values(), default=0)
+        lines.append(f"no layout fits: the least memory any needs is {_gib(need)} GiB per GPU of {hw.memory_gib:g}; "
+                     f"use more GPUs, GPUs with more memory, or a shorter sequence / smaller global batch")
+        return "\n".join(lines)
+    lines.append(f"{'#':>3}  {'layout':<58} {'step s':>8} {'tok/s/GPU':>10} {'MFU':>6} {'GiB':>6}")
+    for i, p in enumerate(search.plans[:top], 1):
+        lines.append(f"{i:>3}  {p.layout.describe():<58} {p.time.total:>8.3g} {p.time.tokens_per_s_per_gpu:>10.1f} "
+                     f"{p.time.mfu:>6.1%} {_gib(p.memory.total):>6}")
+    w = search.plans[0]
+    lines += [f"winner: {w.layout.describe()}",
+              f"  run it: fived train --model {model.name} --train.seq_len {seq_len} {w.layout.flags(global_batch)}",
+              f"  step {w.time.total:.3g} s = {_time_parts(w)}",
+              f"  memory {_gib(w.memory.total)} of {hw.memory_gib:g} GiB = {_memory_parts(w)}",
+              "  links: " + ("; ".join(_link_notes(w, cluster)) or "single GPU"),
+              "runners-up (the best plan deciding one thing differently):"]
+    for d, values, p in runners_up(search):
+        if p is None:
+            need = min(search.smallest[(d, v)] for v in values)
+            lines.append(f"  {d}={'/'.join(map(str, values))}: nothing fits (least memory needed {_gib(need)} GiB "
+                         f"> {hw.memory_gib:g})")
+        else:
+            slower = (p.time.total / w.time.total - 1) * 100
+            lines.append(f"  {d}={values[0]}: {p.layout.describe()} is {slower:.1f}% slower: {_why_slower(p, w)}")
+    return "\n".join(lines)
+
+
+def to_json(search: Search, model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int, top: int) -> dict:
+    return {"model": model.name, "gpus": cluster.gpus, "gpus_per_node": cluster.gpus_per_node,
+            "gpu": cluster.hardware.name, "seq_len": seq_len, "global_batch": global_batch,
+            "considered": search.considered, "fitting": len(search.plans),
+            "plans": [p.to_dict(global_batch) for p in search.plans[:top]],
+            "runners_up": [{"decision": d, "values": vs, "fits": p is not None,
+                            **({"plan": p.to_dict(global_batch), "slower_pct": (p.time.total / search.plans[0].time.total - 1) * 100}
+                               if p is not None else {"least_memory_gib": min(search.smallest[(d, v)] for v in vs) / 2**30})}
+                           for d, vs, p in (runners_up(search) if search.plans else [])]}

@@ -1,0 +1,285 @@
+"""Memory per GPU for a layout, by the runtime's own rules (no model is built: the planner evaluates
+thousands of layouts of models with hundreds of billions of parameters).
+
+Model state: each rank's parameter shapes follow what the runtime does to them — tensor parallelism
+splits attention heads, feed-forward and expert hidden sizes and the (padded) vocabulary, keeps a
+whole kv head per rank when tp > n_kv_heads, replicates norms and routers; expert parallelism keeps
+E/ep experts; a pipeline rank holds its stages' layers (split by `split_layers`, the runtime's
+cost-balanced split), the embedding on the first stage, the final norm and head on the last. Then:
+  ZeRO-0     params, grads, Adam's two moments whole                       (16 B/param in fp32)
+  ZeRO-1/2   one flat buffer of every non-expert parameter, padded to a multiple of S = dp_shard*cp;
+             rank r owns [r*L, (r+1)*L): Adam state (and with ZeRO-2 the reduced gradients) only for
+             the real elements of its slice; experts (with ep > 1) kept whole
+  ZeRO-3     FSDP2 shards every parameter's first dimension in ceil(dim0/S) rows (experts over
+             edp = dp*cp/ep); a rank holds its rows of params, grads and both moments
+Weights and Adam state are float32 in float32 and bfloat16 runs (bf16 is autocast), float64 in
+float64 runs. These equal the ledger's bytes exactly (tests/test_planner.py).
+
+Activations: bytes saved for backward per micro-batch (`fived.activation_model`), times the number of
+micro-batches a rank's schedule keeps in flight (`schedule_sim.in_flight_microbatches`).
+
+Transient buffers (peak, not ledger-measured): bf16 copies of the weights autocast caches during a
+forward; ZeRO-2's full gradient buffer during backward (fived allocates it per step); ZeRO-3's
+gathered blocks (two: the one in use and the prefetched one; the whole stage with keep-gathered or
+under pipelines); DDP's gradient buckets; tensor-parallel gathered activations of one region; and a
+fixed reserve for the CUDA context, NCCL and allocator fragmentation (RESERVE_GIB + RESERVE_FRACTION).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from fived.config import ModelConfig
+from fived.mesh import V_SHAPED
+from fived.planner.layout import Layout
+
+RESERVE_GIB = 2.0  # CUDA context, NCCL communicators and workspaces
+RESERVE_FRACTION = 0.05  # allocator fragmentation, as a share of the device's memory
+DDP_BUCKET_BYTES = 2 * 25 * 2**20  # two 25 MiB gradient buckets in flight
+WEIGHT_BYTES = {"float32": 4, "bfloat16": 4, "float64": 8}  # bf16 runs keep float32 weights
+ACTIVATION_BYTES = {"float32": 4, "bfloat16": 2, "float64": 8}
+
+
+def parameter_shapes(m: ModelConfig, tp: int, ep: int, layers, first: bool, last: bool):
+    """(dense, expert): ((first dimension, elements per row), how many such parameters) for one
+    rank's parameters."""
+    n_moe = sum(1 for lid in layers if m.is_moe and lid >= m.n_dense_layers)
+    return _parameter_shapes(model_key(m), tp, ep, len(layers) - n_moe, n_moe, first, last)
+
+
+@lru_cache(maxsize=65536)
+def _parameter_shapes(key: tuple, tp: int, ep: int, n_dense: int, n_moe: int, first: bool, last: bool):
+    """Aggregated by layer kind: ((rows, cols), count) pairs, so sums over hundreds of layers stay short."""
+    m = ModelConfig(**dict(key))
+    one_dense, _ = _shape_list(m, tp, ep, [m.n_layers - 1] if not m.is_moe else [0], False, False)
+    if m.is_moe and m.n_dense_layers == 0:
+        one_dense = _shape_list(ModelConfig(**{**dict(key), "n_experts": 0}), tp, ep, [0], False, False)[0]
+    one_moe = _shape_list(m, tp, ep, [m.n_layers - 1], False, False) if m.is_moe else ([], [])
+    ends = _shape_list(m, tp, ep, [], first, last)[0]
+    dense: dict = {}
+    expert: dict = {}
+    for shapes, times, box in ((one_dense, n_dense, dense), (one_moe[0], n_moe, dense), (one_moe[1], n_moe, expert),
+                               (ends, 1, dense)):
+        for shape in shapes:
+            box[shape] = box.get(shape, 0) + times
+    return tuple((s, k) for s, k in dense.items() if k), tuple((s, k) for s, k in expert.items() if k)
+
+
+def _shape_list(m: ModelConfig, tp: int, ep: int, layers, first: bool, last: bool):
+    d, hd = m.dim, m.head_dim
+    vocab = math.ceil(m.vocab_size / tp) * tp // tp if tp > 1 else m.vocab_size
+    kv_rows = (m.n_kv_heads // tp if m.n_kv_heads % tp == 0 else 1) * hd
+    dense, expert = [], []
+    if first:
+        dense.append((vocab, d))
+    for lid in layers:
+        dense += [(d, 1), (m.n_heads * hd // tp, d), (kv_rows, d), (kv_rows, d), (d, m.n_heads * hd // tp), (d, 1)]
+        if m.is_moe and lid >= m.n_dense_layers:
+            f = m.expert_dim // tp
+            dense.append((m.n_experts, d))  # router
+            box = dense if ep == 1 else expert
+            box += [(m.n_experts // ep, d * f), (m.n_experts // ep, d * f), (m.n_experts // ep, f * d)]
+            if m.n_shared_experts:
+                fs = m.expert_dim * m.n_shared_experts // tp
+                dense += [(fs, d), (fs, d), (d, fs)]
+        else:
+            f = m.ffn_dim // tp
+            dense += [(f, d), (f, d), (d, f)]
+    if last:
+        dense.append((d, 1))
+        if not (m.tie_embeddings and first):
+            dense.append((vocab, d))
+    return dense, expert
+
+
+def _rows(dim0: int, shards: int, index: int) -> int:
+    """Rows of a first dimension FSDP2 gives shard `index` of `shards` (ceil-sized chunks)."""
+    chunk = math.ceil(dim0 / shards)
+    return max(0, min(dim0, (index + 1) * chunk) - index * chunk)
+
+
+def state_bytes(m: ModelConfig, layout: Layout, dtype: str, chunks: list[tuple[list[int], bool, bool]],
+                shard_index: int = 0, edp_index: int = 0) -> dict[str, int]:
+    """Parameter, gradient and optimizer bytes of one rank holding `chunks` [(layers, first, last)],
+    at position `shard_index` of its dp_shard*cp group and `edp_index` of its expert-data group."""
+    b = WEIGHT_BYTES[dtype]
+    dense, expert = [], []
+    for layers, first, last in chunks:
+        dn, ex = parameter_shapes(m, layout.tp, layout.ep, layers, first, last)
+        dense += dn
+        expert += ex
+    shards = layout.dp_shard * layout.cp
+    n_exp = sum(r * c * k for (r, c), k in expert)
+    if layout.zero == 3:
+        edp = layout.dp * layout.cp // layout.ep
+        elems = sum(_rows(r, shards, shard_index) * c * k for (r, c), k in dense)
+        elems += sum(_rows(r, edp, edp_index) * c * k for (r, c), k in expert)
+        return {"params": elems * b, "grads": elems * b, "optimizer": 2 * elems * b}
+    n = sum(r * c * k for (r, c), k in dense)
+    if layout.zero == 0:
+        owned = n
+    else:
+        length = math.ceil(n / shards)
+        owned = max(0, min(n, (shard_index + 1) * length) - shard_index * length)
+    grads = owned if layout.zero == 2 else n
+    return {"params": (n + n_exp) * b, "grads": (grads + n_exp) * b, "optimizer": 2 * (owned + n_exp) * b}
+
+
+@lru_cache(maxsize=4096)
+def _split(model_key: tuple, n_stages: int) -> tuple[tuple[int, ...], ...]:
+    from fived.parallel.pipeline import split_layers
+
+    return tuple(tuple(s) for s in split_layers(ModelConfig(**dict(model_key)), n_stages))
+
+
+def model_key(m: ModelConfig) -> tuple:
+    return tuple(sorted(vars(m).items()))
+
+
+def rank_chunks(m: ModelConfig, layout: Layout, pp_rank: int) -> list[tuple[tuple[int, ...], bool, bool]]:
+    """The (layers, first, last) chunks pipeline rank `pp_rank` holds, as the runtime places them."""
+    return _rank_chunks(model_key(m), layout.pp, placement(layout.pp_schedule), layout.n_stages, pp_rank)
+
+
+def placement(schedule: str) -> str:
+    """Stages go to ranks in a loop or V-shaped: caches key on that, not on the schedule's name."""
+    return "zbv" if schedule in V_SHAPED else "1f1b"
+
+
+@lru_cache(maxsize=65536)
+def _rank_chunks(key: tuple, pp: int, schedule: str, n_stages: int, pp_rank: int):
+    if pp == 1:
+        return [(tuple(range(dict(key)["n_layers"])), True, True)]
+    from fived.parallel.pipeline import stage_rank
+
+    stages = _split(key, n_stages)
+    return [(stages[s], s == 0, s == n_stages - 1) for s in range(n_stages) if stage_rank(s, pp, schedule) == pp_rank]
+
+
+def state_floor(m: ModelConfig, layout: Layout, dtype: str) -> int:
+    """The largest model-state bytes of any pipeline rank: a lower bound of the peak, to prune early."""
+    L = layout
+    return _state_floor(model_key(m), L.tp, L.ep, L.pp, placement(L.pp_schedule), L.n_stages, L.zero, L.dp, L.dp_replicate,
+                        L.cp, dtype)
+
+
+@lru_cache(maxsize=65536)
+def _state_floor(key, tp, ep, pp, schedule, n_stages, zero, dp, dp_replicate, cp, dtype) -> int:
+    return max(sum(state.values()) + static for state, static, _ in
+               _rank_states(key, tp, ep, pp, schedule, n_stages, zero, dp, dp_replicate, cp, dtype))
+
+
+@dataclass
+class MemoryEstimate:
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    buffers: int
+    reserve: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations + self.buffers + self.reserve
+
+    def gib(self) -> dict[str, float]:
+        keys = ("params", "grads", "optimizer", "activations", "buffers", "reserve", "total")
+        return {k: getattr(self, k) / 2**30 for k in keys}
+
+
+def activation_bytes_per_microbatch(m: ModelConfig, layout: Layout, seq_len: int, dtype: str,
+                                    chunks: list[tuple[list[int], bool, bool]]) -> list[int]:
+    """Bytes one micro-batch saves for backward, per chunk of the rank."""
+    L = layout
+    return [_activations(model_key(m), L.micro_batch, seq_len, L.tp, L.sp, L.cp, L.ep, ACTIVATION_BYTES[dtype],
+                         L.checkpointing, tuple(layers), first, last) for layers, first, last in chunks]
+
+
+@lru_cache(maxsize=262144)
+def _activations(key: tuple, micro_batch: int, seq_len: int, tp: int, sp: bool, cp: int, ep: int, e: int,
+                 checkpointing: str, layers: tuple, first: bool, last: bool) -> int:
+    from fived.activation_model import activation_bytes
+
+    parts = activation_bytes(ModelConfig(**dict(key)), micro_batch_seqs=micro_batch, seq_len=seq_len, tp=tp, sp=sp,
+                             cp=cp, ep=ep, dtype_bytes=e, checkpointing=checkpointing, layers=layers,
+                             first=first, last=last)
+    return sum(parts.values())
+
+
+def memory_per_gpu(m: ModelConfig, layout: Layout, seq_len: int, global_batch: int, dtype: str,
+                   device_gib: float) -> MemoryEstimate:
+    """Peak bytes on the most loaded GPU: the pipeline rank whose state + activations are largest."""
+    from fived.planner.timing import pipeline_profile
+
+    L, key = layout, model_key(m)
+    micro = L.microbatches(global_batch)
+    in_flight = pipeline_profile(L.pp_schedule, L.pp, L.pp_virtual, micro)[1] if L.pp > 1 else [1]
+    e = ACTIVATION_BYTES[dtype]
+    tokens = L.micro_batch * seq_len // L.cp  # one micro-batch on one rank
+    states = _rank_states(key, L.tp, L.ep, L.pp, placement(L.pp_schedule), L.n_stages, L.zero, L.dp, L.dp_replicate,
+                          L.cp, dtype)
+    acts = _rank_activations(key, L.micro_batch, seq_len, L.tp, L.sp, L.cp, L.ep, e, L.checkpointing, L.pp,
+                             placement(L.pp_schedule), L.n_stages)
+    worst = None
+    for pp_rank, ((state, static, chunks), act) in enumerate(zip(states, acts)):
+        buffers = static
+        if L.tp > 1:  # one region's gathered input and its partial output
+            buffers += 2 * tokens * m.dim * e
+        if any(last for _, _, last in chunks):  # the loss's float32 logits of one micro-batch
+            buffers += tokens * math.ceil(m.vocab_size / L.tp) * 4
+        # in-flight counts are whole-rank micro-batches (alive stage-micro-batches / stages per rank)
+        total = sum(state.values()) + buffers + act * in_flight[pp_rank]
+        if worst is None or total > worst[0]:
+            worst = (total, state, round(act * in_flight[pp_rank]), buffers)
+    _, state, activations, buffers = worst
+    return MemoryEstimate(state["params"], state["grads"], state["optimizer"], activations, buffers,
+                          reserve_bytes(device_gib))
+
+
+@lru_cache(maxsize=65536)
+def _rank_activations(key, micro_batch, seq_len, tp, sp, cp, ep, e, checkpointing, pp, schedule, n_stages):
+    """Per pipeline rank: bytes one micro-batch saves for backward over all the rank's chunks."""
+    return [sum(_activations(key, micro_batch, seq_len, tp, sp, cp, ep, e, checkpointing, *c) for c in
+                _rank_chunks(key, pp, schedule, n_stages, r)) for r in range(pp)]
+
+
+def reserve_bytes(device_gib: float) -> int:
+    return int(RESERVE_GIB * 2**30 + RESERVE_FRACTION * device_gib * 2**30)
+
+
+@lru_cache(maxsize=65536)
+def _rank_states(key, tp, ep, pp, schedule, n_stages, zero, dp, dp_replicate, cp, dtype):
+    """Per pipeline rank: (model-state bytes, transient buffers that do not depend on the micro-batch,
+    chunks). Shared by every micro-batch / checkpointing / SP option of a layout."""
+    m = ModelConfig(**dict(key))
+    layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, dp_replicate=dp_replicate, pp_schedule=schedule,
+                    pp_virtual=n_stages // pp if pp > 1 and schedule not in ("zbv", "dualpipev") else 1)
+    out, seen = [], {}
+    for r in range(pp):
+        chunks = _rank_chunks(key, pp, schedule, n_stages, r)
+        kinds = tuple((sum(1 for i in layers if m.is_moe and i >= m.n_dense_layers), len(layers), first, last)
+                      for layers, first, last in chunks)
+        if kinds not in seen:  # ranks with the same kinds of layers hold the same state
+            state = state_bytes(m, layout, dtype, chunks)
+            seen[kinds] = (state, _static_buffers(m, layout, dtype, chunks, state))
+        out.append(seen[kinds] + (chunks,))
+    return out
+
+
+def _static_buffers(m: ModelConfig, layout: Layout, dtype: str, chunks, state: dict) -> int:
+    b = WEIGHT_BYTES[dtype]
+    params = state["params"] // b  # elements this rank holds
+    shapes = [parameter_shapes(m, layout.tp, layout.ep, *c) for c in chunks]
+    unsharded = sum(r * c * k for dn, ex in shapes for (r, c), k in dn + ex)
+    out = 0
+    if dtype == "bfloat16" and layout.zero < 3:  # autocast's bf16 weight copies (FSDP2 gathers in bf16)
+        out += 2 * params
+    if layout.zero == 2:
+        out += unsharded * b  # the full gradient buffer exists while backward runs
+    if layout.zero == 3:  # gathered weights: the whole stage under pipelines (kept), else two blocks
+        per_layer = unsharded / max(1, sum(len(c[0]) for c in chunks))
+        out += int(unsharded if layout.pp > 1 else 2 * per_layer) * ACTIVATION_BYTES[dtype]
+    if layout.zero == 0 and layout.pp == 1 and layout.dp > 1:
+        out += DDP_BUCKET_BYTES
+    return out

@@ -1,0 +1,169 @@
+"""`fived plan`: enumerate the layouts a model can run with on a cluster, keep those that fit in
+memory, rank them by predicted step time, and say why the winner wins.
+
+Order of decisions (the background notes' recipe): fit memory first, then reach the global batch
+(micro-batch size x micro-batches x dp), then maximise throughput. Validity is the runtime's own
+check (`fived.mesh._layout_errors`), so every planned layout is one `fived train` accepts.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from fived.config import Config, ModelConfig, ParallelConfig, TrainConfig
+from fived.mesh import _layout_errors
+from fived.parallel.schedule_sim import check_schedule
+from fived.planner.layout import Layout
+from fived.planner.memory import MemoryEstimate, memory_per_gpu, reserve_bytes, state_floor
+from fived.planner.timing import FIVED, Cluster, Runtime, StepTime, step_time
+
+SCHEDULES = (("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 4), ("zero-bubble", 2), ("zbv", 1),
+             ("dualpipev", 1), ("gpipe", 1))
+MICRO_BATCHES = (1, 2, 4, 8)
+# A micro-batch of this many tokens already fills the GEMMs; larger ones only add memory and bubble.
+MICRO_BATCH_TOKENS = 8192
+
+
+@dataclass
+class Plan:
+    layout: Layout
+    memory: MemoryEstimate
+    time: StepTime
+    capacity: int  # bytes of device memory
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total <= self.capacity
+
+    def to_dict(self, global_batch: int) -> dict:
+        return {"layout": self.layout.to_dict(), "describe": self.layout.describe(),
+                "flags": self.layout.flags(global_batch), "memory_gib": self.memory.gib(),
+                "capacity_gib": self.capacity / 2**30, "step": self.time.to_dict()}
+
+
+def is_valid(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int) -> bool:
+    if global_batch % (layout.dp * layout.micro_batch):
+        return False
+    p = ParallelConfig(**{k: getattr(layout, k) for k in ("dp", "tp", "pp", "cp", "ep", "zero", "dp_replicate",
+                                                           "sp", "pp_schedule", "pp_virtual")})
+    t = TrainConfig(seq_len=seq_len, global_batch=global_batch, microbatches=layout.microbatches(global_batch),
+                    activation_checkpointing=layout.checkpointing)
+    if _layout_errors(Config(model=model, parallel=p, train=t), layout.world):
+        return False
+    try:  # what torch's schedule constructors refuse (micro-batch rounds)
+        check_schedule(layout.pp_schedule, layout.pp, layout.pp_virtual, t.microbatches)
+    except ValueError:
+        return False
+    return True
+
+
+def evaluate(model: ModelConfig, layout: Layout, cluster: Cluster, seq_len: int, global_batch: int,
+             dtype: str = "bfloat16", runtime: Runtime = FIVED) -> Plan | None:
+    if not is_valid(model, layout, seq_len, global_batch):
+        return None
+    hw = cluster.hardware
+    memory = memory_per_gpu(model, layout, seq_len, global_batch, dtype, hw.memory_gib)
+    return Plan(layout, memory, step_time(model, layout, cluster, seq_len, global_batch, dtype, runtime),
+                int(hw.memory_gib * 2**30))
+
+
+def expand(base: Layout, options: dict) -> list[Layout]:
+    """Every completion of `base` with one value per open field (pp_schedule values: (name, v))."""
+    names = list(options)
+    out = []
+    for values in itertools.product(*(options[n] for n in names)):
+        changes = {}
+        for name, value in zip(names, values):
+            if name == "pp_schedule":
+                changes.update(pp_schedule=value[0], pp_virtual=value[1])
+            else:
+                changes[name] = value
+        out.append(base.with_(**changes))
+    return out
+
+
+def _divisors(n: int, limit: int) -> list[int]:
+    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
+
+
+def mesh_shapes(model: ModelConfig, gpus: int, gpus_per_node: int, seq_len: int, global_batch: int):
+    """(dp, tp, pp, cp, ep) products equal to the GPU count, with the cheap divisibility rules."""
+    for tp in _divisors(gpus, 2 * gpus_per_node):
+        if model.n_heads % tp:
+            continue
+        for cp in _divisors(gpus // tp, 32):
+            if cp > 1 and seq_len % (2 * cp):
+                continue
+            for pp in _divisors(gpus // (tp * cp), model.n_layers):
+                dp = gpus // (tp * cp * pp)
+                if global_batch % dp:
+                    continue
+                eps = [e for e in _divisors(dp * cp, model.n_experts) if model.n_experts % e == 0] if model.is_moe else [1]
+                for ep in eps:
+                    yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
+
+
+def state_choices(model: ModelConfig, mesh: Layout, gpus_per_node: int):
+    """ZeRO stage, HSDP replicas and pipeline schedule: what decides the model-state bytes."""
+    schedules = [("1f1b", 1)] if mesh.pp == 1 else [
+        s for s in SCHEDULES if model.n_layers >= mesh.pp * (2 if s[0] in ("zbv", "dualpipev") else s[1])]
+    node_shard = max(1, gpus_per_node // (mesh.tp * mesh.cp))
+    for zero in (0, 1, 2, 3):
+        replicas = [1]
+        if zero and mesh.ep == 1 and 1 < node_shard < mesh.dp and mesh.dp % node_shard == 0:
+            replicas.append(mesh.dp // node_shard)  # HSDP: shard inside a node, replicate across nodes
+        for dp_replicate, (schedule, v) in itertools.product(replicas, schedules):
+            yield mesh.with_(zero=zero, dp_replicate=dp_replicate, pp_schedule=schedule, pp_virtual=v)
+
+
+def activation_choices(layout: Layout, seq_len: int, global_batch: int):
+    """Micro-batch size, sequence parallelism, checkpointing: what decides the activation bytes.
+    Checkpointing last, cheapest first: more of it only ever costs time."""
+    for mbs, sp in itertools.product(MICRO_BATCHES, (False, True) if layout.tp > 1 else (False,)):
+        if (global_batch // layout.dp) % mbs == 0 and (mbs == 1 or mbs * seq_len <= MICRO_BATCH_TOKENS):
+            yield [layout.with_(micro_batch=mbs, sp=sp, checkpointing=ac) for ac in ("none", "selective", "full")]
+
+
+DECISIONS = ("tp", "pp", "cp", "ep", "zero", "dp_replicate", "sp", "pp_schedule", "micro_batch", "checkpointing")
+
+
+@dataclass
+class Search:
+    plans: list[Plan]  # every fitting plan, fastest first
+    considered: int  # valid layouts looked at
+    smallest: dict  # (decision, value) -> least memory (bytes) any layout with it needed
+
+
+def plan(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int, dtype: str = "bfloat16",
+         runtime: Runtime = FIVED) -> Search:
+    """Every fitting plan, fastest first. Layouts whose model state alone overflows the GPU are
+    dropped before their activation options are costed; of the checkpointing options of one layout,
+    the first that fits is kept (the others only recompute more)."""
+    capacity = int(cluster.hardware.memory_gib * 2**30)
+    reserve = reserve_bytes(cluster.hardware.memory_gib)
+    fitting, considered, smallest = [], 0, {}
+
+    def note(layout: Layout, need: int) -> None:
+        for d in DECISIONS:
+            k = (d, getattr(layout, d))
+            smallest[k] = min(smallest.get(k, need), need)
+
+    for mesh in mesh_shapes(model, cluster.gpus, cluster.gpus_per_node, seq_len, global_batch):
+        for state in state_choices(model, mesh, cluster.gpus_per_node):
+            floor = state_floor(model, state, dtype) + reserve
+            if floor > capacity:
+                considered += 1
+                note(state, floor)
+                continue
+            for options in activation_choices(state, seq_len, global_batch):
+                for layout in options:
+                    result = evaluate(model, layout, cluster, seq_len, global_batch, dtype, runtime)
+                    if result is None:
+                        break
+                    considered += 1
+                    note(layout, result.memory.total)
+                    if result.fits:
+                        fitting.append(result)
+                        break
+    fitting.sort(key=lambda p: p.time.total)
+    return Search(fitting, considered, smallest)

@@ -1,0 +1,164 @@
+"""The planner: its memory model against the runtime's ledger on real gloo ranks (model state
+exact, activations within 10%), its step-time model against the published runs, and the CLI."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fived.config import build_config, model_preset
+from fived.parallel.schedule_sim import _analyse
+from fived.planner.calibration import validate
+from fived.planner.hardware import CATALOGUE, hardware
+from fived.planner.layout import Layout
+from fived.planner.memory import activation_bytes_per_microbatch, parameter_shapes, rank_chunks, state_bytes
+from fived.planner.search import plan
+from fived.planner.timing import Cluster, pipeline_profile
+from fived.report import _local_model
+from fived.testing import run_on_ranks, tiny_config
+from fived.train import run_training
+
+CALIBRATION = Path(__file__).parent / "data" / "published_runs.csv"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+# Seven layouts on 4 ranks covering every dimension, ZeRO stage, HSDP, SP and checkpointing mode.
+LAYOUTS = [
+    ("tiny", dict(dp=2, tp=2, sp=True, zero=1)),
+    ("tiny-moe", dict(dp=4, zero=2, checkpointing="selective")),
+    ("tiny", dict(dp=4, dp_replicate=2, zero=3)),
+    ("tiny", dict(dp=2, pp=2, zero=0, microbatches=2)),
+    ("tiny", dict(dp=1, tp=2, pp=2, zero=3, pp_schedule="interleaved-1f1b", pp_virtual=2, microbatches=2)),
+    ("tiny-moe", dict(dp=2, cp=2, zero=3, checkpointing="full")),
+    ("tiny-moe", dict(dp=2, cp=2, ep=4, zero=1)),
+]
+
+
+def _config(model: str, fields: dict):
+    over = {f"parallel__{k}": v for k, v in fields.items() if k not in ("microbatches", "checkpointing")}
+    over["train__microbatches"] = fields.get("microbatches", 1)
+    over["train__activation_checkpointing"] = fields.get("checkpointing", "none")
+    return tiny_config(model, train__steps=2, **over)
+
+
+def _measure(configs):
+    """Every layout on the same 4 forked ranks, one after another: (model-state, activations)."""
+    return [(r.memory, r.activations) for r in (run_training(cfg, log=False, progress=False) for cfg in configs)]
+
+
+def test_memory_model_equals_the_ledger():
+    configs = [_config(model, fields) for model, fields in LAYOUTS]
+    per_rank = run_on_ranks(4, _measure, configs, timeout_s=240)
+    worst = 0.0
+    for i, cfg in enumerate(configs):
+        layout = Layout.from_config(cfg, 4)
+        for rank in range(4):
+            state, acts = per_rank[rank][i]
+            where = layout.coordinates(rank)
+            chunks = rank_chunks(cfg.model, layout, where["pp"])
+            want = state_bytes(cfg.model, layout, cfg.train.dtype, chunks, where["shard"], where["edp"])
+            assert state == want, (LAYOUTS[i], rank, state, want)
+            predicted = sum(activation_bytes_per_microbatch(cfg.model, layout, cfg.train.seq_len, cfg.train.dtype, chunks))
+            measured = sum(acts.values())
+            worst = max(worst, abs(predicted / measured - 1))
+            assert abs(predicted / measured - 1) <= 0.10, (LAYOUTS[i], rank, predicted, measured)
+    print(f"worst activation error {worst:.2%}")
+
+
+@pytest.mark.parametrize("name,tp,ep", [("llama3-8b", 4, 1), ("llama3-405b", 8, 1), ("mixtral-8x7b", 2, 4),
+                                        ("deepseek-v3-like", 8, 8), ("tiny", 4, 1)])
+def test_parameter_shapes_match_the_split_model(name, tp, ep):
+    cfg = build_config(overrides={"model.name": name, "parallel.tp": tp, "parallel.ep": ep, "parallel.dp": 8})
+    model = _local_model(cfg, 8 * tp)
+    expert = sum(p.numel() for n, p in model.named_parameters() if ep > 1 and ".experts." in n)
+    dense, experts = parameter_shapes(cfg.model, tp, ep, range(cfg.model.n_layers), True, True)
+    assert sum(r * c * k for (r, c), k in dense) == sum(p.numel() for p in model.parameters()) - expert
+    assert sum(r * c * k for (r, c), k in experts) == expert
+
+
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("gpipe", 1), ("interleaved-1f1b", 2), ("zero-bubble", 2),
+                                        ("zbv", 1), ("dualpipev", 1)])
+def test_pipeline_extrapolation_equals_the_simulation(schedule, v):
+    for pp, m in [(2, 16), (4, 32), (4, 36), (8, 64)]:
+        if schedule in ("interleaved-1f1b", "zero-bubble") and m % (m // pp):
+            continue
+        assert pipeline_profile(schedule, pp, v, m)[0] == pytest.approx(_analyse(schedule, pp, v, m)[0], abs=1e-12)
+        assert pipeline_profile(schedule, pp, v, m)[1] == pytest.approx(_analyse(schedule, pp, v, m)[1], abs=1e-9)
+
+
+def test_validate_meets_the_calibration_target():
+    lines = []
+    median = validate(CALIBRATION, printer=lines.append)
+    assert lines[-1] == f"median absolute error: {median:.1f}%"
+    assert median <= 10.0
+    assert len(lines) == 2 + 29  # header, one line per row, the median
+
+
+def test_405b_keeps_tensor_parallelism_inside_a_node():
+    search = plan(model_preset("llama3-405b"), Cluster(hardware("h100"), 16384, 8), 8192, 16777216 // 8192)
+    best = search.plans[0]
+    assert best.layout.tp <= 8 and best.fits and best.layout.world == 16384
+    assert any(p.layout.tp == 16 for p in search.plans) or search.smallest.get(("tp", 16))  # considered
+
+
+def test_mixtral_uses_expert_parallelism():
+    search = plan(model_preset("mixtral-8x7b"), Cluster(hardware("h100"), 64, 8), 4096, 4194304 // 4096)
+    assert search.plans[0].layout.ep > 1
+
+
+def test_memory_decides_what_fits():
+    """More sharding never needs more memory; a model too big for the cluster gets no plan."""
+    m = model_preset("llama3-70b")
+    base = Layout(dp=8, tp=8, pp=1)
+    totals = [sum(state_bytes(m, base.with_(zero=z), "bfloat16", rank_chunks(m, base, 0)).values()) for z in range(4)]
+    assert totals == sorted(totals, reverse=True) and totals[3] * 7 < totals[0]
+    assert not plan(m, Cluster(hardware("h100"), 8, 8), 8192, 64).plans  # 16 B/param: 140 GB per GPU
+    assert plan(m, Cluster(hardware("h100"), 64, 8), 8192, 64).plans
+    too_big = plan(model_preset("llama3-405b"), Cluster(hardware("a100"), 8, 8), 8192, 64)
+    assert not too_big.plans and min(too_big.smallest.values()) > 80 * 2**30
+
+
+def test_hardware_catalogue_and_toml(tmp_path):
+    assert {"a100", "h100", "h200", "h800", "b200", "mi300x"} <= set(CATALOGUE)
+    assert hardware("H100-SXM5") is CATALOGUE["h100"]
+    path = tmp_path / "gpu.toml"
+    path.write_text('name = "x"\npeak_tflops = 100.0\nmemory_gib = 40.0\nhbm_gbps = 1000.0\n'
+                    'nvlink_gbps = 100.0\nnetwork_gbps = 10.0\n')
+    assert hardware(str(path)).memory_gib == 40.0
+    path.write_text('name = "x"\npeak_tflop = 1.0\n')
+    with pytest.raises(Exception, match="peak_tflop.*unknown hardware field.*peak_tflops"):
+        hardware(str(path))
+
+
+def _fived(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "fived", *args], capture_output=True, text=True, env=ENV,
+                          timeout=timeout)
+
+
+def test_cli_plan_json_and_errors():
+    out = _fived("plan", "--model", "llama3-8b", "--gpus", "16", "--gpu", "h100", "--seq", "8192",
+                 "--global-batch-tokens", "1048576", "--json", "--top", "3")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert len(data["plans"]) == 3 and data["plans"][0]["step"]["total"] <= data["plans"][1]["step"]["total"]
+    assert data["runners_up"]
+    bad = _fived("plan", "--model", "llama3-8b", "--gpus", "16", "--seq", "8192", "--global-batch-tokens", "1000")
+    assert bad.returncode == 2 and "--global-batch-tokens=1000: must be a multiple of --seq 8192" in bad.stderr
+    bad = _fived("plan", "--model", "llama3-8b", "--gpus", "16", "--gpu", "h1000", "--seq", "8", "--global-batch-tokens", "8")
+    assert bad.returncode == 2 and "unknown GPU" in bad.stderr and "h100" in bad.stderr
+
+
+def test_train_layout_auto_runs_the_layout_it_prints(tmp_path):
+    out = _fived("train", "--layout", "auto", "--nproc", "4", "--steps", "2",
+                 "--train.output_dir", str(tmp_path / "run"))
+    assert out.returncode == 0, out.stderr
+    chosen = next(line for line in out.stdout.splitlines() if line.startswith("fived train --layout auto:"))
+    flags = chosen.split(" = ", 1)[1].split()
+    values = dict(zip(flags[::2], flags[1::2]))
+    ran = next(line for line in out.stdout.splitlines() if line.startswith("fived train: model"))
+    for dim in ("dp", "tp", "pp", "cp", "ep", "zero"):
+        assert f"{dim}={values[f'--parallel.{dim}']}" in ran, (chosen, ran)
+    assert "loss" in out.stdout.splitlines()[-1]
+    clash = _fived("train", "--layout", "auto", "--nproc", "4", "--tp", "2")
+    assert clash.returncode == 2 and "chooses the parallel layout itself" in clash.stderr
