@@ -228,15 +228,14 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     if ns.global_batch_tokens % ns.seq:
         raise ConfigError("--global-batch-tokens", ns.global_batch_tokens, f"must be a multiple of --seq {ns.seq}",
                           f"e.g. {max(1, ns.global_batch_tokens // ns.seq) * ns.seq}")
-    if ns.dtype not in ("bfloat16", "float32"):
-        raise ConfigError("--dtype", ns.dtype, "must be bfloat16 or float32")
     cluster = Cluster(hardware(ns.gpu), ns.gpus, min(ns.gpus_per_node, ns.gpus))
     global_batch = ns.global_batch_tokens // ns.seq
-    search = plan(model, cluster, ns.seq, global_batch, ns.dtype)
+    search = plan(model, cluster, ns.seq, global_batch, "bfloat16")  # bf16 mixed precision, priced at the bf16 peak
     if ns.json:
         print(json.dumps(explain.to_json(search, model, cluster, ns.seq, global_batch, ns.top), indent=1))
     else:
-        print(explain.report(search, model, cluster, ns.seq, global_batch, ns.top))
+        model_arg = f"--config {ns.model}" if ns.model.endswith(".toml") else f"--model {ns.model}"
+        print(explain.report(search, model, cluster, ns.seq, global_batch, ns.top, model_arg))
     return 0 if search.plans else 1
 
 
@@ -259,7 +258,6 @@ def build_parser() -> argparse.ArgumentParser:
     planp.add_argument("--gpu", default="h100", help="a100, h100, h200, h800, b200, mi300x or a hardware .toml")
     planp.add_argument("--seq", type=int, help="sequence length")
     planp.add_argument("--global-batch-tokens", type=int, help="tokens per optimizer step")
-    planp.add_argument("--dtype", default="bfloat16", help="bfloat16 (default) or float32")
     planp.add_argument("--top", type=int, default=5, help="plans to list (default 5)")
     planp.add_argument("--json", action="store_true", help="machine-readable output")
     planp.add_argument("--validate", metavar="FILE.csv", help="predict published runs and print the error per row")

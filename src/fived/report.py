@@ -95,10 +95,11 @@ def expected_comm_bytes(cfg: Config, world: int) -> dict[str, int]:
         # FSDP2 pads each parameter's first dimension to a multiple of S.
         padded = [math.ceil(s[0] / s_) * s_ * math.prod(s[1:]) for s, _ in shapes]
         blocks = sum(p for p, (_, in_block) in zip(padded, shapes) if in_block)
+        g = 2 if cfg.train.dtype == "bfloat16" else b  # FSDP2 gathers in the compute dtype
         if cfg.parallel.zero3_keep_gathered:  # gathered once, kept through every micro-batch
-            out[f"{shard_dim}/all_gather_single"] = sum(padded) * b
+            out[f"{shard_dim}/all_gather_single"] = sum(padded) * g
         else:  # per micro-batch: everything for forward, the blocks again for backward
-            out[f"{shard_dim}/all_gather_single"] = cfg.train.microbatches * (sum(padded) + blocks) * b
+            out[f"{shard_dim}/all_gather_single"] = cfg.train.microbatches * (sum(padded) + blocks) * g
         out[f"{shard_dim}/reduce_scatter_single"] = sum(padded) * r
         out[f"{shard_dim}/all_reduce"] = 8  # the squared gradient norm
         if mesh.dp_replicate > 1:

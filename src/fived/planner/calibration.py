@@ -35,7 +35,7 @@ from fived.planner.hardware import hardware
 from fived.planner.layout import Layout
 from fived.planner.timing import Cluster, Runtime
 
-MCORE_TP_OVERLAP = 0.25  # share of tp communication --tp-comm-overlap hides (userbuffers pipelining)
+MCORE_TP_OVERLAP = 0.75  # share of tp communication --tp-comm-overlap hides (fitted by `fit` below)
 
 
 def framework_runtime(notes: str) -> Runtime:
@@ -181,7 +181,8 @@ def fit(path: str | Path) -> dict:
 
     rows = read_rows(path)
     grids = {"ampere": [0.40 + 0.025 * i for i in range(21)], "hopper": [0.40 + 0.025 * i for i in range(21)],
-             "WIDTH_HALF": [0.0, 32.0, 64.0, 128.0, 256.0], "LINK_EFFICIENCY": [0.6, 0.7, 0.8, 0.9],
+             "WIDTH_HALF": [0.0, 32.0, 64.0, 128.0, 256.0], "ROWS_HALF": [0.0, 64.0, 128.0, 256.0, 512.0],
+             "LINK_EFFICIENCY": [0.6, 0.7, 0.8, 0.9],
              "MCORE_TP_OVERLAP": [0.0, 0.25, 0.5, 0.75, 1.0]}
     here = globals()
 
@@ -206,7 +207,7 @@ def fit(path: str | Path) -> dict:
             best = min(scores)
             set_(name, best[1])
             print(f"{name} = {best[1]:.3f}  (median error {best[0] * 100:.1f}%)", flush=True)
-    return {"EFFICIENCY": dict(timing.EFFICIENCY), "WIDTH_HALF": timing.WIDTH_HALF,
+    return {"EFFICIENCY": dict(timing.EFFICIENCY), "WIDTH_HALF": timing.WIDTH_HALF, "ROWS_HALF": timing.ROWS_HALF,
             "LINK_EFFICIENCY": timing.LINK_EFFICIENCY, "MCORE_TP_OVERLAP": here["MCORE_TP_OVERLAP"]}
 
 

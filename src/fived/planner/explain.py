@@ -2,8 +2,9 @@
 
 Runners-up are not the next entries of the ranking (those differ from the winner in a detail); they
 are, for each decision (tp, pp, cp, ep, ZeRO stage, HSDP, SP, schedule, micro-batch, checkpointing),
-the best plan that decides it differently — and the line says which part of its step grew, or, when
-no plan with that value fits, how much memory the least hungry one needed.
+the best plan that decides it differently — and the line says which parts of its step grew and
+every decision it makes differently (a best alternative often changes two: tp down means cp or dp
+up), or, when no plan with that value fits, how much memory the least hungry one needed.
 """
 from __future__ import annotations
 
@@ -70,14 +71,27 @@ def runners_up(search: Search) -> list[tuple[str, list, Plan | None]]:
     return out
 
 
-def report(search: Search, model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int, top: int) -> str:
+def _differs(plan: Plan, winner: Plan) -> str:
+    return ", ".join(f"{d} {getattr(winner.layout, d)}->{getattr(plan.layout, d)}" for d in DECISIONS
+                     if getattr(plan.layout, d) != getattr(winner.layout, d))
+
+
+def report(search: Search, model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int, top: int,
+           model_arg: str = "", dtype: str = "bfloat16") -> str:
+    """The text `fived plan` prints. `model_arg`: how `fived train` names the model (--model NAME or
+    --config FILE)."""
     hw = cluster.hardware
     lines = [f"fived plan: {model.name} ({matmul_params_per_token(model) / 1e9:.1f}B matmul params per token), "
              f"{cluster.gpus} x {hw.name} ({cluster.gpus_per_node} per node, {hw.memory_gib:g} GiB each), "
              f"seq {seq_len}, global batch {global_batch} sequences ({global_batch * seq_len:,} tokens)",
              f"{search.considered} valid layouts considered, {len(search.plans)} fit in memory"]
+    if not search.considered:
+        lines.append(f"no valid layout: {cluster.gpus} GPUs cannot be split into dp x tp x pp x cp for this model "
+                     f"(tp must divide {model.n_heads} heads, dp the {global_batch} sequences, pp the "
+                     f"{model.n_layers} layers); try a GPU count that is a multiple of {cluster.gpus_per_node}")
+        return "\n".join(lines)
     if not search.plans:
-        need = min(search.smallest.values(), default=0)
+        need = min(search.smallest.values())
         lines.append(f"no layout fits: the least memory any needs is {_gib(need)} GiB per GPU of {hw.memory_gib:g}; "
                      f"use more GPUs, GPUs with more memory, or a shorter sequence / smaller global batch")
         return "\n".join(lines)
@@ -87,7 +101,8 @@ def report(search: Search, model: ModelConfig, cluster: Cluster, seq_len: int, g
                      f"{p.time.mfu:>6.1%} {_gib(p.memory.total):>6}")
     w = search.plans[0]
     lines += [f"winner: {w.layout.describe()}",
-              f"  run it: fived train --model {model.name} --train.seq_len {seq_len} {w.layout.flags(global_batch)}",
+              f"  run it: fived train {model_arg or '--model ' + model.name} --train.seq_len {seq_len} "
+              f"--train.dtype {dtype} {w.layout.flags(global_batch)}",
               f"  step {w.time.total:.3g} s = {_time_parts(w)}",
               f"  memory {_gib(w.memory.total)} of {hw.memory_gib:g} GiB = {_memory_parts(w)}",
               "  links: " + ("; ".join(_link_notes(w, cluster)) or "single GPU"),
@@ -99,7 +114,8 @@ def report(search: Search, model: ModelConfig, cluster: Cluster, seq_len: int, g
                          f"> {hw.memory_gib:g})")
         else:
             slower = (p.time.total / w.time.total - 1) * 100
-            lines.append(f"  {d}={values[0]}: {p.layout.describe()} is {slower:.1f}% slower: {_why_slower(p, w)}")
+            lines.append(f"  {d}={values[0]}: {p.layout.describe()} is {slower:.1f}% slower: {_why_slower(p, w)} "
+                         f"(differs in {_differs(p, w)})")
     return "\n".join(lines)
 
 

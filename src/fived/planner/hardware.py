@@ -92,10 +92,14 @@ def local_hardware(world: int) -> Hardware:
     import torch
 
     if torch.cuda.is_available():
+        from dataclasses import replace
+
         name = torch.cuda.get_device_name().upper()
         for key, hw in CATALOGUE.items():
-            if key.upper() in name:
-                return hw
+            if key.upper() in name:  # the catalogue's rates, this board's memory (A100 40GB, H100 NVL...)
+                return replace(hw, memory_gib=torch.cuda.get_device_properties(0).total_memory / 2**30)
+        raise ConfigError("--layout", "auto", f"the GPU '{name}' is not in the planner's catalogue",
+                          "plan it with `fived plan --gpu my-gpu.toml` and pass the printed flags to fived train")
     from fived.metrics import device_peak_tflops
 
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30

@@ -20,9 +20,11 @@ micro-batches a rank's schedule keeps in flight (`schedule_sim.in_flight_microba
 
 Transient buffers (peak, not ledger-measured): bf16 copies of the weights autocast caches during a
 forward; ZeRO-2's full gradient buffer during backward (fived allocates it per step); ZeRO-3's
-gathered blocks (two: the one in use and the prefetched one; the whole stage with keep-gathered or
-under pipelines); DDP's gradient buckets; tensor-parallel gathered activations of one region; and a
-fixed reserve for the CUDA context, NCCL and allocator fragmentation (RESERVE_GIB + RESERVE_FRACTION).
+gathered weights (the root module for the whole step and two blocks: the one in use and the
+prefetched one; the whole stage under pipelines) and its unsharded gradients while micro-batches
+accumulate; DDP's gradient buckets; tensor-parallel gathered activations of one region; the loss's
+float32 logits; and a fixed reserve for the CUDA context, NCCL and allocator fragmentation
+(RESERVE_GIB + RESERVE_FRACTION: assumed, not fitted — no published run reports its peak memory).
 """
 from __future__ import annotations
 
@@ -68,7 +70,7 @@ def _parameter_shapes(key: tuple, tp: int, ep: int, n_dense: int, n_moe: int, fi
 
 def _shape_list(m: ModelConfig, tp: int, ep: int, layers, first: bool, last: bool):
     d, hd = m.dim, m.head_dim
-    vocab = math.ceil(m.vocab_size / tp) * tp // tp if tp > 1 else m.vocab_size
+    vocab = math.ceil(m.vocab_size / tp)  # padded to a multiple of tp, split
     kv_rows = (m.n_kv_heads // tp if m.n_kv_heads % tp == 0 else 1) * hd
     dense, expert = [], []
     if first:
@@ -166,7 +168,7 @@ def state_floor(m: ModelConfig, layout: Layout, dtype: str) -> int:
 
 @lru_cache(maxsize=65536)
 def _state_floor(key, tp, ep, pp, schedule, n_stages, zero, dp, dp_replicate, cp, dtype) -> int:
-    return max(sum(state.values()) + static for state, static, _ in
+    return max(sum(state.values()) + static for state, static, _, _ in
                _rank_states(key, tp, ep, pp, schedule, n_stages, zero, dp, dp_replicate, cp, dtype))
 
 
@@ -222,8 +224,10 @@ def memory_per_gpu(m: ModelConfig, layout: Layout, seq_len: int, global_batch: i
     acts = _rank_activations(key, L.micro_batch, seq_len, L.tp, L.sp, L.cp, L.ep, e, L.checkpointing, L.pp,
                              placement(L.pp_schedule), L.n_stages)
     worst = None
-    for pp_rank, ((state, static, chunks), act) in enumerate(zip(states, acts)):
+    for pp_rank, ((state, static, accumulated, chunks), act) in enumerate(zip(states, acts)):
         buffers = static
+        if micro > 1 or L.pp > 1:  # FSDP2 accumulates unsharded gradients across micro-batches
+            buffers += accumulated
         if L.tp > 1:  # one region's gathered input and its partial output
             buffers += 2 * tokens * m.dim * e
         if any(last for _, _, last in chunks):  # the loss's float32 logits of one micro-batch
@@ -251,10 +255,11 @@ def reserve_bytes(device_gib: float) -> int:
 @lru_cache(maxsize=65536)
 def _rank_states(key, tp, ep, pp, schedule, n_stages, zero, dp, dp_replicate, cp, dtype):
     """Per pipeline rank: (model-state bytes, transient buffers that do not depend on the micro-batch,
-    chunks). Shared by every micro-batch / checkpointing / SP option of a layout."""
+    ZeRO-3's unsharded gradient bytes while micro-batches accumulate, chunks). Shared by every
+    micro-batch / checkpointing / SP option of a layout."""
     m = ModelConfig(**dict(key))
     layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, dp_replicate=dp_replicate, pp_schedule=schedule,
-                    pp_virtual=n_stages // pp if pp > 1 and schedule not in ("zbv", "dualpipev") else 1)
+                    pp_virtual=n_stages // pp if pp > 1 and schedule == "1f1b" else 1)
     out, seen = [], {}
     for r in range(pp):
         chunks = _rank_chunks(key, pp, schedule, n_stages, r)
@@ -262,24 +267,32 @@ def _rank_states(key, tp, ep, pp, schedule, n_stages, zero, dp, dp_replicate, cp
                       for layers, first, last in chunks)
         if kinds not in seen:  # ranks with the same kinds of layers hold the same state
             state = state_bytes(m, layout, dtype, chunks)
-            seen[kinds] = (state, _static_buffers(m, layout, dtype, chunks, state))
+            seen[kinds] = (state,) + _static_buffers(m, layout, dtype, chunks, state)
         out.append(seen[kinds] + (chunks,))
     return out
 
 
-def _static_buffers(m: ModelConfig, layout: Layout, dtype: str, chunks, state: dict) -> int:
+def _static_buffers(m: ModelConfig, layout: Layout, dtype: str, chunks, state: dict) -> tuple[int, int]:
+    """(transient bytes, ZeRO-3's accumulated unsharded gradients) of one rank."""
     b = WEIGHT_BYTES[dtype]
     params = state["params"] // b  # elements this rank holds
     shapes = [parameter_shapes(m, layout.tp, layout.ep, *c) for c in chunks]
-    unsharded = sum(r * c * k for dn, ex in shapes for (r, c), k in dn + ex)
+    dense = sum(r * c * k for dn, _ in shapes for (r, c), k in dn)
+    unsharded = dense + sum(r * c * k for _, ex in shapes for (r, c), k in ex)
     out = 0
     if dtype == "bfloat16" and layout.zero < 3:  # autocast's bf16 weight copies (FSDP2 gathers in bf16)
         out += 2 * params
     if layout.zero == 2:
-        out += unsharded * b  # the full gradient buffer exists while backward runs
-    if layout.zero == 3:  # gathered weights: the whole stage under pipelines (kept), else two blocks
-        per_layer = unsharded / max(1, sum(len(c[0]) for c in chunks))
-        out += int(unsharded if layout.pp > 1 else 2 * per_layer) * ACTIVATION_BYTES[dtype]
+        out += dense * b  # the flat gradient buffer (not the experts) exists while backward runs
     if layout.zero == 0 and layout.pp == 1 and layout.dp > 1:
         out += DDP_BUCKET_BYTES
-    return out
+    if layout.zero < 3:
+        return out, 0
+    # gathered weights in the compute dtype: the whole stage under pipelines (kept); otherwise the
+    # root (embedding, final norm, head: gathered for the whole step) and two blocks (in use, prefetched)
+    gathered = 2 if dtype == "bfloat16" else b
+    ends = sum(rows * cols * k for _, first, last in chunks
+               for (rows, cols), k in parameter_shapes(m, layout.tp, layout.ep, (), first, last)[0])
+    per_layer = (unsharded - ends) / max(1, sum(len(c[0]) for c in chunks))
+    out += int(unsharded if layout.pp > 1 else ends + 2 * per_layer) * gathered
+    return out, unsharded * b

@@ -1,6 +1,11 @@
 """`fived plan`: enumerate the layouts a model can run with on a cluster, keep those that fit in
 memory, rank them by predicted step time, and say why the winner wins.
 
+The enumeration bounds (what "every valid layout" leaves out, on purpose): tp up to two nodes'
+worth of GPUs (beyond, every TP collective crosses the network), cp up to 32, virtual stages 2 and
+4 for the interleaved schedules, micro-batches of 1, 2, 4, 8 sequences but no more than
+MICRO_BATCH_TOKENS tokens, and HSDP only as "shard inside a node, replicate across nodes".
+
 Order of decisions (the background notes' recipe): fit memory first, then reach the global batch
 (micro-batch size x micro-batches x dp), then maximise throughput. Validity is the runtime's own
 check (`fived.mesh._layout_errors`), so every planned layout is one `fived train` accepts.
@@ -152,14 +157,15 @@ def plan(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int, 
         for state in state_choices(model, mesh, cluster.gpus_per_node):
             floor = state_floor(model, state, dtype) + reserve
             if floor > capacity:
-                considered += 1
-                note(state, floor)
+                if is_valid(model, state, seq_len, global_batch):
+                    considered += 1
+                    note(state, floor)
                 continue
             for options in activation_choices(state, seq_len, global_batch):
                 for layout in options:
                     result = evaluate(model, layout, cluster, seq_len, global_batch, dtype, runtime)
-                    if result is None:
-                        break
+                    if result is None:  # e.g. selective checkpointing under a split-backward schedule
+                        continue
                     considered += 1
                     note(layout, result.memory.total)
                     if result.fits:
