@@ -15,7 +15,7 @@ from fived.planner.hardware import CATALOGUE, hardware
 from fived.planner.layout import Layout
 from fived.planner.memory import activation_bytes_per_microbatch, parameter_shapes, rank_chunks, state_bytes
 from fived.planner.search import plan
-from fived.planner.timing import Cluster, pipeline_profile
+from fived.planner.timing import Cluster, pipeline_profile, step_time
 from fived.report import _local_model
 from fived.testing import run_on_ranks, tiny_config
 from fived.train import run_training
@@ -179,3 +179,46 @@ def test_train_layout_auto_runs_the_layout_it_prints(tmp_path):
     assert "loss" in out.stdout.splitlines()[-1]
     clash = _fived("train", "--layout", "auto", "--nproc", "4", "--tp", "2")
     assert clash.returncode == 2 and "chooses the parallel layout itself" in clash.stderr
+
+
+COMM_LAYOUTS = [
+    ("tiny", dict(dp=2, tp=2, zero=0)),
+    ("tiny", dict(dp=2, tp=2, sp=True, zero=1, microbatches=2)),
+    ("tiny", dict(dp=4, zero=3, microbatches=2)),
+    ("tiny", dict(dp=2, cp=2, zero=2)),
+    ("tiny-moe", dict(dp=4, ep=2, zero=1)),
+    ("tiny", dict(dp=2, pp=2, zero=0, microbatches=2)),
+    ("tiny", dict(dp=2, tp=2, sp=True, zero=1, dtype="bfloat16")),  # bf16 matmuls, fp32 residual stream
+    ("tiny", dict(dp=2, tp=2, zero=0, dtype="bfloat16")),
+]
+DIMS = {"dp": "dp", "dp_cp": "dp", "dp_shard": "dp", "dp_replicate": "dp", "dp_shard_cp": "dp", "edp": "dp",
+        "tp": "tp", "ep": "ep"}
+
+
+def _comm(configs):
+    return [run_training(cfg, log=False, progress=False).comm for cfg in configs]
+
+
+def test_communication_model_equals_the_ledger():
+    """The bytes the step-time model prices, per mesh dimension, against what the ledger counts."""
+    configs = [_config(model, fields) for model, fields in COMM_LAYOUTS]
+    per_rank = run_on_ranks(4, _comm, configs, timeout_s=240)
+    cluster = Cluster(hardware("h100"), 4, 8)
+    for i, cfg in enumerate(configs):
+        layout = Layout.from_config(cfg, 4)
+        want = step_time(cfg.model, layout, cluster, cfg.train.seq_len, cfg.train.global_batch,
+                         cfg.train.dtype).comm_bytes
+        measured: dict = {}
+        for rank in range(4):  # the mean over ranks: routing sends a rank more or fewer tokens than average
+            for key, v in per_rank[rank][i].items():
+                dim, op = key.split("/")
+                dim = {"cp": "cp", "pp": "pp"}.get(dim, DIMS.get(dim))
+                if dim in ("cp", "pp") and op not in ("send", "recv"):
+                    continue  # (a clipping norm's 8 bytes; the ring's sends are what is priced)
+                if dim == "cp" and op == "recv":
+                    continue
+                measured[dim] = measured.get(dim, 0) + v["bytes"] / 4
+        assert set(measured) == {k for k, v in want.items() if v}, (COMM_LAYOUTS[i], measured, want)
+        for dim, got in measured.items():
+            # (unpriced: the 8-byte norm all-reduce, norm and router partial gradients: < 0.3% here)
+            assert want[dim] == pytest.approx(got, rel=0.01), (COMM_LAYOUTS[i], dim, got, want[dim])

@@ -20,6 +20,7 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
+import torch.distributed.pipelining.schedules as pipeline_schedules
 
 _TRACKED = {
     # name: (index of the tensor whose bytes count, keyword of that tensor)
@@ -33,8 +34,9 @@ _TRACKED = {
     "send": (0, "tensor"),
     "recv": (0, "tensor"),
 }
-# isend/irecv are not wrapped: P2POp checks their identity. Batched point-to-point (pipeline
-# stages) is counted from batch_isend_irecv's ops instead.
+# isend/irecv are not wrapped: P2POp checks their identity. Batched point-to-point is counted from
+# batch_isend_irecv's ops, and the pipeline schedules' from their _batch_p2p (which sends all-send
+# and all-recv batches with isend/irecv directly).
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -93,22 +95,38 @@ class CommLedger:
             return counted
 
         real_batch = dist.batch_isend_irecv
+        real_p2p = pipeline_schedules._batch_p2p
 
-        def counted_batch(ops):
+        def count_ops(ops):
             for op in ops:
                 kind = "send" if op.op is dist.distributed_c10d.isend else "recv"
                 self.record(kind, op.group, _nbytes(op.tensor))
+
+        def counted_batch(ops):
+            if self._depth == 0:
+                count_ops(ops)
             return real_batch(ops)
+
+        def counted_p2p(ops, *args, **kwargs):
+            # The schedules' own batching: all-send or all-recv batches call isend/irecv directly.
+            count_ops(ops)
+            self._depth += 1
+            try:
+                return real_p2p(ops, *args, **kwargs)
+            finally:
+                self._depth -= 1
 
         for name, real in originals.items():
             setattr(dist, name, wrap(name, real))
         dist.batch_isend_irecv = counted_batch
+        pipeline_schedules._batch_p2p = counted_p2p
         try:
             yield self
         finally:
             for name, real in originals.items():
                 setattr(dist, name, real)
             dist.batch_isend_irecv = real_batch
+            pipeline_schedules._batch_p2p = real_p2p
 
 
 def _positional_group(name: str, args: tuple):

@@ -23,7 +23,7 @@ forward; ZeRO-2's full gradient buffer during backward (fived allocates it per s
 gathered weights (the root module for the whole step and two blocks: the one in use and the
 prefetched one; the whole stage under pipelines) and its unsharded gradients while micro-batches
 accumulate; DDP's gradient buckets; tensor-parallel gathered activations of one region; the loss's
-float32 logits; and a fixed reserve for the CUDA context, NCCL and allocator fragmentation
+float32 logits; with checkpointing, one block's activations while backward recomputes it; and a fixed reserve for the CUDA context, NCCL and allocator fragmentation
 (RESERVE_GIB + RESERVE_FRACTION: assumed, not fitted — no published run reports its peak memory).
 """
 from __future__ import annotations
@@ -223,9 +223,12 @@ def memory_per_gpu(m: ModelConfig, layout: Layout, seq_len: int, global_batch: i
                           L.cp, dtype)
     acts = _rank_activations(key, L.micro_batch, seq_len, L.tp, L.sp, L.cp, L.ep, e, L.checkpointing, L.pp,
                              placement(L.pp_schedule), L.n_stages)
+    # checkpointing recomputes one block at a time in backward: its activations exist once more
+    recompute = _recompute_block(key, L.micro_batch, seq_len, L.tp, L.sp, L.cp, L.ep, e) \
+        if L.checkpointing != "none" else 0
     worst = None
     for pp_rank, ((state, static, accumulated, chunks), act) in enumerate(zip(states, acts)):
-        buffers = static
+        buffers = static + recompute
         if micro > 1 or L.pp > 1:  # FSDP2 accumulates unsharded gradients across micro-batches
             buffers += accumulated
         if L.tp > 1:  # one region's gathered input and its partial output
@@ -239,6 +242,16 @@ def memory_per_gpu(m: ModelConfig, layout: Layout, seq_len: int, global_batch: i
     _, state, activations, buffers = worst
     return MemoryEstimate(state["params"], state["grads"], state["optimizer"], activations, buffers,
                           reserve_bytes(device_gib))
+
+
+@lru_cache(maxsize=65536)
+def _recompute_block(key, micro_batch, seq_len, tp, sp, cp, ep, e) -> int:
+    from fived.activation_model import layer_bytes
+
+    m = ModelConfig(**dict(key))
+    kinds = {m.is_moe and i >= m.n_dense_layers for i in range(m.n_layers)}
+    return max(layer_bytes(m, moe=k, micro_batch_seqs=micro_batch, seq_len=seq_len, tp=tp, sp=sp, cp=cp, ep=ep,
+                           dtype_bytes=e) for k in kinds)
 
 
 @lru_cache(maxsize=65536)

@@ -16,10 +16,10 @@ dimension on the link its group actually uses, the overlap the runtime allows, a
   LINK_EFFICIENCY, plus LATENCY_S per collective.
 - Ring collectives (bytes = the full tensor): all-reduce 2(n-1)/n, all-gather and reduce-scatter
   (n-1)/n, all-to-all (n-1)/n of the bytes, over the link bandwidth.
-- tp: per layer and micro-batch, without SP 2 all-reduces of activations forward (4 with full
-  checkpointing) and 2 of gradients backward; with SP each becomes an all-gather + reduce-scatter
-  pair, plus 2 all-gathers re-gathering the regions' inputs in backward. Gradients travel in the
-  float32 residual stream (4 bytes in bf16 runs). `Runtime.tp_overlap` of it is hidden (fived: none).
+- tp: per layer and micro-batch, without SP 2 all-reduces of the regions' outputs forward (4 with
+  full checkpointing) and 2 of their inputs' gradients backward; with SP each becomes an
+  all-gather + reduce-scatter pair (+ the backward re-gather of inputs outside bf16). Dtypes as
+  the runtime moves them (see step_time). `Runtime.tp_overlap` of it is hidden (fived: none).
 - cp: per layer and micro-batch the ring passes k,v chunks cp-1 times forward (twice with full
   checkpointing) and k,v + their gradients backward; hidden behind the attention blocks it
   overlaps with, the rest exposed.
@@ -36,6 +36,7 @@ dimension on the link its group actually uses, the overlap the runtime allows, a
 """
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 
@@ -67,8 +68,8 @@ class Runtime:
     grad_overlap: bool = True  # ZeRO-0 (DDP) / ZeRO-3 (FSDP2) reduce during the last backward (pp=1)
     zero12_overlap: bool = False  # ZeRO-1/2 reduce-scatter overlapped with backward
     pipeline_grad_overlap: bool = False  # the dp reduction overlapped under pipeline schedules
-    reduce_bytes: int = 4  # gradient reduction dtype (fived: float32)
-    gather_bytes: int = 4  # ZeRO-1/2 parameter all-gather dtype (fived: the float32 weights)
+    reduce_bytes: int = 0  # gradient reduction dtype; 0: fived's (float32, float64 in float64 runs)
+    gather_bytes: int = 0  # ZeRO-1/2 parameter all-gather dtype; 0: the weights' (float32 / float64)
 
 
 FIVED = Runtime()
@@ -95,6 +96,7 @@ class StepTime:
     world: int
     model_flops: float  # per step, all GPUs (MFU numerator)
     peak_flops: float  # per GPU
+    comm_bytes: dict = None  # bytes per mesh dimension this rank moves in one step (ledger convention)
 
     @property
     def total(self) -> float:
@@ -109,7 +111,8 @@ class StepTime:
         return self.model_flops / self.total / self.world / self.peak_flops
 
     def to_dict(self) -> dict:
-        out = {k: v for k, v in asdict(self).items() if k not in ("tokens", "world", "model_flops", "peak_flops")}
+        out = {k: v for k, v in asdict(self).items() if k not in ("tokens", "world", "model_flops", "peak_flops",
+                                                                   "comm_bytes")}
         return {**out, "total": self.total, "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, "mfu": self.mfu}
 
 
@@ -120,14 +123,6 @@ def _link(cluster: Cluster, stride: int, size: int) -> tuple[float, float]:
     if size == 1 or in_node(cluster.gpus_per_node, stride, size):
         return hw.nvlink_gbps * 1e9 * LINK_EFFICIENCY, LATENCY_S["nvlink"]
     return hw.network_gbps * 1e9 * LINK_EFFICIENCY, LATENCY_S["network"]
-
-
-def _ring(kind: str, nbytes: float, n: int, link: tuple[float, float]) -> float:
-    if n <= 1 or nbytes <= 0:
-        return 0.0
-    factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n,
-              "all_to_all": (n - 1) / n}[kind]
-    return factor * nbytes / link[0] + link[1]
 
 
 EXACT_ROUNDS = 3  # micro-batches per pipeline rank simulated exactly; beyond, the idle time is constant
@@ -193,54 +188,103 @@ def step_time(model: ModelConfig, layout: Layout, cluster: Cluster, seq_len: int
     expert_eff = efficiency(m.dim / L.tp, tokens_mb * m.top_k * L.ep / max(m.n_experts, 1), hw) if routed else 1.0
     compute = flops_gpu * ((1 - routed) / dense_eff + routed / expert_eff) / peak
 
-    # tensor parallelism: per layer and micro-batch on this rank. Forward collectives move
-    # activations (e bytes), backward ones gradients of the residual stream (float32 in bf16 runs).
-    act, grad = tokens_mb * m.dim * e, tokens_mb * m.dim * GRAD_BYTES[dtype]
-    tp_link = _link(cluster, 1, L.tp)
+    comm = Collectives(cluster)
     full = L.checkpointing == "full"
-    fwd = 2 * (1 + full)  # region entries/exits forward (again when the block is recomputed)
-    if L.sp:  # forward AG + RS per region; backward RS + AG of gradients, AG re-gathering each input
-        per = fwd * (_ring("all_gather", act, L.tp, tp_link) + _ring("reduce_scatter", act, L.tp, tp_link)) \
-            + 2 * (_ring("reduce_scatter", grad, L.tp, tp_link) + _ring("all_gather", grad, L.tp, tp_link)) \
-            + 2 * _ring("all_gather", act, L.tp, tp_link)
-    else:
-        per = fwd * _ring("all_reduce", act, L.tp, tp_link) + 2 * _ring("all_reduce", grad, L.tp, tp_link)
-    tp = per * layers_here * micro * (1 - runtime.tp_overlap)
+    fwd = 1 + full  # forward collectives happen again when a checkpointed block is recomputed
+    first, last = any(c[1] for c in chunks), any(c[2] for c in chunks)
 
-    # context parallelism: ring passes of k,v (forward) and k,v + grads (backward), hidden by attention
+    # tensor parallelism, per micro-batch: 2 regions per layer. A region's input (a norm's output)
+    # and every gradient flowing back into the residual stream are float32 in bf16 runs (autocast
+    # computes matmuls in bf16: their outputs, and the gradients of those, are bf16). The embedding's
+    # exit and the head's entry are one region boundary each (float32); the loss all-reduces 3
+    # floats per token. Under SP, float32/float64 runs re-gather each region's input in backward;
+    # bf16 runs do not (every linear keeps its own bf16 copy of the gathered input).
+    wide = tokens_mb * m.dim * GRAD_BYTES[dtype]  # float32 (float64) tensors
+    narrow = tokens_mb * m.dim * e  # matmul outputs and their gradients
+    if L.tp > 1:
+        calls = micro * (1 - runtime.tp_overlap)
+        regions = 2 * layers_here
+        if L.sp:
+            regather = 0 if dtype == "bfloat16" else regions + last
+            comm.add("tp", "all_gather", wide, L.tp, 1, calls * (fwd * regions + last + first + regather))
+            comm.add("tp", "all_gather", narrow, L.tp, 1, calls * regions)  # exit gradients
+            comm.add("tp", "reduce_scatter", narrow, L.tp, 1, calls * fwd * regions)  # exits
+            comm.add("tp", "reduce_scatter", wide, L.tp, 1, calls * (regions + last + first))
+        else:
+            comm.add("tp", "all_reduce", narrow, L.tp, 1, calls * fwd * regions)
+            comm.add("tp", "all_reduce", wide, L.tp, 1, calls * (regions + last + first))
+        comm.add("tp", "all_reduce", tokens_mb * 4, L.tp, 1, calls * 3 * last)
+
+    # context parallelism, per layer and micro-batch: k,v chunks pass cp-1 hops forward (again when
+    # recomputed); backward k,v and the dK,dV accumulators pass cp-1 hops, then dK,dV a final one.
+    # The ring hides behind the attention blocks it overlaps with; the rest is exposed.
     cp = 0.0
     if L.cp > 1:
         kv_local = (m.n_kv_heads // L.tp if m.n_kv_heads % L.tp == 0 else 1) * m.head_dim
-        chunk = 2 * L.micro_batch * seq_len / L.cp * kv_local * e
-        link = _link(cluster, L.tp, L.cp)
-        # k,v forward (again when recomputed), k,v + their gradients backward
-        ring = (1 + full + 2) * (L.cp - 1) * (chunk / link[0] + link[1])
+        chunk = 2 * tokens_mb * kv_local * e
+        hops = fwd * (L.cp - 1) + 2 * (L.cp - 1) + 1
+        ring = comm.add("cp", "send", chunk, L.cp, L.tp, hops * layers_here * micro) / (layers_here * micro)
         # QK^T and AV, forward and backward: 12 * heads * head_dim * seq FLOPs per token and layer
         # (the MFU convention of metrics.flops_per_token, causal mask not discounted)
-        attention = 12 * m.n_heads * m.head_dim * seq_len
-        attention_time = attention * tokens_mb / L.tp / (peak * dense_eff)
+        attention_time = 12 * m.n_heads * m.head_dim * seq_len * tokens_mb / L.tp / (peak * dense_eff)
         cp = max(0.0, ring - attention_time) * layers_here * micro
 
-    # expert parallelism: all-to-all of the routed tokens, per MoE layer and micro-batch
-    ep = 0.0
+    # expert parallelism, per MoE layer and micro-batch: dispatch + combine of the routed tokens,
+    # forward (again when recomputed) and backward (in the gradient dtype)
     if L.ep > 1:
-        moe_here = sum(1 for layers, _, _ in chunks for i in layers if i >= m.n_dense_layers)
-        routed = tokens_mb * m.top_k * m.dim
-        link = _link(cluster, L.tp, L.ep)
-        ep = (fwd * _ring("all_to_all", routed * e, L.ep, link) + 2 * _ring("all_to_all", routed * GRAD_BYTES[dtype], L.ep, link)) \
-            * moe_here * micro
+        moe_here = sum(1 for layers, _, _ in chunks for i in layers if m.is_moe and i >= m.n_dense_layers)
+        slots = tokens_mb * m.top_k * m.dim
+        comm.add("ep", "all_to_all", slots * e, L.ep, L.tp, 2 * fwd * moe_here * micro)
+        comm.add("ep", "all_to_all", slots * GRAD_BYTES[dtype], L.ep, L.tp, 2 * moe_here * micro)
 
     # pipeline: activations across each stage boundary, forward and backward, per micro-batch
-    pp, bubble = 0.0, 0.0
+    bubble = 0.0
     if L.pp > 1:
-        boundary = L.micro_batch * seq_len / L.cp / (L.tp if L.sp else 1) * m.dim * e
-        link = _link(cluster, L.tp * L.cp * L.dp, L.pp)
-        pp = 2 * micro * len(chunks) * (boundary / link[0] + link[1])
+        boundary = tokens_mb / (L.tp if L.sp else 1) * m.dim * e
+        comm.add("pp", "send", boundary, 2, L.tp * L.cp * L.dp, 2 * micro * len(chunks))
+    _data_parallel(m, L, comm, runtime, chunks, micro, dtype)
+    dp = comm.time["dp"]
+    overlap = (runtime.grad_overlap and L.zero in (0, 3)) or (runtime.zero12_overlap and L.zero in (1, 2))
+    if L.pp > 1:
+        overlap = runtime.pipeline_grad_overlap
+    if overlap:  # the reduction behind the last micro-batch's backward, the gathers behind all compute
+        dp = max(0.0, dp - compute * 2 / 3 / micro) + max(0.0, comm.time["dp_gather"] - compute)
+    else:
+        dp += comm.time["dp_gather"]
+    tp, ep, pp = comm.time["tp"], comm.time["ep"], comm.time["pp"]
+    if L.pp > 1:
         frac = pipeline_profile(L.pp_schedule, L.pp, L.pp_virtual, micro)[0]
         bubble = (compute + tp + cp + ep + pp) * frac / (1 - frac)
+    optimizer = 28 * comm.owned / (cluster.hardware.hbm_gbps * 1e9)
+    return StepTime(compute, bubble, tp, cp, ep, pp, dp, optimizer, tokens, L.world, model_flops, peak,
+                    dict(comm.bytes))
 
-    dp, optimizer = _data_parallel(m, L, cluster, runtime, chunks, compute, micro, dtype)
-    return StepTime(compute, bubble, tp, cp, ep, pp, dp, optimizer, tokens, L.world, model_flops, peak)
+
+class Collectives:
+    """Seconds and bytes of the collectives of one step on the busiest rank, by mesh dimension.
+    Bytes follow the ledger's convention: the full tensor of each call (a reduce-scatter's input,
+    an all-gather's output, a send's tensor)."""
+
+    def __init__(self, cluster: Cluster):
+        self.cluster = cluster
+        self.time: dict[str, float] = defaultdict(float)
+        self.bytes: dict[str, float] = defaultdict(float)
+        self.owned = 0.0  # parameters this rank's optimizer steps
+
+    def add(self, dim: str, kind: str, nbytes: float, size: int, stride: int, calls: float) -> float:
+        """`calls` collectives of `nbytes` over a group of `size` ranks `stride` apart; their seconds."""
+        if size <= 1 or calls <= 0 or nbytes <= 0:
+            return 0.0
+        bandwidth, latency = _link(self.cluster, stride, size)
+        factor = 1.0 if kind == "send" else _RING[kind](size)
+        seconds = calls * (factor * nbytes / bandwidth + latency)
+        self.time[dim] += seconds
+        self.bytes[dim.replace("_gather", "")] += calls * nbytes
+        return seconds
+
+
+_RING = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+         "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n}
 
 
 @lru_cache(maxsize=65536)
@@ -257,42 +301,37 @@ def _busiest_rank(key: tuple, pp: int, schedule: str, n_stages: int):
     return shares[busiest] / total, ranks[busiest], sum(costs) / total
 
 
-def _data_parallel(m: ModelConfig, L: Layout, cluster: Cluster, runtime: Runtime, chunks,
-                   compute: float, micro: int, dtype: str) -> tuple[float, float]:
-    """(exposed seconds of the gradient reduction and parameter gathers, optimizer seconds)."""
+def _data_parallel(m: ModelConfig, L: Layout, comm: Collectives, runtime: Runtime, chunks, micro: int,
+                   dtype: str) -> None:
+    """The gradient reduction ("dp") and ZeRO-3's prefetched parameter gathers ("dp_gather") of one
+    step, and the parameters this rank's optimizer owns."""
     n = n_exp = 0
     for c in chunks:
         dense, expert = parameter_shapes(m, L.tp, L.ep, *c)
         n += sum(r * c * k for (r, c), k in dense)
         n_exp += sum(r * c * k for (r, c), k in expert)
     group, shards = L.dp * L.cp, L.dp_shard * L.cp  # gradients reduced over dp*cp, sharded over dp_shard*cp
-    link, shard_link = _link(cluster, L.tp, group), _link(cluster, L.tp, shards)
-    r, g = runtime.reduce_bytes, runtime.gather_bytes
-    owned = n / shards if L.zero else n
+    r = runtime.reduce_bytes or (8 if dtype == "float64" else 4)
+    g = runtime.gather_bytes or WEIGHT_BYTES[dtype]
     edp = group // L.ep
-    expert_link = _link(cluster, L.tp * L.ep, edp)
-    gathers = 0.0  # ZeRO-3's parameter all-gathers: prefetched, hidden behind compute
     if L.zero == 0:
-        reduce = _ring("all_reduce", n * r, group, link)
+        comm.add("dp", "all_reduce", n * r, group, L.tp, 1)
     elif L.zero in (1, 2):
-        reduce = _ring("reduce_scatter", n * r, shards, shard_link) + _ring("all_gather", n * g, shards, shard_link)
-    else:  # FSDP2 gathers in the compute dtype: per micro-batch forward + backward, once under pipelines
-        times = 1 if L.pp > 1 else 2 * micro
-        pe = 2 if dtype == "bfloat16" else WEIGHT_BYTES[dtype]
-        reduce = _ring("reduce_scatter", n * r, shards, shard_link)
-        gathers = times * _ring("all_gather", n * pe, shards, shard_link)
-        if n_exp:
-            reduce += _ring("reduce_scatter", n_exp * r, edp, expert_link)
-            gathers += times * _ring("all_gather", n_exp * pe, edp, expert_link)
+        comm.add("dp", "reduce_scatter", n * r, shards, L.tp, 1)
+        comm.add("dp", "all_gather", n * g, shards, L.tp, 1)
+    else:  # FSDP2 gathers in the compute dtype: per micro-batch everything for forward and the blocks
+        # again for backward (the root — embedding, final norm, head — stays gathered), or once
+        # for the step under pipelines (kept gathered)
+        root = sum(rows * cols * k for _, first, last in chunks
+                   for (rows, cols), k in parameter_shapes(m, L.tp, L.ep, (), first, last)[0])
+        gathered = 2 if dtype == "bfloat16" else WEIGHT_BYTES[dtype]
+        times = 1 if L.pp > 1 else micro
+        comm.add("dp", "reduce_scatter", n * r, shards, L.tp, 1)
+        comm.add("dp_gather", "all_gather", (n if L.pp > 1 else 2 * n - root) * gathered, shards, L.tp, times)
+        comm.add("dp", "reduce_scatter", n_exp * r, edp, L.tp * L.ep, 1)
+        comm.add("dp_gather", "all_gather", n_exp * gathered, edp, L.tp * L.ep, times * (1 if L.pp > 1 else 2))
     if L.dp_replicate > 1:
-        reduce += _ring("all_reduce", n / shards * r, L.dp_replicate, _link(cluster, L.tp * shards, L.dp_replicate))
-    if n_exp and L.zero < 3:
-        reduce += _ring("all_reduce", n_exp * r, edp, expert_link)
-    overlap = (runtime.grad_overlap and L.zero in (0, 3)) or (runtime.zero12_overlap and L.zero in (1, 2))
-    if L.pp > 1:
-        overlap = runtime.pipeline_grad_overlap
-    if overlap:  # the reduction behind the last micro-batch's backward, the gathers behind all compute
-        reduce = max(0.0, reduce - compute * 2 / 3 / micro)
-        gathers = max(0.0, gathers - compute)
-    optimizer = 28 * (owned + n_exp / (edp if L.zero == 3 else 1)) / (cluster.hardware.hbm_gbps * 1e9)
-    return reduce + gathers, optimizer
+        comm.add("dp", "all_reduce", n / shards * r, L.dp_replicate, L.tp * shards, 1)
+    if L.zero < 3:
+        comm.add("dp", "all_reduce", n_exp * r, edp, L.tp * L.ep, 1)
+    comm.owned = (n / shards if L.zero else n) + n_exp / (edp if L.zero == 3 else 1)
