@@ -20,8 +20,10 @@ import torch
 
 from fived.config import ModelConfig
 
-# Dense bf16 peak per GPU in TFLOP/s, from the vendors' data sheets (without sparsity).
-GPU_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "B200": 2250.0, "MI300X": 1307.0}
+from fived.planner.hardware import CATALOGUE
+
+# Dense bf16 peak per GPU in TFLOP/s: the planner's catalogue (vendors' data sheets, no sparsity).
+GPU_PEAK_TFLOPS = {name.upper(): hw.peak_tflops for name, hw in CATALOGUE.items()}
 
 
 def matmul_params_per_token(cfg: ModelConfig) -> int:
