@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 
 from fived.config import ModelConfig
-
 from fived.planner.hardware import CATALOGUE
 
 # Dense bf16 peak per GPU in TFLOP/s: the planner's catalogue (vendors' data sheets, no sparsity).
