@@ -44,9 +44,10 @@ def _sizes(cfg: Config, world: int) -> tuple[list, int, int]:
 
 def _dtype_bytes(cfg: Config) -> tuple[int, int]:
     """(bytes per weight, bytes per reduced gradient): bf16 runs keep float32 weights."""
-    bf16 = cfg.train.dtype == "bfloat16"
-    b = 4 if bf16 else DTYPES[cfg.train.dtype].itemsize
-    return b, (DTYPES[cfg.parallel.reduce_dtype].itemsize if bf16 else b)
+    from fived.planner.memory import WEIGHT_BYTES
+
+    b = WEIGHT_BYTES[cfg.train.dtype]
+    return b, (DTYPES[cfg.parallel.reduce_dtype].itemsize if cfg.train.dtype == "bfloat16" else b)
 
 
 def expected_state_bytes(cfg: Config, world: int, rank: int = 0) -> dict[str, int]:

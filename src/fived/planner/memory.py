@@ -33,14 +33,14 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from fived.config import ModelConfig
-from fived.mesh import V_SHAPED
+from fived.mesh import DTYPES, V_SHAPED
 from fived.planner.layout import Layout
 
 RESERVE_GIB = 2.0  # CUDA context, NCCL communicators and workspaces
 RESERVE_FRACTION = 0.05  # allocator fragmentation, as a share of the device's memory
 DDP_BUCKET_BYTES = 2 * 25 * 2**20  # two 25 MiB gradient buckets in flight
-WEIGHT_BYTES = {"float32": 4, "bfloat16": 4, "float64": 8}  # bf16 runs keep float32 weights
-ACTIVATION_BYTES = {"float32": 4, "bfloat16": 2, "float64": 8}
+ACTIVATION_BYTES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
+WEIGHT_BYTES = {**ACTIVATION_BYTES, "bfloat16": 4}  # bf16 runs keep float32 weights
 
 
 def parameter_shapes(m: ModelConfig, tp: int, ep: int, layers, first: bool, last: bool):
@@ -271,8 +271,7 @@ def _rank_states(key, tp, ep, pp, schedule, n_stages, zero, dp, dp_replicate, cp
     ZeRO-3's unsharded gradient bytes while micro-batches accumulate, chunks). Shared by every
     micro-batch / checkpointing / SP option of a layout."""
     m = ModelConfig(**dict(key))
-    layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, dp_replicate=dp_replicate, pp_schedule=schedule,
-                    pp_virtual=n_stages // pp if pp > 1 and schedule == "1f1b" else 1)
+    layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, dp_replicate=dp_replicate)  # (stages: chunks)
     out, seen = [], {}
     for r in range(pp):
         chunks = _rank_chunks(key, pp, schedule, n_stages, r)

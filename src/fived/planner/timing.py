@@ -47,7 +47,7 @@ from fived.planner.hardware import Hardware
 from fived.planner.layout import Layout
 from fived.planner.memory import ACTIVATION_BYTES, WEIGHT_BYTES, _rank_chunks, model_key, parameter_shapes, placement
 
-GRAD_BYTES = {"bfloat16": 4, "float32": 4, "float64": 8}  # backward activations: the fp32 residual stream
+GRAD_BYTES = WEIGHT_BYTES  # the residual stream and its gradients: float32 in bf16 runs, like the weights
 LINK_EFFICIENCY = 0.8  # share of a link's bandwidth ring collectives reach (fitted; NCCL tests report 0.75-0.9)
 # Per collective call, assumed (not fitted: the published runs move large messages): NCCL's
 # small-message latency is ~10 us inside a node and ~20-30 us across InfiniBand.
