@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import fived.parallel.data_parallel
+import fived.parallel.ddp
 from fived.config import model_preset
 from fived.launch import RankFailed
 from fived.model import build_model, init_weights
@@ -61,22 +61,21 @@ def test_data_parallel_matches_reference(name, micro):
     assert set(report.max_rel) >= {"loss", "grad_norm", "params"}
 
 
-def _skip_reduction(state, bucket):
-    """A broken data-parallel reduction (a DDP comm hook): each rank keeps its own gradients."""
-    fut = torch.futures.Future()
-    fut.set_result(bucket.buffer())
-    return fut
+class _Done:
+    def wait(self):
+        pass
 
 
-def _average(state, bucket):
-    """A broken reduction: averages (DDP's default) where the loss scaling requires a sum."""
-    group, _ = state
-    buf = bucket.buffer()
-    dist.all_reduce(buf, group=group)
-    buf /= dist.get_world_size(group)
-    fut = torch.futures.Future()
-    fut.set_result(buf)
-    return fut
+def _skip_reduction(buffer, group, reduce_dtype):
+    """A broken data-parallel reduction: each rank keeps its own gradients."""
+    return _Done(), buffer
+
+
+def _average(buffer, group, reduce_dtype):
+    """A broken reduction: averages (torch DDP's default) where the loss scaling requires a sum."""
+    dist.all_reduce(buffer, group=group)
+    buffer /= dist.get_world_size(group)
+    return _Done(), buffer
 
 
 @pytest.mark.parametrize("broken", [_skip_reduction, _average])
@@ -84,7 +83,7 @@ def test_verify_catches_a_broken_reduction(broken, monkeypatch, capsys):
     """Ranks are forked, so they inherit the patched reduction; verify must fail loudly."""
     from fived.cli import main
 
-    monkeypatch.setattr(fived.parallel.data_parallel, "_sum_hook", broken)
+    monkeypatch.setattr(fived.parallel.ddp, "reduce_bucket", broken)
     assert main(["verify", "--dp", "2", "--steps", "3", "--seq-len", "32", "--global-batch", "8"]) == 1
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith("max relative difference: ")

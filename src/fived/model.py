@@ -275,7 +275,8 @@ def init_value(name: str, shape: torch.Size, cfg: ModelConfig, seed: int) -> tor
 @torch.no_grad()
 def init_weights(model: nn.Module, seed: int, local_part=None) -> None:
     """Fill (already materialised) parameters; works on plain tensors and on DTensor shards.
-    `local_part(name, full)` cuts this rank's tensor-parallel part out of a full value."""
+    `local_part(name, full)` cuts what this rank's parameter holds out of a full value (its
+    placement); without it a DTensor takes its shard by its own placements."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     cfg = _find_config(model)
@@ -284,8 +285,8 @@ def init_weights(model: nn.Module, seed: int, local_part=None) -> None:
         name = canonical_name(name)
         full = init_value(name, full_shapes[name], cfg, seed)
         if local_part is not None:
-            full = local_part(name, full)
-        if isinstance(param, DTensor):
+            (param.to_local() if isinstance(param, DTensor) else param).copy_(local_part(name, full))
+        elif isinstance(param, DTensor):
             local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
             param.to_local().copy_(local)
         else:

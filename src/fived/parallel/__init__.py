@@ -14,12 +14,14 @@ import torch
 
 from fived.config import Config
 from fived.mesh import Mesh
-from fived.model import Transformer
+from fived.ledger import local_tensor
+from fived.model import Transformer, build_model, canonical_name
 from fived.parallel.checkpointing import apply_activation_checkpointing
 from fived.parallel.context import apply_context_parallel
 from fived.parallel.data_parallel import DataParallel, make_data_parallel
 from fived.parallel.expert import apply_expert_parallel
 from fived.parallel.tensor import TensorParallel
+from fived.placement import Box, Placement
 
 
 def lm_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -34,16 +36,13 @@ class ParallelPlan:
     tensor_parallel: TensorParallel | None = None
     pp_group: object = None  # the pipeline group, when the model is split into stages
     positions: torch.Tensor | None = None  # this rank's token positions under context parallelism
-    expert_shards: dict = field(default_factory=dict)  # expert parameter -> (dim, pieces, index)
-    ep_group: object = None
+    # canonical name -> where this rank's piece of the parameter (or buffer) sits in the whole
+    placements: dict[str, Placement] = field(default_factory=dict)
+    global_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # every parameter, whole
 
     def local_init(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        """This rank's part of a parameter's full initial value (before any ZeRO sharding)."""
-        if name in self.expert_shards:
-            dim, pieces, index = self.expert_shards[name]
-            full = full.chunk(pieces, dim=dim)[index].contiguous()
-        spec = self.tensor_parallel.shards.get(name) if self.tensor_parallel else None
-        return spec.local(full) if spec else full
+        """What this rank's parameter holds of a full initial value (its ZeRO-3 rows included)."""
+        return self.placements[name].stored_value(full)
 
     def forward_context(self, activations=None):
         """Saved-tensor hooks for a forward pass: sequence-parallel shards stored instead of gathered
@@ -64,7 +63,9 @@ class ParallelPlan:
         return self.tensor_parallel.loss_sum(logits, targets) if self.tensor_parallel else lm_loss_sum(logits, targets)
 
     def finish_gradients(self) -> None:
-        """After the last micro-batch's backward: tensor-parallel partial sums, then the dp reduction."""
+        """After the last micro-batch's backward: tensor-parallel partial sums, then the dp reduction
+        (the part of it that overlapped backward completes first: both act on the same gradients)."""
+        self.data_parallel.finish_backward()
         if self.tensor_parallel is not None:
             self.tensor_parallel.finish_gradients(self.data_parallel.named_grads(model_grads=True))
         self.data_parallel.reduce_gradients()
@@ -78,22 +79,21 @@ class ParallelPlan:
 
     @torch.no_grad()
     def full_state(self) -> dict[str, torch.Tensor]:
-        """Every parameter whole, on CPU, by canonical name (gathers ZeRO-3 and tensor-parallel shards)."""
+        """Every parameter whole, on CPU, by canonical name, on every rank: each rank writes the pieces
+        it saves (replica 0) into zeros and one sum over all ranks assembles them. (For verification
+        and small models: it holds the whole model. A placement table with a gap or an overlap shows
+        up here as wrong values.)"""
+        stored = dict(self.data_parallel.optimized())
+        like = next(iter(stored.values()))
         out = {}
-        for name, p in self.data_parallel.named_parameters():
-            full = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
-            if self.tensor_parallel is not None:
-                full = self.tensor_parallel.gather_full(name, full)
-            if name in self.expert_shards:
-                pieces = self.expert_shards[name][1]
-                parts = full.new_empty((pieces * full.shape[0],) + tuple(full.shape[1:]))
-                torch.distributed.all_gather_single(parts, full.contiguous(), group=self.ep_group)
-                full = parts
-            out[name] = full.detach().cpu().clone()
-        if self.pp_group is not None:  # every stage's parameters, on every rank
-            parts = [None] * torch.distributed.get_world_size(self.pp_group)
-            torch.distributed.all_gather_object(parts, out, group=self.pp_group)
-            out = {k: v for part in parts for k, v in part.items()}
+        for name, shape in self.global_shapes.items():
+            placement, value = self.placements.get(name), stored.get(name)
+            full = torch.zeros(shape, dtype=like.dtype, device=like.device)
+            if value is not None and placement.replica == 0:
+                for box, view in placement.pieces(local_tensor(value.detach())):
+                    full[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.sizes))] = view
+            torch.distributed.all_reduce(full)
+            out[name] = full.cpu()
         return out
 
 
@@ -110,8 +110,44 @@ def parallelize(chunks: list[Transformer], mesh: Mesh, cfg: Config) -> ParallelP
         apply_activation_checkpointing(chunk, cfg.train.activation_checkpointing)
     data_parallel = make_data_parallel(mesh, cfg)
     data_parallel.shard(chunks)
+    whole = build_model(cfg.model)  # on meta: the global shapes
+    global_shapes = {canonical_name(n): tuple(p.shape) for n, p in whole.named_parameters()}
+    buffer_shapes = {canonical_name(n): tuple(b.shape) for n, b in whole.named_buffers()}
+    placements = describe_placements(chunks, {**global_shapes, **buffer_shapes}, tensor_parallel,
+                                     expert_shards, data_parallel)
     return ParallelPlan(data_parallel, tensor_parallel, mesh.group("pp") if mesh.pp > 1 else None, positions,
-                        expert_shards, mesh.group("ep") if mesh.ep > 1 else None)
+                        placements, global_shapes)
+
+
+def describe_placements(chunks, shapes: dict, tensor_parallel: TensorParallel | None, expert_shards: dict,
+                        data_parallel: DataParallel) -> dict[str, Placement]:
+    """The placement of every parameter and buffer this rank holds (see fived.placement)."""
+    tp = tensor_parallel.tp if tensor_parallel is not None else 1
+    tp_rank = tensor_parallel.rank if tensor_parallel is not None else 0
+    out = {}
+    for chunk in chunks:
+        for raw, _ in chunk.named_parameters():
+            name = canonical_name(raw)
+            shape = shapes[name]
+            offsets, sizes = [0] * len(shape), list(shape)
+            if name in expert_shards:  # (dim 0: experts; before tp splits their hidden size)
+                dim, pieces, index = expert_shards[name]
+                sizes[dim] = shape[dim] // pieces
+                offsets[dim] = index * sizes[dim]
+            spec = tensor_parallel.shards.get(name) if tensor_parallel is not None else None
+            if spec is not None:
+                sizes[spec.dim] = (spec.padded or shape[spec.dim]) // spec.pieces
+                offsets[spec.dim] = spec.index * sizes[spec.dim]
+                tp_replica = tp_rank % spec.replicas  # kv heads several ranks hold
+            else:
+                tp_replica = tp_rank  # replicated over tp (norms, routers): tp rank 0 saves
+            rows, flat, dp_replica = data_parallel.storage(name)
+            out[name] = Placement(shape, Box(tuple(offsets), tuple(sizes)), tp_replica + tp * dp_replica, rows, flat)
+        for raw, _ in chunk.named_buffers():
+            name = canonical_name(raw)
+            whole = Box((0,) * len(shapes[name]), shapes[name])
+            out[name] = Placement(shapes[name], whole, tp_rank + tp * data_parallel.whole_replica(name))
+    return out
 
 
 def apply_tensor_parallel(chunks: list[Transformer], mesh: Mesh, cfg: Config) -> TensorParallel | None:

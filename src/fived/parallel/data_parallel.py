@@ -1,9 +1,10 @@
-"""Data parallelism, the interface every ZeRO stage implements, and stage 0 (DDP).
+"""Data parallelism: the interface every ZeRO stage implements (stage 0 in ddp.py, 1-2 in zero.py,
+3 in fsdp.py) and the plain single-replica case.
 
 Every strategy sees the same contract from the trainer, for the model chunks this rank holds
 (one, or several pipeline stages):
     shard(chunks)             on the meta device, before materialisation (ZeRO-3 shards here)
-    wrap(chunks) -> modules   after initialisation (DDP wraps, ZeRO-1/2 move parameters into buffers)
+    wrap(chunks) -> modules   after initialisation (ZeRO-0/1/2 move parameters' gradients into buffers)
     build_optimizer()       AdamW over what this rank updates
     before_micro_batch(last)  gradient sync only on the last micro-batch
     reduce_gradients()      after the last micro-batch's backward
@@ -56,8 +57,28 @@ class DataParallel:
         self.optimizer = build_optimizer((p for _, p in self.named_parameters()), self.cfg.train)
         return self.optimizer
 
+    def storage(self, name: str) -> tuple[tuple[int, int] | None, tuple[int, int] | None, int]:
+        """How parameter `name` is stored here, for its placement: (ZeRO-3 rows, ZeRO-1/2 flat range
+        of the model-local tensor, replica index among the data-parallel ranks holding the same piece).
+        Known on the meta device, right after `shard`."""
+        return None, None, self.whole_replica(name)
+
+    def whole_replica(self, name: str) -> int:
+        """Replica index of a tensor every data-parallel rank holds whole (experts: over edp only)."""
+        if self.mesh.dp * self.mesh.cp == 1:
+            return 0
+        return self.mesh.rank("edp") if (self.mesh.ep > 1 and is_expert(name)) else self.mesh.rank("dp_cp")
+
+    def optimized(self):
+        """(canonical name, the tensor the optimizer updates for it here): the parameter itself, its
+        ZeRO-1/2 slice, or its ZeRO-3 DTensor. Checkpoints read both values and moments from it."""
+        return self.named_parameters()
+
     def before_micro_batch(self, is_last: bool) -> None:
         pass
+
+    def finish_backward(self) -> None:
+        """Wait for reductions the backward pass started (ZeRO-0 overlaps them with backward)."""
 
     def reduce_gradients(self) -> None:
         pass
@@ -132,47 +153,6 @@ class DataParallel:
         return [v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
 
 
-def _sum_hook(state, bucket):
-    """DDP communication hook: all-reduce SUM (not DDP's default average), in the reduce dtype."""
-    group, reduce_dtype = state
-    buf = bucket.buffer()
-    send = buf if buf.dtype == reduce_dtype else buf.to(reduce_dtype)
-    fut = dist.all_reduce(send, group=group, async_op=True).get_future()
-
-    def copy_back(f):
-        out = f.value()[0]
-        if out is not buf:
-            buf.copy_(out)
-        return buf
-
-    return fut.then(copy_back)
-
-
-class ReplicatedDataParallel(DataParallel):
-    """ZeRO-0: torch DDP; gradients all-reduced in buckets while the backward pass still runs."""
-
-    def wrap(self, chunks: list[nn.Module]) -> list[nn.Module]:
-        from torch.nn.parallel import DistributedDataParallel
-
-        (model,) = chunks  # without pipeline stages: one chunk
-        group = self.mesh.group("dp_cp")  # context-parallel ranks hold other tokens: reduce over both
-        self.chunks = chunks
-        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-            model, [n for n, p in model.named_parameters() if is_expert(n) and self.mesh.ep > 1])
-        # init_sync=False: initialisation is already identical on every rank (seeded by name).
-        self.ddp = DistributedDataParallel(model, process_group=group,
-                                           gradient_as_bucket_view=True, init_sync=False)
-        self.ddp.register_comm_hook((group, self.reduce_dtype), _sum_hook)
-        self.chunks = chunks
-        return [self.ddp]
-
-    def before_micro_batch(self, is_last: bool) -> None:
-        self.ddp.require_backward_grad_sync = is_last
-
-    def reduce_gradients(self) -> None:
-        self.reduce_expert_gradients()  # (the rest was reduced during backward)
-
-
 def _all_reduce_flat(grads: list[torch.Tensor], group, reduce_dtype: torch.dtype) -> None:
     """Sum `grads` over `group` with one all-reduce of a flat buffer."""
     if not grads:
@@ -193,6 +173,7 @@ def make_data_parallel(mesh: Mesh, cfg: Config) -> DataParallel:
     if mesh.dp * mesh.cp == 1 and stage == 0:
         return DataParallel(mesh, cfg)
     if stage == 0 and mesh.pp == 1:
+        from fived.parallel.ddp import ReplicatedDataParallel
         return ReplicatedDataParallel(mesh, cfg)
     # ZeRO-1/2, and ZeRO-0 under a pipeline schedule (one all-reduce of a flat buffer per step,
     # after the schedule, instead of DDP hooks inside it)

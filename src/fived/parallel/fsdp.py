@@ -49,6 +49,14 @@ class FullyShardedDataParallel(DataParallel):
                     module.set_force_sum_reduction_for_comms(True)
         self.chunks = chunks
 
+    def storage(self, name: str) -> tuple[tuple[int, int] | None, tuple[int, int] | None, int]:
+        # FSDP2 shards dim 0 in ceil-sized chunks; the DTensor says which rows are here
+        param = dict(self.named_parameters())[name]
+        chunk = param.__create_chunk_list__()[0]
+        start = chunk.offsets[0] if len(chunk.offsets) else 0
+        rows = (start, start + chunk.sizes[0]) if len(chunk.sizes) else None
+        return rows, None, self.mesh.rank("dp_replicate")  # HSDP replicas hold the same rows
+
     def norm_groups(self) -> list:
         return [self.mesh.group("dp_shard_cp")]
 

@@ -114,13 +114,6 @@ class TPShard:
     replicas: int = 1
     padded: int = 0
 
-    def local(self, full: torch.Tensor) -> torch.Tensor:
-        if self.padded and self.padded != full.shape[self.dim]:
-            pad = list(full.shape)
-            pad[self.dim] = self.padded - full.shape[self.dim]
-            full = torch.cat([full, full.new_zeros(pad)], dim=self.dim)
-        return full.chunk(self.pieces, dim=self.dim)[self.index].contiguous()
-
 
 class TensorParallel:
     """The tensor-parallel plan of one model: how each parameter is split, which gradients are partial
@@ -307,16 +300,3 @@ class TensorParallel:
         1/tp for a replicated one (counted once), 1/replicas for shared kv heads."""
         spec = self.shards.get(name)
         return 1.0 / self.tp if spec is None else 1.0 / spec.replicas
-
-    def gather_full(self, name: str, local: torch.Tensor) -> torch.Tensor:
-        spec = self.shards.get(name)
-        if spec is None:
-            return local
-        parts = torch.empty((self.tp * local.shape[0],) + tuple(local.shape[1:]), dtype=local.dtype, device=local.device)
-        dist.all_gather_single(parts, local.contiguous(), group=self.group)
-        parts = parts.view((self.tp,) + tuple(local.shape))
-        chunks = [parts[r] for r in range(0, self.tp, spec.replicas)]
-        full = torch.cat(chunks, dim=spec.dim)
-        if spec.padded:
-            full = full.narrow(spec.dim, 0, self.vocab)
-        return full

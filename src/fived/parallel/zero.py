@@ -18,6 +18,7 @@ Bytes per parameter held per rank (b = parameter dtype size, S = dp_shard):
 """
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -29,35 +30,51 @@ from fived.parallel.data_parallel import DataParallel
 
 
 class ShardedOptimizerDataParallel(DataParallel):
-    def wrap(self, chunks: list[nn.Module]) -> list[nn.Module]:
+    def shard(self, chunks: list[nn.Module]) -> None:
+        """The flat layout, decided on the meta device: which parameters, their offsets, this rank's
+        slice (so the placement table knows each parameter's flat range before anything exists)."""
         self.chunks = chunks
         self.stage = self.cfg.parallel.zero
         if self.stage == 0:  # unsharded (under pipeline schedules): one all-reduce over dp
-            self.shard_group, shards, rank = None, 1, 0
-            self.replicate_group = self.mesh.group("dp_cp")
+            self.shards, rank = 1, 0
         else:
-            shards = self.mesh.dp_shard * self.mesh.cp  # context-parallel ranks shard too
-            self.shard_group, rank = self.mesh.group("dp_shard_cp"), self.mesh.rank("dp_shard_cp")
-            self.replicate_group = self.mesh.group("dp_replicate") if self.mesh.dp_replicate > 1 else None
+            self.shards = self.mesh.dp_shard * self.mesh.cp  # context-parallel ranks shard too
+            rank = self.mesh.rank("dp_shard_cp")
         apart = {n for n, _ in self.expert_parameters()}
         named = [(n, p) for n, p in self.named_parameters() if p.requires_grad and n not in apart]
-        self.params = [p for _, p in named]
         self.names = [n for n, _ in named]
-        dtype, device = self.params[0].dtype, self.params[0].device
-
-        total = sum(p.numel() for p in self.params)
-        self.shard_len = math.ceil(total / shards)
+        self.numels = [p.numel() for _, p in named]
+        self.offsets = [0, *itertools.accumulate(self.numels)][:-1]
+        self.index = {n: i for i, n in enumerate(self.names)}
+        self.shard_len = math.ceil(sum(self.numels) / self.shards)
         self.lo, self.hi = rank * self.shard_len, (rank + 1) * self.shard_len
-        self.param_buf = torch.zeros(self.shard_len * shards, dtype=dtype, device=device)
-        self.offsets = []
-        offset = 0
+
+    def storage(self, name: str) -> tuple[tuple[int, int] | None, tuple[int, int] | None, int]:
+        if name not in self.index:  # experts kept apart: whole, replicated over edp
+            return super().storage(name)
+        i = self.index[name]
+        a = min(max(self.lo - self.offsets[i], 0), self.numels[i])
+        b = max(min(self.hi - self.offsets[i], self.numels[i]), a)
+        # ZeRO-0 under a pipeline keeps the buffer whole on every dp rank; sharded stages
+        # repeat a slice only across HSDP replica groups
+        replica = self.mesh.rank("dp_cp") if self.stage == 0 else self.mesh.rank("dp_replicate")
+        return None, (a, b), replica
+
+    def wrap(self, chunks: list[nn.Module]) -> list[nn.Module]:
+        if self.stage == 0:
+            self.shard_group, self.replicate_group = None, self.mesh.group("dp_cp")
+        else:
+            self.shard_group = self.mesh.group("dp_shard_cp")
+            self.replicate_group = self.mesh.group("dp_replicate") if self.mesh.dp_replicate > 1 else None
+        by_name = dict(self.named_parameters())
+        self.params = [by_name[n] for n in self.names]
+        dtype, device = self.params[0].dtype, self.params[0].device
+        self.param_buf = torch.zeros(self.shard_len * self.shards, dtype=dtype, device=device)
         with torch.no_grad():
-            for p in self.params:
+            for p, offset in zip(self.params, self.offsets):
                 n = p.numel()
                 self.param_buf[offset:offset + n].copy_(p.reshape(-1))
                 p.data = self.param_buf[offset:offset + n].view_as(p)
-                self.offsets.append(offset)
-                offset += n
 
         self.grad_buf: torch.Tensor | None = None
         if self.stage <= 1:
@@ -121,6 +138,10 @@ class ShardedOptimizerDataParallel(DataParallel):
         else:
             for seg, name in zip(self.segments, self.segment_names):
                 yield name, seg[0].grad
+
+    def optimized(self):
+        yield from zip(self.segment_names, (seg for seg, _ in self.segments))
+        yield from self.expert_parameters()
 
     def norm_groups(self) -> list:
         return [self.shard_group] if self.shard_group is not None else []  # the slices are disjoint

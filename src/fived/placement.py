@@ -1,0 +1,129 @@
+"""One placement description per tensor: where this rank's piece of each parameter (and buffer)
+sits in the whole tensor, as one device would hold it.
+
+Megatron-Core's `ShardedTensor` idea, for fived's recipe. Every parallel dimension cuts a parameter
+in one of three ways, and a `Placement` records all three:
+  - the model-local tensor (after tensor and expert parallelism) is a box of the whole tensor,
+    possibly running into padding (a vocabulary padded to a multiple of tp);
+  - data parallelism then stores either all of it, or rows [a, b) of it (ZeRO-3: FSDP2 shards the
+    first dimension), or elements [a, b) of its flat view (ZeRO-1/2: a slice of the flat buffer);
+  - ranks that hold the same piece are replicas; only replica 0's copy is saved.
+Initialisation, `full_state()`, checkpoints and export read this table; an optimizer moment is
+placed exactly like the parameter it belongs to.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Box:
+    """A rectangular region of a whole tensor."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+
+@dataclass(frozen=True)
+class Placement:
+    global_shape: tuple[int, ...]  # the whole tensor, without padding
+    local: Box  # the model-local tensor (after tp / ep) in the (padded) whole tensor
+    replica: int = 0  # 0: this rank's copy is the one written; > 0: another rank's piece again
+    rows: tuple[int, int] | None = None  # ZeRO-3: rows [a, b) of the local tensor are stored here
+    flat: tuple[int, int] | None = None  # ZeRO-1/2: elements [a, b) of the local tensor's flat view
+
+    def local_value(self, full: torch.Tensor) -> torch.Tensor:
+        """The model-local tensor cut out of a whole value (padding filled with zeros)."""
+        padded = [max(g, o + s) for g, o, s in zip(full.shape, self.local.offsets, self.local.sizes)]
+        if list(full.shape) != padded:
+            grown = full.new_zeros(padded)
+            grown[tuple(slice(0, n) for n in full.shape)] = full
+            full = grown
+        return full[tuple(slice(o, o + s) for o, s in zip(self.local.offsets, self.local.sizes))].contiguous()
+
+    def stored_value(self, full: torch.Tensor) -> torch.Tensor:
+        """What the parameter itself holds on this rank: the local tensor, or its ZeRO-3 rows."""
+        local = self.local_value(full)
+        return local[self.rows[0]:self.rows[1]].contiguous() if self.rows is not None else local
+
+    @property
+    def stored_shape(self) -> tuple[int, ...]:
+        """Shape of the tensor data parallelism stores here (the flat slice is 1-D)."""
+        if self.flat is not None:
+            return (self.flat[1] - self.flat[0],)
+        if self.rows is not None:
+            return (self.rows[1] - self.rows[0],) + self.local.sizes[1:]
+        return self.local.sizes
+
+    def pieces(self, stored: torch.Tensor) -> list[tuple[Box, torch.Tensor]]:
+        """`stored` (a tensor of `stored_shape`: the parameter's storage, or an optimizer moment
+        placed like it) cut into boxes of the whole tensor, as views; padding is left out."""
+        if tuple(stored.shape) != self.stored_shape:
+            raise ValueError(f"stored tensor of shape {tuple(stored.shape)}, placement says {self.stored_shape}")
+        if self.flat is not None:
+            a = self.flat[0]
+            parts = [(box, stored[start - a:start - a + box.numel].view(box.sizes))
+                     for box, start in flat_boxes(self.local.sizes, *self.flat)]
+        elif self.rows is not None:
+            parts = [(Box((self.rows[0],) + (0,) * (len(self.local.sizes) - 1), self.stored_shape), stored)]
+        else:
+            parts = [(Box((0,) * len(self.local.sizes), self.local.sizes), stored)]
+        out = []
+        for box, view in parts:  # local coordinates -> whole-tensor coordinates, clipped to the real size
+            offsets = tuple(o + lo for o, lo in zip(box.offsets, self.local.offsets))
+            ends = tuple(min(o + s, g) for o, s, g in zip(offsets, box.sizes, self.global_shape))
+            sizes = tuple(max(e - o, 0) for o, e in zip(offsets, ends))
+            if math.prod(sizes) == 0 and len(sizes):
+                continue
+            for dim, (want, have) in enumerate(zip(sizes, box.sizes)):
+                if want != have:
+                    view = view.narrow(dim, 0, want)
+            out.append((Box(offsets, sizes), view))
+        return out
+
+    @property
+    def holds_origin(self) -> bool:
+        """Whether this rank writes the parameter's scalars (AdamW's step): the saved copy of the
+        piece that starts at the whole tensor's first element."""
+        if self.replica != 0 or any(self.local.offsets):
+            return False
+        if self.rows is not None:
+            return self.rows[0] == 0 and self.rows[1] > 0
+        return self.flat is None or (self.flat[0] == 0 and self.flat[1] > 0)
+
+
+def flat_boxes(shape: tuple[int, ...], a: int, b: int):
+    """Elements [a, b) of the flat view of a C-contiguous tensor of `shape`, as boxes that are each
+    contiguous in memory: yields (box in the tensor's coordinates, flat index of its first element)."""
+    if a >= b:
+        return
+    if not shape:
+        yield Box((), ()), 0
+        return
+    inner = math.prod(shape[1:])
+    first, head = divmod(a, inner)
+    last, tail = divmod(b, inner)
+    if first == last:  # inside one slice of the first dimension
+        for box, start in flat_boxes(shape[1:], head, tail):
+            yield _prefixed(box, first), first * inner + start
+        return
+    if head:
+        for box, start in flat_boxes(shape[1:], head, inner):
+            yield _prefixed(box, first), first * inner + start
+        first += 1
+    if last > first:
+        yield Box((first,) + (0,) * (len(shape) - 1), (last - first,) + tuple(shape[1:])), first * inner
+    if tail:
+        for box, start in flat_boxes(shape[1:], 0, tail):
+            yield _prefixed(box, last), last * inner + start
+
+
+def _prefixed(box: Box, index: int) -> Box:
+    return Box((index,) + box.offsets, (1,) + box.sizes)
