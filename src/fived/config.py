@@ -113,18 +113,42 @@ class DataConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Checkpoints in <output_dir>/checkpoints/step-<N>/ (see fived.checkpoint)."""
+
+    every: int = 0  # save every N steps; 0 = no periodic saves
+    keep: int = 3  # keep the newest K complete checkpoints; 0 = keep all
+    # save in the background: training waits only while this rank's shards are copied
+    # (`async` in TOML and on the command line; a Python keyword, hence the attribute name)
+    async_: bool = field(default=False, metadata={"key": "async"})
+    final: bool = True  # save once more when the run ends
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """{section: {key: value}}, with the keys a TOML file or a flag uses."""
+        return {section: {key_of(f): getattr(getattr(self, section), f.name) for f in fields(cls)}
+                for section, cls in SECTION_TYPES.items()}
 
 
-SECTIONS = {f.name: f.type for f in fields(Config)}
-SECTION_TYPES = {"model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig, "data": DataConfig}
+SECTION_TYPES = {"model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig, "data": DataConfig,
+                 "checkpoint": CheckpointConfig}
+
+
+def key_of(f: dataclasses.Field) -> str:
+    """A field's name in TOML files and flags (its attribute name unless that is a Python keyword)."""
+    return f.metadata.get("key", f.name)
+
+
+def _fields_by_key(section: str) -> dict[str, dataclasses.Field]:
+    return {key_of(f): f for f in fields(SECTION_TYPES[section])}
 
 _TINY = dict(vocab_size=256, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128)
 # Real shapes follow the published model cards; they are built on the meta device for planning.
@@ -154,7 +178,7 @@ def _close(name: str, options) -> str:
 
 def coerce(section: str, key: str, value: Any) -> Any:
     """Convert a TOML or command-line value to the field's declared type, or raise ConfigError."""
-    types = {f.name: f.type for f in fields(SECTION_TYPES[section])}
+    types = {k: f.type for k, f in _fields_by_key(section).items()}
     if key not in types:
         raise ConfigError(f"{section}.{key}", value, "unknown field", _close(key, types))
     kind = types[key] if isinstance(types[key], str) else types[key].__name__
@@ -208,9 +232,23 @@ def build_config(toml_path: str | Path | None = None, overrides: dict[str, Any] 
     model_values = merged.get("model", {})
     cfg = Config(model=model_preset(str(model_values.get("name", ModelConfig.name))))
     for section, values in merged.items():
-        target = getattr(cfg, section)
         for key, value in values.items():
-            setattr(target, key, coerce(section, key, value))
+            set_field(cfg, section, key, value)
+    return cfg
+
+
+def set_field(cfg: Config, section: str, key: str, value: Any) -> None:
+    """Set `section.key` (a TOML/flag key) to `value`, converted to the field's type."""
+    value = coerce(section, key, value)
+    setattr(getattr(cfg, section), _fields_by_key(section)[key].name, value)
+
+
+def config_from_dict(values: dict[str, dict[str, Any]]) -> Config:
+    """The inverse of Config.to_dict (e.g. a checkpoint's resolved config): every field is given."""
+    cfg = Config()
+    for section, section_values in values.items():
+        for key, value in section_values.items():
+            set_field(cfg, section, key, value)
     return cfg
 
 
@@ -220,5 +258,5 @@ def config_fields() -> list[tuple[str, str, Any, str]]:
     for section, cls in SECTION_TYPES.items():
         for f in fields(cls):
             kind = f.type if isinstance(f.type, str) else f.type.__name__
-            out.append((section, f.name, f.default, kind))
+            out.append((section, key_of(f), f.default, kind))
     return out

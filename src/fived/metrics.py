@@ -11,6 +11,7 @@ not counted (this is MFU, not HFU).
 from __future__ import annotations
 
 import json
+import os
 import resource
 import sys
 import time
@@ -73,6 +74,21 @@ def fresh_output_dir(path: str) -> Path:
         n += 1
         candidate = base.with_name(f"{base.name}-{n}")
     return candidate
+
+
+def keep_log_until(output_dir: str, step: int) -> None:
+    """Drop the records after `step` from a run's metrics.jsonl (a run resumed from the checkpoint of
+    `step` logs those steps again); rewritten atomically."""
+    path = Path(output_dir) / "metrics.jsonl"
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
+    if len(kept) == len(lines):
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)
 
 
 class MetricsLog:

@@ -14,16 +14,18 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from fived.checkpoint import Checkpointer
 from fived.config import Config
 from fived.data import GlobalBatchSampler, check_data
 from fived.launch import device_type
 from fived.ledger import ActivationLedger, CommLedger, model_state_bytes
 from fived.mesh import DTYPES, Mesh, check_config
-from fived.metrics import MetricsLog, device_peak_tflops, flops_per_token, peak_memory_mb
+from fived.metrics import MetricsLog, device_peak_tflops, flops_per_token, keep_log_until, peak_memory_mb
 from fived.model import MoE, build_model, init_weights, materialize
 from fived.optim import build_scheduler
 from fived.parallel import parallelize
 from fived.parallel.pipeline import Pipeline
+from fived.train_state import ModelState, OptimizerState, ProgressState, RNGState
 
 
 @dataclass
@@ -38,7 +40,10 @@ class TrainResult:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, log: bool = True):
+    """`log`: this run owns cfg.train.output_dir (metrics, checkpoints); `resume`: a checkpoint to
+    continue from (written by any layout)."""
+
+    def __init__(self, cfg: Config, log: bool = True, resume: str | None = None):
         self.cfg = cfg
         self.world = dist.get_world_size()
         self.rank = dist.get_rank()
@@ -77,9 +82,27 @@ class Trainer:
         self.global_tokens = t.global_batch * t.seq_len
         self.ledger = CommLedger(self.mesh.group_names())
         self.state_bytes: dict[str, int] = {}
-        self.log = MetricsLog(t.output_dir, t.tensorboard) if (log and self.rank == 0) else None
         self.peak_flops = device_peak_tflops(param_dtype, t.peak_tflops) * 1e12
         self.flops_per_step = flops_per_token(cfg.model, t.seq_len) * self.global_tokens
+        self.checkpointer = None
+        if log or resume:
+            self.checkpointer = Checkpointer(t.output_dir, cfg.checkpoint, self._stateful(chunks), self._manifest())
+        if resume:
+            self.checkpointer.last_step = self.checkpointer.load(resume)["step"]
+        if log and self.rank == 0:
+            keep_log_until(t.output_dir, self.sampler.step)  # a resumed run rewrites nothing twice
+        self.log = MetricsLog(t.output_dir, t.tensorboard) if (log and self.rank == 0) else None
+
+    def _stateful(self, chunks) -> dict:
+        """The components a checkpoint holds, by name."""
+        return {"model": ModelState(self.plan, chunks), "optimizer": OptimizerState(self.plan, self.optimizer),
+                "progress": ProgressState(self.sampler, self.scheduler), "rng": RNGState()}
+
+    def _manifest(self) -> dict:
+        m = self.mesh
+        return {"config": self.cfg.to_dict(), "world_size": self.world,
+                "layout": {"dp": m.dp, "tp": m.tp, "pp": m.pp, "cp": m.cp, "ep": m.ep, "dp_replicate": m.dp_replicate,
+                           "zero": self.cfg.parallel.zero, "pp_schedule": self.cfg.parallel.pp_schedule}}
 
     def _autocast(self):
         if self.compute_dtype == torch.bfloat16:
@@ -195,29 +218,44 @@ class Trainer:
             record["expert_load_max_over_mean"] = imbalance
         return record
 
-    def fit(self, progress: bool = True) -> list[dict]:
+    def fit(self, progress: bool = True, until: int | None = None) -> list[dict]:
+        """Train from the sampler's step to `until` (default: train.steps) steps done."""
         from tqdm import tqdm
 
-        steps = range(self.sampler.step, self.cfg.train.steps)
+        last = until or self.cfg.train.steps
+        steps = range(self.sampler.step, last)
         bar = tqdm(steps, desc="train", unit="step", disable=not (progress and self.rank == 0), mininterval=0.5)
-        history = []
+        history, waited = [], None
         for step in bar:
             record = self.step(step)
             self.sampler.step = step + 1
+            if waited is not None:  # how long training waited for the save after the previous step
+                record["checkpoint_s"], waited = waited, None
             history.append(record)
-            if self.log is not None:
+            if self.log is not None:  # (before the save: a checkpoint of step N implies its log)
                 self.log.write(record)
-            if step % self.cfg.train.log_every == 0 or step + 1 == self.cfg.train.steps:
+            if self.checkpointer is not None and self.checkpointer.due(step + 1) and step + 1 < last:
+                start = time.perf_counter()
+                self.checkpointer.save(step + 1, background=self.cfg.checkpoint.async_)
+                waited = time.perf_counter() - start
+            if step % self.cfg.train.log_every == 0 or step + 1 == last:
                 bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}",
                                 tok_s=f"{record['tokens_per_s']:.0f}", mfu=f"{record['mfu']:.1%}")
+        if self.checkpointer is not None:
+            final = self.cfg.checkpoint.final or self.checkpointer.due(last)
+            if final and self.checkpointer.last_step != last:
+                self.checkpointer.save(last)
+            self.checkpointer.wait()
         if self.log is not None:
             self.log.close()
         return history
 
-def run_training(cfg: Config, log: bool = True, progress: bool = True, return_state: bool = False) -> TrainResult:
-    """Entry point on each rank (process group already initialised)."""
-    trainer = Trainer(cfg, log=log)
-    metrics = trainer.fit(progress=progress)
+def run_training(cfg: Config, log: bool = True, progress: bool = True, return_state: bool = False,
+                 resume: str | None = None, until: int | None = None) -> TrainResult:
+    """Entry point on each rank (process group already initialised). `log`: write the run directory
+    (metrics, checkpoints); `resume`: a checkpoint to continue from; `until`: stop (and save) there."""
+    trainer = Trainer(cfg, log=log, resume=resume)
+    metrics = trainer.fit(progress=progress, until=until)
     state = trainer.plan.full_state() if return_state else {}
     timeline = trainer.pipeline.last_step_actions() if trainer.pipeline else []
     return TrainResult(metrics=metrics, state=state, memory=trainer.state_bytes, activations=trainer.activations.per_layer,

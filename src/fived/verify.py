@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import copy
 import math
+import tempfile
 from dataclasses import dataclass, field
 
 import torch
 
 from fived.config import Config, ParallelConfig
 from fived.launch import run_ranks
-from fived.mesh import check_config
+from fived.checkpoint import find_checkpoint
+from fived.mesh import check_config, resolve_dp
 from fived.train import TrainResult, run_training
 
 TOLERANCE = 1e-9
@@ -39,6 +41,13 @@ class VerifyReport:
 def _rel(a: float, b: float) -> float:
     diff = abs(a - b) / max(abs(b), 1e-300)
     return diff if math.isfinite(diff) else math.inf  # a NaN must fail, not compare as "not larger"
+
+
+def _describe(cfg: Config, world: int) -> str:
+    p = cfg.parallel
+    return (f"{world} rank(s) dp={resolve_dp(cfg, world)} tp={p.tp} pp={p.pp} cp={p.cp} ep={p.ep} zero={p.zero}"
+            + (f" dp_replicate={p.dp_replicate}" if p.dp_replicate > 1 else "") + (" sp" if p.sp else "")
+            + (f" {p.pp_schedule}" if p.pp > 1 else ""))
 
 
 def reference_config(cfg: Config) -> Config:
@@ -72,13 +81,36 @@ def compare(ref: TrainResult, lay: TrainResult) -> VerifyReport:
     return report
 
 
-def run_verify(cfg: Config, world: int, printer=print) -> VerifyReport:
+def run_layout(cfg: Config, world: int, reshard_from: tuple[Config, int] | None = None) -> list[TrainResult]:
+    """Every rank's results of the run at `cfg`, or, with `reshard_from=(config, world)`, of its first
+    half at that other layout, saved, and its second half resumed from that checkpoint at `cfg`."""
+    device = cfg.train.device
+    if reshard_from is None:
+        return run_ranks(world, run_training, cfg, False, False, True, device=device)
+    first, first_world = copy.deepcopy(reshard_from[0]), reshard_from[1]
+    second = copy.deepcopy(cfg)
+    half = cfg.train.steps // 2
+    with tempfile.TemporaryDirectory(prefix="fived-reshard-") as run_dir:
+        first.train.output_dir = second.train.output_dir = run_dir
+        before = run_ranks(first_world, run_training, first, True, False, False, None, half, device=device)[0]
+        checkpoint = str(find_checkpoint(run_dir))
+        after = run_ranks(world, run_training, second, True, False, True, checkpoint, device=device)
+    return [TrainResult(metrics=before.metrics + r.metrics, state=r.state) for r in after]
+
+
+def run_verify(cfg: Config, world: int, printer=print, reshard_from: tuple[Config, int] | None = None) -> VerifyReport:
     cfg = copy.deepcopy(cfg)
     cfg.train.dtype = "float64"
     check_config(cfg, world)  # a clear error here rather than from every rank
-    device = cfg.train.device
-    ref = run_ranks(1, run_training, reference_config(cfg), False, False, True, device=device)[0]
-    layout = run_ranks(world, run_training, cfg, False, False, True, device=device)
+    ref = run_ranks(1, run_training, reference_config(cfg), False, False, True, device=cfg.train.device)[0]
+    if reshard_from is not None:
+        first = copy.deepcopy(reshard_from[0])
+        first.train.dtype = "float64"
+        check_config(first, reshard_from[1])
+        reshard_from = (first, reshard_from[1])
+        printer(f"steps 1-{cfg.train.steps // 2} at {_describe(first, reshard_from[1])}, checkpointed, "
+                f"resumed at {_describe(cfg, world)}")
+    layout = run_layout(cfg, world, reshard_from)
     # Every rank's losses, norms and (gathered) parameters against the reference: the worst counts.
     report = max((compare(ref, lay) for lay in layout), key=lambda r: r.max_relative_difference)
     keys = [k for k in report.rows[0] if k != "step"]

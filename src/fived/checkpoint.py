@@ -1,0 +1,204 @@
+"""Checkpoints: save any layout, resume exactly, reshard to any other layout.
+
+A checkpoint is a directory `<output_dir>/checkpoints/step-<N>/` (N = steps completed):
+  *.distcp, .metadata   every component's tensors, written by DCP in layout-independent form
+                        (canonical names, whole shapes; see fived.placement and fived.dcp_io)
+  fived.json            the manifest: format, step, the resolved config, the layout and world size
+                        that wrote it, fived and torch versions, each component's JSON state
+  COMPLETE              written last, before the directory gets its name
+
+Atomic: DCP writes into `.tmp-step-<N>`; when every rank's data and DCP's metadata are written,
+rank 0 writes the manifest and the marker (each fsynced) and renames the directory to `step-<N>`.
+A crash or SIGKILL at any point leaves the previous checkpoints as they were; only directories with
+the marker are ever loaded. `keep` deletes older complete checkpoints only after a newer one is
+complete (renamed away first, then removed), so the newest complete one is never deleted.
+
+Asynchronous saves (`checkpoint.async`): training waits while each rank copies the boxes it writes;
+DCP writes the copies from a background thread over a process group of its own (gloo), and rank 0
+finalises when they are all written. A new save first waits for the previous one.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from fived import __version__, dcp_io
+from fived.config import CheckpointConfig, Config, ConfigError
+
+FORMAT = "fived-checkpoint-v1"
+MANIFEST = "fived.json"
+MARKER = "COMPLETE"
+
+
+def checkpoints_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def complete_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
+    """(step, directory) of every complete checkpoint of a run, oldest first."""
+    found = []
+    root = checkpoints_dir(run_dir)
+    for path in root.glob("step-*") if root.is_dir() else []:
+        step = path.name[len("step-"):]
+        if step.isdigit() and (path / MARKER).is_file() and (path / MANIFEST).is_file():
+            found.append((int(step), path))
+    return sorted(found)
+
+
+def find_checkpoint(path: str | Path) -> Path | None:
+    """A checkpoint directory as given, or the newest complete checkpoint of a run directory."""
+    path = Path(path)
+    if (path / MARKER).is_file():
+        return path
+    found = complete_checkpoints(path)
+    return found[-1][1] if found else None
+
+
+def read_manifest(checkpoint: str | Path) -> dict:
+    with open(Path(checkpoint) / MANIFEST) as f:
+        manifest = json.load(f)
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"{checkpoint}: not a {FORMAT} checkpoint")
+    return manifest
+
+
+def check_model_shapes(cfg: Config, checkpoint: str | Path) -> None:
+    """Refuse, in one line, a checkpoint whose model does not have the config's shapes."""
+    from fived.model import build_model, canonical_name
+
+    saved = dcp_io.tensor_shapes(checkpoint)
+    model = build_model(cfg.model)
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    for name, tensor in ((canonical_name(n), t) for n, t in tensors):
+        have = saved.get(f"model.{name}")
+        if have != tuple(tensor.shape):
+            found = "is missing" if have is None else f"has shape {list(have)}"
+            raise ConfigError("checkpoint", str(checkpoint), f"parameter {name} {found} in the checkpoint, "
+                              f"the config's model needs {list(tensor.shape)}", "use the model config it was saved with")
+    extra = sorted(k for k in saved if k.startswith("model.") and k[len("model."):] not in dict(tensors))
+    if extra:
+        raise ConfigError("checkpoint", str(checkpoint), f"parameter {extra[0][len('model.'):]} is in the checkpoint "
+                          "but not in the config's model", "use the model config it was saved with")
+
+
+def _fsync_write(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _discard(path: Path) -> None:
+    """Make a directory disappear at once (rename), then delete it."""
+    trash = path.with_name(f".trash-{path.name}-{os.getpid()}-{time.monotonic_ns()}")
+    os.rename(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+class Checkpointer:
+    """Saves and loads the named components of a run (see fived.train_state) on every rank."""
+
+    def __init__(self, run_dir: str | Path, settings: CheckpointConfig, components: dict, manifest: dict):
+        self.root, self.settings, self.components = checkpoints_dir(run_dir), settings, components
+        self.manifest = {"format": FORMAT, "fived_version": __version__, "torch_version": torch.__version__,
+                         **manifest}
+        self.rank = dist.get_rank()
+        # Its own gloo group: a background save's collectives must not interleave with training's,
+        # and DCP coordinates over CPU tensors whatever the training backend.
+        self.group = dist.new_group(backend="gloo")
+        self.pending = None  # the Future of a background save
+        self.finalized = threading.Event()  # rank 0: the background save's directory is in place
+        self.failure: BaseException | None = None
+        self.last_step: int | None = None
+        if self.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            for stale in [*self.root.glob(".tmp-step-*"), *self.root.glob(".trash-*")]:  # crashed saves
+                shutil.rmtree(stale, ignore_errors=True)
+        dist.barrier(group=self.group)
+
+    def due(self, step: int) -> bool:
+        return self.settings.every > 0 and step % self.settings.every == 0
+
+    def save(self, step: int, background: bool = False) -> None:
+        """Save the state after `step` completed steps (every rank calls this)."""
+        self.wait()
+        tensors = {f"{name}.{key}": value for name, comp in self.components.items()
+                   for key, value in comp.tensors(for_load=False).items()}
+        manifest = {**self.manifest, "step": step, "saved_at": time.time(),
+                    "components": {name: comp.state() for name, comp in self.components.items()}}
+        tmp = self.root / f".tmp-step-{step}"
+        self.last_step = step
+        if not background:
+            dcp_io.save(tensors, tmp, self.group)
+            if self.rank == 0:
+                self._finalize(tmp, step, manifest)
+            return
+        self.pending = dcp_io.save(tensors, tmp, self.group, background=True)
+        self.finalized.clear()
+        if self.rank == 0:  # DCP's coordinator: its future completes after every rank's data is written
+            self.pending.add_done_callback(lambda fut: self._finalize_after(fut, tmp, step, manifest))
+        else:
+            self.finalized.set()
+
+    def _finalize_after(self, future, tmp: Path, step: int, manifest: dict) -> None:
+        try:
+            future.result()
+            self._finalize(tmp, step, manifest)
+        except BaseException as e:  # reported by the next wait(), on the training thread
+            self.failure = e
+        finally:
+            self.finalized.set()
+
+    def _finalize(self, tmp: Path, step: int, manifest: dict) -> None:
+        _fsync_write(tmp / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+        _fsync_write(tmp / MARKER, f"step {step}\n")
+        final = self.root / f"step-{step}"
+        if final.exists():  # (the same step saved again: replace it)
+            _discard(final)
+        os.rename(tmp, final)
+        _fsync_dir(self.root)
+        self._prune()
+
+    def _prune(self) -> None:
+        if self.settings.keep <= 0:
+            return
+        for _, path in complete_checkpoints(self.root.parent)[:-self.settings.keep]:
+            _discard(path)
+
+    def wait(self) -> None:
+        """Block until a background save is written (and, on rank 0, finalised)."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            self.finalized.wait()  # (a done-callback may still run after result() returns)
+            try:
+                pending.result()
+            except BaseException as e:
+                self.failure = self.failure or e
+        if self.failure is not None:
+            failure, self.failure = self.failure, None
+            raise RuntimeError(f"checkpoint save failed: {failure}") from failure
+
+    def load(self, checkpoint: str | Path) -> dict:
+        """Fill every component from `checkpoint` (written by any layout); returns its manifest."""
+        manifest = read_manifest(checkpoint)
+        tensors = {f"{name}.{key}": value for name, comp in self.components.items()
+                   for key, value in comp.tensors(for_load=True).items()}
+        dcp_io.load(tensors, checkpoint, self.group)
+        for name, comp in self.components.items():
+            comp.load_state(manifest["components"].get(name, {}))
+        return manifest

@@ -1,0 +1,162 @@
+"""Tensors in and out of `torch.distributed.checkpoint` (DCP) by their placements.
+
+DCP already reshards: every saved tensor is recorded as chunks (offset and size in the whole tensor),
+and a load reads, for each chunk a rank asks for, the overlapping parts of the saved ones. What DCP
+cannot describe by itself is fived's storage: a ZeRO-1/2 slice is a flat range of a parameter (not a
+rectangle), a vocabulary shard may run into padding, kv heads and replicated tensors have several
+holders. `ShardedValue` hands DCP exactly the rectangles a rank holds (a flat range becomes a few
+contiguous boxes), written only by the replica that saves them.
+
+Safety: tensor data is read by DCP with `torch.load(weights_only=True)`; DCP's `.metadata` file is a
+pickle, read here by an unpickler that admits only DCP's own metadata classes. Nothing else is
+unpickled: non-tensor state goes to a JSON file beside (see fived.checkpoint).
+"""
+from __future__ import annotations
+
+import io
+import pickle
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from fived.placement import Box
+
+
+class ShardedValue:
+    """One tensor as DCP sees it: its whole shape and this rank's boxes of it (views into live
+    storage, or into a staged copy). `write` is False on replicas that hold the same boxes as a
+    saving rank."""
+
+    def __init__(self, global_shape: tuple[int, ...], boxes: list[tuple[Box, torch.Tensor]], write: bool,
+                 dtype: torch.dtype):
+        self.global_shape, self.boxes, self.write, self.dtype = tuple(global_shape), boxes, write, dtype
+
+    def size(self) -> torch.Size:
+        return torch.Size(self.global_shape)
+
+    def __create_write_items__(self, fqn: str, _obj) -> list[WriteItem]:
+        if not self.write:
+            return []
+        return [WriteItem(index=MetadataIndex(fqn, torch.Size(box.offsets)), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=_chunk(box), properties=TensorProperties(dtype=self.dtype),
+                                                      size=self.size()))
+                for box, _ in self.boxes]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [_chunk(box) for box, _ in self.boxes]
+
+    def box_at(self, offsets) -> torch.Tensor:
+        for box, view in self.boxes:
+            if tuple(box.offsets) == tuple(offsets):
+                return view
+        raise KeyError(f"no box at {tuple(offsets)}")
+
+    def staged(self) -> "ShardedValue":
+        """A copy on CPU, so that training may go on changing the original while it is written."""
+        copies = [(box, view.detach().to("cpu", copy=True)) for box, view in self.boxes] if self.write else []
+        return ShardedValue(self.global_shape, copies, self.write, self.dtype)
+
+
+def _chunk(box: Box) -> ChunkStorageMetadata:
+    return ChunkStorageMetadata(offsets=torch.Size(box.offsets), sizes=torch.Size(box.sizes))
+
+
+class _SavePlanner(DefaultSavePlanner):
+    def __init__(self):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def lookup_object(self, index: MetadataIndex):
+        value = self.state_dict[index.fqn]
+        return value.box_at(index.offset).detach().cpu()
+
+
+class _LoadPlanner(DefaultLoadPlanner):
+    def __init__(self):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def set_up_planner(self, state_dict: dict, metadata=None, is_coordinator: bool = False) -> None:
+        # As the default planner without flattening, minus its pass that materialises meta tensors
+        # (it replaces any value it does not know, such as a ShardedValue, by None).
+        self.original_state_dict = self.state_dict = state_dict
+        self.metadata, self.is_coordinator = metadata, is_coordinator
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        return self.state_dict[index.fqn].box_at(index.offset)
+
+
+class _Stager:
+    """dcp.async_save's staging step: copy every box this rank writes (the only part that stalls
+    training), then DCP writes the copies from a background thread."""
+
+    should_synchronize_after_execute = False
+
+    def stage(self, state_dict: dict) -> dict:
+        return {k: v.staged() for k, v in state_dict.items()}
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def save(values: dict[str, ShardedValue], path: str | Path, group=None, background: bool = False):
+    """Write `values` under `path` (every rank of `group` calls this). With `background`, return a
+    Future once the boxes are staged; DCP writes them from a thread over `group` (which must then be
+    a group no other thread uses, e.g. its own gloo group)."""
+    writer = dcp.FileSystemWriter(str(path), sync_files=True)
+    if background:
+        return dcp.async_save(values, storage_writer=writer, planner=_SavePlanner(), process_group=group,
+                              async_stager=_Stager())
+    dcp.save(values, storage_writer=writer, planner=_SavePlanner(), process_group=group)
+    return None
+
+
+def load(values: dict[str, ShardedValue], path: str | Path, group=None) -> None:
+    """Fill each value's boxes in place from the checkpoint at `path`, whatever layout wrote it."""
+    dcp.load(values, storage_reader=SafeReader(str(path)), planner=_LoadPlanner(), process_group=group)
+
+
+def tensor_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """Whole shape of every tensor saved at `path` (no process group needed)."""
+    metadata = SafeReader(str(path)).read_metadata()
+    return {name: tuple(md.size) for name, md in metadata.state_dict_metadata.items() if hasattr(md, "size")}
+
+
+# Everything DCP's metadata pickle names (checked against torch 2.13's files); nothing else loads.
+_METADATA_GLOBALS = {
+    *(("torch.distributed.checkpoint.metadata", n) for n in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's metadata classes, torch dtypes and sizes; any other global is refused."""
+
+    def find_class(self, module: str, name: str):
+        allowed = (module, name) in _METADATA_GLOBALS or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
+        if not allowed:
+            raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which fived does not load")
+        return super().find_class(module, name)
+
+
+class SafeReader(dcp.FileSystemReader):
+    def read_metadata(self, *args, **kwargs):
+        path = Path(self.path) / ".metadata"
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(io.BytesIO(f.read())).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata

@@ -1,0 +1,224 @@
+"""From command-line arguments to a checked config and world size, before any rank starts: the
+config flags (generated from the dataclasses), new runs, `--layout auto`, resumed runs
+(`--resume`) and the first half of `fived verify --reshard-from`.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from fived.config import ConfigError, build_config, config_fields
+
+SHORT_FLAGS = {
+    "--model": "model.name", "--dp": "parallel.dp", "--tp": "parallel.tp", "--pp": "parallel.pp",
+    "--cp": "parallel.cp", "--ep": "parallel.ep", "--zero": "parallel.zero",
+    "--dp-replicate": "parallel.dp_replicate",
+    "--pp-schedule": "parallel.pp_schedule", "--pp-virtual": "parallel.pp_virtual",
+    "--microbatches": "train.microbatches", "--steps": "train.steps", "--seed": "train.seed",
+    "--dtype": "train.dtype", "--seq-len": "train.seq_len", "--global-batch": "train.global_batch",
+    "--trace": "train.trace", "--pp-layers": "parallel.pp_layers",
+}
+
+
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="a TOML file with [model], [parallel], [train], [data] tables")
+    parser.add_argument("--nproc", type=int, help="local ranks to start (default: the layout's world size, or 2)")
+    parser.add_argument("--dp-shard", type=int, help="HSDP: ranks a ZeRO shard spans; dp = dp_shard x dp_replicate")
+    parser.add_argument("--sp", dest="parallel.sp", action="store_const", const=True, default=argparse.SUPPRESS,
+                        help="sequence parallelism (with --tp)")
+    for flag, dest in SHORT_FLAGS.items():
+        parser.add_argument(flag, dest=dest, default=argparse.SUPPRESS, help=f"= --{dest}")
+    group = parser.add_argument_group("every config field (defaults from fived.config)")
+    for section, name, default, kind in config_fields():
+        group.add_argument(f"--{section}.{name}", dest=f"{section}.{name}", default=argparse.SUPPRESS,
+                           metavar=kind.upper(), help=f"default {default!r}")
+
+
+def overrides_of(ns: argparse.Namespace) -> dict:
+    return {k: v for k, v in vars(ns).items() if "." in k}
+
+
+def _in_file(path: str | None, section: str, key: str) -> bool:
+    if not path:
+        return False
+    from fived.config import tomllib
+
+    with open(path, "rb") as f:
+        return key in tomllib.load(f).get(section, {})
+
+
+def build_from_args(ns: argparse.Namespace, extra: dict | None = None):
+    """The config from file + flags; --dp-shard resolved against the final dp_replicate."""
+    over = {**(extra or {}), **overrides_of(ns)}
+    cfg = build_config(ns.config, over)
+    if "train.microbatches" not in over and not _in_file(ns.config, "train", "microbatches"):
+        # a pipeline needs at least pp micro-batches: default to pp, as torchtitan does
+        cfg.train.microbatches = max(cfg.train.microbatches, cfg.parallel.pp)
+    if ns.dp_shard is not None:
+        if ns.dp_shard < 1:
+            raise ConfigError("--dp-shard", ns.dp_shard, "must be >= 1")
+        cfg.parallel.dp = ns.dp_shard * cfg.parallel.dp_replicate
+    return cfg
+
+
+def world_size(cfg, nproc: int | None, default: int) -> int:
+    if nproc:
+        return nproc
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    p = cfg.parallel
+    return p.dp * p.tp * p.pp * p.cp if p.dp > 0 else max(p.tp * p.pp * p.cp, default)
+
+
+def auto_layout(cfg, world: int) -> None:
+    """`--layout auto`: the planner's best layout for `world` ranks of the local device, applied to cfg."""
+    from fived.config import set_field
+    from fived.planner.hardware import local_hardware
+    from fived.planner.search import plan
+    from fived.planner.timing import Cluster
+
+    hw = local_hardware(world)
+    search = plan(cfg.model, Cluster(hw, world, world), cfg.train.seq_len, cfg.train.global_batch, cfg.train.dtype)
+    if not search.plans:
+        raise ConfigError("--layout", "auto", f"no layout of {cfg.model.name} fits {world} rank(s) of {hw.name}",
+                          "use more ranks, a shorter train.seq_len or a smaller train.global_batch")
+    best = search.plans[0]
+    for dotted, value in best.layout.overrides(cfg.train.global_batch).items():
+        section, _, key = dotted.partition(".")
+        set_field(cfg, section, key, value)
+    print(f"fived train --layout auto: {best.layout.describe()} on {world} x {hw.name} "
+          f"(predicted {best.time.total:.3g} s/step, {best.memory.total / 2**30:.2f} GiB/rank) = "
+          f"{best.layout.flags(cfg.train.global_batch)}", flush=True)
+
+
+def load_run(ns: argparse.Namespace, default_world: int, defaults: dict | None = None):
+    """Config and world size, both checked (layout and data) before any rank starts."""
+    from fived.data import check_data
+    from fived.mesh import check_config
+
+    cfg = build_from_args(ns, defaults)
+    world = world_size(cfg, ns.nproc, default_world)
+    layout = getattr(ns, "layout", None)
+    if layout is not None:
+        if layout != "auto":
+            raise ConfigError("--layout", layout, "unknown", "the only value is 'auto' (the planner chooses)")
+        given = [k for k in overrides_of(ns) if k.startswith("parallel.") or k == "train.microbatches"]
+        if given or ns.dp_shard is not None:
+            raise ConfigError("--layout", "auto", "chooses the parallel layout itself, but "
+                              + ", ".join(given or ["--dp-shard"]) + " was given", "drop one of them")
+        if ns.nproc is None:
+            raise ConfigError("--layout", "auto", "needs the number of ranks", "add --nproc N")
+        auto_layout(cfg, world)
+    check_config(cfg, world)
+    check_data(cfg)
+    return cfg, world
+
+
+def file_overrides(path: str | None) -> dict:
+    """A TOML config file's values as {"section.key": value}."""
+    if not path:
+        return {}
+    build_config(path)  # (refuses a missing or malformed file in one line)
+    from fived.config import tomllib
+
+    with open(path, "rb") as f:
+        return {f"{section}.{key}": v for section, values in tomllib.load(f).items() for key, v in values.items()}
+
+
+# What a resumed run takes from its checkpoint: changing it would make it another run.
+FIXED_ON_RESUME = ("model.", "data.", "train.seq_len", "train.global_batch", "train.seed")
+
+
+def load_resumed_run(ns: argparse.Namespace):
+    """`fived train --resume DIR`: the saved config, with a new layout if any layout flag is given and
+    other settings (train.steps to extend the run, lr, checkpointing...) as given; then checked."""
+    import copy
+
+    from fived.checkpoint import check_model_shapes, find_checkpoint, read_manifest
+    from fived.config import ParallelConfig, config_from_dict, set_field
+    from fived.data import check_data
+    from fived.mesh import check_config
+
+    checkpoint = find_checkpoint(ns.resume)
+    if checkpoint is None:
+        raise ConfigError("--resume", ns.resume, "holds no complete checkpoint (checkpoints/step-<N>/COMPLETE)",
+                          "give the output directory of a run that saved one (checkpoint.every or checkpoint.final)")
+    try:
+        manifest = read_manifest(checkpoint)
+    except (OSError, ValueError) as e:
+        raise ConfigError("--resume", str(checkpoint), f"unreadable manifest ({e})") from None
+    saved = config_from_dict(manifest["config"])
+    given = {**file_overrides(ns.config), **overrides_of(ns)}
+    for key, value in given.items():
+        if key.startswith(FIXED_ON_RESUME):
+            section, _, name = key.partition(".")
+            probe = copy.deepcopy(saved)
+            set_field(probe, section, name, value)
+            if probe != saved:
+                raise ConfigError(key, value, f"a resumed run keeps the checkpoint's {key} "
+                                  f"({getattr(getattr(saved, section), name, '...')})", "drop the flag, or start a new run")
+    cfg = copy.deepcopy(saved)
+    layout_given = any(k.startswith("parallel.") for k in given) or ns.dp_shard is not None
+    if layout_given:  # a new layout, from the defaults: nothing of the old one carries over
+        cfg.parallel = ParallelConfig()
+        cfg.train.microbatches = max(1, int(given.get("parallel.pp", 1)))
+    for key, value in given.items():
+        set_field(cfg, *key.split(".", 1), value)
+    if ns.dp_shard is not None:
+        cfg.parallel.dp = ns.dp_shard * cfg.parallel.dp_replicate
+    cfg.train.output_dir = str(Path(checkpoint).parent.parent)  # the same run directory
+    world = world_size(cfg, ns.nproc, manifest["world_size"]) if layout_given else (ns.nproc or manifest["world_size"])
+    if getattr(ns, "layout", None) is not None:
+        if ns.layout != "auto" or layout_given or ns.nproc is None:
+            raise ConfigError("--layout", ns.layout, "with --resume: 'auto' with --nproc N and no layout flags",
+                              f"--resume {ns.resume} --layout auto --nproc {world}")
+        cfg.parallel = ParallelConfig()
+        auto_layout(cfg, world)
+    if cfg.train.steps <= manifest["step"]:
+        raise ConfigError("train.steps", cfg.train.steps, f"the checkpoint is at step {manifest['step']}: nothing "
+                          "left to train", f"extend the run, e.g. --steps {manifest['step'] + saved.train.steps}")
+    check_config(cfg, world)
+    check_data(cfg)
+    check_model_shapes(cfg, checkpoint)
+    return cfg, world, str(checkpoint), manifest
+
+
+LAYOUT_KEYS = ("parallel.", "train.microbatches")
+
+
+def reshard_layout(flags: str, cfg):
+    """`--reshard-from "<layout flags>"`: the first half's config and world size (only the layout differs)."""
+    import copy
+    import shlex
+
+    from fived.config import ParallelConfig, set_field
+    from fived.mesh import check_config
+
+    parser = argparse.ArgumentParser(prog="fived verify --reshard-from", add_help=False, allow_abbrev=False)
+    add_config_flags(parser)
+    example = '--reshard-from "--dp 4 --zero 1"'
+    try:
+        ns, unknown = parser.parse_known_args(shlex.split(flags))
+    except (SystemExit, ValueError):
+        raise ConfigError("--reshard-from", flags, "not a list of layout flags", example) from None
+    given = overrides_of(ns)
+    other = unknown + [k for k in given if not k.startswith(LAYOUT_KEYS)] + (["--config"] if ns.config else [])
+    if other:
+        raise ConfigError("--reshard-from", flags, f"only layout flags may differ between the halves ({other[0]})",
+                          example)
+    first = copy.deepcopy(cfg)
+    first.parallel = ParallelConfig(dp=1 if ns.nproc is None else -1)
+    first.train.microbatches = max(1, int(given.get("parallel.pp", 1)))
+    for key, value in given.items():
+        set_field(first, *key.split(".", 1), value)
+    if ns.dp_shard is not None:
+        first.parallel.dp = ns.dp_shard * first.parallel.dp_replicate
+    if cfg.train.steps < 2:
+        raise ConfigError("train.steps", cfg.train.steps, "--reshard-from splits the run in two halves: needs >= 2",
+                          "--steps 4")
+    world = world_size(first, ns.nproc, 1)
+    check_config(first, world)
+    return first, world
+
+

@@ -1,0 +1,158 @@
+"""Nothing is ever lost: SIGKILL at any point of a save leaves the previous checkpoint loadable and the
+resumed run equal to the uninterrupted one; saving and loading a sharded layout never holds the whole
+model on a rank; a checkpoint's metadata cannot smuggle in code."""
+import json
+import os
+import pickle
+import resource
+import signal
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fived.checkpoint
+import fived.dcp_io
+from fived.checkpoint import MANIFEST, MARKER, Checkpointer, complete_checkpoints, find_checkpoint
+from fived.launch import RankFailed
+from fived.testing import run_on_ranks, tiny_config
+from fived.train import Trainer, run_training
+
+STEPS, EVERY, KILLED_SAVE = 6, 2, 4
+ARMED = {"now": False}  # set, in the rank that dies, when the save of step KILLED_SAVE starts
+
+
+def _die():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _arm_on_save(monkeypatch, rank: int):
+    real = Checkpointer.save
+
+    def save(self, step, background=False):
+        ARMED["now"] = step == KILLED_SAVE and dist.get_rank() == rank
+        return real(self, step, background)
+
+    monkeypatch.setattr(Checkpointer, "save", save)
+
+
+def _kill_writing_shards(monkeypatch):
+    real = fived.dcp_io._SavePlanner.lookup_object
+
+    def lookup(self, index):
+        if ARMED["now"]:
+            _die()
+        return real(self, index)
+
+    monkeypatch.setattr(fived.dcp_io._SavePlanner, "lookup_object", lookup)
+
+
+def _kill_at_file(name: str, after: bool):
+    def patch(monkeypatch):
+        real = fived.checkpoint._fsync_write
+
+        def write(path, text):
+            if ARMED["now"] and path.name == name and not after:
+                _die()
+            real(path, text)
+            if ARMED["now"] and path.name == name and after:
+                _die()
+
+        monkeypatch.setattr(fived.checkpoint, "_fsync_write", write)
+    return patch
+
+
+def _kill_pruning(monkeypatch):
+    def discard(path):
+        if ARMED["now"]:
+            _die()
+
+    monkeypatch.setattr(fived.checkpoint, "_discard", discard)
+
+
+# name: (how it dies, which rank, background save, the newest complete checkpoint afterwards)
+KILLS = {
+    "while-shards-are-written": (_kill_writing_shards, 1, False, EVERY),
+    "while-a-background-save-writes": (_kill_writing_shards, 1, True, EVERY),
+    "before-the-manifest": (_kill_at_file(MANIFEST, after=False), 0, False, EVERY),
+    "after-the-marker-before-the-rename": (_kill_at_file(MARKER, after=True), 0, False, EVERY),
+    "while-pruning-older-ones": (_kill_pruning, 0, False, KILLED_SAVE),
+}
+
+
+@pytest.mark.parametrize("point", list(KILLS))
+def test_sigkill_during_a_save_loses_nothing(point, tmp_path, monkeypatch):
+    how, rank, background, survivor = KILLS[point]
+    cfg = tiny_config("tiny", train__steps=STEPS, parallel__dp=2, parallel__zero=1, checkpoint__every=EVERY,
+                      checkpoint__keep=1, checkpoint__async=background)
+    whole = run_on_ranks(2, run_training, cfg, False, False, True)[0]
+    cfg.train.output_dir = str(tmp_path)
+    with monkeypatch.context() as patch:
+        _arm_on_save(patch, rank)
+        how(patch)
+        with pytest.raises(RankFailed):
+            run_on_ranks(2, run_training, cfg, True, False, False)
+    assert [step for step, _ in complete_checkpoints(tmp_path)][-1] == survivor
+    resumed = run_on_ranks(2, run_training, cfg, True, False, True, str(find_checkpoint(tmp_path)))[0]
+    logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged] == list(range(1, STEPS + 1))
+    assert [r["loss"] for r in logged] == [m["loss"] for m in whole.metrics]
+    for name, value in whole.state.items():
+        assert torch.equal(value, resumed.state[name]), name
+    assert not list((tmp_path / "checkpoints").glob(".tmp-*"))  # the crashed save was cleared away
+
+
+def _big(**over):
+    """A model whose whole parameters (27M, 109 MB in float32) dwarf what a step or a save needs
+    transiently on one of 4 ranks, so a rank holding a whole copy would show in its peak memory."""
+    return tiny_config("tiny", model__dim=512, model__n_heads=8, model__n_kv_heads=8, model__ffn_dim=1536,
+                       model__n_layers=8, train__dtype="float32", train__seq_len=16, train__global_batch=8,
+                       checkpoint__final=False, **over)
+
+
+def _peak_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _save_and_reload(cfg, run_dir):
+    cfg.train.output_dir = run_dir
+    trainer = Trainer(cfg)
+    trainer.step(0)  # gradients and Adam's moments exist
+    trainer.sampler.step = 1
+    before = _peak_mb()
+    trainer.checkpointer.save(1)
+    saved = _peak_mb()
+    trainer.checkpointer.load(find_checkpoint(run_dir))
+    return before, saved, _peak_mb()
+
+
+def _load_elsewhere(cfg, run_dir):
+    cfg.train.output_dir = run_dir
+    trainer = Trainer(cfg)
+    trainer.step(0)  # (Adam's moments exist before the load, as they will after it)
+    before = _peak_mb()
+    trainer.checkpointer.load(find_checkpoint(run_dir))
+    return before, _peak_mb()
+
+
+def test_no_rank_holds_the_whole_model_while_saving_or_loading(tmp_path):
+    whole_mb = sum(p.numel() for p in __import__("fived.model", fromlist=["build_model"])
+                   .build_model(_big().model).parameters()) * 4 / 2**20
+    for before, saved, loaded in run_on_ranks(4, _save_and_reload, _big(parallel__dp=4, parallel__zero=3),
+                                              str(tmp_path), timeout_s=120):
+        assert saved - before < whole_mb / 4, (before, saved, whole_mb)
+        assert loaded - saved < whole_mb / 4, (saved, loaded, whole_mb)
+    resharded = _big(parallel__tp=2, parallel__pp=2, train__microbatches=2)
+    for before, loaded in run_on_ranks(4, _load_elsewhere, resharded, str(tmp_path), timeout_s=120):
+        assert loaded - before < whole_mb / 4, (before, loaded, whole_mb)
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("echo owned",))
+
+
+def test_checkpoint_metadata_cannot_run_code(tmp_path):
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(_Evil()))
+    with pytest.raises(pickle.UnpicklingError, match="posix.system|os.system"):
+        fived.dcp_io.tensor_shapes(tmp_path)
