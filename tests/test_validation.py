@@ -18,7 +18,16 @@ def no_ranks(monkeypatch):
 CASES = [
     # (command line, field named in the error, words of the rule)
     (["train", "--nproc", "3", "--dp", "2"], "parallel", "must equal the number of ranks (3)"),
-    (["train", "--nproc", "2", "--tp", "3"], "parallel", "must equal the number of ranks"),
+    (["train", "--nproc", "2", "--tp", "3"], "parallel", "tp*pp*cp=3 must divide the number of ranks (2)"),
+    (["train", "--nproc", "4", "--tp", "3"], "parallel", "tp*pp*cp=3 must divide the number of ranks (4)"),
+    (["train", "--nproc", "0"], "--nproc", "must be >= 1"),
+    (["train", "--nproc", "-2"], "--nproc", "must be >= 1"),
+    (["train", "--train.output_dir", "/etc/hostname/run"], "train.output_dir", "cannot be written"),
+    (["train", "--data.tokenizer", "/nonexistent/tokenizer.json"], "data.tokenizer", "file not found"),
+    (["prepare-data", "/etc/hostname", "--output", "/tmp/x", "--tokenizer", "/nonexistent/tok.json"], "--tokenizer",
+     "file not found"),
+    (["train", "--stpes", "10"], "--stpes", "unknown flag; did you mean --steps?"),
+    (["verify", "--microbatchs", "2"], "--microbatchs", "unknown flag; did you mean --microbatches?"),
     (["verify", "--tp", "3"], "parallel.tp", "must divide model.n_heads=4"),
     (["verify", "--tp", "4", "--model.n_heads", "8", "--model.n_kv_heads", "3", "--model.dim", "96"],
      "model.n_kv_heads", "divide model.n_heads=8"),
@@ -69,8 +78,8 @@ def test_refused_before_any_rank(argv, field, rule, no_ranks, capsys):
     assert err.count("\n") == 0, err
     assert err.startswith(f"fived: error: {field}="), err
     assert rule in err, err
-    # the rule broken and a way out: a suggestion or valid values
-    assert ";" in err or "valid" in err or "did you mean" in err, err
+    # the rule broken and a way out: a concrete valid value, never a generic "meet the rule"
+    assert ";" in err and "use a value that meets the rule" not in err, err
 
 
 def test_world_size_errors_suggest_valid_layouts(no_ranks, capsys):
@@ -81,3 +90,42 @@ def test_world_size_errors_suggest_valid_layouts(no_ranks, capsys):
 
 def test_distinct_rules_covered():
     assert len({(c[1], c[2]) for c in CASES}) >= 10
+
+
+def test_cuda_without_a_gpu_is_refused(no_ranks, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert main(["train", "--train.device", "cuda"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("fived: error: train.device=cuda: no CUDA device") and err.count("\n") == 0, err
+
+
+def test_the_way_out_is_the_nearest_valid_value():
+    from fived.config import ConfigError, build_config
+    from fived.mesh import check_config
+
+    cfg = build_config(overrides={"parallel.dp": 3, "train.global_batch": 16})
+    with pytest.raises(ConfigError, match=r"divisible by dp=3; e\.g\. --global-batch 15$"):
+        check_config(cfg, 3)
+
+
+def test_warmup_longer_than_the_run_is_warned(tmp_path, capsys):
+    from fived.config import build_config
+    from fived.run_setup import check_environment
+
+    cfg = build_config(overrides={"train.warmup_steps": 300, "train.steps": 200, "train.output_dir": str(tmp_path)})
+    check_environment(cfg)
+    err = capsys.readouterr().err.strip()
+    assert err == ("fived: warning: train.warmup_steps=300 >= train.steps=200: the learning rate never reaches "
+                   "train.lr=0.003; e.g. --train.warmup_steps 20"), err
+
+
+def test_version(capsys):
+    import torch
+
+    from fived import __version__
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"fived {__version__} (torch {torch.__version__})"

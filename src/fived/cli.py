@@ -17,35 +17,50 @@ import sys  # noqa: E402
 
 from fived.config import ConfigError, build_config  # noqa: E402
 from fived.run_setup import (  # noqa: E402
-    add_config_flags, load_resumed_run, load_run, reshard_layout)
+    add_config_flags, load_run, prepare_training, reshard_layout)
 
 
 def cmd_train(ns: argparse.Namespace) -> int:
     import torch
 
-    from fived.launch import run_ranks, under_torchrun
+    from fived.launch import RankFailed, Stopped, under_torchrun
     from fived.mesh import resolve_dp
     from fived.metrics import fresh_output_dir
-    from fived.parallel.pipeline import write_chrome_trace
-    from fived.report import format_report
+    from fived.supervisor import failure_line, run_with_restarts, stop_line
     from fived.train import run_training
 
     default_world = torch.cuda.device_count() if torch.cuda.is_available() else 2  # (device auto)
-    resume = None
-    if ns.resume:
-        cfg, world, resume, manifest = load_resumed_run(ns)
-    else:
-        cfg, world = load_run(ns, default_world)
+    run = prepare_training(ns, default_world)
+    cfg, world = run.cfg, run.world
     if under_torchrun():
-        return _train_under_torchrun(ns, cfg, world, resume)
-    if resume is None:
+        return _train_under_torchrun(ns, run)
+    if run.fresh_dir:
         cfg.train.output_dir = str(fresh_output_dir(cfg.train.output_dir))
-    start = f"resuming step {manifest['step']} of {cfg.train.output_dir}" if resume else f"{cfg.train.steps} steps"
+    start = f"resuming step {run.resumed_step} of {cfg.train.output_dir}" if run.resume else f"{cfg.train.steps} steps"
     print(f"fived train: model {cfg.model.name}, {world} local rank(s), layout "
           f"dp={resolve_dp(cfg, world)} tp={cfg.parallel.tp} "
           f"pp={cfg.parallel.pp} cp={cfg.parallel.cp} ep={cfg.parallel.ep} zero={cfg.parallel.zero}, "
           f"{start} -> {cfg.train.output_dir}/metrics.jsonl", flush=True)
-    results = run_ranks(world, run_training, cfg, True, True, False, resume, device=cfg.train.device)
+    try:
+        results = run_with_restarts(cfg, world, run.resume, run_training)
+    except Stopped as stop:
+        line, code = stop_line(stop, cfg)
+        print(line, file=sys.stderr)
+        return code
+    except RankFailed as failure:
+        if not failure.summaries:  # a crash, not a timeout: its traceback is the useful part
+            print(str(failure), file=sys.stderr)
+        print(f"fived train: failed: {failure_line(failure)}" + (
+            f" (after {cfg.train.max_restarts} restarts)" if cfg.train.max_restarts else ""), file=sys.stderr)
+        return 1
+    _summarise(ns, cfg, world, results)
+    return 0
+
+
+def _summarise(ns: argparse.Namespace, cfg, world: int, results: list) -> None:
+    from fived.parallel.pipeline import write_chrome_trace
+    from fived.report import format_report
+
     if cfg.train.trace:
         write_chrome_trace(cfg.train.trace, [a for r in results for a in r.timeline])
         print(f"pipeline trace of {world} rank(s) -> {cfg.train.trace}")
@@ -54,34 +69,40 @@ def cmd_train(ns: argparse.Namespace) -> int:
           f"{last['tokens_per_s']:.0f} tokens/s, MFU {last['mfu']:.1%}")
     if ns.report:
         print(format_report(cfg, world, results))
-    return 0
 
 
-def _train_under_torchrun(ns: argparse.Namespace, cfg, world: int, resume: str | None) -> int:
-    """This process is one of the ranks torchrun started: join them and train."""
+def _train_under_torchrun(ns: argparse.Namespace, run) -> int:
+    """This process is one of the ranks torchrun started: join them and train. (torchrun restarts
+    the ranks itself: run `fived train --resume auto` under `torchrun --max-restarts N`.)"""
     import torch.distributed as dist
 
+    from fived.faults import PREEMPTED_EXIT
     from fived.launch import init_distributed, shutdown_distributed
     from fived.metrics import fresh_output_dir
     from fived.parallel.pipeline import write_chrome_trace
     from fived.report import format_report
+    from fived.supervisor import describe_run_dir
     from fived.train import run_training
 
-    init_distributed(device=cfg.train.device)
-    if resume is None:  # rank 0 picks the run directory; every rank writes its checkpoint shards there
+    cfg = run.cfg
+    init_distributed(cfg.train.collective_timeout_s, device=cfg.train.device)
+    if run.fresh_dir:  # rank 0 picks the run directory; every rank writes its checkpoint shards there
         chosen = [str(fresh_output_dir(cfg.train.output_dir)) if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(chosen, src=0)
         cfg.train.output_dir = chosen[0]
-    result = run_training(cfg, True, True, False, resume)
+    if dist.get_rank() == 0:
+        describe_run_dir(cfg, run.world, {"event": "resume" if run.resume else "start", "resume_from": run.resume,
+                                          "torchrun_restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))})
+    result = run_training(cfg, True, True, False, run.resume)
     if cfg.train.trace:  # every rank's timeline, gathered to rank 0
         timelines = [None] * dist.get_world_size()
         dist.all_gather_object(timelines, result.timeline)
         if dist.get_rank() == 0:
             write_chrome_trace(cfg.train.trace, [a for t in timelines for a in t])
     if ns.report and dist.get_rank() == 0:
-        print(format_report(cfg, world, [result]))
+        print(format_report(cfg, run.world, [result]))
     shutdown_distributed()
-    return 0
+    return PREEMPTED_EXIT if result.preempted else 0
 
 
 def cmd_verify(ns: argparse.Namespace) -> int:
@@ -108,6 +129,9 @@ def cmd_prepare_data(ns: argparse.Namespace) -> int:
     for path in ns.inputs:
         if not Path(path).is_file():
             raise ConfigError("inputs", path, "file not found", "give existing text files")
+    if ns.tokenizer != "byte" and not Path(ns.tokenizer).is_file():
+        raise ConfigError("--tokenizer", ns.tokenizer, "file not found",
+                          "give the path of a Hugging Face tokenizer.json, or 'byte'")
     out = prepare_data(ns.inputs, ns.output, ns.tokenizer)
     print(f"wrote {out}")
     return 0
@@ -160,13 +184,15 @@ def cmd_plan(ns: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fived", description="5D-parallel training of Llama-style models.",
                                      allow_abbrev=False)
+    parser.add_argument("--version", action="store_true", help="print fived's and torch's versions")
     sub = parser.add_subparsers(dest="command")
     train = sub.add_parser("train", allow_abbrev=False, help="train a model (no arguments: the embedded tiny default on 2 CPU ranks)")
     add_config_flags(train)
     train.add_argument("--report", action="store_true", help="print the ledger: bytes per rank and per collective")
     train.add_argument("--layout", help="'auto': the planner picks the fastest layout that fits the --nproc ranks")
     train.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its newest complete checkpoint, "
-                       "with the layout flags given now (any layout)")
+                       "with the layout flags given now (any layout); 'auto': train.output_dir's newest "
+                       "checkpoint if it has one, else start the run there (for restarted jobs)")
     train.set_defaults(func=cmd_train)
     verify = sub.add_parser("verify", allow_abbrev=False, help="compare a layout with the single-process reference in float64")
     add_config_flags(verify)
@@ -189,11 +215,15 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--output", required=True, help="output path (.bin; a .json sidecar is written beside it)")
     prep.add_argument("--tokenizer", default="byte", help="'byte' or a Hugging Face tokenizer.json")
     prep.set_defaults(func=cmd_prepare_data)
+    parser.commands = sub.choices  # (name -> its parser, for flag suggestions)
     return parser
 
 
-def _refuse_unknown(unknown: list[str], parser: argparse.ArgumentParser) -> None:
-    """An unknown `--section.field` gets the config error (with the close match); anything else argparse's."""
+def _refuse_unknown(unknown: list[str], parser: argparse.ArgumentParser, command) -> None:
+    """An unknown `--section.field` gets the config error (with the close match); a misspelt flag the
+    nearest flag of its command; anything else argparse's."""
+    import difflib
+
     from fived.config import coerce
 
     flag = unknown[0].split("=", 1)[0]
@@ -202,22 +232,37 @@ def _refuse_unknown(unknown: list[str], parser: argparse.ArgumentParser) -> None
         value = unknown[0].split("=", 1)[1] if "=" in unknown[0] else (unknown[1] if len(unknown) > 1 else "")
         build_config(overrides={f"{section}.{key}": value})  # raises the named ConfigError
         coerce(section, key, value)
+    if flag.startswith("-") and command is not None:
+        flags = [f for action in command._actions for f in action.option_strings if f.startswith("--")]
+        match = difflib.get_close_matches(flag, flags, n=1, cutoff=0.6)
+        if match:
+            raise ConfigError(flag, " ".join(unknown[1:2]) or "(flag)", "unknown flag", f"did you mean {match[0]}?")
     parser.error("unrecognized arguments: " + " ".join(unknown))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns, unknown = parser.parse_known_args(argv)
+    if ns.version:
+        import torch
+
+        from fived import __version__
+
+        print(f"fived {__version__} (torch {torch.__version__})")
+        return 0
     if ns.command is None:
         parser.print_help()
         return 2
     try:
         if unknown:
-            _refuse_unknown(unknown, parser)
+            _refuse_unknown(unknown, parser, parser.commands.get(ns.command))
         return ns.func(ns)
     except ConfigError as e:
         print(f"fived: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # (before or after the ranks; while they run, the launcher handles Ctrl-C)
+        print("fived: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -104,6 +104,12 @@ class TrainConfig:
     tensorboard: bool = False
     peak_tflops: float = 0.0  # per device, for MFU; 0 = look up the GPU or measure the CPU
     device: str = "auto"  # auto (cuda if available, else cpu) | cpu | cuda
+    # Faults (see fived.faults): a collective that does not complete in this time fails the run,
+    # naming it; the launcher then restarts every rank from the newest checkpoint, at most
+    # max_restarts times; on SIGTERM ranks save at the next step boundary within preempt_grace_s.
+    collective_timeout_s: float = 600.0
+    max_restarts: int = 0
+    preempt_grace_s: float = 60.0
 
 
 @dataclass

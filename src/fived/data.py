@@ -258,6 +258,9 @@ def check_data(cfg) -> np.ndarray:
     from fived.config import ConfigError
 
     d, t = cfg.data, cfg.train
+    if d.tokenizer != "byte" and not Path(d.tokenizer).is_file():
+        raise ConfigError("data.tokenizer", d.tokenizer, "file not found",
+                          "give the path of a Hugging Face tokenizer.json, or 'byte'")
     if d.path and not Path(d.path).exists():
         raise ConfigError("data.path", d.path, "file not found",
                           "give a .bin from `fived prepare-data`, a text file, or leave it empty for the bundled corpus")

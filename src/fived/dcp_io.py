@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import warnings
 from pathlib import Path
 
 import torch
@@ -119,6 +120,22 @@ def save(values: dict[str, ShardedValue], path: str | Path, group=None, backgrou
 def load(values: dict[str, ShardedValue], path: str | Path, group=None) -> None:
     """Fill each value's boxes in place from the checkpoint at `path`, whatever layout wrote it."""
     dcp.load(values, storage_reader=SafeReader(str(path)), planner=_LoadPlanner(), process_group=group)
+
+
+def read_whole(path: str | Path, names: list[str]) -> dict[str, torch.Tensor]:
+    """The named tensors of a checkpoint, whole, in this process (no process group), whatever layout
+    wrote them: DCP reads the pieces of each."""
+    metadata = SafeReader(str(path)).read_metadata().state_dict_metadata
+    out, values = {}, {}
+    for name in names:
+        md = metadata[name]
+        out[name] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        whole = Box((0,) * len(md.size), tuple(md.size))
+        values[name] = ShardedValue(tuple(md.size), [(whole, out[name])], True, out[name].dtype)
+    with warnings.catch_warnings():  # ("assuming the intent is to load in a single process": it is)
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(values, storage_reader=SafeReader(str(path)), planner=_LoadPlanner(), no_dist=True)
+    return out
 
 
 def tensor_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:

@@ -49,6 +49,7 @@ class CommLedger:
         self.bytes: dict[tuple[str, str], int] = defaultdict(int)
         self.calls: dict[tuple[str, str], int] = defaultdict(int)
         self._depth = 0
+        self.failed = self.last = None  # (collective, group): what a timeout is blamed on
 
     def _dim(self, group) -> str:
         ranks = _ranks(dist.group.WORLD if group is None else group)
@@ -65,6 +66,13 @@ class CommLedger:
     def reset(self) -> None:
         self.bytes.clear()
         self.calls.clear()
+        self.failed = self.last = None
+
+    def blamed_collective(self) -> tuple[str, str, tuple[int, ...]]:
+        """(collective, mesh dimension, global ranks) of the collective that raised in this step, or
+        else of the last one started (an asynchronous one fails later, in its wait)."""
+        name, group = self.failed or self.last or ("a collective", None)
+        return name, self._dim(group), _ranks(dist.group.WORLD if group is None else group)
 
     def summary(self) -> dict[str, dict[str, int]]:
         """{"dp/all_reduce": {"bytes": .., "calls": ..}, ...}"""
@@ -86,9 +94,13 @@ class CommLedger:
                 group = kwargs.get("group", _positional_group(name, args))
                 if tensor is not None:
                     self.record(name, group, _nbytes(tensor))
+                self.last = (name, group)
                 self._depth += 1
                 try:
                     return real(*args, **kwargs)
+                except BaseException:
+                    self.failed = (name, group)  # (which collective a timeout happened in)
+                    raise
                 finally:
                     self._depth -= 1
 
@@ -101,6 +113,7 @@ class CommLedger:
             for op in ops:
                 kind = "send" if op.op is dist.distributed_c10d.isend else "recv"
                 self.record(kind, op.group, _nbytes(op.tensor))
+                self.last = (kind, op.group)
 
         def counted_batch(ops):
             if self._depth == 0:

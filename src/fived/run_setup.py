@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from fived.config import ConfigError, build_config, config_fields
@@ -17,7 +18,7 @@ SHORT_FLAGS = {
     "--pp-schedule": "parallel.pp_schedule", "--pp-virtual": "parallel.pp_virtual",
     "--microbatches": "train.microbatches", "--steps": "train.steps", "--seed": "train.seed",
     "--dtype": "train.dtype", "--seq-len": "train.seq_len", "--global-batch": "train.global_batch",
-    "--trace": "train.trace", "--pp-layers": "parallel.pp_layers",
+    "--trace": "train.trace", "--pp-layers": "parallel.pp_layers", "--max-restarts": "train.max_restarts",
 }
 
 
@@ -63,7 +64,9 @@ def build_from_args(ns: argparse.Namespace, extra: dict | None = None):
 
 
 def world_size(cfg, nproc: int | None, default: int) -> int:
-    if nproc:
+    if nproc is not None:
+        if nproc < 1:
+            raise ConfigError("--nproc", nproc, "must be >= 1 (the number of local ranks to start)", "e.g. --nproc 2")
         return nproc
     if "WORLD_SIZE" in os.environ:
         return int(os.environ["WORLD_SIZE"])
@@ -112,7 +115,34 @@ def load_run(ns: argparse.Namespace, default_world: int, defaults: dict | None =
         auto_layout(cfg, world)
     check_config(cfg, world)
     check_data(cfg)
+    check_environment(cfg)
     return cfg, world
+
+
+def check_environment(cfg) -> None:
+    """What the config asks of this machine and its files, checked before any rank starts: the
+    device, a writable run directory; and a warning for a warmup the run never finishes."""
+    import sys
+
+    import torch
+
+    if cfg.train.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device", "cuda", "no CUDA device is visible to this process "
+                          "(torch.cuda.is_available() is False)", "use --train.device cpu (or auto)")
+    out = Path(cfg.train.output_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".fived-write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError("train.output_dir", cfg.train.output_dir, f"cannot be written ({e.strerror})",
+                          "choose a directory you can write, e.g. --train.output_dir runs/default") from None
+    t = cfg.train
+    if t.warmup_steps >= t.steps:
+        print(f"fived: warning: train.warmup_steps={t.warmup_steps} >= train.steps={t.steps}: the learning rate "
+              f"never reaches train.lr={t.lr:g}; e.g. --train.warmup_steps {max(1, t.steps // 10)}",
+              file=sys.stderr, flush=True)
 
 
 def file_overrides(path: str | None) -> dict:
@@ -180,8 +210,37 @@ def load_resumed_run(ns: argparse.Namespace):
                           "left to train", f"extend the run, e.g. --steps {manifest['step'] + saved.train.steps}")
     check_config(cfg, world)
     check_data(cfg)
+    check_environment(cfg)
     check_model_shapes(cfg, checkpoint)
     return cfg, world, str(checkpoint), manifest
+
+
+@dataclass
+class TrainingRun:
+    """What `fived train` will run: the checked config, the world size, and where it starts."""
+
+    cfg: object
+    world: int
+    resume: str | None = None  # the checkpoint it continues from
+    resumed_step: int = 0
+    fresh_dir: bool = True  # a new run gets a new directory (output_dir-1, ... if it was used)
+
+
+def prepare_training(ns: argparse.Namespace, default_world: int) -> TrainingRun:
+    """--resume DIR (continue that run), --resume auto (continue train.output_dir if it holds a
+    checkpoint, else start a run there: what a restarted job runs), or a new run."""
+    from fived.checkpoint import find_checkpoint
+
+    if ns.resume == "auto":
+        cfg, world = load_run(ns, default_world)
+        if find_checkpoint(cfg.train.output_dir) is None:
+            return TrainingRun(cfg, world, fresh_dir=False)
+        ns.resume = cfg.train.output_dir
+    if ns.resume:
+        cfg, world, checkpoint, manifest = load_resumed_run(ns)
+        return TrainingRun(cfg, world, checkpoint, manifest["step"], fresh_dir=False)
+    cfg, world = load_run(ns, default_world)
+    return TrainingRun(cfg, world)
 
 
 LAYOUT_KEYS = ("parallel.", "train.microbatches")

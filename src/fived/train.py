@@ -17,6 +17,7 @@ import torch.distributed as dist
 from fived.checkpoint import Checkpointer
 from fived.config import Config
 from fived.data import GlobalBatchSampler, check_data
+from fived.faults import CollectiveTimeout, PreemptionRequest, is_timeout
 from fived.launch import device_type
 from fived.ledger import ActivationLedger, CommLedger, model_state_bytes
 from fived.mesh import DTYPES, Mesh, check_config
@@ -37,6 +38,7 @@ class TrainResult:
     # bytes saved for backward per micro-batch: per layer id, "embedding" and "head" where this rank has them
     activations: dict[str, int] = field(default_factory=dict)
     timeline: list = field(default_factory=list)  # pipeline actions this rank executed (last step)
+    preempted: bool = False  # stopped early on SIGTERM (after saving, when checkpointing is on)
 
 
 class Trainer:
@@ -49,7 +51,7 @@ class Trainer:
         self.rank = dist.get_rank()
         check_config(cfg, self.world)  # already checked before launch; a cheap guard under torchrun
         kind = device_type(cfg.train.device)
-        self.mesh = Mesh.from_config(cfg, self.world).build(kind)
+        self.mesh = Mesh.from_config(cfg, self.world).build(kind, cfg.train.collective_timeout_s)
         self.device = torch.device(kind, torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
         t = cfg.train
         self.compute_dtype = DTYPES[t.dtype]
@@ -92,6 +94,7 @@ class Trainer:
         if log and self.rank == 0:
             keep_log_until(t.output_dir, self.sampler.step)  # a resumed run rewrites nothing twice
         self.log = MetricsLog(t.output_dir, t.tensorboard) if (log and self.rank == 0) else None
+        self.preemption, self.preempted = PreemptionRequest(), False
 
     def _stateful(self, chunks) -> dict:
         """The components a checkpoint holds, by name."""
@@ -175,6 +178,16 @@ class Trainer:
         return worst.item()
 
     def step(self, step: int) -> dict:
+        """One optimizer step; a collective that times out is reported as a CollectiveTimeout."""
+        try:
+            return self._step(step)
+        except RuntimeError as error:
+            if not is_timeout(error):
+                raise
+            op, dim, ranks = self.ledger.blamed_collective()
+            raise CollectiveTimeout(self.rank, op, dim, ranks, self.cfg.train.collective_timeout_s) from error
+
+    def _step(self, step: int) -> dict:
         t = self.cfg.train
         start = time.perf_counter()
         self.ledger.reset()
@@ -234,6 +247,10 @@ class Trainer:
             history.append(record)
             if self.log is not None:  # (before the save: a checkpoint of step N implies its log)
                 self.log.write(record)
+            if self.preemption.agreed(self.device):  # SIGTERM on any rank: every rank stops here
+                self.preempted = True
+                last = step + 1
+                break
             if self.checkpointer is not None and self.checkpointer.due(step + 1) and step + 1 < last:
                 start = time.perf_counter()
                 self.checkpointer.save(step + 1, background=self.cfg.checkpoint.async_)
@@ -242,7 +259,7 @@ class Trainer:
                 bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}",
                                 tok_s=f"{record['tokens_per_s']:.0f}", mfu=f"{record['mfu']:.1%}")
         if self.checkpointer is not None:
-            final = self.cfg.checkpoint.final or self.checkpointer.due(last)
+            final = self.cfg.checkpoint.final or self.checkpointer.due(last) or self.preempted
             if final and self.checkpointer.last_step != last:
                 self.checkpointer.save(last)
             self.checkpointer.wait()
@@ -255,8 +272,9 @@ def run_training(cfg: Config, log: bool = True, progress: bool = True, return_st
     """Entry point on each rank (process group already initialised). `log`: write the run directory
     (metrics, checkpoints); `resume`: a checkpoint to continue from; `until`: stop (and save) there."""
     trainer = Trainer(cfg, log=log, resume=resume)
+    trainer.preemption.install()
     metrics = trainer.fit(progress=progress, until=until)
     state = trainer.plan.full_state() if return_state else {}
     timeline = trainer.pipeline.last_step_actions() if trainer.pipeline else []
     return TrainResult(metrics=metrics, state=state, memory=trainer.state_bytes, activations=trainer.activations.per_layer,
-                       comm=trainer.ledger.summary(), timeline=timeline)
+                       comm=trainer.ledger.summary(), timeline=timeline, preempted=trainer.preempted)

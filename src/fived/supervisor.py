@@ -1,0 +1,100 @@
+"""`fived train`'s launcher policy: start the ranks, restart them all from the newest complete
+checkpoint when one dies (at most train.max_restarts times), stop them on signals, and record every
+launch in the run directory.
+
+The run directory describes itself from the start: `config.toml` (the resolved config, every field;
+`fived train --config` runs it again) and `launches.jsonl` (one line per start, resume or restart:
+command line, fived and torch versions, layout, world size, the checkpoint it continued from, and for
+a restart which rank failed, at which step and why).
+
+Exit codes: 0 done; 1 a rank failed (restarts exhausted); 75 preempted after saving (resumable: run
+`fived train --resume DIR`); 130 interrupted (Ctrl-C); 143 terminated with nothing saved.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from fived import __version__
+from fived.checkpoint import find_checkpoint
+from fived.config import Config
+from fived.faults import INTERRUPTED_EXIT, PREEMPTED_EXIT, TERMINATED_EXIT, timeout_line
+from fived.launch import RankFailed, Stopped, run_ranks
+from fived.mesh import resolve_dp
+
+
+def describe_run_dir(cfg: Config, world: int, event: dict) -> None:
+    """Write config.toml and append one line to launches.jsonl in the run directory."""
+    import tomli_w
+
+    run_dir = Path(cfg.train.output_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = run_dir / "config.toml.tmp"
+    tmp.write_text(tomli_w.dumps(cfg.to_dict()))
+    os.replace(tmp, run_dir / "config.toml")
+    p = cfg.parallel
+    record = {"time": time.time(), "command": sys.argv, "fived_version": __version__,
+              "torch_version": torch.__version__, "python": platform.python_version(), "host": platform.node(),
+              "world_size": world, "layout": {"dp": resolve_dp(cfg, world), "tp": p.tp, "pp": p.pp, "cp": p.cp,
+                                              "ep": p.ep, "zero": p.zero, "dp_replicate": p.dp_replicate},
+              **event}
+    with open(run_dir / "launches.jsonl", "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def last_logged_step(run_dir: str) -> int:
+    path = Path(run_dir) / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return json.loads(lines[-1])["step"] if lines else 0
+
+
+def _saves_on_sigterm(cfg: Config) -> bool:
+    return cfg.checkpoint.final or cfg.checkpoint.every > 0
+
+
+def run_with_restarts(cfg: Config, world: int, resume: str | None, run_training) -> list:
+    """Run every rank; on a rank's death restart them all from the newest complete checkpoint.
+    Raises RankFailed when restarts are exhausted, Stopped on a signal."""
+    restarts = 0
+    describe_run_dir(cfg, world, {"event": "resume" if resume else "start", "resume_from": resume})
+    grace = cfg.train.preempt_grace_s if _saves_on_sigterm(cfg) else 0.0
+    while True:
+        try:
+            return run_ranks(world, run_training, cfg, True, True, False, resume, device=cfg.train.device,
+                             timeout_s=cfg.train.collective_timeout_s, grace_s=grace)
+        except RankFailed as failure:
+            if restarts >= cfg.train.max_restarts:
+                raise
+            restarts += 1
+            checkpoint = find_checkpoint(cfg.train.output_dir)
+            resume = str(checkpoint) if checkpoint is not None else None
+            why = failure_line(failure)
+            describe_run_dir(cfg, world, {"event": "restart", "restart": restarts, "failed_rank": failure.rank,
+                                          "failed_step": last_logged_step(cfg.train.output_dir) + 1, "why": why,
+                                          "resume_from": resume})
+            print(f"fived train: {why}; restart {restarts} of {cfg.train.max_restarts} from "
+                  f"{Path(resume).name if resume else 'the start'}", file=sys.stderr, flush=True)
+
+
+def failure_line(failure: RankFailed) -> str:
+    timeouts = [s for s in failure.summaries if s.get("kind") == "collective_timeout"]
+    return "collective timeout: " + timeout_line(timeouts) if timeouts else failure.reason
+
+
+def stop_line(stop: Stopped, cfg: Config) -> tuple[str, int]:
+    """The one line and the exit code for a run stopped by a signal."""
+    run_dir = cfg.train.output_dir
+    if stop.signal_name == "SIGTERM" and stop.results and stop.results[0].preempted:
+        step = stop.results[0].metrics[-1]["step"] if stop.results[0].metrics else last_logged_step(run_dir)
+        return (f"fived train: preempted (SIGTERM): every rank stopped after step {step} and saved "
+                f"{run_dir}/checkpoints/step-{step}; continue with: fived train --resume {run_dir}", PREEMPTED_EXIT)
+    saved = find_checkpoint(run_dir)
+    then = f"; newest checkpoint {saved}, continue with: fived train --resume {run_dir}" if saved else ""
+    code = INTERRUPTED_EXIT if stop.signal_name == "SIGINT" else TERMINATED_EXIT
+    return f"fived train: stopped by {stop.signal_name}: every rank was stopped{then}", code
