@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 
 from fived.config import build_config, model_preset
-from fived.parallel.schedule_sim import _analyse
+from fived.parallel.schedule_sim import analyse, pipeline_profile
 from fived.planner.calibration import validate
 from fived.planner.hardware import CATALOGUE, hardware
-from fived.planner.layout import Layout
+from fived.mesh import Layout
 from fived.planner.memory import activation_bytes_per_microbatch, parameter_shapes, rank_chunks, state_bytes
 from fived.planner.search import plan
-from fived.planner.timing import Cluster, pipeline_profile, step_time
-from fived.report import _local_model
+from fived.planner.timing import Cluster, step_time
+from fived.report import local_model
 from fived.testing import run_on_ranks, tiny_config
 from fived.train import run_training
 
@@ -72,7 +72,7 @@ def test_memory_model_equals_the_ledger():
                                         ("deepseek-v3-like", 8, 8), ("tiny", 4, 1)])
 def test_parameter_shapes_match_the_split_model(name, tp, ep):
     cfg = build_config(overrides={"model.name": name, "parallel.tp": tp, "parallel.ep": ep, "parallel.dp": 8})
-    model = _local_model(cfg, 8 * tp)
+    model = local_model(cfg, 8 * tp)
     expert = sum(p.numel() for n, p in model.named_parameters() if ep > 1 and ".experts." in n)
     dense, experts = parameter_shapes(cfg.model, tp, ep, range(cfg.model.n_layers), True, True)
     assert sum(r * c * k for (r, c), k in dense) == sum(p.numel() for p in model.parameters()) - expert
@@ -85,8 +85,8 @@ def test_pipeline_extrapolation_equals_the_simulation(schedule, v):
     for pp, m in [(2, 16), (2, 15), (4, 32), (4, 36), (4, 30), (8, 64), (8, 60)]:
         if schedule in ("interleaved-1f1b", "zero-bubble") and m % (m // pp):
             continue  # torch's schedule refuses it (micro-batches not a multiple of the rounds)
-        assert pipeline_profile(schedule, pp, v, m)[0] == pytest.approx(_analyse(schedule, pp, v, m)[0], abs=1e-12)
-        assert pipeline_profile(schedule, pp, v, m)[1] == pytest.approx(_analyse(schedule, pp, v, m)[1], abs=1e-9)
+        assert pipeline_profile(schedule, pp, v, m)[0] == pytest.approx(analyse(schedule, pp, v, m)[0], abs=1e-12)
+        assert pipeline_profile(schedule, pp, v, m)[1] == pytest.approx(analyse(schedule, pp, v, m)[1], abs=1e-9)
 
 
 def test_validate_meets_the_calibration_target():

@@ -37,7 +37,7 @@ from fived.train import TrainResult
 def _sizes(cfg: Config, world: int) -> tuple[list, int, int]:
     """(this rank's parameter shapes with their FSDP-block flag, bytes per weight, bytes per reduced
     gradient). With tensor parallelism the shapes are the local shards (rank 0's; all are equal)."""
-    model = _local_model(cfg, world)
+    model = local_model(cfg, world)
     shapes = [(p.shape, name.startswith("layers.")) for name, p in model.named_parameters()]
     return (shapes,) + _dtype_bytes(cfg)
 
@@ -54,7 +54,7 @@ def expected_state_bytes(cfg: Config, world: int, rank: int = 0) -> dict[str, in
     """The table above for global rank `rank`, exactly (the planner's model-state formula: this
     rank's pipeline stages, its ZeRO slice or FSDP2 rows over S = dp_shard x cp; with expert
     parallelism its E/ep experts sharded over edp = dp*cp/ep by ZeRO-3 and kept whole by 0/1/2)."""
-    from fived.planner.layout import Layout
+    from fived.mesh import Layout
     from fived.planner.memory import rank_chunks, state_bytes
 
     layout = Layout.from_config(cfg, world)
@@ -63,7 +63,7 @@ def expected_state_bytes(cfg: Config, world: int, rank: int = 0) -> dict[str, in
                        where["shard"], where["edp"])
 
 
-def _local_model(cfg: Config, world: int):
+def local_model(cfg: Config, world: int):
     model = build_model(cfg.model)
     mesh = Mesh.from_config(cfg, world)
     if mesh.tp > 1:

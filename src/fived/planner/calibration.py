@@ -32,7 +32,7 @@ from pathlib import Path
 from fived.config import ConfigError, ModelConfig
 from fived.metrics import flops_per_token
 from fived.planner.hardware import hardware
-from fived.planner.layout import Layout
+from fived.mesh import Layout
 from fived.planner.timing import Cluster, Runtime
 
 MCORE_TP_OVERLAP = 0.75  # share of tp communication --tp-comm-overlap hides (fitted by `fit` below)

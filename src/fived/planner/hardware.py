@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from fived.config import ConfigError, _close, tomllib
+from fived.config import ConfigError, did_you_mean, tomllib
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ def hardware(name_or_path: str) -> Hardware:
         known = {f.name for f in fields(Hardware)}
         for key in values:
             if key not in known:
-                raise ConfigError(f"{name_or_path}: {key}", values[key], "unknown hardware field", _close(key, known))
+                raise ConfigError(f"{name_or_path}: {key}", values[key], "unknown hardware field", did_you_mean(key, known))
         missing = [f.name for f in fields(Hardware) if f.name not in values and f.name != "calibration"]
         if missing:
             raise ConfigError(name_or_path, ", ".join(missing), "missing hardware fields", "see fived.planner.hardware")
@@ -79,7 +79,7 @@ def hardware(name_or_path: str) -> Hardware:
         return hw
     key = name_or_path.lower().split("-")[0]
     if key not in CATALOGUE:
-        raise ConfigError("--gpu", name_or_path, "unknown GPU", _close(key, CATALOGUE) + " (or a .toml file)")
+        raise ConfigError("--gpu", name_or_path, "unknown GPU", did_you_mean(key, CATALOGUE) + " (or a .toml file)")
     return CATALOGUE[key]
 
 
@@ -100,7 +100,26 @@ def local_hardware(world: int) -> Hardware:
                 return replace(hw, memory_gib=torch.cuda.get_device_properties(0).total_memory / 2**30)
         raise ConfigError("--layout", "auto", f"the GPU '{name}' is not in the planner's catalogue",
                           "plan it with `fived plan --gpu my-gpu.toml` and pass the printed flags to fived train")
-    from fived.metrics import device_peak_tflops
-
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return Hardware("cpu", device_peak_tflops(torch.float32), memory / max(world, 1), 10.0, 2.0, 2.0, "hopper")
+
+
+def device_peak_tflops(dtype, configured: float = 0.0) -> float:
+    """The configured peak, else the GPU's data-sheet peak (dense bf16, this catalogue), else one CPU
+    thread's measured matmul rate in `dtype` (an estimate: MFU on CPU is only indicative)."""
+    import time
+
+    import torch
+
+    if configured > 0:
+        return configured
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name().upper()
+        return next((hw.peak_tflops for key, hw in CATALOGUE.items() if key.upper() in name), 0.0)
+    n, reps = 256, 20
+    a = torch.randn(n, n, dtype=dtype)
+    a @ a
+    start = time.perf_counter()
+    for _ in range(reps):
+        a @ a
+    return 2 * n**3 * reps / (time.perf_counter() - start) / 1e12

@@ -34,7 +34,8 @@ from functools import lru_cache
 
 from fived.config import ModelConfig
 from fived.mesh import DTYPES, V_SHAPED
-from fived.planner.layout import Layout
+from fived.parallel.schedule_sim import pipeline_profile
+from fived.mesh import Layout
 
 RESERVE_GIB = 2.0  # CUDA context, NCCL communicators and workspaces
 RESERVE_FRACTION = 0.05  # allocator fragmentation, as a share of the device's memory
@@ -141,7 +142,7 @@ def model_key(m: ModelConfig) -> tuple:
 
 def rank_chunks(m: ModelConfig, layout: Layout, pp_rank: int) -> list[tuple[tuple[int, ...], bool, bool]]:
     """The (layers, first, last) chunks pipeline rank `pp_rank` holds, as the runtime places them."""
-    return _rank_chunks(model_key(m), layout.pp, placement(layout.pp_schedule), layout.n_stages, pp_rank)
+    return rank_chunks_by_key(model_key(m), layout.pp, placement(layout.pp_schedule), layout.n_stages, pp_rank)
 
 
 def placement(schedule: str) -> str:
@@ -150,7 +151,7 @@ def placement(schedule: str) -> str:
 
 
 @lru_cache(maxsize=65536)
-def _rank_chunks(key: tuple, pp: int, schedule: str, n_stages: int, pp_rank: int):
+def rank_chunks_by_key(key: tuple, pp: int, schedule: str, n_stages: int, pp_rank: int):
     if pp == 1:
         return [(tuple(range(dict(key)["n_layers"])), True, True)]
     from fived.parallel.pipeline import stage_rank
@@ -212,8 +213,6 @@ def _activations(key: tuple, micro_batch: int, seq_len: int, tp: int, sp: bool, 
 def memory_per_gpu(m: ModelConfig, layout: Layout, seq_len: int, global_batch: int, dtype: str,
                    device_gib: float) -> MemoryEstimate:
     """Peak bytes on the most loaded GPU: the pipeline rank whose state + activations are largest."""
-    from fived.planner.timing import pipeline_profile
-
     L, key = layout, model_key(m)
     micro = L.microbatches(global_batch)
     in_flight = pipeline_profile(L.pp_schedule, L.pp, L.pp_virtual, micro)[1] if L.pp > 1 else [1]
@@ -258,7 +257,7 @@ def _recompute_block(key, micro_batch, seq_len, tp, sp, cp, ep, e) -> int:
 def _rank_activations(key, micro_batch, seq_len, tp, sp, cp, ep, e, checkpointing, pp, schedule, n_stages):
     """Per pipeline rank: bytes one micro-batch saves for backward over all the rank's chunks."""
     return [sum(_activations(key, micro_batch, seq_len, tp, sp, cp, ep, e, checkpointing, *c) for c in
-                _rank_chunks(key, pp, schedule, n_stages, r)) for r in range(pp)]
+                rank_chunks_by_key(key, pp, schedule, n_stages, r)) for r in range(pp)]
 
 
 def reserve_bytes(device_gib: float) -> int:
@@ -274,7 +273,7 @@ def _rank_states(key, tp, ep, pp, schedule, n_stages, zero, dp, dp_replicate, cp
     layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, dp_replicate=dp_replicate)  # (stages: chunks)
     out, seen = [], {}
     for r in range(pp):
-        chunks = _rank_chunks(key, pp, schedule, n_stages, r)
+        chunks = rank_chunks_by_key(key, pp, schedule, n_stages, r)
         kinds = tuple((sum(1 for i in layers if m.is_moe and i >= m.n_dense_layers), len(layers), first, last)
                       for layers, first, last in chunks)
         if kinds not in seen:  # ranks with the same kinds of layers hold the same state

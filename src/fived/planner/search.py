@@ -8,17 +8,16 @@ MICRO_BATCH_TOKENS tokens, and HSDP only as "shard inside a node, replicate acro
 
 Order of decisions (the background notes' recipe): fit memory first, then reach the global batch
 (micro-batch size x micro-batches x dp), then maximise throughput. Validity is the runtime's own
-check (`fived.mesh._layout_errors`), so every planned layout is one `fived train` accepts.
+check (`fived.mesh.layout_errors`), so every planned layout is one `fived train` accepts.
 """
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
 
-from fived.config import Config, ModelConfig, ParallelConfig, TrainConfig
-from fived.mesh import _layout_errors
+from fived.config import Config, ModelConfig, TrainConfig
+from fived.mesh import Layout, layout_errors
 from fived.parallel.schedule_sim import check_schedule
-from fived.planner.layout import Layout
 from fived.planner.memory import MemoryEstimate, memory_per_gpu, reserve_bytes, state_floor
 from fived.planner.timing import FIVED, Cluster, Runtime, StepTime, step_time
 
@@ -49,11 +48,9 @@ class Plan:
 def is_valid(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int) -> bool:
     if global_batch % (layout.dp * layout.micro_batch):
         return False
-    p = ParallelConfig(**{k: getattr(layout, k) for k in ("dp", "tp", "pp", "cp", "ep", "zero", "dp_replicate",
-                                                           "sp", "pp_schedule", "pp_virtual")})
     t = TrainConfig(seq_len=seq_len, global_batch=global_batch, microbatches=layout.microbatches(global_batch),
                     activation_checkpointing=layout.checkpointing)
-    if _layout_errors(Config(model=model, parallel=p, train=t), layout.world):
+    if layout_errors(Config(model=model, parallel=layout.parallel_config(), train=t), layout.world):
         return False
     try:  # what torch's schedule constructors refuse (micro-batch rounds)
         check_schedule(layout.pp_schedule, layout.pp, layout.pp_virtual, t.microbatches)

@@ -41,11 +41,11 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 
 from fived.config import ModelConfig
-from fived.mesh import SINGLE_STAGE
 from fived.metrics import flops_per_token
 from fived.planner.hardware import Hardware
-from fived.planner.layout import Layout
-from fived.planner.memory import ACTIVATION_BYTES, WEIGHT_BYTES, _rank_chunks, model_key, parameter_shapes, placement
+from fived.mesh import Layout
+from fived.parallel.schedule_sim import pipeline_profile
+from fived.planner.memory import ACTIVATION_BYTES, WEIGHT_BYTES, model_key, parameter_shapes, placement, rank_chunks_by_key
 
 GRAD_BYTES = WEIGHT_BYTES  # the residual stream and its gradients: float32 in bf16 runs, like the weights
 LINK_EFFICIENCY = 0.8  # share of a link's bandwidth ring collectives reach (fitted; NCCL tests report 0.75-0.9)
@@ -123,30 +123,6 @@ def _link(cluster: Cluster, stride: int, size: int) -> tuple[float, float]:
     if size == 1 or in_node(cluster.gpus_per_node, stride, size):
         return hw.nvlink_gbps * 1e9 * LINK_EFFICIENCY, LATENCY_S["nvlink"]
     return hw.network_gbps * 1e9 * LINK_EFFICIENCY, LATENCY_S["network"]
-
-
-EXACT_ROUNDS = 3  # micro-batches per pipeline rank simulated exactly; beyond, the idle time is constant
-
-
-@lru_cache(maxsize=65536)
-def pipeline_profile(schedule: str, pp: int, virtual: int, microbatches: int) -> tuple[float, tuple[float, ...]]:
-    """(bubble fraction, in-flight micro-batches per rank) from the schedule simulator. Past
-    EXACT_ROUNDS*pp micro-batches the fill and drain idle time no longer changes (steady state), so
-    the simulation at that size is extrapolated: bubble = idle / (idle + 3m) with unit costs F=1,
-    B=2; in-flight counts stay put (or grow with m, as GPipe's, if they grew over the last pp).
-    tests/test_planner.py checks the extrapolation against the full simulation."""
-    from fived.parallel.schedule_sim import _analyse
-
-    cap = EXACT_ROUNDS * pp
-    if microbatches <= cap or (microbatches % pp and schedule not in SINGLE_STAGE):
-        # (looped multi-stage schedules settle into a different steady state when m is not a
-        # multiple of pp: simulated in full)
-        return _analyse(schedule, pp, virtual, microbatches)
-    bubble, flight = _analyse(schedule, pp, virtual, cap)
-    _, before = _analyse(schedule, pp, virtual, cap - pp)
-    idle = bubble / (1 - bubble) * 3 * cap
-    grow = [(a - b) / pp for a, b in zip(flight, before)]
-    return idle / (idle + 3 * microbatches), tuple(f + g * (microbatches - cap) for f, g in zip(flight, grow))
 
 
 def in_node(gpus_per_node: int, stride: int, size: int) -> bool:
@@ -294,7 +270,7 @@ def _busiest_rank(key: tuple, pp: int, schedule: str, n_stages: int):
     from fived.parallel.pipeline import layer_costs
 
     costs, head = layer_costs(ModelConfig(**dict(key)))
-    ranks = [_rank_chunks(key, pp, schedule, n_stages, r) for r in range(pp)]
+    ranks = [rank_chunks_by_key(key, pp, schedule, n_stages, r) for r in range(pp)]
     shares = [sum(sum(costs[i] for i in layers) + (head if last else 0) for layers, _, last in ch) for ch in ranks]
     busiest = max(range(pp), key=lambda r: shares[r])
     total = sum(costs) + head
