@@ -247,6 +247,35 @@ class Layout:
         dp_cp = (dpr_i * self.dp_shard + dps_i) * self.cp + cp_i
         return {"pp": pp_i, "shard": dps_i * self.cp + cp_i, "edp": dp_cp // self.ep}
 
+    def group_ranks(self, name: str, rank: int = 0) -> frozenset[int]:
+        """The global ranks of `rank`'s group `name` (a GROUP_NAMES entry), as `Mesh.build` forms it."""
+        varied = {"pp": "p", "dp": "rs", "dp_replicate": "r", "dp_shard": "s", "cp": "c", "tp": "t", "dp_cp": "rsc",
+                  "dp_shard_cp": "sc", "ep": "e", "edp": "d"}[name]
+
+        def coords(r: int) -> dict[str, int]:
+            rest, t = divmod(r, self.tp)
+            rest, c = divmod(rest, self.cp)
+            rest, s = divmod(rest, self.dp_shard)
+            p, d = divmod(rest, self.dp_replicate)
+            flat = (d * self.dp_shard + s) * self.cp + c  # the expert mesh cuts dp*cp into (edp, ep)
+            return {"p": p, "r": d, "s": s, "c": c, "t": t, "d": flat // self.ep, "e": flat % self.ep,
+                    "x": flat}
+
+        def key(r: int) -> tuple:
+            k = coords(r)
+            if name in ("ep", "edp"):  # the expert mesh's other coordinate is its own
+                return k["p"], k["t"], k["d" if name == "ep" else "e"]
+            return tuple(v for dim, v in k.items() if dim in "prsct" and dim not in varied)
+
+        mine = key(rank)
+        return frozenset(r for r in range(self.world) if key(r) == mine)
+
+    def ledger_name(self, group: str) -> str:
+        """The name the communication ledger gives `group` ('dp_cp' is 'dp' without context
+        parallelism): the first of GROUP_NAMES with the same ranks."""
+        ranks = self.group_ranks(group)
+        return next(n for n in GROUP_NAMES if self.group_ranks(n) == ranks)
+
     def microbatches(self, global_batch: int) -> int:
         """Micro-batches per step on each data-parallel rank (global_batch in sequences)."""
         return global_batch // (self.dp * self.micro_batch)

@@ -8,8 +8,11 @@ collective achieves is a planner constant (`fived.planner.timing`), not a hardwa
 Sources (data sheets as published by the vendors):
 - A100: NVIDIA A100 Tensor Core GPU data sheet (SXM4 80GB: 312 TFLOP/s BF16 dense, 2,039 GB/s HBM2e,
   NVLink 3 600 GB/s); DGX A100 user guide (8x 200 Gb/s HDR InfiniBand, one per GPU).
+- A800: NVIDIA A800 SXM4 (the A100 compute die and memory, NVLink cut to 400 GB/s).
+- A100 40GB: the same data sheet (SXM4 40GB: HBM2 at 1,555 GB/s).
 - H100: NVIDIA H100 Tensor Core GPU data sheet (SXM5: 989 TFLOP/s BF16 dense — 1,979 with sparsity —
-  80 GB HBM3 at 3.35 TB/s, NVLink 4 900 GB/s); DGX H100 (8x 400 Gb/s NDR ConnectX-7).
+  1,979 TFLOP/s FP8 dense, 80 GB HBM3 at 3.35 TB/s, NVLink 4 900 GB/s); DGX H100 (8x 400 Gb/s NDR
+  ConnectX-7). H200 and H800 have the same FP8 peak.
 - H200: NVIDIA H200 data sheet (SXM: 989 TFLOP/s BF16 dense, 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s);
   HGX H200 with 400 Gb/s NDR per GPU.
 - H800: NVIDIA H800 SXM5 (the H100 compute die, NVLink cut to 400 GB/s); DeepSeek-V3 technical report
@@ -27,10 +30,14 @@ A user's own hardware is a TOML file with the same fields:
     nvlink_gbps = 450.0
     network_gbps = 50.0
     calibration = "hopper"   # which fitted efficiency constants apply (ampere | hopper)
+
+Variants a published run names ("A100-SXM4-40GB", "H100 96GB HBM2e") are their family's entry with the
+memory they state (`hardware(name, memory_gib)`): the rates stay the family's.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import re
+from dataclasses import MISSING, dataclass, fields, replace
 from pathlib import Path
 
 from fived.config import ConfigError, did_you_mean, tomllib
@@ -45,20 +52,29 @@ class Hardware:
     nvlink_gbps: float  # intra-node GPU-to-GPU bandwidth per direction, GB/s
     network_gbps: float  # inter-node bandwidth per GPU per direction, GB/s
     calibration: str = "hopper"  # the generation whose fitted efficiency constants apply
+    fp8_tflops: float = 0.0  # dense FP8 tensor-core peak (0: no FP8 tensor cores)
+    link_latency_s: float = 10e-6  # per collective inside a node (NCCL small messages, ~10 us; assumed)
+    network_latency_s: float = 25e-6  # per collective across nodes (InfiniBand, ~20-30 us; assumed)
+    layer_overhead_s: float = 0.0  # per layer and micro-batch, forward + backward: op dispatch the device
+    #   does not hide (0 on GPUs, whose kernels queue ahead of the host; fitted for CPU ranks)
+    step_overhead_s: float = 0.0  # per step: optimizer dispatch, data, logging (fitted for CPU ranks)
 
 
 CATALOGUE: dict[str, Hardware] = {h.name: h for h in (
     Hardware("a100", 312.0, 80.0, 2039.0, 300.0, 25.0, "ampere"),
-    Hardware("h100", 989.0, 80.0, 3350.0, 450.0, 50.0, "hopper"),
-    Hardware("h200", 989.0, 141.0, 4800.0, 450.0, 50.0, "hopper"),
-    Hardware("h800", 989.0, 80.0, 3350.0, 200.0, 50.0, "hopper"),
-    Hardware("b200", 2250.0, 180.0, 7700.0, 900.0, 50.0, "hopper"),
-    Hardware("mi300x", 1307.0, 192.0, 5300.0, 448.0, 50.0, "hopper"),
+    Hardware("a800", 312.0, 80.0, 2039.0, 200.0, 25.0, "ampere"),
+    Hardware("h100", 989.0, 80.0, 3350.0, 450.0, 50.0, "hopper", 1979.0),
+    Hardware("h200", 989.0, 141.0, 4800.0, 450.0, 50.0, "hopper", 1979.0),
+    Hardware("h800", 989.0, 80.0, 3350.0, 200.0, 50.0, "hopper", 1979.0),
+    Hardware("b200", 2250.0, 180.0, 7700.0, 900.0, 50.0, "hopper", 4500.0),
+    Hardware("mi300x", 1307.0, 192.0, 5300.0, 448.0, 50.0, "hopper", 2615.0),
 )}
+HBM2_40GB_GBPS = 1555.0  # A100 SXM4 40GB (the A100 data sheet)
 
 
-def hardware(name_or_path: str) -> Hardware:
-    """A catalogue entry by name ('h100', 'H100-SXM5', 'A100-SXM4'...) or a TOML file of the fields."""
+def hardware(name_or_path: str, memory_gib: float | None = None) -> Hardware:
+    """A catalogue entry by name ('h100', 'H100-SXM5', 'A100-SXM4-40GB', 'H100 96GB HBM2e'...) or a
+    TOML file of the fields; a memory size in the name (or `memory_gib`) makes the variant."""
     path = Path(name_or_path)
     if path.suffix == ".toml":
         if not path.is_file():
@@ -70,17 +86,31 @@ def hardware(name_or_path: str) -> Hardware:
         for key in values:
             if key not in known:
                 raise ConfigError(f"{name_or_path}: {key}", values[key], "unknown hardware field", did_you_mean(key, known))
-        missing = [f.name for f in fields(Hardware) if f.name not in values and f.name != "calibration"]
+        missing = [f.name for f in fields(Hardware) if f.name not in values and f.default is MISSING]
         if missing:
             raise ConfigError(name_or_path, ", ".join(missing), "missing hardware fields", "see fived.planner.hardware")
         hw = Hardware(**values)
         if hw.calibration not in ("ampere", "hopper"):
             raise ConfigError(f"{name_or_path}: calibration", hw.calibration, "unknown", "ampere or hopper")
         return hw
-    key = name_or_path.lower().split("-")[0]
+    lowered = name_or_path.lower()
+    key = re.split(r"[-_ /]", lowered.strip())[0]
     if key not in CATALOGUE:
         raise ConfigError("--gpu", name_or_path, "unknown GPU", did_you_mean(key, CATALOGUE) + " (or a .toml file)")
-    return CATALOGUE[key]
+    hw = CATALOGUE[key]
+    stated = re.search(r"(\d+)\s*g", lowered.replace(key, "", 1))
+    memory = memory_gib or (float(stated.group(1)) if stated else None)
+    if not memory or memory == hw.memory_gib:
+        return hw
+    hbm = HBM2_40GB_GBPS if key == "a100" and memory <= 40 else hw.hbm_gbps
+    return replace(hw, name=f"{key}-{memory:g}gb", memory_gib=memory, hbm_gbps=hbm)
+
+
+# CPU ranks (gloo, one thread each), fitted by benchmarks/bench_planner_cpu.py on fived's measured
+# step times (see there); peak and memory are measured per host by `local_hardware`.
+CPU_MEDIAN_ERROR = 25.0  # % over the benchmark's layouts (what it printed)
+CPU = Hardware("cpu", 0.0, 0.0, 10.0, 2.0, 2.0, "cpu", link_latency_s=150e-6, network_latency_s=150e-6,
+               layer_overhead_s=1.5e-3, step_overhead_s=2e-3)
 
 
 def local_hardware(world: int) -> Hardware:
@@ -92,8 +122,6 @@ def local_hardware(world: int) -> Hardware:
     import torch
 
     if torch.cuda.is_available():
-        from dataclasses import replace
-
         name = torch.cuda.get_device_name().upper()
         for key, hw in CATALOGUE.items():
             if key.upper() in name:  # the catalogue's rates, this board's memory (A100 40GB, H100 NVL...)
@@ -101,7 +129,10 @@ def local_hardware(world: int) -> Hardware:
         raise ConfigError("--layout", "auto", f"the GPU '{name}' is not in the planner's catalogue",
                           "plan it with `fived plan --gpu my-gpu.toml` and pass the printed flags to fived train")
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return Hardware("cpu", device_peak_tflops(torch.float32), memory / max(world, 1), 10.0, 2.0, 2.0, "hopper")
+    cores = len(os.sched_getaffinity(0))
+    share = min(1.0, cores / max(world, 1))  # ranks beyond the cores share them
+    return replace(CPU, peak_tflops=device_peak_tflops(torch.float32) * share, memory_gib=memory / max(world, 1),
+                   layer_overhead_s=CPU.layer_overhead_s / share, step_overhead_s=CPU.step_overhead_s / share)
 
 
 def device_peak_tflops(dtype, configured: float = 0.0) -> float:
