@@ -14,13 +14,15 @@ rows it read and "row N skipped: <reason>" lines. Reading rules (each documented
 - GPU: `fived.planner.hardware.hardware(gpu_type, gpu_mem_GB)`: variants by their stated memory.
   The inter-node link, when the row states it as "N x M Gb/s" per node, replaces the catalogue's.
 - Layout: tp, pp, cp, ep, etp, vpp/pp_schedule, sp, micro_batch, recomputation, the ZeRO/FSDP wording
-  (`fived.planner.runtimes.zero_stage`). What the row leaves out is the planner's choice — the
+  (`fived.planner.runtimes.zero_stage`); an unsaid schedule in Megatron is its default, 1F1B.
+  What else the row leaves out is the planner's choice — the
   fastest option that fits the GPU's memory (or the fastest, when none fits) — and shown as such.
   dp inconsistent with gpus/(tp*pp*cp) is derived from the GPU count, and noted. --tp-comm-overlap
   implies sequence parallelism, --overlap-param-gather the distributed optimizer (Megatron requires it).
 - Global batch: global_batch_seqs, or global_batch_tokens / seq_len, or micro_batch x grad_accum x
   dp; unstated, the global batch per data-parallel rank of a row of the same source and model that
-  states one; else one micro-batch per rank, 4*pp with a pipeline.
+  states one; else, without a pipeline, one micro-batch per rank of the planner's size; with one,
+  4*pp micro-batches per rank.
 - Throughput, tokens/s per GPU: tokens_per_s_per_gpu, derived_tokens_per_s_per_gpu, or converted
   from step_time_s, tflops_per_gpu or mfu_pct with the papers' model-FLOP count (6 x matmul
   parameters + attention, no recomputation: `metrics.flops_per_token`).
@@ -55,7 +57,7 @@ class Row:
     cluster: Cluster
     runtime: Runtime
     seq_len: int
-    global_batch: int  # sequences
+    global_batch: int | None  # sequences; None: one micro-batch per data-parallel rank (size: planner's)
     fixed: dict  # layout fields the row states
     open: dict  # layout fields it leaves to the planner: name -> candidate values
     reported: float  # tokens/s per GPU
@@ -164,7 +166,7 @@ def _row(r: dict, label: str, records: list[dict]) -> Row:
     global_batch = _global_batch(r, records, fixed, notes)
     if fixed.get("micro_batch") is None:
         fixed.pop("micro_batch", None)
-        local = global_batch // max(1, fixed["dp"])
+        local = global_batch // max(1, fixed["dp"]) if global_batch else 8
         open_["micro_batch"] = [b for b in (1, 2, 4, 8) if local % b == 0] or [1]
     for name in [k for k in open_ if k in ("tp", "pp", "micro_batch", "checkpointing", "sp", "dp_replicate")]:
         notes.append(f"{name}: planner")
@@ -200,7 +202,7 @@ def _layout(r: dict, model: ModelConfig, cluster: Cluster, runtime: Runtime, not
         fixed["sp"] = fixed["tp"] > 1
     elif fixed["tp"] > 1 or "tp" in open_:
         open_["sp"] = [False, True]
-    _schedule(r, model, fixed, open_)
+    _schedule(r, model, fixed, open_, runtime)
     stated = zero_stage(text(r, "zero_or_fsdp"))
     zero = stated if stated is not None else (1 if "--overlap-param-gather" in remarks or "--use-distributed-optimizer"
                                               in remarks else 3 if runtime.name == "fsdp" else 0)
@@ -223,14 +225,15 @@ def _layout(r: dict, model: ModelConfig, cluster: Cluster, runtime: Runtime, not
     return fixed, open_
 
 
-def _schedule(r: dict, model: ModelConfig, fixed: dict, open_: dict) -> None:
+def _schedule(r: dict, model: ModelConfig, fixed: dict, open_: dict, runtime: Runtime) -> None:
+    """The row's schedule; unsaid, Megatron's default (1F1B without virtual stages), else the planner's."""
     pp = fixed["pp"]
     if pp == 1 and "pp" not in open_:
         return
     schedule, vpp = text(r, "pp_schedule").lower(), integer(r, "vpp")
     if pp > 1 and ("interleaved" in schedule or (vpp or 1) > 1):
         fixed.update(pp_schedule="interleaved-1f1b", pp_virtual=vpp or 2)
-    elif pp > 1 and "1f1b" in schedule:
+    elif pp > 1 and ("1f1b" in schedule or runtime.name.startswith("megatron")):
         fixed.update(pp_schedule="1f1b", pp_virtual=1)
     elif pp > 1:
         open_["pp_schedule"] = [("1f1b", 1)] + [("interleaved-1f1b", v) for v in (2, 3, 4)
@@ -258,7 +261,10 @@ def _global_batch(r: dict, records: list[dict], fixed: dict, notes: list) -> int
             if theirs and their_dp:
                 notes.append(f"global batch from row {text(other, 'row_id')}")
                 return theirs // their_dp * fixed["dp"]
-    notes.append("global batch: planner default")
+    if fixed["pp"] == 1 and not micro:
+        notes.append("batch: one micro-batch per rank, its size the planner's")
+        return None
+    notes.append("global batch: 4 x pp micro-batches per rank (unstated)")
     return fixed["dp"] * (micro or 1) * (4 * fixed["pp"] if fixed["pp"] > 1 else 1)
 
 
@@ -268,7 +274,7 @@ def _reported(r: dict, model: ModelConfig, seq: int, global_batch: int, cluster:
         if value:
             return value
     step = number(r, "step_time_s")
-    if step:
+    if step and global_batch:
         return global_batch * seq / step / cluster.gpus
     per_token = flops_per_token(model, seq)
     tflops = number(r, "tflops_per_gpu")

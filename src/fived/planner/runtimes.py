@@ -17,7 +17,8 @@ documented defaults:
   experts; FP8 GEMMs when the row's precision says FP8.
 - PyTorch FSDP (FSDP1/FSDP2, torchtitan-style or HF): fp32 sharded parameters gathered in bf16
   (float8 all-gather with FP8), reductions overlapped, eager kernels unless compiled.
-- DeepSpeed ZeRO, InternEvo and other ZeRO-style runtimes: as FSDP for the state (by stage), fused.
+- DeepSpeed ZeRO, InternEvo and other ZeRO-style runtimes: bf16 weights and gradients, fp32 master
+  and Adam sharded by stage; fused kernels unless the model is Hugging Face's.
 """
 from __future__ import annotations
 
@@ -114,8 +115,12 @@ def framework_runtime(framework: str, notes: str = "", precision: str = "") -> R
                        zero12_overlap="--overlap-grad-reduce" in text or overlap,
                        pipeline_grad_overlap="--overlap-grad-reduce" in text or overlap,
                        grouped_experts=True, flash_ring=True, fp8=fp8)
-    # DeepSpeed ZeRO, InternEvo and other ZeRO-style runtimes: fused kernels, overlapped reductions
-    return replace(_FSDP, name="zero-style", fused=True, zero12_overlap=True, fp8=fp8)
+    # DeepSpeed ZeRO, InternEvo and other ZeRO-style runtimes: bf16 weights and gradients, fp32 master
+    # weights and Adam in the (sharded) optimizer, overlapped reductions; fused kernels unless the
+    # model is Hugging Face's
+    eager = "hugging face" in text or "transformers" in text
+    return replace(_FSDP, name="zero-style", param_bytes=2, grad_bytes=2, master_bytes=4, fused=not eager,
+                   zero12_overlap="overlap_comm false" not in text, grad_overlap="overlap_comm false" not in text, fp8=fp8)
 
 
 def framework_activations(m, layout, seq_len: int, layers, first: bool, last: bool) -> int:

@@ -48,10 +48,13 @@ LINK_EFFICIENCY = 0.8  # share of a link's bandwidth ring collectives reach (fit
 # Fitted on tests/data/published_runs.csv by fived.planner.calibration.fit (see there). B200 and
 # MI300X have no published runs in it and use the Hopper figure: uncalibrated. "cpu": fitted on
 # fived's own CPU step times by benchmarks/bench_planner_cpu.py.
-EFFICIENCY = {"ampere": 0.825, "hopper": 0.725, "cpu": 0.5}  # share of dense peak for wide GEMMs
+EFFICIENCY = {"ampere": 0.75, "hopper": 0.625, "cpu": 0.5}  # share of dense peak for wide GEMMs
 WIDTH_HALF = 256.0  # per-GPU hidden width (dim/tp) at which GEMM efficiency halves (fitted)
-ROWS_HALF = 128.0  # tokens per GEMM (micro-batch, or routed to one expert) at which it halves (fitted)
-FP8_SPEEDUP = 1.6  # FP8 GEMM time relative to BF16 at the same shapes, casts included (fitted)
+ROWS_HALF = 128.0  # tokens per GEMM (micro-batch, or routed to one expert) at which it halves (assumed:
+#   the published runs' GEMMs all have thousands of tokens, so they cannot fit it)
+FP8_SPEEDUP = 1.4  # FP8 GEMM time relative to BF16 at the same shapes, casts included (fitted)
+EXPERT_EFFICIENCY = 0.6  # routed experts' share of a dense GEMM's efficiency at the same shapes:
+#   routing, permutation and grouped-GEMM overheads (fitted on the MoE runs)
 HBM_EFFICIENCY = 0.8  # share of HBM bandwidth element-wise kernels stream at (assumed)
 LAUNCH_S = 5e-6  # one kernel launch and its PyTorch dispatch on a GPU (assumed; hidden when queued)
 # Element-wise bytes per token and layer, forward + backward, (per hidden unit, per ffn unit):
@@ -198,7 +201,7 @@ def _compute(m: ModelConfig, L: Layout, hw: Hardware, runtime: Runtime, seq_len:
     dense_eff = efficiency(m.dim / L.tp, tokens_mb, hw)
     routed, attn = expert_share(m, seq_len), attention_share(m, seq_len)
     expert_rows = tokens_mb * m.top_k * L.ep / max(m.n_experts, 1) * L.tp / L.expert_tp
-    expert_eff = efficiency(m.dim / L.expert_tp, expert_rows, hw) if routed else 1.0
+    expert_eff = efficiency(m.dim / L.expert_tp, expert_rows, hw) * EXPERT_EFFICIENCY if routed else 1.0
     gemm = flops_gpu * ((1 - routed - attn) / dense_eff + routed / expert_eff) / peak
     if fp8:
         gemm /= FP8_SPEEDUP
