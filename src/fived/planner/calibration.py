@@ -30,7 +30,7 @@ from fived.planner import runtimes, timing
 from fived.planner.published import Row, read_runs
 from fived.planner.search import Plan, evaluate, expand
 
-OUT_OF_SAMPLE_ERROR = 9.5  # leave-one-source-out median absolute error, % (validate prints it)
+OUT_OF_SAMPLE_ERROR = 10.5  # leave-one-source-out median absolute error, % (validate prints it)
 # What tests/data/published_runs.csv covers (tests/test_planner.py checks it against the file)
 COVERAGE = {"rows": 76, "ampere": 48, "hopper": 28, "moe": 2, "fp8": 4, "cp": 0, "max_seq": 8192}
 GRIDS = {"ampere": [0.40 + 0.025 * i for i in range(21)], "hopper": [0.40 + 0.025 * i for i in range(21)],

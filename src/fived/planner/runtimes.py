@@ -25,7 +25,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
-MCORE_TP_OVERLAP = 0.75  # share of tp communication --tp-comm-overlap hides (fitted, fived.planner.calibration)
+MCORE_TP_OVERLAP = 1.0  # share of tp communication --tp-comm-overlap hides (fitted, fived.planner.calibration)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,8 @@ dimension on the link its group actually uses, the overlap the runtime allows, a
     attention (QK^T, AV): at the GEMM efficiency with a fused kernel; fived's context-parallel ring
       computes blocks with plain matmuls and streams the fp32 score matrix RING_SCORE_PASSES times.
     memory-bound element-wise work (norms, RoPE, activation, residual adds, casts) at HBM speed:
-      ELEMENTWISE_BYTES per token and layer, eager (fived) or fused (Transformer Engine, compile).
+      ELEMENTWISE_BYTES per token and layer, eager (fived) or fused (Transformer Engine, compile),
+      and fived's autocast weight copies (AUTOCAST_BYTES per parameter and micro-batch).
 - communication: the collectives of `fived.planner.communication` (the bytes `--report` checks
   against the ledger), each on the link its group uses: tp innermost on the mesh, then cp, then
   dp, pp outermost, so a group of ranks `stride` apart spanning `size` ranks stays in one node iff
@@ -57,12 +58,18 @@ EXPERT_EFFICIENCY = 0.6  # routed experts' share of a dense GEMM's efficiency at
 #   routing, permutation and grouped-GEMM overheads (fitted on the MoE runs)
 HBM_EFFICIENCY = 0.8  # share of HBM bandwidth element-wise kernels stream at (assumed)
 LAUNCH_S = 5e-6  # one kernel launch and its PyTorch dispatch on a GPU (assumed; hidden when queued)
-# Element-wise bytes per token and layer, forward + backward, (per hidden unit, per ffn unit):
-# eager (fived): two RMSNorms in fp32 (~6 passes of h each way), two residual adds, RoPE on q and k,
-# SiLU and product on the ffn width in bf16, the casts autocast makes; fused (Transformer Engine,
-# apex, compiled): norm and activation in one kernel each, RoPE fused into attention. (Counted
-# from the kernels each runs, not fitted: the GEMM efficiency absorbs what these miss.)
-ELEMENTWISE_BYTES = {"eager": (160.0, 30.0), "fused": (40.0, 12.0)}
+# Element-wise bytes per token and layer, forward + backward, (per hidden unit, per ffn unit), counted
+# from the kernels each runtime runs (not fitted: the GEMM efficiency absorbs what the counts miss):
+#   eager (fived's model; Hugging Face's alike): fp32 residual stream; F.rms_norm x2 (fwd 8h, bwd 16h
+#   each); autocast's bf16 copy of a norm's output per consuming linear, 5 of them (fwd 6h, bwd ~14h
+#   each, the fp32 gradients summed); RoPE on q and k in fp32 (rotate-half: ~38 B/element forward,
+#   twice that backward, on h + h/4); residual adds (fwd 10h, bwd 6h, x2); SDPA's layout copies (~12h);
+#   SiLU and product on the ffn width in bf16 (fwd 10f, bwd 18f)            ~ (340, 30)
+#   fused (Transformer Engine, apex, torch.compile): norms inside the linears, fused RoPE and SwiGLU,
+#   bf16 residual adds                                                     ~ (50, 16)
+ELEMENTWISE_BYTES = {"eager": (340.0, 30.0), "fused": (50.0, 16.0)}
+AUTOCAST_BYTES = 16  # per parameter and micro-batch (fived): fp32 -> bf16 copy in forward (r 4, w 2),
+#   its bf16 gradient cast and accumulated into the fp32 one in backward (r 2 + 4, w 4)
 RING_SCORE_PASSES = 29  # fp32 score-matrix reads+writes per ring block, forward 11 + backward 18 (context.py)
 
 
@@ -213,6 +220,9 @@ def _compute(m: ModelConfig, L: Layout, hw: Hardware, runtime: Runtime, seq_len:
     if L.cp > 1 and not runtime.flash_ring:  # fived's ring: the fp32 score matrix of every block
         heads = m.n_heads / L.tp
         elementwise += layers * micro * recompute * RING_SCORE_PASSES * 4 * heads * tokens_mb * seq_len * L.micro_batch
+    if runtime.autocast_copies:  # the weights this rank computes with, cast every micro-batch
+        layer_params = (4 * m.dim * m.dim + 3 * m.dim * ffn) / L.tp
+        elementwise += layers * micro * recompute * AUTOCAST_BYTES * layer_params
     memory_bound = elementwise / (hw.hbm_gbps * 1e9 * HBM_EFFICIENCY)
     launches = 0.0
     if m.is_moe and not runtime.grouped_experts and hw.layer_overhead_s == 0:  # (CPU: in the layer overhead)
