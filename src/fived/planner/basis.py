@@ -25,12 +25,12 @@ def basis(model: ModelConfig, cluster: Cluster, runtime: Runtime, layout: Layout
             lines.append("extrapolated: a model or sequence far larger than the benchmark's tiny ones")
         return lines
     runs = COVERAGE.get(hw.calibration, 0)
-    if runs:
+    if runs and hw.name.split("-")[0] in COVERAGE["gpus"]:
         lines = [f"calibrated: GEMM efficiency and link speeds fitted on {COVERAGE['rows']} published runs "
                  f"({runs} on {hw.calibration} GPUs); typical out-of-sample error {OUT_OF_SAMPLE_ERROR:.0f}% "
                  "(leave-one-source-out, `fived plan --validate`)"]
     else:
-        lines = [f"extrapolated: no published run on {hw.name} (it takes the Hopper constants)"]
+        lines = [f"extrapolated: no published run on {hw.name} (it takes the {hw.calibration} constants)"]
     if runtime.is_fived:
         lines.append("extrapolated: fived's own runtime on a GPU was never measured (no GPU was available): its "
                      "eager element-wise kernels are priced at HBM speed, its GEMMs at the published runs' efficiency")

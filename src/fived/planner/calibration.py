@@ -32,7 +32,8 @@ from fived.planner.search import Plan, evaluate, expand
 
 OUT_OF_SAMPLE_ERROR = 10.5  # leave-one-source-out median absolute error, % (validate prints it)
 # What tests/data/published_runs.csv covers (tests/test_planner.py checks it against the file)
-COVERAGE = {"rows": 76, "ampere": 48, "hopper": 28, "moe": 2, "fp8": 4, "cp": 0, "max_seq": 8192}
+COVERAGE = {"rows": 76, "ampere": 48, "hopper": 28, "moe": 2, "fp8": 4, "cp": 0, "max_seq": 8192,
+            "gpus": ("a100", "a800", "h100", "h800")}
 GRIDS = {"ampere": [0.40 + 0.025 * i for i in range(21)], "hopper": [0.40 + 0.025 * i for i in range(21)],
          "WIDTH_HALF": [0.0, 32.0, 64.0, 128.0, 256.0, 512.0],
          "LINK_EFFICIENCY": [0.5, 0.6, 0.7, 0.8, 0.9], "MCORE_TP_OVERLAP": [0.0, 0.25, 0.5, 0.75, 1.0],

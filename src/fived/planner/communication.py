@@ -46,6 +46,7 @@ from fived.planner.runtimes import FIVED, Runtime
 
 GROUPS = ("tp", "cp", "ep", "edp", "pp", "dp_cp", "dp_shard_cp", "dp_replicate")
 NORM = 8  # the clipping norm: one float64 per group
+DDP_BUCKET = 25 * 2**20  # DDP's default bucket (bytes)
 
 
 @dataclass(frozen=True)
@@ -176,8 +177,9 @@ def _data_parallel(add, m: ModelConfig, L: Layout, chunks, micro: int, dtype: st
     n_exp = sum(r * c * k for (r, c), k in expert)
     shards = L.dp_shard * L.cp
     r = runtime.reduce_bytes or (2 if dtype == "bfloat16" and L.reduce_dtype == "bfloat16" else WEIGHT_BYTES[dtype])
-    if L.zero == 0:
-        add("dp_cp", "all_reduce", n * r, 1, "dp")
+    if L.zero == 0:  # DDP's 25 MiB buckets, or one flat buffer under pipelines
+        buckets = 1 if L.pp > 1 else max(1, math.ceil(n * r / DDP_BUCKET))
+        add("dp_cp", "all_reduce", n * r / buckets, buckets, "dp")
     elif L.zero in (1, 2):
         padded = math.ceil(n / shards) * shards
         g = runtime.gather_bytes or WEIGHT_BYTES[dtype]
@@ -189,11 +191,14 @@ def _data_parallel(add, m: ModelConfig, L: Layout, chunks, micro: int, dtype: st
         g = runtime.gather_bytes or (2 if dtype == "bfloat16" else WEIGHT_BYTES[dtype])  # the compute dtype
         padded, root = _padded(dense, shards), _padded(ends, shards)
         keep = L.zero3_keep_gathered or L.pp > 1
+        layers = sum(len(c[0]) for c in chunks)
+        modules = layers + len(chunks)  # one collective per block and per chunk's root, each call
         if keep:
-            add("dp_shard_cp", "all_gather_single", padded * g, 1, "dp_gather")
+            add("dp_shard_cp", "all_gather_single", padded * g / modules, modules, "dp_gather")
         else:  # per micro-batch: everything for forward, the blocks again for backward (the root stays)
-            add("dp_shard_cp", "all_gather_single", (2 * padded - root) * g, micro, "dp_gather")
-        add("dp_shard_cp", "reduce_scatter_single", padded * r, 1, "dp")
+            add("dp_shard_cp", "all_gather_single", (2 * padded - root) * g / (modules + layers),
+                micro * (modules + layers), "dp_gather")
+        add("dp_shard_cp", "reduce_scatter_single", padded * r / modules, modules, "dp")
         add("dp_replicate", "all_reduce", padded // shards * r, 1, "dp")
         add("dp_shard_cp", "all_reduce", NORM, 1, "dp")
         edp = group_span(L, "edp")[0]

@@ -131,8 +131,10 @@ def local_hardware(world: int) -> Hardware:
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     cores = len(os.sched_getaffinity(0))
     share = min(1.0, cores / max(world, 1))  # ranks beyond the cores share them
+    # host work and every collective's synchronisation wait for the ranks sharing a core
     return replace(CPU, peak_tflops=device_peak_tflops(torch.float32) * share, memory_gib=memory / max(world, 1),
-                   layer_overhead_s=CPU.layer_overhead_s / share, step_overhead_s=CPU.step_overhead_s / share)
+                   layer_overhead_s=CPU.layer_overhead_s / share, step_overhead_s=CPU.step_overhead_s / share,
+                   link_latency_s=CPU.link_latency_s / share, network_latency_s=CPU.network_latency_s / share)
 
 
 def device_peak_tflops(dtype, configured: float = 0.0) -> float:
