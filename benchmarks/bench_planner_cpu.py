@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import statistics
 import sys
@@ -63,6 +64,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--global-batch", type=int, default=16)
     p.add_argument("--fit", action="store_true", help="refit the CPU constants on the measured times")
+    p.add_argument("--save", metavar="FILE.json", help="write the measured step times (median per layout) to FILE")
+    p.add_argument("--load", metavar="FILE.json", help="use times saved by --save instead of measuring")
     return p.parse_args()
 
 
@@ -85,6 +88,18 @@ def auto_layout(args: argparse.Namespace):
                 cfg.train.global_batch, cfg.train.dtype).plans[0].layout
     fields = {k.split(".")[1]: v for k, v in best.overrides(args.global_batch).items() if k.startswith("parallel.")}
     return ("tiny", fields, best.microbatches(args.global_batch)), best
+
+
+def _index(layouts, layout) -> int | None:
+    """Where `layout` (model, parallel fields, micro-batches) is among `layouts`, fields compared with
+    the runtime's defaults filled in."""
+    from fived.mesh import Layout
+
+    def key(entry):
+        m, f, micro = entry
+        return m, micro, Layout(**{k: v for k, v in f.items() if k != "dp"}).with_(dp=f.get("dp", 1))
+
+    return next((i for i, entry in enumerate(layouts) if key(entry) == key(layout)), None)
 
 
 def rank_main(layouts, args: argparse.Namespace) -> dict:
@@ -132,7 +147,10 @@ GRIDS = {"efficiency": [0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0],
          "layer_overhead_s": [x * 1e-4 for x in (1, 2, 4, 6, 8, 10, 14, 20, 30, 45)],
          "step_overhead_s": [x * 1e-3 for x in (0, 1, 2, 3, 5, 8, 12, 20)],
          "link_latency_s": [x * 1e-6 for x in (50, 100, 200, 400, 700, 1000, 1500, 2000, 3000, 5000, 8000)],
-         "nvlink_gbps": [0.5, 1.0, 2.0, 4.0, 8.0]}
+         "nvlink_gbps": [0.5, 1.0, 2.0, 4.0, 8.0],
+         "zero3_overhead_s": [x * 1e-3 for x in (0, 1, 2, 3, 4, 6, 8, 12, 16)],
+         "peer_latency_s": [x * 1e-6 for x in (0, 100, 200, 400, 700, 1000, 1500, 2000, 3000)],
+         "launch_s": [x * 1e-6 for x in (5, 20, 50, 100, 200, 400, 700, 1000)]}
 
 
 def fit(layouts, measured, args, base_hw):
@@ -174,19 +192,23 @@ def main() -> int:
     print(f"planner vs fived on CPU | torch {torch.__version__} | {args.world} ranks, gloo, OMP_NUM_THREADS=1 | "
           f"cpus {len(os.sched_getaffinity(0))} | load {load:.2f} at start | float32, tiny models, global batch "
           f"{args.global_batch} x seq {args.seq_len} | {args.steps} timed steps per layout, interleaved")
-    auto, chosen = auto_layout(args)
-    layouts = list(LAYOUTS)
-    auto_index = next((i for i, (m, f, micro) in enumerate(layouts)
-                       if m == auto[0] and micro == auto[2] and all(f.get(k, v) == v for k, v in auto[1].items()
-                                                                      if k in ("dp", "tp", "pp", "cp", "ep", "zero",
-                                                                               "dp_replicate", "sp"))), None)
-    if auto_index is None:
-        layouts.append(auto)
-        auto_index = len(layouts) - 1
-    results = run_ranks(args.world, rank_main, layouts, args, timeout_s=1800.0)
-    measured = [statistics.median(max(r["times"][j][i] for r in results) for i in range(args.steps))
-                for j in range(len(layouts))]
-    print(f"load {os.getloadavg()[0]:.2f} at end")
+    layouts = [tuple(x) for x in LAYOUTS]
+    if args.load:
+        with open(args.load) as f:
+            saved = json.load(f)
+        layouts, measured = [tuple(x) for x in saved["layouts"]], saved["measured"]
+        print(f"times from {args.load} (measured under load {saved['load']:.2f})")
+    else:
+        auto, _ = auto_layout(args)
+        if _index(layouts, auto) is None:
+            layouts.append(auto)
+        results = run_ranks(args.world, rank_main, layouts, args, timeout_s=1800.0)
+        measured = [statistics.median(max(r["times"][j][i] for r in results) for i in range(args.steps))
+                    for j in range(len(layouts))]
+        print(f"load {os.getloadavg()[0]:.2f} at end (this benchmark's own ranks included)")
+    if args.save:
+        with open(args.save, "w") as f:
+            json.dump({"layouts": layouts, "measured": measured, "load": load}, f)
     hw = local_hardware(args.world)
     if args.fit:
         loo = []
@@ -200,16 +222,23 @@ def main() -> int:
         share = min(1.0, len(os.sched_getaffinity(0)) / args.world)
         print(f"fitted: EFFICIENCY['cpu'] = {EFFICIENCY['cpu']}; at a whole core per rank (times the rank's core "
               f"share {share:g}): layer_overhead_s = {hw.layer_overhead_s * share:.2e}, step_overhead_s = "
-              f"{hw.step_overhead_s * share:.2e}, link_latency_s = {hw.link_latency_s * share:.2e}; link GB/s = "
+              f"{hw.step_overhead_s * share:.2e}, link_latency_s = {hw.link_latency_s * share:.2e}, peer_latency_s = "
+              f"{hw.peer_latency_s * share:.2e}, launch_s = {hw.launch_s * share:.2e}, zero3_overhead_s = "
+              f"{hw.zero3_overhead_s * share:.2e}; link GB/s = "
               f"{hw.nvlink_gbps}")
         print(f"leave-one-layout-out median absolute error: {statistics.median(loo):.1f}%")
     predicted = predict(layouts, args, hw)
+    auto, chosen = auto_layout(args)  # with the constants now in force
+    auto_index = _index(layouts, auto)
     print(f"\n{'#':>3}  {'layout':<44} {'measured ms':>12} {'predicted ms':>13} {'error':>7}")
     for i, ((m, f, micro), got, want) in enumerate(zip(layouts, measured, predicted)):
         label = f"{m} " + " ".join(f"{k}{'' if v is True else v}" for k, v in f.items() if v not in (1, False) or k == "zero")
         label += f" mb{micro}" + ("  <- --layout auto" if i == auto_index else "")
         print(f"{i + 1:>3}  {label:<44} {got * 1e3:>12.1f} {want * 1e3:>13.1f} {(want / got - 1) * 100:>+6.1f}%")
     fastest = min(range(len(layouts)), key=lambda i: measured[i])
+    if auto_index is None:
+        print(f"\n--layout auto picks {chosen.describe()}, not among the measured layouts: run without --load")
+        return 1
     ratio = measured[auto_index] / measured[fastest]
     print(f"\n--layout auto picks {chosen.describe()}: measured {measured[auto_index] * 1e3:.1f} ms, the fastest "
           f"measured layout (#{fastest + 1}) {measured[fastest] * 1e3:.1f} ms: {ratio:.3f}x "

@@ -11,7 +11,7 @@ dimension on the link its group actually uses, the overlap the runtime allows, a
       micro-batch's tokens, and for routed experts the tokens each expert receives (top_k/E of
       them, times ep: expert parallelism gathers an expert's tokens from ep ranks). FP8 GEMMs (a
       runtime with FP8 on a GPU with FP8 tensor cores) take 1/FP8_SPEEDUP of the time (fitted).
-      Experts run as a loop (fived) pay a kernel launch per expert GEMM (LAUNCH_S each).
+      Experts run as a loop (fived) pay a kernel launch per expert GEMM (the hardware's launch_s).
     attention (QK^T, AV): at the GEMM efficiency with a fused kernel; fived's context-parallel ring
       computes blocks with plain matmuls and streams the fp32 score matrix RING_SCORE_PASSES times.
     memory-bound element-wise work (norms, RoPE, activation, residual adds, casts) at HBM speed:
@@ -26,7 +26,8 @@ dimension on the link its group actually uses, the overlap the runtime allows, a
 - overlap (`Runtime`): `tp_overlap` of tp hidden; the ring behind the attention it overlaps with;
   the dp reduction behind the last micro-batch's backward and ZeRO-3's prefetched gathers behind
   the step's compute, where the runtime overlaps them.
-- pipeline bubble: from the schedule simulator (`fived.parallel.schedule_sim.pipeline_profile`).
+- pipeline bubble: from the schedule simulator (`fived.parallel.schedule_sim.pipeline_profile`);
+  ranks sharing cores (CPU) fill each other's idle time.
 - optimizer: AdamW streams 28 bytes per owned parameter (read p, g, m, v; write p, m, v, fp32).
 - overhead: host work the device does not hide (CPU ranks: per layer and micro-batch, per step).
 """
@@ -49,7 +50,7 @@ LINK_EFFICIENCY = 0.8  # share of a link's bandwidth ring collectives reach (fit
 # Fitted on tests/data/published_runs.csv by fived.planner.calibration.fit (see there). B200 and
 # MI300X have no published runs in it and use the Hopper figure: uncalibrated. "cpu": fitted on
 # fived's own CPU step times by benchmarks/bench_planner_cpu.py.
-EFFICIENCY = {"ampere": 0.75, "hopper": 0.625, "cpu": 0.5}  # share of dense peak for wide GEMMs
+EFFICIENCY = {"ampere": 0.75, "hopper": 0.625, "cpu": 0.2}  # share of dense peak for wide GEMMs
 WIDTH_HALF = 256.0  # per-GPU hidden width (dim/tp) at which GEMM efficiency halves (fitted)
 ROWS_HALF = 128.0  # tokens per GEMM (micro-batch, or routed to one expert) at which it halves (assumed:
 #   the published runs' GEMMs all have thousands of tokens, so they cannot fit it)
@@ -57,7 +58,6 @@ FP8_SPEEDUP = 1.4  # FP8 GEMM time relative to BF16 at the same shapes, casts in
 EXPERT_EFFICIENCY = 0.6  # routed experts' share of a dense GEMM's efficiency at the same shapes:
 #   routing, permutation and grouped-GEMM overheads (fitted on the MoE runs)
 HBM_EFFICIENCY = 0.8  # share of HBM bandwidth element-wise kernels stream at (assumed)
-LAUNCH_S = 5e-6  # one kernel launch and its PyTorch dispatch on a GPU (assumed; hidden when queued)
 # Element-wise bytes per token and layer, forward + backward, (per hidden unit, per ffn unit), counted
 # from the kernels each runtime runs (not fitted: the GEMM efficiency absorbs what the counts miss):
 #   eager (fived's model; Hugging Face's alike): fp32 residual stream; F.rms_norm x2 (fwd 8h, bwd 16h
@@ -136,7 +136,10 @@ _RING = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather_single": lambda n:
 
 
 def efficiency(width: float, rows: float, hw: Hardware) -> float:
-    """Share of peak a GEMM with `rows` tokens and a per-GPU hidden `width` reaches."""
+    """Share of peak a GEMM with `rows` tokens and a per-GPU hidden `width` reaches. (CPU ranks: the
+    share of the matmul rate measured on the host, whatever the shape.)"""
+    if hw.calibration == "cpu":
+        return EFFICIENCY["cpu"]
     return EFFICIENCY[hw.calibration] * width / (width + WIDTH_HALF) * rows / (rows + ROWS_HALF)
 
 
@@ -169,14 +172,18 @@ def step_time(model: ModelConfig, layout: Layout, cluster: Cluster, seq_len: int
     time: dict[str, float] = defaultdict(float)
     moved: dict[str, float] = defaultdict(float)
     links = {}
+    host = 0.0  # FSDP2's host work per gather / reduce-scatter (CPU ranks: not hidden)
     for c in collectives:
         if not c.part:
             continue
+        if L.zero == 3 and c.group in ("dp_shard_cp", "edp") and c.op != "all_reduce":
+            host += c.calls * hw.zero3_overhead_s
         if c.group not in links:
             size, stride = group_span(L, c.group)
             links[c.group] = (size,) + _link(cluster, stride, size)
         size, bandwidth, latency = links[c.group]
-        time[c.part] += c.calls * (_RING[c.op](size) * c.nbytes / bandwidth + latency)
+        steps = 1 if c.op == "send" else _RING[c.op](size) * size  # ring steps: n-1, 2(n-1) for all-reduce
+        time[c.part] += c.calls * (_RING[c.op](size) * c.nbytes / bandwidth + latency + steps * hw.peer_latency_s)
         moved[c.group] += c.total
     tp = time["tp"] * (1 - runtime.tp_overlap)
     cp = max(0.0, time["cp"] - attention)  # the ring hides behind the attention blocks
@@ -192,9 +199,11 @@ def step_time(model: ModelConfig, layout: Layout, cluster: Cluster, seq_len: int
     bubble = 0.0
     if L.pp > 1:
         frac = pipeline_profile(L.pp_schedule, L.pp, L.pp_virtual, micro)[0]
-        bubble = (compute + tp + cp + ep + pp) * frac / (1 - frac)
+        # a rank idles frac of the step; ranks sharing cores run in each other's idle time: the step is
+        # the busiest rank's work, or its critical path at a whole core if that is longer
+        bubble = (compute + tp + cp + ep + pp) * max(0.0, hw.core_share / (1 - frac) - 1)
     optimizer = 28 * owned_parameters(m, L, chunks) / (hw.hbm_gbps * 1e9)
-    overhead = hw.layer_overhead_s * layers_here * micro * (1 + recompute) + hw.step_overhead_s
+    overhead = hw.layer_overhead_s * layers_here * micro * (1 + recompute) + hw.step_overhead_s + host
     return StepTime(compute, bubble, tp, cp, ep, pp, dp, optimizer, tokens, L.world, model_flops,
                     hw.peak_tflops * 1e12, dict(moved), overhead)
 
@@ -225,9 +234,9 @@ def _compute(m: ModelConfig, L: Layout, hw: Hardware, runtime: Runtime, seq_len:
         elementwise += layers * micro * recompute * AUTOCAST_BYTES * layer_params
     memory_bound = elementwise / (hw.hbm_gbps * 1e9 * HBM_EFFICIENCY)
     launches = 0.0
-    if m.is_moe and not runtime.grouped_experts and hw.layer_overhead_s == 0:  # (CPU: in the layer overhead)
+    if m.is_moe and not runtime.grouped_experts:  # a loop over the rank's experts: 3 GEMMs x (fwd, 2 bwd)
         moe_layers = layers * (m.n_layers - m.n_dense_layers) / m.n_layers
-        launches = moe_layers * micro * recompute * 9 * (m.n_experts // L.ep) * LAUNCH_S  # 3 GEMMs x (fwd, 2 bwd)
+        launches = moe_layers * micro * recompute * 9 * (m.n_experts // L.ep) * hw.launch_s
     return gemm + attention + memory_bound + launches, attention
 
 
