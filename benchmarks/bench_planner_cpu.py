@@ -230,6 +230,11 @@ def main() -> int:
     predicted = predict(layouts, args, hw)
     auto, chosen = auto_layout(args)  # with the constants now in force
     auto_index = _index(layouts, auto)
+    return report(layouts, measured, predicted, auto_index, chosen)
+
+
+def report(layouts, measured, predicted, auto_index, chosen) -> int:
+    """The table, the auto choice against the fastest measured layout, the median error; exit code."""
     print(f"\n{'#':>3}  {'layout':<44} {'measured ms':>12} {'predicted ms':>13} {'error':>7}")
     for i, ((m, f, micro), got, want) in enumerate(zip(layouts, measured, predicted)):
         label = f"{m} " + " ".join(f"{k}{'' if v is True else v}" for k, v in f.items() if v not in (1, False) or k == "zero")
