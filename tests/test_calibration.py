@@ -58,15 +58,19 @@ def test_reader_never_crashes(tmp_path):
         dict(BASE, row_id="6", tokens_per_s_per_gpu="", tflops_per_gpu="n/a"),
         dict(BASE, row_id="7", gpu_type="tpu-v5"),
         dict(BASE, row_id="8", num_gpus="15"),
+        dict(BASE, row_id="9", model="folded", kv_heads="4", moe_experts="16", moe_top_k="2", moe_ffn_hidden="1024",
+             ep="16", etp="", framework="Megatron-Core", gpu_type="NVIDIA H100 80GB HBM3", first_k_dense_replace="1"),
     ]
     path = _write(tmp_path / "runs.csv", rows)
     read, skipped = read_runs(path)
-    assert [r.row_id for r in read] == ["1", "2", "3", "4"]
+    assert [r.row_id for r in read] == ["1", "2", "3", "4", "9"]
     assert skipped == ["row 5 skipped: hidden='abc' is not a number",
                        "row 6 skipped: no throughput (tokens/s, step time, TFLOP/s or MFU)",
                        "row 7 skipped: gpu_type='tpu-v5': unknown GPU",
                        "row 8 skipped: num_gpus=15 is not a multiple of tp*pp*cp=2"]
-    one, two, moe, deepspeed = read
+    one, two, moe, deepspeed, folded = read
+    assert folded.fixed["etp"] == 1 and folded.model.n_dense_layers == 1 and "experts folded over tp" in folded.notes[0]
+    assert not predict(folded).layout.runnable and folded.cluster.hardware.name == "h100"
     assert "tp" in one.open and "tp: planner" in one.notes
     assert two.fixed["dp"] == 8 and "dp 5 -> 8 (gpus/(tp*pp*cp))" in two.notes and two.global_batch == 256
     m = moe.model
@@ -78,7 +82,8 @@ def test_reader_never_crashes(tmp_path):
     lines = []
     result = validate(path, printer=lines.append, out_of_sample=False)
     assert lines[-1] == f"median absolute error: {result['median']:.1f}%"
-    assert lines[-2] == "predicted 4 of 8 rows" and (result["predicted"], result["rows"]) == (4, 8)
+    assert lines[-2] == "predicted 5 of 9 rows" and (result["predicted"], result["rows"]) == (5, 9)
+    assert any(line.startswith("   9 ") and "not runnable by fived yet" in line for line in lines)
     assert sum(line.startswith("row ") and "skipped:" in line for line in lines) == 4
     assert all(predict(r).time.tokens_per_s_per_gpu > 0 for r in read)
 

@@ -10,7 +10,8 @@ rows it read and "row N skipped: <reason>" lines. Reading rules (each documented
   its architecture notes say so, or, unsaid, when it has grouped-query attention or a Llama-family
   name. Missing kv_heads: multi-head attention; missing ffn_hidden: 4 x hidden (GeLU). MoE columns:
   moe_experts, moe_top_k (default 2), moe_shared_experts, moe_ffn_hidden (default ffn_hidden), the
-  first dense layers (a column naming "dense", or "first N ... dense" in the notes).
+  first dense layers (a column naming "dense", or "first N ... dense" in the notes). Expert
+  parallelism wider than dp*cp spans the tp ranks: Megatron-Core's folding, etp 1 unless stated.
 - GPU: `fived.planner.hardware.hardware(gpu_type, gpu_mem_GB)`: variants by their stated memory.
   The inter-node link, when the row states it as "N x M Gb/s" per node, replaces the catalogue's.
 - Layout: tp, pp, cp, ep, etp, vpp/pp_schedule, sp, micro_batch, recomputation, the ZeRO/FSDP wording
@@ -42,7 +43,6 @@ from fived.planner.timing import Cluster
 
 MISSING = ("", "n/a", "na", "-", "?", "unknown", "not stated", "none stated", "nan", "null")
 GATED_NAMES = ("llama", "mistral", "mixtral", "qwen", "internlm", "olmo", "deepseek", "aquila", "baichuan", "yi-")
-DENSE_COLUMNS = ("moe_first_dense_layers", "first_dense_layers", "moe_dense_layers", "n_dense_layers", "first_k_dense")
 
 
 class Skip(Exception):
@@ -126,7 +126,7 @@ def _model(r: dict) -> ModelConfig:
     experts = integer(r, "moe_experts") or 0
     moe = {}
     if experts > 1:
-        dense = next((integer(r, c) for c in DENSE_COLUMNS if integer(r, c) is not None), None)
+        dense = next((integer(r, c) for c in r if c and "dense" in c.lower() and integer(r, c) is not None), None)
         said = re.search(r"first (\d+) (?:layers? )?(?:are )?dense", notes)
         moe = dict(n_experts=experts, top_k=integer(r, "moe_top_k") or 2,
                    n_shared_experts=integer(r, "moe_shared_experts") or 0,
@@ -185,13 +185,16 @@ def _layout(r: dict, model: ModelConfig, cluster: Cluster, runtime: Runtime, not
     if pp is None:
         open_["pp"] = [1]
     fixed = {"tp": tp or 1, "pp": pp or 1, "cp": cp, "ep": ep}
-    if tp is not None and etp is not None and etp != tp:
-        fixed["etp"] = etp
     model_parallel = fixed["tp"] * fixed["pp"] * cp
     if gpus % model_parallel:
         raise Skip(f"num_gpus={gpus} is not a multiple of tp*pp*cp={model_parallel}")
     dp = integer(r, "dp")
     fixed["dp"] = gpus // model_parallel
+    if tp is not None and etp is not None and etp != tp:
+        fixed["etp"] = etp
+    elif ep > 1 and (fixed["dp"] * cp) % ep and fixed["tp"] > 1:  # wider than dp*cp: folded over tp
+        fixed["etp"] = 1
+        notes.append(f"ep{ep} > dp*cp: experts folded over tp (etp 1)")
     if dp is not None and dp != fixed["dp"] and "tp" not in open_:
         notes.append(f"dp {dp} -> {fixed['dp']} (gpus/(tp*pp*cp))")
     remarks = f"{text(r, 'framework')} {text(r, 'notes')}"
