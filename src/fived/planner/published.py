@@ -10,7 +10,7 @@ rows it read and "row N skipped: <reason>" lines. Reading rules (each documented
   its architecture notes say so, or, unsaid, when it has grouped-query attention or a Llama-family
   name. Missing kv_heads: multi-head attention; missing ffn_hidden: 4 x hidden (GeLU). MoE columns:
   moe_experts, moe_top_k (default 2), moe_shared_experts, moe_ffn_hidden (default ffn_hidden), the
-  first dense layers (a column naming "dense", or "first N ... dense" in the notes). Expert
+  first dense layers (a column naming dense layers, or "first N ... dense" in the notes). Expert
   parallelism wider than dp*cp spans the tp ranks: Megatron-Core's folding, etp 1 unless stated.
 - GPU: `fived.planner.hardware.hardware(gpu_type, gpu_mem_GB)`: variants by their stated memory.
   The inter-node link, when the row states it as "N x M Gb/s" per node, replaces the catalogue's.
@@ -126,7 +126,8 @@ def _model(r: dict) -> ModelConfig:
     experts = integer(r, "moe_experts") or 0
     moe = {}
     if experts > 1:
-        dense = next((integer(r, c) for c in r if c and "dense" in c.lower() and integer(r, c) is not None), None)
+        columns = [c for c in r if c and "dense" in c.lower() and ("layer" in c.lower() or "first" in c.lower())]
+        dense = next((integer(r, c) for c in columns if integer(r, c) is not None), None)
         said = re.search(r"first (\d+) (?:layers? )?(?:are )?dense", notes)
         moe = dict(n_experts=experts, top_k=integer(r, "moe_top_k") or 2,
                    n_shared_experts=integer(r, "moe_shared_experts") or 0,
@@ -134,6 +135,8 @@ def _model(r: dict) -> ModelConfig:
                    n_dense_layers=dense if dense is not None else int(said.group(1)) if said else 0)
     if kv > heads or heads % kv:
         raise Skip(f"kv_heads={kv} does not divide heads={heads}")
+    if moe and moe["n_dense_layers"] >= layers:
+        raise Skip(f"{moe['n_dense_layers']} first dense layers of {layers}: no MoE layer left")
     return ModelConfig(name=text(r, "model"), vocab_size=vocab, dim=hidden, n_layers=layers, n_heads=heads,
                        n_kv_heads=kv, ffn_dim=ffn, **moe)
 

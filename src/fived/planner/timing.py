@@ -50,7 +50,7 @@ LINK_EFFICIENCY = 0.8  # share of a link's bandwidth ring collectives reach (fit
 # Fitted on tests/data/published_runs.csv by fived.planner.calibration.fit (see there). B200 and
 # MI300X have no published runs in it and use the Hopper figure: uncalibrated. "cpu": fitted on
 # fived's own CPU step times by benchmarks/bench_planner_cpu.py.
-EFFICIENCY = {"ampere": 0.75, "hopper": 0.625, "cpu": 0.2}  # share of dense peak for wide GEMMs
+EFFICIENCY = {"ampere": 0.75, "hopper": 0.65, "cpu": 0.2}  # share of dense peak for wide GEMMs
 WIDTH_HALF = 256.0  # per-GPU hidden width (dim/tp) at which GEMM efficiency halves (fitted)
 ROWS_HALF = 128.0  # tokens per GEMM (micro-batch, or routed to one expert) at which it halves (assumed:
 #   the published runs' GEMMs all have thousands of tokens, so they cannot fit it)
