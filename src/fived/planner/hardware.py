@@ -102,7 +102,7 @@ def hardware(name_or_path: str, memory_gib: float | None = None) -> Hardware:
             raise ConfigError(f"{name_or_path}: calibration", hw.calibration, "unknown", "ampere or hopper")
         return hw
     lowered = name_or_path.lower()
-    named = re.search(r"\b(" + "|".join(CATALOGUE) + r")", lowered)  # "NVIDIA H100 80GB HBM3", "DGX A100"
+    named = re.search(r"\b(" + "|".join(CATALOGUE) + r")(?!\d)", lowered)  # "NVIDIA H100 80GB HBM3", "DGX A100"
     key = named.group(1) if named else re.split(r"[-_ /]", lowered.strip())[0]
     if key not in CATALOGUE:
         raise ConfigError("--gpu", name_or_path, "unknown GPU", did_you_mean(key, CATALOGUE) + " (or a .toml file)")
