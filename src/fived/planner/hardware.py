@@ -119,7 +119,7 @@ def hardware(name_or_path: str, memory_gib: float | None = None) -> Hardware:
 # step times on this project's 2-core machine (see there; on another host, refit with --fit). The
 # matmul rate is that host's one-thread float32 rate (device_peak_tflops, best of five), kept fixed:
 # measured again at plan time it would follow whatever else the host runs that instant.
-CPU_MEDIAN_ERROR = 14.0  # % over the benchmark's layouts (what a run printed, under load 9: see README)
+CPU_MEDIAN_ERROR = 13.5  # % over the benchmark's layouts (what a run printed: see README)
 CPU = Hardware("cpu", 0.105, 0.0, 10.0, 0.5, 0.5, "cpu", link_latency_s=1e-3, network_latency_s=1e-3,
                layer_overhead_s=2.25e-3, step_overhead_s=4e-3, peer_latency_s=2e-4, launch_s=2.5e-6,
                zero3_overhead_s=4e-3)
