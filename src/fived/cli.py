@@ -151,12 +151,16 @@ def cmd_plan(ns: argparse.Namespace) -> int:
 
     from fived.planner import calibration, explain
     from fived.planner.hardware import hardware
+    from fived.planner.runtimes import PLANNED_RUNTIMES
     from fived.planner.search import plan
     from fived.planner.timing import Cluster
 
     if ns.validate:
         calibration.validate(ns.validate)
         return 0
+    if ns.memory_headroom < 0:
+        raise ConfigError("--memory-headroom", ns.memory_headroom, "must be >= 0 (GiB left free on each GPU)", "e.g. 3")
+    runtime = PLANNED_RUNTIMES[ns.runtime]
     missing = [flag for flag, v in (("--model", ns.model), ("--gpus", ns.gpus), ("--seq", ns.seq),
                                     ("--global-batch-tokens", ns.global_batch_tokens)) if v is None]
     if missing:
@@ -172,13 +176,23 @@ def cmd_plan(ns: argparse.Namespace) -> int:
                           f"e.g. {max(1, ns.global_batch_tokens // ns.seq) * ns.seq}")
     cluster = Cluster(hardware(ns.gpu), ns.gpus, min(ns.gpus_per_node, ns.gpus))
     global_batch = ns.global_batch_tokens // ns.seq
-    search = plan(model, cluster, ns.seq, global_batch, "bfloat16")  # bf16 mixed precision, priced at the bf16 peak
+    if ns.memory_headroom >= cluster.hardware.memory_gib:
+        raise ConfigError("--memory-headroom", ns.memory_headroom, f"leaves nothing of {cluster.hardware.memory_gib:g} "
+                          "GiB per GPU", "a few GiB, e.g. 3")
+    # bf16 mixed precision, priced at the bf16 peak (FP8 GEMMs at the FP8 peak with a -fp8 runtime)
+    search = plan(model, cluster, ns.seq, global_batch, "bfloat16", runtime, ns.memory_headroom)
     if ns.json:
-        print(json.dumps(explain.to_json(search, model, cluster, ns.seq, global_batch, ns.top), indent=1))
+        print(json.dumps(explain.to_json(search, model, cluster, ns.seq, global_batch, ns.top, runtime,
+                                         ns.memory_headroom), indent=1))
     else:
         model_arg = f"--config {ns.model}" if ns.model.endswith(".toml") else f"--model {ns.model}"
-        print(explain.report(search, model, cluster, ns.seq, global_batch, ns.top, model_arg))
+        print(explain.report(search, model, cluster, ns.seq, global_batch, ns.top, model_arg, runtime=runtime,
+                             headroom_gib=ns.memory_headroom))
     return 0 if search.plans else 1
+
+
+DEFAULT_HEADROOM_GIB = 3.0  # so that a winner is not packed to the last GiB of the planner's estimate
+RUNTIME_CHOICES = ("fived", "megatron-core", "megatron-core-fp8", "fsdp", "fsdp-fp8")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -208,7 +222,13 @@ def build_parser() -> argparse.ArgumentParser:
     planp.add_argument("--global-batch-tokens", type=int, help="tokens per optimizer step")
     planp.add_argument("--top", type=int, default=5, help="plans to list (default 5)")
     planp.add_argument("--json", action="store_true", help="machine-readable output")
-    planp.add_argument("--validate", metavar="FILE.csv", help="predict published runs and print the error per row")
+    planp.add_argument("--validate", metavar="FILE.csv", help="predict published runs and print the error per row, "
+                       "in sample and leave-one-source-out")
+    planp.add_argument("--memory-headroom", type=float, default=DEFAULT_HEADROOM_GIB, metavar="GIB",
+                       help=f"GiB each GPU keeps free beyond the planner's peak (default {DEFAULT_HEADROOM_GIB:g})")
+    planp.add_argument("--runtime", default="fived", choices=RUNTIME_CHOICES,
+                       help="plan for fived (default: what `fived train` runs) or, to compare, another runtime "
+                            "(its layouts may not be runnable by fived)")
     planp.set_defaults(func=cmd_plan)
     prep = sub.add_parser("prepare-data", help="tokenize text files into a token file (numpy memmap)")
     prep.add_argument("inputs", nargs="+", help="text files, concatenated in order")

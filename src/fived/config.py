@@ -177,7 +177,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def _close(name: str, options) -> str:
+def did_you_mean(name: str, options) -> str:
+    """The hint of a ConfigError for a name that is not one of `options`."""
     match = difflib.get_close_matches(name, list(options), n=1)
     return f"did you mean '{match[0]}'?" if match else "valid: " + ", ".join(sorted(options))
 
@@ -186,7 +187,7 @@ def coerce(section: str, key: str, value: Any) -> Any:
     """Convert a TOML or command-line value to the field's declared type, or raise ConfigError."""
     types = {k: f.type for k, f in _fields_by_key(section).items()}
     if key not in types:
-        raise ConfigError(f"{section}.{key}", value, "unknown field", _close(key, types))
+        raise ConfigError(f"{section}.{key}", value, "unknown field", did_you_mean(key, types))
     kind = types[key] if isinstance(types[key], str) else types[key].__name__
     try:
         if kind == "bool":
@@ -208,7 +209,7 @@ def coerce(section: str, key: str, value: Any) -> Any:
 
 def model_preset(name: str) -> ModelConfig:
     if name not in PRESETS:
-        raise ConfigError("model.name", name, "unknown preset", _close(name, PRESETS))
+        raise ConfigError("model.name", name, "unknown preset", did_you_mean(name, PRESETS))
     return ModelConfig(name=name, **PRESETS[name])
 
 
@@ -227,12 +228,12 @@ def build_config(toml_path: str | Path | None = None, overrides: dict[str, Any] 
     merged: dict[str, dict[str, Any]] = {}
     for section, values in file_values.items():
         if section not in SECTION_TYPES or not isinstance(values, dict):
-            raise ConfigError(section, "...", "unknown section", _close(section, SECTION_TYPES))
+            raise ConfigError(section, "...", "unknown section", did_you_mean(section, SECTION_TYPES))
         merged.setdefault(section, {}).update(values)
     for dotted, value in (overrides or {}).items():
         section, _, key = dotted.partition(".")
         if section not in SECTION_TYPES:
-            raise ConfigError(dotted, value, "unknown section", _close(section, SECTION_TYPES))
+            raise ConfigError(dotted, value, "unknown section", did_you_mean(section, SECTION_TYPES))
         merged.setdefault(section, {})[key] = value
 
     model_values = merged.get("model", {})

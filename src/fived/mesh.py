@@ -1,5 +1,6 @@
-"""The device mesh: one ordered mesh from which every process group is derived, and the checks that a
-layout can run, made before any rank starts.
+"""The layout and the device mesh: `Layout` describes how one training step is laid out on the ranks
+(the one description the runtime, `--report` and the planner share), `Mesh` builds a layout's process
+groups, and `layout_errors` holds the checks that a layout can run, made before any rank starts.
 
 Order, outermost to innermost: pp, dp, cp, tp (as Megatron-Core's rank generator: tp on the fastest
 links, pp across nodes). dp is itself dp_replicate x dp_shard (HSDP: ZeRO shards within a dp_shard
@@ -10,11 +11,11 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 
-from fived.config import Config, ConfigError
+from fived.config import Config, ConfigError, ParallelConfig, TrainConfig
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev")
@@ -51,7 +52,7 @@ def largest_divisor(n: int, at_most: int) -> int:
     return max((d for d in range(1, max(at_most, 1) + 1) if n % d == 0), default=1)
 
 
-def _layout_errors(cfg: Config, world: int | None) -> list[ConfigError]:
+def layout_errors(cfg: Config, world: int | None) -> list[ConfigError]:
     """Every rule a layout must meet, each with a concrete way out; the first error is reported."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     dp = resolve_dp(cfg, world)
@@ -210,7 +211,7 @@ def suggest_layouts(cfg: Config, world: int, limit: int = 3) -> list[str]:
         for ep in [e for e in range(1, dp * cp + 1) if (dp * cp) % e == 0]:
             trial = Config(model=cfg.model, train=cfg.train, data=cfg.data,
                            parallel=type(p)(**{**vars(p), "dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep}))
-            if not _layout_errors(trial, world):
+            if not layout_errors(trial, world):
                 dist = sum(abs(a - b) for a, b in zip((dp, tp, pp, cp, ep), want))
                 found.append((dist, f"--dp {dp} --tp {tp} --pp {pp} --cp {cp} --ep {ep}"))
     return [s for _, s in sorted(found)[:limit]]
@@ -219,7 +220,7 @@ def suggest_layouts(cfg: Config, world: int, limit: int = 3) -> list[str]:
 def check_config(cfg: Config, world: int | None) -> None:
     """Raise the first ConfigError for `cfg` on `world` ranks, with the nearest valid layouts as hint.
     Called by the CLI before any process starts, and again by every rank as a guard."""
-    errs = _model_errors(cfg) or _layout_errors(cfg, world)
+    errs = _model_errors(cfg) or layout_errors(cfg, world)
     if not errs:
         return
     err = errs[0]
@@ -232,36 +233,179 @@ def check_config(cfg: Config, world: int | None) -> None:
     raise err
 
 
-@dataclass
-class Mesh:
-    """Sizes of every dimension and, once built, the torch DeviceMesh they index.
+P = ParallelConfig  # the layout fields' defaults: one source of truth, the config's
 
-    `Mesh.build` needs an initialised default process group; sub-meshes and groups are taken by name:
-    pp, dp (= dp_replicate x dp_shard, flattened), dp_replicate, dp_shard, cp, tp."""
+
+@dataclass(frozen=True)
+class Layout:
+    """A resolved `ParallelConfig` (dp a number, not -1) plus what the training config decides about the
+    layout (sequences per micro-batch, activation checkpointing): every degree of freedom the runtime
+    has, hashable, so the planner can weigh thousands of them and a planned one runs as printed.
+    `etp` (expert tensor-parallel size; 0 means tp, as fived runs experts) is the planner's only field
+    beyond the runtime's: Megatron-Core's MoE parallel folding, which fived cannot run yet."""
 
     dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
-    dp_replicate: int = 1
-    device_type: str = "cpu"
-    device_mesh: object = None
-    flat: dict = None
-    expert_mesh: object = None
+    tp: int = P.tp
+    pp: int = P.pp
+    cp: int = P.cp
+    ep: int = P.ep
+    zero: int = P.zero
+    dp_replicate: int = P.dp_replicate
+    reduce_dtype: str = P.reduce_dtype
+    zero3_keep_gathered: bool = P.zero3_keep_gathered
+    sp: bool = P.sp
+    pp_schedule: str = P.pp_schedule
+    pp_virtual: int = P.pp_virtual
+    pp_layers: str = P.pp_layers
+    micro_batch: int = 1  # sequences per micro-batch on one data-parallel rank
+    checkpointing: str = TrainConfig.activation_checkpointing
+    etp: int = 0
 
-    @classmethod
-    def from_config(cls, cfg: Config, world: int) -> "Mesh":
-        p = cfg.parallel
-        return cls(dp=resolve_dp(cfg, world), tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, dp_replicate=p.dp_replicate)
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
 
     @property
     def dp_shard(self) -> int:
         return self.dp // self.dp_replicate
 
     @property
-    def world_size(self) -> int:
-        return self.pp * self.dp * self.cp * self.tp
+    def n_stages(self) -> int:
+        return self.pp * stages_per_rank(self.pp_schedule, self.pp_virtual) if self.pp > 1 else 1
+
+    @property
+    def expert_tp(self) -> int:
+        return self.etp or self.tp
+
+    @property
+    def runnable(self) -> bool:
+        """fived's runtime can run it: experts split like the attention (etp = tp), ep over dp*cp."""
+        return self.expert_tp == self.tp
+
+    @classmethod
+    def from_config(cls, cfg: Config, world: int | None) -> "Layout":
+        """The layout a `Config` runs on `world` ranks."""
+        dp = resolve_dp(cfg, world)
+        t = cfg.train
+        return cls(**{f.name: getattr(cfg.parallel, f.name) for f in fields(ParallelConfig)} | {
+            "dp": dp, "micro_batch": max(1, t.global_batch // (max(dp, 1) * t.microbatches)),
+            "checkpointing": t.activation_checkpointing})
+
+    def parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(**{f.name: getattr(self, f.name) for f in fields(ParallelConfig)})
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """Where global `rank` sits on the mesh (MESH_DIMS order, tp innermost): its pipeline rank, its
+        index in the dp_shard x cp ZeRO group and in its expert-data group (dp x cp cut into ep groups
+        of consecutive ranks)."""
+        rest, tp_i = divmod(rank, self.tp)
+        rest, cp_i = divmod(rest, self.cp)
+        rest, dps_i = divmod(rest, self.dp_shard)
+        pp_i, dpr_i = divmod(rest, self.dp_replicate)
+        dp_cp = (dpr_i * self.dp_shard + dps_i) * self.cp + cp_i
+        return {"pp": pp_i, "shard": dps_i * self.cp + cp_i, "edp": dp_cp // self.ep}
+
+    def group_ranks(self, name: str, rank: int = 0) -> frozenset[int]:
+        """The global ranks of `rank`'s group `name` (a GROUP_NAMES entry), as `Mesh.build` forms it."""
+        varied = {"pp": "p", "dp": "rs", "dp_replicate": "r", "dp_shard": "s", "cp": "c", "tp": "t", "dp_cp": "rsc",
+                  "dp_shard_cp": "sc", "ep": "e", "edp": "d"}[name]
+
+        def coords(r: int) -> dict[str, int]:
+            rest, t = divmod(r, self.tp)
+            rest, c = divmod(rest, self.cp)
+            rest, s = divmod(rest, self.dp_shard)
+            p, d = divmod(rest, self.dp_replicate)
+            flat = (d * self.dp_shard + s) * self.cp + c  # the expert mesh cuts dp*cp into (edp, ep)
+            return {"p": p, "r": d, "s": s, "c": c, "t": t, "d": flat // self.ep, "e": flat % self.ep,
+                    "x": flat}
+
+        def key(r: int) -> tuple:
+            k = coords(r)
+            if name in ("ep", "edp"):  # the expert mesh's other coordinate is its own
+                return k["p"], k["t"], k["d" if name == "ep" else "e"]
+            return tuple(v for dim, v in k.items() if dim in "prsct" and dim not in varied)
+
+        mine = key(rank)
+        return frozenset(r for r in range(self.world) if key(r) == mine)
+
+    def ledger_name(self, group: str) -> str:
+        """The name the communication ledger gives `group` ('dp_cp' is 'dp' without context
+        parallelism): the first of GROUP_NAMES with the same ranks."""
+        ranks = self.group_ranks(group)
+        return next(n for n in GROUP_NAMES if self.group_ranks(n) == ranks)
+
+    def microbatches(self, global_batch: int) -> int:
+        """Micro-batches per step on each data-parallel rank (global_batch in sequences)."""
+        return global_batch // (self.dp * self.micro_batch)
+
+    def with_(self, **changes) -> "Layout":
+        return replace(self, **changes)
+
+    def overrides(self, global_batch: int) -> dict:
+        """The config overrides that run this layout (`fived train --section.field value ...`): the
+        sizes always, other parallel fields where they differ from the defaults."""
+        always = ("dp", "tp", "pp", "cp", "ep", "zero", "dp_replicate", "sp")
+        out = {f"parallel.{f.name}": getattr(self, f.name) for f in fields(ParallelConfig)
+               if f.name in always or (self.pp > 1 and f.name in ("pp_schedule", "pp_virtual"))
+               or getattr(self, f.name) != f.default}
+        out["train.microbatches"] = self.microbatches(global_batch)
+        out["train.global_batch"] = global_batch
+        out["train.activation_checkpointing"] = self.checkpointing
+        return out
+
+    def flags(self, global_batch: int) -> str:
+        return " ".join(f"--{k} {str(v).lower() if isinstance(v, bool) else v}" for k, v in self.overrides(global_batch).items())
+
+    def describe(self) -> str:
+        parts = [f"dp{self.dp}"]
+        if self.dp_replicate > 1:
+            parts[0] += f"(={self.dp_replicate}x{self.dp_shard} HSDP)"
+        parts.append(f"ZeRO-{self.zero}")
+        if self.tp > 1:
+            parts.append(f"tp{self.tp}" + ("+sp" if self.sp else ""))
+        if self.pp > 1:
+            v = stages_per_rank(self.pp_schedule, self.pp_virtual)
+            parts.append(f"pp{self.pp} {self.pp_schedule}" + (f" v{v}" if v > 1 else ""))
+        if self.cp > 1:
+            parts.append(f"cp{self.cp}")
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}" + (f" etp{self.expert_tp}" if not self.runnable else ""))
+        parts.append(f"mbs{self.micro_batch}")
+        if self.checkpointing != "none":
+            parts.append(f"ac={self.checkpointing}")
+        return " ".join(parts)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class Mesh:
+    """A layout's process groups: its sizes (`dp`, `tp`, ... read from `layout`) and, once built, the
+    torch DeviceMesh they index.
+
+    `Mesh.build` needs an initialised default process group; sub-meshes and groups are taken by name:
+    pp, dp (= dp_replicate x dp_shard, flattened), dp_replicate, dp_shard, cp, tp, dp_cp, dp_shard_cp,
+    and the expert mesh's ep and edp."""
+
+    def __init__(self, layout: Layout | None = None, **sizes):
+        self.layout = layout if layout is not None else Layout(**sizes)
+        self.device_type = "cpu"
+        self.device_mesh = None
+        self.flat: dict = {}
+        self.expert_mesh = None
+
+    @classmethod
+    def from_config(cls, cfg: Config, world: int) -> "Mesh":
+        return cls(Layout.from_config(cfg, world))
+
+    dp = property(lambda self: self.layout.dp)
+    tp = property(lambda self: self.layout.tp)
+    pp = property(lambda self: self.layout.pp)
+    cp = property(lambda self: self.layout.cp)
+    ep = property(lambda self: self.layout.ep)
+    dp_replicate = property(lambda self: self.layout.dp_replicate)
+    dp_shard = property(lambda self: self.layout.dp_shard)
+    world_size = property(lambda self: self.layout.world)
 
     def build(self, device_type: str, timeout_s: float | None = None) -> "Mesh":
         """Create every group; with `timeout_s`, a collective on any of them that does not complete in
@@ -302,7 +446,7 @@ class Mesh:
         """ProcessGroup -> dimension name, for the communication ledger. When two dimensions have the
         same ranks (dp and dp_shard without replicas) the first listed names them."""
         names: dict = {}
-        for d in ("dp", "cp", "tp", "pp", "ep", "dp_shard", "dp_replicate", "dp_cp", "dp_shard_cp", "edp"):
+        for d in GROUP_NAMES:
             names.setdefault(self.group(d), d)
         return names
 
@@ -321,3 +465,7 @@ def _backend_override(device_type: str, timeout_s: float | None):
         backend, options = "gloo", dist.ProcessGroupGloo._Options()
     options._timeout = datetime.timedelta(seconds=timeout_s)
     return backend, options
+
+
+# The named groups, in the order the ledger prefers a name when two groups hold the same ranks.
+GROUP_NAMES = ("dp", "cp", "tp", "pp", "ep", "dp_shard", "dp_replicate", "dp_cp", "dp_shard_cp", "edp")

@@ -14,16 +14,11 @@ import json
 import os
 import resource
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 from fived.config import ModelConfig
-from fived.planner.hardware import CATALOGUE
-
-# Dense bf16 peak per GPU in TFLOP/s: the planner's catalogue (vendors' data sheets, no sparsity).
-GPU_PEAK_TFLOPS = {name.upper(): hw.peak_tflops for name, hw in CATALOGUE.items()}
 
 
 def matmul_params_per_token(cfg: ModelConfig) -> int:
@@ -39,23 +34,6 @@ def matmul_params_per_token(cfg: ModelConfig) -> int:
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     return 6.0 * matmul_params_per_token(cfg) + 12.0 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
-
-
-def device_peak_tflops(dtype: torch.dtype, configured: float = 0.0) -> float:
-    """The configured peak, else the GPU's data-sheet peak, else one CPU thread's measured matmul rate
-    (an estimate: MFU on CPU is only indicative)."""
-    if configured > 0:
-        return configured
-    if torch.cuda.is_available():
-        name = torch.cuda.get_device_name().upper()
-        return next((v for k, v in GPU_PEAK_TFLOPS.items() if k in name), 0.0)
-    n, reps = 256, 20
-    a = torch.randn(n, n, dtype=dtype)
-    a @ a
-    start = time.perf_counter()
-    for _ in range(reps):
-        a @ a
-    return 2 * n**3 * reps / (time.perf_counter() - start) / 1e12
 
 
 def peak_memory_mb() -> float:

@@ -13,48 +13,23 @@ keep float32 weights; 8 for float64), S = dp_shard, Adam keeps two states per pa
 master copy; fived keeps float32 weights and computes in bf16 under autocast, so its bf16 runs have
 the float32 figures above.) Shards are padded to equal length, so a rank may hold slightly less.
 
-Communication per step, P = N padded to a multiple of S, r = bytes of the reduction dtype:
-    ZeRO-0  all-reduce N r over dp (in buckets, during backward)
-    ZeRO-1/2  reduce-scatter P r + all-gather P b over dp_shard, an 8-byte all-reduce of the
-            squared gradient norm; with replicas an all-reduce of P r / S over dp_replicate
-    ZeRO-3  per micro-batch an all-gather of every parameter for forward and of every block again
-            for backward (with zero3_keep_gathered: every parameter once per step), reduce-scatter
-            P r once, and the 8-byte norm all-reduce
+Communication per step: the planner's model of every collective (`fived.planner.communication`).
 """
 from __future__ import annotations
 
-import math
-
 from fived.activation_model import activation_bytes, layer_bytes
 from fived.config import Config
-from fived.mesh import DTYPES, Mesh
+from fived.mesh import DTYPES, Layout, Mesh
 from fived.model import build_model
 from fived.parallel.expert import apply_expert_parallel
 from fived.parallel.tensor import TensorParallel
 from fived.train import TrainResult
 
 
-def _sizes(cfg: Config, world: int) -> tuple[list, int, int]:
-    """(this rank's parameter shapes with their FSDP-block flag, bytes per weight, bytes per reduced
-    gradient). With tensor parallelism the shapes are the local shards (rank 0's; all are equal)."""
-    model = _local_model(cfg, world)
-    shapes = [(p.shape, name.startswith("layers.")) for name, p in model.named_parameters()]
-    return (shapes,) + _dtype_bytes(cfg)
-
-
-def _dtype_bytes(cfg: Config) -> tuple[int, int]:
-    """(bytes per weight, bytes per reduced gradient): bf16 runs keep float32 weights."""
-    from fived.planner.memory import WEIGHT_BYTES
-
-    b = WEIGHT_BYTES[cfg.train.dtype]
-    return b, (DTYPES[cfg.parallel.reduce_dtype].itemsize if cfg.train.dtype == "bfloat16" else b)
-
-
 def expected_state_bytes(cfg: Config, world: int, rank: int = 0) -> dict[str, int]:
     """The table above for global rank `rank`, exactly (the planner's model-state formula: this
     rank's pipeline stages, its ZeRO slice or FSDP2 rows over S = dp_shard x cp; with expert
     parallelism its E/ep experts sharded over edp = dp*cp/ep by ZeRO-3 and kept whole by 0/1/2)."""
-    from fived.planner.layout import Layout
     from fived.planner.memory import rank_chunks, state_bytes
 
     layout = Layout.from_config(cfg, world)
@@ -63,7 +38,7 @@ def expected_state_bytes(cfg: Config, world: int, rank: int = 0) -> dict[str, in
                        where["shard"], where["edp"])
 
 
-def _local_model(cfg: Config, world: int):
+def local_model(cfg: Config, world: int):
     model = build_model(cfg.model)
     mesh = Mesh.from_config(cfg, world)
     if mesh.tp > 1:
@@ -73,68 +48,18 @@ def _local_model(cfg: Config, world: int):
     return model
 
 
-def expected_comm_bytes(cfg: Config, world: int) -> dict[str, int]:
-    """The communication formulas above, keyed like the ledger ("dim/collective")."""
-    mesh = Mesh.from_config(cfg, world)
-    shapes, b, r = _sizes(cfg, world)
-    n = sum(math.prod(s) for s, _ in shapes)
-    s_, stage = mesh.dp_shard, cfg.parallel.zero
-    out = expected_tp_comm_bytes(cfg, world) if mesh.tp > 1 else {}
-    if mesh.dp == 1:
-        return out
-    shard_dim = "dp" if mesh.dp_replicate == 1 else "dp_shard"
-    if stage == 0:
-        out["dp/all_reduce"] = n * r
-    elif stage in (1, 2):
-        padded = math.ceil(n / s_) * s_
-        out[f"{shard_dim}/reduce_scatter_single"] = padded * r
-        out[f"{shard_dim}/all_gather_single"] = padded * b
-        out[f"{shard_dim}/all_reduce"] = 8
-        if mesh.dp_replicate > 1:
-            out["dp_replicate/all_reduce"] = padded // s_ * r
-    else:
-        # FSDP2 pads each parameter's first dimension to a multiple of S.
-        padded = [math.ceil(s[0] / s_) * s_ * math.prod(s[1:]) for s, _ in shapes]
-        blocks = sum(p for p, (_, in_block) in zip(padded, shapes) if in_block)
-        g = 2 if cfg.train.dtype == "bfloat16" else b  # FSDP2 gathers in the compute dtype
-        if cfg.parallel.zero3_keep_gathered:  # gathered once, kept through every micro-batch
-            out[f"{shard_dim}/all_gather_single"] = sum(padded) * g
-        else:  # per micro-batch: everything for forward, the blocks again for backward
-            out[f"{shard_dim}/all_gather_single"] = cfg.train.microbatches * (sum(padded) + blocks) * g
-        out[f"{shard_dim}/reduce_scatter_single"] = sum(padded) * r
-        out[f"{shard_dim}/all_reduce"] = 8  # the squared gradient norm
-        if mesh.dp_replicate > 1:
-            out["dp_replicate/all_reduce"] = sum(padded) // s_ * r
-    return out
+def expected_comm_bytes(cfg: Config, world: int, rank: int = 0) -> dict[str, int]:
+    """Bytes per collective per mesh dimension of one step on global rank `rank`, keyed like the
+    ledger ("dim/collective"): the planner's communication model (`fived.planner.communication`,
+    which documents every term), so --report and the planner's step time price the same bytes."""
+    from fived.planner.communication import ledger_bytes, step_collectives
+    from fived.planner.memory import rank_chunks, rank_stages
 
-
-def expected_tp_comm_bytes(cfg: Config, world: int) -> dict[str, int]:
-    """Tensor-parallel bytes per step, B tokens per micro-batch, h = dim, e = activation bytes:
-    per layer and micro-batch, without SP two all-reduces of B*h*e forward (region exits) and two
-    backward (region entries); with SP the same volume as all-gathers + reduce-scatters, plus one
-    all-gather per region in backward to rebuild the input it did not keep. Besides the layers: the
-    vocab-parallel embedding's exit and the output head's entry (one region boundary each), the
-    loss's three all-reduces of B values (max, sum of exponentials, target logit), the partial
-    gradients summed over tp (router; norms with SP; replicated kv heads), the 8-byte norm."""
-    m, t, p = cfg.model, cfg.train, cfg.parallel
-    mesh = Mesh.from_config(cfg, world)
-    e = DTYPES[t.dtype].itemsize
-    tokens = t.global_batch // mesh.dp // t.microbatches * t.seq_len
-    act = tokens * m.dim * e
-    loss = 3 * tokens * max(e, 4) * t.microbatches
-    layers = m.n_layers * t.microbatches
-    out = {"tp/all_reduce": loss + 8}
-    if p.sp:
-        out["tp/all_gather_single"] = (6 * layers + 3 * t.microbatches) * act
-        out["tp/reduce_scatter_single"] = (4 * layers + 2 * t.microbatches) * act
-        out["tp/all_reduce"] += (2 * m.n_layers + 1) * m.dim * e  # norm gains saw different tokens
-    else:
-        out["tp/all_reduce"] += (4 * layers + 2 * t.microbatches) * act
-    n_moe = m.n_layers - m.n_dense_layers if m.is_moe else 0
-    out["tp/all_reduce"] += n_moe * m.n_experts * m.dim * e  # the router's partial gradient
-    if m.n_kv_heads % mesh.tp:  # replicated kv heads: a [kv heads, head_dim, dim] slot tensor each
-        out["tp/all_reduce"] += m.n_layers * 2 * m.n_kv_heads * m.head_dim * m.dim * e
-    return out
+    layout = Layout.from_config(cfg, world)
+    pp_rank = layout.coordinates(rank)["pp"]
+    collectives = step_collectives(cfg.model, layout, cfg.train.seq_len, cfg.train.global_batch, cfg.train.dtype,
+                                   rank_chunks(cfg.model, layout, pp_rank), rank_stages(layout, pp_rank))
+    return ledger_bytes(collectives, layout)
 
 
 def _activation_layout(cfg: Config, world: int) -> dict:

@@ -21,7 +21,8 @@ from fived.faults import CollectiveTimeout, PreemptionRequest, is_timeout
 from fived.launch import device_type
 from fived.ledger import ActivationLedger, CommLedger, model_state_bytes
 from fived.mesh import DTYPES, Mesh, check_config
-from fived.metrics import MetricsLog, device_peak_tflops, flops_per_token, keep_log_until, peak_memory_mb
+from fived.metrics import MetricsLog, flops_per_token, keep_log_until, peak_memory_mb
+from fived.planner.hardware import device_peak_tflops
 from fived.model import MoE, build_model, init_weights, materialize
 from fived.optim import build_scheduler
 from fived.parallel import parallelize

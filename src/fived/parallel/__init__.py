@@ -18,9 +18,12 @@ from fived.ledger import local_tensor
 from fived.model import Transformer, build_model, canonical_name
 from fived.parallel.checkpointing import apply_activation_checkpointing
 from fived.parallel.context import apply_context_parallel
-from fived.parallel.data_parallel import DataParallel, make_data_parallel
+from fived.parallel.data_parallel import DataParallel
+from fived.parallel.ddp import ReplicatedDataParallel
 from fived.parallel.expert import apply_expert_parallel
+from fived.parallel.fsdp import FullyShardedDataParallel
 from fived.parallel.tensor import TensorParallel
+from fived.parallel.zero import ShardedOptimizerDataParallel
 from fived.placement import Box, Placement
 
 
@@ -148,6 +151,20 @@ def describe_placements(chunks, shapes: dict, tensor_parallel: TensorParallel | 
             whole = Box((0,) * len(shapes[name]), shapes[name])
             out[name] = Placement(shapes[name], whole, tp_rank + tp * data_parallel.whole_replica(name))
     return out
+
+
+def make_data_parallel(mesh: Mesh, cfg: Config) -> DataParallel:
+    """The strategy of the ZeRO stage (here, not in data_parallel.py: the stages build on its base)."""
+    stage = cfg.parallel.zero
+    if stage == 3:
+        return FullyShardedDataParallel(mesh, cfg)
+    if mesh.dp * mesh.cp == 1 and stage == 0:
+        return DataParallel(mesh, cfg)
+    if stage == 0 and mesh.pp == 1:
+        return ReplicatedDataParallel(mesh, cfg)
+    # ZeRO-1/2, and ZeRO-0 under a pipeline schedule (one all-reduce of a flat buffer per step,
+    # after the schedule, instead of DDP hooks inside it)
+    return ShardedOptimizerDataParallel(mesh, cfg)
 
 
 def apply_tensor_parallel(chunks: list[Transformer], mesh: Mesh, cfg: Config) -> TensorParallel | None:

@@ -163,19 +163,3 @@ def _all_reduce_flat(grads: list[torch.Tensor], group, reduce_dtype: torch.dtype
     for g in grads:
         g.copy_(flat[offset:offset + g.numel()].view_as(g))
         offset += g.numel()
-
-
-def make_data_parallel(mesh: Mesh, cfg: Config) -> DataParallel:
-    stage = cfg.parallel.zero
-    if stage == 3:
-        from fived.parallel.fsdp import FullyShardedDataParallel
-        return FullyShardedDataParallel(mesh, cfg)
-    if mesh.dp * mesh.cp == 1 and stage == 0:
-        return DataParallel(mesh, cfg)
-    if stage == 0 and mesh.pp == 1:
-        from fived.parallel.ddp import ReplicatedDataParallel
-        return ReplicatedDataParallel(mesh, cfg)
-    # ZeRO-1/2, and ZeRO-0 under a pipeline schedule (one all-reduce of a flat buffer per step,
-    # after the schedule, instead of DDP hooks inside it)
-    from fived.parallel.zero import ShardedOptimizerDataParallel
-    return ShardedOptimizerDataParallel(mesh, cfg)

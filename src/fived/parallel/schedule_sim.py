@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import types
 
-from fived.mesh import stages_per_rank
+from fived.mesh import SINGLE_STAGE, stages_per_rank
 
 COST = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev")
@@ -183,7 +183,7 @@ def _torch_order(schedule: str, pp: int, local_stages: int, m: int) -> Actions:
 
 def schedule_bubble(schedule: str, pp: int, virtual: int, microbatches: int) -> float:
     """Bubble fraction (unit costs, see `simulate`) of a schedule, without running it. Memoised."""
-    return _analyse(schedule, pp, virtual, microbatches)[0]
+    return analyse(schedule, pp, virtual, microbatches)[0]
 
 
 def in_flight_microbatches(schedule: str, pp: int, virtual: int, microbatches: int) -> list[float]:
@@ -194,11 +194,11 @@ def in_flight_microbatches(schedule: str, pp: int, virtual: int, microbatches: i
     so the peak follows from the order alone. Counted per stage and divided by stages per rank
     (a stage holds 1/v of the rank's layers), so it can be a half: GPipe gives m, 1F1B
     min(pp - rank, m), ZB-V pp on every rank once m >= 2pp - 1. Memoised."""
-    return list(_analyse(schedule, pp, virtual, microbatches)[1])
+    return list(analyse(schedule, pp, virtual, microbatches)[1])
 
 
 @functools.lru_cache(maxsize=4096)
-def _analyse(schedule: str, pp: int, virtual: int, microbatches: int) -> tuple[float, tuple[float, ...]]:
+def analyse(schedule: str, pp: int, virtual: int, microbatches: int) -> tuple[float, tuple[float, ...]]:
     """Bubble and in-flight counts from one generation of the action lists (the planner asks for
     both; the lists themselves are too big to keep: 786k actions at pp=64, m=2048)."""
     actions = schedule_actions(schedule, pp, virtual, microbatches)
@@ -218,3 +218,26 @@ def peak_alive(actions: list[tuple[str, int, int]]) -> int:
         elif kind in ("B", "W"):
             alive -= 1
     return peak
+
+
+EXACT_ROUNDS = 3  # micro-batches per pipeline rank simulated exactly; beyond, the idle time is constant
+
+
+@functools.lru_cache(maxsize=65536)
+def pipeline_profile(schedule: str, pp: int, virtual: int, microbatches: int) -> tuple[float, tuple[float, ...]]:
+    """(bubble fraction, in-flight micro-batches per rank), as `analyse`, for any number of
+    micro-batches at the cost of a few rounds: past EXACT_ROUNDS*pp micro-batches the fill and drain
+    idle time no longer changes (steady state), so the simulation at that size is extrapolated:
+    bubble = idle / (idle + 3m) with unit costs F=1, B=2; in-flight counts stay put (or grow with m,
+    as GPipe's, if they grew over the last pp). tests/test_planner.py checks the extrapolation
+    against the full simulation."""
+    cap = EXACT_ROUNDS * pp
+    if microbatches <= cap or (microbatches % pp and schedule not in SINGLE_STAGE):
+        # (looped multi-stage schedules settle into a different steady state when m is not a
+        # multiple of pp: simulated in full)
+        return analyse(schedule, pp, virtual, microbatches)
+    bubble, flight = analyse(schedule, pp, virtual, cap)
+    _, before = analyse(schedule, pp, virtual, cap - pp)
+    idle = bubble / (1 - bubble) * 3 * cap
+    grow = [(a - b) / pp for a, b in zip(flight, before)]
+    return idle / (idle + 3 * microbatches), tuple(f + g * (microbatches - cap) for f, g in zip(flight, grow))

@@ -1,217 +1,197 @@
-"""Published training runs as planner inputs: `fived plan --validate FILE.csv`.
+"""`fived plan --validate FILE.csv`: the planner against published training runs, in sample and out of
+sample, and the fit of its constants (`python -m fived.planner.calibration FILE.csv`).
 
-Each row of the calibration file (columns as in tests/data/published_runs.csv, copied from the
-shared calibration set) states a model, a cluster, a layout and a measured throughput. A row becomes
-a (model, layout, cluster, runtime) the planner predicts; the reported throughput is tokens/s per
-GPU, taken from the row or, where only TFLOP/s or MFU is given, converted with the same model-FLOP
-count the papers use (6 x matmul parameters + attention, no recomputation: `metrics.flops_per_token`).
+Each row (`fived.planner.published`) states a model, a cluster, a layout, the framework it ran and a
+measured throughput. The prediction is the planner's step time for that layout in that runtime,
+its open fields completed by the fastest choice that fits the memory model (or the fastest, when
+none fits: the run happened, so it did fit; `fits` counts how often the memory model agrees).
 
-Reading rules (each documented, none tuned to the result):
-- GPT-style rows (GeLU MLP of width F, two matrices) become our SwiGLU block with the same matmul
-  parameters: ffn_dim = 2F/3 rounded to a multiple of 8*tp. Missing kv_heads: multi-head attention.
-  Missing ffn_hidden: 4 x hidden (the row's note says so).
-- What a row does not state takes Megatron's default: no activation recomputation, no sequence
-  parallelism and no distributed optimizer — except that --tp-comm-overlap implies sequence
-  parallelism and --overlap-param-gather the distributed optimizer (ZeRO-1), as Megatron requires.
-  Micro-batch size and virtual stages, which have no default, are the planner's choice: the fastest
-  option that fits the GPU's memory (or the fastest, when the memory model — fived's, not the
-  framework's — says none fits). Rows without a global batch (MFU only) are given 280 micro-batches
-  per pipeline as their sibling rows in the same paper.
-- The runtime: Megatron-LM 2021/2022 reduces gradients after backward in float32 and does not overlap
-  tensor-parallel communication; Megatron-Core rows whose notes list --overlap-grad-reduce,
-  --overlap-param-gather and --tp-comm-overlap overlap the dp reduction and MCORE_TP_OVERLAP of the tp
-  communication.
+Fitted constants (`GRIDS`): the share of peak wide GEMMs reach per GPU generation, the width at
+which it halves, the share of link bandwidth collectives reach, the share of tp communication
+Megatron-Core's --tp-comm-overlap hides, the FP8 GEMM speed-up, routed experts' share of a dense
+GEMM's efficiency. Not fitted: the tokens per GEMM at which efficiency halves (timing.ROWS_HALF):
+every GEMM in the set has thousands of tokens, so the data cannot tell it. Coordinate descent
+over a grid; the layouts' open fields are chosen once, before the
+descent (they hardly depend on these constants), so a fit costs one step time per row and value.
+The descent minimises the mean absolute error (every row pulls on the constants; the median, which
+validation reports, would leave a constant that only a few rows depend on undetermined).
+
+Out of sample: leave-one-source-out refits the constants without each source's rows and predicts
+that source with them; the median absolute error over all rows so predicted is the figure to expect
+for a run unlike the calibration set's. `OUT_OF_SAMPLE_ERROR` is what it printed on
+tests/data/published_runs.csv (tested): `fived plan` quotes it as the basis of a prediction.
 """
 from __future__ import annotations
 
-import csv
 import statistics
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
 
-from fived.config import ConfigError, ModelConfig
-from fived.metrics import flops_per_token
-from fived.planner.hardware import hardware
-from fived.planner.layout import Layout
-from fived.planner.timing import Cluster, Runtime
+from fived.mesh import Layout
+from fived.planner import runtimes, timing
+from fived.planner.published import Row, read_runs
+from fived.planner.search import Plan, evaluate, expand
 
-MCORE_TP_OVERLAP = 0.75  # share of tp communication --tp-comm-overlap hides (fitted by `fit` below)
-
-
-def framework_runtime(notes: str) -> Runtime:
-    if "--tp-comm-overlap" in notes:  # Megatron-Core with every overlap switched on
-        return Runtime(tp_overlap=MCORE_TP_OVERLAP, grad_overlap=True, zero12_overlap=True, pipeline_grad_overlap=True,
-                       reduce_bytes=4, gather_bytes=2)
-    return Runtime(tp_overlap=0.0, grad_overlap=False, zero12_overlap=False, pipeline_grad_overlap=False,
-                   reduce_bytes=4, gather_bytes=2)  # Megatron-LM 2021/2022: reduce after backward, fp32
-DEFAULT_MICROBATCHES = 280  # rows 19-20 (Korthikanti 2022, 530B at dp=8): as the paper's Table 3
-REQUIRED = ("row_id", "num_layers", "hidden", "heads", "vocab", "seq_len", "gpu_type", "num_gpus",
-            "gpus_per_node", "tp", "pp", "dp")
+OUT_OF_SAMPLE_ERROR = 10.4  # leave-one-source-out median absolute error, % (validate prints it)
+# What tests/data/published_runs.csv covers (tests/test_planner.py checks it against the file)
+COVERAGE = {"rows": 76, "ampere": 48, "hopper": 28, "moe": 2, "fp8": 4, "cp": 0, "max_seq": 8192,
+            "gpus": ("a100", "a800", "h100", "h800")}
+GRIDS = {"ampere": [0.40 + 0.025 * i for i in range(21)], "hopper": [0.40 + 0.025 * i for i in range(21)],
+         "WIDTH_HALF": [0.0, 32.0, 64.0, 128.0, 256.0, 512.0],
+         "LINK_EFFICIENCY": [0.5, 0.6, 0.7, 0.8, 0.9], "MCORE_TP_OVERLAP": [0.0, 0.25, 0.5, 0.75, 1.0],
+         "FP8_SPEEDUP": [1.0, 1.2, 1.4, 1.6, 1.8, 2.0], "EXPERT_EFFICIENCY": [0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]}
 
 
-@dataclass
-class Row:
-    row_id: str
-    source: str
-    model: ModelConfig
-    cluster: Cluster
-    notes: str  # what the row says of its framework (decides the Runtime)
-    seq_len: int
-    global_batch: int  # sequences
-    fixed: dict  # layout fields the row states
-    open: dict  # layout fields it leaves to the planner: name -> candidate values
-    reported: float  # tokens/s per GPU
+def constants() -> dict[str, float]:
+    out = {name: timing.EFFICIENCY[name] for name in ("ampere", "hopper")}
+    out.update(WIDTH_HALF=timing.WIDTH_HALF, LINK_EFFICIENCY=timing.LINK_EFFICIENCY,
+               MCORE_TP_OVERLAP=runtimes.MCORE_TP_OVERLAP, FP8_SPEEDUP=timing.FP8_SPEEDUP,
+               EXPERT_EFFICIENCY=timing.EXPERT_EFFICIENCY)
+    return out
 
 
-def _int(value: str, default: int | None = None) -> int | None:
-    value = (value or "").strip()
-    return int(float(value)) if value else default
-
-
-def _float(value: str) -> float | None:
-    value = (value or "").strip()
-    return float(value) if value else None
-
-
-def read_rows(path: str | Path) -> list[Row]:
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError("--validate", str(path), "file not found", "give a CSV in the calibration file's columns")
-    with path.open(newline="") as f:
-        reader = csv.DictReader(f)
-        missing = [c for c in REQUIRED if c not in (reader.fieldnames or [])]
-        if missing:
-            raise ConfigError("--validate", str(path), "missing columns " + ", ".join(missing),
-                              "use the columns of tests/data/published_runs.csv")
-        return [_row(r) for r in reader]
-
-
-def _row(r: dict) -> Row:
-    tp, pp, dp = _int(r["tp"]), _int(r["pp"]), _int(r["dp"])
-    cp, ep = _int(r.get("cp"), 1), _int(r.get("ep"), 1)
-    hidden, heads = _int(r["hidden"]), _int(r["heads"])
-    ffn = _int(r.get("ffn_hidden"), 4 * hidden)
-    step = 8 * tp
-    model = ModelConfig(name=r.get("model", ""), vocab_size=_int(r["vocab"]), dim=hidden, n_layers=_int(r["num_layers"]),
-                        n_heads=heads, n_kv_heads=_int(r.get("kv_heads"), heads),
-                        ffn_dim=max(step, round(2 * ffn / 3 / step) * step))
-    seq = _int(r["seq_len"])
-    fixed: dict = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep}
-    open_: dict = {}
-    notes = r.get("notes") or ""
-    sp = (r.get("sp") or "").strip().lower()
-    # Megatron's defaults where the row is silent; --tp-comm-overlap needs sequence parallelism and
-    # --overlap-param-gather the distributed optimizer (ZeRO-1).
-    fixed["sp"] = sp == "yes" if sp in ("yes", "no") else (tp > 1 and "--tp-comm-overlap" in notes)
-    schedule = (r.get("pp_schedule") or "").lower()
-    vpp = _int(r.get("vpp"))
-    if pp > 1:
-        if "interleaved" in schedule or (vpp or 1) > 1:
-            fixed.update(pp_schedule="interleaved-1f1b", pp_virtual=vpp or 2)
-        elif "1f1b" in schedule:
-            fixed.update(pp_schedule="1f1b", pp_virtual=1)
-        else:
-            open_["pp_schedule"] = [("1f1b", 1)] + [("interleaved-1f1b", v) for v in (2, 3, 4)
-                                                    if model.n_layers % (pp * v) == 0]
-    recompute = (r.get("act_recompute") or "").lower()
-    fixed["checkpointing"] = next((c for c in ("full", "selective") if recompute.startswith(c)), "none")
-    zero = (r.get("zero_or_fsdp") or "").lower()
-    fixed["zero"] = 1 if "distributed" in zero or (not zero and "--overlap-param-gather" in notes) else 0
-    micro = _int(r.get("micro_batch"))
-    global_batch = _int(r.get("global_batch_seqs")) or dp * DEFAULT_MICROBATCHES * (micro or 1)
-    if micro:
-        fixed["micro_batch"] = micro
-    else:
-        open_["micro_batch"] = [b for b in (1, 2, 4, 8) if (global_batch // dp) % b == 0]
-    hw = hardware(r["gpu_type"])
-    return Row(r["row_id"], r.get("source_short", ""), model, Cluster(hw, _int(r["num_gpus"]), _int(r["gpus_per_node"])),
-               r.get("notes") or "", seq, global_batch, fixed, open_, _reported(r, model, seq))
-
-
-def _reported(r: dict, model: ModelConfig, seq: int) -> float:
-    for key in ("tokens_per_s_per_gpu", "derived_tokens_per_s_per_gpu"):
-        if _float(r.get(key)):
-            return _float(r[key])
-    per_token = flops_per_token(model, seq)
-    if _float(r.get("tflops_per_gpu")):
-        return _float(r["tflops_per_gpu"]) * 1e12 / per_token
-    if _float(r.get("mfu_pct")):
-        return _float(r["mfu_pct"]) / 100 * _float(r["peak_dense_tflops_assumed"]) * 1e12 / per_token
-    raise ConfigError(f"row {r['row_id']}", "", "no throughput (tokens/s, TFLOP/s or MFU)", "fill one of them")
-
-
-def predict(row: Row):
-    """The fastest completion of the row's layout that fits in memory — or, when the memory model
-    says none fits (the run happened, so it did), the fastest completion (marked by `plan.fits`)."""
-    from fived.planner.search import evaluate, expand
-
-    runtime = framework_runtime(row.notes)
-    plans = [evaluate(row.model, layout, row.cluster, row.seq_len, row.global_batch, runtime=runtime)
-             for layout in expand(Layout(**row.fixed), row.open)]
-    plans = [p for p in plans if p is not None]
-    if not plans:
-        raise ConfigError(f"row {row.row_id}", Layout(**row.fixed).describe(), "not a layout the runtime can run",
-                          "check tp/pp/dp against the model's heads, layers and the global batch")
-    return min(plans, key=lambda p: (not p.fits, p.time.total))
-
-
-def validate(path: str | Path, printer=print) -> float:
-    """Print predicted vs reported per row; return (and print last) the median absolute error in %."""
-    errors = []
-    printer(f"{'row':>4} {'source':<30} {'gpus':>5} {'layout (open fields: planner)':<58} {'reported':>9} "
-            f"{'predicted':>9} {'error':>7}")
-    for row in read_rows(path):
-        plan = predict(row)
-        got = plan.time.tokens_per_s_per_gpu
-        err = (got - row.reported) / row.reported * 100
-        errors.append(abs(err))
-        mark = "" if plan.fits else "  (our memory model: does not fit)"
-        printer(f"{row.row_id:>4} {row.source[:30]:<30} {row.cluster.gpus:>5} {plan.layout.describe()[:58]:<58} "
-                f"{row.reported:>9.1f} {got:>9.1f} {err:>+6.1f}%{mark}")
-    median = statistics.median(errors) if errors else float("nan")
-    printer(f"median absolute error: {median:.1f}%")
-    return median
-
-
-def fit(path: str | Path) -> dict:
-    """Re-derive the fitted constants: coordinate descent over a grid, minimising the median
-    absolute error on `path`. `python -m fived.planner.calibration FILE.csv` prints the result; the
-    constants in timing.py and here are what it printed on tests/data/published_runs.csv."""
-    from fived.planner import timing
-
-    rows = read_rows(path)
-    grids = {"ampere": [0.40 + 0.025 * i for i in range(21)], "hopper": [0.40 + 0.025 * i for i in range(21)],
-             "WIDTH_HALF": [0.0, 32.0, 64.0, 128.0, 256.0], "ROWS_HALF": [0.0, 64.0, 128.0, 256.0, 512.0],
-             "LINK_EFFICIENCY": [0.6, 0.7, 0.8, 0.9],
-             "MCORE_TP_OVERLAP": [0.0, 0.25, 0.5, 0.75, 1.0]}
-    here = globals()
-
-    def set_(name, value):
-        if name in timing.EFFICIENCY:
+def set_constants(values: dict[str, float]) -> None:
+    for name, value in values.items():
+        if name in ("ampere", "hopper"):
             timing.EFFICIENCY[name] = value
         elif name == "MCORE_TP_OVERLAP":
-            here[name] = value
+            runtimes.MCORE_TP_OVERLAP = value
         else:
             setattr(timing, name, value)
-        timing.pipeline_profile.cache_clear()
 
-    def error() -> float:
-        return statistics.median(abs(predict(r).time.tokens_per_s_per_gpu / r.reported - 1) for r in rows)
+
+def _runtime(row: Row):
+    """The row's runtime with the current tp-overlap constant (it is fitted)."""
+    if row.runtime.tp_overlap:
+        return replace(row.runtime, tp_overlap=runtimes.MCORE_TP_OVERLAP)
+    return row.runtime
+
+
+def candidates(row: Row) -> list[Layout]:
+    """Every completion of the row's layout (dp follows an open tp or pp)."""
+    base = Layout(**{k: v for k, v in row.fixed.items()})
+    out = []
+    for layout in expand(base, row.open):
+        dp = row.cluster.gpus // (layout.tp * layout.pp * layout.cp)
+        if dp >= 1 and dp * layout.tp * layout.pp * layout.cp == row.cluster.gpus:
+            out.append(layout.with_(dp=dp, dp_replicate=layout.dp_replicate if dp % layout.dp_replicate == 0 else 1))
+    return out
+
+
+def batch(row: Row, layout: Layout) -> int:
+    """The row's global batch, or one micro-batch per data-parallel rank where it states none."""
+    return row.global_batch or layout.dp * layout.micro_batch
+
+
+def predict(row: Row) -> Plan | None:
+    """The fastest completion of the row's layout that fits in memory, else the fastest (its plan's
+    `fits` is then False); None when no completion is a layout the planner can cost."""
+    plans = [evaluate(row.model, layout, row.cluster, row.seq_len, batch(row, layout), runtime=_runtime(row))
+             for layout in candidates(row)]
+    plans = [p for p in plans if p is not None]
+    # fastest per token: an open batch size changes the tokens a step processes
+    return min(plans, key=lambda p: (not p.fits, -p.time.tokens_per_s_per_gpu)) if plans else None
+
+
+def _error(row: Row, plan: Plan) -> float:
+    return plan.time.tokens_per_s_per_gpu / row.reported - 1
+
+
+def _retime(row: Row, layout: Layout) -> float:
+    """The signed error of `layout` for `row` under the current constants."""
+    from fived.planner.timing import step_time
+
+    t = step_time(row.model, layout, row.cluster, row.seq_len, batch(row, layout), "bfloat16", _runtime(row))
+    return t.tokens_per_s_per_gpu / row.reported - 1
+
+
+def fit(rows: list[Row], chosen: list[Layout], verbose: bool = False) -> dict[str, float]:
+    """Coordinate descent over GRIDS (two sweeps) minimising the mean absolute error of `rows` with
+    their layouts `chosen`; leaves the best constants set and returns them. A constant no row depends
+    on (FP8 without FP8 rows) keeps its value."""
+    def error() -> float:  # the mean, not the median: every row pulls, a constant few rows decide is fitted too
+        return statistics.fmean(abs(_retime(r, layout)) for r, layout in zip(rows, chosen))
 
     for _ in range(2):
-        for name, grid in grids.items():
+        for name, grid in GRIDS.items():
             scores = []
             for value in grid:
-                set_(name, value)
-                scores.append((error(), value))
-            best = min(scores)
-            set_(name, best[1])
-            print(f"{name} = {best[1]:.3f}  (median error {best[0] * 100:.1f}%)", flush=True)
-    return {"EFFICIENCY": dict(timing.EFFICIENCY), "WIDTH_HALF": timing.WIDTH_HALF, "ROWS_HALF": timing.ROWS_HALF,
-            "LINK_EFFICIENCY": timing.LINK_EFFICIENCY, "MCORE_TP_OVERLAP": here["MCORE_TP_OVERLAP"]}
+                set_constants({name: value})
+                scores.append((round(error(), 9), abs(value - constants()[name]), value))
+            best = min(scores)  # ties: the value nearest the current one
+            set_constants({name: best[2]})
+            if verbose:
+                print(f"{name} = {best[2]:.3f}  (mean absolute error {best[0] * 100:.1f}%)", flush=True)
+    return constants()
+
+
+def leave_one_source_out(rows: list[Row], chosen: list[Layout]) -> dict[str, list[float]]:
+    """Per source: the signed errors of its rows predicted by constants fitted on the other sources."""
+    base = constants()
+    out: dict[str, list[float]] = {}
+    try:
+        for source in sorted({r.source for r in rows}):
+            train = [(r, layout) for r, layout in zip(rows, chosen) if r.source != source]
+            set_constants(base)
+            fit([r for r, _ in train], [layout for _, layout in train])
+            out[source] = [_retime(r, layout) for r, layout in zip(rows, chosen) if r.source == source]
+    finally:
+        set_constants(base)
+    return out
+
+
+def validate(path: str | Path, printer=print, out_of_sample: bool = True) -> dict:
+    """Print predicted vs reported per row, the skipped rows, the fit of the memory model, the
+    leave-one-source-out error, the coverage and, last, the in-sample median absolute error."""
+    rows, skipped = read_runs(path)
+    printer(f"{'row':>4} {'source':<26} {'gpus':>5} {'layout (planner-chosen fields: see notes)':<54} {'reported':>9} "
+            f"{'predicted':>9} {'error':>7}  notes")
+    done, chosen, errors, fits = [], [], [], 0
+    for row in rows:
+        plan = predict(row)
+        if plan is None:
+            skipped.append(f"row {row.row_id} skipped: no completion of {Layout(**row.fixed).describe()} is a layout "
+                           "the planner can cost (check tp/pp/dp against heads, layers and the global batch)")
+            continue
+        err = _error(row, plan)
+        done.append(row)
+        chosen.append(plan.layout)
+        errors.append(err)
+        fits += plan.fits
+        notes = row.notes + ([] if plan.fits else ["our memory model: does not fit"])
+        if not plan.layout.runnable:
+            notes.append("not runnable by fived yet")
+        printer(f"{row.row_id:>4} {row.source[:26]:<26} {row.cluster.gpus:>5} {plan.layout.describe()[:54]:<54} "
+                f"{row.reported:>9.1f} {plan.time.tokens_per_s_per_gpu:>9.1f} {err * 100:>+6.1f}%  {'; '.join(notes)}")
+    for line in skipped:
+        printer(line)
+    median = statistics.median(abs(e) for e in errors) * 100 if errors else float("nan")
+    result = {"rows": len(done) + len(skipped), "predicted": len(done), "fits": fits, "median": median}
+    printer(f"memory: {fits} of {len(done)} published runs fit in the planner's memory model "
+            f"({fits / max(len(done), 1):.0%})")
+    if out_of_sample and len({r.source for r in done}) > 1:
+        per_source = leave_one_source_out(done, chosen)
+        loso = [abs(e) for errs in per_source.values() for e in errs]
+        result["loso"] = statistics.median(loso) * 100
+        result["loso_by_source"] = {s: statistics.median(abs(e) for e in errs) * 100 for s, errs in per_source.items()}
+        printer("leave-one-source-out (constants fitted without the source): " + ", ".join(
+            f"{s} {v:.1f}%" for s, v in result["loso_by_source"].items()))
+        printer(f"leave-one-source-out median absolute error: {result['loso']:.1f}%")
+    printer(f"predicted {len(done)} of {result['rows']} rows")
+    printer(f"median absolute error: {median:.1f}%")
+    return result
+
+
+def fit_file(path: str | Path) -> dict[str, float]:
+    """Refit the constants on every row of `path` (what timing.py and runtimes.py hold is what this
+    printed on tests/data/published_runs.csv)."""
+    rows, _ = read_runs(path)
+    plans = [(r, predict(r)) for r in rows]
+    plans = [(r, p) for r, p in plans if p is not None]
+    return fit([r for r, _ in plans], [p.layout for _, p in plans], verbose=True)
 
 
 if __name__ == "__main__":  # python -m fived.planner.calibration tests/data/published_runs.csv
     import sys
 
-    print(fit(sys.argv[1]))
+    print(fit_file(sys.argv[1]))

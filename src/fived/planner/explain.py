@@ -10,12 +10,14 @@ from __future__ import annotations
 
 from fived.config import ModelConfig
 from fived.metrics import matmul_params_per_token
+from fived.planner.basis import basis
+from fived.planner.runtimes import FIVED, Runtime
 from fived.planner.search import DECISIONS, Plan, Search
 from fived.planner.timing import Cluster
 
 PARTS = {"compute": "compute", "bubble": "pipeline bubble", "tp": "tensor-parallel communication",
          "cp": "context-parallel ring", "ep": "expert all-to-all", "pp": "pipeline send/recv",
-         "dp": "gradient reduction (exposed)", "optimizer": "optimizer step"}
+         "dp": "gradient reduction (exposed)", "optimizer": "optimizer step", "overhead": "host overhead"}
 
 
 def _gib(n: float) -> str:
@@ -46,7 +48,7 @@ def _link_notes(plan: Plan, cluster: Cluster) -> list[str]:
     if L.cp > 1:
         notes.append(f"cp{L.cp} " + ("inside a node" if L.tp * L.cp <= g else "across nodes"))
     if L.ep > 1:
-        notes.append(f"ep{L.ep} " + ("inside a node" if L.tp * L.ep <= g else "across nodes"))
+        notes.append(f"ep{L.ep} " + ("inside a node" if L.expert_tp * L.ep <= g else "across nodes"))
     if L.dp * L.cp > 1:
         notes.append("gradients reduced " + ("inside a node" if L.tp * L.cp * L.dp <= g else "across nodes"))
     return notes
@@ -77,14 +79,16 @@ def _differs(plan: Plan, winner: Plan) -> str:
 
 
 def report(search: Search, model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int, top: int,
-           model_arg: str = "", dtype: str = "bfloat16") -> str:
+           model_arg: str = "", dtype: str = "bfloat16", runtime: Runtime = FIVED, headroom_gib: float = 0.0) -> str:
     """The text `fived plan` prints. `model_arg`: how `fived train` names the model (--model NAME or
     --config FILE)."""
     hw = cluster.hardware
     lines = [f"fived plan: {model.name} ({matmul_params_per_token(model) / 1e9:.1f}B matmul params per token), "
              f"{cluster.gpus} x {hw.name} ({cluster.gpus_per_node} per node, {hw.memory_gib:g} GiB each), "
-             f"seq {seq_len}, global batch {global_batch} sequences ({global_batch * seq_len:,} tokens)",
-             f"{search.considered} valid layouts considered, {len(search.plans)} fit in memory"]
+             f"seq {seq_len}, global batch {global_batch} sequences ({global_batch * seq_len:,} tokens), "
+             f"runtime {runtime.name}" + (" with FP8 GEMMs" if runtime.fp8 else ""),
+             f"{search.considered} valid layouts considered, {len(search.plans)} fit in memory"
+             + (f" ({headroom_gib:g} GiB of each GPU left free)" if headroom_gib else "")]
     if not search.considered:
         lines.append(f"no valid layout: {cluster.gpus} GPUs cannot be split into dp x tp x pp x cp for this model "
                      f"(tp must divide {model.n_heads} heads, dp the {global_batch} sequences, pp the "
@@ -100,12 +104,15 @@ def report(search: Search, model: ModelConfig, cluster: Cluster, seq_len: int, g
         lines.append(f"{i:>3}  {p.layout.describe():<58} {p.time.total:>8.3g} {p.time.tokens_per_s_per_gpu:>10.1f} "
                      f"{p.time.mfu:>6.1%} {_gib(p.memory.total):>6}")
     w = search.plans[0]
+    run = (f"fived train {model_arg or '--model ' + model.name} --train.seq_len {seq_len} --train.dtype {dtype} "
+           f"{w.layout.flags(global_batch)}") if w.layout.runnable and runtime.is_fived else \
+        f"not runnable by fived yet (planned for the {runtime.name} runtime)"
     lines += [f"winner: {w.layout.describe()}",
-              f"  run it: fived train {model_arg or '--model ' + model.name} --train.seq_len {seq_len} "
-              f"--train.dtype {dtype} {w.layout.flags(global_batch)}",
+              f"  run it: {run}",
               f"  step {w.time.total:.3g} s = {_time_parts(w)}",
               f"  memory {_gib(w.memory.total)} of {hw.memory_gib:g} GiB = {_memory_parts(w)}",
               "  links: " + ("; ".join(_link_notes(w, cluster)) or "single GPU"),
+              "  basis: " + "\n         ".join(basis(model, cluster, runtime, w.layout, seq_len)),
               "runners-up (the best plan deciding one thing differently):"]
     for d, values, p in runners_up(search):
         if p is None:
@@ -119,9 +126,12 @@ def report(search: Search, model: ModelConfig, cluster: Cluster, seq_len: int, g
     return "\n".join(lines)
 
 
-def to_json(search: Search, model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int, top: int) -> dict:
+def to_json(search: Search, model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int, top: int,
+            runtime: Runtime = FIVED, headroom_gib: float = 0.0) -> dict:
     return {"model": model.name, "gpus": cluster.gpus, "gpus_per_node": cluster.gpus_per_node,
             "gpu": cluster.hardware.name, "seq_len": seq_len, "global_batch": global_batch,
+            "runtime": runtime.name, "fp8": runtime.fp8, "memory_headroom_gib": headroom_gib,
+            "basis": basis(model, cluster, runtime, search.plans[0].layout, seq_len) if search.plans else [],
             "considered": search.considered, "fitting": len(search.plans),
             "plans": [p.to_dict(global_batch) for p in search.plans[:top]],
             "runners_up": [{"decision": d, "values": vs, "fits": p is not None,

@@ -13,10 +13,13 @@ cost-balanced split), the embedding on the first stage, the final norm and head 
   ZeRO-3     FSDP2 shards every parameter's first dimension in ceil(dim0/S) rows (experts over
              edp = dp*cp/ep); a rank holds its rows of params, grads and both moments
 Weights and Adam state are float32 in float32 and bfloat16 runs (bf16 is autocast), float64 in
-float64 runs. These equal the ledger's bytes exactly (tests/test_planner.py).
+float64 runs. These equal the ledger's bytes exactly (tests/test_planner.py). Other runtimes (the
+published runs') keep their own bytes per parameter (`fived.planner.runtimes.Runtime`: e.g.
+Megatron's bf16 weights, fp32 main gradients, fp32 master weights and Adam in the optimizer).
 
-Activations: bytes saved for backward per micro-batch (`fived.activation_model`), times the number of
-micro-batches a rank's schedule keeps in flight (`schedule_sim.in_flight_microbatches`).
+Activations: bytes saved for backward per micro-batch (`fived.activation_model`; other runtimes:
+`fived.planner.runtimes.framework_layer_bytes`), times the number of micro-batches a rank's
+schedule keeps in flight (`schedule_sim.in_flight_microbatches`).
 
 Transient buffers (peak, not ledger-measured): bf16 copies of the weights autocast caches during a
 forward; ZeRO-2's full gradient buffer during backward (fived allocates it per step); ZeRO-3's
@@ -33,8 +36,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from fived.config import ModelConfig
-from fived.mesh import DTYPES, V_SHAPED
-from fived.planner.layout import Layout
+from fived.mesh import DTYPES, V_SHAPED, Layout
+from fived.parallel.schedule_sim import pipeline_profile
+from fived.planner.runtimes import FIVED, Runtime, framework_activations
 
 RESERVE_GIB = 2.0  # CUDA context, NCCL communicators and workspaces
 RESERVE_FRACTION = 0.05  # allocator fragmentation, as a share of the device's memory
@@ -43,22 +47,22 @@ ACTIVATION_BYTES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
 WEIGHT_BYTES = {**ACTIVATION_BYTES, "bfloat16": 4}  # bf16 runs keep float32 weights
 
 
-def parameter_shapes(m: ModelConfig, tp: int, ep: int, layers, first: bool, last: bool):
+def parameter_shapes(m: ModelConfig, tp: int, ep: int, layers, first: bool, last: bool, etp: int = 0):
     """(dense, expert): ((first dimension, elements per row), how many such parameters) for one
-    rank's parameters."""
+    rank's parameters; experts split over `etp` ranks (0: tp, as fived splits them)."""
     n_moe = sum(1 for lid in layers if m.is_moe and lid >= m.n_dense_layers)
-    return _parameter_shapes(model_key(m), tp, ep, len(layers) - n_moe, n_moe, first, last)
+    return _parameter_shapes(model_key(m), tp, ep, len(layers) - n_moe, n_moe, first, last, etp or tp)
 
 
 @lru_cache(maxsize=65536)
-def _parameter_shapes(key: tuple, tp: int, ep: int, n_dense: int, n_moe: int, first: bool, last: bool):
+def _parameter_shapes(key: tuple, tp: int, ep: int, n_dense: int, n_moe: int, first: bool, last: bool, etp: int):
     """Aggregated by layer kind: ((rows, cols), count) pairs, so sums over hundreds of layers stay short."""
     m = ModelConfig(**dict(key))
-    one_dense, _ = _shape_list(m, tp, ep, [m.n_layers - 1] if not m.is_moe else [0], False, False)
+    one_dense, _ = _shape_list(m, tp, ep, [m.n_layers - 1] if not m.is_moe else [0], False, False, etp)
     if m.is_moe and m.n_dense_layers == 0:
-        one_dense = _shape_list(ModelConfig(**{**dict(key), "n_experts": 0}), tp, ep, [0], False, False)[0]
-    one_moe = _shape_list(m, tp, ep, [m.n_layers - 1], False, False) if m.is_moe else ([], [])
-    ends = _shape_list(m, tp, ep, [], first, last)[0]
+        one_dense = _shape_list(ModelConfig(**{**dict(key), "n_experts": 0}), tp, ep, [0], False, False, etp)[0]
+    one_moe = _shape_list(m, tp, ep, [m.n_layers - 1], False, False, etp) if m.is_moe else ([], [])
+    ends = _shape_list(m, tp, ep, [], first, last, etp)[0]
     dense: dict = {}
     expert: dict = {}
     for shapes, times, box in ((one_dense, n_dense, dense), (one_moe[0], n_moe, dense), (one_moe[1], n_moe, expert),
@@ -68,7 +72,7 @@ def _parameter_shapes(key: tuple, tp: int, ep: int, n_dense: int, n_moe: int, fi
     return tuple((s, k) for s, k in dense.items() if k), tuple((s, k) for s, k in expert.items() if k)
 
 
-def _shape_list(m: ModelConfig, tp: int, ep: int, layers, first: bool, last: bool):
+def _shape_list(m: ModelConfig, tp: int, ep: int, layers, first: bool, last: bool, etp: int):
     d, hd = m.dim, m.head_dim
     vocab = math.ceil(m.vocab_size / tp)  # padded to a multiple of tp, split
     kv_rows = (m.n_kv_heads // tp if m.n_kv_heads % tp == 0 else 1) * hd
@@ -78,7 +82,7 @@ def _shape_list(m: ModelConfig, tp: int, ep: int, layers, first: bool, last: boo
     for lid in layers:
         dense += [(d, 1), (m.n_heads * hd // tp, d), (kv_rows, d), (kv_rows, d), (d, m.n_heads * hd // tp), (d, 1)]
         if m.is_moe and lid >= m.n_dense_layers:
-            f = m.expert_dim // tp
+            f = m.expert_dim // etp
             dense.append((m.n_experts, d))  # router
             box = dense if ep == 1 else expert
             box += [(m.n_experts // ep, d * f), (m.n_experts // ep, d * f), (m.n_experts // ep, f * d)]
@@ -102,22 +106,24 @@ def _rows(dim0: int, shards: int, index: int) -> int:
 
 
 def state_bytes(m: ModelConfig, layout: Layout, dtype: str, chunks: list[tuple[list[int], bool, bool]],
-                shard_index: int = 0, edp_index: int = 0) -> dict[str, int]:
+                shard_index: int = 0, edp_index: int = 0, runtime: Runtime = FIVED) -> dict[str, int]:
     """Parameter, gradient and optimizer bytes of one rank holding `chunks` [(layers, first, last)],
     at position `shard_index` of its dp_shard*cp group and `edp_index` of its expert-data group."""
     b = WEIGHT_BYTES[dtype]
+    pb, gb = runtime.param_bytes or b, runtime.grad_bytes or b
+    ob = 2 * b + runtime.master_bytes  # Adam's two moments (and a master copy) per owned parameter
     dense, expert = [], []
     for layers, first, last in chunks:
-        dn, ex = parameter_shapes(m, layout.tp, layout.ep, layers, first, last)
+        dn, ex = parameter_shapes(m, layout.tp, layout.ep, layers, first, last, layout.expert_tp)
         dense += dn
         expert += ex
     shards = layout.dp_shard * layout.cp
     n_exp = sum(r * c * k for (r, c), k in expert)
     if layout.zero == 3:
-        edp = layout.dp * layout.cp // layout.ep
+        edp = layout.dp * layout.cp * layout.tp // (layout.ep * layout.expert_tp)
         elems = sum(_rows(r, shards, shard_index) * c * k for (r, c), k in dense)
         elems += sum(_rows(r, edp, edp_index) * c * k for (r, c), k in expert)
-        return {"params": elems * b, "grads": elems * b, "optimizer": 2 * elems * b}
+        return {"params": elems * pb, "grads": elems * gb, "optimizer": elems * ob}
     n = sum(r * c * k for (r, c), k in dense)
     if layout.zero == 0:
         owned = n
@@ -125,14 +131,14 @@ def state_bytes(m: ModelConfig, layout: Layout, dtype: str, chunks: list[tuple[l
         length = math.ceil(n / shards)
         owned = max(0, min(n, (shard_index + 1) * length) - shard_index * length)
     grads = owned if layout.zero == 2 else n
-    return {"params": (n + n_exp) * b, "grads": (grads + n_exp) * b, "optimizer": 2 * (owned + n_exp) * b}
+    return {"params": (n + n_exp) * pb, "grads": (grads + n_exp) * gb, "optimizer": (owned + n_exp) * ob}
 
 
 @lru_cache(maxsize=4096)
-def _split(model_key: tuple, n_stages: int) -> tuple[tuple[int, ...], ...]:
+def _split(model_key: tuple, n_stages: int, pp_layers: str) -> tuple[tuple[int, ...], ...]:
     from fived.parallel.pipeline import split_layers
 
-    return tuple(tuple(s) for s in split_layers(ModelConfig(**dict(model_key)), n_stages))
+    return tuple(tuple(s) for s in split_layers(ModelConfig(**dict(model_key)), n_stages, pp_layers))
 
 
 def model_key(m: ModelConfig) -> tuple:
@@ -141,7 +147,15 @@ def model_key(m: ModelConfig) -> tuple:
 
 def rank_chunks(m: ModelConfig, layout: Layout, pp_rank: int) -> list[tuple[tuple[int, ...], bool, bool]]:
     """The (layers, first, last) chunks pipeline rank `pp_rank` holds, as the runtime places them."""
-    return _rank_chunks(model_key(m), layout.pp, placement(layout.pp_schedule), layout.n_stages, pp_rank)
+    return rank_chunks_by_key(model_key(m), layout.pp, placement(layout.pp_schedule), layout.n_stages, pp_rank,
+                              layout.pp_layers)
+
+
+def rank_stages(layout: Layout, pp_rank: int) -> list[int]:
+    """The pipeline stages pipeline rank `pp_rank` holds, in order."""
+    from fived.parallel.pipeline import stage_rank
+
+    return [s for s in range(layout.n_stages) if stage_rank(s, layout.pp, layout.pp_schedule) == pp_rank]
 
 
 def placement(schedule: str) -> str:
@@ -150,26 +164,25 @@ def placement(schedule: str) -> str:
 
 
 @lru_cache(maxsize=65536)
-def _rank_chunks(key: tuple, pp: int, schedule: str, n_stages: int, pp_rank: int):
+def rank_chunks_by_key(key: tuple, pp: int, schedule: str, n_stages: int, pp_rank: int, pp_layers: str = ""):
     if pp == 1:
         return [(tuple(range(dict(key)["n_layers"])), True, True)]
     from fived.parallel.pipeline import stage_rank
 
-    stages = _split(key, n_stages)
+    stages = _split(key, n_stages, pp_layers)
     return [(stages[s], s == 0, s == n_stages - 1) for s in range(n_stages) if stage_rank(s, pp, schedule) == pp_rank]
 
 
-def state_floor(m: ModelConfig, layout: Layout, dtype: str) -> int:
+def state_layout(layout: Layout) -> Layout:
+    """What decides the model state and its buffers: the layout without its activation choices (the
+    caches below key on it, shared by every micro-batch / checkpointing / SP option)."""
+    return layout.with_(micro_batch=1, sp=False, checkpointing="none")
+
+
+def state_floor(m: ModelConfig, layout: Layout, dtype: str, runtime: Runtime = FIVED) -> int:
     """The largest model-state bytes of any pipeline rank: a lower bound of the peak, to prune early."""
-    L = layout
-    return _state_floor(model_key(m), L.tp, L.ep, L.pp, placement(L.pp_schedule), L.n_stages, L.zero, L.dp, L.dp_replicate,
-                        L.cp, dtype)
-
-
-@lru_cache(maxsize=65536)
-def _state_floor(key, tp, ep, pp, schedule, n_stages, zero, dp, dp_replicate, cp, dtype) -> int:
     return max(sum(state.values()) + static for state, static, _, _ in
-               _rank_states(key, tp, ep, pp, schedule, n_stages, zero, dp, dp_replicate, cp, dtype))
+               _rank_states(model_key(m), state_layout(layout), dtype, runtime))
 
 
 @dataclass
@@ -191,41 +204,46 @@ class MemoryEstimate:
 
 
 def activation_bytes_per_microbatch(m: ModelConfig, layout: Layout, seq_len: int, dtype: str,
-                                    chunks: list[tuple[list[int], bool, bool]]) -> list[int]:
+                                    chunks: list[tuple[list[int], bool, bool]], runtime: Runtime = FIVED) -> list[int]:
     """Bytes one micro-batch saves for backward, per chunk of the rank."""
-    L = layout
-    return [_activations(model_key(m), L.micro_batch, seq_len, L.tp, L.sp, L.cp, L.ep, ACTIVATION_BYTES[dtype],
-                         L.checkpointing, tuple(layers), first, last) for layers, first, last in chunks]
+    return [_activations(model_key(m), _activation_layout(layout), seq_len, dtype, tuple(layers), first, last, runtime)
+            for layers, first, last in chunks]
+
+
+def _activation_layout(layout: Layout) -> Layout:
+    """What decides the activation bytes of a chunk: the sizes, micro-batch, SP, checkpointing."""
+    return Layout(tp=layout.tp, cp=layout.cp, ep=layout.ep, etp=layout.etp, sp=layout.sp,
+                  micro_batch=layout.micro_batch, checkpointing=layout.checkpointing)
 
 
 @lru_cache(maxsize=262144)
-def _activations(key: tuple, micro_batch: int, seq_len: int, tp: int, sp: bool, cp: int, ep: int, e: int,
-                 checkpointing: str, layers: tuple, first: bool, last: bool) -> int:
+def _activations(key: tuple, layout: Layout, seq_len: int, dtype: str, layers: tuple, first: bool, last: bool,
+                 runtime: Runtime) -> int:
+    m = ModelConfig(**dict(key))
+    if not runtime.is_fived:
+        return framework_activations(m, layout, seq_len, layers, first, last)
     from fived.activation_model import activation_bytes
 
-    parts = activation_bytes(ModelConfig(**dict(key)), micro_batch_seqs=micro_batch, seq_len=seq_len, tp=tp, sp=sp,
-                             cp=cp, ep=ep, dtype_bytes=e, checkpointing=checkpointing, layers=layers,
+    L = layout
+    parts = activation_bytes(m, micro_batch_seqs=L.micro_batch, seq_len=seq_len, tp=L.tp, sp=L.sp, cp=L.cp, ep=L.ep,
+                             dtype_bytes=ACTIVATION_BYTES[dtype], checkpointing=L.checkpointing, layers=layers,
                              first=first, last=last)
     return sum(parts.values())
 
 
 def memory_per_gpu(m: ModelConfig, layout: Layout, seq_len: int, global_batch: int, dtype: str,
-                   device_gib: float) -> MemoryEstimate:
+                   device_gib: float, runtime: Runtime = FIVED) -> MemoryEstimate:
     """Peak bytes on the most loaded GPU: the pipeline rank whose state + activations are largest."""
-    from fived.planner.timing import pipeline_profile
-
     L, key = layout, model_key(m)
     micro = L.microbatches(global_batch)
     in_flight = pipeline_profile(L.pp_schedule, L.pp, L.pp_virtual, micro)[1] if L.pp > 1 else [1]
     e = ACTIVATION_BYTES[dtype]
     tokens = L.micro_batch * seq_len // L.cp  # one micro-batch on one rank
-    states = _rank_states(key, L.tp, L.ep, L.pp, placement(L.pp_schedule), L.n_stages, L.zero, L.dp, L.dp_replicate,
-                          L.cp, dtype)
-    acts = _rank_activations(key, L.micro_batch, seq_len, L.tp, L.sp, L.cp, L.ep, e, L.checkpointing, L.pp,
-                             placement(L.pp_schedule), L.n_stages)
+    states = _rank_states(key, state_layout(L), dtype, runtime)
+    acts = _rank_activations(key, _activation_layout(L), L.pp, placement(L.pp_schedule), L.n_stages, L.pp_layers,
+                             seq_len, dtype, runtime)
     # checkpointing recomputes one block at a time in backward: its activations exist once more
-    recompute = _recompute_block(key, L.micro_batch, seq_len, L.tp, L.sp, L.cp, L.ep, e) \
-        if L.checkpointing != "none" else 0
+    recompute = _recompute_block(key, _activation_layout(L), seq_len, dtype, runtime) if L.checkpointing != "none" else 0
     worst = None
     for pp_rank, ((state, static, accumulated, chunks), act) in enumerate(zip(states, acts)):
         buffers = static + recompute
@@ -245,20 +263,18 @@ def memory_per_gpu(m: ModelConfig, layout: Layout, seq_len: int, global_batch: i
 
 
 @lru_cache(maxsize=65536)
-def _recompute_block(key, micro_batch, seq_len, tp, sp, cp, ep, e) -> int:
-    from fived.activation_model import layer_bytes
-
+def _recompute_block(key, layout: Layout, seq_len: int, dtype: str, runtime: Runtime) -> int:
     m = ModelConfig(**dict(key))
-    kinds = {m.is_moe and i >= m.n_dense_layers for i in range(m.n_layers)}
-    return max(layer_bytes(m, moe=k, micro_batch_seqs=micro_batch, seq_len=seq_len, tp=tp, sp=sp, cp=cp, ep=ep,
-                           dtype_bytes=e) for k in kinds)
+    full = layout.with_(checkpointing="none")
+    kinds = {i for i in range(m.n_layers) if i in (0, m.n_layers - 1)}  # a dense and a MoE layer, if any
+    return max(_activations(key, full, seq_len, dtype, (i,), False, False, runtime) for i in kinds)
 
 
 @lru_cache(maxsize=65536)
-def _rank_activations(key, micro_batch, seq_len, tp, sp, cp, ep, e, checkpointing, pp, schedule, n_stages):
+def _rank_activations(key, layout: Layout, pp, schedule, n_stages, pp_layers, seq_len, dtype, runtime):
     """Per pipeline rank: bytes one micro-batch saves for backward over all the rank's chunks."""
-    return [sum(_activations(key, micro_batch, seq_len, tp, sp, cp, ep, e, checkpointing, *c) for c in
-                _rank_chunks(key, pp, schedule, n_stages, r)) for r in range(pp)]
+    return [sum(_activations(key, layout, seq_len, dtype, *c, runtime) for c in
+                rank_chunks_by_key(key, pp, schedule, n_stages, r, pp_layers)) for r in range(pp)]
 
 
 def reserve_bytes(device_gib: float) -> int:
@@ -266,35 +282,33 @@ def reserve_bytes(device_gib: float) -> int:
 
 
 @lru_cache(maxsize=65536)
-def _rank_states(key, tp, ep, pp, schedule, n_stages, zero, dp, dp_replicate, cp, dtype):
+def _rank_states(key, layout: Layout, dtype: str, runtime: Runtime):
     """Per pipeline rank: (model-state bytes, transient buffers that do not depend on the micro-batch,
-    ZeRO-3's unsharded gradient bytes while micro-batches accumulate, chunks). Shared by every
-    micro-batch / checkpointing / SP option of a layout."""
+    ZeRO-3's unsharded gradient bytes while micro-batches accumulate, chunks)."""
     m = ModelConfig(**dict(key))
-    layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, dp_replicate=dp_replicate)  # (stages: chunks)
     out, seen = [], {}
-    for r in range(pp):
-        chunks = _rank_chunks(key, pp, schedule, n_stages, r)
+    for r in range(layout.pp):
+        chunks = rank_chunks_by_key(key, layout.pp, placement(layout.pp_schedule), layout.n_stages, r, layout.pp_layers)
         kinds = tuple((sum(1 for i in layers if m.is_moe and i >= m.n_dense_layers), len(layers), first, last)
                       for layers, first, last in chunks)
         if kinds not in seen:  # ranks with the same kinds of layers hold the same state
-            state = state_bytes(m, layout, dtype, chunks)
-            seen[kinds] = (state,) + _static_buffers(m, layout, dtype, chunks, state)
+            state = state_bytes(m, layout, dtype, chunks, runtime=runtime)
+            seen[kinds] = (state,) + _static_buffers(m, layout, dtype, chunks, state, runtime)
         out.append(seen[kinds] + (chunks,))
     return out
 
 
-def _static_buffers(m: ModelConfig, layout: Layout, dtype: str, chunks, state: dict) -> tuple[int, int]:
+def _static_buffers(m: ModelConfig, layout: Layout, dtype: str, chunks, state: dict, runtime: Runtime) -> tuple[int, int]:
     """(transient bytes, ZeRO-3's accumulated unsharded gradients) of one rank."""
     b = WEIGHT_BYTES[dtype]
-    params = state["params"] // b  # elements this rank holds
-    shapes = [parameter_shapes(m, layout.tp, layout.ep, *c) for c in chunks]
+    params = state["params"] // (runtime.param_bytes or b)  # elements this rank holds
+    shapes = [parameter_shapes(m, layout.tp, layout.ep, *c, layout.expert_tp) for c in chunks]
     dense = sum(r * c * k for dn, _ in shapes for (r, c), k in dn)
     unsharded = dense + sum(r * c * k for _, ex in shapes for (r, c), k in ex)
     out = 0
-    if dtype == "bfloat16" and layout.zero < 3:  # autocast's bf16 weight copies (FSDP2 gathers in bf16)
+    if dtype == "bfloat16" and layout.zero < 3 and runtime.autocast_copies:  # autocast's bf16 weight copies
         out += 2 * params
-    if layout.zero == 2:
+    if layout.zero == 2 and runtime.is_fived:
         out += dense * b  # the flat gradient buffer (not the experts) exists while backward runs
     if layout.zero == 0 and layout.pp == 1 and layout.dp > 1:
         out += DDP_BUCKET_BYTES
@@ -302,9 +316,9 @@ def _static_buffers(m: ModelConfig, layout: Layout, dtype: str, chunks, state: d
         return out, 0
     # gathered weights in the compute dtype: the whole stage under pipelines (kept); otherwise the
     # root (embedding, final norm, head: gathered for the whole step) and two blocks (in use, prefetched)
-    gathered = 2 if dtype == "bfloat16" else b
+    gathered = runtime.gather_bytes or (2 if dtype == "bfloat16" else b)
     ends = sum(rows * cols * k for _, first, last in chunks
-               for (rows, cols), k in parameter_shapes(m, layout.tp, layout.ep, (), first, last)[0])
+               for (rows, cols), k in parameter_shapes(m, layout.tp, layout.ep, (), first, last, layout.expert_tp)[0])
     per_layer = (unsharded - ends) / max(1, sum(len(c[0]) for c in chunks))
     out += int(unsharded if layout.pp > 1 else ends + 2 * per_layer) * gathered
-    return out, unsharded * b
+    return out, unsharded * (runtime.grad_bytes or b)

@@ -8,19 +8,19 @@ MICRO_BATCH_TOKENS tokens, and HSDP only as "shard inside a node, replicate acro
 
 Order of decisions (the background notes' recipe): fit memory first, then reach the global batch
 (micro-batch size x micro-batches x dp), then maximise throughput. Validity is the runtime's own
-check (`fived.mesh._layout_errors`), so every planned layout is one `fived train` accepts.
+check (`fived.mesh.layout_errors`), so every planned layout is one `fived train` accepts.
 """
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
 
-from fived.config import Config, ModelConfig, ParallelConfig, TrainConfig
-from fived.mesh import _layout_errors
+from fived.config import Config, ModelConfig, TrainConfig
+from fived.mesh import Layout, layout_errors
 from fived.parallel.schedule_sim import check_schedule
-from fived.planner.layout import Layout
 from fived.planner.memory import MemoryEstimate, memory_per_gpu, reserve_bytes, state_floor
-from fived.planner.timing import FIVED, Cluster, Runtime, StepTime, step_time
+from fived.planner.runtimes import FIVED, Runtime
+from fived.planner.timing import Cluster, StepTime, step_time
 
 SCHEDULES = (("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 4), ("zero-bubble", 2), ("zbv", 1),
              ("dualpipev", 1), ("gpipe", 1))
@@ -34,7 +34,7 @@ class Plan:
     layout: Layout
     memory: MemoryEstimate
     time: StepTime
-    capacity: int  # bytes of device memory
+    capacity: int  # bytes of device memory a plan may use (the device's, less the headroom)
 
     @property
     def fits(self) -> bool:
@@ -43,17 +43,23 @@ class Plan:
     def to_dict(self, global_batch: int) -> dict:
         return {"layout": self.layout.to_dict(), "describe": self.layout.describe(),
                 "flags": self.layout.flags(global_batch), "memory_gib": self.memory.gib(),
-                "capacity_gib": self.capacity / 2**30, "step": self.time.to_dict()}
+                "capacity_gib": self.capacity / 2**30, "step": self.time.to_dict(),
+                "runnable": self.layout.runnable}
 
 
 def is_valid(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int) -> bool:
+    """The runtime's own checks; a folded expert layout (planner-only) by Megatron-Core's rules
+    instead for its experts: ep*etp ranks divide dp*cp*tp, etp divides tp and the expert width."""
     if global_batch % (layout.dp * layout.micro_batch):
         return False
-    p = ParallelConfig(**{k: getattr(layout, k) for k in ("dp", "tp", "pp", "cp", "ep", "zero", "dp_replicate",
-                                                           "sp", "pp_schedule", "pp_virtual")})
     t = TrainConfig(seq_len=seq_len, global_batch=global_batch, microbatches=layout.microbatches(global_batch),
                     activation_checkpointing=layout.checkpointing)
-    if _layout_errors(Config(model=model, parallel=p, train=t), layout.world):
+    checked = layout if layout.runnable else layout.with_(ep=1, etp=0)
+    if layout_errors(Config(model=model, parallel=checked.parallel_config(), train=t), layout.world):
+        return False
+    if not layout.runnable and not (model.is_moe and model.n_experts % layout.ep == 0 and layout.tp % layout.etp == 0
+                                    and model.expert_dim % layout.etp == 0
+                                    and (layout.dp * layout.cp * layout.tp) % (layout.ep * layout.etp) == 0):
         return False
     try:  # what torch's schedule constructors refuse (micro-batch rounds)
         check_schedule(layout.pp_schedule, layout.pp, layout.pp_virtual, t.microbatches)
@@ -63,13 +69,17 @@ def is_valid(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int
 
 
 def evaluate(model: ModelConfig, layout: Layout, cluster: Cluster, seq_len: int, global_batch: int,
-             dtype: str = "bfloat16", runtime: Runtime = FIVED) -> Plan | None:
+             dtype: str = "bfloat16", runtime: Runtime = FIVED, headroom_gib: float = 0.0) -> Plan | None:
     if not is_valid(model, layout, seq_len, global_batch):
         return None
     hw = cluster.hardware
-    memory = memory_per_gpu(model, layout, seq_len, global_batch, dtype, hw.memory_gib)
+    memory = memory_per_gpu(model, layout, seq_len, global_batch, dtype, hw.memory_gib, runtime)
     return Plan(layout, memory, step_time(model, layout, cluster, seq_len, global_batch, dtype, runtime),
-                int(hw.memory_gib * 2**30))
+                capacity_bytes(hw.memory_gib, headroom_gib))
+
+
+def capacity_bytes(memory_gib: float, headroom_gib: float) -> int:
+    return int((memory_gib - headroom_gib) * 2**30)
 
 
 def expand(base: Layout, options: dict) -> list[Layout]:
@@ -91,8 +101,10 @@ def _divisors(n: int, limit: int) -> list[int]:
     return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
 
 
-def mesh_shapes(model: ModelConfig, gpus: int, gpus_per_node: int, seq_len: int, global_batch: int):
-    """(dp, tp, pp, cp, ep) products equal to the GPU count, with the cheap divisibility rules."""
+def mesh_shapes(model: ModelConfig, gpus: int, gpus_per_node: int, seq_len: int, global_batch: int,
+                folded: bool = False):
+    """(dp, tp, pp, cp, ep) products equal to the GPU count, with the cheap divisibility rules; with
+    `folded`, also Megatron-Core's MoE parallel folding (experts over dp*cp*tp, etp 1)."""
     for tp in _divisors(gpus, 2 * gpus_per_node):
         if model.n_heads % tp:
             continue
@@ -106,6 +118,10 @@ def mesh_shapes(model: ModelConfig, gpus: int, gpus_per_node: int, seq_len: int,
                 eps = [e for e in _divisors(dp * cp, model.n_experts) if model.n_experts % e == 0] if model.is_moe else [1]
                 for ep in eps:
                     yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
+                if folded and model.is_moe and tp > 1:
+                    for ep in _divisors(dp * cp * tp, model.n_experts):
+                        if model.n_experts % ep == 0 and ep > 1:
+                            yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, etp=1)
 
 
 def state_choices(model: ModelConfig, mesh: Layout, gpus_per_node: int):
@@ -129,7 +145,8 @@ def activation_choices(layout: Layout, seq_len: int, global_batch: int):
             yield [layout.with_(micro_batch=mbs, sp=sp, checkpointing=ac) for ac in ("none", "selective", "full")]
 
 
-DECISIONS = ("tp", "pp", "cp", "ep", "zero", "dp_replicate", "sp", "pp_schedule", "micro_batch", "checkpointing")
+DECISIONS = ("tp", "pp", "cp", "ep", "etp", "zero", "dp_replicate", "sp", "pp_schedule", "micro_batch",
+             "checkpointing")
 
 
 @dataclass
@@ -140,11 +157,13 @@ class Search:
 
 
 def plan(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int, dtype: str = "bfloat16",
-         runtime: Runtime = FIVED) -> Search:
-    """Every fitting plan, fastest first. Layouts whose model state alone overflows the GPU are
-    dropped before their activation options are costed; of the checkpointing options of one layout,
-    the first that fits is kept (the others only recompute more)."""
-    capacity = int(cluster.hardware.memory_gib * 2**30)
+         runtime: Runtime = FIVED, headroom_gib: float = 0.0) -> Search:
+    """Every fitting plan, fastest first: a plan fits when its peak stays `headroom_gib` below the
+    device's memory. Layouts whose model state alone overflows are dropped before their activation
+    options are costed; of the checkpointing options of one layout, the first that fits is kept (the
+    others only recompute more). fived's runtime considers the layouts it runs; another runtime's
+    also Megatron-Core's folded expert layouts (marked not runnable by fived)."""
+    capacity = capacity_bytes(cluster.hardware.memory_gib, headroom_gib)
     reserve = reserve_bytes(cluster.hardware.memory_gib)
     fitting, considered, smallest = [], 0, {}
 
@@ -153,9 +172,9 @@ def plan(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int, 
             k = (d, getattr(layout, d))
             smallest[k] = min(smallest.get(k, need), need)
 
-    for mesh in mesh_shapes(model, cluster.gpus, cluster.gpus_per_node, seq_len, global_batch):
+    for mesh in mesh_shapes(model, cluster.gpus, cluster.gpus_per_node, seq_len, global_batch, not runtime.is_fived):
         for state in state_choices(model, mesh, cluster.gpus_per_node):
-            floor = state_floor(model, state, dtype) + reserve
+            floor = state_floor(model, state, dtype, runtime) + reserve
             if floor > capacity:
                 if is_valid(model, state, seq_len, global_batch):
                     considered += 1
@@ -163,7 +182,7 @@ def plan(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int, 
                 continue
             for options in activation_choices(state, seq_len, global_batch):
                 for layout in options:
-                    result = evaluate(model, layout, cluster, seq_len, global_batch, dtype, runtime)
+                    result = evaluate(model, layout, cluster, seq_len, global_batch, dtype, runtime, headroom_gib)
                     if result is None:  # e.g. selective checkpointing under a split-backward schedule
                         continue
                     considered += 1

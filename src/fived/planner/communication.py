@@ -1,0 +1,230 @@
+"""Every collective one rank issues in one training step, by formula: the one model of the runtime's
+communication. `fived train --report` prints its bytes next to the ledger's (`ledger_bytes`), the
+planner prices the same list on the links the groups use (`fived.planner.timing`).
+
+Conventions (the ledger's): a collective's bytes are its full tensor — a reduce-scatter's input, an
+all-gather's output, an all-to-all's input, a send's tensor. Groups are logical (GROUPS); the ledger
+names a group by the first of `fived.mesh.GROUP_NAMES` with the same ranks (dp_cp is "dp" without
+context parallelism). B = tokens of one micro-batch on the rank (micro_batch * seq_len / cp), h =
+dim, e = the matmul dtype's bytes, w = the residual stream's (float32 in fived's bf16 runs), r = the
+gradient reduction's, g = the parameter gathers'. Per micro-batch unless said, times 2 for forward
+collectives when full checkpointing recomputes the forward:
+
+  tp   per layer 2 regions. Without SP: an all-reduce of each region's output (B h e) and, in
+       backward, of each region input's gradient (B h w); with SP: all-gather of the input (w) and
+       reduce-scatter of the output (e) forward, all-gather of the output's gradient (e) and
+       reduce-scatter of the input's gradient (w) backward, plus a backward re-gather of the inputs
+       (fived outside bf16 — bf16 linears keep their gathered copy — and Megatron). Full
+       checkpointing recomputes every entry but only the attention region's exit (early stop). The embedding's
+       exit and the head's entry are a region boundary each; the vocab-parallel loss all-reduces 3
+       values per token. Per step: partial gradients summed over tp (routers; norm gains with SP;
+       replicated kv heads) and the clipping norm's 8 bytes.
+  cp   per layer, the ring: forward cp-1 hops of K, V and positions, backward cp-1 hops of K, V,
+       positions, dK, dV and a last hop of dK, dV home (fived's ring runs in at least float32); per
+       MoE layer the sequence's routing statistics summed over cp.
+  ep   per MoE layer: the per-expert counts (int64), dispatch (w) and combine (e) forward, their
+       gradients backward; B*top_k routing slots (dropless, balanced).
+  pp   per micro-batch and stage boundary: the activations (B h w, B/tp with SP) forward and their
+       gradient backward, unless both stages sit on this rank (V-shaped schedules); the norm's 8 bytes.
+  dp   per step (gradient accumulation reduces once): ZeRO-0 all-reduces every gradient (DDP's
+       buckets; one flat buffer under pipelines); ZeRO-1/2 reduce-scatter and all-gather one flat
+       buffer padded to a multiple of S = dp_shard*cp; ZeRO-3 (FSDP2) gathers every parameter
+       (rows padded to a multiple of S) per micro-batch for forward and the blocks again for
+       backward (once per step when kept gathered: pipelines, zero3_keep_gathered), reduce-scatters
+       once; HSDP all-reduces the shard over replicas. Experts (ep > 1) are reduced over edp: an
+       all-reduce (ZeRO-0/1/2) or FSDP2 over edp (ZeRO-3). The clipping norm's 8 bytes per group.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from fived.config import ModelConfig
+from fived.mesh import Layout
+from fived.planner.memory import ACTIVATION_BYTES, WEIGHT_BYTES, parameter_shapes
+from fived.planner.runtimes import FIVED, Runtime
+
+GROUPS = ("tp", "cp", "ep", "edp", "pp", "dp_cp", "dp_shard_cp", "dp_replicate")
+NORM = 8  # the clipping norm: one float64 per group
+DDP_BUCKET = 25 * 2**20  # DDP's default bucket (bytes)
+
+
+@dataclass(frozen=True)
+class Collective:
+    group: str  # one of GROUPS
+    op: str  # the ledger's name: all_reduce, all_gather_single, reduce_scatter_single, all_to_all_single, send, recv
+    nbytes: float  # per call
+    calls: float  # per step
+    part: str  # the step-time part that prices it (tp, cp, ep, pp, dp, dp_gather), "" for none (a recv)
+
+    @property
+    def total(self) -> float:
+        return self.nbytes * self.calls
+
+
+def group_span(layout: Layout, group: str) -> tuple[int, int]:
+    """(ranks in the group, their distance on the mesh): tp innermost, then cp, dp_shard,
+    dp_replicate, pp; experts fold over dp*cp*tp with etp innermost, ep, then edp."""
+    L = layout
+    etp = L.expert_tp
+    return {"tp": (L.tp, 1), "cp": (L.cp, L.tp), "ep": (L.ep, etp),
+            "edp": (L.dp * L.cp * L.tp // (L.ep * etp), L.ep * etp), "pp": (2, L.tp * L.cp * L.dp),
+            "dp_cp": (L.dp * L.cp, L.tp), "dp_shard_cp": (L.dp_shard * L.cp, L.tp),
+            "dp_replicate": (L.dp_replicate, L.tp * L.cp * L.dp_shard)}[group]
+
+
+def step_collectives(m: ModelConfig, layout: Layout, seq_len: int, global_batch: int, dtype: str, chunks,
+                     stages=(), runtime: Runtime = FIVED) -> list[Collective]:
+    """The collectives of one step on a rank holding `chunks` [(layers, first, last)] — pipeline
+    stages `stages` (their indices, to know which boundaries leave the rank)."""
+    out: list[Collective] = []
+    sizes = {g: group_span(layout, g)[0] for g in GROUPS}
+
+    def add(group, op, nbytes, calls, part):
+        if sizes[group] > 1 and nbytes > 0 and calls > 0:
+            out.append(Collective(group, op, nbytes, calls, part))
+
+    L = layout
+    micro = L.microbatches(global_batch)
+    tokens = L.micro_batch * seq_len // L.cp
+    e = ACTIVATION_BYTES[dtype]
+    w = runtime.residual_bytes or WEIGHT_BYTES[dtype]
+    fwd = 2 if L.checkpointing == "full" else 1
+    layers = sum(len(c[0]) for c in chunks)
+    moe_layers = sum(1 for c in chunks for i in c[0] if m.is_moe and i >= m.n_dense_layers)
+    first, last = any(c[1] for c in chunks), any(c[2] for c in chunks)
+    grad_w = runtime.grad_bytes or WEIGHT_BYTES[dtype]
+    if L.tp > 1:
+        _tensor_parallel(add, m, L, tokens, e, w, grad_w, micro, fwd, layers, moe_layers, first, last,
+                         regather=not (runtime.is_fived and dtype == "bfloat16"))
+    if L.ep > 1 and moe_layers:  # dispatch (w) and combine (e), again when recomputed, and their gradients
+        slots = tokens * m.top_k * L.expert_tp // L.tp
+        add("ep", "all_to_all_single", 8 * m.n_experts, fwd * moe_layers * micro, "ep")  # tokens per expert
+        add("ep", "all_to_all_single", slots * m.dim * w, (fwd + 1) * moe_layers * micro, "ep")
+        add("ep", "all_to_all_single", slots * m.dim * e, (fwd + 1) * moe_layers * micro, "ep")
+    if L.cp > 1:
+        ring = e if runtime.flash_ring else max(e, 4)
+        kv = L.micro_batch * _kv_heads(m, L.tp) * (seq_len // L.cp) * m.head_dim * ring
+        positions = 0 if runtime.flash_ring else 8 * seq_len // L.cp
+        per_layer = fwd * (L.cp - 1) * (2 * kv + positions) + (L.cp - 1) * (4 * kv + positions) + 2 * kv
+        hops = fwd * (L.cp - 1) + L.cp
+        add("cp", "send", per_layer / hops, hops * layers * micro, "cp")
+        add("cp", "recv", per_layer / hops, hops * layers * micro, "")
+        # MoE load-balancing statistics summed over the sequence's cp ranks: [b, 2E+1] per layer
+        add("cp", "all_reduce", L.micro_batch * (2 * m.n_experts + 1) * max(e, 4), fwd * moe_layers * micro, "cp")
+    if L.pp > 1:
+        _pipeline(add, m, L, tokens, w, micro, stages)
+    _data_parallel(add, m, L, chunks, micro, dtype, runtime)
+    return out
+
+
+def _kv_heads(m: ModelConfig, tp: int) -> int:
+    """kv heads a tp rank holds: its share, or the one its query heads use when tp > n_kv_heads."""
+    return m.n_kv_heads // tp if m.n_kv_heads % tp == 0 else 1
+
+
+def _tensor_parallel(add, m, L, tokens, e, w, grad_w, micro, fwd, layers, moe_layers, first, last, regather):
+    narrow, wide = tokens * m.dim * e, tokens * m.dim * w
+    regions = 2 * layers
+    ends = int(first) + int(last)
+    # a recomputed block stops once it has rebuilt what backward needs (torch's early stop): every
+    # region's entry again, but only the attention region's exit (the MLP's output is not saved)
+    exits = regions + (fwd - 1) * layers
+    if L.sp:
+        # backward re-gathers the inputs SP did not keep (a recomputed block gathered them again)
+        again = (regions if fwd == 1 else 0) + last if regather else 0
+        add("tp", "all_gather_single", wide, micro * (fwd * regions + ends + again), "tp")
+        add("tp", "all_gather_single", narrow, micro * regions, "tp")
+        add("tp", "reduce_scatter_single", narrow, micro * exits, "tp")
+        add("tp", "reduce_scatter_single", wide, micro * (regions + ends), "tp")
+        add("tp", "all_reduce", (2 * layers + last) * m.dim * grad_w, 1, "dp")  # norm gains saw other tokens
+    else:
+        add("tp", "all_reduce", narrow, micro * exits, "tp")
+        add("tp", "all_reduce", wide, micro * (regions + ends), "tp")
+    add("tp", "all_reduce", tokens * max(e, 4), micro * 3 * last, "tp")  # the loss: max, sum of exp, target
+    add("tp", "all_reduce", m.n_experts * m.dim * grad_w, moe_layers, "dp")  # routers
+    if m.n_kv_heads % L.tp:  # replicated kv heads: [kv heads, head_dim, dim] slots for k and v
+        add("tp", "all_reduce", 2 * m.n_kv_heads * m.head_dim * m.dim * grad_w, layers, "dp")
+    add("tp", "all_reduce", NORM, 1, "dp")
+
+
+def _pipeline(add, m, L, tokens, w, micro, stages) -> None:
+    from fived.parallel.pipeline import stage_rank
+
+    boundary = tokens // (L.tp if L.sp else 1) * m.dim * w
+    here = stage_rank(stages[0], L.pp, L.pp_schedule) if stages else 0
+    away = [s for s in range(L.n_stages) if stage_rank(s, L.pp, L.pp_schedule) != here]
+    sends = sum(int(s + 1 in away) + int(s - 1 in away) for s in stages)  # activations on, gradients back
+    recvs = sum(int(s - 1 in away) + int(s + 1 in away and s + 1 < L.n_stages) for s in stages)
+    add("pp", "send", boundary, micro * sends, "pp")
+    add("pp", "recv", boundary, micro * recvs, "")
+    add("pp", "all_reduce", NORM, 1, "dp")
+
+
+def _padded(shapes, shards: int) -> int:
+    """Elements of `shapes` with each first dimension padded to a multiple of `shards` (FSDP2)."""
+    return sum(math.ceil(r / shards) * shards * c * k for (r, c), k in shapes)
+
+
+def _data_parallel(add, m: ModelConfig, L: Layout, chunks, micro: int, dtype: str, runtime: Runtime) -> None:
+    dense, expert, ends = [], [], []
+    for layers, first, last in chunks:
+        dn, ex = parameter_shapes(m, L.tp, L.ep, layers, first, last, L.expert_tp)
+        dense += dn
+        expert += ex
+        ends += parameter_shapes(m, L.tp, L.ep, (), first, last, L.expert_tp)[0]
+    n = sum(r * c * k for (r, c), k in dense)
+    n_exp = sum(r * c * k for (r, c), k in expert)
+    shards = L.dp_shard * L.cp
+    r = runtime.reduce_bytes or (2 if dtype == "bfloat16" and L.reduce_dtype == "bfloat16" else WEIGHT_BYTES[dtype])
+    if L.zero == 0:  # DDP's 25 MiB buckets, or one flat buffer under pipelines
+        buckets = 1 if L.pp > 1 else max(1, math.ceil(n * r / DDP_BUCKET))
+        add("dp_cp", "all_reduce", n * r / buckets, buckets, "dp")
+    elif L.zero in (1, 2):
+        padded = math.ceil(n / shards) * shards
+        g = runtime.gather_bytes or WEIGHT_BYTES[dtype]
+        add("dp_shard_cp", "reduce_scatter_single", padded * r, 1, "dp")
+        add("dp_shard_cp", "all_gather_single", padded * g, 1, "dp")
+        add("dp_replicate", "all_reduce", padded // shards * r, 1, "dp")
+        add("dp_shard_cp", "all_reduce", NORM, 1, "dp")
+    else:
+        g = runtime.gather_bytes or (2 if dtype == "bfloat16" else WEIGHT_BYTES[dtype])  # the compute dtype
+        padded, root = _padded(dense, shards), _padded(ends, shards)
+        keep = L.zero3_keep_gathered or L.pp > 1
+        layers = sum(len(c[0]) for c in chunks)
+        modules = layers + len(chunks)  # one collective per block and per chunk's root, each call
+        if keep:
+            add("dp_shard_cp", "all_gather_single", padded * g / modules, modules, "dp_gather")
+        else:  # per micro-batch: everything for forward, the blocks again for backward (the root stays)
+            add("dp_shard_cp", "all_gather_single", (2 * padded - root) * g / (modules + layers),
+                micro * (modules + layers), "dp_gather")
+        add("dp_shard_cp", "reduce_scatter_single", padded * r / modules, modules, "dp")
+        add("dp_replicate", "all_reduce", padded // shards * r, 1, "dp")
+        add("dp_shard_cp", "all_reduce", NORM, 1, "dp")
+        edp = group_span(L, "edp")[0]
+        experts = _padded(expert, edp)
+        add("edp", "all_gather_single", experts * g, 1 if keep else 2 * micro, "dp_gather")
+        add("edp", "reduce_scatter_single", experts * r, 1, "dp")
+    if L.zero < 3 and n_exp:
+        add("edp", "all_reduce", n_exp * r, 1, "dp")
+        add("ep", "all_reduce", NORM, 1, "dp")
+
+
+def owned_parameters(m: ModelConfig, L: Layout, chunks) -> float:
+    """Parameters this rank's optimizer steps (AdamW streams 28 bytes per one)."""
+    n = n_exp = 0
+    for layers, first, last in chunks:
+        dn, ex = parameter_shapes(m, L.tp, L.ep, layers, first, last, L.expert_tp)
+        n += sum(r * c * k for (r, c), k in dn)
+        n_exp += sum(r * c * k for (r, c), k in ex)
+    edp = group_span(L, "edp")[0]
+    return (n / (L.dp_shard * L.cp) if L.zero else n) + n_exp / (edp if L.zero == 3 else 1)
+
+
+def ledger_bytes(collectives: list[Collective], layout: Layout) -> dict[str, int]:
+    """{"<ledger group name>/<op>": bytes} as `fived.ledger.CommLedger.summary` keys them."""
+    out: dict[str, int] = {}
+    for c in collectives:
+        key = f"{layout.ledger_name(c.group)}/{c.op}"
+        out[key] = out.get(key, 0) + round(c.total)
+    return out

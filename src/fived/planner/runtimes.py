@@ -1,0 +1,158 @@
+"""What a training runtime does with a layout: which communication it overlaps, in which dtypes it
+communicates and keeps the model state, how it stores activations, and which kernels it has.
+
+`FIVED` is this project's runtime as built, and the default of every prediction: no tensor-parallel
+overlap, DDP / FSDP2 reductions behind the last backward, fp32 weights with bf16 autocast (a bf16
+copy of each weight per forward), eager PyTorch kernels (unfused RMSNorm, RoPE, SwiGLU), SDPA (flash
+on GPU) without context parallelism and a ring of plain matmuls with it, experts in a loop, no FP8.
+
+The published runs the planner is calibrated on ran other runtimes; `framework_runtime` describes
+each from what its row states (framework, precision, ZeRO/FSDP wording, overlap flags), with these
+documented defaults:
+- Megatron-LM 2021/2022: bf16/fp16 weights, fp32 main gradients, fp32 master weights and Adam in
+  the (distributed) optimizer, gradients reduced in fp32 after the backward, no tp overlap, fused
+  kernels (apex), activations as Korthikanti et al. count them.
+- Megatron-Core (2023+, Transformer Engine): the same state, fused kernels and flash attention;
+  --overlap-grad-reduce / --overlap-param-gather / --tp-comm-overlap as the row says; grouped GEMM
+  experts; FP8 GEMMs when the row's precision says FP8.
+- PyTorch FSDP (FSDP1/FSDP2, torchtitan-style or HF): fp32 sharded parameters gathered in bf16
+  (float8 all-gather with FP8), reductions overlapped, eager kernels unless compiled.
+- DeepSpeed ZeRO, InternEvo and other ZeRO-style runtimes: bf16 weights and gradients, fp32 master
+  and Adam sharded by stage; fused kernels unless the model is Hugging Face's.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+
+MCORE_TP_OVERLAP = 1.0  # share of tp communication --tp-comm-overlap hides (fitted, fived.planner.calibration)
+
+
+@dataclass(frozen=True)
+class Runtime:
+    name: str = "fived"
+    # what it overlaps
+    tp_overlap: float = 0.0  # share of tensor-parallel communication hidden behind GEMMs
+    grad_overlap: bool = True  # ZeRO-0 (DDP) / ZeRO-3 (FSDP) reduce during the last backward (pp=1)
+    zero12_overlap: bool = False  # ZeRO-1/2 reduce-scatter overlapped with backward
+    pipeline_grad_overlap: bool = False  # the dp reduction overlapped under pipeline schedules
+    # communication dtypes, bytes (0: fived's rule — the weights' dtype, float32 in bf16 runs)
+    reduce_bytes: int = 0  # gradient reduction
+    gather_bytes: int = 0  # ZeRO-1/2 parameter all-gather (ZeRO-3 gathers in the compute dtype)
+    residual_bytes: int = 0  # residual stream: tp region inputs, their gradients, pipeline sends
+    # model state, bytes per parameter (0: fived's rule, the weights' dtype for all of them)
+    param_bytes: int = 0  # weights as the model holds them
+    grad_bytes: int = 0  # gradients as accumulated
+    master_bytes: int = 0  # a separate fp32 master copy, sharded like the optimizer state
+    autocast_copies: bool = True  # fived: bf16 copies of the weights live through the forward
+    activations: str = "fived"  # fived: fived.activation_model; megatron: Korthikanti et al. (flash)
+    # kernels
+    fused: bool = False  # fused norm / RoPE / activation kernels (Transformer Engine, apex, compile)
+    fp8: bool = False  # FP8 GEMMs (Transformer Engine, torchao float8)
+    grouped_experts: bool = False  # one grouped GEMM for a rank's experts (fived: a loop)
+    flash_ring: bool = False  # context-parallel blocks with a fused attention kernel (fived: matmuls)
+
+    @property
+    def is_fived(self) -> bool:
+        return self.name == "fived"
+
+
+FIVED = Runtime()
+
+_MEGATRON = Runtime(name="megatron", grad_overlap=False, reduce_bytes=4, gather_bytes=2, residual_bytes=2,
+                    param_bytes=2, grad_bytes=4, master_bytes=4, autocast_copies=False, activations="megatron",
+                    fused=True)
+_FSDP = Runtime(name="fsdp", grad_overlap=True, reduce_bytes=4, gather_bytes=2, residual_bytes=2, param_bytes=4,
+                grad_bytes=4, autocast_copies=False, activations="megatron", fused=False)
+
+# `fived plan --runtime`: fived's, or (to compare) a published framework's
+PLANNED_RUNTIMES = {
+    "fived": FIVED,
+    "megatron-core": replace(_MEGATRON, name="megatron-core", tp_overlap=MCORE_TP_OVERLAP, grad_overlap=True,
+                             zero12_overlap=True, pipeline_grad_overlap=True, grouped_experts=True, flash_ring=True),
+}
+PLANNED_RUNTIMES["megatron-core-fp8"] = replace(PLANNED_RUNTIMES["megatron-core"], fp8=True)
+PLANNED_RUNTIMES["fsdp"] = replace(_FSDP, fused=True)  # torch.compile'd, as torchtitan-style runs
+PLANNED_RUNTIMES["fsdp-fp8"] = replace(_FSDP, fused=True, fp8=True, gather_bytes=1)
+
+# Row fields read to describe its runtime: wording -> ZeRO stage (None: not said)
+ZERO_WORDS = (("zero-3", 3), ("zero3", 3), ("zero_3", 3), ("zero stage 3", 3), ("full_shard", 3),
+              ("hybrid_shard", 3), ("hsdp", 3), ("fsdp", 3), ("shard_grad_op", 2), ("zero-2", 2), ("zero2", 2),
+              ("zero stage 2", 2), ("distributed optimizer", 1), ("distributed-optimizer", 1),
+              ("distrib", 1), ("zero-1", 1), ("zero1", 1), ("zero stage 1", 1), ("ddp", 0), ("none", 0),
+              ("no_shard", 0))
+
+
+def zero_stage(text: str) -> int | None:
+    """The ZeRO stage a row's wording names ('FSDP', 'FULL_SHARD', 'SHARD_GRAD_OP', 'ZeRO-3-like',
+    'distributed optimizer', 'DDP'...), or None when it names none."""
+    t = (text or "").lower()
+    for word, stage in ZERO_WORDS:
+        if word in t:
+            return stage
+    m = re.search(r"zero\D{0,3}([0-3])", t)
+    return int(m.group(1)) if m else None
+
+
+def is_fp8(precision: str) -> bool:
+    return bool(re.search(r"fp8|float8|e4m3|hybrid", (precision or "").lower()))
+
+
+def framework_runtime(framework: str, notes: str = "", precision: str = "") -> Runtime:
+    """The runtime a published row ran, from its framework, notes and precision columns."""
+    text = f"{framework} {notes}".lower()
+    fp8 = is_fp8(precision)
+    if "fsdp" in text or "torchtitan" in text or "pytorch" in text or "hf " in text:
+        compiled = "compile" in text
+        return replace(_FSDP, fused=compiled, fp8=fp8, gather_bytes=1 if fp8 else 2,
+                       reduce_bytes=2 if "reduce in bf16" in text else 4)
+    if "megatron-lm (2021)" in text or "megatron-lm (2022)" in text:
+        return _MEGATRON
+    if "megatron" in text or "nemo" in text or "flagscale" in text:
+        overlap = "--tp-comm-overlap" in text
+        return replace(_MEGATRON, name="megatron-core", tp_overlap=MCORE_TP_OVERLAP if overlap else 0.0,
+                       grad_overlap="--overlap-grad-reduce" in text or overlap,
+                       zero12_overlap="--overlap-grad-reduce" in text or overlap,
+                       pipeline_grad_overlap="--overlap-grad-reduce" in text or overlap,
+                       grouped_experts=True, flash_ring=True, fp8=fp8)
+    # DeepSpeed ZeRO, InternEvo and other ZeRO-style runtimes: bf16 weights and gradients, fp32 master
+    # weights and Adam in the (sharded) optimizer, overlapped reductions; fused kernels unless the
+    # model is Hugging Face's
+    eager = "hugging face" in text or "transformers" in text
+    return replace(_FSDP, name="zero-style", param_bytes=2, grad_bytes=2, master_bytes=4, fused=not eager,
+                   zero12_overlap="overlap_comm false" not in text, grad_overlap="overlap_comm false" not in text, fp8=fp8)
+
+
+def framework_activations(m, layout, seq_len: int, layers, first: bool, last: bool) -> int:
+    """Bytes one micro-batch saves for backward in a Megatron-style runtime (Korthikanti et al. 2022,
+    sec. 4, with flash attention: no s^2 term), bf16, for a rank's `layers` (+ embedding, head).
+    Per token of the B = micro_batch * seq_len / cp a rank computes on, t = tp (etp for experts):
+      replicated: the two norms' and the two blocks' inputs, two dropout masks: 10h (/t with SP)
+      split over t: q and the attention output 2h + 2h, k and v 4 kv_dim, the MLP's gate, up and
+                    activation outputs 6f (GeLU MLPs of width F: 4F, the same for f = 2F/3)
+      MoE layers: top_k slots of the permuted input 2h and the expert's 6 f_e / etp, the router's
+                    fp32 logits 4E, shared experts 6 f_s / t
+      full checkpointing keeps the layer input 2h (/t with SP); selective = none (flash attention)
+      head: bf16 logits and their fp32 softmax, 6 V / t"""
+    L = layout
+    tokens = L.micro_batch * seq_len // L.cp
+    t, h = L.tp, m.dim
+    split_sp = t if L.sp else 1
+    kv_dim = m.n_kv_heads * m.head_dim
+    total = 0.0
+    for i in layers:
+        if L.checkpointing == "full":
+            total += 2 * h / split_sp
+            continue
+        moe = m.is_moe and i >= m.n_dense_layers
+        if moe:
+            ffn = m.top_k * (2 * h + 6 * m.expert_dim / L.expert_tp) + 4 * m.n_experts
+            ffn += 6 * m.expert_dim * m.n_shared_experts / t
+        else:
+            ffn = 6 * m.ffn_dim / t
+        total += 10 * h / split_sp + (4 * h + 4 * kv_dim) / t + ffn
+    if first:
+        total += 2 * h / split_sp
+    if last:
+        total += 6 * m.vocab_size / t + 2 * h / split_sp
+    return round(total * tokens)

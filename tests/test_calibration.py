@@ -1,0 +1,165 @@
+"""Published runs: a reader that never crashes, what it reads (MoE, first dense layers, ZeRO/FSDP
+wording, FP8, GPU variants, open and inconsistent layout fields), validation in and out of sample, and
+what a prediction says of its basis."""
+import csv
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from fived.config import model_preset
+from fived.planner.basis import basis
+from fived.planner.calibration import COVERAGE, OUT_OF_SAMPLE_ERROR, predict, validate
+from fived.planner.hardware import hardware
+from fived.planner.published import read_runs
+from fived.planner.runtimes import FIVED, PLANNED_RUNTIMES, zero_stage
+from fived.planner.search import plan
+from fived.planner.timing import Cluster
+
+CALIBRATION = Path(__file__).parent / "data" / "published_runs.csv"
+BASE = dict(source_short="test", model="gpt", num_layers="24", hidden="2048", heads="16", vocab="51200",
+            seq_len="2048", gpu_type="A100-SXM4-80GB", num_gpus="16", gpus_per_node="8", tp="2", pp="1", dp="8",
+            micro_batch="2", global_batch_seqs="256", framework="Megatron-LM (2022)", tokens_per_s_per_gpu="5000")
+
+
+def _write(path: Path, rows: list[dict]) -> Path:
+    columns = sorted({k for r in rows for k in r})
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        for r in rows:
+            writer.writerow(r)
+    return path
+
+
+def test_zero_wording():
+    for text, stage in [("FSDP", 3), ("FULL_SHARD", 3), ("HYBRID_SHARD", 3), ("SHARD_GRAD_OP", 2), ("ZeRO-3-like", 3),
+                        ("zero stage 2", 2), ("distributed optimizer", 1), ("ZeRO-1", 1), ("DDP", 0),
+                        ("none (DDP torch/local)", 0), ("", None), ("n/a", None)]:
+        assert zero_stage(text) == stage, text
+
+
+def test_reader_never_crashes(tmp_path):
+    """Every row is predicted or skipped with one reason; open fields are filled and shown, an
+    inconsistent dp derived and noted, MoE columns and first dense layers read, FP8 understood."""
+    rows = [
+        dict(BASE, row_id="1", tp="", dp=""),  # missing layout fields: the planner's choice
+        dict(BASE, row_id="2", dp="5", micro_batch="n/a", global_batch_seqs="n/a", global_batch_tokens="524288"),
+        dict(BASE, row_id="3", model="moe", kv_heads="4", moe_experts="8", moe_top_k="2", moe_ffn_hidden="1024",
+             moe_shared_experts="1", moe_first_dense_layers="2", zero_or_fsdp="FULL_SHARD", tp="1", dp="16",
+             framework="PyTorch FSDP", precision="FP8 (torchao float8)", gpu_type="H100 SXM 80GB"),
+        dict(BASE, row_id="4", zero_or_fsdp="SHARD_GRAD_OP", framework="DeepSpeed", tp="1", dp="16", pp="",
+             gpu_type="A100-SXM4-40GB"),
+        dict(BASE, row_id="5", hidden="abc"),
+        dict(BASE, row_id="6", tokens_per_s_per_gpu="", tflops_per_gpu="n/a"),
+        dict(BASE, row_id="7", gpu_type="tpu-v5"),
+        dict(BASE, row_id="8", num_gpus="15"),
+        dict(BASE, row_id="9", model="folded", kv_heads="4", moe_experts="16", moe_top_k="2", moe_ffn_hidden="1024",
+             ep="16", etp="", framework="Megatron-Core", gpu_type="NVIDIA H100 80GB HBM3", first_k_dense_replace="1"),
+    ]
+    path = _write(tmp_path / "runs.csv", rows)
+    read, skipped = read_runs(path)
+    assert [r.row_id for r in read] == ["1", "2", "3", "4", "9"]
+    assert skipped == ["row 5 skipped: hidden='abc' is not a number",
+                       "row 6 skipped: no throughput (tokens/s, step time, TFLOP/s or MFU)",
+                       "row 7 skipped: gpu_type='tpu-v5': unknown GPU",
+                       "row 8 skipped: num_gpus=15 is not a multiple of tp*pp*cp=2"]
+    one, two, moe, deepspeed, folded = read
+    assert folded.fixed["etp"] == 1 and folded.model.n_dense_layers == 1 and "experts folded over tp" in folded.notes[0]
+    assert not predict(folded).layout.runnable and folded.cluster.hardware.name == "h100"
+    assert "tp" in one.open and "tp: planner" in one.notes
+    assert two.fixed["dp"] == 8 and "dp 5 -> 8 (gpus/(tp*pp*cp))" in two.notes and two.global_batch == 256
+    m = moe.model
+    assert (m.n_experts, m.top_k, m.moe_ffn_dim, m.n_shared_experts, m.n_dense_layers) == (8, 2, 1024, 1, 2)
+    assert moe.fixed["zero"] == 3 and moe.runtime.fp8 and moe.cluster.hardware.fp8_tflops > 0
+    assert m.ffn_dim == 8192 and m.n_kv_heads == 4  # GQA: a gated MLP, ffn_hidden taken as it is
+    assert one.model.ffn_dim == round(2 * 4 * 2048 / 3 / 64) * 64  # GPT's GeLU MLP as SwiGLU
+    assert deepspeed.fixed["zero"] == 2 and deepspeed.cluster.hardware.memory_gib == 40
+    lines = []
+    result = validate(path, printer=lines.append, out_of_sample=False)
+    assert lines[-1] == f"median absolute error: {result['median']:.1f}%"
+    assert lines[-2] == "predicted 5 of 9 rows" and (result["predicted"], result["rows"]) == (5, 9)
+    assert any(line.startswith("   9 ") and "not runnable by fived yet" in line for line in lines)
+    assert sum(line.startswith("row ") and "skipped:" in line for line in lines) == 4
+    assert all(predict(r).time.tokens_per_s_per_gpu > 0 for r in read)
+
+
+def test_calibration_file_coverage():
+    """What `fived plan` quotes (basis) is what the calibration file holds; every row has a source."""
+    rows, skipped = read_runs(CALIBRATION)
+    assert not skipped
+    counted = {"rows": len(rows), "ampere": sum(r.cluster.hardware.calibration == "ampere" for r in rows),
+               "hopper": sum(r.cluster.hardware.calibration == "hopper" for r in rows),
+               "moe": sum(r.model.is_moe for r in rows), "fp8": sum(r.runtime.fp8 for r in rows),
+               "cp": sum(r.fixed.get("cp", 1) > 1 for r in rows), "max_seq": max(r.seq_len for r in rows),
+               "gpus": tuple(sorted({r.cluster.hardware.name.split("-")[0] for r in rows}))}
+    assert counted == COVERAGE
+    with CALIBRATION.open() as f:
+        assert all(r["source_short"] and r["source_ref"] for r in csv.DictReader(f))
+    assert len({r.source for r in rows}) >= 6
+
+
+def test_basis_says_what_is_calibrated_and_what_is_extrapolated():
+    h100 = Cluster(hardware("h100"), 16, 8)
+    search = plan(model_preset("mixtral-8x7b"), h100, 4096, 128)
+    lines = basis(model_preset("mixtral-8x7b"), h100, FIVED, search.plans[0].layout, 4096)
+    assert lines[0].startswith("calibrated:") and f"{OUT_OF_SAMPLE_ERROR:.0f}%" in lines[0]
+    assert any("fived's own runtime on a GPU was never measured" in line for line in lines)
+    assert any("mixture of experts" in line for line in lines)
+    b200 = basis(model_preset("llama3-8b"), Cluster(hardware("b200"), 8, 8), FIVED, search.plans[0].layout, 32768)
+    assert b200[0].startswith("extrapolated: no published run on b200")
+    assert any("sequence length 32768" in line for line in b200)
+
+
+def test_folded_experts_are_planned_for_megatron_only():
+    """Megatron-Core's MoE parallel folding (experts over tp ranks, etp 1) is a planner-only layout:
+    considered for that runtime, never offered to fived's."""
+    m = replace(model_preset("mixtral-8x7b"), n_layers=8)  # (a quarter of Mixtral: 8 GPUs hold it)
+    cluster = Cluster(hardware("h100"), 8, 8)
+    folded = plan(m, cluster, 4096, 32, runtime=PLANNED_RUNTIMES["megatron-core"])
+    assert any(p.layout.etp == 1 and p.layout.ep * p.layout.etp > p.layout.dp * p.layout.cp for p in folded.plans)
+    assert all(p.layout.runnable or p.layout.etp == 1 for p in folded.plans)
+    assert all(p.layout.runnable for p in plan(m, cluster, 4096, 32).plans)
+
+
+def test_memory_headroom_is_left_free():
+    m, cluster = model_preset("llama3-8b"), Cluster(hardware("h100"), 8, 8)
+    tight, roomy = plan(m, cluster, 8192, 64), plan(m, cluster, 8192, 64, headroom_gib=10)
+    assert max(p.memory.total for p in roomy.plans) <= 70 * 2**30 < max(p.memory.total for p in tight.plans)
+
+
+def _fived(capsys, *args) -> tuple[int, str, str]:
+    """`fived ...` in this process (the command line's own entry point; no interpreter start-up)."""
+    from fived.cli import main
+
+    code = main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_cli_plan_runtime_headroom_and_json(capsys):
+    code, out, err = _fived(capsys, "plan", "--model", "llama3-8b", "--gpus", "16", "--gpu", "h100", "--seq", "8192",
+                            "--global-batch-tokens", "1048576", "--json", "--top", "2", "--memory-headroom", "5")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["runtime"] == "fived" and data["memory_headroom_gib"] == 5 and data["basis"]
+    assert all(p["runnable"] and p["memory_gib"]["total"] <= 75 for p in data["plans"])
+    code, _, err = _fived(capsys, "plan", "--model", "llama3-8b", "--gpus", "16", "--seq", "8192",
+                          "--global-batch-tokens", "8192", "--memory-headroom", "-1")
+    assert code == 2 and "--memory-headroom=-1.0: must be >= 0" in err
+
+
+def test_validate_a_file_with_bad_rows_from_the_cli(tmp_path, capsys):
+    path = _write(tmp_path / "runs.csv", [dict(BASE, row_id="1"), dict(BASE, row_id="2", num_layers="n/a")])
+    code, out, err = _fived(capsys, "plan", "--validate", str(path))
+    assert code == 0, err
+    lines = out.strip().splitlines()
+    assert "row 2 skipped: no num_layers" in lines and lines[-2] == "predicted 1 of 2 rows"
+    assert lines[-1].startswith("median absolute error: ")
+
+
+@pytest.mark.parametrize("name", ["h100", "H100-SXM5-80GB", "H100 96GB HBM2e", "A100-SXM4-40GB", "a800", "H800-80GB"])
+def test_gpu_variants(name):
+    hw = hardware(name)
+    assert hw.memory_gib == {"H100 96GB HBM2e": 96, "A100-SXM4-40GB": 40}.get(name, 80)
