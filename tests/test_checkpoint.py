@@ -27,11 +27,12 @@ LAYOUTS = {
     "zero0-dp4": ("tiny", 4, dict(parallel__dp=4)),
     "zero1-dp2-tp2": ("tiny-moe", 4, dict(parallel__dp=2, parallel__tp=2, parallel__zero=1)),
     "zero2-dp4-micro2": ("tiny", 4, dict(parallel__dp=4, parallel__zero=2, train__microbatches=2)),
-    "zero3-hsdp": ("tiny-moe", 4, dict(parallel__dp=4, parallel__dp_replicate=2, parallel__zero=3)),
+    "zero3-hsdp": ("tiny-moe", 4, dict(parallel__dp=4, parallel__dp_replicate=2, parallel__zero=3,
+                                       model__router_bias_rate=0.01)),
     "tp2-sp": ("tiny", 2, dict(parallel__tp=2, parallel__sp=True)),
     "pp2-interleaved": ("tiny-moe", 4, dict(parallel__pp=2, parallel__dp=2, parallel__pp_schedule="interleaved-1f1b",
                                             parallel__pp_virtual=2, train__microbatches=2)),
-    "cp2-ep2": ("tiny-moe", 4, dict(parallel__cp=2, parallel__dp=2, parallel__ep=2)),
+    "cp2-ep2": ("tiny-moe", 4, dict(parallel__cp=2, parallel__dp=2, parallel__ep=2, model__router_bias_rate=0.01)),
     "ep2-zero3": ("tiny-moe", 2, dict(parallel__dp=2, parallel__ep=2, parallel__zero=3)),
 }
 
@@ -49,24 +50,43 @@ def test_resume_is_bit_exact(layout, tmp_path):
     assert logged == list(range(1, STEPS + 1))  # each step once, in order
 
 
+def test_resume_is_bit_exact_with_many_zero0_buckets(tmp_path, monkeypatch):
+    """ZeRO-0's buckets launch in order during backward; with 3 kB buckets (dozens of them) a resumed
+    run still equals the uninterrupted one to the last bit."""
+    import fived.parallel.ddp
+
+    monkeypatch.setattr(fived.parallel.ddp, "BUCKET_BYTES", 3000)
+    cfg = tiny_config("tiny-moe", train__steps=STEPS, parallel__dp=4, train__microbatches=2)
+    whole, first, second = _uninterrupted_and_resumed(4, cfg, tmp_path)
+    assert [m["loss"] for m in whole[0].metrics] == [m["loss"] for m in first[0].metrics + second[0].metrics]
+    for name, value in whole[0].state.items():
+        assert torch.equal(value, second[0].state[name]), name
+
+
 # (first half's layout, second half's layout, model): together they change every dimension and every
-# ZeRO stage in both directions, and include an odd dp.
+# ZeRO stage in both directions, and include an odd dp, a padded vocabulary, tied embeddings and MoE
+# router biases that move (so buffers are saved and loaded with real values).
+MOE = {"model__name": "tiny-moe", "model__router_bias_rate": 0.01}
 RESHARD = [
-    (dict(parallel__dp=4, parallel__zero=1), dict(parallel__tp=2, parallel__pp=2, train__microbatches=2), "tiny"),
-    (dict(parallel__tp=2, parallel__pp=2, train__microbatches=2), dict(parallel__dp=4, parallel__zero=1), "tiny"),
+    (dict(parallel__dp=4, parallel__zero=1), dict(parallel__tp=2, parallel__pp=2, train__microbatches=2), {}),
+    (dict(parallel__tp=2, parallel__pp=2, train__microbatches=2), dict(parallel__dp=4, parallel__zero=1), {}),
     (dict(parallel__pp=2, parallel__dp=2, parallel__zero=3, parallel__ep=2, train__microbatches=2),
-     dict(parallel__dp=4, parallel__ep=4, parallel__zero=2), "tiny-moe"),
+     dict(parallel__dp=4, parallel__ep=4, parallel__zero=2), MOE),
     (dict(parallel__dp=4, parallel__ep=4, parallel__zero=2),
-     dict(parallel__pp=2, parallel__dp=2, parallel__zero=3, parallel__ep=2, train__microbatches=2), "tiny-moe"),
-    (dict(parallel__cp=2, parallel__tp=2, parallel__sp=True), dict(parallel__dp=4, parallel__zero=3), "tiny"),
-    (dict(parallel__dp=4, parallel__zero=3), dict(parallel__cp=2, parallel__tp=2, parallel__sp=True), "tiny"),
-    (dict(parallel__dp=3, parallel__zero=2), dict(parallel__dp=2, parallel__zero=0), "tiny"),
-    (dict(parallel__dp=2, parallel__zero=0), dict(parallel__dp=3, parallel__zero=1), "tiny-moe"),
+     dict(parallel__pp=2, parallel__dp=2, parallel__zero=3, parallel__ep=2, train__microbatches=2), MOE),
+    (dict(parallel__cp=2, parallel__tp=2, parallel__sp=True), dict(parallel__dp=4, parallel__zero=3), {}),
+    (dict(parallel__dp=4, parallel__zero=3), dict(parallel__cp=2, parallel__tp=2, parallel__sp=True), {}),
+    (dict(parallel__dp=3, parallel__zero=2), dict(parallel__dp=2, parallel__zero=0), {}),
+    (dict(parallel__dp=2, parallel__zero=0), dict(parallel__dp=3, parallel__zero=1), MOE),
     (dict(parallel__dp=4, parallel__dp_replicate=2, parallel__zero=3),
-     dict(parallel__pp=2, parallel__dp=2, parallel__pp_schedule="zbv", train__microbatches=2), "tiny"),
+     dict(parallel__pp=2, parallel__dp=2, parallel__pp_schedule="zbv", train__microbatches=2), {}),
     (dict(parallel__pp=2, parallel__tp=2, parallel__pp_schedule="interleaved-1f1b", parallel__pp_virtual=2,
-          train__microbatches=2), dict(parallel__dp=4, parallel__dp_replicate=2, parallel__zero=1), "tiny"),
-    (dict(parallel__tp=4), dict(parallel__cp=2, parallel__ep=2, parallel__dp=1), "tiny-moe"),
+          train__microbatches=2), dict(parallel__dp=4, parallel__dp_replicate=2, parallel__zero=1), {}),
+    (dict(parallel__tp=4), dict(parallel__cp=2, parallel__ep=2, parallel__dp=1), MOE),
+    (dict(parallel__tp=4, parallel__zero=0), dict(parallel__dp=2, parallel__tp=2, parallel__zero=3),
+     {"model__vocab_size": 259}),  # vocabulary padded to 260 under tp4, 260 under tp2: padding never saved
+    (dict(parallel__dp=4, parallel__dp_replicate=2, parallel__zero=1), dict(parallel__tp=4),
+     {"model__tie_embeddings": True}),
 ]
 
 
@@ -75,12 +95,16 @@ def _world(over: dict) -> int:
         * over.get("parallel__cp", 1)
 
 
-@pytest.mark.parametrize("first,second,model", RESHARD, ids=lambda v: "-".join(
-    f"{k.split('__')[1]}{v[k]}" for k in v) if isinstance(v, dict) else v)
+def _pair_id(value) -> str:
+    return "-".join(f"{k.split('__')[1]}{v}" for k, v in value.items()) or "tiny"
+
+
+@pytest.mark.parametrize("first,second,model", RESHARD, ids=_pair_id)
 def test_reshard_is_exact(first, second, model):
     global_batch = 12 if 3 in (first.get("parallel__dp"), second.get("parallel__dp")) else 8
-    a = tiny_config(model, train__steps=STEPS, train__global_batch=global_batch, **first)
-    b = tiny_config(model, train__steps=STEPS, train__global_batch=global_batch, **second)
+    model = {"model__name": "tiny", **model}
+    a = tiny_config(train__steps=STEPS, train__global_batch=global_batch, **model, **first)
+    b = tiny_config(train__steps=STEPS, train__global_batch=global_batch, **model, **second)
     report = run_verify(b, _world(second), printer=lambda *_: None, reshard_from=(a, _world(first)))
     assert len(report.rows) == STEPS
     assert report.max_relative_difference <= EXACT, report.max_rel

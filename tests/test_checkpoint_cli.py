@@ -69,7 +69,8 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_parameter(saved_run
 
 
 def test_verify_reshard_from_the_command_line(capsys):
-    code = main(["verify", "--tp", "2", "--nproc", "2", "--steps", "4", *SMALL, "--reshard-from", "--dp 2 --zero 2"])
+    code = main(["verify", "--tp", "2", "--nproc", "2", "--steps", "4", *SMALL, "--checkpoint.final", "false",
+                 "--reshard-from", "--dp 2 --zero 2"])
     out = capsys.readouterr().out.strip().splitlines()
     assert out[0].startswith("steps 1-2 at 2 rank(s) dp=2 tp=1") and "resumed at 2 rank(s) dp=1 tp=2" in out[0]
     assert code == 0 and float(out[-1].split(": ")[1]) <= 1e-9
@@ -78,3 +79,42 @@ def test_verify_reshard_from_the_command_line(capsys):
 def test_reshard_from_takes_only_layout_flags(capsys):
     assert main(["verify", "--tp", "2", "--nproc", "2", "--reshard-from", "--dp 2 --steps 3"]) == 2
     assert "only layout flags may differ" in capsys.readouterr().err
+
+
+def _prepared(argv: list[str]):
+    from fived.cli import build_parser
+    from fived.run_setup import prepare_training
+
+    ns, unknown = build_parser().parse_known_args(["train", *argv])
+    assert not unknown
+    return prepare_training(ns, 2)
+
+
+def test_resume_keeps_the_layout_when_only_other_parallel_settings_change(saved_run):
+    from fived.checkpoint import find_checkpoint
+
+    saved = read_manifest(find_checkpoint(saved_run))  # (step 6, or 8 once the test above extended the run)
+    run = _prepared(["--resume", str(saved_run), "--steps", "20", "--parallel.reduce_dtype", "bfloat16"])
+    layout = ("dp", "tp", "pp", "zero", "sp")
+    assert {k: getattr(run.cfg.parallel, k) for k in layout} == {k: saved["config"]["parallel"][k] for k in layout}
+    assert run.cfg.parallel.reduce_dtype == "bfloat16" and run.world == saved["world_size"]
+    moved = _prepared(["--resume", str(saved_run), "--steps", "20", "--pp", "2", "--nproc", "2", "--dp", "1"])
+    assert (moved.cfg.parallel.pp, moved.cfg.train.microbatches) == (2, 2)  # at least pp micro-batches
+
+
+def test_resume_auto_of_a_finished_run_does_nothing(saved_run, capsys):
+    assert main(["train", "--resume", "auto", "--train.output_dir", str(saved_run), "--steps", "6", *SMALL]) == 0
+    assert "already reached train.steps=6" in capsys.readouterr().out  # (it is at step 6 or 8)
+
+
+def test_resume_refuses_data_that_changed(tmp_path, capsys):
+    text = tmp_path / "corpus.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    run = tmp_path / "run"
+    common = ["--data.path", str(text), "--seq-len", "32", "--global-batch", "4", "--nproc", "1", "--dp", "1"]
+    assert main(["train", "--steps", "2", "--train.output_dir", str(run), *common]) == 0
+    with open(text, "a") as f:
+        f.write("and then some more text arrived. " * 100)
+    assert main(["train", "--resume", str(run), "--steps", "4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("fived: error: data.path=") and "the data changed" in err, err

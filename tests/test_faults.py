@@ -66,7 +66,10 @@ def _uninterrupted(world: int, over: dict):
     return run_on_ranks(world, run_training, cfg, False, False, True, timeout_s=300)[0]
 
 
-def test_sigterm_saves_the_current_step_and_resume_is_exact(tmp_path):
+@pytest.mark.parametrize("target", ["launcher", "one-rank"])
+def test_sigterm_saves_the_current_step_and_resume_is_exact(target, tmp_path):
+    """SIGTERM to the launcher (what a scheduler sends), or to one rank only: every rank stops after
+    the same step and saves it; the run exits 75; resumed, it ends as the uninterrupted run."""
     run_dir = tmp_path / "run"
     layout = {"parallel.dp": 4}
     args = [sys.executable, "-m", "fived", "train", "--nproc", "4", *_flags({**RUN, **layout}),
@@ -75,7 +78,7 @@ def test_sigterm_saves_the_current_step_and_resume_is_exact(tmp_path):
     _wait_for_steps(run_dir, 3, proc)
     ranks = _children(proc.pid)
     assert len(ranks) == 4
-    proc.send_signal(signal.SIGTERM)
+    os.kill(proc.pid if target == "launcher" else sorted(ranks)[2], signal.SIGTERM)
     _, err = proc.communicate(timeout=10)
     assert proc.returncode == PREEMPTED_EXIT, err
     assert not [r for r in ranks if _alive(r)]  # no rank left behind
@@ -149,18 +152,20 @@ def test_a_stalled_rank_fails_the_run_naming_the_collective(tmp_path, monkeypatc
         run_with_restarts(cfg, 4, None, run_training)
     assert time.monotonic() - start < 60
     line = failure_line(failed.value)
-    assert line.startswith("collective timeout: all_reduce over the tp group (ranks 0, 1) did not complete "
-                           "within 3 s; waiting: rank 0; never arrived: rank 1"), line
+    # (rank 3 may also be waiting for rank 1, in their dp all-reduce: then the line names it too)
+    assert line.startswith("collective timeout: rank 1 never arrived within 3 s (train.collective_timeout_s); "
+                           "all_reduce over the tp group (ranks 0, 1): waiting rank 0"), line
     assert not [pid for pid in _children(os.getpid()) if _alive(pid)]  # no rank left behind
 
 
-def test_the_timeout_blamed_is_the_one_a_stalled_rank_never_joined():
-    """Rank 1 stalls: rank 0 times out in their tp all-reduce, and rank 2, waiting for rank 0 in a dp
-    all-reduce, may time out first; the line names the tp collective and rank 1."""
+def test_the_timeout_line_names_the_stalled_rank_and_every_waiting_collective():
+    """Rank 1 stalls: rank 0 times out in their tp all-reduce, and rank 2, waiting for rank 0 (itself
+    waiting) in a dp all-reduce, may time out too; the line names rank 1 and the tp collective first."""
     from fived.faults import timeout_line
 
     dp = {"kind": "collective_timeout", "rank": 2, "op": "all_reduce", "dim": "dp", "ranks": [0, 2], "timeout_s": 3}
     tp = {**dp, "rank": 0, "dim": "tp", "ranks": [0, 1]}
-    assert timeout_line([dp, tp]) == ("all_reduce over the tp group (ranks 0, 1) did not complete within 3 s; "
-                                      "waiting: rank 0; never arrived: rank 1")
-    assert timeout_line([dp]).endswith("waiting: rank 2; never arrived: rank 0")
+    assert timeout_line([dp, tp]) == ("rank 1 never arrived within 3 s (train.collective_timeout_s); all_reduce "
+                                      "over the tp group (ranks 0, 1): waiting rank 0; all_reduce over the dp group "
+                                      "(ranks 0, 2): waiting rank 2")
+    assert timeout_line([dp]).startswith("rank 0 never arrived within 3 s")

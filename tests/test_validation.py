@@ -118,7 +118,7 @@ def test_warmup_longer_than_the_run_is_warned(tmp_path, capsys):
     cfg = build_config(overrides={"train.warmup_steps": 300, "train.steps": 200, "train.output_dir": str(tmp_path)})
     check_environment(cfg)
     err = capsys.readouterr().err.strip()
-    assert err == ("fived: warning: train.warmup_steps=300 >= train.steps=200: the learning rate never reaches "
+    assert err == ("fived: warning: train.warmup_steps=300 > train.steps=200: the learning rate never reaches "
                    "train.lr=0.003; e.g. --train.warmup_steps 20"), err
 
 

@@ -22,6 +22,17 @@ def test_zero_stage_matches_reference(zero, micro, name):
     assert report.max_relative_difference <= EXACT, report.max_rel
 
 
+@pytest.mark.parametrize("over", [dict(parallel__dp=4, train__microbatches=2),
+                                  dict(parallel__dp=2, parallel__tp=2, parallel__sp=True)])
+def test_zero0_in_many_buckets_matches_reference(over, monkeypatch):
+    """ZeRO-0 with 3 kB buckets (dozens, launched in order while backward runs) is still exact."""
+    import fived.parallel.ddp
+
+    monkeypatch.setattr(fived.parallel.ddp, "BUCKET_BYTES", 3000)
+    report = run_verify(tiny_config("tiny-moe", train__steps=2, **over), 4, printer=_quiet)
+    assert report.max_relative_difference <= EXACT, report.max_rel
+
+
 @pytest.mark.parametrize("zero", [1, 2, 3])
 def test_hsdp_matches_reference(zero):
     cfg = tiny_config("tiny-moe", parallel__dp=4, parallel__dp_replicate=2, parallel__zero=zero,

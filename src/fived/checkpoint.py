@@ -19,6 +19,7 @@ finalises when they are all written. A new save first waits for the previous one
 """
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import shutil
@@ -73,7 +74,10 @@ def check_model_shapes(cfg: Config, checkpoint: str | Path) -> None:
     """Refuse, in one line, a checkpoint whose model does not have the config's shapes."""
     from fived.model import build_model, canonical_name
 
-    saved = dcp_io.tensor_shapes(checkpoint)
+    try:
+        saved = dcp_io.tensor_shapes(checkpoint)
+    except dcp_io.CheckpointError as e:
+        raise ConfigError("checkpoint", str(checkpoint), str(e), "resume from another checkpoint") from None
     model = build_model(cfg.model)
     tensors = [*model.named_parameters(), *model.named_buffers()]
     for name, tensor in ((canonical_name(n), t) for n, t in tensors):
@@ -113,14 +117,19 @@ def _discard(path: Path) -> None:
 class Checkpointer:
     """Saves and loads the named components of a run (see fived.train_state) on every rank."""
 
-    def __init__(self, run_dir: str | Path, settings: CheckpointConfig, components: dict, manifest: dict):
+    # The checkpoint group's collectives wait for the slowest rank's writes: at least this long.
+    MIN_TIMEOUT_S = 1800.0
+
+    def __init__(self, run_dir: str | Path, settings: CheckpointConfig, components: dict, manifest: dict,
+                 timeout_s: float = 600.0):
         self.root, self.settings, self.components = checkpoints_dir(run_dir), settings, components
         self.manifest = {"format": FORMAT, "fived_version": __version__, "torch_version": torch.__version__,
                          **manifest}
         self.rank = dist.get_rank()
         # Its own gloo group: a background save's collectives must not interleave with training's,
         # and DCP coordinates over CPU tensors whatever the training backend.
-        self.group = dist.new_group(backend="gloo")
+        self.timeout_s = max(timeout_s, self.MIN_TIMEOUT_S)
+        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout_s))
         self.pending = None  # the Future of a background save
         self.finalized = threading.Event()  # rank 0: the background save's directory is in place
         self.failure: BaseException | None = None
@@ -167,12 +176,25 @@ class Checkpointer:
     def _finalize(self, tmp: Path, step: int, manifest: dict) -> None:
         _fsync_write(tmp / MANIFEST, json.dumps(manifest, indent=1) + "\n")
         _fsync_write(tmp / MARKER, f"step {step}\n")
+        _fsync_dir(tmp)
         final = self.root / f"step-{step}"
-        if final.exists():  # (the same step saved again: replace it)
-            _discard(final)
+        if final.exists():  # the same step saved again: the older copy is kept aside, not lost
+            self._set_aside(final)
         os.rename(tmp, final)
         _fsync_dir(self.root)
         self._prune()
+
+    def _set_aside(self, path: Path) -> None:
+        aside = self.root / f"superseded-{time.strftime('%Y%m%d-%H%M%S')}"
+        aside.mkdir(exist_ok=True)
+        os.rename(path, aside / path.name)
+
+    def supersede_after(self, step: int) -> None:
+        """Rank 0, when a run continues from the checkpoint of `step`: complete checkpoints of later
+        steps belong to the history being replaced; they are set aside (kept, never loaded or pruned)."""
+        for later, path in complete_checkpoints(self.root.parent):
+            if later > step:
+                self._set_aside(path)
 
     def _prune(self) -> None:
         if self.settings.keep <= 0:

@@ -16,6 +16,7 @@ import argparse  # noqa: E402
 import sys  # noqa: E402
 
 from fived.config import ConfigError, build_config  # noqa: E402
+from fived.launch import Stopped  # noqa: E402
 from fived.run_setup import (  # noqa: E402
     add_config_flags, load_run, prepare_training, reshard_layout)
 
@@ -23,7 +24,7 @@ from fived.run_setup import (  # noqa: E402
 def cmd_train(ns: argparse.Namespace) -> int:
     import torch
 
-    from fived.launch import RankFailed, Stopped, under_torchrun
+    from fived.launch import RankFailed, under_torchrun
     from fived.mesh import resolve_dp
     from fived.metrics import fresh_output_dir
     from fived.supervisor import failure_line, run_with_restarts, stop_line
@@ -32,6 +33,10 @@ def cmd_train(ns: argparse.Namespace) -> int:
     default_world = torch.cuda.device_count() if torch.cuda.is_available() else 2  # (device auto)
     run = prepare_training(ns, default_world)
     cfg, world = run.cfg, run.world
+    if run.finished:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"fived train: {cfg.train.output_dir} already reached train.steps={cfg.train.steps}; nothing to do")
+        return 0
     if under_torchrun():
         return _train_under_torchrun(ns, run)
     if run.fresh_dir:
@@ -43,9 +48,11 @@ def cmd_train(ns: argparse.Namespace) -> int:
           f"{start} -> {cfg.train.output_dir}/metrics.jsonl", flush=True)
     try:
         results = run_with_restarts(cfg, world, run.resume, run_training)
+        if any(r.preempted for r in results):  # SIGTERM reached the ranks, not the launcher
+            raise Stopped("SIGTERM", results)
     except Stopped as stop:
         line, code = stop_line(stop, cfg)
-        print(line, file=sys.stderr)
+        print("\n" + line, file=sys.stderr)  # (after the progress bar's unfinished line)
         return code
     except RankFailed as failure:
         if not failure.summaries:  # a crash, not a timeout: its traceback is the useful part
@@ -101,8 +108,12 @@ def _train_under_torchrun(ns: argparse.Namespace, run) -> int:
             write_chrome_trace(cfg.train.trace, [a for t in timelines for a in t])
     if ns.report and dist.get_rank() == 0:
         print(format_report(cfg, run.world, [result]))
+    # As every fived rank ends: gloo and DTensor can abort at interpreter exit, which torchrun would
+    # count as a failure and restart.
     shutdown_distributed()
-    return PREEMPTED_EXIT if result.preempted else 0
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(PREEMPTED_EXIT if result.preempted else 0)
 
 
 def cmd_verify(ns: argparse.Namespace) -> int:
@@ -283,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # (before or after the ranks; while they run, the launcher handles Ctrl-C)
         print("fived: interrupted", file=sys.stderr)
         return 130
+    except Stopped as stop:  # a signal while `fived verify` ran its ranks
+        print(f"\nfived: stopped by {stop.signal_name}; every rank was stopped", file=sys.stderr)
+        return 130 if stop.signal_name == "SIGINT" else 143
 
 
 if __name__ == "__main__":

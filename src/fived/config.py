@@ -204,7 +204,8 @@ def coerce(section: str, key: str, value: Any) -> Any:
             return int(value)
         return {"float": float, "str": str}[kind](value)
     except (ValueError, TypeError):
-        raise ConfigError(f"{section}.{key}", value, f"must be a {kind}") from None
+        example = {"bool": "true or false", "int": "2", "float": "0.5", "str": "a word"}[kind]
+        raise ConfigError(f"{section}.{key}", value, f"must be a {kind}", f"e.g. {example}") from None
 
 
 def model_preset(name: str) -> ModelConfig:

@@ -21,10 +21,15 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from fived.placement import Box
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded as it is: one line saying what and where."""
 
 
 class ShardedValue:
@@ -88,6 +93,11 @@ class _LoadPlanner(DefaultLoadPlanner):
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         return self.state_dict[index.fqn].box_at(index.offset)
 
+    def load_bytes(self, read_item, value) -> None:
+        # DCP would torch.load(weights_only=False) them: fived never saves bytes, and never loads them.
+        raise CheckpointError(f"checkpoint entry {read_item.dest_index.fqn} holds pickled bytes, which fived does not load")
+
+
 
 class _Stager:
     """dcp.async_save's staging step: copy every box this rank writes (the only part that stalls
@@ -118,8 +128,21 @@ def save(values: dict[str, ShardedValue], path: str | Path, group=None, backgrou
 
 
 def load(values: dict[str, ShardedValue], path: str | Path, group=None) -> None:
-    """Fill each value's boxes in place from the checkpoint at `path`, whatever layout wrote it."""
+    """Fill each value's boxes in place from the checkpoint at `path`, whatever layout wrote it. Every
+    value must be a tensor of the same whole shape there (checked before anything is read)."""
+    check_tensors(path, {name: value.global_shape for name, value in values.items()})
     dcp.load(values, storage_reader=SafeReader(str(path)), planner=_LoadPlanner(), process_group=group)
+
+
+def check_tensors(path: str | Path, shapes: dict[str, tuple[int, ...]]) -> None:
+    """Raise CheckpointError unless the checkpoint at `path` holds each name as a tensor of that shape."""
+    saved = tensor_shapes(path)
+    for name, shape in shapes.items():
+        if name not in saved:
+            raise CheckpointError(f"{name} is missing from the checkpoint {path}")
+        if saved[name] != tuple(shape):
+            raise CheckpointError(f"{name} has shape {list(saved[name])} in the checkpoint {path}, "
+                                  f"{list(shape)} here")
 
 
 def read_whole(path: str | Path, names: list[str]) -> dict[str, torch.Tensor]:
@@ -141,14 +164,14 @@ def read_whole(path: str | Path, names: list[str]) -> dict[str, torch.Tensor]:
 def tensor_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
     """Whole shape of every tensor saved at `path` (no process group needed)."""
     metadata = SafeReader(str(path)).read_metadata()
-    return {name: tuple(md.size) for name, md in metadata.state_dict_metadata.items() if hasattr(md, "size")}
+    return {name: tuple(md.size) for name, md in metadata.state_dict_metadata.items()}
 
 
 # Everything DCP's metadata pickle names (checked against torch 2.13's files); nothing else loads.
 _METADATA_GLOBALS = {
     *(("torch.distributed.checkpoint.metadata", n) for n in (
         "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")),
+        "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
     ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
@@ -169,8 +192,14 @@ class _MetadataUnpickler(pickle.Unpickler):
 class SafeReader(dcp.FileSystemReader):
     def read_metadata(self, *args, **kwargs):
         path = Path(self.path) / ".metadata"
-        with open(path, "rb") as f:
-            metadata = _MetadataUnpickler(io.BytesIO(f.read())).load()
+        try:
+            with open(path, "rb") as f:
+                metadata = _MetadataUnpickler(io.BytesIO(f.read())).load()
+        except (OSError, pickle.UnpicklingError, EOFError, AttributeError, TypeError) as e:
+            raise CheckpointError(f"{path}: not a readable checkpoint index ({e})") from None
+        if not isinstance(metadata, Metadata) or not all(
+                isinstance(md, TensorStorageMetadata) for md in metadata.state_dict_metadata.values()):
+            raise CheckpointError(f"{path}: holds entries other than tensors, which fived does not load")
         if getattr(metadata, "storage_meta", None) is None:
             from torch.distributed.checkpoint.metadata import StorageMeta
 

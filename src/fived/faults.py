@@ -12,6 +12,7 @@ collective each rank is in), and the launcher applies its restart policy.
 """
 from __future__ import annotations
 
+import contextlib
 import signal
 
 import torch
@@ -53,6 +54,19 @@ class CollectiveTimeout(RuntimeError):
                 "ranks": list(self.ranks), "timeout_s": self.timeout_s}
 
 
+@contextlib.contextmanager
+def timeouts_named(rank: int, timeout_s: float, blame):
+    """Inside the block, a backend timeout becomes a CollectiveTimeout naming `blame()`'s
+    (collective, mesh dimension, ranks)."""
+    try:
+        yield
+    except RuntimeError as error:
+        if not is_timeout(error):
+            raise
+        op, dim, ranks = blame()
+        raise CollectiveTimeout(rank, op, dim, ranks, timeout_s) from error
+
+
 def is_timeout(error: BaseException) -> bool:
     """Whether a backend error is a collective timing out (gloo: "Timed out waiting ..."; NCCL's
     watchdog: "Watchdog caught collective operation timeout")."""
@@ -60,22 +74,22 @@ def is_timeout(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and ("timed out" in text or "timeout" in text)
 
 
+DIM_ORDER = ("tp", "cp", "ep", "edp", "dp", "dp_shard", "dp_replicate", "dp_cp", "dp_shard_cp", "pp")
+
+
 def timeout_line(summaries: list[dict]) -> str:
-    """One line for the launcher from the ranks' timeout reports (oldest first). A rank that waits
-    in one collective makes its peers in other groups time out too; the collective blamed is the
-    one a rank never arrived at that was not itself waiting somewhere (the stalled rank)."""
+    """One line for the launcher from the ranks' timeout reports. A rank that stalls makes its peers
+    time out in every group they wait for it in; the line names the ranks that never arrived (those
+    not waiting anywhere themselves) and each collective still waiting, innermost dimension first."""
     waiting_somewhere = {s["rank"] for s in summaries}
-    by_collective: dict[tuple, list[int]] = {}
+    waiting: dict[tuple, list[int]] = {}
     for s in summaries:
-        by_collective.setdefault((s["op"], s["dim"], tuple(s["ranks"]), s["timeout_s"]), []).append(s["rank"])
-
-    def missing(key) -> list[int]:
-        return [r for r in key[2] if r not in by_collective[key]]
-
-    culprit = [k for k in by_collective if any(r not in waiting_somewhere for r in missing(k))]
-    op, dim, ranks, timeout_s = (culprit or list(by_collective))[0]
-    waiting = sorted(by_collective[(op, dim, ranks, timeout_s)])
-    line = (f"{op} over the {dim} group (ranks {', '.join(map(str, ranks))}) did not complete within "
-            f"{timeout_s:g} s; waiting: rank {', '.join(map(str, waiting))}")
-    absent = missing((op, dim, ranks, timeout_s))
-    return line + (f"; never arrived: rank {', '.join(map(str, absent))}" if absent else "")
+        waiting.setdefault((s["op"], s["dim"], tuple(s["ranks"])), []).append(s["rank"])
+    keys = sorted(waiting, key=lambda k: (DIM_ORDER.index(k[1]) if k[1] in DIM_ORDER else len(DIM_ORDER), k))
+    absent = sorted({r for key in keys for r in key[2] if r not in waiting_somewhere})
+    parts = [f"{op} over the {dim} group (ranks {', '.join(map(str, ranks))}): waiting rank "
+             f"{', '.join(map(str, sorted(waiting[(op, dim, ranks)])))}" for op, dim, ranks in keys]
+    timeout = f"within {summaries[0]['timeout_s']:g} s (train.collective_timeout_s)"
+    if absent:
+        return f"rank {', '.join(map(str, absent))} never arrived {timeout}; " + "; ".join(parts)
+    return f"did not complete {timeout}: " + "; ".join(parts)

@@ -97,6 +97,7 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, timeout_s: float,
                fn: Callable, args: tuple) -> None:
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every process: the launcher handles it
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (not the launcher's handler, inherited by fork)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     code = 0
@@ -190,6 +191,8 @@ def run_ranks(world: int, fn: Callable, *args: Any, timeout_s: float = 600.0,
         try:
             for p in procs:
                 p.start()
+            if ranks.stop_signal == "SIGTERM" and ranks.stop_by > 0:  # (it came while ranks were starting)
+                ranks.signal_all(signal.SIGTERM)
             ranks.wait(time.monotonic() + deadline_s if deadline_s else float("inf"))
         finally:
             ranks.kill_all()

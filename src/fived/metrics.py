@@ -55,15 +55,17 @@ def fresh_output_dir(path: str) -> Path:
 
 
 def keep_log_until(output_dir: str, step: int) -> None:
-    """Drop the records after `step` from a run's metrics.jsonl (a run resumed from the checkpoint of
-    `step` logs those steps again); rewritten atomically."""
+    """Keep the records up to `step` in a run's metrics.jsonl (a run resumed from the checkpoint of
+    `step` logs the later steps again); the others move to metrics.superseded.jsonl (kept, not lost)."""
     path = Path(output_dir) / "metrics.jsonl"
     if not path.exists():
         return
-    lines = path.read_text().splitlines(keepends=True)
-    kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
+    lines = [line for line in path.read_text().splitlines(keepends=True) if line.strip()]
+    kept = [line for line in lines if json.loads(line).get("step", 0) <= step]
     if len(kept) == len(lines):
         return
+    with open(path.with_name("metrics.superseded.jsonl"), "a") as f:
+        f.writelines(line for line in lines if json.loads(line).get("step", 0) > step)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(kept))
     os.replace(tmp, path)

@@ -102,7 +102,7 @@ def auto_layout(cfg, world: int) -> None:
 def load_run(ns: argparse.Namespace, default_world: int, defaults: dict | None = None):
     """Config and world size, both checked (layout and data) before any rank starts."""
     from fived.data import check_data
-    from fived.mesh import check_config
+    from fived.mesh import check_config, resolve_dp
 
     cfg = build_from_args(ns, defaults)
     world = world_size(cfg, ns.nproc, default_world)
@@ -118,6 +118,7 @@ def load_run(ns: argparse.Namespace, default_world: int, defaults: dict | None =
             raise ConfigError("--layout", "auto", "needs the number of ranks", "add --nproc N")
         auto_layout(cfg, world)
     check_config(cfg, world)
+    cfg.parallel.dp = resolve_dp(cfg, world)  # the resolved config says what ran (not "-1: the rest")
     check_data(cfg)
     check_environment(cfg)
     return cfg, world
@@ -143,8 +144,8 @@ def check_environment(cfg) -> None:
         raise ConfigError("train.output_dir", cfg.train.output_dir, f"cannot be written ({e.strerror})",
                           "choose a directory you can write, e.g. --train.output_dir runs/default") from None
     t = cfg.train
-    if t.warmup_steps >= t.steps:
-        print(f"fived: warning: train.warmup_steps={t.warmup_steps} >= train.steps={t.steps}: the learning rate "
+    if t.warmup_steps > t.steps:
+        print(f"fived: warning: train.warmup_steps={t.warmup_steps} > train.steps={t.steps}: the learning rate "
               f"never reaches train.lr={t.lr:g}; e.g. --train.warmup_steps {max(1, t.steps // 10)}",
               file=sys.stderr, flush=True)
 
@@ -162,28 +163,73 @@ def file_overrides(path: str | None) -> dict:
 
 # What a resumed run takes from its checkpoint: changing it would make it another run.
 FIXED_ON_RESUME = ("model.", "data.", "train.seq_len", "train.global_batch", "train.seed")
+# The flags that describe a layout: given on resume, they define a new one from the defaults.
+LAYOUT_FIELDS = ("dp", "tp", "pp", "cp", "ep", "zero", "dp_replicate", "sp", "pp_schedule", "pp_virtual", "pp_layers")
+
+
+class NothingToTrain(ConfigError):
+    """A resumed run whose checkpoint is already at train.steps."""
 
 
 def load_resumed_run(ns: argparse.Namespace):
     """`fived train --resume DIR`: the saved config, with a new layout if any layout flag is given and
     other settings (train.steps to extend the run, lr, checkpointing...) as given; then checked."""
-    import copy
-
-    from fived.checkpoint import check_model_shapes, find_checkpoint, read_manifest
-    from fived.config import ParallelConfig, config_from_dict, set_field
+    from fived.checkpoint import check_model_shapes
+    from fived.config import ParallelConfig
     from fived.data import check_data
-    from fived.mesh import check_config
+    from fived.mesh import check_config, resolve_dp
 
-    checkpoint = find_checkpoint(ns.resume)
+    checkpoint, manifest, saved = _saved_run(ns.resume)
+    given = {**file_overrides(ns.config), **overrides_of(ns)}
+    cfg, layout_given = _resumed_config(saved, given, ns.dp_shard)
+    cfg.train.output_dir = str(Path(checkpoint).parent.parent)  # the same run directory
+    default_world = int(os.environ.get("WORLD_SIZE", manifest["world_size"]))  # (torchrun's, if under it)
+    world = world_size(cfg, ns.nproc, default_world) if layout_given else (ns.nproc or default_world)
+    if getattr(ns, "layout", None) is not None:
+        if ns.layout != "auto" or layout_given or ns.nproc is None:
+            raise ConfigError("--layout", ns.layout, "with --resume: 'auto' with --nproc N and no layout flags",
+                              f"--resume {ns.resume} --layout auto --nproc {world}")
+        cfg.parallel = ParallelConfig()
+        auto_layout(cfg, world)
+    if cfg.train.steps <= manifest["step"]:
+        raise NothingToTrain("train.steps", cfg.train.steps, f"the checkpoint is at step {manifest['step']}: "
+                             "nothing left to train", f"extend the run, e.g. --steps {manifest['step'] + saved.train.steps}")
+    check_config(cfg, world)
+    cfg.parallel.dp = resolve_dp(cfg, world)
+    tokens = check_data(cfg)
+    windows, saved_windows = (len(tokens) - 1) // cfg.train.seq_len, manifest["components"]["progress"]["sampler"]["num_windows"]
+    if windows != saved_windows:
+        raise ConfigError("data.path", cfg.data.path or "bundled corpus", f"holds {windows} sequences now, the "
+                          f"checkpoint's run had {saved_windows}: the data changed", "resume with the data it was trained on")
+    check_environment(cfg)
+    check_model_shapes(cfg, checkpoint)
+    return cfg, world, str(checkpoint), manifest
+
+
+def _saved_run(resume: str):
+    """(checkpoint directory, manifest, saved config) of `--resume DIR`, or a one-line refusal."""
+    from fived.checkpoint import find_checkpoint, read_manifest
+    from fived.config import config_from_dict
+
+    checkpoint = find_checkpoint(resume)
     if checkpoint is None:
-        raise ConfigError("--resume", ns.resume, "holds no complete checkpoint (checkpoints/step-<N>/COMPLETE)",
+        raise ConfigError("--resume", resume, "holds no complete checkpoint (checkpoints/step-<N>/COMPLETE)",
                           "give the output directory of a run that saved one (checkpoint.every or checkpoint.final)")
     try:
         manifest = read_manifest(checkpoint)
-    except (OSError, ValueError) as e:
-        raise ConfigError("--resume", str(checkpoint), f"unreadable manifest ({e})") from None
-    saved = config_from_dict(manifest["config"])
-    given = {**file_overrides(ns.config), **overrides_of(ns)}
+        return checkpoint, manifest, config_from_dict(manifest["config"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError("--resume", str(checkpoint), f"unreadable manifest ({e})",
+                          "resume from another checkpoint of the run") from None
+
+
+def _resumed_config(saved, given: dict, dp_shard: int | None):
+    """The saved config with the given settings: fixed ones must not change; layout flags, if any,
+    start a new layout from the defaults (micro-batches kept unless given, at least pp)."""
+    import copy
+
+    from fived.config import ParallelConfig, set_field
+
     for key, value in given.items():
         if key.startswith(FIXED_ON_RESUME):
             section, _, name = key.partition(".")
@@ -193,30 +239,16 @@ def load_resumed_run(ns: argparse.Namespace):
                 raise ConfigError(key, value, f"a resumed run keeps the checkpoint's {key} "
                                   f"({getattr(getattr(saved, section), name, '...')})", "drop the flag, or start a new run")
     cfg = copy.deepcopy(saved)
-    layout_given = any(k.startswith("parallel.") for k in given) or ns.dp_shard is not None
-    if layout_given:  # a new layout, from the defaults: nothing of the old one carries over
-        cfg.parallel = ParallelConfig()
-        cfg.train.microbatches = max(1, int(given.get("parallel.pp", 1)))
+    layout_given = dp_shard is not None or any(k in {f"parallel.{f}" for f in LAYOUT_FIELDS} for k in given)
+    if layout_given:
+        others = {k: v for k, v in vars(saved.parallel).items() if k not in LAYOUT_FIELDS}
+        cfg.parallel = ParallelConfig(**others)  # (reduce dtype, keep-gathered: as saved unless given)
+        cfg.train.microbatches = max(saved.train.microbatches, int(given.get("parallel.pp", 1)))
     for key, value in given.items():
         set_field(cfg, *key.split(".", 1), value)
-    if ns.dp_shard is not None:
-        cfg.parallel.dp = ns.dp_shard * cfg.parallel.dp_replicate
-    cfg.train.output_dir = str(Path(checkpoint).parent.parent)  # the same run directory
-    world = world_size(cfg, ns.nproc, manifest["world_size"]) if layout_given else (ns.nproc or manifest["world_size"])
-    if getattr(ns, "layout", None) is not None:
-        if ns.layout != "auto" or layout_given or ns.nproc is None:
-            raise ConfigError("--layout", ns.layout, "with --resume: 'auto' with --nproc N and no layout flags",
-                              f"--resume {ns.resume} --layout auto --nproc {world}")
-        cfg.parallel = ParallelConfig()
-        auto_layout(cfg, world)
-    if cfg.train.steps <= manifest["step"]:
-        raise ConfigError("train.steps", cfg.train.steps, f"the checkpoint is at step {manifest['step']}: nothing "
-                          "left to train", f"extend the run, e.g. --steps {manifest['step'] + saved.train.steps}")
-    check_config(cfg, world)
-    check_data(cfg)
-    check_environment(cfg)
-    check_model_shapes(cfg, checkpoint)
-    return cfg, world, str(checkpoint), manifest
+    if dp_shard is not None:
+        cfg.parallel.dp = dp_shard * cfg.parallel.dp_replicate
+    return cfg, layout_given
 
 
 @dataclass
@@ -228,6 +260,7 @@ class TrainingRun:
     resume: str | None = None  # the checkpoint it continues from
     resumed_step: int = 0
     fresh_dir: bool = True  # a new run gets a new directory (output_dir-1, ... if it was used)
+    finished: bool = False  # --resume auto of a run that already reached train.steps
 
 
 def prepare_training(ns: argparse.Namespace, default_world: int) -> TrainingRun:
@@ -240,6 +273,11 @@ def prepare_training(ns: argparse.Namespace, default_world: int) -> TrainingRun:
         if find_checkpoint(cfg.train.output_dir) is None:
             return TrainingRun(cfg, world, fresh_dir=False)
         ns.resume = cfg.train.output_dir
+        try:
+            cfg, world, checkpoint, manifest = load_resumed_run(ns)
+        except NothingToTrain:  # (a restarted job that had already finished)
+            return TrainingRun(cfg, world, finished=True)
+        return TrainingRun(cfg, world, checkpoint, manifest["step"], fresh_dir=False)
     if ns.resume:
         cfg, world, checkpoint, manifest = load_resumed_run(ns)
         return TrainingRun(cfg, world, checkpoint, manifest["step"], fresh_dir=False)

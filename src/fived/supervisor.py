@@ -43,7 +43,7 @@ def describe_run_dir(cfg: Config, world: int, event: dict) -> None:
               "torch_version": torch.__version__, "python": platform.python_version(), "host": platform.node(),
               "world_size": world, "layout": {"dp": resolve_dp(cfg, world), "tp": p.tp, "pp": p.pp, "cp": p.cp,
                                               "ep": p.ep, "zero": p.zero, "dp_replicate": p.dp_replicate},
-              **event}
+              **event, "config": cfg.to_dict()}  # (config.toml is the latest; every launch's is kept here)
     with open(run_dir / "launches.jsonl", "a") as f:
         f.write(json.dumps(record) + "\n")
 

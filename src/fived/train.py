@@ -17,7 +17,7 @@ import torch.distributed as dist
 from fived.checkpoint import Checkpointer
 from fived.config import Config
 from fived.data import GlobalBatchSampler, check_data
-from fived.faults import CollectiveTimeout, PreemptionRequest, is_timeout
+from fived.faults import PreemptionRequest, timeouts_named
 from fived.launch import device_type
 from fived.ledger import ActivationLedger, CommLedger, model_state_bytes
 from fived.mesh import DTYPES, Mesh, check_config
@@ -46,7 +46,8 @@ class Trainer:
     """`log`: this run owns cfg.train.output_dir (metrics, checkpoints); `resume`: a checkpoint to
     continue from (written by any layout)."""
 
-    def __init__(self, cfg: Config, log: bool = True, resume: str | None = None):
+    def __init__(self, cfg: Config, log: bool = True, resume: str | None = None,
+                 preemption: PreemptionRequest | None = None):
         self.cfg = cfg
         self.world = dist.get_world_size()
         self.rank = dist.get_rank()
@@ -89,13 +90,16 @@ class Trainer:
         self.flops_per_step = flops_per_token(cfg.model, t.seq_len) * self.global_tokens
         self.checkpointer = None
         if log or resume:
-            self.checkpointer = Checkpointer(t.output_dir, cfg.checkpoint, self._stateful(chunks), self._manifest())
+            self.checkpointer = Checkpointer(t.output_dir, cfg.checkpoint, self._stateful(chunks), self._manifest(),
+                                             t.collective_timeout_s)
         if resume:
             self.checkpointer.last_step = self.checkpointer.load(resume)["step"]
+            if log and self.rank == 0:
+                self.checkpointer.supersede_after(self.checkpointer.last_step)
         if log and self.rank == 0:
             keep_log_until(t.output_dir, self.sampler.step)  # a resumed run rewrites nothing twice
         self.log = MetricsLog(t.output_dir, t.tensorboard) if (log and self.rank == 0) else None
-        self.preemption, self.preempted = PreemptionRequest(), False
+        self.preemption, self.preempted = preemption or PreemptionRequest(), False
 
     def _stateful(self, chunks) -> dict:
         """The components a checkpoint holds, by name."""
@@ -180,13 +184,19 @@ class Trainer:
 
     def step(self, step: int) -> dict:
         """One optimizer step; a collective that times out is reported as a CollectiveTimeout."""
-        try:
+        with timeouts_named(self.rank, self.cfg.train.collective_timeout_s, self.ledger.blamed_collective):
             return self._step(step)
-        except RuntimeError as error:
-            if not is_timeout(error):
-                raise
-            op, dim, ranks = self.ledger.blamed_collective()
-            raise CollectiveTimeout(self.rank, op, dim, ranks, self.cfg.train.collective_timeout_s) from error
+
+    def _stop_requested(self) -> bool:
+        """Whether any rank got SIGTERM (every rank asks, at the same step boundary)."""
+        everyone = ("all_reduce (the step-boundary stop flag)", "world", tuple(range(self.world)))
+        with timeouts_named(self.rank, self.cfg.train.collective_timeout_s, lambda: everyone):
+            return self.preemption.agreed(self.device)
+
+    def _save(self, step: int, background: bool = False) -> None:
+        everyone = ("checkpoint save (DCP)", "checkpoint", tuple(range(self.world)))
+        with timeouts_named(self.rank, self.checkpointer.timeout_s, lambda: everyone):
+            self.checkpointer.save(step, background)
 
     def _step(self, step: int) -> dict:
         t = self.cfg.train
@@ -248,13 +258,13 @@ class Trainer:
             history.append(record)
             if self.log is not None:  # (before the save: a checkpoint of step N implies its log)
                 self.log.write(record)
-            if self.preemption.agreed(self.device):  # SIGTERM on any rank: every rank stops here
-                self.preempted = True
+            if self.checkpointer is not None and self._stop_requested():
+                self.preempted = True  # every rank stops here, and saves this step below
                 last = step + 1
                 break
             if self.checkpointer is not None and self.checkpointer.due(step + 1) and step + 1 < last:
                 start = time.perf_counter()
-                self.checkpointer.save(step + 1, background=self.cfg.checkpoint.async_)
+                self._save(step + 1, background=self.cfg.checkpoint.async_)
                 waited = time.perf_counter() - start
             if step % self.cfg.train.log_every == 0 or step + 1 == last:
                 bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}",
@@ -262,18 +272,20 @@ class Trainer:
         if self.checkpointer is not None:
             final = self.cfg.checkpoint.final or self.checkpointer.due(last) or self.preempted
             if final and self.checkpointer.last_step != last:
-                self.checkpointer.save(last)
+                self._save(last)
             self.checkpointer.wait()
         if self.log is not None:
             self.log.close()
         return history
 
+
 def run_training(cfg: Config, log: bool = True, progress: bool = True, return_state: bool = False,
                  resume: str | None = None, until: int | None = None) -> TrainResult:
     """Entry point on each rank (process group already initialised). `log`: write the run directory
     (metrics, checkpoints); `resume`: a checkpoint to continue from; `until`: stop (and save) there."""
-    trainer = Trainer(cfg, log=log, resume=resume)
-    trainer.preemption.install()
+    preemption = PreemptionRequest()
+    preemption.install()  # first: a SIGTERM while the model is built or loaded is acted on at step 1
+    trainer = Trainer(cfg, log=log, resume=resume, preemption=preemption)
     metrics = trainer.fit(progress=progress, until=until)
     state = trainer.plan.full_state() if return_state else {}
     timeline = trainer.pipeline.last_step_actions() if trainer.pipeline else []

@@ -88,6 +88,7 @@ def run_layout(cfg: Config, world: int, reshard_from: tuple[Config, int] | None 
     if reshard_from is None:
         return run_ranks(world, run_training, cfg, False, False, True, device=device)
     first, first_world = copy.deepcopy(reshard_from[0]), reshard_from[1]
+    first.checkpoint.final = True  # (the second half starts from the first half's last step)
     second = copy.deepcopy(cfg)
     half = cfg.train.steps // 2
     with tempfile.TemporaryDirectory(prefix="fived-reshard-") as run_dir:
