@@ -131,6 +131,7 @@ class Checkpointer:
         self.timeout_s = max(timeout_s, self.MIN_TIMEOUT_S)
         self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout_s))
         self.pending = None  # the Future of a background save
+        self.stager = dcp_io.Stager()  # (keeps its copies between background saves)
         self.finalized = threading.Event()  # rank 0: the background save's directory is in place
         self.failure: BaseException | None = None
         self.last_step: int | None = None
@@ -157,7 +158,7 @@ class Checkpointer:
             if self.rank == 0:
                 self._finalize(tmp, step, manifest)
             return
-        self.pending = dcp_io.save(tensors, tmp, self.group, background=True)
+        self.pending = dcp_io.save(tensors, tmp, self.group, stager=self.stager)
         self.finalized.clear()
         if self.rank == 0:  # DCP's coordinator: its future completes after every rank's data is written
             self.pending.add_done_callback(lambda fut: self._finalize_after(fut, tmp, step, manifest))

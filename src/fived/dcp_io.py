@@ -61,10 +61,21 @@ class ShardedValue:
                 return view
         raise KeyError(f"no box at {tuple(offsets)}")
 
-    def staged(self) -> "ShardedValue":
-        """A copy on CPU, so that training may go on changing the original while it is written."""
-        copies = [(box, view.detach().to("cpu", copy=True)) for box, view in self.boxes] if self.write else []
-        return ShardedValue(self.global_shape, copies, self.write, self.dtype)
+    def staged(self, previous: "ShardedValue | None" = None) -> "ShardedValue":
+        """A copy on CPU, so that training may go on changing the original while it is written; into
+        `previous`'s memory when it has the same boxes (no new allocation, no page faults)."""
+        if not self.write:
+            return ShardedValue(self.global_shape, [], False, self.dtype)
+        reuse = previous is not None and [(b, v.shape, v.dtype) for b, v in previous.boxes] == \
+            [(b, v.shape, v.dtype) for b, v in self.boxes]
+        copies = []
+        for i, (box, view) in enumerate(self.boxes):
+            target = previous.boxes[i][1] if reuse else torch.empty(
+                view.shape, dtype=view.dtype, pin_memory=view.is_cuda)  # pinned: fast copies from a GPU
+            copies.append((box, target.copy_(view.detach(), non_blocking=view.is_cuda)))
+        if any(view.is_cuda for _, view in self.boxes):
+            torch.cuda.synchronize()
+        return ShardedValue(self.global_shape, copies, True, self.dtype)
 
 
 def _chunk(box: Box) -> ChunkStorageMetadata:
@@ -99,14 +110,21 @@ class _LoadPlanner(DefaultLoadPlanner):
 
 
 
-class _Stager:
+class Stager:
     """dcp.async_save's staging step: copy every box this rank writes (the only part that stalls
-    training), then DCP writes the copies from a background thread."""
+    training), then DCP writes the copies from a background thread. The copies are kept for the next
+    save, which copies into memory already allocated (as DCP's cached staging and torchtitan do):
+    after the first save, staging costs one memory copy of this rank's shards. The caller must not
+    stage again before the previous save is written."""
 
     should_synchronize_after_execute = False
 
+    def __init__(self):
+        self.copies: dict[str, ShardedValue] = {}
+
     def stage(self, state_dict: dict) -> dict:
-        return {k: v.staged() for k, v in state_dict.items()}
+        self.copies = {k: v.staged(self.copies.get(k)) for k, v in state_dict.items()}
+        return self.copies
 
     def synchronize_staging(self) -> None:
         pass
@@ -115,14 +133,14 @@ class _Stager:
         pass
 
 
-def save(values: dict[str, ShardedValue], path: str | Path, group=None, background: bool = False):
-    """Write `values` under `path` (every rank of `group` calls this). With `background`, return a
+def save(values: dict[str, ShardedValue], path: str | Path, group=None, stager: Stager | None = None):
+    """Write `values` under `path` (every rank of `group` calls this). With a `stager`, return a
     Future once the boxes are staged; DCP writes them from a thread over `group` (which must then be
     a group no other thread uses, e.g. its own gloo group)."""
     writer = dcp.FileSystemWriter(str(path), sync_files=True)
-    if background:
+    if stager is not None:
         return dcp.async_save(values, storage_writer=writer, planner=_SavePlanner(), process_group=group,
-                              async_stager=_Stager())
+                              async_stager=stager)
     dcp.save(values, storage_writer=writer, planner=_SavePlanner(), process_group=group)
     return None
 
