@@ -1,6 +1,6 @@
 """The layout and the device mesh: `Layout` describes how one training step is laid out on the ranks
 (the one description the runtime, `--report` and the planner share), `Mesh` builds a layout's process
-groups, and `layout_errors` holds the checks that a layout can run, made before any rank starts.
+groups (the rules a layout must meet before it runs are in `fived.layout_rules`).
 
 Order, outermost to innermost: pp, dp, cp, tp (as Megatron-Core's rank generator: tp on the fastest
 links, pp across nodes). dp is itself dp_replicate x dp_shard (HSDP: ZeRO shards within a dp_shard
@@ -9,13 +9,11 @@ over dp*cp (ep divides dp*cp).
 """
 from __future__ import annotations
 
-import itertools
-import math
 from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 
-from fived.config import Config, ConfigError, ParallelConfig, TrainConfig
+from fived.config import Config, ParallelConfig, TrainConfig
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev")
@@ -39,198 +37,6 @@ def resolve_dp(cfg: Config, world: int | None) -> int:
     if world is None or world % model_parallel:
         return 1 if world is None else -1
     return world // model_parallel
-
-
-def nearest_multiple(value: int, base: int) -> int:
-    """The multiple of `base` nearest to `value` (at least `base`; ties go up)."""
-    base = max(base, 1)
-    return max(base, round(value / base + 1e-9) * base) if value % base else value
-
-
-def largest_divisor(n: int, at_most: int) -> int:
-    """The largest divisor of n that is at most `at_most` (1 if none larger)."""
-    return max((d for d in range(1, max(at_most, 1) + 1) if n % d == 0), default=1)
-
-
-def layout_errors(cfg: Config, world: int | None) -> list[ConfigError]:
-    """Every rule a layout must meet, each with a concrete way out; the first error is reported."""
-    m, p, t = cfg.model, cfg.parallel, cfg.train
-    dp = resolve_dp(cfg, world)
-    errs: list[ConfigError] = []
-
-    def need(ok: bool, field: str, value, rule: str, hint: str = ""):
-        if not ok:
-            errs.append(ConfigError(field, value, rule, hint))
-
-    for name in ("tp", "pp", "cp", "ep"):
-        need(getattr(p, name) >= 1, f"parallel.{name}", getattr(p, name), "must be >= 1", f"e.g. --{name} 1")
-    need(p.dp >= 1 or p.dp == -1, "parallel.dp", p.dp, "must be >= 1 (or -1 to fill the world size)", "e.g. --dp 1")
-    if errs:
-        return errs
-    model_parallel = p.tp * p.pp * p.cp
-    if world is not None and dp == -1:
-        need(False, "parallel", f"tp{p.tp}xpp{p.pp}xcp{p.cp}",
-             f"tp*pp*cp={model_parallel} must divide the number of ranks ({world})")
-        return errs
-    if world is not None:
-        need(dp * model_parallel == world, "parallel", f"dp{dp}xtp{p.tp}xpp{p.pp}xcp{p.cp}",
-             f"dp*tp*pp*cp must equal the number of ranks ({world})")
-    _tensor_rules(need, m, p)
-    _pipeline_rules(need, m, p, t)
-    _data_rules(need, m, p, t, dp)
-    return errs
-
-
-def _tensor_rules(need, m, p) -> None:
-    need(m.n_heads % p.tp == 0, "parallel.tp", p.tp, f"must divide model.n_heads={m.n_heads}",
-         f"e.g. --tp {largest_divisor(m.n_heads, p.tp)}")
-    for name in ("ffn_dim", "moe_ffn_dim"):
-        value = getattr(m, name)
-        need(value % p.tp == 0, f"model.{name}", value, f"must be divisible by tp={p.tp}",
-             f"e.g. --model.{name} {nearest_multiple(value, p.tp)}")
-    need(m.n_kv_heads % p.tp == 0 or p.tp % m.n_kv_heads == 0, "parallel.tp", p.tp,
-         f"must divide model.n_kv_heads={m.n_kv_heads} or be a multiple of it (kv heads are then replicated)",
-         f"e.g. --tp {largest_divisor(m.n_kv_heads, p.tp)}")
-    need(not p.sp or p.tp > 1, "parallel.sp", p.sp, "sequence parallelism splits over tp ranks: it needs tp > 1",
-         "add --tp 2, or drop --sp")
-    need(p.ep == 1 or m.is_moe, "parallel.ep", p.ep, f"needs a mixture-of-experts model (model.name={m.name} is dense)",
-         "use --ep 1, or a MoE model such as --model tiny-moe")
-
-
-def _pipeline_rules(need, m, p, t) -> None:
-    need(p.pp == 1 or not m.tie_embeddings, "model.tie_embeddings", m.tie_embeddings,
-         "tied embeddings across pipeline stages are not supported yet", "set it false, or use --pp 1")
-    need(p.pp_schedule in PP_SCHEDULES, "parallel.pp_schedule", p.pp_schedule, "must be one of " + ", ".join(PP_SCHEDULES),
-         "e.g. --pp-schedule 1f1b")
-    if p.pp_schedule not in PP_SCHEDULES:
-        return
-    need(p.pp_virtual >= 1, "parallel.pp_virtual", p.pp_virtual, "must be >= 1", "e.g. --pp-virtual 2")
-    need(p.pp_virtual == 1 or p.pp_schedule in ("interleaved-1f1b", "zero-bubble"), "parallel.pp_virtual",
-         p.pp_virtual, f"only interleaved-1f1b and zero-bubble take virtual stages ({p.pp_schedule} uses "
-         f"{stages_per_rank(p.pp_schedule, 1)} per rank)", "use --pp-virtual 1, or --pp-schedule interleaved-1f1b")
-    per_rank = stages_per_rank(p.pp_schedule, max(p.pp_virtual, 1))
-    stages = p.pp * per_rank if p.pp > 1 else 1
-    need(m.n_layers >= stages, "parallel.pp", p.pp,
-         f"{stages} pipeline stages need at least as many layers (model.n_layers={m.n_layers})",
-         f"e.g. --pp {max(1, m.n_layers // per_rank)}")
-    if p.pp_layers:
-        try:
-            counts = [int(c) for c in p.pp_layers.split(",")]
-        except ValueError:
-            counts = []
-        even = [m.n_layers // stages + (1 if i < m.n_layers % stages else 0) for i in range(stages)]
-        need(len(counts) == stages and all(c >= 1 for c in counts) and sum(counts) == m.n_layers,
-             "parallel.pp_layers", p.pp_layers,
-             f"must list {stages} positive layer counts summing to model.n_layers={m.n_layers}",
-             f"e.g. --pp-layers {','.join(map(str, even))}" if m.n_layers >= stages else "")
-    need(p.pp_schedule != "dualpipev" or p.pp == 1 or t.microbatches >= 2 * p.pp, "train.microbatches",
-         t.microbatches, f"dualpipev needs at least as many micro-batches as stages (2*pp={2 * p.pp})",
-         f"e.g. --microbatches {2 * p.pp}")
-    need(p.pp == 1 or t.microbatches >= p.pp, "train.microbatches", t.microbatches, f"must be >= pp={p.pp}",
-         f"e.g. --microbatches {p.pp}")
-    need(p.pp == 1 or p.pp_schedule not in SPLIT_BACKWARD or t.activation_checkpointing != "selective",
-         "train.activation_checkpointing", t.activation_checkpointing,
-         f"selective checkpointing cannot run under {p.pp_schedule}: its split backward (input, then weight "
-         f"gradients) would replay the cached ops twice, which torch refuses",
-         "use --train.activation_checkpointing full, or --pp-schedule 1f1b/interleaved-1f1b")
-
-
-def _data_rules(need, m, p, t, dp: int) -> None:
-    dp_cp = max(dp, 1) * p.cp
-    ep_ok = largest_divisor(math.gcd(m.n_experts, dp_cp) if m.is_moe else dp_cp, p.ep)
-    need(not m.is_moe or m.n_experts % p.ep == 0, "parallel.ep", p.ep, f"must divide model.n_experts={m.n_experts}",
-         f"e.g. --ep {ep_ok}")
-    need(dp >= 1 and dp_cp % p.ep == 0, "parallel.ep", p.ep, f"must divide dp*cp={dp_cp}", f"e.g. --ep {ep_ok}")
-    need(not p.sp or t.seq_len % (p.tp * p.cp) == 0, "train.seq_len", t.seq_len,
-         f"must be divisible by tp*cp={p.tp * p.cp} with --sp", f"e.g. --seq-len {nearest_multiple(t.seq_len, p.tp * p.cp)}")
-    need(t.seq_len % (2 * p.cp) == 0 or p.cp == 1, "train.seq_len", t.seq_len,
-         f"must be divisible by 2*cp={2 * p.cp} (load-balanced context-parallel chunks)",
-         f"e.g. --seq-len {nearest_multiple(t.seq_len, 2 * p.cp)}")
-    need(p.zero in (0, 1, 2, 3), "parallel.zero", p.zero, "must be 0, 1, 2 or 3", "e.g. --zero 1")
-    need(p.ep == 1 or p.dp_replicate == 1, "parallel.ep", p.ep, "expert parallelism with HSDP replicas is not supported yet",
-         "use --ep 1, or --dp-replicate 1")
-    need(p.dp_replicate >= 1 and dp >= 1 and dp % p.dp_replicate == 0, "parallel.dp_replicate", p.dp_replicate,
-         f"must be >= 1 and divide dp={dp} (dp = dp_replicate x dp_shard)",
-         f"e.g. --dp-replicate {largest_divisor(max(dp, 1), max(p.dp_replicate, 1))}")
-    need(p.dp_replicate == 1 or p.zero >= 1, "parallel.dp_replicate", p.dp_replicate,
-         "replica groups (HSDP) need a sharded stage", "add --zero 1 (or 2, 3)")
-    need(p.reduce_dtype in ("float32", "bfloat16"), "parallel.reduce_dtype", p.reduce_dtype,
-         "must be float32 or bfloat16", "e.g. --parallel.reduce_dtype float32")
-    need(t.microbatches >= 1, "train.microbatches", t.microbatches, "must be >= 1", "e.g. --microbatches 1")
-    need(dp >= 1 and t.global_batch % dp == 0, "train.global_batch", t.global_batch, f"must be divisible by dp={dp}",
-         f"e.g. --global-batch {nearest_multiple(t.global_batch, max(dp, 1))}")
-    if dp >= 1 and t.global_batch % dp == 0 and t.microbatches >= 1:
-        local = t.global_batch // dp
-        need(local % t.microbatches == 0, "train.microbatches", t.microbatches,
-             f"must divide the per-rank batch global_batch/dp={local}",
-             f"e.g. --microbatches {largest_divisor(local, t.microbatches)}")
-
-
-def _model_errors(cfg: Config) -> list[ConfigError]:
-    m, t, c = cfg.model, cfg.train, cfg.checkpoint
-    checks = [
-        (m.dim % m.n_heads == 0, "model.dim", m.dim, f"must be divisible by model.n_heads={m.n_heads}",
-         f"e.g. --model.dim {nearest_multiple(m.dim, m.n_heads)}"),
-        (m.n_heads % max(m.n_kv_heads, 1) == 0 and m.n_kv_heads >= 1, "model.n_kv_heads", m.n_kv_heads,
-         f"must be >= 1 and divide model.n_heads={m.n_heads}",
-         f"e.g. --model.n_kv_heads {largest_divisor(m.n_heads, max(m.n_kv_heads, 1))}"),
-        (m.head_dim % 2 == 0, "model.dim", m.dim, "dim/n_heads must be even for rotary embeddings",
-         f"e.g. --model.dim {nearest_multiple(m.dim, 2 * m.n_heads)}"),
-        (not m.is_moe or 1 <= m.top_k <= m.n_experts, "model.top_k", m.top_k, f"must be in 1..n_experts={m.n_experts}",
-         f"e.g. --model.top_k {min(2, max(m.n_experts, 1))}"),
-        (t.dtype in DTYPES, "train.dtype", t.dtype, "must be one of " + ", ".join(DTYPES), "e.g. --dtype float32"),
-        (t.device in ("auto", "cpu", "cuda"), "train.device", t.device, "must be auto, cpu or cuda",
-         "e.g. --train.device auto"),
-        (t.activation_checkpointing in CHECKPOINTING, "train.activation_checkpointing", t.activation_checkpointing,
-         "must be one of " + ", ".join(CHECKPOINTING), "e.g. --train.activation_checkpointing none"),
-        (t.steps >= 1, "train.steps", t.steps, "must be >= 1", "e.g. --steps 200"),
-        (t.seq_len >= 2, "train.seq_len", t.seq_len, "must be >= 2", "e.g. --seq-len 64"),
-        (t.global_batch >= 1, "train.global_batch", t.global_batch, "must be >= 1", "e.g. --global-batch 16"),
-        (0 <= t.warmup_steps, "train.warmup_steps", t.warmup_steps, "must be >= 0", "e.g. --train.warmup_steps 20"),
-        (t.lr > 0, "train.lr", t.lr, "must be > 0", "e.g. --train.lr 3e-3"),
-        (t.collective_timeout_s > 0, "train.collective_timeout_s", t.collective_timeout_s, "must be > 0",
-         "e.g. --train.collective_timeout_s 600"),
-        (t.max_restarts >= 0, "train.max_restarts", t.max_restarts, "must be >= 0", "e.g. --max-restarts 2"),
-        (t.preempt_grace_s >= 0, "train.preempt_grace_s", t.preempt_grace_s, "must be >= 0",
-         "e.g. --train.preempt_grace_s 60"),
-        (c.every >= 0, "checkpoint.every", c.every, "must be >= 0 (0: no periodic saves)", "e.g. --checkpoint.every 100"),
-        (c.keep >= 0, "checkpoint.keep", c.keep, "must be >= 0 (0: keep all)", "e.g. --checkpoint.keep 3"),
-    ]
-    return [ConfigError(field, value, rule, hint) for ok, field, value, rule, hint in checks if not ok]
-
-
-def suggest_layouts(cfg: Config, world: int, limit: int = 3) -> list[str]:
-    """Valid (dp, tp, pp, cp, ep) layouts for `world` ranks, nearest to the requested one first."""
-    p = cfg.parallel
-    want = (resolve_dp(cfg, world), p.tp, p.pp, p.cp, p.ep)
-    found = []
-    for tp, pp, cp in itertools.product(range(1, world + 1), repeat=3):
-        if world % (tp * pp * cp):
-            continue
-        dp = world // (tp * pp * cp)
-        for ep in [e for e in range(1, dp * cp + 1) if (dp * cp) % e == 0]:
-            trial = Config(model=cfg.model, train=cfg.train, data=cfg.data,
-                           parallel=type(p)(**{**vars(p), "dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep}))
-            if not layout_errors(trial, world):
-                dist = sum(abs(a - b) for a, b in zip((dp, tp, pp, cp, ep), want))
-                found.append((dist, f"--dp {dp} --tp {tp} --pp {pp} --cp {cp} --ep {ep}"))
-    return [s for _, s in sorted(found)[:limit]]
-
-
-def check_config(cfg: Config, world: int | None) -> None:
-    """Raise the first ConfigError for `cfg` on `world` ranks, with the nearest valid layouts as hint.
-    Called by the CLI before any process starts, and again by every rank as a guard."""
-    errs = _model_errors(cfg) or layout_errors(cfg, world)
-    if not errs:
-        return
-    err = errs[0]
-    if not err.hint:  # the world size does not fit the layout: other layouts, or another world size
-        near = suggest_layouts(cfg, world) if world else []
-        p = cfg.parallel
-        ranks = max(p.dp, 1) * p.tp * p.pp * p.cp
-        err = ConfigError(err.field, err.value, err.rule,
-                          ("nearest valid layouts: " + " | ".join(near)) if near else f"e.g. --nproc {ranks}")
-    raise err
 
 
 P = ParallelConfig  # the layout fields' defaults: one source of truth, the config's

@@ -102,7 +102,8 @@ def auto_layout(cfg, world: int) -> None:
 def load_run(ns: argparse.Namespace, default_world: int, defaults: dict | None = None):
     """Config and world size, both checked (layout and data) before any rank starts."""
     from fived.data import check_data
-    from fived.mesh import check_config, resolve_dp
+    from fived.layout_rules import check_config
+    from fived.mesh import resolve_dp
 
     cfg = build_from_args(ns, defaults)
     world = world_size(cfg, ns.nproc, default_world)
@@ -177,7 +178,8 @@ def load_resumed_run(ns: argparse.Namespace):
     from fived.checkpoint import check_model_shapes
     from fived.config import ParallelConfig
     from fived.data import check_data
-    from fived.mesh import check_config, resolve_dp
+    from fived.layout_rules import check_config
+    from fived.mesh import resolve_dp
 
     checkpoint, manifest, saved = _saved_run(ns.resume)
     given = {**file_overrides(ns.config), **overrides_of(ns)}
@@ -294,7 +296,7 @@ def reshard_layout(flags: str, cfg):
     import shlex
 
     from fived.config import ParallelConfig, set_field
-    from fived.mesh import check_config
+    from fived.layout_rules import check_config
 
     parser = argparse.ArgumentParser(prog="fived verify --reshard-from", add_help=False, allow_abbrev=False)
     add_config_flags(parser)

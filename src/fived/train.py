@@ -20,7 +20,8 @@ from fived.data import GlobalBatchSampler, check_data
 from fived.faults import PreemptionRequest, timeouts_named
 from fived.launch import device_type
 from fived.ledger import ActivationLedger, CommLedger, model_state_bytes
-from fived.mesh import DTYPES, Mesh, check_config
+from fived.layout_rules import check_config
+from fived.mesh import DTYPES, Mesh
 from fived.metrics import MetricsLog, flops_per_token, keep_log_until, peak_memory_mb
 from fived.planner.hardware import device_peak_tflops
 from fived.model import MoE, build_model, init_weights, materialize

@@ -17,7 +17,8 @@ import torch
 from fived.config import Config, ParallelConfig
 from fived.launch import run_ranks
 from fived.checkpoint import find_checkpoint
-from fived.mesh import check_config, resolve_dp
+from fived.layout_rules import check_config
+from fived.mesh import resolve_dp
 from fived.train import TrainResult, run_training
 
 TOLERANCE = 1e-9
