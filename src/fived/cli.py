@@ -131,20 +131,38 @@ def cmd_verify(ns: argparse.Namespace) -> int:
 def cmd_prepare_data(ns: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from fived.data import prepare_data
+    from fived.data import load_tokenizer, token_file_paths
+    from fived.data_prep import input_format, prepare_data
 
-    bin_path = Path(ns.output if ns.output.endswith(".bin") else ns.output + ".bin")
-    if bin_path.exists():
-        raise ConfigError("--output", ns.output, f"{bin_path} exists; fived does not overwrite token files",
-                          "name a new output")
+    bin_path = token_file_paths(ns.output)[0]
+    val_path = bin_path.with_name(bin_path.name[: -len(".bin")] + ".val.bin")
+    for path in (bin_path, val_path if ns.val_fraction > 0 else None):
+        if path is not None and path.exists():
+            raise ConfigError("--output", ns.output, f"{path} exists; fived does not overwrite token files",
+                              "name a new output")
     for path in ns.inputs:
-        if not Path(path).is_file():
-            raise ConfigError("inputs", path, "file not found", "give existing text files")
+        if not Path(path).exists():
+            raise ConfigError("inputs", path, "file not found", "give .txt, .jsonl, .parquet files or saved datasets")
+        try:
+            input_format(Path(path))
+        except ValueError as e:
+            raise ConfigError("inputs", path, str(e).split(": ", 1)[-1]) from None
     if ns.tokenizer != "byte" and not Path(ns.tokenizer).is_file():
         raise ConfigError("--tokenizer", ns.tokenizer, "file not found",
                           "give the path of a Hugging Face tokenizer.json, or 'byte'")
-    out = prepare_data(ns.inputs, ns.output, ns.tokenizer)
-    print(f"wrote {out}")
+    if not 0.0 <= ns.val_fraction < 1.0:
+        raise ConfigError("--val-fraction", ns.val_fraction, "must be in [0, 1)", "e.g. 0.05")
+    if load_tokenizer(ns.tokenizer).eot_id is None:
+        raise ConfigError("--tokenizer", ns.tokenizer, "has no end-of-document token to separate documents",
+                          "use a tokenizer.json with one of <|endoftext|>, <|end_of_text|>, </s>, <eos>")
+    try:
+        out = prepare_data(ns.inputs, ns.output, ns.tokenizer, ns.text_field, ns.val_fraction, ns.split)
+    except ImportError as e:  # pyarrow / datasets for .parquet / saved datasets
+        raise ConfigError("inputs", ns.inputs[0], str(e)) from None
+    except (ValueError, UnicodeDecodeError) as e:
+        print(f"fived: error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}" + (f" and {val_path}" if ns.val_fraction > 0 else ""))
     return 0
 
 
@@ -241,10 +259,17 @@ def build_parser() -> argparse.ArgumentParser:
                        help="plan for fived (default: what `fived train` runs) or, to compare, another runtime "
                             "(its layouts may not be runnable by fived)")
     planp.set_defaults(func=cmd_plan)
-    prep = sub.add_parser("prepare-data", help="tokenize text files into a token file (numpy memmap)")
-    prep.add_argument("inputs", nargs="+", help="text files, concatenated in order")
+    prep = sub.add_parser("prepare-data", allow_abbrev=False,
+                          help="tokenize .txt, .jsonl, .parquet files or saved datasets into a token file (numpy memmap)")
+    prep.add_argument("inputs", nargs="+", help=".txt (one document per file), .jsonl, .parquet files or directories "
+                      "of Dataset.save_to_disk, in order; every document ends with the end-of-document token")
     prep.add_argument("--output", required=True, help="output path (.bin; a .json sidecar is written beside it)")
     prep.add_argument("--tokenizer", default="byte", help="'byte' or a Hugging Face tokenizer.json")
+    prep.add_argument("--text-field", default="text", help="the JSON field / Parquet or dataset column holding "
+                      "the text (default 'text')")
+    prep.add_argument("--split", default="train", help="the split of a saved DatasetDict (default 'train')")
+    prep.add_argument("--val-fraction", type=float, default=0.0, help="hold out the last fraction of the tokens "
+                      "(cut at a document end) as <output>.val.bin, for train.eval_every (default 0)")
     prep.set_defaults(func=cmd_prepare_data)
     parser.commands = sub.choices  # (name -> its parser, for flag suggestions)
     return parser

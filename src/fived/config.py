@@ -102,6 +102,10 @@ class TrainConfig:
     output_dir: str = "runs/default"
     trace: str = ""  # write the executed pipeline actions of every rank as a Chrome/Perfetto trace
     tensorboard: bool = False
+    # Validation: the loss over a fixed set of validation batches (the same every time, whatever the
+    # layout), every eval_every steps and at the last step; logged as val_loss and val_ppl. 0 = off.
+    eval_every: int = 0
+    eval_batches: int = 8  # global batches per evaluation; 0 = every whole batch the validation data holds
     peak_tflops: float = 0.0  # per device, for MFU; 0 = look up the GPU or measure the CPU
     device: str = "auto"  # auto (cuda if available, else cpu) | cpu | cuda
     # Faults (see fived.faults): a collective that does not complete in this time fails the run,
@@ -116,6 +120,9 @@ class TrainConfig:
 class DataConfig:
     path: str = ""  # "" = the bundled corpus; a .bin token file from `fived prepare-data`; or a text file
     tokenizer: str = "byte"  # "byte" or a path to a Hugging Face tokenizer.json
+    # Validation tokens (a .bin or a text file); "" = the split `prepare-data --val-fraction` wrote
+    # beside data.path. Needed when train.eval_every > 0.
+    val_path: str = ""
 
 
 @dataclass

@@ -8,8 +8,6 @@ the same examples as a single device, and resuming only needs the step number.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +20,8 @@ class ByteTokenizer:
     """UTF-8 bytes as tokens: no files, no dependencies, works on any text."""
 
     vocab_size = 256
+    # No id is left for a special token: documents end with the NUL byte, which text does not hold.
+    eot_id = 0
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -29,6 +29,11 @@ class ByteTokenizer:
     def decode(self, ids) -> str:
         # A model can emit a byte sequence that is not valid UTF-8; show it, don't fail.
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+
+# End-of-document tokens of common vocabularies, in the order they are looked for (Llama 3 has both
+# <|end_of_text|> and <|eot_id|>; the first ends a document, the second a chat turn).
+EOT_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "[EOS]")
 
 
 class HFTokenizer:
@@ -47,6 +52,7 @@ class HFTokenizer:
         self.path = str(path)
         self._tok = tokenizers.Tokenizer.from_file(self.path)
         self.vocab_size = self._tok.get_vocab_size()
+        self.eot_id = next((self._tok.token_to_id(t) for t in EOT_TOKENS if self._tok.token_to_id(t) is not None), None)
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text).ids
@@ -67,7 +73,7 @@ def bundled_corpus_path() -> Path:
     return Path(__file__).parent / "assets" / "corpus.txt"
 
 
-def _token_dtype(vocab_size: int):
+def token_dtype(vocab_size: int):
     return np.uint16 if vocab_size <= 65536 else np.uint32
 
 
@@ -83,63 +89,28 @@ def _tokenize(text: str, tokenizer: str) -> np.ndarray:
     if tokenizer == "byte":
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)  # fast path, no list
     tok = load_tokenizer(tokenizer)
-    return np.asarray(tok.encode(text), dtype=_token_dtype(tok.vocab_size))
+    return np.asarray(tok.encode(text), dtype=token_dtype(tok.vocab_size))
 
 
-def _split_output(path: str | Path) -> tuple[Path, Path]:
+def token_file_paths(path: str | Path) -> tuple[Path, Path]:
     """`x` or `x.bin` -> (x.bin, x.json)."""
     p = str(path)
     base = p[: -len(".bin")] if p.endswith(".bin") else p
     return Path(base + ".bin"), Path(base + ".json")
 
 
-def prepare_data(inputs: list[str | Path], output: str | Path, tokenizer: str = "byte") -> Path:
-    """Tokenize text files (in order) into `<output>.bin` plus a `<output>.json` sidecar.
-
-    Both are written to temporary files and renamed into place at the end, so a failure
-    never leaves a half-written file behind or clobbers a good one.
-    """
-    inputs = [Path(p) for p in inputs]
-    if not inputs:
-        raise ValueError("prepare_data needs at least one input file")
-    for p in inputs:  # check everything before creating anything
-        if not p.is_file():
-            raise ValueError(f"data file not found: {p}")
-    tok = load_tokenizer(tokenizer)
-    dtype = _token_dtype(tok.vocab_size)
-    bin_path, json_path = _split_output(output)
-    bin_path.parent.mkdir(parents=True, exist_ok=True)
-
-    tmp_paths = []
+def token_metadata(path: str | Path) -> dict | None:
+    """The sidecar of a token file from `fived prepare-data` (None for a text file or no path)."""
+    if not path:
+        return None
+    bin_path, json_path = token_file_paths(path)
+    if not (bin_path.is_file() and json_path.is_file()):
+        return None
     try:
-        fd, tmp_bin = tempfile.mkstemp(dir=bin_path.parent, prefix=bin_path.name + ".", suffix=".tmp")
-        tmp_paths.append(tmp_bin)
-        num_tokens = 0
-        with os.fdopen(fd, "wb") as f:
-            for p in inputs:  # one file at a time keeps memory bounded by the largest file
-                ids = np.asarray(tok.encode(_read_text(p)), dtype=dtype)
-                ids.tofile(f)
-                num_tokens += ids.size
-        meta = {
-            "format": TOKEN_FORMAT,
-            "dtype": np.dtype(dtype).name,
-            "num_tokens": num_tokens,
-            "vocab_size": tok.vocab_size,
-            "tokenizer": tokenizer,
-        }
-        fd, tmp_json = tempfile.mkstemp(dir=json_path.parent, prefix=json_path.name + ".", suffix=".tmp")
-        tmp_paths.append(tmp_json)
-        with os.fdopen(fd, "w") as f:
-            json.dump(meta, f, indent=2)
-            f.write("\n")
-        os.replace(tmp_bin, bin_path)
-        os.replace(tmp_json, json_path)
-    except BaseException:
-        for t in tmp_paths:
-            if os.path.exists(t):
-                os.remove(t)
-        raise
-    return bin_path
+        meta = json.loads(json_path.read_text())
+    except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) and meta.get("format") == TOKEN_FORMAT else None
 
 
 def load_tokens(path: str | Path | None, tokenizer: str = "byte") -> np.ndarray:
@@ -149,7 +120,7 @@ def load_tokens(path: str | Path | None, tokenizer: str = "byte") -> np.ndarray:
     """
     if path is None or str(path) == "":
         return _tokenize(_read_text(bundled_corpus_path()), tokenizer)
-    bin_path, json_path = _split_output(path)
+    bin_path, json_path = token_file_paths(path)
     if str(path).endswith(".bin") or (json_path.is_file() and bin_path.is_file()):
         if not bin_path.is_file() or not json_path.is_file():
             raise ValueError(f"token file needs both {bin_path} and {json_path}")
@@ -277,6 +248,65 @@ def check_data(cfg) -> np.ndarray:
         raise ConfigError("train.global_batch", t.global_batch,
                           f"the data holds only {windows} sequences of seq_len={t.seq_len}",
                           "use more data, a shorter seq_len or a smaller global batch")
+    validation_data(cfg)
     if t.trace and Path(t.trace).exists():
         raise ConfigError("train.trace", t.trace, "file exists; fived does not overwrite it", "name a new file")
+    return tokens
+
+
+def adopt_token_metadata(cfg, given: set[str]) -> None:
+    """Training on a token file from `fived prepare-data`: its tokenizer (the copy beside the tokens)
+    and its vocabulary size, for whichever of data.tokenizer and model.vocab_size was not given.
+    (A preset's larger vocabulary is kept: a model may have unused rows.)"""
+    meta = token_metadata(cfg.data.path)
+    if meta is None:
+        return
+    if "data.tokenizer" not in given and meta.get("tokenizer", "byte") != "byte":
+        copy = meta.get("tokenizer_file")
+        cfg.data.tokenizer = str(token_file_paths(cfg.data.path)[1].parent / copy) if copy else meta["tokenizer"]
+    if "model.vocab_size" not in given and cfg.model.vocab_size < int(meta.get("vocab_size", 0)):
+        cfg.model.vocab_size = int(meta["vocab_size"])
+
+
+def validation_path(cfg) -> str:
+    """data.val_path, or else the validation split `prepare-data --val-fraction` wrote beside
+    data.path ("" if neither)."""
+    if cfg.data.val_path:
+        return cfg.data.val_path
+    meta = token_metadata(cfg.data.path)
+    if meta and meta.get("validation"):
+        return str(token_file_paths(cfg.data.path)[0].parent / meta["validation"])
+    return ""
+
+
+def validation_batches(cfg, num_windows: int) -> int:
+    """Global batches per evaluation: train.eval_batches, or (0) every whole batch of the data."""
+    whole = num_windows // cfg.train.global_batch
+    return min(cfg.train.eval_batches, whole) if cfg.train.eval_batches > 0 else whole
+
+
+def validation_data(cfg) -> np.ndarray | None:
+    """The validation tokens when train.eval_every > 0 (checked: one-line ConfigErrors), else None."""
+    from fived.config import ConfigError
+
+    t = cfg.train
+    for name, value in (("train.eval_every", t.eval_every), ("train.eval_batches", t.eval_batches)):
+        if value < 0:
+            raise ConfigError(name, value, "must be >= 0", "e.g. 100 (0: off / every whole batch)")
+    if t.eval_every == 0:
+        return None
+    path = validation_path(cfg)
+    if not path:
+        raise ConfigError("train.eval_every", t.eval_every, "needs validation data",
+                          "hold some out with `fived prepare-data ... --val-fraction 0.05`, or give --data.val_path")
+    if not Path(path).exists():
+        raise ConfigError("data.val_path", path, "file not found", "give a .bin from `fived prepare-data` or a text file")
+    try:
+        tokens = load_tokens(path, cfg.data.tokenizer)
+    except (ValueError, ImportError) as e:
+        raise ConfigError("data.val_path", path, str(e).splitlines()[0]) from None
+    windows = max(0, (len(tokens) - 1) // t.seq_len)
+    if windows < t.global_batch:
+        raise ConfigError("data.val_path", path, f"holds {windows} sequences of seq_len={t.seq_len}, fewer than one "
+                          f"global batch ({t.global_batch})", "hold out more data (a larger --val-fraction)")
     return tokens

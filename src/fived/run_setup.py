@@ -101,11 +101,13 @@ def auto_layout(cfg, world: int) -> None:
 
 def load_run(ns: argparse.Namespace, default_world: int, defaults: dict | None = None):
     """Config and world size, both checked (layout and data) before any rank starts."""
-    from fived.data import check_data
+    from fived.data import adopt_token_metadata, check_data
     from fived.layout_rules import check_config
     from fived.mesh import resolve_dp
 
     cfg = build_from_args(ns, defaults)
+    # a token file's sidecar names its tokenizer and vocabulary: used unless given
+    adopt_token_metadata(cfg, set(overrides_of(ns)) | set(file_overrides(ns.config)))
     world = world_size(cfg, ns.nproc, default_world)
     layout = getattr(ns, "layout", None)
     if layout is not None:
