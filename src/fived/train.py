@@ -8,6 +8,7 @@ clip by the global norm, step AdamW and the schedule, and log.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -16,7 +17,7 @@ import torch.distributed as dist
 
 from fived.checkpoint import Checkpointer
 from fived.config import Config
-from fived.data import GlobalBatchSampler, check_data
+from fived.data import GlobalBatchSampler, check_data, validation_batches, validation_data
 from fived.faults import PreemptionRequest, timeouts_named
 from fived.launch import device_type
 from fived.ledger import ActivationLedger, CommLedger, model_state_bytes
@@ -85,6 +86,12 @@ class Trainer:
 
         self.sampler = GlobalBatchSampler(check_data(cfg), t.seq_len, t.global_batch, t.seed)
         self.global_tokens = t.global_batch * t.seq_len
+        # Validation: the first val_batches global batches of the validation data's own sampler (the
+        # same ones at every evaluation; its position never moves, so evaluating changes no training state).
+        val_tokens = validation_data(cfg)
+        self.val_sampler = GlobalBatchSampler(val_tokens, t.seq_len, t.global_batch, t.seed) if val_tokens is not None else None
+        self.val_batches = validation_batches(cfg, self.val_sampler.num_windows) if self.val_sampler else 0
+        self.loss_divisor = self.global_tokens  # what a pipeline micro-batch's loss is divided by (1 in eval)
         self.ledger = CommLedger(self.mesh.group_names())
         self.state_bytes: dict[str, int] = {}
         self.peak_flops = device_peak_tflops(param_dtype, t.peak_tflops) * 1e12
@@ -120,7 +127,7 @@ class Trainer:
 
     def _pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         with self._autocast():
-            loss = self.plan.loss_sum(logits, targets) / self.global_tokens
+            loss = self.plan.loss_sum(logits, targets) / self.loss_divisor
         self.activations.leave()  # the head's part of this micro-batch ends with its loss
         return loss
 
@@ -150,6 +157,34 @@ class Trainer:
             (loss / self.global_tokens).backward()
             loss_sum += loss.detach().double()
         return loss_sum
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean cross-entropy over every token of the validation batches, forward only. Uses no
+        random numbers and no training data position, so a run with evaluations trains bit-for-bit
+        like one without."""
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        micro = self.cfg.train.microbatches
+        for index in range(self.val_batches):
+            batch = self.val_sampler.local_batch_at(index, self.mesh.rank("dp"), self.mesh.dp).to(self.device)
+            inputs, targets = batch[:, :-1], batch[:, 1:]
+            if self.positions is not None:
+                inputs, targets = inputs[:, self.positions], targets[:, self.positions]
+            if self.pipeline:
+                self.loss_divisor = 1
+                try:
+                    with self._autocast():
+                        loss_sum += self.pipeline.evaluate(inputs, targets)
+                finally:
+                    self.loss_divisor = self.global_tokens
+                continue
+            for micro_inputs, micro_targets in zip(inputs.chunk(micro), targets.chunk(micro)):
+                with self._autocast():
+                    loss_sum += self.plan.loss_sum(self.model(micro_inputs), micro_targets).double()
+        dist.all_reduce(loss_sum, group=self.mesh.group("dp_cp"))  # (as the training loss: see _step)
+        if self.pipeline:
+            dist.all_reduce(loss_sum, group=self.mesh.group("pp"))
+        return loss_sum.item() / (self.val_batches * self.global_tokens)
 
     def _read_moe_statistics(self):
         """The step's auxiliary loss (summed) and tokens per expert (per local MoE layer)."""
@@ -250,12 +285,16 @@ class Trainer:
         last = until or self.cfg.train.steps
         steps = range(self.sampler.step, last)
         bar = tqdm(steps, desc="train", unit="step", disable=not (progress and self.rank == 0), mininterval=0.5)
-        history, waited = [], None
+        history, waited, shown = [], None, {}
         for step in bar:
             record = self.step(step)
             self.sampler.step = step + 1
             if waited is not None:  # how long training waited for the save after the previous step
                 record["checkpoint_s"], waited = waited, None
+            if self.val_batches and ((step + 1) % self.cfg.train.eval_every == 0 or step + 1 == self.cfg.train.steps):
+                val_loss = self.evaluate()  # (every rank; not at an `until` stop, so a resumed run logs alike)
+                record["val_loss"], record["val_ppl"] = val_loss, math.exp(min(val_loss, 700.0))
+                shown["val_loss"] = f"{val_loss:.4f}"
             history.append(record)
             if self.log is not None:  # (before the save: a checkpoint of step N implies its log)
                 self.log.write(record)
@@ -269,7 +308,7 @@ class Trainer:
                 waited = time.perf_counter() - start
             if step % self.cfg.train.log_every == 0 or step + 1 == last:
                 bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}",
-                                tok_s=f"{record['tokens_per_s']:.0f}", mfu=f"{record['mfu']:.1%}")
+                                tok_s=f"{record['tokens_per_s']:.0f}", mfu=f"{record['mfu']:.1%}", **shown)
         if self.checkpointer is not None:
             final = self.cfg.checkpoint.final or self.checkpointer.due(last) or self.preempted
             if final and self.checkpointer.last_step != last:

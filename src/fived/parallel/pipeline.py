@@ -181,6 +181,45 @@ class Pipeline:
         return total
 
 
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Forward only, through the schedule's eval path: the summed micro-batch losses on the last
+        stage (zero elsewhere). The timeline keeps the last training step's actions."""
+        kept = list(self.timeline.actions)
+        # The schedules that run an action list (interleaved, zero-bubble, V-shaped) would still run its
+        # backward actions in eval: give them the list without those (forwards keep their order).
+        order = getattr(self.schedule, "pipeline_order_with_comms", None)
+        if order is not None:
+            self.schedule.pipeline_order_with_comms = {rank: forward_only(actions) for rank, actions in order.items()}
+        losses: list[torch.Tensor] = []
+        try:
+            self.schedule.eval(inputs if 0 in self.stage_ids else None,
+                               target=targets if self.has_last_stage else None, losses=losses)
+        finally:
+            if order is not None:
+                self.schedule.pipeline_order_with_comms = order
+            self.timeline.actions[:] = kept
+        total = torch.zeros((), dtype=torch.float64, device=inputs.device)
+        for loss in losses:
+            total += loss.detach().double()
+        return total
+
+
+def forward_only(actions: list) -> list:
+    """A schedule's action list without its backward work: forwards, their sends and receives, in
+    order (an overlapped forward-backward pair keeps its forward)."""
+    from torch.distributed.pipelining import schedules as S
+
+    kept = []
+    for action in actions:
+        if action is None:
+            continue
+        if action.computation_type in (S.FORWARD, S.SEND_F, S.RECV_F, S.UNSHARD, S.RESHARD):
+            kept.append(action)
+        elif action.sub_actions:
+            kept.extend(forward_only(list(action.sub_actions)))
+    return kept
+
+
 def write_chrome_trace(path: str, actions: list[Action]) -> None:
     """Chrome / Perfetto trace: one process per rank, one thread per stage, times in microseconds
     from the earliest action."""
