@@ -10,8 +10,8 @@ from fived.data import (
     bundled_corpus_path,
     load_tokenizer,
     load_tokens,
-    prepare_data,
 )
+from fived.data_prep import prepare_data
 
 TEXT_A = "Hello, world! The quick brown fox jumps over the lazy dog.\n" * 20
 TEXT_B = "Second file: caf\u00e9, na\u00efve, \u65e5\u672c\u8a9e.\r\nwindows line end kept\n"
@@ -44,19 +44,20 @@ def test_bundled_corpus():
 
 def test_prepare_data_round_trip(tmp_path):
     a, b = _write(tmp_path, "a.txt", TEXT_A), _write(tmp_path, "b.txt", TEXT_B)
-    expected = np.array(ByteTokenizer().encode(TEXT_A + TEXT_B))
+    eot = [ByteTokenizer.eot_id]  # each file is a document, ended by the end-of-document token
+    expected = np.array(ByteTokenizer().encode(TEXT_A) + eot + ByteTokenizer().encode(TEXT_B) + eot)
     out = prepare_data([a, b], tmp_path / "out" / "toks")
     assert out == tmp_path / "out" / "toks.bin"
     meta = json.loads((tmp_path / "out" / "toks.json").read_text())
     assert meta == {"format": "fived-tokens-v1", "dtype": "uint16", "num_tokens": len(expected),
-                    "vocab_size": 256, "tokenizer": "byte"}
+                    "vocab_size": 256, "tokenizer": "byte", "eot_id": 0, "documents": 2}
     for name in ("toks", "toks.bin"):  # with or without the suffix
         tokens = load_tokens(str(tmp_path / "out" / name))
         assert isinstance(tokens, np.memmap) and tokens.dtype == np.uint16
         assert np.array_equal(tokens, expected)
     # ".bin" given to prepare_data too; a plain text path is tokenized in memory.
     assert prepare_data([a], tmp_path / "x.bin") == tmp_path / "x.bin"
-    assert np.array_equal(load_tokens(tmp_path / "x.bin"), load_tokens(a))
+    assert np.array_equal(load_tokens(tmp_path / "x.bin"), np.append(load_tokens(a), eot))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "b.txt", "out", "x.bin", "x.json"]
 
 
@@ -72,7 +73,7 @@ def test_prepare_data_failure_leaves_nothing(tmp_path):
     with pytest.raises(UnicodeDecodeError):
         prepare_data([a, bad], tmp_path / "toks")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "bad.txt", "toks.bin", "toks.json"]
-    assert np.array_equal(load_tokens(tmp_path / "toks"), load_tokens(a))
+    assert np.array_equal(load_tokens(tmp_path / "toks")[:-1], load_tokens(a))
 
 
 def test_load_tokens_errors(tmp_path):
@@ -163,7 +164,7 @@ def test_hf_tokenizer(tmp_path):
 
     tok = tokenizers.Tokenizer(models.WordLevel(unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator([TEXT_A], trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
+    tok.train_from_iterator([TEXT_A], trainers.WordLevelTrainer(special_tokens=["[UNK]", "</s>"]))
     tok_path = str(tmp_path / "tokenizer.json")
     tok.save(tok_path)
 
@@ -176,9 +177,10 @@ def test_hf_tokenizer(tmp_path):
     out = prepare_data([src], tmp_path / "hf", tokenizer=tok_path)
     meta = json.loads((tmp_path / "hf.json").read_text())
     assert meta["tokenizer"] == tok_path and meta["vocab_size"] == hf.vocab_size
+    assert hf.eot_id == 1 and meta["eot_id"] == 1  # "</s>"
     tokens = load_tokens(out, tokenizer=tok_path)
-    assert np.array_equal(tokens, hf.encode(TEXT_A))
-    assert np.array_equal(load_tokens(src, tokenizer=tok_path), tokens)
+    assert np.array_equal(tokens, hf.encode(TEXT_A) + [hf.eot_id])
+    assert np.array_equal(load_tokens(src, tokenizer=tok_path), tokens[:-1])
     with pytest.raises(ValueError, match="tokenizer"):
         load_tokens(out, tokenizer="byte")  # vocabularies differ
 

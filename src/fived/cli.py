@@ -132,7 +132,7 @@ def cmd_prepare_data(ns: argparse.Namespace) -> int:
     from pathlib import Path
 
     from fived.data import load_tokenizer, token_file_paths
-    from fived.data_prep import input_format, prepare_data
+    from fived.data_prep import FORMAT_EXTRA, MissingExtra, input_format, prepare_data
 
     bin_path = token_file_paths(ns.output)[0]
     val_path = bin_path.with_name(bin_path.name[: -len(".bin")] + ".val.bin")
@@ -157,8 +157,8 @@ def cmd_prepare_data(ns: argparse.Namespace) -> int:
                           "use a tokenizer.json with one of <|endoftext|>, <|end_of_text|>, </s>, <eos>")
     try:
         out = prepare_data(ns.inputs, ns.output, ns.tokenizer, ns.text_field, ns.val_fraction, ns.split)
-    except ImportError as e:  # pyarrow / datasets for .parquet / saved datasets
-        raise ConfigError("inputs", ns.inputs[0], str(e)) from None
+    except MissingExtra as e:  # pyarrow / datasets for .parquet / saved datasets
+        raise ConfigError("inputs", e.input_path, f"reading it needs {e.module}, which is not installed", FORMAT_EXTRA) from None
     except (ValueError, UnicodeDecodeError) as e:
         print(f"fived: error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2

@@ -304,7 +304,8 @@ def validation_data(cfg) -> np.ndarray | None:
     try:
         tokens = load_tokens(path, cfg.data.tokenizer)
     except (ValueError, ImportError) as e:
-        raise ConfigError("data.val_path", path, str(e).splitlines()[0]) from None
+        raise ConfigError("data.val_path", path, str(e).splitlines()[0],
+                          "give validation tokens made like data.path (same tokenizer)") from None
     windows = max(0, (len(tokens) - 1) // t.seq_len)
     if windows < t.global_batch:
         raise ConfigError("data.val_path", path, f"holds {windows} sequences of seq_len={t.seq_len}, fewer than one "

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fived.data import TOKEN_FORMAT, load_tokenizer, token_dtype, token_file_paths
+from fived.data import TOKEN_FORMAT, ByteTokenizer, load_tokenizer, token_dtype, token_file_paths
 
 TEXT_BLOCK_CHARS = 1 << 20  # a .txt file is tokenized in blocks of whole lines of about this size
 ROWS_PER_BATCH = 1024  # Parquet / dataset rows read at a time
@@ -44,11 +44,19 @@ def input_format(path: Path) -> str:
     return "txt"
 
 
+class MissingExtra(ImportError):
+    """An input format whose reader (an optional extra) is not installed."""
+
+    def __init__(self, module: str, path: Path):
+        super().__init__(f"reading {path} needs {module}: {FORMAT_EXTRA}")
+        self.module, self.input_path = module, path  # (ImportError's own `path` is the module's file)
+
+
 def _optional(module: str, path: Path):
     try:
         return __import__(module)
     except ImportError:
-        raise ImportError(f"reading {path} needs {module}: {FORMAT_EXTRA}") from None
+        raise MissingExtra(module, path) from None
 
 
 def _text_blocks(path: Path):
@@ -135,6 +143,12 @@ def _validation_cut(tokens: np.ndarray, fraction: float, eot_id: int) -> int:
     return int(ends[np.abs(ends - target).argmin()]) if ends.size else target
 
 
+def _encode(tok, text: str, dtype) -> np.ndarray:
+    if isinstance(tok, ByteTokenizer):  # (no list of Python ints for a block of bytes)
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(dtype)
+    return np.asarray(tok.encode(text), dtype=dtype)
+
+
 def _count_tokens(inputs: list[Path], tok, dtype, out, text_field: str, split: str) -> tuple[int, int]:
     """Tokenize every document of every input into the open file `out`; (tokens, documents)."""
     from tqdm import tqdm
@@ -145,7 +159,7 @@ def _count_tokens(inputs: list[Path], tok, dtype, out, text_field: str, split: s
         for path in inputs:
             for pieces in documents(path, text_field, split):
                 for text in pieces:
-                    ids = np.asarray(tok.encode(text), dtype=dtype)
+                    ids = _encode(tok, text, dtype)
                     ids.tofile(out)
                     num_tokens += ids.size
                 eot.tofile(out)
@@ -169,7 +183,9 @@ def prepare_data(inputs: list[str | Path], output: str | Path, tokenizer: str = 
     for p in inputs:  # check everything before creating anything
         if not p.exists():
             raise ValueError(f"data file not found: {p}")
-        input_format(p)
+        reader = {"parquet": "pyarrow", "dataset": "datasets"}.get(input_format(p))
+        if reader:
+            _optional(reader, p)
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"val_fraction={val_fraction} must be in [0, 1)")
     tok = load_tokenizer(tokenizer)
