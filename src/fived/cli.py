@@ -74,6 +74,10 @@ def _summarise(ns: argparse.Namespace, cfg, world: int, results: list) -> None:
     first, last = results[0].metrics[0], results[0].metrics[-1]
     print(f"loss {first['loss']:.4f} (step {first['step']}) -> {last['loss']:.4f} (step {last['step']}); "
           f"{last['tokens_per_s']:.0f} tokens/s, MFU {last['mfu']:.1%}")
+    evaluated = [m for m in results[0].metrics if "val_loss" in m]
+    if evaluated:
+        print(f"val_loss {evaluated[-1]['val_loss']:.4f} (step {evaluated[-1]['step']}, perplexity "
+              f"{evaluated[-1]['val_ppl']:.2f})")
     if ns.report:
         print(format_report(cfg, world, results))
 
