@@ -86,11 +86,7 @@ class Trainer:
 
         self.sampler = GlobalBatchSampler(check_data(cfg), t.seq_len, t.global_batch, t.seed)
         self.global_tokens = t.global_batch * t.seq_len
-        # Validation: the first val_batches global batches of the validation data's own sampler (the
-        # same ones at every evaluation; its position never moves, so evaluating changes no training state).
-        val_tokens = validation_data(cfg)
-        self.val_sampler = GlobalBatchSampler(val_tokens, t.seq_len, t.global_batch, t.seed) if val_tokens is not None else None
-        self.val_batches = validation_batches(cfg, self.val_sampler.num_windows) if self.val_sampler else 0
+        self.val_sampler, self.val_batches = self._validation_sampler()
         self.loss_divisor = self.global_tokens  # what a pipeline micro-batch's loss is divided by (1 in eval)
         self.ledger = CommLedger(self.mesh.group_names())
         self.state_bytes: dict[str, int] = {}
@@ -108,6 +104,17 @@ class Trainer:
             keep_log_until(t.output_dir, self.sampler.step)  # a resumed run rewrites nothing twice
         self.log = MetricsLog(t.output_dir, t.tensorboard) if (log and self.rank == 0) else None
         self.preemption, self.preempted = preemption or PreemptionRequest(), False
+
+    def _validation_sampler(self) -> tuple[GlobalBatchSampler | None, int]:
+        """The validation data's own sampler and how many of its global batches an evaluation runs:
+        the first ones, the same at every evaluation (its position never moves, so evaluating changes
+        no training state)."""
+        t = self.cfg.train
+        tokens = validation_data(self.cfg)
+        if tokens is None:
+            return None, 0
+        sampler = GlobalBatchSampler(tokens, t.seq_len, t.global_batch, t.seed)
+        return sampler, validation_batches(self.cfg, sampler.num_windows)
 
     def _stateful(self, chunks) -> dict:
         """The components a checkpoint holds, by name."""
