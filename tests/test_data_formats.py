@@ -105,6 +105,9 @@ def test_errors_are_one_line(tmp_path, monkeypatch, capsys):
     assert main(["prepare-data", str(inputs["dataset_dict"][0]), "--output", str(tmp_path / "c"), "--text-field",
                  "body", "--split", "validation"]) == 2
     assert "no split 'validation' (splits: train, test" in capsys.readouterr().err
+    (tmp_path / "array.json").write_text(json.dumps([{"text": d} for d in DOCS], indent=1))
+    assert main(["prepare-data", str(tmp_path / "array.json"), "--output", str(tmp_path / "a")]) == 2
+    assert "array.json:1: not JSON lines" in capsys.readouterr().err
     (tmp_path / "not_a_dataset").mkdir()
     assert main(["prepare-data", str(tmp_path / "not_a_dataset"), "--output", str(tmp_path / "d")]) == 2
     assert "not a saved Hugging Face dataset" in capsys.readouterr().err

@@ -76,7 +76,10 @@ def _jsonl_documents(path: Path, field: str):
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            row = json.loads(line)
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                raise ValueError(f"{path}:{number}: not JSON lines (one JSON object per line)") from None
             if not isinstance(row, dict) or field not in row:
                 raise ValueError(f"{path}:{number}: no field {field!r} (give the text's field with --text-field)")
             yield row[field]
