@@ -102,6 +102,15 @@ def test_resume_keeps_the_layout_when_only_other_parallel_settings_change(saved_
     assert (moved.cfg.parallel.pp, moved.cfg.train.microbatches) == (2, 2)  # at least pp micro-batches
 
 
+def test_resume_may_add_validation(saved_run):
+    """Validation data is never trained on: a resumed run may add it (data.val_path, train.eval_every)."""
+    from fived.data import bundled_corpus_path
+
+    run = _prepared(["--resume", str(saved_run), "--steps", "20", "--train.eval_every", "5",
+                     "--data.val_path", str(bundled_corpus_path())])
+    assert (run.cfg.train.eval_every, run.cfg.data.val_path) == (5, str(bundled_corpus_path()))
+
+
 def test_resume_auto_of_a_finished_run_does_nothing(saved_run, capsys):
     assert main(["train", "--resume", "auto", "--train.output_dir", str(saved_run), "--steps", "6", *SMALL]) == 0
     assert "already reached train.steps=6" in capsys.readouterr().out  # (it is at step 6 or 8)

@@ -166,6 +166,7 @@ def file_overrides(path: str | None) -> dict:
 
 # What a resumed run takes from its checkpoint: changing it would make it another run.
 FIXED_ON_RESUME = ("model.", "data.", "train.seq_len", "train.global_batch", "train.seed")
+FREE_ON_RESUME = ("data.val_path",)  # validation data is read, never trained on: a resumed run may add it
 # The flags that describe a layout: given on resume, they define a new one from the defaults.
 LAYOUT_FIELDS = ("dp", "tp", "pp", "cp", "ep", "zero", "dp_replicate", "sp", "pp_schedule", "pp_virtual", "pp_layers")
 
@@ -235,7 +236,7 @@ def _resumed_config(saved, given: dict, dp_shard: int | None):
     from fived.config import ParallelConfig, set_field
 
     for key, value in given.items():
-        if key.startswith(FIXED_ON_RESUME):
+        if key.startswith(FIXED_ON_RESUME) and key not in FREE_ON_RESUME:
             section, _, name = key.partition(".")
             probe = copy.deepcopy(saved)
             set_field(probe, section, name, value)
