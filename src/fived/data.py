@@ -60,6 +60,11 @@ class HFTokenizer:
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids])
 
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Several texts at once (in parallel), without the post-processor's special tokens: for
+        `fived prepare-data`, where the end-of-document token alone separates documents."""
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
 
 def load_tokenizer(name: str):
     """"byte" -> ByteTokenizer; anything else is taken as a path to a tokenizer.json."""

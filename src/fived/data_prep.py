@@ -4,8 +4,10 @@ tokenized into one token file, streaming.
 - A document is a whole `.txt` file, one JSON line's `text_field`, one row of a Parquet column or of
   a dataset column. Each document is followed by the tokenizer's end-of-document token.
 - Streaming: text is read in blocks of whole lines, JSON lines one at a time, Parquet and datasets
-  in record batches (a saved dataset is memory-mapped by `datasets`), so memory stays bounded by a
-  block, not the corpus. Tokens go straight to disk.
+  in record batches (a saved dataset is memory-mapped by `datasets`), and encoded a batch of pieces
+  at a time, so memory stays bounded by a batch, not the corpus. Tokens go straight to disk.
+- Pieces are encoded without the tokenizer's post-processor (no BOS added to every block of a text
+  file): the end-of-document token alone separates documents.
 - `val_fraction`: the last fraction of the tokens (cut at the nearest document boundary) become a
   validation file `<output>.val.bin` beside the training tokens.
 - The sidecar `<output>.json` names the tokenizer and its vocabulary size (a tokenizer.json is
@@ -111,11 +113,17 @@ def _dataset_documents(path: Path, field: str, split: str):
         yield from rows[field]
 
 
-def documents(path: Path, text_field: str = "text", split: str = "train"):
-    """Each document of `path` as a sequence of text pieces (several for a large .txt file)."""
+def pieces(path: Path, text_field: str = "text", split: str = "train"):
+    """The text of `path` as (piece, ends a document): one piece per row, several for a large .txt
+    file (its blocks; the last ends the document)."""
     kind = input_format(path)
     if kind == "txt":
-        yield _text_blocks(path)
+        previous = ""  # (an empty file is an empty document: its end token alone)
+        for index, block in enumerate(_text_blocks(path)):
+            if index:
+                yield previous, False
+            previous = block
+        yield previous, True
         return
     rows = {"jsonl": lambda: _jsonl_documents(path, text_field), "parquet": lambda: _parquet_documents(path, text_field),
             "dataset": lambda: _dataset_documents(path, text_field, split)}[kind]()
@@ -124,7 +132,22 @@ def documents(path: Path, text_field: str = "text", split: str = "train"):
             continue  # a missing value in a column: no document
         if not isinstance(text, str):
             raise ValueError(f"{path}: field {text_field!r} holds {type(text).__name__}, not text")
-        yield (text,)
+        yield text, True
+
+
+def _batches(inputs: list[Path], text_field: str, split: str):
+    """Lists of (piece, ends a document) of at most ROWS_PER_BATCH pieces or about TEXT_BLOCK_CHARS
+    characters: enough to encode in parallel, little enough to bound memory."""
+    batch, chars = [], 0
+    for path in inputs:
+        for piece in pieces(path, text_field, split):
+            batch.append(piece)
+            chars += len(piece[0])
+            if len(batch) >= ROWS_PER_BATCH or chars >= TEXT_BLOCK_CHARS:
+                yield batch
+                batch, chars = [], 0
+    if batch:
+        yield batch
 
 
 def _write_sidecar(json_path: Path, meta: dict) -> str:
@@ -146,29 +169,30 @@ def _validation_cut(tokens: np.ndarray, fraction: float, eot_id: int) -> int:
     return int(ends[np.abs(ends - target).argmin()]) if ends.size else target
 
 
-def _encode(tok, text: str, dtype) -> np.ndarray:
+def _encode(tok, texts: list[str], dtype) -> list[np.ndarray]:
     if isinstance(tok, ByteTokenizer):  # (no list of Python ints for a block of bytes)
-        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(dtype)
-    return np.asarray(tok.encode(text), dtype=dtype)
+        return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8).astype(dtype) for t in texts]
+    return [np.asarray(ids, dtype=dtype) for ids in tok.encode_batch(texts)]
 
 
 def _count_tokens(inputs: list[Path], tok, dtype, out, text_field: str, split: str) -> tuple[int, int]:
-    """Tokenize every document of every input into the open file `out`; (tokens, documents)."""
+    """Tokenize every document of every input into the open file `out`, each followed by the end
+    token; returns (tokens, documents)."""
     from tqdm import tqdm
 
     num_tokens = num_docs = 0
     eot = np.asarray([tok.eot_id], dtype=dtype)
     with tqdm(desc="prepare-data", unit=" docs", mininterval=0.5) as bar:
-        for path in inputs:
-            for pieces in documents(path, text_field, split):
-                for text in pieces:
-                    ids = _encode(tok, text, dtype)
-                    ids.tofile(out)
-                    num_tokens += ids.size
-                eot.tofile(out)
-                num_tokens, num_docs = num_tokens + 1, num_docs + 1
-                bar.update(1)
-                bar.set_postfix(tokens=num_tokens, refresh=False)
+        for batch in _batches(inputs, text_field, split):
+            parts = []
+            for ids, (_, ends) in zip(_encode(tok, [text for text, _ in batch], dtype), batch):
+                parts += [ids, eot] if ends else [ids]
+            written = np.concatenate(parts)
+            written.tofile(out)  # (one write per batch)
+            documents = sum(ends for _, ends in batch)
+            num_tokens, num_docs = num_tokens + written.size, num_docs + documents
+            bar.update(documents)
+            bar.set_postfix(tokens=num_tokens, refresh=False)
     return num_tokens, num_docs
 
 
