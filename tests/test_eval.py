@@ -110,3 +110,14 @@ def test_val_loss_is_logged(tokens, tmp_path):
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "val_loss" in r] == [2, 4]
     assert all("val_ppl" in r for r in records if "val_loss" in r)
+
+
+def test_verify_compares_the_validation_loss(tokens, capsys):
+    from fived.cli import main
+
+    code = main(["verify", "--pp", "2", "--nproc", "2", "--dp", "1", "--model", "tiny-moe", "--steps", "2",
+                 "--seq-len", "32", "--global-batch", "8", "--train.eval_every", "1", "--train.eval_batches", "1",
+                 "--data.path", str(tokens) + ".bin"])
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("max relative difference in val_loss: "))
+    assert code == 0 and float(line.split(": ")[1]) <= EXACT, out

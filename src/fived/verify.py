@@ -70,6 +70,9 @@ def compare(ref: TrainResult, lay: TrainResult) -> VerifyReport:
             row[key] = (r[key], l[key])
             report.max_rel[key] = max(report.max_rel[key], _rel(l[key], r[key]))
         report.rows.append(row)
+    evaluated = [(r["val_loss"], l["val_loss"]) for r, l in zip(ref.metrics, lay.metrics) if "val_loss" in r]
+    if evaluated:  # (train.eval_every: the validation loss is layout-independent too)
+        report.max_rel["val_loss"] = max(_rel(l, r) for r, l in evaluated)
     if set(ref.state) != set(lay.state):
         raise ValueError(f"parameter names differ: {sorted(set(ref.state) ^ set(lay.state))}")
     report.max_rel["params"] = 0.0
