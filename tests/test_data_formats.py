@@ -90,7 +90,12 @@ def test_streaming_memory_does_not_grow_with_the_file(tmp_path, monkeypatch):
 
 def test_validation_split_at_a_document_end(tmp_path):
     inputs = _write_inputs(tmp_path)["jsonl"]
-    out = prepare_data(inputs, tmp_path / "split", text_field="body", val_fraction=0.2)
+    umask = os.umask(0o022)  # the usual one: files 0644, as open() would make them
+    try:
+        out = prepare_data(inputs, tmp_path / "split", text_field="body", val_fraction=0.2)
+        hf_out = prepare_data(inputs, tmp_path / "hf", _hf_tokenizer(tmp_path), text_field="body")
+    finally:
+        os.umask(umask)
     train, val = load_tokens(out), load_tokens(tmp_path / "split.val.bin")
     whole = _expected()
     assert np.array_equal(np.concatenate([train, val]), whole)  # nothing lost, nothing repeated
@@ -101,6 +106,8 @@ def test_validation_split_at_a_document_end(tmp_path):
     assert val_meta["num_tokens"] == len(val) and val_meta["split"] == "validation"
     for path in tmp_path.glob("split*"):
         assert path.stat().st_mode & 0o777 == 0o644, path  # readable by others (not mkstemp's 0600)
+    for path in (hf_out, hf_out.with_suffix(".json"), tmp_path / "hf.tokenizer.json"):
+        assert path.stat().st_mode & 0o777 == 0o644, path
 
 
 def test_errors_are_one_line(tmp_path, monkeypatch, capsys):

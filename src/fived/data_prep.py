@@ -150,6 +150,14 @@ def _batches(inputs: list[Path], text_field: str, split: str):
         yield batch
 
 
+def _new_file_mode() -> int:
+    """The mode open() gives a new file, 0666 less the umask (0644 usually): mkstemp's 0600 would
+    hide the token files from the other users of a shared machine."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def _write_sidecar(json_path: Path, meta: dict) -> str:
     fd, tmp = tempfile.mkstemp(dir=json_path.parent, prefix=json_path.name + ".", suffix=".tmp")
     with os.fdopen(fd, "w") as f:
@@ -240,8 +248,9 @@ def prepare_data(inputs: list[str | Path], output: str | Path, tokenizer: str = 
             moves.append((tmp_tok, bin_path.parent / meta["tokenizer_file"]))
             shutil.copyfile(tokenizer, tmp_tok)
         moves.append((_write_sidecar(json_path, meta), json_path))
+        mode = _new_file_mode()
         for tmp, final in moves:
-            os.chmod(tmp, 0o644)  # (mkstemp makes 0600: token files are for every user of the machine)
+            os.chmod(tmp, mode)
             os.replace(tmp, final)
     except BaseException:
         for tmp, _ in moves:
