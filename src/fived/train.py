@@ -299,10 +299,10 @@ class Trainer:
             if waited is not None:  # how long training waited for the save after the previous step
                 record["checkpoint_s"], waited = waited, None
             if self.val_batches and ((step + 1) % self.cfg.train.eval_every == 0 or step + 1 == self.cfg.train.steps):
-                start = time.perf_counter()
+                eval_start = time.perf_counter()
                 val_loss = self.evaluate()  # (every rank; not at an `until` stop, so a resumed run logs alike)
                 record["val_loss"], record["val_ppl"] = val_loss, math.exp(min(val_loss, 700.0))
-                record["eval_s"] = time.perf_counter() - start
+                record["eval_s"] = time.perf_counter() - eval_start
                 shown["val_loss"] = f"{val_loss:.4f}"
             history.append(record)
             if self.log is not None:  # (before the save: a checkpoint of step N implies its log)
