@@ -121,3 +121,17 @@ def test_verify_compares_the_validation_loss(tokens, capsys):
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if x.startswith("max relative difference in val_loss: "))
     assert code == 0 and float(line.split(": ")[1]) <= EXACT, out
+
+
+def test_too_little_validation_data_is_refused(tmp_path):
+    from fived.config import ConfigError
+    from fived.data import check_data
+
+    small = tmp_path / "val.txt"
+    small.write_text("x" * 200)  # 6 sequences of 32 + 1 tokens, fewer than a global batch of 8
+    cfg = tiny_config(train__eval_every=2, data__val_path=str(small))
+    with pytest.raises(ConfigError, match=r"^data\.val_path=.*: holds 6 sequences of seq_len=32, fewer than one "
+                                          r"global batch \(8\); hold out more data"):
+        check_data(cfg)
+    cfg.train.eval_every = 0  # no evaluation: the validation data is not read
+    check_data(cfg)
