@@ -66,8 +66,9 @@ def cmd_train(ns: argparse.Namespace) -> int:
 
 def _summarise(ns: argparse.Namespace, cfg, world: int, results: list) -> None:
     from fived.parallel.pipeline import write_chrome_trace
-    from fived.report import format_report
+    from fived.report import format_report, write_run_json
 
+    write_run_json(cfg, world, results)  # (what `fived report` shows beside the metrics)
     if cfg.train.trace:
         write_chrome_trace(cfg.train.trace, [a for r in results for a in r.timeline])
         print(f"pipeline trace of {world} rank(s) -> {cfg.train.trace}")
@@ -106,8 +107,12 @@ def _train_under_torchrun(ns: argparse.Namespace, run) -> int:
         dist.all_gather_object(timelines, result.timeline)
         if dist.get_rank() == 0:
             write_chrome_trace(cfg.train.trace, [a for t in timelines for a in t])
-    if ns.report and dist.get_rank() == 0:
-        print(format_report(cfg, run.world, [result]))
+    if dist.get_rank() == 0:
+        from fived.report import write_run_json
+
+        write_run_json(cfg, run.world, [result])
+        if ns.report:
+            print(format_report(cfg, run.world, [result]))
     # As every fived rank ends: gloo and DTensor can abort at interpreter exit, which torchrun would
     # count as a failure and restart.
     shutdown_distributed()
