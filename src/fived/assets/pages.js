@@ -95,7 +95,7 @@ function drawLayerMap(D, entry) {
   entry.collectives.forEach((c, i) => c[6].forEach((r) => (joined[r] = joined[r] || []).push(i)));
   ranks.forEach((rank, p) => {
     const row = el("div", "stage");
-    const held = rank.layers.length ? `layers ${rank.layers[0]}-${rank.layers[1]} (${rank.layers[2]})` : "no layers";
+    const held = rank.layers ? "layers " + rank.stages.map((s) => s[0] + "-" + s[1]).join(", ") + ` (${rank.layers})` : "no layers";
     row.appendChild(el("div", "stage-label", `pp rank ${p}: ${held}` + (rank.first ? ", embedding" : "") + (rank.last ? ", head" : "")));
     const gpus = el("div", "gpus");
     for (let c = 0; c < cp; c++) for (let t = 0; t < tp; t++) {

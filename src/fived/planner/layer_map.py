@@ -116,11 +116,12 @@ def replica_weights(m: ModelConfig, layout: Layout) -> list[dict]:
 
 
 def pipeline_ranks(m: ModelConfig, layout: Layout) -> list[dict]:
-    """Per pipeline rank: its layers [first, last, count] and whether it holds the embedding / head."""
+    """Per pipeline rank: its stages' layers ([first, last] per stage), how many, and whether it holds
+    the embedding / head."""
     ranks = []
     for pp_rank in range(layout.pp):
         chunks = rank_chunks(m, layout, pp_rank)
-        layers = sorted(i for layers, _, _ in chunks for i in layers)
-        ranks.append({"layers": [layers[0], layers[-1], len(layers)] if layers else [],
+        ranks.append({"stages": [[min(layers), max(layers)] for layers, _, _ in chunks if layers],
+                      "layers": sum(len(layers) for layers, _, _ in chunks),
                       "first": any(f for _, f, _ in chunks), "last": any(la for _, _, la in chunks)})
     return ranks
