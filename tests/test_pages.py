@@ -159,3 +159,11 @@ def test_report_of_a_pipeline_moe_run_shows_every_chart_and_the_report_tables(tm
     assert heatmap == ["heatmap", [loads[k] for k in ("0", "1", "2", "3")]]  # every MoE layer of both stages
     assert_not_blank(browser, page, tmp_path / "report.png")
     assert errors == []
+
+
+def test_plan_layout_refuses_a_layout_with_the_runtimes_line(capsys):
+    """`fived plan --layout` (what the page's flags are checked against) says why, in one line."""
+    assert main(["plan", "--model", "llama3-70b", *EXPLORE, "--layout", "--parallel.ep 2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["fived: error: parallel.ep=2: needs a mixture-of-experts model (model.name=llama3-70b is dense); "
+                   "use --ep 1, or a MoE model such as --model tiny-moe"]
