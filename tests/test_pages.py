@@ -122,6 +122,43 @@ def test_explore_toggles_show_the_planners_memory_and_the_runtimes_reasons(tmp_p
     assert errors == []
 
 
+@needs_chromium
+def test_dense_page_refuses_expert_parallelism_with_the_runtimes_reason(tmp_path, browser):
+    out = tmp_path / "llama.html"
+    assert main(["explore", "--model", "llama3-70b", *EXPLORE, "--output", str(out)]) == 0
+    page, errors = open_page(browser, out)
+    before = page.get_attribute("#memory-total", "data-gib")
+    page.select_option("#ctl-ep", "2")
+    model = model_preset("llama3-70b")
+    cfg = Config(model=model, parallel=Layout(dp=128, ep=2).parallel_config(),
+                 train=TrainConfig(seq_len=4096, global_batch=256, microbatches=2))
+    assert page.inner_text("#status") == "invalid: " + str(layout_errors(cfg, 128)[0])
+    assert "needs a mixture-of-experts model" in page.inner_text("#status")
+    page.select_option("#ctl-ep", "1")  # back: the figures of the valid layout again
+    assert page.get_attribute("body", "data-valid") == "true"
+    assert page.get_attribute("#memory-total", "data-gib") == before
+    assert errors == []
+
+
+@needs_chromium
+def test_report_of_a_running_run_shows_its_metrics(tmp_path, browser):
+    """Before run.json exists (the run has not finished), the page has the metrics (validation loss
+    beside the loss where logged) and says why the tables are empty."""
+    from fived.run_report import report_data
+
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(
+        {"step": s, "loss": 5.0 - s, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 100.0, "mfu": 0.01,
+         **({"val_loss": 4.5} if s == 2 else {})}) for s in (1, 2, 3)) + "\n")
+    data = report_data(str(tmp_path))
+    assert data["metrics"]["loss"] == [4.0, 3.0, 2.0] and data["metrics"]["val_step"] == [2]
+    assert data["state"] == [] and "run.json not written yet" in data["summary"]
+    assert main(["report", str(tmp_path)]) == 0
+    page, errors = open_page(browser, tmp_path / "report.html")
+    traces = page.evaluate("document.getElementById('loss-chart').data.map((t) => [t.name, t.x, t.y])")
+    assert traces == [["loss", [1, 2, 3], [4.0, 3.0, 2.0]], ["val_loss", [2], [4.5]]]
+    assert "run.json not written yet" in page.inner_text("#app") and errors == []
+
+
 def report_lines(stdout: str) -> list[tuple[int, list[int]]]:
     """(rank, [params, grads, optimizer measured and formula]) from `fived train --report`'s table."""
     rows = []

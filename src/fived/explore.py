@@ -49,11 +49,11 @@ def layout_reason(model: ModelConfig, layout: Layout, seq_len: int, global_batch
                         activation_checkpointing=layout.checkpointing)
     cfg = Config(model=model, parallel=layout.parallel_config(), train=train)
     errors = layout_errors(cfg, layout.world)
-    if global_batch % max(layout.dp * layout.micro_batch, 1):
-        errors.insert(0, ConfigError("train.global_batch", global_batch,
-                                     f"must be divisible by dp x micro-batch = {layout.dp * layout.micro_batch}"))
     if errors:
         return errors[0]
+    if global_batch % (layout.dp * layout.micro_batch):  # (no flags express it: microbatches would round)
+        return ConfigError("micro_batch", layout.micro_batch, f"must divide the per-rank batch global_batch/dp="
+                           f"{global_batch // layout.dp}", "e.g. micro_batch 1")
     try:
         check_schedule(layout.pp_schedule, layout.pp, layout.pp_virtual, micro)
     except ValueError as e:

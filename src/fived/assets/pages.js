@@ -195,14 +195,13 @@ function reportPage(D) {
   $("app").replaceChildren();
   $("app").appendChild(el("p", null, D.summary));
   const M = D.metrics, steps = M.step;
-  const charts = [["loss", "loss", [["loss", M.loss]].concat(M.val_loss ? [["val_loss", M.val_loss]] : [])],
-    ["lr", "learning rate", [["lr", M.lr]]], ["grad-norm", "grad norm", [["grad_norm", M.grad_norm]]],
-    ["tokens-per-s", "tokens/s", [["tokens_per_s", M.tokens_per_s]]], ["mfu", "MFU", [["mfu", M.mfu]]]];
-  for (const [id, title, series] of charts) {
+  const charts = [["loss", "loss", "loss"], ["lr", "learning rate", "lr"], ["grad-norm", "grad norm", "grad_norm"],
+    ["tokens-per-s", "tokens/s", "tokens_per_s"], ["mfu", "MFU", "mfu"]];
+  for (const [id, title, key] of charts) {
     const s = section("chart-" + id, title); const div = el("div", "chart"); div.id = id + "-chart"; s.appendChild(div);
-    lineChart(div, series[0][0] === "val_loss" ? M.val_step : steps, series, title);
+    lineChart(div, steps, [[key, M[key]]], title);
   }
-  if (M.val_loss) lineChart("loss-chart", steps, [["loss", M.loss]], "loss"), Plotly.addTraces("loss-chart", { type: "scatter", mode: "lines+markers", name: "val_loss", x: M.val_step, y: M.val_loss });
+  if (M.val_loss) Plotly.addTraces("loss-chart", { type: "scatter", mode: "lines+markers", name: "val_loss", x: M.val_step, y: M.val_loss });
   const mem = section("memory-table", "Model-state bytes per rank: measured | planner");
   mem.appendChild(tableOf("state-bytes", ["rank", "params measured", "params planner", "grads measured", "grads planner", "optimizer measured", "optimizer planner"],
     D.state.map((r) => [r.rank, r.measured.params, r.predicted.params, r.measured.grads, r.predicted.grads, r.measured.optimizer, r.predicted.optimizer])));
@@ -213,14 +212,14 @@ function reportPage(D) {
   if (D.timeline.length) {
     pipe.insertBefore(el("p", null, D.bubble_line), tl);
     timelineChart(tl, D.timeline, "");
-  } else pipe.appendChild(el("p", null, "no pipeline (pp=1)"));
+  } else pipe.appendChild(el("p", null, D.layout.pp ? "no pipeline (pp=1)" : "not recorded yet: run.json comes at the end of the run"));
   const experts = section("experts", "Expert load per MoE layer (tokens routed to each expert, last step)");
   const ex = el("div", "chart"); ex.id = "experts-chart"; experts.appendChild(ex);
   const layers = Object.keys(D.expert_load);
   if (layers.length) {
     Plotly.react(ex, [{ type: "heatmap", z: layers.map((l) => D.expert_load[l]), y: layers.map((l) => "layer " + l),
       x: D.expert_load[layers[0]].map((_, i) => "expert " + i), colorscale: "Viridis" }], { height: 120 + 40 * layers.length, margin: { t: 20, l: 80 } }, PLOT);
-  } else experts.appendChild(el("p", null, "dense model: no experts"));
+  } else experts.appendChild(el("p", null, D.layout.pp ? "dense model: no experts" : "not recorded yet: run.json comes at the end of the run"));
 }
 
 loadData().then((D) => {
