@@ -42,6 +42,9 @@ def open_page(browser, path: Path):
     errors: list[str] = []
     page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
     page.on("pageerror", lambda e: errors.append(str(e)))
+    # offline: any request beyond the file itself is refused and reported
+    page.route(lambda url: not url.startswith("file:") and not url.startswith("data:"),
+               lambda route: (errors.append("fetched " + route.request.url), route.abort()))
     page.goto(path.resolve().as_uri())
     page.wait_for_selector("body[data-ready=true]", timeout=60_000)
     return page, errors
@@ -106,6 +109,7 @@ def test_explore_toggles_show_the_planners_memory_and_the_runtimes_reasons(tmp_p
         shown.append(gib)
     assert len(set(shown)) == len(shown)  # every toggle changed the per-GPU memory
     assert "tp all_reduce" in page.inner_text("#layer-map") and "NVLink" in page.inner_text("#layer-map")
+    assert page.locator("#links polyline").count() >= 3  # tp, cp and pp groups drawn through their GPUs
     assert page.locator("#timeline-chart .main-svg").count() and "bubble fraction" in page.inner_text("#bubble")
     assert_not_blank(browser, page, tmp_path / "explore.png")
 

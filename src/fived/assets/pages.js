@@ -105,7 +105,7 @@ function drawLayerMap(D, entry) {
       for (const x of tensors) {
         const present = x.part === "layer" || (x.part === "embedding" && rank.first) || (x.part === "head" && rank.last);
         const state = !present ? "absent" : x.split ? "sharded" : "replicated";
-        const shape = x.stored ? `[${x.stored}] of [${x.shape}]` : `[${x.shape}]`;
+        const shape = x.stored ? `[${x.shape}] stores [${x.stored}]` : `[${x.shape}]`;
         const chip = el("div", `tensor ${x.kind} ${state}`, `${x.name} ${present ? shape : "—"}`);
         chip.title = `${x.kind} ${x.name}: full [${x.full}], ${state}${x.split ? " by " + x.split : ""}` +
           (x.state_note ? "; " + x.state_note : "") + (x.note ? "; " + x.note : "");
@@ -127,6 +127,29 @@ function drawLayerMap(D, entry) {
   });
   if (!entry.collectives.length) list.appendChild(rowOf("td", ["(none: one GPU)"]));
   box.appendChild(list);
+  drawLinks(box, entry.collectives);
+}
+
+const LINK_COLOURS = ["#1f77b4", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"];
+
+function drawLinks(box, collectives) {
+  // each collective as a line through the GPUs of this replica it joins (a stub where it only leaves the replica)
+  const svg = document.createElementNS("http://www.w3.org/2000/svg", "svg"); svg.id = "links";
+  const origin = box.getBoundingClientRect();
+  svg.setAttribute("width", origin.width); svg.setAttribute("height", origin.height);
+  collectives.forEach((c, i) => {
+    const points = c[6].map((r) => $("gpu-" + r)).filter(Boolean).map((g) => {
+      const b = g.getBoundingClientRect();
+      return [b.left - origin.left + 14 + 9 * i, b.top - origin.top + 4 + 4 * i];  // in the box's top gutter
+    });
+    if (points.length < 2 && c[7]) points.push([points[0][0], points[0][1] - 6]);
+    if (points.length < 2) return;
+    const line = document.createElementNS("http://www.w3.org/2000/svg", "polyline");
+    line.setAttribute("points", points.map((p) => p.join(",")).join(" "));
+    line.setAttribute("stroke", LINK_COLOURS[i % 8]); line.setAttribute("class", "link");
+    svg.appendChild(line);
+  });
+  box.appendChild(svg);
 }
 
 function rowOf(cell, texts) {
