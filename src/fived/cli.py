@@ -66,8 +66,9 @@ def cmd_train(ns: argparse.Namespace) -> int:
 
 def _summarise(ns: argparse.Namespace, cfg, world: int, results: list) -> None:
     from fived.parallel.pipeline import write_chrome_trace
-    from fived.report import format_report
+    from fived.report import format_report, write_run_json
 
+    write_run_json(cfg, world, results)  # (what `fived report` shows beside the metrics)
     if cfg.train.trace:
         write_chrome_trace(cfg.train.trace, [a for r in results for a in r.timeline])
         print(f"pipeline trace of {world} rank(s) -> {cfg.train.trace}")
@@ -110,8 +111,12 @@ def _train_under_torchrun(ns: argparse.Namespace, run) -> int:
         dist.all_gather_object(timelines, result.timeline)
         if dist.get_rank() == 0:
             write_chrome_trace(cfg.train.trace, [a for t in timelines for a in t])
-    if ns.report and dist.get_rank() == 0:
-        print(format_report(cfg, run.world, [result]))
+    if dist.get_rank() == 0:
+        from fived.report import write_run_json
+
+        write_run_json(cfg, run.world, [result])
+        if ns.report:
+            print(format_report(cfg, run.world, [result]))
     # As every fived rank ends: gloo and DTensor can abort at interpreter exit, which torchrun would
     # count as a failure and restart.
     shutdown_distributed()
@@ -191,6 +196,8 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     if ns.validate:
         calibration.validate(ns.validate)
         return 0
+    if ns.layout:
+        return cmd_plan_layout(ns)
     if ns.memory_headroom < 0:
         raise ConfigError("--memory-headroom", ns.memory_headroom, "must be >= 0 (GiB left free on each GPU)", "e.g. 3")
     runtime = PLANNED_RUNTIMES[ns.runtime]
@@ -222,6 +229,72 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         print(explain.report(search, model, cluster, ns.seq, global_batch, ns.top, model_arg, runtime=runtime,
                              headroom_gib=ns.memory_headroom))
     return 0 if search.plans else 1
+
+
+def _plan_cluster(ns: argparse.Namespace, command: str):
+    """The model, cluster and global batch (sequences) `fived plan`/`fived explore` were given."""
+    from fived.planner.hardware import hardware
+    from fived.planner.timing import Cluster
+
+    missing = [flag for flag, v in (("--model", ns.model), ("--gpus", ns.gpus), ("--seq", ns.seq),
+                                    ("--global-batch-tokens", ns.global_batch_tokens)) if v is None]
+    if missing:
+        raise ConfigError(missing[0], None, "required", f"fived {command} --model llama3-8b --gpus 64 --gpu h100 "
+                          "--seq 8192 --global-batch-tokens 4194304")
+    for flag, value in (("--gpus", ns.gpus), ("--gpus-per-node", ns.gpus_per_node), ("--seq", ns.seq),
+                        ("--global-batch-tokens", ns.global_batch_tokens)):
+        if value < 1:
+            raise ConfigError(flag, value, "must be >= 1")
+    if ns.global_batch_tokens % ns.seq:
+        raise ConfigError("--global-batch-tokens", ns.global_batch_tokens, f"must be a multiple of --seq {ns.seq}",
+                          f"e.g. {max(1, ns.global_batch_tokens // ns.seq) * ns.seq}")
+    return _plan_model(ns.model), Cluster(hardware(ns.gpu), ns.gpus, min(ns.gpus_per_node, ns.gpus)), \
+        ns.global_batch_tokens // ns.seq
+
+
+def cmd_plan_layout(ns: argparse.Namespace) -> int:
+    """`fived plan --layout FLAGS`: the planner's figures for that one layout (fitting or not)."""
+    import json
+
+    from fived.explore import layout_from_flags
+    from fived.planner.search import evaluate
+
+    model, cluster, global_batch = _plan_cluster(ns, "plan")
+    layout = layout_from_flags(model, ns.layout, cluster.gpus, ns.seq, global_batch)
+    plan = evaluate(model, layout, cluster, ns.seq, global_batch, "bfloat16", headroom_gib=ns.memory_headroom)
+    out = {**plan.to_dict(global_batch), "fits": plan.fits}
+    if ns.json:
+        print(json.dumps({"model": model.name, "gpus": cluster.gpus, "plans": [out]}, indent=1))
+    else:
+        print(f"{layout.describe()}: {out['memory_gib']['total']:.2f} GiB per GPU "
+              f"({'fits' if plan.fits else 'does not fit'} in {out['capacity_gib']:g}), step {plan.time.total:.3g} s, "
+              f"{plan.time.tokens_per_s_per_gpu:.1f} tokens/s/GPU, MFU {plan.time.mfu:.1%}")
+    return 0
+
+
+def cmd_explore(ns: argparse.Namespace) -> int:
+    from fived.explore import explore_data
+    from fived.pages import plotly_js, write_page
+
+    plotly_js()  # (the extra is installed, before the minute of pricing)
+    model, cluster, global_batch = _plan_cluster(ns, "explore")
+    data = explore_data(model, cluster, ns.seq, global_batch, "bfloat16", ns.memory_headroom)
+    out = write_page(ns.output, f"fived explore: {model.name} on {cluster.gpus} x {cluster.hardware.name}",
+                     "explore", data)
+    valid = sum(1 for e in data["entries"].values() if isinstance(e, dict))
+    print(f"fived explore: {len(data['entries'])} layouts ({valid} valid) -> {out}")
+    return 0
+
+
+def cmd_report(ns: argparse.Namespace) -> int:
+    from fived.pages import plotly_js, write_page
+    from fived.run_report import report_data
+
+    plotly_js()
+    data = report_data(ns.run_dir)
+    out = write_page(ns.output or f"{ns.run_dir}/report.html", f"fived report: {ns.run_dir}", "report", data)
+    print(f"fived report: {data['summary']} -> {out}")
+    return 0
 
 
 DEFAULT_HEADROOM_GIB = 3.0  # so that a winner is not packed to the last GiB of the planner's estimate
@@ -262,7 +335,21 @@ def build_parser() -> argparse.ArgumentParser:
     planp.add_argument("--runtime", default="fived", choices=RUNTIME_CHOICES,
                        help="plan for fived (default: what `fived train` runs) or, to compare, another runtime "
                             "(its layouts may not be runnable by fived)")
+    planp.add_argument("--layout", metavar="FLAGS", help="price this one layout (fived train's layout flags, as "
+                       "'--parallel.tp 4 --parallel.zero 3'), fitting or not, instead of searching")
     planp.set_defaults(func=cmd_plan)
+    explore = sub.add_parser("explore", allow_abbrev=False, help="write an offline HTML page to toggle a model's 5D "
+                             "layout and see the planner's memory, communication, pipeline and step time")
+    for flag in ("--model", "--gpus", "--gpus-per-node", "--gpu", "--seq", "--global-batch-tokens", "--memory-headroom"):
+        action = next(a for a in planp._actions if flag in a.option_strings)
+        explore.add_argument(flag, type=action.type, default=action.default, help=action.help, metavar=action.metavar)
+    explore.add_argument("--output", default="explore.html", help="the page to write (default explore.html)")
+    explore.set_defaults(func=cmd_explore)
+    report = sub.add_parser("report", allow_abbrev=False, help="write an offline HTML page of a training run: "
+                            "metrics over steps, measured vs planned bytes, pipeline timeline, expert load")
+    report.add_argument("run_dir", help="a `fived train` output directory")
+    report.add_argument("--output", help="the page to write (default RUN_DIR/report.html)")
+    report.set_defaults(func=cmd_report)
     prep = sub.add_parser("prepare-data", allow_abbrev=False,
                           help="tokenize .txt, .jsonl, .parquet files or saved datasets into a token file (numpy memmap)")
     prep.add_argument("inputs", nargs="+", help=".txt (one document per file), .jsonl, .parquet files or directories "

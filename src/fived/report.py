@@ -103,29 +103,65 @@ def expected_activations(cfg: Config, world: int, rank: int = 0) -> dict[str, in
     return activation_bytes(cfg.model, layers=layers, first=first, last=last, **_activation_layout(cfg, world))
 
 
-def format_report(cfg: Config, world: int, results: list[TrainResult]) -> str:
-    lines = [f"model-state bytes per rank, ZeRO-{cfg.parallel.zero} (measured | formula):"]
-    for rank, res in enumerate(results):
-        want = expected_state_bytes(cfg, world, rank)
-        cells = [f"{k} {res.memory.get(k, 0):,} | {want[k]:,}" for k in ("params", "grads", "optimizer")]
-        lines.append(f"  rank {rank}: " + "; ".join(cells))
-    lines.append("communication per step on rank 0, by mesh dimension (measured bytes, calls | formula bytes):")
-    want_comm = expected_comm_bytes(cfg, world)
-    comm = results[0].comm
-    for key in sorted(set(comm) | set(want_comm)):
-        got = comm.get(key, {"bytes": 0, "calls": 0})
-        lines.append(f"  {key}: {got['bytes']:,} B in {got['calls']} call(s) | {want_comm.get(key, 0):,} B")
-    if not comm and not want_comm:
-        lines.append("  (none: a single rank)")
-    timeline = [a for res in results for a in res.timeline]
-    if timeline:
-        from fived.parallel.pipeline import stages_per_rank
-        from fived.parallel.schedule_sim import bubble_of
+def report_figures(cfg: Config, world: int, results: list[TrainResult]) -> dict:
+    """The measured-vs-formula tables of `--report` (model-state bytes per rank, rank 0's collectives
+    per mesh dimension), the pipeline's executed actions and the MoE expert load per layer: what
+    `format_report` prints and what `fived train` writes to the run directory's run.json."""
+    state = [{"rank": rank, "measured": {k: res.memory.get(k, 0) for k in ("params", "grads", "optimizer")},
+              "predicted": {k: v for k, v in expected_state_bytes(cfg, world, rank).items()}}
+             for rank, res in enumerate(results)]
+    want_comm, comm = expected_comm_bytes(cfg, world), results[0].comm
+    comm_rows = [{"key": key, "bytes": comm.get(key, {}).get("bytes", 0), "calls": comm.get(key, {}).get("calls", 0),
+                  "predicted": want_comm.get(key, 0)} for key in sorted(set(comm) | set(want_comm))]
+    actions = [a for res in results for a in res.timeline]
+    t0 = min((a.start for a in actions), default=0.0)  # seconds from the step's first action
+    timeline = [[a.rank, a.kind, a.stage, a.microbatch, a.start - t0, a.end - a.start] for a in actions]
+    loads: dict[str, list[float]] = {}
+    for res in results:
+        loads.update(res.expert_load)
+    return {"state": state, "comm": comm_rows, "timeline": timeline,
+            "expert_load": dict(sorted(loads.items(), key=lambda kv: int(kv[0])))}
 
-        p, m = cfg.parallel.pp, cfg.train.microbatches
-        stages = p * stages_per_rank(cfg.parallel.pp_schedule, cfg.parallel.pp_virtual)
-        lines.append(f"pipeline bubble of {cfg.parallel.pp_schedule}, simulated from the executed actions with unit "
-                     f"times: {bubble_of(timeline, stages):.4f} (GPipe/1F1B textbook (p-1)/(m+p-1) = {(p - 1) / (m + p - 1):.4f})")
+
+def write_run_json(cfg: Config, world: int, results: list[TrainResult]) -> None:
+    """run.json in the run directory (`fived report` reads it): the report's figures and the layout."""
+    import json
+    from pathlib import Path
+
+    figures = report_figures(cfg, world, results)
+    figures["bubble_line"] = _bubble_line(cfg, results)
+    figures["layout"] = Layout.from_config(cfg, world).to_dict()
+    figures["world"] = world
+    path = Path(cfg.train.output_dir) / "run.json"
+    path.write_text(json.dumps(figures))
+
+
+def _bubble_line(cfg: Config, results: list[TrainResult]) -> str:
+    timeline = [a for res in results for a in res.timeline]
+    if not timeline:
+        return ""
+    from fived.parallel.pipeline import stages_per_rank
+    from fived.parallel.schedule_sim import bubble_of
+
+    p, m = cfg.parallel.pp, cfg.train.microbatches
+    stages = p * stages_per_rank(cfg.parallel.pp_schedule, cfg.parallel.pp_virtual)
+    return (f"pipeline bubble of {cfg.parallel.pp_schedule}, simulated from the executed actions with unit "
+            f"times: {bubble_of(timeline, stages):.4f} (GPipe/1F1B textbook (p-1)/(m+p-1) = {(p - 1) / (m + p - 1):.4f})")
+
+
+def format_report(cfg: Config, world: int, results: list[TrainResult]) -> str:
+    figures = report_figures(cfg, world, results)
+    lines = [f"model-state bytes per rank, ZeRO-{cfg.parallel.zero} (measured | formula):"]
+    for row in figures["state"]:
+        cells = [f"{k} {row['measured'][k]:,} | {row['predicted'][k]:,}" for k in ("params", "grads", "optimizer")]
+        lines.append(f"  rank {row['rank']}: " + "; ".join(cells))
+    lines.append("communication per step on rank 0, by mesh dimension (measured bytes, calls | formula bytes):")
+    for row in figures["comm"]:
+        lines.append(f"  {row['key']}: {row['bytes']:,} B in {row['calls']} call(s) | {row['predicted']:,} B")
+    if not figures["comm"]:
+        lines.append("  (none: a single rank)")
+    if figures["timeline"]:
+        lines.append(_bubble_line(cfg, results))
     if any(res.activations for res in results):
         lines.append(f"activation bytes saved for backward per micro-batch ({cfg.train.activation_checkpointing} "
                      "checkpointing; measured | formula):")

@@ -41,6 +41,7 @@ class TrainResult:
     # bytes saved for backward per micro-batch: per layer id, "embedding" and "head" where this rank has them
     activations: dict[str, int] = field(default_factory=dict)
     timeline: list = field(default_factory=list)  # pipeline actions this rank executed (last step)
+    expert_load: dict[str, list[float]] = field(default_factory=dict)  # MoE layer id -> global tokens per expert (last step)
     preempted: bool = False  # stopped early on SIGTERM (after saving, when checkpointing is on)
 
 
@@ -65,6 +66,9 @@ class Trainer:
         self.pipeline = Pipeline(cfg, self.mesh) if self.mesh.pp > 1 else None
         chunks = self.pipeline.build_chunks(param_dtype) if self.pipeline else [build_model(cfg.model, "meta", param_dtype)]
         self.moe_layers = [m for c in chunks for m in c.modules() if isinstance(m, MoE)]
+        self.moe_layer_ids = [name for c in chunks for name, block in c.layers.items()
+                              if any(isinstance(m, MoE) for m in block.modules())]  # (in moe_layers' order)
+        self.expert_load: dict[str, list[float]] = {}
         for moe in self.moe_layers:
             moe.aux_loss_scale = cfg.model.aux_loss_coef / t.global_batch
         self.plan = parallelize(chunks, self.mesh, cfg)  # on the meta device: nothing allocated yet
@@ -221,6 +225,7 @@ class Trainer:
                 if rate > 0:
                     moe.router_bias += rate * torch.sign(load.mean() - load).to(moe.router_bias.dtype)
             worst = (stacked.amax(dim=1) / stacked.mean(dim=1).clamp_min(1e-9)).max()
+            self.expert_load = {lid: row.tolist() for lid, row in zip(self.moe_layer_ids, stacked.double())}
         if self.pipeline:
             dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=self.mesh.group("pp"))
         return worst.item()
@@ -339,4 +344,5 @@ def run_training(cfg: Config, log: bool = True, progress: bool = True, return_st
     state = trainer.plan.full_state() if return_state else {}
     timeline = trainer.pipeline.last_step_actions() if trainer.pipeline else []
     return TrainResult(metrics=metrics, state=state, memory=trainer.state_bytes, activations=trainer.activations.per_layer,
-                       comm=trainer.ledger.summary(), timeline=timeline, preempted=trainer.preempted)
+                       comm=trainer.ledger.summary(), timeline=timeline, preempted=trainer.preempted,
+                       expert_load=trainer.expert_load)

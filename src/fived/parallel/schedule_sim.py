@@ -25,7 +25,7 @@ Actions = dict[int, list[tuple[str, int, int]]]
 _PRODUCES = {"F": "F", "B": "G", "I": "IG", "W": ""}  # the finish-time tables an action fills
 
 
-def simulate(actions_per_rank: Actions, n_stages: int) -> dict[str, float]:
+def simulate(actions_per_rank: Actions, n_stages: int, record: list | None = None) -> dict[str, float]:
     """actions_per_rank: rank -> [(kind, stage, microbatch)] in execution order (F/B/I/W only).
     Returns makespan, busy time per rank and the bubble fraction.
 
@@ -33,7 +33,8 @@ def simulate(actions_per_rank: Actions, n_stages: int) -> dict[str, float]:
     do not depend on the order in which ranks are visited. A rank runs ahead until it blocks on a
     dependency and is woken when that dependency completes: each action is visited once (sweeping
     all ranks until none progresses would cost ranks x waves). Finish times live in flat lists
-    indexed by stage * mbs + microbatch, about twice as fast as a dict keyed by tuples."""
+    indexed by stage * mbs + microbatch, about twice as fast as a dict keyed by tuples. `record`: a
+    list to append every action's (rank, kind, stage, microbatch, start, duration) to."""
     ranks = sorted(actions_per_rank)
     per_rank_stages = max(1, n_stages // len(ranks))
     cost_of = {k: c / per_rank_stages for k, c in COST.items()}
@@ -70,6 +71,8 @@ def simulate(actions_per_rank: Actions, n_stages: int) -> dict[str, float]:
             if blocked:
                 break
             cost = cost_of[kind]
+            if record is not None:
+                record.append((r, kind, stage, mb, start, cost))
             ready_at = start + cost
             busy[r] += cost
             i += 1
@@ -205,6 +208,13 @@ def analyse(schedule: str, pp: int, virtual: int, microbatches: int) -> tuple[fl
     n_stages = n_stages_of(schedule, pp, virtual)
     in_flight = tuple(peak_alive(actions[rank]) / (n_stages // pp) for rank in sorted(actions))
     return simulate(actions, n_stages)["bubble"], in_flight
+
+
+def schedule_timeline(schedule: str, pp: int, virtual: int, microbatches: int) -> list[tuple]:
+    """(rank, kind, stage, microbatch, start, duration) of every action of one step, unit costs."""
+    record: list = []
+    simulate(schedule_actions(schedule, pp, virtual, microbatches), n_stages_of(schedule, pp, virtual), record)
+    return record
 
 
 def peak_alive(actions: list[tuple[str, int, int]]) -> int:

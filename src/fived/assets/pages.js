@@ -1,0 +1,251 @@
+// fived's pages: look figures up in the embedded data (computed by the planner in Python) and draw
+// them with plotly. No formula lives here.
+"use strict";
+const $ = (id) => document.getElementById(id);
+const el = (tag, cls, text) => { const e = document.createElement(tag); if (cls) e.className = cls; if (text !== undefined) e.textContent = text; return e; };
+const GIB = (x) => x.toFixed(2) + " GiB";
+const BYTES = (b) => b >= 2 ** 30 ? (b / 2 ** 30).toFixed(2) + " GiB" : b >= 2 ** 20 ? (b / 2 ** 20).toFixed(2) + " MiB" : b >= 1024 ? (b / 1024).toFixed(1) + " KiB" : b + " B";
+const KIND_COLOURS = { F: "#4c78a8", B: "#f58518", I: "#e45756", W: "#72b7b2" };
+const PLOT = { displayModeBar: false, responsive: true };
+
+async function loadData() {
+  const b64 = $("fived-data").textContent.trim();
+  const bytes = Uint8Array.from(atob(b64), (c) => c.charCodeAt(0));
+  const stream = new Blob([bytes]).stream().pipeThrough(new DecompressionStream("gzip"));
+  return JSON.parse(await new Response(stream).text());
+}
+
+function section(id, title) {
+  const s = el("section"); s.id = id; s.appendChild(el("h2", null, title)); $("app").appendChild(s); return s;
+}
+
+function timelineChart(target, actions, title) {
+  // actions: [rank, kind, stage, microbatch, start, duration]
+  const kinds = [...new Set(actions.map((a) => a[1]))];
+  const traces = kinds.map((k) => {
+    const mine = actions.filter((a) => a[1] === k);
+    return { type: "bar", orientation: "h", name: k, marker: { color: KIND_COLOURS[k] || "#999" },
+      y: mine.map((a) => "rank " + a[0]), base: mine.map((a) => a[4]), x: mine.map((a) => a[5]),
+      text: mine.map((a) => k + a[3] + " s" + a[2]), hoverinfo: "text" };
+  });
+  Plotly.react(target, traces, { barmode: "overlay", title, height: 120 + 30 * new Set(actions.map((a) => a[0])).size,
+    yaxis: { autorange: "reversed" }, xaxis: { title: "time" }, margin: { t: 40, l: 70 } }, PLOT);
+}
+
+// ------------------------------------------------------------------------------------- explore
+function layoutKey(D, values) {
+  return Object.keys(D.options).map((k) => String(values[k]).toLowerCase()).join("|");
+}
+
+function buildControls(D) {
+  const box = el("div"); box.id = "controls";
+  const defaults = { pp_schedule: "1f1b", checkpointing: "none" };
+  for (const [name, values] of Object.entries(D.options)) {
+    const label = el("label", null, name + " ");
+    const select = el("select"); select.id = "ctl-" + name;
+    for (const v of values) { const o = el("option", null, String(v)); o.value = String(v); select.appendChild(o); }
+    select.value = String(defaults[name] !== undefined ? defaults[name] : values[0]);
+    select.addEventListener("change", () => renderExplore(D, name));
+    label.appendChild(select); box.appendChild(label);
+  }
+  $("app").appendChild(box);
+  const status = el("div"); status.id = "status"; $("app").appendChild(status);
+}
+
+function currentValues(D) {
+  const values = {};
+  for (const name of Object.keys(D.options)) values[name] = $("ctl-" + name).value;
+  const pipelined = values.pp !== "1";
+  $("ctl-pp_schedule").disabled = !pipelined; $("ctl-pp_virtual").disabled = !pipelined;
+  if (!pipelined) { values.pp_schedule = "1f1b"; values.pp_virtual = "1"; }  // one stage: no schedule
+  return values;
+}
+
+function renderExplore(D, changed) {
+  const values = currentValues(D);
+  const entry = D.entries[layoutKey(D, values)];
+  const status = $("status");
+  document.querySelectorAll("#controls select").forEach((s) => s.classList.remove("invalid"));
+  if (entry === undefined) {
+    status.className = "invalid"; status.textContent = "this combination is not reachable: gpus=" + D.gpus + " is not a multiple of tp*pp*cp";
+    if (changed) $("ctl-" + changed).classList.add("invalid");
+    document.body.dataset.valid = "false"; return;
+  }
+  if (typeof entry === "number") {
+    status.className = "invalid"; status.textContent = "invalid: " + D.errors[entry];
+    if (changed) $("ctl-" + changed).classList.add("invalid");
+    document.body.dataset.valid = "false"; return;
+  }
+  document.body.dataset.valid = "true";
+  status.className = entry.fits ? "valid" : "overflow";
+  status.textContent = `dp=${D.gpus / (values.tp * values.pp * values.cp)}: ${entry.describe} — ` +
+    (entry.fits ? "fits" : `does not fit: ${GIB(entry.memory[6])} > ${D.capacity_gib} GiB`);
+  drawLayerMap(D, entry);
+  drawMemory(D, entry);
+  drawPipeline(D, entry);
+  drawStep(D, entry);
+}
+
+function drawLayerMap(D, entry) {
+  const box = $("layer-map-body"); box.replaceChildren();
+  const weights = D.maps.weights[entry.map[0]], acts = D.maps.activations[entry.map[1]], ranks = D.maps.ranks[entry.map[2]];
+  const [tp, , , cp, dp] = entry.map[0].split("|").map(Number);  // the weights' key: tp|ep|zero|cp|dp
+  const tensors = weights.concat(acts);
+  const joined = {};  // global rank -> collectives it takes part in
+  entry.collectives.forEach((c, i) => c[6].forEach((r) => (joined[r] = joined[r] || []).push(i)));
+  ranks.forEach((rank, p) => {
+    const row = el("div", "stage");
+    const held = rank.layers ? "layers " + rank.stages.map((s) => s[0] + "-" + s[1]).join(", ") + ` (${rank.layers})` : "no layers";
+    row.appendChild(el("div", "stage-label", `pp rank ${p}: ${held}` + (rank.first ? ", embedding" : "") + (rank.last ? ", head" : "")));
+    const gpus = el("div", "gpus");
+    for (let c = 0; c < cp; c++) for (let t = 0; t < tp; t++) {
+      const g = (p * dp * cp + c) * tp + t;
+      const gpu = el("div", "gpu"); gpu.id = "gpu-" + g;
+      gpu.appendChild(el("div", "gpu-label", `GPU ${g} (tp ${t}, cp ${c})`));
+      for (const x of tensors) {
+        const present = x.part === "layer" || (x.part === "embedding" && rank.first) || (x.part === "head" && rank.last);
+        const state = !present ? "absent" : x.split ? "sharded" : "replicated";
+        const shape = x.stored ? `[${x.shape}] stores [${x.stored}]` : `[${x.shape}]`;
+        const chip = el("div", `tensor ${x.kind} ${state}`, `${x.name} ${present ? shape : "—"}`);
+        chip.title = `${x.kind} ${x.name}: full [${x.full}], ${state}${x.split ? " by " + x.split : ""}` +
+          (x.state_note ? "; " + x.state_note : "") + (x.note ? "; " + x.note : "");
+        gpu.appendChild(chip);
+      }
+      for (const i of joined[g] || []) gpu.appendChild(el("span", "badge c" + (i % 8), entry.collectives[i][0] + " " + entry.collectives[i][1]));
+      gpus.appendChild(gpu);
+    }
+    row.appendChild(gpus); box.appendChild(row);
+  });
+  const list = el("table", "collectives");
+  list.appendChild(rowOf("th", ["collective", "mesh dimension", "bytes / step", "calls / step", "link", "group size", "joins GPUs (this replica)"]));
+  entry.collectives.forEach((c, i) => {
+    const tr = rowOf("td", [c[1], c[0], BYTES(c[2]), String(c[3]), c[4], String(c[5]), c[6].join(", ") + (c[7] ? ` + ${c[7]} in other replicas` : "")]);
+    tr.className = "c" + (i % 8);
+    tr.addEventListener("mouseenter", () => c[6].forEach((r) => $("gpu-" + r) && $("gpu-" + r).classList.add("lit")));
+    tr.addEventListener("mouseleave", () => document.querySelectorAll(".gpu.lit").forEach((g) => g.classList.remove("lit")));
+    list.appendChild(tr);
+  });
+  if (!entry.collectives.length) list.appendChild(rowOf("td", ["(none: one GPU)"]));
+  box.appendChild(list);
+  drawLinks(box, entry.collectives);
+}
+
+const LINK_COLOURS = ["#1f77b4", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"];
+
+function drawLinks(box, collectives) {
+  // each collective as a line through the GPUs of this replica it joins (a stub where it only leaves the replica)
+  const svg = document.createElementNS("http://www.w3.org/2000/svg", "svg"); svg.id = "links";
+  const origin = box.getBoundingClientRect();
+  svg.setAttribute("width", origin.width); svg.setAttribute("height", origin.height);
+  collectives.forEach((c, i) => {
+    const points = c[6].map((r) => $("gpu-" + r)).filter(Boolean).map((g) => {
+      const b = g.getBoundingClientRect();
+      return [b.left - origin.left + 14 + 9 * i, b.top - origin.top + 4 + 4 * i];  // in the box's top gutter
+    });
+    if (points.length < 2 && c[7]) points.push([points[0][0], points[0][1] - 6]);
+    if (points.length < 2) return;
+    const line = document.createElementNS("http://www.w3.org/2000/svg", "polyline");
+    line.setAttribute("points", points.map((p) => p.join(",")).join(" "));
+    line.setAttribute("stroke", LINK_COLOURS[i % 8]); line.setAttribute("class", "link");
+    svg.appendChild(line);
+  });
+  box.appendChild(svg);
+}
+
+function rowOf(cell, texts) {
+  const tr = el("tr"); texts.forEach((t) => tr.appendChild(el(cell, null, t))); return tr;
+}
+
+function drawMemory(D, entry) {
+  const total = entry.memory[6];
+  const t = $("memory-total"); t.textContent = "per-GPU memory: " + GIB(total); t.dataset.gib = String(total);
+  const parts = D.memory_parts.slice(0, 6);
+  const traces = parts.map((p, i) => ({ type: "bar", name: p, x: ["this layout", "no parallelism"], y: [entry.memory[i], D.baseline[i]] }));
+  Plotly.react("memory-chart", traces, { barmode: "stack", height: 420, yaxis: { title: "GiB per GPU" },
+    shapes: [{ type: "line", xref: "paper", x0: 0, x1: 1, y0: D.capacity_gib, y1: D.capacity_gib, line: { color: "red", dash: "dash" } }],
+    annotations: [{ xref: "paper", x: 1, y: D.capacity_gib, text: `capacity ${D.capacity_gib} GiB`, showarrow: false, yanchor: "bottom", xanchor: "right" }],
+    margin: { t: 20 } }, PLOT);
+}
+
+function drawPipeline(D, entry) {
+  const text = $("bubble");
+  if (!entry.timeline) { text.textContent = "pp=1: no pipeline (micro-batches accumulate on every GPU)"; Plotly.purge("timeline-chart"); return; }
+  const tl = D.timelines[entry.timeline];
+  text.textContent = `bubble fraction ${(entry.bubble * 100).toFixed(2)}% with ${entry.microbatches} micro-batches ` +
+    `(timeline drawn for ${tl.microbatches}; ${tl.stages} stages, ${tl.stages_per_rank} per rank; unit costs F=1, B=2)`;
+  text.dataset.bubble = String(entry.bubble);
+  timelineChart("timeline-chart", tl.actions, "");
+}
+
+function drawStep(D, entry) {
+  const parts = D.time_parts.slice(0, -1);
+  const total = entry.time[entry.time.length - 1];
+  $("throughput").textContent = `step ${total.toPrecision(4)} s · ${entry.tokens_per_s_per_gpu.toFixed(1)} tokens/s/GPU · MFU ${(entry.mfu * 100).toFixed(1)}%`;
+  Plotly.react("time-chart", [{ type: "bar", orientation: "h", y: parts, x: entry.time.slice(0, -1), text: entry.time.slice(0, -1).map((s) => s.toPrecision(3) + " s") }],
+    { height: 360, xaxis: { title: "seconds per step (exposed)" }, yaxis: { autorange: "reversed" }, margin: { t: 20, l: 90 } }, PLOT);
+  $("flags").textContent = `fived train --model ${D.model} --train.seq_len ${D.seq_len} --train.dtype ${D.dtype} ${entry.flags}`;
+}
+
+function explorePage(D) {
+  $("app").replaceChildren();
+  const info = el("p", null, `${D.model} on ${D.gpus} x ${D.gpu} (${D.gpus_per_node} per node, ${D.device_gib} GiB), seq ${D.seq_len}, global batch ${D.global_batch} sequences; every figure from fived's planner`);
+  $("app").appendChild(info);
+  buildControls(D);
+  const map = section("layer-map", "Layer map: one model replica, per GPU");
+  map.appendChild(el("p", "legend", "tensors: sharded / replicated / not present; hover a collective to light the GPUs it joins"));
+  const body = el("div"); body.id = "layer-map-body"; map.appendChild(body);
+  const mem = section("memory", "Memory per GPU vs no parallelism");
+  [["memory-total", "div"], ["memory-chart", "div"]].forEach(([id, tag]) => { const e = el(tag); e.id = id; mem.appendChild(e); });
+  const pipe = section("pipeline", "Pipeline timeline");
+  [["bubble", "div"], ["timeline-chart", "div"]].forEach(([id, tag]) => { const e = el(tag); e.id = id; pipe.appendChild(e); });
+  const step = section("step", "Step time, throughput and the command");
+  [["throughput", "div"], ["time-chart", "div"], ["flags", "pre"]].forEach(([id, tag]) => { const e = el(tag); e.id = id; step.appendChild(e); });
+  renderExplore(D, null);
+}
+
+// -------------------------------------------------------------------------------------- report
+function lineChart(target, steps, series, ytitle) {
+  Plotly.react(target, series.map(([name, ys]) => ({ type: "scatter", mode: "lines+markers", name, x: steps, y: ys })),
+    { height: 300, xaxis: { title: "step" }, yaxis: { title: ytitle }, margin: { t: 20 } }, PLOT);
+}
+
+function tableOf(id, header, rows) {
+  const t = el("table", "figures"); t.id = id;
+  t.appendChild(rowOf("th", header)); rows.forEach((r) => t.appendChild(rowOf("td", r.map(String)))); return t;
+}
+
+function reportPage(D) {
+  $("app").replaceChildren();
+  $("app").appendChild(el("p", null, D.summary));
+  const M = D.metrics, steps = M.step;
+  const charts = [["loss", "loss", "loss"], ["lr", "learning rate", "lr"], ["grad-norm", "grad norm", "grad_norm"],
+    ["tokens-per-s", "tokens/s", "tokens_per_s"], ["mfu", "MFU", "mfu"]];
+  for (const [id, title, key] of charts) {
+    const s = section("chart-" + id, title); const div = el("div", "chart"); div.id = id + "-chart"; s.appendChild(div);
+    lineChart(div, steps, [[key, M[key]]], title);
+  }
+  if (M.val_loss) Plotly.addTraces("loss-chart", { type: "scatter", mode: "lines+markers", name: "val_loss", x: M.val_step, y: M.val_loss });
+  const mem = section("memory-table", "Model-state bytes per rank: measured | planner");
+  mem.appendChild(tableOf("state-bytes", ["rank", "params measured", "params planner", "grads measured", "grads planner", "optimizer measured", "optimizer planner"],
+    D.state.map((r) => [r.rank, r.measured.params, r.predicted.params, r.measured.grads, r.predicted.grads, r.measured.optimizer, r.predicted.optimizer])));
+  const comm = section("comm-table", "Communication per step on rank 0, per mesh dimension: measured | planner");
+  comm.appendChild(tableOf("comm-bytes", ["dimension/collective", "measured bytes", "calls", "planner bytes"], D.comm.map((c) => [c.key, c.bytes, c.calls, c.predicted])));
+  const pipe = section("pipeline", "Pipeline timeline (executed)");
+  const tl = el("div", "chart"); tl.id = "timeline-chart"; pipe.appendChild(tl);
+  if (D.timeline.length) {
+    pipe.insertBefore(el("p", null, D.bubble_line), tl);
+    timelineChart(tl, D.timeline, "");
+  } else pipe.appendChild(el("p", null, D.layout.pp ? "no pipeline (pp=1)" : "not recorded yet: run.json comes at the end of the run"));
+  const experts = section("experts", "Expert load per MoE layer (tokens routed to each expert, last step)");
+  const ex = el("div", "chart"); ex.id = "experts-chart"; experts.appendChild(ex);
+  const layers = Object.keys(D.expert_load);
+  if (layers.length) {
+    Plotly.react(ex, [{ type: "heatmap", z: layers.map((l) => D.expert_load[l]), y: layers.map((l) => "layer " + l),
+      x: D.expert_load[layers[0]].map((_, i) => "expert " + i), colorscale: "Viridis" }], { height: 120 + 40 * layers.length, margin: { t: 20, l: 80 } }, PLOT);
+  } else experts.appendChild(el("p", null, D.layout.pp ? "dense model: no experts" : "not recorded yet: run.json comes at the end of the run"));
+}
+
+loadData().then((D) => {
+  (document.body.dataset.page === "explore" ? explorePage : reportPage)(D);
+  document.body.dataset.ready = "true";
+}).catch((e) => { $("app").textContent = "could not load the page's data: " + e; throw e; });

@@ -1,0 +1,127 @@
+"""The layer map: every weight and activation tensor of one transformer layer (and the embedding and
+head) on one GPU of a model replica, with its local shape and whether the layout shards or
+replicates it — by the runtime's rules, as `fived.planner.memory` counts them (tests/test_explore.py
+checks that the weights here sum to `memory.parameter_shapes`): tensor parallelism splits heads,
+feed-forward widths and the padded vocabulary (a whole kv head per rank when tp > n_kv_heads),
+expert parallelism keeps E/ep experts, ZeRO-3 stores ceil(rows/S) rows of every weight (experts over
+edp), ZeRO-1/2 shard the optimizer state (and ZeRO-2 the gradients) S ways, S = dp_shard * cp.
+Activations are one micro-batch's on the rank: B = micro_batch * seq_len / cp tokens (sequence
+parallelism splits the residual stream's over tp too).
+"""
+from __future__ import annotations
+
+import math
+
+from fived.config import ModelConfig
+from fived.mesh import Layout
+from fived.planner.memory import rank_chunks
+
+
+def layer_weights(m: ModelConfig, tp: int, ep: int, lid: int) -> list[dict]:
+    """One layer's weights on one rank: name, local shape, full shape, the dimension that splits it."""
+    hd, d = m.head_dim, m.dim
+    kv_local = m.n_kv_heads // tp if m.n_kv_heads % tp == 0 else 1
+    kv_split = "tp" if m.n_kv_heads % tp == 0 and tp > 1 else ""
+    split = "tp" if tp > 1 else ""
+    out = [w("attention_norm", [d], [d], ""),
+           w("wq", [m.n_heads * hd // tp, d], [m.n_heads * hd, d], split),
+           w("wk", [kv_local * hd, d], [m.n_kv_heads * hd, d], kv_split),
+           w("wv", [kv_local * hd, d], [m.n_kv_heads * hd, d], kv_split),
+           w("wo", [d, m.n_heads * hd // tp], [d, m.n_heads * hd], split),
+           w("ffn_norm", [d], [d], "")]
+    if m.is_moe and lid >= m.n_dense_layers:
+        f, e = m.expert_dim, m.n_experts
+        by = "+".join(x for x in (("ep" if ep > 1 else ""), split) if x)
+        out += [w("router", [e, d], [e, d], ""),
+                w("experts.w1", [e // ep, f // tp, d], [e, f, d], by),
+                w("experts.w3", [e // ep, f // tp, d], [e, f, d], by),
+                w("experts.w2", [e // ep, d, f // tp], [e, d, f], by)]
+        if m.n_shared_experts:
+            fs = f * m.n_shared_experts
+            out += [w("shared.w1", [fs // tp, d], [fs, d], split), w("shared.w3", [fs // tp, d], [fs, d], split),
+                    w("shared.w2", [d, fs // tp], [d, fs], split)]
+    else:
+        f = m.ffn_dim
+        out += [w("w1", [f // tp, d], [f, d], split), w("w3", [f // tp, d], [f, d], split),
+                w("w2", [d, f // tp], [d, f], split)]
+    return out
+
+
+def end_weights(m: ModelConfig, tp: int, first: bool, last: bool) -> list[dict]:
+    """The embedding (first stage), final norm and output head (last stage) on one rank."""
+    vocab, split = math.ceil(m.vocab_size / tp), "tp" if tp > 1 else ""
+    out = []
+    if first:
+        out.append(w("embedding", [vocab, m.dim], [m.vocab_size, m.dim], split, "embedding"))
+    if last:
+        out.append(w("norm", [m.dim], [m.dim], "", "head"))
+        if not (m.tie_embeddings and first):
+            out.append(w("output", [vocab, m.dim], [m.vocab_size, m.dim], split, "head"))
+    return out
+
+
+def w(name: str, shape: list[int], full: list[int], split: str, part: str = "layer") -> dict:
+    return {"name": name, "kind": "weight", "part": part, "shape": shape, "full": full, "split": split}
+
+
+def _zero(tensors: list[dict], layout: Layout) -> None:
+    """ZeRO-3's stored rows (ceil(rows/S); experts over edp) and where optimizer state is sharded."""
+    shards = layout.dp_shard * layout.cp
+    edp = layout.dp * layout.cp // layout.ep
+    for t in tensors:
+        n = edp if t["name"].startswith("experts.") and layout.ep > 1 else shards
+        if layout.zero == 3 and n > 1:
+            rows = t["shape"][0] if not t["name"].startswith("experts.") else t["shape"][0]
+            t["stored"] = [math.ceil(rows / n)] + t["shape"][1:]
+            t["split"] = "+".join(x for x in (t["split"], f"zero3/{n}") if x)
+        elif layout.zero in (1, 2) and shards > 1 and not (t["name"].startswith("experts.") and layout.ep > 1):
+            t["state_note"] = f"Adam state{' and gradients' if layout.zero == 2 else ''} 1/{shards}"
+
+
+def activations(m: ModelConfig, layout: Layout, seq_len: int) -> list[dict]:
+    """One micro-batch's main activations of one layer (and the logits) on one rank."""
+    L, hd = layout, m.head_dim
+    tokens = L.micro_batch * seq_len // L.cp
+    kv_local = m.n_kv_heads // L.tp if m.n_kv_heads % L.tp == 0 else 1
+    by_cp = "cp" if L.cp > 1 else ""
+    by_tp = "+".join(x for x in (by_cp, "tp" if L.tp > 1 else "") if x)
+    by_sp = "+".join(x for x in (by_cp, "sp" if L.sp else "") if x)
+    resid = [tokens // L.tp if L.sp else tokens, m.dim]
+    ffn = (m.expert_dim * m.top_k) if m.is_moe else m.ffn_dim
+    out = [a("x (residual)", resid, [L.micro_batch * seq_len, m.dim], by_sp),
+           a("q", [tokens, m.n_heads * hd // L.tp], [L.micro_batch * seq_len, m.n_heads * hd], by_tp),
+           a("k, v", [tokens, kv_local * hd], [L.micro_batch * seq_len, m.n_kv_heads * hd],
+             by_tp if m.n_kv_heads % L.tp == 0 else by_cp),
+           a("attention out", [tokens, m.n_heads * hd // L.tp], [L.micro_batch * seq_len, m.n_heads * hd], by_tp),
+           a("ffn hidden" + (" (top_k routed)" if m.is_moe else ""), [tokens, ffn // L.tp],
+             [L.micro_batch * seq_len, ffn], by_tp),
+           a("logits", [tokens, math.ceil(m.vocab_size / L.tp)], [L.micro_batch * seq_len, m.vocab_size], by_tp, "head")]
+    if L.checkpointing == "full":
+        for t in out[1:5]:
+            t["note"] = "recomputed in backward (full checkpointing)"
+    return out
+
+
+def a(name: str, shape: list[int], full: list[int], split: str, part: str = "layer") -> dict:
+    return {"name": name, "kind": "activation", "part": part, "shape": shape, "full": full, "split": split}
+
+
+def replica_weights(m: ModelConfig, layout: Layout) -> list[dict]:
+    """The weights of one MoE layer (a dense one for dense models), the embedding and the head on one
+    GPU; the same shapes on every tp/cp rank (each holds its own slice)."""
+    lid = m.n_dense_layers if m.is_moe else 0
+    tensors = layer_weights(m, layout.tp, layout.ep, lid) + end_weights(m, layout.tp, True, True)
+    _zero(tensors, layout)
+    return tensors
+
+
+def pipeline_ranks(m: ModelConfig, layout: Layout) -> list[dict]:
+    """Per pipeline rank: its stages' layers ([first, last] per stage), how many, and whether it holds
+    the embedding / head."""
+    ranks = []
+    for pp_rank in range(layout.pp):
+        chunks = rank_chunks(m, layout, pp_rank)
+        ranks.append({"stages": [[min(layers), max(layers)] for layers, _, _ in chunks if layers],
+                      "layers": sum(len(layers) for layers, _, _ in chunks),
+                      "first": any(f for _, f, _ in chunks), "last": any(la for _, _, la in chunks)})
+    return ranks

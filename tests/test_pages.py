@@ -1,0 +1,210 @@
+"""`fived explore` and `fived report` pages, driven in a real headless Chromium (Playwright with the
+system's /usr/bin/chromium): the figures a toggle shows are `fived plan --layout --json`'s, an
+invalid toggle shows the runtime's own reason, the report's tables are `fived train --report`'s.
+Skipped only where chromium is missing and CI is unset (CI installs it: .ci/run)."""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fived.cli import main
+from fived.config import Config, TrainConfig, model_preset
+from fived.layout_rules import layout_errors
+from fived.mesh import Layout
+from fived.planner.layer_map import layer_weights, end_weights
+from fived.planner.memory import parameter_shapes
+
+CHROMIUM = "/usr/bin/chromium"
+needs_chromium = pytest.mark.skipif(not os.path.exists(CHROMIUM) and not os.environ.get("CI"),
+                                    reason="no /usr/bin/chromium (CI installs it and never skips)")
+EXPLORE = ["--gpus", "128", "--gpu", "h100", "--seq", "4096", "--global-batch-tokens", str(4096 * 256)]
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM)
+        yield b
+        b.close()
+
+
+def open_page(browser, path: Path):
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    errors: list[str] = []
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    # offline: any request beyond the file itself is refused and reported
+    page.route(lambda url: not url.startswith("file:") and not url.startswith("data:"),
+               lambda route: (errors.append("fetched " + route.request.url), route.abort()))
+    page.goto(path.resolve().as_uri())
+    page.wait_for_selector("body[data-ready=true]", timeout=60_000)
+    return page, errors
+
+
+def assert_not_blank(browser, page, path: Path) -> None:
+    """The screenshot has ink: decoded by the browser, many distinct colours and enough non-white."""
+    png = page.screenshot(path=str(path), full_page=True)
+    probe = browser.new_page()
+    stats = probe.evaluate("""async (src) => {
+        const img = new Image(); img.src = src; await img.decode();
+        const c = document.createElement("canvas"); c.width = img.width; c.height = img.height;
+        const g = c.getContext("2d"); g.drawImage(img, 0, 0);
+        const d = g.getImageData(0, 0, c.width, c.height).data; const colours = new Set(); let ink = 0;
+        for (let i = 0; i < d.length; i += 4) { colours.add((d[i] << 16) | (d[i + 1] << 8) | d[i + 2]);
+          if (d[i] + d[i + 1] + d[i + 2] < 600) ink++; }
+        return { colours: colours.size, ink: ink / (d.length / 4) }; }""",
+                           "data:image/png;base64," + base64.b64encode(png).decode())
+    probe.close()
+    assert stats["colours"] > 50 and stats["ink"] > 0.01, stats
+
+
+def planned(capsys, model: str, flags: str) -> dict:
+    """`fived plan --json --layout FLAGS`'s figures."""
+    capsys.readouterr()
+    assert main(["plan", "--model", model, *EXPLORE, "--json", "--layout", flags]) == 0
+    return json.loads(capsys.readouterr().out)["plans"][0]
+
+
+def test_layer_map_weights_are_the_planners_parameters():
+    """The layer map's local shapes sum to the elements `memory.parameter_shapes` counts per rank."""
+    for name, tp, ep in (("llama3-70b", 8, 1), ("mixtral-8x7b", 4, 8), ("tiny-moe", 2, 2), ("llama3-8b", 16, 1)):
+        m = model_preset(name)
+        mine = sum(_elements(w["shape"]) for lid in range(m.n_layers) for w in layer_weights(m, tp, ep, lid))
+        mine += sum(_elements(w["shape"]) for w in end_weights(m, tp, True, True))
+        dense, expert = parameter_shapes(m, tp, ep, list(range(m.n_layers)), True, True)
+        assert mine == sum(r * c * k for (r, c), k in dense + expert), name
+
+
+def _elements(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+@needs_chromium
+def test_explore_toggles_show_the_planners_memory_and_the_runtimes_reasons(tmp_path, capsys, browser):
+    out = tmp_path / "mixtral.html"
+    assert main(["explore", "--model", "mixtral-8x7b", *EXPLORE, "--output", str(out)]) == 0
+    page, errors = open_page(browser, out)
+    shown = []
+    for control, value in (("tp", "4"), ("zero", "3"), ("pp", "4"), ("cp", "2"), ("ep", "8")):
+        page.select_option(f"#ctl-{control}", value)
+        assert page.get_attribute("body", "data-valid") == "true", page.inner_text("#status")
+        gib = float(page.get_attribute("#memory-total", "data-gib"))
+        flags = page.inner_text("#flags").split("--train.dtype bfloat16 ", 1)[1]
+        plan = planned(capsys, "mixtral-8x7b", flags)
+        assert gib == plan["memory_gib"]["total"], (control, value)  # exactly the planner's figure
+        assert f"{gib:.2f} GiB" in page.inner_text("#memory-total")
+        assert f"--parallel.{control} {value}" in flags
+        shown.append(gib)
+    assert len(set(shown)) == len(shown)  # every toggle changed the per-GPU memory
+    assert "tp all_reduce" in page.inner_text("#layer-map") and "NVLink" in page.inner_text("#layer-map")
+    assert page.locator("#links polyline").count() >= 3  # tp, cp and pp groups drawn through their GPUs
+    assert page.locator("#timeline-chart .main-svg").count() and "bubble fraction" in page.inner_text("#bubble")
+    assert_not_blank(browser, page, tmp_path / "explore.png")
+
+    page.select_option("#ctl-pp", "8")  # tp4 x pp8 x cp2 leaves dp 2: ep 8 no longer divides dp*cp = 4
+    assert page.get_attribute("body", "data-valid") == "false"
+    model = model_preset("mixtral-8x7b")
+    layout = Layout(dp=2, tp=4, pp=8, cp=2, ep=8, zero=3)
+    cfg = Config(model=model, parallel=layout.parallel_config(),
+                 train=TrainConfig(seq_len=4096, global_batch=256, microbatches=128))
+    reason = str(layout_errors(cfg, 128)[0])
+    assert reason.startswith("parallel.ep=8: must divide dp*cp=4")
+    assert page.inner_text("#status") == "invalid: " + reason
+    assert "invalid" in (page.get_attribute("#ctl-pp", "class") or "")
+    assert errors == []
+
+
+@needs_chromium
+def test_dense_page_refuses_expert_parallelism_with_the_runtimes_reason(tmp_path, browser):
+    out = tmp_path / "llama.html"
+    assert main(["explore", "--model", "llama3-70b", *EXPLORE, "--output", str(out)]) == 0
+    page, errors = open_page(browser, out)
+    before = page.get_attribute("#memory-total", "data-gib")
+    page.select_option("#ctl-ep", "2")
+    model = model_preset("llama3-70b")
+    cfg = Config(model=model, parallel=Layout(dp=128, ep=2).parallel_config(),
+                 train=TrainConfig(seq_len=4096, global_batch=256, microbatches=2))
+    assert page.inner_text("#status") == "invalid: " + str(layout_errors(cfg, 128)[0])
+    assert "needs a mixture-of-experts model" in page.inner_text("#status")
+    page.select_option("#ctl-ep", "1")  # back: the figures of the valid layout again
+    assert page.get_attribute("body", "data-valid") == "true"
+    assert page.get_attribute("#memory-total", "data-gib") == before
+    assert errors == []
+
+
+@needs_chromium
+def test_report_of_a_running_run_shows_its_metrics(tmp_path, browser):
+    """Before run.json exists (the run has not finished), the page has the metrics (validation loss
+    beside the loss where logged) and says why the tables are empty."""
+    from fived.run_report import report_data
+
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(
+        {"step": s, "loss": 5.0 - s, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 100.0, "mfu": 0.01,
+         **({"val_loss": 4.5} if s == 2 else {})}) for s in (1, 2, 3)) + "\n")
+    data = report_data(str(tmp_path))
+    assert data["metrics"]["loss"] == [4.0, 3.0, 2.0] and data["metrics"]["val_step"] == [2]
+    assert data["state"] == [] and "run.json not written yet" in data["summary"]
+    assert main(["report", str(tmp_path)]) == 0
+    page, errors = open_page(browser, tmp_path / "report.html")
+    traces = page.evaluate("document.getElementById('loss-chart').data.map((t) => [t.name, t.x, t.y])")
+    assert traces == [["loss", [1, 2, 3], [4.0, 3.0, 2.0]], ["val_loss", [2], [4.5]]]
+    assert "run.json not written yet" in page.inner_text("#app") and errors == []
+
+
+def report_lines(stdout: str) -> list[tuple[int, list[int]]]:
+    """(rank, [params, grads, optimizer measured and formula]) from `fived train --report`'s table."""
+    rows = []
+    for m in re.finditer(r"rank (\d+): params ([\d,]+) \| ([\d,]+); grads ([\d,]+) \| ([\d,]+); "
+                         r"optimizer ([\d,]+) \| ([\d,]+)", stdout):
+        rows.append((int(m.group(1)), [int(g.replace(",", "")) for g in m.groups()[1:]]))
+    return rows
+
+
+@needs_chromium
+def test_report_of_a_pipeline_moe_run_shows_every_chart_and_the_report_tables(tmp_path, browser):
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src"), "OMP_NUM_THREADS": "1"}
+    train = subprocess.run([sys.executable, "-m", "fived", "train", "--model", "tiny-moe", "--pp", "2", "--ep", "2",
+                            "--dp", "2", "--nproc", "4", "--steps", "3", "--microbatches", "2", "--global-batch", "4",
+                            "--train.warmup_steps", "1", "--train.output_dir", str(run_dir), "--report"],
+                           capture_output=True, text=True, env=env, timeout=300)
+    assert train.returncode == 0, train.stderr
+    expected = report_lines(train.stdout)
+    assert len(expected) == 4
+    assert main(["report", str(run_dir)]) == 0
+    page, errors = open_page(browser, run_dir / "report.html")
+    for chart in ("loss", "lr", "grad-norm", "tokens-per-s", "mfu", "timeline", "experts"):
+        assert page.locator(f"#{chart}-chart .main-svg").count() >= 1, chart
+    rows = page.locator("#state-bytes tr").all_inner_texts()[1:]
+    table = [[int(c) for c in row.split("\t")] for row in rows]
+    # the page's columns: rank, params measured, planner, grads measured, planner, optimizer measured, planner
+    assert [(r[0], r[1:]) for r in table] == expected
+    comm = page.inner_text("#comm-bytes")
+    assert "pp/send" in comm and "all_to_all_single" in comm
+    assert "pipeline bubble of 1f1b" in page.inner_text("#pipeline")
+    loads = json.loads((run_dir / "run.json").read_text())["expert_load"]
+    assert sorted(loads) == ["0", "1", "2", "3"] and all(len(v) == 8 for v in loads.values())
+    heatmap = page.evaluate("(() => { const t = document.getElementById('experts-chart').data[0]; return [t.type, t.z]; })()")
+    assert heatmap == ["heatmap", [loads[k] for k in ("0", "1", "2", "3")]]  # every MoE layer of both stages
+    assert_not_blank(browser, page, tmp_path / "report.png")
+    assert errors == []
+
+
+def test_plan_layout_refuses_a_layout_with_the_runtimes_line(capsys):
+    """`fived plan --layout` (what the page's flags are checked against) says why, in one line."""
+    assert main(["plan", "--model", "llama3-70b", *EXPLORE, "--layout", "--parallel.ep 2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["fived: error: parallel.ep=2: needs a mixture-of-experts model (model.name=llama3-70b is dense); "
+                   "use --ep 1, or a MoE model such as --model tiny-moe"]
