@@ -107,6 +107,9 @@ class TrainConfig:
     dtype: str = "float32"  # float32 | bfloat16 (autocast compute, fp32 weights) | float64
     activation_checkpointing: str = "none"  # none | full | selective
     seed: int = 0
+    # start from these weights: a Hugging Face model directory (its config.json gives the model, its
+    # tokenizer.json the tokenizer) or a fived run/checkpoint (weights only, a fresh optimizer)
+    init_from: str = ""
     log_every: int = 10
     output_dir: str = "runs/default"
     trace: str = ""  # write the executed pipeline actions of every rank as a Chrome/Perfetto trace
