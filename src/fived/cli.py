@@ -148,6 +148,16 @@ def cmd_prepare_data(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(ns: argparse.Namespace) -> int:
+    from fived.hf.export import export
+
+    if ns.max_shard_gb <= 0:
+        raise ConfigError("--max-shard-gb", ns.max_shard_gb, "must be > 0", "e.g. 5")
+    out = export(ns.source, ns.output, int(ns.max_shard_gb * 10**9))
+    print(f"wrote a Hugging Face model directory: {out}")
+    return 0
+
+
 def _plan_model(name: str):
     """A preset name or a TOML config's [model] table."""
     from fived.config import model_preset
@@ -246,6 +256,11 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--output", required=True, help="output path (.bin; a .json sidecar is written beside it)")
     prep.add_argument("--tokenizer", default="byte", help="'byte' or a Hugging Face tokenizer.json")
     prep.set_defaults(func=cmd_prepare_data)
+    exp = sub.add_parser("export", allow_abbrev=False, help="write a run's checkpoint as a Hugging Face model directory")
+    exp.add_argument("source", help="a run directory (its newest checkpoint) or a checkpoint directory")
+    exp.add_argument("--output", required=True, help="the directory to write (new or empty)")
+    exp.add_argument("--max-shard-gb", type=float, default=5.0, help="safetensors shard size limit (default 5)")
+    exp.set_defaults(func=cmd_export)
     parser.commands = sub.choices  # (name -> its parser, for flag suggestions)
     return parser
 
