@@ -145,3 +145,22 @@ def test_init_from_fived_checkpoint_takes_weights_not_optimizer(tmp_path):
     with torch.no_grad():
         expected = lm_loss_sum(model(batch[:, :-1]), batch[:, 1:]).item() / batch[:, 1:].numel()
     assert abs(result["loss"] - expected) <= EXACT * expected
+
+
+def test_train_export_generate_never_import_transformers(tmp_path):
+    """transformers is a test/bench extra: fived's own commands work without it."""
+    import subprocess
+    import sys
+
+    save_hf_model("llama", tmp_path / "hf")
+    script = f"""
+import sys
+from fived.cli import main
+assert main(["train", "--init-from", "{tmp_path / 'hf'}", "--steps", "2", "--nproc", "1",
+             "--train.output_dir", "{tmp_path / 'run'}", "--train.seq_len", "32", "--global-batch", "4"]) == 0
+assert main(["export", "{tmp_path / 'run'}", "--output", "{tmp_path / 'out'}"]) == 0
+assert main(["generate", "{tmp_path / 'out'}", "--prompt", "hi", "--max-new-tokens", "3"]) == 0
+assert "transformers" not in sys.modules, "transformers was imported"
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
