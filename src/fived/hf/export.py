@@ -91,7 +91,14 @@ def _write_tokenizer(tokenizer: str, out: Path) -> dict:
     """tokenizer.json (+ tokenizer_config.json) in `out`; returns bos/eos ids when the tokenizer names them."""
     target = out / "tokenizer.json"
     if tokenizer == "byte":
-        byte_tokenizer().save(str(target))
+        try:
+            byte_tokenizer().save(str(target))
+        except ImportError:
+            import sys
+
+            print("fived export: tokenizer.json not written (the byte tokenizer's needs the tokenizers package: "
+                  "pip install tokenizers)", file=sys.stderr)
+            return {}
     else:
         shutil.copyfile(tokenizer, target)
     (out / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}) + "\n")
