@@ -32,6 +32,7 @@ def hf_config(kind: str, **extra):
 
     common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, intermediate_size=96, rms_norm_eps=1e-5, max_position_embeddings=256)
+    common.update({k: extra.pop(k) for k in list(extra) if k in common})
     if kind == "llama":
         return transformers.LlamaConfig(**common, **extra)
     if kind == "llama3.1":

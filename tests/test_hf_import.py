@@ -64,14 +64,22 @@ def _transformers_loss(reference, cfg) -> float:
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).item()
 
 
-@pytest.mark.parametrize("kind,layout", [
-    ("llama", dict(parallel__tp=2, parallel__pp=2, parallel__dp=1, train__microbatches=2)),
-    ("llama3.1", dict(parallel__tp=2, parallel__pp=2, parallel__dp=1, train__microbatches=2, parallel__sp=True)),
-    ("mixtral", dict(parallel__ep=2, parallel__dp=4)),  # (ep shards the dp ranks: 2 x 2)
-    ("qwen3_moe", dict(parallel__ep=2, parallel__dp=4, parallel__zero=3)),
-], ids=["llama-tp2-pp2", "llama3.1-tp2-sp-pp2", "mixtral-ep2-dp2", "qwen3moe-ep2-dp2-zero3"])
-def test_first_step_loss_is_layout_independent(kind, layout, tmp_path):
-    reference = save_hf_model(kind, tmp_path, dtype=torch.float64)
+LAYOUTS = {  # name: (kind, transformers config changes, layout)
+    "llama-tp2-pp2": ("llama", {}, dict(parallel__tp=2, parallel__pp=2, parallel__dp=1, train__microbatches=2)),
+    "llama3.1-tp2-sp-pp2": ("llama3.1", {}, dict(parallel__tp=2, parallel__pp=2, parallel__dp=1,
+                                                 train__microbatches=2, parallel__sp=True)),
+    "mixtral-ep2-dp2": ("mixtral", {}, dict(parallel__ep=2, parallel__dp=4)),  # (ep shards dp: 2 x 2)
+    "qwen3moe-ep2-dp2-zero3": ("qwen3_moe", {}, dict(parallel__ep=2, parallel__dp=4, parallel__zero=3)),
+    "mixtral-tp2-ep2": ("mixtral", {}, dict(parallel__tp=2, parallel__ep=2, parallel__dp=2)),
+    "llama-tp4-padded-vocab": ("llama", {"vocab_size": 258, "num_key_value_heads": 1}, dict(parallel__tp=4, parallel__dp=1)),
+    "llama-tp2-zero2": ("llama", {}, dict(parallel__tp=2, parallel__dp=2, parallel__zero=2)),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_first_step_loss_is_layout_independent(name, tmp_path):
+    kind, changes, layout = LAYOUTS[name]
+    reference = save_hf_model(kind, tmp_path, dtype=torch.float64, **changes)
     one, cfg = _first_loss(1, tmp_path, parallel__dp=1)
     many, _ = _first_loss(4, tmp_path, **layout)
     assert abs(many - one) <= EXACT * abs(one)
