@@ -78,22 +78,31 @@ def test_export_refuses_an_existing_directory_and_a_non_run(trained_run, tmp_pat
     assert len(capsys.readouterr().err.strip().splitlines()) == 2
 
 
-def test_moe_export_round_trip(tmp_path, caplog):
-    """A Qwen3-MoE import exported again is the same model: transformers' logits are unchanged."""
+@pytest.mark.parametrize("kind,changes,layout", [
+    ("qwen3_moe", {}, dict(parallel__ep=2, parallel__dp=2)),
+    ("llama3.1", {}, dict(parallel__tp=2, parallel__dp=1)),
+    ("llama", {"tie_word_embeddings": True}, dict(parallel__dp=2, parallel__zero=1)),
+], ids=["qwen3moe-ep2", "llama3.1-tp2", "llama-tied-zero1"])
+def test_import_train_export_round_trip(kind, changes, layout, tmp_path, caplog):
+    """A model imported, trained one step at a negligible learning rate and exported again is the same
+    model to transformers: same architecture, rope scaling and tying, the original's logits."""
     from hf_models import hf_logits, save_hf_model
 
-    reference = save_hf_model("qwen3_moe", tmp_path / "in", dtype=torch.float32)
-    cfg = tiny_config("tiny", train__steps=1, train__dtype="float32", train__lr=1e-9,
-                      train__init_from=str(tmp_path / "in"), train__output_dir=str(tmp_path / "run"),
-                      parallel__ep=2, parallel__dp=2)
     from fived.hf.init import configure_init_from
 
+    reference = save_hf_model(kind, tmp_path / "in", dtype=torch.float32, **changes)
+    cfg = tiny_config("tiny", train__steps=1, train__dtype="float32", train__lr=1e-9,
+                      train__init_from=str(tmp_path / "in"), train__output_dir=str(tmp_path / "run"), **layout)
     configure_init_from(cfg, {})
     run_on_ranks(2, run_training, cfg, True, False)
     assert main(["export", str(tmp_path / "run"), "--output", str(tmp_path / "out")]) == 0
-    assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "qwen3_moe"
+    original = json.loads((tmp_path / "in" / "config.json").read_text())
+    exported = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert exported["model_type"] == original["model_type"]
+    assert exported["tie_word_embeddings"] == original["tie_word_embeddings"]
     model = load_exported(tmp_path / "out", caplog)
-    ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(0))
+    assert model.config.rope_parameters["rope_type"] == reference.config.rope_parameters["rope_type"]
+    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(0))
     assert (hf_logits(model, ids) - hf_logits(reference, ids)).abs().max().item() <= 1e-4
 
 

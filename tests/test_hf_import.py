@@ -172,3 +172,14 @@ assert "transformers" not in sys.modules, "transformers was imported"
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_the_directory_tokenizer_becomes_the_runs(tmp_path, capsys):
+    from fived.hf.export import byte_tokenizer
+
+    save_hf_model("llama", tmp_path)
+    byte_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    cfg = tiny_config("tiny", train__init_from=str(tmp_path))
+    configure_init_from(cfg, {})
+    assert cfg.data.tokenizer == str(tmp_path / "tokenizer.json") and cfg.model.name == "hf-llama"
+    assert "data.tokenizer" in _refusal(capsys, tmp_path, "--data.tokenizer", "byte")
