@@ -172,3 +172,13 @@ def test_sampling_is_seeded_and_top_p_keeps_the_nucleus(trained_run, capsys):
     drawn = {next_token(logits, Sampling(temperature=1.0, top_p=0.7), torch.Generator().manual_seed(s))
              for s in range(200)}
     assert drawn == {0, 1}  # 0.5 + 0.3 reaches 0.7; the tail is never drawn
+
+
+def test_a_model_no_transformers_architecture_expresses_is_refused(tmp_path, capsys):
+    """tiny-moe has an ungated shared expert: neither Mixtral nor Qwen3-MoE computes it."""
+    cfg = tiny_config("tiny-moe", train__steps=1, train__output_dir=str(tmp_path / "run"), model__n_layers=1)
+    run_on_ranks(1, run_training, cfg, True, False)
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "run"), "--output", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "model.n_shared_experts" in err and not (tmp_path / "out").exists()
