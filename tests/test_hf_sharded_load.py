@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from fived.hf.init import configure_init_from
+from fived.hf.reader import HfCheckpoint
 from fived.testing import run_on_ranks, tiny_config
 from fived.train import Trainer
 
@@ -60,23 +61,36 @@ def _peak_growth(cfg) -> int:
     return grown
 
 
-def peak_growth_while_loading(cfg) -> tuple[int, int]:
+ELEMENTS_READ = [0]
+
+
+def counting_read(read):
+    def wrapped(self, name, offsets, sizes):
+        ELEMENTS_READ[0] += torch.Size(sizes).numel()
+        return read(self, name, offsets, sizes)
+    return wrapped
+
+
+def peak_growth_while_loading(cfg) -> tuple[int, int, int]:
     """Bytes by which this rank's peak resident memory grew while a trainer was built: with the
-    import, and without (after a first build, so that lazily imported modules are not counted)."""
+    import, and without (after a first build, so that lazily imported modules are not counted);
+    and the bytes it read from the files."""
     import dataclasses
 
     plain = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, init_from=""))
     _peak_growth(plain)
-    return _peak_growth(cfg), _peak_growth(plain)
+    return _peak_growth(cfg), _peak_growth(plain), ELEMENTS_READ[0] * 4
 
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc peak reset")
-def test_a_rank_holding_a_quarter_never_holds_the_whole_model(tmp_path):
+def test_a_rank_holding_a_quarter_never_holds_the_whole_model(tmp_path, monkeypatch):
+    monkeypatch.setattr(HfCheckpoint, "read", counting_read(HfCheckpoint.read))  # (the forked ranks inherit it)
     size = write_llama(tmp_path)
     cfg = tiny_config("tiny", train__steps=1, train__dtype="float32", train__init_from=str(tmp_path),
                       parallel__dp=4, parallel__zero=3)
     configure_init_from(cfg, {})
     growth = run_on_ranks(4, peak_growth_while_loading, cfg)
     print(f"model {size / 2**20:.1f} MiB; peak growth per rank (MiB) building with the import / without: "
-          + ", ".join(f"{a / 2**20:.1f}/{b / 2**20:.1f}" for a, b in growth))
-    assert max(a for a, _ in growth) < size
+          + ", ".join(f"{a / 2**20:.1f}/{b / 2**20:.1f}" for a, b, _ in growth))
+    assert [read for _, _, read in growth] == [size // 4] * 4  # each rank read exactly its quarter
+    assert max(a for a, _, _ in growth) < size / 2

@@ -45,9 +45,14 @@ class HfCheckpoint:
         return tuple(self._open(self.files[name]).get_slice(name).get_shape())
 
     def read(self, name: str, offsets, sizes) -> torch.Tensor:
-        """The box [offsets, offsets + sizes) of tensor `name`."""
-        part = self._open(self.files[name]).get_slice(name)
-        return part[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
+        """The box [offsets, offsets + sizes) of tensor `name`, copied out of the file's mapping."""
+        from safetensors import safe_open
+
+        # A handle per read: the slice is a view of the mapped file, and the pages it touched stay
+        # in this process's memory until the mapping goes; this way they go with each tensor.
+        with safe_open(str(self.files[name]), framework="pt") as f:
+            part = f.get_slice(name)
+            return part[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))].clone()
 
     def read_box(self, source: Source, offsets, sizes) -> torch.Tensor:
         """The box of a fived tensor: read directly, or gathered from the per-expert tensors it stacks
