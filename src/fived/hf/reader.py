@@ -18,6 +18,7 @@ from fived.hf.names import Source
 class HfCheckpoint:
     def __init__(self, directory: str | Path):
         self.directory = Path(directory)
+        self._headers: dict[Path, object] = {}  # open handles, for names and shapes only (no data read)
         index = self.directory / "model.safetensors.index.json"
         if index.is_file():
             weight_map = json.loads(index.read_text())["weight_map"]
@@ -25,24 +26,21 @@ class HfCheckpoint:
         else:
             self.files = {}
             for path in sorted(self.directory.glob("*.safetensors")):
-                for name in self._open(path).keys():
+                for name in self._header(path).keys():
                     self.files[name] = path
-        self._handles: dict[Path, object] = {}
 
-    def _open(self, path: Path):
+    def _header(self, path: Path):
         from safetensors import safe_open
 
-        if not hasattr(self, "_handles"):
-            self._handles = {}
-        if path not in self._handles:
-            self._handles[path] = safe_open(str(path), framework="pt")
-        return self._handles[path]
+        if path not in self._headers:
+            self._headers[path] = safe_open(str(path), framework="pt")
+        return self._headers[path]
 
     def names(self) -> set[str]:
         return set(self.files)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._open(self.files[name]).get_slice(name).get_shape())
+        return tuple(self._header(self.files[name]).get_slice(name).get_shape())
 
     def read(self, name: str, offsets, sizes) -> torch.Tensor:
         """The box [offsets, offsets + sizes) of tensor `name`, copied out of the file's mapping."""
