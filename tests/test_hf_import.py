@@ -183,3 +183,17 @@ def test_the_directory_tokenizer_becomes_the_runs(tmp_path, capsys):
     configure_init_from(cfg, {})
     assert cfg.data.tokenizer == str(tmp_path / "tokenizer.json") and cfg.model.name == "hf-llama"
     assert "data.tokenizer" in _refusal(capsys, tmp_path, "--data.tokenizer", "byte")
+
+
+def test_a_tensor_fived_has_no_place_for_is_refused(tmp_path, capsys):
+    """A bias in the files (whatever config.json says) is an architecture difference, refused by name."""
+    from safetensors.torch import load_file, save_file
+
+    save_hf_model("llama", tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    tensors["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(64)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    assert "model.layers.0.self_attn.q_proj.bias" in _refusal(capsys, tmp_path)
+    del tensors["model.layers.0.self_attn.q_proj.bias"], tensors["model.norm.weight"]
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    assert "model.norm.weight is missing" in _refusal(capsys, tmp_path)
