@@ -129,13 +129,16 @@ def export_kind(cfg: ModelConfig) -> str:
     """The Hugging Face architecture that computes what `cfg` computes (Llama or Qwen3 when dense;
     Mixtral or Qwen3-MoE with experts), or a ConfigError naming the field none of them has."""
     if cfg.rope_scaling != "none" and cfg.qk_norm:
-        raise ConfigError("model.rope_scaling", cfg.rope_scaling, "is Llama 3.1's; Qwen3 (q/k norms) has none",
-                          "export a model trained with --model.rope_scaling none")
+        raise ConfigError("model.rope_scaling", cfg.rope_scaling, "fived exports Llama 3.1's rope scaling as "
+                          "Llama or Mixtral only, which have no q/k norms", "export a model without --model.qk_norm")
     if not cfg.is_moe:
         return "qwen3" if cfg.qk_norm else "llama"
     if cfg.n_shared_experts:
         raise ConfigError("model.n_shared_experts", cfg.n_shared_experts, "Mixtral and Qwen3-MoE have no "
                           "ungated shared experts", "export a model trained with --model.n_shared_experts 0")
+    if cfg.router_bias_rate > 0:
+        raise ConfigError("model.router_bias_rate", cfg.router_bias_rate, "the learned expert-selection biases "
+                          "have no place in Mixtral's or Qwen3-MoE's router", "export a model trained with 0")
     if cfg.qk_norm:
         return "qwen3_moe"
     if not cfg.route_norm or cfg.n_dense_layers:
