@@ -116,7 +116,7 @@ def test_generate_greedy_equals_transformers(trained_run, tmp_path, capsys):
     """Greedy ids from the run, and from its export, equal transformers' generate(do_sample=False)."""
     run, _ = trained_run
     main(["export", str(run), "--output", str(tmp_path / "hf")])
-    prompt = "The parallel "
+    prompt = "Return th"  # (20 steps mostly predict spaces; this prompt gets an "e" first)
     from_run = _generate_json(capsys, run, prompt, "--max-new-tokens", "24")
     from_export = _generate_json(capsys, tmp_path / "hf", prompt, "--max-new-tokens", "24")
     assert from_run["prompt_ids"] == list(prompt.encode())
@@ -124,6 +124,7 @@ def test_generate_greedy_equals_transformers(trained_run, tmp_path, capsys):
     ids = torch.tensor([from_run["prompt_ids"]])
     expected = model.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=0)[0, ids.shape[1]:].tolist()
     assert from_run["generated_ids"] == expected == from_export["generated_ids"]
+    assert len(set(expected)) > 1
 
 
 @pytest.mark.parametrize("kind", ["llama3.1", "mixtral"])
