@@ -90,7 +90,11 @@ def test_import_train_export_round_trip(kind, changes, layout, tmp_path, caplog)
 
     from fived.hf.init import configure_init_from
 
+    from fived.hf.config_map import special_token_ids
+    from fived.hf.export import byte_tokenizer
+
     reference = save_hf_model(kind, tmp_path / "in", dtype=torch.float32, **changes)
+    byte_tokenizer().save(str(tmp_path / "in" / "tokenizer.json"))  # (the run's tokenizer: bos/eos travel)
     cfg = tiny_config("tiny", train__steps=1, train__dtype="float32", train__lr=1e-9,
                       train__init_from=str(tmp_path / "in"), train__output_dir=str(tmp_path / "run"), **layout)
     configure_init_from(cfg, {})
@@ -100,6 +104,7 @@ def test_import_train_export_round_trip(kind, changes, layout, tmp_path, caplog)
     exported = json.loads((tmp_path / "out" / "config.json").read_text())
     assert exported["model_type"] == original["model_type"]
     assert exported["tie_word_embeddings"] == original["tie_word_embeddings"]
+    assert special_token_ids(tmp_path / "out") == special_token_ids(tmp_path / "in")
     model = load_exported(tmp_path / "out", caplog)
     assert model.config.rope_parameters["rope_type"] == reference.config.rope_parameters["rope_type"]
     ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(0))

@@ -89,16 +89,20 @@ def load_model(source: str, dtype: torch.dtype, device: str):
         from fived.hf.config_map import model_config_from_hf, read_config
         from fived.hf.init import whole_state
 
-        hf = read_config(source)
-        cfg = model_config_from_hf(hf, source)
+        from fived.hf.config_map import special_token_ids
+
+        cfg = model_config_from_hf(read_config(source), source)
         state = whole_state(source, cfg, dtype)
         tokenizer = Path(source) / "tokenizer.json"
         tokenizer = str(tokenizer) if tokenizer.is_file() else "byte"
-        stop = hf.get("eos_token_id")
-        stop_ids = set(stop if isinstance(stop, list) else [] if stop is None else [stop])
+        stop = special_token_ids(source).get("eos_token_id")
     else:
-        cfg, state, tokenizer = _checkpoint_state(source)
-        stop_ids = set()
+        from fived.hf.export import run_special_tokens
+
+        run, state = _checkpoint_state(source)
+        cfg, tokenizer = run.model, run.data.tokenizer
+        stop = run_special_tokens(run).get("eos_token_id")
+    stop_ids = set(stop if isinstance(stop, list) else [] if stop is None else [stop])
     model = build_model(cfg, "meta", dtype)
     materialize(model, device)
     for _, buffer in model.named_buffers():
@@ -124,4 +128,4 @@ def _checkpoint_state(source: str):
     meta = build_model(cfg.model)
     names = [canonical_name(n) for n, _ in [*meta.named_parameters(), *meta.named_buffers()]]
     whole = dcp_io.read_whole(checkpoint, [f"model.{n}" for n in names])
-    return cfg.model, {n: whole[f"model.{n}"] for n in names}, cfg.data.tokenizer
+    return cfg, {n: whole[f"model.{n}"] for n in names}

@@ -34,6 +34,20 @@ def read_config(directory: str | Path) -> dict:
                           "give a Hugging Face model directory (config.json + *.safetensors)") from None
 
 
+SPECIAL_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def special_token_ids(directory: str | Path) -> dict:
+    """bos/eos/pad ids a Hugging Face directory names (generation_config.json first, then config.json)."""
+    out = {}
+    for file in ("config.json", "generation_config.json"):
+        path = Path(directory) / file
+        if path.is_file():
+            values = json.loads(path.read_text())
+            out.update({k: values[k] for k in SPECIAL_TOKENS if values.get(k) is not None})
+    return out
+
+
 def rope_parameters(hf: dict) -> dict:
     """transformers 5 writes `rope_parameters` (theta inside); older files `rope_theta` + `rope_scaling`."""
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})

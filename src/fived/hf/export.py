@@ -79,7 +79,8 @@ def export(source: str, output: str, max_shard_bytes: int = SHARD_BYTES) -> Path
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(size for _, _, size in tensors)}, "weight_map": weight_map}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1) + "\n")
-    special = _write_tokenizer(cfg.data.tokenizer, out)
+    _write_tokenizer(cfg.data.tokenizer, out)
+    special = run_special_tokens(cfg)
     config = hf_config_from_model(cfg.model, str(dtype).removeprefix("torch."), special)
     (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")
     generation = {"do_sample": False, **special}
@@ -87,8 +88,20 @@ def export(source: str, output: str, max_shard_bytes: int = SHARD_BYTES) -> Path
     return out
 
 
-def _write_tokenizer(tokenizer: str, out: Path) -> dict:
-    """tokenizer.json (+ tokenizer_config.json) in `out`; returns bos/eos ids when the tokenizer names them."""
+def run_special_tokens(cfg) -> dict:
+    """bos/eos/pad ids of a run that started from a Hugging Face directory with its tokenizer (the
+    byte tokenizer has none)."""
+    from fived.hf.config_map import special_token_ids
+    from fived.hf.init import is_hf_directory
+
+    source = cfg.train.init_from
+    if source and is_hf_directory(source) and Path(cfg.data.tokenizer).parent == Path(source):
+        return special_token_ids(source)
+    return {}
+
+
+def _write_tokenizer(tokenizer: str, out: Path) -> None:
+    """tokenizer.json (+ tokenizer_config.json) in `out`."""
     target = out / "tokenizer.json"
     if tokenizer == "byte":
         try:
@@ -98,11 +111,10 @@ def _write_tokenizer(tokenizer: str, out: Path) -> dict:
 
             print("fived export: tokenizer.json not written (the byte tokenizer's needs the tokenizers package: "
                   "pip install tokenizers)", file=sys.stderr)
-            return {}
+            return
     else:
         shutil.copyfile(tokenizer, target)
     (out / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}) + "\n")
-    return {}
 
 
 def byte_to_char() -> dict[int, str]:
