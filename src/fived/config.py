@@ -37,6 +37,15 @@ class ModelConfig:
     n_kv_heads: int = 2
     ffn_dim: int = 128  # SwiGLU hidden size of the dense feed-forward
     rope_theta: float = 10000.0
+    # Llama 3.1's rotary scaling ("llama3": long wavelengths divided by rope_factor, a smooth ramp
+    # between rope_original_max_len/rope_low_freq_factor and .../rope_high_freq_factor); "none": plain
+    rope_scaling: str = "none"
+    rope_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
+    head_size: int = 0  # features per attention head; 0 = dim // n_heads (Qwen3 sets its own)
+    qk_norm: bool = False  # RMSNorm over each query and key head before the rotation (Qwen3)
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
@@ -53,7 +62,7 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.head_size or self.dim // self.n_heads
 
     @property
     def is_moe(self) -> bool:
@@ -98,6 +107,9 @@ class TrainConfig:
     dtype: str = "float32"  # float32 | bfloat16 (autocast compute, fp32 weights) | float64
     activation_checkpointing: str = "none"  # none | full | selective
     seed: int = 0
+    # start from these weights: a Hugging Face model directory (its config.json gives the model, its
+    # tokenizer.json the tokenizer) or a fived run/checkpoint (weights only, a fresh optimizer)
+    init_from: str = ""
     log_every: int = 10
     output_dir: str = "runs/default"
     trace: str = ""  # write the executed pipeline actions of every rank as a Chrome/Perfetto trace

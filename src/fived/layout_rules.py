@@ -140,13 +140,18 @@ def _data_rules(need, m, p, t, dp: int) -> None:
 def _model_errors(cfg: Config) -> list[ConfigError]:
     m, t, c = cfg.model, cfg.train, cfg.checkpoint
     checks = [
-        (m.dim % m.n_heads == 0, "model.dim", m.dim, f"must be divisible by model.n_heads={m.n_heads}",
+        (m.head_size > 0 or m.dim % m.n_heads == 0, "model.dim", m.dim, f"must be divisible by model.n_heads={m.n_heads}",
          f"e.g. --model.dim {nearest_multiple(m.dim, m.n_heads)}"),
         (m.n_heads % max(m.n_kv_heads, 1) == 0 and m.n_kv_heads >= 1, "model.n_kv_heads", m.n_kv_heads,
          f"must be >= 1 and divide model.n_heads={m.n_heads}",
          f"e.g. --model.n_kv_heads {largest_divisor(m.n_heads, max(m.n_kv_heads, 1))}"),
         (m.head_dim % 2 == 0, "model.dim", m.dim, "dim/n_heads must be even for rotary embeddings",
          f"e.g. --model.dim {nearest_multiple(m.dim, 2 * m.n_heads)}"),
+        (m.rope_scaling in ("none", "llama3"), "model.rope_scaling", m.rope_scaling, "must be none or llama3",
+         "e.g. --model.rope_scaling none"),
+        (m.rope_scaling == "none" or m.rope_high_freq_factor > m.rope_low_freq_factor > 0, "model.rope_high_freq_factor",
+         m.rope_high_freq_factor, f"must exceed model.rope_low_freq_factor={m.rope_low_freq_factor} (> 0)",
+         "e.g. --model.rope_high_freq_factor 4"),
         (not m.is_moe or 1 <= m.top_k <= m.n_experts, "model.top_k", m.top_k, f"must be in 1..n_experts={m.n_experts}",
          f"e.g. --model.top_k {min(2, max(m.n_experts, 1))}"),
         (t.dtype in DTYPES, "train.dtype", t.dtype, "must be one of " + ", ".join(DTYPES), "e.g. --dtype float32"),

@@ -16,9 +16,23 @@ from torch import nn
 from fived.config import ModelConfig
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+def rope_frequencies(cfg: ModelConfig, device=None) -> torch.Tensor:
+    """Rotary inverse frequencies (float64), with Llama 3.1's scaling when cfg.rope_scaling is "llama3":
+    wavelengths longer than original/low_freq_factor are stretched by rope_factor, shorter than
+    original/high_freq_factor kept, and the band between interpolated linearly in 1/wavelength."""
+    head_dim = cfg.head_dim
+    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim)
+    if cfg.rope_scaling == "none":
+        return inv_freq
+    wavelen = 2 * math.pi / inv_freq
+    original, low, high = cfg.rope_original_max_len, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    smooth = ((original / wavelen - low) / (high - low)).clamp(0.0, 1.0)
+    return (1 - smooth) * inv_freq / cfg.rope_factor + smooth * inv_freq
+
+
+def rope_cos_sin(positions: torch.Tensor, cfg: ModelConfig, dtype: torch.dtype):
     """cos/sin tables for rotary embeddings at the given (global) positions, shape [s, head_dim]."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float64) / head_dim)
+    inv_freq = rope_frequencies(cfg, positions.device)
     angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
@@ -61,12 +75,17 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
         self.core = CausalAttentionCore()
+        # Qwen3: each query and key head normalised before the rotation (weights shared by heads)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         q = self.wq(x).view(b, s, -1, self.head_dim)
         k = self.wk(x).view(b, s, -1, self.head_dim)
         v = self.wv(x).view(b, s, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         out = self.core(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
         return self.wo(out.reshape(b, s, -1))
 
@@ -240,7 +259,7 @@ class Transformer(nn.Module):
             seq_len = tokens.shape[1] * (1 if self.tok_embeddings is not None else self.sequence_shards)
             positions = torch.arange(seq_len, device=h.device)
         positions = positions.to(h.device)
-        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, h.dtype)
+        cos, sin = rope_cos_sin(positions, self.cfg, h.dtype)
         for layer in self.layers.values():
             h = layer(h, cos, sin)
         h = self.norm(h) if self.norm is not None else h

@@ -19,6 +19,7 @@ SHORT_FLAGS = {
     "--microbatches": "train.microbatches", "--steps": "train.steps", "--seed": "train.seed",
     "--dtype": "train.dtype", "--seq-len": "train.seq_len", "--global-batch": "train.global_batch",
     "--trace": "train.trace", "--pp-layers": "parallel.pp_layers", "--max-restarts": "train.max_restarts",
+    "--init-from": "train.init_from",
 }
 
 
@@ -106,8 +107,12 @@ def load_run(ns: argparse.Namespace, default_world: int, defaults: dict | None =
     from fived.mesh import resolve_dp
 
     cfg = build_from_args(ns, defaults)
-    # a token file's sidecar names its tokenizer and vocabulary: used unless given
-    adopt_token_metadata(cfg, set(overrides_of(ns)) | set(file_overrides(ns.config)))
+    if cfg.train.init_from:  # the model (and tokenizer) come from the weights
+        from fived.hf.init import configure_init_from
+
+        configure_init_from(cfg, {**file_overrides(ns.config), **overrides_of(ns)})
+    else:  # a token file's sidecar names its tokenizer and vocabulary: used unless given
+        adopt_token_metadata(cfg, set(overrides_of(ns)) | set(file_overrides(ns.config)))
     world = world_size(cfg, ns.nproc, default_world)
     layout = getattr(ns, "layout", None)
     if layout is not None:

@@ -77,6 +77,10 @@ class Trainer:
         for chunk in chunks:
             materialize(chunk, self.device)
             init_weights(chunk, t.seed, self.plan.local_init)
+        if t.init_from and not resume:  # (a resumed run's checkpoint holds the weights)
+            from fived.hf.init import load_initial_weights
+
+            load_initial_weights(t.init_from, self.plan, chunks, cfg.model)
         modules = self.dp.wrap(chunks)  # what forward is called on (DDP wraps)
         self.model = modules[0]
         # Bytes saved for backward per micro-batch, measured on the first step: its first micro-batch,

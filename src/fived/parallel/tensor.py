@@ -156,6 +156,8 @@ class TensorParallel:
             for proj in ("wk", "wv"):
                 self._split(getattr(att, proj), "weight", pre + f"attention.{proj}.weight", **kv)
             self._split(att.wo, "weight", pre + "attention.wo.weight", 1)
+            if cfg.qk_norm:  # replicated, but each rank's heads give it a part of its gradient
+                self.partial_grads |= {pre + "attention.q_norm.weight", pre + "attention.k_norm.weight"}
             self._region(att)
             ff = block.feed_forward
             if isinstance(ff, MoE):

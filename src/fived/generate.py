@@ -1,0 +1,131 @@
+"""`fived generate SOURCE --prompt TEXT`: continue a prompt with a trained model, in one process
+(CPU or one GPU). SOURCE is a run directory or checkpoint (its newest complete one; whatever layout
+wrote it), or a Hugging Face model directory.
+
+Greedy by default; --temperature T > 0 samples (after --top-p nucleus filtering) with --seed.
+Keys and values are cached: the prompt runs once, then each step runs only the new token. The cache
+is a replacement of each attention's core (the same seam context parallelism uses), so the model
+code knows nothing of generation.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fived.config import ConfigError
+
+
+class KVCachedAttentionCore(nn.Module):
+    """Causal attention over every position seen so far: keeps the keys and values of earlier calls;
+    a call's queries are the positions that follow them."""
+
+    def __init__(self):
+        super().__init__()
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.keys is not None:
+            k, v = torch.cat([self.keys, k], dim=1), torch.cat([self.values, v], dim=1)
+        self.keys, self.values = k, v
+        total, new = k.shape[1], q.shape[1]
+        query_pos = torch.arange(total - new, total, device=q.device)
+        visible = torch.arange(total, device=q.device)[None, :] <= query_pos[:, None]  # [new, total]
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=q.shape[1] != k.shape[1])
+        return out.transpose(1, 2)
+
+
+@dataclass
+class Sampling:
+    max_new_tokens: int = 64
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    seed: int = 0
+
+
+def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> int:
+    """Greedy, or a draw from the smallest set of most likely tokens whose probability reaches top_p."""
+    if sampling.temperature <= 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.double() / sampling.temperature, dim=-1)
+    ordered, order = probs.sort(descending=True)
+    keep = (ordered.cumsum(0) - ordered) < sampling.top_p  # (the most likely token always stays)
+    kept = ordered * keep
+    choice = torch.multinomial((kept / kept.sum()).cpu(), 1, generator=generator)
+    return int(order[choice.to(order.device)])
+
+
+@torch.no_grad()
+def generate(model: nn.Module, prompt: list[int], sampling: Sampling, stop_ids: set[int] = frozenset()) -> list[int]:
+    """The ids generated after `prompt` (at most max_new_tokens; ends early at a stop id)."""
+    model.eval()
+    for block in model.layers.values():
+        block.attention.core = KVCachedAttentionCore()
+    device = next(model.parameters()).device
+    generator = torch.Generator().manual_seed(sampling.seed)
+    logits = model(torch.tensor([prompt], device=device), positions=torch.arange(len(prompt), device=device))
+    out: list[int] = []
+    while len(out) < sampling.max_new_tokens:
+        token = next_token(logits[0, -1], sampling, generator)
+        out.append(token)
+        if token in stop_ids:
+            break
+        position = torch.tensor([len(prompt) + len(out) - 1], device=device)
+        logits = model(torch.tensor([[token]], device=device), positions=position)
+    return out
+
+
+def load_model(source: str, dtype: torch.dtype, device: str):
+    """(model, tokenizer name or path, stop ids) from a run, a checkpoint or a Hugging Face directory."""
+    from fived.hf.init import is_hf_directory
+    from fived.model import build_model, materialize
+
+    if is_hf_directory(source):
+        from fived.hf.config_map import model_config_from_hf, read_config
+        from fived.hf.init import whole_state
+
+        from fived.hf.config_map import special_token_ids
+
+        cfg = model_config_from_hf(read_config(source), source)
+        state = whole_state(source, cfg, dtype)
+        tokenizer = Path(source) / "tokenizer.json"
+        tokenizer = str(tokenizer) if tokenizer.is_file() else "byte"
+        stop = special_token_ids(source).get("eos_token_id")
+    else:
+        from fived.hf.export import run_special_tokens
+
+        run, state = _checkpoint_state(source)
+        cfg, tokenizer = run.model, run.data.tokenizer
+        stop = run_special_tokens(run).get("eos_token_id")
+    stop_ids = set(stop if isinstance(stop, list) else [] if stop is None else [stop])
+    model = build_model(cfg, "meta", dtype)
+    materialize(model, device)
+    for _, buffer in model.named_buffers():
+        buffer.zero_()
+    missing, _ = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not m.endswith("router_bias") and not (cfg.tie_embeddings and m == "output.weight")]
+    if missing:
+        raise ConfigError("source", source, f"has no value for {missing[0]}", "give a complete model")
+    return model, tokenizer, stop_ids
+
+
+def _checkpoint_state(source: str):
+    from fived import dcp_io
+    from fived.checkpoint import find_checkpoint, read_manifest
+    from fived.config import config_from_dict
+    from fived.model import build_model, canonical_name
+
+    checkpoint = find_checkpoint(source) if Path(source).is_dir() else None
+    if checkpoint is None:
+        raise ConfigError("source", source, "is neither a fived run or checkpoint nor a Hugging Face model "
+                          "directory (config.json)", "give one of those")
+    cfg = config_from_dict(read_manifest(checkpoint)["config"])
+    meta = build_model(cfg.model)
+    names = [canonical_name(n) for n, _ in [*meta.named_parameters(), *meta.named_buffers()]]
+    whole = dcp_io.read_whole(checkpoint, [f"model.{n}" for n in names])
+    return cfg, {n: whole[f"model.{n}"] for n in names}

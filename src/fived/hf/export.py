@@ -1,0 +1,142 @@
+"""`fived export RUN_OR_CHECKPOINT --output DIR`: a Hugging Face model directory that
+`transformers.AutoModelForCausalLM.from_pretrained` loads as it is.
+
+Writes config.json (Llama, Qwen3, Mixtral or Qwen3-MoE: whichever computes what the run's model
+computes), model.safetensors (or shards of at most `max_shard_bytes` with
+model.safetensors.index.json), generation_config.json and the tokenizer (the run's tokenizer.json,
+or one that reproduces fived's byte tokenizer). Streams: one whole tensor is read from the
+checkpoint (whatever layout wrote it), converted and written before the next is read.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from fived.config import ConfigError
+from fived.hf.config_map import export_kind, hf_config_from_model
+from fived.hf.names import fived_to_hf, hf_source
+from fived.hf.safetensors_out import StreamingSafetensorsWriter
+
+SHARD_BYTES = 5 * 10**9  # transformers' own default shard size
+
+
+def _hf_entries(name: str, shape: tuple[int, ...], cfg, kind: str) -> list[tuple[str, tuple[int, ...]]]:
+    source = hf_source(name, kind)
+    if source.name:
+        return [(source.name, shape)]
+    return [(hf, (shape[2], shape[1])) for hf in source.expert_names(cfg.n_experts)]
+
+
+def _shards(tensors: list[tuple[str, list, int]], max_bytes: int) -> list[list]:
+    """Consecutive fived tensors grouped into files of at most max_bytes (a larger tensor alone)."""
+    shards, size = [[]], 0
+    for entry in tensors:
+        if shards[-1] and size + entry[2] > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += entry[2]
+    return shards
+
+
+def export(source: str, output: str, max_shard_bytes: int = SHARD_BYTES) -> Path:
+    from fived import dcp_io
+    from fived.checkpoint import find_checkpoint, read_manifest
+    from fived.config import config_from_dict
+    from fived.model import build_model, canonical_name
+
+    checkpoint = find_checkpoint(source) if Path(source).is_dir() else None
+    if checkpoint is None:
+        raise ConfigError("source", source, "holds no complete fived checkpoint (checkpoints/step-<N>/COMPLETE)",
+                          "give a run directory or one of its checkpoints")
+    out = Path(output)
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError("--output", output, "exists and is not empty; fived does not overwrite", "name a new directory")
+    cfg = config_from_dict(read_manifest(checkpoint)["config"])
+    kind = export_kind(cfg.model)
+    dtype = torch.float64 if cfg.train.dtype == "float64" else torch.float32  # (bf16 runs keep fp32 weights)
+    tensors = []
+    for raw, param in build_model(cfg.model).named_parameters():
+        name = canonical_name(raw)
+        tensors.append((name, _hf_entries(name, tuple(param.shape), cfg.model, kind), param.numel() * dtype.itemsize))
+    out.mkdir(parents=True, exist_ok=True)
+    shards = _shards(tensors, max_shard_bytes)
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        writer = StreamingSafetensorsWriter(out / file, [(hf, shape, dtype) for _, entries, _ in shard
+                                                          for hf, shape in entries])
+        for name, entries, _ in shard:
+            whole = dcp_io.read_whole(checkpoint, [f"model.{name}"])[f"model.{name}"].to(dtype)
+            for hf, tensor in fived_to_hf(name, whole, cfg.model, kind):
+                writer.write(hf, tensor)
+                weight_map[hf] = file
+            del whole
+        writer.close()
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(size for _, _, size in tensors)}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1) + "\n")
+    _write_tokenizer(cfg.data.tokenizer, out)
+    special = run_special_tokens(cfg)
+    config = hf_config_from_model(cfg.model, str(dtype).removeprefix("torch."), special)
+    (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+    generation = {"do_sample": False, **special}
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=1) + "\n")
+    return out
+
+
+def run_special_tokens(cfg) -> dict:
+    """bos/eos/pad ids of a run that started from a Hugging Face directory with its tokenizer (the
+    byte tokenizer has none)."""
+    from fived.hf.config_map import special_token_ids
+    from fived.hf.init import is_hf_directory
+
+    source = cfg.train.init_from
+    if source and is_hf_directory(source) and Path(cfg.data.tokenizer).parent == Path(source):
+        return special_token_ids(source)
+    return {}
+
+
+def _write_tokenizer(tokenizer: str, out: Path) -> None:
+    """tokenizer.json (+ tokenizer_config.json) in `out`."""
+    target = out / "tokenizer.json"
+    if tokenizer == "byte":
+        try:
+            byte_tokenizer().save(str(target))
+        except ImportError:
+            import sys
+
+            print("fived export: tokenizer.json not written (the byte tokenizer's needs the tokenizers package: "
+                  "pip install tokenizers)", file=sys.stderr)
+            return
+    else:
+        shutil.copyfile(tokenizer, target)
+    (out / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}) + "\n")
+
+
+def byte_to_char() -> dict[int, str]:
+    """Each byte as a printable character (the byte-level alphabet: printable Latin-1 bytes stand for
+    themselves, the others are moved to code points 256 and up, in byte order)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+def byte_tokenizer():
+    """A Hugging Face tokenizer whose ids are UTF-8 bytes: fived's byte tokenizer, for other tools."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {char: b for b, char in byte_to_char().items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok

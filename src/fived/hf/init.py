@@ -1,0 +1,160 @@
+"""`fived train --init-from SOURCE`: start from a Hugging Face model directory or a fived
+checkpoint (weights only; the optimizer starts fresh: fine-tuning).
+
+Before any rank starts, `configure_init_from` takes the model config from the source (and its
+tokenizer), refusing flags that contradict it. On each rank, after the model is built and
+initialised, `load_initial_weights` fills what the rank holds: from a Hugging Face directory each
+parameter's box (its placement: tp/ep slice, ZeRO-3 rows, padding left out) is read with
+safetensors slices, so no rank reads more than its share of a tensor; from a fived checkpoint DCP
+reads the model's entries by the same placements.
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from fived.config import ConfigError, ModelConfig
+from fived.hf.config_map import model_config_from_hf, read_config
+from fived.hf.names import hf_source
+from fived.hf.reader import HfCheckpoint
+
+# Model fields that do not change what the imported weights compute: a run may still set them.
+TRAINING_ONLY = {"init_std", "aux_loss_coef", "router_bias_rate", "capacity_factor"}
+
+
+def is_hf_directory(path: str | Path) -> bool:
+    return (Path(path) / "config.json").is_file()
+
+
+def source_model(source: str) -> tuple[ModelConfig, str | None]:
+    """(model config, tokenizer path or None) of an --init-from source; ConfigError if unusable."""
+    from fived.checkpoint import find_checkpoint, read_manifest
+    from fived.config import config_from_dict
+
+    if is_hf_directory(source):
+        model = model_config_from_hf(read_config(source), source)
+        tokenizer = Path(source) / "tokenizer.json"
+        return model, str(tokenizer) if tokenizer.is_file() else None
+    checkpoint = find_checkpoint(source) if Path(source).is_dir() else None
+    if checkpoint is None:
+        raise ConfigError("--init-from", source, "is neither a Hugging Face model directory (config.json) nor a "
+                          "fived run or checkpoint (checkpoints/step-<N>/COMPLETE)", "give one of those")
+    saved = config_from_dict(read_manifest(checkpoint)["config"])
+    return saved.model, saved.data.tokenizer
+
+
+def configure_init_from(cfg, given: dict) -> None:
+    """cfg.model (and data.tokenizer) from cfg.train.init_from; given flags that contradict it are refused."""
+    source = cfg.train.init_from
+    model, tokenizer = source_model(source)
+    for key, value in given.items():
+        section, _, name = key.partition(".")
+        if section != "model" or name in TRAINING_ONLY:
+            continue
+        field = "model.name" if name == "name" else key
+        mine = getattr(model, name, None)
+        if name == "name" or getattr(cfg.model, name) != mine:
+            raise ConfigError(field, value, f"the model comes from --init-from {source} ({name}={mine})",
+                              "drop the flag")
+    for name in TRAINING_ONLY:
+        setattr(model, name, getattr(cfg.model, name))
+    cfg.model = model
+    if is_hf_directory(source):
+        check_hf_names(source, model, read_config(source)["model_type"])
+    else:
+        from fived.checkpoint import check_model_shapes, find_checkpoint
+
+        check_model_shapes(cfg, find_checkpoint(source))
+    if tokenizer:
+        if "data.tokenizer" in given and given["data.tokenizer"] != tokenizer:
+            raise ConfigError("data.tokenizer", given["data.tokenizer"], f"the tokenizer comes from --init-from "
+                              f"{source} ({tokenizer})", "drop the flag")
+        cfg.data.tokenizer = tokenizer
+
+
+def stored_region(placement) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(offsets, sizes) in the whole tensor of what a parameter stores here, padding left out (its
+    first `sizes` elements along each dimension are real; the rest is padding)."""
+    offsets, sizes = list(placement.local.offsets), list(placement.local.sizes)
+    if placement.rows is not None:
+        offsets[0] += placement.rows[0]
+        sizes[0] = placement.rows[1] - placement.rows[0]
+    sizes = [max(0, min(o + s, g) - o) for o, s, g in zip(offsets, sizes, placement.global_shape)]
+    return tuple(offsets), tuple(sizes)
+
+
+@torch.no_grad()
+def fill_from_hf(directory: str | Path, kind: str, targets) -> None:
+    """targets: (canonical name, placement, tensor it stores); each tensor's region read from the files."""
+    checkpoint = HfCheckpoint(directory)
+    for name, placement, stored in targets:
+        offsets, sizes = stored_region(placement)
+        if 0 in sizes:
+            continue
+        value = checkpoint.read_box(hf_source(name, kind), offsets, sizes)
+        stored[tuple(slice(0, s) for s in sizes)].copy_(value)
+
+
+def check_hf_names(directory: str | Path, cfg: ModelConfig, kind: str) -> None:
+    """Every tensor the model needs is in the files with its shape, and nothing else is (one line)."""
+    from fived.model import build_model, canonical_name
+
+    checkpoint = HfCheckpoint(directory)
+    expected = {}
+    for raw, param in build_model(cfg).named_parameters():
+        source = hf_source(canonical_name(raw), kind)
+        if source.name:
+            expected[source.name] = tuple(param.shape)
+        else:
+            for hf in source.expert_names(cfg.n_experts):
+                expected[hf] = tuple(param.shape[2:0:-1])
+    have = checkpoint.names()
+    for name, shape in expected.items():
+        if name not in have or checkpoint.shape(name) != shape:
+            found = "missing" if name not in have else f"of shape {list(checkpoint.shape(name))}"
+            raise ConfigError("--init-from", str(directory), f"tensor {name} is {found}; config.json implies "
+                              f"{list(shape)}", "give a complete model directory")
+    extra = sorted(have - set(expected) - ({"lm_head.weight"} if cfg.tie_embeddings else set()))
+    if extra:
+        raise ConfigError("--init-from", str(directory), f"tensor {extra[0]} has no place in fived's model "
+                          "(an architecture difference)", "fived imports Llama, Qwen3, Mixtral and Qwen3-MoE")
+
+
+def load_initial_weights(source: str, plan, chunks, cfg: ModelConfig) -> None:
+    """Fill every parameter this rank holds from `source` (every rank calls this, before data
+    parallelism wraps the chunks: a ZeRO-1/2 parameter is still whole here, a ZeRO-3 one its rows)."""
+    from fived.ledger import local_tensor
+    from fived.model import canonical_name
+
+    params = {canonical_name(raw): p for chunk in chunks for raw, p in chunk.named_parameters()}
+    targets = [(name, dataclasses.replace(plan.placements[name], flat=None), local_tensor(param).detach())
+               for name, param in params.items()]
+    if is_hf_directory(source):
+        fill_from_hf(source, read_config(source)["model_type"], targets)
+        return
+    from fived import dcp_io
+    from fived.checkpoint import find_checkpoint
+
+    buffers = [(canonical_name(raw), b) for chunk in chunks for raw, b in chunk.named_buffers()]
+    targets += [(name, plan.placements[name], buffer) for name, buffer in buffers]  # (router biases route)
+    values = {f"model.{name}": dcp_io.ShardedValue(p.global_shape, p.pieces(stored), True, stored.dtype)
+              for name, p, stored in targets}
+    dcp_io.load(values, find_checkpoint(source))
+
+
+def whole_state(directory: str | Path, cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
+    """Every parameter of the model in `directory`, whole, by fived name (one process: generation, tests)."""
+    from fived.model import build_model, canonical_name
+    from fived.placement import Box, Placement
+
+    kind = read_config(directory)["model_type"]
+    out, targets = {}, []
+    for raw, param in build_model(cfg).named_parameters():
+        name = canonical_name(raw)
+        out[name] = torch.empty(param.shape, dtype=dtype)
+        whole = Placement(tuple(param.shape), Box((0,) * param.dim(), tuple(param.shape)))
+        targets.append((name, whole, out[name]))
+    fill_from_hf(directory, kind, targets)
+    return out

@@ -1,0 +1,83 @@
+"""Tiny random Hugging Face models (built with transformers, saved locally) for the import, export
+and generation tests, and a float64 mode for transformers' forward.
+
+transformers computes RMSNorm, rotary angles (and their inverse frequencies) and router
+probabilities in float32 whatever the model's dtype. In float64 tests `Float64Everywhere` turns
+every float32 request inside its block into float64, so that the comparison measures fived's
+import (names, layouts, the model's arithmetic), not transformers' float32 islands.
+"""
+from __future__ import annotations
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+VOCAB = 256  # the byte tokenizer's: the bundled corpus trains these models without a tokenizer.json
+
+
+def _swap(value):
+    return torch.float64 if value is torch.float32 else value
+
+
+class Float64Everywhere(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = {k: _swap(v) for k, v in (kwargs or {}).items()}
+        args = tuple(_swap(a) for a in args)
+        if func is torch.Tensor.float:
+            func, args = torch.Tensor.double, args[:1]
+        return func(*args, **kwargs)
+
+
+def hf_config(kind: str, **extra):
+    import transformers
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=96, rms_norm_eps=1e-5, max_position_embeddings=256)
+    common.update({k: extra.pop(k) for k in list(extra) if k in common})
+    if kind == "llama":
+        return transformers.LlamaConfig(**common, **extra)
+    if kind == "llama3.1":
+        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+        return transformers.LlamaConfig(**common, rope_parameters=rope, **extra)
+    if kind == "mixtral":
+        return transformers.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2, **extra)
+    if kind == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(**common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                           head_dim=32, norm_topk_prob=False, **extra)
+    raise ValueError(kind)
+
+
+def save_hf_model(kind: str, directory, seed: int = 0, dtype=torch.float32, **extra):
+    """A random transformers model of `kind` saved to `directory`; returns the model (eval mode).
+    Weights are redrawn with std 0.2 (norms around 1) so that logits and routing are far from flat."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(kind, **extra), attn_implementation="sdpa",
+                                                             experts_implementation="eager")
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(1 + 0.1 * torch.randn_like(param) if "norm" in name else 0.2 * torch.randn_like(param))
+    model = model.to(dtype).eval()
+    model.save_pretrained(directory)
+    return model
+
+
+def hf_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """transformers' logits for `ids` ([b, s]); in float64 with its float32 parts made float64."""
+    with torch.no_grad():
+        if next(model.parameters()).dtype == torch.float64:
+            with Float64Everywhere():
+                _recompute_rope(model)
+                return model(ids).logits
+        return model(ids).logits
+
+
+def _recompute_rope(model) -> None:
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    for module in model.modules():
+        if hasattr(module, "inv_freq") and hasattr(module, "rope_type"):
+            init = module.compute_default_rope_parameters if module.rope_type == "default" \
+                else ROPE_INIT_FUNCTIONS[module.rope_type]
+            module.inv_freq, _ = init(module.config)
