@@ -32,7 +32,7 @@ LAYOUTS = [
     ("tiny", dict(dp=1, tp=2, pp=2, zero=3, pp_schedule="interleaved-1f1b", pp_virtual=2, microbatches=2)),
     ("tiny-moe", dict(dp=2, cp=2, zero=3, checkpointing="full")),
     ("tiny-moe", dict(dp=2, cp=2, ep=4, zero=1)),
-    ("tiny", dict(dp=2, tp=2, sp=True, zero=1, dtype="bfloat16")),  # fived's mixed precision
+    ("tiny", dict(dp=2, tp=2, sp=True, zero=1, dtype="bfloat16-autocast")),  # fp32 weights, bf16 compute
 ]
 
 
@@ -192,8 +192,10 @@ COMM_LAYOUTS = [
     ("tiny", dict(dp=2, cp=2, zero=2)),
     ("tiny-moe", dict(dp=4, ep=2, zero=1)),
     ("tiny", dict(dp=2, pp=2, zero=0, microbatches=2)),
-    ("tiny", dict(dp=2, tp=2, sp=True, zero=1, dtype="bfloat16")),  # bf16 matmuls, fp32 residual stream
-    ("tiny", dict(dp=2, tp=2, zero=0, dtype="bfloat16")),
+    ("tiny", dict(dp=2, tp=2, sp=True, zero=1, dtype="bfloat16-autocast")),  # bf16 matmuls, fp32 residual stream
+    ("tiny", dict(dp=2, tp=2, zero=0, dtype="bfloat16-autocast")),
+    ("tiny", dict(dp=2, tp=2, sp=True, zero=1, dtype="bfloat16")),  # bf16 weights, fp32 masters
+    ("tiny", dict(dp=2, cp=2, zero=3, dtype="bfloat16")),
     ("tiny-moe", dict(dp=1, tp=2, pp=2, zero=3, microbatches=2, checkpointing="full")),
     ("tiny-moe", dict(dp=2, cp=2, ep=4, zero=3)),
     ("tiny-moe", dict(dp=2, tp=2, sp=True, zero=1, microbatches=2, checkpointing="full")),

@@ -243,7 +243,7 @@ def _activations(key: tuple, layout: Layout, seq_len: int, dtype: str, layers: t
     L = layout
     parts = activation_bytes(m, micro_batch_seqs=L.micro_batch, seq_len=seq_len, tp=L.tp, sp=L.sp, cp=L.cp, ep=L.ep,
                              dtype_bytes=ACTIVATION_BYTES[dtype], checkpointing=L.checkpointing, layers=layers,
-                             first=first, last=last)
+                             first=first, last=last, autocast=PRECISIONS[dtype].autocast)
     return sum(parts.values())
 
 
