@@ -108,18 +108,19 @@ def test_hsdp_ledger():
     assert "dp_replicate/all_reduce" in results[0].comm and "dp_shard/reduce_scatter_single" in results[0].comm
 
 
-@pytest.mark.parametrize("zero", [1, 3])
-def test_bf16_tracks_float32(zero):
-    """200 steps of the default tiny run on 2 ranks, in both bf16 modes — bf16 weights and gradients
-    with float32 masters and Adam state (bfloat16), and float32 weights with bf16 autocast compute
-    (bfloat16-autocast), both reducing gradients in float32 — end within 2% of the float32 loss."""
+def test_bf16_tracks_float32():
+    """200 steps of the default tiny run on 2 ZeRO-1 ranks, in both bf16 modes — bf16 weights and
+    gradients with float32 masters and Adam state sharded (bfloat16), and float32 weights with bf16
+    autocast compute (bfloat16-autocast), both reducing gradients in float32 — end within 2% of the
+    float32 loss."""
     from fived.config import build_config
 
     final = {}
     for dtype in ("float32", "bfloat16", "bfloat16-autocast"):
-        cfg = build_config(overrides={"train.dtype": dtype, "parallel.dp": 2, "parallel.zero": zero,
+        cfg = build_config(overrides={"train.dtype": dtype, "parallel.dp": 2, "parallel.zero": 1,
                                       "train.log_every": 1000})
         final[dtype] = run_on_ranks(2, run_training, cfg, False, False, timeout_s=300)[0].metrics[-1]["loss"]
+    print("final losses:", final)
     assert final["float32"] < 3.0  # it learned (from 5.56)
     for dtype in ("bfloat16", "bfloat16-autocast"):
         assert final[dtype] == pytest.approx(final["float32"], rel=0.02), final
