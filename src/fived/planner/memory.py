@@ -25,7 +25,7 @@ Activations: bytes saved for backward per micro-batch (`fived.activation_model`;
 schedule keeps in flight (`schedule_sim.in_flight_microbatches`).
 
 Transient buffers (peak, not ledger-measured): bf16 copies of the weights autocast caches during a
-forward; ZeRO-2's full gradient buffer during backward (fived allocates it per step); ZeRO-3's
+forward (bfloat16-autocast); the float32 gradients of the masters while the optimizer steps (bfloat16); ZeRO-2's full gradient buffer during backward (fived allocates it per step); ZeRO-3's
 gathered weights (the root module for the whole step and two blocks: the one in use and the
 prefetched one; the whole stage under pipelines) and its unsharded gradients while micro-batches
 accumulate; DDP's gradient buckets; tensor-parallel gathered activations of one region; the loss's
@@ -326,6 +326,8 @@ def _static_buffers(m: ModelConfig, layout: Layout, dtype: str, chunks, state: d
         out += 2 * params
     if layout.zero == 2 and runtime.is_fived:
         out += dense * b  # the flat gradient buffer (not the experts) exists while backward runs
+    if PRECISIONS[dtype].master and layout.zero < 3 and runtime.is_fived:
+        out += state["optimizer"] // 12 * 4  # the masters' float32 gradients while the optimizer steps
     if layout.zero == 0 and layout.pp == 1 and layout.dp > 1:
         out += DDP_BUCKET_BYTES
     if layout.zero < 3:
