@@ -21,11 +21,13 @@ SINGLE = {
     "moe": ("tiny-moe", {}),
     "dense full checkpointing": ("tiny", {"train__activation_checkpointing": "full"}),
     "moe selective checkpointing": ("tiny-moe", {"train__activation_checkpointing": "selective"}),
-    "moe bfloat16": ("tiny-moe", {"train__dtype": "bfloat16"}),  # autocast: fp32 and bf16 tensors mixed
+    "moe bfloat16-autocast": ("tiny-moe", {"train__dtype": "bfloat16-autocast"}),  # fp32 and bf16 tensors mixed
+    "moe bfloat16": ("tiny-moe", {"train__dtype": "bfloat16"}),  # bf16 weights: bf16 but norms and statistics
 }
 PAIR = {
     "tp2 sp": ("tiny", {"parallel__tp": 2, "parallel__sp": True}),
     "tp2": ("tiny", {"parallel__tp": 2}),
+    "tp2 sp bfloat16-autocast": ("tiny", {"parallel__tp": 2, "parallel__sp": True, "train__dtype": "bfloat16-autocast"}),
     "tp2 sp bfloat16": ("tiny", {"parallel__tp": 2, "parallel__sp": True, "train__dtype": "bfloat16"}),
     "pp2 1f1b": ("tiny", {"parallel__pp": 2, "parallel__dp": 1, "train__microbatches": 2}),
     "pp2 interleaved v2": ("tiny", {"parallel__pp": 2, "parallel__dp": 1, "train__microbatches": 4,

@@ -79,6 +79,42 @@ def test_resume_is_bit_exact_with_evaluation(tmp_path):
         assert torch.equal(value, second[0].state[name]), name
 
 
+BF16 = {
+    "zero0-dp2": ("tiny", 2, dict(parallel__dp=2)),
+    "zero2-dp2-micro2": ("tiny-moe", 2, dict(parallel__dp=2, parallel__zero=2, train__microbatches=2,
+                                             model__router_bias_rate=0.01)),
+    "zero3-dp2": ("tiny", 2, dict(parallel__dp=2, parallel__zero=3)),
+    "pp2-zero0": ("tiny", 2, dict(parallel__pp=2, train__microbatches=2)),
+}
+
+
+@pytest.mark.parametrize("layout", list(BF16))
+def test_bf16_resume_is_bit_exact(layout, tmp_path):
+    """train.dtype=bfloat16: checkpoints hold the float32 masters as the parameters' values, so a
+    resumed bf16 run equals the uninterrupted one to the last bit (masters, moments, losses)."""
+    model, world, over = BF16[layout]
+    cfg = tiny_config(model, train__steps=STEPS, train__dtype="bfloat16", **over)
+    whole, first, second = _uninterrupted_and_resumed(world, cfg, tmp_path)
+    assert [m["loss"] for m in whole[0].metrics] == [m["loss"] for m in first[0].metrics + second[0].metrics]
+    for name, value in whole[0].state.items():
+        assert value.dtype == torch.float32 and torch.equal(value, second[0].state[name]), name
+
+
+def test_bf16_masters_reshard_exactly(tmp_path):
+    """A bf16 checkpoint written by ZeRO-1 over 4 ranks loads at ZeRO-3 over 2 and at tp=2 (a ZeRO-0
+    rank): the float32 masters arrive to the last bit (not rounded through the bf16 weights)."""
+    cfg = tiny_config("tiny", train__steps=STEPS, train__dtype="bfloat16", parallel__dp=4, parallel__zero=1)
+    cfg.train.output_dir = str(tmp_path)
+    saved = run_on_ranks(4, run_training, cfg, True, False, True, None, STEPS // 2)[0].state
+    assert any(not torch.equal(v, v.bfloat16().float()) for v in saved.values())  # masters hold more than bf16
+    checkpoint = str(find_checkpoint(tmp_path))
+    for world, over in ((2, dict(parallel__dp=2, parallel__zero=3)), (2, dict(parallel__tp=2))):
+        other = tiny_config("tiny", train__steps=STEPS, train__dtype="bfloat16", **over)
+        loaded = run_on_ranks(world, run_training, other, False, False, True, checkpoint, STEPS // 2)[0].state
+        for name, value in saved.items():
+            assert torch.equal(value, loaded[name]), (over, name)
+
+
 # (first half's layout, second half's layout, model): together they change every dimension and every
 # ZeRO stage in both directions, and include an odd dp, a padded vocabulary, tied embeddings and MoE
 # router biases that move (so buffers are saved and loaded with real values).

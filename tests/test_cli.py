@@ -64,7 +64,7 @@ def test_under_torchrun(tmp_path):
     assert len(_losses(tmp_path / "run")) == 3
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float64"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "bfloat16-autocast", "float64"])
 def test_other_dtypes_train(tmp_path, dtype):
     res = fived("train", "--steps", "20", "--dtype", dtype, "--train.output_dir", str(tmp_path / "run"),
                 "--train.activation_checkpointing", "selective")

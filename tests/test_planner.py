@@ -23,7 +23,7 @@ from fived.train import run_training
 CALIBRATION = Path(__file__).parent / "data" / "published_runs.csv"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
-# Eight layouts on 4 ranks covering every dimension, ZeRO stage, HSDP, SP, checkpointing mode and bf16.
+# Nine layouts on 4 ranks covering every dimension, ZeRO stage, HSDP, SP, checkpointing mode and both bf16 modes.
 LAYOUTS = [
     ("tiny", dict(dp=2, tp=2, sp=True, zero=1)),
     ("tiny-moe", dict(dp=4, zero=2, checkpointing="selective")),
@@ -32,7 +32,8 @@ LAYOUTS = [
     ("tiny", dict(dp=1, tp=2, pp=2, zero=3, pp_schedule="interleaved-1f1b", pp_virtual=2, microbatches=2)),
     ("tiny-moe", dict(dp=2, cp=2, zero=3, checkpointing="full")),
     ("tiny-moe", dict(dp=2, cp=2, ep=4, zero=1)),
-    ("tiny", dict(dp=2, tp=2, sp=True, zero=1, dtype="bfloat16")),  # fived's mixed precision
+    ("tiny", dict(dp=2, tp=2, sp=True, zero=1, dtype="bfloat16-autocast")),  # fp32 weights, bf16 compute
+    ("tiny-moe", dict(dp=2, pp=2, zero=1, microbatches=2, dtype="bfloat16")),  # bf16 weights, fp32 masters
 ]
 
 
@@ -192,8 +193,10 @@ COMM_LAYOUTS = [
     ("tiny", dict(dp=2, cp=2, zero=2)),
     ("tiny-moe", dict(dp=4, ep=2, zero=1)),
     ("tiny", dict(dp=2, pp=2, zero=0, microbatches=2)),
-    ("tiny", dict(dp=2, tp=2, sp=True, zero=1, dtype="bfloat16")),  # bf16 matmuls, fp32 residual stream
-    ("tiny", dict(dp=2, tp=2, zero=0, dtype="bfloat16")),
+    ("tiny", dict(dp=2, tp=2, sp=True, zero=1, dtype="bfloat16-autocast")),  # bf16 matmuls, fp32 residual stream
+    ("tiny", dict(dp=2, tp=2, zero=0, dtype="bfloat16-autocast")),
+    ("tiny", dict(dp=2, tp=2, sp=True, zero=1, dtype="bfloat16")),  # bf16 weights, fp32 masters
+    ("tiny", dict(dp=2, cp=2, zero=3, dtype="bfloat16")),
     ("tiny-moe", dict(dp=1, tp=2, pp=2, zero=3, microbatches=2, checkpointing="full")),
     ("tiny-moe", dict(dp=2, cp=2, ep=4, zero=3)),
     ("tiny-moe", dict(dp=2, tp=2, sp=True, zero=1, microbatches=2, checkpointing="full")),

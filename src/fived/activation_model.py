@@ -76,7 +76,10 @@ w3), the head norm's once, and under SP these copies are of the *gathered* input
 tokens): sequence parallelism does not shrink them. In a MoE layer the MLP norm's output is kept
 for the router and the shared experts' w1 and w3, each expert matmul (w1, w3) keeps a bf16 copy of
 its slots (2 * 2h bytes per slot), expert outputs are bf16 and the weighted outputs float32.
-Derived from (and exact on) CPU autocast runs; CUDA kernels (flash attention's RNG state, its
+Derived from (and exact on) CPU autocast runs. bfloat16 with autocast=False means bf16 weights
+(train.dtype=bfloat16): every tensor is bf16 (2 bytes) as a float32 run's is float32, except each
+RMSNorm, which computes in float32 and keeps its float32 input and normalised input, 1/rms, and its
+bf16 output ((2h + 1) * 4 + 2h per token), and the float32 statistics above. CUDA kernels (flash attention's RNG state, its
 log-sum-exp padding) can differ slightly.
 
 The RoPE tables are one pair of tensors shared by the layers of a chunk, but each layer's entry
@@ -92,18 +95,19 @@ CHECKPOINTING = ("none", "full", "selective")
 
 def activation_bytes(model, *, micro_batch_seqs: int, seq_len: int, tp: int = 1, sp: bool = False, cp: int = 1,
                      ep: int = 1, dtype_bytes: int = 4, checkpointing: str = "none", layers=(), first: bool = False,
-                     last: bool = False) -> dict[str, int]:
+                     last: bool = False, autocast: bool = True) -> dict[str, int]:
     """Bytes saved for backward by ONE micro-batch on one rank, by part: a key per layer id in
     `layers` (str), "embedding" if `first` (the rank holds the token embedding), "head" if `last`
     (final norm, output projection, loss). `model` is a `fived.config.ModelConfig`;
     `micro_batch_seqs` the sequences of a micro-batch on this data-parallel rank; `seq_len` the
     whole sequence (cp ranks hold seq_len / cp of each); `dtype_bytes` 8, 4 or 2 (bfloat16 autocast);
-    `checkpointing` none | full | selective. See the module docstring for every term."""
+    `checkpointing` none | full | selective; `autocast` (with dtype_bytes 2): float32 weights under
+    autocast (bfloat16-autocast), else bf16 weights (bfloat16). See the module docstring for every term."""
     if checkpointing not in CHECKPOINTING:
         raise ValueError(f"checkpointing={checkpointing!r}: must be one of {', '.join(CHECKPOINTING)}")
     if dtype_bytes not in (2, 4, 8):
         raise ValueError(f"dtype_bytes={dtype_bytes}: must be 8 (float64), 4 (float32) or 2 (bfloat16 autocast)")
-    g = _Geometry(model, micro_batch_seqs, seq_len, tp, sp, cp, ep, dtype_bytes)
+    g = _Geometry(model, micro_batch_seqs, seq_len, tp, sp, cp, ep, dtype_bytes, autocast)
     out: dict[str, int] = {}
     if first:
         out["embedding"] = g.embedding()
@@ -124,7 +128,7 @@ def layer_bytes(model, moe: bool = False, **layout) -> int:
     for key in ("layers", "first", "last"):
         layout.pop(key, None)
     g = _Geometry(model, layout.pop("micro_batch_seqs"), layout.pop("seq_len"), **{
-        k: layout[k] for k in ("tp", "sp", "cp", "ep", "dtype_bytes") if k in layout})
+        k: layout[k] for k in ("tp", "sp", "cp", "ep", "dtype_bytes", "autocast") if k in layout})
     return g.layer(moe, checkpointing)
 
 
@@ -132,7 +136,7 @@ class _Geometry:
     """The sizes the formulas use, for one layout (see the module docstring for the names)."""
 
     def __init__(self, m, b: int, seq_len: int, tp: int = 1, sp: bool = False, cp: int = 1, ep: int = 1,
-                 dtype_bytes: int = 4):
+                 dtype_bytes: int = 4, autocast: bool = True):
         self.m, self.b, self.tp, self.cp, self.ep = m, b, tp, cp, ep
         self.sl = seq_len // cp
         self.B = b * self.sl
@@ -140,7 +144,8 @@ class _Geometry:
         self.h, self.hd = m.dim, m.head_dim
         self.a = m.n_heads / tp
         self.kv = max(m.n_kv_heads // tp, 1) * m.head_dim
-        self.bf16 = dtype_bytes == 2
+        self.bf16 = dtype_bytes == 2 and autocast
+        self.bf16_weights = dtype_bytes == 2 and not autocast
         self.x = dtype_bytes  # matmul / activation dtype
         self.r = 4 if self.bf16 else dtype_bytes  # residual stream, norms, RoPE (fp32 weights under autocast)
         self.f32 = max(dtype_bytes, 4)  # at least float32: softmax statistics, loss, router
@@ -176,6 +181,8 @@ class _Geometry:
     def _norm(self, Bs: float, B: float, consumers: int) -> float:
         """An RMSNorm and the linears that take its output: input, normalised input, 1/rms and the
         output (fp32/fp64), or under autocast a bf16 copy of the output per consuming linear."""
+        if self.bf16_weights:  # rms_norm computes in float32: its input and normalised input, 1/rms
+            return Bs * ((2 * self.h + 1) * 4 + 2 * self.h)
         if not self.bf16:
             return Bs * (3 * self.h + 1) * self.x
         return Bs * (2 * self.h + 1) * self.r + consumers * B * self.h * 2

@@ -104,7 +104,9 @@ class TrainConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0  # 0 disables clipping
-    dtype: str = "float32"  # float32 | bfloat16 (autocast compute, fp32 weights) | float64
+    # float32 | bfloat16 (bf16 weights and gradients, float32 master weights and Adam state in the
+    # optimizer) | bfloat16-autocast (float32 weights, bf16 matmuls under autocast) | float64
+    dtype: str = "float32"
     activation_checkpointing: str = "none"  # none | full | selective
     seed: int = 0
     # start from these weights: a Hugging Face model directory (its config.json gives the model, its

@@ -9,7 +9,7 @@ import itertools
 import math
 
 from fived.config import Config, ConfigError
-from fived.mesh import PP_SCHEDULES, DTYPES, CHECKPOINTING, SPLIT_BACKWARD, stages_per_rank, resolve_dp
+from fived.mesh import PP_SCHEDULES, PRECISIONS, CHECKPOINTING, SPLIT_BACKWARD, stages_per_rank, resolve_dp
 
 
 def nearest_multiple(value: int, base: int) -> int:
@@ -154,7 +154,8 @@ def _model_errors(cfg: Config) -> list[ConfigError]:
          "e.g. --model.rope_high_freq_factor 4"),
         (not m.is_moe or 1 <= m.top_k <= m.n_experts, "model.top_k", m.top_k, f"must be in 1..n_experts={m.n_experts}",
          f"e.g. --model.top_k {min(2, max(m.n_experts, 1))}"),
-        (t.dtype in DTYPES, "train.dtype", t.dtype, "must be one of " + ", ".join(DTYPES), "e.g. --dtype float32"),
+        (t.dtype in PRECISIONS, "train.dtype", t.dtype, "must be one of " + ", ".join(PRECISIONS),
+         "e.g. --dtype bfloat16"),
         (t.device in ("auto", "cpu", "cuda"), "train.device", t.device, "must be auto, cpu or cuda",
          "e.g. --train.device auto"),
         (t.activation_checkpointing in CHECKPOINTING, "train.activation_checkpointing", t.activation_checkpointing,

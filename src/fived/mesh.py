@@ -18,6 +18,37 @@ from fived.config import Config, ParallelConfig, TrainConfig
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+@dataclass(frozen=True)
+class Precision:
+    """What a `train.dtype` means: the dtype the model's parameters and gradients are held in, the
+    dtype matmuls run in (autocast when it differs from the weights'), and whether the optimizer
+    keeps float32 master weights (with Adam's state) of low-precision parameters."""
+
+    weights: torch.dtype
+    compute: torch.dtype
+    master: bool = False
+
+    @property
+    def autocast(self) -> bool:
+        return self.compute != self.weights
+
+
+# train.dtype -> Precision. "bfloat16": bf16 parameters and gradients, float32 master weights and Adam
+# state in the optimizer (sharded like it under ZeRO-1/2/3); "bfloat16-autocast": float32 weights,
+# gradients and Adam state, matmuls in bf16 under autocast.
+PRECISIONS = {"float32": Precision(torch.float32, torch.float32),
+              "bfloat16": Precision(torch.bfloat16, torch.bfloat16, master=True),
+              "bfloat16-autocast": Precision(torch.float32, torch.bfloat16),
+              "float64": Precision(torch.float64, torch.float64)}
+
+
+def build_dtype(cfg: Config) -> torch.dtype:
+    """The dtype the model's parameters are built in: the precision's weights, except that ZeRO-3
+    (FSDP2) holds bf16 runs' float32 masters as its sharded parameters and gathers them in bf16."""
+    precision = PRECISIONS[cfg.train.dtype]
+    return torch.float32 if precision.master and cfg.parallel.zero == 3 else precision.weights
 CHECKPOINTING = ("none", "full", "selective")
 V_SHAPED = ("zbv", "dualpipev")  # two stages per rank, V-shaped
 SINGLE_STAGE = ("gpipe", "1f1b")

@@ -339,6 +339,15 @@ def build_model(cfg: ModelConfig, device: str | torch.device = "meta", dtype: to
     return model.to(dtype)
 
 
+def keep_buffers_float32(model: nn.Module) -> None:
+    """Floating buffers of a bf16 model back to float32 (the router biases: a bias step of 1e-3 would
+    vanish in bf16's 8-bit mantissa)."""
+    for module in model.modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer.dtype == torch.bfloat16:
+                module.register_buffer(name, buffer.float(), persistent=name not in module._non_persistent_buffers_set)
+
+
 def count_params(cfg: ModelConfig, active: bool = False) -> int:
     """Parameter count from the shapes (meta device, no memory); active=True counts top_k experts."""
     model = build_model(cfg)

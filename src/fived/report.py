@@ -1,17 +1,19 @@
 """`fived train --report`: what the ledger measured next to what the formulas say it should be.
 
-Model-state bytes per rank, N parameters of b bytes (b = 4 for float32 and for bfloat16 runs, which
-keep float32 weights; 8 for float64), S = dp_shard, Adam keeps two states per parameter:
+Model-state bytes per rank, N parameters of b bytes (b = 4 for float32 and bfloat16-autocast runs,
+which keep float32 weights; 8 for float64), S = dp_shard, Adam keeps two states per parameter:
 
-    stage   params   grads    optimizer      per parameter, float32 / bf16-autocast weights
-    ZeRO-0  N b      N b      2 N b          16
-    ZeRO-1  N b      N b      2 N b / S      8 + 8/S
-    ZeRO-2  N b      N b / S  2 N b / S      4 + 12/S
-    ZeRO-3  N b / S  N b / S  2 N b / S      16/S
+    stage   params   grads    optimizer      per parameter: float32 weights | train.dtype=bfloat16
+    ZeRO-0  N b      N b      2 N b          16                   | 2 + 2 + 12
+    ZeRO-1  N b      N b      2 N b / S      8 + 8/S              | 2 + 2 + 12/S
+    ZeRO-2  N b      N b / S  2 N b / S      4 + 12/S             | 2 + 14/S
+    ZeRO-3  N b / S  N b / S  2 N b / S      16/S                 | 16/S
 
-(The textbook's bf16 figures — 16, 4 + 12/N, 2 + 14/N, 16/N — assume bf16 weights beside a float32
-master copy; fived keeps float32 weights and computes in bf16 under autocast, so its bf16 runs have
-the float32 figures above.) Shards are padded to equal length, so a rank may hold slightly less.
+train.dtype=bfloat16 keeps bf16 weights and gradients and, per element the optimizer updates, a
+float32 master and two float32 moments (12 bytes, sharded like the optimizer); under ZeRO-3 FSDP2's
+float32 sharded parameters are the masters (4 + 4 + 8 over S, gathered in bf16). The rule is
+`fived.planner.memory.state_element_bytes`. Shards are padded to equal length, so a rank may hold
+slightly less.
 
 Communication per step: the planner's model of every collective (`fived.planner.communication`).
 """
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 from fived.activation_model import activation_bytes, layer_bytes
 from fived.config import Config
-from fived.mesh import DTYPES, Layout, Mesh
+from fived.mesh import PRECISIONS, Layout, Mesh
 from fived.model import build_model
 from fived.parallel.expert import apply_expert_parallel
 from fived.parallel.tensor import TensorParallel
@@ -67,7 +69,7 @@ def _activation_layout(cfg: Config, world: int) -> dict:
     t, p = cfg.train, cfg.parallel
     mesh = Mesh.from_config(cfg, world)
     return dict(micro_batch_seqs=t.global_batch // mesh.dp // t.microbatches, seq_len=t.seq_len, tp=mesh.tp,
-                sp=p.sp, cp=mesh.cp, ep=mesh.ep, dtype_bytes=DTYPES[t.dtype].itemsize,
+                sp=p.sp, cp=mesh.cp, ep=mesh.ep, dtype_bytes=PRECISIONS[t.dtype].compute.itemsize, autocast=PRECISIONS[t.dtype].autocast,
                 checkpointing=t.activation_checkpointing)
 
 

@@ -22,10 +22,10 @@ from fived.faults import PreemptionRequest, timeouts_named
 from fived.launch import device_type
 from fived.ledger import ActivationLedger, CommLedger, model_state_bytes
 from fived.layout_rules import check_config
-from fived.mesh import DTYPES, Mesh
+from fived.mesh import PRECISIONS, Mesh, build_dtype
 from fived.metrics import MetricsLog, flops_per_token, keep_log_until, peak_memory_mb
 from fived.planner.hardware import device_peak_tflops
-from fived.model import MoE, build_model, init_weights, materialize
+from fived.model import MoE, build_model, init_weights, keep_buffers_float32, materialize
 from fived.optim import build_scheduler
 from fived.parallel import parallelize
 from fived.parallel.pipeline import Pipeline
@@ -59,9 +59,10 @@ class Trainer:
         self.mesh = Mesh.from_config(cfg, self.world).build(kind, cfg.train.collective_timeout_s)
         self.device = torch.device(kind, torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
         t = cfg.train
-        self.compute_dtype = DTYPES[t.dtype]
-        # bfloat16 means mixed precision: float32 weights and optimizer state, bf16 autocast compute.
-        param_dtype = torch.float32 if self.compute_dtype == torch.bfloat16 else self.compute_dtype
+        self.precision = PRECISIONS[t.dtype]
+        # The dtype the model is built in (ZeRO-3 keeps bf16 runs' float32 masters as its sharded
+        # parameters and gathers them in bf16; see DataParallel.build_dtype).
+        param_dtype = build_dtype(cfg)
 
         self.pipeline = Pipeline(cfg, self.mesh) if self.mesh.pp > 1 else None
         chunks = self.pipeline.build_chunks(param_dtype) if self.pipeline else [build_model(cfg.model, "meta", param_dtype)]
@@ -77,6 +78,7 @@ class Trainer:
         for chunk in chunks:
             materialize(chunk, self.device)
             init_weights(chunk, t.seed, self.plan.local_init)
+            keep_buffers_float32(chunk)  # router biases move by small steps: not in bf16
         if t.init_from and not resume:  # (a resumed run's checkpoint holds the weights)
             from fived.hf.init import load_initial_weights
 
@@ -136,7 +138,7 @@ class Trainer:
                            "zero": self.cfg.parallel.zero, "pp_schedule": self.cfg.parallel.pp_schedule}}
 
     def _autocast(self):
-        if self.compute_dtype == torch.bfloat16:
+        if self.precision.autocast:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 

@@ -43,7 +43,10 @@ class ModelState:
 
         dp, placements = self.plan.data_parallel, self.plan.placements
         out = {}
-        if for_load:  # every rank fills what its model holds (a ZeRO-1/2 rank: whole parameters)
+        if for_load and dp.master_pairs:  # bf16 runs: the float32 masters; the model follows (load_state)
+            for name, master in dp.optimized():
+                out[name] = _value(placements[name], master)
+        elif for_load:  # every rank fills what its model holds (a ZeRO-1/2 rank: whole parameters)
             for name, param in dp.named_parameters():
                 out[name] = _value(dataclasses.replace(placements[name], flat=None), param)
         else:  # what the optimizer updates here: each ZeRO-1/2 rank writes its slice
@@ -59,7 +62,8 @@ class ModelState:
         return {}
 
     def load_state(self, state: dict) -> None:
-        pass
+        if self.plan.data_parallel.master_pairs:
+            self.plan.data_parallel.masters_to_model()
 
 
 class OptimizerState:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fived.config import Config
-from fived.mesh import DTYPES, Mesh
+from fived.mesh import DTYPES, PRECISIONS, Mesh
 from fived.ledger import local_tensor as _local
 from fived.model import canonical_name
 from fived.parallel.expert import is_expert
@@ -36,9 +36,13 @@ class DataParallel:
         self.mesh, self.cfg = mesh, cfg
         self.chunks: list[nn.Module] = []
         self.optimizer: torch.optim.Optimizer | None = None
-        # bf16 runs keep float32 weights and gradients; reduce_dtype=bfloat16 halves the bytes sent.
-        bf16 = cfg.train.dtype == "bfloat16"
-        self.reduce_dtype = DTYPES[cfg.parallel.reduce_dtype] if bf16 else DTYPES[cfg.train.dtype]
+        self.precision = PRECISIONS[cfg.train.dtype]
+        # bf16 runs reduce gradients in float32 unless reduce_dtype=bfloat16 (half the bytes sent).
+        bf16 = self.precision.compute == torch.bfloat16
+        self.reduce_dtype = DTYPES[cfg.parallel.reduce_dtype] if bf16 else self.precision.weights
+        # (model tensor, its float32 master) for what the optimizer updates in bf16 runs
+        self.master_pairs: list[tuple[torch.Tensor, nn.Parameter]] = []
+        self.master_of: dict[torch.Tensor, nn.Parameter] = {}
 
     def shard(self, chunks: list[nn.Module]) -> None:
         pass
@@ -54,8 +58,38 @@ class DataParallel:
                 yield canonical_name(name), p
 
     def build_optimizer(self) -> torch.optim.Optimizer:
-        self.optimizer = build_optimizer((p for _, p in self.named_parameters()), self.cfg.train)
+        params = self.with_masters(p for _, p in self.named_parameters())
+        self.optimizer = build_optimizer(params, self.cfg.train)
         return self.optimizer
+
+    def with_masters(self, tensors) -> list[torch.Tensor]:
+        """The tensors the optimizer updates in place of `tensors`: under train.dtype=bfloat16 a
+        float32 master copy of each bf16 one (ZeRO-3's parameters are float32 already)."""
+        out = []
+        for t in tensors:
+            if self.precision.master and t.requires_grad and t.dtype != torch.float32:
+                master = nn.Parameter(t.detach().float())
+                self.master_pairs.append((t, master))
+                self.master_of[t] = master
+                t = master
+            out.append(t)
+        return out
+
+    @torch.no_grad()
+    def masters_to_model(self) -> None:
+        """The model's bf16 tensors from their masters (after a step, and after a checkpoint loaded
+        the masters); the masters' float32 gradients are let go of."""
+        for t, master in self.master_pairs:
+            t.copy_(master)
+            master.grad = None
+
+    def step_masters(self) -> None:
+        """AdamW on the masters with the (reduced, clipped) bf16 gradients in float32, then the model's
+        bf16 values from them."""
+        for t, master in self.master_pairs:
+            master.grad = None if t.grad is None else t.grad.float()
+        self.optimizer.step()
+        self.masters_to_model()
 
     def storage(self, name: str) -> tuple[tuple[int, int] | None, tuple[int, int] | None, int]:
         """How parameter `name` is stored here, for its placement: (ZeRO-3 rows, ZeRO-1/2 flat range
@@ -71,8 +105,10 @@ class DataParallel:
 
     def optimized(self):
         """(canonical name, the tensor the optimizer updates for it here): the parameter itself, its
-        ZeRO-1/2 slice, or its ZeRO-3 DTensor. Checkpoints read both values and moments from it."""
-        return self.named_parameters()
+        ZeRO-1/2 slice, or its ZeRO-3 DTensor; in bf16 runs their float32 master. Checkpoints read
+        both values and moments from it."""
+        for name, p in self.named_parameters():
+            yield name, self.master_of.get(p, p)
 
     def before_micro_batch(self, is_last: bool) -> None:
         pass
@@ -137,10 +173,12 @@ class DataParallel:
         return norm
 
     def step(self) -> None:
-        self.optimizer.step()
+        self.step_masters()
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
+        for t, _ in self.master_pairs:
+            t.grad = None
 
     def tensors(self) -> dict[str, list[torch.Tensor]]:
         """The tensors this rank holds for the model state, for the memory ledger."""
@@ -149,8 +187,9 @@ class DataParallel:
                 "optimizer": self.optimizer_state()}
 
     def optimizer_state(self) -> list[torch.Tensor]:
-        """Adam's tensors (not the scalar step counters)."""
-        return [v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
+        """Adam's tensors (not the scalar step counters) and the float32 masters of bf16 runs."""
+        return [v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0] \
+            + [master for _, master in self.master_pairs]
 
 
 def _all_reduce_flat(grads: list[torch.Tensor], group, reduce_dtype: torch.dtype) -> None:

@@ -27,7 +27,9 @@ class FullyShardedDataParallel(DataParallel):
         else:
             mesh = self.mesh["dp_shard_cp"]
         mp = MixedPrecisionPolicy()
-        if self.cfg.train.dtype == "bfloat16":
+        if self.precision.compute == torch.bfloat16:
+            # Both bf16 modes: float32 sharded parameters (in train.dtype=bfloat16 they are the
+            # master weights: 4 + 4 + 8 bytes per parameter, over S) gathered in bf16 to compute.
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=self.reduce_dtype)
         # Under a pipeline schedule the weights stay gathered through the micro-batches by default.
         keep = self.cfg.parallel.zero3_keep_gathered or self.mesh.pp > 1

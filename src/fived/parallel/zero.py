@@ -15,6 +15,8 @@ unsharded: one all-reduce over dp per step.
 
 Bytes per parameter held per rank (b = parameter dtype size, S = dp_shard):
   ZeRO-1: params b + grads b + Adam 2b/S;   ZeRO-2: params b + grads b/S + Adam 2b/S.
+In bf16 runs (train.dtype=bfloat16) the buffers are bf16 and the optimizer updates float32 masters
+of this rank's slices (master 4 + Adam 8 bytes, over S): ZeRO-1 2 + 2 + 12/S, ZeRO-2 2 + 14/S.
 """
 from __future__ import annotations
 
@@ -109,8 +111,10 @@ class ShardedOptimizerDataParallel(DataParallel):
         decayed = {id(s) for s, decay in self.segments if decay}
         experts = [p for _, p in self.expert_parameters()]  # not ZeRO-sharded: reduced over edp
         decayed |= {id(p) for p in experts}
-        self.optimizer = build_optimizer([s for s, _ in self.segments] + experts, self.cfg.train,
-                                         lambda p: id(p) in decayed)
+        tensors = [s for s, _ in self.segments] + experts
+        optimized = self.with_masters(tensors)  # bf16 runs: float32 masters of the slices, decayed alike
+        decayed |= {id(m) for t, m in zip(tensors, optimized) if id(t) in decayed}
+        self.optimizer = build_optimizer(optimized, self.cfg.train, lambda p: id(p) in decayed)
         return self.optimizer
 
     def before_micro_batch(self, is_last: bool) -> None:
@@ -140,14 +144,22 @@ class ShardedOptimizerDataParallel(DataParallel):
                 yield name, seg[0].grad
 
     def optimized(self):
-        yield from zip(self.segment_names, (seg for seg, _ in self.segments))
-        yield from self.expert_parameters()
+        for name, seg in zip(self.segment_names, (seg for seg, _ in self.segments)):
+            yield name, self.master_of.get(seg, seg)
+        for name, p in self.expert_parameters():
+            yield name, self.master_of.get(p, p)
 
     def norm_groups(self) -> list:
         return [self.shard_group] if self.shard_group is not None else []  # the slices are disjoint
 
     def step(self) -> None:
-        self.optimizer.step()
+        self.step_masters()  # (its masters_to_model gathers the updated slices)
+
+    def masters_to_model(self) -> None:
+        super().masters_to_model()  # this rank's slice of the flat buffer, from its masters
+        self.gather_parameters()
+
+    def gather_parameters(self) -> None:
         if self.shard_group is not None:
             with torch.no_grad():  # in place: this rank's slice is already where it belongs
                 dist.all_gather_single(self.param_buf, self.param_buf[self.lo:self.hi], group=self.shard_group)

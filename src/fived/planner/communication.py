@@ -40,7 +40,7 @@ import math
 from dataclasses import dataclass
 
 from fived.config import ModelConfig
-from fived.mesh import Layout
+from fived.mesh import PRECISIONS, Layout
 from fived.planner.memory import ACTIVATION_BYTES, WEIGHT_BYTES, parameter_shapes
 from fived.planner.runtimes import FIVED, Runtime
 
@@ -96,7 +96,7 @@ def step_collectives(m: ModelConfig, layout: Layout, seq_len: int, global_batch:
     grad_w = runtime.grad_bytes or WEIGHT_BYTES[dtype]
     if L.tp > 1:
         _tensor_parallel(add, m, L, tokens, e, w, grad_w, micro, fwd, layers, moe_layers, first, last,
-                         regather=not (runtime.is_fived and dtype == "bfloat16"))
+                         regather=not (runtime.is_fived and PRECISIONS[dtype].autocast))
     if L.ep > 1 and moe_layers:  # dispatch (w) and combine (e), again when recomputed, and their gradients
         slots = tokens * m.top_k * L.expert_tp // L.tp
         add("ep", "all_to_all_single", 8 * m.n_experts, fwd * moe_layers * micro, "ep")  # tokens per expert
@@ -161,6 +161,12 @@ def _pipeline(add, m, L, tokens, w, micro, stages) -> None:
     add("pp", "all_reduce", NORM, 1, "dp")
 
 
+def reduce_bytes(dtype: str, reduce_dtype: str) -> int:
+    """Bytes per gradient element fived reduces: bf16 runs (both modes) in parallel.reduce_dtype,
+    others in their weights' dtype."""
+    return ACTIVATION_BYTES[reduce_dtype] if ACTIVATION_BYTES[dtype] == 2 else WEIGHT_BYTES[dtype]
+
+
 def _padded(shapes, shards: int) -> int:
     """Elements of `shapes` with each first dimension padded to a multiple of `shards` (FSDP2)."""
     return sum(math.ceil(r / shards) * shards * c * k for (r, c), k in shapes)
@@ -176,7 +182,7 @@ def _data_parallel(add, m: ModelConfig, L: Layout, chunks, micro: int, dtype: st
     n = sum(r * c * k for (r, c), k in dense)
     n_exp = sum(r * c * k for (r, c), k in expert)
     shards = L.dp_shard * L.cp
-    r = runtime.reduce_bytes or (2 if dtype == "bfloat16" and L.reduce_dtype == "bfloat16" else WEIGHT_BYTES[dtype])
+    r = runtime.reduce_bytes or reduce_bytes(dtype, L.reduce_dtype)
     if L.zero == 0:  # DDP's 25 MiB buckets, or one flat buffer under pipelines
         buckets = 1 if L.pp > 1 else max(1, math.ceil(n * r / DDP_BUCKET))
         add("dp_cp", "all_reduce", n * r / buckets, buckets, "dp")
@@ -188,7 +194,7 @@ def _data_parallel(add, m: ModelConfig, L: Layout, chunks, micro: int, dtype: st
         add("dp_replicate", "all_reduce", padded // shards * r, 1, "dp")
         add("dp_shard_cp", "all_reduce", NORM, 1, "dp")
     else:
-        g = runtime.gather_bytes or (2 if dtype == "bfloat16" else WEIGHT_BYTES[dtype])  # the compute dtype
+        g = runtime.gather_bytes or ACTIVATION_BYTES[dtype]  # the compute dtype
         padded, root = _padded(dense, shards), _padded(ends, shards)
         keep = L.zero3_keep_gathered or L.pp > 1
         layers = sum(len(c[0]) for c in chunks)

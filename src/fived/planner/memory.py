@@ -12,8 +12,11 @@ cost-balanced split), the embedding on the first stage, the final norm and head 
              the real elements of its slice; experts (with ep > 1) kept whole
   ZeRO-3     FSDP2 shards every parameter's first dimension in ceil(dim0/S) rows (experts over
              edp = dp*cp/ep); a rank holds its rows of params, grads and both moments
-Weights and Adam state are float32 in float32 and bfloat16 runs (bf16 is autocast), float64 in
-float64 runs. These equal the ledger's bytes exactly (tests/test_planner.py). Other runtimes (the
+Bytes per element (`state_element_bytes`): float32 and bfloat16-autocast runs keep float32 weights,
+gradients and Adam state (4, 4, 8), float64 runs float64; bfloat16 runs keep bf16 weights and
+gradients and, per optimized element, a float32 master and two float32 moments (2, 2, 12: ZeRO-1
+2 + 2 + 12/S, ZeRO-2 2 + 14/S) — under ZeRO-3 FSDP2's float32 sharded parameters are the masters
+(4, 4, 8: 16/S). These equal the ledger's bytes exactly (tests/test_planner.py). Other runtimes (the
 published runs') keep their own bytes per parameter (`fived.planner.runtimes.Runtime`: e.g.
 Megatron's bf16 weights, fp32 main gradients, fp32 master weights and Adam in the optimizer).
 
@@ -22,7 +25,7 @@ Activations: bytes saved for backward per micro-batch (`fived.activation_model`;
 schedule keeps in flight (`schedule_sim.in_flight_microbatches`).
 
 Transient buffers (peak, not ledger-measured): bf16 copies of the weights autocast caches during a
-forward; ZeRO-2's full gradient buffer during backward (fived allocates it per step); ZeRO-3's
+forward (bfloat16-autocast); the float32 gradients of the masters while the optimizer steps (bfloat16); ZeRO-2's full gradient buffer during backward (fived allocates it per step); ZeRO-3's
 gathered weights (the root module for the whole step and two blocks: the one in use and the
 prefetched one; the whole stage under pipelines) and its unsharded gradients while micro-batches
 accumulate; DDP's gradient buckets; tensor-parallel gathered activations of one region; the loss's
@@ -36,15 +39,30 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from fived.config import ModelConfig
-from fived.mesh import DTYPES, V_SHAPED, Layout
+from fived.mesh import PRECISIONS, V_SHAPED, Layout
 from fived.parallel.schedule_sim import pipeline_profile
 from fived.planner.runtimes import FIVED, Runtime, framework_activations
 
 RESERVE_GIB = 2.0  # CUDA context, NCCL communicators and workspaces
 RESERVE_FRACTION = 0.05  # allocator fragmentation, as a share of the device's memory
 DDP_BUCKET_BYTES = 2 * 25 * 2**20  # two 25 MiB gradient buckets in flight
-ACTIVATION_BYTES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
-WEIGHT_BYTES = {**ACTIVATION_BYTES, "bfloat16": 4}  # bf16 runs keep float32 weights
+# per train.dtype: bytes of an activation (the compute dtype), of a weight and a gradient as the model
+# holds them, and of each of Adam's moments (float32 in bf16 runs)
+ACTIVATION_BYTES = {name: p.compute.itemsize for name, p in PRECISIONS.items()}
+WEIGHT_BYTES = {name: p.weights.itemsize for name, p in PRECISIONS.items()}
+MOMENT_BYTES = {name: max(4, p.weights.itemsize) for name, p in PRECISIONS.items()}
+
+
+def state_element_bytes(dtype: str, zero: int, runtime: Runtime = FIVED) -> tuple[int, int, int]:
+    """(parameter, gradient, optimizer) bytes per element a rank holds — the one rule the planner,
+    `--report` and the ledger tests share. train.dtype=bfloat16: bf16 weights and gradients, and per
+    optimized element a float32 master and two float32 moments (2, 2, 12); under ZeRO-3 the sharded
+    float32 parameters are the masters themselves (4, 4, 8). Other runtimes: their own bytes."""
+    b, moment = WEIGHT_BYTES[dtype], MOMENT_BYTES[dtype]
+    master = runtime.master_bytes or (4 if PRECISIONS[dtype].master and runtime.is_fived else 0)
+    if master and zero == 3 and runtime.is_fived:
+        return 4, 4, 2 * moment
+    return runtime.param_bytes or b, runtime.grad_bytes or b, 2 * moment + master
 
 
 def parameter_shapes(m: ModelConfig, tp: int, ep: int, layers, first: bool, last: bool, etp: int = 0):
@@ -109,9 +127,7 @@ def state_bytes(m: ModelConfig, layout: Layout, dtype: str, chunks: list[tuple[l
                 shard_index: int = 0, edp_index: int = 0, runtime: Runtime = FIVED) -> dict[str, int]:
     """Parameter, gradient and optimizer bytes of one rank holding `chunks` [(layers, first, last)],
     at position `shard_index` of its dp_shard*cp group and `edp_index` of its expert-data group."""
-    b = WEIGHT_BYTES[dtype]
-    pb, gb = runtime.param_bytes or b, runtime.grad_bytes or b
-    ob = 2 * b + runtime.master_bytes  # Adam's two moments (and a master copy) per owned parameter
+    pb, gb, ob = state_element_bytes(dtype, layout.zero, runtime)  # ob: per owned (optimized) element
     dense, expert = [], []
     for layers, first, last in chunks:
         dn, ex = parameter_shapes(m, layout.tp, layout.ep, layers, first, last, layout.expert_tp)
@@ -227,7 +243,7 @@ def _activations(key: tuple, layout: Layout, seq_len: int, dtype: str, layers: t
     L = layout
     parts = activation_bytes(m, micro_batch_seqs=L.micro_batch, seq_len=seq_len, tp=L.tp, sp=L.sp, cp=L.cp, ep=L.ep,
                              dtype_bytes=ACTIVATION_BYTES[dtype], checkpointing=L.checkpointing, layers=layers,
-                             first=first, last=last)
+                             first=first, last=last, autocast=PRECISIONS[dtype].autocast)
     return sum(parts.values())
 
 
@@ -301,22 +317,24 @@ def _rank_states(key, layout: Layout, dtype: str, runtime: Runtime):
 def _static_buffers(m: ModelConfig, layout: Layout, dtype: str, chunks, state: dict, runtime: Runtime) -> tuple[int, int]:
     """(transient bytes, ZeRO-3's accumulated unsharded gradients) of one rank."""
     b = WEIGHT_BYTES[dtype]
-    params = state["params"] // (runtime.param_bytes or b)  # elements this rank holds
+    params = state["params"] // state_element_bytes(dtype, layout.zero, runtime)[0]  # elements this rank holds
     shapes = [parameter_shapes(m, layout.tp, layout.ep, *c, layout.expert_tp) for c in chunks]
     dense = sum(r * c * k for dn, _ in shapes for (r, c), k in dn)
     unsharded = dense + sum(r * c * k for _, ex in shapes for (r, c), k in ex)
     out = 0
-    if dtype == "bfloat16" and layout.zero < 3 and runtime.autocast_copies:  # autocast's bf16 weight copies
+    if PRECISIONS[dtype].autocast and layout.zero < 3 and runtime.autocast_copies:  # autocast's bf16 weight copies
         out += 2 * params
     if layout.zero == 2 and runtime.is_fived:
         out += dense * b  # the flat gradient buffer (not the experts) exists while backward runs
+    if PRECISIONS[dtype].master and layout.zero < 3 and runtime.is_fived:
+        out += state["optimizer"] // 12 * 4  # the masters' float32 gradients while the optimizer steps
     if layout.zero == 0 and layout.pp == 1 and layout.dp > 1:
         out += DDP_BUCKET_BYTES
     if layout.zero < 3:
         return out, 0
     # gathered weights in the compute dtype: the whole stage under pipelines (kept); otherwise the
     # root (embedding, final norm, head: gathered for the whole step) and two blocks (in use, prefetched)
-    gathered = runtime.gather_bytes or (2 if dtype == "bfloat16" else b)
+    gathered = runtime.gather_bytes or ACTIVATION_BYTES[dtype]  # (the compute dtype)
     ends = sum(rows * cols * k for _, first, last in chunks
                for (rows, cols), k in parameter_shapes(m, layout.tp, layout.ep, (), first, last, layout.expert_tp)[0])
     per_layer = (unsharded - ends) / max(1, sum(len(c[0]) for c in chunks))

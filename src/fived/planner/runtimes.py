@@ -2,8 +2,9 @@
 communicates and keeps the model state, how it stores activations, and which kernels it has.
 
 `FIVED` is this project's runtime as built, and the default of every prediction: no tensor-parallel
-overlap, DDP / FSDP2 reductions behind the last backward, fp32 weights with bf16 autocast (a bf16
-copy of each weight per forward), eager PyTorch kernels (unfused RMSNorm, RoPE, SwiGLU), SDPA (flash
+overlap, DDP / FSDP2 reductions behind the last backward, in bf16 runs bf16 weights and gradients
+with fp32 master weights and Adam state in the optimizer (train.dtype=bfloat16; bfloat16-autocast:
+fp32 weights with a bf16 copy of each weight per forward), eager PyTorch kernels (unfused RMSNorm, RoPE, SwiGLU), SDPA (flash
 on GPU) without context parallelism and a ring of plain matmuls with it, experts in a loop, no FP8.
 
 The published runs the planner is calibrated on ran other runtimes; `framework_runtime` describes
@@ -36,15 +37,15 @@ class Runtime:
     grad_overlap: bool = True  # ZeRO-0 (DDP) / ZeRO-3 (FSDP) reduce during the last backward (pp=1)
     zero12_overlap: bool = False  # ZeRO-1/2 reduce-scatter overlapped with backward
     pipeline_grad_overlap: bool = False  # the dp reduction overlapped under pipeline schedules
-    # communication dtypes, bytes (0: fived's rule — the weights' dtype, float32 in bf16 runs)
+    # communication dtypes, bytes (0: fived's rule — see fived.planner.communication)
     reduce_bytes: int = 0  # gradient reduction
     gather_bytes: int = 0  # ZeRO-1/2 parameter all-gather (ZeRO-3 gathers in the compute dtype)
     residual_bytes: int = 0  # residual stream: tp region inputs, their gradients, pipeline sends
-    # model state, bytes per parameter (0: fived's rule, the weights' dtype for all of them)
+    # model state, bytes per parameter (0: fived's rule, fived.planner.memory.state_element_bytes)
     param_bytes: int = 0  # weights as the model holds them
     grad_bytes: int = 0  # gradients as accumulated
     master_bytes: int = 0  # a separate fp32 master copy, sharded like the optimizer state
-    autocast_copies: bool = True  # fived: bf16 copies of the weights live through the forward
+    autocast_copies: bool = True  # fived (bfloat16-autocast): bf16 copies of the weights live through the forward
     activations: str = "fived"  # fived: fived.activation_model; megatron: Korthikanti et al. (flash)
     # kernels
     fused: bool = False  # fused norm / RoPE / activation kernels (Transformer Engine, apex, compile)

@@ -34,11 +34,11 @@ dimension on the link its group actually uses, the overlap the runtime allows, a
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 
 from fived.config import ModelConfig
-from fived.mesh import Layout
+from fived.mesh import PRECISIONS, Layout
 from fived.metrics import flops_per_token
 from fived.parallel.schedule_sim import pipeline_profile
 from fived.planner.communication import group_span, owned_parameters, step_collectives
@@ -166,6 +166,8 @@ def step_time(model: ModelConfig, layout: Layout, cluster: Cluster, seq_len: int
     layers_here = sum(len(layers) for layers, _, _ in chunks)
     recompute = layer_fraction / 3 if L.checkpointing == "full" else 0.0
     flops_gpu = model_flops * (1 + recompute) * share / (L.dp * L.cp * L.tp)
+    if PRECISIONS[dtype].master:  # bf16 weights: no bf16 copies of them to make per micro-batch
+        runtime = replace(runtime, autocast_copies=False)
     compute, attention = _compute(m, L, hw, runtime, seq_len, micro, layers_here, flops_gpu, 1 + recompute)
 
     collectives = step_collectives(m, L, seq_len, global_batch, dtype, chunks, rank_stages(L, pp_rank), runtime)
