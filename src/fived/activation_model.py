@@ -35,8 +35,7 @@ Per part, in elements per token unless said (times x bytes unless said):
                    log-sum-exp per head a: (2h/T + 2kv + a) * B
         MLP        SwiGLU gate, up, silu(gate), product: 4f/T * B
         RoPE       cos and sin tables: 2 * sl * hd (per layer: each layer's ops save them)
-        cp > 1     ring attention keeps q, k, v, its output and the log-sum-exp as SDPA does, plus
-                   the global positions: + 8 bytes * sl
+        cp > 1     ring attention keeps q, k, v, its output and the log-sum-exp as SDPA does
     MoE layer, no checkpointing: norms, attention and RoPE as dense, and (every tp rank routes the
     region's whole B tokens):
         router     probabilities E, top-k ids (int64) 8k bytes, the gathered top-k weights k and
@@ -57,8 +56,8 @@ Per part, in elements per token unless said (times x bytes unless said):
     selective checkpointing (matmul and attention outputs cached), per layer:
         block input h*Bs, RoPE 2*sl*hd, q projection h/T, k and v 2kv, attention output h/T and
         log-sum-exp a, the row-parallel projections' partial outputs (wo, w2: full width h), gate
-        and up 2f/T, all on B. cp > 1 replaces SDPA with ring attention, whose batched matmuls are
-        cached instead: per ring step scores a*sl and outputs h/T: cp*(a*sl + h/T) per token.
+        and up 2f/T, all on B. cp > 1 replaces SDPA with ring attention, whose blocks are
+        recomputed with its exchanges: no attention output or log-sum-exp is cached.
         MoE: router logits E*B, per slot gate, up and down outputs (2fe/T + h)*S, shared
         (2fs/T + h)*B, in place of the dense MLP's.
     head       final norm (3h + 1) * Bs; without tp: log-probabilities V*B, target ids 8 bytes * B,
@@ -182,12 +181,8 @@ class _Geometry:
 
     def _attention(self) -> float:
         B, h, T, a, kv = self.B, self.h, self.tp, self.a, self.kv
-        if self.cp == 1:  # SDPA: q, k, v, output (= wo's input), log-sum-exp
-            return B * ((2 * h / T + 2 * kv) * self.x + a * self.f32)
-        # ring attention keeps its own q, k, v, output and log-sum-exp in at least float32, and
-        # the global positions; under autocast wo also keeps a bf16 copy of its input
-        ring = B * ((2 * h / T + 2 * kv + a) * self.f32) + 8 * self.sl
-        return ring + (B * h / T * 2 if self.bf16 else 0)
+        # SDPA or ring attention (same kernels, same dtype): q, k, v, output (= wo's input), log-sum-exp
+        return B * ((2 * h / T + 2 * kv) * self.x + a * self.f32)
 
     def _slots(self) -> float:
         m, B = self.m, self.B
@@ -223,9 +218,7 @@ class _Geometry:
         total = self.Bs * h * self.r  # the block's input
         total += B * (h / T + 2 * kv + h) * x  # q, k, v projections; wo's partial output
         if self.cp == 1:
-            total += B * (h / T * x + a * self.f32)  # SDPA output and log-sum-exp
-        else:
-            total += self.cp * B * (a * self.sl + h / T) * x  # ring attention's bmm outputs, per step
+            total += B * (h / T * x + a * self.f32)  # SDPA output and log-sum-exp (the ring's: recomputed)
         if not moe:
             return total + B * (2 * m.ffn_dim / T + h) * x
         S = self._slots()
