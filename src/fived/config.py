@@ -97,6 +97,8 @@ class TrainConfig:
     grad_clip: float = 1.0  # 0 disables clipping
     dtype: str = "float32"  # float32 | bfloat16 (autocast compute, fp32 weights) | float64
     activation_checkpointing: str = "none"  # none | full | selective
+    compile: bool = False  # torch.compile each transformer block (see fived.parallel.compile)
+    compile_backend: str = "inductor"  # inductor | aot_eager (cheap: traced, no code generation) | eager
     seed: int = 0
     log_every: int = 10
     output_dir: str = "runs/default"

@@ -9,7 +9,7 @@ import itertools
 import math
 
 from fived.config import Config, ConfigError
-from fived.mesh import PP_SCHEDULES, DTYPES, CHECKPOINTING, SPLIT_BACKWARD, stages_per_rank, resolve_dp
+from fived.mesh import PP_SCHEDULES, DTYPES, CHECKPOINTING, COMPILE_BACKENDS, SPLIT_BACKWARD, stages_per_rank, resolve_dp
 
 
 def nearest_multiple(value: int, base: int) -> int:
@@ -154,6 +154,8 @@ def _model_errors(cfg: Config) -> list[ConfigError]:
          "e.g. --train.device auto"),
         (t.activation_checkpointing in CHECKPOINTING, "train.activation_checkpointing", t.activation_checkpointing,
          "must be one of " + ", ".join(CHECKPOINTING), "e.g. --train.activation_checkpointing none"),
+        (t.compile_backend in COMPILE_BACKENDS, "train.compile_backend", t.compile_backend,
+         "must be one of " + ", ".join(COMPILE_BACKENDS), "e.g. --train.compile_backend inductor"),
         (t.steps >= 1, "train.steps", t.steps, "must be >= 1", "e.g. --steps 200"),
         (t.seq_len >= 2, "train.seq_len", t.seq_len, "must be >= 2", "e.g. --seq-len 64"),
         (t.global_batch >= 1, "train.global_batch", t.global_batch, "must be >= 1", "e.g. --global-batch 16"),

@@ -19,6 +19,7 @@ MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 CHECKPOINTING = ("none", "full", "selective")
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")  # train.compile_backend (fived.parallel.compile)
 V_SHAPED = ("zbv", "dualpipev")  # two stages per rank, V-shaped
 SINGLE_STAGE = ("gpipe", "1f1b")
 SPLIT_BACKWARD = ("zero-bubble", "zbv", "dualpipev")  # backward split into input- and weight-gradient passes
