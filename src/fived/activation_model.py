@@ -46,7 +46,8 @@ Per part, in elements per token unless said (times x bytes unless said):
         dispatch   slot -> token ids 8 bytes * S, the weight gather's ids 8 bytes * B*k (with
                    cf > 0 also the kept slots' ids 8 bytes * S); the dispatched tokens h*S; with
                    ep the receiving side's reorder ids + 8 bytes * S
-        experts    SwiGLU intermediates 4 fe/T * S
+        experts    the grouped op keeps gate and up 2 fe/T * S (silu and the product are
+                   recomputed in its backward) and the slots per local expert 8 bytes * E/ep
         combine    expert outputs h*S and their weights 1*S (the multiply), the weighted outputs
                    h*S (index_add)
         shared     shared experts' SwiGLU 4 fs/T * B
@@ -200,15 +201,15 @@ class _Geometry:
         stats = (2 * E * b + b + max(E * (b + 1), 2 * E + b)) * p
         ids = 8 * B * k + 8 * S + (8 * S if m.capacity_factor > 0 else 0) + (8 * S if self.ep > 1 else 0)
         if self.bf16:
-            # each expert matmul (w1, w3) keeps a bf16 copy of its tokens; expert outputs are bf16,
+            # the grouped experts keep one bf16 copy of their tokens; expert outputs are bf16,
             # their weights and the weighted outputs float32. (Not measured with ep: bf16 + ep
             # fails today in ExpertParallelExperts, a float32 buffer given bf16 expert outputs.)
-            dispatched = 2 * S * h * 2
+            dispatched = S * h * 2
             combine = S * h * 2 + S * 4 + S * h * 4
         else:
             dispatched = S * h * self.x
             combine = (2 * S * h + S) * self.x
-        experts = 4 * m.expert_dim / T * S * self.x
+        experts = 2 * m.expert_dim / T * S * self.x + 8 * E // self.ep
         shared = 4 * m.expert_dim * m.n_shared_experts / T * B * self.x
         aux = p + 8 * E
         return router + stats + ids + dispatched + experts + combine + shared + aux

@@ -11,6 +11,7 @@ import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from fived.grouped_gemm import GROUPED_SWIGLU_OP
 from fived.parallel.context import inside_ring
 
 _SAVE = {
@@ -21,6 +22,7 @@ _SAVE = {
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    GROUPED_SWIGLU_OP,  # the experts' GEMMs: output, gate and up
 }
 
 
