@@ -170,7 +170,9 @@ class MoE(nn.Module):
 
         flat_experts = experts.reshape(-1)
         order = torch.argsort(flat_experts, stable=True)  # slots grouped by expert, token order kept
-        counts = torch.bincount(flat_experts, minlength=self.n_experts)
+        # (scatter_add, not bincount: a static shape, so a compiled block has no graph break here)
+        counts = flat_experts.new_zeros(self.n_experts).scatter_add_(0, flat_experts, torch.ones_like(flat_experts))
+        routed = counts
         self.last_tokens_per_expert = counts.detach()
         token_of_slot = order // self.top_k
         slot_weight = weights.reshape(-1)[order]
@@ -185,7 +187,7 @@ class MoE(nn.Module):
         if self.shared is not None:
             out = out + self.shared(x)
         if self.training and torch.is_grad_enabled():
-            load = torch.bincount(flat_experts, minlength=self.n_experts).double()
+            load = routed.double()
             out = AddAuxLossGrad.apply(out, aux, load, self.aux_loss_scale, self.aux_losses)
         return out
 
