@@ -50,7 +50,8 @@ class Runtime:
     # kernels
     fused: bool = False  # fused norm / RoPE / activation kernels (Transformer Engine, apex, compile)
     fp8: bool = False  # FP8 GEMMs (Transformer Engine, torchao float8)
-    grouped_experts: bool = False  # one grouped GEMM for a rank's experts (fived: a loop)
+    # one grouped GEMM for a rank's experts (fived: on CUDA in bf16 only; priced as its CPU loop)
+    grouped_experts: bool = False
     flash_ring: bool = False  # context-parallel blocks with a fused attention kernel (fived: yes)
 
     @property
