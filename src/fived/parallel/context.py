@@ -61,7 +61,7 @@ def _ring_step_blocks(rank: int, source: int, local_len: int):
 
 
 def _uses_cuda_flash(q: torch.Tensor) -> bool:
-    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0
 
 
 def _expand_kv(q, k, v):
