@@ -69,8 +69,8 @@ Per part, in elements per token unless said (times x bytes unless said):
 
 bfloat16 (dtype_bytes=2) means fived's mixed precision: float32 weights and residual stream,
 compute under autocast. Matmul outputs, SDPA's q/k/v/output and the expert activations are bf16
-(2 bytes), the residual stream, norms, RoPE tables, log-sum-exp, router statistics, ring attention
-and the loss float32 (4 bytes), and every linear keeps its own bf16 copy of its input: the
+(2 bytes, ring attention's too: its kernels run in autocast's dtype), the residual stream, norms,
+RoPE tables, log-sum-exp, router statistics and the loss float32 (4 bytes), and every linear keeps its own bf16 copy of its input: the
 attention norm's output is kept three times (wq, wk, wv) at 2 bytes, the MLP norm's twice (w1,
 w3), the head norm's once, and under SP these copies are of the *gathered* input (B, not Bs
 tokens): sequence parallelism does not shrink them. In a MoE layer the MLP norm's output is kept
