@@ -33,6 +33,9 @@ PAIR = {
     "pp2 interleaved v2": ("tiny", {"parallel__pp": 2, "parallel__dp": 1, "train__microbatches": 4,
                                     "parallel__pp_schedule": "interleaved-1f1b", "parallel__pp_virtual": 2}),
     "cp2": ("tiny", {"parallel__cp": 2, "parallel__dp": 1}),
+    "cp2 bfloat16": ("tiny", {"parallel__cp": 2, "parallel__dp": 1, "train__dtype": "bfloat16"}),
+    "cp2 moe selective": ("tiny-moe", {"parallel__cp": 2, "parallel__dp": 1,
+                                       "train__activation_checkpointing": "selective"}),
     "ep2 dp2 zero3": ("tiny-moe", {"parallel__ep": 2, "parallel__dp": 2, "parallel__zero": 3}),
 }
 ROUTED = {"ep2 dp2 zero3"}  # per-rank bytes depend on the routing: totals within 10%, ep mean exact

@@ -58,15 +58,15 @@ def test_activation_memory_divides_by_cp():
 
 
 def test_ring_traffic_is_the_formula():
-    """Per layer and micro-batch, each rank sends and receives: forward (cp-1) x (K, V, positions);
-    backward (cp-1) x (K, V, positions, dK, dV) and a last hop of (dK, dV)."""
+    """Per layer and micro-batch, each rank sends and receives: forward (cp-1) x (K, V);
+    backward (cp-1) x (K, V, dK, dV) and a last hop of (dK, dV). (The chunk layout fixes which
+    block each step computes, so no positions travel.)"""
     for cp in (2, 4):
         cfg, res = _run(cp)
         m, t = cfg.model, cfg.train
         s_local = t.seq_len // cp
         kv = t.global_batch * m.n_kv_heads * s_local * m.head_dim * 8  # float64
-        pos = s_local * 8  # int64 positions
-        per_layer = (cp - 1) * (2 * kv + pos) + (cp - 1) * (4 * kv + pos) + 2 * kv
+        per_layer = (cp - 1) * 2 * kv + (cp - 1) * 4 * kv + 2 * kv
         for r in res:
             assert r.comm["cp/send"]["bytes"] == m.n_layers * per_layer
             assert r.comm["cp/recv"]["bytes"] == m.n_layers * per_layer

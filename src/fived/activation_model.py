@@ -35,8 +35,7 @@ Per part, in elements per token unless said (times x bytes unless said):
                    log-sum-exp per head a: (2h/T + 2kv + a) * B
         MLP        SwiGLU gate, up, silu(gate), product: 4f/T * B
         RoPE       cos and sin tables: 2 * sl * hd (per layer: each layer's ops save them)
-        cp > 1     ring attention keeps q, k, v, its output and the log-sum-exp as SDPA does, plus
-                   the global positions: + 8 bytes * sl
+        cp > 1     ring attention keeps q, k, v, its output and the log-sum-exp as SDPA does
     MoE layer, no checkpointing: norms, attention and RoPE as dense, and (every tp rank routes the
     region's whole B tokens):
         router     probabilities E, top-k ids (int64) 8k bytes, the gathered top-k weights k and
@@ -47,7 +46,8 @@ Per part, in elements per token unless said (times x bytes unless said):
         dispatch   slot -> token ids 8 bytes * S, the weight gather's ids 8 bytes * B*k (with
                    cf > 0 also the kept slots' ids 8 bytes * S); the dispatched tokens h*S; with
                    ep the receiving side's reorder ids + 8 bytes * S
-        experts    SwiGLU intermediates 4 fe/T * S
+        experts    the grouped op keeps gate and up 2 fe/T * S (silu and the product are
+                   recomputed in its backward) and the slots per local expert 8 bytes * E/ep
         combine    expert outputs h*S and their weights 1*S (the multiply), the weighted outputs
                    h*S (index_add)
         shared     shared experts' SwiGLU 4 fs/T * B
@@ -57,8 +57,8 @@ Per part, in elements per token unless said (times x bytes unless said):
     selective checkpointing (matmul and attention outputs cached), per layer:
         block input h*Bs, RoPE 2*sl*hd, q projection h/T, k and v 2kv, attention output h/T and
         log-sum-exp a, the row-parallel projections' partial outputs (wo, w2: full width h), gate
-        and up 2f/T, all on B. cp > 1 replaces SDPA with ring attention, whose batched matmuls are
-        cached instead: per ring step scores a*sl and outputs h/T: cp*(a*sl + h/T) per token.
+        and up 2f/T, all on B. cp > 1 replaces SDPA with ring attention, whose blocks are
+        recomputed with its exchanges: no attention output or log-sum-exp is cached.
         MoE: router logits E*B, per slot gate, up and down outputs (2fe/T + h)*S, shared
         (2fs/T + h)*B, in place of the dense MLP's.
     head       final norm (3h + 1) * Bs; without tp: log-probabilities V*B, target ids 8 bytes * B,
@@ -69,8 +69,8 @@ Per part, in elements per token unless said (times x bytes unless said):
 
 bfloat16 (dtype_bytes=2) means fived's mixed precision: float32 weights and residual stream,
 compute under autocast. Matmul outputs, SDPA's q/k/v/output and the expert activations are bf16
-(2 bytes), the residual stream, norms, RoPE tables, log-sum-exp, router statistics, ring attention
-and the loss float32 (4 bytes), and every linear keeps its own bf16 copy of its input: the
+(2 bytes, ring attention's too: its kernels run in autocast's dtype), the residual stream, norms,
+RoPE tables, log-sum-exp, router statistics and the loss float32 (4 bytes), and every linear keeps its own bf16 copy of its input: the
 attention norm's output is kept three times (wq, wk, wv) at 2 bytes, the MLP norm's twice (w1,
 w3), the head norm's once, and under SP these copies are of the *gathered* input (B, not Bs
 tokens): sequence parallelism does not shrink them. In a MoE layer the MLP norm's output is kept
@@ -189,12 +189,8 @@ class _Geometry:
 
     def _attention(self) -> float:
         B, h, T, a, kv = self.B, self.h, self.tp, self.a, self.kv
-        if self.cp == 1:  # SDPA: q, k, v, output (= wo's input), log-sum-exp
-            return B * ((2 * h / T + 2 * kv) * self.x + a * self.f32)
-        # ring attention keeps its own q, k, v, output and log-sum-exp in at least float32, and
-        # the global positions; under autocast wo also keeps a bf16 copy of its input
-        ring = B * ((2 * h / T + 2 * kv + a) * self.f32) + 8 * self.sl
-        return ring + (B * h / T * 2 if self.bf16 else 0)
+        # SDPA or ring attention (same kernels, same dtype): q, k, v, output (= wo's input), log-sum-exp
+        return B * ((2 * h / T + 2 * kv) * self.x + a * self.f32)
 
     def _slots(self) -> float:
         m, B = self.m, self.B
@@ -212,15 +208,15 @@ class _Geometry:
         stats = (2 * E * b + b + max(E * (b + 1), 2 * E + b)) * p
         ids = 8 * B * k + 8 * S + (8 * S if m.capacity_factor > 0 else 0) + (8 * S if self.ep > 1 else 0)
         if self.bf16:
-            # each expert matmul (w1, w3) keeps a bf16 copy of its tokens; expert outputs are bf16,
+            # the grouped experts keep one bf16 copy of their tokens; expert outputs are bf16,
             # their weights and the weighted outputs float32. (Not measured with ep: bf16 + ep
             # fails today in ExpertParallelExperts, a float32 buffer given bf16 expert outputs.)
-            dispatched = 2 * S * h * 2
+            dispatched = S * h * 2
             combine = S * h * 2 + S * 4 + S * h * 4
         else:
             dispatched = S * h * self.x
             combine = (2 * S * h + S) * self.x
-        experts = 4 * m.expert_dim / T * S * self.x
+        experts = 2 * m.expert_dim / T * S * self.x + 8 * E // self.ep
         shared = 4 * m.expert_dim * m.n_shared_experts / T * B * self.x
         aux = p + 8 * E
         return router + stats + ids + dispatched + experts + combine + shared + aux
@@ -230,9 +226,7 @@ class _Geometry:
         total = self.Bs * h * self.r  # the block's input
         total += B * (h / T + 2 * kv + h) * x  # q, k, v projections; wo's partial output
         if self.cp == 1:
-            total += B * (h / T * x + a * self.f32)  # SDPA output and log-sum-exp
-        else:
-            total += self.cp * B * (a * self.sl + h / T) * x  # ring attention's bmm outputs, per step
+            total += B * (h / T * x + a * self.f32)  # SDPA output and log-sum-exp (the ring's: recomputed)
         if not moe:
             return total + B * (2 * m.ffn_dim / T + h) * x
         S = self._slots()

@@ -108,6 +108,8 @@ class TrainConfig:
     # optimizer) | bfloat16-autocast (float32 weights, bf16 matmuls under autocast) | float64
     dtype: str = "float32"
     activation_checkpointing: str = "none"  # none | full | selective
+    compile: bool = False  # torch.compile each transformer block (see fived.parallel.compile)
+    compile_backend: str = "inductor"  # inductor | aot_eager (cheap: traced, no code generation) | eager
     seed: int = 0
     # start from these weights: a Hugging Face model directory (its config.json gives the model, its
     # tokenizer.json the tokenizer) or a fived run/checkpoint (weights only, a fresh optimizer)

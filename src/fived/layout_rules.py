@@ -9,7 +9,8 @@ import itertools
 import math
 
 from fived.config import Config, ConfigError
-from fived.mesh import PP_SCHEDULES, PRECISIONS, CHECKPOINTING, SPLIT_BACKWARD, stages_per_rank, resolve_dp
+from fived.mesh import (CHECKPOINTING, COMPILE_BACKENDS, PP_SCHEDULES, PRECISIONS, SPLIT_BACKWARD, resolve_dp,
+                        stages_per_rank)
 
 
 def nearest_multiple(value: int, base: int) -> int:
@@ -160,6 +161,8 @@ def _model_errors(cfg: Config) -> list[ConfigError]:
          "e.g. --train.device auto"),
         (t.activation_checkpointing in CHECKPOINTING, "train.activation_checkpointing", t.activation_checkpointing,
          "must be one of " + ", ".join(CHECKPOINTING), "e.g. --train.activation_checkpointing none"),
+        (t.compile_backend in COMPILE_BACKENDS, "train.compile_backend", t.compile_backend,
+         "must be one of " + ", ".join(COMPILE_BACKENDS), "e.g. --train.compile_backend inductor"),
         (t.steps >= 1, "train.steps", t.steps, "must be >= 1", "e.g. --steps 200"),
         (t.seq_len >= 2, "train.seq_len", t.seq_len, "must be >= 2", "e.g. --seq-len 64"),
         (t.global_batch >= 1, "train.global_batch", t.global_batch, "must be >= 1", "e.g. --global-batch 16"),

@@ -50,6 +50,7 @@ def build_dtype(cfg: Config) -> torch.dtype:
     precision = PRECISIONS[cfg.train.dtype]
     return torch.float32 if precision.master and cfg.parallel.zero == 3 else precision.weights
 CHECKPOINTING = ("none", "full", "selective")
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")  # train.compile_backend (fived.parallel.compile)
 V_SHAPED = ("zbv", "dualpipev")  # two stages per rank, V-shaped
 SINGLE_STAGE = ("gpipe", "1f1b")
 SPLIT_BACKWARD = ("zero-bubble", "zbv", "dualpipev")  # backward split into input- and weight-gradient passes

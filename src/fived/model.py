@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fived.config import ModelConfig
+from fived.grouped_gemm import grouped_swiglu
 
 
 def rope_frequencies(cfg: ModelConfig, device=None) -> torch.Tensor:
@@ -106,7 +107,8 @@ class FeedForward(nn.Module):
 class GroupedExperts(nn.Module):
     """E SwiGLU experts stored as three [E, ...] tensors, so expert parallelism can shard dim 0.
 
-    forward takes tokens already sorted by expert and the count per expert."""
+    forward takes tokens already sorted by expert and the count per expert (a tensor: on a GPU it
+    stays there); all experts run in one grouped call (`fived.grouped_gemm`)."""
 
     def __init__(self, n_experts: int, dim: int, hidden: int):
         super().__init__()
@@ -114,11 +116,8 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(n_experts, dim, hidden))
         self.w2 = nn.Parameter(torch.empty(n_experts, hidden, dim))
 
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        outs = []
-        for e, chunk in enumerate(torch.split(x, counts)):
-            outs.append((F.silu(chunk @ self.w1[e]) * (chunk @ self.w3[e])) @ self.w2[e])
-        return torch.cat(outs) if outs else x
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return grouped_swiglu(x, self.w1, self.w3, self.w2, counts)
 
 
 class AddAuxLossGrad(torch.autograd.Function):
@@ -190,7 +189,9 @@ class MoE(nn.Module):
 
         flat_experts = experts.reshape(-1)
         order = torch.argsort(flat_experts, stable=True)  # slots grouped by expert, token order kept
-        counts = torch.bincount(flat_experts, minlength=self.n_experts)
+        # (scatter_add, not bincount: a static shape, so a compiled block has no graph break here)
+        counts = flat_experts.new_zeros(self.n_experts).scatter_add_(0, flat_experts, torch.ones_like(flat_experts))
+        routed = counts
         self.last_tokens_per_expert = counts.detach()
         token_of_slot = order // self.top_k
         slot_weight = weights.reshape(-1)[order]
@@ -200,12 +201,12 @@ class MoE(nn.Module):
             counts = torch.bincount(flat_experts[order][keep], minlength=self.n_experts)
 
         tokens = x.reshape(-1, d)
-        expert_out = self.experts(tokens[token_of_slot], counts.tolist()) * slot_weight[:, None]
+        expert_out = self.experts(tokens[token_of_slot], counts) * slot_weight[:, None]
         out = torch.zeros_like(tokens).index_add_(0, token_of_slot, expert_out).view(b, s, d)
         if self.shared is not None:
             out = out + self.shared(x)
         if self.training and torch.is_grad_enabled():
-            load = torch.bincount(flat_experts, minlength=self.n_experts).double()
+            load = routed.double()
             out = AddAuxLossGrad.apply(out, aux, load, self.aux_loss_scale, self.aux_losses)
         return out
 

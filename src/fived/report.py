@@ -83,7 +83,7 @@ def expected_activation_bytes(cfg: Config, world: int) -> int:
     (4f). Per layer the RoPE tables (2 s head_dim). Tensor parallelism divides q, attention output,
     the heads and the MLP by T; sequence parallelism also divides the norms' part; kv heads are
     divided while T <= n_kv_heads and one head is kept otherwise; B counts this rank's tokens
-    (seq_len / cp of each sequence; ring attention also keeps the s/cp global positions):
+    (seq_len / cp of each sequence; ring attention keeps what SDPA keeps):
         B*e*(6h/T_sp + 2/T_sp + (2h + 4f + a)/T + 2 h_kv_local) + 2*s*head_dim*e"""
     return layer_bytes(cfg.model, moe=False, **_activation_layout(cfg, world))
 

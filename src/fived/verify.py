@@ -52,10 +52,12 @@ def _describe(cfg: Config, world: int) -> str:
 
 
 def reference_config(cfg: Config) -> Config:
-    """The same run on one process: no parallelism, the whole global batch in one micro-batch."""
+    """The same run on one process: no parallelism, the whole global batch in one micro-batch, eager
+    (a compiled layout is checked against the uncompiled model)."""
     ref = copy.deepcopy(cfg)
     ref.parallel = ParallelConfig(dp=1)
     ref.train.microbatches = 1
+    ref.train.compile = False
     return ref
 
 

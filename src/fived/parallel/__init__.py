@@ -17,6 +17,7 @@ from fived.mesh import Mesh
 from fived.ledger import local_tensor
 from fived.model import Transformer, build_model, canonical_name
 from fived.parallel.checkpointing import apply_activation_checkpointing
+from fived.parallel.compile import apply_compile
 from fived.parallel.context import apply_context_parallel
 from fived.parallel.data_parallel import DataParallel
 from fived.parallel.ddp import ReplicatedDataParallel
@@ -54,6 +55,7 @@ class ParallelPlan:
         if tp is None and (activations is None or not activations.recording):
             return contextlib.nullcontext()
 
+        @torch.compiler.disable  # bookkeeping run by autograd as it saves; never traced into a block's graph
         def pack(t):
             packed = tp.pack(t) if tp is not None else t
             if activations is not None:
@@ -111,6 +113,8 @@ def parallelize(chunks: list[Transformer], mesh: Mesh, cfg: Config) -> ParallelP
         expert_shards = apply_expert_parallel(chunks, mesh.group("ep"), mesh.ep, mesh.rank("ep"))
     for chunk in chunks:
         apply_activation_checkpointing(chunk, cfg.train.activation_checkpointing)
+        if cfg.train.compile:
+            apply_compile(chunk, cfg.train.compile_backend)
     data_parallel = make_data_parallel(mesh, cfg)
     data_parallel.shard(chunks)
     whole = build_model(cfg.model)  # on meta: the global shapes

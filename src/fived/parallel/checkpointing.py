@@ -11,6 +11,9 @@ import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from fived.grouped_gemm import GROUPED_SWIGLU_OP
+from fived.parallel.context import inside_ring
+
 _SAVE = {
     torch.ops.aten.mm.default,
     torch.ops.aten.addmm.default,
@@ -19,11 +22,16 @@ _SAVE = {
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    GROUPED_SWIGLU_OP,  # the experts' GEMMs: output, gate and up
 }
 
 
 def _policy(ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_SAVE if op in _SAVE else CheckpointPolicy.PREFER_RECOMPUTE
+    # Ring attention's blocks are recomputed with its exchanges (the ring reruns them anyway); caching
+    # them would keep a different number of partial outputs on each cp rank.
+    if op in _SAVE and not inside_ring():
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _selective_context():

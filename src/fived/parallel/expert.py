@@ -43,10 +43,11 @@ class ExpertParallelExperts(GroupedExperts):
         super().__init__(n_experts // ep, dim, hidden)
         self.group, self.ep, self.n_experts = group, ep, n_experts
 
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """x: this rank's routing slots sorted by (global) expert; counts: slots per global expert."""
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x: this rank's routing slots sorted by (global) expert; counts: slots per global expert.
+        (The all-to-all's split sizes are host integers: one read of the counts per layer.)"""
         local = self.n_experts // self.ep
-        send_counts = torch.tensor(counts, dtype=torch.int64, device=x.device)
+        send_counts = counts.to(torch.int64)
         recv_counts = torch.empty_like(send_counts)  # [source rank, local expert], flattened
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)
         send_splits = send_counts.view(self.ep, local).sum(1).tolist()
@@ -55,7 +56,7 @@ class ExpertParallelExperts(GroupedExperts):
         # Received rows are grouped by source rank, then expert; regroup by expert for the GEMMs.
         by_source = torch.split(torch.arange(tokens.shape[0], device=x.device), recv.flatten().tolist())
         order = torch.cat([by_source[r * local + e] for e in range(local) for r in range(self.ep)])
-        out = super().forward(tokens[order], recv.sum(0).tolist())  # bf16 under autocast
+        out = super().forward(tokens[order], recv.sum(0))  # bf16 under autocast
         y = torch.empty_like(out)
         y[order] = out
         return AllToAll.apply(y, send_splits, recv.sum(1).tolist(), self.group)

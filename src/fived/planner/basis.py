@@ -41,7 +41,7 @@ def basis(model: ModelConfig, cluster: Cluster, runtime: Runtime, layout: Layout
     if runtime.fp8:
         lines.append(f"{'calibrated' if COVERAGE['fp8'] else 'extrapolated'}: FP8 GEMMs ({COVERAGE['fp8']} FP8 runs)")
     if layout.cp > 1:
-        ring = "fived's ring of matmuls (fp32 score matrix in HBM) has no GPU measurement" if runtime.is_fived \
+        ring = "fived's ring of fused attention blocks has no GPU measurement" if runtime.is_fived \
             else f"{COVERAGE['cp']} context-parallel runs in the calibration set"
         lines.append(f"{'calibrated' if COVERAGE['cp'] and not runtime.is_fived else 'extrapolated'}: context "
                      f"parallelism ({ring})")

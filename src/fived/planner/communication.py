@@ -19,8 +19,9 @@ collectives when full checkpointing recomputes the forward:
        exit and the head's entry are a region boundary each; the vocab-parallel loss all-reduces 3
        values per token. Per step: partial gradients summed over tp (routers; norm gains with SP;
        replicated kv heads) and the clipping norm's 8 bytes.
-  cp   per layer, the ring: forward cp-1 hops of K, V and positions, backward cp-1 hops of K, V,
-       positions, dK, dV and a last hop of dK, dV home (fived's ring runs in at least float32); per
+  cp   per layer, the ring: forward cp-1 hops of K, V (and positions where blocks are masked),
+       backward cp-1 hops of K, V, dK, dV and a last hop of dK, dV home (fived keeps dK, dV in at
+       least float32); per
        MoE layer the sequence's routing statistics summed over cp.
   ep   per MoE layer: the per-expert counts (int64), dispatch (w) and combine (e) forward, their
        gradients backward; B*top_k routing slots (dropless, balanced).
@@ -105,8 +106,10 @@ def step_collectives(m: ModelConfig, layout: Layout, seq_len: int, global_batch:
     if L.cp > 1:
         ring = e if runtime.flash_ring else max(e, 4)
         kv = L.micro_batch * _kv_heads(m, L.tp) * (seq_len // L.cp) * m.head_dim * ring
+        dkv = kv * max(ring, 4) // ring if runtime.is_fived else kv  # fived accumulates dK, dV in >= fp32
         positions = 0 if runtime.flash_ring else 8 * seq_len // L.cp
-        per_layer = fwd * (L.cp - 1) * (2 * kv + positions) + (L.cp - 1) * (4 * kv + positions) + 2 * kv
+        per_layer = (fwd * (L.cp - 1) * (2 * kv + positions) + (L.cp - 1) * (2 * kv + 2 * dkv + positions)
+                     + 2 * dkv)
         hops = fwd * (L.cp - 1) + L.cp
         add("cp", "send", per_layer / hops, hops * layers * micro, "cp")
         add("cp", "recv", per_layer / hops, hops * layers * micro, "")

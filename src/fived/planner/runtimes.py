@@ -4,8 +4,9 @@ communicates and keeps the model state, how it stores activations, and which ker
 `FIVED` is this project's runtime as built, and the default of every prediction: no tensor-parallel
 overlap, DDP / FSDP2 reductions behind the last backward, in bf16 runs bf16 weights and gradients
 with fp32 master weights and Adam state in the optimizer (train.dtype=bfloat16; bfloat16-autocast:
-fp32 weights with a bf16 copy of each weight per forward), eager PyTorch kernels (unfused RMSNorm, RoPE, SwiGLU), SDPA (flash
-on GPU) without context parallelism and a ring of plain matmuls with it, experts in a loop, no FP8.
+fp32 weights with a bf16 copy of each weight per forward), eager PyTorch kernels (unfused RMSNorm,
+RoPE, SwiGLU), SDPA (flash on GPU) without context parallelism and a ring of fused attention blocks
+with it, experts in a loop, no FP8.
 
 The published runs the planner is calibrated on ran other runtimes; `framework_runtime` describes
 each from what its row states (framework, precision, ZeRO/FSDP wording, overlap flags), with these
@@ -50,15 +51,16 @@ class Runtime:
     # kernels
     fused: bool = False  # fused norm / RoPE / activation kernels (Transformer Engine, apex, compile)
     fp8: bool = False  # FP8 GEMMs (Transformer Engine, torchao float8)
-    grouped_experts: bool = False  # one grouped GEMM for a rank's experts (fived: a loop)
-    flash_ring: bool = False  # context-parallel blocks with a fused attention kernel (fived: matmuls)
+    # one grouped GEMM for a rank's experts (fived: on CUDA in bf16 only; priced as its CPU loop)
+    grouped_experts: bool = False
+    flash_ring: bool = False  # context-parallel blocks with a fused attention kernel (fived: yes)
 
     @property
     def is_fived(self) -> bool:
         return self.name == "fived"
 
 
-FIVED = Runtime()
+FIVED = Runtime(flash_ring=True)
 
 _MEGATRON = Runtime(name="megatron", grad_overlap=False, reduce_bytes=4, gather_bytes=2, residual_bytes=2,
                     param_bytes=2, grad_bytes=4, master_bytes=4, autocast_copies=False, activations="megatron",

@@ -12,8 +12,8 @@ dimension on the link its group actually uses, the overlap the runtime allows, a
       them, times ep: expert parallelism gathers an expert's tokens from ep ranks). FP8 GEMMs (a
       runtime with FP8 on a GPU with FP8 tensor cores) take 1/FP8_SPEEDUP of the time (fitted).
       Experts run as a loop (fived) pay a kernel launch per expert GEMM (the hardware's launch_s).
-    attention (QK^T, AV): at the GEMM efficiency with a fused kernel; fived's context-parallel ring
-      computes blocks with plain matmuls and streams the fp32 score matrix RING_SCORE_PASSES times.
+    attention (QK^T, AV): at the GEMM efficiency with a fused kernel; a context-parallel ring of plain
+      matmuls (a runtime without flash_ring) streams the fp32 score matrix RING_SCORE_PASSES times.
     memory-bound element-wise work (norms, RoPE, activation, residual adds, casts) at HBM speed:
       ELEMENTWISE_BYTES per token and layer, eager (fived) or fused (Transformer Engine, compile),
       and fived's autocast weight copies (AUTOCAST_BYTES per parameter and micro-batch).
@@ -228,7 +228,7 @@ def _compute(m: ModelConfig, L: Layout, hw: Hardware, runtime: Runtime, seq_len:
     per_token_h, per_token_f = ELEMENTWISE_BYTES["fused" if runtime.fused else "eager"]
     ffn = m.expert_dim * m.top_k if m.is_moe else m.ffn_dim
     elementwise = layers * local_tokens * (per_token_h * m.dim / L.tp + per_token_f * ffn / L.tp)
-    if L.cp > 1 and not runtime.flash_ring:  # fived's ring: the fp32 score matrix of every block
+    if L.cp > 1 and not runtime.flash_ring:  # a ring of matmuls: the fp32 score matrix of every block
         heads = m.n_heads / L.tp
         elementwise += layers * micro * recompute * RING_SCORE_PASSES * 4 * heads * tokens_mb * seq_len * L.micro_batch
     if runtime.autocast_copies:  # the weights this rank computes with, cast every micro-batch
