@@ -163,14 +163,15 @@ def test_reshard_is_exact(first, second, model):
 
 
 def test_background_save_loads_exactly(tmp_path):
-    """checkpoint.async: saves written from a background thread (the second one from the staging
-    copies the first allocated) resume the run exactly, and the time training waited is logged."""
+    """checkpoint.async: saves written from a background thread (from staging copies allocated once,
+    after the first step) resume the run exactly, and the time training waited is logged."""
     cfg = tiny_config("tiny-moe", train__steps=6, parallel__dp=2, parallel__zero=2, checkpoint__every=2,
                       checkpoint__async=True)
     whole = run_on_ranks(2, run_training, cfg, False, False, True)[0]
     cfg.train.output_dir = str(tmp_path)
     saved = run_on_ranks(2, run_training, cfg, True, False, False)[0]
     assert "checkpoint_s" in saved.metrics[2] and "checkpoint_s" in saved.metrics[4]  # (with the step after)
+    assert "checkpoint_prepare_s" in saved.metrics[0]  # staging copies allocated after the first step
     assert [s for s, _ in complete_checkpoints(tmp_path)] == [2, 4, 6]  # (keep 3)
     resumed = run_on_ranks(2, run_training, cfg, True, False, True, str(tmp_path / "checkpoints" / "step-4"))[0]
     assert [m["loss"] for m in resumed.metrics] == [m["loss"] for m in whole.metrics[4:]]

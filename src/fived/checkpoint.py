@@ -144,11 +144,20 @@ class Checkpointer:
     def due(self, step: int) -> bool:
         return self.settings.every > 0 and step % self.settings.every == 0
 
+    def tensors(self) -> dict:
+        return {f"{name}.{key}": value for name, comp in self.components.items()
+                for key, value in comp.tensors(for_load=False).items()}
+
+    def prepare_background(self) -> None:
+        """Allocate (and touch) the background saves' staging copies now, once, instead of during the
+        first background save: then every background save stalls training for one memory copy."""
+        self.wait()
+        self.stager.stage(self.tensors())
+
     def save(self, step: int, background: bool = False) -> None:
         """Save the state after `step` completed steps (every rank calls this)."""
         self.wait()
-        tensors = {f"{name}.{key}": value for name, comp in self.components.items()
-                   for key, value in comp.tensors(for_load=False).items()}
+        tensors = self.tensors()
         manifest = {**self.manifest, "step": step, "saved_at": time.time(),
                     "components": {name: comp.state() for name, comp in self.components.items()}}
         tmp = self.root / f".tmp-step-{step}"

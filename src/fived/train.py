@@ -309,6 +309,11 @@ class Trainer:
             self.sampler.step = step + 1
             if waited is not None:  # how long training waited for the save after the previous step
                 record["checkpoint_s"], waited = waited, None
+            if step == steps.start and self.checkpointer is not None and self.cfg.checkpoint.async_ \
+                    and self.cfg.checkpoint.every > 0:
+                start = time.perf_counter()  # (after the first step: the optimizer's moments exist)
+                self.checkpointer.prepare_background()
+                record["checkpoint_prepare_s"] = time.perf_counter() - start
             if self.val_batches and ((step + 1) % self.cfg.train.eval_every == 0 or step + 1 == self.cfg.train.steps):
                 eval_start = time.perf_counter()
                 val_loss = self.evaluate()  # (every rank; not at an `until` stop, so a resumed run logs alike)
