@@ -63,15 +63,23 @@ def test_resume_is_bit_exact_with_many_zero0_buckets(tmp_path, monkeypatch):
         assert torch.equal(value, second[0].state[name]), name
 
 
-def test_resume_is_bit_exact_with_evaluation(tmp_path):
-    """Evaluating every step (a pipeline's eval path, MoE router biases moving) neither draws random
-    numbers nor moves the data position: the resumed run equals the uninterrupted one to the last bit,
+EVALUATED = {
+    "pp2-dp2-moe": ("tiny-moe", dict(parallel__pp=2, parallel__dp=2, model__router_bias_rate=0.01)),
+    "zero3-dp4": ("tiny", dict(parallel__dp=4, parallel__zero=3)),  # (evaluation leaves FSDP's root gathered)
+}
+
+
+@pytest.mark.parametrize("layout", list(EVALUATED))
+def test_resume_is_bit_exact_with_evaluation(layout, tmp_path):
+    """Evaluating every step (a pipeline's eval path, MoE router biases moving, ZeRO-3's gathered
+    weights) neither draws random numbers nor moves the data position, and leaves every parameter
+    as a checkpoint expects it: the resumed run equals the uninterrupted one to the last bit,
     validation losses included."""
     from fived.data import bundled_corpus_path
 
-    cfg = tiny_config("tiny-moe", train__steps=STEPS, parallel__pp=2, parallel__dp=2, train__microbatches=2,
-                      model__router_bias_rate=0.01, train__eval_every=1, train__eval_batches=1,
-                      data__val_path=str(bundled_corpus_path()))
+    model, over = EVALUATED[layout]
+    cfg = tiny_config(model, train__steps=STEPS, train__microbatches=2, train__eval_every=1, train__eval_batches=1,
+                      data__val_path=str(bundled_corpus_path()), **over)
     whole, first, second = _uninterrupted_and_resumed(4, cfg, tmp_path)
     for key in ("loss", "grad_norm", "val_loss"):
         assert [m[key] for m in whole[0].metrics] == [m[key] for m in first[0].metrics + second[0].metrics], key

@@ -155,6 +155,21 @@ def test_init_from_fived_checkpoint_takes_weights_not_optimizer(tmp_path):
     assert abs(result["loss"] - expected) <= EXACT * expected
 
 
+def test_bf16_masters_start_from_the_source_on_every_layout(tmp_path):
+    """train.dtype=bfloat16 --init-from a float32 source: the float32 masters get the source's values
+    exactly (not rounded through the bf16 weights), under ZeRO-1's flat slices as under ZeRO-3's rows."""
+    cfg = tiny_config("tiny", train__steps=2, train__dtype="float32", train__output_dir=str(tmp_path / "base"))
+    base = run_on_ranks(2, run_training, cfg, True, False, True)[0].state
+    for zero in (1, 3):
+        tuned = tiny_config("tiny", train__steps=1, train__init_from=str(tmp_path / "base"), train__dtype="bfloat16",
+                            train__lr=1e-30, train__weight_decay=0.0, parallel__dp=2, parallel__zero=zero)
+        configure_init_from(tuned, {})
+        state = run_on_ranks(2, run_training, tuned, False, False, True)[0].state  # (lr 1e-30: masters stay)
+        assert any(not torch.equal(v, v.bfloat16().float()) for v in base.values())
+        for name, value in base.items():
+            assert torch.equal(state[name], value), (zero, name)
+
+
 def test_train_export_generate_never_import_transformers(tmp_path):
     """transformers is a test/bench extra: fived's own commands work without it."""
     import subprocess

@@ -86,10 +86,8 @@ def load_model(source: str, dtype: torch.dtype, device: str):
     from fived.model import build_model, materialize
 
     if is_hf_directory(source):
-        from fived.hf.config_map import model_config_from_hf, read_config
+        from fived.hf.config_map import model_config_from_hf, read_config, special_token_ids
         from fived.hf.init import whole_state
-
-        from fived.hf.config_map import special_token_ids
 
         cfg = model_config_from_hf(read_config(source), source)
         state = whole_state(source, cfg, dtype)

@@ -25,7 +25,7 @@ from fived.layout_rules import check_config
 from fived.mesh import PRECISIONS, Mesh, build_dtype
 from fived.metrics import MetricsLog, flops_per_token, keep_log_until, peak_memory_mb
 from fived.planner.hardware import device_peak_tflops
-from fived.model import MoE, build_model, init_weights, keep_buffers_float32, materialize
+from fived.model import MoE, build_model, canonical_name, init_weights, keep_buffers_float32, materialize
 from fived.optim import build_scheduler
 from fived.parallel import parallelize
 from fived.parallel.pipeline import Pipeline
@@ -66,12 +66,7 @@ class Trainer:
 
         self.pipeline = Pipeline(cfg, self.mesh) if self.mesh.pp > 1 else None
         chunks = self.pipeline.build_chunks(param_dtype) if self.pipeline else [build_model(cfg.model, "meta", param_dtype)]
-        self.moe_layers = [m for c in chunks for m in c.modules() if isinstance(m, MoE)]
-        self.moe_layer_ids = [name for c in chunks for name, block in c.layers.items()
-                              if any(isinstance(m, MoE) for m in block.modules())]  # (in moe_layers' order)
-        self.expert_load: dict[str, list[float]] = {}
-        for moe in self.moe_layers:
-            moe.aux_loss_scale = cfg.model.aux_loss_coef / t.global_batch
+        self._find_moe_layers(chunks)
         self.plan = parallelize(chunks, self.mesh, cfg)  # on the meta device: nothing allocated yet
         self.positions = self.plan.positions
         self.dp = self.plan.data_parallel
@@ -79,10 +74,6 @@ class Trainer:
             materialize(chunk, self.device)
             init_weights(chunk, t.seed, self.plan.local_init)
             keep_buffers_float32(chunk)  # router biases move by small steps: not in bf16
-        if t.init_from and not resume:  # (a resumed run's checkpoint holds the weights)
-            from fived.hf.init import load_initial_weights
-
-            load_initial_weights(t.init_from, self.plan, chunks, cfg.model)
         modules = self.dp.wrap(chunks)  # what forward is called on (DDP wraps)
         self.model = modules[0]
         # Bytes saved for backward per micro-batch, measured on the first step: its first micro-batch,
@@ -93,6 +84,8 @@ class Trainer:
             self.activations.watch_stages(getattr(schedule, "_stages", None) or [schedule._stage])
         self.optimizer = self.dp.build_optimizer()
         self.scheduler = build_scheduler(self.optimizer, t)
+        if t.init_from and not resume:  # (a resumed run's checkpoint holds the weights)
+            self._init_from(chunks)
 
         self.sampler = GlobalBatchSampler(check_data(cfg), t.seq_len, t.global_batch, t.seed)
         self.global_tokens = t.global_batch * t.seq_len
@@ -102,18 +95,42 @@ class Trainer:
         self.state_bytes: dict[str, int] = {}
         self.peak_flops = device_peak_tflops(param_dtype, t.peak_tflops) * 1e12
         self.flops_per_step = flops_per_token(cfg.model, t.seq_len) * self.global_tokens
-        self.checkpointer = None
-        if log or resume:
-            self.checkpointer = Checkpointer(t.output_dir, cfg.checkpoint, self._stateful(chunks), self._manifest(),
-                                             t.collective_timeout_s)
-        if resume:
-            self.checkpointer.last_step = self.checkpointer.load(resume)["step"]
-            if log and self.rank == 0:
-                self.checkpointer.supersede_after(self.checkpointer.last_step)
+        self.checkpointer = self._open_checkpoints(chunks, log, resume)
         if log and self.rank == 0:
             keep_log_until(t.output_dir, self.sampler.step)  # a resumed run rewrites nothing twice
         self.log = MetricsLog(t.output_dir, t.tensorboard) if (log and self.rank == 0) else None
         self.preemption, self.preempted = preemption or PreemptionRequest(), False
+
+    def _find_moe_layers(self, chunks) -> None:
+        self.moe_layers = [m for c in chunks for m in c.modules() if isinstance(m, MoE)]
+        self.moe_layer_ids = [name for c in chunks for name, block in c.layers.items()
+                              if any(isinstance(m, MoE) for m in block.modules())]  # (in moe_layers' order)
+        self.expert_load: dict[str, list[float]] = {}
+        for moe in self.moe_layers:
+            moe.aux_loss_scale = self.cfg.model.aux_loss_coef / self.cfg.train.global_batch
+
+    def _open_checkpoints(self, chunks, log: bool, resume: str | None) -> Checkpointer | None:
+        """The run's checkpointer (when it owns a run directory or resumes), with `resume` loaded."""
+        if not (log or resume):
+            return None
+        t = self.cfg.train
+        checkpointer = Checkpointer(t.output_dir, self.cfg.checkpoint, self._stateful(chunks), self._manifest(),
+                                    t.collective_timeout_s)
+        if resume:
+            checkpointer.last_step = checkpointer.load(resume)["step"]
+            if log and self.rank == 0:
+                checkpointer.supersede_after(checkpointer.last_step)
+        return checkpointer
+
+    def _init_from(self, chunks) -> None:
+        """--init-from: the weights from a Hugging Face directory or a fived checkpoint, filled in by
+        placement as a resume fills them (into the float32 masters in bf16 runs, then the model)."""
+        from fived.hf.init import load_initial_weights
+
+        model_state = ModelState(self.plan, chunks)
+        buffers = {canonical_name(raw) for chunk in chunks for raw, _ in chunk.named_buffers()}
+        load_initial_weights(self.cfg.train.init_from, model_state.tensors(for_load=True), buffers)
+        model_state.load_state({})
 
     def _validation_sampler(self) -> tuple[GlobalBatchSampler | None, int]:
         """The validation data's own sampler and how many of its global batches an evaluation runs:
@@ -198,6 +215,7 @@ class Trainer:
             for micro_inputs, micro_targets in zip(inputs.chunk(micro), targets.chunk(micro)):
                 with self._autocast():
                     loss_sum += self.plan.loss_sum(self.model(micro_inputs), micro_targets).double()
+        self.dp.after_forward_only()
         dist.all_reduce(loss_sum, group=self.mesh.group("dp_cp"))  # (as the training loss: see _step)
         if self.pipeline:
             dist.all_reduce(loss_sum, group=self.mesh.group("pp"))

@@ -57,7 +57,7 @@ def export(source: str, output: str, max_shard_bytes: int = SHARD_BYTES) -> Path
         raise ConfigError("--output", output, "exists and is not empty; fived does not overwrite", "name a new directory")
     cfg = config_from_dict(read_manifest(checkpoint)["config"])
     kind = export_kind(cfg.model)
-    dtype = torch.float64 if cfg.train.dtype == "float64" else torch.float32  # (bf16 runs keep fp32 weights)
+    dtype = torch.float64 if cfg.train.dtype == "float64" else torch.float32  # (bf16 checkpoints hold float32 masters)
     tensors = []
     for raw, param in build_model(cfg.model).named_parameters():
         name = canonical_name(raw)

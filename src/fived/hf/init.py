@@ -3,14 +3,14 @@ checkpoint (weights only; the optimizer starts fresh: fine-tuning).
 
 Before any rank starts, `configure_init_from` takes the model config from the source (and its
 tokenizer), refusing flags that contradict it. On each rank, after the model is built and
-initialised, `load_initial_weights` fills what the rank holds: from a Hugging Face directory each
-parameter's box (its placement: tp/ep slice, ZeRO-3 rows, padding left out) is read with
-safetensors slices, so no rank reads more than its share of a tensor; from a fived checkpoint DCP
-reads the model's entries by the same placements.
+initialised and its optimizer built, `load_initial_weights` fills what the rank holds, as a resume
+does (in bf16 runs the float32 masters, so every layout starts from the same values): from a
+Hugging Face directory each box of its placement (tp/ep slice, ZeRO-3 rows, ZeRO-1/2 flat range,
+padding left out) is read with safetensors slices, so no rank reads more than its share of a
+tensor; from a fived checkpoint DCP reads the model's entries by the same placements.
 """
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import torch
@@ -74,27 +74,15 @@ def configure_init_from(cfg, given: dict) -> None:
         cfg.data.tokenizer = tokenizer
 
 
-def stored_region(placement) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(offsets, sizes) in the whole tensor of what a parameter stores here, padding left out (its
-    first `sizes` elements along each dimension are real; the rest is padding)."""
-    offsets, sizes = list(placement.local.offsets), list(placement.local.sizes)
-    if placement.rows is not None:
-        offsets[0] += placement.rows[0]
-        sizes[0] = placement.rows[1] - placement.rows[0]
-    sizes = [max(0, min(o + s, g) - o) for o, s, g in zip(offsets, sizes, placement.global_shape)]
-    return tuple(offsets), tuple(sizes)
-
-
 @torch.no_grad()
-def fill_from_hf(directory: str | Path, kind: str, targets) -> None:
-    """targets: (canonical name, placement, tensor it stores); each tensor's region read from the files."""
+def fill_from_hf(directory: str | Path, kind: str, values: dict) -> None:
+    """values: canonical name -> this rank's boxes of it (a `dcp_io.ShardedValue`: tp/ep slices,
+    ZeRO-3 rows, ZeRO-1/2 flat ranges, padding left out); each box is read from the files."""
     checkpoint = HfCheckpoint(directory)
-    for name, placement, stored in targets:
-        offsets, sizes = stored_region(placement)
-        if 0 in sizes:
-            continue
-        value = checkpoint.read_box(hf_source(name, kind), offsets, sizes)
-        stored[tuple(slice(0, s) for s in sizes)].copy_(value)
+    for name, value in values.items():
+        for box, view in value.boxes:
+            if view.numel():
+                view.copy_(checkpoint.read_box(hf_source(name, kind), box.offsets, box.sizes))
 
 
 def check_hf_names(directory: str | Path, cfg: ModelConfig, kind: str) -> None:
@@ -122,39 +110,32 @@ def check_hf_names(directory: str | Path, cfg: ModelConfig, kind: str) -> None:
                           "(an architecture difference)", "fived imports Llama, Qwen3, Mixtral and Qwen3-MoE")
 
 
-def load_initial_weights(source: str, plan, chunks, cfg: ModelConfig) -> None:
-    """Fill every parameter this rank holds from `source` (every rank calls this, before data
-    parallelism wraps the chunks: a ZeRO-1/2 parameter is still whole here, a ZeRO-3 one its rows)."""
-    from fived.ledger import local_tensor
-    from fived.model import canonical_name
-
-    params = {canonical_name(raw): p for chunk in chunks for raw, p in chunk.named_parameters()}
-    targets = [(name, dataclasses.replace(plan.placements[name], flat=None), local_tensor(param).detach())
-               for name, param in params.items()]
+def load_initial_weights(source: str, values: dict, buffers: set[str]) -> None:
+    """Fill `values` (what a resume fills: `ModelState.tensors(for_load=True)`, each parameter's boxes
+    this rank holds, in bf16 runs their float32 masters, and the buffers, named in `buffers`) from
+    `source`; every rank calls this once the optimizer exists."""
     if is_hf_directory(source):
-        fill_from_hf(source, read_config(source)["model_type"], targets)
+        params = {name: value for name, value in values.items() if name not in buffers}
+        fill_from_hf(source, read_config(source)["model_type"], params)
         return
     from fived import dcp_io
     from fived.checkpoint import find_checkpoint
 
-    buffers = [(canonical_name(raw), b) for chunk in chunks for raw, b in chunk.named_buffers()]
-    targets += [(name, plan.placements[name], buffer) for name, buffer in buffers]  # (router biases route)
-    values = {f"model.{name}": dcp_io.ShardedValue(p.global_shape, p.pieces(stored), True, stored.dtype)
-              for name, p, stored in targets}
-    dcp_io.load(values, find_checkpoint(source))
+    dcp_io.load({f"model.{name}": value for name, value in values.items()}, find_checkpoint(source))
 
 
 def whole_state(directory: str | Path, cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
     """Every parameter of the model in `directory`, whole, by fived name (one process: generation, tests)."""
+    from fived.dcp_io import ShardedValue
     from fived.model import build_model, canonical_name
-    from fived.placement import Box, Placement
+    from fived.placement import Box
 
     kind = read_config(directory)["model_type"]
-    out, targets = {}, []
+    out, values = {}, {}
     for raw, param in build_model(cfg).named_parameters():
         name = canonical_name(raw)
         out[name] = torch.empty(param.shape, dtype=dtype)
-        whole = Placement(tuple(param.shape), Box((0,) * param.dim(), tuple(param.shape)))
-        targets.append((name, whole, out[name]))
-    fill_from_hf(directory, kind, targets)
+        values[name] = ShardedValue(tuple(param.shape), [(Box((0,) * param.dim(), tuple(param.shape)), out[name])],
+                                    True, dtype)
+    fill_from_hf(directory, kind, values)
     return out

@@ -113,6 +113,9 @@ class DataParallel:
     def before_micro_batch(self, is_last: bool) -> None:
         pass
 
+    def after_forward_only(self) -> None:
+        """After an evaluation (forward passes, no backward): storage back as a training step leaves it."""
+
     def finish_backward(self) -> None:
         """Wait for reductions the backward pass started (ZeRO-0 overlaps them with backward)."""
 

@@ -62,6 +62,16 @@ class FullyShardedDataParallel(DataParallel):
     def norm_groups(self) -> list:
         return [self.mesh.group("dp_shard_cp")]
 
+    def after_forward_only(self) -> None:
+        # Backward is what reshards the root (and blocks kept gathered); an evaluation has none, and
+        # a checkpoint or the next step must find every parameter as its rows again.
+        from torch.distributed.fsdp import FSDPModule
+
+        for model in self.chunks:
+            for module in model.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+
     def before_micro_batch(self, is_last: bool) -> None:
         # (Pipeline stages set these themselves per micro-batch; this is the plain loop's.)
         for model in self.chunks:

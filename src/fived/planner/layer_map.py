@@ -1,6 +1,6 @@
 """The layer map: every weight and activation tensor of one transformer layer (and the embedding and
 head) on one GPU of a model replica, with its local shape and whether the layout shards or
-replicates it — by the runtime's rules, as `fived.planner.memory` counts them (tests/test_explore.py
+replicates it — by the runtime's rules, as `fived.planner.memory` counts them (tests/test_pages.py
 checks that the weights here sum to `memory.parameter_shapes`): tensor parallelism splits heads,
 feed-forward widths and the padded vocabulary (a whole kv head per rank when tp > n_kv_heads),
 expert parallelism keeps E/ep experts, ZeRO-3 stores ceil(rows/S) rows of every weight (experts over

@@ -21,7 +21,7 @@ published runs') keep their own bytes per parameter (`fived.planner.runtimes.Run
 Megatron's bf16 weights, fp32 main gradients, fp32 master weights and Adam in the optimizer).
 
 Activations: bytes saved for backward per micro-batch (`fived.activation_model`; other runtimes:
-`fived.planner.runtimes.framework_layer_bytes`), times the number of micro-batches a rank's
+`fived.planner.runtimes.framework_activations`), times the number of micro-batches a rank's
 schedule keeps in flight (`schedule_sim.in_flight_microbatches`).
 
 Transient buffers (peak, not ledger-measured): bf16 copies of the weights autocast caches during a
