@@ -70,6 +70,19 @@ def read_manifest(checkpoint: str | Path) -> dict:
     return manifest
 
 
+def saved_config(checkpoint: str | Path, flag: str) -> tuple[dict, Config]:
+    """(manifest, the resolved config it records) of a complete checkpoint, or a one-line refusal
+    naming the flag that pointed at it."""
+    from fived.config import config_from_dict
+
+    try:
+        manifest = read_manifest(checkpoint)
+        return manifest, config_from_dict(manifest["config"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(flag, str(checkpoint), f"unreadable manifest ({e})",
+                          "use another checkpoint of the run") from None
+
+
 def check_model_shapes(cfg: Config, checkpoint: str | Path) -> None:
     """Refuse, in one line, a checkpoint whose model does not have the config's shapes."""
     from fived.model import build_model, canonical_name

@@ -141,7 +141,7 @@ def cmd_verify(ns: argparse.Namespace) -> int:
 def cmd_prepare_data(ns: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from fived.data import load_tokenizer, token_file_paths
+    from fived.data import EOT_TOKENS, load_tokenizer, token_file_paths
     from fived.data_prep import FORMAT_EXTRA, MissingExtra, input_format, prepare_data
 
     bin_path = token_file_paths(ns.output)[0]
@@ -164,7 +164,7 @@ def cmd_prepare_data(ns: argparse.Namespace) -> int:
         raise ConfigError("--val-fraction", ns.val_fraction, "must be in [0, 1)", "e.g. 0.05")
     if load_tokenizer(ns.tokenizer).eot_id is None:
         raise ConfigError("--tokenizer", ns.tokenizer, "has no end-of-document token to separate documents",
-                          "use a tokenizer.json with one of <|endoftext|>, <|end_of_text|>, </s>, <eos>")
+                          "use a tokenizer.json with one of " + ", ".join(EOT_TOKENS))
     try:
         out = prepare_data(ns.inputs, ns.output, ns.tokenizer, ns.text_field, ns.val_fraction, ns.split)
     except MissingExtra as e:  # pyarrow / datasets for .parquet / saved datasets

@@ -119,21 +119,26 @@ def cmd_report(ns: argparse.Namespace) -> int:
     return 0
 
 
+def add_cluster_flags(parser) -> None:
+    """The model and cluster flags `plan` and `explore` share."""
+    parser.add_argument("--model", help="a preset (llama3-405b, mixtral-8x7b, ...) or a TOML config with a [model] table")
+    parser.add_argument("--gpus", type=int, help="GPUs in the job")
+    parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs sharing NVLink (default 8)")
+    parser.add_argument("--gpu", default="h100", help="a100, h100, h200, h800, b200, mi300x or a hardware .toml")
+    parser.add_argument("--seq", type=int, help="sequence length")
+    parser.add_argument("--global-batch-tokens", type=int, help="tokens per optimizer step")
+    parser.add_argument("--memory-headroom", type=float, default=DEFAULT_HEADROOM_GIB, metavar="GIB",
+                        help=f"GiB each GPU keeps free beyond the planner's peak (default {DEFAULT_HEADROOM_GIB:g})")
+
+
 def add_plan_commands(sub) -> None:
-    """The `plan`, `explore` and `report` subcommands (explore takes plan's model and cluster flags)."""
+    """The `plan`, `explore` and `report` subcommands."""
     planp = sub.add_parser("plan", allow_abbrev=False, help="rank 5D layouts for a model on a cluster by predicted memory and step time")
-    planp.add_argument("--model", help="a preset (llama3-405b, mixtral-8x7b, ...) or a TOML config with a [model] table")
-    planp.add_argument("--gpus", type=int, help="GPUs in the job")
-    planp.add_argument("--gpus-per-node", type=int, default=8, help="GPUs sharing NVLink (default 8)")
-    planp.add_argument("--gpu", default="h100", help="a100, h100, h200, h800, b200, mi300x or a hardware .toml")
-    planp.add_argument("--seq", type=int, help="sequence length")
-    planp.add_argument("--global-batch-tokens", type=int, help="tokens per optimizer step")
+    add_cluster_flags(planp)
     planp.add_argument("--top", type=int, default=5, help="plans to list (default 5)")
     planp.add_argument("--json", action="store_true", help="machine-readable output")
     planp.add_argument("--validate", metavar="FILE.csv", help="predict published runs and print the error per row, "
                        "in sample and leave-one-source-out")
-    planp.add_argument("--memory-headroom", type=float, default=DEFAULT_HEADROOM_GIB, metavar="GIB",
-                       help=f"GiB each GPU keeps free beyond the planner's peak (default {DEFAULT_HEADROOM_GIB:g})")
     planp.add_argument("--runtime", default="fived", choices=RUNTIME_CHOICES,
                        help="plan for fived (default: what `fived train` runs) or, to compare, another runtime "
                             "(its layouts may not be runnable by fived)")
@@ -142,9 +147,7 @@ def add_plan_commands(sub) -> None:
     planp.set_defaults(func=cmd_plan)
     explore = sub.add_parser("explore", allow_abbrev=False, help="write an offline HTML page to toggle a model's 5D "
                              "layout and see the planner's memory, communication, pipeline and step time")
-    for flag in ("--model", "--gpus", "--gpus-per-node", "--gpu", "--seq", "--global-batch-tokens", "--memory-headroom"):
-        action = next(a for a in planp._actions if flag in a.option_strings)
-        explore.add_argument(flag, type=action.type, default=action.default, help=action.help, metavar=action.metavar)
+    add_cluster_flags(explore)
     explore.add_argument("--output", default="explore.html", help="the page to write (default explore.html)")
     explore.set_defaults(func=cmd_explore)
     report = sub.add_parser("report", allow_abbrev=False, help="write an offline HTML page of a training run: "

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fived.data import TOKEN_FORMAT, ByteTokenizer, load_tokenizer, token_dtype, token_file_paths
+from fived.data import EOT_TOKENS, TOKEN_FORMAT, ByteTokenizer, load_tokenizer, token_dtype, token_file_paths
 
 TEXT_BLOCK_CHARS = 1 << 20  # a .txt file is tokenized in blocks of whole lines of about this size
 ROWS_PER_BATCH = 1024  # Parquet / dataset rows read at a time
@@ -225,7 +225,7 @@ def prepare_data(inputs: list[str | Path], output: str | Path, tokenizer: str = 
         raise ValueError(f"val_fraction={val_fraction} must be in [0, 1)")
     tok = load_tokenizer(tokenizer)
     if tok.eot_id is None:
-        raise ValueError(f"tokenizer {tokenizer} has no end-of-document token (one of {', '.join(EOT_NAMES_HINT)})")
+        raise ValueError(f"tokenizer {tokenizer} has no end-of-document token (one of {', '.join(EOT_TOKENS)})")
     dtype = token_dtype(tok.vocab_size)
     bin_path, json_path = token_file_paths(output)
     val_bin, val_json = token_file_paths(str(bin_path)[: -len(".bin")] + ".val")
@@ -260,7 +260,6 @@ def prepare_data(inputs: list[str | Path], output: str | Path, tokenizer: str = 
     return bin_path
 
 
-EOT_NAMES_HINT = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
 
 
 def _split_validation(tmp_bin: str, meta: dict, fraction: float, val_bin: Path, val_json: Path,

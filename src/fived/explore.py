@@ -14,14 +14,13 @@ from __future__ import annotations
 import functools
 import itertools
 
-from fived.config import Config, ConfigError, ModelConfig, TrainConfig
-from fived.layout_rules import layout_errors
+from fived.config import ConfigError, ModelConfig
 from fived.mesh import Layout, stages_per_rank
-from fived.parallel.schedule_sim import check_schedule, n_stages_of, pipeline_profile, schedule_timeline
+from fived.parallel.schedule_sim import n_stages_of, pipeline_profile, schedule_timeline
 from fived.planner.communication import group_span, step_collectives
 from fived.planner.layer_map import activations, pipeline_ranks, replica_weights
 from fived.planner.memory import rank_chunks, rank_stages
-from fived.planner.search import evaluate
+from fived.planner.search import evaluate, layout_refusal
 from fived.planner.timing import Cluster, in_node
 
 OPTIONS = {
@@ -39,26 +38,6 @@ TIMELINE_MICROBATCHES = 4  # per pipeline rank drawn: enough to show fill, stead
 def layout_key(layout: Layout) -> str:
     """The page's lookup key: the toggles' values in OPTIONS order (what the page's script builds)."""
     return "|".join(str(getattr(layout, name)).lower() for name in OPTIONS)
-
-
-def layout_reason(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int) -> ConfigError | None:
-    """Why the runtime refuses `layout` (its first one-line ConfigError, or torch's schedule rule as
-    one), None if it runs."""
-    micro = global_batch // (layout.dp * layout.micro_batch) if layout.dp >= 1 else 0
-    train = TrainConfig(seq_len=seq_len, global_batch=global_batch, microbatches=micro,
-                        activation_checkpointing=layout.checkpointing)
-    cfg = Config(model=model, parallel=layout.parallel_config(), train=train)
-    errors = layout_errors(cfg, layout.world)
-    if errors:
-        return errors[0]
-    if global_batch % (layout.dp * layout.micro_batch):  # (no flags express it: microbatches would round)
-        return ConfigError("micro_batch", layout.micro_batch, f"must divide the per-rank batch global_batch/dp="
-                           f"{global_batch // layout.dp}", "e.g. micro_batch 1")
-    try:
-        check_schedule(layout.pp_schedule, layout.pp, layout.pp_virtual, micro)
-    except ValueError as e:
-        return ConfigError("parallel.pp_schedule", layout.pp_schedule, str(e), "e.g. --pp-schedule 1f1b")
-    return None
 
 
 def reachable_layouts(model: ModelConfig, gpus: int):
@@ -108,12 +87,10 @@ def replica_members(layout: Layout, group: str) -> tuple[list[int], int]:
 def price(model: ModelConfig, layout: Layout, cluster: Cluster, seq_len: int, global_batch: int,
           dtype: str = "bfloat16", headroom_gib: float = 0.0) -> dict:
     """The page's entry for one layout: {"error": reason} or the planner's figures."""
-    reason = layout_reason(model, layout, seq_len, global_batch)
+    reason = layout_refusal(model, layout, seq_len, global_batch)
     if reason:
         return {"error": str(reason)}
-    plan = evaluate(model, layout, cluster, seq_len, global_batch, dtype, headroom_gib=headroom_gib)
-    if plan is None:  # (the planner's own validity check agrees with the runtime's reasons above)
-        return {"error": "the planner cannot price this layout"}
+    plan = evaluate(model, layout, cluster, seq_len, global_batch, dtype, headroom_gib=headroom_gib, checked=True)
     gib, step = plan.memory.gib(), plan.time.to_dict()
     micro = layout.microbatches(global_batch)
     return {"memory": [gib[k] for k in MEMORY_PARTS], "time": [step[k] for k in TIME_PARTS],
@@ -202,7 +179,7 @@ def layout_from_flags(model: ModelConfig, flags: str, gpus: int, seq_len: int, g
     cfg = build_config(overrides={**overrides, "train.seq_len": seq_len})
     cfg.model = model
     layout = Layout.from_config(cfg, gpus)
-    reason = layout_reason(model, layout, seq_len, global_batch)
+    reason = layout_refusal(model, layout, seq_len, global_batch)
     if reason:
         raise reason
     return layout

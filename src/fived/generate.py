@@ -20,8 +20,9 @@ from fived.config import ConfigError
 
 
 class KVCachedAttentionCore(nn.Module):
-    """Causal attention over every position seen so far: keeps the keys and values of earlier calls;
-    a call's queries are the positions that follow them."""
+    """Causal attention over every position seen so far: keeps the keys and values of earlier calls.
+    The first call (the prompt) is plain causal attention; each later one brings one new position,
+    which sees every key: neither needs a mask."""
 
     def __init__(self):
         super().__init__()
@@ -29,14 +30,14 @@ class KVCachedAttentionCore(nn.Module):
         self.values: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if self.keys is not None:
+        prompt = self.keys is None
+        if not prompt:
+            if q.shape[1] != 1:
+                raise ValueError("after the prompt, each call brings one new position")
             k, v = torch.cat([self.keys, k], dim=1), torch.cat([self.values, v], dim=1)
         self.keys, self.values = k, v
-        total, new = k.shape[1], q.shape[1]
-        query_pos = torch.arange(total - new, total, device=q.device)
-        visible = torch.arange(total, device=q.device)[None, :] <= query_pos[:, None]  # [new, total]
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=q.shape[1] != k.shape[1])
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=prompt, enable_gqa=q.shape[1] != k.shape[1])
         return out.transpose(1, 2)
 
 
@@ -114,15 +115,14 @@ def load_model(source: str, dtype: torch.dtype, device: str):
 
 def _checkpoint_state(source: str):
     from fived import dcp_io
-    from fived.checkpoint import find_checkpoint, read_manifest
-    from fived.config import config_from_dict
+    from fived.checkpoint import find_checkpoint, saved_config
     from fived.model import build_model, canonical_name
 
     checkpoint = find_checkpoint(source) if Path(source).is_dir() else None
     if checkpoint is None:
         raise ConfigError("source", source, "is neither a fived run or checkpoint nor a Hugging Face model "
                           "directory (config.json)", "give one of those")
-    cfg = config_from_dict(read_manifest(checkpoint)["config"])
+    cfg = saved_config(checkpoint, "source")[1]
     meta = build_model(cfg.model)
     names = [canonical_name(n) for n, _ in [*meta.named_parameters(), *meta.named_buffers()]]
     whole = dcp_io.read_whole(checkpoint, [f"model.{n}" for n in names])

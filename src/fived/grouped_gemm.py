@@ -21,6 +21,8 @@ as the reference the benchmark and the tests compare against.
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 
@@ -37,19 +39,22 @@ def _uses_grouped_mm(x: torch.Tensor, w1: torch.Tensor) -> bool:
             and w1.shape[1] % 16 == 0 and w1.shape[2] % 16 == 0)
 
 
+def _group_ends(counts: torch.Tensor) -> torch.Tensor:
+    """torch._grouped_mm's offsets: where each expert's slots end (on the device: no host read)."""
+    return torch.cumsum(counts.to(torch.int64), 0).to(torch.int32)
+
+
 class _Groups:
     """Where each slot sits in the zero-padded [experts * capacity, ...] batch (one flat row index
     per slot, so padding and unpadding are one index_copy / index_select each)."""
 
-    def __init__(self, counts: torch.Tensor, slots: int, padded: bool):
+    def __init__(self, counts: torch.Tensor, slots: int):
         n = counts.shape[0]
         counts = counts.to(torch.int64)
-        self.n, self.offsets = n, torch.cumsum(counts, 0)
-        if not padded:
-            return  # torch._grouped_mm takes the offsets: nothing else is needed (and no host read)
+        self.n, starts = n, torch.cumsum(counts, 0) - counts
         self.capacity = int(counts.max()) if n else 0
         expert = torch.repeat_interleave(torch.arange(n, device=counts.device), counts, output_size=slots)
-        self.flat = torch.arange(slots, device=counts.device) + (expert * self.capacity - (self.offsets - counts)[expert])
+        self.flat = torch.arange(slots, device=counts.device) + (expert * self.capacity - starts[expert])
 
     def pad(self, t: torch.Tensor) -> torch.Tensor:
         out = t.new_zeros((self.n * self.capacity, t.shape[-1]))
@@ -68,13 +73,13 @@ def _swiglu_grad(d_hidden, gate, up, d_gate_in, d_up_in):
 @torch.library.custom_op("fived::grouped_swiglu", mutates_args=())
 def _grouped_swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
                     counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    groups = _Groups(counts, x.shape[0], padded=not _uses_grouped_mm(x, w1))
-    if _uses_grouped_mm(x, w1):
-        offs = groups.offsets.to(torch.int32)
-        gate, up = torch._grouped_mm(x, w1, offs=offs), torch._grouped_mm(x, w3, offs=offs)
-        return torch._grouped_mm(F.silu(gate) * up, w2, offs=offs), gate, up
     if x.device.type == "cpu":
         return _forward_slices(x, w1, w3, w2, counts.tolist())
+    if _uses_grouped_mm(x, w1):
+        offs = _group_ends(counts)
+        gate, up = torch._grouped_mm(x, w1, offs=offs), torch._grouped_mm(x, w3, offs=offs)
+        return torch._grouped_mm(F.silu(gate) * up, w2, offs=offs), gate, up
+    groups = _Groups(counts, x.shape[0])
     xp = groups.pad(x)
     gate, up = torch.bmm(xp, w1), torch.bmm(xp, w3)
     out = torch.bmm(F.silu(gate) * up, w2)
@@ -95,8 +100,7 @@ def _forward_slices(x, w1, w3, w2, counts: list[int]):
 
 
 def _slices(counts: list[int]) -> list[slice]:
-    ends = [sum(counts[:e + 1]) for e in range(len(counts))]
-    return [slice(end - n, end) for end, n in zip(ends, counts)]
+    return [slice(end - n, end) for end, n in zip(itertools.accumulate(counts), counts)]
 
 
 @_grouped_swiglu.register_fake
@@ -117,16 +121,16 @@ def _grouped_swiglu_backward(grad_out: torch.Tensor, d_gate_in: torch.Tensor, d_
                              counts: torch.Tensor, gate: torch.Tensor, up: torch.Tensor
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dw1, dw3, dw2); an op of its own so that compiled graphs keep it whole too."""
-    groups = _Groups(counts, x.shape[0], padded=not _uses_grouped_mm(x, w1))
+    if x.device.type == "cpu":
+        return _backward_slices(grad_out, d_gate_in, d_up_in, x, w1, w3, w2, counts.tolist(), gate, up)
     if _uses_grouped_mm(x, w1):
-        offs = groups.offsets.to(torch.int32)
+        offs = _group_ends(counts)
         d_hidden = torch._grouped_mm(grad_out, w2.transpose(1, 2), offs=offs)
         d_gate, d_up = _swiglu_grad(d_hidden, gate, up, d_gate_in, d_up_in)
         dx = torch._grouped_mm(d_gate, w1.transpose(1, 2), offs=offs) + torch._grouped_mm(d_up, w3.transpose(1, 2), offs=offs)
         dw1, dw3 = torch._grouped_mm(x.t(), d_gate, offs=offs), torch._grouped_mm(x.t(), d_up, offs=offs)
         return dx, dw1, dw3, torch._grouped_mm((F.silu(gate) * up).t(), grad_out, offs=offs)
-    if x.device.type == "cpu":
-        return _backward_slices(grad_out, d_gate_in, d_up_in, x, w1, w3, w2, counts.tolist(), gate, up)
+    groups = _Groups(counts, x.shape[0])
     # padded: every operand padded once; padding rows stay zero through the element-wise math.
     # (Transposed weights are made contiguous: CPU bmm is several times slower on the strided ones.)
     xp, gp, gate_p, up_p = (groups.pad(t) for t in (x, grad_out, gate, up))

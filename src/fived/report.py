@@ -110,7 +110,7 @@ def report_figures(cfg: Config, world: int, results: list[TrainResult]) -> dict:
     per mesh dimension), the pipeline's executed actions and the MoE expert load per layer: what
     `format_report` prints and what `fived train` writes to the run directory's run.json."""
     state = [{"rank": rank, "measured": {k: res.memory.get(k, 0) for k in ("params", "grads", "optimizer")},
-              "predicted": {k: v for k, v in expected_state_bytes(cfg, world, rank).items()}}
+              "predicted": expected_state_bytes(cfg, world, rank)}
              for rank, res in enumerate(results)]
     want_comm, comm = expected_comm_bytes(cfg, world), results[0].comm
     comm_rows = [{"key": key, "bytes": comm.get(key, {}).get("bytes", 0), "calls": comm.get(key, {}).get("calls", 0),

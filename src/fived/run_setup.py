@@ -170,8 +170,8 @@ def file_overrides(path: str | None) -> dict:
 
 
 # What a resumed run takes from its checkpoint: changing it would make it another run.
-FIXED_ON_RESUME = ("model.", "data.", "train.seq_len", "train.global_batch", "train.seed")
-FREE_ON_RESUME = ("data.val_path",)  # validation data is read, never trained on: a resumed run may add it
+# (data.val_path is not here: validation data is read, never trained on, so a resumed run may add it)
+FIXED_ON_RESUME = ("model.", "data.path", "data.tokenizer", "train.seq_len", "train.global_batch", "train.seed")
 # The flags that describe a layout: given on resume, they define a new one from the defaults.
 LAYOUT_FIELDS = ("dp", "tp", "pp", "cp", "ep", "zero", "dp_replicate", "sp", "pp_schedule", "pp_virtual", "pp_layers")
 
@@ -218,19 +218,13 @@ def load_resumed_run(ns: argparse.Namespace):
 
 def _saved_run(resume: str):
     """(checkpoint directory, manifest, saved config) of `--resume DIR`, or a one-line refusal."""
-    from fived.checkpoint import find_checkpoint, read_manifest
-    from fived.config import config_from_dict
+    from fived.checkpoint import find_checkpoint, saved_config
 
     checkpoint = find_checkpoint(resume)
     if checkpoint is None:
         raise ConfigError("--resume", resume, "holds no complete checkpoint (checkpoints/step-<N>/COMPLETE)",
                           "give the output directory of a run that saved one (checkpoint.every or checkpoint.final)")
-    try:
-        manifest = read_manifest(checkpoint)
-        return checkpoint, manifest, config_from_dict(manifest["config"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ConfigError("--resume", str(checkpoint), f"unreadable manifest ({e})",
-                          "resume from another checkpoint of the run") from None
+    return (checkpoint, *saved_config(checkpoint, "--resume"))
 
 
 def _resumed_config(saved, given: dict, dp_shard: int | None):
@@ -241,7 +235,7 @@ def _resumed_config(saved, given: dict, dp_shard: int | None):
     from fived.config import ParallelConfig, set_field
 
     for key, value in given.items():
-        if key.startswith(FIXED_ON_RESUME) and key not in FREE_ON_RESUME:
+        if key.startswith(FIXED_ON_RESUME):
             section, _, name = key.partition(".")
             probe = copy.deepcopy(saved)
             set_field(probe, section, name, value)

@@ -105,9 +105,15 @@ class Trainer:
         self.moe_layers = [m for c in chunks for m in c.modules() if isinstance(m, MoE)]
         self.moe_layer_ids = [name for c in chunks for name, block in c.layers.items()
                               if any(isinstance(m, MoE) for m in block.modules())]  # (in moe_layers' order)
-        self.expert_load: dict[str, list[float]] = {}
+        self.last_expert_load: torch.Tensor | None = None  # [local MoE layer, expert], the last step's
         for moe in self.moe_layers:
             moe.aux_loss_scale = self.cfg.model.aux_loss_coef / self.cfg.train.global_batch
+
+    def expert_load(self) -> dict[str, list[float]]:
+        """MoE layer id -> the last step's global tokens per expert (this rank's layers)."""
+        if self.last_expert_load is None:
+            return {}
+        return {lid: row.tolist() for lid, row in zip(self.moe_layer_ids, self.last_expert_load.double())}
 
     def _open_checkpoints(self, chunks, log: bool, resume: str | None) -> Checkpointer | None:
         """The run's checkpointer (when it owns a run directory or resumes), with `resume` loaded."""
@@ -205,12 +211,8 @@ class Trainer:
             if self.positions is not None:
                 inputs, targets = inputs[:, self.positions], targets[:, self.positions]
             if self.pipeline:
-                self.loss_divisor = 1
-                try:
-                    with self._autocast():
-                        loss_sum += self.pipeline.evaluate(inputs, targets)
-                finally:
-                    self.loss_divisor = self.global_tokens
+                with self._autocast(), self._summed_losses():
+                    loss_sum += self.pipeline.evaluate(inputs, targets)
                 continue
             for micro_inputs, micro_targets in zip(inputs.chunk(micro), targets.chunk(micro)):
                 with self._autocast():
@@ -220,6 +222,15 @@ class Trainer:
         if self.pipeline:
             dist.all_reduce(loss_sum, group=self.mesh.group("pp"))
         return loss_sum.item() / (self.val_batches * self.global_tokens)
+
+    @contextlib.contextmanager
+    def _summed_losses(self):
+        """Pipeline micro-batch losses undivided (an evaluation sums them), then as in training."""
+        self.loss_divisor = 1
+        try:
+            yield
+        finally:
+            self.loss_divisor = self.global_tokens
 
     def _read_moe_statistics(self):
         """The step's auxiliary loss (summed) and tokens per expert (per local MoE layer)."""
@@ -249,7 +260,7 @@ class Trainer:
                 if rate > 0:
                     moe.router_bias += rate * torch.sign(load.mean() - load).to(moe.router_bias.dtype)
             worst = (stacked.amax(dim=1) / stacked.mean(dim=1).clamp_min(1e-9)).max()
-            self.expert_load = {lid: row.tolist() for lid, row in zip(self.moe_layer_ids, stacked.double())}
+            self.last_expert_load = stacked  # (read once, by expert_load(), at the end)
         if self.pipeline:
             dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=self.mesh.group("pp"))
         return worst.item()
@@ -374,4 +385,4 @@ def run_training(cfg: Config, log: bool = True, progress: bool = True, return_st
     timeline = trainer.pipeline.last_step_actions() if trainer.pipeline else []
     return TrainResult(metrics=metrics, state=state, memory=trainer.state_bytes, activations=trainer.activations.per_layer,
                        comm=trainer.ledger.summary(), timeline=timeline, preempted=trainer.preempted,
-                       expert_load=trainer.expert_load)
+                       expert_load=trainer.expert_load())

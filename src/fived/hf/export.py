@@ -44,8 +44,7 @@ def _shards(tensors: list[tuple[str, list, int]], max_bytes: int) -> list[list]:
 
 def export(source: str, output: str, max_shard_bytes: int = SHARD_BYTES) -> Path:
     from fived import dcp_io
-    from fived.checkpoint import find_checkpoint, read_manifest
-    from fived.config import config_from_dict
+    from fived.checkpoint import find_checkpoint, saved_config
     from fived.model import build_model, canonical_name
 
     checkpoint = find_checkpoint(source) if Path(source).is_dir() else None
@@ -55,7 +54,7 @@ def export(source: str, output: str, max_shard_bytes: int = SHARD_BYTES) -> Path
     out = Path(output)
     if out.exists() and any(out.iterdir()):
         raise ConfigError("--output", output, "exists and is not empty; fived does not overwrite", "name a new directory")
-    cfg = config_from_dict(read_manifest(checkpoint)["config"])
+    cfg = saved_config(checkpoint, "source")[1]
     kind = export_kind(cfg.model)
     dtype = torch.float64 if cfg.train.dtype == "float64" else torch.float32  # (bf16 checkpoints hold float32 masters)
     tensors = []

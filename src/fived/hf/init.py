@@ -30,8 +30,7 @@ def is_hf_directory(path: str | Path) -> bool:
 
 def source_model(source: str) -> tuple[ModelConfig, str | None]:
     """(model config, tokenizer path or None) of an --init-from source; ConfigError if unusable."""
-    from fived.checkpoint import find_checkpoint, read_manifest
-    from fived.config import config_from_dict
+    from fived.checkpoint import find_checkpoint, saved_config
 
     if is_hf_directory(source):
         model = model_config_from_hf(read_config(source), source)
@@ -41,7 +40,7 @@ def source_model(source: str) -> tuple[ModelConfig, str | None]:
     if checkpoint is None:
         raise ConfigError("--init-from", source, "is neither a Hugging Face model directory (config.json) nor a "
                           "fived run or checkpoint (checkpoints/step-<N>/COMPLETE)", "give one of those")
-    saved = config_from_dict(read_manifest(checkpoint)["config"])
+    saved = saved_config(checkpoint, "--init-from")[1]
     return saved.model, saved.data.tokenizer
 
 

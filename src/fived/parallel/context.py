@@ -101,22 +101,24 @@ def _sum_groups(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return grad if h == kv_heads else grad.view(b, kv_heads, h // kv_heads, s, d).sum(2)
 
 
-def _math_block_forward(q, k, v, causal, scale):
-    """Reference path (CUDA in float32/float64, where no flash kernel takes the dtype): explicit scores."""
-    ke, ve = _expand_kv(q, k, v)
+def _math_scores(q, ke, causal, scale):
     scores = (q @ ke.transpose(-1, -2)) * scale
     if causal:
         scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+    return scores
+
+
+def _math_block_forward(q, k, v, causal, scale):
+    """Reference path (CUDA in float32/float64, where no flash kernel takes the dtype): explicit scores."""
+    ke, ve = _expand_kv(q, k, v)
+    scores = _math_scores(q, ke, causal, scale)
     lse = torch.logsumexp(scores, dim=-1)
     return torch.exp(scores - lse[..., None]) @ ve, lse
 
 
 def _math_block_backward(dout, q, k, v, out, lse, causal, scale):
     ke, ve = _expand_kv(q, k, v)
-    scores = (q @ ke.transpose(-1, -2)) * scale
-    if causal:
-        scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
-    probs = torch.exp(scores - lse[..., None])
+    probs = torch.exp(_math_scores(q, ke, causal, scale) - lse[..., None])
     dv = probs.transpose(-1, -2) @ dout
     ds = probs * (dout @ ve.transpose(-1, -2) - (dout * out).sum(-1, keepdim=True))
     dq, dk = (ds @ ke) * scale, (ds.transpose(-1, -2) @ q) * scale

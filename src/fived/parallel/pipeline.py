@@ -180,7 +180,6 @@ class Pipeline:
             total += loss.detach().double()
         return total
 
-
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Forward only, through the schedule's eval path: the summed micro-batch losses on the last
         stage (zero elsewhere). The timeline keeps the last training step's actions."""

@@ -71,8 +71,7 @@ def _zero(tensors: list[dict], layout: Layout) -> None:
     for t in tensors:
         n = edp if t["name"].startswith("experts.") and layout.ep > 1 else shards
         if layout.zero == 3 and n > 1:
-            rows = t["shape"][0] if not t["name"].startswith("experts.") else t["shape"][0]
-            t["stored"] = [math.ceil(rows / n)] + t["shape"][1:]
+            t["stored"] = [math.ceil(t["shape"][0] / n)] + t["shape"][1:]
             t["split"] = "+".join(x for x in (t["split"], f"zero3/{n}") if x)
         elif layout.zero in (1, 2) and shards > 1 and not (t["name"].startswith("experts.") and layout.ep > 1):
             t["state_note"] = f"Adam state{' and gradients' if layout.zero == 2 else ''} 1/{shards}"

@@ -317,7 +317,8 @@ def _rank_states(key, layout: Layout, dtype: str, runtime: Runtime):
 def _static_buffers(m: ModelConfig, layout: Layout, dtype: str, chunks, state: dict, runtime: Runtime) -> tuple[int, int]:
     """(transient bytes, ZeRO-3's accumulated unsharded gradients) of one rank."""
     b = WEIGHT_BYTES[dtype]
-    params = state["params"] // state_element_bytes(dtype, layout.zero, runtime)[0]  # elements this rank holds
+    param_bytes, _, optimizer_bytes = state_element_bytes(dtype, layout.zero, runtime)
+    params = state["params"] // param_bytes  # elements this rank holds
     shapes = [parameter_shapes(m, layout.tp, layout.ep, *c, layout.expert_tp) for c in chunks]
     dense = sum(r * c * k for dn, _ in shapes for (r, c), k in dn)
     unsharded = dense + sum(r * c * k for _, ex in shapes for (r, c), k in ex)
@@ -327,7 +328,7 @@ def _static_buffers(m: ModelConfig, layout: Layout, dtype: str, chunks, state: d
     if layout.zero == 2 and runtime.is_fived:
         out += dense * b  # the flat gradient buffer (not the experts) exists while backward runs
     if PRECISIONS[dtype].master and layout.zero < 3 and runtime.is_fived:
-        out += state["optimizer"] // 12 * 4  # the masters' float32 gradients while the optimizer steps
+        out += state["optimizer"] // optimizer_bytes * 4  # the masters' float32 gradients while the optimizer steps
     if layout.zero == 0 and layout.pp == 1 and layout.dp > 1:
         out += DDP_BUCKET_BYTES
     if layout.zero < 3:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from fived.config import Config, ModelConfig, TrainConfig
+from fived.config import Config, ConfigError, ModelConfig, TrainConfig
 from fived.layout_rules import layout_errors
 from fived.mesh import Layout
 from fived.parallel.schedule_sim import check_schedule
@@ -49,29 +49,41 @@ class Plan:
 
 
 def is_valid(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int) -> bool:
-    """The runtime's own checks; a folded expert layout (planner-only) by Megatron-Core's rules
-    instead for its experts: ep*etp ranks divide dp*cp*tp, etp divides tp and the expert width."""
-    if global_batch % (layout.dp * layout.micro_batch):
+    if global_batch % (layout.dp * layout.micro_batch):  # (the cheapest refusal, first)
         return False
+    return layout_refusal(model, layout, seq_len, global_batch) is None
+
+
+def layout_refusal(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int) -> ConfigError | None:
+    """Why `layout` cannot run (None if it can): the runtime's own checks and their one-line reason
+    first; a folded expert layout (planner-only) by Megatron-Core's rules instead for its experts
+    (ep*etp ranks divide dp*cp*tp, etp divides tp and the expert width); then the micro-batch size
+    and torch's schedule rules."""
     t = TrainConfig(seq_len=seq_len, global_batch=global_batch, microbatches=layout.microbatches(global_batch),
                     activation_checkpointing=layout.checkpointing)
     checked = layout if layout.runnable else layout.with_(ep=1, etp=0)
-    if layout_errors(Config(model=model, parallel=checked.parallel_config(), train=t), layout.world):
-        return False
+    errors = layout_errors(Config(model=model, parallel=checked.parallel_config(), train=t), layout.world)
+    if errors:
+        return errors[0]
     if not layout.runnable and not (model.is_moe and model.n_experts % layout.ep == 0 and layout.tp % layout.etp == 0
                                     and model.expert_dim % layout.etp == 0
                                     and (layout.dp * layout.cp * layout.tp) % (layout.ep * layout.etp) == 0):
-        return False
+        return ConfigError("etp", layout.etp, "the folded expert layout breaks Megatron-Core's rules", "e.g. etp 0")
+    if global_batch % (layout.dp * layout.micro_batch):  # (no flags express it: microbatches would round)
+        return ConfigError("micro_batch", layout.micro_batch, f"must divide the per-rank batch global_batch/dp="
+                           f"{global_batch // layout.dp}", "e.g. micro_batch 1")
     try:  # what torch's schedule constructors refuse (micro-batch rounds)
         check_schedule(layout.pp_schedule, layout.pp, layout.pp_virtual, t.microbatches)
-    except ValueError:
-        return False
-    return True
+    except ValueError as e:
+        return ConfigError("parallel.pp_schedule", layout.pp_schedule, str(e), "e.g. --pp-schedule 1f1b")
+    return None
 
 
 def evaluate(model: ModelConfig, layout: Layout, cluster: Cluster, seq_len: int, global_batch: int,
-             dtype: str = "bfloat16", runtime: Runtime = FIVED, headroom_gib: float = 0.0) -> Plan | None:
-    if not is_valid(model, layout, seq_len, global_batch):
+             dtype: str = "bfloat16", runtime: Runtime = FIVED, headroom_gib: float = 0.0,
+             checked: bool = False) -> Plan | None:
+    """The plan of one layout (None if it cannot run; `checked`: the caller already knows it can)."""
+    if not checked and not is_valid(model, layout, seq_len, global_batch):
         return None
     hw = cluster.hardware
     memory = memory_per_gpu(model, layout, seq_len, global_batch, dtype, hw.memory_gib, runtime)

@@ -34,7 +34,7 @@ dimension on the link its group actually uses, the overlap the runtime allows, a
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from functools import lru_cache
 
 from fived.config import ModelConfig
@@ -166,9 +166,7 @@ def step_time(model: ModelConfig, layout: Layout, cluster: Cluster, seq_len: int
     layers_here = sum(len(layers) for layers, _, _ in chunks)
     recompute = layer_fraction / 3 if L.checkpointing == "full" else 0.0
     flops_gpu = model_flops * (1 + recompute) * share / (L.dp * L.cp * L.tp)
-    if PRECISIONS[dtype].master:  # bf16 weights: no bf16 copies of them to make per micro-batch
-        runtime = replace(runtime, autocast_copies=False)
-    compute, attention = _compute(m, L, hw, runtime, seq_len, micro, layers_here, flops_gpu, 1 + recompute)
+    compute, attention = _compute(m, L, hw, runtime, dtype, seq_len, micro, layers_here, flops_gpu, 1 + recompute)
 
     collectives = step_collectives(m, L, seq_len, global_batch, dtype, chunks, rank_stages(L, pp_rank), runtime)
     time: dict[str, float] = defaultdict(float)
@@ -210,8 +208,8 @@ def step_time(model: ModelConfig, layout: Layout, cluster: Cluster, seq_len: int
                     hw.peak_tflops * 1e12, dict(moved), overhead)
 
 
-def _compute(m: ModelConfig, L: Layout, hw: Hardware, runtime: Runtime, seq_len: int, micro: int, layers: int,
-             flops_gpu: float, recompute: float) -> tuple[float, float]:
+def _compute(m: ModelConfig, L: Layout, hw: Hardware, runtime: Runtime, dtype: str, seq_len: int, micro: int,
+             layers: int, flops_gpu: float, recompute: float) -> tuple[float, float]:
     """(seconds of the rank's compute, seconds of its attention blocks) for one step."""
     peak = hw.peak_tflops * 1e12
     fp8 = runtime.fp8 and hw.fp8_tflops > 0
@@ -231,7 +229,8 @@ def _compute(m: ModelConfig, L: Layout, hw: Hardware, runtime: Runtime, seq_len:
     if L.cp > 1 and not runtime.flash_ring:  # a ring of matmuls: the fp32 score matrix of every block
         heads = m.n_heads / L.tp
         elementwise += layers * micro * recompute * RING_SCORE_PASSES * 4 * heads * tokens_mb * seq_len * L.micro_batch
-    if runtime.autocast_copies:  # the weights this rank computes with, cast every micro-batch
+    # the weights this rank computes with, cast every micro-batch (bf16 weights with masters: none)
+    if runtime.autocast_copies and not PRECISIONS[dtype].master:
         layer_params = (4 * m.dim * m.dim + 3 * m.dim * ffn) / L.tp
         elementwise += layers * micro * recompute * AUTOCAST_BYTES * layer_params
     memory_bound = elementwise / (hw.hbm_gbps * 1e9 * HBM_EFFICIENCY)
