@@ -21,7 +21,8 @@ def nearest_multiple(value: int, base: int) -> int:
 
 def largest_divisor(n: int, at_most: int) -> int:
     """The largest divisor of n that is at most `at_most` (1 if none larger)."""
-    return max((d for d in range(1, max(at_most, 1) + 1) if n % d == 0), default=1)
+    # (from the top down: the planner asks for every layout it weighs, usually of a divisor itself)
+    return next((d for d in range(max(at_most, 1), 0, -1) if n % d == 0), 1)
 
 
 def layout_errors(cfg: Config, world: int | None) -> list[ConfigError]:
