@@ -7,7 +7,7 @@ import pytest
 from torch._dynamo.eval_frame import OptimizedModule
 
 from fived.config import ConfigError, build_config
-from fived.layout_rules import check_config
+from fived.layout.rules import check_config
 from fived.model import build_model, canonical_name
 from fived.parallel.compile import apply_compile
 from fived.testing import EXACT, tiny_config

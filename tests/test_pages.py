@@ -16,7 +16,7 @@ import pytest
 
 from fived.cli import main
 from fived.config import Config, TrainConfig, model_preset
-from fived.layout_rules import layout_errors
+from fived.layout.rules import layout_errors
 from fived.mesh import Layout
 from fived.planner.layer_map import layer_weights, end_weights
 from fived.planner.memory import parameter_shapes

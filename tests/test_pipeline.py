@@ -8,8 +8,9 @@ import sys
 import pytest
 
 from fived.config import model_preset
-from fived.parallel.pipeline import split_layers, stages_per_rank
-from fived.parallel.schedule_sim import bubble_of, simulate
+from fived.layout.layout import stages_per_rank
+from fived.layout.stages import split_layers
+from fived.layout.schedule_sim import bubble_of, simulate
 from fived.testing import EXACT, run_on_ranks, tiny_config
 from fived.train import run_training
 from fived.verify import run_verify

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from fived.config import build_config, model_preset
-from fived.parallel.schedule_sim import analyse, pipeline_profile
+from fived.layout.schedule_sim import analyse, pipeline_profile
 from fived.planner.calibration import COVERAGE, OUT_OF_SAMPLE_ERROR, validate
 from fived.planner.hardware import CATALOGUE, hardware
 from fived.mesh import Layout

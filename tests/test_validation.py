@@ -110,7 +110,7 @@ def test_cuda_without_a_gpu_is_refused(no_ranks, capsys):
 
 def test_the_way_out_is_the_nearest_valid_value():
     from fived.config import ConfigError, build_config
-    from fived.layout_rules import check_config
+    from fived.layout.rules import check_config
 
     cfg = build_config(overrides={"parallel.dp": 3, "train.global_batch": 16})
     with pytest.raises(ConfigError, match=r"divisible by dp=3; e\.g\. --global-batch 15$"):

@@ -90,7 +90,8 @@ from __future__ import annotations
 
 import math
 
-CHECKPOINTING = ("none", "full", "selective")
+from fived.layout.layout import CHECKPOINTING
+from fived.layout.spec import kv_width
 
 
 def activation_bytes(model, *, micro_batch_seqs: int, seq_len: int, tp: int = 1, sp: bool = False, cp: int = 1,
@@ -143,7 +144,7 @@ class _Geometry:
         self.Bs = self.B / (tp if sp else 1)
         self.h, self.hd = m.dim, m.head_dim
         self.a = m.n_heads / tp
-        self.kv = max(m.n_kv_heads // tp, 1) * m.head_dim
+        self.kv = kv_width(m, tp)  # (one whole head when tp > n_kv_heads: the sharding spec's rule)
         self.bf16 = dtype_bytes == 2 and autocast
         self.bf16_weights = dtype_bytes == 2 and not autocast
         self.x = dtype_bytes  # matmul / activation dtype

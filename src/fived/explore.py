@@ -6,8 +6,8 @@ size and activation checkpointing; dp is what the GPU count leaves (gpus / (tp*p
 combination is either priced by the planner (`fived.planner.search.evaluate`: memory per GPU, step
 time, the collectives of `fived.planner.communication` with the links `fived.planner.timing` puts them
 on, the flags that run it) or refused with the runtime's own one-line reason
-(`fived.layout_rules.layout_errors`, then torch's schedule rules). The layer map's local shapes come
-from `fived.planner.layer_map`, the pipeline timeline from `fived.parallel.schedule_sim`.
+(`fived.layout.rules.layout_errors`, then torch's schedule rules). The layer map's local shapes come
+from `fived.planner.layer_map`, the pipeline timeline from `fived.layout.schedule_sim`.
 """
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ import functools
 import itertools
 
 from fived.config import ConfigError, ModelConfig
-from fived.mesh import Layout, stages_per_rank
-from fived.parallel.schedule_sim import n_stages_of, pipeline_profile, schedule_timeline
+from fived.layout.layout import Layout, stages_per_rank
+from fived.layout.schedule_sim import n_stages_of, pipeline_profile, schedule_timeline
 from fived.planner.communication import group_span, step_collectives
 from fived.planner.layer_map import activations, pipeline_ranks, replica_weights
-from fived.planner.memory import rank_chunks, rank_stages
+from fived.layout.stages import rank_chunks, rank_stages
 from fived.planner.search import evaluate, layout_refusal
 from fived.planner.timing import Cluster, in_node
 

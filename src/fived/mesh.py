@@ -1,30 +1,28 @@
-"""The layout and the device mesh: `Layout` describes how one training step is laid out on the ranks
-(the one description the runtime, `--report` and the planner share), `Mesh` builds a layout's process
-groups (the rules a layout must meet before it runs are in `fived.layout_rules`).
-
-Order, outermost to innermost: pp, dp, cp, tp (as Megatron-Core's rank generator: tp on the fastest
-links, pp across nodes). dp is itself dp_replicate x dp_shard (HSDP: ZeRO shards within a dp_shard
-group, replicas across dp_replicate); the flattened "dp" group spans both. Expert parallelism folds
-over dp*cp (ep divides dp*cp).
+"""The device mesh of a layout: `Mesh` builds a `fived.layout.Layout`'s process groups, and the
+torch dtypes of each `train.dtype` (`PRECISIONS`, from the layout core's `PRECISION_SPECS`). The
+layout itself and the rules it must meet are plain Python in `fived.layout`.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass
 
 import torch
 
-from fived.config import Config, ParallelConfig, TrainConfig
+from fived.config import Config
+from fived.layout.layout import (CHECKPOINTING, COMPILE_BACKENDS, GROUP_NAMES, MESH_DIMS, PP_SCHEDULES,
+                                 PRECISION_SPECS, SINGLE_STAGE, SPLIT_BACKWARD, V_SHAPED, Layout, resolve_dp,
+                                 stages_per_rank)
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev")
+__all__ = ["CHECKPOINTING", "COMPILE_BACKENDS", "DTYPES", "GROUP_NAMES", "MESH_DIMS", "PP_SCHEDULES", "PRECISIONS",
+           "SINGLE_STAGE", "SPLIT_BACKWARD", "V_SHAPED", "Layout", "Mesh", "Precision", "build_dtype", "resolve_dp",
+           "stages_per_rank"]
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
 @dataclass(frozen=True)
 class Precision:
-    """What a `train.dtype` means: the dtype the model's parameters and gradients are held in, the
-    dtype matmuls run in (autocast when it differs from the weights'), and whether the optimizer
-    keeps float32 master weights (with Adam's state) of low-precision parameters."""
+    """A `train.dtype` in torch dtypes (see `fived.layout.layout.PrecisionSpec`)."""
 
     weights: torch.dtype
     compute: torch.dtype
@@ -35,13 +33,7 @@ class Precision:
         return self.compute != self.weights
 
 
-# train.dtype -> Precision. "bfloat16": bf16 parameters and gradients, float32 master weights and Adam
-# state in the optimizer (sharded like it under ZeRO-1/2/3); "bfloat16-autocast": float32 weights,
-# gradients and Adam state, matmuls in bf16 under autocast.
-PRECISIONS = {"float32": Precision(torch.float32, torch.float32),
-              "bfloat16": Precision(torch.bfloat16, torch.bfloat16, master=True),
-              "bfloat16-autocast": Precision(torch.float32, torch.bfloat16),
-              "float64": Precision(torch.float64, torch.float64)}
+PRECISIONS = {name: Precision(DTYPES[s.weights], DTYPES[s.compute], s.master) for name, s in PRECISION_SPECS.items()}
 
 
 def build_dtype(cfg: Config) -> torch.dtype:
@@ -49,172 +41,6 @@ def build_dtype(cfg: Config) -> torch.dtype:
     (FSDP2) holds bf16 runs' float32 masters as its sharded parameters and gathers them in bf16."""
     precision = PRECISIONS[cfg.train.dtype]
     return torch.float32 if precision.master and cfg.parallel.zero == 3 else precision.weights
-CHECKPOINTING = ("none", "full", "selective")
-COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")  # train.compile_backend (fived.parallel.compile)
-V_SHAPED = ("zbv", "dualpipev")  # two stages per rank, V-shaped
-SINGLE_STAGE = ("gpipe", "1f1b")
-SPLIT_BACKWARD = ("zero-bubble", "zbv", "dualpipev")  # backward split into input- and weight-gradient passes
-
-
-def stages_per_rank(schedule: str, virtual: int) -> int:
-    return 2 if schedule in V_SHAPED else (1 if schedule in SINGLE_STAGE else virtual)
-
-
-def resolve_dp(cfg: Config, world: int | None) -> int:
-    """dp=-1 means 'the rest of the world': world / (tp*pp*cp)."""
-    p = cfg.parallel
-    if p.dp != -1:
-        return p.dp
-    model_parallel = max(p.tp, 1) * max(p.pp, 1) * max(p.cp, 1)
-    if world is None or world % model_parallel:
-        return 1 if world is None else -1
-    return world // model_parallel
-
-
-P = ParallelConfig  # the layout fields' defaults: one source of truth, the config's
-
-
-@dataclass(frozen=True)
-class Layout:
-    """A resolved `ParallelConfig` (dp a number, not -1) plus what the training config decides about the
-    layout (sequences per micro-batch, activation checkpointing): every degree of freedom the runtime
-    has, hashable, so the planner can weigh thousands of them and a planned one runs as printed.
-    `etp` (expert tensor-parallel size; 0 means tp, as fived runs experts) is the planner's only field
-    beyond the runtime's: Megatron-Core's MoE parallel folding, which fived cannot run yet."""
-
-    dp: int = 1
-    tp: int = P.tp
-    pp: int = P.pp
-    cp: int = P.cp
-    ep: int = P.ep
-    zero: int = P.zero
-    dp_replicate: int = P.dp_replicate
-    reduce_dtype: str = P.reduce_dtype
-    zero3_keep_gathered: bool = P.zero3_keep_gathered
-    sp: bool = P.sp
-    pp_schedule: str = P.pp_schedule
-    pp_virtual: int = P.pp_virtual
-    pp_layers: str = P.pp_layers
-    micro_batch: int = 1  # sequences per micro-batch on one data-parallel rank
-    checkpointing: str = TrainConfig.activation_checkpointing
-    etp: int = 0
-
-    @property
-    def world(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp
-
-    @property
-    def dp_shard(self) -> int:
-        return self.dp // self.dp_replicate
-
-    @property
-    def n_stages(self) -> int:
-        return self.pp * stages_per_rank(self.pp_schedule, self.pp_virtual) if self.pp > 1 else 1
-
-    @property
-    def expert_tp(self) -> int:
-        return self.etp or self.tp
-
-    @property
-    def runnable(self) -> bool:
-        """fived's runtime can run it: experts split like the attention (etp = tp), ep over dp*cp."""
-        return self.expert_tp == self.tp
-
-    @classmethod
-    def from_config(cls, cfg: Config, world: int | None) -> "Layout":
-        """The layout a `Config` runs on `world` ranks."""
-        dp = resolve_dp(cfg, world)
-        t = cfg.train
-        return cls(**{f.name: getattr(cfg.parallel, f.name) for f in fields(ParallelConfig)} | {
-            "dp": dp, "micro_batch": max(1, t.global_batch // (max(dp, 1) * t.microbatches)),
-            "checkpointing": t.activation_checkpointing})
-
-    def parallel_config(self) -> ParallelConfig:
-        return ParallelConfig(**{f.name: getattr(self, f.name) for f in fields(ParallelConfig)})
-
-    def coordinates(self, rank: int) -> dict[str, int]:
-        """Where global `rank` sits on the mesh (MESH_DIMS order, tp innermost): its pipeline rank, its
-        index in the dp_shard x cp ZeRO group and in its expert-data group (dp x cp cut into ep groups
-        of consecutive ranks)."""
-        rest, tp_i = divmod(rank, self.tp)
-        rest, cp_i = divmod(rest, self.cp)
-        rest, dps_i = divmod(rest, self.dp_shard)
-        pp_i, dpr_i = divmod(rest, self.dp_replicate)
-        dp_cp = (dpr_i * self.dp_shard + dps_i) * self.cp + cp_i
-        return {"pp": pp_i, "shard": dps_i * self.cp + cp_i, "edp": dp_cp // self.ep}
-
-    def group_ranks(self, name: str, rank: int = 0) -> frozenset[int]:
-        """The global ranks of `rank`'s group `name` (a GROUP_NAMES entry), as `Mesh.build` forms it."""
-        varied = {"pp": "p", "dp": "rs", "dp_replicate": "r", "dp_shard": "s", "cp": "c", "tp": "t", "dp_cp": "rsc",
-                  "dp_shard_cp": "sc", "ep": "e", "edp": "d"}[name]
-
-        def coords(r: int) -> dict[str, int]:
-            rest, t = divmod(r, self.tp)
-            rest, c = divmod(rest, self.cp)
-            rest, s = divmod(rest, self.dp_shard)
-            p, d = divmod(rest, self.dp_replicate)
-            flat = (d * self.dp_shard + s) * self.cp + c  # the expert mesh cuts dp*cp into (edp, ep)
-            return {"p": p, "r": d, "s": s, "c": c, "t": t, "d": flat // self.ep, "e": flat % self.ep,
-                    "x": flat}
-
-        def key(r: int) -> tuple:
-            k = coords(r)
-            if name in ("ep", "edp"):  # the expert mesh's other coordinate is its own
-                return k["p"], k["t"], k["d" if name == "ep" else "e"]
-            return tuple(v for dim, v in k.items() if dim in "prsct" and dim not in varied)
-
-        mine = key(rank)
-        return frozenset(r for r in range(self.world) if key(r) == mine)
-
-    def ledger_name(self, group: str) -> str:
-        """The name the communication ledger gives `group` ('dp_cp' is 'dp' without context
-        parallelism): the first of GROUP_NAMES with the same ranks."""
-        ranks = self.group_ranks(group)
-        return next(n for n in GROUP_NAMES if self.group_ranks(n) == ranks)
-
-    def microbatches(self, global_batch: int) -> int:
-        """Micro-batches per step on each data-parallel rank (global_batch in sequences)."""
-        return global_batch // (self.dp * self.micro_batch)
-
-    def with_(self, **changes) -> "Layout":
-        return replace(self, **changes)
-
-    def overrides(self, global_batch: int) -> dict:
-        """The config overrides that run this layout (`fived train --section.field value ...`): the
-        sizes always, other parallel fields where they differ from the defaults."""
-        always = ("dp", "tp", "pp", "cp", "ep", "zero", "dp_replicate", "sp")
-        out = {f"parallel.{f.name}": getattr(self, f.name) for f in fields(ParallelConfig)
-               if f.name in always or (self.pp > 1 and f.name in ("pp_schedule", "pp_virtual"))
-               or getattr(self, f.name) != f.default}
-        out["train.microbatches"] = self.microbatches(global_batch)
-        out["train.global_batch"] = global_batch
-        out["train.activation_checkpointing"] = self.checkpointing
-        return out
-
-    def flags(self, global_batch: int) -> str:
-        return " ".join(f"--{k} {str(v).lower() if isinstance(v, bool) else v}" for k, v in self.overrides(global_batch).items())
-
-    def describe(self) -> str:
-        parts = [f"dp{self.dp}"]
-        if self.dp_replicate > 1:
-            parts[0] += f"(={self.dp_replicate}x{self.dp_shard} HSDP)"
-        parts.append(f"ZeRO-{self.zero}")
-        if self.tp > 1:
-            parts.append(f"tp{self.tp}" + ("+sp" if self.sp else ""))
-        if self.pp > 1:
-            v = stages_per_rank(self.pp_schedule, self.pp_virtual)
-            parts.append(f"pp{self.pp} {self.pp_schedule}" + (f" v{v}" if v > 1 else ""))
-        if self.cp > 1:
-            parts.append(f"cp{self.cp}")
-        if self.ep > 1:
-            parts.append(f"ep{self.ep}" + (f" etp{self.expert_tp}" if not self.runnable else ""))
-        parts.append(f"mbs{self.micro_batch}")
-        if self.checkpointing != "none":
-            parts.append(f"ac={self.checkpointing}")
-        return " ".join(parts)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 class Mesh:
@@ -303,7 +129,3 @@ def _backend_override(device_type: str, timeout_s: float | None):
         backend, options = "gloo", dist.ProcessGroupGloo._Options()
     options._timeout = datetime.timedelta(seconds=timeout_s)
     return backend, options
-
-
-# The named groups, in the order the ledger prefers a name when two groups hold the same ranks.
-GROUP_NAMES = ("dp", "cp", "tp", "pp", "ep", "dp_shard", "dp_replicate", "dp_cp", "dp_shard_cp", "edp")

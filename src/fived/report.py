@@ -21,6 +21,9 @@ from __future__ import annotations
 
 from fived.activation_model import activation_bytes, layer_bytes
 from fived.config import Config
+from fived.layout.layout import stages_per_rank
+from fived.layout.spec import tensor_specs
+from fived.layout.stages import rank_chunks, rank_stages
 from fived.mesh import PRECISIONS, Layout, Mesh
 from fived.model import build_model
 from fived.parallel.expert import apply_expert_parallel
@@ -32,7 +35,7 @@ def expected_state_bytes(cfg: Config, world: int, rank: int = 0) -> dict[str, in
     """The table above for global rank `rank`, exactly (the planner's model-state formula: this
     rank's pipeline stages, its ZeRO slice or FSDP2 rows over S = dp_shard x cp; with expert
     parallelism its E/ep experts sharded over edp = dp*cp/ep by ZeRO-3 and kept whole by 0/1/2)."""
-    from fived.planner.memory import rank_chunks, state_bytes
+    from fived.planner.memory import state_bytes
 
     layout = Layout.from_config(cfg, world)
     where = layout.coordinates(rank)
@@ -41,12 +44,14 @@ def expected_state_bytes(cfg: Config, world: int, rank: int = 0) -> dict[str, in
 
 
 def local_model(cfg: Config, world: int):
+    """Rank 0's tensor/expert-parallel model on meta, split by the runtime's own code."""
     model = build_model(cfg.model)
     mesh = Mesh.from_config(cfg, world)
     if mesh.tp > 1:
-        TensorParallel(model, None, cfg.parallel.sp, mesh.tp, 0).apply(model)
+        specs = tensor_specs(cfg.model, tp=mesh.tp, ep=mesh.ep, sp=cfg.parallel.sp)
+        TensorParallel(model, None, cfg.parallel.sp, mesh.tp, 0, specs).apply(model)
     if mesh.ep > 1:
-        apply_expert_parallel([model], None, mesh.ep, 0)
+        apply_expert_parallel([model], None, mesh.ep)
     return model
 
 
@@ -55,7 +60,6 @@ def expected_comm_bytes(cfg: Config, world: int, rank: int = 0) -> dict[str, int
     ledger ("dim/collective"): the planner's communication model (`fived.planner.communication`,
     which documents every term), so --report and the planner's step time price the same bytes."""
     from fived.planner.communication import ledger_bytes, step_collectives
-    from fived.planner.memory import rank_chunks, rank_stages
 
     layout = Layout.from_config(cfg, world)
     pp_rank = layout.coordinates(rank)["pp"]
@@ -91,17 +95,10 @@ def expected_activation_bytes(cfg: Config, world: int) -> int:
 def expected_activations(cfg: Config, world: int, rank: int = 0) -> dict[str, int]:
     """{part: bytes saved for backward per micro-batch} on global rank `rank`: its layers (all
     of them, or its pipeline stages'), "embedding" and "head" where it holds them."""
-    from fived.parallel.pipeline import split_layers, stage_rank, stages_per_rank
-
-    p = cfg.parallel
-    layers, first, last = list(range(cfg.model.n_layers)), True, True
-    if p.pp > 1:
-        pp_rank = rank // (world // p.pp)  # pp is the outermost mesh dimension
-        n_stages = p.pp * stages_per_rank(p.pp_schedule, p.pp_virtual)
-        split = split_layers(cfg.model, n_stages, p.pp_layers)
-        stages = [s for s in range(n_stages) if stage_rank(s, p.pp, p.pp_schedule) == pp_rank]
-        layers = sorted(lid for s in stages for lid in split[s])
-        first, last = 0 in stages, n_stages - 1 in stages
+    layout = Layout.from_config(cfg, world)
+    chunks = rank_chunks(cfg.model, layout, layout.coordinates(rank)["pp"])
+    layers = sorted(lid for c in chunks for lid in c[0])
+    first, last = any(c[1] for c in chunks), any(c[2] for c in chunks)
     return activation_bytes(cfg.model, layers=layers, first=first, last=last, **_activation_layout(cfg, world))
 
 
@@ -142,8 +139,7 @@ def _bubble_line(cfg: Config, results: list[TrainResult]) -> str:
     timeline = [a for res in results for a in res.timeline]
     if not timeline:
         return ""
-    from fived.parallel.pipeline import stages_per_rank
-    from fived.parallel.schedule_sim import bubble_of
+    from fived.layout.schedule_sim import bubble_of
 
     p, m = cfg.parallel.pp, cfg.train.microbatches
     stages = p * stages_per_rank(cfg.parallel.pp_schedule, cfg.parallel.pp_virtual)

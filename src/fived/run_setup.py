@@ -103,7 +103,7 @@ def auto_layout(cfg, world: int) -> None:
 def load_run(ns: argparse.Namespace, default_world: int, defaults: dict | None = None):
     """Config and world size, both checked (layout and data) before any rank starts."""
     from fived.data import adopt_token_metadata, check_data
-    from fived.layout_rules import check_config
+    from fived.layout.rules import check_config
     from fived.mesh import resolve_dp
 
     cfg = build_from_args(ns, defaults)
@@ -186,7 +186,7 @@ def load_resumed_run(ns: argparse.Namespace):
     from fived.checkpoint import check_model_shapes
     from fived.config import ParallelConfig
     from fived.data import check_data
-    from fived.layout_rules import check_config
+    from fived.layout.rules import check_config
     from fived.mesh import resolve_dp
 
     checkpoint, manifest, saved = _saved_run(ns.resume)
@@ -298,7 +298,7 @@ def reshard_layout(flags: str, cfg):
     import shlex
 
     from fived.config import ParallelConfig, set_field
-    from fived.layout_rules import check_config
+    from fived.layout.rules import check_config
 
     parser = argparse.ArgumentParser(prog="fived verify --reshard-from", add_help=False, allow_abbrev=False)
     add_config_flags(parser)

@@ -21,7 +21,7 @@ from fived.data import GlobalBatchSampler, check_data, validation_batches, valid
 from fived.faults import PreemptionRequest, timeouts_named
 from fived.launch import device_type
 from fived.ledger import ActivationLedger, CommLedger, model_state_bytes
-from fived.layout_rules import check_config
+from fived.layout.rules import check_config
 from fived.mesh import PRECISIONS, Mesh, build_dtype
 from fived.metrics import MetricsLog, flops_per_token, keep_log_until, peak_memory_mb
 from fived.planner.hardware import device_peak_tflops

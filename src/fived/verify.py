@@ -17,7 +17,7 @@ import torch
 from fived.config import Config, ParallelConfig
 from fived.launch import run_ranks
 from fived.checkpoint import find_checkpoint
-from fived.layout_rules import check_config
+from fived.layout.rules import check_config
 from fived.mesh import resolve_dp
 from fived.train import TrainResult, run_training
 

@@ -15,7 +15,8 @@ import torch
 from fived.config import Config
 from fived.mesh import Mesh
 from fived.ledger import local_tensor
-from fived.model import Transformer, build_model, canonical_name
+from fived.layout.spec import TensorSpec, tensor_specs
+from fived.model import Transformer, canonical_name
 from fived.parallel.checkpointing import apply_activation_checkpointing
 from fived.parallel.compile import apply_compile
 from fived.parallel.context import apply_context_parallel
@@ -104,56 +105,42 @@ class ParallelPlan:
 
 def parallelize(chunks: list[Transformer], mesh: Mesh, cfg: Config) -> ParallelPlan:
     """`chunks`: the whole model, or this rank's pipeline stages (already split, on meta)."""
-    tensor_parallel = apply_tensor_parallel(chunks, mesh, cfg)
+    specs = tensor_specs(cfg.model, tp=mesh.tp, ep=mesh.ep, sp=cfg.parallel.sp)
+    tensor_parallel = apply_tensor_parallel(chunks, mesh, cfg, specs)
     positions = None
     if mesh.cp > 1:
         positions = apply_context_parallel(chunks, mesh.group("cp"), mesh.cp, mesh.rank("cp"), cfg.train.seq_len)
-    expert_shards = {}
     if mesh.ep > 1:
-        expert_shards = apply_expert_parallel(chunks, mesh.group("ep"), mesh.ep, mesh.rank("ep"))
+        apply_expert_parallel(chunks, mesh.group("ep"), mesh.ep)
     for chunk in chunks:
         apply_activation_checkpointing(chunk, cfg.train.activation_checkpointing)
         if cfg.train.compile:
             apply_compile(chunk, cfg.train.compile_backend)
     data_parallel = make_data_parallel(mesh, cfg)
     data_parallel.shard(chunks)
-    whole = build_model(cfg.model)  # on meta: the global shapes
-    global_shapes = {canonical_name(n): tuple(p.shape) for n, p in whole.named_parameters()}
-    buffer_shapes = {canonical_name(n): tuple(b.shape) for n, b in whole.named_buffers()}
-    placements = describe_placements(chunks, {**global_shapes, **buffer_shapes}, tensor_parallel,
-                                     expert_shards, data_parallel)
+    tp_rank = mesh.rank("tp") if mesh.tp > 1 else 0
+    ep_rank = mesh.rank("ep") if mesh.ep > 1 else 0
+    placements = describe_placements(chunks, specs, data_parallel, tp=mesh.tp, tp_rank=tp_rank, ep_rank=ep_rank)
+    global_shapes = {name: s.shape for name, s in specs.items() if not s.buffer}
     return ParallelPlan(data_parallel, tensor_parallel, mesh.group("pp") if mesh.pp > 1 else None, positions,
                         placements, global_shapes)
 
 
-def describe_placements(chunks, shapes: dict, tensor_parallel: TensorParallel | None, expert_shards: dict,
-                        data_parallel: DataParallel) -> dict[str, Placement]:
-    """The placement of every parameter and buffer this rank holds (see fived.placement)."""
-    tp = tensor_parallel.tp if tensor_parallel is not None else 1
-    tp_rank = tensor_parallel.rank if tensor_parallel is not None else 0
+def describe_placements(chunks, specs: dict[str, TensorSpec], data_parallel: DataParallel, *, tp: int, tp_rank: int,
+                        ep_rank: int) -> dict[str, Placement]:
+    """The placement of every parameter and buffer this rank holds (see fived.placement): its tp/ep
+    box from the sharding spec, its data-parallel storage from the ZeRO stage's own layout."""
     out = {}
     for chunk in chunks:
         for raw, _ in chunk.named_parameters():
-            name = canonical_name(raw)
-            shape = shapes[name]
-            offsets, sizes = [0] * len(shape), list(shape)
-            if name in expert_shards:  # (dim 0: experts; before tp splits their hidden size)
-                dim, pieces, index = expert_shards[name]
-                sizes[dim] = shape[dim] // pieces
-                offsets[dim] = index * sizes[dim]
-            spec = tensor_parallel.shards.get(name) if tensor_parallel is not None else None
-            if spec is not None:
-                sizes[spec.dim] = (spec.padded or shape[spec.dim]) // spec.pieces
-                offsets[spec.dim] = spec.index * sizes[spec.dim]
-                tp_replica = tp_rank % spec.replicas  # kv heads several ranks hold
-            else:
-                tp_replica = tp_rank  # replicated over tp (norms, routers): tp rank 0 saves
-            rows, flat, dp_replica = data_parallel.storage(name)
-            out[name] = Placement(shape, Box(tuple(offsets), tuple(sizes)), tp_replica + tp * dp_replica, rows, flat)
+            spec = specs[canonical_name(raw)]
+            rows, flat, dp_replica = data_parallel.storage(spec.name)
+            out[spec.name] = Placement(spec.shape, Box(*spec.local_box(tp_rank=tp_rank, ep_rank=ep_rank)),
+                                       spec.tp_replica(tp_rank) + tp * dp_replica, rows, flat)
         for raw, _ in chunk.named_buffers():
-            name = canonical_name(raw)
-            whole = Box((0,) * len(shapes[name]), shapes[name])
-            out[name] = Placement(shapes[name], whole, tp_rank + tp * data_parallel.whole_replica(name))
+            spec = specs[canonical_name(raw)]
+            whole = Box((0,) * len(spec.shape), spec.shape)
+            out[spec.name] = Placement(spec.shape, whole, tp_rank + tp * data_parallel.whole_replica(spec.name))
     return out
 
 
@@ -171,10 +158,11 @@ def make_data_parallel(mesh: Mesh, cfg: Config) -> DataParallel:
     return ShardedOptimizerDataParallel(mesh, cfg)
 
 
-def apply_tensor_parallel(chunks: list[Transformer], mesh: Mesh, cfg: Config) -> TensorParallel | None:
+def apply_tensor_parallel(chunks: list[Transformer], mesh: Mesh, cfg: Config,
+                          specs: dict[str, TensorSpec]) -> TensorParallel | None:
     if mesh.tp == 1:
         return None
-    tp = TensorParallel(chunks[0], mesh.group("tp"), cfg.parallel.sp, mesh.tp, mesh.rank("tp"))
+    tp = TensorParallel(chunks[0], mesh.group("tp"), cfg.parallel.sp, mesh.tp, mesh.rank("tp"), specs)
     for chunk in chunks:
         tp.apply(chunk)
     return tp

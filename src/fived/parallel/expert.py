@@ -62,12 +62,11 @@ class ExpertParallelExperts(GroupedExperts):
         return AllToAll.apply(y, send_splits, recv.sum(1).tolist(), self.group)
 
 
-def apply_expert_parallel(chunks: list[nn.Module], group, ep: int, rank: int) -> dict[str, tuple[int, int, int]]:
-    """Swap each MoE's experts for this rank's share (on the meta device). Returns, per expert
-    parameter name, how it is split: (dim, pieces, index) for initialisation and gathering."""
-    shards = {}
+def apply_expert_parallel(chunks: list[nn.Module], group, ep: int) -> None:
+    """Swap each MoE's experts for this rank's share (on the meta device): E/ep experts, the ones
+    the sharding spec places on this ep rank (`fived.layout.spec`, dim 0 of each expert tensor)."""
     for chunk in chunks:
-        for lid, block in chunk.layers.items():
+        for block in chunk.layers.values():
             moe = block.feed_forward
             if not isinstance(moe, MoE):
                 continue
@@ -75,9 +74,6 @@ def apply_expert_parallel(chunks: list[nn.Module], group, ep: int, rank: int) ->
             dim, hidden = old.w1.shape[1], old.w1.shape[2]
             with torch.device(old.w1.device):
                 moe.experts = ExpertParallelExperts(moe.n_experts, dim, hidden, group, ep).to(old.w1.dtype)
-            for w in ("w1", "w3", "w2"):
-                shards[f"layers.{lid}.feed_forward.experts.{w}"] = (0, ep, rank)
-    return shards
 
 
 def is_expert(name: str) -> bool:

@@ -9,7 +9,7 @@ of `torch.distributed.pipelining`, with every executed action recorded.
   the schedules do not rescale gradients (scale_grads=False): every schedule gives the same gradients.
 - Each rank records what it executed — F (forward), B (full backward), I (backward for inputs),
   W (backward for weights), and the send/recv it issued — with stage, micro-batch and time.
-  `fived.parallel.schedule_sim` costs such action lists with unit times to give the bubble.
+  `fived.layout.schedule_sim` costs such action lists with unit times to give the bubble.
 """
 from __future__ import annotations
 
@@ -22,56 +22,8 @@ from torch import nn
 from fived.config import Config, ModelConfig
 from fived.model import Transformer, build_model
 
-from fived.mesh import SINGLE_STAGE, V_SHAPED, stages_per_rank
-
-
-def stage_rank(stage: int, pp: int, schedule: str) -> int:
-    if schedule in V_SHAPED:
-        return stage if stage < pp else 2 * pp - 1 - stage
-    return stage % pp
-
-
-def layer_costs(cfg: ModelConfig) -> tuple[list[float], float]:
-    """FLOPs-proportional cost of each layer, and of the output head (on the last stage)."""
-    d = cfg.dim
-    attn = d * cfg.head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
-    dense = 3 * d * cfg.ffn_dim
-    moe = 3 * d * cfg.expert_dim * (cfg.top_k + cfg.n_shared_experts) + d * cfg.n_experts
-    costs = [attn + (moe if cfg.is_moe and i >= cfg.n_dense_layers else dense) for i in range(cfg.n_layers)]
-    return costs, d * cfg.vocab_size
-
-
-def split_layers(cfg: ModelConfig, n_stages: int, override: str = "") -> list[list[int]]:
-    """Contiguous layer ids per stage minimising the most expensive stage, then (among equal maxima)
-    the sum of squared stage costs — exact, by dynamic programming over split points — or the
-    explicit counts of `override`."""
-    if override:
-        counts = [int(c) for c in override.split(",")]
-        starts = [sum(counts[:i]) for i in range(len(counts))]
-        return [list(range(a, a + c)) for a, c in zip(starts, counts)]
-    costs, head = layer_costs(cfg)
-    n = len(costs)
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    worst = (float("inf"), float("inf"))
-    # best[k][i]: (max cost, sum of squares) of putting layers i.. into stages k.. (>= 1 layer each)
-    best = [[worst] * (n + 1) for _ in range(n_stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(n_stages + 1)]
-    best[n_stages][n] = (0.0, 0.0)
-    for k in range(n_stages - 1, -1, -1):
-        for i in range(n - 1, -1, -1):
-            for j in range(i + 1, n - (n_stages - k - 1) + 1):
-                stage = prefix[j] - prefix[i] + (head if k == n_stages - 1 else 0.0)
-                rest = best[k + 1][j]
-                value = (max(stage, rest[0]), stage * stage + rest[1])
-                if value < best[k][i]:
-                    best[k][i], cut[k][i] = value, j
-    out, i = [], 0
-    for k in range(n_stages):
-        out.append(list(range(i, cut[k][i])))
-        i = cut[k][i]
-    return out
+from fived.layout.layout import SINGLE_STAGE, V_SHAPED, stages_per_rank
+from fived.layout.stages import split_layers, stage_rank
 
 
 def build_stage(cfg: ModelConfig, layers: list[int], first: bool, last: bool, dtype: torch.dtype) -> Transformer:

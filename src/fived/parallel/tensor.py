@@ -21,15 +21,14 @@ r // (tp / n_kv_heads), and the ranks sharing a head sum its gradient.
 """
 from __future__ import annotations
 
-import math
 import weakref
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from fived.model import MoE, Transformer
+from fived.layout.spec import Cut, TensorSpec, padded_vocab
+from fived.model import MoE, Transformer, canonical_name
 
 
 # --- the communication of a tensor-parallel region, as autograd functions -------------------------
@@ -101,108 +100,64 @@ class ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
         return _gather_seq(grad, ctx.group), None
 
 
-# --- how a parameter is split ---------------------------------------------------------------------
-
-@dataclass
-class TPShard:
-    """Parameter split along `dim` into `pieces` equal chunks (after padding `dim` to `padded`);
-    this rank holds chunk `index`. `replicas` ranks hold each chunk (kv heads when tp > kv heads)."""
-
-    dim: int
-    pieces: int
-    index: int
-    replicas: int = 1
-    padded: int = 0
-
+# --- the plan -------------------------------------------------------------------------------------
 
 class TensorParallel:
-    """The tensor-parallel plan of one model: how each parameter is split, which gradients are partial
-    sums over tp, and the region hooks."""
+    """The tensor-parallel plan of one model: each parameter split as the sharding spec says
+    (`fived.layout.spec`: heads, feed-forward and expert hidden sizes, the padded vocabulary, kv
+    heads several ranks hold), the gradients that are partial sums over tp, and the region hooks."""
 
-    def __init__(self, model: Transformer, group, sequence_parallel: bool, size: int, rank: int):
-        """`size`/`rank` are given, not read from `group`, so a plan can be made without processes
-        (the memory formulas split a meta model the same way)."""
+    def __init__(self, model: Transformer, group, sequence_parallel: bool, size: int, rank: int,
+                 specs: dict[str, TensorSpec]):
+        """`size`/`rank` are given, not read from `group`, so a plan can be made without processes."""
         self.group, self.sp = group, sequence_parallel
         self.tp, self.rank = size, rank
         self.cfg = model.cfg
-        self.shards: dict[str, TPShard] = {}
+        self.specs = specs
+        self.shards: dict[str, Cut] = {}  # the parameters this plan cut, and how
         self.partial_grads: set[str] = set()  # replicated over tp, but each rank holds a partial grad
         self.vocab = model.cfg.vocab_size
         self._regather: dict = {}  # storage of a gathered region input -> (sequence shard, weakref)
-        self.vocab_padded = math.ceil(self.vocab / self.tp) * self.tp
+        self.vocab_padded = padded_vocab(model.cfg, self.tp)
 
     # parameters ----------------------------------------------------------------------------------
-    def _split(self, module: nn.Module, attr: str, name: str, dim: int, pieces: int | None = None,
-               index: int | None = None, replicas: int = 1, padded: int = 0) -> None:
-        param = getattr(module, attr)
-        spec = TPShard(dim, pieces or self.tp, self.rank if index is None else index, replicas, padded)
-        shape = list(param.shape)
-        shape[dim] = (padded or shape[dim]) // spec.pieces
-        setattr(module, attr, nn.Parameter(torch.empty(shape, dtype=param.dtype, device=param.device)))
-        self.shards[name] = spec
-
     def apply(self, model: Transformer) -> None:
-        cfg = self.cfg
-        for lid, block in model.layers.items():
-            pre = f"layers.{lid}."
-            att = block.attention
-            for proj in ("wq",):
-                self._split(getattr(att, proj), "weight", pre + f"attention.{proj}.weight", 0)
-            if cfg.n_kv_heads % self.tp == 0:
-                kv = dict(dim=0)
-            else:  # fewer kv heads than ranks: each rank holds the one kv head its query heads use
-                rep = self.tp // cfg.n_kv_heads
-                kv = dict(dim=0, pieces=cfg.n_kv_heads, index=self.rank // rep, replicas=rep)
-            for proj in ("wk", "wv"):
-                self._split(getattr(att, proj), "weight", pre + f"attention.{proj}.weight", **kv)
-            self._split(att.wo, "weight", pre + "attention.wo.weight", 1)
-            if cfg.qk_norm:  # replicated, but each rank's heads give it a part of its gradient
-                self.partial_grads |= {pre + "attention.q_norm.weight", pre + "attention.k_norm.weight"}
-            self._region(att)
-            ff = block.feed_forward
-            if isinstance(ff, MoE):
-                self._split_moe(ff, pre + "feed_forward.")
-            else:
-                self._split_mlp(ff, pre + "feed_forward.")
-            self._region(ff)
-            if self.sp:
-                self.partial_grads |= {pre + "attention_norm.weight", pre + "ffn_norm.weight"}
+        """Cut this chunk's parameters (on meta), then make every attention and MLP block a region."""
+        for name, module, attr in _parameter_slots(model):
+            spec = self.specs.get(name)
+            if spec is None:  # (a tied head: the embedding, re-tied below)
+                continue
+            if spec.tp is not None:
+                self._split(module, attr, name, spec.tp)
+            if spec.tp_partial_grad:
+                self.partial_grads.add(name)
+        for block in model.layers.values():
+            self._region(block.attention)
+            self._region(block.feed_forward)
+            if isinstance(block.feed_forward, MoE):
+                # the auxiliary loss, computed identically on each rank, is seeded 1/tp per rank
+                block.feed_forward.aux_loss_scale /= self.tp
         self._vocab_parallel(model)
         if self.sp:
             model.sequence_shards = self.tp  # hidden states between pipeline stages are shards
-            if model.norm is not None:
-                self.partial_grads.add("norm.weight")
 
-    def _split_mlp(self, ff: nn.Module, pre: str) -> None:
-        self._split(ff.w1, "weight", pre + "w1.weight", 0)
-        self._split(ff.w3, "weight", pre + "w3.weight", 0)
-        self._split(ff.w2, "weight", pre + "w2.weight", 1)
-
-    def _split_moe(self, moe: MoE, pre: str) -> None:
-        """Every expert tensor-parallel over its hidden size; the router replicated. Routing weights
-        multiply partial expert outputs, so the router's gradient is a partial sum over tp; the
-        auxiliary loss, computed identically on each rank, is seeded 1/tp per rank to count once."""
-        self._split(moe.experts, "w1", pre + "experts.w1", 2)
-        self._split(moe.experts, "w3", pre + "experts.w3", 2)
-        self._split(moe.experts, "w2", pre + "experts.w2", 1)
-        if moe.shared is not None:
-            self._split_mlp(moe.shared, pre + "shared.")
-        self.partial_grads.add(pre + "router.weight")
-        moe.aux_loss_scale /= self.tp
+    def _split(self, module: nn.Module, attr: str, name: str, cut: Cut) -> None:
+        param = getattr(module, attr)
+        shape = list(param.shape)
+        shape[cut.dim] = cut.size(shape[cut.dim])
+        setattr(module, attr, nn.Parameter(torch.empty(shape, dtype=param.dtype, device=param.device)))
+        self.shards[name] = cut
 
     def _vocab_parallel(self, model: Transformer) -> None:
-        """(A pipeline stage may have only one of the two, or neither.)"""
+        """Hooks of the vocab-parallel embedding and head (a pipeline stage may have one, or neither)."""
         lo = self.rank * (self.vocab_padded // self.tp)
         if model.tok_embeddings is not None:
-            self._split(model.tok_embeddings, "weight", "tok_embeddings.weight", 0, padded=self.vocab_padded)
             model.tok_embeddings.register_forward_hook(self._embedding_hook(lo), with_kwargs=False)
             model.tok_embeddings.register_forward_pre_hook(self._embedding_pre_hook(lo))
         if model.output is None:
             return
         if model.cfg.tie_embeddings and model.tok_embeddings is not None:
             model.output.weight = model.tok_embeddings.weight
-        else:
-            self._split(model.output, "weight", "output.weight", 0, padded=self.vocab_padded)
         model.output.register_forward_pre_hook(lambda m, args: (self._enter(args[0]),))
 
     # forward -------------------------------------------------------------------------------------
@@ -293,12 +248,20 @@ class TensorParallel:
                 dist.all_reduce(grad, group=self.group)
             elif spec is not None and spec.replicas > 1:
                 slots = grad.new_zeros((spec.pieces,) + tuple(grad.shape))
-                slots[spec.index] = grad
+                slots[spec.index(self.rank)] = grad
                 dist.all_reduce(slots, group=self.group)
-                grad.copy_(slots[spec.index])
+                grad.copy_(slots[spec.index(self.rank)])
 
     def norm_weight(self, name: str) -> float:
         """Weight of this rank's squared gradient norm when summed over tp: 1 for a split parameter,
         1/tp for a replicated one (counted once), 1/replicas for shared kv heads."""
         spec = self.shards.get(name)
         return 1.0 / self.tp if spec is None else 1.0 / spec.replicas
+
+
+def _parameter_slots(model: nn.Module):
+    """(canonical name, owning module, attribute) of every parameter slot; a parameter two modules
+    share (a tied head) appears under each name."""
+    for prefix, module in model.named_modules():
+        for attr in list(module._parameters):
+            yield canonical_name(f"{prefix}.{attr}" if prefix else attr), module, attr

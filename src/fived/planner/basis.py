@@ -8,7 +8,7 @@ benchmarks/bench_planner_cpu.py's (`fived.planner.hardware.CPU_MEDIAN_ERROR`).
 from __future__ import annotations
 
 from fived.config import ModelConfig
-from fived.mesh import Layout
+from fived.layout.layout import Layout
 from fived.planner.calibration import COVERAGE, OUT_OF_SAMPLE_ERROR
 from fived.planner.hardware import CPU_MEDIAN_ERROR
 from fived.planner.runtimes import Runtime

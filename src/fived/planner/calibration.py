@@ -27,7 +27,7 @@ import statistics
 from dataclasses import replace
 from pathlib import Path
 
-from fived.mesh import Layout
+from fived.layout.layout import Layout
 from fived.planner import runtimes, timing
 from fived.planner.published import Row, read_runs
 from fived.planner.search import Plan, evaluate, expand

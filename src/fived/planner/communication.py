@@ -4,7 +4,7 @@ planner prices the same list on the links the groups use (`fived.planner.timing`
 
 Conventions (the ledger's): a collective's bytes are its full tensor — a reduce-scatter's input, an
 all-gather's output, an all-to-all's input, a send's tensor. Groups are logical (GROUPS); the ledger
-names a group by the first of `fived.mesh.GROUP_NAMES` with the same ranks (dp_cp is "dp" without
+names a group by the first of `fived.layout.layout.GROUP_NAMES` with the same ranks (dp_cp is "dp" without
 context parallelism). B = tokens of one micro-batch on the rank (micro_batch * seq_len / cp), h =
 dim, e = the matmul dtype's bytes, w = the residual stream's (float32 in fived's bf16 runs), r = the
 gradient reduction's, g = the parameter gathers'. Per micro-batch unless said, times 2 for forward
@@ -41,7 +41,9 @@ import math
 from dataclasses import dataclass
 
 from fived.config import ModelConfig
-from fived.mesh import PRECISIONS, Layout
+from fived.layout.layout import PRECISION_SPECS, Layout
+from fived.layout.spec import kv_replicated, kv_width
+from fived.layout.stages import stage_rank
 from fived.planner.memory import ACTIVATION_BYTES, WEIGHT_BYTES, parameter_shapes
 from fived.planner.runtimes import FIVED, Runtime
 
@@ -97,7 +99,7 @@ def step_collectives(m: ModelConfig, layout: Layout, seq_len: int, global_batch:
     grad_w = runtime.grad_bytes or WEIGHT_BYTES[dtype]
     if L.tp > 1:
         _tensor_parallel(add, m, L, tokens, e, w, grad_w, micro, fwd, layers, moe_layers, first, last,
-                         regather=not (runtime.is_fived and PRECISIONS[dtype].autocast))
+                         regather=not (runtime.is_fived and PRECISION_SPECS[dtype].autocast))
     if L.ep > 1 and moe_layers:  # dispatch (w) and combine (e), again when recomputed, and their gradients
         slots = tokens * m.top_k * L.expert_tp // L.tp
         add("ep", "all_to_all_single", 8 * m.n_experts, fwd * moe_layers * micro, "ep")  # tokens per expert
@@ -105,7 +107,7 @@ def step_collectives(m: ModelConfig, layout: Layout, seq_len: int, global_batch:
         add("ep", "all_to_all_single", slots * m.dim * e, (fwd + 1) * moe_layers * micro, "ep")
     if L.cp > 1:
         ring = e if runtime.flash_ring else max(e, 4)
-        kv = L.micro_batch * _kv_heads(m, L.tp) * (seq_len // L.cp) * m.head_dim * ring
+        kv = L.micro_batch * kv_width(m, L.tp) * (seq_len // L.cp) * ring
         dkv = kv * max(ring, 4) // ring if runtime.is_fived else kv  # fived accumulates dK, dV in >= fp32
         positions = 0 if runtime.flash_ring else 8 * seq_len // L.cp
         per_layer = (fwd * (L.cp - 1) * (2 * kv + positions) + (L.cp - 1) * (2 * kv + 2 * dkv + positions)
@@ -119,11 +121,6 @@ def step_collectives(m: ModelConfig, layout: Layout, seq_len: int, global_batch:
         _pipeline(add, m, L, tokens, w, micro, stages)
     _data_parallel(add, m, L, chunks, micro, dtype, runtime)
     return out
-
-
-def _kv_heads(m: ModelConfig, tp: int) -> int:
-    """kv heads a tp rank holds: its share, or the one its query heads use when tp > n_kv_heads."""
-    return m.n_kv_heads // tp if m.n_kv_heads % tp == 0 else 1
 
 
 def _tensor_parallel(add, m, L, tokens, e, w, grad_w, micro, fwd, layers, moe_layers, first, last, regather):
@@ -146,14 +143,12 @@ def _tensor_parallel(add, m, L, tokens, e, w, grad_w, micro, fwd, layers, moe_la
         add("tp", "all_reduce", wide, micro * (regions + ends), "tp")
     add("tp", "all_reduce", tokens * max(e, 4), micro * 3 * last, "tp")  # the loss: max, sum of exp, target
     add("tp", "all_reduce", m.n_experts * m.dim * grad_w, moe_layers, "dp")  # routers
-    if m.n_kv_heads % L.tp:  # replicated kv heads: [kv heads, head_dim, dim] slots for k and v
+    if kv_replicated(m, L.tp):  # replicated kv heads: [kv heads, head_dim, dim] slots for k and v
         add("tp", "all_reduce", 2 * m.n_kv_heads * m.head_dim * m.dim * grad_w, layers, "dp")
     add("tp", "all_reduce", NORM, 1, "dp")
 
 
 def _pipeline(add, m, L, tokens, w, micro, stages) -> None:
-    from fived.parallel.pipeline import stage_rank
-
     boundary = tokens // (L.tp if L.sp else 1) * m.dim * w
     here = stage_rank(stages[0], L.pp, L.pp_schedule) if stages else 0
     away = [s for s in range(L.n_stages) if stage_rank(s, L.pp, L.pp_schedule) != here]

@@ -1,7 +1,7 @@
 """The layer map: every weight and activation tensor of one transformer layer (and the embedding and
 head) on one GPU of a model replica, with its local shape and whether the layout shards or
-replicates it — by the runtime's rules, as `fived.planner.memory` counts them (tests/test_pages.py
-checks that the weights here sum to `memory.parameter_shapes`): tensor parallelism splits heads,
+replicates it — read from the sharding spec (`fived.layout.spec`), as the runtime splits them and
+`fived.planner.memory` counts them: tensor parallelism splits heads,
 feed-forward widths and the padded vocabulary (a whole kv head per rank when tp > n_kv_heads),
 expert parallelism keeps E/ep experts, ZeRO-3 stores ceil(rows/S) rows of every weight (experts over
 edp), ZeRO-1/2 shard the optimizer state (and ZeRO-2 the gradients) S ways, S = dp_shard * cp.
@@ -13,55 +13,36 @@ from __future__ import annotations
 import math
 
 from fived.config import ModelConfig
-from fived.mesh import Layout
-from fived.planner.memory import rank_chunks
+from fived.layout.layout import Layout
+from fived.layout.spec import TensorSpec, end_specs, layer_specs, kv_width
+from fived.layout.stages import rank_chunks
 
 
 def layer_weights(m: ModelConfig, tp: int, ep: int, lid: int) -> list[dict]:
-    """One layer's weights on one rank: name, local shape, full shape, the dimension that splits it."""
-    hd, d = m.head_dim, m.dim
-    kv_local = m.n_kv_heads // tp if m.n_kv_heads % tp == 0 else 1
-    kv_split = "tp" if m.n_kv_heads % tp == 0 and tp > 1 else ""
-    split = "tp" if tp > 1 else ""
-    out = [w("attention_norm", [d], [d], ""),
-           w("wq", [m.n_heads * hd // tp, d], [m.n_heads * hd, d], split),
-           w("wk", [kv_local * hd, d], [m.n_kv_heads * hd, d], kv_split),
-           w("wv", [kv_local * hd, d], [m.n_kv_heads * hd, d], kv_split),
-           w("wo", [d, m.n_heads * hd // tp], [d, m.n_heads * hd], split),
-           w("ffn_norm", [d], [d], "")]
-    if m.is_moe and lid >= m.n_dense_layers:
-        f, e = m.expert_dim, m.n_experts
-        by = "+".join(x for x in (("ep" if ep > 1 else ""), split) if x)
-        out += [w("router", [e, d], [e, d], ""),
-                w("experts.w1", [e // ep, f // tp, d], [e, f, d], by),
-                w("experts.w3", [e // ep, f // tp, d], [e, f, d], by),
-                w("experts.w2", [e // ep, d, f // tp], [e, d, f], by)]
-        if m.n_shared_experts:
-            fs = f * m.n_shared_experts
-            out += [w("shared.w1", [fs // tp, d], [fs, d], split), w("shared.w3", [fs // tp, d], [fs, d], split),
-                    w("shared.w2", [d, fs // tp], [d, fs], split)]
-    else:
-        f = m.ffn_dim
-        out += [w("w1", [f // tp, d], [f, d], split), w("w3", [f // tp, d], [f, d], split),
-                w("w2", [d, f // tp], [d, f], split)]
-    return out
+    """One layer's weights on one rank: name, local shape, full shape, the dimensions that split it
+    (read from the sharding spec, `fived.layout.spec`)."""
+    return [_weight(spec, "layer") for spec in layer_specs(m, lid, tp=tp, ep=ep) if not spec.buffer]
 
 
 def end_weights(m: ModelConfig, tp: int, first: bool, last: bool) -> list[dict]:
     """The embedding (first stage), final norm and output head (last stage) on one rank."""
-    vocab, split = math.ceil(m.vocab_size / tp), "tp" if tp > 1 else ""
-    out = []
-    if first:
-        out.append(w("embedding", [vocab, m.dim], [m.vocab_size, m.dim], split, "embedding"))
-    if last:
-        out.append(w("norm", [m.dim], [m.dim], "", "head"))
-        if not (m.tie_embeddings and first):
-            out.append(w("output", [vocab, m.dim], [m.vocab_size, m.dim], split, "head"))
-    return out
+    return [_weight(spec, spec.part) for spec in end_specs(m, first=first, last=last, tp=tp)]
 
 
-def w(name: str, shape: list[int], full: list[int], split: str, part: str = "layer") -> dict:
-    return {"name": name, "kind": "weight", "part": part, "shape": shape, "full": full, "split": split}
+def _weight(spec: TensorSpec, part: str) -> dict:
+    return {"name": _short_name(spec.name), "kind": "weight", "part": part, "shape": list(spec.local_shape),
+            "full": list(spec.shape), "split": spec.splits}
+
+
+def _short_name(name: str) -> str:
+    """layers.3.attention.wq.weight -> wq; layers.3.feed_forward.experts.w1 -> experts.w1;
+    tok_embeddings.weight -> embedding."""
+    if name == "tok_embeddings.weight":
+        return "embedding"
+    parts = name.removesuffix(".weight").split(".")
+    if parts[0] == "layers":
+        parts = parts[2:]
+    return ".".join(parts[1:] if parts[0] in ("attention", "feed_forward") and len(parts) > 1 else parts)
 
 
 def _zero(tensors: list[dict], layout: Layout) -> None:
@@ -81,7 +62,7 @@ def activations(m: ModelConfig, layout: Layout, seq_len: int) -> list[dict]:
     """One micro-batch's main activations of one layer (and the logits) on one rank."""
     L, hd = layout, m.head_dim
     tokens = L.micro_batch * seq_len // L.cp
-    kv_local = m.n_kv_heads // L.tp if m.n_kv_heads % L.tp == 0 else 1
+    kv_local = kv_width(m, L.tp) // hd
     by_cp = "cp" if L.cp > 1 else ""
     by_tp = "+".join(x for x in (by_cp, "tp" if L.tp > 1 else "") if x)
     by_sp = "+".join(x for x in (by_cp, "sp" if L.sp else "") if x)
@@ -90,7 +71,7 @@ def activations(m: ModelConfig, layout: Layout, seq_len: int) -> list[dict]:
     out = [a("x (residual)", resid, [L.micro_batch * seq_len, m.dim], by_sp),
            a("q", [tokens, m.n_heads * hd // L.tp], [L.micro_batch * seq_len, m.n_heads * hd], by_tp),
            a("k, v", [tokens, kv_local * hd], [L.micro_batch * seq_len, m.n_kv_heads * hd],
-             by_tp if m.n_kv_heads % L.tp == 0 else by_cp),
+             by_tp if kv_local < m.n_kv_heads else by_cp),
            a("attention out", [tokens, m.n_heads * hd // L.tp], [L.micro_batch * seq_len, m.n_heads * hd], by_tp),
            a("ffn hidden" + (" (top_k routed)" if m.is_moe else ""), [tokens, ffn // L.tp],
              [L.micro_batch * seq_len, ffn], by_tp),

@@ -39,8 +39,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from fived.config import ModelConfig
-from fived.mesh import PRECISIONS, V_SHAPED, Layout
-from fived.parallel.schedule_sim import pipeline_profile
+from fived.layout.layout import PRECISION_SPECS, Layout
+from fived.layout.schedule_sim import pipeline_profile
+from fived.layout.spec import chunk_specs, flat_range, shard_rows
+from fived.layout.stages import model_key, placement, rank_chunks, rank_chunks_by_key, rank_stages
 from fived.planner.runtimes import FIVED, Runtime, framework_activations
 
 RESERVE_GIB = 2.0  # CUDA context, NCCL communicators and workspaces
@@ -48,9 +50,9 @@ RESERVE_FRACTION = 0.05  # allocator fragmentation, as a share of the device's m
 DDP_BUCKET_BYTES = 2 * 25 * 2**20  # two 25 MiB gradient buckets in flight
 # per train.dtype: bytes of an activation (the compute dtype), of a weight and a gradient as the model
 # holds them, and of each of Adam's moments (float32 in bf16 runs)
-ACTIVATION_BYTES = {name: p.compute.itemsize for name, p in PRECISIONS.items()}
-WEIGHT_BYTES = {name: p.weights.itemsize for name, p in PRECISIONS.items()}
-MOMENT_BYTES = {name: max(4, p.weights.itemsize) for name, p in PRECISIONS.items()}
+ACTIVATION_BYTES = {name: p.compute_bytes for name, p in PRECISION_SPECS.items()}
+WEIGHT_BYTES = {name: p.weight_bytes for name, p in PRECISION_SPECS.items()}
+MOMENT_BYTES = {name: max(4, p.weight_bytes) for name, p in PRECISION_SPECS.items()}
 
 
 def state_element_bytes(dtype: str, zero: int, runtime: Runtime = FIVED) -> tuple[int, int, int]:
@@ -59,7 +61,7 @@ def state_element_bytes(dtype: str, zero: int, runtime: Runtime = FIVED) -> tupl
     optimized element a float32 master and two float32 moments (2, 2, 12); under ZeRO-3 the sharded
     float32 parameters are the masters themselves (4, 4, 8). Other runtimes: their own bytes."""
     b, moment = WEIGHT_BYTES[dtype], MOMENT_BYTES[dtype]
-    master = runtime.master_bytes or (4 if PRECISIONS[dtype].master and runtime.is_fived else 0)
+    master = runtime.master_bytes or (4 if PRECISION_SPECS[dtype].master and runtime.is_fived else 0)
     if master and zero == 3 and runtime.is_fived:
         return 4, 4, 2 * moment
     return runtime.param_bytes or b, runtime.grad_bytes or b, 2 * moment + master
@@ -91,36 +93,21 @@ def _parameter_shapes(key: tuple, tp: int, ep: int, n_dense: int, n_moe: int, fi
 
 
 def _shape_list(m: ModelConfig, tp: int, ep: int, layers, first: bool, last: bool, etp: int):
-    d, hd = m.dim, m.head_dim
-    vocab = math.ceil(m.vocab_size / tp)  # padded to a multiple of tp, split
-    kv_rows = (m.n_kv_heads // tp if m.n_kv_heads % tp == 0 else 1) * hd
+    """(dense, expert) local (rows, elements per row) of one rank's parameters, read from the sharding
+    spec (`fived.layout.spec`); routed experts apart when ep > 1 (their data parallelism is edp's)."""
     dense, expert = [], []
-    if first:
-        dense.append((vocab, d))
-    for lid in layers:
-        dense += [(d, 1), (m.n_heads * hd // tp, d), (kv_rows, d), (kv_rows, d), (d, m.n_heads * hd // tp), (d, 1)]
-        if m.is_moe and lid >= m.n_dense_layers:
-            f = m.expert_dim // etp
-            dense.append((m.n_experts, d))  # router
-            box = dense if ep == 1 else expert
-            box += [(m.n_experts // ep, d * f), (m.n_experts // ep, d * f), (m.n_experts // ep, f * d)]
-            if m.n_shared_experts:
-                fs = m.expert_dim * m.n_shared_experts // tp
-                dense += [(fs, d), (fs, d), (d, fs)]
-        else:
-            f = m.ffn_dim // tp
-            dense += [(f, d), (f, d), (d, f)]
-    if last:
-        dense.append((d, 1))
-        if not (m.tie_embeddings and first):
-            dense.append((vocab, d))
+    for spec in chunk_specs(m, layers, first, last, tp=tp, ep=ep, etp=etp):
+        if spec.buffer:
+            continue
+        shape = spec.local_shape
+        (expert if spec.expert and ep > 1 else dense).append((shape[0], math.prod(shape[1:])))
     return dense, expert
 
 
 def _rows(dim0: int, shards: int, index: int) -> int:
-    """Rows of a first dimension FSDP2 gives shard `index` of `shards` (ceil-sized chunks)."""
-    chunk = math.ceil(dim0 / shards)
-    return max(0, min(dim0, (index + 1) * chunk) - index * chunk)
+    """Rows of a first dimension ZeRO-3 gives shard `index` of `shards` (the spec's rule)."""
+    a, b = shard_rows(dim0, shards, index)
+    return b - a
 
 
 def state_bytes(m: ModelConfig, layout: Layout, dtype: str, chunks: list[tuple[list[int], bool, bool]],
@@ -144,49 +131,10 @@ def state_bytes(m: ModelConfig, layout: Layout, dtype: str, chunks: list[tuple[l
     if layout.zero == 0:
         owned = n
     else:
-        length = math.ceil(n / shards)
-        owned = max(0, min(n, (shard_index + 1) * length) - shard_index * length)
+        a, b = flat_range(n, shards, shard_index)
+        owned = b - a
     grads = owned if layout.zero == 2 else n
     return {"params": (n + n_exp) * pb, "grads": (grads + n_exp) * gb, "optimizer": (owned + n_exp) * ob}
-
-
-@lru_cache(maxsize=4096)
-def _split(model_key: tuple, n_stages: int, pp_layers: str) -> tuple[tuple[int, ...], ...]:
-    from fived.parallel.pipeline import split_layers
-
-    return tuple(tuple(s) for s in split_layers(ModelConfig(**dict(model_key)), n_stages, pp_layers))
-
-
-def model_key(m: ModelConfig) -> tuple:
-    return tuple(sorted(vars(m).items()))
-
-
-def rank_chunks(m: ModelConfig, layout: Layout, pp_rank: int) -> list[tuple[tuple[int, ...], bool, bool]]:
-    """The (layers, first, last) chunks pipeline rank `pp_rank` holds, as the runtime places them."""
-    return rank_chunks_by_key(model_key(m), layout.pp, placement(layout.pp_schedule), layout.n_stages, pp_rank,
-                              layout.pp_layers)
-
-
-def rank_stages(layout: Layout, pp_rank: int) -> list[int]:
-    """The pipeline stages pipeline rank `pp_rank` holds, in order."""
-    from fived.parallel.pipeline import stage_rank
-
-    return [s for s in range(layout.n_stages) if stage_rank(s, layout.pp, layout.pp_schedule) == pp_rank]
-
-
-def placement(schedule: str) -> str:
-    """Stages go to ranks in a loop or V-shaped: caches key on that, not on the schedule's name."""
-    return "zbv" if schedule in V_SHAPED else "1f1b"
-
-
-@lru_cache(maxsize=65536)
-def rank_chunks_by_key(key: tuple, pp: int, schedule: str, n_stages: int, pp_rank: int, pp_layers: str = ""):
-    if pp == 1:
-        return [(tuple(range(dict(key)["n_layers"])), True, True)]
-    from fived.parallel.pipeline import stage_rank
-
-    stages = _split(key, n_stages, pp_layers)
-    return [(stages[s], s == 0, s == n_stages - 1) for s in range(n_stages) if stage_rank(s, pp, schedule) == pp_rank]
 
 
 def state_layout(layout: Layout) -> Layout:
@@ -243,7 +191,7 @@ def _activations(key: tuple, layout: Layout, seq_len: int, dtype: str, layers: t
     L = layout
     parts = activation_bytes(m, micro_batch_seqs=L.micro_batch, seq_len=seq_len, tp=L.tp, sp=L.sp, cp=L.cp, ep=L.ep,
                              dtype_bytes=ACTIVATION_BYTES[dtype], checkpointing=L.checkpointing, layers=layers,
-                             first=first, last=last, autocast=PRECISIONS[dtype].autocast)
+                             first=first, last=last, autocast=PRECISION_SPECS[dtype].autocast)
     return sum(parts.values())
 
 
@@ -323,11 +271,11 @@ def _static_buffers(m: ModelConfig, layout: Layout, dtype: str, chunks, state: d
     dense = sum(r * c * k for dn, _ in shapes for (r, c), k in dn)
     unsharded = dense + sum(r * c * k for _, ex in shapes for (r, c), k in ex)
     out = 0
-    if PRECISIONS[dtype].autocast and layout.zero < 3 and runtime.autocast_copies:  # autocast's bf16 weight copies
+    if PRECISION_SPECS[dtype].autocast and layout.zero < 3 and runtime.autocast_copies:  # autocast's bf16 weight copies
         out += 2 * params
     if layout.zero == 2 and runtime.is_fived:
         out += dense * b  # the flat gradient buffer (not the experts) exists while backward runs
-    if PRECISIONS[dtype].master and layout.zero < 3 and runtime.is_fived:
+    if PRECISION_SPECS[dtype].master and layout.zero < 3 and runtime.is_fived:
         out += state["optimizer"] // optimizer_bytes * 4  # the masters' float32 gradients while the optimizer steps
     if layout.zero == 0 and layout.pp == 1 and layout.dp > 1:
         out += DDP_BUCKET_BYTES

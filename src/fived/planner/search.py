@@ -8,7 +8,7 @@ MICRO_BATCH_TOKENS tokens, and HSDP only as "shard inside a node, replicate acro
 
 Order of decisions (the background notes' recipe): fit memory first, then reach the global batch
 (micro-batch size x micro-batches x dp), then maximise throughput. Validity is the runtime's own
-check (`fived.layout_rules.layout_errors`), so every planned layout is one `fived train` accepts.
+check (`fived.layout.rules.layout_errors`), so every planned layout is one `fived train` accepts.
 """
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ import itertools
 from dataclasses import dataclass
 
 from fived.config import Config, ConfigError, ModelConfig, TrainConfig
-from fived.layout_rules import layout_errors
-from fived.mesh import Layout
-from fived.parallel.schedule_sim import check_schedule
+from fived.layout.rules import layout_errors
+from fived.layout.layout import Layout
+from fived.layout.schedule_sim import check_schedule
 from fived.planner.memory import MemoryEstimate, memory_per_gpu, reserve_bytes, state_floor
 from fived.planner.runtimes import FIVED, Runtime
 from fived.planner.timing import Cluster, StepTime, step_time

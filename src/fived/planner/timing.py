@@ -26,7 +26,7 @@ dimension on the link its group actually uses, the overlap the runtime allows, a
 - overlap (`Runtime`): `tp_overlap` of tp hidden; the ring behind the attention it overlaps with;
   the dp reduction behind the last micro-batch's backward and ZeRO-3's prefetched gathers behind
   the step's compute, where the runtime overlaps them.
-- pipeline bubble: from the schedule simulator (`fived.parallel.schedule_sim.pipeline_profile`);
+- pipeline bubble: from the schedule simulator (`fived.layout.schedule_sim.pipeline_profile`);
   ranks sharing cores (CPU) fill each other's idle time.
 - optimizer: AdamW streams 28 bytes per owned parameter (read p, g, m, v; write p, m, v, fp32).
 - overhead: host work the device does not hide (CPU ranks: per layer and micro-batch, per step).
@@ -38,9 +38,9 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 
 from fived.config import ModelConfig
-from fived.mesh import PRECISIONS, Layout
+from fived.layout.layout import PRECISION_SPECS, Layout
 from fived.metrics import flops_per_token
-from fived.parallel.schedule_sim import pipeline_profile
+from fived.layout.schedule_sim import pipeline_profile
 from fived.planner.communication import group_span, owned_parameters, step_collectives
 from fived.planner.hardware import Hardware
 from fived.planner.memory import model_key, placement, rank_chunks_by_key, rank_stages
@@ -230,7 +230,7 @@ def _compute(m: ModelConfig, L: Layout, hw: Hardware, runtime: Runtime, dtype: s
         heads = m.n_heads / L.tp
         elementwise += layers * micro * recompute * RING_SCORE_PASSES * 4 * heads * tokens_mb * seq_len * L.micro_batch
     # the weights this rank computes with, cast every micro-batch (bf16 weights with masters: none)
-    if runtime.autocast_copies and not PRECISIONS[dtype].master:
+    if runtime.autocast_copies and not PRECISION_SPECS[dtype].master:
         layer_params = (4 * m.dim * m.dim + 3 * m.dim * ffn) / L.tp
         elementwise += layers * micro * recompute * AUTOCAST_BYTES * layer_params
     memory_bound = elementwise / (hw.hbm_gbps * 1e9 * HBM_EFFICIENCY)
@@ -245,7 +245,7 @@ def _compute(m: ModelConfig, L: Layout, hw: Hardware, runtime: Runtime, dtype: s
 def _busiest_rank(key: tuple, pp: int, schedule: str, n_stages: int, pp_layers: str):
     """(its share of the model's cost, its pipeline rank, the layers' share of the cost) for the
     pipeline rank with the most work (the output head counts on the last stage)."""
-    from fived.parallel.pipeline import layer_costs
+    from fived.layout.stages import layer_costs
 
     costs, head = layer_costs(ModelConfig(**dict(key)))
     ranks = [rank_chunks_by_key(key, pp, schedule, n_stages, r, pp_layers) for r in range(pp)]

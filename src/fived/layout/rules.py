@@ -9,8 +9,8 @@ import itertools
 import math
 
 from fived.config import Config, ConfigError
-from fived.mesh import (CHECKPOINTING, COMPILE_BACKENDS, PP_SCHEDULES, PRECISIONS, SPLIT_BACKWARD, resolve_dp,
-                        stages_per_rank)
+from fived.layout.layout import (CHECKPOINTING, COMPILE_BACKENDS, PP_SCHEDULES, PRECISION_SPECS, SPLIT_BACKWARD,
+                                 resolve_dp, stages_per_rank)
 
 
 def nearest_multiple(value: int, base: int) -> int:
@@ -156,7 +156,7 @@ def _model_errors(cfg: Config) -> list[ConfigError]:
          "e.g. --model.rope_high_freq_factor 4"),
         (not m.is_moe or 1 <= m.top_k <= m.n_experts, "model.top_k", m.top_k, f"must be in 1..n_experts={m.n_experts}",
          f"e.g. --model.top_k {min(2, max(m.n_experts, 1))}"),
-        (t.dtype in PRECISIONS, "train.dtype", t.dtype, "must be one of " + ", ".join(PRECISIONS),
+        (t.dtype in PRECISION_SPECS, "train.dtype", t.dtype, "must be one of " + ", ".join(PRECISION_SPECS),
          "e.g. --dtype bfloat16"),
         (t.device in ("auto", "cpu", "cuda"), "train.device", t.device, "must be auto, cpu or cuda",
          "e.g. --train.device auto"),

@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import types
 
-from fived.mesh import SINGLE_STAGE, stages_per_rank
+from fived.layout.layout import SINGLE_STAGE, stages_per_rank
 
 COST = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev")

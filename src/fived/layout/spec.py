@@ -1,0 +1,211 @@
+"""The sharding spec: for every parameter (and buffer) of a model, how each mesh dimension splits it,
+written once, as data (torchtitan's parallelize plans as data; Megatron-Core's ShardedTensor for
+where each piece lives).
+
+`tensor_specs(m, tp=, ep=, sp=)` lists the model's tensors by canonical name with their whole shape
+and, per dimension:
+  - tp: which tensor dimension tensor parallelism cuts, into how many pieces, after padding it to
+    what (the vocabulary, to a multiple of tp), and how many consecutive tp ranks hold each piece
+    (kv heads when tp > n_kv_heads: rank r holds kv head r // (tp / n_kv_heads)); None: replicated,
+    with `tp_partial_grad` when each tp rank still holds only part of its gradient (norms under SP,
+    the MoE router, Qwen3's q/k norms);
+  - ep: routed experts are cut along dim 0 (expert j of E on ep rank j // (E/ep));
+  - data parallelism: `dp_storage` says how a ZeRO stage stores a tensor's tp/ep-local piece (whole,
+    ZeRO-3 rows of dim 0 in ceil-sized chunks, or a range of ZeRO-1/2's flat buffer) and over which
+    group (dp_shard*cp, or edp = dp*cp/ep for routed experts under ep);
+  - pp: `fived.layout.stages` says which layers (and so which tensors) a pipeline rank holds.
+The runtime splits its meta-device modules by it (`fived.parallel.tensor`, `.expert`), its
+`Placement`s (checkpoints, `--init-from`, export, init) are computed from it, and the planner's
+memory model and layer map read local shapes from it. Plain Python: no torch.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from fived.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Cut:
+    """Tensor dimension `dim`, padded to `padded` (0: not padded), cut into `pieces` equal chunks;
+    `replicas` consecutive ranks of the mesh dimension hold each chunk."""
+
+    dim: int
+    pieces: int
+    replicas: int = 1
+    padded: int = 0
+
+    def size(self, whole: int) -> int:
+        return (self.padded or whole) // self.pieces
+
+    def index(self, rank: int) -> int:
+        return rank // self.replicas
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str  # canonical name (as one device's model names it)
+    shape: tuple[int, ...]  # the whole tensor, without padding
+    part: str  # "embedding", "layer" or "head"
+    layer: int = -1  # the transformer layer holding it (-1: embedding, final norm, head)
+    tp: Cut | None = None  # None: replicated over tp
+    ep: Cut | None = None  # routed experts: dim 0 over ep
+    expert: bool = False  # a routed expert's weight (data parallel over edp when ep > 1)
+    tp_partial_grad: bool = False  # replicated over tp, but each tp rank holds part of its gradient
+    buffer: bool = False  # not a parameter (the router's balancing bias): saved, never optimized
+
+    def local_box(self, *, tp_rank: int = 0, ep_rank: int = 0) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(offsets, sizes) of the tp/ep-local tensor in the (padded) whole tensor."""
+        offsets, sizes = [0] * len(self.shape), list(self.shape)
+        for cut, rank in ((self.ep, ep_rank), (self.tp, tp_rank)):
+            if cut is not None:
+                sizes[cut.dim] = cut.size(self.shape[cut.dim])
+                offsets[cut.dim] = cut.index(rank) * sizes[cut.dim]
+        return tuple(offsets), tuple(sizes)
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        return self.local_box()[1]
+
+    def tp_replica(self, tp_rank: int) -> int:
+        """Among the tp ranks holding the same piece, this rank's number (0: the copy that is saved)."""
+        return tp_rank if self.tp is None else tp_rank % self.tp.replicas
+
+    @property
+    def splits(self) -> str:
+        """The mesh dimensions that cut it, as the pages show them ("ep+tp", "tp", "")."""
+        return "+".join(d for d, cut in (("ep", self.ep), ("tp", self.tp)) if cut is not None and cut.pieces > 1)
+
+
+def _cut(dim: int, pieces: int, *, replicas: int = 1, padded: int = 0) -> Cut | None:
+    return Cut(dim, pieces, replicas, padded) if pieces * replicas > 1 else None
+
+
+def _kv_cut(m: ModelConfig, tp: int) -> Cut | None:
+    """Fewer kv heads than tp ranks: each rank holds the one kv head its query heads use."""
+    if m.n_kv_heads % tp == 0:
+        return _cut(0, tp)
+    return _cut(0, m.n_kv_heads, replicas=tp // m.n_kv_heads)
+
+
+def kv_width(m: ModelConfig, tp: int) -> int:
+    """Rows of wk (and of wv) a tp rank holds: its share of the kv heads times the head size, or the
+    one head its query heads use when tp > n_kv_heads."""
+    cut, whole = _kv_cut(m, tp), m.n_kv_heads * m.head_dim
+    return whole if cut is None else cut.size(whole)
+
+
+def kv_replicated(m: ModelConfig, tp: int) -> bool:
+    """Whether several tp ranks hold the same kv head (their gradients are summed over tp)."""
+    cut = _kv_cut(m, tp)
+    return cut is not None and cut.replicas > 1
+
+
+def layer_specs(m: ModelConfig, lid: int, *, tp: int = 1, ep: int = 1, sp: bool = False,
+                etp: int = 0) -> tuple[TensorSpec, ...]:
+    """Transformer layer `lid`'s tensors. `etp`: the tensor-parallel size of the routed experts (0:
+    tp, as fived runs them; the planner prices other runtimes' expert tensor parallelism)."""
+    return _layer_specs(m, lid if m.is_moe and lid >= m.n_dense_layers else -1, tp, ep, sp, etp or tp, lid)
+
+
+def _layer_specs(m: ModelConfig, moe_id: int, tp: int, ep: int, sp: bool, etp: int, lid: int):
+    pre = f"layers.{lid}."
+    hd, d, heads = m.head_dim, m.dim, m.n_heads * m.head_dim
+
+    def t(name, shape, cut=None, **kw):
+        return TensorSpec(pre + name, tuple(shape), "layer", lid, cut, **kw)
+
+    out = [t("attention_norm.weight", [d], tp_partial_grad=sp and tp > 1),
+           t("attention.wq.weight", [heads, d], _cut(0, tp)),
+           t("attention.wk.weight", [m.n_kv_heads * hd, d], _kv_cut(m, tp)),
+           t("attention.wv.weight", [m.n_kv_heads * hd, d], _kv_cut(m, tp)),
+           t("attention.wo.weight", [d, heads], _cut(1, tp))]
+    if m.qk_norm:  # shared by heads: each rank's heads give it a part of the gradient
+        out += [t(f"attention.{n}.weight", [hd], tp_partial_grad=tp > 1) for n in ("q_norm", "k_norm")]
+    out.append(t("ffn_norm.weight", [d], tp_partial_grad=sp and tp > 1))
+    if moe_id < 0:
+        out += _mlp(t, "feed_forward.", m.ffn_dim, d, tp)
+        return tuple(out)
+    e, f, by_ep = m.n_experts, m.expert_dim, _cut(0, ep)
+    out += [t("feed_forward.router.weight", [e, d], tp_partial_grad=tp > 1),
+            t("feed_forward.experts.w1", [e, d, f], _cut(2, etp), ep=by_ep, expert=True),
+            t("feed_forward.experts.w3", [e, d, f], _cut(2, etp), ep=by_ep, expert=True),
+            t("feed_forward.experts.w2", [e, f, d], _cut(1, etp), ep=by_ep, expert=True)]
+    if m.n_shared_experts:
+        out += _mlp(t, "feed_forward.shared.", f * m.n_shared_experts, d, tp)
+    out.append(t("feed_forward.router_bias", [e], buffer=True))
+    return tuple(out)
+
+
+def _mlp(t, pre: str, hidden: int, d: int, tp: int) -> list[TensorSpec]:
+    """SwiGLU: gate and up column-parallel (output features split), down row-parallel."""
+    return [t(pre + "w1.weight", [hidden, d], _cut(0, tp)), t(pre + "w3.weight", [hidden, d], _cut(0, tp)),
+            t(pre + "w2.weight", [d, hidden], _cut(1, tp))]
+
+
+def end_specs(m: ModelConfig, *, first: bool, last: bool, tp: int = 1, sp: bool = False) -> tuple[TensorSpec, ...]:
+    """The embedding (first stage), the final norm and the output head (last stage): vocab-parallel,
+    the vocabulary padded to a multiple of tp. A tied head is the embedding itself."""
+    vocab = _cut(0, tp, padded=padded_vocab(m, tp))
+    out = []
+    if first:
+        out.append(TensorSpec("tok_embeddings.weight", (m.vocab_size, m.dim), "embedding", -1, vocab))
+    if last:
+        out.append(TensorSpec("norm.weight", (m.dim,), "head", -1, tp_partial_grad=sp and tp > 1))
+        if not (m.tie_embeddings and first):
+            out.append(TensorSpec("output.weight", (m.vocab_size, m.dim), "head", -1, vocab))
+    return tuple(out)
+
+
+def padded_vocab(m: ModelConfig, tp: int) -> int:
+    return math.ceil(m.vocab_size / tp) * tp
+
+
+def chunk_specs(m: ModelConfig, layers, first: bool, last: bool, *, tp: int = 1, ep: int = 1, sp: bool = False,
+                etp: int = 0) -> list[TensorSpec]:
+    """The tensors of a model chunk (a pipeline stage, or the whole model), in the model's order."""
+    ends = end_specs(m, first=first, last=last, tp=tp, sp=sp)
+    out = [s for s in ends if s.part == "embedding"]
+    for lid in layers:
+        out += layer_specs(m, lid, tp=tp, ep=ep, sp=sp, etp=etp)
+    return out + [s for s in ends if s.part == "head"]
+
+
+def tensor_specs(m: ModelConfig, *, tp: int = 1, ep: int = 1, sp: bool = False) -> dict[str, TensorSpec]:
+    """Every tensor of the whole model by canonical name."""
+    return {s.name: s for s in chunk_specs(m, range(m.n_layers), True, True, tp=tp, ep=ep, sp=sp)}
+
+
+# --- data parallelism: how a ZeRO stage stores a tensor's local piece ------------------------------
+
+def dp_storage(spec: TensorSpec, *, zero: int, ep: int) -> str:
+    """"whole" (ZeRO-0, buffers, and ZeRO-1/2's routed experts under ep: kept whole, reduced over
+    edp), "rows" (ZeRO-3: FSDP2 shards dim 0), or "flat" (ZeRO-1/2: a range of one flat buffer of
+    every other parameter, in model order, padded to a multiple of the shard group)."""
+    if spec.buffer or zero == 0:
+        return "whole"
+    if zero == 3:
+        return "rows"
+    return "whole" if spec.expert and ep > 1 else "flat"
+
+
+def dp_shards(spec: TensorSpec, *, dp_shard: int, cp: int, dp: int, ep: int) -> int:
+    """The size of the group a tensor's data-parallel shards are spread over: edp for routed experts
+    under ep (their other dp*cp ranks are ep ranks holding other experts), else dp_shard * cp."""
+    return dp * cp // ep if spec.expert and ep > 1 else dp_shard * cp
+
+
+def shard_rows(dim0: int, shards: int, index: int) -> tuple[int, int]:
+    """Rows [a, b) of a first dimension that ZeRO-3 (FSDP2) gives shard `index` of `shards`:
+    ceil-sized chunks, the last ones shorter or empty."""
+    chunk = math.ceil(dim0 / shards)
+    a = min(dim0, index * chunk)
+    return a, min(dim0, a + chunk)
+
+
+def flat_range(total: int, shards: int, index: int) -> tuple[int, int]:
+    """Elements [a, b) of a flat buffer of `total` elements, padded to a multiple of `shards`, that
+    shard `index` owns (ZeRO-1/2), clipped to the real elements."""
+    length = math.ceil(total / shards)
+    return min(total, index * length), min(total, (index + 1) * length)

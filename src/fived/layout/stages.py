@@ -1,0 +1,101 @@
+"""Pipeline stages: which layers each stage holds and which pipeline rank runs each stage — the
+rules the runtime builds its stages by and the planner prices them by (plain Python).
+
+- Stages are contiguous layers, balanced by cost (a layer's FLOPs per token; the output head counts
+  on the last stage), or as `parallel.pp_layers` says ("3,1,2,2"). The embedding lives on the first
+  stage, the final norm, head and loss on the last.
+- Stage s runs on pp rank s % pp for looped schedules, and on ranks 0..pp-1 then back pp-1..0 for
+  the V-shaped ones (zbv, dualpipev).
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+from fived.config import ModelConfig
+from fived.layout.layout import V_SHAPED, Layout
+
+Chunk = tuple[tuple[int, ...], bool, bool]  # (layer ids, holds the embedding, holds the head)
+
+
+def stage_rank(stage: int, pp: int, schedule: str) -> int:
+    if schedule in V_SHAPED:
+        return stage if stage < pp else 2 * pp - 1 - stage
+    return stage % pp
+
+
+def layer_costs(cfg: ModelConfig) -> tuple[list[float], float]:
+    """FLOPs-proportional cost of each layer, and of the output head (on the last stage)."""
+    d = cfg.dim
+    attn = d * cfg.head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
+    dense = 3 * d * cfg.ffn_dim
+    moe = 3 * d * cfg.expert_dim * (cfg.top_k + cfg.n_shared_experts) + d * cfg.n_experts
+    costs = [attn + (moe if cfg.is_moe and i >= cfg.n_dense_layers else dense) for i in range(cfg.n_layers)]
+    return costs, d * cfg.vocab_size
+
+
+def split_layers(cfg: ModelConfig, n_stages: int, override: str = "") -> list[list[int]]:
+    """Contiguous layer ids per stage minimising the most expensive stage, then (among equal maxima)
+    the sum of squared stage costs — exact, by dynamic programming over split points — or the
+    explicit counts of `override`."""
+    if override:
+        counts = [int(c) for c in override.split(",")]
+        starts = [sum(counts[:i]) for i in range(len(counts))]
+        return [list(range(a, a + c)) for a, c in zip(starts, counts)]
+    costs, head = layer_costs(cfg)
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    worst = (float("inf"), float("inf"))
+    # best[k][i]: (max cost, sum of squares) of putting layers i.. into stages k.. (>= 1 layer each)
+    best = [[worst] * (n + 1) for _ in range(n_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(n_stages + 1)]
+    best[n_stages][n] = (0.0, 0.0)
+    for k in range(n_stages - 1, -1, -1):
+        for i in range(n - 1, -1, -1):
+            for j in range(i + 1, n - (n_stages - k - 1) + 1):
+                stage = prefix[j] - prefix[i] + (head if k == n_stages - 1 else 0.0)
+                rest = best[k + 1][j]
+                value = (max(stage, rest[0]), stage * stage + rest[1])
+                if value < best[k][i]:
+                    best[k][i], cut[k][i] = value, j
+    out, i = [], 0
+    for k in range(n_stages):
+        out.append(list(range(i, cut[k][i])))
+        i = cut[k][i]
+    return out
+
+
+def model_key(m: ModelConfig) -> tuple:
+    """A hashable form of a model config (the caches of the layout core and the planner key on it)."""
+    return tuple(sorted(vars(m).items()))
+
+
+@lru_cache(maxsize=4096)
+def _split(key: tuple, n_stages: int, pp_layers: str) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(s) for s in split_layers(ModelConfig(**dict(key)), n_stages, pp_layers))
+
+
+def rank_chunks(m: ModelConfig, layout: Layout, pp_rank: int) -> list[Chunk]:
+    """The (layers, first, last) chunks pipeline rank `pp_rank` holds, as the runtime places them."""
+    return rank_chunks_by_key(model_key(m), layout.pp, placement(layout.pp_schedule), layout.n_stages, pp_rank,
+                              layout.pp_layers)
+
+
+def rank_stages(layout: Layout, pp_rank: int) -> list[int]:
+    """The pipeline stages pipeline rank `pp_rank` holds, in order."""
+    return [s for s in range(layout.n_stages) if stage_rank(s, layout.pp, layout.pp_schedule) == pp_rank]
+
+
+def placement(schedule: str) -> str:
+    """Stages go to ranks in a loop or V-shaped: caches key on that, not on the schedule's name."""
+    return "zbv" if schedule in V_SHAPED else "1f1b"
+
+
+@lru_cache(maxsize=65536)
+def rank_chunks_by_key(key: tuple, pp: int, schedule: str, n_stages: int, pp_rank: int,
+                       pp_layers: str = "") -> list[Chunk]:
+    if pp == 1:
+        return [(tuple(range(dict(key)["n_layers"])), True, True)]
+    stages = _split(key, n_stages, pp_layers)
+    return [(stages[s], s == 0, s == n_stages - 1) for s in range(n_stages) if stage_rank(s, pp, schedule) == pp_rank]
