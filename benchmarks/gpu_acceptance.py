@@ -66,7 +66,9 @@ SMOKE = Profile("cpu", torch.float32, ModelConfig(name="smoke", **dict(PRESETS["
 
 
 def plan_checks(p: Profile, run_dir: str, results: dict) -> list[tuple[str, object]]:
-    """(name, zero-argument check) in running order; `results` holds earlier checks' outcomes."""
+    """(name, zero-argument check) in running order; `results` holds earlier checks' outcomes. The
+    training comparisons come first: their CPU runs fork from this process, which must not have
+    started CUDA yet (the CUDA runs are spawned; the kernel checks start CUDA here)."""
     shapes = dict(device=p.device, dtype=p.speed_dtype, seq_len=p.seq_len, batch=p.batch)
     timing = dict(shapes, steps=p.steps, warmup=p.warmup)
     size = f"{p.speed_model.name}, seq {p.seq_len}"
