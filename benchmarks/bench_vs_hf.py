@@ -21,12 +21,18 @@ import statistics
 import sys
 import time
 
-# Thread count must be fixed before torch (and its OpenMP runtime) is imported.
-_pre = argparse.ArgumentParser(add_help=False)
-_pre.add_argument("--threads", type=int, default=1)
-_THREADS = max(1, _pre.parse_known_args()[0].threads)
-for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-    os.environ[_var] = str(_THREADS)
+
+def fix_threads_before_torch() -> None:
+    """The thread count must be fixed before torch (and its OpenMP runtime) is imported."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--threads", type=int, default=1)
+    threads = max(1, pre.parse_known_args()[0].threads)
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[var] = str(threads)
+
+
+if __name__ == "__main__":  # (not when another script imports this one for its helpers)
+    fix_threads_before_torch()
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -109,6 +115,15 @@ def llama_config(cfg: ModelConfig, seq_len: int):
     return hf_cfg
 
 
+def hf_llama(cfg: ModelConfig, seq_len: int):
+    """Hugging Face's LlamaForCausalLM for `cfg` (its own initial weights), with SDPA attention."""
+    from transformers import LlamaForCausalLM
+
+    hf = LlamaForCausalLM(llama_config(cfg, seq_len))
+    assert hf.config._attn_implementation == "sdpa", hf.config._attn_implementation
+    return hf
+
+
 def hf_name(ours: str) -> str:
     """Our parameter name -> LlamaForCausalLM's."""
     if ours == "output.weight":
@@ -155,17 +170,14 @@ def make_step(model, forward, lr: float):
 
 def main() -> int:
     args = parse_args()
-    torch.set_num_threads(_THREADS)
+    torch.set_num_threads(max(1, args.threads))
     import transformers
-    from transformers import LlamaForCausalLM
 
     cfg, dtype = args.cfg, DTYPES[args.dtype]
 
     ours = build_model(cfg, device="cpu", dtype=torch.float32)
     init_weights(ours, args.seed)
-    hf_cfg = llama_config(cfg, args.seq_len)
-    hf = LlamaForCausalLM(hf_cfg)
-    assert hf.config._attn_implementation == "sdpa", hf.config._attn_implementation
+    hf = hf_llama(cfg, args.seq_len)
     copy_weights(ours, hf)  # in float32, then both are cast the same way
     ours.to(dtype).train()
     hf.to(dtype).train()

@@ -33,7 +33,7 @@ def expert_loop(x: torch.Tensor, w1, w3, w2, counts: list[int]) -> torch.Tensor:
     return torch.cat(outs) if outs else x
 
 
-def _uses_grouped_mm(x: torch.Tensor, w1: torch.Tensor) -> bool:
+def uses_grouped_mm(x: torch.Tensor, w1: torch.Tensor) -> bool:
     """torch's grouped GEMM: CUDA, bf16, and rows aligned to 16 bytes (as its kernels require)."""
     return (x.is_cuda and hasattr(torch, "_grouped_mm") and x.dtype == torch.bfloat16
             and w1.shape[1] % 16 == 0 and w1.shape[2] % 16 == 0)
@@ -75,7 +75,7 @@ def _grouped_swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: tor
                     counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if x.device.type == "cpu":
         return _forward_slices(x, w1, w3, w2, counts.tolist())
-    if _uses_grouped_mm(x, w1):
+    if uses_grouped_mm(x, w1):
         offs = _group_ends(counts)
         gate, up = torch._grouped_mm(x, w1, offs=offs), torch._grouped_mm(x, w3, offs=offs)
         return torch._grouped_mm(F.silu(gate) * up, w2, offs=offs), gate, up
@@ -123,7 +123,7 @@ def _grouped_swiglu_backward(grad_out: torch.Tensor, d_gate_in: torch.Tensor, d_
     """(dx, dw1, dw3, dw2); an op of its own so that compiled graphs keep it whole too."""
     if x.device.type == "cpu":
         return _backward_slices(grad_out, d_gate_in, d_up_in, x, w1, w3, w2, counts.tolist(), gate, up)
-    if _uses_grouped_mm(x, w1):
+    if uses_grouped_mm(x, w1):
         offs = _group_ends(counts)
         d_hidden = torch._grouped_mm(grad_out, w2.transpose(1, 2), offs=offs)
         d_gate, d_up = _swiglu_grad(d_hidden, gate, up, d_gate_in, d_up_in)

@@ -36,9 +36,10 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     return 6.0 * matmul_params_per_token(cfg) + 12.0 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
 
 
-def peak_memory_mb() -> float:
-    """Peak allocated GPU memory, or on CPU the process's peak resident set (includes the runtime)."""
-    if torch.cuda.is_available():
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak allocated GPU memory, or on CPU the process's peak resident set (includes the runtime).
+    (By the run's device, not the host's: CPU ranks on a GPU host must not touch CUDA, e.g. forked.)"""
+    if device.type == "cuda":
         return torch.cuda.max_memory_allocated() / 2**20
     kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return kb / 1024 if sys.platform != "darwin" else kb / 2**20

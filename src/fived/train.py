@@ -93,7 +93,7 @@ class Trainer:
         self.loss_divisor = self.global_tokens  # what a pipeline micro-batch's loss is divided by (1 in eval)
         self.ledger = CommLedger(self.mesh.group_names())
         self.state_bytes: dict[str, int] = {}
-        self.peak_flops = device_peak_tflops(param_dtype, t.peak_tflops) * 1e12
+        self.peak_flops = device_peak_tflops(param_dtype, t.peak_tflops, self.device.type) * 1e12
         self.flops_per_step = flops_per_token(cfg.model, t.seq_len) * self.global_tokens
         self.checkpointer = self._open_checkpoints(chunks, log, resume)
         if log and self.rank == 0:
@@ -317,7 +317,7 @@ class Trainer:
             "lr": lr,
             "tokens_per_s": self.global_tokens / elapsed,
             "mfu": self.flops_per_step / elapsed / (self.peak_flops * self.world) if self.peak_flops else 0.0,
-            "peak_mem_mb": peak_memory_mb(),
+            "peak_mem_mb": peak_memory_mb(self.device),
             "step_time_s": elapsed,
         }
         if self.cfg.model.is_moe:  # (every cp rank computed each of its sequences' whole statistic)

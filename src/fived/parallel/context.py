@@ -60,7 +60,8 @@ def _ring_step_blocks(rank: int, source: int, local_len: int):
     return slice(half, local_len), slice(0, local_len), False
 
 
-def _uses_cuda_flash(q: torch.Tensor) -> bool:
+def uses_cuda_flash(q: torch.Tensor) -> bool:
+    """Whether a block of these queries runs CUDA's flash kernel (else, on CUDA, the reference path)."""
     return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0
 
 
@@ -70,30 +71,30 @@ def _expand_kv(q, k, v):
     return (k, v) if groups == 1 else (k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1))
 
 
-def _block_forward(q, k, v, causal: bool, scale: float):
+def block_forward(q, k, v, causal: bool, scale: float):
     """(output, log-sum-exp) of q [b, hq, sq, d] attending to k, v [b, hkv, sk, d]; fused kernel."""
     if q.device.type == "cpu":
         return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-    if _uses_cuda_flash(q):
+    if uses_cuda_flash(q):
         k, v = _expand_kv(q, k, v)
         out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
         return out, lse
-    return _math_block_forward(q, k, v, causal, scale)
+    return reference_block_forward(q, k, v, causal, scale)
 
 
-def _block_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
     """(dq, dk, dv) of one block, given the global output and log-sum-exp of these queries."""
     if q.device.type == "cpu":
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal, scale=scale)
-    if _uses_cuda_flash(q):
+    if uses_cuda_flash(q):
         ke, ve = _expand_kv(q, k, v)
         no_rng = torch.zeros((), dtype=torch.int64, device=q.device)  # unused: no dropout
         dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
             dout, q, ke, ve, out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, no_rng, no_rng,
             scale=scale)
         return dq, _sum_groups(dk, k.shape[1]), _sum_groups(dv, k.shape[1])
-    return _math_block_backward(dout, q, k, v, out, lse, causal, scale)
+    return reference_block_backward(dout, q, k, v, out, lse, causal, scale)
 
 
 def _sum_groups(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -108,15 +109,16 @@ def _math_scores(q, ke, causal, scale):
     return scores
 
 
-def _math_block_forward(q, k, v, causal, scale):
-    """Reference path (CUDA in float32/float64, where no flash kernel takes the dtype): explicit scores."""
+def reference_block_forward(q, k, v, causal, scale):
+    """Reference path (CUDA in float32/float64, where no flash kernel takes the dtype; also what
+    benchmarks/gpu_acceptance.py holds the fused kernels to): explicit scores."""
     ke, ve = _expand_kv(q, k, v)
     scores = _math_scores(q, ke, causal, scale)
     lse = torch.logsumexp(scores, dim=-1)
     return torch.exp(scores - lse[..., None]) @ ve, lse
 
 
-def _math_block_backward(dout, q, k, v, out, lse, causal, scale):
+def reference_block_backward(dout, q, k, v, out, lse, causal, scale):
     ke, ve = _expand_kv(q, k, v)
     probs = torch.exp(_math_scores(q, ke, causal, scale) - lse[..., None])
     dv = probs.transpose(-1, -2) @ dout
@@ -156,7 +158,7 @@ class RingAttentionFunction(torch.autograd.Function):
             for step in range(size):
                 pending = _ring_exchange(held, group) if step < size - 1 else None
                 rows, keys, causal = _ring_step_blocks(rank, (rank - step) % size, s)
-                o, l = _block_forward(q[:, :, rows], held[0][:, :, keys], held[1][:, :, keys], causal, scale)
+                o, l = block_forward(q[:, :, rows], held[0][:, :, keys], held[1][:, :, keys], causal, scale)
                 if step == 0:
                     out.copy_(o), lse.copy_(l)
                 else:
@@ -184,7 +186,7 @@ class RingAttentionFunction(torch.autograd.Function):
         for step in range(size):
             kb, vb, dk_acc, dv_acc = held
             rows, keys, causal = _ring_step_blocks(rank, (rank - step) % size, s)
-            dqb, dkb, dvb = _block_backward(dout[:, :, rows], q[:, :, rows], kb[:, :, keys], vb[:, :, keys],
+            dqb, dkb, dvb = block_backward(dout[:, :, rows], q[:, :, rows], kb[:, :, keys], vb[:, :, keys],
                                             out[:, :, rows], lse[:, :, rows], causal, scale)
             dq[:, :, rows] += dqb
             dk_acc[:, :, keys] += dkb

@@ -151,16 +151,17 @@ def local_hardware(world: int) -> Hardware:
                    launch_s=CPU.launch_s / share, core_share=share)
 
 
-def device_peak_tflops(dtype, configured: float = 0.0) -> float:
+def device_peak_tflops(dtype, configured: float = 0.0, device_type: str | None = None) -> float:
     """The configured peak, else the GPU's data-sheet peak (dense bf16, this catalogue), else one CPU
-    thread's measured matmul rate in `dtype` (an estimate: MFU on CPU is only indicative)."""
+    thread's measured matmul rate in `dtype` (an estimate: MFU on CPU is only indicative).
+    `device_type`: the run's ("cpu" for CPU ranks on a GPU host); None: CUDA if there is a GPU."""
     import time
 
     import torch
 
     if configured > 0:
         return configured
-    if torch.cuda.is_available():
+    if (device_type or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda":
         name = torch.cuda.get_device_name().upper()
         return next((hw.peak_tflops for key, hw in CATALOGUE.items() if key.upper() in name), 0.0)
     n, reps = 256, 10

@@ -1,0 +1,45 @@
+"""benchmarks/gpu_acceptance.py where there is no GPU: the default run says so in one line and exits
+0; the CPU smoke run (`--device cpu`) goes through every check at tiny sizes and writes both reports.
+(CUDA is hidden from both runs, so that on a GPU host this test does not start the GPU run.)"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_acceptance.py"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+
+
+def acceptance(*args, cwd, timeout=300):  # (minutes only on a machine loaded by others)
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=ENV, cwd=cwd,
+                          timeout=timeout)
+
+
+def test_without_cuda_one_line_and_exit_0(tmp_path):
+    done = acceptance(cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [done.stdout.strip()] and "CUDA is absent" in done.stdout
+    assert "nothing was measured" in done.stdout
+    assert not list(tmp_path.iterdir())  # no reports: nothing was measured
+
+
+def test_cpu_smoke_run_writes_the_reports(tmp_path):
+    pytest.importorskip("transformers")
+    done = acceptance("--device", "cpu", "--out", str(tmp_path / "reports"), cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    report = json.loads((tmp_path / "reports" / "gpu_acceptance.json").read_text())
+    status = {check["name"]: check["status"] for check in report["checks"]}
+    # Every check ran; only the planner's limits (calibrated for CUDA) are skipped on CPU.
+    assert len(status) == 12, status
+    assert {name for name, s in status.items() if s != "PASS"} == {"planner vs measured (fived eager)"}, status
+    assert status["planner vs measured (fived eager)"] == "SKIP"
+    speeds = [c for c in report["checks"] if c["name"].startswith("speed:")]
+    assert len(speeds) == 4 and all(c["figures"]["tokens_per_s"] > 0 for c in speeds)
+    markdown = (tmp_path / "reports" / "gpu_acceptance.md").read_text()
+    summary = done.stdout.strip().splitlines()[-1]
+    assert summary == report["summary"] and summary in markdown
+    assert summary.startswith("gpu_acceptance: ACCEPTED: 11 PASS, 0 FAIL, 1 SKIP")
+    assert "| ring attention blocks vs reference | **PASS** |" in markdown
