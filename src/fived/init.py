@@ -45,9 +45,6 @@ class InitStats:
     filled: int = 0  # parameter elements written from those (held pieces, padding not counted)
     tiles: int = 0
 
-    def add(self, other: "InitStats") -> "InitStats":
-        return InitStats(self.generated + other.generated, self.filled + other.filled, self.tiles + other.tiles)
-
 
 def tile_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
     if len(shape) == 0:
@@ -142,6 +139,8 @@ def model_shapes(cfg) -> dict[str, tuple[int, ...]]:
 def init_value(name: str, shape: torch.Size, cfg, seed: int) -> torch.Tensor:
     """The whole initial value of parameter `name` (float32, CPU), for code that needs one."""
     shapes = model_shapes(cfg)
+    if tuple(shapes[name]) != tuple(shape):
+        raise ValueError(f"{name}: shape {tuple(shape)}, the model's is {shapes[name]}")
     full = torch.empty(tuple(shape))
     whole = Placement(tuple(shape), Box((0,) * len(shape), tuple(shape)))
     TileFiller(TileSeeds(shapes, seed)).fill(name, tuple(shape), std_of(name, cfg), whole.pieces(full))
