@@ -19,10 +19,12 @@ transformers = pytest.importorskip("transformers")
 
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory):
-    """tiny (GQA, 2 layers, dim 64) trained 20 steps in float32 at tp2."""
+    """tiny (GQA, 2 layers, dim 64) trained 20 steps in float32 at tp2. (Seed 2: with fived.init's
+    values, seeds 0, 1, 3, 4 and 5 give a model that greedily generates only spaces after any prompt
+    tried, which would make the greedy-ids comparison below trivial.)"""
     run = tmp_path_factory.mktemp("run")
     cfg = tiny_config("tiny", train__steps=20, train__dtype="float32", train__output_dir=str(run),
-                      model__n_layers=2, parallel__tp=2, parallel__dp=1)
+                      model__n_layers=2, parallel__tp=2, parallel__dp=1, train__seed=2)
     run_on_ranks(2, run_training, cfg, True, False)
     return run, cfg
 

@@ -7,7 +7,6 @@ tensors (e.g. the number of local heads), so a tensor-parallel shard runs the sa
 from __future__ import annotations
 
 import math
-import zlib
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +14,7 @@ from torch import nn
 
 from fived.config import ModelConfig
 from fived.grouped_gemm import grouped_swiglu
+from fived.init import init_value, init_weights  # noqa: F401  (re-exported: the model's initialisation)
 
 
 def rope_frequencies(cfg: ModelConfig, device=None) -> torch.Tensor:
@@ -268,8 +268,8 @@ class Transformer(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------
-# Initialisation: every parameter's values depend only on (seed, canonical name), never on rank or
-# layout. Each rank generates one full parameter at a time and keeps only its local shard.
+# Initialisation (fived.init): every parameter's values depend only on (seed, canonical name,
+# position in the whole tensor), never on rank or layout; each rank generates only what it holds.
 
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 
@@ -280,42 +280,7 @@ def canonical_name(name: str) -> str:
     return name
 
 
-def init_value(name: str, shape: torch.Size, cfg: ModelConfig, seed: int) -> torch.Tensor:
-    """The full initial value of parameter `name` (float32, CPU)."""
-    leaf = name.rsplit(".", 1)[-1]
-    if "norm" in name:
-        return torch.ones(shape)
-    gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
-    std = cfg.init_std
-    if name.endswith(("attention.wo.weight", "w2.weight")) or (".experts." in name and leaf == "w2"):
-        std = cfg.init_std / math.sqrt(2 * cfg.n_layers)  # residual-branch outputs, GPT-2 style
-    return torch.randn(shape, generator=gen) * std
-
-
-@torch.no_grad()
-def init_weights(model: nn.Module, seed: int, local_part=None) -> None:
-    """Fill (already materialised) parameters; works on plain tensors and on DTensor shards.
-    `local_part(name, full)` cuts what this rank's parameter holds out of a full value (its
-    placement); without it a DTensor takes its shard by its own placements."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    cfg = _find_config(model)
-    full_shapes = {canonical_name(n): p.shape for n, p in build_model(cfg).named_parameters()}
-    for name, param in model.named_parameters():
-        name = canonical_name(name)
-        full = init_value(name, full_shapes[name], cfg, seed)
-        if local_part is not None:
-            (param.to_local() if isinstance(param, DTensor) else param).copy_(local_part(name, full))
-        elif isinstance(param, DTensor):
-            local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
-            param.to_local().copy_(local)
-        else:
-            param.copy_(full)
-    for _, buffer in model.named_buffers():  # (router biases start at zero)
-        buffer.zero_()
-
-
-def _find_config(model: nn.Module) -> ModelConfig:
+def find_config(model: nn.Module) -> ModelConfig:
     for module in model.modules():
         if isinstance(module, Transformer):
             return module.cfg

@@ -19,6 +19,7 @@ from fived.checkpoint import Checkpointer
 from fived.config import Config
 from fived.data import GlobalBatchSampler, check_data, validation_batches, validation_data
 from fived.faults import PreemptionRequest, timeouts_named
+from fived.init import InitStats
 from fived.launch import device_type
 from fived.ledger import ActivationLedger, CommLedger, model_state_bytes
 from fived.layout.rules import check_config
@@ -70,9 +71,10 @@ class Trainer:
         self.plan = parallelize(chunks, self.mesh, cfg)  # on the meta device: nothing allocated yet
         self.positions = self.plan.positions
         self.dp = self.plan.data_parallel
+        self.init_stats = InitStats()  # this rank's generator work: its share of the model (+ tile edges)
         for chunk in chunks:
             materialize(chunk, self.device)
-            init_weights(chunk, t.seed, self.plan.local_init)
+            init_weights(chunk, t.seed, self.plan.init_placement, self.init_stats)
             keep_buffers_float32(chunk)  # router biases move by small steps: not in bf16
         modules = self.dp.wrap(chunks)  # what forward is called on (DDP wraps)
         self.model = modules[0]

@@ -8,6 +8,7 @@ the trainer drives: initialise shards, loss, gradient finishing, clipping, whole
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -45,9 +46,11 @@ class ParallelPlan:
     placements: dict[str, Placement] = field(default_factory=dict)
     global_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # every parameter, whole
 
-    def local_init(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        """What this rank's parameter holds of a full initial value (its ZeRO-3 rows included)."""
-        return self.placements[name].stored_value(full)
+    def init_placement(self, name: str) -> Placement:
+        """Where this rank's parameter storage sits when it is initialised: its ZeRO-3 rows, or the
+        whole model-local tensor (a ZeRO-1/2 parameter is whole until `wrap`; `flat` is its
+        optimizer's slice)."""
+        return dataclasses.replace(self.placements[name], flat=None)
 
     def forward_context(self, activations=None):
         """Saved-tensor hooks for a forward pass: sequence-parallel shards stored instead of gathered
