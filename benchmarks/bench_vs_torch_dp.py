@@ -94,7 +94,8 @@ def _value(t) -> float:
 def torch_runner(cfg, stage: int):
     """The hand-written loop: DDP (stage 0) or FSDP2 (stage 3) around the same Transformer."""
     from fived.data import GlobalBatchSampler, load_tokens
-    from fived.model import build_model, init_weights
+    from fived.model import build_model
+    from fived.init import init_weights
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_model(cfg.model, "cpu")

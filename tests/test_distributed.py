@@ -7,7 +7,8 @@ import torch.distributed as dist
 import fived.parallel.ddp
 from fived.config import model_preset
 from fived.launch import RankFailed
-from fived.model import build_model, init_weights
+from fived.model import build_model
+from fived.init import init_weights
 from fived.testing import EXACT, run_on_ranks, tiny_config
 from fived.verify import run_verify
 

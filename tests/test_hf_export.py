@@ -150,7 +150,7 @@ def test_generate_from_a_transformers_directory(kind, tmp_path, capsys):
 def test_kv_cache_gives_the_full_forward_logits():
     """Each cached step's logits equal a forward over the whole sequence so far (float64)."""
     from fived.generate import KVCachedAttentionCore
-    from fived.model import init_weights
+    from fived.init import init_weights
 
     cfg = tiny_config("tiny-moe", model__n_layers=2).model
     full = build_model(cfg, "cpu", torch.float64)

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from fived.init import TILE_2D, InitStats, TileFiller, TileSeeds, init_value, tile_shape
-from fived.model import build_model, init_weights
+from fived.init import TILE_2D, InitStats, TileFiller, TileSeeds, init_value, init_weights, tile_shape
+from fived.model import build_model
 from fived.placement import Box, Placement
 from fived.testing import run_on_ranks, tiny_config
 

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fived.layout.spec import tensor_specs
+from fived.model import canonical_name, find_config
 from fived.placement import Box, Placement
 
 TILE_2D = (256, 256)  # over a tensor's last two dimensions (leading dimensions: one index per tile)
@@ -130,10 +132,8 @@ class TileFiller:
 
 
 def model_shapes(cfg) -> dict[str, tuple[int, ...]]:
-    """Every parameter's whole shape by canonical name (built on meta: no memory)."""
-    from fived.model import build_model, canonical_name
-
-    return {canonical_name(n): tuple(p.shape) for n, p in build_model(cfg).named_parameters()}
+    """Every parameter's whole shape by canonical name, from the sharding spec."""
+    return {name: spec.shape for name, spec in tensor_specs(cfg).items() if not spec.buffer}
 
 
 def init_value(name: str, shape: torch.Size, cfg, seed: int) -> torch.Tensor:
@@ -154,8 +154,6 @@ def init_weights(model: nn.Module, seed: int, placement_of=None, stats: InitStat
     `placement_of(name)`: where this rank's storage of parameter `name` sits in the whole tensor
     (its `Placement`, as the parameter holds it at initialisation). Without it a plain tensor is the
     whole parameter and a DTensor's shard is located by its own placements."""
-    from fived.model import canonical_name, find_config
-
     cfg = find_config(model)
     shapes = model_shapes(cfg)
     filler = TileFiller(TileSeeds(shapes, seed), stats)

@@ -14,7 +14,6 @@ from torch import nn
 
 from fived.config import ModelConfig
 from fived.grouped_gemm import grouped_swiglu
-from fived.init import init_value, init_weights  # noqa: F401  (re-exported: the model's initialisation)
 
 
 def rope_frequencies(cfg: ModelConfig, device=None) -> torch.Tensor:

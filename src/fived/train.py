@@ -19,14 +19,14 @@ from fived.checkpoint import Checkpointer
 from fived.config import Config
 from fived.data import GlobalBatchSampler, check_data, validation_batches, validation_data
 from fived.faults import PreemptionRequest, timeouts_named
-from fived.init import InitStats
+from fived.init import InitStats, init_weights
 from fived.launch import device_type
 from fived.ledger import ActivationLedger, CommLedger, model_state_bytes
 from fived.layout.rules import check_config
 from fived.mesh import PRECISIONS, Mesh, build_dtype
 from fived.metrics import MetricsLog, flops_per_token, keep_log_until, peak_memory_mb
 from fived.planner.hardware import device_peak_tflops
-from fived.model import MoE, build_model, canonical_name, init_weights, keep_buffers_float32, materialize
+from fived.model import MoE, build_model, canonical_name, keep_buffers_float32, materialize
 from fived.optim import build_scheduler
 from fived.parallel import parallelize
 from fived.parallel.pipeline import Pipeline
