@@ -163,7 +163,7 @@ def run_dryrun(cfg: Config, world: int, *, rank: int, blocks: int = 0, init: boo
     with fake_process_group(rank=rank, world=world):
         start = time.perf_counter()
         built = build_rank(cfg, world, device="cpu", timeout_s=None, init=init)
-        built_s = time.perf_counter() - start
+        built_s, built_rss = time.perf_counter() - start, peak_memory_mb()  # (the peak so far: a high-water mark)
         step_without_data(built)
         step_s = time.perf_counter() - start - built_s
         measured = measured_state(built)
@@ -173,7 +173,8 @@ def run_dryrun(cfg: Config, world: int, *, rank: int, blocks: int = 0, init: boo
             built.plan.data_parallel.zero_grad()
             acts = block_activations(built, cfg, planner["layout"], min(blocks, sum(map(len, layers))))
     return {"rank": rank, "world": world, "cfg": cfg, "init": init, "planner": planner, "measured": measured,
-            "layers": layers, "build_s": built_s, "step_s": step_s, "peak_rss_mb": peak_memory_mb(),
+            "layers": layers, "build_s": built_s, "step_s": step_s, "build_rss_mb": built_rss,
+            "peak_rss_mb": peak_memory_mb(),
             "activations": acts}
 
 
@@ -195,7 +196,8 @@ def format_dryrun(result: dict) -> str:
              f"{where['shard']}, expert-data index {where['edp']}) of {cfg.model.name} {layout.describe()}, "
              f"{cfg.train.dtype}, seq {cfg.train.seq_len}",
              f"  built in {result['build_s']:.1f} s ({'initialised' if result['init'] else 'not initialised: --no-init'}), "
-             f"first optimizer step {result['step_s']:.1f} s, peak RSS {result['peak_rss_mb'] / 1024:.2f} GiB",
+             f"first optimizer step {result['step_s']:.1f} s; peak RSS {result['build_rss_mb'] / 1024:.2f} GiB "
+             f"after the build, {result['peak_rss_mb'] / 1024:.2f} GiB in all",
              f"  {'model-state bytes':<44}{'measured':>17}  {'planner':>17}"]
     lines += [_row(kind, m[kind], p[kind]) for kind in STATE_KINDS]
     lines.append(_row("  of the optimizer: float32 masters", m["masters"], p["masters"]))
