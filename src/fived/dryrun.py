@@ -136,7 +136,7 @@ def block_activations(built: RankModel, cfg: Config, layout: Layout, blocks: int
     h = torch.randn(layout.micro_batch, tokens, cfg.model.dim, dtype=dtype, requires_grad=True)
     positions = chunk.positions if chunk.positions is not None else torch.arange(t.seq_len // layout.cp)
     cos, sin = rope_cos_sin(positions, cfg.model, dtype)
-    ledger = ActivationLedger([c for c in built.chunks])
+    ledger = ActivationLedger(built.chunks)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision.autocast else contextlib.nullcontext()
     built.plan.data_parallel.before_micro_batch(is_last=True)
     with mirrored_collectives():
