@@ -138,6 +138,20 @@ def cmd_verify(ns: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def cmd_dryrun(ns: argparse.Namespace) -> int:
+    from fived.dryrun import format_dryrun, run_dryrun
+    from fived.layout.rules import check_config
+    from fived.mesh import resolve_dp
+    from fived.run_setup import build_from_args, world_size
+
+    cfg = build_from_args(ns)  # (no data or run directory: nothing is trained or written)
+    world = world_size(cfg, ns.nproc, 1)
+    check_config(cfg, world)
+    cfg.parallel.dp = resolve_dp(cfg, world)
+    print(format_dryrun(run_dryrun(cfg, world, rank=ns.rank, blocks=ns.blocks, init=not ns.no_init)), flush=True)
+    return 0
+
+
 def cmd_prepare_data(ns: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -237,6 +251,14 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--reshard-from", metavar="FLAGS", help="run the first half of the steps at the layout these "
                         "flags give, checkpoint, resume at this layout for the second half")
     verify.set_defaults(func=cmd_verify)
+    dry = sub.add_parser("dryrun", allow_abbrev=False, help="build one rank of any layout in this process (fake "
+                         "process group) and set its measured bytes beside the planner's")
+    add_config_flags(dry)
+    dry.add_argument("--rank", type=int, required=True, help="the global rank to build")
+    dry.add_argument("--blocks", type=int, default=0, help="run forward and backward through this many of the "
+                     "rank's transformer blocks (one micro-batch) and compare activation bytes")
+    dry.add_argument("--no-init", action="store_true", help="allocate the weights without drawing their initial values")
+    dry.set_defaults(func=cmd_dryrun)
     add_plan_commands(sub)
     prep = sub.add_parser("prepare-data", allow_abbrev=False,
                           help="tokenize .txt, .jsonl, .parquet files or saved datasets into a token file (numpy memmap)")

@@ -28,7 +28,7 @@ from fived.metrics import MetricsLog, flops_per_token, keep_log_until, peak_memo
 from fived.planner.hardware import device_peak_tflops
 from fived.model import MoE, build_model, canonical_name, keep_buffers_float32, materialize
 from fived.optim import build_scheduler
-from fived.parallel import parallelize
+from fived.parallel import ParallelPlan, parallelize
 from fived.parallel.pipeline import Pipeline
 from fived.train_state import ModelState, OptimizerState, ProgressState, RNGState
 
@@ -46,6 +46,49 @@ class TrainResult:
     preempted: bool = False  # stopped early on SIGTERM (after saving, when checkpointing is on)
 
 
+@dataclass
+class RankModel:
+    """One rank's share of the model and what the optimizer needs, as `build_rank` leaves it."""
+
+    mesh: Mesh
+    device: torch.device
+    pipeline: Pipeline | None  # this rank's pipeline stages (no schedule yet), if pp > 1
+    chunks: list  # the model, or this rank's stages
+    plan: ParallelPlan  # its data_parallel holds the flat buffers or shards
+    modules: list  # what forward is called on (DDP wraps)
+    optimizer: torch.optim.Optimizer
+    init_stats: InitStats  # this rank's generator work at initialisation
+
+
+def build_rank(cfg: Config, world: int, *, device: str, timeout_s: float | None, init: bool = True) -> RankModel:
+    """Build this rank's model state: the mesh, its pipeline stages on meta, the parallel plan, the
+    materialised and initialised shards, the data-parallel wrapping and the optimizer. The trainer
+    and `fived dryrun` both call this, so a dry run measures what training allocates. `timeout_s`:
+    the collective timeout the mesh's groups carry (None: the default group's backend and timeout,
+    as under a fake process group). init=False leaves the weights uninitialised (`fived dryrun
+    --no-init`: the allocations without the cost of drawing every initial value)."""
+    mesh = Mesh.from_config(cfg, world).build(device, timeout_s)
+    where = torch.device(device, torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+    # The dtype the model is built in (ZeRO-3 keeps bf16 runs' float32 masters as its sharded
+    # parameters and gathers them in bf16; see fived.mesh.build_dtype).
+    param_dtype = build_dtype(cfg)
+    pipeline = Pipeline(cfg, mesh) if mesh.pp > 1 else None
+    chunks = pipeline.build_chunks(param_dtype) if pipeline else [build_model(cfg.model, "meta", param_dtype)]
+    for moe in (m for c in chunks for m in c.modules() if isinstance(m, MoE)):
+        # (before parallelize: tensor parallelism divides it by tp)
+        moe.aux_loss_scale = cfg.model.aux_loss_coef / cfg.train.global_batch
+    plan = parallelize(chunks, mesh, cfg)  # on the meta device: nothing allocated yet
+    stats = InitStats()
+    for chunk in chunks:
+        materialize(chunk, where)
+        if init:  # each rank draws only the tiles of its own pieces (fived.init)
+            init_weights(chunk, cfg.train.seed, plan.init_placement, stats)
+        keep_buffers_float32(chunk)  # router biases move by small steps: not in bf16
+    modules = plan.data_parallel.wrap(chunks)
+    optimizer = plan.data_parallel.build_optimizer()
+    return RankModel(mesh, where, pipeline, chunks, plan, modules, optimizer, stats)
+
+
 class Trainer:
     """`log`: this run owns cfg.train.output_dir (metrics, checkpoints); `resume`: a checkpoint to
     continue from (written by any layout)."""
@@ -56,27 +99,15 @@ class Trainer:
         self.world = dist.get_world_size()
         self.rank = dist.get_rank()
         check_config(cfg, self.world)  # already checked before launch; a cheap guard under torchrun
-        kind = device_type(cfg.train.device)
-        self.mesh = Mesh.from_config(cfg, self.world).build(kind, cfg.train.collective_timeout_s)
-        self.device = torch.device(kind, torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
+        built = build_rank(cfg, self.world, device=device_type(cfg.train.device), timeout_s=cfg.train.collective_timeout_s)
+        self.mesh, self.device, self.pipeline, self.plan = built.mesh, built.device, built.pipeline, built.plan
+        chunks, modules, self.optimizer = built.chunks, built.modules, built.optimizer
         t = cfg.train
         self.precision = PRECISIONS[t.dtype]
-        # The dtype the model is built in (ZeRO-3 keeps bf16 runs' float32 masters as its sharded
-        # parameters and gathers them in bf16; see DataParallel.build_dtype).
-        param_dtype = build_dtype(cfg)
-
-        self.pipeline = Pipeline(cfg, self.mesh) if self.mesh.pp > 1 else None
-        chunks = self.pipeline.build_chunks(param_dtype) if self.pipeline else [build_model(cfg.model, "meta", param_dtype)]
         self._find_moe_layers(chunks)
-        self.plan = parallelize(chunks, self.mesh, cfg)  # on the meta device: nothing allocated yet
         self.positions = self.plan.positions
         self.dp = self.plan.data_parallel
-        self.init_stats = InitStats()  # this rank's generator work: its share of the model (+ tile edges)
-        for chunk in chunks:
-            materialize(chunk, self.device)
-            init_weights(chunk, t.seed, self.plan.init_placement, self.init_stats)
-            keep_buffers_float32(chunk)  # router biases move by small steps: not in bf16
-        modules = self.dp.wrap(chunks)  # what forward is called on (DDP wraps)
+        self.init_stats = built.init_stats  # this rank's generator work: its share of the model (+ tile edges)
         self.model = modules[0]
         # Bytes saved for backward per micro-batch, measured on the first step: its first micro-batch,
         # or under a pipeline schedule every micro-batch it runs (mean), over all of this rank's chunks.
@@ -84,7 +115,6 @@ class Trainer:
         if self.pipeline:
             schedule = self.pipeline.build_schedule(modules, self._pipeline_loss, self.device)
             self.activations.watch_stages(getattr(schedule, "_stages", None) or [schedule._stage])
-        self.optimizer = self.dp.build_optimizer()
         self.scheduler = build_scheduler(self.optimizer, t)
         if t.init_from and not resume:  # (a resumed run's checkpoint holds the weights)
             self._init_from(chunks)
@@ -95,7 +125,7 @@ class Trainer:
         self.loss_divisor = self.global_tokens  # what a pipeline micro-batch's loss is divided by (1 in eval)
         self.ledger = CommLedger(self.mesh.group_names())
         self.state_bytes: dict[str, int] = {}
-        self.peak_flops = device_peak_tflops(param_dtype, t.peak_tflops, self.device.type) * 1e12
+        self.peak_flops = device_peak_tflops(build_dtype(cfg), t.peak_tflops, self.device.type) * 1e12
         self.flops_per_step = flops_per_token(cfg.model, t.seq_len) * self.global_tokens
         self.checkpointer = self._open_checkpoints(chunks, log, resume)
         if log and self.rank == 0:
@@ -108,8 +138,6 @@ class Trainer:
         self.moe_layer_ids = [name for c in chunks for name, block in c.layers.items()
                               if any(isinstance(m, MoE) for m in block.modules())]  # (in moe_layers' order)
         self.last_expert_load: torch.Tensor | None = None  # [local MoE layer, expert], the last step's
-        for moe in self.moe_layers:
-            moe.aux_loss_scale = self.cfg.model.aux_loss_coef / self.cfg.train.global_batch
 
     def expert_load(self) -> dict[str, list[float]]:
         """MoE layer id -> the last step's global tokens per expert (this rank's layers)."""

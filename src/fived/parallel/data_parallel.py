@@ -189,6 +189,11 @@ class DataParallel:
         return {"params": params, "grads": [p.grad for p in params if p.grad is not None],
                 "optimizer": self.optimizer_state()}
 
+    def flat_buffers(self) -> list[torch.Tensor]:
+        """The flat buffers this strategy allocated (padding included): the parameters and gradients
+        above live in them, so they are the same bytes, not more (`fived dryrun` lists them)."""
+        return []
+
     def optimizer_state(self) -> list[torch.Tensor]:
         """Adam's tensors (not the scalar step counters) and the float32 masters of bf16 runs."""
         return [v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0] \

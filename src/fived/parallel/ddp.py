@@ -111,3 +111,6 @@ class ReplicatedDataParallel(DataParallel):
             bucket.buffer.zero_()
         for _, p in self.expert_parameters():
             p.grad = None
+
+    def flat_buffers(self) -> list[torch.Tensor]:
+        return [bucket.buffer for bucket in self.buckets]

@@ -177,3 +177,7 @@ class ShardedOptimizerDataParallel(DataParallel):
         return {"params": self.params + seg_params + experts,
                 "grads": [p.grad for p in self.params + experts if p.grad is not None] + [s.grad for s in seg_params],
                 "optimizer": self.optimizer_state()}
+
+    def flat_buffers(self) -> list[torch.Tensor]:
+        extra = [self.shard_grad] if self.stage == 2 else []  # (ZeRO-1's is a slice of grad_buf)
+        return [self.param_buf] + ([self.grad_buf] if self.grad_buf is not None else []) + extra

@@ -1,0 +1,81 @@
+"""`fived dryrun`: one rank of a real layout built here on a fake process group; its measured
+model-state bytes (the trainer's ledger, after a real optimizer step) equal the planner's exactly.
+
+Each layout runs in a subprocess (its memory is given back when it ends; the largest holds ~7 GB).
+Real sizes are built with --no-init: fived's init draws every parameter's full value on every rank
+(minutes for a 70B rank on two cores), and initialising changes no byte; init itself runs in the
+tiny layout at 16384 ranks."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import fived
+from fived.cli import main
+
+SRC = str(Path(fived.__file__).parents[1])
+L70 = "--model llama3-70b --tp 8 --pp 8 --dp 8 --zero 1 --dtype bfloat16 --nproc 512 --global-batch 64"
+# (rank: pipeline rank = rank // 64: first, middle and last stage)
+LAYOUTS = {
+    "llama3-70b tp8 pp8 dp8 ZeRO-1 bf16, first stage": f"{L70} --rank 0",
+    "llama3-70b tp8 pp8 dp8 ZeRO-1 bf16, middle stage": f"{L70} --rank 300",
+    "llama3-70b tp8 pp8 dp8 ZeRO-1 bf16, last stage": f"{L70} --rank 511",
+    "llama3-405b tp8 pp16 dp8 ZeRO-3 bf16 at 1024, last stage": "--model llama3-405b --tp 8 --pp 16 --dp 8 --zero 3 "
+    "--dtype bfloat16 --nproc 1024 --global-batch 128 --rank 1023",
+    "mixtral-8x7b ep8 tp8 pp4 ZeRO-1 bf16 (experts apart)": "--model mixtral-8x7b --ep 8 --tp 8 --pp 4 --dp 8 --zero 1 "
+    "--dtype bfloat16 --nproc 256 --global-batch 32 --rank 255",
+    "deepseek-v3-like ep64 pp16 dp128 ZeRO-3 at 2048": "--model deepseek-v3-like --ep 64 --pp 16 --dp 128 --zero 3 "
+    "--dtype bfloat16 --nproc 2048 --global-batch 2048 --rank 1000",
+    "llama3-8b dp512 ZeRO-3 bf16 (uneven rows)": "--model llama3-8b --dp 512 --zero 3 --dtype bfloat16 --nproc 512 "
+    "--global-batch 512 --rank 511",
+    "llama3-8b tp16 (kv heads replicated) pp2 dp4 ZeRO-2 fp32": "--model llama3-8b --tp 16 --pp 2 --dp 4 --zero 2 "
+    "--nproc 128 --global-batch 8 --rank 127",
+    "llama3-8b tp32 dp2 ZeRO-0 (DDP buckets) bf16-autocast": "--model llama3-8b --tp 32 --dp 2 --zero 0 "
+    "--dtype bfloat16-autocast --nproc 64 --rank 33",
+}
+VERDICT = re.compile(r"^rank (\d+) model-state bytes: measured (\d+), planner (\d+)$")
+
+
+def dryrun(flags: str) -> str:
+    env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "fived", "dryrun", *flags.split()], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_measured_model_state_is_the_planners(name):
+    # (bf16 gradients reduced in bf16: the float32 copy a float32 reduction makes changes no
+    # model-state byte and would double the test's time; the benchmark keeps the default)
+    out = dryrun(LAYOUTS[name] + " --no-init --parallel.reduce_dtype bfloat16")
+    verdict = VERDICT.match(out.strip().splitlines()[-1])
+    assert verdict, out
+    rank, measured, planned = map(int, verdict.groups())
+    assert str(rank) in LAYOUTS[name] and measured == planned > 0, out
+    for row in ("params ", "grads ", "optimizer ", "of the optimizer: float32 masters "):  # each kind, not only the sum
+        line = next(line for line in out.splitlines() if line.strip().startswith(row))
+        assert "(" not in line, line  # a difference is printed in parentheses
+
+
+def test_tiny_layout_at_16384_ranks_initialised_with_blocks():
+    out = dryrun("--model tiny-moe --tp 2 --pp 4 --ep 8 --nproc 16384 --global-batch 8192 --dtype bfloat16 --zero 1 "
+                 "--rank 16383 --blocks 1")
+    assert "(initialised)" in out and "layer 3:" in out
+    rank, measured, planned = map(int, VERDICT.match(out.strip().splitlines()[-1]).groups())
+    assert (rank, measured) == (16383, planned)
+
+
+@pytest.mark.parametrize("argv, message", [
+    ("--model llama3-70b --tp 3 --nproc 24 --rank 0", "parallel.tp=3: must divide model.n_heads=64"),
+    ("--model llama3-70b --tp 8 --nproc 16 --rank 16", "--rank=16: must be in 0..15"),
+    ("--model llama3-70b --nproc 8 --rank 0 --blocks -1", "--blocks=-1: must be >= 0"),
+    ("--model llama3-71b --nproc 8 --rank 0", "model.name=llama3-71b: unknown preset"),
+])
+def test_bad_flags_get_one_line(argv, message, capsys):
+    assert main(["dryrun", *argv.split()]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"fived: error: {message}") and err.count("\n") == 1, err
