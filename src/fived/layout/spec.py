@@ -179,6 +179,10 @@ def tensor_specs(m: ModelConfig, *, tp: int = 1, ep: int = 1, sp: bool = False) 
 
 # --- data parallelism: how a ZeRO stage stores a tensor's local piece ------------------------------
 
+# ZeRO-0/1/2's flat gradients held in bf16 and summed in float32 are cast and reduced this many
+# elements at a time (64 MiB of float32): the runtime's piece and the planner's transient buffer.
+REDUCE_CHUNK_ELEMENTS = 2**24
+
 def dp_storage(spec: TensorSpec, *, zero: int, ep: int) -> str:
     """"whole" (ZeRO-0, buffers, and ZeRO-1/2's routed experts under ep: kept whole, reduced over
     edp), "rows" (ZeRO-3: FSDP2 shards dim 0), or "flat" (ZeRO-1/2: a range of one flat buffer of

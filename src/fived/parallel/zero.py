@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fived.layout.spec import REDUCE_CHUNK_ELEMENTS
 from fived.optim import build_optimizer
 from fived.parallel.data_parallel import DataParallel
 
@@ -122,19 +123,32 @@ class ShardedOptimizerDataParallel(DataParallel):
             self._attach_grad_buffer()
 
     def reduce_gradients(self) -> None:
-        send = self.grad_buf if self.grad_buf.dtype == self.reduce_dtype else self.grad_buf.to(self.reduce_dtype)
-        out = send[self.lo:self.hi] if (self.stage <= 1 or send is not self.grad_buf) else self.shard_grad
-        if self.shard_group is not None:
-            dist.reduce_scatter_single(out, send, group=self.shard_group)  # in place for ZeRO-1
-        if self.replicate_group is not None:
-            dist.all_reduce(out, group=self.replicate_group)
-        if out is not self.shard_grad:
-            self.shard_grad.copy_(out)
+        if self.grad_buf.dtype == self.reduce_dtype:
+            out = self.grad_buf[self.lo:self.hi] if self.stage <= 1 else self.shard_grad
+            self._reduce(self.grad_buf, out)  # in place for ZeRO-1
+        else:  # bf16 gradients summed in float32: cast and reduced in pieces (a float32 copy of the
+            # whole buffer would be twice the gradients' own bytes at the step's peak)
+            flat = self.grad_buf.view(self.shards, self.shard_len)  # row r: shard r's slice
+            piece = max(1, REDUCE_CHUNK_ELEMENTS // self.shards)
+            for a in range(0, self.shard_len, piece):
+                b = min(self.shard_len, a + piece)
+                send = flat[:, a:b].to(self.reduce_dtype)  # [shards, b - a], each shard's piece in a row
+                out = send[0] if self.shard_group is None else send.new_empty(b - a)
+                self._reduce(send.view(-1), out)
+                self.shard_grad[a:b].copy_(out)
         if self.stage == 2:
             for p in self.params:
                 p.grad = None
             self.grad_buf = None
         self.reduce_expert_gradients()
+
+    def _reduce(self, send: torch.Tensor, out: torch.Tensor) -> None:
+        """Sum `send` (shards' pieces one after another) over the shard group into this rank's `out`,
+        then over the HSDP replicas (or, unsharded, over dp: then `out` is `send`)."""
+        if self.shard_group is not None:
+            dist.reduce_scatter_single(out, send, group=self.shard_group)
+        if self.replicate_group is not None:
+            dist.all_reduce(out, group=self.replicate_group)
 
     def named_grads(self, model_grads: bool = False):
         if model_grads:

@@ -25,7 +25,9 @@ Activations: bytes saved for backward per micro-batch (`fived.activation_model`;
 schedule keeps in flight (`schedule_sim.in_flight_microbatches`).
 
 Transient buffers (peak, not ledger-measured): bf16 copies of the weights autocast caches during a
-forward (bfloat16-autocast); the float32 gradients of the masters while the optimizer steps (bfloat16); ZeRO-2's full gradient buffer during backward (fived allocates it per step); ZeRO-3's
+forward (bfloat16-autocast); the float32 gradients of the masters while the optimizer steps (bfloat16);
+the float32 piece of bf16 flat gradients being reduced (REDUCE_CHUNK_ELEMENTS at a time); ZeRO-2's
+full gradient buffer during backward (fived allocates it per step); ZeRO-3's
 gathered weights (the root module for the whole step and two blocks: the one in use and the
 prefetched one; the whole stage under pipelines) and its unsharded gradients while micro-batches
 accumulate; DDP's gradient buckets; tensor-parallel gathered activations of one region; the loss's
@@ -41,7 +43,7 @@ from functools import lru_cache
 from fived.config import ModelConfig
 from fived.layout.layout import PRECISION_SPECS, Layout
 from fived.layout.schedule_sim import pipeline_profile
-from fived.layout.spec import chunk_specs, flat_range, shard_rows
+from fived.layout.spec import REDUCE_CHUNK_ELEMENTS, chunk_specs, flat_range, shard_rows
 from fived.layout.stages import model_key, placement, rank_chunks, rank_chunks_by_key, rank_stages
 from fived.planner.runtimes import FIVED, Runtime, framework_activations
 
@@ -279,6 +281,10 @@ def _static_buffers(m: ModelConfig, layout: Layout, dtype: str, chunks, state: d
         out += state["optimizer"] // optimizer_bytes * 4  # the masters' float32 gradients while the optimizer steps
     if layout.zero == 0 and layout.pp == 1 and layout.dp > 1:
         out += DDP_BUCKET_BYTES
+    flat_reduced = layout.zero in (1, 2) or (layout.zero == 0 and layout.pp > 1 and layout.dp * layout.cp > 1)
+    if flat_reduced and runtime.is_fived and b == 2 and layout.reduce_dtype == "float32":
+        piece = min(dense, REDUCE_CHUNK_ELEMENTS)  # the float32 piece being reduced, and its reduced slice
+        out += 4 * (piece + piece // (layout.dp_shard * layout.cp if layout.zero else 1))
     if layout.zero < 3:
         return out, 0
     # gathered weights in the compute dtype: the whole stage under pipelines (kept); otherwise the
