@@ -205,24 +205,29 @@ class Checkpointer:
             self._set_aside(final)
         os.rename(tmp, final)
         _fsync_dir(self.root)
-        self._prune()
+        self._prune(newest=step)
 
-    def _set_aside(self, path: Path) -> None:
-        aside = self.root / f"superseded-{time.strftime('%Y%m%d-%H%M%S')}"
+    def _set_aside(self, path: Path, why: str = "superseded") -> None:
+        aside = self.root / f"{why}-{time.strftime('%Y%m%d-%H%M%S')}"
         aside.mkdir(exist_ok=True)
         os.rename(path, aside / path.name)
 
-    def supersede_after(self, step: int) -> None:
+    def supersede_after(self, step: int, why: str = "superseded") -> None:
         """Rank 0, when a run continues from the checkpoint of `step`: complete checkpoints of later
-        steps belong to the history being replaced; they are set aside (kept, never loaded or pruned)."""
+        steps belong to the history being replaced (or diverged: `why`); they are set aside in
+        `<why>-<time>/` (kept, never loaded or pruned)."""
         for later, path in complete_checkpoints(self.root.parent):
             if later > step:
-                self._set_aside(path)
+                self._set_aside(path, why)
 
-    def _prune(self) -> None:
+    def _prune(self, newest: int) -> None:
+        """Keep the newest `keep` checkpoints known healthy, and the one of step `newest`: a
+        checkpoint is known healthy once the step after it passed the divergence guard (see
+        fived.divergence), so the one just written is not yet and counts as one more."""
         if self.settings.keep <= 0:
             return
-        for _, path in complete_checkpoints(self.root.parent)[:-self.settings.keep]:
+        confirmed = [path for step, path in complete_checkpoints(self.root.parent) if step < newest]
+        for path in confirmed[:-self.settings.keep]:
             _discard(path)
 
     def wait(self) -> None:

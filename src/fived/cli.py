@@ -25,6 +25,7 @@ from fived.run_setup import (  # noqa: E402
 def cmd_train(ns: argparse.Namespace) -> int:
     import torch
 
+    from fived.divergence import DIVERGED_EXIT, diverged_line
     from fived.launch import RankFailed, under_torchrun
     from fived.mesh import resolve_dp
     from fived.metrics import fresh_output_dir
@@ -56,6 +57,10 @@ def cmd_train(ns: argparse.Namespace) -> int:
         print("\n" + line, file=sys.stderr)  # (after the progress bar's unfinished line)
         return code
     except RankFailed as failure:
+        diverged = diverged_line(failure.summaries)
+        if diverged:
+            print("\n" + diverged, file=sys.stderr)
+            return DIVERGED_EXIT
         if not failure.summaries:  # a crash, not a timeout: its traceback is the useful part
             print(str(failure), file=sys.stderr)
         print(f"fived train: failed: {failure_line(failure)}" + (
@@ -89,6 +94,7 @@ def _train_under_torchrun(ns: argparse.Namespace, run) -> int:
     the ranks itself: run `fived train --resume auto` under `torchrun --max-restarts N`.)"""
     import torch.distributed as dist
 
+    from fived.divergence import DIVERGED_EXIT, Diverged
     from fived.faults import PREEMPTED_EXIT
     from fived.launch import init_distributed, shutdown_distributed
     from fived.metrics import fresh_output_dir
@@ -106,7 +112,13 @@ def _train_under_torchrun(ns: argparse.Namespace, run) -> int:
     if dist.get_rank() == 0:
         describe_run_dir(cfg, run.world, {"event": "resume" if run.resume else "start", "resume_from": run.resume,
                                           "torchrun_restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))})
-    result = run_training(cfg, True, True, False, run.resume)
+    try:
+        result = run_training(cfg, True, True, False, run.resume)
+    except Diverged as diverged:  # (every rank raises it at the same step)
+        if dist.get_rank() == 0:
+            print(f"\nfived train: {diverged}", file=sys.stderr, flush=True)
+        shutdown_distributed()
+        os._exit(DIVERGED_EXIT)
     if cfg.train.trace:  # every rank's timeline, gathered to rank 0
         timelines = [None] * dist.get_world_size()
         dist.all_gather_object(timelines, result.timeline)

@@ -172,6 +172,9 @@ class GlobalBatchSampler:
                 "use more data, a shorter seq_len or a smaller batch"
             )
         self.step = 0  # the next step __iter__ / next_global_batch will return
+        # [step, count]: from `step` on, batches come `count` positions later (a divergence rollback
+        # skipped the data it diverged on; see fived.divergence)
+        self.skips: list[list[int]] = []
         # Permutations are pure functions of (seed, epoch); keep the last two (a batch
         # touches at most two epochs, since num_windows >= global_batch).
         self._perms: dict[int, np.ndarray] = {}
@@ -194,9 +197,17 @@ class GlobalBatchSampler:
         offsets = windows[:, None] * self.seq_len + np.arange(self.seq_len + 1)
         return torch.from_numpy(np.asarray(self.tokens[offsets], dtype=np.int64))
 
+    def data_position(self, step: int) -> int:
+        """The batch position in the endless data order that `step` trains on (after skips)."""
+        return int(step) + sum(count for at, count in self.skips if step >= at)
+
+    def skip(self, at_step: int, count: int) -> None:
+        """From `at_step` on, train on the batches `count` positions later."""
+        self.skips.append([int(at_step), int(count)])
+
     def global_batch_at(self, step: int) -> torch.Tensor:
         """LongTensor [global_batch, seq_len + 1] for `step`."""
-        return self._rows(int(step) * self.global_batch, self.global_batch)
+        return self._rows(self.data_position(step) * self.global_batch, self.global_batch)
 
     def local_batch_at(self, step: int, dp_rank: int, dp_size: int) -> torch.Tensor:
         """Rows dp_rank*b .. (dp_rank+1)*b of the global batch, b = global_batch // dp_size."""
@@ -205,7 +216,7 @@ class GlobalBatchSampler:
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} out of range for dp_size {dp_size}")
         b = self.global_batch // dp_size
-        return self._rows(int(step) * self.global_batch + dp_rank * b, b)
+        return self._rows(self.data_position(step) * self.global_batch + dp_rank * b, b)
 
     def next_global_batch(self) -> torch.Tensor:
         batch = self.global_batch_at(self.step)
@@ -217,8 +228,9 @@ class GlobalBatchSampler:
             yield self.next_global_batch()
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "seed": self.seed, "seq_len": self.seq_len,
-                "global_batch": self.global_batch, "num_windows": self.num_windows}
+        state = {"step": self.step, "seed": self.seed, "seq_len": self.seq_len,
+                 "global_batch": self.global_batch, "num_windows": self.num_windows}
+        return {**state, "skips": [list(s) for s in self.skips]} if self.skips else state
 
     def load_state_dict(self, state: dict) -> None:
         # Resuming with different settings would silently change the data order.
@@ -226,6 +238,7 @@ class GlobalBatchSampler:
             if key in state and state[key] != getattr(self, key):
                 raise ValueError(f"sampler state has {key}={state[key]}, this sampler has {getattr(self, key)}")
         self.step = int(state["step"])
+        self.skips = [[int(at), int(count)] for at, count in state.get("skips", [])]
 
 
 def check_data(cfg) -> np.ndarray:

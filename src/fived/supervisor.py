@@ -7,8 +7,10 @@ The run directory describes itself from the start: `config.toml` (the resolved c
 command line, fived and torch versions, layout, world size, the checkpoint it continued from, and for
 a restart which rank failed, at which step and why).
 
-Exit codes: 0 done; 1 a rank failed (restarts exhausted); 75 preempted after saving (resumable: run
-`fived train --resume DIR`); 130 interrupted (Ctrl-C); 143 terminated with nothing saved.
+Exit codes: 0 done; 1 a rank failed (restarts exhausted); 65 diverged (non-finite or spiking loss:
+nothing saved after the newest healthy checkpoint, see fived.divergence; never restarted); 75
+preempted after saving (resumable: run `fived train --resume DIR`); 130 interrupted (Ctrl-C); 143
+terminated with nothing saved.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import torch
 from fived import __version__
 from fived.checkpoint import find_checkpoint
 from fived.config import Config
+from fived.divergence import diverged_line
 from fived.faults import INTERRUPTED_EXIT, PREEMPTED_EXIT, TERMINATED_EXIT, timeout_line
 from fived.launch import RankFailed, Stopped, run_ranks
 from fived.mesh import resolve_dp
@@ -69,8 +72,8 @@ def run_with_restarts(cfg: Config, world: int, resume: str | None, run_training)
             return run_ranks(world, run_training, cfg, True, True, False, resume, device=cfg.train.device,
                              timeout_s=cfg.train.collective_timeout_s, grace_s=grace)
         except RankFailed as failure:
-            if restarts >= cfg.train.max_restarts:
-                raise
+            if restarts >= cfg.train.max_restarts or diverged_line(failure.summaries):
+                raise  # (a diverged run would diverge again from the same checkpoint)
             restarts += 1
             checkpoint = find_checkpoint(cfg.train.output_dir)
             resume = str(checkpoint) if checkpoint is not None else None
