@@ -25,12 +25,9 @@ from fived.run_setup import (  # noqa: E402
 def cmd_train(ns: argparse.Namespace) -> int:
     import torch
 
-    from fived.divergence import DIVERGED_EXIT, diverged_line
-    from fived.launch import RankFailed, under_torchrun
-    from fived.mesh import resolve_dp
+    from fived.launch import under_torchrun
     from fived.metrics import fresh_output_dir
-    from fived.supervisor import failure_line, run_with_restarts, stop_line
-    from fived.train import run_training
+    from fived.run_lock import RunLock
 
     default_world = torch.cuda.device_count() if torch.cuda.is_available() else 2  # (device auto)
     run = prepare_training(ns, default_world)
@@ -43,6 +40,19 @@ def cmd_train(ns: argparse.Namespace) -> int:
         return _train_under_torchrun(ns, run)
     if run.fresh_dir:
         cfg.train.output_dir = str(fresh_output_dir(cfg.train.output_dir))
+    with RunLock(cfg.train.output_dir):  # one run per directory (refused in one line naming the holder)
+        return _train_locally(ns, run)
+
+
+def _train_locally(ns: argparse.Namespace, run) -> int:
+    """Start the local ranks (restarting them as train.max_restarts allows) and report the run."""
+    from fived.divergence import DIVERGED_EXIT, diverged_line
+    from fived.launch import RankFailed
+    from fived.mesh import resolve_dp
+    from fived.supervisor import failure_line, run_with_restarts, stop_line
+    from fived.train import run_training
+
+    cfg, world = run.cfg, run.world
     start = f"resuming step {run.resumed_step} of {cfg.train.output_dir}" if run.resume else f"{cfg.train.steps} steps"
     print(f"fived train: model {cfg.model.name}, {world} local rank(s), layout "
           f"dp={resolve_dp(cfg, world)} tp={cfg.parallel.tp} "
@@ -109,6 +119,13 @@ def _train_under_torchrun(ns: argparse.Namespace, run) -> int:
         chosen = [str(fresh_output_dir(cfg.train.output_dir)) if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(chosen, src=0)
         cfg.train.output_dir = chosen[0]
+    refusal = [_lock_on_rank0(cfg.train.output_dir)]  # (held until this process ends, however it ends)
+    dist.broadcast_object_list(refusal, src=0)
+    if refusal[0]:
+        if dist.get_rank() == 0:
+            print(f"fived: error: {refusal[0]}", file=sys.stderr, flush=True)
+        shutdown_distributed()
+        os._exit(2)
     if dist.get_rank() == 0:
         describe_run_dir(cfg, run.world, {"event": "resume" if run.resume else "start", "resume_from": run.resume,
                                           "torchrun_restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))})
@@ -136,6 +153,21 @@ def _train_under_torchrun(ns: argparse.Namespace, run) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(PREEMPTED_EXIT if result.preempted else 0)
+
+
+def _lock_on_rank0(run_dir: str) -> str | None:
+    """Under torchrun: global rank 0 locks the run directory for its lifetime; the refusal, if any."""
+    import torch.distributed as dist
+
+    from fived.run_lock import RunLock
+
+    if dist.get_rank() != 0:
+        return None
+    try:
+        RunLock(run_dir).acquire()  # (never released explicitly: the process's end releases it)
+    except ConfigError as e:
+        return str(e)
+    return None
 
 
 def cmd_verify(ns: argparse.Namespace) -> int:
