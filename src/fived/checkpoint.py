@@ -23,6 +23,7 @@ import datetime
 import json
 import os
 import shutil
+import sys
 import threading
 import time
 from pathlib import Path
@@ -31,11 +32,8 @@ import torch
 import torch.distributed as dist
 
 from fived import __version__, dcp_io
+from fived.checkpoint_verify import FORMAT, MANIFEST, MARKER, cached_damage, file_digests
 from fived.config import CheckpointConfig, Config, ConfigError
-
-FORMAT = "fived-checkpoint-v1"
-MANIFEST = "fived.json"
-MARKER = "COMPLETE"
 
 
 def checkpoints_dir(run_dir: str | Path) -> Path:
@@ -53,13 +51,31 @@ def complete_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def find_checkpoint(path: str | Path) -> Path | None:
-    """A checkpoint directory as given, or the newest complete checkpoint of a run directory."""
+_WARNED: set = set()  # (checkpoint, problem) already reported by this process
+
+
+def find_checkpoint(path: str | Path, flag: str = "checkpoint") -> Path | None:
+    """A checkpoint directory as given, or the newest intact checkpoint of a run directory (each
+    damaged newer one skipped with one line on stderr; see fived.checkpoint_verify). A damaged
+    checkpoint named explicitly is refused in one line naming the damaged file and the intact
+    alternative: falling back is not what was asked for."""
     path = Path(path)
     if (path / MARKER).is_file():
-        return path
-    found = complete_checkpoints(path)
-    return found[-1][1] if found else None
+        problem = cached_damage(path)
+        if problem is None:
+            return path
+        intact = find_checkpoint(path.parent.parent, flag) if path.parent.name == "checkpoints" else None
+        raise ConfigError(flag, str(path), f"damaged: {problem}",
+                          f"use the intact {intact}" if intact else "no intact checkpoint of this run is left")
+    for step, checkpoint in reversed(complete_checkpoints(path)):
+        problem = cached_damage(checkpoint)
+        if problem is None:
+            return checkpoint
+        if os.environ.get("RANK", "0") == "0" and (checkpoint, problem) not in _WARNED:  # (once; one rank)
+            _WARNED.add((checkpoint, problem))
+            print(f"fived: warning: checkpoint step-{step} is damaged ({problem}); using an older one",
+                  file=sys.stderr, flush=True)
+    return None
 
 
 def read_manifest(checkpoint: str | Path) -> dict:
@@ -197,6 +213,7 @@ class Checkpointer:
             self.finalized.set()
 
     def _finalize(self, tmp: Path, step: int, manifest: dict) -> None:
+        manifest = {**manifest, "files": file_digests(tmp)}  # (what a load verifies first)
         _fsync_write(tmp / MANIFEST, json.dumps(manifest, indent=1) + "\n")
         _fsync_write(tmp / MARKER, f"step {step}\n")
         _fsync_dir(tmp)

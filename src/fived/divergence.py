@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from fived.checkpoint import complete_checkpoints
+from fived.checkpoint_verify import cached_damage
 
 DIVERGED_EXIT = 65  # the run's numbers went bad; nothing after the last healthy checkpoint was kept
 
@@ -92,7 +93,8 @@ class LossGuard:
 
 def healthy_checkpoint(run_dir: str | Path, diverged_step: int) -> tuple[int, Path] | None:
     """(step, directory) of the newest checkpoint whose next step passed the guard."""
-    found = [(step, path) for step, path in complete_checkpoints(run_dir) if step <= diverged_step - 2]
+    found = [(step, path) for step, path in complete_checkpoints(run_dir)
+             if step <= diverged_step - 2 and cached_damage(path) is None]
     return found[-1] if found else None
 
 

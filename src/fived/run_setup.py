@@ -220,7 +220,7 @@ def _saved_run(resume: str):
     """(checkpoint directory, manifest, saved config) of `--resume DIR`, or a one-line refusal."""
     from fived.checkpoint import find_checkpoint, saved_config
 
-    checkpoint = find_checkpoint(resume)
+    checkpoint = find_checkpoint(resume, "--resume")
     if checkpoint is None:
         raise ConfigError("--resume", resume, "holds no complete checkpoint (checkpoints/step-<N>/COMPLETE)",
                           "give the output directory of a run that saved one (checkpoint.every or checkpoint.final)")
