@@ -104,3 +104,43 @@ def test_a_failing_export_leaves_no_partial_output(run, tmp_path, monkeypatch, c
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "No space left on device" in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no output, no temporary directory
+
+
+def test_a_save_without_room_is_skipped_and_the_next_one_tries_again(tmp_path, monkeypatch, capsys):
+    """Free space is checked before a save: the save of step 2 is skipped with one warning line,
+    training goes on, and the save of step 4 (room again) is written."""
+    import fived.checkpoint
+
+    real, calls = shutil.disk_usage, []
+
+    def usage(path):
+        calls.append(path)
+        found = real(path)
+        return found._replace(free=1000) if len(calls) == 1 else found
+
+    monkeypatch.setattr(fived.checkpoint.shutil, "disk_usage", usage)
+    cfg = tiny_config("tiny", train__steps=4, checkpoint__every=2, train__output_dir=str(tmp_path))
+    result = run_on_ranks(1, run_training, cfg, True, False, False)[0]
+    assert result.metrics[-1]["step"] == 4
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-4"]
+
+
+def test_a_full_disk_during_a_save_is_one_line_and_loses_nothing(run, monkeypatch):
+    import fived.checkpoint
+    from fived.launch import RankFailed
+
+    real = fived.checkpoint._fsync_write
+
+    def full(path, text):
+        if path.name == "fived.json":
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        real(path, text)
+
+    monkeypatch.setattr(fived.checkpoint, "_fsync_write", full)
+    cfg = tiny_config("tiny", train__steps=6, checkpoint__every=2, train__output_dir=str(run))
+    with pytest.raises(RankFailed) as failed:
+        run_on_ranks(1, run_training, cfg, True, False, False, str(run / "checkpoints" / "step-4"))
+    (summary,) = failed.value.summaries
+    assert summary["kind"] == "write_failed"
+    assert "checkpoint save of step 6 failed:" in summary["line"] and ".tmp-step-6/fived.json: no space left" in summary["line"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-2", "step-4"]  # no partial directory

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from fived import __version__, dcp_io
 from fived.checkpoint_verify import FORMAT, MANIFEST, MARKER, cached_damage, file_digests
 from fived.config import CheckpointConfig, Config, ConfigError
+from fived.write_errors import WriteFailed, os_error_in
 
 
 def checkpoints_dir(run_dir: str | Path) -> Path:
@@ -184,17 +185,24 @@ class Checkpointer:
         self.stager.stage(self.tensors())
 
     def save(self, step: int, background: bool = False) -> None:
-        """Save the state after `step` completed steps (every rank calls this)."""
+        """Save the state after `step` completed steps (every rank calls this); skipped, with one
+        warning line, when the filesystem lacks room for it."""
         self.wait()
         tensors = self.tensors()
+        if not self._room_for(tensors, step):
+            return
         manifest = {**self.manifest, "step": step, "saved_at": time.time(),
                     "components": {name: comp.state() for name, comp in self.components.items()}}
         tmp = self.root / f".tmp-step-{step}"
         self.last_step = step
         if not background:
-            dcp_io.save(tensors, tmp, self.group)
-            if self.rank == 0:
-                self._finalize(tmp, step, manifest)
+            try:
+                dcp_io.save(tensors, tmp, self.group)
+                if self.rank == 0:
+                    self._finalize(tmp, step, manifest)
+            except Exception as e:
+                self._refused_write(e, tmp, step)
+                raise
             return
         self.pending = dcp_io.save(tensors, tmp, self.group, stager=self.stager)
         self.finalized.clear()
@@ -202,6 +210,32 @@ class Checkpointer:
             self.pending.add_done_callback(lambda fut: self._finalize_after(fut, tmp, step, manifest))
         else:
             self.finalized.set()
+
+    def _room_for(self, tensors: dict, step: int) -> bool:
+        """Whether every rank sees room for the whole save (all ranks' bytes, with 5% to spare) on
+        the checkpoint filesystem. Every rank asks, so all save or none."""
+        mine = sum(view.numel() * view.element_size() for v in tensors.values() if v.write for _, view in v.boxes)
+        total = torch.tensor([float(mine)], dtype=torch.float64)
+        dist.all_reduce(total, group=self.group)
+        need = int(total.item() * 1.05) + 2**20
+        free = shutil.disk_usage(self.root).free
+        short = torch.tensor([1.0 if free < need else 0.0])
+        dist.all_reduce(short, op=dist.ReduceOp.MAX, group=self.group)
+        if short.item() and self.rank == 0:
+            print(f"\nfived train: warning: checkpoint of step {step} skipped: {self.root} has {free / 2**20:.1f} "
+                  f"MiB free, the save needs {need / 2**20:.1f} MiB; training goes on and the next save tries "
+                  "again", file=sys.stderr, flush=True)
+        return not short.item()
+
+    def _refused_write(self, error: BaseException, tmp: Path, step: int) -> None:
+        """A save the filesystem refused: its partial directory goes (rank 0) and the error becomes
+        one line naming the path and the cause."""
+        refused = os_error_in(error)
+        if refused is None:
+            return
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise WriteFailed(f"checkpoint save of step {step}", refused, tmp) from error
 
     def _finalize_after(self, future, tmp: Path, step: int, manifest: dict) -> None:
         try:
@@ -258,6 +292,7 @@ class Checkpointer:
                 self.failure = self.failure or e
         if self.failure is not None:
             failure, self.failure = self.failure, None
+            self._refused_write(failure, self.root / f".tmp-step-{self.last_step}", self.last_step)
             raise RuntimeError(f"checkpoint save failed: {failure}") from failure
 
     def load(self, checkpoint: str | Path) -> dict:

@@ -48,6 +48,7 @@ def _train_locally(ns: argparse.Namespace, run) -> int:
     """Start the local ranks (restarting them as train.max_restarts allows) and report the run."""
     from fived.divergence import DIVERGED_EXIT, diverged_line
     from fived.launch import RankFailed
+    from fived.write_errors import write_failed_line
     from fived.mesh import resolve_dp
     from fived.supervisor import failure_line, run_with_restarts, stop_line
     from fived.train import run_training
@@ -71,6 +72,10 @@ def _train_locally(ns: argparse.Namespace, run) -> int:
         if diverged:
             print("\n" + diverged, file=sys.stderr)
             return DIVERGED_EXIT
+        refused = write_failed_line(failure.summaries)
+        if refused:  # (a full disk, a read-only filesystem: restarting would not help)
+            print("\n" + refused, file=sys.stderr)
+            return 1
         if not failure.summaries:  # a crash, not a timeout: its traceback is the useful part
             print(str(failure), file=sys.stderr)
         print(f"fived train: failed: {failure_line(failure)}" + (
@@ -106,6 +111,7 @@ def _train_under_torchrun(ns: argparse.Namespace, run) -> int:
 
     from fived.divergence import DIVERGED_EXIT, Diverged
     from fived.faults import PREEMPTED_EXIT
+    from fived.write_errors import WriteFailed
     from fived.launch import init_distributed, shutdown_distributed
     from fived.metrics import fresh_output_dir
     from fived.parallel.pipeline import write_chrome_trace
@@ -131,11 +137,11 @@ def _train_under_torchrun(ns: argparse.Namespace, run) -> int:
                                           "torchrun_restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))})
     try:
         result = run_training(cfg, True, True, False, run.resume)
-    except Diverged as diverged:  # (every rank raises it at the same step)
-        if dist.get_rank() == 0:
-            print(f"\nfived train: {diverged}", file=sys.stderr, flush=True)
+    except (Diverged, WriteFailed) as stop:  # (a divergence: every rank at the same step; one says it)
+        if isinstance(stop, WriteFailed) or dist.get_rank() == 0:
+            print(f"\nfived train: {stop}", file=sys.stderr, flush=True)
         shutdown_distributed()
-        os._exit(DIVERGED_EXIT)
+        os._exit(DIVERGED_EXIT if isinstance(stop, Diverged) else 1)
     if cfg.train.trace:  # every rank's timeline, gathered to rank 0
         timelines = [None] * dist.get_world_size()
         dist.all_gather_object(timelines, result.timeline)
@@ -216,6 +222,11 @@ def cmd_prepare_data(ns: argparse.Namespace) -> int:
     except (ValueError, UnicodeDecodeError) as e:
         print(f"fived: error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
+    except OSError as e:  # (a full disk, a read-only or unreadable path)
+        from fived.write_errors import describe
+
+        raise ConfigError("prepare-data", ns.output, f"failed: {describe(e)}",
+                          "free some space, or choose readable inputs and a writable --output") from None
     print(f"wrote {out}" + (f" and {val_path}" if ns.val_fraction > 0 else ""))
     return 0
 

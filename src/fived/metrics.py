@@ -88,8 +88,13 @@ class MetricsLog:
                 print("tensorboard is not installed (pip install tensorboard); logging JSON lines only", file=sys.stderr)
 
     def write(self, record: dict) -> None:
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
+        try:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+        except OSError as e:  # (a full disk, a filesystem turned read-only): one line, not a traceback
+            from fived.write_errors import WriteFailed
+
+            raise WriteFailed("writing the metrics log", e, self.dir / "metrics.jsonl") from None
         if self.tb is not None:
             for key, value in record.items():
                 if isinstance(value, (int, float)) and key != "step":
