@@ -13,6 +13,7 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
+import re  # noqa: E402
 import sys  # noqa: E402
 
 from fived.cli_plan import add_plan_commands  # noqa: E402
@@ -347,9 +348,24 @@ def _refuse_unknown(unknown: list[str], parser: argparse.ArgumentParser, command
     parser.error("unrecognized arguments: " + " ".join(unknown))
 
 
+NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|nan)$", re.IGNORECASE)
+
+
+def join_negative_values(argv: list[str]) -> list[str]:
+    """`--train.lr -1e-3` as `--train.lr=-1e-3`: argparse takes a value that starts with '-' and is
+    not a plain negative number for a flag."""
+    out = []
+    for token in argv:
+        if out and NEGATIVE_NUMBER.match(token) and out[-1].startswith("--") and "=" not in out[-1]:
+            out[-1] = f"{out[-1]}={token}"
+        else:
+            out.append(token)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    ns, unknown = parser.parse_known_args(argv)
+    ns, unknown = parser.parse_known_args(join_negative_values(sys.argv[1:] if argv is None else list(argv)))
     if ns.version:
         import torch
 

@@ -8,6 +8,7 @@ the same examples as a single device, and resuming only needs the step number.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -261,6 +262,11 @@ def check_data(cfg) -> np.ndarray:
     if vocab > cfg.model.vocab_size:
         raise ConfigError("model.vocab_size", cfg.model.vocab_size, f"smaller than the tokenizer's vocabulary ({vocab})",
                           f"set --model.vocab_size {vocab}")
+    largest = largest_token_id(d.path, tokens)
+    if largest >= cfg.model.vocab_size:
+        raise ConfigError("data.path", d.path or "bundled corpus", f"holds token id {largest}, beyond the model's "
+                          f"vocabulary (model.vocab_size={cfg.model.vocab_size})",
+                          f"set --model.vocab_size {largest + 1}, or re-tokenize the data with the model's tokenizer")
     windows = max(0, (len(tokens) - 1) // t.seq_len)
     if windows < t.global_batch:
         raise ConfigError("train.global_batch", t.global_batch,
@@ -270,6 +276,31 @@ def check_data(cfg) -> np.ndarray:
     if t.trace and Path(t.trace).exists():
         raise ConfigError("train.trace", t.trace, "file exists; fived does not overwrite it", "name a new file")
     return tokens
+
+
+def largest_token_id(path: str, tokens: np.ndarray) -> int:
+    """The largest id in the tokens (vectorised; a memory-mapped file is streamed once). For a token
+    file the answer is cached in its sidecar (`max_token_id`, with the file's size and time), so a
+    corpus is read once, not at every start; a read-only sidecar is simply not updated."""
+    if len(tokens) == 0:
+        return -1
+    meta = token_metadata(path)
+    if meta is None:
+        return int(tokens.max())
+    bin_path, json_path = token_file_paths(path)
+    stat = bin_path.stat()
+    stamp = {"bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    cached = meta.get("max_token_id")
+    if isinstance(cached, dict) and cached.get("of") == stamp and isinstance(cached.get("value"), int):
+        return cached["value"]
+    largest = int(tokens.max())
+    try:
+        tmp = json_path.with_name(json_path.name + f".tmp-{os.getpid()}")
+        tmp.write_text(json.dumps({**meta, "max_token_id": {"value": largest, "of": stamp}}, indent=1) + "\n")
+        os.replace(tmp, json_path)
+    except OSError:
+        pass
+    return largest
 
 
 def adopt_token_metadata(cfg, given: set[str]) -> None:
@@ -324,6 +355,10 @@ def validation_data(cfg) -> np.ndarray | None:
     except (ValueError, ImportError) as e:
         raise ConfigError("data.val_path", path, str(e).splitlines()[0],
                           "give validation tokens made like data.path (same tokenizer)") from None
+    largest = largest_token_id(path, tokens)
+    if largest >= cfg.model.vocab_size:
+        raise ConfigError("data.val_path", path, f"holds token id {largest}, beyond the model's vocabulary "
+                          f"(model.vocab_size={cfg.model.vocab_size})", "give validation tokens made like data.path")
     windows = max(0, (len(tokens) - 1) // t.seq_len)
     if windows < t.global_batch:
         raise ConfigError("data.val_path", path, f"holds {windows} sequences of seq_len={t.seq_len}, fewer than one "
