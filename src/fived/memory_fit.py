@@ -25,8 +25,12 @@ def check_fits(cfg: Config, world: int) -> None:
     from fived.layout.layout import Layout
     from fived.planner.memory import state_floor
 
-    per_rank = state_floor(cfg.model, Layout.from_config(cfg, world), cfg.train.dtype)
+    import torch
+
     device = device_type(cfg.train.device)
+    if device == "cuda" and not torch.cuda.is_available():
+        return  # (refused by check_environment, naming the missing device)
+    per_rank = state_floor(cfg.model, Layout.from_config(cfg, world), cfg.train.dtype)
     local_ranks = 1 if device == "cuda" else min(world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     have = machine_bytes(device)
     if per_rank * local_ranks > have:
