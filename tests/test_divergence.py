@@ -124,7 +124,10 @@ def test_a_second_divergence_beyond_max_rollbacks_stops(tmp_path, monkeypatch):
     assert "after 0 rollbacks" in failed.value.summaries[0]["line"]
 
 
-def test_pruning_keeps_k_checkpoints_known_healthy_and_the_newest(tmp_path):
+def test_the_healthy_checkpoint_is_one_whose_next_step_passed(tmp_path, monkeypatch):
+    import fived.divergence
+
+    monkeypatch.setattr(fived.divergence, "cached_damage", lambda path: None)  # (empty stand-ins: intact)
     root = tmp_path / "checkpoints"
     for step in (2, 4, 6):
         (root / f"step-{step}").mkdir(parents=True)
@@ -152,3 +155,32 @@ def test_a_diverging_resumed_run_exits_in_one_line_and_loses_no_checkpoint(tmp_p
     assert len(lines) == 1 and "diverged at step" in lines[0] and "Traceback" not in diverging.stderr, diverging.stderr
     assert [s for s, _ in complete_checkpoints(run)] == before
     assert torch.isfinite(torch.tensor([r["loss"] for r in _logged(run)])).all()
+
+
+def test_each_rollback_skips_further(tmp_path, monkeypatch):
+    """The same step diverging twice (the injection fires on each of the first two passes): the
+    second rollback skips the window after the first one's, never the same data again."""
+    real_step, real_read = Trainer._step, Trainer._read_moe_statistics
+    passes = []
+
+    def step(self, step):
+        self.poison = step == POISONED and len(passes) < 2
+        passes.extend([step] if self.poison else [])
+        return real_step(self, step)
+
+    def read(self):
+        if self.poison:
+            for p in self.model.parameters():
+                p.grad.fill_(math.nan)
+        return real_read(self)
+
+    cfg = _config(tmp_path, train__on_spike="rollback", train__max_rollbacks=2)
+    with monkeypatch.context() as patch:
+        patch.setattr(Trainer, "_step", step)
+        patch.setattr(Trainer, "_read_moe_statistics", read)
+        rolled = run_on_ranks(1, run_training, cfg, True, False, False)[0]
+    assert rolled.metrics[-1]["step"] == STEPS
+    events = [json.loads(line) for line in (tmp_path / "rollbacks.jsonl").read_text().splitlines()]
+    assert [e["from_step"] for e in events] == [4, 4]
+    reference = run_on_ranks(1, _trained_with_skip, _config(tmp_path / "ref"), 4, 2 * (POISONED + 1 - 4))[0]
+    assert [r["loss"] for r in rolled.metrics] == [r["loss"] for r in reference]

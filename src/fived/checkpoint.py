@@ -55,6 +55,11 @@ def complete_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
 _WARNED: set = set()  # (checkpoint, problem) already reported by this process
 
 
+def newest_intact(run_dir: Path) -> Path | None:
+    """The newest intact checkpoint of a run, silently."""
+    return next((c for _, c in reversed(complete_checkpoints(run_dir)) if cached_damage(c) is None), None)
+
+
 def find_checkpoint(path: str | Path, flag: str = "checkpoint") -> Path | None:
     """A checkpoint directory as given, or the newest intact checkpoint of a run directory (each
     damaged newer one skipped with one line on stderr; see fived.checkpoint_verify). A damaged
@@ -65,7 +70,7 @@ def find_checkpoint(path: str | Path, flag: str = "checkpoint") -> Path | None:
         problem = cached_damage(path)
         if problem is None:
             return path
-        intact = find_checkpoint(path.parent.parent, flag) if path.parent.name == "checkpoints" else None
+        intact = newest_intact(path.parent.parent) if path.parent.name == "checkpoints" else None
         raise ConfigError(flag, str(path), f"damaged: {problem}",
                           f"use the intact {intact}" if intact else "no intact checkpoint of this run is left")
     for step, checkpoint in reversed(complete_checkpoints(path)):
@@ -259,7 +264,11 @@ class Checkpointer:
         self._prune(newest=step)
 
     def _set_aside(self, path: Path, why: str = "superseded") -> None:
-        aside = self.root / f"{why}-{time.strftime('%Y%m%d-%H%M%S')}"
+        stamp, n = f"{why}-{time.strftime('%Y%m%d-%H%M%S')}", 0
+        aside = self.root / stamp
+        while (aside / path.name).exists():  # (the same step set aside twice within a second)
+            n += 1
+            aside = self.root / f"{stamp}-{n}"
         aside.mkdir(exist_ok=True)
         os.rename(path, aside / path.name)
 

@@ -130,9 +130,11 @@ def handle_divergence(trainer, done: int, reason: str) -> int:
         raise Diverged(done, reason, str(healthy[1]) if healthy else None, t.output_dir)
     step, path = healthy
     rollbacks = trainer.guard.rollbacks + 1
-    checkpointer.load(path)  # every component: weights, Adam, schedule, sampler (with its skips), guard
+    skips = trainer.sampler.skips  # (this launch's earlier rollbacks included: each skips further)
+    checkpointer.load(path)  # every component: weights, Adam, schedule, sampler, guard
     checkpointer.last_step = step
     trainer.guard.rollbacks = rollbacks
+    trainer.sampler.skips = [*skips, *(s for s in trainer.sampler.skips if s not in skips)]
     trainer.sampler.skip(step, done - step)
     if trainer.log is not None:  # (the log's file is replaced: reopen it)
         trainer.log.close()
