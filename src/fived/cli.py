@@ -383,6 +383,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"fived: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a write or read the machine refused (full disk, read-only, permissions)
+        from fived.write_errors import describe
+
+        print(f"fived: error: {describe(e)}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:  # (before or after the ranks; while they run, the launcher handles Ctrl-C)
         print("fived: interrupted", file=sys.stderr)
         return 130

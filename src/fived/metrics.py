@@ -65,10 +65,14 @@ def keep_log_until(output_dir: str, step: int) -> None:
     kept = [line for line in lines if json.loads(line).get("step", 0) <= step]
     if len(kept) == len(lines):
         return
-    with open(path.with_name("metrics.superseded.jsonl"), "a") as f:
+    from fived.write_errors import writing
+
+    superseded = path.with_name("metrics.superseded.jsonl")
+    with writing(superseded), open(superseded, "a") as f:
         f.writelines(line for line in lines if json.loads(line).get("step", 0) > step)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(kept))
+    with writing(tmp):
+        tmp.write_text("".join(kept))
     os.replace(tmp, path)
 
 

@@ -38,8 +38,12 @@ class RunLock:
             os.close(fd)
             raise ConfigError("train.output_dir", str(self.run_dir), f"is in use by a running fived train ({holder}); "
                               "one run per directory", "wait for it to end, or choose another --train.output_dir") from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"pid {os.getpid()} on host {platform.node()}\n".encode())
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"pid {os.getpid()} on host {platform.node()}\n".encode())
+        except OSError as e:  # (a full disk: said by the command line, naming the file)
+            os.close(fd)
+            raise OSError(e.errno, e.strerror, str(self.path)) from None
         self.fd = fd
 
     def release(self) -> None:

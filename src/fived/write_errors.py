@@ -4,6 +4,7 @@ prepare-data), instead of whatever a library makes of it (DCP reports a full dis
 `enforce fail ... unexpected pos`)."""
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 
@@ -45,3 +46,22 @@ class WriteFailed(RuntimeError):
 def write_failed_line(summaries: list[dict]) -> str | None:
     found = [s for s in summaries if s.get("kind") == "write_failed"]
     return "fived train: " + found[0]["line"] if found else None
+
+
+def refused_write_summary(error: BaseException) -> dict | None:
+    """A rank's summary for any failure that is, underneath, a write the machine refused."""
+    found = os_error_in(error)
+    if found is None or found.errno not in CAUSES:
+        return None
+    return {"kind": "write_failed", "line": f"a write failed: {describe(found)}"}
+
+
+@contextlib.contextmanager
+def writing(path: str | os.PathLike):
+    """Inside: an OSError without a file name (a write to an open file) gets `path` as its name."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename:
+            raise
+        raise OSError(e.errno, e.strerror, str(path)) from None
