@@ -64,9 +64,10 @@ def _kill_at_file(name: str, after: bool):
 
 
 def _kill_pruning(monkeypatch):
+    # (keep=1 keeps the newest checkpoint known healthy besides the one just written: the first
+    # pruning is at the final save, of step 6, which deletes step-2)
     def discard(path):
-        if ARMED["now"]:
-            _die()
+        _die()
 
     monkeypatch.setattr(fived.checkpoint, "_discard", discard)
 
@@ -77,7 +78,7 @@ KILLS = {
     "while-a-background-save-writes": (_kill_writing_shards, 1, True, EVERY),
     "before-the-manifest": (_kill_at_file(MANIFEST, after=False), 0, False, EVERY),
     "after-the-marker-before-the-rename": (_kill_at_file(MARKER, after=True), 0, False, EVERY),
-    "while-pruning-older-ones": (_kill_pruning, 0, False, KILLED_SAVE),
+    "while-pruning-older-ones": (_kill_pruning, 0, False, STEPS),
 }
 
 

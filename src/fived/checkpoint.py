@@ -23,6 +23,7 @@ import datetime
 import json
 import os
 import shutil
+import sys
 import threading
 import time
 from pathlib import Path
@@ -31,11 +32,9 @@ import torch
 import torch.distributed as dist
 
 from fived import __version__, dcp_io
+from fived.checkpoint_verify import FORMAT, MANIFEST, MARKER, cached_damage, file_digests
 from fived.config import CheckpointConfig, Config, ConfigError
-
-FORMAT = "fived-checkpoint-v1"
-MANIFEST = "fived.json"
-MARKER = "COMPLETE"
+from fived.write_errors import WriteFailed, os_error_in
 
 
 def checkpoints_dir(run_dir: str | Path) -> Path:
@@ -53,13 +52,36 @@ def complete_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def find_checkpoint(path: str | Path) -> Path | None:
-    """A checkpoint directory as given, or the newest complete checkpoint of a run directory."""
+_WARNED: set = set()  # (checkpoint, problem) already reported by this process
+
+
+def newest_intact(run_dir: Path) -> Path | None:
+    """The newest intact checkpoint of a run, silently."""
+    return next((c for _, c in reversed(complete_checkpoints(run_dir)) if cached_damage(c) is None), None)
+
+
+def find_checkpoint(path: str | Path, flag: str = "checkpoint") -> Path | None:
+    """A checkpoint directory as given, or the newest intact checkpoint of a run directory (each
+    damaged newer one skipped with one line on stderr; see fived.checkpoint_verify). A damaged
+    checkpoint named explicitly is refused in one line naming the damaged file and the intact
+    alternative: falling back is not what was asked for."""
     path = Path(path)
     if (path / MARKER).is_file():
-        return path
-    found = complete_checkpoints(path)
-    return found[-1][1] if found else None
+        problem = cached_damage(path)
+        if problem is None:
+            return path
+        intact = newest_intact(path.parent.parent) if path.parent.name == "checkpoints" else None
+        raise ConfigError(flag, str(path), f"damaged: {problem}",
+                          f"use the intact {intact}" if intact else "no intact checkpoint of this run is left")
+    for step, checkpoint in reversed(complete_checkpoints(path)):
+        problem = cached_damage(checkpoint)
+        if problem is None:
+            return checkpoint
+        if os.environ.get("RANK", "0") == "0" and (checkpoint, problem) not in _WARNED:  # (once; one rank)
+            _WARNED.add((checkpoint, problem))
+            print(f"fived: warning: checkpoint step-{step} is damaged ({problem}); using an older one",
+                  file=sys.stderr, flush=True)
+    return None
 
 
 def read_manifest(checkpoint: str | Path) -> dict:
@@ -168,17 +190,24 @@ class Checkpointer:
         self.stager.stage(self.tensors())
 
     def save(self, step: int, background: bool = False) -> None:
-        """Save the state after `step` completed steps (every rank calls this)."""
+        """Save the state after `step` completed steps (every rank calls this); skipped, with one
+        warning line, when the filesystem lacks room for it."""
         self.wait()
         tensors = self.tensors()
+        if not self._room_for(tensors, step):
+            return
         manifest = {**self.manifest, "step": step, "saved_at": time.time(),
                     "components": {name: comp.state() for name, comp in self.components.items()}}
         tmp = self.root / f".tmp-step-{step}"
         self.last_step = step
         if not background:
-            dcp_io.save(tensors, tmp, self.group)
-            if self.rank == 0:
-                self._finalize(tmp, step, manifest)
+            try:
+                dcp_io.save(tensors, tmp, self.group)
+                if self.rank == 0:
+                    self._finalize(tmp, step, manifest)
+            except Exception as e:
+                self._refused_write(e, tmp, step)
+                raise
             return
         self.pending = dcp_io.save(tensors, tmp, self.group, stager=self.stager)
         self.finalized.clear()
@@ -186,6 +215,32 @@ class Checkpointer:
             self.pending.add_done_callback(lambda fut: self._finalize_after(fut, tmp, step, manifest))
         else:
             self.finalized.set()
+
+    def _room_for(self, tensors: dict, step: int) -> bool:
+        """Whether every rank sees room for the whole save (all ranks' bytes, with 5% to spare) on
+        the checkpoint filesystem. Every rank asks, so all save or none."""
+        mine = sum(view.numel() * view.element_size() for v in tensors.values() if v.write for _, view in v.boxes)
+        total = torch.tensor([float(mine)], dtype=torch.float64)
+        dist.all_reduce(total, group=self.group)
+        need = int(total.item() * 1.05) + 2**20
+        free = shutil.disk_usage(self.root).free
+        short = torch.tensor([1.0 if free < need else 0.0])
+        dist.all_reduce(short, op=dist.ReduceOp.MAX, group=self.group)
+        if short.item() and self.rank == 0:
+            print(f"\nfived train: warning: checkpoint of step {step} skipped: {self.root} has {free / 2**20:.1f} "
+                  f"MiB free, the save needs {need / 2**20:.1f} MiB; training goes on and the next save tries "
+                  "again", file=sys.stderr, flush=True)
+        return not short.item()
+
+    def _refused_write(self, error: BaseException, tmp: Path, step: int) -> None:
+        """A save the filesystem refused: its partial directory goes (rank 0) and the error becomes
+        one line naming the path and the cause."""
+        refused = os_error_in(error)
+        if refused is None:
+            return
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise WriteFailed(f"checkpoint save of step {step}", refused, tmp) from error
 
     def _finalize_after(self, future, tmp: Path, step: int, manifest: dict) -> None:
         try:
@@ -197,6 +252,7 @@ class Checkpointer:
             self.finalized.set()
 
     def _finalize(self, tmp: Path, step: int, manifest: dict) -> None:
+        manifest = {**manifest, "files": file_digests(tmp)}  # (what a load verifies first)
         _fsync_write(tmp / MANIFEST, json.dumps(manifest, indent=1) + "\n")
         _fsync_write(tmp / MARKER, f"step {step}\n")
         _fsync_dir(tmp)
@@ -205,24 +261,33 @@ class Checkpointer:
             self._set_aside(final)
         os.rename(tmp, final)
         _fsync_dir(self.root)
-        self._prune()
+        self._prune(newest=step)
 
-    def _set_aside(self, path: Path) -> None:
-        aside = self.root / f"superseded-{time.strftime('%Y%m%d-%H%M%S')}"
+    def _set_aside(self, path: Path, why: str = "superseded") -> None:
+        stamp, n = f"{why}-{time.strftime('%Y%m%d-%H%M%S')}", 0
+        aside = self.root / stamp
+        while (aside / path.name).exists():  # (the same step set aside twice within a second)
+            n += 1
+            aside = self.root / f"{stamp}-{n}"
         aside.mkdir(exist_ok=True)
         os.rename(path, aside / path.name)
 
-    def supersede_after(self, step: int) -> None:
+    def supersede_after(self, step: int, why: str = "superseded") -> None:
         """Rank 0, when a run continues from the checkpoint of `step`: complete checkpoints of later
-        steps belong to the history being replaced; they are set aside (kept, never loaded or pruned)."""
+        steps belong to the history being replaced (or diverged: `why`); they are set aside in
+        `<why>-<time>/` (kept, never loaded or pruned)."""
         for later, path in complete_checkpoints(self.root.parent):
             if later > step:
-                self._set_aside(path)
+                self._set_aside(path, why)
 
-    def _prune(self) -> None:
+    def _prune(self, newest: int) -> None:
+        """Keep the newest `keep` checkpoints known healthy, and the one of step `newest`: a
+        checkpoint is known healthy once the step after it passed the divergence guard (see
+        fived.divergence), so the one just written is not yet and counts as one more."""
         if self.settings.keep <= 0:
             return
-        for _, path in complete_checkpoints(self.root.parent)[:-self.settings.keep]:
+        confirmed = [path for step, path in complete_checkpoints(self.root.parent) if step < newest]
+        for path in confirmed[:-self.settings.keep]:
             _discard(path)
 
     def wait(self) -> None:
@@ -236,6 +301,7 @@ class Checkpointer:
                 self.failure = self.failure or e
         if self.failure is not None:
             failure, self.failure = self.failure, None
+            self._refused_write(failure, self.root / f".tmp-step-{self.last_step}", self.last_step)
             raise RuntimeError(f"checkpoint save failed: {failure}") from failure
 
     def load(self, checkpoint: str | Path) -> dict:

@@ -13,6 +13,7 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
+import re  # noqa: E402
 import sys  # noqa: E402
 
 from fived.cli_plan import add_plan_commands  # noqa: E402
@@ -25,11 +26,9 @@ from fived.run_setup import (  # noqa: E402
 def cmd_train(ns: argparse.Namespace) -> int:
     import torch
 
-    from fived.launch import RankFailed, under_torchrun
-    from fived.mesh import resolve_dp
+    from fived.launch import under_torchrun
     from fived.metrics import fresh_output_dir
-    from fived.supervisor import failure_line, run_with_restarts, stop_line
-    from fived.train import run_training
+    from fived.run_lock import RunLock
 
     default_world = torch.cuda.device_count() if torch.cuda.is_available() else 2  # (device auto)
     run = prepare_training(ns, default_world)
@@ -42,6 +41,20 @@ def cmd_train(ns: argparse.Namespace) -> int:
         return _train_under_torchrun(ns, run)
     if run.fresh_dir:
         cfg.train.output_dir = str(fresh_output_dir(cfg.train.output_dir))
+    with RunLock(cfg.train.output_dir):  # one run per directory (refused in one line naming the holder)
+        return _train_locally(ns, run)
+
+
+def _train_locally(ns: argparse.Namespace, run) -> int:
+    """Start the local ranks (restarting them as train.max_restarts allows) and report the run."""
+    from fived.divergence import DIVERGED_EXIT, diverged_line
+    from fived.launch import RankFailed
+    from fived.write_errors import write_failed_line
+    from fived.mesh import resolve_dp
+    from fived.supervisor import failure_line, run_with_restarts, stop_line
+    from fived.train import run_training
+
+    cfg, world = run.cfg, run.world
     start = f"resuming step {run.resumed_step} of {cfg.train.output_dir}" if run.resume else f"{cfg.train.steps} steps"
     print(f"fived train: model {cfg.model.name}, {world} local rank(s), layout "
           f"dp={resolve_dp(cfg, world)} tp={cfg.parallel.tp} "
@@ -56,6 +69,14 @@ def cmd_train(ns: argparse.Namespace) -> int:
         print("\n" + line, file=sys.stderr)  # (after the progress bar's unfinished line)
         return code
     except RankFailed as failure:
+        diverged = diverged_line(failure.summaries)
+        if diverged:
+            print("\n" + diverged, file=sys.stderr)
+            return DIVERGED_EXIT
+        refused = write_failed_line(failure.summaries)
+        if refused:  # (a full disk, a read-only filesystem: restarting would not help)
+            print("\n" + refused, file=sys.stderr)
+            return 1
         if not failure.summaries:  # a crash, not a timeout: its traceback is the useful part
             print(str(failure), file=sys.stderr)
         print(f"fived train: failed: {failure_line(failure)}" + (
@@ -89,7 +110,9 @@ def _train_under_torchrun(ns: argparse.Namespace, run) -> int:
     the ranks itself: run `fived train --resume auto` under `torchrun --max-restarts N`.)"""
     import torch.distributed as dist
 
+    from fived.divergence import DIVERGED_EXIT, Diverged
     from fived.faults import PREEMPTED_EXIT
+    from fived.write_errors import WriteFailed
     from fived.launch import init_distributed, shutdown_distributed
     from fived.metrics import fresh_output_dir
     from fived.parallel.pipeline import write_chrome_trace
@@ -103,10 +126,23 @@ def _train_under_torchrun(ns: argparse.Namespace, run) -> int:
         chosen = [str(fresh_output_dir(cfg.train.output_dir)) if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(chosen, src=0)
         cfg.train.output_dir = chosen[0]
+    refusal = [_lock_on_rank0(cfg.train.output_dir)]  # (held until this process ends, however it ends)
+    dist.broadcast_object_list(refusal, src=0)
+    if refusal[0]:
+        if dist.get_rank() == 0:
+            print(f"fived: error: {refusal[0]}", file=sys.stderr, flush=True)
+        shutdown_distributed()
+        os._exit(2)
     if dist.get_rank() == 0:
         describe_run_dir(cfg, run.world, {"event": "resume" if run.resume else "start", "resume_from": run.resume,
                                           "torchrun_restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))})
-    result = run_training(cfg, True, True, False, run.resume)
+    try:
+        result = run_training(cfg, True, True, False, run.resume)
+    except (Diverged, WriteFailed) as stop:  # (a divergence: every rank at the same step; one says it)
+        if isinstance(stop, WriteFailed) or dist.get_rank() == 0:
+            print(f"\nfived train: {stop}", file=sys.stderr, flush=True)
+        shutdown_distributed()
+        os._exit(DIVERGED_EXIT if isinstance(stop, Diverged) else 1)
     if cfg.train.trace:  # every rank's timeline, gathered to rank 0
         timelines = [None] * dist.get_world_size()
         dist.all_gather_object(timelines, result.timeline)
@@ -124,6 +160,21 @@ def _train_under_torchrun(ns: argparse.Namespace, run) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(PREEMPTED_EXIT if result.preempted else 0)
+
+
+def _lock_on_rank0(run_dir: str) -> str | None:
+    """Under torchrun: global rank 0 locks the run directory for its lifetime; the refusal, if any."""
+    import torch.distributed as dist
+
+    from fived.run_lock import RunLock
+
+    if dist.get_rank() != 0:
+        return None
+    try:
+        RunLock(run_dir).acquire()  # (never released explicitly: the process's end releases it)
+    except ConfigError as e:
+        return str(e)
+    return None
 
 
 def cmd_verify(ns: argparse.Namespace) -> int:
@@ -186,6 +237,11 @@ def cmd_prepare_data(ns: argparse.Namespace) -> int:
     except (ValueError, UnicodeDecodeError) as e:
         print(f"fived: error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
+    except OSError as e:  # (a full disk, a read-only or unreadable path)
+        from fived.write_errors import describe
+
+        raise ConfigError("prepare-data", ns.output, f"failed: {describe(e)}",
+                          "free some space, or choose readable inputs and a writable --output") from None
     print(f"wrote {out}" + (f" and {val_path}" if ns.val_fraction > 0 else ""))
     return 0
 
@@ -314,9 +370,24 @@ def _refuse_unknown(unknown: list[str], parser: argparse.ArgumentParser, command
     parser.error("unrecognized arguments: " + " ".join(unknown))
 
 
+NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|nan)$", re.IGNORECASE)
+
+
+def join_negative_values(argv: list[str]) -> list[str]:
+    """`--train.lr -1e-3` as `--train.lr=-1e-3`: argparse takes a value that starts with '-' and is
+    not a plain negative number for a flag."""
+    out = []
+    for token in argv:
+        if out and NEGATIVE_NUMBER.match(token) and out[-1].startswith("--") and "=" not in out[-1]:
+            out[-1] = f"{out[-1]}={token}"
+        else:
+            out.append(token)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    ns, unknown = parser.parse_known_args(argv)
+    ns, unknown = parser.parse_known_args(join_negative_values(sys.argv[1:] if argv is None else list(argv)))
     if ns.version:
         import torch
 
@@ -334,6 +405,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"fived: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a write or read the machine refused (full disk, read-only, permissions)
+        from fived.write_errors import describe
+
+        print(f"fived: error: {describe(e)}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:  # (before or after the ranks; while they run, the launcher handles Ctrl-C)
         print("fived: interrupted", file=sys.stderr)
         return 130

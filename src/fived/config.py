@@ -130,6 +130,14 @@ class TrainConfig:
     collective_timeout_s: float = 600.0
     max_restarts: int = 0
     preempt_grace_s: float = 60.0
+    # Divergence guard (see fived.divergence): a non-finite loss or gradient norm, or a loss above
+    # spike_factor x the median loss of the last spike_window steps (0 = no spike check), ends the
+    # run at that step without saving it ("stop"), or ("rollback") reloads the newest healthy
+    # checkpoint and skips the data between it and the spike, at most max_rollbacks times a launch.
+    spike_factor: float = 5.0
+    spike_window: int = 20
+    on_spike: str = "stop"  # stop | rollback
+    max_rollbacks: int = 3
 
 
 @dataclass

@@ -8,6 +8,7 @@ the same examples as a single device, and resuming only needs the step number.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -172,6 +173,9 @@ class GlobalBatchSampler:
                 "use more data, a shorter seq_len or a smaller batch"
             )
         self.step = 0  # the next step __iter__ / next_global_batch will return
+        # [step, count]: from `step` on, batches come `count` positions later (a divergence rollback
+        # skipped the data it diverged on; see fived.divergence)
+        self.skips: list[list[int]] = []
         # Permutations are pure functions of (seed, epoch); keep the last two (a batch
         # touches at most two epochs, since num_windows >= global_batch).
         self._perms: dict[int, np.ndarray] = {}
@@ -194,9 +198,17 @@ class GlobalBatchSampler:
         offsets = windows[:, None] * self.seq_len + np.arange(self.seq_len + 1)
         return torch.from_numpy(np.asarray(self.tokens[offsets], dtype=np.int64))
 
+    def data_position(self, step: int) -> int:
+        """The batch position in the endless data order that `step` trains on (after skips)."""
+        return int(step) + sum(count for at, count in self.skips if step >= at)
+
+    def skip(self, at_step: int, count: int) -> None:
+        """From `at_step` on, train on the batches `count` positions later."""
+        self.skips.append([int(at_step), int(count)])
+
     def global_batch_at(self, step: int) -> torch.Tensor:
         """LongTensor [global_batch, seq_len + 1] for `step`."""
-        return self._rows(int(step) * self.global_batch, self.global_batch)
+        return self._rows(self.data_position(step) * self.global_batch, self.global_batch)
 
     def local_batch_at(self, step: int, dp_rank: int, dp_size: int) -> torch.Tensor:
         """Rows dp_rank*b .. (dp_rank+1)*b of the global batch, b = global_batch // dp_size."""
@@ -205,7 +217,7 @@ class GlobalBatchSampler:
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} out of range for dp_size {dp_size}")
         b = self.global_batch // dp_size
-        return self._rows(int(step) * self.global_batch + dp_rank * b, b)
+        return self._rows(self.data_position(step) * self.global_batch + dp_rank * b, b)
 
     def next_global_batch(self) -> torch.Tensor:
         batch = self.global_batch_at(self.step)
@@ -217,8 +229,9 @@ class GlobalBatchSampler:
             yield self.next_global_batch()
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "seed": self.seed, "seq_len": self.seq_len,
-                "global_batch": self.global_batch, "num_windows": self.num_windows}
+        state = {"step": self.step, "seed": self.seed, "seq_len": self.seq_len,
+                 "global_batch": self.global_batch, "num_windows": self.num_windows}
+        return {**state, "skips": [list(s) for s in self.skips]} if self.skips else state
 
     def load_state_dict(self, state: dict) -> None:
         # Resuming with different settings would silently change the data order.
@@ -226,6 +239,7 @@ class GlobalBatchSampler:
             if key in state and state[key] != getattr(self, key):
                 raise ValueError(f"sampler state has {key}={state[key]}, this sampler has {getattr(self, key)}")
         self.step = int(state["step"])
+        self.skips = [[int(at), int(count)] for at, count in state.get("skips", [])]
 
 
 def check_data(cfg) -> np.ndarray:
@@ -248,6 +262,11 @@ def check_data(cfg) -> np.ndarray:
     if vocab > cfg.model.vocab_size:
         raise ConfigError("model.vocab_size", cfg.model.vocab_size, f"smaller than the tokenizer's vocabulary ({vocab})",
                           f"set --model.vocab_size {vocab}")
+    largest = largest_token_id(d.path, tokens)
+    if largest >= cfg.model.vocab_size:
+        raise ConfigError("data.path", d.path or "bundled corpus", f"holds token id {largest}, beyond the model's "
+                          f"vocabulary (model.vocab_size={cfg.model.vocab_size})",
+                          f"set --model.vocab_size {largest + 1}, or re-tokenize the data with the model's tokenizer")
     windows = max(0, (len(tokens) - 1) // t.seq_len)
     if windows < t.global_batch:
         raise ConfigError("train.global_batch", t.global_batch,
@@ -257,6 +276,31 @@ def check_data(cfg) -> np.ndarray:
     if t.trace and Path(t.trace).exists():
         raise ConfigError("train.trace", t.trace, "file exists; fived does not overwrite it", "name a new file")
     return tokens
+
+
+def largest_token_id(path: str, tokens: np.ndarray) -> int:
+    """The largest id in the tokens (vectorised; a memory-mapped file is streamed once). For a token
+    file the answer is cached in its sidecar (`max_token_id`, with the file's size and time), so a
+    corpus is read once, not at every start; a read-only sidecar is simply not updated."""
+    if len(tokens) == 0:
+        return -1
+    meta = token_metadata(path)
+    if meta is None:
+        return int(tokens.max())
+    bin_path, json_path = token_file_paths(path)
+    stat = bin_path.stat()
+    stamp = {"bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    cached = meta.get("max_token_id")
+    if isinstance(cached, dict) and cached.get("of") == stamp and isinstance(cached.get("value"), int):
+        return cached["value"]
+    largest = int(tokens.max())
+    try:
+        tmp = json_path.with_name(json_path.name + f".tmp-{os.getpid()}")
+        tmp.write_text(json.dumps({**meta, "max_token_id": {"value": largest, "of": stamp}}, indent=1) + "\n")
+        os.replace(tmp, json_path)
+    except OSError:
+        pass
+    return largest
 
 
 def adopt_token_metadata(cfg, given: set[str]) -> None:
@@ -311,6 +355,10 @@ def validation_data(cfg) -> np.ndarray | None:
     except (ValueError, ImportError) as e:
         raise ConfigError("data.val_path", path, str(e).splitlines()[0],
                           "give validation tokens made like data.path (same tokenizer)") from None
+    largest = largest_token_id(path, tokens)
+    if largest >= cfg.model.vocab_size:
+        raise ConfigError("data.val_path", path, f"holds token id {largest}, beyond the model's vocabulary "
+                          f"(model.vocab_size={cfg.model.vocab_size})", "give validation tokens made like data.path")
     windows = max(0, (len(tokens) - 1) // t.seq_len)
     if windows < t.global_batch:
         raise ConfigError("data.val_path", path, f"holds {windows} sequences of seq_len={t.seq_len}, fewer than one "

@@ -118,7 +118,7 @@ def _checkpoint_state(source: str):
     from fived.checkpoint import find_checkpoint, saved_config
     from fived.model import build_model, canonical_name
 
-    checkpoint = find_checkpoint(source) if Path(source).is_dir() else None
+    checkpoint = find_checkpoint(source, "source") if Path(source).is_dir() else None
     if checkpoint is None:
         raise ConfigError("source", source, "is neither a fived run or checkpoint nor a Hugging Face model "
                           "directory (config.json)", "give one of those")

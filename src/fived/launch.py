@@ -24,6 +24,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from fived.write_errors import refused_write_summary
+
 
 class RankFailed(RuntimeError):
     """A rank failed: `rank`, `reason` (one line), and each reporting rank's summary (e.g. a
@@ -105,7 +107,7 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, timeout_s: float,
         init_distributed(timeout_s, device)
         result = ("ok", fn(*args), time.time(), None)
     except BaseException as e:  # report every failure to the parent, whatever it is
-        summary = e.summary() if hasattr(e, "summary") else None
+        summary = e.summary() if hasattr(e, "summary") else refused_write_summary(e)
         result = ("error", f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}", time.time(), summary)
         code = 1
     try:

@@ -65,10 +65,14 @@ def keep_log_until(output_dir: str, step: int) -> None:
     kept = [line for line in lines if json.loads(line).get("step", 0) <= step]
     if len(kept) == len(lines):
         return
-    with open(path.with_name("metrics.superseded.jsonl"), "a") as f:
+    from fived.write_errors import writing
+
+    superseded = path.with_name("metrics.superseded.jsonl")
+    with writing(superseded), open(superseded, "a") as f:
         f.writelines(line for line in lines if json.loads(line).get("step", 0) > step)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(kept))
+    with writing(tmp):
+        tmp.write_text("".join(kept))
     os.replace(tmp, path)
 
 
@@ -88,8 +92,13 @@ class MetricsLog:
                 print("tensorboard is not installed (pip install tensorboard); logging JSON lines only", file=sys.stderr)
 
     def write(self, record: dict) -> None:
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
+        try:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+        except OSError as e:  # (a full disk, a filesystem turned read-only): one line, not a traceback
+            from fived.write_errors import WriteFailed
+
+            raise WriteFailed("writing the metrics log", e, self.dir / "metrics.jsonl") from None
         if self.tb is not None:
             for key, value in record.items():
                 if isinstance(value, (int, float)) and key != "step":

@@ -104,6 +104,7 @@ def load_run(ns: argparse.Namespace, default_world: int, defaults: dict | None =
     """Config and world size, both checked (layout and data) before any rank starts."""
     from fived.data import adopt_token_metadata, check_data
     from fived.layout.rules import check_config
+    from fived.memory_fit import check_fits
     from fived.mesh import resolve_dp
 
     cfg = build_from_args(ns, defaults)
@@ -127,6 +128,7 @@ def load_run(ns: argparse.Namespace, default_world: int, defaults: dict | None =
         auto_layout(cfg, world)
     check_config(cfg, world)
     cfg.parallel.dp = resolve_dp(cfg, world)  # the resolved config says what ran (not "-1: the rest")
+    check_fits(cfg, world)
     check_data(cfg)
     check_environment(cfg)
     return cfg, world
@@ -187,6 +189,7 @@ def load_resumed_run(ns: argparse.Namespace):
     from fived.config import ParallelConfig
     from fived.data import check_data
     from fived.layout.rules import check_config
+    from fived.memory_fit import check_fits
     from fived.mesh import resolve_dp
 
     checkpoint, manifest, saved = _saved_run(ns.resume)
@@ -206,6 +209,7 @@ def load_resumed_run(ns: argparse.Namespace):
                              "nothing left to train", f"extend the run, e.g. --steps {manifest['step'] + saved.train.steps}")
     check_config(cfg, world)
     cfg.parallel.dp = resolve_dp(cfg, world)
+    check_fits(cfg, world)
     tokens = check_data(cfg)
     windows, saved_windows = (len(tokens) - 1) // cfg.train.seq_len, manifest["components"]["progress"]["sampler"]["num_windows"]
     if windows != saved_windows:
@@ -220,7 +224,7 @@ def _saved_run(resume: str):
     """(checkpoint directory, manifest, saved config) of `--resume DIR`, or a one-line refusal."""
     from fived.checkpoint import find_checkpoint, saved_config
 
-    checkpoint = find_checkpoint(resume)
+    checkpoint = find_checkpoint(resume, "--resume")
     if checkpoint is None:
         raise ConfigError("--resume", resume, "holds no complete checkpoint (checkpoints/step-<N>/COMPLETE)",
                           "give the output directory of a run that saved one (checkpoint.every or checkpoint.final)")

@@ -7,8 +7,10 @@ The run directory describes itself from the start: `config.toml` (the resolved c
 command line, fived and torch versions, layout, world size, the checkpoint it continued from, and for
 a restart which rank failed, at which step and why).
 
-Exit codes: 0 done; 1 a rank failed (restarts exhausted); 75 preempted after saving (resumable: run
-`fived train --resume DIR`); 130 interrupted (Ctrl-C); 143 terminated with nothing saved.
+Exit codes: 0 done; 1 a rank failed (restarts exhausted); 65 diverged (non-finite or spiking loss:
+nothing saved after the newest healthy checkpoint, see fived.divergence; never restarted); 75
+preempted after saving (resumable: run `fived train --resume DIR`); 130 interrupted (Ctrl-C); 143
+terminated with nothing saved.
 """
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ import torch
 from fived import __version__
 from fived.checkpoint import find_checkpoint
 from fived.config import Config
+from fived.divergence import diverged_line
+from fived.write_errors import write_failed_line, writing
 from fived.faults import INTERRUPTED_EXIT, PREEMPTED_EXIT, TERMINATED_EXIT, timeout_line
 from fived.launch import RankFailed, Stopped, run_ranks
 from fived.mesh import resolve_dp
@@ -36,7 +40,8 @@ def describe_run_dir(cfg: Config, world: int, event: dict) -> None:
     run_dir = Path(cfg.train.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     tmp = run_dir / "config.toml.tmp"
-    tmp.write_text(tomli_w.dumps(cfg.to_dict()))
+    with writing(tmp):
+        tmp.write_text(tomli_w.dumps(cfg.to_dict()))
     os.replace(tmp, run_dir / "config.toml")
     p = cfg.parallel
     record = {"time": time.time(), "command": sys.argv, "fived_version": __version__,
@@ -44,7 +49,7 @@ def describe_run_dir(cfg: Config, world: int, event: dict) -> None:
               "world_size": world, "layout": {"dp": resolve_dp(cfg, world), "tp": p.tp, "pp": p.pp, "cp": p.cp,
                                               "ep": p.ep, "zero": p.zero, "dp_replicate": p.dp_replicate},
               **event, "config": cfg.to_dict()}  # (config.toml is the latest; every launch's is kept here)
-    with open(run_dir / "launches.jsonl", "a") as f:
+    with writing(run_dir / "launches.jsonl"), open(run_dir / "launches.jsonl", "a") as f:
         f.write(json.dumps(record) + "\n")
 
 
@@ -69,8 +74,9 @@ def run_with_restarts(cfg: Config, world: int, resume: str | None, run_training)
             return run_ranks(world, run_training, cfg, True, True, False, resume, device=cfg.train.device,
                              timeout_s=cfg.train.collective_timeout_s, grace_s=grace)
         except RankFailed as failure:
-            if restarts >= cfg.train.max_restarts:
-                raise
+            if restarts >= cfg.train.max_restarts or diverged_line(failure.summaries) or \
+                    write_failed_line(failure.summaries):
+                raise  # (a diverged run would diverge again from the same checkpoint; a full disk is full)
             restarts += 1
             checkpoint = find_checkpoint(cfg.train.output_dir)
             resume = str(checkpoint) if checkpoint is not None else None
@@ -92,8 +98,15 @@ def stop_line(stop: Stopped, cfg: Config) -> tuple[str, int]:
     run_dir = cfg.train.output_dir
     if stop.signal_name == "SIGTERM" and stop.results and stop.results[0].preempted:
         step = stop.results[0].metrics[-1]["step"] if stop.results[0].metrics else last_logged_step(run_dir)
+        saved = Path(run_dir) / "checkpoints" / f"step-{step}"
+        if not saved.is_dir():  # (the save was skipped: no room on the disk, said by its warning)
+            newest = find_checkpoint(run_dir)
+            return (f"fived train: preempted (SIGTERM): every rank stopped after step {step}, whose save was "
+                    f"skipped; newest checkpoint {newest}; continue with: fived train --resume {run_dir}"
+                    if newest else f"fived train: preempted (SIGTERM) after step {step}; nothing could be saved",
+                    PREEMPTED_EXIT if newest else TERMINATED_EXIT)
         return (f"fived train: preempted (SIGTERM): every rank stopped after step {step} and saved "
-                f"{run_dir}/checkpoints/step-{step}; continue with: fived train --resume {run_dir}", PREEMPTED_EXIT)
+                f"{saved}; continue with: fived train --resume {run_dir}", PREEMPTED_EXIT)
     saved = find_checkpoint(run_dir)
     then = f"; newest checkpoint {saved}, continue with: fived train --resume {run_dir}" if saved else ""
     code = INTERRUPTED_EXIT if stop.signal_name == "SIGINT" else TERMINATED_EXIT

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from fived.checkpoint import Checkpointer
 from fived.config import Config
 from fived.data import GlobalBatchSampler, check_data, validation_batches, validation_data
+from fived.divergence import LossGuard, handle_divergence
 from fived.faults import PreemptionRequest, timeouts_named
 from fived.init import InitStats, init_weights
 from fived.launch import device_type
@@ -127,6 +128,7 @@ class Trainer:
         self.state_bytes: dict[str, int] = {}
         self.peak_flops = device_peak_tflops(build_dtype(cfg), t.peak_tflops, self.device.type) * 1e12
         self.flops_per_step = flops_per_token(cfg.model, t.seq_len) * self.global_tokens
+        self.guard = LossGuard(t.spike_factor, t.spike_window)  # (a checkpoint component: before the load)
         self.checkpointer = self._open_checkpoints(chunks, log, resume)
         if log and self.rank == 0:
             keep_log_until(t.output_dir, self.sampler.step)  # a resumed run rewrites nothing twice
@@ -182,7 +184,7 @@ class Trainer:
     def _stateful(self, chunks) -> dict:
         """The components a checkpoint holds, by name."""
         return {"model": ModelState(self.plan, chunks), "optimizer": OptimizerState(self.plan, self.optimizer),
-                "progress": ProgressState(self.sampler, self.scheduler), "rng": RNGState()}
+                "progress": ProgressState(self.sampler, self.scheduler), "rng": RNGState(), "guard": self.guard}
 
     def _manifest(self) -> dict:
         m = self.mesh
@@ -360,25 +362,21 @@ class Trainer:
         from tqdm import tqdm
 
         last = until or self.cfg.train.steps
-        steps = range(self.sampler.step, last)
-        bar = tqdm(steps, desc="train", unit="step", disable=not (progress and self.rank == 0), mininterval=0.5)
-        history, waited, shown = [], None, {}
-        for step in bar:
+        step = first = self.sampler.step
+        bar = tqdm(total=last, initial=first, desc="train", unit="step",
+                   disable=not (progress and self.rank == 0), mininterval=0.5)
+        history, self.waited, self.shown = [], None, {}
+        while step < last:
             record = self.step(step)
+            problem = self.guard.verdict(record["loss"], record["grad_norm"])
+            if problem is not None:  # never logged, never saved; stop, or train on from a healthy step
+                step = handle_divergence(self, step + 1, problem)
+                history = [r for r in history if r["step"] <= step]
+                bar.n = step
+                continue
+            self.guard.accept(record["loss"])
             self.sampler.step = step + 1
-            if waited is not None:  # how long training waited for the save after the previous step
-                record["checkpoint_s"], waited = waited, None
-            if step == steps.start and self.checkpointer is not None and self.cfg.checkpoint.async_ \
-                    and self.cfg.checkpoint.every > 0:
-                start = time.perf_counter()  # (after the first step: the optimizer's moments exist)
-                self.checkpointer.prepare_background()
-                record["checkpoint_prepare_s"] = time.perf_counter() - start
-            if self.val_batches and ((step + 1) % self.cfg.train.eval_every == 0 or step + 1 == self.cfg.train.steps):
-                eval_start = time.perf_counter()
-                val_loss = self.evaluate()  # (every rank; not at an `until` stop, so a resumed run logs alike)
-                record["val_loss"], record["val_ppl"] = val_loss, math.exp(min(val_loss, 700.0))
-                record["eval_s"] = time.perf_counter() - eval_start
-                shown["val_loss"] = f"{val_loss:.4f}"
+            self._after_step(step, record, first_step=step == first)
             history.append(record)
             if self.log is not None:  # (before the save: a checkpoint of step N implies its log)
                 self.log.write(record)
@@ -389,10 +387,12 @@ class Trainer:
             if self.checkpointer is not None and self.checkpointer.due(step + 1) and step + 1 < last:
                 start = time.perf_counter()
                 self._save(step + 1, background=self.cfg.checkpoint.async_)
-                waited = time.perf_counter() - start
-            if step % self.cfg.train.log_every == 0 or step + 1 == last:
+                self.waited = time.perf_counter() - start
+            step += 1
+            bar.update(1)
+            if (step - 1) % self.cfg.train.log_every == 0 or step == last:
                 bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}",
-                                tok_s=f"{record['tokens_per_s']:.0f}", mfu=f"{record['mfu']:.1%}", **shown)
+                                tok_s=f"{record['tokens_per_s']:.0f}", mfu=f"{record['mfu']:.1%}", **self.shown)
         if self.checkpointer is not None:
             final = self.cfg.checkpoint.final or self.checkpointer.due(last) or self.preempted
             if final and self.checkpointer.last_step != last:
@@ -401,6 +401,23 @@ class Trainer:
         if self.log is not None:
             self.log.close()
         return history
+
+    def _after_step(self, step: int, record: dict, first_step: bool) -> None:
+        """What a healthy step adds to its record: the wait for the previous save, the background
+        saves' staging (after the first step: the optimizer's moments exist), an evaluation."""
+        if self.waited is not None:  # how long training waited for the save after the previous step
+            record["checkpoint_s"], self.waited = self.waited, None
+        if first_step and self.checkpointer is not None and self.cfg.checkpoint.async_ \
+                and self.cfg.checkpoint.every > 0:
+            start = time.perf_counter()
+            self.checkpointer.prepare_background()
+            record["checkpoint_prepare_s"] = time.perf_counter() - start
+        if self.val_batches and ((step + 1) % self.cfg.train.eval_every == 0 or step + 1 == self.cfg.train.steps):
+            eval_start = time.perf_counter()
+            val_loss = self.evaluate()  # (every rank; not at an `until` stop, so a resumed run logs alike)
+            record["val_loss"], record["val_ppl"] = val_loss, math.exp(min(val_loss, 700.0))
+            record["eval_s"] = time.perf_counter() - eval_start
+            self.shown["val_loss"] = f"{val_loss:.4f}"
 
 
 def run_training(cfg: Config, log: bool = True, progress: bool = True, return_state: bool = False,

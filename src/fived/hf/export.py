@@ -10,6 +10,7 @@ checkpoint (whatever layout wrote it), converted and written before the next is 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -43,11 +44,9 @@ def _shards(tensors: list[tuple[str, list, int]], max_bytes: int) -> list[list]:
 
 
 def export(source: str, output: str, max_shard_bytes: int = SHARD_BYTES) -> Path:
-    from fived import dcp_io
     from fived.checkpoint import find_checkpoint, saved_config
-    from fived.model import build_model, canonical_name
 
-    checkpoint = find_checkpoint(source) if Path(source).is_dir() else None
+    checkpoint = find_checkpoint(source, "source") if Path(source).is_dir() else None
     if checkpoint is None:
         raise ConfigError("source", source, "holds no complete fived checkpoint (checkpoints/step-<N>/COMPLETE)",
                           "give a run directory or one of its checkpoints")
@@ -55,13 +54,35 @@ def export(source: str, output: str, max_shard_bytes: int = SHARD_BYTES) -> Path
     if out.exists() and any(out.iterdir()):
         raise ConfigError("--output", output, "exists and is not empty; fived does not overwrite", "name a new directory")
     cfg = saved_config(checkpoint, "source")[1]
+    # Written into a temporary sibling and renamed at the end (as checkpoints): a failure or a kill
+    # leaves no partial output that a retry would then refuse.
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir(parents=True)
+        _write_model(checkpoint, cfg, tmp, max_shard_bytes)
+        if out.exists():
+            out.rmdir()  # (empty: checked above)
+        os.rename(tmp, out)
+    except OSError as e:
+        raise ConfigError("--output", output, f"cannot be written ({e.strerror or e}: {e.filename or tmp})",
+                          "free some space or choose a writable directory") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _write_model(checkpoint: Path, cfg, out: Path, max_shard_bytes: int) -> None:
+    """The safetensors shards (one tensor in memory at a time), tokenizer and configs into `out`."""
+    from fived import dcp_io
+    from fived.model import build_model, canonical_name
+
     kind = export_kind(cfg.model)
     dtype = torch.float64 if cfg.train.dtype == "float64" else torch.float32  # (bf16 checkpoints hold float32 masters)
     tensors = []
     for raw, param in build_model(cfg.model).named_parameters():
         name = canonical_name(raw)
         tensors.append((name, _hf_entries(name, tuple(param.shape), cfg.model, kind), param.numel() * dtype.itemsize))
-    out.mkdir(parents=True, exist_ok=True)
     shards = _shards(tensors, max_shard_bytes)
     weight_map = {}
     for i, shard in enumerate(shards):
@@ -84,7 +105,6 @@ def export(source: str, output: str, max_shard_bytes: int = SHARD_BYTES) -> Path
     (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")
     generation = {"do_sample": False, **special}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=1) + "\n")
-    return out
 
 
 def run_special_tokens(cfg) -> dict:

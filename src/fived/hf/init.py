@@ -36,7 +36,7 @@ def source_model(source: str) -> tuple[ModelConfig, str | None]:
         model = model_config_from_hf(read_config(source), source)
         tokenizer = Path(source) / "tokenizer.json"
         return model, str(tokenizer) if tokenizer.is_file() else None
-    checkpoint = find_checkpoint(source) if Path(source).is_dir() else None
+    checkpoint = find_checkpoint(source, "train.init_from") if Path(source).is_dir() else None
     if checkpoint is None:
         raise ConfigError("--init-from", source, "is neither a Hugging Face model directory (config.json) nor a "
                           "fived run or checkpoint (checkpoints/step-<N>/COMPLETE)", "give one of those")

@@ -9,6 +9,7 @@ import itertools
 import math
 
 from fived.config import Config, ConfigError
+from fived.layout.bounds import number_errors
 from fived.layout.layout import (CHECKPOINTING, COMPILE_BACKENDS, PP_SCHEDULES, PRECISION_SPECS, SPLIT_BACKWARD,
                                  resolve_dp, stages_per_rank)
 
@@ -201,7 +202,7 @@ def suggest_layouts(cfg: Config, world: int, limit: int = 3) -> list[str]:
 def check_config(cfg: Config, world: int | None) -> None:
     """Raise the first ConfigError for `cfg` on `world` ranks, with the nearest valid layouts as hint.
     Called by the CLI before any process starts, and again by every rank as a guard."""
-    errs = _model_errors(cfg) or layout_errors(cfg, world)
+    errs = _model_errors(cfg) or number_errors(cfg) or layout_errors(cfg, world)
     if not errs:
         return
     err = errs[0]

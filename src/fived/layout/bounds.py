@@ -1,0 +1,77 @@
+"""The ranges a config's numbers must lie in before anything is built: a learning rate of inf or
+-1e-3, betas outside [0, 1), `--model.n_layers 100000` or `--steps 1e23` are refused in one line
+(`ConfigError`: field, value, rule, a valid value) instead of writing NaN checkpoints or running the
+allocator out of memory. The integer bounds are generous (well beyond any published model) and only
+there to turn typos into errors; whether a layout fits in memory is fived.layout.fit's question.
+"""
+from __future__ import annotations
+
+import math
+
+from fived.config import Config, ConfigError
+
+# (field, lowest, highest, a valid example): inclusive integer ranges.
+INTEGER_BOUNDS = (
+    ("model.vocab_size", 2, 2**24, 32000), ("model.dim", 2, 2**17, 4096), ("model.n_layers", 1, 4096, 32),
+    ("model.n_heads", 1, 4096, 32), ("model.n_kv_heads", 1, 4096, 8), ("model.ffn_dim", 1, 2**20, 14336),
+    ("model.head_size", 0, 4096, 0), ("model.n_experts", 0, 4096, 8), ("model.top_k", 0, 4096, 2),
+    ("model.moe_ffn_dim", 0, 2**20, 0), ("model.n_shared_experts", 0, 64, 1), ("model.n_dense_layers", 0, 4096, 0),
+    ("model.rope_original_max_len", 1, 2**24, 8192),
+    ("train.steps", 1, 10**12, 200), ("train.seq_len", 2, 2**24, 64), ("train.global_batch", 1, 2**24, 16),
+    ("train.microbatches", 1, 2**20, 1), ("train.warmup_steps", 0, 10**12, 20), ("train.seed", 0, 2**63 - 1, 0),
+    ("train.log_every", 1, 10**12, 10), ("train.eval_every", 0, 10**12, 0), ("train.eval_batches", 0, 2**24, 8),
+    ("train.max_restarts", 0, 10**6, 2), ("train.spike_window", 1, 10**6, 20), ("train.max_rollbacks", 0, 10**6, 3),
+    ("checkpoint.every", 0, 10**12, 100), ("checkpoint.keep", 0, 10**6, 3),
+)  # (the parallel sizes: fived.layout.rules, against the world size)
+
+# (field, rule, test, a valid example): every one also must be finite.
+FLOAT_RULES = (
+    ("train.lr", "must be > 0", lambda v: v > 0, "3e-3"),
+    ("train.min_lr_ratio", "must be in [0, 1]", lambda v: 0 <= v <= 1, "0.1"),
+    ("train.beta1", "must be in [0, 1)", lambda v: 0 <= v < 1, "0.9"),
+    ("train.beta2", "must be in [0, 1)", lambda v: 0 <= v < 1, "0.95"),
+    ("train.eps", "must be > 0", lambda v: v > 0, "1e-8"),
+    ("train.weight_decay", "must be >= 0", lambda v: v >= 0, "0.1"),
+    ("train.grad_clip", "must be >= 0 (0: no clipping)", lambda v: v >= 0, "1.0"),
+    ("train.spike_factor", "must be 0 (no spike check) or > 1", lambda v: v == 0 or v > 1, "5"),
+    ("train.collective_timeout_s", "must be in (0, 1e7] seconds", lambda v: 0 < v <= 1e7, "600"),
+    ("train.preempt_grace_s", "must be in [0, 1e7] seconds", lambda v: 0 <= v <= 1e7, "60"),
+    ("train.peak_tflops", "must be >= 0 (0: look it up)", lambda v: v >= 0, "0"),
+    ("model.rope_theta", "must be > 0", lambda v: v > 0, "10000"),
+    ("model.norm_eps", "must be > 0", lambda v: v > 0, "1e-5"),
+    ("model.init_std", "must be > 0", lambda v: v > 0, "0.02"),
+    ("model.capacity_factor", "must be >= 0 (0: dropless)", lambda v: v >= 0, "0"),
+    ("model.aux_loss_coef", "must be >= 0", lambda v: v >= 0, "0.01"),
+    ("model.router_bias_rate", "must be >= 0", lambda v: v >= 0, "0"),
+)
+
+CHOICES = (("train.on_spike", ("stop", "rollback"), "stop"),)
+
+
+def _value(cfg: Config, dotted: str):
+    section, _, name = dotted.partition(".")
+    return getattr(getattr(cfg, section), name)
+
+
+def _flag(dotted: str) -> str:
+    return f"--{dotted}"
+
+
+def number_errors(cfg: Config) -> list[ConfigError]:
+    """Every config number outside its range, and every unknown choice, as one-line errors."""
+    errs = []
+    for dotted, lowest, highest, example in INTEGER_BOUNDS:
+        value = _value(cfg, dotted)
+        if not lowest <= value <= highest:
+            rule = f"must be >= {lowest}" if value < lowest else f"must be <= {highest} (far beyond any real run)"
+            errs.append(ConfigError(dotted, value, rule, f"e.g. {_flag(dotted)} {example}"))
+    for dotted, rule, ok, example in FLOAT_RULES:
+        value = _value(cfg, dotted)
+        if not (math.isfinite(value) and ok(value)):
+            errs.append(ConfigError(dotted, value, rule + (" and finite" if not math.isfinite(value) else ""),
+                                    f"e.g. {_flag(dotted)} {example}"))
+    for dotted, options, example in CHOICES:
+        value = _value(cfg, dotted)
+        if value not in options:
+            errs.append(ConfigError(dotted, value, "must be one of " + ", ".join(options), f"e.g. {_flag(dotted)} {example}"))
+    return errs

@@ -1,0 +1,146 @@
+"""Damaged checkpoints: verified before they are trusted; a damaged newest one sends resume, restarts,
+export and generate to the newest intact one (one line), and an explicitly named damaged one is
+refused in one line naming the damaged file and the intact alternative."""
+import errno
+import json
+import shutil
+
+import pytest
+
+import fived.hf.export
+from fived.checkpoint import find_checkpoint, read_manifest
+from fived.checkpoint_verify import damage
+from fived.cli import main
+from fived.config import ConfigError
+from fived.testing import run_on_ranks, tiny_config
+from fived.train import run_training
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A 4-step run with checkpoints step-2 and step-4."""
+    run = tmp_path_factory.mktemp("saved") / "run"
+    cfg = tiny_config("tiny", train__steps=4, checkpoint__every=2, train__output_dir=str(run))
+    run_on_ranks(1, run_training, cfg, True, False, False)
+    return run
+
+
+@pytest.fixture
+def run(saved, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(saved, copy)
+    return copy
+
+
+def _shard(checkpoint):
+    return sorted(checkpoint.glob("*.distcp"))[0]
+
+
+def _truncate(c):
+    path = _shard(c)
+    path.write_bytes(path.read_bytes()[:100])
+    return path.name
+
+
+def _delete(c):
+    _shard(c).unlink()
+    return ".distcp is missing"
+
+
+def _flip_a_byte(c):
+    path = _shard(c)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    return "has changed since it was saved"
+
+
+def _step_not_a_number(c):
+    manifest = read_manifest(c)
+    (c / "fived.json").write_text(json.dumps({**manifest, "step": "four"}))
+    return "gives step 'four'"
+
+
+def _no_index(c):
+    (c / ".metadata").unlink()
+    return ".metadata: not a readable checkpoint index"
+
+
+DAMAGES = {"truncated-shard": _truncate, "deleted-shard": _delete, "flipped-byte": _flip_a_byte,
+           "step-not-a-number": _step_not_a_number, "deleted-index": _no_index}
+
+
+@pytest.mark.parametrize("how", list(DAMAGES))
+def test_a_damaged_newest_checkpoint_falls_back_to_the_intact_one(how, run, capsys):
+    newest = run / "checkpoints" / "step-4"
+    assert damage(newest) is None
+    named = DAMAGES[how](newest)
+    assert named in damage(newest)
+    assert find_checkpoint(run) == run / "checkpoints" / "step-2"
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "checkpoint step-4 is damaged" in err and named in err, err
+    with pytest.raises(ConfigError, match=f"^--resume=.*step-4: damaged: .*; use the intact .*step-2$"):
+        find_checkpoint(newest, "--resume")
+
+
+def test_resume_and_export_use_the_newest_intact_checkpoint(run, tmp_path, capsys):
+    _truncate(run / "checkpoints" / "step-4")
+    assert main(["export", str(run), "--output", str(tmp_path / "hf")]) == 0
+    assert (tmp_path / "hf" / "config.json").is_file()
+    assert main(["export", str(run / "checkpoints" / "step-4"), "--output", str(tmp_path / "hf2")]) == 2
+    assert not (tmp_path / "hf2").exists()
+    assert main(["train", "--resume", str(run), "--steps", "3"]) == 0
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "checkpoint step-4 is damaged" in err, err
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+
+
+def test_a_failing_export_leaves_no_partial_output(run, tmp_path, monkeypatch, capsys):
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "hf" / "tokenizer.json"))
+
+    monkeypatch.setattr(fived.hf.export, "_write_tokenizer", full)
+    assert main(["export", str(run), "--output", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "No space left on device" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no output, no temporary directory
+
+
+def test_a_save_without_room_is_skipped_and_the_next_one_tries_again(tmp_path, monkeypatch, capsys):
+    """Free space is checked before a save: the save of step 2 is skipped with one warning line,
+    training goes on, and the save of step 4 (room again) is written."""
+    import fived.checkpoint
+
+    real, calls = shutil.disk_usage, []
+
+    def usage(path):
+        calls.append(path)
+        found = real(path)
+        return found._replace(free=1000) if len(calls) == 1 else found
+
+    monkeypatch.setattr(fived.checkpoint.shutil, "disk_usage", usage)
+    cfg = tiny_config("tiny", train__steps=4, checkpoint__every=2, train__output_dir=str(tmp_path))
+    result = run_on_ranks(1, run_training, cfg, True, False, False)[0]
+    assert result.metrics[-1]["step"] == 4
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-4"]
+
+
+def test_a_full_disk_during_a_save_is_one_line_and_loses_nothing(run, monkeypatch):
+    import fived.checkpoint
+    from fived.launch import RankFailed
+
+    real = fived.checkpoint._fsync_write
+
+    def full(path, text):
+        if path.name == "fived.json":
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        real(path, text)
+
+    monkeypatch.setattr(fived.checkpoint, "_fsync_write", full)
+    cfg = tiny_config("tiny", train__steps=6, checkpoint__every=2, train__output_dir=str(run))
+    with pytest.raises(RankFailed) as failed:
+        run_on_ranks(1, run_training, cfg, True, False, False, str(run / "checkpoints" / "step-4"))
+    (summary,) = failed.value.summaries
+    assert summary["kind"] == "write_failed"
+    assert "checkpoint save of step 6 failed:" in summary["line"] and ".tmp-step-6/fived.json: no space left" in summary["line"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-2", "step-4"]  # no partial directory
