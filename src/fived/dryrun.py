@@ -3,7 +3,7 @@ this one process, its bytes measured and set beside the planner's.
 
 torch's fake process group stands in for the other ranks: every group of the mesh exists (a
 16384-rank mesh builds in a fraction of a second) and every collective returns at once. The rank is
-built by `fived.train.build_rank`, the function the trainer calls (mesh, pipeline stages,
+built by `fived.rank.build_rank`, the function the trainer calls (mesh, pipeline stages,
 parallelize on meta, materialise, initialise, data-parallel wrapping, optimizer), so what is
 measured is what training allocates. Then one optimizer step runs on zero gradients, as the
 trainer's first step would after its backward: Adam's moments (created lazily by the first step)
@@ -30,7 +30,7 @@ from fived.mesh import PRECISIONS, Layout
 from fived.metrics import peak_memory_mb
 from fived.model import rope_cos_sin
 from fived.planner.memory import activation_bytes_per_microbatch, rank_chunks, state_bytes, state_element_bytes
-from fived.train import RankModel, build_rank
+from fived.rank import RankModel, build_rank
 
 STATE_KINDS = ("params", "grads", "optimizer")
 
@@ -175,7 +175,7 @@ def run_dryrun(cfg: Config, world: int, *, rank: int, blocks: int = 0, init: boo
     return {"rank": rank, "world": world, "cfg": cfg, "init": init, "planner": planner, "measured": measured,
             "layers": layers, "build_s": built_s, "step_s": step_s, "build_rss_mb": built_rss,
             "peak_rss_mb": peak_memory_mb(built.device),
-            "activations": acts}
+            "activations": acts, "init_stats": built.init_stats}
 
 
 def _row(label: str, got: int, want: int | None) -> str:
@@ -188,6 +188,14 @@ def _layers(ids: list[str]) -> str:
     return f"layer {ids[0]}" if len(ids) == 1 else f"layers {ids[0]}-{ids[-1]}" if ids else "no layers"
 
 
+def _init_line(stats) -> list[str]:
+    """The initialisation's generator work next to what the rank holds (its tiles' rounding)."""
+    if not stats.filled:
+        return []
+    return [f"  init: drew {stats.generated:,} values in {stats.tiles:,} tiles for the {stats.filled:,} elements "
+            f"this rank holds (x{stats.generated / stats.filled:.3f})"]
+
+
 def format_dryrun(result: dict) -> str:
     """The report: model-state bytes measured | planner, per stage, activations; last line the verdict."""
     m, p, cfg = result["measured"], result["planner"], result["cfg"]
@@ -198,6 +206,7 @@ def format_dryrun(result: dict) -> str:
              f"  built in {result['build_s']:.1f} s ({'initialised' if result['init'] else 'not initialised: --no-init'}), "
              f"first optimizer step {result['step_s']:.1f} s; peak RSS {result['build_rss_mb'] / 1024:.2f} GiB "
              f"after the build, {result['peak_rss_mb'] / 1024:.2f} GiB in all",
+             *_init_line(result["init_stats"]),
              f"  {'model-state bytes':<44}{'measured':>17}  {'planner':>17}"]
     lines += [_row(kind, m[kind], p[kind]) for kind in STATE_KINDS]
     lines.append(_row("  of the optimizer: float32 masters", m["masters"], p["masters"]))
