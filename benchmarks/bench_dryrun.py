@@ -31,9 +31,7 @@ BLOCKS = {
 L70 = ("--model llama3-70b --seq-len 8192 --tp 8 --pp 8 --dp 8 --zero 1 --dtype bfloat16 --nproc 512 "
        "--global-batch 64 --rank 0")
 BUILDS = {"llama3-70b tp8 pp8 dp8 ZeRO-1 bf16, rank 0": L70,
-          "llama3-70b ... rank 0, --no-init": L70 + " --no-init",
-          # gradients reduced in bf16: no float32 copy of the flat gradient buffer in the step
-          "llama3-70b ... rank 0, --no-init, reduce in bf16": L70 + " --no-init --parallel.reduce_dtype bfloat16"}
+          "llama3-70b ... rank 0, --no-init": L70 + " --no-init"}
 
 
 def dryrun(flags: str) -> tuple[str, float]:
