@@ -4,12 +4,14 @@ sits in the whole tensor, as one device would hold it.
 Megatron-Core's `ShardedTensor` idea, for fived's recipe. Every parallel dimension cuts a parameter
 in one of three ways, and a `Placement` records all three:
   - the model-local tensor (after tensor and expert parallelism) is a box of the whole tensor,
-    possibly running into padding (a vocabulary padded to a multiple of tp);
+    possibly running into padding (a vocabulary padded to a multiple of tp): the sharding spec's
+    box for this rank (`fived.layout.spec.TensorSpec.local_box`);
   - data parallelism then stores either all of it, or rows [a, b) of it (ZeRO-3: FSDP2 shards the
     first dimension), or elements [a, b) of its flat view (ZeRO-1/2: a slice of the flat buffer);
   - ranks that hold the same piece are replicas; only replica 0's copy is saved.
-Initialisation, `full_state()`, checkpoints and export read this table; an optimizer moment is
-placed exactly like the parameter it belongs to.
+Initialisation (`fived.init`: each rank draws only its pieces' tiles), `full_state()`, checkpoints,
+`--init-from` and export read this table; an optimizer moment is placed exactly like the parameter
+it belongs to.
 """
 from __future__ import annotations
 
@@ -38,20 +40,6 @@ class Placement:
     replica: int = 0  # 0: this rank's copy is the one written; > 0: another rank's piece again
     rows: tuple[int, int] | None = None  # ZeRO-3: rows [a, b) of the local tensor are stored here
     flat: tuple[int, int] | None = None  # ZeRO-1/2: elements [a, b) of the local tensor's flat view
-
-    def local_value(self, full: torch.Tensor) -> torch.Tensor:
-        """The model-local tensor cut out of a whole value (padding filled with zeros)."""
-        padded = [max(g, o + s) for g, o, s in zip(full.shape, self.local.offsets, self.local.sizes)]
-        if list(full.shape) != padded:
-            grown = full.new_zeros(padded)
-            grown[tuple(slice(0, n) for n in full.shape)] = full
-            full = grown
-        return full[tuple(slice(o, o + s) for o, s in zip(self.local.offsets, self.local.sizes))].contiguous()
-
-    def stored_value(self, full: torch.Tensor) -> torch.Tensor:
-        """What the parameter itself holds on this rank: the local tensor, or its ZeRO-3 rows."""
-        local = self.local_value(full)
-        return local[self.rows[0]:self.rows[1]].contiguous() if self.rows is not None else local
 
     @property
     def stored_shape(self) -> tuple[int, ...]:
