@@ -19,17 +19,15 @@ from pathlib import Path
 import torch
 
 from fived.config import ModelConfig
+from fived.layout.stages import layer_costs
 
 
 def matmul_params_per_token(cfg: ModelConfig) -> int:
-    d, hd = cfg.dim, cfg.head_dim
-    attn = d * hd * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
-    dense_ffn = 3 * d * cfg.ffn_dim
-    moe_ffn = 3 * d * cfg.expert_dim * (cfg.top_k + cfg.n_shared_experts) + d * cfg.n_experts
-    n_moe = max(cfg.n_layers - cfg.n_dense_layers, 0) if cfg.is_moe else 0
-    per_layer_norms = 2 * d
-    return (cfg.n_layers * (attn + per_layer_norms) + (cfg.n_layers - n_moe) * dense_ffn + n_moe * moe_ffn
-            + d + d * cfg.vocab_size)
+    """Parameters one token multiplies by: each layer's attention and (top_k routed + shared experts'
+    and router's, or dense) feed-forward weights — the pipeline's layer costs — plus the norms' gains
+    and the output head."""
+    costs, head = layer_costs(cfg)
+    return int(sum(costs)) + cfg.n_layers * 2 * cfg.dim + cfg.dim + head
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
