@@ -13,7 +13,8 @@ from fived.layout.schedule_sim import analyse, pipeline_profile
 from fived.planner.calibration import COVERAGE, OUT_OF_SAMPLE_ERROR, validate
 from fived.planner.hardware import CATALOGUE, hardware
 from fived.mesh import Layout
-from fived.planner.memory import activation_bytes_per_microbatch, parameter_shapes, rank_chunks, state_bytes
+from fived.layout.stages import rank_chunks
+from fived.planner.memory import activation_bytes_per_microbatch, parameter_shapes, state_bytes
 from fived.planner.search import plan
 from fived.planner.timing import Cluster
 from fived.report import expected_comm_bytes, local_model

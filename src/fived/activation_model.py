@@ -91,7 +91,7 @@ from __future__ import annotations
 import math
 
 from fived.layout.layout import CHECKPOINTING
-from fived.layout.spec import kv_width
+from fived.layout.spec import kv_width, local_vocab
 
 
 def activation_bytes(model, *, micro_batch_seqs: int, seq_len: int, tp: int = 1, sp: bool = False, cp: int = 1,
@@ -150,7 +150,7 @@ class _Geometry:
         self.x = dtype_bytes  # matmul / activation dtype
         self.r = 4 if self.bf16 else dtype_bytes  # residual stream, norms, RoPE (fp32 weights under autocast)
         self.f32 = max(dtype_bytes, 4)  # at least float32: softmax statistics, loss, router
-        self.V = math.ceil(m.vocab_size / tp)
+        self.V = local_vocab(m, tp)
 
     # parts -------------------------------------------------------------------------------------
     def embedding(self) -> int:

@@ -29,7 +29,8 @@ from fived.ledger import ActivationLedger, held_bytes, local_tensor, model_state
 from fived.mesh import PRECISIONS, Layout
 from fived.metrics import peak_memory_mb
 from fived.model import rope_cos_sin
-from fived.planner.memory import activation_bytes_per_microbatch, rank_chunks, state_bytes, state_element_bytes
+from fived.layout.stages import rank_chunks
+from fived.planner.memory import activation_bytes_per_microbatch, state_bytes, state_element_bytes
 from fived.rank import RankModel, build_rank
 
 STATE_KINDS = ("params", "grads", "optimizer")

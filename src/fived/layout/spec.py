@@ -162,6 +162,11 @@ def padded_vocab(m: ModelConfig, tp: int) -> int:
     return math.ceil(m.vocab_size / tp) * tp
 
 
+def local_vocab(m: ModelConfig, tp: int) -> int:
+    """Rows of the embedding and head (columns of the logits) a tp rank holds, padding included."""
+    return padded_vocab(m, tp) // tp
+
+
 def chunk_specs(m: ModelConfig, layers, first: bool, last: bool, *, tp: int = 1, ep: int = 1, sp: bool = False,
                 etp: int = 0) -> list[TensorSpec]:
     """The tensors of a model chunk (a pipeline stage, or the whole model), in the model's order."""

@@ -135,11 +135,13 @@ def describe_placements(chunks, specs: dict[str, TensorSpec], data_parallel: Dat
     box from the sharding spec, its data-parallel storage from the ZeRO stage's own layout."""
     out = {}
     for chunk in chunks:
-        for raw, _ in chunk.named_parameters():
+        for raw, param in chunk.named_parameters():
             spec = specs[canonical_name(raw)]
+            box = Box(*spec.local_box(tp_rank=tp_rank, ep_rank=ep_rank))
+            if tuple(param.shape) != box.sizes:  # (a ZeRO-3 DTensor's shape is the unsharded local one)
+                raise RuntimeError(f"{spec.name}: the runtime built {tuple(param.shape)}, the spec says {box.sizes}")
             rows, flat, dp_replica = data_parallel.storage(spec.name)
-            out[spec.name] = Placement(spec.shape, Box(*spec.local_box(tp_rank=tp_rank, ep_rank=ep_rank)),
-                                       spec.tp_replica(tp_rank) + tp * dp_replica, rows, flat)
+            out[spec.name] = Placement(spec.shape, box, spec.tp_replica(tp_rank) + tp * dp_replica, rows, flat)
         for raw, _ in chunk.named_buffers():
             spec = specs[canonical_name(raw)]
             whole = Box((0,) * len(spec.shape), spec.shape)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fived.config import Config
+from fived.layout.spec import REDUCE_CHUNK_ELEMENTS
 from fived.mesh import DTYPES, PRECISIONS, Mesh
 from fived.ledger import local_tensor as _local
 from fived.model import canonical_name
@@ -201,12 +202,28 @@ class DataParallel:
 
 
 def _all_reduce_flat(grads: list[torch.Tensor], group, reduce_dtype: torch.dtype) -> None:
-    """Sum `grads` over `group` with one all-reduce of a flat buffer."""
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads]).to(reduce_dtype)
+    """Sum `grads` over `group`: their elements packed into flat buffers of at most
+    REDUCE_CHUNK_ELEMENTS (a gradient may span two), each cast to `reduce_dtype` and all-reduced —
+    one buffer for small models; for big ones the cast copy stays a bounded transient (the planner's)."""
+    views = [g.view(-1) for g in grads]  # (views: a gradient is contiguous, like its parameter)
+    batch, room = [], REDUCE_CHUNK_ELEMENTS
+    for view in views:
+        start = 0
+        while start < view.numel():
+            take = min(room, view.numel() - start)
+            batch.append(view[start:start + take])
+            start, room = start + take, room - take
+            if room == 0:
+                _all_reduce_pieces(batch, group, reduce_dtype)
+                batch, room = [], REDUCE_CHUNK_ELEMENTS
+    if batch:
+        _all_reduce_pieces(batch, group, reduce_dtype)
+
+
+def _all_reduce_pieces(pieces: list[torch.Tensor], group, reduce_dtype: torch.dtype) -> None:
+    flat = torch.cat(pieces).to(reduce_dtype)
     dist.all_reduce(flat, group=group)
     offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
+    for piece in pieces:  # (views of the gradients: written in place)
+        piece.copy_(flat[offset:offset + piece.numel()])
+        offset += piece.numel()

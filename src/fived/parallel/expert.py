@@ -63,8 +63,10 @@ class ExpertParallelExperts(GroupedExperts):
 
 
 def apply_expert_parallel(chunks: list[nn.Module], group, ep: int) -> None:
-    """Swap each MoE's experts for this rank's share (on the meta device): E/ep experts, the ones
-    the sharding spec places on this ep rank (`fived.layout.spec`, dim 0 of each expert tensor)."""
+    """Swap each MoE's experts for this rank's share (on the meta device): E/ep consecutive experts,
+    ep rank j holding [j*E/ep, (j+1)*E/ep) as the sharding spec places them (`fived.layout.spec`, dim
+    0 of each expert tensor); the dispatch's split sizes follow that order, and the placements check
+    every local shape against the spec."""
     for chunk in chunks:
         for block in chunk.layers.values():
             moe = block.feed_forward

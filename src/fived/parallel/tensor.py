@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fived.layout.spec import Cut, TensorSpec, padded_vocab
+from fived.layout.spec import Cut, TensorSpec
 from fived.model import MoE, Transformer, canonical_name
 
 
@@ -118,7 +118,6 @@ class TensorParallel:
         self.partial_grads: set[str] = set()  # replicated over tp, but each rank holds a partial grad
         self.vocab = model.cfg.vocab_size
         self._regather: dict = {}  # storage of a gathered region input -> (sequence shard, weakref)
-        self.vocab_padded = padded_vocab(model.cfg, self.tp)
 
     # parameters ----------------------------------------------------------------------------------
     def apply(self, model: Transformer) -> None:
@@ -150,7 +149,7 @@ class TensorParallel:
 
     def _vocab_parallel(self, model: Transformer) -> None:
         """Hooks of the vocab-parallel embedding and head (a pipeline stage may have one, or neither)."""
-        lo = self.rank * (self.vocab_padded // self.tp)
+        lo = self.specs["tok_embeddings.weight"].local_box(tp_rank=self.rank)[0][0]  # this rank's first row
         if model.tok_embeddings is not None:
             model.tok_embeddings.register_forward_hook(self._embedding_hook(lo), with_kwargs=False)
             model.tok_embeddings.register_forward_pre_hook(self._embedding_pre_hook(lo))

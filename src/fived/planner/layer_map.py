@@ -14,7 +14,7 @@ import math
 
 from fived.config import ModelConfig
 from fived.layout.layout import Layout
-from fived.layout.spec import TensorSpec, end_specs, layer_specs, kv_width
+from fived.layout.spec import TensorSpec, end_specs, kv_width, layer_specs, local_vocab
 from fived.layout.stages import rank_chunks
 
 
@@ -63,19 +63,23 @@ def activations(m: ModelConfig, layout: Layout, seq_len: int) -> list[dict]:
     L, hd = layout, m.head_dim
     tokens = L.micro_batch * seq_len // L.cp
     kv_local = kv_width(m, L.tp) // hd
+    lid = m.n_dense_layers if m.is_moe else 0  # a MoE layer's activations for a MoE model
+    local = {_short_name(s.name): s.local_shape for s in layer_specs(m, lid, tp=L.tp, ep=L.ep)}
+    q_width = local["wq"][0]  # the local widths, from the sharding spec's cuts
+    ffn_width = local["experts.w1"][2] * m.top_k if m.is_moe else local["w1"][0]
     by_cp = "cp" if L.cp > 1 else ""
     by_tp = "+".join(x for x in (by_cp, "tp" if L.tp > 1 else "") if x)
     by_sp = "+".join(x for x in (by_cp, "sp" if L.sp else "") if x)
     resid = [tokens // L.tp if L.sp else tokens, m.dim]
     ffn = (m.expert_dim * m.top_k) if m.is_moe else m.ffn_dim
     out = [a("x (residual)", resid, [L.micro_batch * seq_len, m.dim], by_sp),
-           a("q", [tokens, m.n_heads * hd // L.tp], [L.micro_batch * seq_len, m.n_heads * hd], by_tp),
+           a("q", [tokens, q_width], [L.micro_batch * seq_len, m.n_heads * hd], by_tp),
            a("k, v", [tokens, kv_local * hd], [L.micro_batch * seq_len, m.n_kv_heads * hd],
              by_tp if kv_local < m.n_kv_heads else by_cp),
-           a("attention out", [tokens, m.n_heads * hd // L.tp], [L.micro_batch * seq_len, m.n_heads * hd], by_tp),
-           a("ffn hidden" + (" (top_k routed)" if m.is_moe else ""), [tokens, ffn // L.tp],
+           a("attention out", [tokens, q_width], [L.micro_batch * seq_len, m.n_heads * hd], by_tp),
+           a("ffn hidden" + (" (top_k routed)" if m.is_moe else ""), [tokens, ffn_width],
              [L.micro_batch * seq_len, ffn], by_tp),
-           a("logits", [tokens, math.ceil(m.vocab_size / L.tp)], [L.micro_batch * seq_len, m.vocab_size], by_tp, "head")]
+           a("logits", [tokens, local_vocab(m, L.tp)], [L.micro_batch * seq_len, m.vocab_size], by_tp, "head")]
     if L.checkpointing == "full":
         for t in out[1:5]:
             t["note"] = "recomputed in backward (full checkpointing)"

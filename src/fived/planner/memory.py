@@ -43,8 +43,8 @@ from functools import lru_cache
 from fived.config import ModelConfig
 from fived.layout.layout import PRECISION_SPECS, Layout
 from fived.layout.schedule_sim import pipeline_profile
-from fived.layout.spec import REDUCE_CHUNK_ELEMENTS, chunk_specs, flat_range, shard_rows
-from fived.layout.stages import model_key, placement, rank_chunks, rank_chunks_by_key, rank_stages
+from fived.layout.spec import REDUCE_CHUNK_ELEMENTS, chunk_specs, flat_range, local_vocab, shard_rows
+from fived.layout.stages import model_key, placement, rank_chunks_by_key
 from fived.planner.runtimes import FIVED, Runtime, framework_activations
 
 RESERVE_GIB = 2.0  # CUDA context, NCCL communicators and workspaces
@@ -218,7 +218,7 @@ def memory_per_gpu(m: ModelConfig, layout: Layout, seq_len: int, global_batch: i
         if L.tp > 1:  # one region's gathered input and its partial output
             buffers += 2 * tokens * m.dim * e
         if any(last for _, _, last in chunks):  # the loss's float32 logits of one micro-batch
-            buffers += tokens * math.ceil(m.vocab_size / L.tp) * 4
+            buffers += tokens * local_vocab(m, L.tp) * 4
         # in-flight counts are whole-rank micro-batches (alive stage-micro-batches / stages per rank)
         total = sum(state.values()) + buffers + act * in_flight[pp_rank]
         if worst is None or total > worst[0]:
@@ -281,10 +281,7 @@ def _static_buffers(m: ModelConfig, layout: Layout, dtype: str, chunks, state: d
         out += state["optimizer"] // optimizer_bytes * 4  # the masters' float32 gradients while the optimizer steps
     if layout.zero == 0 and layout.pp == 1 and layout.dp > 1:
         out += DDP_BUCKET_BYTES
-    flat_reduced = layout.zero in (1, 2) or (layout.zero == 0 and layout.pp > 1 and layout.dp * layout.cp > 1)
-    if flat_reduced and runtime.is_fived and b == 2 and layout.reduce_dtype == "float32":
-        piece = min(dense, REDUCE_CHUNK_ELEMENTS)  # the float32 piece being reduced, and its reduced slice
-        out += 4 * (piece + piece // (layout.dp_shard * layout.cp if layout.zero else 1))
+    out += _reduction_pieces(layout, b, dense, unsharded - dense) if runtime.is_fived else 0
     if layout.zero < 3:
         return out, 0
     # gathered weights in the compute dtype: the whole stage under pipelines (kept); otherwise the
@@ -295,3 +292,19 @@ def _static_buffers(m: ModelConfig, layout: Layout, dtype: str, chunks, state: d
     per_layer = (unsharded - ends) / max(1, sum(len(c[0]) for c in chunks))
     out += int(unsharded if layout.pp > 1 else ends + 2 * per_layer) * gathered
     return out, unsharded * (runtime.grad_bytes or b)
+
+
+def _reduction_pieces(layout: Layout, b: int, dense: int, experts: int) -> int:
+    """Transient bytes of fived's gradient reductions in pieces of REDUCE_CHUNK_ELEMENTS: bf16 flat
+    gradients cast to float32 a piece at a time (with the reduced slice of a sharded stage), and
+    routed experts' gradients (ep > 1, summed over edp) packed, then cast, a piece at a time."""
+    cast = 4 if b == 2 and layout.reduce_dtype == "float32" else 0
+    flat_reduced = layout.zero in (1, 2) or (layout.zero == 0 and layout.pp > 1 and layout.dp * layout.cp > 1)
+    out = 0
+    if flat_reduced and cast:
+        piece = min(dense, REDUCE_CHUNK_ELEMENTS)
+        out += cast * (piece + (piece // (layout.dp_shard * layout.cp) if layout.zero else 0))
+    if layout.zero < 3 and layout.ep > 1 and layout.dp * layout.cp // layout.ep > 1 and experts:
+        piece = min(experts, REDUCE_CHUNK_ELEMENTS)
+        out += piece * (b + cast)
+    return out

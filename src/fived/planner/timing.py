@@ -43,7 +43,7 @@ from fived.metrics import flops_per_token
 from fived.layout.schedule_sim import pipeline_profile
 from fived.planner.communication import group_span, owned_parameters, step_collectives
 from fived.planner.hardware import Hardware
-from fived.planner.memory import model_key, placement, rank_chunks_by_key, rank_stages
+from fived.layout.stages import model_key, placement, rank_chunks_by_key, rank_stages
 from fived.planner.runtimes import FIVED, Runtime
 
 LINK_EFFICIENCY = 0.8  # share of a link's bandwidth ring collectives reach (fitted; NCCL tests report 0.75-0.9)
