@@ -7,4 +7,5 @@ torch), so the planner, the pages and the runtime read one description.
   stages.py        the pipeline stage split and which stages (chunks) each pipeline rank holds
   schedule_sim.py  every pipeline schedule's action lists without running: bubble, in-flight micro-batches
   rules.py         the rules a layout must meet before launch, each broken one as one line
+  bounds.py        the ranges a config's numbers must lie in (lr, betas, sizes), checked with the rules
 """
