@@ -184,3 +184,28 @@ def test_each_rollback_skips_further(tmp_path, monkeypatch):
     assert [e["from_step"] for e in events] == [4, 4]
     reference = run_on_ranks(1, _trained_with_skip, _config(tmp_path / "ref"), 4, 2 * (POISONED + 1 - 4))[0]
     assert [r["loss"] for r in rolled.metrics] == [r["loss"] for r in reference]
+
+
+def test_every_rank_rolls_back_to_the_checkpoint_rank_0_chose(tmp_path, monkeypatch):
+    """A transient read error on rank 1 alone (its view of step-4 looks damaged) must not send rank 1
+    to an older checkpoint than rank 0: rank 0 chooses the healthy checkpoint and every rank loads it,
+    so the 2-rank run ends exactly as the run that skipped the window from step 4."""
+    import torch.distributed as dist
+
+    import fived.divergence
+
+    real = fived.divergence.cached_damage
+
+    def flaky(path):
+        if dist.get_rank() == 1 and path.name == "step-4":
+            return f"{path}: [Errno 5] Input/output error"
+        return real(path)
+
+    cfg = _config(tmp_path, train__on_spike="rollback", train__max_rollbacks=1)
+    with monkeypatch.context() as patch:
+        _poison_once(patch, POISONED)
+        patch.setattr(fived.divergence, "cached_damage", flaky)
+        rolled = run_on_ranks(2, run_training, cfg, True, False, False)
+    reference = run_on_ranks(2, _trained_with_skip, _config(tmp_path / "ref"), 4, POISONED + 1 - 4)[0]
+    assert [r["loss"] for r in rolled[0].metrics] == [r["loss"] for r in reference]
+    assert [r["loss"] for r in rolled[1].metrics] == [r["loss"] for r in reference]
