@@ -144,3 +144,32 @@ def test_a_full_disk_during_a_save_is_one_line_and_loses_nothing(run, monkeypatc
     assert summary["kind"] == "write_failed"
     assert "checkpoint save of step 6 failed:" in summary["line"] and ".tmp-step-6/fived.json: no space left" in summary["line"]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-2", "step-4"]  # no partial directory
+
+
+def _resume_choice(run, flaky_rank):
+    import torch.distributed as dist
+
+    import fived.checkpoint
+    from fived.cli import build_parser
+    from fived.run_setup import prepare_training
+    from fived.train_cli import agreed_run
+
+    real = fived.checkpoint.cached_damage
+    if dist.get_rank() == flaky_rank:  # a transient read error on this rank alone
+        fived.checkpoint.cached_damage = lambda c, crc=True: "EIO" if c.name == "step-4" else real(c, crc)
+    ns = build_parser().parse_args(["train", "--resume", "auto", "--steps", "6", "--train.output_dir", str(run)])
+    mine = prepare_training(ns, 1)
+    agreed = agreed_run(mine)
+    return mine.resume, agreed.resume, agreed.resumed_step
+
+
+def test_under_torchrun_every_rank_resumes_the_checkpoint_rank_0_verified(run):
+    """Under torchrun (as in forked ranks: RANK and WORLD_SIZE set) each rank chooses before the
+    process group exists; rank 0's choice is the one every rank resumes."""
+    newest = str(run / "checkpoints" / "step-4")
+    (mine0, agreed0, step0), (mine1, agreed1, step1) = run_on_ranks(2, _resume_choice, run, 1)
+    assert (mine0, mine1) == (newest, str(run / "checkpoints" / "step-2"))  # rank 1 alone saw an error
+    assert agreed0 == agreed1 == newest and step0 == step1 == 4
+    _flip_a_byte(run / "checkpoints" / "step-4")  # damage only a CRC finds: rank 1 does not read it whole
+    (mine0, agreed0, _), (mine1, agreed1, _) = run_on_ranks(2, _resume_choice, run, None)
+    assert mine1 == newest and agreed0 == agreed1 == mine0 == str(run / "checkpoints" / "step-2")

@@ -60,21 +60,22 @@ def newest_intact(run_dir: Path) -> Path | None:
     return next((c for _, c in reversed(complete_checkpoints(run_dir)) if cached_damage(c) is None), None)
 
 
-def find_checkpoint(path: str | Path, flag: str = "checkpoint") -> Path | None:
+def find_checkpoint(path: str | Path, flag: str = "checkpoint", crc: bool = True) -> Path | None:
     """A checkpoint directory as given, or the newest intact checkpoint of a run directory (each
     damaged newer one skipped with one line on stderr; see fived.checkpoint_verify). A damaged
     checkpoint named explicitly is refused in one line naming the damaged file and the intact
-    alternative: falling back is not what was asked for."""
+    alternative: falling back is not what was asked for. `crc=False`: no file is read whole (a
+    provisional choice that another process's full check replaces; see fived.train_cli)."""
     path = Path(path)
     if (path / MARKER).is_file():
-        problem = cached_damage(path)
+        problem = cached_damage(path, crc)
         if problem is None:
             return path
         intact = newest_intact(path.parent.parent) if path.parent.name == "checkpoints" else None
         raise ConfigError(flag, str(path), f"damaged: {problem}",
                           f"use the intact {intact}" if intact else "no intact checkpoint of this run is left")
     for step, checkpoint in reversed(complete_checkpoints(path)):
-        problem = cached_damage(checkpoint)
+        problem = cached_damage(checkpoint, crc)
         if problem is None:
             return checkpoint
         if os.environ.get("RANK", "0") == "0" and (checkpoint, problem) not in _WARNED:  # (once; one rank)

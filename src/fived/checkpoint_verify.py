@@ -72,8 +72,9 @@ def _shard_damage(checkpoint: Path) -> str | None:
     return None
 
 
-def damage(checkpoint: str | Path) -> str | None:
-    """What is wrong with a complete checkpoint (one phrase naming the file), or None if intact."""
+def damage(checkpoint: str | Path, crc: bool = True) -> str | None:
+    """What is wrong with a complete checkpoint (one phrase naming the file), or None if intact.
+    `crc=False`: the manifest, index and sizes only (no file is read whole)."""
     checkpoint = Path(checkpoint)
     problem, manifest = _manifest_damage(checkpoint)
     if problem:
@@ -87,7 +88,7 @@ def damage(checkpoint: str | Path) -> str | None:
             return f"{path} is missing"
         if path.stat().st_size != want.get("bytes"):
             return f"{path} has {path.stat().st_size} bytes, {want.get('bytes')} were saved"
-        if crc32_of(path) != want.get("crc32"):
+        if crc and crc32_of(path) != want.get("crc32"):
             return f"{path} has changed since it was saved (CRC-32 {crc32_of(path)}, saved {want.get('crc32')})"
     return None
 
@@ -95,13 +96,13 @@ def damage(checkpoint: str | Path) -> str | None:
 _verdicts: dict[tuple, str | None] = {}
 
 
-def cached_damage(checkpoint: Path) -> str | None:
+def cached_damage(checkpoint: Path, crc: bool = True) -> str | None:
     """damage(), once per state of a checkpoint's files (names, sizes, times) in this process."""
     try:
-        key = (str(checkpoint.resolve()), *sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns)
+        key = (str(checkpoint.resolve()), crc, *sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns)
                                                   for e in os.scandir(checkpoint)))
     except OSError:
-        return damage(checkpoint)
+        return damage(checkpoint, crc)
     if key not in _verdicts:
-        _verdicts[key] = damage(checkpoint)
+        _verdicts[key] = damage(checkpoint, crc)
     return _verdicts[key]
