@@ -173,3 +173,34 @@ def test_under_torchrun_every_rank_resumes_the_checkpoint_rank_0_verified(run):
     _flip_a_byte(run / "checkpoints" / "step-4")  # damage only a CRC finds: rank 1 does not read it whole
     (mine0, agreed0, _), (mine1, agreed1, _) = run_on_ranks(2, _resume_choice, run, None)
     assert mine1 == newest and agreed0 == agreed1 == mine0 == str(run / "checkpoints" / "step-2")
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_each_rank_digests_only_the_files_it_wrote(background, tmp_path, monkeypatch):
+    """Rank 0 does not read every rank's shards inside a save (that would hold the other ranks in
+    their next collectives): each rank digests its own `__<rank>_*` files (rank 0 also the index),
+    and the manifest records every file, as a load verifies them."""
+    import os
+
+    import fived.checkpoint_verify
+
+    real, log = fived.checkpoint_verify.crc32_of, tmp_path / "digested"
+
+    def logged(path):
+        with open(log, "a") as f:
+            f.write(f"{os.environ.get('RANK', '-')} {path.parent.name} {path.name}\n")
+        return real(path)
+
+    monkeypatch.setattr(fived.checkpoint_verify, "crc32_of", logged)
+    cfg = tiny_config("tiny", train__steps=4, parallel__dp=2, parallel__zero=2, checkpoint__every=2,
+                      checkpoint__async=background, train__output_dir=str(tmp_path / "run"))
+    run_on_ranks(2, run_training, cfg, True, False, False)
+    read = [line.split() for line in log.read_text().splitlines() if line.split()[1].startswith(".tmp-step-")]
+    for step in (2, 4):
+        checkpoint = tmp_path / "run" / "checkpoints" / f"step-{step}"
+        files = sorted(p.name for p in checkpoint.iterdir() if p.name not in ("fived.json", "COMPLETE"))
+        assert any(f.startswith("__1_") for f in files)  # (both ranks wrote shards)
+        by_rank = {r: sorted(n for rr, d, n in read if rr == r and d == f".tmp-step-{step}") for r in ("0", "1")}
+        assert by_rank["1"] == [f for f in files if f.startswith("__1_")]
+        assert by_rank["0"] == [f for f in files if not f.startswith("__1_")]
+        assert sorted(read_manifest(checkpoint)["files"]) == files and damage(checkpoint) is None
