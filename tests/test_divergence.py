@@ -209,3 +209,37 @@ def test_every_rank_rolls_back_to_the_checkpoint_rank_0_chose(tmp_path, monkeypa
     reference = run_on_ranks(2, _trained_with_skip, _config(tmp_path / "ref"), 4, POISONED + 1 - 4)[0]
     assert [r["loss"] for r in rolled[0].metrics] == [r["loss"] for r in reference]
     assert [r["loss"] for r in rolled[1].metrics] == [r["loss"] for r in reference]
+
+
+def test_a_crash_after_a_rollback_resumes_with_the_window_still_skipped(tmp_path, monkeypatch):
+    """Rolled back at step 7 to step-4 (steps 5..7 skipped), then killed at step 6, before the next
+    periodic save: resuming the run's newest checkpoint skips the same window, so the resumed run's
+    losses are those of the run that skipped it."""
+    real_step, real_read = Trainer._step, Trainer._read_moe_statistics
+    passes = []
+
+    def step(self, step):
+        if passes and step == POISONED - 1:
+            raise RuntimeError("killed before the save of step 6")
+        self.poison = step == POISONED and not passes
+        passes.extend([step] if self.poison else [])
+        return real_step(self, step)
+
+    def read(self):
+        if self.poison:
+            for p in self.model.parameters():
+                p.grad.fill_(math.nan)
+        return real_read(self)
+
+    cfg = _config(tmp_path, train__on_spike="rollback", train__max_rollbacks=1)
+    with monkeypatch.context() as patch:
+        patch.setattr(Trainer, "_step", step)
+        patch.setattr(Trainer, "_read_moe_statistics", read)
+        with pytest.raises(RankFailed, match="killed before the save"):
+            run_on_ranks(1, run_training, cfg, True, False, False)
+    (newest_step, newest), *_ = reversed(complete_checkpoints(tmp_path))
+    assert newest_step == 4
+    resumed = run_on_ranks(1, run_training, cfg, True, False, False, str(newest))[0]
+    reference = run_on_ranks(1, _trained_with_skip, _config(tmp_path / "ref"), 4, POISONED + 1 - 4)[0]
+    assert [r["loss"] for r in resumed.metrics] == [r["loss"] for r in reference[4:]]
+    assert not list((tmp_path / "checkpoints").glob("superseded-*"))  # (the replaced step-4 is not kept twice)

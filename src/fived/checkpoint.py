@@ -191,9 +191,10 @@ class Checkpointer:
         self.wait()
         self.stager.stage(self.tensors())
 
-    def save(self, step: int, background: bool = False) -> None:
+    def save(self, step: int, background: bool = False, replace: bool = False) -> None:
         """Save the state after `step` completed steps (every rank calls this); skipped, with one
-        warning line, when the filesystem lacks room for it."""
+        warning line, when the filesystem lacks room for it. An existing checkpoint of the same step
+        is set aside (kept), or with `replace` deleted once the new one is in place."""
         self.wait()
         tensors = self.tensors()
         if not self._room_for(tensors, step):
@@ -207,7 +208,7 @@ class Checkpointer:
                 dcp_io.save(tensors, tmp, self.group)
                 files = self._gathered_digests(tmp, True)
                 if self.rank == 0:
-                    self._finalize(tmp, step, manifest, files)
+                    self._finalize(tmp, step, manifest, files, replace)
             except Exception as e:
                 self._refused_write(e, tmp, step)
                 raise
@@ -282,19 +283,24 @@ class Checkpointer:
         finally:
             self.finalized.set()
 
-    def _finalize(self, tmp: Path, step: int, manifest: dict, files: dict) -> None:
+    def _finalize(self, tmp: Path, step: int, manifest: dict, files: dict, replace: bool = False) -> None:
         manifest = {**manifest, "files": files}  # (what a load verifies first)
         _fsync_write(tmp / MANIFEST, json.dumps(manifest, indent=1) + "\n")
         _fsync_write(tmp / MARKER, f"step {step}\n")
         _fsync_dir(tmp)
         final = self.root / f"step-{step}"
+        aside = None
         if final.exists():  # the same step saved again: the older copy is kept aside, not lost
-            self._set_aside(final)
+            aside = self._set_aside(final)
         os.rename(tmp, final)
         _fsync_dir(self.root)
+        if replace and aside is not None:  # (only now: a crash before this leaves it aside, kept)
+            _discard(aside)
+            if not any(aside.parent.iterdir()):
+                aside.parent.rmdir()
         self._prune(newest=step)
 
-    def _set_aside(self, path: Path, why: str = "superseded") -> None:
+    def _set_aside(self, path: Path, why: str = "superseded") -> Path:
         stamp, n = f"{why}-{time.strftime('%Y%m%d-%H%M%S')}", 0
         aside = self.root / stamp
         while (aside / path.name).exists():  # (the same step set aside twice within a second)
@@ -302,6 +308,7 @@ class Checkpointer:
             aside = self.root / f"{stamp}-{n}"
         aside.mkdir(exist_ok=True)
         os.rename(path, aside / path.name)
+        return aside / path.name
 
     def supersede_after(self, step: int, why: str = "superseded") -> None:
         """Rank 0, when a run continues from the checkpoint of `step`: complete checkpoints of later

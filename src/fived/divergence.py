@@ -14,7 +14,8 @@ only counts checkpoints whose next step passed.
 `train.on_spike`:
   stop       the ranks raise `Diverged`; the launcher prints one line and exits DIVERGED_EXIT.
   rollback   every rank reloads the newest healthy checkpoint (step C, chosen by rank 0), skips the data windows of
-             steps C+1..S (the sampler's `skips`, saved with it), truncates the metrics log to C,
+             steps C+1..S (the sampler's `skips`), saves the checkpoint of step C again with the skip
+             (replacing the reloaded one, so a crash and resume skips it too), truncates the metrics log to C,
              appends the event to `rollbacks.jsonl` and trains on; at most `train.max_rollbacks`
              times per launch, then it stops as above.
 """
@@ -148,6 +149,9 @@ def handle_divergence(trainer, done: int, reason: str) -> int:
     trainer.guard.rollbacks = rollbacks
     trainer.sampler.skips = [*skips, *(s for s in trainer.sampler.skips if s not in skips)]
     trainer.sampler.skip(step, done - step)
+    # The skip must outlive this process: a crash before the next periodic save would resume the
+    # checkpoint of `step` without it and train on the window that diverged. Saved again, with it.
+    checkpointer.save(step, replace=True)
     if trainer.log is not None:  # (the log's file is replaced: reopen it)
         trainer.log.close()
         keep_log_until(t.output_dir, step)
