@@ -89,6 +89,9 @@ def test_resume_and_export_use_the_newest_intact_checkpoint(run, tmp_path, capsy
     assert (tmp_path / "hf" / "config.json").is_file()
     assert main(["export", str(run / "checkpoints" / "step-4"), "--output", str(tmp_path / "hf2")]) == 2
     assert not (tmp_path / "hf2").exists()
+    (tmp_path / "hf3").mkdir()  # an existing empty directory is replaced in one step
+    assert main(["export", str(run), "--output", str(tmp_path / "hf3")]) == 0
+    assert (tmp_path / "hf3" / "config.json").is_file()
     assert main(["train", "--resume", str(run), "--steps", "3"]) == 0
     err = capsys.readouterr().err
     assert "Traceback" not in err and "checkpoint step-4 is damaged" in err, err
