@@ -38,6 +38,21 @@ def test_token_ids_beyond_the_vocabulary_are_refused_before_start_and_cached(tmp
     assert largest_token_id(str(path), np.memmap(path, dtype=np.uint16, mode="r")) == 300
 
 
+def test_a_sidecar_that_cannot_be_updated_leaves_no_temporary_file(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    import fived.data
+
+    def refused(src, dst):
+        raise OSError(errno.EXDEV, os.strerror(errno.EXDEV), str(src))
+
+    path = _token_file(tmp_path, np.arange(100) % 50)
+    monkeypatch.setattr(fived.data.os, "replace", refused)
+    assert largest_token_id(str(path), np.memmap(path, dtype=np.uint16, mode="r")) == 49
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tokens.bin", "tokens.json"]
+
+
 @pytest.mark.parametrize("flags, phrases", [
     (["--model.n_layers", "100000"], ["model.n_layers=100000: must be <= 4096"]),
     (["--model.dim", "1000000"], ["model.dim=1000000: must be <= 131072"]),

@@ -89,6 +89,9 @@ def test_resume_and_export_use_the_newest_intact_checkpoint(run, tmp_path, capsy
     assert (tmp_path / "hf" / "config.json").is_file()
     assert main(["export", str(run / "checkpoints" / "step-4"), "--output", str(tmp_path / "hf2")]) == 2
     assert not (tmp_path / "hf2").exists()
+    (tmp_path / "hf3").mkdir()  # an existing empty directory is replaced in one step
+    assert main(["export", str(run), "--output", str(tmp_path / "hf3")]) == 0
+    assert (tmp_path / "hf3" / "config.json").is_file()
     assert main(["train", "--resume", str(run), "--steps", "3"]) == 0
     err = capsys.readouterr().err
     assert "Traceback" not in err and "checkpoint step-4 is damaged" in err, err
@@ -144,3 +147,63 @@ def test_a_full_disk_during_a_save_is_one_line_and_loses_nothing(run, monkeypatc
     assert summary["kind"] == "write_failed"
     assert "checkpoint save of step 6 failed:" in summary["line"] and ".tmp-step-6/fived.json: no space left" in summary["line"]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-2", "step-4"]  # no partial directory
+
+
+def _resume_choice(run, flaky_rank):
+    import torch.distributed as dist
+
+    import fived.checkpoint
+    from fived.cli import build_parser
+    from fived.run_setup import prepare_training
+    from fived.train_cli import agreed_run
+
+    real = fived.checkpoint.cached_damage
+    if dist.get_rank() == flaky_rank:  # a transient read error on this rank alone
+        fived.checkpoint.cached_damage = lambda c, crc=True: "EIO" if c.name == "step-4" else real(c, crc)
+    ns = build_parser().parse_args(["train", "--resume", "auto", "--steps", "6", "--train.output_dir", str(run)])
+    mine = prepare_training(ns, 1)
+    agreed = agreed_run(mine)
+    return mine.resume, agreed.resume, agreed.resumed_step
+
+
+def test_under_torchrun_every_rank_resumes_the_checkpoint_rank_0_verified(run):
+    """Under torchrun (as in forked ranks: RANK and WORLD_SIZE set) each rank chooses before the
+    process group exists; rank 0's choice is the one every rank resumes."""
+    newest = str(run / "checkpoints" / "step-4")
+    (mine0, agreed0, step0), (mine1, agreed1, step1) = run_on_ranks(2, _resume_choice, run, 1)
+    assert (mine0, mine1) == (newest, str(run / "checkpoints" / "step-2"))  # rank 1 alone saw an error
+    assert agreed0 == agreed1 == newest and step0 == step1 == 4
+    _flip_a_byte(run / "checkpoints" / "step-4")  # damage only a CRC finds: rank 1 does not read it whole
+    (mine0, agreed0, _), (mine1, agreed1, _) = run_on_ranks(2, _resume_choice, run, None)
+    assert mine1 == newest and agreed0 == agreed1 == mine0 == str(run / "checkpoints" / "step-2")
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_each_rank_digests_only_the_files_it_wrote(background, tmp_path, monkeypatch):
+    """Rank 0 does not read every rank's shards inside a save (that would hold the other ranks in
+    their next collectives): each rank digests its own `__<rank>_*` files (rank 0 also the index),
+    and the manifest records every file, as a load verifies them."""
+    import os
+
+    import fived.checkpoint_verify
+
+    real, log = fived.checkpoint_verify.crc32_of, tmp_path / "digested"
+
+    def logged(path):
+        with open(log, "a") as f:
+            f.write(f"{os.environ.get('RANK', '-')} {path.parent.name} {path.name}\n")
+        return real(path)
+
+    monkeypatch.setattr(fived.checkpoint_verify, "crc32_of", logged)
+    cfg = tiny_config("tiny", train__steps=4, parallel__dp=2, parallel__zero=2, checkpoint__every=2,
+                      checkpoint__async=background, train__output_dir=str(tmp_path / "run"))
+    run_on_ranks(2, run_training, cfg, True, False, False)
+    read = [line.split() for line in log.read_text().splitlines() if line.split()[1].startswith(".tmp-step-")]
+    for step in (2, 4):
+        checkpoint = tmp_path / "run" / "checkpoints" / f"step-{step}"
+        files = sorted(p.name for p in checkpoint.iterdir() if p.name not in ("fived.json", "COMPLETE"))
+        assert any(f.startswith("__1_") for f in files)  # (both ranks wrote shards)
+        by_rank = {r: sorted(n for rr, d, n in read if rr == r and d == f".tmp-step-{step}") for r in ("0", "1")}
+        assert by_rank["1"] == [f for f in files if f.startswith("__1_")]
+        assert by_rank["0"] == [f for f in files if not f.startswith("__1_")]
+        assert sorted(read_manifest(checkpoint)["files"]) == files and damage(checkpoint) is None

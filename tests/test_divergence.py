@@ -184,3 +184,62 @@ def test_each_rollback_skips_further(tmp_path, monkeypatch):
     assert [e["from_step"] for e in events] == [4, 4]
     reference = run_on_ranks(1, _trained_with_skip, _config(tmp_path / "ref"), 4, 2 * (POISONED + 1 - 4))[0]
     assert [r["loss"] for r in rolled.metrics] == [r["loss"] for r in reference]
+
+
+def test_every_rank_rolls_back_to_the_checkpoint_rank_0_chose(tmp_path, monkeypatch):
+    """A transient read error on rank 1 alone (its view of step-4 looks damaged) must not send rank 1
+    to an older checkpoint than rank 0: rank 0 chooses the healthy checkpoint and every rank loads it,
+    so the 2-rank run ends exactly as the run that skipped the window from step 4."""
+    import torch.distributed as dist
+
+    import fived.divergence
+
+    real = fived.divergence.cached_damage
+
+    def flaky(path):
+        if dist.get_rank() == 1 and path.name == "step-4":
+            return f"{path}: [Errno 5] Input/output error"
+        return real(path)
+
+    cfg = _config(tmp_path, train__on_spike="rollback", train__max_rollbacks=1)
+    with monkeypatch.context() as patch:
+        _poison_once(patch, POISONED)
+        patch.setattr(fived.divergence, "cached_damage", flaky)
+        rolled = run_on_ranks(2, run_training, cfg, True, False, False)
+    reference = run_on_ranks(2, _trained_with_skip, _config(tmp_path / "ref"), 4, POISONED + 1 - 4)[0]
+    assert [r["loss"] for r in rolled[0].metrics] == [r["loss"] for r in reference]
+    assert [r["loss"] for r in rolled[1].metrics] == [r["loss"] for r in reference]
+
+
+def test_a_crash_after_a_rollback_resumes_with_the_window_still_skipped(tmp_path, monkeypatch):
+    """Rolled back at step 7 to step-4 (steps 5..7 skipped), then killed at step 6, before the next
+    periodic save: resuming the run's newest checkpoint skips the same window, so the resumed run's
+    losses are those of the run that skipped it."""
+    real_step, real_read = Trainer._step, Trainer._read_moe_statistics
+    passes = []
+
+    def step(self, step):
+        if passes and step == POISONED - 1:
+            raise RuntimeError("killed before the save of step 6")
+        self.poison = step == POISONED and not passes
+        passes.extend([step] if self.poison else [])
+        return real_step(self, step)
+
+    def read(self):
+        if self.poison:
+            for p in self.model.parameters():
+                p.grad.fill_(math.nan)
+        return real_read(self)
+
+    cfg = _config(tmp_path, train__on_spike="rollback", train__max_rollbacks=1)
+    with monkeypatch.context() as patch:
+        patch.setattr(Trainer, "_step", step)
+        patch.setattr(Trainer, "_read_moe_statistics", read)
+        with pytest.raises(RankFailed, match="killed before the save"):
+            run_on_ranks(1, run_training, cfg, True, False, False)
+    (newest_step, newest), *_ = reversed(complete_checkpoints(tmp_path))
+    assert newest_step == 4
+    resumed = run_on_ranks(1, run_training, cfg, True, False, False, str(newest))[0]
+    reference = run_on_ranks(1, _trained_with_skip, _config(tmp_path / "ref"), 4, POISONED + 1 - 4)[0]
+    assert [r["loss"] for r in resumed.metrics] == [r["loss"] for r in reference[4:]]
+    assert not list((tmp_path / "checkpoints").glob("superseded-*"))  # (the replaced step-4 is not kept twice)

@@ -43,3 +43,31 @@ def test_the_lock_goes_with_its_holder_even_on_sigkill(tmp_path, holder):
         assert f"pid {os.getpid()}" in lock.path.read_text()
     with RunLock(tmp_path / "run"):  # released on exit
         pass
+
+
+@pytest.mark.parametrize("code", ["ENOSYS", "ENOLCK", "EOPNOTSUPP"])
+def test_a_filesystem_without_flock_warns_once_and_runs_unlocked(code, tmp_path, monkeypatch, capsys):
+    """Lustre without `flock`, some NFS: flock itself fails. The run goes on, said in one line."""
+    import errno
+    import fcntl
+
+    def no_flock(fd, op):
+        raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)))
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    with RunLock(tmp_path / "run") as lock:
+        assert f"pid {os.getpid()}" in lock.path.read_text()
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "does not support flock" in err and "without the one-run-per-directory lock" in err
+
+
+def test_under_torchrun_an_unlockable_directory_is_a_line_for_every_rank(tmp_path):
+    """Rank 0's lock failing with an OSError (here: output_dir is a file) is returned as one line,
+    which the torchrun path broadcasts, instead of an exception on rank 0 that leaves the others waiting."""
+    from fived.testing import run_on_ranks
+    from fived.train_cli import lock_on_rank0
+
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    (line, none) = run_on_ranks(2, lock_on_rank0, str(afile / "run"))
+    assert none is None and "cannot lock the run directory" in line and "\n" not in line

@@ -8,7 +8,8 @@ A checkpoint is a directory `<output_dir>/checkpoints/step-<N>/` (N = steps comp
   COMPLETE              written last, before the directory gets its name
 
 Atomic: DCP writes into `.tmp-step-<N>`; when every rank's data and DCP's metadata are written,
-rank 0 writes the manifest and the marker (each fsynced) and renames the directory to `step-<N>`.
+each rank digests its own files and sends the digests to rank 0 (fived.checkpoint_verify), which
+writes the manifest and the marker (each fsynced) and renames the directory to `step-<N>`.
 A crash or SIGKILL at any point leaves the previous checkpoints as they were; only directories with
 the marker are ever loaded. `keep` deletes older complete checkpoints only after a newer one is
 complete (renamed away first, then removed), so the newest complete one is never deleted.
@@ -60,21 +61,22 @@ def newest_intact(run_dir: Path) -> Path | None:
     return next((c for _, c in reversed(complete_checkpoints(run_dir)) if cached_damage(c) is None), None)
 
 
-def find_checkpoint(path: str | Path, flag: str = "checkpoint") -> Path | None:
+def find_checkpoint(path: str | Path, flag: str = "checkpoint", crc: bool = True) -> Path | None:
     """A checkpoint directory as given, or the newest intact checkpoint of a run directory (each
     damaged newer one skipped with one line on stderr; see fived.checkpoint_verify). A damaged
     checkpoint named explicitly is refused in one line naming the damaged file and the intact
-    alternative: falling back is not what was asked for."""
+    alternative: falling back is not what was asked for. `crc=False`: no file is read whole (a
+    provisional choice that another process's full check replaces; see fived.train_cli)."""
     path = Path(path)
     if (path / MARKER).is_file():
-        problem = cached_damage(path)
+        problem = cached_damage(path, crc)
         if problem is None:
             return path
         intact = newest_intact(path.parent.parent) if path.parent.name == "checkpoints" else None
         raise ConfigError(flag, str(path), f"damaged: {problem}",
                           f"use the intact {intact}" if intact else "no intact checkpoint of this run is left")
     for step, checkpoint in reversed(complete_checkpoints(path)):
-        problem = cached_damage(checkpoint)
+        problem = cached_damage(checkpoint, crc)
         if problem is None:
             return checkpoint
         if os.environ.get("RANK", "0") == "0" and (checkpoint, problem) not in _WARNED:  # (once; one rank)
@@ -167,7 +169,7 @@ class Checkpointer:
         self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout_s))
         self.pending = None  # the Future of a background save
         self.stager = dcp_io.Stager()  # (keeps its copies between background saves)
-        self.finalized = threading.Event()  # rank 0: the background save's directory is in place
+        self.finalized = threading.Event()  # a background save's digests are sent (rank 0: it is in place)
         self.failure: BaseException | None = None
         self.last_step: int | None = None
         if self.rank == 0:
@@ -189,9 +191,10 @@ class Checkpointer:
         self.wait()
         self.stager.stage(self.tensors())
 
-    def save(self, step: int, background: bool = False) -> None:
+    def save(self, step: int, background: bool = False, replace: bool = False) -> None:
         """Save the state after `step` completed steps (every rank calls this); skipped, with one
-        warning line, when the filesystem lacks room for it."""
+        warning line, when the filesystem lacks room for it. An existing checkpoint of the same step
+        is set aside (kept), or with `replace` deleted once the new one is in place."""
         self.wait()
         tensors = self.tensors()
         if not self._room_for(tensors, step):
@@ -203,18 +206,17 @@ class Checkpointer:
         if not background:
             try:
                 dcp_io.save(tensors, tmp, self.group)
+                files = self._gathered_digests(tmp, True)
                 if self.rank == 0:
-                    self._finalize(tmp, step, manifest)
+                    self._finalize(tmp, step, manifest, files, replace)
             except Exception as e:
                 self._refused_write(e, tmp, step)
                 raise
             return
-        self.pending = dcp_io.save(tensors, tmp, self.group, stager=self.stager)
         self.finalized.clear()
-        if self.rank == 0:  # DCP's coordinator: its future completes after every rank's data is written
-            self.pending.add_done_callback(lambda fut: self._finalize_after(fut, tmp, step, manifest))
-        else:
-            self.finalized.set()
+        self.pending = dcp_io.save(tensors, tmp, self.group, stager=self.stager)
+        # (on rank 0, DCP's coordinator, the future completes after every rank's data is written)
+        self.pending.add_done_callback(lambda fut: self._finalize_after(fut, tmp, step, manifest))
 
     def _room_for(self, tensors: dict, step: int) -> bool:
         """Whether every rank sees room for the whole save (all ranks' bytes, with 5% to spare) on
@@ -242,28 +244,63 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
         raise WriteFailed(f"checkpoint save of step {step}", refused, tmp) from error
 
-    def _finalize_after(self, future, tmp: Path, step: int, manifest: dict) -> None:
+    def _gathered_digests(self, tmp: Path, written: bool) -> dict | None:
+        """Every rank: digest the files this rank wrote (not every rank's on rank 0, which would hold
+        the others waiting in their next collectives for as long as it reads a whole checkpoint);
+        rank 0 gets them all, or raises the first rank's read error. None elsewhere, and on rank 0
+        when a rank's write failed (`written` False there)."""
         try:
-            future.result()
-            self._finalize(tmp, step, manifest)
+            mine = file_digests(tmp, dist.get_rank(self.group)) if written else None
+        except OSError as e:
+            mine = e
+        found = [None] * dist.get_world_size(self.group) if self.rank == 0 else None
+        dist.gather_object(mine, found, dst=0, group=self.group)
+        if self.rank != 0:
+            return None
+        errors = [d for d in found if isinstance(d, BaseException)]
+        if errors:
+            raise errors[0]
+        if any(d is None for d in found):
+            return None
+        return {name: digest for d in found for name, digest in d.items()}
+
+    def _finalize_after(self, future, tmp: Path, step: int, manifest: dict) -> None:
+        """Every rank, when its background save's future completes (on DCP's thread, or at once if it
+        already has): digests gathered, and rank 0 finalises. The next wait() reports a failure."""
+        try:
+            written = True
+            try:
+                future.result()
+            except BaseException as e:
+                self.failure, written = e, False
+            files = self._gathered_digests(tmp, written)  # (every rank, so the collective is matched)
+            if self.rank == 0 and written:
+                if files is None:
+                    raise RuntimeError(f"checkpoint save of step {step} failed on another rank")
+                self._finalize(tmp, step, manifest, files)
         except BaseException as e:  # reported by the next wait(), on the training thread
-            self.failure = e
+            self.failure = self.failure or e
         finally:
             self.finalized.set()
 
-    def _finalize(self, tmp: Path, step: int, manifest: dict) -> None:
-        manifest = {**manifest, "files": file_digests(tmp)}  # (what a load verifies first)
+    def _finalize(self, tmp: Path, step: int, manifest: dict, files: dict, replace: bool = False) -> None:
+        manifest = {**manifest, "files": files}  # (what a load verifies first)
         _fsync_write(tmp / MANIFEST, json.dumps(manifest, indent=1) + "\n")
         _fsync_write(tmp / MARKER, f"step {step}\n")
         _fsync_dir(tmp)
         final = self.root / f"step-{step}"
+        aside = None
         if final.exists():  # the same step saved again: the older copy is kept aside, not lost
-            self._set_aside(final)
+            aside = self._set_aside(final)
         os.rename(tmp, final)
         _fsync_dir(self.root)
+        if replace and aside is not None:  # (only now: a crash before this leaves it aside, kept)
+            _discard(aside)
+            if not any(aside.parent.iterdir()):
+                aside.parent.rmdir()
         self._prune(newest=step)
 
-    def _set_aside(self, path: Path, why: str = "superseded") -> None:
+    def _set_aside(self, path: Path, why: str = "superseded") -> Path:
         stamp, n = f"{why}-{time.strftime('%Y%m%d-%H%M%S')}", 0
         aside = self.root / stamp
         while (aside / path.name).exists():  # (the same step set aside twice within a second)
@@ -271,6 +308,7 @@ class Checkpointer:
             aside = self.root / f"{stamp}-{n}"
         aside.mkdir(exist_ok=True)
         os.rename(path, aside / path.name)
+        return aside / path.name
 
     def supersede_after(self, step: int, why: str = "superseded") -> None:
         """Rank 0, when a run continues from the checkpoint of `step`: complete checkpoints of later

@@ -2,8 +2,10 @@
 --init-from), so a truncated, deleted or altered file sends the run to the newest intact checkpoint
 instead of into DCP's tracebacks.
 
-At save, rank 0 records in the manifest the size and CRC-32 of every file DCP wrote (`files`); it
-reads them right after they were written, from the page cache. Before a load:
+At save, every rank digests (size and CRC-32) the files it wrote itself, DCP's `__<rank>_*.distcp`
+(rank 0 also DCP's `.metadata`), right after writing them, and rank 0 records them all in the manifest
+(`files`). Each rank reads back only its own bytes: from the page cache when they are still there,
+from storage when not (a shard larger than the free memory, or evicted meanwhile). Before a load:
   - the manifest parses, is fived's format, and its `step` is the directory's step number;
   - DCP's `.metadata` reads (through fived's restricted unpickler);
   - every shard file the metadata names exists and is long enough for every piece it locates there;
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import zlib
 from pathlib import Path
 
@@ -32,10 +35,17 @@ def crc32_of(path: Path) -> str:
     return f"{crc:08x}"
 
 
-def file_digests(directory: Path) -> dict[str, dict]:
-    """{file name: {"bytes", "crc32"}} of every file DCP wrote into `directory`."""
-    return {p.name: {"bytes": p.stat().st_size, "crc32": crc32_of(p)}
-            for p in sorted(directory.iterdir()) if p.is_file() and p.name not in (MANIFEST, MARKER)}
+def file_digests(directory: Path, rank: int | None = None) -> dict[str, dict]:
+    """{file name: {"bytes", "crc32"}} of every file DCP wrote into `directory`; with `rank`, only
+    those that rank wrote (`__<rank>_*`; rank 0 also the files no rank prefix names: the index)."""
+    out = {}
+    for p in sorted(directory.iterdir()):
+        if not p.is_file() or p.name in (MANIFEST, MARKER):
+            continue
+        owner = re.match(r"__(\d+)_", p.name)
+        if rank is None or (int(owner.group(1)) if owner else 0) == rank:
+            out[p.name] = {"bytes": p.stat().st_size, "crc32": crc32_of(p)}
+    return out
 
 
 def _manifest_damage(checkpoint: Path) -> tuple[str | None, dict]:
@@ -72,8 +82,9 @@ def _shard_damage(checkpoint: Path) -> str | None:
     return None
 
 
-def damage(checkpoint: str | Path) -> str | None:
-    """What is wrong with a complete checkpoint (one phrase naming the file), or None if intact."""
+def damage(checkpoint: str | Path, crc: bool = True) -> str | None:
+    """What is wrong with a complete checkpoint (one phrase naming the file), or None if intact.
+    `crc=False`: the manifest, index and sizes only (no file is read whole)."""
     checkpoint = Path(checkpoint)
     problem, manifest = _manifest_damage(checkpoint)
     if problem:
@@ -87,7 +98,7 @@ def damage(checkpoint: str | Path) -> str | None:
             return f"{path} is missing"
         if path.stat().st_size != want.get("bytes"):
             return f"{path} has {path.stat().st_size} bytes, {want.get('bytes')} were saved"
-        if crc32_of(path) != want.get("crc32"):
+        if crc and crc32_of(path) != want.get("crc32"):
             return f"{path} has changed since it was saved (CRC-32 {crc32_of(path)}, saved {want.get('crc32')})"
     return None
 
@@ -95,13 +106,13 @@ def damage(checkpoint: str | Path) -> str | None:
 _verdicts: dict[tuple, str | None] = {}
 
 
-def cached_damage(checkpoint: Path) -> str | None:
+def cached_damage(checkpoint: Path, crc: bool = True) -> str | None:
     """damage(), once per state of a checkpoint's files (names, sizes, times) in this process."""
     try:
-        key = (str(checkpoint.resolve()), *sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns)
+        key = (str(checkpoint.resolve()), crc, *sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns)
                                                   for e in os.scandir(checkpoint)))
     except OSError:
-        return damage(checkpoint)
+        return damage(checkpoint, crc)
     if key not in _verdicts:
-        _verdicts[key] = damage(checkpoint)
+        _verdicts[key] = damage(checkpoint, crc)
     return _verdicts[key]

@@ -294,12 +294,12 @@ def largest_token_id(path: str, tokens: np.ndarray) -> int:
     if isinstance(cached, dict) and cached.get("of") == stamp and isinstance(cached.get("value"), int):
         return cached["value"]
     largest = int(tokens.max())
+    tmp = json_path.with_name(json_path.name + f".tmp-{os.getpid()}")
     try:
-        tmp = json_path.with_name(json_path.name + f".tmp-{os.getpid()}")
         tmp.write_text(json.dumps({**meta, "max_token_id": {"value": largest, "of": stamp}}, indent=1) + "\n")
         os.replace(tmp, json_path)
-    except OSError:
-        pass
+    except OSError:  # (a cache only: the value is returned all the same, and nothing is left behind)
+        tmp.unlink(missing_ok=True)
     return largest
 
 

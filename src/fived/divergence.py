@@ -13,8 +13,9 @@ only counts checkpoints whose next step passed.
 
 `train.on_spike`:
   stop       the ranks raise `Diverged`; the launcher prints one line and exits DIVERGED_EXIT.
-  rollback   every rank reloads the newest healthy checkpoint (step C), skips the data windows of
-             steps C+1..S (the sampler's `skips`, saved with it), truncates the metrics log to C,
+  rollback   every rank reloads the newest healthy checkpoint (step C, chosen by rank 0), skips the data windows of
+             steps C+1..S (the sampler's `skips`), saves the checkpoint of step C again with the skip
+             (replacing the reloaded one, so a crash and resume skips it too), truncates the metrics log to C,
              appends the event to `rollbacks.jsonl` and trains on; at most `train.max_rollbacks`
              times per launch, then it stops as above.
 """
@@ -92,10 +93,23 @@ class LossGuard:
 
 
 def healthy_checkpoint(run_dir: str | Path, diverged_step: int) -> tuple[int, Path] | None:
-    """(step, directory) of the newest checkpoint whose next step passed the guard."""
-    found = [(step, path) for step, path in complete_checkpoints(run_dir)
-             if step <= diverged_step - 2 and cached_damage(path) is None]
-    return found[-1] if found else None
+    """(step, directory) of the newest intact checkpoint whose next step passed the guard (newest
+    first: older ones are not verified once one is found)."""
+    for step, path in reversed(complete_checkpoints(run_dir)):
+        if step <= diverged_step - 2 and cached_damage(path) is None:
+            return step, path
+    return None
+
+
+def agreed_healthy_checkpoint(run_dir: str | Path, diverged_step: int, group) -> tuple[int, Path] | None:
+    """Every rank of `group`: rank 0's healthy_checkpoint(), broadcast. Only rank 0's view counts: its
+    wait() covered a background save's finalisation (other ranks' may not have), and a transient
+    read error on another rank must not send that rank to an older checkpoint."""
+    import torch.distributed as dist
+
+    choice = [healthy_checkpoint(run_dir, diverged_step) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(choice, src=0, group=group)
+    return choice[0]
 
 
 def record_rollback(run_dir: str | Path, event: dict) -> None:
@@ -119,8 +133,7 @@ def handle_divergence(trainer, done: int, reason: str) -> int:
     if checkpointer is None:  # (a run that owns no directory: nothing saved, nothing to roll back to)
         raise Diverged(done, reason, None, t.output_dir)
     checkpointer.wait()  # (a background save in flight is of an earlier step: let it land first)
-    healthy = healthy_checkpoint(t.output_dir, done)
-    dist.barrier(group=checkpointer.group)  # every rank has chosen before rank 0 moves the suspects
+    healthy = agreed_healthy_checkpoint(t.output_dir, done, checkpointer.group)  # (before the suspects move)
     if trainer.rank == 0:
         checkpointer.supersede_after(healthy[0] if healthy else 0, why="diverged")
     dist.barrier(group=checkpointer.group)
@@ -136,6 +149,9 @@ def handle_divergence(trainer, done: int, reason: str) -> int:
     trainer.guard.rollbacks = rollbacks
     trainer.sampler.skips = [*skips, *(s for s in trainer.sampler.skips if s not in skips)]
     trainer.sampler.skip(step, done - step)
+    # The skip must outlive this process: a crash before the next periodic save would resume the
+    # checkpoint of `step` without it and train on the window that diverged. Saved again, with it.
+    checkpointer.save(step, replace=True)
     if trainer.log is not None:  # (the log's file is replaced: reopen it)
         trainer.log.close()
         keep_log_until(t.output_dir, step)

@@ -3,20 +3,30 @@ run's lifetime, so two runs never interleave their metrics or checkpoints in one
 
 The lock is `fcntl.flock` on an open file: the kernel releases it when the last descriptor closes,
 i.e. whenever the process holding it dies, however it dies (SIGKILL included); a lock file left
-behind by a dead run locks nothing. Forked ranks inherit the descriptor, so the lock lasts while any
-of them lives. The file records the holder's PID and host, which a refused run names. Under torchrun
-global rank 0 holds it; a torchrun restart's new rank 0 takes it again once the old one is gone.
+behind by a dead run locks nothing. Without torchrun the launcher process (`fived train` itself, which
+starts the ranks and restarts them) holds it for the whole run. The ranks do not depend on it: forked
+(CPU) ranks happen to inherit the descriptor, spawned (CUDA) ranks do not (Python's descriptors are
+not inheritable across exec), so if the launcher alone is SIGKILLed, spawned ranks still running
+no longer hold the directory. The file records the holder's PID and host, which a refused run names.
+Under torchrun global rank 0 holds it; a torchrun restart's new rank 0 takes it again once the old one
+is gone.
+
+A filesystem without flock (Lustre mounted without `flock`, some NFS setups: ENOSYS, ENOLCK,
+EOPNOTSUPP) cannot lock: the run says so in one warning line and goes on unlocked.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import platform
+import sys
 from pathlib import Path
 
 from fived.config import ConfigError
 
 LOCK_NAME = ".fived.lock"
+NO_FLOCK = (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP)  # the filesystem cannot lock (not: it is locked)
 
 
 class RunLock:
@@ -38,6 +48,12 @@ class RunLock:
             os.close(fd)
             raise ConfigError("train.output_dir", str(self.run_dir), f"is in use by a running fived train ({holder}); "
                               "one run per directory", "wait for it to end, or choose another --train.output_dir") from None
+        except OSError as e:
+            if e.errno not in NO_FLOCK:
+                os.close(fd)
+                raise OSError(e.errno, e.strerror, str(self.path)) from None
+            print(f"fived: warning: {self.path}: the filesystem does not support flock ({e.strerror}); running "
+                  "without the one-run-per-directory lock", file=sys.stderr, flush=True)
         try:
             os.ftruncate(fd, 0)
             os.write(fd, f"pid {os.getpid()} on host {platform.node()}\n".encode())

@@ -182,7 +182,7 @@ class NothingToTrain(ConfigError):
     """A resumed run whose checkpoint is already at train.steps."""
 
 
-def load_resumed_run(ns: argparse.Namespace):
+def load_resumed_run(ns: argparse.Namespace, crc: bool = True):
     """`fived train --resume DIR`: the saved config, with a new layout if any layout flag is given and
     other settings (train.steps to extend the run, lr, checkpointing...) as given; then checked."""
     from fived.checkpoint import check_model_shapes
@@ -192,7 +192,7 @@ def load_resumed_run(ns: argparse.Namespace):
     from fived.memory_fit import check_fits
     from fived.mesh import resolve_dp
 
-    checkpoint, manifest, saved = _saved_run(ns.resume)
+    checkpoint, manifest, saved = _saved_run(ns.resume, crc)
     given = {**file_overrides(ns.config), **overrides_of(ns)}
     cfg, layout_given = _resumed_config(saved, given, ns.dp_shard)
     cfg.train.output_dir = str(Path(checkpoint).parent.parent)  # the same run directory
@@ -220,11 +220,11 @@ def load_resumed_run(ns: argparse.Namespace):
     return cfg, world, str(checkpoint), manifest
 
 
-def _saved_run(resume: str):
+def _saved_run(resume: str, crc: bool = True):
     """(checkpoint directory, manifest, saved config) of `--resume DIR`, or a one-line refusal."""
     from fived.checkpoint import find_checkpoint, saved_config
 
-    checkpoint = find_checkpoint(resume, "--resume")
+    checkpoint = find_checkpoint(resume, "--resume", crc)
     if checkpoint is None:
         raise ConfigError("--resume", resume, "holds no complete checkpoint (checkpoints/step-<N>/COMPLETE)",
                           "give the output directory of a run that saved one (checkpoint.every or checkpoint.final)")
@@ -273,21 +273,25 @@ class TrainingRun:
 
 def prepare_training(ns: argparse.Namespace, default_world: int) -> TrainingRun:
     """--resume DIR (continue that run), --resume auto (continue train.output_dir if it holds a
-    checkpoint, else start a run there: what a restarted job runs), or a new run."""
+    checkpoint, else start a run there: what a restarted job runs), or a new run. Under torchrun only
+    global rank 0 reads checkpoints whole (CRC-32): the other ranks' choice is provisional, replaced by
+    rank 0's once the ranks have joined (fived.train_cli.agreed_run)."""
     from fived.checkpoint import find_checkpoint
+    from fived.launch import under_torchrun
 
+    crc = not under_torchrun() or os.environ.get("RANK", "0") == "0"
     if ns.resume == "auto":
         cfg, world = load_run(ns, default_world)
-        if find_checkpoint(cfg.train.output_dir) is None:
+        if find_checkpoint(cfg.train.output_dir, crc=crc) is None:
             return TrainingRun(cfg, world, fresh_dir=False)
         ns.resume = cfg.train.output_dir
         try:
-            cfg, world, checkpoint, manifest = load_resumed_run(ns)
+            cfg, world, checkpoint, manifest = load_resumed_run(ns, crc)
         except NothingToTrain:  # (a restarted job that had already finished)
             return TrainingRun(cfg, world, finished=True)
         return TrainingRun(cfg, world, checkpoint, manifest["step"], fresh_dir=False)
     if ns.resume:
-        cfg, world, checkpoint, manifest = load_resumed_run(ns)
+        cfg, world, checkpoint, manifest = load_resumed_run(ns, crc)
         return TrainingRun(cfg, world, checkpoint, manifest["step"], fresh_dir=False)
     cfg, world = load_run(ns, default_world)
     return TrainingRun(cfg, world)

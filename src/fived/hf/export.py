@@ -61,9 +61,7 @@ def export(source: str, output: str, max_shard_bytes: int = SHARD_BYTES) -> Path
     try:
         tmp.mkdir(parents=True)
         _write_model(checkpoint, cfg, tmp, max_shard_bytes)
-        if out.exists():
-            out.rmdir()  # (empty: checked above)
-        os.rename(tmp, out)
+        os.replace(tmp, out)  # (in one step, also over an empty `out`: checked above)
     except OSError as e:
         raise ConfigError("--output", output, f"cannot be written ({e.strerror or e}: {e.filename or tmp})",
                           "free some space or choose a writable directory") from None
