@@ -202,7 +202,7 @@ def test_the_readme_sbatch_script_is_requeued_on_preemption_and_ends_as_without_
     metrics = run_dir / "metrics.jsonl"
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 60):
         state = slurm.job(job_id)["JobState"]
-        assert state in ("PENDING", "RUNNING") and time.monotonic() < deadline, \
+        assert state in ("PENDING", "CONFIGURING", "RUNNING") and time.monotonic() < deadline, \
             f"{state}\n{out.read_text() if out.exists() else ''}\n{slurm.logs()}"
         time.sleep(0.2)
     # ... then preempt it as `#SBATCH --signal=TERM@120` does: SIGTERM to the job's steps (srun's
