@@ -170,7 +170,8 @@ PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
 @pytest.fixture(scope="module")
 def slurm():
     if MISSING:  # CI set: never skip
-        pytest.fail(f"Slurm not installed: no {', '.join(MISSING)} (.ci/run installs slurmctld slurmd slurm-client munge)")
+        pytest.fail(f"Slurm not installed: no {', '.join(MISSING)} "
+                    "(.ci/run installs slurmctld slurmd slurm-client munge)")
     root = Path(tempfile.mkdtemp(prefix="fived-slurm-"))  # (munged wants its socket's folder open to all)
     root.chmod(0o755)
     cluster = Slurm(root)
@@ -210,8 +211,10 @@ def test_the_readme_sbatch_script_is_requeued_on_preemption_and_ends_as_without_
     slurm.cmd("scancel", "--signal=TERM", job_id)
 
     deadline = time.monotonic() + 150
-    while (info := slurm.job(job_id))["JobState"] not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"):
-        assert time.monotonic() < deadline, f"{info['JobState']} {info.get('Reason')}\n{out.read_text()}\n{slurm.logs()}"
+    ended = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL")
+    while (info := slurm.job(job_id))["JobState"] not in ended:
+        assert time.monotonic() < deadline, \
+            f"{info['JobState']} {info.get('Reason')}\n{out.read_text()}\n{slurm.logs()}"
         time.sleep(0.5)
     log = out.read_text(errors="replace")
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{log}\n{slurm.logs()}"
