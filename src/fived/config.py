@@ -236,7 +236,8 @@ def coerce(section: str, key: str, value: Any) -> Any:
         return {"float": float, "str": str}[kind](value)
     except (ValueError, TypeError):
         example = {"bool": "true or false", "int": "2", "float": "0.5", "str": "a word"}[kind]
-        raise ConfigError(f"{section}.{key}", value, f"must be a {kind}", f"e.g. {example}") from None
+        what = {"bool": "true or false", "int": "a whole number", "float": "a number", "str": "a string"}[kind]
+        raise ConfigError(f"{section}.{key}", value, f"must be {what}", f"e.g. {example}") from None
 
 
 def model_preset(name: str) -> ModelConfig:
