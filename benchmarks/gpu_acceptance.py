@@ -1,5 +1,5 @@
-"""GPU acceptance in one command (issue 20): on one CUDA GPU, in well under 20 minutes, it checks and
-reports
+"""GPU acceptance in one command: on one CUDA GPU, in well under 20 minutes, it checks and reports
+these (without CUDA it prints one line and exits 0; --device cpu runs the plumbing at tiny sizes):
 
 1. training steps of `tiny` and `tiny-moe` through fived's trainer on CUDA against the same steps on
    CPU (float32; same seed, data and layout);

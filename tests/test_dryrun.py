@@ -77,3 +77,24 @@ def test_bad_flags_get_one_line(argv, message, capsys):
     assert main(["dryrun", *argv.split()]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"fived: error: {message}") and err.count("\n") == 1, err
+
+
+def test_blocks_under_zero3_and_interleaved_stages_numbered_by_the_pipeline():
+    """--blocks under ZeRO-3 (FSDP2 gathers in place) runs; a rank's stages are named by their
+    pipeline stage number (rank 1 of pp2 interleaved v2 holds stages 1 and 3)."""
+    out = dryrun("--model tiny --zero 3 --dp 2 --nproc 2 --rank 0 --blocks 1")
+    assert "layer 0:" in out and VERDICT.match(out.strip().splitlines()[-1])
+    out = dryrun("--model tiny --pp 2 --pp-schedule interleaved-1f1b --pp-virtual 2 --nproc 2 --global-batch 4 "
+                 "--rank 1 --blocks 5")
+    assert "stage 1: layer 1," in out and "stage 3: layer 3 + head," in out
+    assert "the first 2 of the rank's 2 blocks" in out
+
+
+def test_a_rank_that_cannot_fit_is_refused_before_anything_is_built(monkeypatch, capsys):
+    import fived.dryrun
+
+    monkeypatch.setattr(fived.dryrun, "available_bytes", lambda: 2**30)
+    assert main(["dryrun", *"--model llama3-8b --tp 8 --nproc 8 --rank 0".split()]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fived: error: --rank=0: this rank needs about ") and err.count("\n") == 1, err
+    assert "more than the 1.0 GiB available" in err

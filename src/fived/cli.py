@@ -175,9 +175,11 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--reshard-from", metavar="FLAGS", help="run the first half of the steps at the layout these "
                         "flags give, checkpoint, resume at this layout for the second half")
     verify.set_defaults(func=cmd_verify)
-    dry = sub.add_parser("dryrun", allow_abbrev=False, help="build one rank of any layout in this process (fake "
-                         "process group) and set its measured bytes beside the planner's")
-    add_config_flags(dry)
+    dry_help = ("build one rank of any layout at any world size in this process (fake process group), "
+                "initialise it, take one optimizer step, and set its measured bytes beside the planner's")
+    dry = sub.add_parser("dryrun", allow_abbrev=False, help=dry_help, description=dry_help + " (the run-time "
+                         "flags --max-restarts, --trace, --init-from, data and checkpoint fields are accepted and unused)")
+    add_config_flags(dry, nproc_help="the world size whose rank --rank is built (any: 512, 16384, ...)")
     dry.add_argument("--rank", type=int, required=True, help="the global rank to build")
     dry.add_argument("--blocks", type=int, default=0, help="run forward and backward through this many of the "
                      "rank's transformer blocks (one micro-batch) and compare activation bytes")

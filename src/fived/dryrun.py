@@ -19,6 +19,7 @@ as a perfectly balanced route: the planner's assumption.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 
 import torch
@@ -29,7 +30,7 @@ from fived.ledger import ActivationLedger, held_bytes, local_tensor, model_state
 from fived.mesh import PRECISIONS, Layout
 from fived.metrics import peak_memory_mb
 from fived.model import rope_cos_sin
-from fived.layout.stages import rank_chunks
+from fived.layout.stages import rank_chunks, rank_stages
 from fived.planner.memory import activation_bytes_per_microbatch, state_bytes, state_element_bytes
 from fived.rank import RankModel, build_rank
 
@@ -67,6 +68,31 @@ def planner_state(cfg: Config, world: int, rank: int) -> dict:
             "where": where, "layout": layout}
 
 
+def check_room(cfg: Config, planner: dict, blocks: int, *, rank: int) -> None:
+    """Refuse, before anything is allocated, a rank whose model state (and a quarter more for the
+    first step's transients: masters' float32 gradients, reduction pieces; measured 1.06-1.3x) and
+    blocks' activations (half more: backward's own) cannot fit in the memory available now."""
+    layout = planner["layout"]
+    state = sum(planner[k] for k in STATE_KINDS)
+    layers = [((lid,), False, False) for chunk in planner["chunks"] for lid in chunk[0]][:blocks]
+    acts = sum(activation_bytes_per_microbatch(cfg.model, layout, cfg.train.seq_len, cfg.train.dtype, layers))
+    need, have = int(1.25 * state + 1.5 * acts), available_bytes()
+    if need > have:
+        raise ConfigError("--rank", rank, f"this rank needs about {need / 2**30:.1f} GiB here (model state "
+                          f"{state / 2**30:.1f} GiB and the first step's transients, + {1.5 * acts / 2**30:.1f} GiB "
+                          f"for {len(layers)} block(s)), more than the {have / 2**30:.1f} GiB available",
+                          "a smaller layout share (more --tp/--pp, --zero 3), fewer --blocks, or a shorter --seq-len")
+
+
+def available_bytes() -> int:
+    """Memory available to a new allocation on this machine (Linux's MemAvailable; else physical RAM)."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def step_without_data(built: RankModel) -> None:
     """The trainer's step with backward replaced by zero gradients wherever backward would leave one:
     the same gradient finishing (no-op collectives) and optimizer step, so the optimizer's lazily
@@ -101,7 +127,8 @@ def mirrored_collectives():
     real = {name: getattr(dist, name) for name in ("all_gather_single", "reduce_scatter_single", "all_to_all_single")}
 
     def all_gather_single(output, input, *args, **kwargs):
-        output.view(-1, *input.shape).copy_(input)  # (contiguous outputs: the runtime's)
+        # (contiguous outputs: the runtime's; FSDP2 gathers in place, its input a slice of the output)
+        output.view(-1, *input.shape).copy_(input.clone())
 
     def reduce_scatter_single(output, input, *args, **kwargs):
         output.copy_(input.reshape(-1, *output.shape)[0])
@@ -160,6 +187,7 @@ def run_dryrun(cfg: Config, world: int, *, rank: int, blocks: int = 0, init: boo
     if blocks < 0:
         raise ConfigError("--blocks", blocks, "must be >= 0", "e.g. --blocks 1")
     planner = planner_state(cfg, world, rank)
+    check_room(cfg, planner, blocks, rank=rank)
     cfg.train.device = "cpu"
     with fake_process_group(rank=rank, world=world):
         start = time.perf_counter()
@@ -213,14 +241,16 @@ def format_dryrun(result: dict) -> str:
     lines.append(_row("  of the optimizer: float32 masters", m["masters"], p["masters"]))
     lines.append(_row("flat buffers/buckets (with padding)", m["buffers"], None)
                  + "  (hold the params/grads above)")
-    for i, (ids, got, want, chunk) in enumerate(zip(result["layers"], m["stages"], p["stages"], p["chunks"])):
+    stages = rank_stages(layout, where["pp"]) if layout.pp > 1 else [0]  # (pipeline stage numbers, not local)
+    for stage, ids, got, want, chunk in zip(stages, result["layers"], m["stages"], p["stages"], p["chunks"]):
         ends = [name for name, here in (("embedding", chunk[1]), ("head", chunk[2])) if here]
-        lines.append(_row(f"stage {i}: {_layers(ids)}" + "".join(f" + {e}" for e in ends) + ", params", got,
+        lines.append(_row(f"stage {stage}: {_layers(ids)}" + "".join(f" + {e}" for e in ends) + ", params", got,
                           want["params"]))
     if result["activations"]:
         got, want = result["activations"]
         lines.append(f"  activation bytes per micro-batch (mbs {layout.micro_batch}, "
-                     f"{cfg.train.activation_checkpointing} checkpointing): measured | planner")
+                     f"{cfg.train.activation_checkpointing} checkpointing, the first {len(got)} of the rank's "
+                     f"{sum(map(len, result['layers']))} blocks): measured | planner")
         for lid in got:
             err = (got[lid] - want[lid]) / want[lid] if want[lid] else 0.0
             lines.append(f"    layer {lid}: {got[lid]:,} | {want[lid]:,} ({err:+.2%})")

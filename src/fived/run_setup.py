@@ -23,9 +23,10 @@ SHORT_FLAGS = {
 }
 
 
-def add_config_flags(parser: argparse.ArgumentParser) -> None:
+def add_config_flags(parser: argparse.ArgumentParser, *,
+                     nproc_help: str = "local ranks to start (default: the layout's world size, or 2)") -> None:
     parser.add_argument("--config", help="a TOML file with [model], [parallel], [train], [data] tables")
-    parser.add_argument("--nproc", type=int, help="local ranks to start (default: the layout's world size, or 2)")
+    parser.add_argument("--nproc", type=int, help=nproc_help)
     parser.add_argument("--dp-shard", type=int, help="HSDP: ranks a ZeRO shard spans; dp = dp_shard x dp_replicate")
     parser.add_argument("--sp", dest="parallel.sp", action="store_const", const=True, default=argparse.SUPPRESS,
                         help="sequence parallelism (with --tp)")
