@@ -103,7 +103,8 @@ def test_a_run_whose_every_checkpoint_is_damaged_is_refused_not_started_over(run
         _truncate(c)
     assert find_checkpoint(run) is None
     warnings = capsys.readouterr().err.strip().splitlines()
-    assert [w.split(";")[-1].strip() for w in warnings] == ["using an older one", "no older checkpoint is left"], warnings
+    endings = [w.split(";")[-1].strip() for w in warnings]
+    assert endings == ["using an older one", "no older checkpoint is left"], warnings
     logged = (run / "metrics.jsonl").read_text()
     for resume in ("auto", str(run)):
         assert main(["train", "--resume", resume, "--train.output_dir", str(run), "--steps", "6"]) == 2

@@ -226,8 +226,9 @@ def _saved_run(resume: str, crc: bool = True):
 
     checkpoint = find_checkpoint(resume, "--resume", crc)
     if checkpoint is None:
-        raise no_intact_checkpoint(resume, "--resume", resume, crc) or ConfigError("--resume", resume, "holds no complete checkpoint (checkpoints/step-<N>/COMPLETE)",
-                          "give the output directory of a run that saved one (checkpoint.every or checkpoint.final)")
+        raise no_intact_checkpoint(resume, "--resume", resume, crc) or ConfigError(
+            "--resume", resume, "holds no complete checkpoint (checkpoints/step-<N>/COMPLETE)",
+            "give the output directory of a run that saved one (checkpoint.every or checkpoint.final)")
     return (checkpoint, *saved_config(checkpoint, "--resume"))
 
 

@@ -108,8 +108,9 @@ def train_under_torchrun(ns: argparse.Namespace, run) -> int:
         os._exit(2)
     previous = None
     if dist.get_rank() == 0:
-        previous = describe_run_dir(cfg, run.world, {"event": "resume" if run.resume else "start", "resume_from": run.resume,
-                                          "torchrun_restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))})
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+        previous = describe_run_dir(cfg, run.world, {"event": "resume" if run.resume else "start",
+                                                     "resume_from": run.resume, "torchrun_restart": restart})
     try:
         result = run_training(cfg, True, True, False, run.resume)
     except (Diverged, WriteFailed) as stop:  # (a divergence: every rank at the same step; one says it)
