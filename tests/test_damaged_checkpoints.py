@@ -98,6 +98,25 @@ def test_resume_and_export_use_the_newest_intact_checkpoint(run, tmp_path, capsy
     assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
 
 
+def test_a_run_whose_every_checkpoint_is_damaged_is_refused_not_started_over(run, capsys):
+    for c in (run / "checkpoints").glob("step-*"):
+        _truncate(c)
+    assert find_checkpoint(run) is None
+    warnings = capsys.readouterr().err.strip().splitlines()
+    endings = [w.split(";")[-1].strip() for w in warnings]
+    assert endings == ["using an older one", "no older checkpoint is left"], warnings
+    logged = (run / "metrics.jsonl").read_text()
+    for resume in ("auto", str(run)):
+        assert main(["train", "--resume", resume, "--train.output_dir", str(run), "--steps", "6"]) == 2
+        err = capsys.readouterr().err
+        refusal = [line for line in err.splitlines() if "error" in line]
+        assert len(refusal) == 1 and "Traceback" not in err, err
+        assert f"{run} holds 2 checkpoint(s) but no intact one: the newest, step-4, is damaged (" in refusal[0]
+        assert _shard(run / "checkpoints" / "step-4").name in refusal[0]
+        assert f"move or remove {run / 'checkpoints'}, or use another --train.output_dir" in refusal[0]
+    assert (run / "metrics.jsonl").read_text() == logged  # (no new run beside the damaged checkpoints)
+
+
 def test_a_failing_export_leaves_no_partial_output(run, tmp_path, monkeypatch, capsys):
     def full(*args):
         raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "hf" / "tokenizer.json"))

@@ -155,6 +155,15 @@ def test_a_diverging_resumed_run_exits_in_one_line_and_loses_no_checkpoint(tmp_p
     assert len(lines) == 1 and "diverged at step" in lines[0] and "Traceback" not in diverging.stderr, diverging.stderr
     assert [s for s, _ in complete_checkpoints(run)] == before
     assert torch.isfinite(torch.tensor([r["loss"] for r in _logged(run)])).all()
+    # The hint is a command that works: the launch's --steps (it extended the run) and the lr to go under
+    hint = re.search(r"continue with: (fived train --resume \S+ --steps 40) and a lower --train.lr than 1000 ",
+                     lines[0])
+    assert hint, lines[0]
+    assert "lr = 1000.0" not in (run / "config.toml").read_text()  # (the diverging launch's config: not kept)
+    assert json.loads((run / "launches.jsonl").read_text().splitlines()[-1])["config"]["train"]["lr"] == 1e3
+    followed = subprocess.run([sys.executable, "-m", *hint.group(1).split(), "--train.lr", "1e-3"],
+                              capture_output=True, text=True, env=ENV, timeout=300)
+    assert followed.returncode == 0, followed.stderr
 
 
 def test_each_rollback_skips_further(tmp_path, monkeypatch):

@@ -75,15 +75,29 @@ def find_checkpoint(path: str | Path, flag: str = "checkpoint", crc: bool = True
         intact = newest_intact(path.parent.parent) if path.parent.name == "checkpoints" else None
         raise ConfigError(flag, str(path), f"damaged: {problem}",
                           f"use the intact {intact}" if intact else "no intact checkpoint of this run is left")
-    for step, checkpoint in reversed(complete_checkpoints(path)):
+    found = complete_checkpoints(path)
+    for i, (step, checkpoint) in reversed(list(enumerate(found))):
         problem = cached_damage(checkpoint, crc)
         if problem is None:
             return checkpoint
         if os.environ.get("RANK", "0") == "0" and (checkpoint, problem) not in _WARNED:  # (once; one rank)
             _WARNED.add((checkpoint, problem))
-            print(f"fived: warning: checkpoint step-{step} is damaged ({problem}); using an older one",
-                  file=sys.stderr, flush=True)
+            print(f"fived: warning: checkpoint step-{step} is damaged ({problem}); "
+                  f"{'using an older one' if i else 'no older checkpoint is left'}", file=sys.stderr, flush=True)
     return None
+
+
+def no_intact_checkpoint(run_dir: str | Path, flag: str, value: str, crc: bool = True) -> ConfigError | None:
+    """When a run directory holds complete checkpoints but none intact (find_checkpoint gave None):
+    the one-line refusal naming the newest's damage (None if it holds no complete checkpoint at all).
+    Starting over beside them, or saying there is none, would hide the damage."""
+    found = complete_checkpoints(run_dir)
+    if not found:
+        return None
+    step, newest = found[-1]
+    return ConfigError(flag, value, f"{run_dir} holds {len(found)} checkpoint(s) but no intact one: the newest, "
+                       f"step-{step}, is damaged ({cached_damage(newest, crc)})",
+                       f"move or remove {Path(run_dir) / 'checkpoints'}, or use another --train.output_dir")
 
 
 def read_manifest(checkpoint: str | Path) -> dict:

@@ -38,13 +38,14 @@ DIVERGED_EXIT = 65  # the run's numbers went bad; nothing after the last healthy
 class Diverged(RuntimeError):
     """Raised on every rank at the diverged step; `summary()` travels to the launcher."""
 
-    def __init__(self, step: int, reason: str, healthy: str | None, run_dir: str):
+    def __init__(self, step: int, reason: str, healthy: str | None, run_dir: str, steps: int, lr: float):
         self.step, self.reason, self.healthy, self.run_dir = step, reason, healthy, run_dir
-        if healthy:
+        lower = f"a lower --train.lr than {lr:g}"  # (the launch's own: it may have been overridden)
+        if healthy:  # (--steps: the launch's target, which may have extended the run past the checkpoint's)
             then = (f"newest healthy checkpoint {healthy}; continue with: fived train --resume {run_dir} "
-                    "and a lower --train.lr (or --train.on_spike rollback)")
+                    f"--steps {steps} and {lower} (or --train.on_spike rollback)")
         else:
-            then = "no healthy checkpoint to continue from; start again with a lower --train.lr"
+            then = f"no healthy checkpoint to continue from; start again with {lower}"
         super().__init__(f"diverged at step {step}: {reason}; nothing saved after it; {then}")
 
     def summary(self) -> dict:
@@ -131,7 +132,7 @@ def handle_divergence(trainer, done: int, reason: str) -> int:
 
     t, checkpointer = trainer.cfg.train, trainer.checkpointer
     if checkpointer is None:  # (a run that owns no directory: nothing saved, nothing to roll back to)
-        raise Diverged(done, reason, None, t.output_dir)
+        raise Diverged(done, reason, None, t.output_dir, t.steps, t.lr)
     checkpointer.wait()  # (a background save in flight is of an earlier step: let it land first)
     healthy = agreed_healthy_checkpoint(t.output_dir, done, checkpointer.group)  # (before the suspects move)
     if trainer.rank == 0:
@@ -140,7 +141,7 @@ def handle_divergence(trainer, done: int, reason: str) -> int:
     if t.on_spike != "rollback" or healthy is None or trainer.guard.rollbacks >= t.max_rollbacks:
         if t.on_spike == "rollback" and healthy is not None:
             reason += f" (after {trainer.guard.rollbacks} rollbacks, train.max_rollbacks)"
-        raise Diverged(done, reason, str(healthy[1]) if healthy else None, t.output_dir)
+        raise Diverged(done, reason, str(healthy[1]) if healthy else None, t.output_dir, t.steps, t.lr)
     step, path = healthy
     rollbacks = trainer.guard.rollbacks + 1
     skips = trainer.sampler.skips  # (this launch's earlier rollbacks included: each skips further)

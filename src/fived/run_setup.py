@@ -223,12 +223,13 @@ def load_resumed_run(ns: argparse.Namespace, crc: bool = True):
 
 def _saved_run(resume: str, crc: bool = True):
     """(checkpoint directory, manifest, saved config) of `--resume DIR`, or a one-line refusal."""
-    from fived.checkpoint import find_checkpoint, saved_config
+    from fived.checkpoint import find_checkpoint, no_intact_checkpoint, saved_config
 
     checkpoint = find_checkpoint(resume, "--resume", crc)
     if checkpoint is None:
-        raise ConfigError("--resume", resume, "holds no complete checkpoint (checkpoints/step-<N>/COMPLETE)",
-                          "give the output directory of a run that saved one (checkpoint.every or checkpoint.final)")
+        raise no_intact_checkpoint(resume, "--resume", resume, crc) or ConfigError(
+            "--resume", resume, "holds no complete checkpoint (checkpoints/step-<N>/COMPLETE)",
+            "give the output directory of a run that saved one (checkpoint.every or checkpoint.final)")
     return (checkpoint, *saved_config(checkpoint, "--resume"))
 
 
@@ -277,13 +278,16 @@ def prepare_training(ns: argparse.Namespace, default_world: int) -> TrainingRun:
     checkpoint, else start a run there: what a restarted job runs), or a new run. Under torchrun only
     global rank 0 reads checkpoints whole (CRC-32): the other ranks' choice is provisional, replaced by
     rank 0's once the ranks have joined (fived.train_cli.agreed_run)."""
-    from fived.checkpoint import find_checkpoint
+    from fived.checkpoint import find_checkpoint, no_intact_checkpoint
     from fived.launch import under_torchrun
 
     crc = not under_torchrun() or os.environ.get("RANK", "0") == "0"
     if ns.resume == "auto":
         cfg, world = load_run(ns, default_world)
         if find_checkpoint(cfg.train.output_dir, crc=crc) is None:
+            refusal = no_intact_checkpoint(cfg.train.output_dir, "--resume", "auto", crc)
+            if refusal:
+                raise refusal
             return TrainingRun(cfg, world, fresh_dir=False)
         ns.resume = cfg.train.output_dir
         try:

@@ -33,16 +33,15 @@ from fived.launch import RankFailed, Stopped, run_ranks
 from fived.mesh import resolve_dp
 
 
-def describe_run_dir(cfg: Config, world: int, event: dict) -> None:
-    """Write config.toml and append one line to launches.jsonl in the run directory."""
+def describe_run_dir(cfg: Config, world: int, event: dict) -> str | None:
+    """Write config.toml and append one line to launches.jsonl in the run directory. Returns the
+    config.toml it replaced (None if there was none), for restore_config."""
     import tomli_w
 
     run_dir = Path(cfg.train.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = run_dir / "config.toml.tmp"
-    with writing(tmp):
-        tmp.write_text(tomli_w.dumps(cfg.to_dict()))
-    os.replace(tmp, run_dir / "config.toml")
+    previous = (run_dir / "config.toml").read_text() if (run_dir / "config.toml").is_file() else None
+    write_config_toml(run_dir, tomli_w.dumps(cfg.to_dict()))
     p = cfg.parallel
     record = {"time": time.time(), "command": sys.argv, "fived_version": __version__,
               "torch_version": torch.__version__, "python": platform.python_version(), "host": platform.node(),
@@ -51,6 +50,22 @@ def describe_run_dir(cfg: Config, world: int, event: dict) -> None:
               **event, "config": cfg.to_dict()}  # (config.toml is the latest; every launch's is kept here)
     with writing(run_dir / "launches.jsonl"), open(run_dir / "launches.jsonl", "a") as f:
         f.write(json.dumps(record) + "\n")
+    return previous
+
+
+def write_config_toml(run_dir: Path, text: str) -> None:
+    tmp = run_dir / "config.toml.tmp"
+    with writing(tmp):
+        tmp.write_text(text)
+    os.replace(tmp, run_dir / "config.toml")
+
+
+def restore_config(run_dir: str | Path, previous: str | None) -> None:
+    """A launch that diverged puts back the config.toml it replaced (its own config stays in
+    launches.jsonl): `fived train --config DIR/config.toml` must not run the diverging settings again.
+    A new run that diverged keeps its own (there is nothing else; the exit line says what to lower)."""
+    if previous is not None:
+        write_config_toml(Path(run_dir), previous)
 
 
 def last_logged_step(run_dir: str) -> int:
@@ -67,13 +82,15 @@ def run_with_restarts(cfg: Config, world: int, resume: str | None, run_training)
     """Run every rank; on a rank's death restart them all from the newest complete checkpoint.
     Raises RankFailed when restarts are exhausted, Stopped on a signal."""
     restarts = 0
-    describe_run_dir(cfg, world, {"event": "resume" if resume else "start", "resume_from": resume})
+    previous = describe_run_dir(cfg, world, {"event": "resume" if resume else "start", "resume_from": resume})
     grace = cfg.train.preempt_grace_s if _saves_on_sigterm(cfg) else 0.0
     while True:
         try:
             return run_ranks(world, run_training, cfg, True, True, False, resume, device=cfg.train.device,
                              timeout_s=cfg.train.collective_timeout_s, grace_s=grace)
         except RankFailed as failure:
+            if diverged_line(failure.summaries):
+                restore_config(cfg.train.output_dir, previous)
             if restarts >= cfg.train.max_restarts or diverged_line(failure.summaries) or \
                     write_failed_line(failure.summaries):
                 raise  # (a diverged run would diverge again from the same checkpoint; a full disk is full)

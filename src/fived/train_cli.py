@@ -82,7 +82,7 @@ def train_under_torchrun(ns: argparse.Namespace, run) -> int:
     from fived.metrics import fresh_output_dir
     from fived.parallel.pipeline import write_chrome_trace
     from fived.report import format_report
-    from fived.supervisor import describe_run_dir
+    from fived.supervisor import describe_run_dir, restore_config
     from fived.train import run_training
 
     init_distributed(run.cfg.train.collective_timeout_s, device=run.cfg.train.device)
@@ -106,14 +106,18 @@ def train_under_torchrun(ns: argparse.Namespace, run) -> int:
             print(f"fived: error: {refusal[0]}", file=sys.stderr, flush=True)
         shutdown_distributed()
         os._exit(2)
+    previous = None
     if dist.get_rank() == 0:
-        describe_run_dir(cfg, run.world, {"event": "resume" if run.resume else "start", "resume_from": run.resume,
-                                          "torchrun_restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))})
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+        previous = describe_run_dir(cfg, run.world, {"event": "resume" if run.resume else "start",
+                                                     "resume_from": run.resume, "torchrun_restart": restart})
     try:
         result = run_training(cfg, True, True, False, run.resume)
     except (Diverged, WriteFailed) as stop:  # (a divergence: every rank at the same step; one says it)
         if isinstance(stop, WriteFailed) or dist.get_rank() == 0:
             print(f"\nfived train: {stop}", file=sys.stderr, flush=True)
+        if isinstance(stop, Diverged) and dist.get_rank() == 0:
+            restore_config(cfg.train.output_dir, previous)
         shutdown_distributed()
         os._exit(DIVERGED_EXIT if isinstance(stop, Diverged) else 1)
     if cfg.train.trace:  # every rank's timeline, gathered to rank 0
