@@ -49,16 +49,18 @@ def test_impossible_optimizer_settings_are_refused_before_launch(over, rule):
         check_config(build_config(overrides=over), 2)
 
 
-def _poison_once(monkeypatch, at_step: int) -> None:
-    """NaN gradients on the first pass through step index `at_step` (before clipping and the
-    optimizer step: the weights really go bad). Forked ranks inherit the patch."""
+def _poison(patch, at_step: int, *, times: int = 1, then_kill_at: int | None = None) -> None:
+    """NaN gradients on the first `times` passes through step index `at_step` (before clipping and the
+    optimizer step: the weights really go bad); with `then_kill_at`, a later pass through that step
+    index raises, as a crash would. Forked ranks inherit the patch."""
     real_step, real_read = Trainer._step, Trainer._read_moe_statistics
     fired = []
 
     def step(self, step):
-        self.poison = step == at_step and not fired
-        if self.poison:
-            fired.append(step)
+        if fired and step == then_kill_at:
+            raise RuntimeError(f"killed before the save of step {step + 1}")  # (logged step numbers)
+        self.poison = step == at_step and len(fired) < times
+        fired.extend([step] if self.poison else [])
         return real_step(self, step)
 
     def read(self):
@@ -67,8 +69,8 @@ def _poison_once(monkeypatch, at_step: int) -> None:
                 p.grad.fill_(math.nan)
         return real_read(self)
 
-    monkeypatch.setattr(Trainer, "_step", step)
-    monkeypatch.setattr(Trainer, "_read_moe_statistics", read)
+    patch.setattr(Trainer, "_step", step)
+    patch.setattr(Trainer, "_read_moe_statistics", read)
 
 
 def _config(run_dir, **over):
@@ -81,7 +83,7 @@ def _logged(run_dir) -> list[dict]:
 
 
 def test_a_diverged_step_stops_the_run_and_keeps_every_healthy_checkpoint(tmp_path, monkeypatch):
-    _poison_once(monkeypatch, POISONED)
+    _poison(monkeypatch, POISONED)
     with pytest.raises(RankFailed) as failed:
         run_on_ranks(1, run_training, _config(tmp_path), True, False, False)
     (summary,) = failed.value.summaries
@@ -105,7 +107,7 @@ def test_rollback_ends_as_the_run_that_skipped_the_window(tmp_path, monkeypatch)
     diverged and skipped the same window."""
     cfg = _config(tmp_path, train__on_spike="rollback", train__max_rollbacks=1)
     with monkeypatch.context() as patch:
-        _poison_once(patch, POISONED)
+        _poison(patch, POISONED)
         rolled = run_on_ranks(1, run_training, cfg, True, False, False)[0]
     reference = run_on_ranks(1, _trained_with_skip, _config(tmp_path / "ref"), 4, POISONED + 1 - 4)[0]
     assert [r["loss"] for r in rolled.metrics] == [r["loss"] for r in reference]
@@ -118,7 +120,7 @@ def test_rollback_ends_as_the_run_that_skipped_the_window(tmp_path, monkeypatch)
 
 def test_a_second_divergence_beyond_max_rollbacks_stops(tmp_path, monkeypatch):
     cfg = _config(tmp_path, train__on_spike="rollback", train__max_rollbacks=0)
-    _poison_once(monkeypatch, POISONED)
+    _poison(monkeypatch, POISONED)
     with pytest.raises(RankFailed) as failed:
         run_on_ranks(1, run_training, cfg, True, False, False)
     assert "after 0 rollbacks" in failed.value.summaries[0]["line"]
@@ -169,24 +171,9 @@ def test_a_diverging_resumed_run_exits_in_one_line_and_loses_no_checkpoint(tmp_p
 def test_each_rollback_skips_further(tmp_path, monkeypatch):
     """The same step diverging twice (the injection fires on each of the first two passes): the
     second rollback skips the window after the first one's, never the same data again."""
-    real_step, real_read = Trainer._step, Trainer._read_moe_statistics
-    passes = []
-
-    def step(self, step):
-        self.poison = step == POISONED and len(passes) < 2
-        passes.extend([step] if self.poison else [])
-        return real_step(self, step)
-
-    def read(self):
-        if self.poison:
-            for p in self.model.parameters():
-                p.grad.fill_(math.nan)
-        return real_read(self)
-
     cfg = _config(tmp_path, train__on_spike="rollback", train__max_rollbacks=2)
     with monkeypatch.context() as patch:
-        patch.setattr(Trainer, "_step", step)
-        patch.setattr(Trainer, "_read_moe_statistics", read)
+        _poison(patch, POISONED, times=2)
         rolled = run_on_ranks(1, run_training, cfg, True, False, False)[0]
     assert rolled.metrics[-1]["step"] == STEPS
     events = [json.loads(line) for line in (tmp_path / "rollbacks.jsonl").read_text().splitlines()]
@@ -212,7 +199,7 @@ def test_every_rank_rolls_back_to_the_checkpoint_rank_0_chose(tmp_path, monkeypa
 
     cfg = _config(tmp_path, train__on_spike="rollback", train__max_rollbacks=1)
     with monkeypatch.context() as patch:
-        _poison_once(patch, POISONED)
+        _poison(patch, POISONED)
         patch.setattr(fived.divergence, "cached_damage", flaky)
         rolled = run_on_ranks(2, run_training, cfg, True, False, False)
     reference = run_on_ranks(2, _trained_with_skip, _config(tmp_path / "ref"), 4, POISONED + 1 - 4)[0]
@@ -224,26 +211,9 @@ def test_a_crash_after_a_rollback_resumes_with_the_window_still_skipped(tmp_path
     """Rolled back at step 7 to step-4 (steps 5..7 skipped), then killed at step 6, before the next
     periodic save: resuming the run's newest checkpoint skips the same window, so the resumed run's
     losses are those of the run that skipped it."""
-    real_step, real_read = Trainer._step, Trainer._read_moe_statistics
-    passes = []
-
-    def step(self, step):
-        if passes and step == POISONED - 1:
-            raise RuntimeError("killed before the save of step 6")
-        self.poison = step == POISONED and not passes
-        passes.extend([step] if self.poison else [])
-        return real_step(self, step)
-
-    def read(self):
-        if self.poison:
-            for p in self.model.parameters():
-                p.grad.fill_(math.nan)
-        return real_read(self)
-
     cfg = _config(tmp_path, train__on_spike="rollback", train__max_rollbacks=1)
     with monkeypatch.context() as patch:
-        patch.setattr(Trainer, "_step", step)
-        patch.setattr(Trainer, "_read_moe_statistics", read)
+        _poison(patch, POISONED, then_kill_at=POISONED - 1)
         with pytest.raises(RankFailed, match="killed before the save"):
             run_on_ranks(1, run_training, cfg, True, False, False)
     (newest_step, newest), *_ = reversed(complete_checkpoints(tmp_path))
