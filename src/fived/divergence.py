@@ -52,12 +52,6 @@ class Diverged(RuntimeError):
         return {"kind": "diverged", "step": self.step, "reason": self.reason, "line": str(self)}
 
 
-def diverged_line(summaries: list[dict]) -> str | None:
-    """The launcher's line for a run whose ranks reported a divergence (None if they did not)."""
-    found = [s for s in summaries if s.get("kind") == "diverged"]
-    return "fived train: " + found[0]["line"] if found else None
-
-
 class LossGuard:
     """The recent losses and the verdict on each step. A checkpoint component ("guard"): its recent
     losses are saved, so a resumed run checks its first steps against the losses before the save."""

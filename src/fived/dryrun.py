@@ -19,7 +19,6 @@ as a perfectly balanced route: the planner's assumption.
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 
 import torch
@@ -28,6 +27,7 @@ import torch.distributed as dist
 from fived.config import Config, ConfigError
 from fived.ledger import ActivationLedger, held_bytes, local_tensor, model_state_bytes
 from fived.mesh import PRECISIONS, Layout
+from fived.memory_fit import available_bytes
 from fived.metrics import peak_memory_mb
 from fived.model import rope_cos_sin
 from fived.layout.stages import rank_chunks, rank_stages
@@ -82,15 +82,6 @@ def check_room(cfg: Config, planner: dict, blocks: int, *, rank: int) -> None:
                           f"{state / 2**30:.1f} GiB and the first step's transients, + {1.5 * acts / 2**30:.1f} GiB "
                           f"for {len(layers)} block(s)), more than the {have / 2**30:.1f} GiB available",
                           "a smaller layout share (more --tp/--pp, --zero 3), fewer --blocks, or a shorter --seq-len")
-
-
-def available_bytes() -> int:
-    """Memory available to a new allocation on this machine (Linux's MemAvailable; else physical RAM)."""
-    try:
-        with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def step_without_data(built: RankModel) -> None:

@@ -35,6 +35,12 @@ class RankFailed(RuntimeError):
         super().__init__(message)
         self.rank, self.reason, self.summaries = rank, reason or message.splitlines()[0], summaries or []
 
+    def line_of(self, kind: str) -> str | None:
+        """The launcher's line for the first rank that reported a failure of `kind` (e.g. "diverged",
+        "write_failed": summaries with a "line"), or None if none did."""
+        found = [s for s in self.summaries if s.get("kind") == kind]
+        return "fived train: " + found[0]["line"] if found else None
+
 
 class Stopped(RuntimeError):
     """The launcher was told to stop (SIGINT, or SIGTERM); `signal_name` says which, `results` holds

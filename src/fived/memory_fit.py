@@ -19,6 +19,15 @@ def machine_bytes(device: str) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def available_bytes() -> int:
+    """Memory available to a new allocation on this machine (Linux's MemAvailable; else physical RAM)."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def check_fits(cfg: Config, world: int) -> None:
     """Refuse (ConfigError) a layout whose per-rank model state cannot fit on this machine."""
     from fived.launch import device_type

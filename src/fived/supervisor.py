@@ -26,8 +26,7 @@ import torch
 from fived import __version__
 from fived.checkpoint import find_checkpoint
 from fived.config import Config
-from fived.divergence import diverged_line
-from fived.write_errors import write_failed_line, writing
+from fived.write_errors import writing
 from fived.faults import INTERRUPTED_EXIT, PREEMPTED_EXIT, TERMINATED_EXIT, timeout_line
 from fived.launch import RankFailed, Stopped, run_ranks
 from fived.mesh import resolve_dp
@@ -89,10 +88,10 @@ def run_with_restarts(cfg: Config, world: int, resume: str | None, run_training)
             return run_ranks(world, run_training, cfg, True, True, False, resume, device=cfg.train.device,
                              timeout_s=cfg.train.collective_timeout_s, grace_s=grace)
         except RankFailed as failure:
-            if diverged_line(failure.summaries):
+            diverged = failure.line_of("diverged")
+            if diverged:
                 restore_config(cfg.train.output_dir, previous)
-            if restarts >= cfg.train.max_restarts or diverged_line(failure.summaries) or \
-                    write_failed_line(failure.summaries):
+            if restarts >= cfg.train.max_restarts or diverged or failure.line_of("write_failed"):
                 raise  # (a diverged run would diverge again from the same checkpoint; a full disk is full)
             restarts += 1
             checkpoint = find_checkpoint(cfg.train.output_dir)

@@ -12,9 +12,8 @@ from fived.launch import Stopped
 
 def train_locally(ns: argparse.Namespace, run) -> int:
     """Start the local ranks (restarting them as train.max_restarts allows) and report the run."""
-    from fived.divergence import DIVERGED_EXIT, diverged_line
+    from fived.divergence import DIVERGED_EXIT
     from fived.launch import RankFailed
-    from fived.write_errors import write_failed_line
     from fived.mesh import resolve_dp
     from fived.supervisor import failure_line, run_with_restarts, stop_line
     from fived.train import run_training
@@ -34,11 +33,11 @@ def train_locally(ns: argparse.Namespace, run) -> int:
         print("\n" + line, file=sys.stderr)  # (after the progress bar's unfinished line)
         return code
     except RankFailed as failure:
-        diverged = diverged_line(failure.summaries)
+        diverged = failure.line_of("diverged")
         if diverged:
             print("\n" + diverged, file=sys.stderr)
             return DIVERGED_EXIT
-        refused = write_failed_line(failure.summaries)
+        refused = failure.line_of("write_failed")
         if refused:  # (a full disk, a read-only filesystem: restarting would not help)
             print("\n" + refused, file=sys.stderr)
             return 1

@@ -43,11 +43,6 @@ class WriteFailed(RuntimeError):
         return {"kind": "write_failed", "line": str(self)}
 
 
-def write_failed_line(summaries: list[dict]) -> str | None:
-    found = [s for s in summaries if s.get("kind") == "write_failed"]
-    return "fived train: " + found[0]["line"] if found else None
-
-
 def refused_write_summary(error: BaseException) -> dict | None:
     """A rank's summary for any failure that is, underneath, a write the machine refused."""
     found = os_error_in(error)

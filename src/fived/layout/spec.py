@@ -10,9 +10,10 @@ and, per dimension:
     with `tp_partial_grad` when each tp rank still holds only part of its gradient (norms under SP,
     the MoE router, Qwen3's q/k norms);
   - ep: routed experts are cut along dim 0 (expert j of E on ep rank j // (E/ep));
-  - data parallelism: `dp_storage` says how a ZeRO stage stores a tensor's tp/ep-local piece (whole,
-    ZeRO-3 rows of dim 0 in ceil-sized chunks, or a range of ZeRO-1/2's flat buffer) and over which
-    group (dp_shard*cp, or edp = dp*cp/ep for routed experts under ep);
+  - data parallelism: `shard_rows` (ZeRO-3: FSDP2's ceil-sized row chunks of dim 0) and
+    `flat_range` (ZeRO-1/2: a range of one flat buffer of the other parameters, in model order,
+    padded to a multiple of the shard group), over dp_shard*cp, or for routed experts under ep over
+    edp = dp*cp/ep (ZeRO-1/2 keep them whole, apart from the flat buffer);
   - pp: `fived.layout.stages` says which layers (and so which tensors) a pipeline rank holds.
 The runtime splits its meta-device modules by it (`fived.parallel.tensor`, `.expert`), its
 `Placement`s (checkpoints, `--init-from`, export, init) are computed from it, and the planner's
@@ -187,23 +188,6 @@ def tensor_specs(m: ModelConfig, *, tp: int = 1, ep: int = 1, sp: bool = False) 
 # ZeRO-0/1/2's flat gradients held in bf16 and summed in float32 are cast and reduced this many
 # elements at a time (64 MiB of float32): the runtime's piece and the planner's transient buffer.
 REDUCE_CHUNK_ELEMENTS = 2**24
-
-def dp_storage(spec: TensorSpec, *, zero: int, ep: int) -> str:
-    """"whole" (ZeRO-0, buffers, and ZeRO-1/2's routed experts under ep: kept whole, reduced over
-    edp), "rows" (ZeRO-3: FSDP2 shards dim 0), or "flat" (ZeRO-1/2: a range of one flat buffer of
-    every other parameter, in model order, padded to a multiple of the shard group)."""
-    if spec.buffer or zero == 0:
-        return "whole"
-    if zero == 3:
-        return "rows"
-    return "whole" if spec.expert and ep > 1 else "flat"
-
-
-def dp_shards(spec: TensorSpec, *, dp_shard: int, cp: int, dp: int, ep: int) -> int:
-    """The size of the group a tensor's data-parallel shards are spread over: edp for routed experts
-    under ep (their other dp*cp ranks are ep ranks holding other experts), else dp_shard * cp."""
-    return dp * cp // ep if spec.expert and ep > 1 else dp_shard * cp
-
 
 def shard_rows(dim0: int, shards: int, index: int) -> tuple[int, int]:
     """Rows [a, b) of a first dimension that ZeRO-3 (FSDP2) gives shard `index` of `shards`:
