@@ -194,6 +194,10 @@ def test_report_of_a_pipeline_moe_run_shows_every_chart_and_the_report_tables(tm
     comm = page.inner_text("#comm-bytes")
     assert "pp/send" in comm and "all_to_all_single" in comm
     assert "pipeline bubble of 1f1b" in page.inner_text("#pipeline")
+    # the measured step breakdown beside the planner's, and fived diagnose's findings
+    assert page.locator("#breakdown-chart .main-svg").count() >= 1
+    assert "compute" in page.inner_text("#breakdown-table") and "bubble" in page.inner_text("#breakdown-table")
+    assert page.inner_text("#diagnosis").strip().splitlines()[-1].startswith("failure modes: ")
     loads = json.loads((run_dir / "run.json").read_text())["expert_load"]
     assert sorted(loads) == ["0", "1", "2", "3"] and all(len(v) == 8 for v in loads.values())
     heatmap = page.evaluate("(() => { const t = document.getElementById('experts-chart').data[0]; return [t.type, t.z]; })()")

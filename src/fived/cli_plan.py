@@ -4,6 +4,7 @@ them (one line per bad value, before any pricing)."""
 from __future__ import annotations
 
 import argparse
+import json
 
 from fived.config import ConfigError, build_config
 
@@ -21,7 +22,6 @@ def plan_model(name: str):
 
 
 def cmd_plan(ns: argparse.Namespace) -> int:
-    import json
 
     from fived.planner import calibration, explain
     from fived.planner.runtimes import PLANNED_RUNTIMES
@@ -76,7 +76,6 @@ def plan_cluster(ns: argparse.Namespace, command: str):
 
 def cmd_plan_layout(ns: argparse.Namespace) -> int:
     """`fived plan --layout FLAGS`: the planner's figures for that one layout (fitting or not)."""
-    import json
 
     from fived.explore import layout_from_flags
     from fived.planner.search import evaluate
@@ -119,6 +118,14 @@ def cmd_report(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_diagnose(ns: argparse.Namespace) -> int:
+    from fived.diagnose import diagnose, format_diagnosis
+
+    found = diagnose(ns.run_dir)
+    print(json.dumps(found, indent=1) if ns.json else format_diagnosis(found))
+    return 0
+
+
 def add_cluster_flags(parser) -> None:
     """The model and cluster flags `plan` and `explore` share."""
     parser.add_argument("--model", help="a preset (llama3-405b, mixtral-8x7b, ...) or a TOML config with a [model] table")
@@ -155,3 +162,8 @@ def add_plan_commands(sub) -> None:
     report.add_argument("run_dir", help="a `fived train` output directory")
     report.add_argument("--output", help="the page to write (default RUN_DIR/report.html)")
     report.set_defaults(func=cmd_report)
+    diagnose = sub.add_parser("diagnose", allow_abbrev=False, help="why a training run is slow: its measured step "
+                              "breakdown vs the planner's, the failure modes present, and the layouts to try next")
+    diagnose.add_argument("run_dir", help="a finished `fived train` output directory")
+    diagnose.add_argument("--json", action="store_true", help="machine-readable output")
+    diagnose.set_defaults(func=cmd_diagnose)

@@ -117,6 +117,12 @@ class TrainConfig:
     log_every: int = 10
     output_dir: str = "runs/default"
     trace: str = ""  # write the executed pipeline actions of every rank as a Chrome/Perfetto trace
+    # Measure where each step's time goes (fived.step_timer: compute, each mesh dimension's exposed and
+    # overlapped communication, bubble, optimizer, data); in metrics.jsonl, run.json, `fived diagnose`
+    breakdown: bool = True
+    # "START:END": record steps START..END (1-based, inclusive) with torch.profiler on every rank;
+    # traces in <output_dir>/profile/ (one per rank and a merged one with fived's spans)
+    profile: str = ""
     tensorboard: bool = False
     # Validation: the loss over a fixed set of validation batches (the same every time, whatever the
     # layout), every eval_every steps and at the last step; logged as val_loss and val_ppl. 0 = off.

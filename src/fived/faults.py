@@ -7,7 +7,7 @@ resumable: run it again with --resume). Ctrl-C is the launcher's alone (ranks ig
 
 Hangs: every process group has `train.collective_timeout_s`; a collective that does not complete in
 that time raises in the ranks waiting in it. The trainer turns that into `CollectiveTimeout`, naming
-the collective, the mesh dimension of its group and the group's ranks (the ledger records which
+the collective, the mesh dimension of its group and the group's ranks (fived.comm records which
 collective each rank is in), and the launcher applies its restart policy.
 """
 from __future__ import annotations

@@ -1,159 +1,21 @@
-"""The ledger: measured bytes, so that memory and communication claims are checked, not assumed.
+"""The ledger: measured bytes, so that memory claims are checked, not assumed. (Communication is
+measured by `fived.comm`, the layer fived's collectives go through.)
 
-- `CommLedger` counts every collective issued through `torch.distributed` while it is active (ours,
-  and those of DDP/FSDP2, which call the same functions), keyed by (mesh dimension, collective).
-  It wraps the real functions and calls them; nothing is simulated.
 - `model_state_bytes` measures the bytes of parameters, gradients and optimizer state this rank holds.
 - `ActivationLedger` measures the bytes saved for backward per micro-batch by each transformer
   layer, the embedding and the head (final norm, output projection, loss), inside pipeline
   schedules too, so activation memory is a measured figure (`fived.activation_model` predicts it).
-
-Payload bytes per call are counted as: all_reduce / broadcast / send / recv the tensor itself;
-all_gather_into_tensor the gathered output; reduce_scatter_tensor the full input; all_to_all_single
-the input. Mesh dimensions are named by `Mesh.group_names`; any other group is named by its ranks.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections import defaultdict
 
 import torch
-import torch.distributed as dist
-import torch.distributed.pipelining.schedules as pipeline_schedules
-
-_TRACKED = {
-    # name: (index of the tensor whose bytes count, keyword of that tensor)
-    "all_reduce": (0, "tensor"),
-    "broadcast": (0, "tensor"),
-    "all_gather_into_tensor": (0, "output_tensor"),
-    "all_gather_single": (0, "output_tensor"),
-    "reduce_scatter_tensor": (1, "input"),
-    "reduce_scatter_single": (1, "input"),
-    "all_to_all_single": (1, "input"),
-    "send": (0, "tensor"),
-    "recv": (0, "tensor"),
-}
-# isend/irecv are not wrapped: P2POp checks their identity. Batched point-to-point is counted from
-# batch_isend_irecv's ops, and the pipeline schedules' from their _batch_p2p (which sends all-send
-# and all-recv batches with isend/irecv directly).
 
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
-
-
-class CommLedger:
-    def __init__(self, group_names: dict | None = None):
-        self.group_names = dict(group_names or {})
-        self.bytes: dict[tuple[str, str], int] = defaultdict(int)
-        self.calls: dict[tuple[str, str], int] = defaultdict(int)
-        self._depth = 0
-        self.failed = self.last = None  # (collective, group): what a timeout is blamed on
-
-    def _dim(self, group) -> str:
-        ranks = _ranks(dist.group.WORLD if group is None else group)
-        for g, name in self.group_names.items():
-            if len(_ranks(g)) > 1 and _ranks(g) == ranks:
-                return name
-        return "ranks" + "-".join(map(str, ranks))
-
-    def record(self, op: str, group, nbytes: int) -> None:
-        key = (self._dim(group), op)
-        self.bytes[key] += nbytes
-        self.calls[key] += 1
-
-    def reset(self) -> None:
-        self.bytes.clear()
-        self.calls.clear()
-        self.failed = self.last = None
-
-    def blamed_collective(self) -> tuple[str, str, tuple[int, ...]]:
-        """(collective, mesh dimension, global ranks) of the collective that raised in this step, or
-        else of the last one started (an asynchronous one fails later, in its wait)."""
-        name, group = self.failed or self.last or ("a collective", None)
-        return name, self._dim(group), _ranks(dist.group.WORLD if group is None else group)
-
-    def summary(self) -> dict[str, dict[str, int]]:
-        """{"dp/all_reduce": {"bytes": .., "calls": ..}, ...}"""
-        return {f"{d}/{op}": {"bytes": self.bytes[(d, op)], "calls": self.calls[(d, op)]}
-                for d, op in sorted(self.bytes)}
-
-    @contextlib.contextmanager
-    def track(self):
-        """Count collectives issued through torch.distributed inside the block."""
-        originals = {name: getattr(dist, name) for name in _TRACKED}
-
-        def wrap(name, real):
-            index, keyword = _TRACKED[name]
-
-            def counted(*args, **kwargs):
-                if self._depth:  # a deprecated name calling its replacement: count once
-                    return real(*args, **kwargs)
-                tensor = kwargs.get(keyword, args[index] if len(args) > index else None)
-                group = kwargs.get("group", _positional_group(name, args))
-                if tensor is not None:
-                    self.record(name, group, _nbytes(tensor))
-                self.last = (name, group)
-                self._depth += 1
-                try:
-                    return real(*args, **kwargs)
-                except BaseException:
-                    self.failed = (name, group)  # (which collective a timeout happened in)
-                    raise
-                finally:
-                    self._depth -= 1
-
-            return counted
-
-        real_batch = dist.batch_isend_irecv
-        real_p2p = pipeline_schedules._batch_p2p
-
-        def count_ops(ops):
-            for op in ops:
-                kind = "send" if op.op is dist.distributed_c10d.isend else "recv"
-                self.record(kind, op.group, _nbytes(op.tensor))
-                self.last = (kind, op.group)
-
-        def counted_batch(ops):
-            if self._depth == 0:
-                count_ops(ops)
-            return real_batch(ops)
-
-        def counted_p2p(ops, *args, **kwargs):
-            # The schedules' own batching: all-send or all-recv batches call isend/irecv directly.
-            count_ops(ops)
-            self._depth += 1
-            try:
-                return real_p2p(ops, *args, **kwargs)
-            finally:
-                self._depth -= 1
-
-        for name, real in originals.items():
-            setattr(dist, name, wrap(name, real))
-        dist.batch_isend_irecv = counted_batch
-        pipeline_schedules._batch_p2p = counted_p2p
-        try:
-            yield self
-        finally:
-            for name, real in originals.items():
-                setattr(dist, name, real)
-            dist.batch_isend_irecv = real_batch
-            pipeline_schedules._batch_p2p = real_p2p
-
-
-def _positional_group(name: str, args: tuple):
-    # Positional group argument index in torch.distributed's signatures.
-    index = {"all_reduce": 2, "broadcast": 2, "all_gather_into_tensor": 2, "all_gather_single": 2,
-             "reduce_scatter_tensor": 3, "reduce_scatter_single": 3,
-             "all_to_all_single": 4, "send": 2, "recv": 2}[name]
-    return args[index] if len(args) > index else None
-
-
-def _ranks(group) -> tuple[int, ...]:
-    if group is None or not dist.is_initialized():
-        return ()
-    return tuple(dist.get_process_group_ranks(group))
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

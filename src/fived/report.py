@@ -122,15 +122,23 @@ def report_figures(cfg: Config, world: int, results: list[TrainResult]) -> dict:
             "expert_load": dict(sorted(loads.items(), key=lambda kv: int(kv[0])))}
 
 
-def write_run_json(cfg: Config, world: int, results: list[TrainResult]) -> None:
-    """run.json in the run directory (`fived report` reads it): the report's figures and the layout."""
+def write_run_json(cfg: Config, world: int, results: list[TrainResult], breakdowns: list[list[dict]] | None = None) -> None:
+    """run.json in the run directory (`fived report` and `fived diagnose` read it): the report's
+    figures, the layout, the config, and the measured step breakdown of every rank beside the
+    planner's (`breakdowns`: each rank's per-step breakdowns, where `results` holds only some ranks)."""
     import json
     from pathlib import Path
+
+    from fived.breakdown import run_breakdown
 
     figures = report_figures(cfg, world, results)
     figures["bubble_line"] = _bubble_line(cfg, results)
     figures["layout"] = Layout.from_config(cfg, world).to_dict()
     figures["world"] = world
+    figures["config"] = cfg.to_dict()
+    per_rank = breakdowns if breakdowns is not None else [r.breakdowns for r in results]
+    if any(per_rank):
+        figures["breakdown"] = run_breakdown(cfg, world, per_rank)
     path = Path(cfg.train.output_dir) / "run.json"
     path.write_text(json.dumps(figures))
 

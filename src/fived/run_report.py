@@ -2,7 +2,8 @@
 metrics.jsonl (loss, validation loss where logged, lr, grad norm, tokens/s, MFU per step),
 config.toml (the layout), and run.json, which `fived train` writes at the end (`fived.report.
 write_run_json`: the same measured-vs-planner tables `fived train --report` prints, the executed
-pipeline actions of the last step, the MoE expert load per layer).
+pipeline actions of the last step, the MoE expert load per layer, the measured step breakdown beside
+the planner's), and `fived diagnose`'s findings.
 """
 from __future__ import annotations
 
@@ -39,6 +40,12 @@ def report_data(run_dir: str) -> dict:
     shape = " ".join(f"{k}={layout[k]}" for k in ("dp", "tp", "pp", "cp", "ep", "zero") if k in layout)
     summary = (f"{len(metrics['step'])} steps logged (last {last})" + (f", layout {shape}" if shape else "")
                + ("" if figures else "; run.json not written yet (the run has not finished): no measured tables"))
+    diagnosis = None
+    if "breakdown" in figures and "config" in figures:  # (fived diagnose's findings, on the page too)
+        from fived.diagnose import diagnose, format_diagnosis
+
+        diagnosis = diagnose(run_dir)
+        diagnosis["text"] = format_diagnosis(diagnosis)
     return {"summary": summary, "metrics": metrics, "state": figures.get("state", []), "comm": figures.get("comm", []),
             "timeline": figures.get("timeline", []), "bubble_line": figures.get("bubble_line", ""),
-            "expert_load": figures.get("expert_load", {}), "layout": layout}
+            "expert_load": figures.get("expert_load", {}), "layout": layout, "diagnosis": diagnosis}

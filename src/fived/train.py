@@ -21,14 +21,16 @@ from fived.data import GlobalBatchSampler, check_data, validation_batches, valid
 from fived.divergence import LossGuard, handle_divergence
 from fived.faults import PreemptionRequest, timeouts_named
 from fived.launch import device_type
-from fived.ledger import ActivationLedger, CommLedger, model_state_bytes
+from fived.ledger import ActivationLedger, model_state_bytes
 from fived.layout.rules import check_config
 from fived.mesh import PRECISIONS, build_dtype
 from fived.metrics import MetricsLog, flops_per_token, keep_log_until, peak_memory_mb
 from fived.planner.hardware import device_peak_tflops
 from fived.model import MoE, canonical_name
 from fived.optim import build_scheduler
+from fived.profiling import ProfileWindow
 from fived.rank import build_rank
+from fived.step_timer import StepTimer
 from fived.train_state import ModelState, OptimizerState, ProgressState, RNGState
 
 
@@ -42,6 +44,7 @@ class TrainResult:
     activations: dict[str, int] = field(default_factory=dict)
     timeline: list = field(default_factory=list)  # pipeline actions this rank executed (last step)
     expert_load: dict[str, list[float]] = field(default_factory=dict)  # MoE layer id -> global tokens per expert (last step)
+    breakdowns: list[dict] = field(default_factory=list)  # this rank's measured step breakdown, per step
     preempted: bool = False  # stopped early on SIGTERM (after saving, when checkpointing is on)
 
 
@@ -68,7 +71,11 @@ class Trainer:
         # Bytes saved for backward per micro-batch, measured on the first step: its first micro-batch,
         # or under a pipeline schedule every micro-batch it runs (mean), over all of this rank's chunks.
         self.activations = ActivationLedger(chunks)
+        # Where each step's time goes (and the bytes of every collective fived issues)
+        self.timer = StepTimer(self.device, self.mesh.group_names(), enabled=t.breakdown)
+        self.timer.watch_recompute(chunks if not t.compile else [])  # (compiled blocks: not timed apart)
         if self.pipeline:
+            self.pipeline.timeline.spans = self.timer if t.breakdown else None
             schedule = self.pipeline.build_schedule(modules, self._pipeline_loss, self.device)
             self.activations.watch_stages(getattr(schedule, "_stages", None) or [schedule._stage])
         self.scheduler = build_scheduler(self.optimizer, t)
@@ -79,7 +86,7 @@ class Trainer:
         self.global_tokens = t.global_batch * t.seq_len
         self.val_sampler, self.val_batches = self._validation_sampler()
         self.loss_divisor = self.global_tokens  # what a pipeline micro-batch's loss is divided by (1 in eval)
-        self.ledger = CommLedger(self.mesh.group_names())
+        self.profile = ProfileWindow(t.profile, t.steps, t.output_dir, self.rank, self.device, self.timer)
         self.state_bytes: dict[str, int] = {}
         self.peak_flops = device_peak_tflops(build_dtype(cfg), t.peak_tflops, self.device.type) * 1e12
         self.flops_per_step = flops_per_token(cfg.model, t.seq_len) * self.global_tokens
@@ -164,7 +171,7 @@ class Trainer:
             self.dp.before_micro_batch(is_last=True)
             if not self.activations.per_layer:
                 self.activations.start()
-            with self._autocast(), self.plan.forward_context(self.activations):
+            with self.timer.span("bubble"), self._autocast(), self.plan.forward_context(self.activations):
                 loss_sum = self.pipeline.step(inputs, targets) * self.global_tokens
             if self.activations.recording:
                 self.activations.stop()
@@ -175,13 +182,14 @@ class Trainer:
             self.dp.before_micro_batch(is_last=i == len(micro_batches) - 1)
             if i == 0 and not self.activations.per_layer:
                 self.activations.start()
-            with self._autocast(), self.plan.forward_context(self.activations):
+            with self.timer.span("forward", micro=i), self._autocast(), self.plan.forward_context(self.activations):
                 logits = self.model(micro)
                 loss = self.plan.loss_sum(logits, micro_targets)
                 self.activations.leave()
             if self.activations.recording:
                 self.activations.stop()
-            (loss / self.global_tokens).backward()
+            with self.timer.span("backward", micro=i):
+                (loss / self.global_tokens).backward()
             loss_sum += loss.detach().double()
         return loss_sum
 
@@ -254,8 +262,11 @@ class Trainer:
 
     def step(self, step: int) -> dict:
         """One optimizer step; a collective that times out is reported as a CollectiveTimeout."""
-        with timeouts_named(self.rank, self.cfg.train.collective_timeout_s, self.ledger.blamed_collective):
-            return self._step(step)
+        with timeouts_named(self.rank, self.cfg.train.collective_timeout_s, self.timer.recorder.blamed_collective):
+            self.profile.before_step(step)
+            record = self._step(step)
+            self.profile.after_step(step)
+            return record
 
     def _stop_requested(self) -> bool:
         """Whether any rank got SIGTERM (every rank asks, at the same step boundary)."""
@@ -271,31 +282,33 @@ class Trainer:
     def _step(self, step: int) -> dict:
         t = self.cfg.train
         start = time.perf_counter()
-        self.ledger.reset()
-        with self.ledger.track():
-            batch = self.sampler.local_batch_at(step, self.mesh.rank("dp"), self.mesh.dp).to(self.device)
-            inputs, targets = batch[:, :-1], batch[:, 1:]
-            if self.positions is not None:  # context parallelism: this rank's chunks of each sequence
-                inputs, targets = inputs[:, self.positions], targets[:, self.positions]
+        with self.timer.step(unrouted=self.dp.unrouted_collectives()):
+            with self.timer.span("data"):
+                batch = self.sampler.local_batch_at(step, self.mesh.rank("dp"), self.mesh.dp).to(self.device)
+                inputs, targets = batch[:, :-1], batch[:, 1:]
+                if self.positions is not None:  # context parallelism: this rank's chunks of each sequence
+                    inputs, targets = inputs[:, self.positions], targets[:, self.positions]
             loss_sum = self._forward_backward(inputs, targets)
-            aux_sum, loads = self._read_moe_statistics()
-            self.plan.finish_gradients()
-            grad_norm = self.plan.clip_gradients(t.grad_clip)
-            self.dp.step()
-            lr = self.scheduler.get_last_lr()[0]
-            self.scheduler.step()
-            if not self.state_bytes:  # once, while gradients and optimizer state both exist
-                self.state_bytes = model_state_bytes(self.dp.tensors())
-            self.dp.zero_grad()
-        # Logged loss: the mean over every token of the global batch; pipeline stages other than the
-        # last contribute zero. (Outside the ledger: 16 bytes of logging, not the step's traffic.)
-        totals = torch.stack([loss_sum, aux_sum])
-        dist.all_reduce(totals, group=self.mesh.group("dp_cp"))
-        if self.pipeline:
-            dist.all_reduce(totals, group=self.mesh.group("pp"))
-        imbalance = self._balance_experts(loads) if self.cfg.model.is_moe else 0.0
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
+            with self.timer.span("optimizer"):
+                aux_sum, loads = self._read_moe_statistics()
+                self.plan.finish_gradients()
+                grad_norm = self.plan.clip_gradients(t.grad_clip)
+                self.dp.step()
+                lr = self.scheduler.get_last_lr()[0]
+                self.scheduler.step()
+                if not self.state_bytes:  # once, while gradients and optimizer state both exist
+                    self.state_bytes = model_state_bytes(self.dp.tensors())
+                self.dp.zero_grad()
+            # Logged loss: the mean over every token of the global batch; pipeline stages other than the
+            # last contribute zero. (Not through fived.comm: 16 bytes of logging, not the step's traffic.)
+            with self.timer.span("logging"):
+                totals = torch.stack([loss_sum, aux_sum])
+                dist.all_reduce(totals, group=self.mesh.group("dp_cp"))
+                if self.pipeline:
+                    dist.all_reduce(totals, group=self.mesh.group("pp"))
+                imbalance = self._balance_experts(loads) if self.cfg.model.is_moe else 0.0
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
         record = {
             "step": step + 1,
@@ -307,6 +320,8 @@ class Trainer:
             "peak_mem_mb": peak_memory_mb(self.device),
             "step_time_s": elapsed,
         }
+        if self.timer.enabled:
+            record["breakdown"] = self.timer.breakdown()
         if self.cfg.model.is_moe:  # (every cp rank computed each of its sequences' whole statistic)
             record["aux_loss"] = totals[1].item() / t.global_batch / self.mesh.cp
             record["expert_load_max_over_mean"] = imbalance
@@ -348,6 +363,7 @@ class Trainer:
             if (step - 1) % self.cfg.train.log_every == 0 or step == last:
                 bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}",
                                 tok_s=f"{record['tokens_per_s']:.0f}", mfu=f"{record['mfu']:.1%}", **self.shown)
+        self.profile.after_step(last - 1, last=True)  # (a run stopped inside the window writes what it has)
         if self.checkpointer is not None:
             final = self.cfg.checkpoint.final or self.checkpointer.due(last) or self.preempted
             if final and self.checkpointer.last_step != last:
@@ -357,11 +373,22 @@ class Trainer:
             self.log.close()
         return history
 
+    def result(self, metrics: list[dict], *, return_state: bool = False) -> TrainResult:
+        """What this rank measured over `metrics`' steps (and, if asked, the whole parameters)."""
+        return TrainResult(metrics=metrics, state=self.plan.full_state() if return_state else {},
+                           memory=self.state_bytes, activations=self.activations.per_layer, comm=self.timer.recorder.summary(),
+                           timeline=self.pipeline.last_step_actions() if self.pipeline else [],
+                           preempted=self.preempted, expert_load=self.expert_load(),
+                           breakdowns=[m["breakdown"] for m in metrics if "breakdown" in m])
+
     def _after_step(self, step: int, record: dict, first_step: bool) -> None:
         """What a healthy step adds to its record: the wait for the previous save, the background
         saves' staging (after the first step: the optimizer's moments exist), an evaluation."""
         if self.waited is not None:  # how long training waited for the save after the previous step
             record["checkpoint_s"], self.waited = self.waited, None
+            if "breakdown" in record:  # (a stall of this step's wall time, beside its own work)
+                record["breakdown"]["components"]["checkpoint"] = record["checkpoint_s"]
+                record["breakdown"]["total_s"] += record["checkpoint_s"]
         if first_step and self.checkpointer is not None and self.cfg.checkpoint.async_ \
                 and self.cfg.checkpoint.every > 0:
             start = time.perf_counter()
@@ -382,9 +409,4 @@ def run_training(cfg: Config, log: bool = True, progress: bool = True, return_st
     preemption = PreemptionRequest()
     preemption.install()  # first: a SIGTERM while the model is built or loaded is acted on at step 1
     trainer = Trainer(cfg, log=log, resume=resume, preemption=preemption)
-    metrics = trainer.fit(progress=progress, until=until)
-    state = trainer.plan.full_state() if return_state else {}
-    timeline = trainer.pipeline.last_step_actions() if trainer.pipeline else []
-    return TrainResult(metrics=metrics, state=state, memory=trainer.state_bytes, activations=trainer.activations.per_layer,
-                       comm=trainer.ledger.summary(), timeline=timeline, preempted=trainer.preempted,
-                       expert_load=trainer.expert_load())
+    return trainer.result(trainer.fit(progress=progress, until=until), return_state=return_state)

@@ -58,6 +58,8 @@ def summarise(ns: argparse.Namespace, cfg, world: int, results: list) -> None:
     if cfg.train.trace:
         write_chrome_trace(cfg.train.trace, [a for r in results for a in r.timeline])
         print(f"pipeline trace of {world} rank(s) -> {cfg.train.trace}")
+    if cfg.train.profile:
+        print_profile(cfg, world)
     first, last = results[0].metrics[0], results[0].metrics[-1]
     print(f"loss {first['loss']:.4f} (step {first['step']}) -> {last['loss']:.4f} (step {last['step']}); "
           f"{last['tokens_per_s']:.0f} tokens/s, MFU {last['mfu']:.1%}")
@@ -67,6 +69,16 @@ def summarise(ns: argparse.Namespace, cfg, world: int, results: list) -> None:
               f"{evaluated[-1]['val_ppl']:.2f})")
     if ns.report:
         print(format_report(cfg, world, results))
+
+
+def print_profile(cfg, world: int) -> None:
+    """Merge the ranks' torch.profiler traces and say where they are."""
+    from fived.profiling import merge_traces
+
+    merged = merge_traces(cfg.train.output_dir, world)
+    if merged is not None:
+        print(f"profile of steps {cfg.train.profile} ({world} rank(s)): {merged.parent}/rank<R>.json, merged "
+              f"-> {merged} (open in https://ui.perfetto.dev or chrome://tracing)")
 
 
 def train_under_torchrun(ns: argparse.Namespace, run) -> int:
@@ -124,10 +136,16 @@ def train_under_torchrun(ns: argparse.Namespace, run) -> int:
         dist.all_gather_object(timelines, result.timeline)
         if dist.get_rank() == 0:
             write_chrome_trace(cfg.train.trace, [a for t in timelines for a in t])
+    if cfg.train.profile:
+        dist.barrier()  # every rank's trace written
+        if dist.get_rank() == 0:
+            print_profile(cfg, run.world)
+    breakdowns = [None] * dist.get_world_size()  # every rank's step breakdowns, for run.json
+    dist.all_gather_object(breakdowns, result.breakdowns)
     if dist.get_rank() == 0:
         from fived.report import write_run_json
 
-        write_run_json(cfg, run.world, [result])
+        write_run_json(cfg, run.world, [result], breakdowns)
         if ns.report:
             print(format_report(cfg, run.world, [result]))
     # As every fived rank ends: gloo and DTensor can abort at interpreter exit, which torchrun would

@@ -214,6 +214,20 @@ function tableOf(id, header, rows) {
   t.appendChild(rowOf("th", header)); rows.forEach((r) => t.appendChild(rowOf("td", r.map(String)))); return t;
 }
 
+function breakdownSection(diag) {
+  const box = section("breakdown", "Where the step time goes: measured | planner (fived diagnose)");
+  if (!diag) { box.appendChild(el("p", null, "not recorded yet: run.json comes at the end of the run")); return; }
+  const chart = el("div", "chart"); chart.id = "breakdown-chart"; box.appendChild(chart);
+  const names = diag.components.map((c) => c.component);
+  Plotly.react(chart, [
+    { type: "bar", name: "measured", x: names, y: diag.components.map((c) => c.measured_s) },
+    { type: "bar", name: "planner", x: names, y: diag.components.map((c) => c.predicted_s) }],
+    { barmode: "group", height: 300, yaxis: { title: "seconds per step" }, margin: { t: 20 } }, PLOT);
+  box.appendChild(tableOf("breakdown-table", ["component", "measured s", "share", "planner s"], diag.components.map((c) =>
+    [c.component, c.measured_s.toFixed(4), (100 * c.measured_share).toFixed(0) + "%", c.predicted_s == null ? "" : c.predicted_s.toFixed(4)])));
+  const text = el("pre", null, diag.text); text.id = "diagnosis"; box.appendChild(text);
+}
+
 function reportPage(D) {
   $("app").replaceChildren();
   $("app").appendChild(el("p", null, D.summary));
@@ -230,6 +244,7 @@ function reportPage(D) {
     D.state.map((r) => [r.rank, r.measured.params, r.predicted.params, r.measured.grads, r.predicted.grads, r.measured.optimizer, r.predicted.optimizer])));
   const comm = section("comm-table", "Communication per step on rank 0, per mesh dimension: measured | planner");
   comm.appendChild(tableOf("comm-bytes", ["dimension/collective", "measured bytes", "calls", "planner bytes"], D.comm.map((c) => [c.key, c.bytes, c.calls, c.predicted])));
+  breakdownSection(D.diagnosis);
   const pipe = section("pipeline", "Pipeline timeline (executed)");
   const tl = el("div", "chart"); tl.id = "timeline-chart"; pipe.appendChild(tl);
   if (D.timeline.length) {

@@ -175,10 +175,24 @@ def _model_errors(cfg: Config) -> list[ConfigError]:
         (t.max_restarts >= 0, "train.max_restarts", t.max_restarts, "must be >= 0", "e.g. --max-restarts 2"),
         (t.preempt_grace_s >= 0, "train.preempt_grace_s", t.preempt_grace_s, "must be >= 0",
          "e.g. --train.preempt_grace_s 60"),
+        (profile_window(t.profile, t.steps) is not None or not t.profile, "train.profile", t.profile,
+         f"must be START:END with 1 <= START <= END <= train.steps={t.steps}",
+         f"e.g. --train.profile {min(2, t.steps)}:{min(3, t.steps)}"),
+        (t.breakdown or not t.profile, "train.breakdown", t.breakdown,
+         "must be true with train.profile (fived's spans label the trace)", "e.g. --train.breakdown true"),
         (c.every >= 0, "checkpoint.every", c.every, "must be >= 0 (0: no periodic saves)", "e.g. --checkpoint.every 100"),
         (c.keep >= 0, "checkpoint.keep", c.keep, "must be >= 0 (0: keep all)", "e.g. --checkpoint.keep 3"),
     ]
     return [ConfigError(field, value, rule, hint) for ok, field, value, rule, hint in checks if not ok]
+
+
+def profile_window(text: str, steps: int) -> tuple[int, int] | None:
+    """train.profile "START:END" as (START, END), or None when it is empty or not a valid window."""
+    start, sep, end = text.partition(":")
+    if not sep or not start.strip().isdigit() or not end.strip().isdigit():
+        return None
+    start, end = int(start), int(end)
+    return (start, end) if 1 <= start <= end <= steps else None
 
 
 def suggest_layouts(cfg: Config, world: int, limit: int = 3) -> list[str]:

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fived import comm
 from fived.parallel.tensor import ReduceFromTensorParallelRegion as AllReduceSumForward
 
 aten = torch.ops.aten
@@ -36,16 +37,15 @@ def local_positions(seq_len: int, cp: int, rank: int, device=None) -> torch.Tens
     return torch.cat([first, second])
 
 
-def _ring_exchange(tensors: list[torch.Tensor], group) -> tuple[list[torch.Tensor], list]:
+def _ring_exchange(tensors: list[torch.Tensor], group) -> tuple[list[torch.Tensor], comm.Pending]:
     """Start sending `tensors` to the next cp rank and receiving the previous rank's; returns the
-    receive buffers and the pending requests (wait on them before using the buffers)."""
+    receive buffers and the pending exchange (wait on it before using the buffers)."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     nxt = dist.get_global_rank(group, (rank + 1) % size)
     prv = dist.get_global_rank(group, (rank - 1) % size)
     received = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
-    ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, group) for t in tensors]
-    ops += [dist.P2POp(dist.irecv, r, prv, group) for r in received]
-    return received, dist.batch_isend_irecv(ops)
+    pending = comm.exchange([(t.contiguous(), nxt) for t in tensors], [(r, prv) for r in received], group, role="cp")
+    return received, pending
 
 
 def _ring_step_blocks(rank: int, source: int, local_len: int):
@@ -164,9 +164,8 @@ class RingAttentionFunction(torch.autograd.Function):
                 else:
                     _merge(out[:, :, rows], lse[:, :, rows], o, l)
                 if pending is not None:
-                    held, reqs = pending
-                    for r in reqs:
-                        r.wait()
+                    held, request = pending
+                    request.wait()
         finally:
             _ring_depth[0] -= 1
         out = out.to(q.dtype)
@@ -192,11 +191,10 @@ class RingAttentionFunction(torch.autograd.Function):
             dk_acc[:, :, keys] += dkb
             dv_acc[:, :, keys] += dvb
             if step < size - 1:  # pass K/V on with their accumulated gradients
-                held, reqs = _ring_exchange([kb, vb, dk_acc, dv_acc], group)
+                held, request = _ring_exchange([kb, vb, dk_acc, dv_acc], group)
             else:  # the last hop brings each accumulator back to its owner
-                held, reqs = _ring_exchange([dk_acc, dv_acc], group)
-            for r in reqs:
-                r.wait()
+                held, request = _ring_exchange([dk_acc, dv_acc], group)
+            request.wait()
         dk_home, dv_home = held[-2], held[-1]
         return dq.to(q.dtype), dk_home.to(k.dtype), dv_home.to(v.dtype), None
 

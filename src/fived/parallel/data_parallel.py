@@ -17,10 +17,13 @@ whatever the split. Every strategy reduces with SUM for that reason.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from fived import comm
 from fived.config import Config
 from fived.layout.spec import REDUCE_CHUNK_ELEMENTS
 from fived.mesh import DTYPES, PRECISIONS, Mesh
@@ -114,6 +117,11 @@ class DataParallel:
     def before_micro_batch(self, is_last: bool) -> None:
         pass
 
+    def unrouted_collectives(self):
+        """A context counting collectives of a library this strategy uses that cannot be routed
+        through `fived.comm` (none here; FSDP2's HSDP all-reduce under ZeRO-3)."""
+        return contextlib.nullcontext()
+
     def after_forward_only(self) -> None:
         """After an evaluation (forward passes, no backward): storage back as a training step leaves it."""
 
@@ -161,13 +169,13 @@ class DataParallel:
         experts = [(n, p.grad) for n, p in self.expert_parameters() if p.grad is not None]
         if experts:  # disjoint over ep, equal over edp: summed over ep, then counted once below
             expert_sq = sum(weight(n) * g.double().square().sum() for n, g in experts)
-            dist.all_reduce(expert_sq, group=self.mesh.group("ep"))
+            comm.all_reduce(expert_sq, self.mesh.group("ep"))
             for group in self.norm_groups():
                 expert_sq = expert_sq / dist.get_world_size(group)
             sq += expert_sq
             grads += experts
         for group in self.norm_groups() + list(extra_groups):
-            dist.all_reduce(sq, group=group)
+            comm.all_reduce(sq, group)
         norm = sq.sqrt().item()
         if max_norm > 0:
             coef = min(max_norm / (norm + 1e-6), 1.0)
@@ -222,7 +230,7 @@ def _all_reduce_flat(grads: list[torch.Tensor], group, reduce_dtype: torch.dtype
 
 def _all_reduce_pieces(pieces: list[torch.Tensor], group, reduce_dtype: torch.dtype) -> None:
     flat = torch.cat(pieces).to(reduce_dtype)
-    dist.all_reduce(flat, group=group)
+    comm.all_reduce(flat, group, role="dp")
     offset = 0
     for piece in pieces:  # (views of the gradients: written in place)
         piece.copy_(flat[offset:offset + piece.numel()])

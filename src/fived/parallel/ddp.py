@@ -16,9 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from fived import comm
 from fived.parallel.data_parallel import DataParallel
 
 BUCKET_BYTES = 25 * 2**20  # as DDP's default bucket_cap_mb
@@ -35,7 +35,7 @@ class Bucket:
 def reduce_bucket(buffer: torch.Tensor, group, reduce_dtype: torch.dtype):
     """Start summing `buffer` over `group` in `reduce_dtype`; returns (work, tensor being reduced)."""
     send = buffer if buffer.dtype == reduce_dtype else buffer.to(reduce_dtype)
-    return dist.all_reduce(send, group=group, async_op=True), send
+    return comm.all_reduce(send, group, async_op=True, role="dp"), send
 
 
 class ReplicatedDataParallel(DataParallel):

@@ -12,9 +12,9 @@ all-to-all carries them back), so it is reduced only over edp; dense gradients o
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from fived import comm
 from fived.model import GroupedExperts, MoE
 
 
@@ -25,14 +25,14 @@ class AllToAll(torch.autograd.Function):
     def forward(ctx, x, out_splits: list[int], in_splits: list[int], group):
         ctx.splits, ctx.group = (out_splits, in_splits), group
         out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        comm.all_to_all_single(out, x.contiguous(), group, output_splits=out_splits, input_splits=in_splits, role="ep")
         return out
 
     @staticmethod
     def backward(ctx, grad):
         out_splits, in_splits = ctx.splits
         back = grad.new_empty((sum(in_splits),) + tuple(grad.shape[1:]))
-        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        comm.all_to_all_single(back, grad.contiguous(), ctx.group, output_splits=in_splits, input_splits=out_splits, role="ep")
         return back, None, None, None
 
 
@@ -49,7 +49,7 @@ class ExpertParallelExperts(GroupedExperts):
         local = self.n_experts // self.ep
         send_counts = counts.to(torch.int64)
         recv_counts = torch.empty_like(send_counts)  # [source rank, local expert], flattened
-        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        comm.all_to_all_single(recv_counts, send_counts, self.group, role="ep")
         send_splits = send_counts.view(self.ep, local).sum(1).tolist()
         recv = recv_counts.view(self.ep, local)
         tokens = AllToAll.apply(x, recv.sum(1).tolist(), send_splits, self.group)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fived import comm
 from fived.parallel.data_parallel import DataParallel
 
 
@@ -49,6 +50,9 @@ class FullyShardedDataParallel(DataParallel):
                 if isinstance(module, FSDPModule):
                     module.set_gradient_divide_factor(1.0)
                     module.set_force_sum_reduction_for_comms(True)
+                    # its gathers and reduce-scatters through fived's communication layer
+                    module.set_custom_all_gather(comm.FsdpAllGather())
+                    module.set_custom_reduce_scatter(comm.FsdpReduceScatter())
         self.chunks = chunks
 
     def storage(self, name: str) -> tuple[tuple[int, int] | None, tuple[int, int] | None, int]:
@@ -58,6 +62,12 @@ class FullyShardedDataParallel(DataParallel):
         start = chunk.offsets[0] if len(chunk.offsets) else 0
         rows = (start, start + chunk.sizes[0]) if len(chunk.sizes) else None
         return rows, None, self.mesh.rank("dp_replicate")  # HSDP replicas hold the same rows
+
+    def unrouted_collectives(self):
+        """HSDP: FSDP2's all-reduce across replicas has no hook; counted while a step records."""
+        if self.mesh.dp_replicate > 1:
+            return comm.count_fsdp_replica_all_reduce()
+        return super().unrouted_collectives()
 
     def norm_groups(self) -> list:
         return [self.mesh.group("dp_shard_cp")]

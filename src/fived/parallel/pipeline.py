@@ -13,16 +13,18 @@ of `torch.distributed.pipelining`, with every executed action recorded.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from fived import comm
 from fived.config import Config, ModelConfig
 from fived.model import Transformer, build_model
 
-from fived.layout.layout import SINGLE_STAGE, V_SHAPED, stages_per_rank
+from fived.layout.layout import SINGLE_STAGE, stages_per_rank
 from fived.layout.stages import split_layers, stage_rank
 
 
@@ -51,16 +53,28 @@ class Action:
 
 @dataclass
 class Timeline:
-    """What one rank executed, in order."""
+    """What one rank executed, in order. `spans`: the trainer's `fived.step_timer.StepTimer`, if it
+    measures the step: each forward and backward is a span of its stage and micro-batch, and the
+    point-to-point ops the stage builds are counted by `fived.comm` (the schedule issues them)."""
 
     actions: list[Action] = field(default_factory=list)
+    spans: object = None
 
     def record(self, stage, kind: str, fn):
         rank = torch.distributed.get_rank()
+        category = {"F": "forward", "B?": "backward", "W": "backward"}.get(kind)
 
         def run(chunk_id, *args, **kwargs):
             start = time.perf_counter()
-            out = fn(chunk_id, *args, **kwargs)
+            if self.spans is None:
+                out = fn(chunk_id, *args, **kwargs)
+            elif category is None:  # send/recv ops: counted as built (labelled when profiling)
+                with _posting(self.spans, kind):
+                    out = fn(chunk_id, *args, **kwargs)
+                comm.note_point_to_point(out)
+            else:
+                with self.spans.span(category, stage=stage.stage_index, micro=chunk_id):
+                    out = fn(chunk_id, *args, **kwargs)
             k = kind if kind != "B?" else ("B" if kwargs.get("full_backward", True) else "I")
             self.actions.append(Action(rank, k, stage.stage_index, chunk_id, start, time.perf_counter()))
             return out
@@ -75,6 +89,13 @@ class Timeline:
             name = f"get_{kind}_ops"
             label = {"fwd_send": "send_f", "fwd_recv": "recv_f", "bwd_send": "send_b", "bwd_recv": "recv_b"}[kind]
             setattr(stage, name, self.record(stage, label, getattr(stage, name)))
+
+
+def _posting(spans, kind: str):
+    """While profiling, the pipeline's point-to-point ops named by mesh dimension as they are built."""
+    if not spans.profiling:
+        return contextlib.nullcontext()
+    return torch.profiler.record_function(f"fived/comm/pp/{kind}")
 
 
 class Pipeline:

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fived import comm
 from fived.layout.spec import Cut, TensorSpec
 from fived.model import MoE, Transformer, canonical_name
 
@@ -42,7 +43,7 @@ class CopyToTensorParallelRegion(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
+        comm.all_reduce(grad, ctx.group)
         return grad, None
 
 
@@ -52,7 +53,7 @@ class ReduceFromTensorParallelRegion(torch.autograd.Function):
         # A copy: the input may be kept elsewhere (selective checkpointing saves matmul outputs
         # and would reduce them a second time on recompute if reduced in place).
         x = x.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(x, group=group)
+        comm.all_reduce(x, group)
         return x
 
     @staticmethod
@@ -65,7 +66,7 @@ def _gather_seq(x: torch.Tensor, group) -> torch.Tensor:
     world = dist.get_world_size(group)
     xt = x.transpose(0, 1).contiguous()
     out = torch.empty((world * xt.shape[0],) + xt.shape[1:], dtype=x.dtype, device=x.device)
-    dist.all_gather_single(out, xt, group=group)
+    comm.all_gather_single(out, xt, group)
     return out.transpose(0, 1).contiguous()
 
 
@@ -74,7 +75,7 @@ def _reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
     world = dist.get_world_size(group)
     xt = x.transpose(0, 1).contiguous()
     out = torch.empty((xt.shape[0] // world,) + xt.shape[1:], dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_single(out, xt, group=group)
+    comm.reduce_scatter_single(out, xt, group)
     return out.transpose(0, 1).contiguous()  # contiguous: it may be sent to the next pipeline stage
 
 
@@ -228,7 +229,7 @@ class TensorParallel:
             col = torch.arange(lo, lo + width, device=logits.device)
             logits = logits.masked_fill(col >= self.vocab, float("-inf"))
         top = logits.detach().amax(dim=-1)
-        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=self.group)
+        comm.all_reduce(top, self.group, op=dist.ReduceOp.MAX)
         shifted = logits - top[..., None]
         sum_exp = ReduceFromTensorParallelRegion.apply(shifted.exp().sum(dim=-1), self.group)
         mine = (targets >= lo) & (targets < lo + width)
@@ -244,11 +245,11 @@ class TensorParallel:
         for name, grad in named_grads:
             spec = self.shards.get(name)
             if name in self.partial_grads:
-                dist.all_reduce(grad, group=self.group)
+                comm.all_reduce(grad, self.group)
             elif spec is not None and spec.replicas > 1:
                 slots = grad.new_zeros((spec.pieces,) + tuple(grad.shape))
                 slots[spec.index(self.rank)] = grad
-                dist.all_reduce(slots, group=self.group)
+                comm.all_reduce(slots, self.group)
                 grad.copy_(slots[spec.index(self.rank)])
 
     def norm_weight(self, name: str) -> float:

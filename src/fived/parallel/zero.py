@@ -24,9 +24,9 @@ import itertools
 import math
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from fived import comm
 from fived.layout.spec import REDUCE_CHUNK_ELEMENTS
 from fived.optim import build_optimizer
 from fived.parallel.data_parallel import DataParallel
@@ -146,9 +146,9 @@ class ShardedOptimizerDataParallel(DataParallel):
         """Sum `send` (shards' pieces one after another) over the shard group into this rank's `out`,
         then over the HSDP replicas (or, unsharded, over dp: then `out` is `send`)."""
         if self.shard_group is not None:
-            dist.reduce_scatter_single(out, send, group=self.shard_group)
+            comm.reduce_scatter_single(out, send, self.shard_group, role="dp")
         if self.replicate_group is not None:
-            dist.all_reduce(out, group=self.replicate_group)
+            comm.all_reduce(out, self.replicate_group, role="dp")
 
     def named_grads(self, model_grads: bool = False):
         if model_grads:
@@ -176,7 +176,7 @@ class ShardedOptimizerDataParallel(DataParallel):
     def gather_parameters(self) -> None:
         if self.shard_group is not None:
             with torch.no_grad():  # in place: this rank's slice is already where it belongs
-                dist.all_gather_single(self.param_buf, self.param_buf[self.lo:self.hi], group=self.shard_group)
+                comm.all_gather_single(self.param_buf, self.param_buf[self.lo:self.hi], self.shard_group, role="dp")
 
     def zero_grad(self) -> None:
         for _, p in self.expert_parameters():

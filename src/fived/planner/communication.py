@@ -226,7 +226,7 @@ def owned_parameters(m: ModelConfig, L: Layout, chunks) -> float:
 
 
 def ledger_bytes(collectives: list[Collective], layout: Layout) -> dict[str, int]:
-    """{"<ledger group name>/<op>": bytes} as `fived.ledger.CommLedger.summary` keys them."""
+    """{"<ledger group name>/<op>": bytes} as `fived.comm.CommRecorder.summary` keys them."""
     out: dict[str, int] = {}
     for c in collectives:
         key = f"{layout.ledger_name(c.group)}/{c.op}"
