@@ -77,7 +77,8 @@ def main() -> int:
     p.add_argument("--global-batch", type=int, default=16)
     args = p.parse_args()
     print(f"step breakdown on vs off | torch {torch.__version__} | {args.world} CPU ranks, gloo, OMP_NUM_THREADS=1 | "
-          f"cpus {len(os.sched_getaffinity(0))} | load {os.getloadavg()[0]:.2f} at start | {args.steps} timed steps each")
+          f"cpus {len(os.sched_getaffinity(0))} | load {os.getloadavg()[0]:.2f} at start | "
+          f"{args.steps} timed steps each")
     ranks = run_ranks(args.world, rank_main, args, timeout_s=120, device="cpu")
     ratios = []
     for index, (model, fields, micro) in enumerate(LAYOUTS):

@@ -111,6 +111,7 @@ def rank_main(layouts, args: argparse.Namespace) -> dict:
             dist.barrier()
             t.step(s)
     times = [[] for _ in trainers]
+    breakdowns = [[] for _ in trainers]
     gc.collect()
     gc.disable()
     try:
@@ -119,11 +120,15 @@ def rank_main(layouts, args: argparse.Namespace) -> dict:
             for j in (order if i % 2 == 0 else order[::-1]):
                 dist.barrier()
                 start = time.perf_counter()
-                trainers[j].step(args.warmup + i)
+                record = trainers[j].step(args.warmup + i)
                 times[j].append(time.perf_counter() - start)
+                breakdowns[j].append(record["breakdown"])
     finally:
         gc.enable()
-    return {"times": times}
+    from fived.breakdown import compared, mean_breakdown
+
+    # this rank's measured components per layout (the planner's terms), mean over the timed steps
+    return {"times": times, "components": [compared(mean_breakdown(b, skip_first=False)) for b in breakdowns]}
 
 
 def predict(layouts, args, hw) -> list[float]:
@@ -197,6 +202,7 @@ def main() -> int:
         with open(args.load) as f:
             saved = json.load(f)
         layouts, measured = [tuple(x) for x in saved["layouts"]], saved["measured"]
+        components = saved.get("components")
         print(f"times from {args.load} (measured under load {saved['load']:.2f})")
     else:
         auto, _ = auto_layout(args)
@@ -205,10 +211,12 @@ def main() -> int:
         results = run_ranks(args.world, rank_main, layouts, args, timeout_s=1800.0)
         measured = [statistics.median(max(r["times"][j][i] for r in results) for i in range(args.steps))
                     for j in range(len(layouts))]
+        components = [{k: statistics.mean(r["components"][j][k] for r in results) for k in results[0]["components"][j]}
+                      for j in range(len(layouts))]  # mean over ranks
         print(f"load {os.getloadavg()[0]:.2f} at end (this benchmark's own ranks included)")
     if args.save:
         with open(args.save, "w") as f:
-            json.dump({"layouts": layouts, "measured": measured, "load": load}, f)
+            json.dump({"layouts": layouts, "measured": measured, "components": components, "load": load}, f)
     hw = local_hardware(args.world)
     if args.fit:
         loo = []
@@ -230,7 +238,34 @@ def main() -> int:
     predicted = predict(layouts, args, hw)
     auto, chosen = auto_layout(args)  # with the constants now in force
     auto_index = _index(layouts, auto)
-    return report(layouts, measured, predicted, auto_index, chosen)
+    code = report(layouts, measured, predicted, auto_index, chosen)
+    if components:
+        component_report(layouts, components, args, hw)
+    return code
+
+
+def component_report(layouts, components, args, hw) -> None:
+    """Each layout's measured step breakdown (fived.step_timer, mean over ranks and timed steps)
+    beside the planner's components (fived.breakdown maps them), in ms; and the component the
+    planner gets most wrong: the largest median |measured - predicted| over the layouts, as a
+    share of the measured step."""
+    from fived.breakdown import COMPARED, predicted
+    from fived.mesh import Layout
+
+    print(f"\nstep breakdown per layout, measured/predicted ms ({', '.join(COMPARED)}):")
+    errors: dict[str, list[float]] = {k: [] for k in COMPARED}
+    for i, ((m, f, micro), got) in enumerate(zip(layouts, components)):
+        cfg = config(m, f, micro, args)
+        want, _ = predicted(cfg, args.world, hw)
+        step = sum(got.values())
+        cells = " ".join(f"{got[k] * 1e3:.1f}/{want[k] * 1e3:.1f}" for k in COMPARED)
+        print(f"{i + 1:>3}  {Layout.from_config(cfg, args.world).describe():<30} {cells}")
+        for k in COMPARED:
+            errors[k].append(abs(got[k] - want[k]) / step)
+    worst = {k: statistics.median(v) for k, v in errors.items()}
+    name = max(worst, key=worst.get)
+    print("median |measured - predicted| per component, share of the step: "
+          + ", ".join(f"{k} {v:.1%}" for k, v in worst.items()) + f"; worst: {name}")
 
 
 def report(layouts, measured, predicted, auto_index, chosen) -> int:

@@ -131,8 +131,8 @@ def test_full_checkpointing_under_a_pipeline_but_not_selective(tmp_path, capsys)
 
 def test_uneven_microbatches_rule():
     """Packed fixed-length windows make every micro-batch alike on CPU: the rule on measured figures."""
-    even = Measured(1.0, {}, {}, {}, [0.10, 0.11, 0.10, 0.12])
-    uneven = Measured(1.0, {}, {}, {}, [0.10, 0.25, 0.10, 0.11])
+    even = Measured(1.0, {}, {}, {}, [[0.10, 0.11, 0.10, 0.12], [0.2, 0.21]])
+    uneven = Measured(1.0, {}, {}, {}, [[0.10, 0.11, 0.10, 0.12], [0.10, 0.25, 0.10, 0.11]])
     assert _uneven_micro(even, None, {}) is None
     found = _uneven_micro(uneven, None, {})
     assert found.name == "uneven-microbatches" and "2.50x" in found.evidence
@@ -153,7 +153,8 @@ def _profiled_run(tmp_path, *flags: str) -> dict:
 
     run_dir = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src"), "OMP_NUM_THREADS": "1"}
-    train = subprocess.run([sys.executable, "-m", "fived", "train", "--nproc", "4", "--steps", "3", "--global-batch", "8",
+    train = subprocess.run([sys.executable, "-m", "fived", "train", "--nproc", "4", "--steps", "3",
+                            "--global-batch", "8",
                             "--train.warmup_steps", "1", "--train.profile", "2:3", "--train.output_dir", str(run_dir),
                             *flags], capture_output=True, text=True, env=env, timeout=300)
     assert train.returncode == 0, train.stderr
@@ -190,3 +191,29 @@ def test_profile_traces_show_every_dimension_and_every_ranks_forward_backward(tm
         assert _labels(seen, "fived/forward mb") and _labels(seen, "fived/backward mb"), rank
         for dim in ("tp", "cp", "dp"):
             assert _labels(seen, f"fived/comm/{dim}/"), (rank, dim)
+
+
+def _collectives_untouched(cfg):
+    """During a step (at the model's forward): torch.distributed's functions are torch's own."""
+    import torch.distributed as dist
+    import torch.distributed.pipelining.schedules as schedules
+
+    names = ("all_reduce", "all_gather_single", "reduce_scatter_single", "all_to_all_single", "batch_isend_irecv",
+             "send", "recv", "broadcast")
+    originals = [getattr(dist, n) for n in names] + [schedules._batch_p2p]
+    trainer = Trainer(cfg, log=False)
+    seen = []
+    trainer.model.register_forward_pre_hook(
+        lambda *_: seen.append([getattr(dist, n) for n in names] + [schedules._batch_p2p] == originals))
+    trainer.fit(progress=False)
+    return seen, trainer.timer.recorder.summary()
+
+
+def test_no_process_wide_patching_of_collectives():
+    """fived's collectives are recorded by its own layer, while torch.distributed stays as it is."""
+    cfg = build_config(overrides={"model.name": "tiny-moe", "parallel.dp": 2, "parallel.pp": 2, "parallel.ep": 2,
+                                  "parallel.zero": 1, "train.microbatches": 2, "train.steps": 2,
+                                  "train.global_batch": 8, "train.device": "cpu", "train.log_every": 1000})
+    for seen, comm in run_on_ranks(4, _collectives_untouched, cfg):
+        assert seen and all(seen)
+        assert {"pp/send", "pp/recv"} <= set(comm) and any(k.endswith("/all_to_all_single") for k in comm)

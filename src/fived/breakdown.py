@@ -14,6 +14,7 @@ steps after the first (the first builds the schedule, allocates and warms up). T
 """
 from __future__ import annotations
 
+import sys
 from collections import defaultdict
 
 from fived.config import Config
@@ -22,9 +23,10 @@ COMPARED = ("compute", "tp", "cp", "ep", "dp", "bubble", "optimizer", "overhead"
 DP_GROUPS = ("dp", "dp_cp", "dp_shard", "dp_shard_cp", "dp_replicate", "edp")
 
 
-def mean_breakdown(breakdowns: list[dict]) -> dict:
-    """The mean of a rank's per-step breakdowns, its first step left out when there are others."""
-    steps = breakdowns[1:] if len(breakdowns) > 1 else breakdowns
+def mean_breakdown(breakdowns: list[dict], *, skip_first: bool = True) -> dict:
+    """The mean of a rank's per-step breakdowns, its first step left out (`skip_first`) when there
+    are others."""
+    steps = breakdowns[1:] if skip_first and len(breakdowns) > 1 else breakdowns
     if not steps:
         return {}
     n = len(steps)
@@ -35,9 +37,13 @@ def mean_breakdown(breakdowns: list[dict]) -> dict:
             for k, v in b.get(key, {}).items():
                 summed[k] += v
         out[key] = {k: v / n for k, v in summed.items()}
-    micro = [b.get("microbatch_s", []) for b in steps]
-    width = min((len(m) for m in micro), default=0)
-    out["microbatch_s"] = [sum(m[i] for m in micro) / n for i in range(width)]
+    # per stage, each micro-batch's compute, mean over the steps (where every step has the same shape)
+    per_step = [b.get("microbatch_s", []) for b in steps]
+    shape = [len(stage) for stage in per_step[0]]
+    out["microbatch_s"] = []
+    if all([len(stage) for stage in p] == shape for p in per_step):
+        out["microbatch_s"] = [[sum(p[s][i] for p in per_step) / n for i in range(width)]
+                               for s, width in enumerate(shape)]
     return out
 
 
@@ -68,10 +74,15 @@ def predicted(cfg: Config, world: int, hardware=None) -> tuple[dict[str, float],
     except ConfigError:
         return None
     layout = Layout.from_config(cfg, world)
-    t = step_time(cfg.model, layout, Cluster(hw, world, world), cfg.train.seq_len, cfg.train.global_batch,
-                  cfg.train.dtype)
+    try:
+        t = step_time(cfg.model, layout, Cluster(hw, world, world), cfg.train.seq_len, cfg.train.global_batch,
+                      cfg.train.dtype)
+    except Exception as e:  # (the run's own figures are written whatever the planner makes of it)
+        print(f"fived: no planner prediction for this run's step ({type(e).__name__}: {e})", file=sys.stderr)
+        return None
     # the planner's pp (P2P transfer) is time the pipeline waits: measured within the bubble
-    return {"compute": t.compute, "tp": t.tp, "cp": t.cp, "ep": t.ep, "dp": t.dp, "bubble": t.bubble + t.pp, "optimizer": t.optimizer, "overhead": t.overhead}, asdict(hw)
+    return {"compute": t.compute, "tp": t.tp, "cp": t.cp, "ep": t.ep, "dp": t.dp, "bubble": t.bubble + t.pp,
+            "optimizer": t.optimizer, "overhead": t.overhead}, asdict(hw)
 
 
 def run_breakdown(cfg: Config, world: int, per_rank: list[list[dict]]) -> dict:

@@ -50,11 +50,12 @@ class CommEvent:
 
 
 class CommRecorder:
-    """What the collectives of one scope did. `clock()` marks a time (default `time.perf_counter`)."""
+    """What the collectives of one scope did. `clock()` marks a time (default `time.perf_counter`);
+    not `timed`: bytes, calls and the collective to blame only."""
 
-    def __init__(self, group_names: dict, clock=time.perf_counter):
+    def __init__(self, group_names: dict, clock=time.perf_counter, *, timed: bool = True):
         self.group_names = dict(group_names)
-        self.clock = clock
+        self.clock, self.timed = clock, timed
         self.bytes: dict[tuple[str, str], int] = defaultdict(int)
         self.calls: dict[tuple[str, str], int] = defaultdict(int)
         self.events: list[CommEvent] = []
@@ -95,7 +96,9 @@ class CommRecorder:
         return name, self.dim(group), _ranks(dist.group.WORLD if group is None else group)
 
 
-_active: list[CommRecorder] = []  # the innermost `recording` scope last
+# The innermost `recording` scope last. Shared by every thread: on CUDA the autograd engine's thread
+# issues the gradient buckets' collectives. (DCP's checkpoint thread issues none of these.)
+_active: list[CommRecorder] = []
 
 
 @contextlib.contextmanager
@@ -133,11 +136,14 @@ class Pending:
         self.event.wait_end = self.recorder.clock()
 
 
+@torch.compiler.disable  # bookkeeping on the host, never traced into a compiled block's graph
 def _issue(op: str, group, nbytes: int, call, async_op: bool, role: str | None):
     """Run `call()` (one torch.distributed call), counted and timed when a recorder is installed."""
     recorder = _recorder()
-    if recorder is None:
-        work = call()
+    if recorder is None or not recorder.timed:
+        if recorder is not None:
+            recorder.count(op, group, nbytes)
+        work = _blamed(recorder, op, group, call)
         return Pending([work], None, None) if async_op else None
     dim = recorder.count(op, group, nbytes)
     event = CommEvent(dim, op, nbytes, recorder.clock(), role or dim)
@@ -158,15 +164,26 @@ def _issue(op: str, group, nbytes: int, call, async_op: bool, role: str | None):
     return Pending([work], event, recorder, group)
 
 
+def _blamed(recorder: CommRecorder | None, op: str, group, call):
+    """call(), naming the collective a failure (a timeout) happened in."""
+    try:
+        return call()
+    except BaseException:
+        if recorder is not None:
+            recorder.failed = (op, group)
+        raise
+
+
 def _note_completion(work, event: CommEvent) -> None:
     """Wall time the backend completes `work` (gloo says so through its future; on CUDA the future
     completes when the work is enqueued, so the caller's wait is all that is known)."""
+    if not isinstance(event.issued, float):  # (CUDA events: a CUDA run)
+        return
     try:
         future = work.get_future()
     except (RuntimeError, AttributeError):
         return
-    if not torch.cuda.is_available():
-        future.add_done_callback(lambda _: setattr(event, "done", time.perf_counter()))
+    future.add_done_callback(lambda _: setattr(event, "done", time.perf_counter()))
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -203,21 +220,26 @@ def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tens
     as one batch; wait on the result before reading the buffers."""
     ops = [dist.P2POp(dist.isend, t, peer, group) for t, peer in sends]
     ops += [dist.P2POp(dist.irecv, t, peer, group) for t, peer in recvs]
+    return _exchange(ops, group, role)
+
+
+@torch.compiler.disable
+def _exchange(ops: list, group, role: str | None) -> Pending:
     recorder = _recorder()
-    if recorder is None:
-        return Pending(dist.batch_isend_irecv(ops), None, None)
     note_point_to_point(ops)
+    if recorder is None or not recorder.timed:
+        return Pending(_blamed(recorder, "send/recv", group, lambda: dist.batch_isend_irecv(ops)), None, None)
     dim = recorder.dim(group)
     event = CommEvent(dim, "send/recv", sum(_nbytes(op.tensor) for op in ops), recorder.clock(), role or dim)
-    if recorder.profiling:
-        with torch.profiler.record_function(f"fived/comm/{event.role}/send-recv"):
-            works = dist.batch_isend_irecv(ops)
-    else:
-        works = dist.batch_isend_irecv(ops)
+    label = torch.profiler.record_function(f"fived/comm/{event.role}/send-recv") if recorder.profiling \
+        else contextlib.nullcontext()
+    with label:
+        works = _blamed(recorder, "send/recv", group, lambda: dist.batch_isend_irecv(ops))
     recorder.events.append(event)
     return Pending(works, event, recorder, group)
 
 
+@torch.compiler.disable
 def note_point_to_point(ops: list) -> None:
     """Count the bytes of point-to-point ops another library issues (the pipeline schedules)."""
     recorder = _recorder()
@@ -234,9 +256,12 @@ class FsdpAllGather:
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
-        if async_op:  # FSDP2 waits on the Work itself (it checks its type): issue time and bytes only
+        # Bytes only where FSDP2 waits on the Work itself (it checks its type) or runs the collective
+        # on a side stream of its own (CUDA: a time marked there would not be the caller's wait)
+        if async_op or output_tensor.is_cuda:
             return _issue_unwaited("all_gather_single", group, _nbytes(output_tensor),
-                                   lambda: dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=True))
+                                   lambda: dist.all_gather_single(output_tensor, input_tensor, group=group,
+                                                                  async_op=True))
         return all_gather_single(output_tensor, input_tensor, group, role="dp")
 
 
@@ -247,7 +272,7 @@ class FsdpReduceScatter:
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
-        if async_op:
+        if async_op or output_tensor.is_cuda:  # (bytes only, as FsdpAllGather)
             return _issue_unwaited("reduce_scatter_single", group, _nbytes(input_tensor),
                                    lambda: dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group,
                                                                       async_op=True))
@@ -258,19 +283,22 @@ def _issue_unwaited(op: str, group, nbytes: int, call):
     recorder = _recorder()
     if recorder is not None:
         recorder.count(op, group, nbytes)
-    return call()
+    return _blamed(recorder, op, group, call)
 
 
 @contextlib.contextmanager
-def count_fsdp_replica_all_reduce():
+def count_fsdp_replica_all_reduce(replicate_group):
     """FSDP2's HSDP all-reduce across replicas calls `torch.distributed.all_reduce` with no hook to
-    route it: while the block runs, such calls on the mesh's dp_replicate group (and only those:
-    DCP's thread uses a group of its own) are counted into the installed recorder."""
+    route it: while the block runs, calls on `replicate_group` (that very group: DCP's thread uses a
+    group of its own) are counted into the installed recorder. (fived itself issues no all-reduce on
+    FSDP2's replicate group, which would be counted twice.) The torch.distributed functions are looked
+    up when called, by fived as by FSDP2: the dry run's mirrored collectives and the fault tests'
+    stalls replace them.)"""
     real = dist.all_reduce
 
     def counted(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
         recorder = _recorder()
-        if recorder is not None and recorder.dim(group) == "dp_replicate":
+        if recorder is not None and group is replicate_group:
             recorder.count("all_reduce", group, _nbytes(tensor))
         return real(tensor, op=op, group=group, async_op=async_op)
 

@@ -27,7 +27,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from fived.breakdown import COMPARED, compared
-from fived.config import ConfigError, build_config
+from fived.config import ConfigError, config_from_dict
+from fived.layout.layout import stages_per_rank
 
 TP_SHARE = 0.25
 STAGE_RATIO = 1.25
@@ -56,7 +57,7 @@ class Measured:
     parts: dict[str, float]  # the planner's terms (fived.breakdown.compared), mean over ranks
     raw: dict[str, float]  # the measured components, mean over ranks
     pp_compute: dict[int, list[float]]  # pipeline rank -> compute seconds of each rank there
-    micro: list[float]  # micro-batch compute seconds (mean over ranks)
+    micro: list[list[float]]  # each micro-batch's compute seconds, per (rank, pipeline stage)
 
     def share(self, seconds: float) -> float:
         return seconds / self.total if self.total else 0.0
@@ -68,12 +69,10 @@ def read_run(run_dir: str) -> tuple[dict, object]:
         raise ConfigError("run_dir", run_dir, "has no run.json (written when `fived train` ends)",
                           "give a finished run's directory, e.g. runs/default")
     run = json.loads(path.read_text())
-    if "breakdown" not in run or "config" not in run:
+    if "breakdown" not in run or "config" not in run or not any(run["breakdown"]["ranks"]):
         raise ConfigError("run_dir", run_dir, "has no measured step breakdown in run.json",
                           "train it again with this fived (train.breakdown=true, the default)")
-    saved = run["config"]
-    cfg = build_config(overrides={f"{section}.{k}": v for section, fields in saved.items() for k, v in fields.items()})
-    return run, cfg
+    return run, config_from_dict(run["config"])
 
 
 def measure(run: dict, cfg, world: int) -> Measured:
@@ -91,8 +90,7 @@ def measure(run: dict, cfg, world: int) -> Measured:
     for rank, r in enumerate(run["breakdown"]["ranks"]):
         if r:
             pp_compute.setdefault(layout.coordinates(rank)["pp"], []).append(sum(r["stage_compute_s"].values()))
-    width = min(len(r["microbatch_s"]) for r in ranks)
-    micro = [sum(r["microbatch_s"][i] for r in ranks) / n for i in range(width)]
+    micro = [stage for r in ranks for stage in r["microbatch_s"] if len(stage) > 1]
     return Measured(sum(r["total_s"] for r in ranks) / n, parts, raw, pp_compute, micro)
 
 
@@ -114,13 +112,19 @@ def _pct(x: float) -> str:
     return f"{x:.0%}"
 
 
-def _too_much_tp(m: Measured, cfg, run) -> Finding | None:
-    share = m.share(m.parts["tp"])
-    if cfg.parallel.tp == 1 or share < TP_SHARE:
+def _exposed(m: Measured, name: str, dim: str, size: int, threshold: float, what: str, advice: str) -> Finding | None:
+    """A mesh dimension whose exposed communication (`what`) takes `threshold` of the step or more."""
+    share = m.share(m.parts[dim])
+    if size == 1 or share < threshold:
         return None
-    return Finding("too-much-tp", f"tp collectives exposed {m.parts['tp']:.4f} s of the {m.total:.4f} s step "
-                   f"({_pct(share)}) at tp={cfg.parallel.tp}", f">= {_pct(TP_SHARE)} of the step",
-                   f"use less tensor parallelism (e.g. --tp {cfg.parallel.tp // 2}) and more data parallelism")
+    return Finding(name, f"{what} took {m.parts[dim]:.4f} s of the {m.total:.4f} s step ({_pct(share)}) at "
+                   f"{dim}={size}", f">= {_pct(threshold)} of the step", advice)
+
+
+def _too_much_tp(m: Measured, cfg, run) -> Finding | None:
+    tp = cfg.parallel.tp
+    return _exposed(m, "too-much-tp", "tp", tp, TP_SHARE, "exposed tp collectives",
+                    f"use less tensor parallelism (e.g. --tp {tp // 2}) and more data parallelism")
 
 
 def _pp_ranks(m: Measured) -> dict[int, float]:
@@ -152,13 +156,14 @@ def _too_few_micro(m: Measured, cfg, run) -> Finding | None:
     micro = cfg.train.microbatches
     return Finding("too-few-microbatches", f"the pipeline waited {_pct(share)} of the step; "
                    f"{cfg.parallel.pp_schedule} with {micro} micro-batch(es) over pp={cfg.parallel.pp} idles "
-                   f"{_pct(ideal)} by design", f"waiting >= {_pct(BUBBLE_SHARE)} and ideal bubble >= {_pct(IDEAL_BUBBLE)}",
+                   f"{_pct(ideal)} by design",
+                   f"waiting >= {_pct(BUBBLE_SHARE)} and ideal bubble >= {_pct(IDEAL_BUBBLE)}",
                    f"more micro-batches per step, e.g. --train.microbatches {max(micro * 4, 4 * cfg.parallel.pp)}")
 
 
 def _too_many_micro(m: Measured, cfg, run) -> Finding | None:
     p = cfg.parallel
-    stages = p.pp * (p.pp_virtual if "interleaved" in p.pp_schedule or p.pp_schedule == "zero-bubble" else 1)
+    stages = p.pp * stages_per_rank(p.pp_schedule, p.pp_virtual)
     if p.pp == 1 or cfg.train.microbatches < MICRO_PER_STAGE * stages or _pipeline_imbalance(m, cfg, run):
         return None
     share, ideal = m.share(m.parts["bubble"]), ideal_bubble(cfg)
@@ -169,16 +174,14 @@ def _too_many_micro(m: Measured, cfg, run) -> Finding | None:
     return Finding("too-many-microbatches", f"{cfg.train.microbatches} micro-batches of {tokens} tokens: the "
                    f"pipeline waited {_pct(share)} of the step where {p.pp_schedule}'s ideal bubble is {_pct(ideal)}",
                    f">= {MICRO_PER_STAGE} micro-batches per stage and waiting >= {_pct(EXCESS_BUBBLE)} above ideal",
-                   f"fewer, larger micro-batches, e.g. --train.microbatches {max(2 * stages, cfg.train.microbatches // 4)}")
+                   "fewer, larger micro-batches, e.g. --train.microbatches "
+                   f"{max(2 * stages, cfg.train.microbatches // 4)}")
 
 
 def _expert_all_to_all(m: Measured, cfg, run) -> Finding | None:
-    share = m.share(m.parts["ep"])
-    if cfg.parallel.ep == 1 or share < EP_SHARE:
-        return None
-    return Finding("expert-all-to-all", f"ep all-to-all exposed {m.parts['ep']:.4f} s of the {m.total:.4f} s step "
-                   f"({_pct(share)}) at ep={cfg.parallel.ep}", f">= {_pct(EP_SHARE)} of the step",
-                   f"fewer expert-parallel ranks (e.g. --ep {cfg.parallel.ep // 2}), or ep within a node")
+    ep = cfg.parallel.ep
+    return _exposed(m, "expert-all-to-all", "ep", ep, EP_SHARE, "the experts' all-to-all",
+                    f"fewer expert-parallel ranks (e.g. --ep {ep // 2}), or ep within a node")
 
 
 def _expert_imbalance(m: Measured, cfg, run) -> Finding | None:
@@ -205,12 +208,9 @@ def _expert_imbalance(m: Measured, cfg, run) -> Finding | None:
 
 
 def _cp_exposed(m: Measured, cfg, run) -> Finding | None:
-    share = m.share(m.parts["cp"])
-    if cfg.parallel.cp == 1 or share < CP_SHARE:
-        return None
-    return Finding("cp-communication-exposed", f"the cp ring's waits took {m.parts['cp']:.4f} s of the "
-                   f"{m.total:.4f} s step ({_pct(share)}) at cp={cfg.parallel.cp}", f">= {_pct(CP_SHARE)} of the step",
-                   f"longer sequences per rank hide the ring: fewer cp ranks (e.g. --cp {cfg.parallel.cp // 2})")
+    cp = cfg.parallel.cp
+    return _exposed(m, "cp-communication-exposed", "cp", cp, CP_SHARE, "waiting for the cp ring",
+                    f"longer sequences per rank hide the ring: fewer cp ranks (e.g. --cp {cp // 2})")
 
 
 def _recompute(m: Measured, cfg, run) -> Finding | None:
@@ -225,14 +225,18 @@ def _recompute(m: Measured, cfg, run) -> Finding | None:
                    "recompute less: --train.activation_checkpointing selective (or none where memory allows)")
 
 
+def _spread(series: list[float]) -> float:
+    return max(series) / min(series) if series and min(series) > 0 else 1.0
+
+
 def _uneven_micro(m: Measured, cfg, run) -> Finding | None:
-    if len(m.micro) < 2 or min(m.micro) <= 0:
+    """The micro-batches one rank computes for one stage, slowest against fastest."""
+    worst = max(m.micro, key=_spread, default=None)
+    if worst is None or _spread(worst) < MICRO_RATIO:
         return None
-    ratio = max(m.micro) / min(m.micro)
-    if ratio < MICRO_RATIO:
-        return None
-    return Finding("uneven-microbatches", f"micro-batch compute ranges {min(m.micro):.4f}..{max(m.micro):.4f} s "
-                   f"({ratio:.2f}x)", f">= {MICRO_RATIO}x", "even the work per micro-batch (pack sequences to equal length)")
+    return Finding("uneven-microbatches", f"micro-batch compute ranges {min(worst):.4f}..{max(worst):.4f} s "
+                   f"({_spread(worst):.2f}x)", f">= {MICRO_RATIO}x",
+                   "even the work per micro-batch (pack sequences to equal length)")
 
 
 def suggestions(cfg, world: int, run: dict, run_dir: str, limit: int = 3) -> list[dict]:
@@ -282,6 +286,9 @@ def diagnose(run_dir: str) -> dict:
     return {"run_dir": run_dir, "layout": run.get("layout", {}), "world": world, "step_s": m.total,
             "predicted_step_s": sum(predicted.values()) if predicted else None, "components": rows,
             "overlapped": overlapped, "pipeline_ranks": {str(k): v for k, v in _pp_ranks(m).items()},
+            # imbalance: per pipeline rank, its slowest data/tensor-parallel rank over their mean
+            "rank_spread": {str(pp): max(v) / (sum(v) / len(v)) for pp, v in m.pp_compute.items() if sum(v) > 0},
+            "microbatch_spread": max((_spread(s) for s in m.micro), default=1.0),
             "findings": [asdict(f) for f in found], "next_layouts": suggestions(cfg, world, run, run_dir),
             "failure_modes": [f.name for f in found]}
 
@@ -300,7 +307,12 @@ def format_diagnosis(d: dict) -> str:
         lines.append("  overlapped under compute (not in the step): "
                      + ", ".join(f"{dim} {s:.4f} s" for dim, s in sorted(d["overlapped"].items())))
     if len(d["pipeline_ranks"]) > 1:
-        lines.append("  compute per pipeline rank: " + ", ".join(f"pp{k} {v:.4f} s" for k, v in d["pipeline_ranks"].items()))
+        lines.append("  compute per pipeline rank: "
+                     + ", ".join(f"pp{k} {v:.4f} s" for k, v in d["pipeline_ranks"].items()))
+    if d["world"] > 1:
+        lines.append("  slowest rank / mean, per pipeline rank: "
+                     + ", ".join(f"pp{k} {v:.2f}x" for k, v in d["rank_spread"].items()))
+    lines.append(f"  micro-batches: slowest / fastest {d['microbatch_spread']:.2f}x (one rank's, one stage's)")
     for f in d["findings"]:
         lines.append(f"{f['name']}: {f['evidence']} (threshold {f['threshold']}); {f['advice']}")
     if d["next_layouts"]:

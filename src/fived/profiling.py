@@ -29,8 +29,8 @@ class ProfileWindow:
 
     def before_step(self, step: int) -> None:
         """`step`: the 0-based index of the step about to run (the window counts from 1)."""
-        if self.window is None or self.profiler is not None or step + 1 != self.window[0]:
-            return
+        if self.window is None or self.profiler is not None or not self.window[0] <= step + 1 <= self.window[1]:
+            return  # (a run resumed inside the window profiles what is left of it)
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -72,6 +72,8 @@ def merge_traces(run_dir: str | Path, world: int) -> Path | None:
             if event.get("ph") == "M" and event.get("name") in ("process_name", "process_sort_index", "process_labels"):
                 continue
             moved = dict(event, pid=rank)
+            if "id" in moved:  # flow arrows (CPU op -> kernel) stay within their rank
+                moved["id"] = f"{rank}:{moved['id']}"
             if "ts" in moved:
                 moved["ts"] = moved["ts"] + bases[rank] - origin
             events.append(moved)

@@ -122,7 +122,8 @@ def report_figures(cfg: Config, world: int, results: list[TrainResult]) -> dict:
             "expert_load": dict(sorted(loads.items(), key=lambda kv: int(kv[0])))}
 
 
-def write_run_json(cfg: Config, world: int, results: list[TrainResult], breakdowns: list[list[dict]] | None = None) -> None:
+def write_run_json(cfg: Config, world: int, results: list[TrainResult],
+                   breakdowns: list[list[dict]] | None = None) -> None:
     """run.json in the run directory (`fived report` and `fived diagnose` read it): the report's
     figures, the layout, the config, and the measured step breakdown of every rank beside the
     planner's (`breakdowns`: each rank's per-step breakdowns, where `results` holds only some ranks)."""

@@ -44,8 +44,12 @@ def report_data(run_dir: str) -> dict:
     if "breakdown" in figures and "config" in figures:  # (fived diagnose's findings, on the page too)
         from fived.diagnose import diagnose, format_diagnosis
 
-        diagnosis = diagnose(run_dir)
-        diagnosis["text"] = format_diagnosis(diagnosis)
+        try:
+            diagnosis = diagnose(run_dir)
+            diagnosis["text"] = format_diagnosis(diagnosis)
+        except (ConfigError, KeyError, ValueError) as e:  # (a run.json the page can still draw without it)
+            diagnosis = None
+            summary += f"; no diagnosis ({e})"
     return {"summary": summary, "metrics": metrics, "state": figures.get("state", []), "comm": figures.get("comm", []),
             "timeline": figures.get("timeline", []), "bubble_line": figures.get("bubble_line", ""),
             "expert_load": figures.get("expert_load", {}), "layout": layout, "diagnosis": diagnosis}

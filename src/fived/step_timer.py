@@ -33,6 +33,10 @@ class WallClock:
     now = staticmethod(time.perf_counter)
 
     @staticmethod
+    def settle() -> None:
+        pass
+
+    @staticmethod
     def seconds(a, b) -> float:
         return b - a
 
@@ -48,6 +52,10 @@ class CudaClock:
     def seconds(a, b) -> float:
         return a.elapsed_time(b) / 1e3
 
+    @staticmethod
+    def settle() -> None:
+        torch.cuda.synchronize()  # every event recorded so far has happened
+
 
 @dataclass
 class Span:
@@ -61,15 +69,15 @@ class Span:
 class StepTimer:
     """One rank's spans and collectives, step by step. `profiling`: spans are also labelled for
     torch.profiler (`record_function`), so they appear in its traces. Not `enabled`: nothing is
-    timed or recorded (the collectives go straight to torch.distributed)."""
+    timed; the collectives' bytes and the one to blame for a timeout are still recorded."""
 
     def __init__(self, device: torch.device, group_names: dict, *, enabled: bool = True):
         self.enabled = enabled
         self.clock = CudaClock() if device.type == "cuda" else WallClock()
-        self.recorder = comm.CommRecorder(group_names, clock=self.clock.now)
+        self.recorder = comm.CommRecorder(group_names, clock=self.clock.now, timed=enabled)
         self.spans: list[Span] = []
         self.profiling = False
-        self._start = None
+        self._start = self._end = None
 
     def span(self, category: str, *, stage: int | None = None, micro: int | None = None):
         return self._span(category, stage, micro) if self.enabled else contextlib.nullcontext()
@@ -87,18 +95,15 @@ class StepTimer:
             finally:
                 self.spans.append(Span(category, start, self.clock.now(), stage, micro))
 
+    @contextlib.contextmanager
     def step(self, unrouted=contextlib.nullcontext()):
         """One step: spans and collectives from here on, until the next `step`."""
-        return self._step(unrouted) if self.enabled else contextlib.nullcontext()
-
-    @contextlib.contextmanager
-    def _step(self, unrouted):
         self.recorder.reset()
         self.spans.clear()
-        self._start = self.clock.now()
+        self._start = self.clock.now() if self.enabled else None
         with comm.recording(self.recorder), unrouted:
             yield
-        self._end = self.clock.now()
+        self._end = self.clock.now() if self.enabled else None
 
     def watch_recompute(self, chunks) -> None:
         """Time a checkpointed block's forward when backward runs it again. (Its forward, wrapped: the
@@ -123,6 +128,7 @@ class StepTimer:
         """This step's breakdown (after the step; on CUDA after the device synchronised)."""
         if not self.enabled:
             return None
+        self.clock.settle()
         seconds = lambda mark: self.clock.seconds(self._start, mark)  # noqa: E731
         total = seconds(self._end)
         intervals = [(seconds(s.start), seconds(s.end), s.category, s.stage, s.micro) for s in self.spans]
@@ -142,7 +148,7 @@ class StepTimer:
         components = {k: v for k, v in exclusive.items() if v > 0 or k == "other"}
         return {"total_s": total, "components": components, "overlapped": dict(overlapped),
                 "stage_compute_s": {str(k): v for k, v in sorted(stages.items())},
-                "microbatch_s": [v for _, v in sorted(micro.items())]}
+                "microbatch_s": _per_stage(micro)}
 
 
 def attribute(intervals: list[tuple], total: float) -> tuple[dict, dict, dict]:
@@ -170,6 +176,14 @@ def attribute(intervals: list[tuple], total: float) -> tuple[dict, dict, dict]:
         _charge(stages, micro, node, end - start)
         stack.append(node)
     return dict(out), dict(stages), dict(micro)
+
+
+def _per_stage(micro: dict[tuple, float]) -> list[list[float]]:
+    """[[seconds of each micro-batch] for each stage this rank holds, in stage order]."""
+    stages: dict[int, list] = defaultdict(list)
+    for (stage, _), seconds in sorted(micro.items()):
+        stages[stage].append(seconds)
+    return [stages[s] for s in sorted(stages)]
 
 
 def _charge(stages: dict, micro: dict, node: tuple, seconds: float) -> None:

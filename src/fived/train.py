@@ -44,7 +44,7 @@ class TrainResult:
     activations: dict[str, int] = field(default_factory=dict)
     timeline: list = field(default_factory=list)  # pipeline actions this rank executed (last step)
     expert_load: dict[str, list[float]] = field(default_factory=dict)  # MoE layer id -> global tokens per expert (last step)
-    breakdowns: list[dict] = field(default_factory=list)  # this rank's measured step breakdown, per step
+    breakdowns: list[dict] = field(default_factory=list)  # this rank's measured step breakdown per step
     preempted: bool = False  # stopped early on SIGTERM (after saving, when checkpointing is on)
 
 
@@ -376,7 +376,8 @@ class Trainer:
     def result(self, metrics: list[dict], *, return_state: bool = False) -> TrainResult:
         """What this rank measured over `metrics`' steps (and, if asked, the whole parameters)."""
         return TrainResult(metrics=metrics, state=self.plan.full_state() if return_state else {},
-                           memory=self.state_bytes, activations=self.activations.per_layer, comm=self.timer.recorder.summary(),
+                           memory=self.state_bytes, activations=self.activations.per_layer,
+                           comm=self.timer.recorder.summary(),
                            timeline=self.pipeline.last_step_actions() if self.pipeline else [],
                            preempted=self.preempted, expert_load=self.expert_load(),
                            breakdowns=[m["breakdown"] for m in metrics if "breakdown" in m])

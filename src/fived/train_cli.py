@@ -91,8 +91,6 @@ def train_under_torchrun(ns: argparse.Namespace, run) -> int:
     from fived.write_errors import WriteFailed
     from fived.launch import init_distributed, shutdown_distributed
     from fived.metrics import fresh_output_dir
-    from fived.parallel.pipeline import write_chrome_trace
-    from fived.report import format_report
     from fived.supervisor import describe_run_dir, restore_config
     from fived.train import run_training
 
@@ -131,6 +129,24 @@ def train_under_torchrun(ns: argparse.Namespace, run) -> int:
             restore_config(cfg.train.output_dir, previous)
         shutdown_distributed()
         os._exit(DIVERGED_EXIT if isinstance(stop, Diverged) else 1)
+    summarise_on_ranks(ns, cfg, run.world, result)
+    # As every fived rank ends: gloo and DTensor can abort at interpreter exit, which torchrun would
+    # count as a failure and restart.
+    shutdown_distributed()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(PREEMPTED_EXIT if result.preempted else 0)
+
+
+def summarise_on_ranks(ns: argparse.Namespace, cfg, world: int, result) -> None:
+    """Under torchrun, what `summarise` does for local ranks: the pipeline trace, the merged profile
+    and run.json from every rank's figures, gathered to rank 0 (and --report printed there)."""
+    import torch.distributed as dist
+
+    from fived.breakdown import mean_breakdown
+    from fived.parallel.pipeline import write_chrome_trace
+    from fived.report import format_report, write_run_json
+
     if cfg.train.trace:  # every rank's timeline, gathered to rank 0
         timelines = [None] * dist.get_world_size()
         dist.all_gather_object(timelines, result.timeline)
@@ -139,21 +155,13 @@ def train_under_torchrun(ns: argparse.Namespace, run) -> int:
     if cfg.train.profile:
         dist.barrier()  # every rank's trace written
         if dist.get_rank() == 0:
-            print_profile(cfg, run.world)
-    breakdowns = [None] * dist.get_world_size()  # every rank's step breakdowns, for run.json
-    dist.all_gather_object(breakdowns, result.breakdowns)
+            print_profile(cfg, world)
+    breakdowns = [None] * dist.get_world_size()  # every rank's mean step breakdown, for run.json
+    dist.all_gather_object(breakdowns, [mean_breakdown(result.breakdowns)] if result.breakdowns else [])
     if dist.get_rank() == 0:
-        from fived.report import write_run_json
-
-        write_run_json(cfg, run.world, [result], breakdowns)
+        write_run_json(cfg, world, [result], breakdowns)
         if ns.report:
-            print(format_report(cfg, run.world, [result]))
-    # As every fived rank ends: gloo and DTensor can abort at interpreter exit, which torchrun would
-    # count as a failure and restart.
-    shutdown_distributed()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(PREEMPTED_EXIT if result.preempted else 0)
+            print(format_report(cfg, world, [result]))
 
 
 def agreed_run(run):

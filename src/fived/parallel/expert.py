@@ -32,7 +32,8 @@ class AllToAll(torch.autograd.Function):
     def backward(ctx, grad):
         out_splits, in_splits = ctx.splits
         back = grad.new_empty((sum(in_splits),) + tuple(grad.shape[1:]))
-        comm.all_to_all_single(back, grad.contiguous(), ctx.group, output_splits=in_splits, input_splits=out_splits, role="ep")
+        comm.all_to_all_single(back, grad.contiguous(), ctx.group, output_splits=in_splits, input_splits=out_splits,
+                               role="ep")
         return back, None, None, None
 
 

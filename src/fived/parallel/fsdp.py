@@ -54,6 +54,7 @@ class FullyShardedDataParallel(DataParallel):
                     module.set_custom_all_gather(comm.FsdpAllGather())
                     module.set_custom_reduce_scatter(comm.FsdpReduceScatter())
         self.chunks = chunks
+        self._replicate_group = mesh.get_group(0) if self.mesh.dp_replicate > 1 else None  # (FSDP2's all-reduce's)
 
     def storage(self, name: str) -> tuple[tuple[int, int] | None, tuple[int, int] | None, int]:
         # FSDP2 shards dim 0 in ceil-sized chunks; the DTensor says which rows are here
@@ -66,7 +67,7 @@ class FullyShardedDataParallel(DataParallel):
     def unrouted_collectives(self):
         """HSDP: FSDP2's all-reduce across replicas has no hook; counted while a step records."""
         if self.mesh.dp_replicate > 1:
-            return comm.count_fsdp_replica_all_reduce()
+            return comm.count_fsdp_replica_all_reduce(self._replicate_group)
         return super().unrouted_collectives()
 
     def norm_groups(self) -> list:

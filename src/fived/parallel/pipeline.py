@@ -53,9 +53,9 @@ class Action:
 
 @dataclass
 class Timeline:
-    """What one rank executed, in order. `spans`: the trainer's `fived.step_timer.StepTimer`, if it
-    measures the step: each forward and backward is a span of its stage and micro-batch, and the
-    point-to-point ops the stage builds are counted by `fived.comm` (the schedule issues them)."""
+    """What one rank executed, in order. The point-to-point ops the stages build are counted by
+    `fived.comm` (the schedule issues them). `spans`: the trainer's `fived.step_timer.StepTimer`, if
+    it times the step: each forward and backward is a span of its stage and micro-batch."""
 
     actions: list[Action] = field(default_factory=list)
     spans: object = None
@@ -66,12 +66,12 @@ class Timeline:
 
         def run(chunk_id, *args, **kwargs):
             start = time.perf_counter()
-            if self.spans is None:
-                out = fn(chunk_id, *args, **kwargs)
-            elif category is None:  # send/recv ops: counted as built (labelled when profiling)
+            if category is None:  # send/recv ops: counted as built (labelled when profiling)
                 with _posting(self.spans, kind):
                     out = fn(chunk_id, *args, **kwargs)
                 comm.note_point_to_point(out)
+            elif self.spans is None:
+                out = fn(chunk_id, *args, **kwargs)
             else:
                 with self.spans.span(category, stage=stage.stage_index, micro=chunk_id):
                     out = fn(chunk_id, *args, **kwargs)
@@ -93,7 +93,7 @@ class Timeline:
 
 def _posting(spans, kind: str):
     """While profiling, the pipeline's point-to-point ops named by mesh dimension as they are built."""
-    if not spans.profiling:
+    if spans is None or not spans.profiling:
         return contextlib.nullcontext()
     return torch.profiler.record_function(f"fived/comm/pp/{kind}")
 
