@@ -5,12 +5,12 @@ steps after the first (the first builds the schedule, allocates and warms up). T
 `StepTime` for the same layout is mapped onto the measured components:
 
     measured                                   predicted (fived.planner.timing)
-    compute = forward + backward + recompute   compute
+    compute = forward + backward + recompute   compute + per-layer host work (StepTime.layer_host)
     tp, cp, ep (exposed collectives)           tp, cp, ep
     dp = dp, dp_cp, dp_shard(_cp), dp_replicate, edp collectives   dp
     bubble = the schedule's waits (P2P included) + pp collectives   bubble + pp
     optimizer                                  optimizer
-    overhead = data + logging + checkpoint + other                 overhead
+    overhead = data + logging + checkpoint + other                 overhead - layer_host
 """
 from __future__ import annotations
 
@@ -81,8 +81,9 @@ def predicted(cfg: Config, world: int, hardware=None) -> tuple[dict[str, float],
         print(f"fived: no planner prediction for this run's step ({type(e).__name__}: {e})", file=sys.stderr)
         return None
     # the planner's pp (P2P transfer) is time the pipeline waits: measured within the bubble
-    return {"compute": t.compute, "tp": t.tp, "cp": t.cp, "ep": t.ep, "dp": t.dp, "bubble": t.bubble + t.pp,
-            "optimizer": t.optimizer, "overhead": t.overhead}, asdict(hw)
+    # the planner's per-layer host work runs inside the layers' forward and backward: measured as compute
+    return {"compute": t.compute + t.layer_host, "tp": t.tp, "cp": t.cp, "ep": t.ep, "dp": t.dp,
+            "bubble": t.bubble + t.pp, "optimizer": t.optimizer, "overhead": t.overhead - t.layer_host}, asdict(hw)
 
 
 def run_breakdown(cfg: Config, world: int, per_rank: list[list[dict]]) -> dict:

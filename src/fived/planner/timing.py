@@ -96,6 +96,9 @@ class StepTime:
     peak_flops: float  # per GPU
     comm_bytes: dict = None  # bytes per logical group this rank moves in one step (priced collectives)
     overhead: float = 0.0  # host work the device does not hide
+    # the part of `overhead` spent per layer and micro-batch, inside the layers' forward and backward
+    # (a measured step breakdown counts it as compute: fived.breakdown)
+    layer_host: float = 0.0
 
     @property
     def total(self) -> float:
@@ -112,7 +115,7 @@ class StepTime:
 
     def to_dict(self) -> dict:
         out = {k: v for k, v in asdict(self).items() if k not in ("tokens", "world", "model_flops", "peak_flops",
-                                                                   "comm_bytes")}
+                                                                   "comm_bytes", "layer_host")}
         return {**out, "total": self.total, "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, "mfu": self.mfu}
 
 
@@ -203,9 +206,10 @@ def step_time(model: ModelConfig, layout: Layout, cluster: Cluster, seq_len: int
         # the busiest rank's work, or its critical path at a whole core if that is longer
         bubble = (compute + tp + cp + ep + pp) * max(0.0, hw.core_share / (1 - frac) - 1)
     optimizer = 28 * owned_parameters(m, L, chunks) / (hw.hbm_gbps * 1e9)
-    overhead = hw.layer_overhead_s * layers_here * micro * (1 + recompute) + hw.step_overhead_s + host
+    layer_host = hw.layer_overhead_s * layers_here * micro * (1 + recompute)
+    overhead = layer_host + hw.step_overhead_s + host
     return StepTime(compute, bubble, tp, cp, ep, pp, dp, optimizer, tokens, L.world, model_flops,
-                    hw.peak_tflops * 1e12, dict(moved), overhead)
+                    hw.peak_tflops * 1e12, dict(moved), overhead, layer_host)
 
 
 def _compute(m: ModelConfig, L: Layout, hw: Hardware, runtime: Runtime, dtype: str, seq_len: int, micro: int,
