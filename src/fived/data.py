@@ -364,3 +364,15 @@ def validation_data(cfg) -> np.ndarray | None:
         raise ConfigError("data.val_path", path, f"holds {windows} sequences of seq_len={t.seq_len}, fewer than one "
                           f"global batch ({t.global_batch})", "hold out more data (a larger --val-fraction)")
     return tokens
+
+
+def validation_sampler(cfg) -> tuple[GlobalBatchSampler | None, int]:
+    """The validation data's own sampler and how many of its global batches an evaluation runs: the
+    first ones, the same at every evaluation (its position never moves, so evaluating changes no
+    training state). (None, 0) without validation data."""
+    t = cfg.train
+    tokens = validation_data(cfg)
+    if tokens is None:
+        return None, 0
+    sampler = GlobalBatchSampler(tokens, t.seq_len, t.global_batch, t.seed)
+    return sampler, validation_batches(cfg, sampler.num_windows)

@@ -198,8 +198,7 @@ def _expert_imbalance(m: Measured, cfg, run) -> Finding | None:
     ep = cfg.parallel.ep
     per_rank = ""
     if ep > 1:
-        local = len(row) // ep
-        ranks = [sum(row[r * local:(r + 1) * local]) for r in range(ep)]
+        ranks = _tokens_per_ep_rank({layer: row}, ep)[layer]
         per_rank = f"; tokens per ep rank {', '.join(f'{t:.0f}' for t in ranks)}"
     return Finding("expert-imbalance", f"layer {layer}: expert {top} got {row[top]:.0f} tokens, {ratio:.1f}x the mean "
                    f"{sum(row) / len(row):.0f}{per_rank}", f">= {EXPERT_RATIO}x the mean",
@@ -269,6 +268,15 @@ def suggestions(cfg, world: int, run: dict, run_dir: str, limit: int = 3) -> lis
     return out
 
 
+def _tokens_per_ep_rank(loads: dict[str, list[float]], ep: int) -> dict[str, list[float]]:
+    """MoE layer -> the tokens each expert-parallel rank's experts received (last step)."""
+    out = {}
+    for layer, row in loads.items():
+        local = len(row) // ep
+        out[layer] = [sum(row[r * local:(r + 1) * local]) for r in range(ep)]
+    return out
+
+
 def diagnose(run_dir: str) -> dict:
     """Everything `fived diagnose` says, as data (`--json`)."""
     run, cfg = read_run(run_dir)
@@ -289,6 +297,8 @@ def diagnose(run_dir: str) -> dict:
             # imbalance: per pipeline rank, its slowest data/tensor-parallel rank over their mean
             "rank_spread": {str(pp): max(v) / (sum(v) / len(v)) for pp, v in m.pp_compute.items() if sum(v) > 0},
             "microbatch_spread": max((_spread(s) for s in m.micro), default=1.0),
+            "expert_tokens_per_ep_rank": _tokens_per_ep_rank(run.get("expert_load", {}), cfg.parallel.ep)
+            if cfg.parallel.ep > 1 else {},
             "findings": [asdict(f) for f in found], "next_layouts": suggestions(cfg, world, run, run_dir),
             "failure_modes": [f.name for f in found]}
 
@@ -313,6 +323,10 @@ def format_diagnosis(d: dict) -> str:
         lines.append("  slowest rank / mean, per pipeline rank: "
                      + ", ".join(f"pp{k} {v:.2f}x" for k, v in d["rank_spread"].items()))
     lines.append(f"  micro-batches: slowest / fastest {d['microbatch_spread']:.2f}x (one rank's, one stage's)")
+    ranks = d["expert_tokens_per_ep_rank"]
+    if ranks:  # the worst MoE layer's tokens per expert-parallel rank
+        layer = max(ranks, key=lambda k: max(ranks[k]) / max(sum(ranks[k]) / len(ranks[k]), 1e-9))
+        lines.append(f"  tokens per ep rank, most uneven layer ({layer}): " + ", ".join(f"{t:.0f}" for t in ranks[layer]))
     for f in d["findings"]:
         lines.append(f"{f['name']}: {f['evidence']} (threshold {f['threshold']}); {f['advice']}")
     if d["next_layouts"]:

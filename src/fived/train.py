@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from fived.checkpoint import Checkpointer
 from fived.config import Config
-from fived.data import GlobalBatchSampler, check_data, validation_batches, validation_data
+from fived.data import GlobalBatchSampler, check_data, validation_sampler
 from fived.divergence import LossGuard, handle_divergence
 from fived.faults import PreemptionRequest, timeouts_named
 from fived.launch import device_type
@@ -84,7 +84,7 @@ class Trainer:
 
         self.sampler = GlobalBatchSampler(check_data(cfg), t.seq_len, t.global_batch, t.seed)
         self.global_tokens = t.global_batch * t.seq_len
-        self.val_sampler, self.val_batches = self._validation_sampler()
+        self.val_sampler, self.val_batches = validation_sampler(cfg)
         self.loss_divisor = self.global_tokens  # what a pipeline micro-batch's loss is divided by (1 in eval)
         self.profile = ProfileWindow(t.profile, t.steps, t.output_dir, self.rank, self.device, self.timer)
         self.state_bytes: dict[str, int] = {}
@@ -131,17 +131,6 @@ class Trainer:
         buffers = {canonical_name(raw) for chunk in chunks for raw, _ in chunk.named_buffers()}
         load_initial_weights(self.cfg.train.init_from, model_state.tensors(for_load=True), buffers)
         model_state.load_state({})
-
-    def _validation_sampler(self) -> tuple[GlobalBatchSampler | None, int]:
-        """The validation data's own sampler and how many of its global batches an evaluation runs:
-        the first ones, the same at every evaluation (its position never moves, so evaluating changes
-        no training state)."""
-        t = self.cfg.train
-        tokens = validation_data(self.cfg)
-        if tokens is None:
-            return None, 0
-        sampler = GlobalBatchSampler(tokens, t.seq_len, t.global_batch, t.seed)
-        return sampler, validation_batches(self.cfg, sampler.num_windows)
 
     def _stateful(self, chunks) -> dict:
         """The components a checkpoint holds, by name."""
@@ -356,7 +345,8 @@ class Trainer:
                 break
             if self.checkpointer is not None and self.checkpointer.due(step + 1) and step + 1 < last:
                 start = time.perf_counter()
-                self._save(step + 1, background=self.cfg.checkpoint.async_)
+                with self.timer.span("checkpoint"):  # (the next step's record counts this stall)
+                    self._save(step + 1, background=self.cfg.checkpoint.async_)
                 self.waited = time.perf_counter() - start
             step += 1
             bar.update(1)
