@@ -1,5 +1,5 @@
 """The correctness checks of benchmarks/gpu_acceptance.py: training on the device against the same
-steps on CPU, the fused ring-attention blocks and the grouped-GEMM experts against their reference
+steps on CPU, the measured step breakdown adding up there, the fused ring-attention blocks and the grouped-GEMM experts against their reference
 paths, a checkpoint's round trip and `fived generate` on the device.
 
 Each check returns {"status": PASS | FAIL | SKIP, "figures": {...}, "note": "..."}; the driver
@@ -68,6 +68,26 @@ def training_matches_cpu(model: str, *, device: str, steps: int = 4) -> dict:
     note = f"{device} vs cpu, float32" + (" (one run: the plumbing only)" if device == "cpu" else "") \
         + (f"; over tolerance: {', '.join(failed)}" if failed else "")
     return outcome(not failed, figures, note)
+
+
+def breakdown_adds_up(*, device: str, steps: int = 4) -> dict:
+    """The measured step breakdown (fived.step_timer: CUDA events on a GPU) of a tiny run on `device`:
+    per step, the components sum to the breakdown's total, the named ones (all but "other") cover at
+    least 95% of it, and the total is the step time the trainer logs, within 5%."""
+    cfg = tiny_config("tiny", train__steps=steps, train__dtype="float32", train__device=device,
+                      train__microbatches=2)
+    result = run_ranks(1, run_training, cfg, False, False, False, device=device, deadline_s=600)[0]
+    worst_named, worst_total = 1.0, 0.0
+    for record in result.metrics:
+        b = record["breakdown"]
+        named = sum(v for k, v in b["components"].items() if k != "other")
+        assert abs(sum(b["components"].values()) - b["total_s"]) <= 1e-6 * b["total_s"]
+        worst_named = min(worst_named, named / b["total_s"])
+        worst_total = max(worst_total, abs(b["total_s"] / record["step_time_s"] - 1))
+    last = result.metrics[-1]["breakdown"]["components"]
+    figures = {"min_named_share": worst_named, "max_total_vs_step_time": worst_total,
+               "last_step_ms": {k: v * 1e3 for k, v in last.items()}}
+    return outcome(worst_named >= 0.95 and worst_total <= 0.05, figures, f"{device}, {steps} steps, 2 micro-batches")
 
 
 def _random(shape, *, device: str, dtype: torch.dtype, seed: int, scale: float = 1.0) -> torch.Tensor:

@@ -75,6 +75,7 @@ def plan_checks(p: Profile, run_dir: str, results: dict) -> list[tuple[str, obje
     return [
         ("train tiny: device vs cpu", lambda: checks.training_matches_cpu("tiny", device=p.device)),
         ("train tiny-moe: device vs cpu", lambda: checks.training_matches_cpu("tiny-moe", device=p.device)),
+        ("step breakdown adds up", lambda: checks.breakdown_adds_up(device=p.device)),
         ("ring attention blocks vs reference", lambda: checks.ring_blocks_match_reference(device=p.device,
                                                                                           dtype=p.kernel_dtype)),
         ("grouped experts vs loop", lambda: checks.grouped_experts_match_loop(device=p.device, dtype=p.kernel_dtype)),

@@ -191,6 +191,7 @@ COMM_LAYOUTS = [
     ("tiny", dict(dp=2, tp=2, zero=0)),
     ("tiny", dict(dp=2, tp=2, sp=True, zero=1, microbatches=2)),
     ("tiny", dict(dp=4, zero=3, microbatches=2)),
+    ("tiny", dict(dp=4, zero=3, dp_replicate=2)),  # HSDP: FSDP2's replica all-reduce, counted unrouted
     ("tiny", dict(dp=2, cp=2, zero=2)),
     ("tiny-moe", dict(dp=4, ep=2, zero=1)),
     ("tiny", dict(dp=2, pp=2, zero=0, microbatches=2)),
