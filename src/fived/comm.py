@@ -3,10 +3,10 @@
 They call `torch.distributed` and nothing else, unless a `CommRecorder` is installed (`recording`,
 a scoped context: the trainer installs one around each step). A recorder keeps, per collective:
 bytes and calls by (mesh dimension, collective) — the figures `fived train --report` holds against
-the planner's formulas — and its timing, under the mesh dimension the caller works for (a group may hold
-the ranks of several: with cp=1, dp_cp's are dp's): when it was issued, when the caller started
-waiting for it and when that wait ended (an asynchronous collective runs under compute between the first two; the
-wait is the exposed part), which `fived.step_timer` turns into the measured step breakdown.
+the planner's formulas — and its timing, under the mesh dimension the caller works for (a group may
+hold the ranks of several: with cp=1, dp_cp's are dp's): when it was issued, when the caller started
+waiting for it and when that wait ended (an asynchronous collective runs under compute between the
+first two; the wait is the exposed part), which `fived.step_timer` turns into the step breakdown.
 
 Routed here: TP/SP regions and the vocab-parallel loss, the CP ring, EP all-to-all, ZeRO-0 buckets,
 ZeRO-1/2 reduce-scatter/all-gather, gradient-norm and expert-gradient all-reduces, FSDP2's gathers
