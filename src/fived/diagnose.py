@@ -153,12 +153,28 @@ def _too_few_micro(m: Measured, cfg, run) -> Finding | None:
     share, ideal = m.share(m.parts["bubble"]), ideal_bubble(cfg)
     if share < BUBBLE_SHARE or ideal < IDEAL_BUBBLE:
         return None
-    micro = cfg.train.microbatches
+    micro, local = cfg.train.microbatches, _local_batch(cfg, run)
+    want = max(micro * 4, 4 * cfg.parallel.pp)
+    more = _micro_batches_near(local, want)
+    advice = f"more micro-batches per step, e.g. --train.microbatches {more}"
+    if more <= micro:  # every micro-batch is one sequence already: a larger batch per step
+        advice = (f"more micro-batches need a larger batch, e.g. --train.global_batch "
+                  f"{cfg.train.global_batch * want // micro} --train.microbatches {want}")
     return Finding("too-few-microbatches", f"the pipeline waited {_pct(share)} of the step; "
                    f"{cfg.parallel.pp_schedule} with {micro} micro-batch(es) over pp={cfg.parallel.pp} idles "
                    f"{_pct(ideal)} by design",
-                   f"waiting >= {_pct(BUBBLE_SHARE)} and ideal bubble >= {_pct(IDEAL_BUBBLE)}",
-                   f"more micro-batches per step, e.g. --train.microbatches {max(micro * 4, 4 * cfg.parallel.pp)}")
+                   f"waiting >= {_pct(BUBBLE_SHARE)} and ideal bubble >= {_pct(IDEAL_BUBBLE)}", advice)
+
+
+def _local_batch(cfg, run: dict) -> int:
+    """Sequences per data-parallel rank and step."""
+    return cfg.train.global_batch // max(1, run.get("layout", {}).get("dp", 1))
+
+
+def _micro_batches_near(local: int, want: int) -> int:
+    """The micro-batch count nearest `want` that divides a local batch of `local` sequences (a valid
+    --train.microbatches; the larger on a tie)."""
+    return min((d for d in range(1, local + 1) if local % d == 0), key=lambda d: (abs(d - want), -d))
 
 
 def _too_many_micro(m: Measured, cfg, run) -> Finding | None:
@@ -169,13 +185,12 @@ def _too_many_micro(m: Measured, cfg, run) -> Finding | None:
     share, ideal = m.share(m.parts["bubble"]), ideal_bubble(cfg)
     if share - ideal < EXCESS_BUBBLE:
         return None
-    tokens = cfg.train.global_batch * cfg.train.seq_len // max(1, run.get("layout", {}).get("dp", 1)) \
-        // cfg.train.microbatches
+    tokens = _local_batch(cfg, run) * cfg.train.seq_len // cfg.train.microbatches
     return Finding("too-many-microbatches", f"{cfg.train.microbatches} micro-batches of {tokens} tokens: the "
                    f"pipeline waited {_pct(share)} of the step where {p.pp_schedule}'s ideal bubble is {_pct(ideal)}",
                    f">= {MICRO_PER_STAGE} micro-batches per stage and waiting >= {_pct(EXCESS_BUBBLE)} above ideal",
                    "fewer, larger micro-batches, e.g. --train.microbatches "
-                   f"{max(2 * stages, cfg.train.microbatches // 4)}")
+                   f"{_micro_batches_near(_local_batch(cfg, run), max(2 * stages, cfg.train.microbatches // 4))}")
 
 
 def _expert_all_to_all(m: Measured, cfg, run) -> Finding | None:
