@@ -147,21 +147,21 @@ def _issue(op: str, group, nbytes: int, call, async_op: bool, role: str | None):
         return Pending([work], None, None) if async_op else None
     dim = recorder.count(op, group, nbytes)
     event = CommEvent(dim, op, nbytes, recorder.clock(), role or dim)
-    try:
-        if recorder.profiling:  # named by mesh dimension in torch.profiler's traces
-            with torch.profiler.record_function(f"fived/comm/{event.role}/{op}"):
-                work = call()
-        else:
-            work = call()
-    except BaseException:
-        recorder.failed = (op, group)
-        raise
+    with _label(recorder, event):
+        work = _blamed(recorder, op, group, call)
     recorder.events.append(event)
     if not async_op:
         event.wait_end = recorder.clock()
         return None
     _note_completion(work, event)
     return Pending([work], event, recorder, group)
+
+
+def _label(recorder: CommRecorder, event: CommEvent):
+    """While profiling, the collective named by mesh dimension in torch.profiler's traces."""
+    if not recorder.profiling:
+        return contextlib.nullcontext()
+    return torch.profiler.record_function(f"fived/comm/{event.role}/{event.op.replace('/', '-')}")
 
 
 def _blamed(recorder: CommRecorder | None, op: str, group, call):
@@ -231,9 +231,7 @@ def _exchange(ops: list, group, role: str | None) -> Pending:
         return Pending(_blamed(recorder, "send/recv", group, lambda: dist.batch_isend_irecv(ops)), None, None)
     dim = recorder.dim(group)
     event = CommEvent(dim, "send/recv", sum(_nbytes(op.tensor) for op in ops), recorder.clock(), role or dim)
-    label = torch.profiler.record_function(f"fived/comm/{event.role}/send-recv") if recorder.profiling \
-        else contextlib.nullcontext()
-    with label:
+    with _label(recorder, event):
         works = _blamed(recorder, "send/recv", group, lambda: dist.batch_isend_irecv(ops))
     recorder.events.append(event)
     return Pending(works, event, recorder, group)
@@ -261,7 +259,7 @@ class FsdpAllGather:
         if async_op or output_tensor.is_cuda:
             return _issue_unwaited("all_gather_single", group, _nbytes(output_tensor),
                                    lambda: dist.all_gather_single(output_tensor, input_tensor, group=group,
-                                                                  async_op=True))
+                                                                  async_op=async_op))
         return all_gather_single(output_tensor, input_tensor, group, role="dp")
 
 
@@ -275,7 +273,7 @@ class FsdpReduceScatter:
         if async_op or output_tensor.is_cuda:  # (bytes only, as FsdpAllGather)
             return _issue_unwaited("reduce_scatter_single", group, _nbytes(input_tensor),
                                    lambda: dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group,
-                                                                      async_op=True))
+                                                                      async_op=async_op))
         return reduce_scatter_single(output_tensor, input_tensor, group, op=op, role="dp")
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from fived.breakdown import COMPARED, compared
 from fived.config import ConfigError, config_from_dict
-from fived.layout.layout import stages_per_rank
+from fived.layout.layout import Layout, stages_per_rank
 
 TP_SHARE = 0.25
 STAGE_RATIO = 1.25
@@ -76,11 +76,10 @@ def read_run(run_dir: str) -> tuple[dict, object]:
 
 
 def measure(run: dict, cfg, world: int) -> Measured:
-    from fived.layout.layout import Layout
-
     ranks = [r for r in run["breakdown"]["ranks"] if r]
     n = len(ranks)
-    parts = {k: sum(compared(r)[k] for r in ranks) / n for k in COMPARED}
+    per_rank = [compared(r) for r in ranks]
+    parts = {k: sum(c[k] for c in per_rank) / n for k in COMPARED}
     raw: dict[str, float] = {}
     for r in ranks:
         for k, v in r["components"].items():

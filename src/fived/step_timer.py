@@ -141,8 +141,8 @@ class StepTimer:
                 continue
             intervals.append((seconds(e.wait_start), seconds(e.wait_end), f"comm_{e.role}", None, None))
             until = seconds(e.wait_start)
-            if e.done is not None and isinstance(e.issued, float):
-                until = min(until, e.done - self._start)
+            if e.done is not None:  # (host clock only: gloo's completion time)
+                until = min(until, seconds(e.done))
             overlapped[e.role] += max(0.0, until - seconds(e.issued))
         exclusive, stages, micro = attribute(intervals, total)
         components = {k: v for k, v in exclusive.items() if v > 0 or k == "other"}
