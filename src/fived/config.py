@@ -88,6 +88,15 @@ class ParallelConfig:
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved-1f1b | zero-bubble | zbv | dualpipev
     pp_virtual: int = 1  # stages per rank for interleaved-1f1b / zero-bubble (zbv, dualpipev: 2)
     pp_layers: str = ""  # explicit layers per stage, e.g. "3,1" (default: balanced by cost)
+    # Overlap (as Megatron-Core's --tp-comm-overlap, --overlap-grad-reduce, --overlap-param-gather):
+    # tp/sp regions' all-gather / reduce-scatter (all-reduce without sp) run in chunks under the GEMMs
+    # in forward, and the input gradient's reduction under the weight-gradient GEMM in backward
+    tp_overlap: bool = False
+    # gradients reduced in buckets as soon as their last micro-batch's backward is done (ZeRO-1/2, and
+    # the dp reduction of each pipeline stage); ZeRO-0 without pp and ZeRO-3 (FSDP2) always overlap
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False  # ZeRO-1/2: parameters all-gathered in buckets under the next forward
+    ep_overlap: bool = False  # expert all-to-all of one chunk of tokens under the expert GEMMs of another
 
 
 @dataclass
@@ -108,6 +117,8 @@ class TrainConfig:
     # optimizer) | bfloat16-autocast (float32 weights, bf16 matmuls under autocast) | float64
     dtype: str = "float32"
     activation_checkpointing: str = "none"  # none | full | selective
+    # FP8 linears (torchao float8 training; emulated on CPU): none | tensorwise | rowwise
+    fp8: str = "none"
     compile: bool = False  # torch.compile each transformer block (see fived.parallel.compile)
     compile_backend: str = "inductor"  # inductor | aot_eager (cheap: traced, no code generation) | eager
     seed: int = 0

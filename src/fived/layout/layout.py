@@ -17,6 +17,7 @@ from fived.config import Config, ParallelConfig, TrainConfig
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev")
 CHECKPOINTING = ("none", "full", "selective")
+FP8_RECIPES = ("none", "tensorwise", "rowwise")  # train.fp8: torchao's float8 training recipes
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")  # train.compile_backend (fived.parallel.compile)
 V_SHAPED = ("zbv", "dualpipev")  # two stages per rank, V-shaped
 SINGLE_STAGE = ("gpipe", "1f1b")
@@ -97,6 +98,10 @@ class Layout:
     pp_schedule: str = P.pp_schedule
     pp_virtual: int = P.pp_virtual
     pp_layers: str = P.pp_layers
+    tp_overlap: bool = P.tp_overlap
+    overlap_grad_reduce: bool = P.overlap_grad_reduce
+    overlap_param_gather: bool = P.overlap_param_gather
+    ep_overlap: bool = P.ep_overlap
     micro_batch: int = 1  # sequences per micro-batch on one data-parallel rank
     checkpointing: str = TrainConfig.activation_checkpointing
     etp: int = 0

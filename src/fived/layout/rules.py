@@ -10,7 +10,7 @@ import math
 
 from fived.config import Config, ConfigError
 from fived.layout.bounds import number_errors
-from fived.layout.layout import (CHECKPOINTING, COMPILE_BACKENDS, PP_SCHEDULES, PRECISION_SPECS, SPLIT_BACKWARD,
+from fived.layout.layout import (CHECKPOINTING, COMPILE_BACKENDS, FP8_RECIPES, PP_SCHEDULES, PRECISION_SPECS, SPLIT_BACKWARD,
                                  resolve_dp, stages_per_rank)
 
 
@@ -131,6 +131,10 @@ def _data_rules(need, m, p, t, dp: int) -> None:
     need(p.reduce_dtype in ("float32", "bfloat16"), "parallel.reduce_dtype", p.reduce_dtype,
          "must be float32 or bfloat16", "e.g. --parallel.reduce_dtype float32")
     need(t.microbatches >= 1, "train.microbatches", t.microbatches, "must be >= 1", "e.g. --microbatches 1")
+    need(not p.overlap_param_gather or p.zero in (1, 2), "parallel.overlap_param_gather", p.overlap_param_gather,
+         f"gathers the parameters of ZeRO-1/2 (zero={p.zero} has no separate gather; ZeRO-3 prefetches already)",
+         "add --zero 1, or set it false")
+    need(t.fp8 in FP8_RECIPES, "train.fp8", t.fp8, "must be one of " + ", ".join(FP8_RECIPES), "e.g. --train.fp8 rowwise")
     need(dp >= 1 and t.global_batch % dp == 0, "train.global_batch", t.global_batch, f"must be divisible by dp={dp}",
          f"e.g. --global-batch {nearest_multiple(t.global_batch, max(dp, 1))}")
     if dp >= 1 and t.global_batch % dp == 0 and t.microbatches >= 1:
