@@ -50,13 +50,14 @@ def test_resume_is_bit_exact(layout, tmp_path):
     assert logged == list(range(1, STEPS + 1))  # each step once, in order
 
 
-def test_resume_is_bit_exact_with_many_zero0_buckets(tmp_path, monkeypatch):
-    """ZeRO-0's buckets launch in order during backward; with 3 kB buckets (dozens of them) a resumed
-    run still equals the uninterrupted one to the last bit."""
-    import fived.parallel.ddp
-
-    monkeypatch.setattr(fived.parallel.ddp, "BUCKET_BYTES", 3000)
-    cfg = tiny_config("tiny-moe", train__steps=STEPS, parallel__dp=4, train__microbatches=2)
+@pytest.mark.parametrize("zero", [0, 2])
+def test_resume_is_bit_exact_with_many_buckets(tmp_path, zero):
+    """ZeRO-0's buckets, and ZeRO-2's overlapped ones, launch in order during backward; with 3 kB
+    buckets (dozens of them) a resumed run still equals the uninterrupted one to the last bit."""
+    overlap = zero > 0
+    cfg = tiny_config("tiny-moe", train__steps=STEPS, parallel__dp=4, train__microbatches=2, parallel__zero=zero,
+                      parallel__bucket_mb=3000 / 2**20, parallel__overlap_grad_reduce=overlap,
+                      parallel__overlap_param_gather=overlap)
     whole, first, second = _uninterrupted_and_resumed(4, cfg, tmp_path)
     assert [m["loss"] for m in whole[0].metrics] == [m["loss"] for m in first[0].metrics + second[0].metrics]
     for name, value in whole[0].state.items():

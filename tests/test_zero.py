@@ -23,14 +23,15 @@ def test_zero_stage_matches_reference(zero, micro, name):
     assert report.max_relative_difference <= EXACT, report.max_rel
 
 
+SMALL_BUCKET_MB = 3000 / 2**20  # 3 kB: dozens of buckets in the tiny models
+
+
 @pytest.mark.parametrize("over", [dict(parallel__dp=4, train__microbatches=2),
                                   dict(parallel__dp=2, parallel__tp=2, parallel__sp=True)])
-def test_zero0_in_many_buckets_matches_reference(over, monkeypatch):
+def test_zero0_in_many_buckets_matches_reference(over):
     """ZeRO-0 with 3 kB buckets (dozens, launched in order while backward runs) is still exact."""
-    import fived.parallel.ddp
-
-    monkeypatch.setattr(fived.parallel.ddp, "BUCKET_BYTES", 3000)
-    report = run_verify(tiny_config("tiny-moe", train__steps=2, **over), 4, printer=_quiet)
+    report = run_verify(tiny_config("tiny-moe", train__steps=2, parallel__bucket_mb=SMALL_BUCKET_MB, **over), 4,
+                        printer=_quiet)
     assert report.max_relative_difference <= EXACT, report.max_rel
 
 
@@ -155,3 +156,76 @@ def test_bf16_gradients_reduced_in_pieces_equal_one_piece(name, monkeypatch):
     pieces = run_on_ranks(4, run_training, cfg, False, False, True, timeout_s=120)[0]
     assert [(m["loss"], m["grad_norm"]) for m in pieces.metrics] == [(m["loss"], m["grad_norm"]) for m in whole.metrics]
     assert all(torch.equal(pieces.state[k], whole.state[k]) for k in whole.state)
+
+
+OVERLAP = dict(parallel__overlap_grad_reduce=True, parallel__overlap_param_gather=True,
+               parallel__bucket_mb=SMALL_BUCKET_MB)
+
+
+@pytest.mark.parametrize("over", [dict(parallel__dp=4, parallel__zero=1, train__microbatches=2),
+                                  dict(parallel__dp=4, parallel__zero=2, train__microbatches=2),
+                                  dict(parallel__dp=4, parallel__zero=2, parallel__dp_replicate=2),
+                                  dict(parallel__dp=2, parallel__zero=1, parallel__tp=2, parallel__sp=True,
+                                       train__microbatches=2),
+                                  dict(parallel__dp=2, parallel__zero=2, parallel__cp=2, parallel__ep=2)],
+                         ids=["zero1-acc", "zero2-acc", "zero2-hsdp", "zero1-tp-sp", "zero2-cp-ep"])
+def test_overlapped_zero12_matches_reference(over):
+    """ZeRO-1/2 with the gradient reduce-scatter in buckets during backward and the parameter
+    all-gather in buckets under the next forward: still exact."""
+    report = run_verify(tiny_config("tiny-moe", train__steps=2, **OVERLAP, **over), 4, printer=_quiet)
+    assert report.max_relative_difference <= EXACT, report.max_rel
+
+
+def _launches(cfg):
+    """Train; return the number of ZeRO buckets, each launch (bucket, while a backward was armed), the result."""
+    from fived.train import Trainer
+
+    trainer = Trainer(cfg, log=False)
+    dp = trainer.plan.data_parallel
+    launched = []
+    original = dp.reducing._start
+    dp.reducing._start = lambda k: launched.append((k, dp.reducing.armed)) or original(k)
+    metrics = trainer.fit(progress=False)
+    return len(dp.buckets), launched, trainer.result(metrics)
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_overlapped_buckets_reduce_during_backward(zero):
+    """The buckets really launch while backward runs (all but the first bucket, which backward
+    finishes last, start before the trainer waits), one reduce-scatter and one all-gather each; the
+    bytes and the state equal the formula with per-bucket padding."""
+    cfg = tiny_config("tiny-moe", parallel__dp=4, parallel__zero=zero, train__microbatches=2, train__steps=1,
+                      train__global_batch=16, **OVERLAP)
+    for rank, (buckets, launched, res) in enumerate(run_on_ranks(4, _launches, cfg)):
+        assert buckets >= 10
+        assert [k for k, _ in launched] == list(range(buckets - 1, -1, -1))  # last bucket first, each once
+        assert sum(armed for _, armed in launched) >= buckets - 1  # from autograd's hooks, not the wait
+        assert res.comm["dp/reduce_scatter_single"]["calls"] == buckets == res.comm["dp/all_gather_single"]["calls"]
+        assert {k: v["bytes"] for k, v in res.comm.items()} == expected_comm_bytes(cfg, 4)
+        assert res.memory == expected_state_bytes(cfg, 4, rank=rank)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b", "zero-bubble"])
+def test_overlapped_reduction_under_pipeline_matches_reference(schedule):
+    """Each pipeline stage's buckets start reducing after that stage's last backward (the weight pass
+    of split-backward schedules included)."""
+    over = dict(parallel__pp=2, parallel__dp=2, parallel__pp_schedule=schedule, train__microbatches=4)
+    if schedule != "1f1b":
+        over["parallel__pp_virtual"] = 2
+    for zero in (0, 1):
+        cfg = tiny_config("tiny", train__steps=2, parallel__zero=zero, parallel__overlap_grad_reduce=True,
+                          parallel__bucket_mb=SMALL_BUCKET_MB, **over)
+        report = run_verify(cfg, 4, printer=_quiet)
+        assert report.max_relative_difference <= EXACT, (zero, report.max_rel)
+
+
+@pytest.mark.parametrize("schedule, virtual", [("1f1b", 1), ("zero-bubble", 2)])
+def test_pipeline_stages_reduce_inside_the_schedule(schedule, virtual):
+    """Under a pipeline every bucket starts inside the schedule, at its stage's last backward (for
+    zero-bubble: its last weight pass), not in the wait after it."""
+    cfg = tiny_config("tiny", train__steps=1, parallel__zero=1, parallel__overlap_grad_reduce=True,
+                      parallel__bucket_mb=SMALL_BUCKET_MB, parallel__pp=2, parallel__dp=2,
+                      parallel__pp_schedule=schedule, parallel__pp_virtual=virtual, train__microbatches=4)
+    for buckets, launched, _ in run_on_ranks(4, _launches, cfg):
+        assert buckets >= 10 and [k for k, _ in launched] == list(range(buckets - 1, -1, -1))
+        assert all(armed for _, armed in launched)

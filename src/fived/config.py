@@ -96,6 +96,9 @@ class ParallelConfig:
     # the dp reduction of each pipeline stage); ZeRO-0 without pp and ZeRO-3 (FSDP2) always overlap
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False  # ZeRO-1/2: parameters all-gathered in buckets under the next forward
+    # gradient buckets, MiB of gradients: ZeRO-0's all-reduces, and ZeRO-1/2's flat buffer with overlap
+    # (each bucket sharded on its own, as Megatron-Core's distributed optimizer)
+    bucket_mb: float = 25.0
     ep_overlap: bool = False  # expert all-to-all of one chunk of tokens under the expert GEMMs of another
 
 

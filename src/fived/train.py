@@ -76,7 +76,8 @@ class Trainer:
         self.timer.watch_recompute(chunks if not t.compile else [])  # (compiled blocks: not timed apart)
         if self.pipeline:
             self.pipeline.timeline.spans = self.timer if t.breakdown else None
-            schedule = self.pipeline.build_schedule(modules, self._pipeline_loss, self.device)
+            schedule = self.pipeline.build_schedule(modules, self._pipeline_loss, self.device,
+                                                      on_backward=self.dp.backward_of_stage)
             self.activations.watch_stages(getattr(schedule, "_stages", None) or [schedule._stage])
         self.scheduler = build_scheduler(self.optimizer, t)
         if t.init_from and not resume:  # (a resumed run's checkpoint holds the weights)
@@ -187,6 +188,7 @@ class Trainer:
         """Mean cross-entropy over every token of the validation batches, forward only. Uses no
         random numbers and no training data position, so a run with evaluations trains bit-for-bit
         like one without."""
+        self.dp.wait_parameters()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         micro = self.cfg.train.microbatches
         for index in range(self.val_batches):
@@ -365,6 +367,7 @@ class Trainer:
 
     def result(self, metrics: list[dict], *, return_state: bool = False) -> TrainResult:
         """What this rank measured over `metrics`' steps (and, if asked, the whole parameters)."""
+        self.dp.wait_parameters()
         return TrainResult(metrics=metrics, state=self.plan.full_state() if return_state else {},
                            memory=self.state_bytes, activations=self.activations.per_layer,
                            comm=self.timer.recorder.summary(),

@@ -42,6 +42,7 @@ class ModelState:
         from fived.model import canonical_name
 
         dp, placements = self.plan.data_parallel, self.plan.placements
+        dp.wait_parameters()  # (an all-gather still in flight would write over what is read or loaded)
         out = {}
         if for_load and dp.master_pairs:  # bf16 runs: the float32 masters; the model follows (load_state)
             for name, master in dp.optimized():

@@ -131,6 +131,8 @@ def _data_rules(need, m, p, t, dp: int) -> None:
     need(p.reduce_dtype in ("float32", "bfloat16"), "parallel.reduce_dtype", p.reduce_dtype,
          "must be float32 or bfloat16", "e.g. --parallel.reduce_dtype float32")
     need(t.microbatches >= 1, "train.microbatches", t.microbatches, "must be >= 1", "e.g. --microbatches 1")
+    need(p.bucket_mb > 0 and math.isfinite(p.bucket_mb), "parallel.bucket_mb", p.bucket_mb, "must be > 0 and finite",
+         "e.g. --parallel.bucket_mb 25")
     need(not p.overlap_param_gather or p.zero in (1, 2), "parallel.overlap_param_gather", p.overlap_param_gather,
          f"gathers the parameters of ZeRO-1/2 (zero={p.zero} has no separate gather; ZeRO-3 prefetches already)",
          "add --zero 1, or set it false")

@@ -12,7 +12,8 @@ and, per dimension:
   - ep: routed experts are cut along dim 0 (expert j of E on ep rank j // (E/ep));
   - data parallelism: `shard_rows` (ZeRO-3: FSDP2's ceil-sized row chunks of dim 0) and
     `flat_range` (ZeRO-1/2: a range of one flat buffer of the other parameters, in model order,
-    padded to a multiple of the shard group), over dp_shard*cp, or for routed experts under ep over
+    padded to a multiple of the shard group; with overlapped reductions `flat_buckets` cuts that
+    buffer into buckets, each sharded alike), over dp_shard*cp, or for routed experts under ep over
     edp = dp*cp/ep (ZeRO-1/2 keep them whole, apart from the flat buffer);
   - pp: `fived.layout.stages` says which layers (and so which tensors) a pipeline rank holds.
 The runtime splits its meta-device modules by it (`fived.parallel.tensor`, `.expert`), its
@@ -202,3 +203,41 @@ def flat_range(total: int, shards: int, index: int) -> tuple[int, int]:
     shard `index` owns (ZeRO-1/2), clipped to the real elements."""
     length = math.ceil(total / shards)
     return min(total, index * length), min(total, (index + 1) * length)
+
+
+@dataclass(frozen=True)
+class FlatBucket:
+    """Parameters [first, last) of a flat buffer, at elements [start, start + shards * piece): the
+    bucket is padded to a multiple of the shard group and shard r owns [start + r*piece, +piece)."""
+
+    first: int
+    last: int
+    start: int
+    piece: int
+
+    def owned(self, index: int) -> tuple[int, int]:
+        return self.start + index * self.piece, self.start + (index + 1) * self.piece
+
+
+def flat_buckets(numels: list[int], shards: int, cap: int | None) -> list[FlatBucket]:
+    """ZeRO-1/2's flat buffer (parameters in model order) cut at parameter boundaries into buckets of
+    at least `cap` elements (the last may be smaller), each sharded on its own, as Megatron-Core's
+    distributed optimizer does, so a bucket can be reduced as soon as backward has produced it.
+    `cap=None`: one bucket, whose shards are `flat_range`'s."""
+    buckets, first, size, start = [], 0, 0, 0
+    for i, n in enumerate(numels):
+        size += n
+        if (cap is not None and size >= cap) or i == len(numels) - 1:
+            piece = math.ceil(size / shards)
+            buckets.append(FlatBucket(first, i + 1, start, piece))
+            first, size, start = i + 1, 0, start + piece * shards
+    return buckets
+
+
+def flat_owned(numels: list[int], shards: int, index: int, cap: int | None) -> int:
+    """Real (unpadded) elements shard `index` owns of the flat buffer `flat_buckets` lays out."""
+    owned = 0
+    for bucket in flat_buckets(numels, shards, cap):
+        real = sum(numels[bucket.first:bucket.last])
+        owned += max(0, min(real, (index + 1) * bucket.piece) - min(real, index * bucket.piece))
+    return owned

@@ -125,6 +125,14 @@ class DataParallel:
     def after_forward_only(self) -> None:
         """After an evaluation (forward passes, no backward): storage back as a training step leaves it."""
 
+    def backward_of_stage(self, *, last: bool, weights: bool, stage: nn.Module | None = None) -> None:
+        """A pipeline stage's backward starts (`stage` None) or ends (ZeRO-1/2 with overlap_grad_reduce
+        start reducing a stage's buckets after its last one)."""
+
+    def wait_parameters(self) -> None:
+        """Wait for parameter all-gathers still in flight (ZeRO-1/2 with overlap_param_gather): before
+        anything but the next forward reads the parameters (a checkpoint, an evaluation, the result)."""
+
     def finish_backward(self) -> None:
         """Wait for reductions the backward pass started (ZeRO-0 overlaps them with backward)."""
 

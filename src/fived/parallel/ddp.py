@@ -21,8 +21,6 @@ from torch import nn
 from fived import comm
 from fived.parallel.data_parallel import DataParallel
 
-BUCKET_BYTES = 25 * 2**20  # as DDP's default bucket_cap_mb
-
 
 @dataclass
 class Bucket:
@@ -50,7 +48,7 @@ class ReplicatedDataParallel(DataParallel):
         for p in reversed(params):
             group.append(p)
             size += p.numel() * p.element_size()
-            if size >= BUCKET_BYTES:
+            if size >= self.cfg.parallel.bucket_mb * 2**20:  # (DDP's bucket_cap_mb)
                 self.buckets.append(self._bucket(group))
                 group, size = [], 0
         if group:

@@ -91,6 +91,22 @@ class Timeline:
             setattr(stage, name, self.record(stage, label, getattr(stage, name)))
 
 
+def _tell_backward(stage, on_backward) -> None:
+    """Wrap the one method every backward pass of a torch PipelineStage goes through (its hook for
+    DDP/FSDP: full, input-only and weight-only passes, with the schedule's last_backward flag)."""
+    original = stage.backward_maybe_with_nosync
+
+    def run(backward_type, bwd_kwargs, last_backward=False):
+        weights = backward_type in ("full", "weight")
+        on_backward(last=last_backward, weights=weights)
+        try:
+            return original(backward_type, bwd_kwargs, last_backward=last_backward)
+        finally:
+            on_backward(last=last_backward, weights=weights, stage=stage.submod)
+
+    stage.backward_maybe_with_nosync = run
+
+
 def _posting(spans, kind: str):
     """While profiling, the pipeline's point-to-point ops named by mesh dimension as they are built."""
     if spans is None or not spans.profiling:
@@ -118,7 +134,10 @@ class Pipeline:
     def has_last_stage(self) -> bool:
         return self.n_stages - 1 in self.stage_ids
 
-    def build_schedule(self, modules: list[nn.Module], loss_fn, device: torch.device):
+    def build_schedule(self, modules: list[nn.Module], loss_fn, device: torch.device, *, on_backward=None):
+        """`on_backward(last=, weights=, stage=)`: told before (stage None) and after each backward
+        pass of a stage, whether it is the stage's last micro-batch and produces weight gradients
+        (the data-parallel strategy starts reducing a stage's gradients after its last one)."""
         from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining import schedules as S
 
@@ -126,6 +145,8 @@ class Pipeline:
         stages = [PipelineStage(m, s, self.n_stages, device, group=group) for m, s in zip(modules, self.stage_ids)]
         for stage in stages:
             self.timeline.instrument(stage)
+            if on_backward is not None:
+                _tell_backward(stage, on_backward)
         cls = {"gpipe": S.ScheduleGPipe, "1f1b": S.Schedule1F1B, "interleaved-1f1b": S.ScheduleInterleaved1F1B,
                "zero-bubble": S.ScheduleInterleavedZeroBubble, "zbv": S.ScheduleZBVZeroBubble,
                "dualpipev": S.ScheduleDualPipeV}[self.schedule_name]

@@ -13,6 +13,17 @@ after the reduce-scatter and keeps only the slice's reduced gradients. "Stage 0"
 pipeline schedules, where DDP's hooks would fire inside the schedule) is the same flat buffer
 unsharded: one all-reduce over dp per step.
 
+With `parallel.overlap_grad_reduce` / `overlap_param_gather` (Megatron-Core's --overlap-grad-reduce /
+--overlap-param-gather) the flat buffer is cut into buckets of about `parallel.bucket_mb` at parameter
+boundaries, each padded and sharded on its own (`fived.layout.spec.flat_buckets`: rank r owns the r-th
+piece of every bucket), so that:
+  - a bucket's reduce-scatter starts as soon as the last micro-batch's backward has accumulated its
+    last gradient (under a pipeline schedule: that stage's last backward), in bucket order from the
+    last, identical on every rank; the trainer waits for them only after the backward;
+  - after the optimizer step each bucket's all-gather starts at once, and a module waits for its
+    bucket only when the next forward reaches it.
+Without either switch there is one bucket: the layout above.
+
 Bytes per parameter held per rank (b = parameter dtype size, S = dp_shard):
   ZeRO-1: params b + grads b + Adam 2b/S;   ZeRO-2: params b + grads b/S + Adam 2b/S.
 In bf16 runs (train.dtype=bfloat16) the buffers are bf16 and the optimizer updates float32 masters
@@ -20,14 +31,13 @@ of this rank's slices (master 4 + Adam 8 bytes, over S): ZeRO-1 2 + 2 + 12/S, Ze
 """
 from __future__ import annotations
 
-import itertools
 import math
 
 import torch
 from torch import nn
 
 from fived import comm
-from fived.layout.spec import REDUCE_CHUNK_ELEMENTS
+from fived.layout.spec import REDUCE_CHUNK_ELEMENTS, FlatBucket, flat_buckets
 from fived.optim import build_optimizer
 from fived.parallel.data_parallel import DataParallel
 
@@ -47,17 +57,27 @@ class ShardedOptimizerDataParallel(DataParallel):
         named = [(n, p) for n, p in self.named_parameters() if p.requires_grad and n not in apart]
         self.names = [n for n, _ in named]
         self.numels = [p.numel() for _, p in named]
-        self.offsets = [0, *itertools.accumulate(self.numels)][:-1]
         self.index = {n: i for i, n in enumerate(self.names)}
-        self.shard_len = math.ceil(sum(self.numels) / self.shards)
-        self.lo, self.hi = rank * self.shard_len, (rank + 1) * self.shard_len
+        p = self.cfg.parallel
+        self.overlap_reduce, self.overlap_gather = p.overlap_grad_reduce, p.overlap_param_gather
+        layout_cap = self.mesh.layout.bucket_elements(self.precision.weights.itemsize)
+        self.buckets: list[FlatBucket] = flat_buckets(self.numels, self.shards, layout_cap)
+        self.bucket_of_param = [b for b, bucket in enumerate(self.buckets) for _ in range(bucket.first, bucket.last)]
+        self.offsets = []
+        for bucket in self.buckets:
+            self.offsets += [bucket.start + sum(self.numels[bucket.first:i]) for i in range(bucket.first, bucket.last)]
+        self.shard_rank = rank
+        self.shard_len = sum(bucket.piece for bucket in self.buckets)  # elements this rank owns, padding included
+        # where each bucket's owned piece sits in ZeRO-2's compact gradient shard
+        self.compact = [sum(b.piece for b in self.buckets[:k]) for k in range(len(self.buckets))]
 
     def storage(self, name: str) -> tuple[tuple[int, int] | None, tuple[int, int] | None, int]:
         if name not in self.index:  # experts kept apart: whole, replicated over edp
             return super().storage(name)
         i = self.index[name]
-        a = min(max(self.lo - self.offsets[i], 0), self.numels[i])
-        b = max(min(self.hi - self.offsets[i], self.numels[i]), a)
+        lo, hi = self.buckets[self.bucket_of_param[i]].owned(self.shard_rank)
+        a = min(max(lo - self.offsets[i], 0), self.numels[i])
+        b = max(min(hi - self.offsets[i], self.numels[i]), a)
         # ZeRO-0 under a pipeline keeps the buffer whole on every dp rank; sharded stages
         # repeat a slice only across HSDP replica groups
         replica = self.mesh.rank("dp_cp") if self.stage == 0 else self.mesh.rank("dp_replicate")
@@ -72,7 +92,7 @@ class ShardedOptimizerDataParallel(DataParallel):
         by_name = dict(self.named_parameters())
         self.params = [by_name[n] for n in self.names]
         dtype, device = self.params[0].dtype, self.params[0].device
-        self.param_buf = torch.zeros(self.shard_len * self.shards, dtype=dtype, device=device)
+        self.param_buf = torch.zeros(self.shard_len * self.shards, dtype=dtype, device=device)  # (pieces x shards)
         with torch.no_grad():
             for p, offset in zip(self.params, self.offsets):
                 n = p.numel()
@@ -82,11 +102,21 @@ class ShardedOptimizerDataParallel(DataParallel):
         self.grad_buf: torch.Tensor | None = None
         if self.stage <= 1:
             self._attach_grad_buffer()
-            self.shard_grad = self.grad_buf[self.lo:self.hi]
-        else:
-            self.shard_grad = torch.zeros(self.shard_len, dtype=dtype, device=device)
+        self.shard_grad = torch.zeros(self.shard_len, dtype=dtype, device=device) if self.stage == 2 else None
         self.segments = self._slice_segments()
+        self.reducing = BucketReductions(self) if self.overlap_reduce else None
+        self.gathering: dict[int, object] = {}  # bucket -> its all-gather in flight (overlap_param_gather)
+        if self.overlap_gather:
+            self._wait_in_forward()
         return chunks
+
+    def owned_grad(self, k: int) -> torch.Tensor:
+        """Where bucket k's reduced piece lives for the optimizer: in the full gradient buffer
+        (ZeRO-1), or ZeRO-2's compact shard."""
+        if self.stage == 2:
+            return self.shard_grad[self.compact[k]:self.compact[k] + self.buckets[k].piece]
+        lo, hi = self.buckets[k].owned(self.shard_rank)
+        return self.grad_buf[lo:hi]
 
     def _attach_grad_buffer(self) -> None:
         """A flat zeroed gradient buffer; each parameter's .grad is a view, so autograd accumulates
@@ -96,13 +126,15 @@ class ShardedOptimizerDataParallel(DataParallel):
             p.grad = self.grad_buf[offset:offset + p.numel()].view_as(p)
 
     def _slice_segments(self) -> list[tuple[nn.Parameter, bool]]:
-        """This rank's slice cut at parameter boundaries: (view parameter, decayed?)."""
+        """This rank's pieces cut at parameter boundaries: (view parameter, decayed?)."""
         segments, self.segment_names = [], []
-        for p, name, offset in zip(self.params, self.names, self.offsets):
-            a, b = max(offset, self.lo), min(offset + p.numel(), self.hi)
+        for i, (p, name, offset) in enumerate(zip(self.params, self.names, self.offsets)):
+            k = self.bucket_of_param[i]
+            lo, hi = self.buckets[k].owned(self.shard_rank)
+            a, b = max(offset, lo), min(offset + p.numel(), hi)
             if a < b:
                 seg = nn.Parameter(self.param_buf[a:b])  # shares the buffer's storage
-                seg.grad = self.shard_grad[a - self.lo:b - self.lo]
+                seg.grad = self.owned_grad(k)[a - lo:b - lo]
                 segments.append((seg, p.dim() >= 2))
                 self.segment_names.append(name)
         return segments
@@ -121,26 +153,60 @@ class ShardedOptimizerDataParallel(DataParallel):
     def before_micro_batch(self, is_last: bool) -> None:
         if self.grad_buf is None:  # ZeRO-2: a full buffer only while the step's backward runs
             self._attach_grad_buffer()
+        if self.reducing is not None and self.mesh.pp == 1:  # (a pipeline says which backward is last)
+            self.reducing.arm(is_last)
+
+    def backward_of_stage(self, *, last: bool, weights: bool, stage: nn.Module | None = None) -> None:
+        """A pipeline stage's backward starts (`stage` None) or ended (`stage` given): with `last` its
+        last micro-batch's, so its buckets may start reducing; a weight-only pass (split-backward
+        schedules) accumulates without autograd's hooks, so its end marks the stage's gradients done."""
+        if self.reducing is None:
+            return
+        if stage is None:
+            self.reducing.arm(last and weights)
+            return
+        if last and weights:
+            self.reducing.gradients_done(stage)
+        self.reducing.arm(False)
+
+    def finish_backward(self) -> None:
+        if self.reducing is not None:
+            self.reducing.finish()
 
     def reduce_gradients(self) -> None:
-        if self.grad_buf.dtype == self.reduce_dtype:
-            out = self.grad_buf[self.lo:self.hi] if self.stage <= 1 else self.shard_grad
-            self._reduce(self.grad_buf, out)  # in place for ZeRO-1
-        else:  # bf16 gradients summed in float32: cast and reduced in pieces (a float32 copy of the
-            # whole buffer would be twice the gradients' own bytes at the step's peak)
-            flat = self.grad_buf.view(self.shards, self.shard_len)  # row r: shard r's slice
-            piece = max(1, REDUCE_CHUNK_ELEMENTS // self.shards)
-            for a in range(0, self.shard_len, piece):
-                b = min(self.shard_len, a + piece)
-                send = flat[:, a:b].to(self.reduce_dtype)  # [shards, b - a], each shard's piece in a row
-                out = send[0] if self.shard_group is None else send.new_empty(b - a)
-                self._reduce(send.view(-1), out)
-                self.shard_grad[a:b].copy_(out)
+        if self.reducing is None:
+            for k in range(len(self.buckets)):
+                self._reduce_bucket(k)
+        elif self.stage == 2:  # (the overlapped reduce-scatters wrote into the full buffer)
+            for k, bucket in enumerate(self.buckets):
+                lo, hi = bucket.owned(self.shard_rank)
+                self.owned_grad(k).copy_(self.grad_buf[lo:hi])
         if self.stage == 2:
             for p in self.params:
                 p.grad = None
             self.grad_buf = None
         self.reduce_expert_gradients()
+
+    def bucket_gradients(self, k: int) -> torch.Tensor:
+        bucket = self.buckets[k]
+        return self.grad_buf[bucket.start:bucket.start + bucket.piece * self.shards]
+
+    def _reduce_bucket(self, k: int) -> None:
+        whole, out = self.bucket_gradients(k), self.owned_grad(k)
+        if whole.dtype == self.reduce_dtype:
+            self._reduce(whole, out)  # in place for ZeRO-1
+            return
+        # bf16 gradients summed in float32: cast and reduced in pieces (a float32 copy of the whole
+        # buffer would be twice the gradients' own bytes at the step's peak)
+        piece_len = self.buckets[k].piece
+        flat = whole.view(self.shards, piece_len)  # row r: shard r's piece
+        piece = max(1, REDUCE_CHUNK_ELEMENTS // self.shards)
+        for a in range(0, piece_len, piece):
+            b = min(piece_len, a + piece)
+            send = flat[:, a:b].to(self.reduce_dtype)  # [shards, b - a], each shard's piece in a row
+            reduced = send[0] if self.shard_group is None else send.new_empty(b - a)
+            self._reduce(send.view(-1), reduced)
+            out[a:b].copy_(reduced)
 
     def _reduce(self, send: torch.Tensor, out: torch.Tensor) -> None:
         """Sum `send` (shards' pieces one after another) over the shard group into this rank's `out`,
@@ -174,9 +240,35 @@ class ShardedOptimizerDataParallel(DataParallel):
         self.gather_parameters()
 
     def gather_parameters(self) -> None:
-        if self.shard_group is not None:
-            with torch.no_grad():  # in place: this rank's slice is already where it belongs
-                comm.all_gather_single(self.param_buf, self.param_buf[self.lo:self.hi], self.shard_group, role="dp")
+        """Every bucket from its owners, in place (this rank's piece is already where it belongs); with
+        overlap_param_gather only started: a module waits for its buckets when forward reaches it."""
+        if self.shard_group is None:
+            return
+        with torch.no_grad():
+            for k, bucket in enumerate(self.buckets):
+                lo, hi = bucket.owned(self.shard_rank)
+                whole = self.param_buf[bucket.start:bucket.start + bucket.piece * self.shards]
+                work = comm.all_gather_single(whole, self.param_buf[lo:hi], self.shard_group,
+                                              async_op=self.overlap_gather, role="dp")
+                if self.overlap_gather:
+                    self.gathering[k] = work
+
+    def wait_parameters(self, buckets=None) -> None:
+        for k in list(self.gathering) if buckets is None else buckets:
+            work = self.gathering.pop(k, None)
+            if work is not None:
+                work.wait()
+
+    def _wait_in_forward(self) -> None:
+        """A forward pre-hook on each module holding parameters of the flat buffer: wait for the
+        all-gathers of its buckets (started after the previous step) before it computes."""
+        index = {id(p): i for i, p in enumerate(self.params)}
+        for chunk in self.chunks:
+            for module in chunk.modules():
+                mine = sorted({self.bucket_of_param[index[id(p)]] for p in module.parameters(recurse=False)
+                               if id(p) in index})
+                if mine:
+                    module.register_forward_pre_hook(lambda _m, _args, mine=mine: self.wait_parameters(mine))
 
     def zero_grad(self) -> None:
         for _, p in self.expert_parameters():
@@ -195,3 +287,75 @@ class ShardedOptimizerDataParallel(DataParallel):
     def flat_buffers(self) -> list[torch.Tensor]:
         extra = [self.shard_grad] if self.stage == 2 else []  # (ZeRO-1's is a slice of grad_buf)
         return [self.param_buf] + ([self.grad_buf] if self.grad_buf is not None else []) + extra
+
+
+class BucketReductions:
+    """ZeRO-1/2's overlapped gradient reduction (`parallel.overlap_grad_reduce`): while armed (the
+    last micro-batch's backward), each gradient autograd accumulates counts toward its bucket, and
+    complete buckets start their reduce-scatter (an all-reduce over dp when unsharded, under a
+    pipeline) strictly from the last bucket to the first, so every rank issues the same collectives
+    in the same order. Each writes this rank's reduced piece into the full gradient buffer, where
+    the tensor-parallel partial sums find it; `finish` starts what is left and waits."""
+
+    def __init__(self, dp: ShardedOptimizerDataParallel):
+        self.dp, self.armed = dp, False
+        self.index = {id(p): i for i, p in enumerate(dp.params)}
+        self.sizes = [b.last - b.first for b in dp.buckets]
+        self.ready = [0] * len(dp.buckets)
+        self.next = len(dp.buckets) - 1
+        self.pending: dict[int, tuple] = {}
+        self.counted: set[int] = set()
+        for p in dp.params:
+            p.register_post_accumulate_grad_hook(self._on_gradient)
+
+    def arm(self, on: bool) -> None:
+        self.armed = on  # (the counts start from zero: `finish` left them so)
+
+    def _on_gradient(self, param) -> None:
+        if self.armed:
+            self._count(param)
+            self._launch(every=False)
+
+    def gradients_done(self, stage: nn.Module) -> None:
+        """Every gradient of `stage` is final for this step (its last backward ran)."""
+        for p in stage.parameters():
+            self._count(p)
+        self._launch(every=False)
+
+    def _count(self, param) -> None:
+        i = self.index.get(id(param))
+        if i is not None and i not in self.counted:  # (once: autograd's hook and a stage's end may both say so)
+            self.counted.add(i)
+            self.ready[self.dp.bucket_of_param[i]] += 1
+
+    def _launch(self, *, every: bool) -> None:
+        while self.next >= 0 and (every or self.ready[self.next] >= self.sizes[self.next]):
+            self.pending[self.next] = self._start(self.next)
+            self.next -= 1
+
+    def _start(self, k: int) -> tuple:
+        dp = self.dp
+        whole = dp.bucket_gradients(k)
+        lo, hi = dp.buckets[k].owned(dp.shard_rank)
+        send = whole if whole.dtype == dp.reduce_dtype else whole.to(dp.reduce_dtype)
+        if dp.shard_group is None:  # unsharded (ZeRO-0 under a pipeline): sum the bucket over dp
+            return comm.all_reduce(send, dp.replicate_group, async_op=True, role="dp"), send
+        out = send[lo - dp.buckets[k].start:hi - dp.buckets[k].start] if send is whole else send.new_empty(hi - lo)
+        return comm.reduce_scatter_single(out, send, dp.shard_group, async_op=True, role="dp"), out
+
+    def finish(self) -> None:
+        """Start the buckets still waiting (a parameter without a gradient leaves its bucket open),
+        wait for all, then (HSDP) sum the pieces over the replicas."""
+        self._launch(every=True)
+        dp = self.dp
+        for k in sorted(self.pending, reverse=True):
+            work, out = self.pending.pop(k)
+            work.wait()
+            lo, hi = dp.buckets[k].owned(dp.shard_rank)
+            target = dp.bucket_gradients(k) if dp.shard_group is None else dp.grad_buf[lo:hi]
+            if out.data_ptr() != target.data_ptr() or out.dtype != target.dtype:
+                target.copy_(out)
+            if dp.shard_group is not None and dp.replicate_group is not None:
+                comm.all_reduce(target, dp.replicate_group, role="dp")
+        self.next, self.armed = len(self.ready) - 1, False
+        self.ready, self.counted = [0] * len(self.ready), set()

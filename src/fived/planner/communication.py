@@ -42,14 +42,13 @@ from dataclasses import dataclass
 
 from fived.config import ModelConfig
 from fived.layout.layout import PRECISION_SPECS, Layout
-from fived.layout.spec import kv_replicated, kv_width
+from fived.layout.spec import flat_buckets, kv_replicated, kv_width
 from fived.layout.stages import stage_rank
-from fived.planner.memory import ACTIVATION_BYTES, WEIGHT_BYTES, parameter_shapes
+from fived.planner.memory import ACTIVATION_BYTES, WEIGHT_BYTES, flat_numels, parameter_shapes
 from fived.planner.runtimes import FIVED, Runtime
 
 GROUPS = ("tp", "cp", "ep", "edp", "pp", "dp_cp", "dp_shard_cp", "dp_replicate")
 NORM = 8  # the clipping norm: one float64 per group
-DDP_BUCKET = 25 * 2**20  # DDP's default bucket (bytes)
 
 
 @dataclass(frozen=True)
@@ -181,15 +180,21 @@ def _data_parallel(add, m: ModelConfig, L: Layout, chunks, micro: int, dtype: st
     n_exp = sum(r * c * k for (r, c), k in expert)
     shards = L.dp_shard * L.cp
     r = runtime.reduce_bytes or reduce_bytes(dtype, L.reduce_dtype)
-    if L.zero == 0:  # DDP's 25 MiB buckets, or one flat buffer under pipelines
-        buckets = 1 if L.pp > 1 else max(1, math.ceil(n * r / DDP_BUCKET))
+    cap = L.bucket_elements(WEIGHT_BYTES[dtype])  # (None: one flat buffer, nothing overlapped)
+    if L.zero == 0:  # DDP's buckets, or one flat buffer under pipelines (buckets with overlap)
+        if L.pp > 1:
+            buckets = len(flat_buckets(flat_numels(m, L, chunks), 1, cap))
+        else:
+            buckets = max(1, math.ceil(n * WEIGHT_BYTES[dtype] / (L.bucket_mb * 2**20)))
         add("dp_cp", "all_reduce", n * r / buckets, buckets, "dp")
     elif L.zero in (1, 2):
-        padded = math.ceil(n / shards) * shards
+        cut = flat_buckets(flat_numels(m, L, chunks), shards, cap) if cap else []
+        padded = sum(b.piece for b in cut) * shards if cut else math.ceil(n / shards) * shards
+        calls = max(1, len(cut))
         g = runtime.gather_bytes or WEIGHT_BYTES[dtype]
-        add("dp_shard_cp", "reduce_scatter_single", padded * r, 1, "dp")
-        add("dp_shard_cp", "all_gather_single", padded * g, 1, "dp")
-        add("dp_replicate", "all_reduce", padded // shards * r, 1, "dp")
+        add("dp_shard_cp", "reduce_scatter_single", padded * r / calls, calls, "dp")
+        add("dp_shard_cp", "all_gather_single", padded * g / calls, calls, "dp")
+        add("dp_replicate", "all_reduce", padded // shards * r / calls, calls, "dp")
         add("dp_shard_cp", "all_reduce", NORM, 1, "dp")
     else:
         g = runtime.gather_bytes or ACTIVATION_BYTES[dtype]  # the compute dtype

@@ -43,7 +43,7 @@ from functools import lru_cache
 from fived.config import ModelConfig
 from fived.layout.layout import PRECISION_SPECS, Layout
 from fived.layout.schedule_sim import pipeline_profile
-from fived.layout.spec import REDUCE_CHUNK_ELEMENTS, chunk_specs, flat_range, local_vocab, shard_rows
+from fived.layout.spec import REDUCE_CHUNK_ELEMENTS, chunk_specs, flat_owned, flat_range, local_vocab, shard_rows
 from fived.layout.stages import model_key, placement, rank_chunks_by_key
 from fived.planner.runtimes import FIVED, Runtime, framework_activations
 
@@ -94,6 +94,19 @@ def _parameter_shapes(key: tuple, tp: int, ep: int, n_dense: int, n_moe: int, fi
     return tuple((s, k) for s, k in dense.items() if k), tuple((s, k) for s, k in expert.items() if k)
 
 
+def flat_numels(m: ModelConfig, layout: Layout, chunks) -> list[int]:
+    """Elements of each parameter of ZeRO-0/1/2's flat buffer on a rank holding `chunks`, in the
+    runtime's order (the sharding spec's): what `fived.layout.spec.flat_buckets` cuts into buckets."""
+    return [n for layers, first, last in chunks
+            for n in _flat_numels(model_key(m), layout.tp, layout.ep, tuple(layers), first, last, layout.expert_tp)]
+
+
+@lru_cache(maxsize=4096)
+def _flat_numels(key: tuple, tp: int, ep: int, layers: tuple, first: bool, last: bool, etp: int) -> tuple:
+    specs = chunk_specs(ModelConfig(**dict(key)), layers, first, last, tp=tp, ep=ep, etp=etp)
+    return tuple(math.prod(s.local_shape) for s in specs if not s.buffer and not (s.expert and ep > 1))
+
+
 def _shape_list(m: ModelConfig, tp: int, ep: int, layers, first: bool, last: bool, etp: int):
     """(dense, expert) local (rows, elements per row) of one rank's parameters, read from the sharding
     spec (`fived.layout.spec`); routed experts apart when ep > 1 (their data parallelism is edp's)."""
@@ -130,8 +143,11 @@ def state_bytes(m: ModelConfig, layout: Layout, dtype: str, chunks: list[tuple[l
         elems += sum(_rows(r, edp, edp_index) * c * k for (r, c), k in expert)
         return {"params": elems * pb, "grads": elems * gb, "optimizer": elems * ob}
     n = sum(r * c * k for (r, c), k in dense)
+    cap = layout.bucket_elements(pb)
     if layout.zero == 0:
         owned = n
+    elif cap is not None:  # overlapped reductions: buckets, each padded and sharded on its own
+        owned = flat_owned(flat_numels(m, layout, chunks), shards, shard_index, cap)
     else:
         a, b = flat_range(n, shards, shard_index)
         owned = b - a
