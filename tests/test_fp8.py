@@ -122,3 +122,19 @@ def test_fp8_rules():
     check_config(tiny_config("tiny", train__fp8="rowwise", train__dtype="bfloat16"), 1)
     with pytest.raises(ConfigError, match="train.fp8=tensorwise: runs with train.dtype"):
         check_config(tiny_config("tiny", train__fp8="tensorwise"), 1)  # (tiny_config is float64)
+
+
+def test_the_planner_prices_fp8_gemms_for_a_run_with_fp8():
+    from fived.config import build_config
+    from fived.layout.layout import Layout
+    from fived.planner.hardware import hardware
+    from fived.planner.runtimes import fived_runtime
+    from fived.planner.timing import Cluster, step_time
+
+    cfg = build_config(overrides={"model.name": "llama3-8b", "parallel.dp": 8, "parallel.zero": 3,
+                                  "train.seq_len": 8192, "train.global_batch": 32})
+    cluster = Cluster(hardware("h100"), 8, 8)
+    compute = {fp8: step_time(cfg.model, Layout.from_config(cfg, 8), cluster, 8192, 32, "bfloat16",
+                              fived_runtime(fp8)).compute for fp8 in ("none", "rowwise")}
+    assert compute["rowwise"] < 0.9 * compute["none"]
+    assert fived_runtime("none").fp8 is False
