@@ -115,13 +115,21 @@ def test_fp8_checkpoint_resumes_exactly_under_canonical_names(tmp_path):
     assert dcp_io.tensor_shapes(checkpoint) == dcp_io.tensor_shapes(find_checkpoint(tmp_path / "bf16"))
 
 
-def test_fp8_rules():
+def test_fp8_rules(monkeypatch):
+    import importlib.util
+
     from fived.config import ConfigError
     from fived.layout.rules import check_config
 
-    check_config(tiny_config("tiny", train__fp8="rowwise", train__dtype="bfloat16"), 1)
+    for dtype in ("bfloat16", "bfloat16-autocast", "float32"):
+        check_config(tiny_config("tiny", train__fp8="rowwise", train__dtype=dtype), 1)
     with pytest.raises(ConfigError, match="train.fp8=tensorwise: runs with train.dtype"):
         check_config(tiny_config("tiny", train__fp8="tensorwise"), 1)  # (tiny_config is float64)
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else find_spec(name, *a))
+    with pytest.raises(ConfigError, match=r"^train.fp8=rowwise: needs torchao; pip install 'fived\[fp8\]'$"):
+        check_config(tiny_config("tiny", train__fp8="rowwise", train__dtype="bfloat16"), 1)
+    check_config(tiny_config("tiny", train__dtype="bfloat16"), 1)  # (without FP8 torchao is not needed)
 
 
 def test_the_planner_prices_fp8_gemms_for_a_run_with_fp8():
