@@ -8,7 +8,9 @@ these (without CUDA it prints one line and exits 0; --device cpu runs the plumbi
 3. a ~1B Llama (Llama 3.2 1B's shapes) at seq 4096 in bf16: tokens/s, MFU and peak memory of fived
    (eager and compiled) against Hugging Face transformers' LlamaForCausalLM (eager and compiled);
 4. the planner's predicted step time and memory for fived's eager run, next to the measured ones;
-5. a checkpoint's save/load round trip and `fived generate` on CUDA.
+5. a checkpoint's save/load round trip and `fived generate` on CUDA;
+6. FP8 linears (train.fp8, torchao) against bf16: GEMM TFLOP/s and training tokens/s
+   (benchmarks/bench_fp8_gemm.py; SKIP without torchao; emulated, not a speed figure, without FP8 hardware).
 
 Each check runs guarded (a failure is that check's FAIL; the others still run). It writes
 gpu_acceptance.json and gpu_acceptance.md (in --out, default the current directory), prints a final
@@ -37,6 +39,7 @@ import torch
 
 import acceptance_checks as checks
 import acceptance_speed as speed
+import bench_fp8_gemm as fp8
 from fived.config import PRESETS, ModelConfig
 
 TIME_BUDGET_S = 20 * 60
@@ -89,6 +92,7 @@ def plan_checks(p: Profile, run_dir: str, results: dict) -> list[tuple[str, obje
             p.speed_model, results.get(f"speed: fived eager ({size})"), **shapes)),
         ("checkpoint round trip", lambda: checks.checkpoint_round_trip(run_dir, device=p.device)),
         ("fived generate: device vs cpu", lambda: checks.generate_matches_cpu(run_dir, device=p.device)),
+        ("fp8 vs bf16 (torchao)", lambda: fp8.fp8_check(device=p.device)),
     ]
 
 

@@ -33,7 +33,7 @@ def test_cpu_smoke_run_writes_the_reports(tmp_path):
     report = json.loads((tmp_path / "reports" / "gpu_acceptance.json").read_text())
     status = {check["name"]: check["status"] for check in report["checks"]}
     # Every check ran; only the planner's limits (calibrated for CUDA) are skipped on CPU.
-    assert len(status) == 13, status
+    assert len(status) == 14, status
     assert {name for name, s in status.items() if s != "PASS"} == {"planner vs measured (fived eager)"}, status
     assert status["planner vs measured (fived eager)"] == "SKIP"
     speeds = [c for c in report["checks"] if c["name"].startswith("speed:")]
@@ -41,5 +41,7 @@ def test_cpu_smoke_run_writes_the_reports(tmp_path):
     markdown = (tmp_path / "reports" / "gpu_acceptance.md").read_text()
     summary = done.stdout.strip().splitlines()[-1]
     assert summary == report["summary"] and summary in markdown
-    assert summary.startswith("gpu_acceptance: ACCEPTED: 12 PASS, 0 FAIL, 1 SKIP")
+    assert summary.startswith("gpu_acceptance: ACCEPTED: 13 PASS, 0 FAIL, 1 SKIP")
+    fp8 = next(c for c in report["checks"] if c["name"] == "fp8 vs bf16 (torchao)")
+    assert "emulated; not a speed figure" in fp8["note"] and not fp8["figures"]["real_fp8"]
     assert "| ring attention blocks vs reference | **PASS** |" in markdown

@@ -67,6 +67,7 @@ def predicted(cfg: Config, world: int, hardware=None) -> tuple[dict[str, float],
     from fived.config import ConfigError
     from fived.layout.layout import Layout
     from fived.planner.hardware import local_hardware
+    from fived.planner.runtimes import fived_runtime
     from fived.planner.timing import Cluster, step_time
 
     try:
@@ -76,7 +77,7 @@ def predicted(cfg: Config, world: int, hardware=None) -> tuple[dict[str, float],
     layout = Layout.from_config(cfg, world)
     try:
         t = step_time(cfg.model, layout, Cluster(hw, world, world), cfg.train.seq_len, cfg.train.global_batch,
-                      cfg.train.dtype)
+                      cfg.train.dtype, fived_runtime(cfg.train.fp8))
     except Exception as e:  # (the run's own figures are written whatever the planner makes of it)
         print(f"fived: no planner prediction for this run's step ({type(e).__name__}: {e})", file=sys.stderr)
         return None

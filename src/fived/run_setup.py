@@ -81,13 +81,14 @@ def auto_layout(cfg, world: int) -> None:
     from fived.config import set_field
     from fived.planner.basis import basis
     from fived.planner.hardware import local_hardware
-    from fived.planner.runtimes import FIVED
+    from fived.planner.runtimes import fived_runtime
     from fived.planner.search import plan
     from fived.planner.timing import Cluster
 
     hw = local_hardware(world)
     cluster = Cluster(hw, world, world)
-    search = plan(cfg.model, cluster, cfg.train.seq_len, cfg.train.global_batch, cfg.train.dtype)
+    runtime = fived_runtime(cfg.train.fp8)
+    search = plan(cfg.model, cluster, cfg.train.seq_len, cfg.train.global_batch, cfg.train.dtype, runtime)
     if not search.plans:
         raise ConfigError("--layout", "auto", f"no layout of {cfg.model.name} fits {world} rank(s) of {hw.name}",
                           "use more ranks, a shorter train.seq_len or a smaller train.global_batch")
@@ -98,7 +99,7 @@ def auto_layout(cfg, world: int) -> None:
     print(f"fived train --layout auto: {best.layout.describe()} on {world} x {hw.name} "
           f"(predicted {best.time.total:.3g} s/step, {best.memory.total / 2**30:.2f} GiB/rank) = "
           f"{best.layout.flags(cfg.train.global_batch)}", flush=True)
-    print("  basis: " + "; ".join(basis(cfg.model, cluster, FIVED, best.layout, cfg.train.seq_len)), flush=True)
+    print("  basis: " + "; ".join(basis(cfg.model, cluster, runtime, best.layout, cfg.train.seq_len)), flush=True)
 
 
 def load_run(ns: argparse.Namespace, default_world: int, defaults: dict | None = None):

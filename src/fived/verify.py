@@ -108,11 +108,12 @@ def run_layout(cfg: Config, world: int, reshard_from: tuple[Config, int] | None 
 def run_verify(cfg: Config, world: int, printer=print, reshard_from: tuple[Config, int] | None = None) -> VerifyReport:
     cfg = copy.deepcopy(cfg)
     cfg.train.dtype = "float64"
+    cfg.train.fp8 = "none"  # (FP8 rounding is no property of the layout, and float64 is what checks it)
     check_config(cfg, world)  # a clear error here rather than from every rank
     ref = run_ranks(1, run_training, reference_config(cfg), False, False, True, device=cfg.train.device)[0]
     if reshard_from is not None:
         first = copy.deepcopy(reshard_from[0])
-        first.train.dtype = "float64"
+        first.train.dtype, first.train.fp8 = "float64", "none"
         check_config(first, reshard_from[1])
         reshard_from = (first, reshard_from[1])
         printer(f"steps 1-{cfg.train.steps // 2} at {_describe(first, reshard_from[1])}, checkpointed, "

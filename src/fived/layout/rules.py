@@ -165,6 +165,7 @@ def _model_errors(cfg: Config) -> list[ConfigError]:
          f"e.g. --model.top_k {min(2, max(m.n_experts, 1))}"),
         (t.dtype in PRECISION_SPECS, "train.dtype", t.dtype, "must be one of " + ", ".join(PRECISION_SPECS),
          "e.g. --dtype bfloat16"),
+        *_fp8_checks(t),
         (t.device in ("auto", "cpu", "cuda"), "train.device", t.device, "must be auto, cpu or cuda",
          "e.g. --train.device auto"),
         (t.activation_checkpointing in CHECKPOINTING, "train.activation_checkpointing", t.activation_checkpointing,
@@ -190,6 +191,22 @@ def _model_errors(cfg: Config) -> list[ConfigError]:
         (c.keep >= 0, "checkpoint.keep", c.keep, "must be >= 0 (0: keep all)", "e.g. --checkpoint.keep 3"),
     ]
     return [ConfigError(field, value, rule, hint) for ok, field, value, rule, hint in checks if not ok]
+
+
+# train.dtype values FP8 linears run with: torchao's float8 casts from float32 or bfloat16 (weights
+# in bf16, or float32 under autocast); float64 is for verification, which FP8 rounding would defeat.
+FP8_DTYPES = ("bfloat16", "bfloat16-autocast", "float32")
+
+
+def _fp8_checks(t) -> list[tuple]:
+    if t.fp8 == "none" or t.fp8 not in FP8_RECIPES:  # (an unknown recipe: refused by the layout rules)
+        return []
+    import importlib.util
+
+    return [(t.dtype in FP8_DTYPES, "train.fp8", t.fp8, f"runs with train.dtype {', '.join(FP8_DTYPES)} "
+             f"(not {t.dtype})", "e.g. --dtype bfloat16"),
+            (importlib.util.find_spec("torchao") is not None, "train.fp8", t.fp8, "needs torchao",
+             "pip install 'fived[fp8]'")]
 
 
 def profile_window(text: str, steps: int) -> tuple[int, int] | None:

@@ -1,6 +1,6 @@
 """The parallelism recipe: `parallelize(model, mesh, cfg)` applies, in order,
-TP -> CP -> EP -> pipeline split -> activation checkpointing -> data parallelism (ZeRO / FSDP),
-each a short function in a file of its own. The model code itself has no parallel branches.
+TP -> CP -> EP -> pipeline split -> FP8 linears -> activation checkpointing -> data parallelism
+(ZeRO / FSDP), each a short function in a file of its own. The model code itself has no parallel branches.
 
 It runs on the meta device, before any parameter is materialised, and returns the `ParallelPlan`
 the trainer drives: initialise shards, loss, gradient finishing, clipping, whole parameters.
@@ -24,6 +24,7 @@ from fived.parallel.context import apply_context_parallel
 from fived.parallel.data_parallel import DataParallel
 from fived.parallel.ddp import ReplicatedDataParallel
 from fived.parallel.expert import apply_expert_parallel
+from fived.parallel.fp8 import apply_fp8
 from fived.parallel.fsdp import FullyShardedDataParallel
 from fived.parallel.tensor import TensorParallel
 from fived.parallel.zero import ShardedOptimizerDataParallel
@@ -115,6 +116,8 @@ def parallelize(chunks: list[Transformer], mesh: Mesh, cfg: Config) -> ParallelP
         positions = apply_context_parallel(chunks, mesh.group("cp"), mesh.cp, mesh.rank("cp"), cfg.train.seq_len)
     if mesh.ep > 1:
         apply_expert_parallel(chunks, mesh.group("ep"), mesh.ep)
+    # after the tp cut (Float8Linear adopts the cut weight) and before ZeRO/FSDP take the parameters
+    apply_fp8(chunks, cfg.train.fp8, device_type=mesh.device_type)
     for chunk in chunks:
         apply_activation_checkpointing(chunk, cfg.train.activation_checkpointing)
         if cfg.train.compile:

@@ -17,6 +17,7 @@ from fived.parallel.context import inside_ring
 _SAVE = {
     torch.ops.aten.mm.default,
     torch.ops.aten.addmm.default,
+    torch.ops.aten._scaled_mm.default,  # FP8 linears' GEMMs on FP8 hardware (train.fp8; emulated: mm)
     torch.ops.aten.bmm.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,

@@ -62,6 +62,12 @@ class Runtime:
 
 FIVED = Runtime(flash_ring=True)
 
+
+def fived_runtime(fp8: str = "none") -> Runtime:
+    """fived's runtime for a run's `train.fp8`: FP8 GEMMs priced at the FP8 peak unless it is "none"
+    (torchao's float8 linears; weights still gathered and reduced in the compute dtype)."""
+    return FIVED if fp8 == "none" else replace(FIVED, fp8=True)
+
 _MEGATRON = Runtime(name="megatron", grad_overlap=False, reduce_bytes=4, gather_bytes=2, residual_bytes=2,
                     param_bytes=2, grad_bytes=4, master_bytes=4, autocast_copies=False, activations="megatron",
                     fused=True)

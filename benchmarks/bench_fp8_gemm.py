@@ -1,0 +1,141 @@
+"""FP8 against bf16: linear-layer GEMM throughput (forward + backward, torchao's Float8Linear against
+nn.Linear) and a short training run's tokens/s through fived's trainer (`train.fp8`).
+
+On a CUDA GPU with FP8 tensor cores (compute capability >= 8.9: H100 is 9.0) the FP8 figures are
+real `torch._scaled_mm` GEMMs. Anywhere else torchao emulates FP8 (float8 rounding, high-precision
+matmuls): the run still checks that FP8 trains, but its figures are labelled
+"emulated; not a speed figure" (emulation is slower than bf16 by construction).
+
+    python benchmarks/bench_fp8_gemm.py                  # CUDA if present, else CPU at small sizes
+    python benchmarks/bench_fp8_gemm.py --device cpu
+
+`fp8_check(device=...)` is the same measurement shaped as a benchmarks/gpu_acceptance.py check.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from acceptance_checks import SKIP, outcome  # noqa: E402
+from fived.config import PRESETS, ModelConfig  # noqa: E402
+
+# (tokens, in_features, out_features): Llama 3 8B's attention and feed-forward GEMMs at 8 x 1024 tokens
+CUDA_SHAPES = [(8192, 4096, 4096), (8192, 4096, 14336), (8192, 14336, 4096)]
+CPU_SHAPES = [(1024, 512, 512), (1024, 512, 1536)]
+# the training comparison: Llama 3.2 1B's widths at 4 layers on CUDA; tiny at dim 512 on CPU
+CUDA_TRAIN = ModelConfig(name="fp8-bench", vocab_size=32000, dim=2048, n_layers=4, n_heads=32, n_kv_heads=8,
+                         ffn_dim=8192)
+CPU_TRAIN = ModelConfig(name="fp8-bench-cpu", **dict(PRESETS["tiny"], dim=512, ffn_dim=1536))
+EMULATED = "emulated; not a speed figure"
+
+
+def real_fp8(device: str) -> bool:
+    from fived.parallel.fp8 import hardware_fp8
+
+    return hardware_fp8(device)
+
+
+def _timed(fn, *, device: str, steps: int, warmup: int) -> float:
+    """Median seconds of fn() after warmup calls, synchronised with the device."""
+    times = []
+    for i in range(warmup + steps):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def linear_tflops(tokens: int, k: int, n: int, *, recipe: str, device: str, steps: int = 10, warmup: int = 3) -> float:
+    """Forward + backward TFLOP/s of one bias-free linear in bf16 ("none") or an FP8 recipe."""
+    from fived.parallel.fp8 import apply_fp8
+
+    holder = torch.nn.ModuleDict({"linear": torch.nn.Linear(k, n, bias=False)}).to(device, torch.bfloat16)
+    apply_fp8([holder], recipe, device_type=device)  # ("none": left as it is)
+    x = torch.randn(tokens, k, device=device, dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(tokens, n, device=device, dtype=torch.bfloat16)
+
+    def step():
+        holder["linear"](x).backward(grad)
+
+    seconds = _timed(step, device=device, steps=steps, warmup=warmup)
+    return 3 * 2 * tokens * k * n / seconds / 1e12  # forward, input gradient, weight gradient
+
+
+def train_tokens_per_s(model: ModelConfig, *, fp8: str, device: str, seq_len: int, batch: int, steps: int,
+                       warmup: int) -> dict:
+    """fived's trainer on one rank in bf16, with or without FP8 linears: median tokens/s and losses."""
+    from acceptance_speed import speed_config
+    from fived.launch import run_ranks
+    from fived.train import run_training
+
+    cfg = speed_config(model, device=device, dtype="bfloat16", seq_len=seq_len, batch=batch, steps=warmup + steps)
+    cfg.train.fp8 = fp8
+    records = run_ranks(1, run_training, cfg, False, False, False, device=device, deadline_s=900)[0].metrics
+    step = statistics.median(r["step_time_s"] for r in records[warmup:])
+    return {"tokens_per_s": seq_len * batch / step, "loss_first": records[0]["loss"], "loss_last": records[-1]["loss"]}
+
+
+def measure(device: str) -> dict:
+    """Every figure of the comparison: GEMM TFLOP/s per shape and recipe, train tokens/s per recipe."""
+    cuda = device == "cuda"
+    shapes = CUDA_SHAPES if cuda else CPU_SHAPES
+    gemms = {f"{t}x{k}x{n}": {r: linear_tflops(t, k, n, recipe=r, device=device) for r in ("none", "tensorwise", "rowwise")}
+             for t, k, n in shapes}
+    model, seq_len, batch = (CUDA_TRAIN, 2048, 4) if cuda else (CPU_TRAIN, 64, 4)
+    train = {r: train_tokens_per_s(model, fp8=r, device=device, seq_len=seq_len, batch=batch, steps=5 if cuda else 3,
+                                   warmup=2 if cuda else 1) for r in ("none", "tensorwise", "rowwise")}
+    return {"real_fp8": real_fp8(device), "gemm_tflops": gemms, "train": train}
+
+
+def fp8_check(*, device: str) -> dict:
+    """For benchmarks/gpu_acceptance.py: FP8 trains (finite losses, within 5% of bf16's last loss) and,
+    on FP8 hardware, the largest FP8 GEMM outruns bf16's. Emulated elsewhere: figures are not speeds."""
+    import importlib.util
+
+    if importlib.util.find_spec("torchao") is None:
+        return {"status": SKIP, "figures": {}, "note": "torchao is not installed (pip install 'fived[fp8]')"}
+    figures = measure(device)
+    bf16_loss = figures["train"]["none"]["loss_last"]
+    trains = all(math.isfinite(t["loss_last"]) and abs(t["loss_last"] - bf16_loss) <= 0.05 * bf16_loss
+                 for t in figures["train"].values())
+    if not figures["real_fp8"]:
+        return outcome(trains, figures, f"FP8 {EMULATED}")
+    largest = figures["gemm_tflops"][next(iter(figures["gemm_tflops"]))]
+    faster = max(largest["tensorwise"], largest["rowwise"]) > largest["none"]
+    return outcome(trains and faster, figures, "real FP8 GEMMs (torch._scaled_mm)")
+
+
+def print_report(figures: dict, device: str) -> None:
+    label = "" if figures["real_fp8"] else f"  ({EMULATED})"
+    print(f"FP8 vs bf16 on {device}{label}")
+    print(f"{'linear fwd+bwd (tokens x in x out)':>36}  {'bf16':>8}  {'tensorwise':>10}  {'rowwise':>8}  TFLOP/s")
+    for shape, row in figures["gemm_tflops"].items():
+        print(f"{shape:>36}  {row['none']:8.3g}  {row['tensorwise']:10.3g}  {row['rowwise']:8.3g}")
+    print(f"{'train (fived, bf16 weights)':>36}  {'tokens/s':>8}  {'first loss':>10}  {'last loss':>9}")
+    for recipe, t in figures["train"].items():
+        print(f"{recipe:>36}  {t['tokens_per_s']:8.0f}  {t['loss_first']:10.4f}  {t['loss_last']:9.4f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+    print_report(measure(args.device), args.device)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
