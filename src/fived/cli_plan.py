@@ -78,11 +78,13 @@ def cmd_plan_layout(ns: argparse.Namespace) -> int:
     """`fived plan --layout FLAGS`: the planner's figures for that one layout (fitting or not)."""
 
     from fived.explore import layout_from_flags
+    from fived.planner.runtimes import PLANNED_RUNTIMES
     from fived.planner.search import evaluate
 
     model, cluster, global_batch = plan_cluster(ns, "plan")
     layout = layout_from_flags(model, ns.layout, cluster.gpus, ns.seq, global_batch)
-    plan = evaluate(model, layout, cluster, ns.seq, global_batch, "bfloat16", headroom_gib=ns.memory_headroom)
+    plan = evaluate(model, layout, cluster, ns.seq, global_batch, "bfloat16", PLANNED_RUNTIMES[ns.runtime],
+                    headroom_gib=ns.memory_headroom)
     out = {**plan.to_dict(global_batch), "fits": plan.fits}
     if ns.json:
         print(json.dumps({"model": model.name, "gpus": cluster.gpus, "plans": [out]}, indent=1))

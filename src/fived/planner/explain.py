@@ -105,7 +105,8 @@ def report(search: Search, model: ModelConfig, cluster: Cluster, seq_len: int, g
                      f"{p.time.mfu:>6.1%} {_gib(p.memory.total):>6}")
     w = search.plans[0]
     run = (f"fived train {model_arg or '--model ' + model.name} --train.seq_len {seq_len} --train.dtype {dtype} "
-           f"{w.layout.flags(global_batch)}") if w.layout.runnable and runtime.is_fived else \
+           f"{w.layout.flags(global_batch)}" + (" --train.compile true" if runtime.fused else "")
+           + (" --train.fp8 rowwise" if runtime.fp8 else "")) if w.layout.runnable and runtime.is_fived else \
         f"not runnable by fived yet (planned for the {runtime.name} runtime)"
     lines += [f"winner: {w.layout.describe()}",
               f"  run it: {run}",

@@ -202,7 +202,7 @@ def _activation_layout(layout: Layout) -> Layout:
 def _activations(key: tuple, layout: Layout, seq_len: int, dtype: str, layers: tuple, first: bool, last: bool,
                  runtime: Runtime) -> int:
     m = ModelConfig(**dict(key))
-    if not runtime.is_fived:
+    if runtime.activations == "megatron":  # (fived's compiled blocks too: see runtimes.fived_runtime)
         return framework_activations(m, layout, seq_len, layers, first, last)
     from fived.activation_model import activation_bytes
 

@@ -51,6 +51,7 @@ class Runtime:
     # kernels
     fused: bool = False  # fused norm / RoPE / activation kernels (Transformer Engine, apex, compile)
     fp8: bool = False  # FP8 GEMMs (Transformer Engine, torchao float8)
+    ep_overlap: bool = False  # expert all-to-all of one chunk of tokens under another's expert GEMMs
     # one grouped GEMM for a rank's experts (fived: on CUDA in bf16 only; priced as its CPU loop)
     grouped_experts: bool = False
     flash_ring: bool = False  # context-parallel blocks with a fused attention kernel (fived: yes)
@@ -63,10 +64,40 @@ class Runtime:
 FIVED = Runtime(flash_ring=True)
 
 
-def fived_runtime(fp8: str = "none") -> Runtime:
-    """fived's runtime for a run's `train.fp8`: FP8 GEMMs priced at the FP8 peak unless it is "none"
-    (torchao's float8 linears; weights still gathered and reduced in the compute dtype)."""
-    return FIVED if fp8 == "none" else replace(FIVED, fp8=True)
+# Share of tensor-parallel communication fived's overlap (parallel.tp_overlap) hides: assumed to be
+# Megatron-Core's fitted share (the same chunked all-gather/reduce-scatter under the GEMMs, and the
+# same bulk overlap in backward); fived's own overlap was never measured on a GPU.
+FIVED_TP_OVERLAP = MCORE_TP_OVERLAP
+
+
+def fived_runtime(fp8: str = "none", *, compiled: bool = False) -> Runtime:
+    """fived's runtime for a run's `train.fp8` and `train.compile`: FP8 GEMMs priced at the FP8 peak
+    unless fp8 is "none" (torchao's float8 linears; weights still gathered and reduced in the compute
+    dtype); compiled blocks price their element-wise work as fused kernels, and their saved activations
+    by Korthikanti et al.'s count, which bounds what a compiled block keeps (inductor's partitioner
+    recomputes the element-wise ops in backward; measured in tests/test_activations.py)."""
+    if not compiled:
+        return replace(FIVED, fp8=fp8 != "none")
+    return replace(FIVED, fp8=fp8 != "none", fused=True, activations="megatron")
+
+
+def for_layout(runtime: Runtime, layout) -> Runtime:
+    """What `runtime` overlaps on `layout`: fived overlaps what the layout's switches turn on
+    (parallel.tp_overlap, overlap_grad_reduce — ZeRO-1/2 and the dp reduction under pipelines —,
+    ep_overlap); another runtime's row states its own."""
+    if not runtime.is_fived:
+        return runtime
+    return replace(runtime, tp_overlap=FIVED_TP_OVERLAP if layout.tp_overlap else 0.0,
+                   zero12_overlap=layout.overlap_grad_reduce, pipeline_grad_overlap=layout.overlap_grad_reduce,
+                   ep_overlap=layout.ep_overlap)
+
+
+def with_overlap(layout):
+    """`layout` with every overlap switch fived has that applies to it turned on (the planner's
+    recommendation, as Megatron-Core's recipes turn theirs on)."""
+    return layout.with_(tp_overlap=layout.tp > 1, overlap_grad_reduce=layout.dp * layout.cp > 1,
+                        overlap_param_gather=layout.zero in (1, 2) and layout.dp_shard * layout.cp > 1,
+                        ep_overlap=layout.ep > 1)
 
 _MEGATRON = Runtime(name="megatron", grad_overlap=False, reduce_bytes=4, gather_bytes=2, residual_bytes=2,
                     param_bytes=2, grad_bytes=4, master_bytes=4, autocast_copies=False, activations="megatron",
@@ -76,7 +107,9 @@ _FSDP = Runtime(name="fsdp", grad_overlap=True, reduce_bytes=4, gather_bytes=2, 
 
 # `fived plan --runtime`: fived's, or (to compare) a published framework's
 PLANNED_RUNTIMES = {
-    "fived": FIVED,
+    "fived": fived_runtime(compiled=True),  # blocks compiled (train.compile), as one trains on GPUs
+    "fived-eager": fived_runtime(),
+    "fived-fp8": fived_runtime("rowwise", compiled=True),
     "megatron-core": replace(_MEGATRON, name="megatron-core", tp_overlap=MCORE_TP_OVERLAP, grad_overlap=True,
                              zero12_overlap=True, pipeline_grad_overlap=True, grouped_experts=True, flash_ring=True),
 }

@@ -20,7 +20,7 @@ from fived.layout.rules import layout_errors
 from fived.layout.layout import Layout
 from fived.layout.schedule_sim import check_schedule
 from fived.planner.memory import MemoryEstimate, memory_per_gpu, reserve_bytes, state_floor
-from fived.planner.runtimes import FIVED, Runtime
+from fived.planner.runtimes import FIVED, Runtime, with_overlap
 from fived.planner.timing import Cluster, StepTime, step_time
 
 SCHEDULES = (("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 4), ("zero-bubble", 2), ("zbv", 1),
@@ -193,6 +193,8 @@ def plan(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int, 
                     considered += 1
                     note(state, floor)
                 continue
+            if runtime.is_fived:  # fived's candidates run with every overlap they can use
+                state = with_overlap(state)
             for options in activation_choices(state, seq_len, global_batch):
                 for layout in options:
                     result = evaluate(model, layout, cluster, seq_len, global_batch, dtype, runtime, headroom_gib)

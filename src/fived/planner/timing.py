@@ -44,7 +44,7 @@ from fived.layout.schedule_sim import pipeline_profile
 from fived.planner.communication import group_span, owned_parameters, step_collectives
 from fived.planner.hardware import Hardware
 from fived.layout.stages import model_key, placement, rank_chunks_by_key, rank_stages
-from fived.planner.runtimes import FIVED, Runtime
+from fived.planner.runtimes import FIVED, Runtime, for_layout
 
 LINK_EFFICIENCY = 0.8  # share of a link's bandwidth ring collectives reach (fitted; NCCL tests report 0.75-0.9)
 # Fitted on tests/data/published_runs.csv by fived.planner.calibration.fit (see there). B200 and
@@ -161,6 +161,7 @@ def attention_share(m: ModelConfig, seq_len: int) -> float:
 def step_time(model: ModelConfig, layout: Layout, cluster: Cluster, seq_len: int, global_batch: int,
               dtype: str = "bfloat16", runtime: Runtime = FIVED) -> StepTime:
     hw, L, m = cluster.hardware, layout, model
+    runtime = for_layout(runtime, L)
     micro = L.microbatches(global_batch)
     tokens = global_batch * seq_len
     model_flops = flops_per_token(m, seq_len) * tokens
@@ -191,6 +192,8 @@ def step_time(model: ModelConfig, layout: Layout, cluster: Cluster, seq_len: int
     tp = time["tp"] * (1 - runtime.tp_overlap)
     cp = max(0.0, time["cp"] - attention)  # the ring hides behind the attention blocks
     ep, pp = time["ep"], time["pp"]
+    if runtime.ep_overlap:  # two chunks: one dispatch and one combine stay exposed, the rest under the experts
+        ep = max(ep / 2, ep - compute * expert_share(m, seq_len))
     dp = time["dp"]
     overlap = (runtime.grad_overlap and L.zero in (0, 3)) or (runtime.zero12_overlap and L.zero in (1, 2))
     if L.pp > 1:
