@@ -114,7 +114,7 @@ def parallelize(chunks: list[Transformer], mesh: Mesh, cfg: Config) -> ParallelP
     if mesh.cp > 1:
         positions = apply_context_parallel(chunks, mesh.group("cp"), mesh.cp, mesh.rank("cp"), cfg.train.seq_len)
     if mesh.ep > 1:
-        apply_expert_parallel(chunks, mesh.group("ep"), mesh.ep)
+        apply_expert_parallel(chunks, mesh.group("ep"), mesh.ep, overlap=cfg.parallel.ep_overlap)
     for chunk in chunks:
         apply_activation_checkpointing(chunk, cfg.train.activation_checkpointing)
         if cfg.train.compile:
