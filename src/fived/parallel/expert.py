@@ -16,7 +16,8 @@ from torch import nn
 
 from fived import comm
 from fived.model import GroupedExperts, MoE
-from fived.parallel.expert_overlap import EP_OVERLAP_CHUNKS, overlapped_experts
+from fived.layout.layout import EP_OVERLAP_CHUNKS
+from fived.parallel.expert_overlap import overlapped_experts
 
 
 class AllToAll(torch.autograd.Function):

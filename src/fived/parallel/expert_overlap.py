@@ -25,8 +25,7 @@ from typing import Callable
 import torch
 
 from fived import comm
-
-EP_OVERLAP_CHUNKS = 2  # two chunks hide one chunk's exchange under the other's GEMMs (as Megatron's a2a overlap)
+from fived.layout.layout import EP_OVERLAP_CHUNKS  # (there: the planner counts the calls too)
 
 
 class InFlight:
