@@ -119,7 +119,19 @@ def test_async_calls_and_bytes_are_the_formula():
     on, off = run_on_ranks(2, run_training, cfg, False, False), run_on_ranks(2, run_training, plain, False, False)
     key = "dp/all_to_all_single"  # (the ep group holds dp's ranks: the ledger names it dp)
     assert sum(r.comm[key]["bytes"] for r in on) == sum(expected_comm_bytes(cfg, 2, rank)[key] for rank in range(2))
+    per_step = (cfg.model.n_layers - cfg.model.n_dense_layers) * cfg.train.microbatches
     for res, ref in zip(on, off):
         assert res.comm[key]["bytes"] == ref.comm[key]["bytes"]
-        assert res.comm[key]["calls"] == (cfg.model.n_layers - cfg.model.n_dense_layers) * 2 * (1 + 4 * EP_OVERLAP_CHUNKS)
-        assert ref.comm[key]["calls"] == (cfg.model.n_layers - cfg.model.n_dense_layers) * 2 * (1 + 4)
+        assert res.comm[key]["calls"] == per_step * (1 + 4 * EP_OVERLAP_CHUNKS)
+        assert ref.comm[key]["calls"] == per_step * (1 + 4)
+
+
+def test_switch_is_a_no_op_without_expert_parallelism():
+    """ep = 1: no all-to-all at all, the same collectives as with the switch off."""
+    on = tiny_config("tiny-moe", parallel__dp=2, parallel__ep_overlap=True, train__steps=1)
+    off = tiny_config("tiny-moe", parallel__dp=2, train__steps=1)
+    with_switch = run_on_ranks(2, run_training, on, False, False)
+    without = run_on_ranks(2, run_training, off, False, False)
+    assert with_switch[0].comm == without[0].comm
+    assert not any(k.endswith("all_to_all_single") for k in with_switch[0].comm)
+    assert with_switch[0].metrics[0]["loss"] == without[0].metrics[0]["loss"]

@@ -119,6 +119,9 @@ def chunk_order(counts: torch.Tensor, chunks: int) -> torch.Tensor:
     return torch.argsort(chunk, stable=True)
 
 
+# (eager under train.compile: every chunk's row count changes with the routing, so a traced region
+# would recompile per micro-batch until torch gives up; the GEMMs are one custom op either way)
+@torch.compiler.disable
 def overlapped_experts(x: torch.Tensor, send: list[list[int]], recv: list[list[int]], group,
                        local_experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], *,
                        chunks: int = EP_OVERLAP_CHUNKS) -> torch.Tensor:
