@@ -9,7 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fived import comm
 from fived.layout.layout import EP_OVERLAP_CHUNKS
 from fived.parallel.expert import ExpertParallelExperts
-from fived.parallel.expert_overlap import chunk_counts, chunk_order
+from fived.parallel.expert_overlap import chunk_order, chunk_share
 from fived.report import expected_comm_bytes
 from fived.testing import EXACT, run_on_ranks, tiny_config
 from fived.train import run_training
@@ -49,10 +49,11 @@ def test_chunks_split_every_expert_as_the_counts_say():
     counts = torch.tensor([0, 1, 2, 3, 7, 0, 5])
     order = chunk_order(counts, 3)
     expert = torch.repeat_interleave(torch.arange(7), counts)
-    sizes = [sum(chunk_counts(counts.tolist(), k, 3)) for k in range(3)]
+    shares = [chunk_share(counts, k, 3) for k in range(3)]
+    assert [chunk_share(7, k, 3) for k in range(3)] == [2, 2, 3] and torch.equal(sum(shares), counts)
     assert sorted(order.tolist()) == list(range(int(counts.sum())))
-    for k, rows in enumerate(order.split(sizes)):
-        assert torch.bincount(expert[rows], minlength=7).tolist() == chunk_counts(counts.tolist(), k, 3)
+    for share, rows in zip(shares, order.split([int(s.sum()) for s in shares])):
+        assert torch.equal(torch.bincount(expert[rows], minlength=7), share)
         assert rows.tolist() == sorted(rows.tolist())  # still sorted by expert, token order kept
 
 

@@ -57,9 +57,8 @@ class ExpertParallelExperts(GroupedExperts):
         recv_counts = torch.empty_like(send_counts)  # [source rank, local expert], flattened
         comm.all_to_all_single(recv_counts, send_counts, self.group, role="ep")
         if self.overlap_chunks > 1:
-            return overlapped_experts(x, send_counts.view(self.ep, local).tolist(),
-                                      recv_counts.view(self.ep, local).tolist(), self.group, self.by_source,
-                                      chunks=self.overlap_chunks)
+            return overlapped_experts(x, send_counts.view(self.ep, local), recv_counts.view(self.ep, local), self.group,
+                                      self.by_source, chunks=self.overlap_chunks)
         send_splits = send_counts.view(self.ep, local).sum(1).tolist()
         recv = recv_counts.view(self.ep, local)
         tokens = AllToAll.apply(x, recv.sum(1).tolist(), send_splits, self.group)

@@ -103,15 +103,16 @@ def exchange_waited(buffer: torch.Tensor, flight: InFlight) -> torch.Tensor:
     return WaitAllToAll.apply(buffer, flight)
 
 
-def chunk_counts(counts: list[int], k: int, chunks: int) -> list[int]:
-    """Slots of chunk k for each count: [c*k//n, c*(k+1)//n) of each expert's c slots."""
-    return [c * (k + 1) // chunks - c * k // chunks for c in counts]
+def chunk_share(count, k: int, chunks: int):
+    """Slots of chunk k among an expert's `count` (an int, or an integer tensor of counts
+    elementwise): [c*k//n, c*(k+1)//n) of each expert's c slots."""
+    return count * (k + 1) // chunks - count * k // chunks
 
 
 def chunk_order(counts: torch.Tensor, chunks: int) -> torch.Tensor:
     """The rows of expert-sorted slots (`counts` per expert) ordered by chunk, expert-sorted within
     each. Row r of an expert with c slots is in chunk ((r+1)*n - 1) // c, the inverse of
-    `chunk_counts`' boundaries."""
+    `chunk_share`'s boundaries."""
     counts = counts.to(torch.int64)
     expert = torch.repeat_interleave(torch.arange(counts.shape[0], device=counts.device), counts)
     rank_in_expert = torch.arange(expert.shape[0], device=counts.device) - (torch.cumsum(counts, 0) - counts)[expert]
@@ -122,26 +123,23 @@ def chunk_order(counts: torch.Tensor, chunks: int) -> torch.Tensor:
 # (eager under train.compile: every chunk's row count changes with the routing, so a traced region
 # would recompile per micro-batch until torch gives up; the GEMMs are one custom op either way)
 @torch.compiler.disable
-def overlapped_experts(x: torch.Tensor, send: list[list[int]], recv: list[list[int]], group,
+def overlapped_experts(x: torch.Tensor, send_counts: torch.Tensor, recv_counts: torch.Tensor, group,
                        local_experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], *,
                        chunks: int = EP_OVERLAP_CHUNKS) -> torch.Tensor:
     """The routed experts over x (slots sorted by global expert) in `chunks` pipelined chunks.
-    send[r][e]: this rank's slots for expert e of ep rank r; recv[r][e]: rank r's slots for this
-    rank's local expert e. `local_experts(tokens, counts)` runs the local experts over rows grouped
-    by (source rank, local expert) with `counts` (a tensor [ep, local]) and returns them in that order."""
-    flat_send = [c for row in send for c in row]
-    order = chunk_order(torch.tensor(flat_send, device=x.device), chunks)
-    sizes = [sum(chunk_counts(flat_send, k, chunks)) for k in range(chunks)]
-    send_k = [[chunk_counts(row, k, chunks) for row in send] for k in range(chunks)]
-    recv_k = [[chunk_counts(row, k, chunks) for row in recv] for k in range(chunks)]
-    send_splits = [[sum(row) for row in s] for s in send_k]
-    recv_splits = [[sum(row) for row in r] for r in recv_k]
+    send_counts[r, e]: this rank's slots for expert e of ep rank r; recv_counts[r, e]: rank r's
+    slots for this rank's local expert e (both int64 tensors on x's device; read once on the host
+    for the split sizes). `local_experts(tokens, counts)` runs the local experts over rows grouped by
+    (source rank, local expert) with `counts` [ep, local] and returns them in that order."""
+    send, recv = send_counts.tolist(), recv_counts.tolist()
+    order = chunk_order(send_counts.flatten(), chunks)
+    send_splits = [[sum(chunk_share(c, k, chunks) for c in row) for row in send] for k in range(chunks)]
+    recv_splits = [[sum(chunk_share(c, k, chunks) for c in row) for row in recv] for k in range(chunks)]
     dispatches = [exchange_started(piece, group, recv_splits[k], send_splits[k])
-                  for k, piece in enumerate(x[order].split(sizes))]
+                  for k, piece in enumerate(x[order].split([sum(s) for s in send_splits]))]
     combines = []
     for k, (buffer, flight) in enumerate(dispatches):
-        counts = torch.tensor(recv_k[k], dtype=torch.int64, device=x.device)
-        out = local_experts(exchange_waited(buffer, flight), counts)
+        out = local_experts(exchange_waited(buffer, flight), chunk_share(recv_counts, k, chunks))
         combines.append(exchange_started(out, group, send_splits[k], recv_splits[k]))
     by_chunk = torch.cat([exchange_waited(buffer, flight) for buffer, flight in combines])
     return torch.empty_like(by_chunk).index_copy(0, order, by_chunk)
