@@ -21,6 +21,9 @@ LAYOUTS = {
     "ep2-zero3": (4, dict(parallel__dp=4, parallel__ep=2, parallel__zero=3)),
     "dp2-tp2-sp-ep2": (4, dict(parallel__dp=2, parallel__tp=2, parallel__sp=True, parallel__ep=2)),
     "pp2-dp2-ep2-micro2": (4, dict(parallel__pp=2, parallel__dp=2, parallel__ep=2, train__microbatches=2)),
+    # (a schedule that splits backward: input gradients first, the weights' later)
+    "pp2-zbv-dp2-ep2-micro4": (4, dict(parallel__pp=2, parallel__dp=2, parallel__ep=2, train__microbatches=4,
+                                       parallel__pp_schedule="zbv")),
     "cp2-ep2": (4, dict(parallel__dp=2, parallel__cp=2, parallel__ep=2)),
     "ep2-full-checkpointing": (2, dict(parallel__dp=2, parallel__ep=2, train__activation_checkpointing="full")),
 }
@@ -109,22 +112,24 @@ def test_exchanges_run_under_the_other_chunks_gemms():
         assert marks[1:] == [(0, 0), (0, 1), (1, 2), (2, 2), (2, 2), (2, 3), (3, 4), (4, 4)]
 
 
-def test_async_calls_and_bytes_are_the_formula():
+@pytest.mark.parametrize("checkpointing", ["none", "full"])
+def test_async_calls_and_bytes_are_the_formula(checkpointing):
     """The ledger's ep bytes with the switch on: those of the plain path and, summed over the ep
     group (a rank's combine carries what its experts received: balanced only over the group), of
     the planner's formula; the calls: per MoE layer and micro-batch one counts exchange and 4 x 2
-    chunks."""
-    cfg = tiny_config("tiny-moe", parallel__dp=2, parallel__ep=2, parallel__ep_overlap=True, train__steps=1,
-                      train__microbatches=2)
-    plain = tiny_config("tiny-moe", parallel__dp=2, parallel__ep=2, train__steps=1, train__microbatches=2)
+    chunks, forward ones again when full checkpointing recomputes them."""
+    common = dict(parallel__dp=2, parallel__ep=2, train__steps=1, train__microbatches=2,
+                  train__activation_checkpointing=checkpointing)
+    cfg, plain = tiny_config("tiny-moe", parallel__ep_overlap=True, **common), tiny_config("tiny-moe", **common)
     on, off = run_on_ranks(2, run_training, cfg, False, False), run_on_ranks(2, run_training, plain, False, False)
     key = "dp/all_to_all_single"  # (the ep group holds dp's ranks: the ledger names it dp)
     assert sum(r.comm[key]["bytes"] for r in on) == sum(expected_comm_bytes(cfg, 2, rank)[key] for rank in range(2))
     per_step = (cfg.model.n_layers - cfg.model.n_dense_layers) * cfg.train.microbatches
     for res, ref in zip(on, off):
         assert res.comm[key]["bytes"] == ref.comm[key]["bytes"]
-        assert res.comm[key]["calls"] == per_step * (1 + 4 * EP_OVERLAP_CHUNKS)
-        assert ref.comm[key]["calls"] == per_step * (1 + 4)
+        fwd = 2 if checkpointing == "full" else 1  # (counts, dispatch and combine run again)
+        assert res.comm[key]["calls"] == per_step * (fwd + (fwd + 1) * 2 * EP_OVERLAP_CHUNKS)
+        assert ref.comm[key]["calls"] == per_step * (fwd + (fwd + 1) * 2)
 
 
 def test_switch_is_a_no_op_without_expert_parallelism():
