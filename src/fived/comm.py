@@ -209,9 +209,10 @@ def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, group, *, o
 
 
 def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group, *, output_splits=None, input_splits=None,
-                      role: str | None = None):
+                      async_op: bool = False, role: str | None = None):
     return _issue("all_to_all_single", group, _nbytes(input),
-                  lambda: dist.all_to_all_single(output, input, output_splits, input_splits, group=group), False, role)
+                  lambda: dist.all_to_all_single(output, input, output_splits, input_splits, group=group,
+                                                 async_op=async_op), async_op, role)
 
 
 def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], group, *,

@@ -18,6 +18,7 @@ MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev")
 CHECKPOINTING = ("none", "full", "selective")
 FP8_RECIPES = ("none", "tensorwise", "rowwise")  # train.fp8: torchao's float8 training recipes
+EP_OVERLAP_CHUNKS = 2  # parallel.ep_overlap: the routed slots' chunks (fived.parallel.expert_overlap)
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")  # train.compile_backend (fived.parallel.compile)
 V_SHAPED = ("zbv", "dualpipev")  # two stages per rank, V-shaped
 SINGLE_STAGE = ("gpipe", "1f1b")

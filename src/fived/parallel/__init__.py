@@ -115,7 +115,7 @@ def parallelize(chunks: list[Transformer], mesh: Mesh, cfg: Config) -> ParallelP
     if mesh.cp > 1:
         positions = apply_context_parallel(chunks, mesh.group("cp"), mesh.cp, mesh.rank("cp"), cfg.train.seq_len)
     if mesh.ep > 1:
-        apply_expert_parallel(chunks, mesh.group("ep"), mesh.ep)
+        apply_expert_parallel(chunks, mesh.group("ep"), mesh.ep, overlap=cfg.parallel.ep_overlap)
     # after the tp cut (Float8Linear adopts the cut weight) and before ZeRO/FSDP take the parameters
     apply_fp8(chunks, cfg.train.fp8, device_type=mesh.device_type)
     for chunk in chunks:

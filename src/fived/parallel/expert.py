@@ -16,6 +16,8 @@ from torch import nn
 
 from fived import comm
 from fived.model import GroupedExperts, MoE
+from fived.layout.layout import EP_OVERLAP_CHUNKS
+from fived.parallel.expert_overlap import overlapped_experts
 
 
 class AllToAll(torch.autograd.Function):
@@ -38,11 +40,14 @@ class AllToAll(torch.autograd.Function):
 
 
 class ExpertParallelExperts(GroupedExperts):
-    """This rank's experts (same parameter names as GroupedExperts), fed through all-to-all."""
+    """This rank's experts (same parameter names as GroupedExperts), fed through all-to-all;
+    `overlap_chunks` > 1: in that many chunks, each one's exchanges under another's GEMMs
+    (`fived.parallel.expert_overlap`)."""
 
-    def __init__(self, n_experts: int, dim: int, hidden: int, group, ep: int):
+    def __init__(self, n_experts: int, dim: int, hidden: int, group, ep: int, *, overlap_chunks: int = 1):
         super().__init__(n_experts // ep, dim, hidden)
         self.group, self.ep, self.n_experts = group, ep, n_experts
+        self.overlap_chunks = overlap_chunks
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: this rank's routing slots sorted by (global) expert; counts: slots per global expert.
@@ -51,23 +56,33 @@ class ExpertParallelExperts(GroupedExperts):
         send_counts = counts.to(torch.int64)
         recv_counts = torch.empty_like(send_counts)  # [source rank, local expert], flattened
         comm.all_to_all_single(recv_counts, send_counts, self.group, role="ep")
+        if self.overlap_chunks > 1:
+            return overlapped_experts(x, send_counts.view(self.ep, local), recv_counts.view(self.ep, local), self.group,
+                                      self.by_source, chunks=self.overlap_chunks)
         send_splits = send_counts.view(self.ep, local).sum(1).tolist()
         recv = recv_counts.view(self.ep, local)
         tokens = AllToAll.apply(x, recv.sum(1).tolist(), send_splits, self.group)
-        # Received rows are grouped by source rank, then expert; regroup by expert for the GEMMs.
-        by_source = torch.split(torch.arange(tokens.shape[0], device=x.device), recv.flatten().tolist())
+        return AllToAll.apply(self.by_source(tokens, recv), send_splits, recv.sum(1).tolist(), self.group)
+
+    def by_source(self, tokens: torch.Tensor, recv: torch.Tensor) -> torch.Tensor:
+        """The local experts over received rows, grouped by source rank then local expert (recv
+        [ep, local] rows each), in that order: regrouped by expert for the GEMMs and back."""
+        local = self.n_experts // self.ep
+        by_source = torch.split(torch.arange(tokens.shape[0], device=tokens.device), recv.flatten().tolist())
         order = torch.cat([by_source[r * local + e] for e in range(local) for r in range(self.ep)])
         out = super().forward(tokens[order], recv.sum(0))  # bf16 under autocast
         y = torch.empty_like(out)
         y[order] = out
-        return AllToAll.apply(y, send_splits, recv.sum(1).tolist(), self.group)
+        return y
 
 
-def apply_expert_parallel(chunks: list[nn.Module], group, ep: int) -> None:
+def apply_expert_parallel(chunks: list[nn.Module], group, ep: int, *, overlap: bool = False) -> None:
     """Swap each MoE's experts for this rank's share (on the meta device): E/ep consecutive experts,
     ep rank j holding [j*E/ep, (j+1)*E/ep) as the sharding spec places them (`fived.layout.spec`, dim
     0 of each expert tensor); the dispatch's split sizes follow that order, and the placements check
-    every local shape against the spec."""
+    every local shape against the spec. `overlap` (parallel.ep_overlap): the exchanges in chunks
+    under the expert GEMMs."""
+    overlap_chunks = EP_OVERLAP_CHUNKS if overlap else 1
     for chunk in chunks:
         for block in chunk.layers.values():
             moe = block.feed_forward
@@ -76,7 +91,8 @@ def apply_expert_parallel(chunks: list[nn.Module], group, ep: int) -> None:
             old = moe.experts
             dim, hidden = old.w1.shape[1], old.w1.shape[2]
             with torch.device(old.w1.device):
-                moe.experts = ExpertParallelExperts(moe.n_experts, dim, hidden, group, ep).to(old.w1.dtype)
+                moe.experts = ExpertParallelExperts(moe.n_experts, dim, hidden, group, ep,
+                                                    overlap_chunks=overlap_chunks).to(old.w1.dtype)
 
 
 def is_expert(name: str) -> bool:

@@ -24,7 +24,8 @@ collectives when full checkpointing recomputes the forward:
        least float32); per
        MoE layer the sequence's routing statistics summed over cp.
   ep   per MoE layer: the per-expert counts (int64), dispatch (w) and combine (e) forward, their
-       gradients backward; B*top_k routing slots (dropless, balanced).
+       gradients backward; B*top_k routing slots (dropless, balanced). With ep_overlap each of these
+       four exchanges runs as EP_OVERLAP_CHUNKS calls carrying a share each (same bytes, more calls).
   pp   per micro-batch and stage boundary: the activations (B h w, B/tp with SP) forward and their
        gradient backward, unless both stages sit on this rank (V-shaped schedules); the norm's 8 bytes.
   dp   per step (gradient accumulation reduces once): ZeRO-0 all-reduces every gradient (DDP's
@@ -41,7 +42,7 @@ import math
 from dataclasses import dataclass
 
 from fived.config import ModelConfig
-from fived.layout.layout import PRECISION_SPECS, Layout
+from fived.layout.layout import EP_OVERLAP_CHUNKS, PRECISION_SPECS, Layout
 from fived.layout.spec import flat_buckets, kv_replicated, kv_width
 from fived.layout.stages import stage_rank
 from fived.planner.memory import ACTIVATION_BYTES, WEIGHT_BYTES, flat_numels, parameter_shapes
@@ -102,8 +103,9 @@ def step_collectives(m: ModelConfig, layout: Layout, seq_len: int, global_batch:
     if L.ep > 1 and moe_layers:  # dispatch (w) and combine (e), again when recomputed, and their gradients
         slots = tokens * m.top_k * L.expert_tp // L.tp
         add("ep", "all_to_all_single", 8 * m.n_experts, fwd * moe_layers * micro, "ep")  # tokens per expert
-        add("ep", "all_to_all_single", slots * m.dim * w, (fwd + 1) * moe_layers * micro, "ep")
-        add("ep", "all_to_all_single", slots * m.dim * e, (fwd + 1) * moe_layers * micro, "ep")
+        n = EP_OVERLAP_CHUNKS if L.ep_overlap else 1  # (overlapped: each exchange in n chunks, same bytes)
+        add("ep", "all_to_all_single", slots * m.dim * w / n, n * (fwd + 1) * moe_layers * micro, "ep")
+        add("ep", "all_to_all_single", slots * m.dim * e / n, n * (fwd + 1) * moe_layers * micro, "ep")
     if L.cp > 1:
         ring = e if runtime.flash_ring else max(e, 4)
         kv = L.micro_batch * kv_width(m, L.tp) * (seq_len // L.cp) * ring
