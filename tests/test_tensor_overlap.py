@@ -43,6 +43,11 @@ def test_with_context_parallel_and_zero3():
     _verify(4, "tiny", parallel__dp=1, parallel__cp=2, parallel__tp=2, parallel__sp=True, parallel__zero=3)
 
 
+def test_with_compiled_blocks():
+    _verify(2, "tiny", parallel__dp=1, parallel__tp=2, parallel__sp=True, train__compile=True,
+            train__compile_backend="aot_eager")
+
+
 def _train(name, sp, overlap, **over):
     cfg = tiny_config(name, parallel__dp=1, parallel__tp=2, parallel__sp=sp, train__steps=1,
                       parallel__tp_overlap=overlap, **over)
@@ -75,11 +80,16 @@ def test_the_rings_ran_and_the_ledger_is_the_formula(sp, name):
         assert not plain[0].breakdowns[-1]["overlapped"].get("tp")
 
 
-def test_ledger_with_checkpointing_and_tp4():
-    """Recomputed blocks run their rings again; at tp=4 a ring is 3 hops of a quarter."""
-    for mode, tp in (("full", 2), ("selective", 2), ("none", 4)):
-        cfg = tiny_config("tiny-moe", parallel__dp=1, parallel__tp=tp, parallel__sp=True, train__steps=1,
-                          parallel__tp_overlap=True, train__activation_checkpointing=mode)
+def test_ledger_with_checkpointing_tp4_and_autocast():
+    """Recomputed blocks run their rings again; at tp=4 a ring is 3 hops of a quarter; under bf16
+    autocast the overlapped region re-gathers its input in backward (the plain one's bf16 linears
+    keep a gathered copy)."""
+    # (dense under autocast: the plain MoE region's bytes under autocast + SP differ from the formula
+    # without tp_overlap too)
+    for name, mode, tp, dtype in (("tiny-moe", "full", 2, "float64"), ("tiny-moe", "selective", 2, "float64"),
+                                  ("tiny-moe", "none", 4, "float64"), ("tiny", "none", 2, "bfloat16-autocast")):
+        cfg = tiny_config(name, parallel__dp=1, parallel__tp=tp, parallel__sp=True, train__steps=1,
+                          parallel__tp_overlap=True, train__activation_checkpointing=mode, train__dtype=dtype)
         for res in run_on_ranks(tp, run_training, cfg, False, False):
             assert {k: v["bytes"] for k, v in res.comm.items()} == expected_comm_bytes(cfg, tp), mode
 
