@@ -39,6 +39,13 @@ def test_with_pipeline_stages(sp):
     _verify(4, "tiny", parallel__dp=1, parallel__tp=2, parallel__pp=2, parallel__sp=sp, train__microbatches=2)
 
 
+@pytest.mark.parametrize("schedule, virtual", [("interleaved-1f1b", 2), ("zero-bubble", 2), ("zbv", 1)])
+def test_with_pipeline_schedules(schedule, virtual):
+    """(zero-bubble and zbv split backward into input and weight gradients)"""
+    _verify(4, "tiny", parallel__dp=1, parallel__tp=2, parallel__pp=2, parallel__sp=True, train__microbatches=2,
+            parallel__pp_schedule=schedule, parallel__pp_virtual=virtual)
+
+
 def test_with_context_parallel_and_zero3():
     _verify(4, "tiny", parallel__dp=1, parallel__cp=2, parallel__tp=2, parallel__sp=True, parallel__zero=3)
 
