@@ -170,7 +170,8 @@ def apply_tensor_parallel(chunks: list[Transformer], mesh: Mesh, cfg: Config,
                           specs: dict[str, TensorSpec]) -> TensorParallel | None:
     if mesh.tp == 1:
         return None
-    tp = TensorParallel(chunks[0], mesh.group("tp"), cfg.parallel.sp, mesh.tp, mesh.rank("tp"), specs)
+    tp = TensorParallel(chunks[0], mesh.group("tp"), cfg.parallel.sp, mesh.tp, mesh.rank("tp"), specs,
+                        overlap=cfg.parallel.tp_overlap)
     for chunk in chunks:
         tp.apply(chunk)
     return tp

@@ -30,6 +30,7 @@ from torch import nn
 from fived import comm
 from fived.layout.spec import Cut, TensorSpec
 from fived.model import MoE, Transformer, canonical_name
+from fived.parallel.tensor_overlap import install_overlapped_region
 
 
 # --- the communication of a tensor-parallel region, as autograd functions -------------------------
@@ -109,9 +110,12 @@ class TensorParallel:
     heads several ranks hold), the gradients that are partial sums over tp, and the region hooks."""
 
     def __init__(self, model: Transformer, group, sequence_parallel: bool, size: int, rank: int,
-                 specs: dict[str, TensorSpec]):
-        """`size`/`rank` are given, not read from `group`, so a plan can be made without processes."""
+                 specs: dict[str, TensorSpec], *, overlap: bool = False):
+        """`size`/`rank` are given, not read from `group`, so a plan can be made without processes.
+        `overlap`: attention and dense MLP regions overlap their communication with their GEMMs
+        (`fived.parallel.tensor_overlap`); MoE regions keep the hooks below."""
         self.group, self.sp = group, sequence_parallel
+        self.overlap = overlap
         self.tp, self.rank = size, rank
         self.cfg = model.cfg
         self.specs = specs
@@ -178,6 +182,8 @@ class TensorParallel:
         return ReduceFromTensorParallelRegion.apply(y, self.group)
 
     def _region(self, module: nn.Module) -> None:
+        if self.overlap and install_overlapped_region(module, self.group, sequence_parallel=self.sp):
+            return
         module.register_forward_pre_hook(lambda m, args: (self._enter(args[0]),) + tuple(args[1:]))
         module.register_forward_hook(lambda m, args, out: self._exit(out))
 

@@ -14,8 +14,12 @@ collectives when full checkpointing recomputes the forward:
        backward, of each region input's gradient (B h w); with SP: all-gather of the input (w) and
        reduce-scatter of the output (e) forward, all-gather of the output's gradient (e) and
        reduce-scatter of the input's gradient (w) backward, plus a backward re-gather of the inputs
-       (fived outside bf16 — bf16 linears keep their gathered copy — and Megatron). Full
-       checkpointing recomputes every entry but only the attention region's exit (early stop). The embedding's
+       (fived outside bf16 — bf16 linears keep their gathered copy — and Megatron). Full (and fived's
+       selective) checkpointing recomputes every entry but only the attention region's exit (early stop). With
+       tp_overlap (fived) attention and dense MLP regions move the same bytes point to point around the
+       tp ring (tp-1 sends and receives of 1/tp each: the input and the output forward, the output's
+       gradient backward; all exits again when recomputed), their backward re-gather always; without SP
+       their output's all-reduce goes in tp chunks of tokens. The embedding's
        exit and the head's entry are a region boundary each; the vocab-parallel loss all-reduces 3
        values per token. Per step: partial gradients summed over tp (routers; norm gains with SP;
        replicated kv heads) and the clipping norm's 8 bytes.
@@ -98,8 +102,11 @@ def step_collectives(m: ModelConfig, layout: Layout, seq_len: int, global_batch:
     first, last = any(c[1] for c in chunks), any(c[2] for c in chunks)
     grad_w = runtime.grad_bytes or WEIGHT_BYTES[dtype]
     if L.tp > 1:
-        _tensor_parallel(add, m, L, tokens, e, w, grad_w, micro, fwd, layers, moe_layers, first, last,
-                         regather=not (runtime.is_fived and PRECISION_SPECS[dtype].autocast))
+        # fived's selective checkpointing recomputes a block (GEMM outputs cached) and its tp collectives
+        rec = 2 if L.checkpointing == "full" or (L.checkpointing == "selective" and runtime.is_fived) else 1
+        _tensor_parallel(add, m, L, tokens, e, w, grad_w, micro, rec, layers, moe_layers, first, last,
+                         regather=not (runtime.is_fived and PRECISION_SPECS[dtype].autocast),
+                         overlap=L.tp_overlap and runtime.is_fived)
     if L.ep > 1 and moe_layers:  # dispatch (w) and combine (e), again when recomputed, and their gradients
         slots = tokens * m.top_k * L.expert_tp // L.tp
         add("ep", "all_to_all_single", 8 * m.n_experts, fwd * moe_layers * micro, "ep")  # tokens per expert
@@ -124,23 +131,36 @@ def step_collectives(m: ModelConfig, layout: Layout, seq_len: int, global_batch:
     return out
 
 
-def _tensor_parallel(add, m, L, tokens, e, w, grad_w, micro, fwd, layers, moe_layers, first, last, regather):
+def _tensor_parallel(add, m, L, tokens, e, w, grad_w, micro, fwd, layers, moe_layers, first, last, regather,
+                     overlap):
     narrow, wide = tokens * m.dim * e, tokens * m.dim * w
     regions = 2 * layers
     ends = int(first) + int(last)
+    # tp_overlap: attention and dense MLP regions are `fived.parallel.tensor_overlap`'s, MoE ones plain
+    ring = (2 * layers - moe_layers) if overlap else 0
+    plain = regions - ring
     # a recomputed block stops once it has rebuilt what backward needs (torch's early stop): every
-    # region's entry again, but only the attention region's exit (the MLP's output is not saved)
-    exits = regions + (fwd - 1) * layers
+    # region's entry again, but only the attention region's exit (the MLP's output is not saved);
+    # an overlapped region's exit is inside the function that saves its input: it runs again
+    exits = plain + (fwd - 1) * (0 if overlap else layers)
     if L.sp:
-        # backward re-gathers the inputs SP did not keep (a recomputed block gathered them again)
-        again = (regions if fwd == 1 else 0) + last if regather else 0
-        add("tp", "all_gather_single", wide, micro * (fwd * regions + ends + again), "tp")
-        add("tp", "all_gather_single", narrow, micro * regions, "tp")
+        # backward re-gathers the inputs SP did not keep (a recomputed block gathered them again);
+        # an overlapped region keeps its input's shard and always gathers it in backward
+        again = (plain if fwd == 1 else 0) + last if regather else 0
+        add("tp", "all_gather_single", wide, micro * (fwd * plain + ends + again + ring), "tp")
+        add("tp", "all_gather_single", narrow, micro * plain, "tp")
         add("tp", "reduce_scatter_single", narrow, micro * exits, "tp")
         add("tp", "reduce_scatter_single", wide, micro * (regions + ends), "tp")
+        # the rings: tp-1 hops of a 1/tp chunk; the input forward, the output forward and its gradient
+        # backward (the bytes of the all-gather / reduce-scatter they replace)
+        hops = micro * (L.tp - 1)
+        for nbytes, calls in ((wide / L.tp, fwd * ring), (narrow / L.tp, fwd * ring + ring)):
+            add("tp", "send", nbytes, hops * calls, "tp")
+            add("tp", "recv", nbytes, hops * calls, "")
         add("tp", "all_reduce", (2 * layers + last) * m.dim * grad_w, 1, "dp")  # norm gains saw other tokens
     else:
         add("tp", "all_reduce", narrow, micro * exits, "tp")
+        add("tp", "all_reduce", narrow / L.tp, micro * fwd * ring * L.tp, "tp")  # in tp chunks of tokens
         add("tp", "all_reduce", wide, micro * (regions + ends), "tp")
     add("tp", "all_reduce", tokens * max(e, 4), micro * 3 * last, "tp")  # the loss: max, sum of exp, target
     add("tp", "all_reduce", m.n_experts * m.dim * grad_w, moe_layers, "dp")  # routers
