@@ -107,9 +107,10 @@ _FSDP = Runtime(name="fsdp", grad_overlap=True, reduce_bytes=4, gather_bytes=2, 
 
 # `fived plan --runtime`: fived's, or (to compare) a published framework's
 PLANNED_RUNTIMES = {
-    "fived": fived_runtime(compiled=True),  # blocks compiled (train.compile), as one trains on GPUs
-    "fived-eager": fived_runtime(),
-    "fived-fp8": fived_runtime("rowwise", compiled=True),
+    # on GPUs: blocks compiled (train.compile), a rank's experts in one grouped GEMM (CUDA, bf16)
+    "fived": replace(fived_runtime(compiled=True), grouped_experts=True),
+    "fived-eager": replace(fived_runtime(), grouped_experts=True),
+    "fived-fp8": replace(fived_runtime("rowwise", compiled=True), grouped_experts=True),
     "megatron-core": replace(_MEGATRON, name="megatron-core", tp_overlap=MCORE_TP_OVERLAP, grad_overlap=True,
                              zero12_overlap=True, pipeline_grad_overlap=True, grouped_experts=True, flash_ring=True),
 }
