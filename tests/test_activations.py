@@ -115,3 +115,22 @@ def test_formula_is_pure_arithmetic_and_consistent():
     llama = model_preset("llama3-8b")
     big = activation_bytes(llama, micro_batch_seqs=1, seq_len=8192, dtype_bytes=2, layers=[0], last=True)
     assert big["head"] > 8192 * llama.vocab_size * 4
+
+
+def test_compiled_blocks_keep_at_most_the_planned_activations():
+    """`fived plan` prices fived's compiled blocks (`train.compile`, inductor: its partitioner
+    recomputes element-wise ops in backward) by Korthikanti et al.'s count (bf16 bytes, so halved
+    here into elements); a compiled block really keeps no more, and keeps less than the eager one."""
+    from fived.layout.layout import Layout
+    from fived.planner.runtimes import framework_activations
+
+    shape = {"model__dim": 128, "model__ffn_dim": 384}
+    eager_cfg = tiny_config("tiny", train__steps=1, train__dtype="float32", **shape)
+    cfg = tiny_config("tiny", train__steps=1, train__dtype="float32", train__compile=True,
+                      train__compile_backend="inductor", **shape)
+    eager = run_on_ranks(1, run_training, eager_cfg, False, False)[0].activations["0"]
+    compiled = run_on_ranks(1, run_training, cfg, False, False, timeout_s=600)[0].activations["0"]
+    layout = Layout.from_config(cfg, 1)
+    planned_elements = framework_activations(cfg.model, layout, cfg.train.seq_len, [0], False, False) / 2
+    assert compiled / 4 <= planned_elements, (compiled / 4, planned_elements)
+    assert compiled < 0.9 * eager
