@@ -32,12 +32,16 @@ def basis(model: ModelConfig, cluster: Cluster, runtime: Runtime, layout: Layout
     else:
         lines = [f"extrapolated: no published run on {hw.name} (it takes the {hw.calibration} constants)"]
     if runtime.is_fived:
-        lines.append("extrapolated: fived's own runtime on a GPU was never measured (no GPU was available): its "
-                     "eager element-wise kernels are priced at HBM speed, its GEMMs at the published runs' efficiency")
+        kernels = "its compiled blocks priced as fused kernels" if runtime.fused else \
+            "its eager element-wise kernels priced at HBM speed"
+        lines.append("extrapolated: fived's own runtime on a GPU was never measured (no GPU was available): "
+                     f"{kernels}, its GEMMs at the published runs' efficiency, its tp overlap (parallel.tp_overlap) "
+                     "as hiding what Megatron-Core's --tp-comm-overlap hides")
     if model.is_moe:
+        experts = "; fived runs a rank's experts as one grouped GEMM (CUDA, bf16)" if runtime.grouped_experts \
+            else "; fived runs its experts in a loop, one kernel launch per expert GEMM"
         lines.append(f"{'calibrated' if COVERAGE['moe'] else 'extrapolated'}: mixture of experts "
-                     f"({COVERAGE['moe']} MoE runs in the calibration set)"
-                     + ("; fived runs its experts in a loop, one kernel launch per expert GEMM" if runtime.is_fived else ""))
+                     f"({COVERAGE['moe']} MoE runs in the calibration set)" + (experts if runtime.is_fived else ""))
     if runtime.fp8:
         lines.append(f"{'calibrated' if COVERAGE['fp8'] else 'extrapolated'}: FP8 GEMMs ({COVERAGE['fp8']} FP8 runs)")
     if layout.cp > 1:

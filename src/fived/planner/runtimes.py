@@ -1,12 +1,27 @@
 """What a training runtime does with a layout: which communication it overlaps, in which dtypes it
 communicates and keeps the model state, how it stores activations, and which kernels it has.
 
-`FIVED` is this project's runtime as built, and the default of every prediction: no tensor-parallel
-overlap, DDP / FSDP2 reductions behind the last backward, in bf16 runs bf16 weights and gradients
-with fp32 master weights and Adam state in the optimizer (train.dtype=bfloat16; bfloat16-autocast:
-fp32 weights with a bf16 copy of each weight per forward), eager PyTorch kernels (unfused RMSNorm,
-RoPE, SwiGLU), SDPA (flash on GPU) without context parallelism and a ring of fused attention blocks
-with it, experts in a loop, no FP8.
+`FIVED` is this project's runtime as built, before a layout's switches: in bf16 runs bf16 weights and
+gradients with fp32 master weights and Adam state in the optimizer (train.dtype=bfloat16;
+bfloat16-autocast: fp32 weights with a bf16 copy of each weight per forward), gradients reduced in
+parallel.reduce_dtype (float32 by default), eager PyTorch kernels (unfused RMSNorm, RoPE, SwiGLU),
+SDPA (flash on GPU) and a ring of fused attention blocks with context parallelism, experts in a loop
+(their CPU path), no FP8.
+What fived overlaps is the layout's to say (`for_layout`):
+- always: ZeRO-0's bucketed all-reduce and FSDP2's (ZeRO-3) reduce-scatter during the last backward
+  (pp=1), FSDP2's prefetched all-gathers, the context-parallel ring's send/recv under each block;
+- parallel.tp_overlap: the tp/sp regions' all-gather / reduce-scatter (all-reduce without sp) in
+  chunks under the GEMMs forward, the input gradient's reduction under the weight-gradient GEMMs in
+  backward (priced as hiding Megatron-Core's fitted share; fived's own share never measured on a GPU);
+- parallel.overlap_grad_reduce: ZeRO-1/2's bucketed reduce-scatter during the last backward, and the
+  dp reduction of each pipeline stage from that stage's last backward (parallel.overlap_param_gather:
+  ZeRO-1/2's bucketed all-gather under the next forward);
+- parallel.ep_overlap: the expert all-to-all of one chunk under the other chunk's expert GEMMs.
+`fived_runtime` adds what a run's `train.compile` (fused element-wise kernels, activations as
+Korthikanti et al. count them) and `train.fp8` (torchao float8 GEMMs; weights, gradients and
+communication stay in the compute dtype) change; `PLANNED_RUNTIMES["fived"]` is what `fived plan`
+recommends on GPUs: compiled blocks, a rank's experts in one grouped GEMM (CUDA bf16), every overlap
+switch that applies (`with_overlap`).
 
 The published runs the planner is calibrated on ran other runtimes; `framework_runtime` describes
 each from what its row states (framework, precision, ZeRO/FSDP wording, overlap flags), with these

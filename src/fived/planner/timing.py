@@ -23,7 +23,8 @@ dimension on the link its group actually uses, the overlap the runtime allows, a
   stride*size <= gpus per node. Inside a node at NVLink speed, across nodes at the GPU's network
   share, each times LINK_EFFICIENCY, plus the hardware's latency per call. Ring collectives
   move 2(n-1)/n (all-reduce) or (n-1)/n (all-gather, reduce-scatter, all-to-all) of the bytes.
-- overlap (`Runtime`): `tp_overlap` of tp hidden; the ring behind the attention it overlaps with;
+- overlap (`Runtime`): `tp_overlap` of tp hidden, at most the GEMMs' time (what it hides under); the
+  ring behind the attention it overlaps with;
   the dp reduction behind the last micro-batch's backward and ZeRO-3's prefetched gathers behind
   the step's compute, where the runtime overlaps them.
 - pipeline bubble: from the schedule simulator (`fived.layout.schedule_sim.pipeline_profile`);
@@ -189,7 +190,8 @@ def step_time(model: ModelConfig, layout: Layout, cluster: Cluster, seq_len: int
         steps = 1 if c.op == "send" else _RING[c.op](size) * size  # ring steps: n-1, 2(n-1) for all-reduce
         time[c.part] += c.calls * (_RING[c.op](size) * c.nbytes / bandwidth + latency + steps * hw.peer_latency_s)
         moved[c.group] += c.total
-    tp = time["tp"] * (1 - runtime.tp_overlap)
+    # overlapped tp communication hides under the region's GEMMs, never more than they last
+    tp = time["tp"] - min(time["tp"] * runtime.tp_overlap, compute - attention)
     cp = max(0.0, time["cp"] - attention)  # the ring hides behind the attention blocks
     ep, pp = time["ep"], time["pp"]
     if runtime.ep_overlap:  # two chunks: one dispatch and one combine stay exposed, the rest under the experts
