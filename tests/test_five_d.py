@@ -33,3 +33,19 @@ def test_the_5d_layout(zero):
                       parallel__zero=zero, train__steps=2, train__microbatches=2)
     report = run_verify(cfg, 16, printer=lambda *_: None, )
     assert report.max_relative_difference <= EXACT, report.max_rel
+
+
+EVERY_OVERLAP = dict(parallel__tp_overlap=True, parallel__overlap_grad_reduce=True,
+                     parallel__overlap_param_gather=True, parallel__ep_overlap=True,
+                     parallel__bucket_mb=3000 / 2**20)  # 3 kB: dozens of buckets
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_every_overlap_switch_on_at_once(zero):
+    """tp+sp ring overlap, ZeRO-1/2 bucketed reduce-scatter and all-gather (each pipeline stage
+    reducing at its last backward) and the chunked expert all-to-all, all on in one 8-rank layout with
+    gradient accumulation: still exact against one device."""
+    cfg = tiny_config("tiny-moe", parallel__pp=2, parallel__dp=2, parallel__tp=2, parallel__sp=True,
+                      parallel__ep=2, parallel__zero=zero, train__steps=2, train__microbatches=2, **EVERY_OVERLAP)
+    report = run_verify(cfg, 8, printer=lambda *_: None)
+    assert report.max_relative_difference <= EXACT, report.max_rel
