@@ -9,9 +9,10 @@ asynchronous one from the start to the end of its wait. Each instant of the step
 the innermost span running then (exclusive time), so the components sum to the step exactly; the
 step's time outside every span is "other". Under a pipeline schedule, the schedule's own exclusive
 time is the **bubble**: waiting for the point-to-point tensors of other stages (and the schedule's
-bookkeeping). An asynchronous collective's time between issue and wait ran under compute: it is
-reported as **overlapped** per mesh dimension, beside the components (gloo tells when it completed;
-on CUDA it is the time until the wait, an upper bound).
+bookkeeping). An asynchronous collective's time between issue and wait ran under compute: the wall
+time some collective of a mesh dimension was so in flight is reported as **overlapped** for that
+dimension, beside the components (gloo tells when it completed; on CUDA it is the time until the
+wait, an upper bound).
 
 Marks come from the host clock on CPU, from CUDA events on GPU (read after the step synchronises).
 """
@@ -132,7 +133,7 @@ class StepTimer:
         seconds = lambda mark: self.clock.seconds(self._start, mark)  # noqa: E731
         total = seconds(self._end)
         intervals = [(seconds(s.start), seconds(s.end), s.category, s.stage, s.micro) for s in self.spans]
-        overlapped: dict[str, float] = defaultdict(float)
+        in_flight: dict[str, list] = defaultdict(list)
         for e in self.recorder.events:
             if e.wait_end is None:  # never waited on here (FSDP2 waits on its gathers itself)
                 continue
@@ -143,12 +144,24 @@ class StepTimer:
             until = seconds(e.wait_start)
             if e.done is not None:  # (host clock only: gloo's completion time)
                 until = min(until, seconds(e.done))
-            overlapped[e.role] += max(0.0, until - seconds(e.issued))
+            in_flight[e.role].append((seconds(e.issued), until))
+        overlapped = {role: covered(spans) for role, spans in in_flight.items()}
         exclusive, stages, micro = attribute(intervals, total)
         components = {k: v for k, v in exclusive.items() if v > 0 or k == "other"}
-        return {"total_s": total, "components": components, "overlapped": dict(overlapped),
+        return {"total_s": total, "components": components, "overlapped": overlapped,
                 "stage_compute_s": {str(k): v for k, v in sorted(stages.items())},
                 "microbatch_s": _per_stage(micro)}
+
+
+def covered(spans: list[tuple[float, float]]) -> float:
+    """Seconds covered by at least one of the (start, end) spans: collectives in flight at once (a
+    pipeline of buckets) count once, as the wall time they ran under compute."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
 
 
 def attribute(intervals: list[tuple], total: float) -> tuple[dict, dict, dict]:
