@@ -256,3 +256,10 @@ def test_one_layout_description():
         **{**vars(cfg.parallel), "dp": 2})
     mesh = Mesh.from_config(cfg, 8)
     assert (mesh.dp, mesh.tp, mesh.pp, mesh.cp, mesh.ep, mesh.dp_shard, mesh.world_size) == (2, 2, 2, 1, 1, 2, 8)
+
+
+def test_every_planned_runtime_is_a_plan_choice():
+    from fived.cli_plan import RUNTIME_CHOICES
+    from fived.planner.runtimes import PLANNED_RUNTIMES
+
+    assert set(RUNTIME_CHOICES) == set(PLANNED_RUNTIMES)
