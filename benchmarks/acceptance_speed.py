@@ -20,7 +20,7 @@ from fived.config import Config, ModelConfig, build_config
 from fived.launch import run_ranks
 from fived.metrics import flops_per_token
 from fived.planner.hardware import device_peak_tflops
-from fived.train import run_training
+from fived.trainer import run_training
 
 LR = 3e-4  # (a 1B model at fived's default 3e-3 would diverge within the timed steps)
 # The planner's prediction against fived's measured eager run, on CUDA: the step time within 50%

@@ -11,7 +11,7 @@ from fived.layout.rules import check_config
 from fived.model import build_model, canonical_name
 from fived.parallel.compile import apply_compile
 from fived.testing import EXACT, tiny_config
-from fived.verify import reference_config, run_verify
+from fived.verification import reference_config, run_verify
 
 LAYOUTS = {
     "tp-sp full checkpointing": (2, dict(parallel__dp=1, parallel__tp=2, parallel__sp=True,

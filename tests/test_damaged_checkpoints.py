@@ -13,7 +13,7 @@ from fived.checkpoint_verify import damage
 from fived.cli import main
 from fived.config import ConfigError
 from fived.testing import run_on_ranks, tiny_config
-from fived.train import run_training
+from fived.trainer import run_training
 
 
 @pytest.fixture(scope="module")

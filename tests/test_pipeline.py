@@ -12,8 +12,8 @@ from fived.layout.layout import stages_per_rank
 from fived.layout.stages import split_layers
 from fived.layout.schedule_sim import bubble_of, simulate
 from fived.testing import EXACT, run_on_ranks, tiny_config
-from fived.train import run_training
-from fived.verify import run_verify
+from fived.trainer import run_training
+from fived.verification import run_verify
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev"]
 

@@ -19,7 +19,7 @@ from fived.planner.search import evaluate, plan
 from fived.planner.timing import Cluster
 from fived.report import expected_comm_bytes, local_model
 from fived.testing import run_on_ranks, tiny_config
-from fived.train import run_training
+from fived.trainer import run_training
 
 CALIBRATION = Path(__file__).parent / "data" / "published_runs.csv"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -24,7 +24,7 @@ import pytest
 from fived.config import build_config
 from fived.faults import PREEMPTED_EXIT
 from fived.testing import run_on_ranks
-from fived.train import run_training
+from fived.trainer import run_training
 
 ROOT = Path(__file__).resolve().parents[1]
 DAEMONS = ("munged", "slurmctld", "slurmd")

@@ -2,7 +2,7 @@
 import pytest
 
 import fived.launch
-import fived.verify
+import fived.verification
 from fived.cli import main
 
 
@@ -12,7 +12,7 @@ def no_ranks(monkeypatch):
         raise AssertionError("a rank was started for an invalid configuration")
 
     monkeypatch.setattr(fived.launch, "run_ranks", refuse)
-    monkeypatch.setattr(fived.verify, "run_ranks", refuse)
+    monkeypatch.setattr(fived.verification, "run_ranks", refuse)
 
 
 CASES = [

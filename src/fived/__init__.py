@@ -1,2 +1,4 @@
 """fived: train Llama-style language models with composable 5D parallelism, verified against one device."""
-__version__ = "0.1.0"
+from fived.version import __version__
+
+__all__ = ["__version__"]

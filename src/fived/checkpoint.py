@@ -32,7 +32,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from fived import __version__, dcp_io
+from fived import dcp_io
+from fived.version import __version__
 from fived.checkpoint_verify import FORMAT, MANIFEST, MARKER, cached_damage, file_digests
 from fived.config import CheckpointConfig, Config, ConfigError
 from fived.write_errors import WriteFailed, os_error_in

@@ -46,7 +46,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
 
 
 def cmd_verify(ns: argparse.Namespace) -> int:
-    from fived.verify import run_verify
+    from fived.verification import run_verify
 
     defaults = {"train.steps": 5}
     if ns.nproc is None:
@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     if ns.version:
         import torch
 
-        from fived import __version__
+        from fived.version import __version__
 
         print(f"fived {__version__} (torch {torch.__version__})")
         return 0

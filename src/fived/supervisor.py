@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from fived import __version__
+from fived.version import __version__
 from fived.checkpoint import find_checkpoint
 from fived.config import Config
 from fived.write_errors import writing

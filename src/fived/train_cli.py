@@ -16,7 +16,7 @@ def train_locally(ns: argparse.Namespace, run) -> int:
     from fived.launch import RankFailed
     from fived.mesh import resolve_dp
     from fived.supervisor import failure_line, run_with_restarts, stop_line
-    from fived.train import run_training
+    from fived.trainer import run_training
 
     cfg, world = run.cfg, run.world
     start = f"resuming step {run.resumed_step} of {cfg.train.output_dir}" if run.resume else f"{cfg.train.steps} steps"
@@ -92,7 +92,7 @@ def train_under_torchrun(ns: argparse.Namespace, run) -> int:
     from fived.launch import init_distributed, shutdown_distributed
     from fived.metrics import fresh_output_dir
     from fived.supervisor import describe_run_dir, restore_config
-    from fived.train import run_training
+    from fived.trainer import run_training
 
     init_distributed(run.cfg.train.collective_timeout_s, device=run.cfg.train.device)
     run = agreed_run(run)

@@ -19,7 +19,7 @@ from fived.launch import run_ranks
 from fived.checkpoint import find_checkpoint
 from fived.layout.rules import check_config
 from fived.mesh import resolve_dp
-from fived.train import TrainResult, run_training
+from fived.trainer import TrainResult, run_training
 
 TOLERANCE = 1e-9
 
