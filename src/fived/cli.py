@@ -71,6 +71,14 @@ def cmd_dryrun(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_config(ns: argparse.Namespace) -> int:
+    from fived.config_docs import commented_toml, markdown_table
+    from fived.run_setup import build_from_args
+
+    print(markdown_table() if ns.markdown else commented_toml(build_from_args(ns)), end="" if not ns.markdown else "\n")
+    return 0
+
+
 def cmd_prepare_data(ns: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -186,6 +194,11 @@ def build_parser() -> argparse.ArgumentParser:
     dry.add_argument("--no-init", action="store_true", help="allocate the weights without drawing their initial values")
     dry.set_defaults(func=cmd_dryrun)
     add_plan_commands(sub)
+    config = sub.add_parser("config", allow_abbrev=False, help="print the config these flags give as a TOML file, "
+                            "every field with its description (fived train --config reads it)")
+    add_config_flags(config, nproc_help="(unused)")
+    config.add_argument("--markdown", action="store_true", help="print the table of every field (the README's) instead")
+    config.set_defaults(func=cmd_config)
     prep = sub.add_parser("prepare-data", allow_abbrev=False,
                           help="tokenize .txt, .jsonl, .parquet files or saved datasets into a token file (numpy memmap)")
     prep.add_argument("inputs", nargs="+", help=".txt (one document per file), .jsonl, .parquet files or directories "

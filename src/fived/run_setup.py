@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fived.config import ConfigError, build_config, config_fields
+from fived.config_docs import SECTION_DOCS, help_text, metavar
 
 SHORT_FLAGS = {
     "--model": "model.name", "--dp": "parallel.dp", "--tp": "parallel.tp", "--pp": "parallel.pp",
@@ -30,12 +31,14 @@ def add_config_flags(parser: argparse.ArgumentParser, *,
     parser.add_argument("--dp-shard", type=int, help="HSDP: ranks a ZeRO shard spans; dp = dp_shard x dp_replicate")
     parser.add_argument("--sp", dest="parallel.sp", action="store_const", const=True, default=argparse.SUPPRESS,
                         help="sequence parallelism (with --tp)")
+    docs = {f"{f.section}.{f.key}": f.doc for f in config_fields()}
     for flag, dest in SHORT_FLAGS.items():
-        parser.add_argument(flag, dest=dest, default=argparse.SUPPRESS, help=f"= --{dest}")
-    group = parser.add_argument_group("every config field (defaults from fived.config)")
-    for section, name, default, kind in config_fields():
-        group.add_argument(f"--{section}.{name}", dest=f"{section}.{name}", default=argparse.SUPPRESS,
-                           metavar=kind.upper(), help=f"default {default!r}")
+        parser.add_argument(flag, dest=dest, default=argparse.SUPPRESS, metavar="VALUE", help=f"--{dest}: {docs[dest]}")
+    parser.usage = "%(prog)s [options] [--<section>.<field> VALUE ...]"  # (every field: the groups below)
+    groups = {section: parser.add_argument_group(f"[{section}] {doc}") for section, doc in SECTION_DOCS.items()}
+    for f in config_fields():
+        groups[f.section].add_argument(f"--{f.section}.{f.key}", dest=f"{f.section}.{f.key}", default=argparse.SUPPRESS,
+                                       metavar=metavar(f), help=help_text(f))
 
 
 def overrides_of(ns: argparse.Namespace) -> dict:

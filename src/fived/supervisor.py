@@ -35,12 +35,12 @@ from fived.mesh import resolve_dp
 def describe_run_dir(cfg: Config, world: int, event: dict) -> str | None:
     """Write config.toml and append one line to launches.jsonl in the run directory. Returns the
     config.toml it replaced (None if there was none), for restore_config."""
-    import tomli_w
+    from fived.config_docs import commented_toml
 
     run_dir = Path(cfg.train.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     previous = (run_dir / "config.toml").read_text() if (run_dir / "config.toml").is_file() else None
-    write_config_toml(run_dir, tomli_w.dumps(cfg.to_dict()))
+    write_config_toml(run_dir, commented_toml(cfg))  # (every field, with its description)
     p = cfg.parallel
     record = {"time": time.time(), "command": sys.argv, "fived_version": __version__,
               "torch_version": torch.__version__, "python": platform.python_version(), "host": platform.node(),

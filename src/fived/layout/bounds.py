@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from fived.config import Config, ConfigError
+from fived.config import Config, ConfigError, config_fields
 
 # (field, lowest, highest, a valid example): inclusive integer ranges.
 INTEGER_BOUNDS = (
@@ -45,9 +45,6 @@ FLOAT_RULES = (
     ("model.router_bias_rate", "must be >= 0", lambda v: v >= 0, "0"),
 )
 
-CHOICES = (("train.on_spike", ("stop", "rollback"), "stop"),)
-
-
 def _value(cfg: Config, dotted: str):
     section, _, name = dotted.partition(".")
     return getattr(getattr(cfg, section), name)
@@ -70,8 +67,9 @@ def number_errors(cfg: Config) -> list[ConfigError]:
         if not (math.isfinite(value) and ok(value)):
             errs.append(ConfigError(dotted, value, rule + (" and finite" if not math.isfinite(value) else ""),
                                     f"e.g. {_flag(dotted)} {example}"))
-    for dotted, options, example in CHOICES:
-        value = _value(cfg, dotted)
-        if value not in options:
-            errs.append(ConfigError(dotted, value, "must be one of " + ", ".join(options), f"e.g. {_flag(dotted)} {example}"))
+    for f in config_fields():  # (a config built in Python: flags and TOML files are checked as they are read)
+        value = getattr(getattr(cfg, f.section), f.attr)
+        if f.choices is not None and value not in f.choices:
+            errs.append(ConfigError(f"{f.section}.{f.key}", value, "must be one of " + ", ".join(map(str, f.choices)),
+                                    f"e.g. {_flag(f.section + '.' + f.key)} {f.default}"))
     return errs

@@ -11,15 +11,16 @@ process groups of a layout.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
+from typing import get_args
 
-from fived.config import Config, ParallelConfig, TrainConfig
+from fived.config import Checkpointing, CompileBackend, Config, Fp8Recipe, ParallelConfig, PPSchedule, TrainConfig
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev")
-CHECKPOINTING = ("none", "full", "selective")
-FP8_RECIPES = ("none", "tensorwise", "rowwise")  # train.fp8: torchao's float8 training recipes
+PP_SCHEDULES = get_args(PPSchedule)
+CHECKPOINTING = get_args(Checkpointing)
+FP8_RECIPES = get_args(Fp8Recipe)  # train.fp8: torchao's float8 training recipes
 EP_OVERLAP_CHUNKS = 2  # parallel.ep_overlap: the routed slots' chunks (fived.parallel.expert_overlap)
-COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")  # train.compile_backend (fived.parallel.compile)
+COMPILE_BACKENDS = get_args(CompileBackend)  # train.compile_backend (fived.parallel.compile)
 V_SHAPED = ("zbv", "dualpipev")  # two stages per rank, V-shaped
 SINGLE_STAGE = ("gpipe", "1f1b")
 SPLIT_BACKWARD = ("zero-bubble", "zbv", "dualpipev")  # backward split into input- and weight-gradient passes
