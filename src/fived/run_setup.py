@@ -11,6 +11,7 @@ from pathlib import Path
 
 from fived.config import ConfigError, build_config, config_fields
 from fived.config_docs import SECTION_DOCS, help_text, metavar
+from fived.lr_schedule import decay_steps_of
 
 SHORT_FLAGS = {
     "--model": "model.name", "--dp": "parallel.dp", "--tp": "parallel.tp", "--pp": "parallel.pp",
@@ -133,6 +134,7 @@ def load_run(ns: argparse.Namespace, default_world: int, defaults: dict | None =
         auto_layout(cfg, world)
     check_config(cfg, world)
     cfg.parallel.dp = resolve_dp(cfg, world)  # the resolved config says what ran (not "-1: the rest")
+    cfg.train.decay_steps = decay_steps_of(cfg.train)  # (and the lr plan: kept when the run is extended)
     check_fits(cfg, world)
     check_data(cfg)
     check_environment(cfg)
@@ -252,6 +254,8 @@ def _resumed_config(saved, given: dict, dp_shard: int | None):
             if probe != saved:
                 raise ConfigError(key, value, f"a resumed run keeps the checkpoint's {key} "
                                   f"({getattr(getattr(saved, section), name, '...')})", "drop the flag, or start a new run")
+    if not saved.train.decay_steps:  # (a checkpoint from before train.decay_steps: its run planned train.steps)
+        saved.train.decay_steps = saved.train.steps
     cfg = copy.deepcopy(saved)
     layout_given = dp_shard is not None or any(k in {f"parallel.{f}" for f in LAYOUT_FIELDS} for k in given)
     if layout_given:
@@ -262,6 +266,7 @@ def _resumed_config(saved, given: dict, dp_shard: int | None):
         set_field(cfg, *key.split(".", 1), value)
     if dp_shard is not None:
         cfg.parallel.dp = dp_shard * cfg.parallel.dp_replicate
+    cfg.train.decay_steps = decay_steps_of(cfg.train)  # the recorded plan, unless --train.decay_steps replans it
     return cfg, layout_given
 
 

@@ -18,7 +18,8 @@ INTEGER_BOUNDS = (
     ("model.moe_ffn_dim", 0, 2**20, 0), ("model.n_shared_experts", 0, 64, 1), ("model.n_dense_layers", 0, 4096, 0),
     ("model.rope_original_max_len", 1, 2**24, 8192),
     ("train.steps", 1, 10**12, 200), ("train.seq_len", 2, 2**24, 64), ("train.global_batch", 1, 2**24, 16),
-    ("train.microbatches", 1, 2**20, 1), ("train.warmup_steps", 0, 10**12, 20), ("train.seed", 0, 2**63 - 1, 0),
+    ("train.microbatches", 1, 2**20, 1), ("train.warmup_steps", 0, 10**12, 20),
+    ("train.decay_steps", 0, 10**12, 0), ("train.seed", 0, 2**63 - 1, 0),
     ("train.log_every", 1, 10**12, 10), ("train.eval_every", 0, 10**12, 0), ("train.eval_batches", 0, 2**24, 8),
     ("train.max_restarts", 0, 10**6, 2), ("train.spike_window", 1, 10**6, 20), ("train.max_rollbacks", 0, 10**6, 3),
     ("checkpoint.every", 0, 10**12, 100), ("checkpoint.keep", 0, 10**6, 3),
@@ -28,6 +29,7 @@ INTEGER_BOUNDS = (
 FLOAT_RULES = (
     ("train.lr", "must be > 0", lambda v: v > 0, "3e-3"),
     ("train.min_lr_ratio", "must be in [0, 1]", lambda v: 0 <= v <= 1, "0.1"),
+    ("train.decay_fraction", "must be in (0, 1]", lambda v: 0 < v <= 1, "0.2"),
     ("train.beta1", "must be in [0, 1)", lambda v: 0 <= v < 1, "0.9"),
     ("train.beta2", "must be in [0, 1)", lambda v: 0 <= v < 1, "0.95"),
     ("train.eps", "must be > 0", lambda v: v > 0, "1e-8"),
