@@ -174,7 +174,7 @@ def _resume_choice(run, flaky_rank):
     import fived.checkpoint
     from fived.cli import build_parser
     from fived.run_setup import prepare_training
-    from fived.train_cli import agreed_run
+    from fived.training_run import agreed_run
 
     real = fived.checkpoint.cached_damage
     if dist.get_rank() == flaky_rank:  # a transient read error on this rank alone

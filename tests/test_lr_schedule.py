@@ -77,11 +77,11 @@ def test_a_wsd_run_extended_before_its_decay_replans_it_on_purpose(tmp_path, cap
     args = [*TINY, "--train.lr_schedule", "wsd", "--train.decay_fraction", "0.25", "--checkpoint.every", "4"]
     assert main(["train", *args, "--steps", "8", "--train.output_dir", str(run)]) == 0
     original = _lrs(run)
-    assert [original[s] for s in (3, 4, 5, 6)] == [3e-3] * 4 and original[8] < 3e-3  # stable, then decaying at 7-8
-    # --train.decay_steps moves the decay to the new end: steps up to 12 stay stable
+    assert [original[s] for s in (3, 4, 5, 6, 7)] == [3e-3] * 5 and original[8] < 3e-3  # its decay: steps 7-8
+    # --train.decay_steps moves the decay to the new end (steps 13-16): steps 7 and 8 now stay at lr
     assert main(["train", "--resume", str(run / "checkpoints" / "step-4"), "--nproc", "2", "--steps", "16",
                  "--train.decay_steps", "16"]) == 0
     resumed = _lrs(run)
-    assert [resumed[s] for s in range(3, 13)] == [3e-3] * 10 and resumed[16] < resumed[13] < 3e-3
+    assert [resumed[s] for s in range(3, 14)] == [3e-3] * 11 and resumed[16] < resumed[14] < 3e-3
     saved = json.loads((run / "launches.jsonl").read_text().splitlines()[-1])["config"]["train"]
     assert saved["decay_steps"] == 16 and saved["lr_schedule"] == "wsd"

@@ -67,7 +67,7 @@ def find_checkpoint(path: str | Path, flag: str = "checkpoint", crc: bool = True
     damaged newer one skipped with one line on stderr; see fived.checkpoint_verify). A damaged
     checkpoint named explicitly is refused in one line naming the damaged file and the intact
     alternative: falling back is not what was asked for. `crc=False`: no file is read whole (a
-    provisional choice that another process's full check replaces; see fived.train_cli)."""
+    provisional choice that another process's full check replaces; see fived.training_run)."""
     path = Path(path)
     if (path / MARKER).is_file():
         problem = cached_damage(path, crc)

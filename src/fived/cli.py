@@ -24,25 +24,17 @@ from fived.run_setup import (  # noqa: E402
 
 
 def cmd_train(ns: argparse.Namespace) -> int:
-    import torch
-
     from fived.launch import under_torchrun
-    from fived.metrics import fresh_output_dir
-    from fived.run_lock import RunLock
-    from fived.train_cli import train_locally, train_under_torchrun
+    from fived.run_setup import default_world_size
+    from fived.training_run import launch
 
-    default_world = torch.cuda.device_count() if torch.cuda.is_available() else 2  # (device auto)
-    run = prepare_training(ns, default_world)
-    cfg = run.cfg
-    if under_torchrun():  # (the ranks first agree on rank 0's choice of checkpoint)
-        return train_under_torchrun(ns, run)
-    if run.finished:
-        print(f"fived train: {cfg.train.output_dir} already reached train.steps={cfg.train.steps}; nothing to do")
-        return 0
-    if run.fresh_dir:
-        cfg.train.output_dir = str(fresh_output_dir(cfg.train.output_dir))
-    with RunLock(cfg.train.output_dir):  # one run per directory (refused in one line naming the holder)
-        return train_locally(ns, run)
+    run = prepare_training(ns, default_world_size())  # (under torchrun the ranks then agree on rank 0's choice)
+    code = launch(run, report=ns.report).code
+    if under_torchrun():  # as every fived rank ends: gloo and DTensor can abort at interpreter exit,
+        sys.stdout.flush()  # which torchrun would count as a failure and restart
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def cmd_verify(ns: argparse.Namespace) -> int:

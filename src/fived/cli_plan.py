@@ -55,23 +55,30 @@ def cmd_plan(ns: argparse.Namespace) -> int:
 
 def plan_cluster(ns: argparse.Namespace, command: str):
     """The model, cluster and global batch (sequences) `fived plan`/`fived explore` were given."""
-    from fived.planner.hardware import hardware
-    from fived.planner.timing import Cluster
-
     missing = [flag for flag, v in (("--model", ns.model), ("--gpus", ns.gpus), ("--seq", ns.seq),
                                     ("--global-batch-tokens", ns.global_batch_tokens)) if v is None]
     if missing:
         raise ConfigError(missing[0], None, "required", f"fived {command} --model llama3-8b --gpus 64 --gpus-per-node 8 "
                           "--gpu h100 --seq 8192 --global-batch-tokens 4194304" + (" (or --validate FILE.csv)" if command == "plan" else ""))
-    for flag, value, example in (("--gpus", ns.gpus, 64), ("--gpus-per-node", ns.gpus_per_node, 8), ("--seq", ns.seq, 8192),
-                                 ("--global-batch-tokens", ns.global_batch_tokens, 4194304)):
+    return cluster_of(ns.model, ns.gpus, ns.gpus_per_node, ns.gpu, ns.seq, ns.global_batch_tokens)
+
+
+def cluster_of(model, gpus: int, gpus_per_node: int, gpu: str, seq: int, global_batch_tokens: int):
+    """(ModelConfig, Cluster, global batch in sequences), each value checked (one line per bad one):
+    `model` is a preset name, a TOML config's path or a ModelConfig."""
+    from fived.config import ModelConfig
+    from fived.planner.hardware import hardware
+    from fived.planner.timing import Cluster
+
+    for flag, value, example in (("--gpus", gpus, 64), ("--gpus-per-node", gpus_per_node, 8), ("--seq", seq, 8192),
+                                 ("--global-batch-tokens", global_batch_tokens, 4194304)):
         if value < 1:
             raise ConfigError(flag, value, "must be >= 1", f"e.g. {flag} {example}")
-    if ns.global_batch_tokens % ns.seq:
-        raise ConfigError("--global-batch-tokens", ns.global_batch_tokens, f"must be a multiple of --seq {ns.seq}",
-                          f"e.g. {max(1, ns.global_batch_tokens // ns.seq) * ns.seq}")
-    return plan_model(ns.model), Cluster(hardware(ns.gpu), ns.gpus, min(ns.gpus_per_node, ns.gpus)), \
-        ns.global_batch_tokens // ns.seq
+    if global_batch_tokens % seq:
+        raise ConfigError("--global-batch-tokens", global_batch_tokens, f"must be a multiple of --seq {seq}",
+                          f"e.g. {max(1, global_batch_tokens // seq) * seq}")
+    model_config = model if isinstance(model, ModelConfig) else plan_model(model)
+    return model_config, Cluster(hardware(gpu), gpus, min(gpus_per_node, gpus)), global_batch_tokens // seq
 
 
 def cmd_plan_layout(ns: argparse.Namespace) -> int:

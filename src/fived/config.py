@@ -136,7 +136,7 @@ class TrainConfig:
     # The lr of a step depends on that step and these fields only (fived.optim.lr_multiplier); the
     # checkpoint's config holds decay_steps resolved, so extending a run never moves a planned step's lr.
     lr_schedule: LrSchedule = option("cosine", "the learning rate after warmup (wsd: warmup, stable, decay)")
-    decay_steps: int = option(0, "steps the lr decays to min_lr_ratio over; 0: train.steps (kept when a run is extended)")
+    decay_steps: int = option(0, "the step the lr's decay ends at; 0: train.steps, kept when a resumed run is extended")
     decay_fraction: float = option(0.2, "wsd: the last fraction of decay_steps, where the lr decays (linearly)")
     min_lr_ratio: float = option(0.1, "the lr at the end of the decay, as a fraction of lr")
     warmup_steps: int = option(20, "steps of linear warmup to lr")

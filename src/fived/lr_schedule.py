@@ -7,10 +7,10 @@ Linear warmup over warmup_steps, then, up to decay_steps (D):
   wsd       warmup-stable-decay: 1 until the last decay_fraction x D steps, then a straight line to
             min_lr_ratio (it can be extended before its decay starts: Hu et al. 2024, Hägele et al. 2024)
   constant  1
-and min_lr_ratio after D (1 for constant). D defaults to train.steps of the run's first launch and is
-kept in the checkpoint's config: `fived train --resume DIR --steps N` extends a run without moving
-the lr of any step it had planned; `--train.decay_steps N` plans a new decay (for wsd, before its
-decay starts) on purpose.
+and min_lr_ratio after D (1 for constant). D (train.decay_steps 0) is train.steps of the run's first
+launch, resolved into the run's config and so kept in its checkpoints: `fived train --resume DIR
+--steps N` extends a run without moving the lr of any step it had planned (0 keeps the checkpoint's
+D); `--train.decay_steps N` plans another decay on purpose (for wsd: before its decay starts).
 """
 from __future__ import annotations
 

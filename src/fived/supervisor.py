@@ -19,7 +19,9 @@ import os
 import platform
 import sys
 import time
+from functools import partial
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -77,15 +79,15 @@ def _saves_on_sigterm(cfg: Config) -> bool:
     return cfg.checkpoint.final or cfg.checkpoint.every > 0
 
 
-def run_with_restarts(cfg: Config, world: int, resume: str | None, run_training) -> list:
-    """Run every rank; on a rank's death restart them all from the newest complete checkpoint.
-    Raises RankFailed when restarts are exhausted, Stopped on a signal."""
+def run_with_restarts(cfg: Config, world: int, resume: str | None, train: Callable) -> list:
+    """Run `train(cfg, resume=...)` on every rank; on a rank's death restart them all from the newest
+    complete checkpoint. Raises RankFailed when restarts are exhausted, Stopped on a signal."""
     restarts = 0
     previous = describe_run_dir(cfg, world, {"event": "resume" if resume else "start", "resume_from": resume})
     grace = cfg.train.preempt_grace_s if _saves_on_sigterm(cfg) else 0.0
     while True:
         try:
-            return run_ranks(world, run_training, cfg, True, True, False, resume, device=cfg.train.device,
+            return run_ranks(world, partial(train, cfg, resume=resume), device=cfg.train.device,
                              timeout_s=cfg.train.collective_timeout_s, grace_s=grace)
         except RankFailed as failure:
             diverged = failure.line_of("diverged")
