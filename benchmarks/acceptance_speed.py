@@ -104,7 +104,7 @@ def hf_speed(model: ModelConfig, *, device: str, dtype: str, seq_len: int, batch
     if device == "cuda":  # (after the build: its float32 copy is not training's memory)
         torch.cuda.reset_peak_memory_stats()
     forward_module = torch.compile(hf, backend=compile_backend) if compile_backend else hf
-    step = make_step(hf, lambda x: forward_module(input_ids=x, use_cache=False).logits, LR)
+    step = make_step(hf, lambda x: forward_module(input_ids=x, use_cache=False).logits, LR)  # noqa: F821 (del'd after use)
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, model.vocab_size, (batch, seq_len + 1), generator=gen).to(device)
     inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()

@@ -1,6 +1,7 @@
 """The learning-rate plan (fived.lr_schedule): each schedule's shape, and the plan surviving a resume
 that extends the run: every step of the resumed, extended run has the lr the original run planned
 for it, and the steps beyond that plan stay at the end of the decay."""
+import itertools
 import json
 import math
 
@@ -21,7 +22,7 @@ def test_warmup_then_each_schedule_to_its_floor():
         lrs = plan(steps=100, warmup_steps=10, lr_schedule=schedule, min_lr_ratio=0.1)
         assert lrs[:10] == [(s + 1) / 10 for s in range(10)], schedule
         after = lrs[10:]
-        assert all(a >= b for a, b in zip(after, after[1:])), schedule  # never rises after warmup
+        assert all(a >= b for a, b in itertools.pairwise(after)), schedule  # never rises after warmup
         assert lrs[100:] == [1.0 if schedule == "constant" else 0.1] * 20, schedule
     cosine = plan(steps=100, warmup_steps=10)
     assert cosine[10] == 1.0 and cosine[55] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))

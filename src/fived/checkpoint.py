@@ -28,6 +28,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -182,7 +183,7 @@ class Checkpointer:
         # and DCP coordinates over CPU tensors whatever the training backend.
         self.timeout_s = max(timeout_s, self.MIN_TIMEOUT_S)
         self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout_s))
-        self.pending = None  # the Future of a background save
+        self.pending: Any = None  # the Future of a background save
         self.stager = dcp_io.Stager()  # (keeps its copies between background saves)
         self.finalized = threading.Event()  # a background save's digests are sent (rank 0: it is in place)
         self.failure: BaseException | None = None
@@ -223,15 +224,16 @@ class Checkpointer:
                 dcp_io.save(tensors, tmp, self.group)
                 files = self._gathered_digests(tmp, True)
                 if self.rank == 0:
+                    assert files is not None  # (rank 0 gathers every rank's digests of a written save)
                     self._finalize(tmp, step, manifest, files, replace)
             except Exception as e:
                 self._refused_write(e, tmp, step)
                 raise
             return
         self.finalized.clear()
-        self.pending = dcp_io.save(tensors, tmp, self.group, stager=self.stager)
+        self.pending = pending = dcp_io.save(tensors, tmp, self.group, stager=self.stager)
         # (on rank 0, DCP's coordinator, the future completes after every rank's data is written)
-        self.pending.add_done_callback(lambda fut: self._finalize_after(fut, tmp, step, manifest))
+        pending.add_done_callback(lambda fut: self._finalize_after(fut, tmp, step, manifest))
 
     def _room_for(self, tensors: dict, step: int) -> bool:
         """Whether every rank sees room for the whole save (all ranks' bytes, with 5% to spare) on
@@ -264,11 +266,12 @@ class Checkpointer:
         the others waiting in their next collectives for as long as it reads a whole checkpoint);
         rank 0 gets them all, or raises the first rank's read error. None elsewhere, and on rank 0
         when a rank's write failed (`written` False there)."""
+        mine: dict | OSError | None
         try:
             mine = file_digests(tmp, dist.get_rank(self.group)) if written else None
         except OSError as e:
             mine = e
-        found = [None] * dist.get_world_size(self.group) if self.rank == 0 else None
+        found: list = [None] * dist.get_world_size(self.group) if self.rank == 0 else []
         dist.gather_object(mine, found, dst=0, group=self.group)
         if self.rank != 0:
             return None
@@ -354,7 +357,7 @@ class Checkpointer:
                 self.failure = self.failure or e
         if self.failure is not None:
             failure, self.failure = self.failure, None
-            self._refused_write(failure, self.root / f".tmp-step-{self.last_step}", self.last_step)
+            self._refused_write(failure, self.root / f".tmp-step-{self.last_step}", self.last_step or 0)
             raise RuntimeError(f"checkpoint save failed: {failure}") from failure
 
     def load(self, checkpoint: str | Path) -> dict:

@@ -220,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default="auto", help="auto (one GPU if there is one, else CPU), cpu or cuda")
     gen.add_argument("--json", action="store_true", help="print the prompt's token ids and the generated ids as JSON")
     gen.set_defaults(func=cmd_generate)
-    parser.commands = sub.choices  # (name -> its parser, for flag suggestions)
+    parser.set_defaults(commands=sub.choices)  # (name -> its parser, for flag suggestions)
     return parser
 
 
@@ -251,7 +251,7 @@ NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|nan)$"
 def join_negative_values(argv: list[str]) -> list[str]:
     """`--train.lr -1e-3` as `--train.lr=-1e-3`: argparse takes a value that starts with '-' and is
     not a plain negative number for a flag."""
-    out = []
+    out: list[str] = []
     for token in argv:
         if out and NEGATIVE_NUMBER.match(token) and out[-1].startswith("--") and "=" not in out[-1]:
             out[-1] = f"{out[-1]}={token}"
@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         if unknown:
-            _refuse_unknown(unknown, parser, parser.commands.get(ns.command))
+            _refuse_unknown(unknown, parser, ns.commands.get(ns.command))
         return ns.func(ns)
     except ConfigError as e:
         print(f"fived: error: {e}", file=sys.stderr)

@@ -86,11 +86,11 @@ def cmd_plan_layout(ns: argparse.Namespace) -> int:
 
     from fived.explore import layout_from_flags
     from fived.planner.runtimes import PLANNED_RUNTIMES
-    from fived.planner.search import evaluate
+    from fived.planner.search import plan_of  # (layout_from_flags refused a layout that cannot run)
 
     model, cluster, global_batch = plan_cluster(ns, "plan")
     layout = layout_from_flags(model, ns.layout, cluster.gpus, ns.seq, global_batch)
-    plan = evaluate(model, layout, cluster, ns.seq, global_batch, "bfloat16", PLANNED_RUNTIMES[ns.runtime],
+    plan = plan_of(model, layout, cluster, ns.seq, global_batch, "bfloat16", PLANNED_RUNTIMES[ns.runtime],
                     headroom_gib=ns.memory_headroom)
     out = {**plan.to_dict(global_batch), "fits": plan.fits}
     if ns.json:
@@ -111,8 +111,10 @@ def cmd_explore(ns: argparse.Namespace) -> int:
     data = explore_data(model, cluster, ns.seq, global_batch, "bfloat16", ns.memory_headroom)
     out = write_page(ns.output, f"fived explore: {model.name} on {cluster.gpus} x {cluster.hardware.name}",
                      "explore", data)
-    valid = sum(1 for e in data["entries"].values() if isinstance(e, dict))
-    print(f"fived explore: {len(data['entries'])} layouts ({valid} valid) -> {out}")
+    reachable = [e for e in data["entries"] if e is not None]
+    valid = sum(1 for e in reachable if isinstance(e, dict))
+    best = f"; opens on the planner's best: {data['ranking'][0]['describe']}" if data["ranking"] else "; nothing fits"
+    print(f"fived explore: {len(reachable)} layouts ({valid} valid){best} -> {out}")
     return 0
 
 

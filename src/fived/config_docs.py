@@ -58,7 +58,7 @@ def commented_toml(cfg: Config) -> str:
     import tomli_w
 
     values = cfg.to_dict()
-    out = []
+    out: list[str] = []
     for section in SECTION_TYPES:
         out += ([""] if out else []) + [f"[{section}]  # {SECTION_DOCS[section]}"]
         for f in (f for f in config_fields() if f.section == section):

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fived.config import ConfigError
+from fived.model import Transformer
 
 
 class KVCachedAttentionCore(nn.Module):
@@ -31,7 +32,7 @@ class KVCachedAttentionCore(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         prompt = self.keys is None
-        if not prompt:
+        if self.keys is not None and self.values is not None:
             if q.shape[1] != 1:
                 raise ValueError("after the prompt, each call brings one new position")
             k, v = torch.cat([self.keys, k], dim=1), torch.cat([self.values, v], dim=1)
@@ -62,10 +63,10 @@ def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Genera
 
 
 @torch.no_grad()
-def generate(model: nn.Module, prompt: list[int], sampling: Sampling, stop_ids: set[int] = frozenset()) -> list[int]:
+def generate(model: Transformer, prompt: list[int], sampling: Sampling, stop_ids: frozenset[int] | set[int] = frozenset()) -> list[int]:
     """The ids generated after `prompt` (at most max_new_tokens; ends early at a stop id)."""
     model.eval()
-    for block in model.layers.values():
+    for block in model.blocks():
         block.attention.core = KVCachedAttentionCore()
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(sampling.seed)
@@ -92,8 +93,8 @@ def load_model(source: str, dtype: torch.dtype, device: str):
 
         cfg = model_config_from_hf(read_config(source), source)
         state = whole_state(source, cfg, dtype)
-        tokenizer = Path(source) / "tokenizer.json"
-        tokenizer = str(tokenizer) if tokenizer.is_file() else "byte"
+        tokenizer_file = Path(source) / "tokenizer.json"
+        tokenizer = str(tokenizer_file) if tokenizer_file.is_file() else "byte"
         stop = special_token_ids(source).get("eos_token_id")
     else:
         from fived.hf.export import run_special_tokens

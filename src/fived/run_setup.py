@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fived.config import ConfigError, build_config, config_fields
+from fived.config import Config, ConfigError, build_config, config_fields
 from fived.config_docs import SECTION_DOCS, help_text, metavar
 from fived.lr_schedule import decay_steps_of
 
@@ -156,10 +156,10 @@ def load_run(given: LaunchRequest | argparse.Namespace, default_world: int, defa
     if layout is not None:
         if layout != "auto":
             raise ConfigError("--layout", layout, "unknown", "the only value is 'auto' (the planner chooses)")
-        given = [k for k in ns.overrides if k.startswith("parallel.") or k == "train.microbatches"]
-        if given or ns.dp_shard is not None:
+        layout_flags = [k for k in ns.overrides if k.startswith("parallel.") or k == "train.microbatches"]
+        if layout_flags or ns.dp_shard is not None:
             raise ConfigError("--layout", "auto", "chooses the parallel layout itself, but "
-                              + ", ".join(given or ["--dp-shard"]) + " was given", "drop one of them")
+                              + ", ".join(layout_flags or ["--dp-shard"]) + " was given", "drop one of them")
         if ns.nproc is None:
             raise ConfigError("--layout", "auto", "needs the number of ranks", "add --nproc N")
         auto_layout(cfg, world)
@@ -231,6 +231,7 @@ def load_resumed_run(request: LaunchRequest | argparse.Namespace, crc: bool = Tr
     from fived.mesh import resolve_dp
 
     ns = as_request(request)
+    assert ns.resume is not None  # (what makes it a resumed run)
     checkpoint, manifest, saved = _saved_run(ns.resume, crc)
     given = {**file_overrides(ns.config), **ns.overrides}
     cfg, layout_given = _resumed_config(saved, given, ns.dp_shard)
@@ -300,7 +301,8 @@ def _resumed_config(saved, given: dict, dp_shard: int | None):
         cfg.parallel = ParallelConfig(**others)  # (reduce dtype, keep-gathered: as saved unless given)
         cfg.train.microbatches = max(saved.train.microbatches, int(given.get("parallel.pp", 1)))
     for key, value in given.items():
-        set_field(cfg, *key.split(".", 1), value)
+        section, _, name = key.partition(".")
+        set_field(cfg, section, name, value)
     if dp_shard is not None:
         cfg.parallel.dp = dp_shard * cfg.parallel.dp_replicate
     # the lr plan: the checkpoint's (0 keeps it), unless --train.decay_steps N plans another on purpose
@@ -312,7 +314,7 @@ def _resumed_config(saved, given: dict, dp_shard: int | None):
 class TrainingRun:
     """What `fived train` will run: the checked config, the world size, and where it starts."""
 
-    cfg: object
+    cfg: Config
     world: int
     resume: str | None = None  # the checkpoint it continues from
     resumed_step: int = 0
@@ -377,7 +379,8 @@ def reshard_layout(flags: str, cfg):
     first.parallel = ParallelConfig(dp=1 if ns.nproc is None else -1)
     first.train.microbatches = max(1, int(given.get("parallel.pp", 1)))
     for key, value in given.items():
-        set_field(first, *key.split(".", 1), value)
+        section, _, name = key.partition(".")
+        set_field(first, section, name, value)
     if ns.dp_shard is not None:
         first.parallel.dp = ns.dp_shard * first.parallel.dp_replicate
     if cfg.train.steps < 2:

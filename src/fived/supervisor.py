@@ -125,7 +125,7 @@ def stop_line(stop: Stopped, cfg: Config) -> tuple[str, int]:
                     PREEMPTED_EXIT if newest else TERMINATED_EXIT)
         return (f"fived train: preempted (SIGTERM): every rank stopped after step {step} and saved "
                 f"{saved}; continue with: fived train --resume {run_dir}", PREEMPTED_EXIT)
-    saved = find_checkpoint(run_dir)
-    then = f"; newest checkpoint {saved}, continue with: fived train --resume {run_dir}" if saved else ""
+    newest = find_checkpoint(run_dir)
+    then = f"; newest checkpoint {newest}, continue with: fived train --resume {run_dir}" if newest else ""
     code = INTERRUPTED_EXIT if stop.signal_name == "SIGINT" else TERMINATED_EXIT
     return f"fived train: stopped by {stop.signal_name}: every rank was stopped{then}", code

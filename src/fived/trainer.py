@@ -193,6 +193,7 @@ class Trainer:
         self.dp.wait_parameters()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         micro = self.cfg.train.microbatches
+        assert self.val_sampler is not None  # (evaluations need validation data: checked before launch)
         for index in range(self.val_batches):
             batch = self.val_sampler.local_batch_at(index, self.mesh.rank("dp"), self.mesh.dp).to(self.device)
             inputs, targets = batch[:, :-1], batch[:, 1:]
@@ -269,8 +270,10 @@ class Trainer:
 
     def _save(self, step: int, background: bool = False) -> None:
         everyone = ("checkpoint save (DCP)", "checkpoint", tuple(range(self.world)))
-        with timeouts_named(self.rank, self.checkpointer.timeout_s, lambda: everyone):
-            self.checkpointer.save(step, background)
+        checkpointer = self.checkpointer
+        assert checkpointer is not None  # (a run that saves owns a run directory or resumes)
+        with timeouts_named(self.rank, checkpointer.timeout_s, lambda: everyone):
+            checkpointer.save(step, background)
         self.saved_steps.append(step)
 
     def _step(self, step: int) -> dict:
@@ -304,7 +307,7 @@ class Trainer:
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
-        record = {
+        record: dict = {
             "step": step + 1,
             "loss": totals[0].item() / self.global_tokens,
             "grad_norm": grad_norm,
@@ -329,7 +332,9 @@ class Trainer:
         step = first = self.sampler.step
         bar = tqdm(total=last, initial=first, desc="train", unit="step",
                    disable=not (progress and self.rank == 0), mininterval=0.5)
-        history, self.waited, self.shown = [], None, {}
+        history: list[dict] = []
+        self.waited: float | None = None
+        self.shown: dict[str, str] = {}
         while step < last:
             record = self.step(step)
             problem = self.guard.verdict(record["loss"], record["grad_norm"])

@@ -111,7 +111,7 @@ class TorchrunRanks:
         if run.fresh_dir:
             chosen = [str(fresh_output_dir(run.cfg.train.output_dir)) if self.rank == 0 else None]
             dist.broadcast_object_list(chosen, src=0)
-            run.cfg.train.output_dir = chosen[0]
+            run.cfg.train.output_dir = str(chosen[0])
         refusal = [lock_on_rank0(run.cfg.train.output_dir)]  # (held until this process ends, however it ends)
         dist.broadcast_object_list(refusal, src=0)
         if refusal[0]:
@@ -128,7 +128,7 @@ class TorchrunRanks:
 
         cfg, previous = run.cfg, None
         if self.rank == 0:
-            restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+            restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
             previous = describe_run_dir(cfg, run.world, {"event": "resume" if run.resume else "start",
                                                          "resume_from": run.resume, "torchrun_restart": restart})
         try:
@@ -257,7 +257,9 @@ def agreed_run(run: TrainingRun) -> TrainingRun:
 
     chosen = [run if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(chosen, src=0)
-    return chosen[0]
+    agreed = chosen[0]
+    assert isinstance(agreed, TrainingRun)
+    return agreed
 
 
 def lock_on_rank0(run_dir: str) -> str | None:

@@ -26,7 +26,7 @@ class HfCheckpoint:
         else:
             self.files = {}
             for path in sorted(self.directory.glob("*.safetensors")):
-                for name in self._header(path).keys():
+                for name in self._header(path):
                     self.files[name] = path
 
     def _header(self, path: Path):

@@ -59,11 +59,11 @@ def _flag(dotted: str) -> str:
 def number_errors(cfg: Config) -> list[ConfigError]:
     """Every config number outside its range, and every unknown choice, as one-line errors."""
     errs = []
-    for dotted, lowest, highest, example in INTEGER_BOUNDS:
+    for dotted, lowest, highest, int_example in INTEGER_BOUNDS:
         value = _value(cfg, dotted)
         if not lowest <= value <= highest:
             rule = f"must be >= {lowest}" if value < lowest else f"must be <= {highest} (far beyond any real run)"
-            errs.append(ConfigError(dotted, value, rule, f"e.g. {_flag(dotted)} {example}"))
+            errs.append(ConfigError(dotted, value, rule, f"e.g. {_flag(dotted)} {int_example}"))
     for dotted, rule, ok, example in FLOAT_RULES:
         value = _value(cfg, dotted)
         if not (math.isfinite(value) and ok(value)):

@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 from typing import get_args
 
-from fived.config import Checkpointing, CompileBackend, Config, Fp8Recipe, ParallelConfig, PPSchedule, TrainConfig
+from fived.config import (Checkpointing, CompileBackend, Config, Fp8Recipe, ParallelConfig, PPSchedule, ReduceDtype,
+                          TrainConfig, ZeroStage)
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 PP_SCHEDULES = get_args(PPSchedule)
@@ -92,12 +93,12 @@ class Layout:
     pp: int = P.pp
     cp: int = P.cp
     ep: int = P.ep
-    zero: int = P.zero
+    zero: ZeroStage = P.zero
     dp_replicate: int = P.dp_replicate
-    reduce_dtype: str = P.reduce_dtype
+    reduce_dtype: ReduceDtype = P.reduce_dtype
     zero3_keep_gathered: bool = P.zero3_keep_gathered
     sp: bool = P.sp
-    pp_schedule: str = P.pp_schedule
+    pp_schedule: PPSchedule = P.pp_schedule
     pp_virtual: int = P.pp_virtual
     pp_layers: str = P.pp_layers
     tp_overlap: bool = P.tp_overlap
@@ -106,7 +107,7 @@ class Layout:
     bucket_mb: float = P.bucket_mb
     ep_overlap: bool = P.ep_overlap
     micro_batch: int = 1  # sequences per micro-batch on one data-parallel rank
-    checkpointing: str = TrainConfig.activation_checkpointing
+    checkpointing: Checkpointing = TrainConfig.activation_checkpointing
     etp: int = 0
 
     @property

@@ -12,6 +12,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from fived.grouped_gemm import GROUPED_SWIGLU_OP
+from fived.model import Transformer
 from fived.parallel.context import inside_ring
 
 _SAVE = {
@@ -39,7 +40,7 @@ def _selective_context():
     return create_selective_checkpoint_contexts(_policy)
 
 
-def apply_activation_checkpointing(model: torch.nn.Module, mode: str) -> None:
+def apply_activation_checkpointing(model: Transformer, mode: str) -> None:
     if mode == "none":
         return
     for name, block in list(model.layers.named_children()):

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fived import comm
+from fived.model import Transformer
 from fived.parallel.tensor import ReduceFromTensorParallelRegion as AllReduceSumForward
 
 aten = torch.ops.aten
@@ -217,13 +218,13 @@ class RingAttention(nn.Module):
         return RingAttentionFunction.apply(q, k, v, self.group).transpose(1, 2)
 
 
-def apply_context_parallel(chunks: list[nn.Module], group, cp: int, rank: int, seq_len: int) -> torch.Tensor:
+def apply_context_parallel(chunks: list[Transformer], group, cp: int, rank: int, seq_len: int) -> torch.Tensor:
     """Swap every attention core for ring attention, give RoPE the global positions, and make the MoE
     load-balancing statistics cover the whole sequence. Returns this rank's token positions."""
     positions = local_positions(seq_len, cp, rank)
     for chunk in chunks:
         chunk.positions = positions
-        for block in chunk.layers.values():
+        for block in chunk.blocks():
             block.attention.core = RingAttention(group)
             moe = block.feed_forward
             if hasattr(moe, "reduce_sequence_stats"):

@@ -24,6 +24,7 @@ tests/data/published_runs.csv (tested): `fived plan` quotes it as the basis of a
 from __future__ import annotations
 
 import statistics
+from typing import Any
 from dataclasses import replace
 from pathlib import Path
 
@@ -34,7 +35,7 @@ from fived.planner.search import Plan, evaluate, expand
 
 OUT_OF_SAMPLE_ERROR = 10.4  # leave-one-source-out median absolute error, % (validate prints it)
 # What tests/data/published_runs.csv covers (tests/test_planner.py checks it against the file)
-COVERAGE = {"rows": 76, "ampere": 48, "hopper": 28, "moe": 2, "fp8": 4, "cp": 0, "max_seq": 8192,
+COVERAGE: dict[str, Any] = {"rows": 76, "ampere": 48, "hopper": 28, "moe": 2, "fp8": 4, "cp": 0, "max_seq": 8192,
             "gpus": ("a100", "a800", "h100", "h800")}
 GRIDS = {"ampere": [0.40 + 0.025 * i for i in range(21)], "hopper": [0.40 + 0.025 * i for i in range(21)],
          "WIDTH_HALF": [0.0, 32.0, 64.0, 128.0, 256.0, 512.0],
@@ -69,7 +70,7 @@ def _runtime(row: Row):
 
 def candidates(row: Row) -> list[Layout]:
     """Every completion of the row's layout (dp follows an open tp or pp)."""
-    base = Layout(**{k: v for k, v in row.fixed.items()})
+    base = Layout(**row.fixed)
     out = []
     for layout in expand(base, row.open):
         dp = row.cluster.gpus // (layout.tp * layout.pp * layout.cp)
@@ -86,9 +87,9 @@ def batch(row: Row, layout: Layout) -> int:
 def predict(row: Row) -> Plan | None:
     """The fastest completion of the row's layout that fits in memory, else the fastest (its plan's
     `fits` is then False); None when no completion is a layout the planner can cost."""
-    plans = [evaluate(row.model, layout, row.cluster, row.seq_len, batch(row, layout), runtime=_runtime(row))
-             for layout in candidates(row)]
-    plans = [p for p in plans if p is not None]
+    evaluated = [evaluate(row.model, layout, row.cluster, row.seq_len, batch(row, layout), runtime=_runtime(row))
+                 for layout in candidates(row)]
+    plans = [p for p in evaluated if p is not None]
     # fastest per token: an open batch size changes the tokens a step processes
     return min(plans, key=lambda p: (not p.fits, -p.time.tokens_per_s_per_gpu)) if plans else None
 
@@ -166,7 +167,7 @@ def validate(path: str | Path, printer=print, out_of_sample: bool = True) -> dic
     for line in skipped:
         printer(line)
     median = statistics.median(abs(e) for e in errors) * 100 if errors else float("nan")
-    result = {"rows": len(done) + len(skipped), "predicted": len(done), "fits": fits, "median": median}
+    result: dict[str, Any] = {"rows": len(done) + len(skipped), "predicted": len(done), "fits": fits, "median": median}
     printer(f"memory: {fits} of {len(done)} published runs fit in the planner's memory model "
             f"({fits / max(len(done), 1):.0%})")
     if out_of_sample and len({r.source for r in done}) > 1:
@@ -186,8 +187,8 @@ def fit_file(path: str | Path) -> dict[str, float]:
     """Refit the constants on every row of `path` (what timing.py and runtimes.py hold is what this
     printed on tests/data/published_runs.csv)."""
     rows, _ = read_runs(path)
-    plans = [(r, predict(r)) for r in rows]
-    plans = [(r, p) for r, p in plans if p is not None]
+    predicted = [(r, predict(r)) for r in rows]
+    plans = [(r, p) for r, p in predicted if p is not None]
     return fit([r for r, _ in plans], [p.layout for _, p in plans], verbose=True)
 
 

@@ -34,6 +34,7 @@ import csv
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Literal, overload
 
 from fived.config import ConfigError, ModelConfig
 from fived.metrics import flops_per_token
@@ -77,6 +78,10 @@ def number(r: dict, column: str, required: bool = False) -> float | None:
     return float(m.group(1).replace(",", ""))
 
 
+@overload
+def integer(r: dict, column: str, required: Literal[True]) -> int: ...
+@overload
+def integer(r: dict, column: str, required: bool = False) -> int | None: ...
 def integer(r: dict, column: str, required: bool = False) -> int | None:
     value = number(r, column, required)
     if value is None:
@@ -124,7 +129,7 @@ def _model(r: dict) -> ModelConfig:
     if not gated:  # two GeLU matrices of width F = three SwiGLU matrices of width 2F/3
         ffn = max(64, round(2 * ffn / 3 / 64) * 64)
     experts = integer(r, "moe_experts") or 0
-    moe = {}
+    moe: dict[str, Any] = {}
     if experts > 1:
         columns = [c for c in r if c and "dense" in c.lower() and ("layer" in c.lower() or "first" in c.lower())]
         dense = next((integer(r, c) for c in columns if integer(r, c) is not None), None)
@@ -187,7 +192,7 @@ def _layout(r: dict, model: ModelConfig, cluster: Cluster, runtime: Runtime, not
                        and gpus % (t * cp * (pp or 1)) == 0]
     if pp is None:
         open_["pp"] = [1]
-    fixed = {"tp": tp or 1, "pp": pp or 1, "cp": cp, "ep": ep}
+    fixed: dict[str, Any] = {"tp": tp or 1, "pp": pp or 1, "cp": cp, "ep": ep}
     model_parallel = fixed["tp"] * fixed["pp"] * cp
     if gpus % model_parallel:
         raise Skip(f"num_gpus={gpus} is not a multiple of tp*pp*cp={model_parallel}")
@@ -246,7 +251,7 @@ def _schedule(r: dict, model: ModelConfig, fixed: dict, open_: dict, runtime: Ru
                                                 if model.n_layers % (pp * v) == 0]
 
 
-def _global_batch(r: dict, records: list[dict], fixed: dict, notes: list) -> int:
+def _global_batch(r: dict, records: list[dict], fixed: dict, notes: list) -> int | None:
     seq = integer(r, "seq_len", True)
     stated = integer(r, "global_batch_seqs")
     tokens = integer(r, "global_batch_tokens")
@@ -274,7 +279,7 @@ def _global_batch(r: dict, records: list[dict], fixed: dict, notes: list) -> int
     return fixed["dp"] * (micro or 1) * (4 * fixed["pp"] if fixed["pp"] > 1 else 1)
 
 
-def _reported(r: dict, model: ModelConfig, seq: int, global_batch: int, cluster: Cluster) -> float:
+def _reported(r: dict, model: ModelConfig, seq: int, global_batch: int | None, cluster: Cluster) -> float:
     for column in ("tokens_per_s_per_gpu", "derived_tokens_per_s_per_gpu"):
         value = number(r, column)
         if value:

@@ -80,11 +80,16 @@ def layout_refusal(model: ModelConfig, layout: Layout, seq_len: int, global_batc
 
 
 def evaluate(model: ModelConfig, layout: Layout, cluster: Cluster, seq_len: int, global_batch: int,
-             dtype: str = "bfloat16", runtime: Runtime = FIVED, headroom_gib: float = 0.0,
-             checked: bool = False) -> Plan | None:
-    """The plan of one layout (None if it cannot run; `checked`: the caller already knows it can)."""
-    if not checked and not is_valid(model, layout, seq_len, global_batch):
+             dtype: str = "bfloat16", runtime: Runtime = FIVED, headroom_gib: float = 0.0) -> Plan | None:
+    """The plan of one layout, None if it cannot run."""
+    if not is_valid(model, layout, seq_len, global_batch):
         return None
+    return plan_of(model, layout, cluster, seq_len, global_batch, dtype, runtime, headroom_gib)
+
+
+def plan_of(model: ModelConfig, layout: Layout, cluster: Cluster, seq_len: int, global_batch: int,
+            dtype: str = "bfloat16", runtime: Runtime = FIVED, headroom_gib: float = 0.0) -> Plan:
+    """The plan of a layout known to run: its memory per GPU and predicted step time."""
     hw = cluster.hardware
     memory = memory_per_gpu(model, layout, seq_len, global_batch, dtype, hw.memory_gib, runtime)
     return Plan(layout, memory, step_time(model, layout, cluster, seq_len, global_batch, dtype, runtime),
@@ -100,7 +105,7 @@ def expand(base: Layout, options: dict) -> list[Layout]:
     names = list(options)
     out = []
     for values in itertools.product(*(options[n] for n in names)):
-        changes = {}
+        changes: dict = {}
         for name, value in zip(names, values):
             if name == "pp_schedule":
                 changes.update(pp_schedule=value[0], pp_virtual=value[1])
@@ -141,13 +146,22 @@ def state_choices(model: ModelConfig, mesh: Layout, gpus_per_node: int):
     """ZeRO stage, HSDP replicas and pipeline schedule: what decides the model-state bytes."""
     schedules = [("1f1b", 1)] if mesh.pp == 1 else [
         s for s in SCHEDULES if model.n_layers >= mesh.pp * (2 if s[0] in ("zbv", "dualpipev") else s[1])]
-    node_shard = max(1, gpus_per_node // (mesh.tp * mesh.cp))
     for zero in (0, 1, 2, 3):
         replicas = [1]
-        if zero and mesh.ep == 1 and 1 < node_shard < mesh.dp and mesh.dp % node_shard == 0:
-            replicas.append(mesh.dp // node_shard)  # HSDP: shard inside a node, replicate across nodes
+        hsdp = node_replicas(mesh, zero, gpus_per_node)
+        if hsdp:
+            replicas.append(hsdp)
         for dp_replicate, (schedule, v) in itertools.product(replicas, schedules):
             yield mesh.with_(zero=zero, dp_replicate=dp_replicate, pp_schedule=schedule, pp_virtual=v)
+
+
+def node_replicas(mesh: Layout, zero: int, gpus_per_node: int) -> int | None:
+    """The HSDP the planner weighs: ZeRO shards inside a node, replicated across nodes; its replicas
+    (dp_replicate), or None where it does not apply (ZeRO-0, experts, a dp of one node or less)."""
+    node_shard = max(1, gpus_per_node // (mesh.tp * mesh.cp))
+    if zero and mesh.ep == 1 and 1 < node_shard < mesh.dp and mesh.dp % node_shard == 0:
+        return mesh.dp // node_shard
+    return None
 
 
 def activation_choices(layout: Layout, seq_len: int, global_batch: int):
@@ -178,7 +192,8 @@ def plan(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int, 
     also Megatron-Core's folded expert layouts (marked not runnable by fived)."""
     capacity = capacity_bytes(cluster.hardware.memory_gib, headroom_gib)
     reserve = reserve_bytes(cluster.hardware.memory_gib)
-    fitting, considered, smallest = [], 0, {}
+    fitting: list[Plan] = []
+    considered, smallest = 0, dict[tuple, int]()
 
     def note(layout: Layout, need: int) -> None:
         for d in DECISIONS:
