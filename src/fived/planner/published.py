@@ -64,6 +64,12 @@ class Row:
     notes: list = field(default_factory=list)  # what the reading derived or assumed, shown per row
 
 
+def row_kinds(row: Row) -> tuple[str, ...]:
+    """What validation reports errors by: "moe" and/or "fp8", else "dense"."""
+    kinds = (("moe",) if row.model.is_moe else ()) + (("fp8",) if row.runtime.fp8 else ())
+    return kinds or ("dense",)
+
+
 def number(r: dict, column: str, required: bool = False) -> float | None:
     """The row's value in `column` as a number, None when missing (Skip when required)."""
     raw = str(r.get(column) or "").strip()

@@ -42,14 +42,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
-MCORE_TP_OVERLAP = 1.0  # share of tp communication --tp-comm-overlap hides (fitted, fived.planner.calibration)
-
-
 @dataclass(frozen=True)
 class Runtime:
     name: str = "fived"
     # what it overlaps
-    tp_overlap: float = 0.0  # share of tensor-parallel communication hidden behind GEMMs
+    tp_overlap: bool = False  # tensor-parallel communication hidden behind GEMMs, as much as Megatron-Core's
+    #   --tp-comm-overlap hides (a calibrated share: fived.planner.constants)
     grad_overlap: bool = True  # ZeRO-0 (DDP) / ZeRO-3 (FSDP) reduce during the last backward (pp=1)
     zero12_overlap: bool = False  # ZeRO-1/2 reduce-scatter overlapped with backward
     pipeline_grad_overlap: bool = False  # the dp reduction overlapped under pipeline schedules
@@ -79,12 +77,6 @@ class Runtime:
 FIVED = Runtime(flash_ring=True)
 
 
-# Share of tensor-parallel communication fived's overlap (parallel.tp_overlap) hides: assumed to be
-# Megatron-Core's fitted share (the same chunked all-gather/reduce-scatter under the GEMMs, and the
-# same bulk overlap in backward); fived's own overlap was never measured on a GPU.
-FIVED_TP_OVERLAP = MCORE_TP_OVERLAP
-
-
 def fived_runtime(fp8: str = "none", *, compiled: bool = False) -> Runtime:
     """fived's runtime for a run's `train.fp8` and `train.compile`: FP8 GEMMs priced at the FP8 peak
     unless fp8 is "none" (torchao's float8 linears; weights still gathered and reduced in the compute
@@ -102,7 +94,9 @@ def for_layout(runtime: Runtime, layout) -> Runtime:
     ep_overlap); another runtime's row states its own."""
     if not runtime.is_fived:
         return runtime
-    return replace(runtime, tp_overlap=FIVED_TP_OVERLAP if layout.tp_overlap else 0.0,
+    # fived's tp overlap (the same chunked all-gather/reduce-scatter under the GEMMs, the same bulk
+    # overlap in backward) is priced as hiding Megatron-Core's calibrated share: never measured on a GPU
+    return replace(runtime, tp_overlap=layout.tp_overlap,
                    zero12_overlap=layout.overlap_grad_reduce, pipeline_grad_overlap=layout.overlap_grad_reduce,
                    ep_overlap=layout.ep_overlap)
 
@@ -126,7 +120,7 @@ PLANNED_RUNTIMES = {
     "fived": replace(fived_runtime(compiled=True), grouped_experts=True),
     "fived-eager": replace(fived_runtime(), grouped_experts=True),
     "fived-fp8": replace(fived_runtime("rowwise", compiled=True), grouped_experts=True),
-    "megatron-core": replace(_MEGATRON, name="megatron-core", tp_overlap=MCORE_TP_OVERLAP, grad_overlap=True,
+    "megatron-core": replace(_MEGATRON, name="megatron-core", tp_overlap=True, grad_overlap=True,
                              zero12_overlap=True, pipeline_grad_overlap=True, grouped_experts=True, flash_ring=True),
 }
 PLANNED_RUNTIMES["megatron-core-fp8"] = replace(PLANNED_RUNTIMES["megatron-core"], fp8=True)
@@ -168,7 +162,7 @@ def framework_runtime(framework: str, notes: str = "", precision: str = "") -> R
         return _MEGATRON
     if "megatron" in text or "nemo" in text or "flagscale" in text:
         overlap = "--tp-comm-overlap" in text
-        return replace(_MEGATRON, name="megatron-core", tp_overlap=MCORE_TP_OVERLAP if overlap else 0.0,
+        return replace(_MEGATRON, name="megatron-core", tp_overlap=overlap,
                        grad_overlap="--overlap-grad-reduce" in text or overlap,
                        zero12_overlap="--overlap-grad-reduce" in text or overlap,
                        pipeline_grad_overlap="--overlap-grad-reduce" in text or overlap,

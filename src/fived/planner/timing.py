@@ -5,12 +5,12 @@ dimension on the link its group actually uses, the overlap the runtime allows, a
 
 - compute: the busiest pipeline rank's model FLOPs (6 x matmul parameters + attention, per token;
   + one more layer forward with full checkpointing) as three kinds of work:
-    GEMMs at peak x `efficiency` (fitted on the published runs, `fived.planner.calibration`): the
+    GEMMs at peak x `efficiency` (constants fitted on the published runs: `fived.planner.constants`): the
       share of peak large transformer GEMMs reach, lowered for narrow per-GPU matrices (hidden/tp) by
-      width / (width + WIDTH_HALF) and for short ones by rows / (rows + ROWS_HALF): rows are a
+      width / (width + width_half) and for short ones by rows / (rows + rows_half): rows are a
       micro-batch's tokens, and for routed experts the tokens each expert receives (top_k/E of
       them, times ep: expert parallelism gathers an expert's tokens from ep ranks). FP8 GEMMs (a
-      runtime with FP8 on a GPU with FP8 tensor cores) take 1/FP8_SPEEDUP of the time (fitted).
+      runtime with FP8 on a GPU with FP8 tensor cores) take 1/fp8_speedup of the time (fitted).
       Experts run as a loop (fived) pay a kernel launch per expert GEMM (the hardware's launch_s).
     attention (QK^T, AV): at the GEMM efficiency with a fused kernel; a context-parallel ring of plain
       matmuls (a runtime without flash_ring) streams the fp32 score matrix RING_SCORE_PASSES times.
@@ -21,7 +21,7 @@ dimension on the link its group actually uses, the overlap the runtime allows, a
   against the ledger), each on the link its group uses: tp innermost on the mesh, then cp, then
   dp, pp outermost, so a group of ranks `stride` apart spanning `size` ranks stays in one node iff
   stride*size <= gpus per node. Inside a node at NVLink speed, across nodes at the GPU's network
-  share, each times LINK_EFFICIENCY, plus the hardware's latency per call. Ring collectives
+  share, each times link_efficiency, plus the hardware's latency per call. Ring collectives
   move 2(n-1)/n (all-reduce) or (n-1)/n (all-gather, reduce-scatter, all-to-all) of the bytes.
 - overlap (`Runtime`): `tp_overlap` of tp hidden, at most the GEMMs' time (what it hides under); the
   ring behind the attention it overlaps with;
@@ -43,21 +43,16 @@ from fived.layout.layout import PRECISION_SPECS, Layout
 from fived.metrics import flops_per_token
 from fived.layout.schedule_sim import pipeline_profile
 from fived.planner.communication import group_span, owned_parameters, step_collectives
+from fived.planner.constants import CALIBRATION, Constants
 from fived.planner.hardware import Hardware
 from fived.layout.stages import model_key, placement, rank_chunks_by_key, rank_stages
 from fived.planner.runtimes import FIVED, Runtime, for_layout
 
-LINK_EFFICIENCY = 0.8  # share of a link's bandwidth ring collectives reach (fitted; NCCL tests report 0.75-0.9)
-# Fitted on tests/data/published_runs.csv by fived.planner.calibration.fit (see there). B200 and
-# MI300X have no published runs in it and use the Hopper figure: uncalibrated. "cpu": fitted on
-# fived's own CPU step times by benchmarks/bench_planner_cpu.py.
-EFFICIENCY = {"ampere": 0.75, "hopper": 0.65, "cpu": 0.2}  # share of dense peak for wide GEMMs
-WIDTH_HALF = 256.0  # per-GPU hidden width (dim/tp) at which GEMM efficiency halves (fitted)
-ROWS_HALF = 128.0  # tokens per GEMM (micro-batch, or routed to one expert) at which it halves (assumed:
-#   the published runs' GEMMs all have thousands of tokens, so they cannot fit it)
-FP8_SPEEDUP = 1.4  # FP8 GEMM time relative to BF16 at the same shapes, casts included (fitted)
-EXPERT_EFFICIENCY = 0.6  # routed experts' share of a dense GEMM's efficiency at the same shapes:
-#   routing, permutation and grouped-GEMM overheads (fitted on the MoE runs)
+# The fitted constants (GEMM efficiency per GPU generation and its shape dependence, link
+# efficiency, tp overlap, FP8 speed-up, experts' efficiency) are data: `fived.planner.constants`
+# (the calibration file the fitter writes), passed to `step_time` or, by default, the shipped one.
+# B200 and MI300X have no published runs in it and take the Hopper figure: uncalibrated. CPU ranks
+# take their hardware entry's `gemm_efficiency` (fitted by benchmarks/bench_planner_cpu.py).
 HBM_EFFICIENCY = 0.8  # share of HBM bandwidth element-wise kernels stream at (assumed)
 # Element-wise bytes per token and layer, forward + backward, (per hidden unit, per ffn unit), counted
 # from the kernels each runtime runs (not fitted: the GEMM efficiency absorbs what the counts miss):
@@ -126,12 +121,12 @@ def in_node(gpus_per_node: int, stride: int, size: int) -> bool:
     return span <= gpus_per_node and gpus_per_node % span == 0
 
 
-def _link(cluster: Cluster, stride: int, size: int) -> tuple[float, float]:
+def _link(cluster: Cluster, stride: int, size: int, c: Constants) -> tuple[float, float]:
     """(bytes/s, latency) of a group: NVLink when its span stays inside one node, else the network."""
     hw = cluster.hardware
     if size == 1 or in_node(cluster.gpus_per_node, stride, size):
-        return hw.nvlink_gbps * 1e9 * LINK_EFFICIENCY, hw.link_latency_s
-    return hw.network_gbps * 1e9 * LINK_EFFICIENCY, hw.network_latency_s
+        return hw.nvlink_gbps * 1e9 * c.link_efficiency, hw.link_latency_s
+    return hw.network_gbps * 1e9 * c.link_efficiency, hw.network_latency_s
 
 
 _RING = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather_single": lambda n: (n - 1) / n,
@@ -139,12 +134,12 @@ _RING = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather_single": lambda n:
          "send": lambda n: 1.0}
 
 
-def efficiency(width: float, rows: float, hw: Hardware) -> float:
+def efficiency(width: float, rows: float, hw: Hardware, c: Constants) -> float:
     """Share of peak a GEMM with `rows` tokens and a per-GPU hidden `width` reaches. (CPU ranks: the
     share of the matmul rate measured on the host, whatever the shape.)"""
-    if hw.calibration == "cpu":
-        return EFFICIENCY["cpu"]
-    return EFFICIENCY[hw.calibration] * width / (width + WIDTH_HALF) * rows / (rows + ROWS_HALF)
+    if hw.gemm_efficiency:
+        return hw.gemm_efficiency
+    return c.gemm_efficiency(hw.calibration) * width / (width + c.width_half) * rows / (rows + c.rows_half)
 
 
 def expert_share(m: ModelConfig, seq_len: int) -> float:
@@ -160,8 +155,10 @@ def attention_share(m: ModelConfig, seq_len: int) -> float:
 
 
 def step_time(model: ModelConfig, layout: Layout, cluster: Cluster, seq_len: int, global_batch: int,
-              dtype: str = "bfloat16", runtime: Runtime = FIVED) -> StepTime:
+              dtype: str = "bfloat16", runtime: Runtime = FIVED, *, constants: Constants | None = None) -> StepTime:
+    """The step of `layout` in `runtime`, priced with `constants` (default: the shipped calibration's)."""
     hw, L, m = cluster.hardware, layout, model
+    c = constants or CALIBRATION.constants
     runtime = for_layout(runtime, L)
     micro = L.microbatches(global_batch)
     tokens = global_batch * seq_len
@@ -171,27 +168,27 @@ def step_time(model: ModelConfig, layout: Layout, cluster: Cluster, seq_len: int
     layers_here = sum(len(layers) for layers, _, _ in chunks)
     recompute = layer_fraction / 3 if L.checkpointing == "full" else 0.0
     flops_gpu = model_flops * (1 + recompute) * share / (L.dp * L.cp * L.tp)
-    compute, attention = _compute(m, L, hw, runtime, dtype, seq_len, micro, layers_here, flops_gpu, 1 + recompute)
+    compute, attention = _compute(m, L, hw, runtime, dtype, seq_len, micro, layers_here, flops_gpu, 1 + recompute, c)
 
     collectives = step_collectives(m, L, seq_len, global_batch, dtype, chunks, rank_stages(L, pp_rank), runtime)
     time: dict[str, float] = defaultdict(float)
     moved: dict[str, float] = defaultdict(float)
     links = {}
     host = 0.0  # FSDP2's host work per gather / reduce-scatter (CPU ranks: not hidden)
-    for c in collectives:
-        if not c.part:
+    for call in collectives:
+        if not call.part:
             continue
-        if L.zero == 3 and c.group in ("dp_shard_cp", "edp") and c.op != "all_reduce":
-            host += c.calls * hw.zero3_overhead_s
-        if c.group not in links:
-            size, stride = group_span(L, c.group)
-            links[c.group] = (size,) + _link(cluster, stride, size)
-        size, bandwidth, latency = links[c.group]
-        steps = 1 if c.op == "send" else _RING[c.op](size) * size  # ring steps: n-1, 2(n-1) for all-reduce
-        time[c.part] += c.calls * (_RING[c.op](size) * c.nbytes / bandwidth + latency + steps * hw.peer_latency_s)
-        moved[c.group] += c.total
+        if L.zero == 3 and call.group in ("dp_shard_cp", "edp") and call.op != "all_reduce":
+            host += call.calls * hw.zero3_overhead_s
+        if call.group not in links:
+            size, stride = group_span(L, call.group)
+            links[call.group] = (size,) + _link(cluster, stride, size, c)
+        size, bandwidth, latency = links[call.group]
+        steps = 1 if call.op == "send" else _RING[call.op](size) * size  # ring steps: n-1, 2(n-1) for all-reduce
+        time[call.part] += call.calls * (_RING[call.op](size) * call.nbytes / bandwidth + latency + steps * hw.peer_latency_s)
+        moved[call.group] += call.total
     # overlapped tp communication hides under the region's GEMMs, never more than they last
-    tp = time["tp"] - min(time["tp"] * runtime.tp_overlap, compute - attention)
+    tp = time["tp"] - min(time["tp"] * (c.tp_overlap if runtime.tp_overlap else 0.0), compute - attention)
     cp = max(0.0, time["cp"] - attention)  # the ring hides behind the attention blocks
     ep, pp = time["ep"], time["pp"]
     if runtime.ep_overlap:  # two chunks: one dispatch and one combine stay exposed, the rest under the experts
@@ -218,18 +215,18 @@ def step_time(model: ModelConfig, layout: Layout, cluster: Cluster, seq_len: int
 
 
 def _compute(m: ModelConfig, L: Layout, hw: Hardware, runtime: Runtime, dtype: str, seq_len: int, micro: int,
-             layers: int, flops_gpu: float, recompute: float) -> tuple[float, float]:
+             layers: int, flops_gpu: float, recompute: float, c: Constants) -> tuple[float, float]:
     """(seconds of the rank's compute, seconds of its attention blocks) for one step."""
     peak = hw.peak_tflops * 1e12
     fp8 = runtime.fp8 and hw.fp8_tflops > 0
     tokens_mb = L.micro_batch * seq_len / L.cp
-    dense_eff = efficiency(m.dim / L.tp, tokens_mb, hw)
+    dense_eff = efficiency(m.dim / L.tp, tokens_mb, hw, c)
     routed, attn = expert_share(m, seq_len), attention_share(m, seq_len)
     expert_rows = tokens_mb * m.top_k * L.ep / max(m.n_experts, 1) * L.tp / L.expert_tp
-    expert_eff = efficiency(m.dim / L.expert_tp, expert_rows, hw) * EXPERT_EFFICIENCY if routed else 1.0
+    expert_eff = efficiency(m.dim / L.expert_tp, expert_rows, hw, c) * c.expert_efficiency if routed else 1.0
     gemm = flops_gpu * ((1 - routed - attn) / dense_eff + routed / expert_eff) / peak
     if fp8:
-        gemm /= FP8_SPEEDUP
+        gemm /= c.fp8_speedup
     attention = flops_gpu * attn / dense_eff / peak
     local_tokens = micro * tokens_mb * recompute  # tokens this rank computes, times recomputation
     per_token_h, per_token_f = ELEMENTWISE_BYTES["fused" if runtime.fused else "eager"]
