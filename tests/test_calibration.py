@@ -87,6 +87,49 @@ def test_reader_never_crashes(tmp_path):
     assert all(predict(r).time.tokens_per_s_per_gpu > 0 for r in read)
 
 
+def test_every_run_that_happened_is_read_and_costed(tmp_path):
+    """A local batch per replica split into pipeline micro-batches; a vocabulary unstated (the
+    family's, or the head ignored); more virtual stages than layers; a tp unstated (derived from dp,
+    else the planner's); an interleaved pipeline fived's torch schedules refuse: every row is read,
+    predicted, and says what the reading assumed."""
+    llama = dict(BASE, model="Llama-3.1-8B", num_layers="32", hidden="4096", heads="32", kv_heads="8",
+                 ffn_hidden="14336", vocab="128256", seq_len="8192", num_gpus="64", tp="1", dp="8")
+    rows = [
+        dict(llama, row_id="local", pp="8", micro_batch="16", global_batch_seqs="", precision="FP8",
+             framework="torchtitan (FSDP2, torch.compile)", zero_or_fsdp="FSDP"),
+        dict(llama, row_id="local-column", pp="8", micro_batch="", local_batch="32", global_batch_seqs=""),
+        dict(BASE, row_id="moe-no-vocab", model="Qwen1.5-MoE-A2.7B", vocab="", kv_heads="16", moe_experts="60",
+             moe_top_k="4", moe_ffn_hidden="1408", ep="4", tp="1"),
+        dict(BASE, row_id="no-family", model="house-model", vocab=""),
+        dict(BASE, row_id="more-stages", num_layers="94", hidden="4096", heads="64", kv_heads="4", vocab="151936",
+             moe_experts="128", moe_top_k="8", moe_ffn_hidden="1536", num_gpus="256", tp="2", pp="32", vpp="3",
+             ep="8", dp="4", micro_batch="1", global_batch_seqs="2048", framework="Megatron-Core"),
+        dict(BASE, row_id="tp-from-dp", tp="", pp="2", dp="4"),
+        dict(BASE, row_id="tp-open", tp="", dp=""),
+        dict(BASE, row_id="rounds", num_gpus="32", tp="2", pp="4", vpp="2", dp="4", micro_batch="1",
+             global_batch_seqs="100"),  # 25 micro-batches: torch's interleaved schedule wants whole rounds
+    ]
+    read, skipped = read_runs(_write(tmp_path / "runs.csv", rows))
+    assert not skipped
+    got = {r.row_id: r for r in read}
+    local = got["local"]
+    assert local.global_batch == 16 * 8 and "micro_batch" in local.open and 16 in local.open["micro_batch"]
+    assert "local batch 16 per replica (the row's micro_batch)" in local.notes
+    assert got["local-column"].global_batch == 32 * 8 and "local batch 32 per replica" in got["local-column"].notes
+    assert got["moe-no-vocab"].model.vocab_size == 151936 and "vocab: unstated, qwen's 151936" in got["moe-no-vocab"].notes
+    assert got["no-family"].model.vocab_size == 1 and "vocab: unstated, the head's share ignored" in got["no-family"].notes
+    assert got["more-stages"].fixed["pp_virtual"] == 2 and "vpp 3 -> 2: 96 stages, 94 layers" in got["more-stages"].notes
+    assert got["tp-from-dp"].fixed["tp"] == 2 and "tp 2 = gpus/(dp*pp*cp) (unstated)" in got["tp-from-dp"].notes
+    assert "tp" in got["tp-open"].open and "tp: planner" in got["tp-open"].notes
+    plans = {r.row_id: predict(r) for r in read}
+    assert all(p is not None and p.time.tokens_per_s_per_gpu > 0 for p in plans.values())
+    assert plans["local"].layout.micro_batch < 16 and plans["rounds"].layout.pp_virtual == 2
+    lines = []
+    validate(tmp_path / "runs.csv", printer=lines.append, out_of_sample=False)
+    assert lines[-2] == f"predicted {len(rows)} of {len(rows)} rows"
+    assert any(line.split()[0] == "rounds" and "priced at a global batch of 96" in line for line in lines)
+
+
 def test_calibration_file_coverage():
     """The shipped calibration was fitted on the calibration file as it is (same bytes, every row);
     what `fived plan` quotes of its coverage is what the file holds; every row has a source."""

@@ -22,7 +22,8 @@ from pathlib import Path
 
 from fived.layout.layout import Layout
 from fived.planner.constants import CALIBRATION, Calibration, file_sha256
-from fived.planner.fitting import leave_one_source_out, median_abs, predict
+from fived.planner.fitting import batch, leave_one_source_out, median_abs, predict
+from fived.planner.search import is_valid, layout_refusal
 from fived.planner.published import Row, read_runs, row_kinds
 
 
@@ -69,13 +70,24 @@ def rank_quality(measured: list[float], predicted: list[float]) -> tuple[float, 
     return spearman(predicted, measured), measured[top] / max(measured)
 
 
+def _plan_notes(row: Row, plan) -> list[str]:
+    """What the prediction of `row` assumed beyond the reading: memory, fived's rules, the batch."""
+    notes = [] if plan.fits else ["our memory model: does not fit"]
+    priced = batch(row, plan.layout)
+    if row.global_batch and priced != row.global_batch:
+        notes.append(f"priced at a global batch of {priced} (the schedule's whole rounds)")
+    if not plan.layout.runnable:
+        notes.append("not runnable by fived yet")
+    elif not is_valid(row.model, plan.layout, row.seq_len, priced):
+        notes.append(f"outside fived's rules ({layout_refusal(row.model, plan.layout, row.seq_len, priced).rule})")
+    return notes
+
+
 def _print_rows(rows, plans, printer) -> None:
     printer(f"{'row':>4} {'source':<26} {'gpus':>5} {'layout (planner-chosen fields: see notes)':<54} {'reported':>9} "
             f"{'predicted':>9} {'error':>7}  notes")
     for row, plan in zip(rows, plans):
-        notes = row.notes + ([] if plan.fits else ["our memory model: does not fit"])
-        if not plan.layout.runnable:
-            notes.append("not runnable by fived yet")
+        notes = row.notes + _plan_notes(row, plan)
         err = plan.time.tokens_per_s_per_gpu / row.reported - 1
         printer(f"{row.row_id:>4} {row.source[:26]:<26} {row.cluster.gpus:>5} {plan.layout.describe()[:54]:<54} "
                 f"{row.reported:>9.1f} {plan.time.tokens_per_s_per_gpu:>9.1f} {err * 100:>+6.1f}%  {'; '.join(notes)}")

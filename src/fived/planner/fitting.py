@@ -27,6 +27,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from fived.layout.layout import Layout
+from fived.layout.schedule_sim import check_schedule
 from fived.planner.constants import DEFAULT_PATH, Calibration, Constants, file_sha256, save_calibration
 from fived.planner.published import Row, read_runs, row_kinds
 from fived.planner.search import Plan, evaluate, expand
@@ -53,18 +54,48 @@ def candidates(row: Row) -> list[Layout]:
 
 
 def batch(row: Row, layout: Layout) -> int:
-    """The row's global batch, or one micro-batch per data-parallel rank where it states none."""
-    return row.global_batch or layout.dp * layout.micro_batch
+    """The global batch `layout` is priced at: the row's, or one micro-batch per data-parallel rank
+    where it states none; micro-batches the schedule simulator cannot run (torch's interleaved
+    schedule wants whole rounds; Megatron's does not) rounded down to the nearest it can — the
+    throughput per token hardly changes."""
+    stated = row.global_batch or layout.dp * layout.micro_batch
+    per_step = layout.dp * layout.micro_batch
+    if layout.pp == 1 or stated % per_step:
+        return stated
+    for m in range(stated // per_step, layout.pp - 1, -1):
+        try:
+            check_schedule(layout.pp_schedule, layout.pp, layout.pp_virtual, m)
+            return m * per_step
+        except ValueError:
+            continue
+    return stated
 
 
 def predict(row: Row, constants: Constants | None = None) -> Plan | None:
     """The fastest completion of the row's layout that fits in memory, else the fastest (its plan's
-    `fits` is then False); None when no completion is a layout the planner can cost."""
-    plans = [evaluate(row.model, layout, row.cluster, row.seq_len, batch(row, layout), runtime=row.runtime,
-                      constants=constants) for layout in candidates(row)]
-    plans = [p for p in plans if p is not None]
+    `fits` is then False). A run that happened is costed even where fived's own rules refuse every
+    completion (torch's schedules' micro-batch rounds, ...): then among those the step-time model can
+    price (a layer per stage, whole micro-batches). None when none is."""
+    def priced(layouts, checked):
+        plans = [evaluate(row.model, layout, row.cluster, row.seq_len, batch(row, layout), runtime=row.runtime,
+                          checked=checked, constants=constants) for layout in layouts]
+        return [p for p in plans if p is not None]
+
+    plans = priced(candidates(row), False) or priced([layout for layout in candidates(row) if costable(row, layout)], True)
     # fastest per token: an open batch size changes the tokens a step processes
     return min(plans, key=lambda p: (not p.fits, -p.time.tokens_per_s_per_gpu)) if plans else None
+
+
+def costable(row: Row, layout: Layout) -> bool:
+    """The step-time and memory models can price `layout` for `row` (a layer per stage, whole
+    micro-batches, a schedule the simulator runs), whatever fived's other rules say."""
+    if layout.n_stages > row.model.n_layers or batch(row, layout) % (layout.dp * layout.micro_batch):
+        return False
+    try:
+        check_schedule(layout.pp_schedule, layout.pp, layout.pp_virtual, layout.microbatches(batch(row, layout)))
+    except ValueError:
+        return False
+    return True
 
 
 def signed_error(row: Row, layout: Layout, constants: Constants) -> float:
