@@ -36,11 +36,18 @@ class Constants:
     efficiency_ampere: float = 0.7  # share of dense peak wide GEMMs reach, A100/A800 (prior: cuBLAS ~70-80%)
     efficiency_hopper: float = 0.6  # H100/H200/H800 (prior: cuBLAS reaches a lower share of Hopper's peak)
     width_half: float = 256.0  # per-GPU hidden width (dim/tp) at which GEMM efficiency halves
-    rows_half: float = 128.0  # tokens per GEMM (a micro-batch's, or an expert's) at which it halves
+    rows_half: float = 128.0  # tokens per GEMM (a micro-batch's, or an expert's) at which it halves (assumed,
+    #   not fitted: the published runs' GEMMs all have thousands of tokens, so they cannot tell it)
+    depth_half: float = 0.0  # the GEMMs' full side (the hidden) at which it halves (prior 0: no effect)
     link_efficiency: float = 0.8  # share of link bandwidth ring collectives reach (prior: NCCL tests 0.75-0.9)
+    ring_step_latency_s: float = 0.0  # per step of a ring collective across nodes (NCCL's ring: n-1 steps)
+    cross_node_rails: float = 1.0  # NICs' worth of bandwidth a ring reaches across nodes when its group has
+    #   several ranks per node (prior 1: each rank its own NIC's share; up to the ranks per node)
     tp_overlap: float = 0.5  # share of tp communication Megatron-Core's --tp-comm-overlap hides
     fp8_speedup: float = 1.4  # FP8 GEMM speed-up over BF16 at the same shapes, casts included
     expert_efficiency: float = 0.6  # routed experts' share of a dense GEMM's efficiency at the same shapes
+    #   (prior: the figure fived shipped before this calibration; routing's memory traffic is priced apart,
+    #   timing.DISPATCH_BYTES)
 
     def gemm_efficiency(self, generation: str) -> float:
         """The wide-GEMM share of peak for a GPU generation ("ampere", "hopper")."""

@@ -33,10 +33,13 @@ from fived.planner.published import Row, read_runs, row_kinds
 from fived.planner.search import Plan, evaluate, expand
 from fived.planner.timing import step_time
 
-GRIDS = {"efficiency_ampere": [0.40 + 0.025 * i for i in range(21)],
-         "efficiency_hopper": [0.40 + 0.025 * i for i in range(21)],
+GRIDS = {"efficiency_ampere": [round(0.40 + 0.025 * i, 3) for i in range(21)],
+         "efficiency_hopper": [round(0.40 + 0.025 * i, 3) for i in range(21)],
          "width_half": [0.0, 32.0, 64.0, 128.0, 256.0, 512.0],
+         "depth_half": [0.0, 256.0, 512.0, 1024.0, 2048.0],
          "link_efficiency": [0.5, 0.6, 0.7, 0.8, 0.9],
+         "ring_step_latency_s": [0.0, 2e-6, 5e-6, 10e-6, 20e-6, 40e-6],
+         "cross_node_rails": [1.0, 1.5, 2.0, 3.0, 4.0, 8.0],
          "tp_overlap": [0.0, 0.25, 0.5, 0.75, 1.0],
          "fp8_speedup": [1.0, 1.2, 1.4, 1.6, 1.8, 2.0],
          "expert_efficiency": [0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]}
