@@ -8,11 +8,13 @@ measured throughput. Its prediction is the planner's step time for that layout i
 open fields completed by the fastest choice that fits the memory model (or the fastest, when none
 fits: the run happened, so it did fit).
 
-The fit: coordinate descent over `GRIDS` (two sweeps), from the priors (`Constants()`), minimising
+The fit: coordinate descent over `GRIDS` (sweeps until none changes a constant) from the priors
+(`Constants()`) and from every constant at its grid's middle value, the better of the two, minimising
 the mean absolute error (every row pulls on the constants; the median, which validation reports,
 would leave a constant only a few rows depend on undetermined). The layouts' open fields are chosen
-with the priors, then again with the fitted constants, and the fit repeated once: a fit costs one
-step time per row and grid value. A constant no row depends on (FP8 without FP8 rows) keeps its prior.
+with the priors, then again with the fitted constants, and the fit repeated once (the errors are
+measured on the layouts the final constants choose, as `fived plan --validate` prices them): a fit
+costs one step time per row and grid value. A constant no row depends on (FP8 without FP8 rows) keeps its prior.
 
 Out of sample: leave-one-source-out refits the constants, from the priors, without each source's
 rows and predicts that source with them; the median absolute error over all rows so predicted is the
@@ -33,12 +35,13 @@ from fived.planner.published import Row, read_runs, row_kinds
 from fived.planner.search import Plan, evaluate, expand
 from fived.planner.timing import step_time
 
+PRIORS = Constants()
 GRIDS = {"efficiency_ampere": [round(0.40 + 0.025 * i, 3) for i in range(21)],
          "efficiency_hopper": [round(0.40 + 0.025 * i, 3) for i in range(21)],
          "width_half": [0.0, 32.0, 64.0, 128.0, 256.0, 512.0],
          "depth_half": [0.0, 256.0, 512.0, 1024.0, 2048.0],
          "link_efficiency": [0.5, 0.6, 0.7, 0.8, 0.9],
-         "ring_step_latency_s": [0.0, 2e-6, 5e-6, 10e-6, 20e-6, 40e-6],
+         "ring_step_latency_s": [0.0, 5e-6, 10e-6, 20e-6, 40e-6, 80e-6],
          "cross_node_rails": [1.0, 1.5, 2.0, 3.0, 4.0, 8.0],
          "tp_overlap": [0.0, 0.25, 0.5, 0.75, 1.0],
          "fp8_speedup": [1.0, 1.2, 1.4, 1.6, 1.8, 2.0],
@@ -108,23 +111,38 @@ def signed_error(row: Row, layout: Layout, constants: Constants) -> float:
     return t.tokens_per_s_per_gpu / row.reported - 1
 
 
-def fit(rows: list[Row], chosen: list[Layout], start: Constants | None = None, verbose: bool = False) -> Constants:
-    """Coordinate descent over GRIDS (two sweeps) from `start` (the priors) minimising the mean
-    absolute error of `rows` run as `chosen`; ties go to the value nearest the current one."""
-    current = start or Constants()
+def fit(rows: list[Row], chosen: list[Layout], verbose: bool = False, sweeps: int = 6) -> Constants:
+    """The constants minimising the mean absolute error of `rows` run as `chosen`: coordinate descent
+    from the priors and from every constant at its grid's middle value (the shape constants trade off
+    against the efficiencies, so one start can stall), the better of the two."""
+    middle = replace(PRIORS, **{name: grid[len(grid) // 2] for name, grid in GRIDS.items()})
+    fits = [descend(rows, chosen, start, verbose, sweeps) for start in (PRIORS, middle)]
+    return min(fits, key=lambda f: (f[0], fits.index(f)))[1]
+
+
+def descend(rows: list[Row], chosen: list[Layout], start: Constants, verbose: bool = False,
+            sweeps: int = 6) -> tuple[float, Constants]:
+    """Coordinate descent over GRIDS from `start`, sweep after sweep until none changes a constant (at
+    most `sweeps`); ties go to the value nearest the current one. (mean absolute error, constants)."""
+    current, best = start, (float("inf"), 0.0, 0.0)
 
     def error(constants: Constants) -> float:
         return statistics.fmean(abs(signed_error(r, layout, constants)) for r, layout in zip(rows, chosen))
 
-    for _ in range(2):
+    for _ in range(sweeps):
+        before = current
         for name, grid in GRIDS.items():
             now = getattr(current, name)
             scores = [(round(error(replace(current, **{name: value})), 9), abs(value - now), value) for value in grid]
             best = min(scores)
+            if len({score for score, _, _ in scores}) == 1:  # no row depends on it: its prior
+                best = (best[0], 0.0, getattr(PRIORS, name))
             current = replace(current, **{name: best[2]})
             if verbose:
-                print(f"{name} = {best[2]:.3f}  (mean absolute error {best[0] * 100:.1f}%)", flush=True)
-    return current
+                print(f"{name} = {best[2]:g}  (mean absolute error {best[0] * 100:.2f}%)", flush=True)
+        if current == before:
+            break
+    return best[0], current
 
 
 def leave_one_source_out(rows: list[Row], chosen: list[Layout]) -> dict[str, float]:
@@ -164,10 +182,11 @@ def choose_layouts(rows: list[Row], constants: Constants) -> tuple[list[Row], li
 def calibrate(path: str | Path, name: str | None = None, verbose: bool = False) -> Calibration:
     """Fit the constants on every row of `path` and measure the fit in and out of sample."""
     rows, _ = read_runs(path)
-    rows, chosen = choose_layouts(rows, Constants())
+    rows, chosen = choose_layouts(rows, PRIORS)
     constants = fit(rows, chosen)
     rows, chosen = choose_layouts(rows, constants)  # the open fields again, with the fitted constants
     constants = fit(rows, chosen, verbose=verbose)
+    rows, chosen = choose_layouts(rows, constants)  # as validation completes them with these constants
     loso = leave_one_source_out(rows, chosen)
     by_source = {s: median_abs(loso[r.row_id] for r in rows if r.source == s) for s in sorted({r.source for r in rows})}
     kinds = sorted({k for r in rows for k in row_kinds(r)})
