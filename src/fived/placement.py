@@ -34,6 +34,18 @@ class Box:
     def numel(self) -> int:
         return math.prod(self.sizes)
 
+    def intersection(self, other: "Box") -> "Box | None":
+        """The region both boxes cover (None: they do not meet)."""
+        lo = tuple(max(a, b) for a, b in zip(self.offsets, other.offsets))
+        hi = tuple(min(a + s, b + t) for a, s, b, t in zip(self.offsets, self.sizes, other.offsets, other.sizes))
+        if any(h <= low for low, h in zip(lo, hi)):
+            return None
+        return Box(lo, tuple(h - low for low, h in zip(lo, hi)))
+
+    def within(self, outer: "Box") -> tuple[slice, ...]:
+        """This box as slices of a tensor holding `outer` (which contains it)."""
+        return tuple(slice(o - p, o - p + s) for o, s, p in zip(self.offsets, self.sizes, outer.offsets))
+
 
 @dataclass(frozen=True)
 class Placement:

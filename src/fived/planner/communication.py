@@ -52,7 +52,7 @@ from fived.layout.stages import stage_rank
 from fived.planner.memory import ACTIVATION_BYTES, WEIGHT_BYTES, flat_numels, parameter_shapes
 from fived.planner.runtimes import FIVED, Runtime
 
-GROUPS = ("tp", "cp", "ep", "edp", "pp", "dp_cp", "dp_shard_cp", "dp_replicate")
+GROUPS = ("tp", "cp", "ep", "edp", "pp", "dp_cp", "dp_shard_cp", "dp_replicate", "dp_cp_tp")
 NORM = 8  # the clipping norm: one float64 per group
 
 
@@ -77,7 +77,7 @@ def group_span(layout: Layout, group: str) -> tuple[int, int]:
     return {"tp": (L.tp, 1), "cp": (L.cp, L.tp), "ep": (L.ep, etp),
             "edp": (L.dp * L.cp * L.tp // (L.ep * etp), L.ep * etp), "pp": (2, L.tp * L.cp * L.dp),
             "dp_cp": (L.dp * L.cp, L.tp), "dp_shard_cp": (L.dp_shard * L.cp, L.tp),
-            "dp_replicate": (L.dp_replicate, L.tp * L.cp * L.dp_shard)}[group]
+            "dp_replicate": (L.dp_replicate, L.tp * L.cp * L.dp_shard), "dp_cp_tp": (L.dp * L.cp * L.tp, 1)}[group]
 
 
 def step_collectives(m: ModelConfig, layout: Layout, seq_len: int, global_batch: int, dtype: str, chunks,
