@@ -8,7 +8,8 @@ import torch
 
 from fived.config import build_config
 from fived.layout.layout import Layout
-from fived.layout.muon_plan import Exchange, ns_coefficients, ns_flops, stage_plan
+from fived.layout.bounds import ns_coefficients
+from fived.muon_plan import Exchange, ns_flops, stage_plan
 from fived.layout.stages import rank_chunks
 from fived.muon import Muon, newton_schulz, update_scale
 from fived.report import expected_comm_bytes, expected_state_bytes

@@ -15,7 +15,7 @@ learning-rate schedule: one `param_groups` list, one `state` (checkpoints hold e
 
 Sharded: each rank keeps momentum for the pieces it stores; `fived.parallel.muon_exchange` assembles
 every matrix whole at one owner, which orthogonalises it once, and returns each rank its pieces
-(see `fived.layout.muon_plan`). A single device runs the same code with itself as every owner.
+(see `fived.muon_plan`). A single device runs the same code with itself as every owner.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import math
 import torch
 
 from fived.config import TrainConfig
-from fived.layout.muon_plan import ns_coefficients
+from fived.layout.bounds import ns_coefficients
 from fived.ledger import local_tensor
 
 

@@ -50,6 +50,18 @@ FLOAT_RULES = (
 CHOICES = (("train.on_spike", ("stop", "rollback"), "stop"),)
 
 
+def ns_coefficients(text: str, steps: int) -> list[tuple[float, float, float]] | None:
+    """train.muon_ns_coefficients as one (a, b, c) per iteration: one triple for all, or one per
+    iteration separated by ";". None when it is not that."""
+    try:
+        triples = [tuple(float(x) for x in part.split(",")) for part in text.split(";")]
+    except ValueError:
+        return None
+    if any(len(t) != 3 or not all(map(math.isfinite, t)) for t in triples) or len(triples) not in (1, steps):
+        return None
+    return triples * steps if len(triples) == 1 else triples
+
+
 def _value(cfg: Config, dotted: str):
     section, _, name = dotted.partition(".")
     return getattr(getattr(cfg, section), name)
@@ -76,4 +88,9 @@ def number_errors(cfg: Config) -> list[ConfigError]:
         value = _value(cfg, dotted)
         if value not in options:
             errs.append(ConfigError(dotted, value, "must be one of " + ", ".join(options), f"e.g. {_flag(dotted)} {example}"))
+    t = cfg.train
+    if t.muon_ns_steps >= 1 and ns_coefficients(t.muon_ns_coefficients, t.muon_ns_steps) is None:
+        errs.append(ConfigError("train.muon_ns_coefficients", t.muon_ns_coefficients,
+                                f"must be one finite 'a,b,c' or train.muon_ns_steps={t.muon_ns_steps} of them separated "
+                                "by ';'", "e.g. --train.muon_ns_coefficients 3.4445,-4.7750,2.0315"))
     return errs

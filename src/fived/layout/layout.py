@@ -24,7 +24,7 @@ V_SHAPED = ("zbv", "dualpipev")  # two stages per rank, V-shaped
 SINGLE_STAGE = ("gpipe", "1f1b")
 SPLIT_BACKWARD = ("zero-bubble", "zbv", "dualpipev")  # backward split into input- and weight-gradient passes
 # The named groups, in the order the ledger prefers a name when two groups hold the same ranks.
-# dp_cp_tp: every rank of one pipeline stage (Muon's exchange of whole matrices, fived.layout.muon_plan).
+# dp_cp_tp: every rank of one pipeline stage (Muon's exchange of whole matrices, fived.muon_plan).
 GROUP_NAMES = ("dp", "cp", "tp", "pp", "ep", "dp_shard", "dp_replicate", "dp_cp", "dp_shard_cp", "edp", "dp_cp_tp")
 OPTIMIZERS = ("adamw", "muon")  # train.optimizer (fived.optim, fived.muon)
 MUON_SCALES = ("rms", "spectral", "none")  # train.muon_scale (fived.muon.update_scale)

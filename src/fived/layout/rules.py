@@ -12,7 +12,6 @@ from fived.config import Config, ConfigError
 from fived.layout.bounds import number_errors
 from fived.layout.layout import (CHECKPOINTING, COMPILE_BACKENDS, FP8_RECIPES, MUON_SCALES, OPTIMIZERS, PP_SCHEDULES,
                                  PRECISION_SPECS, SPLIT_BACKWARD, resolve_dp, stages_per_rank)
-from fived.layout.muon_plan import ns_coefficients
 
 
 def nearest_multiple(value: int, base: int) -> int:
@@ -177,10 +176,6 @@ def _model_errors(cfg: Config) -> list[ConfigError]:
          "e.g. --train.optimizer muon"),
         (t.muon_scale in MUON_SCALES, "train.muon_scale", t.muon_scale, "must be one of " + ", ".join(MUON_SCALES),
          "e.g. --train.muon_scale rms"),
-        (t.muon_ns_steps < 1 or ns_coefficients(t.muon_ns_coefficients, t.muon_ns_steps) is not None,
-         "train.muon_ns_coefficients", t.muon_ns_coefficients,
-         f"must be one finite 'a,b,c' or train.muon_ns_steps={t.muon_ns_steps} of them separated by ';'",
-         "e.g. --train.muon_ns_coefficients 3.4445,-4.7750,2.0315"),
         (t.steps >= 1, "train.steps", t.steps, "must be >= 1", "e.g. --steps 200"),
         (t.seq_len >= 2, "train.seq_len", t.seq_len, "must be >= 2", "e.g. --seq-len 64"),
         (t.global_batch >= 1, "train.global_batch", t.global_batch, "must be >= 1", "e.g. --global-batch 16"),

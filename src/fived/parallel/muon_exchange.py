@@ -1,4 +1,4 @@
-"""Muon's whole matrices from the pieces the ranks store: the runtime of `fived.layout.muon_plan`.
+"""Muon's whole matrices from the pieces the ranks store: the runtime of `fived.muon_plan`.
 
 Each step, given the update direction (Nesterov momentum) of every piece of a Muon tensor this rank
 stores, in the Newton-Schulz dtype:
@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from fived import comm
 from fived.config import Config
-from fived.layout.muon_plan import StagePlan, stage_plan
+from fived.muon_plan import StagePlan, stage_plan
 from fived.layout.stages import rank_chunks
 from fived.ledger import local_tensor
 from fived.mesh import PRECISIONS, Mesh

@@ -41,7 +41,7 @@ collectives when full checkpointing recomputes the forward:
        all-reduce (ZeRO-0/1/2) or FSDP2 over edp (ZeRO-3). The clipping norm's 8 bytes per group.
   dp_cp_tp  train.optimizer=muon: per step, the pieces of whole matrices this rank sends to their
        owners, then the orthogonalised results it sends back to their other holders (two all-to-alls
-       over the pipeline stage's ranks, `fived.layout.muon_plan`; priced as optimizer time).
+       over the pipeline stage's ranks, `fived.muon_plan`; priced as optimizer time).
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ from dataclasses import dataclass
 
 from fived.config import ModelConfig
 from fived.layout.layout import EP_OVERLAP_CHUNKS, PRECISION_SPECS, Layout
-from fived.layout.muon_plan import Exchange, stage_plan
+from fived.muon_plan import Exchange, stage_plan
 from fived.layout.spec import flat_buckets, kv_replicated, kv_width
 from fived.layout.stages import stage_rank
 from fived.planner.memory import ACTIVATION_BYTES, WEIGHT_BYTES, flat_numels, parameter_shapes
@@ -139,7 +139,7 @@ def step_collectives(m: ModelConfig, layout: Layout, seq_len: int, global_batch:
 
 
 def _muon_exchange(m: ModelConfig, L: Layout, dtype: str, chunks, member: int) -> list[Collective]:
-    """Muon's all-to-alls over the stage (`fived.layout.muon_plan`), in the compute dtype: the pieces
+    """Muon's all-to-alls over the stage (`fived.muon_plan`), in the compute dtype: the pieces
     this rank sends to their owners, then the results it sends their other holders. A phase in which
     no rank sends is skipped by all; one in which only this rank sends nothing still calls."""
     plan = stage_plan(m, L, dtype, chunks)

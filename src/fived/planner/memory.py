@@ -45,7 +45,7 @@ from functools import lru_cache
 
 from fived.config import ModelConfig
 from fived.layout.layout import PRECISION_SPECS, Layout
-from fived.layout.muon_plan import stage_plan
+from fived.muon_plan import stage_plan
 from fived.layout.schedule_sim import pipeline_profile
 from fived.layout.spec import REDUCE_CHUNK_ELEMENTS, chunk_specs, flat_owned, flat_range, local_vocab, shard_rows
 from fived.layout.stages import model_key, placement, rank_chunks_by_key
@@ -132,7 +132,7 @@ def _rows(dim0: int, shards: int, index: int) -> int:
 def muon_saving(m: ModelConfig, layout: Layout, dtype: str, chunks, shard_index: int = 0,
                 runtime: Runtime = FIVED) -> int:
     """Optimizer bytes train.optimizer=muon does not keep on a rank: one moment (of Adam's two) per
-    element of the Muon matrices it stores (`fived.layout.muon_plan`); 0 for AdamW."""
+    element of the Muon matrices it stores (`fived.muon_plan`); 0 for AdamW."""
     if layout.optimizer != "muon" or not runtime.is_fived:
         return 0
     plan = stage_plan(m, layout, dtype, chunks)

@@ -43,7 +43,7 @@ from functools import lru_cache
 from fived.config import ModelConfig, TrainConfig
 from fived.layout.layout import PRECISION_SPECS, Layout
 from fived.metrics import flops_per_token
-from fived.layout.muon_plan import ns_flops, stage_plan
+from fived.muon_plan import ns_flops, stage_plan
 from fived.layout.schedule_sim import pipeline_profile
 from fived.planner.communication import group_span, owned_parameters, step_collectives
 from fived.planner.hardware import Hardware

@@ -40,18 +40,6 @@ def is_muon_tensor(spec: TensorSpec) -> bool:
     return spec.part == "layer" and not spec.buffer and len(spec.shape) >= 2 and not spec.name.endswith("router.weight")
 
 
-def ns_coefficients(text: str, steps: int) -> list[tuple[float, float, float]] | None:
-    """train.muon_ns_coefficients as one (a, b, c) per iteration: one triple for all, or one per
-    iteration separated by ";". None when it is not that."""
-    try:
-        triples = [tuple(float(x) for x in part.split(",")) for part in text.split(";")]
-    except ValueError:
-        return None
-    if any(len(t) != 3 or not all(map(math.isfinite, t)) for t in triples) or len(triples) not in (1, steps):
-        return None
-    return triples * steps if len(triples) == 1 else triples
-
-
 def ns_flops(rows: int, cols: int, steps: int) -> float:
     """Multiply-add flops (x2) of `steps` Newton-Schulz iterations on a rows x cols matrix: with
     m <= n its sides, X X^T (2 m^2 n), A A (2 m^3) and B X (2 m^2 n) per iteration."""
@@ -178,6 +166,7 @@ class StagePlan:
         self.placements = [{s.name: member_placement(s, L, member, flat) for s in self.specs} for member in self.members]
         self.units = self._assign(self._units())
         self._boxes = [{name: p.boxes() for name, p in placed.items()} for placed in self.placements]
+        self._exchanges: dict[int, Exchange] = {}
 
     def _units(self) -> list[tuple]:
         out = []
@@ -234,10 +223,14 @@ class StagePlan:
                 scatter = scatter or any(h != unit.owner for h in holders)
         return gather, scatter
 
-    @lru_cache(maxsize=None)
     def exchange(self, me: int) -> Exchange:
         """Member `me`'s lists; items ordered by unit, then by the sending member's placement order,
         so that every sender and receiver agree."""
+        if me not in self._exchanges:
+            self._exchanges[me] = self._exchange(me)
+        return self._exchanges[me]
+
+    def _exchange(self, me: int) -> Exchange:
         lists = [[[] for _ in range(self.size)] for _ in range(4)]
         gather_send, gather_recv, scatter_send, scatter_recv = lists
         for u, unit in enumerate(self.units):
