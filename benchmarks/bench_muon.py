@@ -12,8 +12,9 @@ overhead  on --world CPU ranks (gloo, one thread each) in one process group, eac
           median step and rank 0's mean optimizer component (Muon's exchange included) beside the
           planner's (`fived.breakdown.predicted` on this host's `local_hardware`), rank 0's
           optimizer-state bytes (ledger) beside the planner's, and the transient peak of one
-          optimizer step above its start (torch.profiler's memory events: CPU has no allocator
-          peak) beside the planner's Muon buffers (`fived.planner.memory.muon_buffers`).
+          optimizer step above its start (glibc's heap in use, sampled after every torch op: CPU
+          has no allocator statistics) beside the planner's Muon buffers
+          (`fived.planner.memory.muon_buffers`).
 
     python benchmarks/bench_muon.py                         # both parts
     python benchmarks/bench_muon.py --part loss --steps 200
@@ -24,6 +25,7 @@ Other processes sharing the cores make CPU timings noisy: the load is printed at
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import os
 import statistics
@@ -34,6 +36,7 @@ import time
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # run_ranks sets it per rank too
 
 import torch.distributed as dist  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from fived.config import build_config  # noqa: E402
 from fived.launch import run_ranks  # noqa: E402
@@ -107,23 +110,45 @@ def config(model: str, fields: dict, micro: int, optimizer: str, args: argparse.
     return build_config(overrides=over)
 
 
-def step_peak(trainer, step: int) -> int:
-    """Bytes allocated above the start of the optimizer's step at its peak (the data-parallel
-    strategy's step: masters and Muon's exchange included), from torch.profiler's memory events."""
-    from torch.profiler import ProfilerActivity, profile
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
 
+
+def heap_in_use() -> int:
+    """Bytes glibc's malloc has handed out and not got back (small blocks + mmapped ones): torch's CPU
+    allocator takes every tensor from malloc and returns it at once (no caching)."""
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = _Mallinfo2
+    info = libc.mallinfo2()
+    return info.uordblks + info.hblkhd
+
+
+class PeakHeap(TorchDispatchMode):
+    """The heap's high-water mark, sampled after every torch op run inside."""
+
+    def __init__(self):
+        super().__init__()
+        self.peak = heap_in_use()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.peak = max(self.peak, heap_in_use())
+        return out
+
+
+def step_peak(trainer, step: int) -> int:
+    """Bytes the heap grew by at its peak during the optimizer's step (the data-parallel strategy's
+    step: AdamW and Muon with its exchange), over where it started."""
     inner, peaks = trainer.dp.step, []
 
-    def profiled():
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    def measured():
+        start = heap_in_use()
+        with PeakHeap() as heap:
             inner()
-        level = peak = 0
-        for event in sorted((e for e in prof.events() if e.self_cpu_memory_usage), key=lambda e: e.time_range.start):
-            level += event.self_cpu_memory_usage
-            peak = max(peak, level)
-        peaks.append(peak)
+        peaks.append(heap.peak - start)
 
-    trainer.dp.step = profiled
+    trainer.dp.step = measured
     try:
         trainer.step(step)
     finally:

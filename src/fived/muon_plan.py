@@ -263,18 +263,18 @@ class StagePlan:
         """The first member (replica 0, tp rank 0) at position `shard_index` of the dp_shard*cp group."""
         return shard_index * self.layout.tp
 
-    def buffer_elements(self, member: int) -> tuple[int, int]:
+    def buffer_elements(self, member: int, *, cast: bool) -> tuple[int, int]:
         """(elements in the Newton-Schulz dtype, elements in the optimizer's dtype) `member` allocates
-        for a step, all counted as alive at once: its stored pieces' directions (optimizer dtype) and
-        their copies and updates (Newton-Schulz dtype), its owned units' results, the larger phase's
-        send and receive buffers, and the largest owned unit's Newton-Schulz workspace (X, its
-        transpose's products: 3 m n + 3 m^2 for m <= n)."""
+        for a step, all counted as alive at once: its stored pieces' directions (optimizer dtype),
+        their updates and, with `cast` (the two dtypes differ), their copies (Newton-Schulz dtype),
+        its owned units' results, the larger phase's send and receive buffers, and the largest owned
+        unit's Newton-Schulz workspace (X and the products of its iteration: 3 m n + 3 m^2, m <= n)."""
         stored, owned = self.stored_elements(member), self.owned(member)
         lists = self.exchange(member)
         exchanged = max(Exchange.elements(lists.gather_send) + Exchange.elements(lists.gather_recv),
                         Exchange.elements(lists.scatter_send) + Exchange.elements(lists.scatter_recv))
         workspace = max((3 * u.rows * u.cols + 3 * min(u.rows, u.cols) ** 2 for u in owned), default=0)
-        return 2 * stored + sum(u.box.numel for u in owned) + exchanged + workspace, stored
+        return (1 + cast) * stored + sum(u.box.numel for u in owned) + exchanged + workspace, stored
 
 
 @lru_cache(maxsize=256)

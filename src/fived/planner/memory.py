@@ -145,7 +145,7 @@ def muon_buffers(m: ModelConfig, layout: Layout, dtype: str, chunks, runtime: Ru
     if layout.optimizer != "muon" or not runtime.is_fived:
         return 0
     plan = stage_plan(m, layout, dtype, chunks)
-    ns, optimizer = plan.buffer_elements(plan.member_of_shard(0))
+    ns, optimizer = plan.buffer_elements(plan.member_of_shard(0), cast=ACTIVATION_BYTES[dtype] != MOMENT_BYTES[dtype])
     return ns * ACTIVATION_BYTES[dtype] + optimizer * MOMENT_BYTES[dtype]
 
 
