@@ -169,20 +169,18 @@ class StagePlan:
         self._exchanges: dict[int, Exchange] = {}
 
     def _units(self) -> list[tuple]:
-        out = []
+        """(name, expert, box, rows, cols, candidate owners) of every matrix, in model order: a routed
+        expert under ep > 1 goes to a member of its own ep rank (which holds it), any other to any."""
+        out, everyone = [], list(range(self.size))
         for s in self.specs:
-            if s.expert:  # [E, in, out]: one matrix per expert
-                out += [(s.name, j, Box((j, 0, 0), (1,) + s.shape[1:]), s.shape[1], s.shape[2]) for j in range(s.shape[0])]
-            else:
-                out.append((s.name, -1, Box((0, 0), s.shape), s.shape[0], s.shape[1]))
+            if not s.expert:
+                out.append((s.name, -1, Box((0, 0), s.shape), s.shape[0], s.shape[1], everyone))
+                continue
+            per_rank = s.shape[0] // self.layout.ep  # [E, in, out]: one matrix per expert, E/ep per ep rank
+            for j in range(s.shape[0]):
+                holders = [m.index for m in self.members if m.ep == j // per_rank] if self.layout.ep > 1 else everyone
+                out.append((s.name, j, Box((j, 0, 0), (1,) + s.shape[1:]), s.shape[1], s.shape[2], holders))
         return out
-
-    def _candidates(self, name: str, expert: int) -> list[int]:
-        spec = self.specs[self.names.index(name)]
-        if expert < 0 or self.layout.ep == 1:
-            return list(range(self.size))
-        per_rank = spec.shape[0] // self.layout.ep  # experts of one ep rank
-        return [m.index for m in self.members if m.ep == expert // per_rank]
 
     def _assign(self, units: list[tuple]) -> list[Unit]:
         """Owners by Newton-Schulz cost: longest first (model order on ties), each to its least-loaded
@@ -190,23 +188,26 @@ class StagePlan:
         self.load = [0.0] * self.size
         owners = [0] * len(units)
         for i in sorted(range(len(units)), key=lambda i: -ns_flops(units[i][3], units[i][4], 1)):
-            name, expert, _, rows, cols = units[i]
-            owner = min(self._candidates(name, expert), key=lambda c: (self.load[c], c))
-            self.load[owner] += ns_flops(rows, cols, 1)
-            owners[i] = owner
-        return [Unit(*u, owner) for u, owner in zip(units, owners)]
+            *_, rows, cols, candidates = units[i]
+            owners[i] = min(candidates, key=lambda c: (self.load[c], c))
+            self.load[owners[i]] += ns_flops(rows, cols, 1)
+        return [Unit(*u[:5], owner) for u, owner in zip(units, owners)]
 
     def held(self, unit: Unit, member: int) -> list[Box]:
         """The boxes of `unit` (whole-tensor coordinates) `member` stores, in its placement's order."""
         return [b for b in (box.intersection(unit.box) for box in self._boxes[member][unit.name]) if b is not None]
 
-    def _holders(self, unit: Unit) -> list[tuple[Box, list[int]]]:
-        """Each distinct piece of `unit` with the members holding it (replicas hold equal boxes)."""
-        out: dict[Box, list[int]] = {}
-        for member in range(self.size):
-            for box in self.held(unit, member):
-                out.setdefault(box, []).append(member)
-        return list(out.items())
+    @cached_property
+    def pieces(self) -> list[list[tuple[Box, list[int]]]]:
+        """Per unit, each distinct piece with the members holding it (replicas hold equal boxes)."""
+        out = []
+        for unit in self.units:
+            held: dict[Box, list[int]] = {}
+            for member in range(self.size):
+                for box in self.held(unit, member):
+                    held.setdefault(box, []).append(member)
+            out.append(list(held.items()))
+        return out
 
     def sender(self, holders: list[int], owner: int) -> int:
         """Who sends a piece the owner lacks: the holder nearest it on the mesh, then the lowest."""
@@ -217,8 +218,8 @@ class StagePlan:
     def traffic(self) -> tuple[bool, bool]:
         """(any piece gathered, any result scattered): a phase nobody sends in is skipped by all."""
         gather = scatter = False
-        for unit in self.units:
-            for _, holders in self._holders(unit):
+        for unit, pieces in zip(self.units, self.pieces):
+            for _, holders in pieces:
                 gather = gather or unit.owner not in holders
                 scatter = scatter or any(h != unit.owner for h in holders)
         return gather, scatter
@@ -233,17 +234,16 @@ class StagePlan:
     def _exchange(self, me: int) -> Exchange:
         lists = [[[] for _ in range(self.size)] for _ in range(4)]
         gather_send, gather_recv, scatter_send, scatter_recv = lists
-        for u, unit in enumerate(self.units):
+        for u, (unit, pieces) in enumerate(zip(self.units, self.pieces)):
             owner = unit.owner
-            if owner == me or any(me in holders for _, holders in self._holders(unit)):
-                for box, holders in self._holders(unit):
-                    if owner in holders:
-                        continue
-                    sender = self.sender(holders, owner)
-                    if sender == me:
-                        gather_send[owner].append((u, box))
-                    if owner == me:
-                        gather_recv[sender].append((u, box))
+            for box, holders in pieces:
+                if owner in holders or (owner != me and me not in holders):
+                    continue
+                sender = self.sender(holders, owner)
+                if sender == me:
+                    gather_send[owner].append((u, box))
+                if owner == me:
+                    gather_recv[sender].append((u, box))
             if owner == me:
                 for member in range(self.size):
                     if member != me:
