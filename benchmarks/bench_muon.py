@@ -42,7 +42,7 @@ from fived.config import build_config  # noqa: E402
 from fived.launch import run_ranks  # noqa: E402
 
 ADAMW_LRS = (1e-3, 2e-3, 3e-3, 5e-3, 1e-2, 2e-2)
-MUON_LRS = (1e-3, 2e-3, 3e-3, 5e-3, 1e-2, 2e-2)
+MUON_LRS = (2e-3, 5e-3, 1e-2, 2e-2, 3e-2, 5e-2)
 # (name, model, parallel fields, micro-batches) on 4 ranks: every way Muon's pieces are cut
 LAYOUTS = [
     ("ZeRO-0 dp4", "tiny", dict(dp=4, zero=0), 1),
@@ -207,23 +207,37 @@ def overhead_part(args: argparse.Namespace) -> None:
 
     configs = [config(m, f, micro, opt, args) for _, m, f, micro in LAYOUTS for opt in ("adamw", "muon")]
     results = run_ranks(args.world, rank_main, configs, args, device="cpu", timeout_s=1800, deadline_s=3600)
-    hw = local_hardware(args.world)
-    print(f"{'layout':22s} {'step ms adamw|muon (+%)':>26s} {'planner':>16s}   {'optimizer ms adamw|muon':>24s} "
-          f"{'planner':>14s}   {'optimizer state KiB':>20s} {'planner':>14s}   {'step transient KiB':>19s} "
-          f"{'planner (muon)':>14s}")
+    hw, r0 = local_hardware(args.world), results[0]
+    time_rows, memory_rows = [], []
     for i, (name, *_rest) in enumerate(LAYOUTS):
         a, m = 2 * i, 2 * i + 1
         step = [statistics.median(max(r["times"][k][s] for r in results) for s in range(args.timed)) * 1e3
                 for k in (a, m)]
         plan = [predictions(configs[k], args.world, hw) for k in (a, m)]
-        r0 = results[0]
-        print(f"{name:22s} {step[0]:9.1f} | {step[1]:6.1f} ({step[1] / step[0] - 1:+5.0%}) "
-              f"{plan[0][0] * 1e3:7.1f} | {plan[1][0] * 1e3:6.1f}   "
-              f"{r0['optimizer'][a] * 1e3:11.1f} | {r0['optimizer'][m] * 1e3:10.1f} "
-              f"{plan[0][1] * 1e3:6.1f} | {plan[1][1] * 1e3:5.1f}   "
-              f"{r0['state'][a] / 1024:9.0f} | {r0['state'][m] / 1024:8.0f} "
-              f"{plan[0][2] / 1024:6.0f} | {plan[1][2] / 1024:5.0f}   "
-              f"{r0['peaks'][a] / 1024:8.0f} | {r0['peaks'][m] / 1024:8.0f} {plan[1][3] / 1024:14.0f}", flush=True)
+        optimizer = [r0["optimizer"][k] * 1e3 for k in (a, m)]
+        time_rows.append(f"{name:22s} {step[0]:7.1f} {step[1]:7.1f} {step[1] - step[0]:+7.1f}   "
+                         f"{plan[0][0] * 1e3:7.1f} {plan[1][0] * 1e3:7.1f} {(plan[1][0] - plan[0][0]) * 1e3:+7.1f}   "
+                         f"{optimizer[0]:7.1f} {optimizer[1]:7.1f} {optimizer[1] - optimizer[0]:+7.1f}   "
+                         f"{(plan[1][1] - plan[0][1]) * 1e3:+7.1f}")
+        state, peak = [r0["state"][k] for k in (a, m)], [r0["peaks"][k] for k in (a, m)]
+        measured = state[1] - state[0] + peak[1] - peak[0]
+        predicted = plan[1][2] - plan[0][2] + plan[1][3]
+        memory_rows.append(f"{name:22s} {state[0] / 1024:7.0f} {state[1] / 1024:7.0f}   {plan[0][2] / 1024:7.0f} "
+                           f"{plan[1][2] / 1024:7.0f}   {peak[0] / 1024:7.0f} {peak[1] / 1024:7.0f} "
+                           f"{plan[1][3] / 1024:7.0f}   {measured / 1024:+8.0f} {predicted / 1024:+8.0f}")
+    print(f"step time per layout, ms ({args.world} CPU ranks; measured: slowest rank's median step, rank 0's mean "
+          "optimizer component; planner: fived.planner.timing on this host)")
+    print(f"{'':22s} {'measured step':>23s}   {'planner step':>23s}   {'measured optimizer':>23s}   {'planner':>7s}")
+    print(f"{'layout':22s} {'adamw':>7s} {'muon':>7s} {'+muon':>7s}   {'adamw':>7s} {'muon':>7s} {'+muon':>7s}   "
+          f"{'adamw':>7s} {'muon':>7s} {'+muon':>7s}   {'+muon':>7s}")
+    print("\n".join(time_rows))
+    print("memory of rank 0, KiB (optimizer state: the ledger's; transient: the heap's peak over the optimizer step; "
+          "overhead: state + transient, muon - adamw)")
+    print(f"{'':22s} {'state measured':>15s}   {'state planner':>15s}   {'transient measured':>15s} {'planner':>7s}   "
+          f"{'muon overhead':>17s}")
+    print(f"{'layout':22s} {'adamw':>7s} {'muon':>7s}   {'adamw':>7s} {'muon':>7s}   {'adamw':>7s} {'muon':>7s} "
+          f"{'muon':>7s}   {'measured':>8s} {'planner':>8s}")
+    print("\n".join(memory_rows), flush=True)
 
 
 def main() -> int:

@@ -83,6 +83,30 @@ def test_one_step_is_the_published_update():
     assert torch.equal(b, b_ref) and set(optimizer.state[w]) == {"momentum_buffer"}
 
 
+def _one_device_step(cfg):
+    """One step of a one-rank Trainer; the directions Muon's exchange got and what it returned."""
+    from fived.train import Trainer
+
+    trainer = Trainer(cfg, log=False)
+    exchange, seen = trainer.optimizer.exchange, []
+    real = exchange.orthogonalize
+    exchange.orthogonalize = lambda directions, ns: seen.append(({k: v.clone() for k, v in directions.items()},
+                                                                 real(directions, ns))) or seen[-1][1]
+    trainer.fit(progress=False)
+    return seen
+
+
+def test_one_device_orthogonalises_each_whole_matrix():
+    """On one rank the exchange (the code every layout runs) returns Newton-Schulz of each parameter's
+    direction whole, and of each routed expert's matrix on its own: what every layout is held to."""
+    cfg = tiny_config("tiny-moe", train__optimizer="muon", train__steps=1)
+    (directions, updates), = run_on_ranks(1, _one_device_step, cfg)[0]
+    assert len(directions) == cfg.model.n_layers * (4 + 3 + 3)  # attention, shared expert, routed experts
+    for name, d in directions.items():
+        want = torch.stack([newton_schulz(e, KELLER) for e in d]) if d.dim() == 3 else newton_schulz(d, KELLER)
+        assert torch.allclose(updates[name], want, rtol=0, atol=1e-13), name
+
+
 PLANS = {  # (model, world, parallel fields): every way a matrix is cut or repeated
     "dp1": ("tiny-moe", 1, {}),
     "zero0-dp4": ("tiny", 4, dict(dp=4)),
