@@ -14,7 +14,8 @@ overhead  on --world CPU ranks (gloo, one thread each) in one process group, eac
           optimizer-state bytes (ledger) beside the planner's, and the transient peak of one
           optimizer step above its start (glibc's heap in use, sampled after every torch op: CPU
           has no allocator statistics) beside the planner's Muon buffers
-          (`fived.planner.memory.muon_buffers`).
+          (`fived.planner.memory.muon_buffers`); Muon's memory overhead is the state's difference
+          plus the two steps' transient peaks' difference.
 
     python benchmarks/bench_muon.py                         # both parts
     python benchmarks/bench_muon.py --part loss --steps 200
@@ -138,21 +139,23 @@ class PeakHeap(TorchDispatchMode):
 
 
 def step_peak(trainer, step: int) -> int:
-    """Bytes the heap grew by at its peak during the optimizer's step (the data-parallel strategy's
-    step: AdamW and Muon with its exchange), over where it started."""
-    inner, peaks = trainer.dp.step, []
+    """Bytes the heap grew by at its peak during the optimizer's step (AdamW's, or Muon's with its
+    exchange and the AdamW beside it; not ZeRO-1/2's parameter all-gather after it), over where it
+    started."""
+    optimizer, peaks = trainer.optimizer, []
+    inner = optimizer.step
 
-    def measured():
+    def measured(*args, **kwargs):
         start = heap_in_use()
         with PeakHeap() as heap:
-            inner()
+            inner(*args, **kwargs)
         peaks.append(heap.peak - start)
 
-    trainer.dp.step = measured
+    optimizer.step = measured  # (this instance only)
     try:
         trainer.step(step)
     finally:
-        trainer.dp.step = inner
+        del optimizer.step
     return peaks[0]
 
 

@@ -17,6 +17,7 @@ pieces, the send and receive buffers, and its owned units assembled (`fived.plan
 """
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Callable
 
 import torch
@@ -62,11 +63,13 @@ class MatrixExchange:
         on exactly those elements, in the Newton-Schulz dtype."""
         mine = {name: self.placements[name].pieces(local_tensor(t).to(self.dtype)) for name, t in directions.items()}
         gather, scatter = self.plan.traffic
-        received = self._all_to_all(lambda u, box: _values(mine, self.plan.units[u].name, box),
-                                    self.lists.gather_send, self.lists.gather_recv, gather)
-        results = {u: self._orthogonalized(u, mine, received, newton_schulz) for u in self.owned}
-        out = {name: torch.zeros(local_tensor(t).shape, dtype=self.dtype, device=self.device)
-               for name, t in directions.items()}
+        received = defaultdict(list)  # unit -> [(box, values)] gathered here
+        for (u, box), values in self._all_to_all(lambda u, box: _values(mine, self.plan.units[u].name, box),
+                                                 self.lists.gather_send, self.lists.gather_recv, gather):
+            received[u].append((box, values))
+        results = {u: self._orthogonalized(u, mine, received[u], newton_schulz) for u in self.owned}
+        del received
+        out = {name: torch.zeros(t.shape, dtype=self.dtype, device=self.device) for name, t in directions.items()}
         pieces = {name: self.placements[name].pieces(update) for name, update in out.items()}
         for u in self.owned:  # this rank's pieces of the units it owns, from the results
             unit = self.plan.units[u]
@@ -99,18 +102,18 @@ class MatrixExchange:
                 offset += box.numel
         return out
 
-    def _orthogonalized(self, u: int, mine, received, newton_schulz) -> torch.Tensor:
-        """Unit `u` (owned here) assembled from this rank's pieces and the gathered ones, exactly as one
-        device holds it, then orthogonalised; shaped like its box of the whole tensor."""
+    def _orthogonalized(self, u: int, mine, received: list, newton_schulz) -> torch.Tensor:
+        """Unit `u` (owned here) assembled from this rank's pieces and the ones gathered for it
+        [(box, values)], exactly as one device holds it, then orthogonalised; shaped like its box of
+        the whole tensor."""
         unit = self.plan.units[u]
         whole = torch.empty(unit.box.sizes, dtype=self.dtype, device=self.device)
         for piece, view in mine.get(unit.name, []):
             part = piece.intersection(unit.box)
             if part is not None:
                 whole[part.within(unit.box)] = view[part.within(piece)]
-        for (v, box), values in received:
-            if v == u:
-                whole[box.within(unit.box)] = values.view(box.sizes)
+        for box, values in received:
+            whole[box.within(unit.box)] = values.view(box.sizes)
         return newton_schulz(whole.view(unit.rows, unit.cols)).view(unit.box.sizes)
 
 
