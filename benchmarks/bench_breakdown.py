@@ -11,15 +11,13 @@ slowest rank's, a layout's the median. Printed per layout: off, on, and the rati
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import statistics
-import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+from side_by_side import interleaved_steps, slowest_median  # noqa: E402
 
 from fived.config import build_config  # noqa: E402
 from fived.launch import run_ranks  # noqa: E402
@@ -48,23 +46,7 @@ def rank_main(args) -> list[list[list[float]]]:
     out = []
     for model, fields, micro in LAYOUTS:
         trainers = [Trainer(config(model, fields, micro, on, args), log=False) for on in (False, True)]
-        for s in range(args.warmup):
-            for t in trainers:
-                dist.barrier()
-                t.step(s)
-        times = [[], []]
-        gc.collect()
-        gc.disable()
-        try:
-            for i in range(args.steps):
-                for j in ((0, 1) if i % 2 == 0 else (1, 0)):
-                    dist.barrier()
-                    start = time.perf_counter()
-                    trainers[j].step(args.warmup + i)
-                    times[j].append(time.perf_counter() - start)
-        finally:
-            gc.enable()
-        out.append(times)
+        out.append(interleaved_steps(trainers, warmup=args.warmup, steps=args.steps)[0])
     return out
 
 
@@ -83,7 +65,7 @@ def main() -> int:
     ratios = []
     for index, (model, fields, micro) in enumerate(LAYOUTS):
         # a step's time: its slowest rank's; a trainer's: the median step
-        off, on = (statistics.median(max(r[index][j][i] for r in ranks) for i in range(args.steps)) for j in (0, 1))
+        off, on = (slowest_median([r[index][j] for r in ranks]) for j in (0, 1))
         ratios.append(on / off)
         shape = " ".join(f"{k}={v}" for k, v in fields.items())
         print(f"  {model:<8} {shape:<26} micro {micro}: off {off * 1e3:7.2f} ms  on {on * 1e3:7.2f} ms  "

@@ -15,15 +15,13 @@ compute already fills the machine and gloo's transfers are CPU work too, so litt
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import statistics
-import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+from side_by_side import interleaved_steps, slowest_median  # noqa: E402
 
 from fived.config import build_config  # noqa: E402
 from fived.launch import run_ranks  # noqa: E402
@@ -54,24 +52,8 @@ def rank_main(case: str, args) -> dict:
     from fived.train import Trainer
 
     trainers = [Trainer(config(case, on, args), log=False) for on in (False, True)]
-    for s in range(args.warmup):
-        for t in trainers:
-            dist.barrier()
-            t.step(s)
-    times, parts = [[], []], [[], []]
-    gc.collect()
-    gc.disable()
-    try:
-        for i in range(args.steps):
-            for j in ((0, 1) if i % 2 == 0 else (1, 0)):
-                dist.barrier()
-                start = time.perf_counter()
-                record = trainers[j].step(args.warmup + i)
-                times[j].append(time.perf_counter() - start)
-                parts[j].append(record.get("breakdown"))
-    finally:
-        gc.enable()
-    return {"times": times, "parts": parts}
+    times, records = interleaved_steps(trainers, warmup=args.warmup, steps=args.steps)
+    return {"times": times, "parts": [[r.get("breakdown") for r in rs] for rs in records]}
 
 
 def _median(breakdowns: list[dict], key: str, role: str) -> float:
@@ -81,7 +63,7 @@ def _median(breakdowns: list[dict], key: str, role: str) -> float:
 def run_case(case: str, args) -> tuple:
     world, role, _, _ = CASES[case]
     ranks = run_ranks(world, rank_main, case, args, timeout_s=600, device="cpu")
-    step = [statistics.median(max(r["times"][j][i] for r in ranks) for i in range(args.steps)) for j in (0, 1)]
+    step = [slowest_median([r["times"][j] for r in ranks]) for j in (0, 1)]
     parts = ranks[0]["parts"]
     exposed = [_median(parts[j], "components", role) for j in (0, 1)]
     hidden = _median(parts[1], "overlapped", role)

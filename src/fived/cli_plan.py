@@ -9,7 +9,7 @@ import json
 from fived.config import ConfigError, build_config
 
 DEFAULT_HEADROOM_GIB = 3.0  # so that a winner is not packed to the last GiB of the planner's estimate
-RUNTIME_CHOICES = ("fived", "megatron-core", "megatron-core-fp8", "fsdp", "fsdp-fp8")
+RUNTIME_CHOICES = ("fived", "fived-fp8", "fived-eager", "megatron-core", "megatron-core-fp8", "fsdp", "fsdp-fp8")
 
 
 def plan_model(name: str):

@@ -107,12 +107,6 @@ class Layout:
     overlap_param_gather: bool = P.overlap_param_gather
     bucket_mb: float = P.bucket_mb
     ep_overlap: bool = P.ep_overlap
-
-    def bucket_elements(self, element_bytes: int) -> int | None:
-        """Elements per ZeRO-1/2 flat-buffer bucket (None: one bucket, when nothing overlaps)."""
-        if not (self.overlap_grad_reduce or self.overlap_param_gather):
-            return None
-        return max(1, int(self.bucket_mb * 2**20) // element_bytes)
     micro_batch: int = 1  # sequences per micro-batch on one data-parallel rank
     checkpointing: str = TrainConfig.activation_checkpointing
     etp: int = 0
@@ -121,6 +115,12 @@ class Layout:
     @property
     def world(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
+
+    def bucket_elements(self, element_bytes: int) -> int | None:
+        """Elements per ZeRO-1/2 flat-buffer bucket (None: one bucket, when nothing overlaps)."""
+        if not (self.overlap_grad_reduce or self.overlap_param_gather):
+            return None
+        return max(1, int(self.bucket_mb * 2**20) // element_bytes)
 
     @property
     def dp_shard(self) -> int:

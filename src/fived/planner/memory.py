@@ -47,7 +47,8 @@ from fived.config import ModelConfig
 from fived.layout.layout import PRECISION_SPECS, Layout
 from fived.muon_plan import stage_plan
 from fived.layout.schedule_sim import pipeline_profile
-from fived.layout.spec import REDUCE_CHUNK_ELEMENTS, chunk_specs, flat_owned, flat_range, local_vocab, shard_rows
+from fived.layout.spec import (CAST_PIECES_IN_FLIGHT, REDUCE_CHUNK_ELEMENTS, chunk_specs, flat_owned, flat_range,
+                               local_vocab, shard_rows)
 from fived.layout.stages import model_key, placement, rank_chunks_by_key
 from fived.planner.runtimes import FIVED, Runtime, framework_activations
 
@@ -338,14 +339,16 @@ def _static_buffers(m: ModelConfig, layout: Layout, dtype: str, chunks, state: d
 
 def _reduction_pieces(layout: Layout, b: int, dense: int, experts: int) -> int:
     """Transient bytes of fived's gradient reductions in pieces of REDUCE_CHUNK_ELEMENTS: bf16 flat
-    gradients cast to float32 a piece at a time (with the reduced slice of a sharded stage), and
-    routed experts' gradients (ep > 1, summed over edp) packed, then cast, a piece at a time."""
+    gradients cast to float32 a piece at a time (with the reduced slice of a sharded stage; with
+    overlapped reductions CAST_PIECES_IN_FLIGHT of them at once), and routed experts' gradients
+    (ep > 1, summed over edp) packed, then cast, a piece at a time."""
     cast = 4 if b == 2 and layout.reduce_dtype == "float32" else 0
     flat_reduced = layout.zero in (1, 2) or (layout.zero == 0 and layout.pp > 1 and layout.dp * layout.cp > 1)
     out = 0
     if flat_reduced and cast:
         piece = min(dense, REDUCE_CHUNK_ELEMENTS)
-        out += cast * (piece + (piece // (layout.dp_shard * layout.cp) if layout.zero else 0))
+        in_flight = CAST_PIECES_IN_FLIGHT if layout.overlap_grad_reduce else 1
+        out += in_flight * cast * (piece + (piece // (layout.dp_shard * layout.cp) if layout.zero else 0))
     if layout.zero < 3 and layout.ep > 1 and layout.dp * layout.cp // layout.ep > 1 and experts:
         piece = min(experts, REDUCE_CHUNK_ELEMENTS)
         out += piece * (b + cast)

@@ -201,8 +201,8 @@ def step_time(model: ModelConfig, layout: Layout, cluster: Cluster, seq_len: int
         ep = max(ep / 2, ep - compute * expert_share(m, seq_len))
     dp = time["dp"]
     overlap = (runtime.grad_overlap and L.zero in (0, 3)) or (runtime.zero12_overlap and L.zero in (1, 2))
-    if L.pp > 1:
-        overlap = runtime.pipeline_grad_overlap
+    if L.pp > 1:  # (FSDP2 under a schedule reduce-scatters during each stage's last backward, always)
+        overlap = runtime.pipeline_grad_overlap or (runtime.grad_overlap and L.zero == 3)
     if overlap:  # the reduction behind the last micro-batch's backward, the gathers behind all compute
         dp = max(0.0, dp - compute * 2 / 3 / micro) + max(0.0, time["dp_gather"] - compute)
     else:
