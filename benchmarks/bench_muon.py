@@ -7,8 +7,8 @@ loss      the default tiny run (200 steps of 16 x 64 tokens, warmup 20, cosine t
           every held-out batch at the last step. A tuned lr is its sweep's best (said when it sits
           at the grid's edge). Muon uses the default update scale (rms), so the lrs compare.
 overhead  on --world CPU ranks (gloo, one thread each) in one process group, each layout trained
-          with AdamW and with Muon: after warmup, timed steps interleave every trainer (the order
-          reversed every other round, a barrier before each step); per layout the slowest rank's
+          with AdamW and with Muon: after warmup, timed steps interleave every trainer
+          (`side_by_side.interleaved_steps`); per layout the slowest rank's
           median step and rank 0's mean optimizer component (Muon's exchange included) beside the
           planner's (`fived.breakdown.predicted` on this host's `local_hardware`), rank 0's
           optimizer-state bytes (ledger) beside the planner's, and the transient peak of one
@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import gc
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -41,6 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from fived.config import build_config  # noqa: E402
 from fived.launch import run_ranks  # noqa: E402
+from side_by_side import interleaved_steps, slowest_median  # noqa: E402
 
 ADAMW_LRS = (1e-3, 2e-3, 3e-3, 5e-3, 1e-2, 2e-2)
 MUON_LRS = (2e-3, 5e-3, 1e-2, 2e-2, 3e-2, 5e-2)
@@ -164,30 +163,15 @@ def rank_main(configs, args: argparse.Namespace) -> dict:
     from fived.train import Trainer
 
     trainers = [Trainer(cfg, log=False) for cfg in configs]
-    for s in range(args.warmup):
-        for t in trainers:
-            dist.barrier()
-            t.step(s)
-    times, breakdowns = [[] for _ in trainers], [[] for _ in trainers]
-    gc.collect()
-    gc.disable()
-    try:
-        for i in range(args.timed):
-            order = range(len(trainers)) if i % 2 == 0 else reversed(range(len(trainers)))
-            for j in order:
-                dist.barrier()
-                start = time.perf_counter()
-                record = trainers[j].step(args.warmup + i)
-                times[j].append(time.perf_counter() - start)
-                breakdowns[j].append(record["breakdown"])
-    finally:
-        gc.enable()
+    times, records = interleaved_steps(trainers, warmup=args.warmup, steps=args.timed)
     peaks = []
     for t in trainers:
         dist.barrier()
         peaks.append(step_peak(t, args.warmup + args.timed))
-    return {"times": times, "optimizer": [compared(mean_breakdown(b, skip_first=False))["optimizer"] for b in breakdowns],
-            "state": [t.state_bytes["optimizer"] for t in trainers], "peaks": peaks}
+    optimizer = [compared(mean_breakdown([r["breakdown"] for r in rs], skip_first=False))["optimizer"]
+                 for rs in records]
+    return {"times": times, "optimizer": optimizer, "state": [t.state_bytes["optimizer"] for t in trainers],
+            "peaks": peaks}
 
 
 def predictions(cfg, world: int, hw) -> tuple[float, float, int, int]:
@@ -214,8 +198,7 @@ def overhead_part(args: argparse.Namespace) -> None:
     time_rows, memory_rows = [], []
     for i, (name, *_rest) in enumerate(LAYOUTS):
         a, m = 2 * i, 2 * i + 1
-        step = [statistics.median(max(r["times"][k][s] for r in results) for s in range(args.timed)) * 1e3
-                for k in (a, m)]
+        step = [slowest_median([r["times"][k] for r in results]) * 1e3 for k in (a, m)]
         plan = [predictions(configs[k], args.world, hw) for k in (a, m)]
         optimizer = [r0["optimizer"][k] * 1e3 for k in (a, m)]
         time_rows.append(f"{name:22s} {step[0]:7.1f} {step[1]:7.1f} {step[1] - step[0]:+7.1f}   "
