@@ -25,10 +25,10 @@ import torch.distributed as dist
 
 from fived import comm
 from fived.config import Config
-from fived.muon_plan import StagePlan, stage_plan
 from fived.layout.stages import rank_chunks
 from fived.ledger import local_tensor
 from fived.mesh import PRECISIONS, Mesh
+from fived.muon_plan import StagePlan, stage_plan
 from fived.placement import Box, Placement
 
 

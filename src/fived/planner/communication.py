@@ -50,9 +50,9 @@ from dataclasses import dataclass
 
 from fived.config import ModelConfig
 from fived.layout.layout import EP_OVERLAP_CHUNKS, PRECISION_SPECS, Layout
-from fived.muon_plan import Exchange, stage_plan
 from fived.layout.spec import flat_buckets, kv_replicated, kv_width
 from fived.layout.stages import stage_rank
+from fived.muon_plan import Exchange, stage_plan
 from fived.planner.memory import ACTIVATION_BYTES, WEIGHT_BYTES, flat_numels, parameter_shapes
 from fived.planner.runtimes import FIVED, Runtime
 

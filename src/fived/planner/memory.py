@@ -17,8 +17,8 @@ gradients and Adam state (4, 4, 8), float64 runs float64; bfloat16 runs keep bf1
 gradients and, per optimized element, a float32 master and two float32 moments (2, 2, 12: ZeRO-1
 2 + 2 + 12/S, ZeRO-2 2 + 14/S) — under ZeRO-3 FSDP2's float32 sharded parameters are the masters
 (4, 4, 8: 16/S). With train.optimizer=muon the Muon matrices' elements keep one moment, not two
-(`muon_saving`). These equal the ledger's bytes exactly (tests/test_planner.py, tests/test_muon.py). Other runtimes (the
-published runs') keep their own bytes per parameter (`fived.planner.runtimes.Runtime`: e.g.
+(`muon_saving`). These equal the ledger's bytes exactly (tests/test_planner.py, tests/test_muon.py).
+Other runtimes (the published runs') keep their own bytes per parameter (`fived.planner.runtimes.Runtime`: e.g.
 Megatron's bf16 weights, fp32 main gradients, fp32 master weights and Adam in the optimizer).
 
 Activations: bytes saved for backward per micro-batch (`fived.activation_model`; other runtimes:
@@ -34,8 +34,8 @@ prefetched one; the whole stage under pipelines) and its unsharded gradients whi
 accumulate; DDP's gradient buckets; tensor-parallel gathered activations of one region; the loss's
 float32 logits; with checkpointing, one block's activations while backward recomputes it; Muon's
 step (`muon_buffers`: its pieces' directions and updates, its owned whole matrices and their
-Newton-Schulz workspace, the all-to-alls' buffers); and a fixed reserve for the CUDA context, NCCL and allocator fragmentation
-(RESERVE_GIB + RESERVE_FRACTION: assumed, not fitted — no published run reports its peak memory).
+Newton-Schulz workspace, the all-to-alls' buffers); and a fixed reserve for the CUDA context, NCCL and
+allocator fragmentation (RESERVE_GIB + RESERVE_FRACTION: assumed, not fitted — no published run reports its peak memory).
 """
 from __future__ import annotations
 
@@ -45,11 +45,11 @@ from functools import lru_cache
 
 from fived.config import ModelConfig
 from fived.layout.layout import PRECISION_SPECS, Layout
-from fived.muon_plan import stage_plan
 from fived.layout.schedule_sim import pipeline_profile
 from fived.layout.spec import (CAST_PIECES_IN_FLIGHT, REDUCE_CHUNK_ELEMENTS, chunk_specs, flat_owned, flat_range,
                                local_vocab, shard_rows)
 from fived.layout.stages import model_key, placement, rank_chunks_by_key
+from fived.muon_plan import stage_plan
 from fived.planner.runtimes import FIVED, Runtime, framework_activations
 
 RESERVE_GIB = 2.0  # CUDA context, NCCL communicators and workspaces
@@ -146,7 +146,8 @@ def muon_buffers(m: ModelConfig, layout: Layout, dtype: str, chunks, runtime: Ru
     if layout.optimizer != "muon" or not runtime.is_fived:
         return 0
     plan = stage_plan(m, layout, dtype, chunks)
-    ns, optimizer = plan.buffer_elements(plan.member_of_shard(0), cast=ACTIVATION_BYTES[dtype] != MOMENT_BYTES[dtype])
+    cast = ACTIVATION_BYTES[dtype] != MOMENT_BYTES[dtype]  # (Newton-Schulz in bf16 on float32 masters)
+    ns, optimizer = plan.buffer_elements(plan.member_of_shard(0), cast=cast)
     return ns * ACTIVATION_BYTES[dtype] + optimizer * MOMENT_BYTES[dtype]
 
 
