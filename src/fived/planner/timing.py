@@ -272,14 +272,14 @@ def step_time(model: ModelConfig, layout: Layout, cluster: Cluster, seq_len: int
         bubble = (compute + tp + cp + ep + pp) * max(0.0, hw.core_share / (1 - frac) - 1)
     optimizer = 28 * owned_parameters(m, L, chunks) / (hw.hbm_gbps * 1e9) + time["optimizer"]
     if L.optimizer == "muon" and runtime.is_fived:
-        optimizer += orthogonalization_s(m, L, dtype, chunks, hw)
+        optimizer += orthogonalization_s(m, L, dtype, chunks, hw, c)
     layer_host = hw.layer_overhead_s * layers_here * micro * (1 + recompute)
     overhead = layer_host + hw.step_overhead_s + host
     return StepTime(compute, bubble, tp, cp, ep, pp, dp, optimizer, tokens, L.world, model_flops,
                     hw.peak_tflops * 1e12, dict(moved), overhead, layer_host)
 
 
-def orthogonalization_s(m: ModelConfig, L: Layout, dtype: str, chunks, hw: Hardware) -> float:
+def orthogonalization_s(m: ModelConfig, L: Layout, dtype: str, chunks, hw: Hardware, c: Constants) -> float:
     """Muon's Newton-Schulz iterations on the busiest owner of the stage (the scatter waits for it):
     its whole matrices' GEMMs (train.muon_ns_steps at its default) at the efficiency of their width."""
     plan = stage_plan(m, L, dtype, chunks)
@@ -287,7 +287,7 @@ def orthogonalization_s(m: ModelConfig, L: Layout, dtype: str, chunks, hw: Hardw
 
     def seconds(u) -> float:
         side = min(u.rows, u.cols)
-        return ns_flops(u.rows, u.cols, steps) / (peak * efficiency(side, side, hw))
+        return ns_flops(u.rows, u.cols, steps) / (peak * efficiency(side, side, hw, c, max(u.rows, u.cols)))
 
     return max(sum(seconds(u) for u in plan.owned(member)) for member in range(plan.size))
 
