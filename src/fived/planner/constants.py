@@ -3,7 +3,7 @@ with the provenance of the fit that chose them.
 
 `Calibration` is one frozen object: the `Constants`, the file and rows they were fitted on (with
 the file's SHA-256, so a stale calibration is detectable), the fit's in-sample and
-leave-one-source-out errors (over all rows, per source, per kind of row, per sweep of layouts) and
+leave-one-source-out errors (over all rows, per source, per kind of row, per row) and
 what the calibration set covers. `fived.planner.fitting` writes it (atomically) as JSON;
 `load_calibration` reads it back (plain JSON, never a pickle) and refuses a file with unknown or
 missing fields in one line. `CALIBRATION` is the file shipped next to this module

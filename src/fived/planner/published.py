@@ -8,7 +8,8 @@ rows it read and "row N skipped: <reason>" lines. Reading rules (each documented
 - Model: GPT-style rows (GeLU MLP of width F, two matrices) become our SwiGLU block with the same
   matmul parameters: ffn = 2F/3 rounded to a multiple of 8*tp. A row is gated (SwiGLU, GeGLU) when
   its architecture notes say so, or, unsaid, when it has grouped-query attention or a Llama-family
-  name. Missing kv_heads: multi-head attention; missing ffn_hidden: 4 x hidden (GeLU). MoE columns:
+  name. Missing kv_heads: multi-head attention; missing ffn_hidden: 4 x hidden (GeLU); missing
+  vocab: the model family's (`FAMILY_VOCAB`), else the head ignored, noted. MoE columns:
   moe_experts, moe_top_k (default 2), moe_shared_experts, moe_ffn_hidden (default ffn_hidden), the
   first dense layers (a column naming dense layers, or "first N ... dense" in the notes). Expert
   parallelism wider than dp*cp spans the tp ranks: Megatron-Core's folding, etp 1 unless stated.
@@ -16,14 +17,18 @@ rows it read and "row N skipped: <reason>" lines. Reading rules (each documented
   The inter-node link, when the row states it as "N x M Gb/s" per node, replaces the catalogue's.
 - Layout: tp, pp, cp, ep, etp, vpp/pp_schedule, sp, micro_batch, recomputation, the ZeRO/FSDP wording
   (`fived.planner.runtimes.zero_stage`); an unsaid schedule in Megatron is its default, 1F1B.
+  A missing tp is what the GPUs leave with a stated dp (gpus/(dp*pp*cp)); more virtual stages than
+  layers, the most that hold a layer each (Megatron's stages of only the embedding or the loss).
   What else the row leaves out is the planner's choice — the
   fastest option that fits the GPU's memory (or the fastest, when none fits) — and shown as such.
   dp inconsistent with gpus/(tp*pp*cp) is derived from the GPU count, and noted. --tp-comm-overlap
   implies sequence parallelism, --overlap-param-gather the distributed optimizer (Megatron requires it).
 - Global batch: global_batch_seqs, or global_batch_tokens / seq_len, or micro_batch x grad_accum x
-  dp; unstated, the global batch per data-parallel rank of a row of the same source and model that
-  states one; else, without a pipeline, one micro-batch per rank of the planner's size; with one,
-  4*pp micro-batches per rank.
+  dp, or a local batch per data-parallel replica x dp (a `local_batch` column, or under a pipeline
+  a micro_batch the notes call the local batch or torchtitan's: split into pipeline micro-batches of
+  the planner's size); unstated, the global batch per data-parallel rank of a row of the same source
+  and model that states one; else, without a pipeline, one micro-batch per rank of the planner's
+  size; with one, 4*pp micro-batches per rank.
 - Throughput, tokens/s per GPU: tokens_per_s_per_gpu, derived_tokens_per_s_per_gpu, or converted
   from step_time_s, tflops_per_gpu or mfu_pct with the papers' model-FLOP count (6 x matmul
   parameters + attention, no recomputation: `metrics.flops_per_token`).
@@ -44,7 +49,7 @@ from fived.planner.timing import Cluster
 MISSING = ("", "n/a", "na", "-", "?", "unknown", "not stated", "none stated", "nan", "null")
 GATED_NAMES = ("llama", "mistral", "mixtral", "qwen", "internlm", "olmo", "deepseek", "aquila", "baichuan", "yi-")
 # A row without a vocabulary takes its family's (the tokenizers' published sizes; first match wins),
-# noted; a family not here: the head's share ignored (a vocabulary of 0 tokens' cost), noted.
+# noted; a family not here: the head's share ignored (a vocabulary of 1 token), noted.
 FAMILY_VOCAB = (("llama-3", 128256), ("llama3", 128256), ("llama", 32000), ("mixtral", 32000), ("mistral", 32000),
                 ("qwen", 151936), ("deepseek-v2", 102400), ("deepseek-v3", 129280), ("deepseek", 102400),
                 ("internlm", 103168), ("gpt", 50257), ("olmo", 50304))
