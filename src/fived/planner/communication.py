@@ -232,7 +232,8 @@ def _data_parallel(add, m: ModelConfig, L: Layout, chunks, micro: int, dtype: st
         padded = sum(b.piece for b in cut) * shards if cut else math.ceil(n / shards) * shards
         calls = max(1, len(cut))
         g = runtime.gather_bytes or WEIGHT_BYTES[dtype]
-        add("dp_shard_cp", "reduce_scatter_single", padded * r / calls, calls, "dp")
+        every = micro if L.zero == 2 and runtime.reduce_per_microbatch else 1
+        add("dp_shard_cp", "reduce_scatter_single", padded * r / calls, calls * every, "dp")
         add("dp_shard_cp", "all_gather_single", padded * g / calls, calls, "dp")
         add("dp_replicate", "all_reduce", padded // shards * r / calls, calls, "dp")
         add("dp_shard_cp", "all_reduce", NORM, 1, "dp")
