@@ -40,6 +40,8 @@ Checkpointing = Literal["none", "full", "selective"]
 Fp8Recipe = Literal["none", "tensorwise", "rowwise"]
 CompileBackend = Literal["inductor", "aot_eager", "eager"]
 LrSchedule = Literal["cosine", "wsd", "constant", "linear"]
+Optimizer = Literal["adamw", "muon"]
+MuonScale = Literal["rms", "spectral", "none"]
 Device = Literal["auto", "cpu", "cuda"]
 OnSpike = Literal["stop", "rollback"]
 RopeScaling = Literal["none", "llama3"]
@@ -145,6 +147,20 @@ class TrainConfig:
     beta2: float = option(0.95, "AdamW's beta2")
     eps: float = option(1e-8, "AdamW's epsilon")
     grad_clip: float = option(1.0, "clip the global gradient norm to this; 0: no clipping")
+    # Muon (orthogonalised momentum, fived.muon) for the hidden weight matrices (attention, feed-forward,
+    # shared and routed experts, each expert's matrix on its own), AdamW (lr, betas, eps, weight_decay
+    # above) for the embedding, head, norms and router; one lr and schedule for both
+    optimizer: Optimizer = option("adamw", "the hidden weight matrices' optimizer (muon: AdamW for the rest)")
+    muon_momentum: float = option(0.95, "Muon's momentum")
+    muon_nesterov: bool = option(True, "Muon: Nesterov momentum")
+    muon_ns_steps: int = option(5, "Muon: Newton-Schulz iterations")
+    # X <- a X + (b A + c A^2) X with A = X X^T: one "a,b,c" for every iteration (Keller Jordan's
+    # quintic), or one per iteration separated by ";"
+    muon_ns_coefficients: str = option("3.4445,-4.7750,2.0315", "Muon: the Newton-Schulz step's a,b,c (or one per step, ';')")
+    # the update of a fan_out x fan_in matrix times: rms 0.2*sqrt(max(fan_out, fan_in)) (Moonlight: AdamW's
+    # update RMS, so AdamW's lr and weight decay carry over) | spectral sqrt(max(1, fan_out/fan_in)) (Keller
+    # Jordan's Muon) | none
+    muon_scale: MuonScale = option("rms", "Muon: its update's scale (rms: AdamW's, so its lr and decay carry over)")
     # bfloat16: bf16 weights and gradients, float32 master weights and Adam state in the optimizer;
     # bfloat16-autocast: float32 weights, bf16 matmuls under autocast
     dtype: Precision = option("float32", "precision (bfloat16: float32 masters; -autocast: float32 weights)")

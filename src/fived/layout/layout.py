@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 from typing import get_args
 
-from fived.config import (Checkpointing, CompileBackend, Config, Fp8Recipe, ParallelConfig, PPSchedule, ReduceDtype,
-                          TrainConfig, ZeroStage)
+from fived.config import (Checkpointing, CompileBackend, Config, Fp8Recipe, MuonScale, Optimizer, ParallelConfig,
+                          PPSchedule, ReduceDtype, TrainConfig, ZeroStage)
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 PP_SCHEDULES = get_args(PPSchedule)
@@ -26,7 +26,10 @@ V_SHAPED = ("zbv", "dualpipev")  # two stages per rank, V-shaped
 SINGLE_STAGE = ("gpipe", "1f1b")
 SPLIT_BACKWARD = ("zero-bubble", "zbv", "dualpipev")  # backward split into input- and weight-gradient passes
 # The named groups, in the order the ledger prefers a name when two groups hold the same ranks.
-GROUP_NAMES = ("dp", "cp", "tp", "pp", "ep", "dp_shard", "dp_replicate", "dp_cp", "dp_shard_cp", "edp")
+# dp_cp_tp: every rank of one pipeline stage (Muon's exchange of whole matrices, fived.muon_plan).
+GROUP_NAMES = ("dp", "cp", "tp", "pp", "ep", "dp_shard", "dp_replicate", "dp_cp", "dp_shard_cp", "edp", "dp_cp_tp")
+OPTIMIZERS = get_args(Optimizer)  # train.optimizer (fived.optim, fived.muon)
+MUON_SCALES = get_args(MuonScale)  # train.muon_scale (fived.muon.update_scale)
 
 
 @dataclass(frozen=True)
@@ -83,7 +86,7 @@ P = ParallelConfig  # the layout fields' defaults: one source of truth, the conf
 @dataclass(frozen=True)
 class Layout:
     """A resolved `ParallelConfig` (dp a number, not -1) plus what the training config decides about the
-    layout (sequences per micro-batch, activation checkpointing): every degree of freedom the runtime
+    layout (sequences per micro-batch, activation checkpointing, the optimizer): every degree of freedom the runtime
     has, hashable, so the planner can weigh thousands of them and a planned one runs as printed.
     `etp` (expert tensor-parallel size; 0 means tp, as fived runs experts) is the planner's only field
     beyond the runtime's: Megatron-Core's MoE parallel folding, which fived cannot run yet."""
@@ -109,6 +112,7 @@ class Layout:
     micro_batch: int = 1  # sequences per micro-batch on one data-parallel rank
     checkpointing: Checkpointing = TrainConfig.activation_checkpointing
     etp: int = 0
+    optimizer: Optimizer = TrainConfig.optimizer  # muon: its state and its exchange of whole matrices are priced
 
     @property
     def world(self) -> int:
@@ -144,7 +148,7 @@ class Layout:
         t = cfg.train
         return cls(**{f.name: getattr(cfg.parallel, f.name) for f in fields(ParallelConfig)} | {
             "dp": dp, "micro_batch": max(1, t.global_batch // (max(dp, 1) * t.microbatches)),
-            "checkpointing": t.activation_checkpointing})
+            "checkpointing": t.activation_checkpointing, "optimizer": t.optimizer})
 
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(**{f.name: getattr(self, f.name) for f in fields(ParallelConfig)})
@@ -163,7 +167,7 @@ class Layout:
     def group_ranks(self, name: str, rank: int = 0) -> frozenset[int]:
         """The global ranks of `rank`'s group `name` (a GROUP_NAMES entry), as `Mesh.build` forms it."""
         varied = {"pp": "p", "dp": "rs", "dp_replicate": "r", "dp_shard": "s", "cp": "c", "tp": "t", "dp_cp": "rsc",
-                  "dp_shard_cp": "sc", "ep": "e", "edp": "d"}[name]
+                  "dp_shard_cp": "sc", "ep": "e", "edp": "d", "dp_cp_tp": "rsct"}[name]
 
         def coords(r: int) -> dict[str, int]:
             rest, t = divmod(r, self.tp)
@@ -206,6 +210,8 @@ class Layout:
         out["train.microbatches"] = self.microbatches(global_batch)
         out["train.global_batch"] = global_batch
         out["train.activation_checkpointing"] = self.checkpointing
+        if self.optimizer != TrainConfig.optimizer:
+            out["train.optimizer"] = self.optimizer
         return out
 
     def flags(self, global_batch: int) -> str:
@@ -228,6 +234,8 @@ class Layout:
         parts.append(f"mbs{self.micro_batch}")
         if self.checkpointing != "none":
             parts.append(f"ac={self.checkpointing}")
+        if self.optimizer != TrainConfig.optimizer:
+            parts.append(self.optimizer)
         return " ".join(parts)
 
     def to_dict(self) -> dict:

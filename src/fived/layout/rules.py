@@ -10,8 +10,8 @@ import math
 
 from fived.config import Config, ConfigError
 from fived.layout.bounds import number_errors
-from fived.layout.layout import (CHECKPOINTING, COMPILE_BACKENDS, FP8_RECIPES, PP_SCHEDULES, PRECISION_SPECS, SPLIT_BACKWARD,
-                                 resolve_dp, stages_per_rank)
+from fived.layout.layout import (CHECKPOINTING, COMPILE_BACKENDS, FP8_RECIPES, MUON_SCALES, OPTIMIZERS, PP_SCHEDULES,
+                                 PRECISION_SPECS, SPLIT_BACKWARD, resolve_dp, stages_per_rank)
 
 
 def nearest_multiple(value: int, base: int) -> int:
@@ -172,6 +172,10 @@ def _model_errors(cfg: Config) -> list[ConfigError]:
          "must be one of " + ", ".join(CHECKPOINTING), "e.g. --train.activation_checkpointing none"),
         (t.compile_backend in COMPILE_BACKENDS, "train.compile_backend", t.compile_backend,
          "must be one of " + ", ".join(COMPILE_BACKENDS), "e.g. --train.compile_backend inductor"),
+        (t.optimizer in OPTIMIZERS, "train.optimizer", t.optimizer, "must be one of " + ", ".join(OPTIMIZERS),
+         "e.g. --train.optimizer muon"),
+        (t.muon_scale in MUON_SCALES, "train.muon_scale", t.muon_scale, "must be one of " + ", ".join(MUON_SCALES),
+         "e.g. --train.muon_scale rms"),
         (t.steps >= 1, "train.steps", t.steps, "must be >= 1", "e.g. --steps 200"),
         (t.seq_len >= 2, "train.seq_len", t.seq_len, "must be >= 2", "e.g. --seq-len 64"),
         (t.global_batch >= 1, "train.global_batch", t.global_batch, "must be >= 1", "e.g. --global-batch 16"),

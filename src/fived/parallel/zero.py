@@ -38,7 +38,6 @@ from torch import nn
 
 from fived import comm
 from fived.layout.spec import CAST_PIECES_IN_FLIGHT, REDUCE_CHUNK_ELEMENTS, FlatBucket, flat_buckets
-from fived.optim import build_optimizer
 from fived.model import Transformer
 from fived.parallel.data_parallel import DataParallel
 
@@ -141,15 +140,16 @@ class ShardedOptimizerDataParallel(DataParallel):
                 self.segment_names.append(name)
         return segments
 
-    def build_optimizer(self) -> torch.optim.Optimizer:
+    def build_optimizer(self, placements) -> torch.optim.Optimizer:
         # A slice of a matrix is decayed like the matrix (the slices themselves are 1-D).
         decayed = {id(s) for s, decay in self.segments if decay}
-        experts = [p for _, p in self.expert_parameters()]  # not ZeRO-sharded: reduced over edp
-        decayed |= {id(p) for p in experts}
-        tensors = [s for s, _ in self.segments] + experts
+        experts = self.expert_parameters()  # not ZeRO-sharded: reduced over edp
+        decayed |= {id(p) for _, p in experts}
+        tensors = [s for s, _ in self.segments] + [p for _, p in experts]
         optimized = self.with_masters(tensors)  # bf16 runs: float32 masters of the slices, decayed alike
         decayed |= {id(m) for t, m in zip(tensors, optimized) if id(t) in decayed}
-        self.optimizer = build_optimizer(optimized, self.cfg.train, lambda p: id(p) in decayed)
+        names = self.segment_names + [n for n, _ in experts]
+        self.optimizer = self.make_optimizer(list(zip(names, optimized)), placements, lambda p: id(p) in decayed)
         return self.optimizer
 
     def before_micro_batch(self, is_last: bool) -> None:

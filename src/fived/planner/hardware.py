@@ -66,6 +66,8 @@ class Hardware:
     #   queued ahead on GPUs (0), fitted for CPU ranks
     core_share: float = 1.0  # share of a core (a device) each rank has: ranks sharing cores fill each
     #   other's pipeline idle time
+    gemm_efficiency: float = 0.0  # share of peak every matmul reaches whatever its shape (CPU ranks:
+    #   fitted by benchmarks/bench_planner_cpu.py); 0: the calibration's for `calibration`'s generation
 
 
 CATALOGUE: dict[str, Hardware] = {h.name: h for h in (
@@ -122,7 +124,7 @@ def hardware(name_or_path: str, memory_gib: float | None = None) -> Hardware:
 CPU_MEDIAN_ERROR = 13.5  # % over the benchmark's layouts (what a run printed: see README)
 CPU = Hardware("cpu", 0.105, 0.0, 10.0, 0.5, 0.5, "cpu", link_latency_s=1e-3, network_latency_s=1e-3,
                layer_overhead_s=2.25e-3, step_overhead_s=4e-3, peer_latency_s=2e-4, launch_s=2.5e-6,
-               zero3_overhead_s=4e-3)
+               zero3_overhead_s=4e-3, gemm_efficiency=0.2)
 
 
 def local_hardware(world: int) -> Hardware:

@@ -19,6 +19,7 @@ from fived.config import Config, ConfigError, ModelConfig, TrainConfig
 from fived.layout.rules import layout_errors
 from fived.layout.layout import Layout
 from fived.layout.schedule_sim import check_schedule
+from fived.planner.constants import Constants
 from fived.planner.memory import MemoryEstimate, memory_per_gpu, reserve_bytes, state_floor
 from fived.planner.runtimes import FIVED, Runtime, with_overlap
 from fived.planner.timing import Cluster, StepTime, step_time
@@ -80,20 +81,23 @@ def layout_refusal(model: ModelConfig, layout: Layout, seq_len: int, global_batc
 
 
 def evaluate(model: ModelConfig, layout: Layout, cluster: Cluster, seq_len: int, global_batch: int,
-             dtype: str = "bfloat16", runtime: Runtime = FIVED, headroom_gib: float = 0.0) -> Plan | None:
-    """The plan of one layout, None if it cannot run."""
-    if not is_valid(model, layout, seq_len, global_batch):
+             dtype: str = "bfloat16", runtime: Runtime = FIVED, headroom_gib: float = 0.0,
+             checked: bool = False, constants: Constants | None = None) -> Plan | None:
+    """The plan of one layout (None if it cannot run; `checked`: the caller already knows it can),
+    priced with `constants` (default: the shipped calibration's)."""
+    if not checked and not is_valid(model, layout, seq_len, global_batch):
         return None
-    return plan_of(model, layout, cluster, seq_len, global_batch, dtype, runtime, headroom_gib)
+    return plan_of(model, layout, cluster, seq_len, global_batch, dtype, runtime, headroom_gib, constants)
 
 
 def plan_of(model: ModelConfig, layout: Layout, cluster: Cluster, seq_len: int, global_batch: int,
-            dtype: str = "bfloat16", runtime: Runtime = FIVED, headroom_gib: float = 0.0) -> Plan:
+            dtype: str = "bfloat16", runtime: Runtime = FIVED, headroom_gib: float = 0.0,
+            constants: Constants | None = None) -> Plan:
     """The plan of a layout known to run: its memory per GPU and predicted step time."""
     hw = cluster.hardware
     memory = memory_per_gpu(model, layout, seq_len, global_batch, dtype, hw.memory_gib, runtime)
-    return Plan(layout, memory, step_time(model, layout, cluster, seq_len, global_batch, dtype, runtime),
-                capacity_bytes(hw.memory_gib, headroom_gib))
+    return Plan(layout, memory, step_time(model, layout, cluster, seq_len, global_batch, dtype, runtime,
+                                          constants=constants), capacity_bytes(hw.memory_gib, headroom_gib))
 
 
 def capacity_bytes(memory_gib: float, headroom_gib: float) -> int:
