@@ -163,3 +163,26 @@ def test_document_masked_layout_matches_reference(layout, documents):
     report = _verify(world, model, documents, **over)
     if over.get("train__eval_every"):
         assert "val_loss" in report.max_rel
+
+
+@pytest.mark.parametrize("world,over", [
+    (2, dict(parallel__cp=2)),
+    (2, dict(parallel__cp=2, parallel__cp_mode="ulysses")),
+    (4, dict(parallel__cp=4, parallel__cp_mode="ulysses")),  # 2 kv heads repeated for 4 ranks
+    (4, dict(parallel__cp=4, parallel__cp_mode="hybrid")),
+    (4, dict(parallel__cp=2, parallel__tp=2, parallel__cp_mode="ulysses", train__activation_checkpointing="full")),
+], ids=["ring", "ulysses", "ulysses4", "hybrid", "tp2-ulysses-full"])
+@pytest.mark.parametrize("masked", [True, False], ids=["documents", "causal"])
+def test_cp_traffic_is_the_planner_formula(world, over, masked, documents):
+    """Every byte the cp modes move (ring hops with their order keys, Ulysses' all-to-alls and key
+    gathers, hybrid's both), as the ledger records them, equals the planner's formula on every rank."""
+    from fived.report import expected_comm_bytes
+    from fived.testing import run_on_ranks
+    from fived.train import run_training
+
+    cfg = tiny_config("tiny", train__steps=1, parallel__dp=1, data__path=documents, data__document_mask=masked,
+                      train__global_batch=4, **over)
+    results = run_on_ranks(world, run_training, cfg, False, False)
+    for rank, r in enumerate(results):
+        measured = {k: v["bytes"] for k, v in r.comm.items()}
+        assert measured == expected_comm_bytes(cfg, world, rank), rank
