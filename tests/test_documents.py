@@ -152,6 +152,8 @@ LAYOUTS = {
                                 train__eval_every=1)),
     "ep2-cp2-moe": ("tiny-moe", 2, dict(parallel__dp=1, parallel__cp=2, parallel__ep=2)),
     "dp2-tp2-sp": ("tiny", 4, dict(parallel__dp=2, parallel__tp=2, parallel__sp=True, parallel__zero=1)),
+    "cp2-selective": ("tiny", 2, dict(parallel__dp=1, parallel__cp=2, train__activation_checkpointing="selective")),
+    "dp2-full": ("tiny", 2, dict(parallel__dp=2, train__activation_checkpointing="full", train__microbatches=2)),
 }
 
 
