@@ -35,12 +35,13 @@ def _dense_reference(q, k, v, documents, positions):
     return out.transpose(1, 2)
 
 
-@pytest.mark.parametrize("tile", [4, 512])
-def test_masked_kernel_matches_dense_mask(tile, monkeypatch):
-    monkeypatch.setattr(attention, "QUERY_TILE", tile)  # several tiles per block, and one
+@pytest.mark.parametrize("tile,packed", [(4, 2), (8, 6), (512, 128)])
+def test_masked_kernel_matches_dense_mask(tile, packed, monkeypatch):
+    monkeypatch.setattr(attention, "QUERY_TILE", tile)  # several tiles per document, and one
+    monkeypatch.setattr(attention, "PACKED_TILE", packed)
     gen = torch.Generator().manual_seed(0)
     b, s, hq, hkv, d = 3, 40, 4, 2, 8
-    tokens = (torch.rand(b, s, generator=gen) < 0.12).long()  # documents end at 1s... 
+    tokens = (torch.rand(b, s, generator=gen) < 0.12).long()  # documents end at the 1s
     tokens[1] = 1  # a row of one-token documents
     tokens[2] = 0  # a row that is one document
     documents, positions = document_structure(tokens, 1)

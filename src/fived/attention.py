@@ -9,7 +9,9 @@ Document masking: a token sees the tokens of its own document at in-document pos
 which increases along a packed sequence. `masked_block_forward`/`masked_block_backward` take a block of
 queries and one of keys, both in increasing key order, and cut the queries into tiles of QUERY_TILE;
 a tile's visible keys are one contiguous range (from its first document's start to its last query),
-found by binary search, and only that range is computed, with an explicit mask:
+found by binary search, and only that range is computed, with an explicit mask. Tiles follow the
+documents (`_query_tiles`): a tile holds one long document's queries, or several short documents'
+(up to PACKED_TILE), so the computed pairs stay close to the pairs the mask allows:
   - CPU: SDPA's CPU flash kernel with an additive mask per tile (the score matrix is never whole: a
     tile's mask is QUERY_TILE x its key range). Work follows the documents: a tile whose range is
     empty is skipped, so is a whole block (a ring step) whose keys share no document with its queries.
@@ -26,6 +28,7 @@ import torch
 
 aten = torch.ops.aten
 QUERY_TILE = 512
+PACKED_TILE = 128  # short documents' queries share a tile up to this many
 DOCUMENT_SHIFT = 32  # order key = document << 32 | position (positions < 2^32)
 
 _blockwise_depth = [0]  # > 0 while blockwise attention runs (selective checkpointing recomputes its blocks)
@@ -123,18 +126,39 @@ def order_keys(documents: torch.Tensor | None, positions: torch.Tensor, batch: i
     return positions if documents is None else (documents.long() << DOCUMENT_SHIFT) | positions
 
 
+def _query_tiles(bounds: list[int]) -> list[tuple[int, int]]:
+    """[first, end) of each query tile of one row: a long document's queries in tiles of QUERY_TILE,
+    consecutive short documents packed while the tile stays within PACKED_TILE (a packed tile computes
+    every (query, key) pair of its span, so its waste is bounded by its length)."""
+    tiles, open_at = [], 0
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end - open_at <= PACKED_TILE:
+            continue  # (the open tile grows to `end`)
+        if start > open_at:
+            tiles.append((open_at, start))
+        if end - start <= PACKED_TILE:
+            open_at = start
+            continue
+        tiles += [(t, min(t + QUERY_TILE, end)) for t in range(start, end, QUERY_TILE)]
+        open_at = end
+    if open_at < bounds[-1]:
+        tiles.append((open_at, bounds[-1]))
+    return tiles
+
+
 def _tiles(qkeys: torch.Tensor, kkeys: torch.Tensor) -> list[tuple[int, int, int, int, int]]:
-    """(row, first query, end query, first key, end key) of every query tile that sees some key."""
-    sq = qkeys.shape[1]
-    first = torch.arange(0, sq, QUERY_TILE, device=qkeys.device)
-    last = (first + QUERY_TILE).clamp(max=sq) - 1
-    lo = torch.searchsorted(kkeys, (qkeys[:, first] >> DOCUMENT_SHIFT) << DOCUMENT_SHIFT)
-    hi = torch.searchsorted(kkeys, qkeys[:, last].contiguous(), right=True)
+    """(row, first query, end query, first key, end key) of every query tile that sees some key; a
+    tile's keys run from its first query's document start to its last query."""
     out = []
-    for row, (los, his) in enumerate(zip(lo.tolist(), hi.tolist())):
-        for q0, k0, k1 in zip(first.tolist(), los, his):
-            if k1 > k0:
-                out.append((row, q0, min(q0 + QUERY_TILE, sq), k0, k1))
+    for row in range(qkeys.shape[0]):
+        docs = qkeys[row] >> DOCUMENT_SHIFT
+        bounds = [0] + (torch.nonzero(docs[1:] != docs[:-1]).flatten() + 1).tolist() + [qkeys.shape[1]]
+        tiles = _query_tiles(bounds)
+        first = torch.tensor([a for a, _ in tiles], device=qkeys.device)
+        last = torch.tensor([z - 1 for _, z in tiles], device=qkeys.device)
+        lo = torch.searchsorted(kkeys[row], (qkeys[row, first] >> DOCUMENT_SHIFT) << DOCUMENT_SHIFT).tolist()
+        hi = torch.searchsorted(kkeys[row], qkeys[row, last], right=True).tolist()
+        out += [(row, a, z, k0, k1) for (a, z), k0, k1 in zip(tiles, lo, hi) if k1 > k0]
     return out
 
 
