@@ -95,6 +95,13 @@ class RankBatches:
         self.fixed_positions = fixed_positions
         self.last_rank_work: list[int] = []  # attention work per cp rank of the last batch (document masking)
 
+    def work_spread(self) -> dict:
+        """{"cp_work_spread": the last batch's attention work on the busiest cp rank over the mean}
+        (document masking under context parallelism; else {}): for the step's record and `fived diagnose`."""
+        if not self.last_rank_work:
+            return {}
+        return {"cp_work_spread": max(self.last_rank_work) * len(self.last_rank_work) / max(sum(self.last_rank_work), 1)}
+
     def __call__(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
         inputs, targets = batch[:, :-1], batch[:, 1:]
         if self.end_of_document is None:

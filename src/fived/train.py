@@ -312,6 +312,7 @@ class Trainer:
             "peak_mem_mb": peak_memory_mb(self.device),
             "step_time_s": elapsed,
         }
+        record.update(self.batches.work_spread())  # (document masking under cp: the assignment's balance)
         if self.timer.enabled:
             record["breakdown"] = self.timer.breakdown()
         if self.cfg.model.is_moe:  # (every cp rank computed each of its sequences' whole statistic)
