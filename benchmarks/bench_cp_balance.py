@@ -10,8 +10,10 @@ machine load and waits do not count) spent in the document-masked attention bloc
 (`masked_block_forward`/`masked_block_backward`: the kernels and their tiling, the rank's attention
 work). Printed per assignment: the attention work the assignment predicts per rank
 ((query, key) pairs, `fived.documents.rank_work`), the measured attention seconds per rank (medians),
-their spread (slowest / fastest rank), the step time (the slowest rank's, median), and the step
-time ratio work / halves.
+their spread (slowest / fastest rank), the step time (wall: the slowest rank's, median) and the step's
+compute (each rank's CPU seconds in the step, the slowest rank's, median: what the step would take
+on dedicated cores, waiting for the slowest rank aside), and both ratios work / halves. On a machine
+shared with other work the wall times carry its load; the CPU seconds do not.
 
     python benchmarks/bench_cp_balance.py                         # cp 2, seq 8192, 10 timed steps
     python benchmarks/bench_cp_balance.py --cp 4 --seq 16384
@@ -59,6 +61,7 @@ class AttentionClock:
 
     def __init__(self, trainers: int):
         self.seconds = [[] for _ in range(trainers)]
+        self.step_seconds = [[] for _ in range(trainers)]  # the whole step's CPU seconds
         self.current = 0
 
     def wrap(self, fn):
@@ -74,7 +77,11 @@ class AttentionClock:
         def run(s):
             self.current = index
             self.seconds[index].append(0.0)
-            return step(s)
+            start = time.thread_time()
+            try:
+                return step(s)
+            finally:
+                self.step_seconds[index].append(time.thread_time() - start)
         return run
 
 
@@ -91,7 +98,8 @@ def rank_main(data: str, args) -> dict:
     times, _ = interleaved_steps(trainers, warmup=args.warmup, steps=args.steps)
     work = [t.batches.last_rank_work for t in trainers]
     dist.barrier()
-    return {"times": times, "attention": [s[-args.steps:] for s in clock.seconds], "work": work}
+    return {"times": times, "attention": [s[-args.steps:] for s in clock.seconds],
+            "cpu": [s[-args.steps:] for s in clock.step_seconds], "work": work}
 
 
 def main() -> int:
@@ -113,16 +121,17 @@ def main() -> int:
         data = Path(tmp) / "skewed.txt"
         write_skewed(data, args.seq, long, args.short, 4 * args.global_batch + 4)
         ranks = run_ranks(args.cp, rank_main, str(data), args, timeout_s=1800, device="cpu")
-    steps = []
+    steps, compute = [], []
     for j, balance in enumerate(BALANCES):
         work = ranks[0]["work"][j]
         seconds = [statistics.median(r["attention"][j]) for r in ranks]
         steps.append(slowest_median([r["times"][j] for r in ranks]))
+        compute.append(slowest_median([r["cpu"][j] for r in ranks]))
         print(f"  {balance:<7} predicted work per rank {', '.join(f'{w / 1e6:.1f}M' for w in work)} "
               f"(max/min {max(work) / min(work):.2f}) | attention CPU s per rank "
               f"{', '.join(f'{s:.3f}' for s in seconds)} (slowest/fastest {max(seconds) / min(seconds):.2f}) | "
-              f"step {steps[-1]:.3f} s")
-    print(f"step time work / halves: {steps[1] / steps[0]:.3f}")
+              f"step {steps[-1]:.3f} s wall, {compute[-1]:.3f} s CPU (slowest rank)")
+    print(f"work / halves: step time {steps[1] / steps[0]:.3f} (wall), {compute[1] / compute[0]:.3f} (slowest rank's CPU)")
     return 0
 
 

@@ -7,7 +7,7 @@ import torch
 from fived import attention
 from fived.config import ConfigError
 from fived.data import check_data
-from fived.documents import balanced_chunks, document_structure, local_token_index, rank_work
+from fived.documents import balanced_chunks, chunk_assignment, document_structure, local_token_index, rank_work
 from fived.model import build_model, materialize
 from fived.init import init_weights
 from fived.testing import EXACT, tiny_config, write_documents
@@ -86,12 +86,13 @@ def test_balanced_assignment():
     tokens = torch.ones(1, 1024, dtype=torch.long)
     tokens[0, 512::16] = 0
     _, positions = document_structure(tokens, 0)
-    halves, work = rank_work(positions, 2, "halves"), rank_work(positions, 2, "work")
+    halves, work = (rank_work(positions, chunk_assignment(positions, 2, b)) for b in ("halves", "work"))
     assert sum(halves) == sum(work)
     assert max(halves) / min(halves) > 2.5
     assert max(work) / min(work) < 1.1
     # every token held once, the same count per rank, each rank's in sequence order
-    held = [local_token_index(positions, 4, r, "work")[0] for r in range(4)]
+    assignment = chunk_assignment(positions, 4, "work")
+    held = [local_token_index(assignment, 1024, r)[0] for r in range(4)]
     assert sorted(torch.cat(held).tolist()) == list(range(1024))
     assert all(len(h) == 256 and torch.all(h[1:] > h[:-1]) for h in held)
     # deterministic; ties broken by chunk index

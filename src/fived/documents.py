@@ -67,20 +67,19 @@ def chunk_assignment(positions: torch.Tensor, cp: int, balance: str) -> list[lis
     return [balanced_chunks(row, cp) for row in work]
 
 
-def rank_work(positions: torch.Tensor, cp: int, balance: str) -> list[int]:
-    """Attention work ((query, key) pairs) of each cp rank's tokens, summed over the sequences."""
-    assignment = chunk_assignment(positions, cp, balance)
-    chunk = positions.shape[1] // len(assignment[0][0]) // cp
-    per_chunk = (positions + 1).reshape(positions.shape[0], -1, chunk).sum(dim=-1).tolist()
+def rank_work(positions: torch.Tensor, assignment: list[list[list[int]]]) -> list[int]:
+    """Attention work ((query, key) pairs) of each cp rank's tokens under `assignment`, summed over
+    the sequences of `positions` [b, S]."""
+    cp = len(assignment[0])
+    per_chunk = (positions + 1).reshape(positions.shape[0], cp * len(assignment[0][0]), -1).sum(dim=-1).tolist()
     return [sum(per_chunk[b][c] for b, ranks in enumerate(assignment) for c in ranks[r]) for r in range(cp)]
 
 
-def local_token_index(positions: torch.Tensor, cp: int, rank: int, balance: str) -> torch.Tensor:
+def local_token_index(assignment: list[list[list[int]]], seq_len: int, rank: int, device=None) -> torch.Tensor:
     """[b, S/cp]: the sequence indices of the tokens cp rank `rank` holds, per sequence, in order."""
-    assignment = chunk_assignment(positions, cp, balance)
-    chunk = positions.shape[1] // (cp * len(assignment[0][rank]))
+    chunk = seq_len // (len(assignment[0]) * len(assignment[0][rank]))
     rows = [torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in ranks[rank]]) for ranks in assignment]
-    return torch.stack(rows).to(positions.device)
+    return torch.stack(rows).to(device)
 
 
 class RankBatches:
@@ -110,8 +109,9 @@ class RankBatches:
             return inputs, targets, {}
         documents, positions = document_structure(inputs, self.end_of_document)
         if self.cp > 1:
-            self.last_rank_work = rank_work(positions, self.cp, self.balance)
-            index = local_token_index(positions, self.cp, self.cp_rank, self.balance)
+            assignment = chunk_assignment(positions, self.cp, self.balance)
+            self.last_rank_work = rank_work(positions, assignment)
+            index = local_token_index(assignment, positions.shape[1], self.cp_rank, positions.device)
             inputs, targets, documents, positions = (t.gather(1, index) for t in (inputs, targets, documents, positions))
         return inputs, targets, {"documents": documents, "positions": positions}
 

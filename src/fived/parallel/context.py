@@ -1,8 +1,11 @@
-"""Context parallelism: each sequence split over the cp ranks, attention computed as a ring.
+"""Context parallelism: each sequence split over the cp ranks; attention as a ring (cp_mode ring),
+by all-to-all (ulysses), or both (hybrid: Ulysses inside groups of cp_ulysses ranks, a ring across).
 
-Load balancing: a sequence is cut into 2*cp chunks and cp rank i holds chunks i and 2*cp-1-i, so
-every rank has the same amount of causal work (an early chunk sees few keys, a late one many).
-RoPE uses the tokens' global positions.
+Load balancing: without document masking a sequence is cut into 2*cp chunks and cp rank i holds chunks
+i and 2*cp-1-i, so every rank has the same amount of causal work (an early chunk sees few keys, a
+late one many); RoPE uses the tokens' global positions. With document masking the chunks are chosen
+per sequence by work (`fived.documents`) and every token comes with its document and in-document
+position (the model's `documents`, `positions`).
 
 Ring attention (forward): the rank's K/V block travels around the cp ring; at each of the cp steps
 a rank attends its queries to the block it holds, while the next block is already being received
@@ -10,12 +13,20 @@ a rank attends its queries to the block it holds, while the next block is alread
 output with log-sum-exp weights (online softmax). Because of the chunk layout every block is one
 fused attention call with no mask (see `_ring_step_blocks`): the rank's own block is causal, a block
 from an earlier rank is seen whole by all queries, a block from a later rank whole by the second
-chunk's queries only. The fused kernel (the CPU flash kernel; flash attention on CUDA in 16 bits)
-returns the log-sum-exp and never materialises the score matrix, so memory grows linearly with the
-sequence. Backward runs the ring again, the standard flash ring backward: each block's gradients
-come from the kernel's backward given the *global* output and log-sum-exp (so its probabilities are
-the final ones); K/V travel with their gradient accumulators and after a last hop every
-accumulator is home. Only q, k, v, the output and the log-sum-exp are kept.
+chunk's queries only. The fused kernel (`fived.attention`: the CPU flash kernel; flash attention on
+CUDA in 16 bits) returns the log-sum-exp and never materialises the score matrix, so memory grows
+linearly with the sequence. Backward runs the ring again, the standard flash ring backward: each
+block's gradients come from the kernel's backward given the *global* output and log-sum-exp (so its
+probabilities are the final ones); K/V travel with their gradient accumulators and after a last hop
+every accumulator is home. Only q, k, v, the output and the log-sum-exp are kept.
+
+The masked ring (document masking, and hybrid's ring across Ulysses groups, whose tokens are no
+halves layout): K/V travel with their tokens' order keys (document << 32 | position) and each block
+runs the document-masked kernel, which skips a block whose keys share no document with the queries.
+
+Ulysses (`UlyssesAttention`, exchanges in `fived.parallel.ulysses`): q, k, v are traded for the
+group's tokens of a u-th of the heads, sorted into sequence order by their gathered order keys,
+attended (causal, document-masked, or hybrid's masked ring), and sent back.
 """
 from __future__ import annotations
 
