@@ -38,7 +38,7 @@ from fived import comm
 from fived.attention import (DocumentAttention, block_backward, block_forward, blockwise, kernel_dtype,
                              masked_block_backward, masked_block_forward, order_keys)
 from fived.parallel.tensor import ReduceFromTensorParallelRegion as AllReduceSumForward
-from fived.parallel.ulysses import HeadsToSequence, SequenceToHeads, gather_keys, kv_heads_for_groups
+from fived.parallel.ulysses import gather_keys, kv_heads_for_groups, to_heads, to_sequence
 
 
 def local_positions(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
@@ -220,8 +220,7 @@ class UlyssesAttention(nn.Module):
                 positions: torch.Tensor | None = None) -> torch.Tensor:
         dtype, u = kernel_dtype(q, k, v), dist.get_world_size(self.group)
         keys = gather_keys(order_keys(documents, positions, q.shape[0]), self.group)
-        q, k, v = (SequenceToHeads.apply(t.to(dtype), self.group) for t in (q, kv_heads_for_groups(k, u),
-                                                                           kv_heads_for_groups(v, u)))
+        q, k, v = (to_heads(t.to(dtype), self.group) for t in (q, kv_heads_for_groups(k, u), kv_heads_for_groups(v, u)))
         order = keys.argsort(dim=1, stable=True)
         keys = keys.gather(1, order)
         q, k, v = (t.gather(1, order[:, :, None, None].expand_as(t)).transpose(1, 2) for t in (q, k, v))
@@ -234,7 +233,7 @@ class UlyssesAttention(nn.Module):
                                                                    enable_gqa=q.shape[1] != k.shape[1])
         out = out.transpose(1, 2)
         out = out.gather(1, order.argsort(dim=1)[:, :, None, None].expand_as(out))
-        return HeadsToSequence.apply(out, self.group)
+        return to_sequence(out, self.group)
 
 
 def apply_context_parallel(chunks: list[nn.Module], mesh, cfg) -> torch.Tensor:

@@ -35,26 +35,27 @@ def heads_to_sequence(y: torch.Tensor, group) -> torch.Tensor:
     return _all_to_all(send, group).permute(1, 2, 0, 3, 4).reshape(b, us // u, u * hh, d)
 
 
-class SequenceToHeads(torch.autograd.Function):
+class Exchange(torch.autograd.Function):
+    """`forward(x, group)` whose gradient goes back by `backward(grad, group)` (its inverse exchange)."""
+
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return sequence_to_heads(x, group)
+    def forward(ctx, x, group, forward, backward):
+        ctx.group, ctx.inverse = group, backward
+        return forward(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return heads_to_sequence(grad, ctx.group), None
+        return ctx.inverse(grad, ctx.group), None, None, None
 
 
-class HeadsToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y, group):
-        ctx.group = group
-        return heads_to_sequence(y, group)
+def to_heads(x: torch.Tensor, group) -> torch.Tensor:
+    """`sequence_to_heads` with autograd (backward: `heads_to_sequence`)."""
+    return Exchange.apply(x, group, sequence_to_heads, heads_to_sequence)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return sequence_to_heads(grad, ctx.group), None
+
+def to_sequence(y: torch.Tensor, group) -> torch.Tensor:
+    """`heads_to_sequence` with autograd (backward: `sequence_to_heads`)."""
+    return Exchange.apply(y, group, heads_to_sequence, sequence_to_heads)
 
 
 def gather_keys(keys: torch.Tensor, group) -> torch.Tensor:
