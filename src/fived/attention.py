@@ -9,15 +9,17 @@ Document masking: a token sees the tokens of its own document at in-document pos
 which increases along a packed sequence. `masked_block_forward`/`masked_block_backward` take a block of
 queries and one of keys, both in increasing key order, and cut the queries into tiles of QUERY_TILE;
 a tile's visible keys are one contiguous range (from its first document's start to its last query),
-found by binary search, and only that range is computed, with an explicit mask. Tiles follow the
-documents (`_query_tiles`): a tile holds one long document's queries, or several short documents'
-(up to PACKED_TILE), so the computed pairs stay close to the pairs the mask allows:
+found by binary search, and only that range is computed. Tiles follow the documents
+(`_query_tiles`): a tile holds one long document's queries, or several short documents' (up to
+PACKED_TILE), so the computed pairs stay close to the pairs the mask allows. A tile inside one
+document sees the keys up to its first query whole (one unmasked fused call) and needs a mask only
+for the rest (`_pieces`); the explicit masks are thus about a tile square:
   - CPU: SDPA's CPU flash kernel with an additive mask per tile (the score matrix is never whole: a
     tile's mask is QUERY_TILE x its key range). Work follows the documents: a tile whose range is
     empty is skipped, so is a whole block (a ring step) whose keys share no document with its queries.
-  - CUDA: the reference path below per tile (explicit scores, any dtype). A fused CUDA kernel for
-    document masks (flex attention's block masks, varlen flash) is not wired in: no GPU here to
-    verify it against this reference.
+  - CUDA: the unmasked pieces on `block_forward`'s kernels, the masked ones on the reference path
+    below (explicit scores, any dtype). A fused CUDA kernel for document masks (flex attention's
+    block masks, varlen flash) is not wired in: no GPU here to verify it against this reference.
 Rows that see no key in a block get output 0 and log-sum-exp -inf, so merging the block is a no-op.
 """
 from __future__ import annotations
@@ -146,9 +148,11 @@ def _query_tiles(bounds: list[int]) -> list[tuple[int, int]]:
     return tiles
 
 
-def _tiles(qkeys: torch.Tensor, kkeys: torch.Tensor) -> list[tuple[int, int, int, int, int]]:
-    """(row, first query, end query, first key, end key) of every query tile that sees some key; a
-    tile's keys run from its first query's document start to its last query."""
+def _pieces(qkeys: torch.Tensor, kkeys: torch.Tensor) -> list[tuple[int, int, int, int, int, bool]]:
+    """(row, first query, end query, first key, end key, masked) of every kernel call: each query tile
+    that sees some key, its keys running from its first query's document start to its last query. A
+    tile inside one document splits in two: the keys at or before its first query's position, which
+    every query of the tile sees (no mask), and the rest (masked; about the tile's own length)."""
     out = []
     for row in range(qkeys.shape[0]):
         docs = qkeys[row] >> DOCUMENT_SHIFT
@@ -157,8 +161,15 @@ def _tiles(qkeys: torch.Tensor, kkeys: torch.Tensor) -> list[tuple[int, int, int
         first = torch.tensor([a for a, _ in tiles], device=qkeys.device)
         last = torch.tensor([z - 1 for _, z in tiles], device=qkeys.device)
         lo = torch.searchsorted(kkeys[row], (qkeys[row, first] >> DOCUMENT_SHIFT) << DOCUMENT_SHIFT).tolist()
+        mid = torch.searchsorted(kkeys[row], qkeys[row, first], right=True).tolist()
         hi = torch.searchsorted(kkeys[row], qkeys[row, last], right=True).tolist()
-        out += [(row, a, z, k0, k1) for (a, z), k0, k1 in zip(tiles, lo, hi) if k1 > k0]
+        one_document = (docs[first] == docs[last]).tolist()
+        for (a, z), k0, km, k1, whole in zip(tiles, lo, mid, hi, one_document):
+            km = min(max(km, k0), k1) if whole else k0
+            if km > k0:
+                out.append((row, a, z, k0, km, False))
+            if k1 > km:
+                out.append((row, a, z, km, k1, True))
     return out
 
 
@@ -172,23 +183,38 @@ def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, float("-inf"))
 
 
+def _accumulate(out, lse, o, l) -> None:
+    """Fold a piece's (output, log-sum-exp) into the running ones, in place; rows that have seen no
+    key yet carry -inf and output 0, and stay so when the piece shows them none either."""
+    new = torch.logaddexp(lse, l)
+    safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
+    out.mul_(torch.exp(lse - safe)[..., None]).add_(o * torch.exp(l - safe)[..., None])
+    lse.copy_(new)
+
+
 def masked_block_forward(q, k, v, qkeys, kkeys, scale: float):
     """(output in at least float32, log-sum-exp) of q [b, hq, sq, d] attending to k, v [b, hkv, sk, d]
     under the document mask of the order keys qkeys [b, sq], kkeys [b, sk] (each increasing)."""
     acc = torch.promote_types(q.dtype, torch.float32)
-    out = torch.zeros(q.shape, dtype=acc, device=q.device)
+    b, h, s, d = q.shape
+    # [b, s, h, d] storage, so the caller's transpose back and reshape for wo is a view
+    out = torch.zeros((b, s, h, d), dtype=acc, device=q.device).transpose(1, 2)
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
-    for row, q0, q1, k0, k1 in _tiles(qkeys, kkeys):
-        allowed = _visible(qkeys[row, q0:q1], kkeys[row, k0:k1])
-        mask = _additive(allowed, q.dtype)
+    for row, q0, q1, k0, k1, masked in _pieces(qkeys, kkeys):
         args = (q[row:row + 1, :, q0:q1], k[row:row + 1, :, k0:k1], v[row:row + 1, :, k0:k1])
-        if q.device.type == "cpu":
-            o, l = aten._scaled_dot_product_flash_attention_for_cpu(*args, 0.0, False, attn_mask=mask, scale=scale)
+        if not masked:
+            o, l = block_forward(*args, False, scale)
         else:
-            o, l = reference_block_forward(*args, False, scale, mask)
-        seen = allowed.any(dim=-1)
-        out[row, :, q0:q1] = o[0].masked_fill(~seen[None, :, None], 0.0)
-        lse[row, :, q0:q1] = l[0].masked_fill(~seen[None, :], float("-inf"))
+            allowed = _visible(qkeys[row, q0:q1], kkeys[row, k0:k1])
+            if q.device.type == "cpu":
+                o, l = aten._scaled_dot_product_flash_attention_for_cpu(*args, 0.0, False,
+                                                                        attn_mask=_additive(allowed, q.dtype),
+                                                                        scale=scale)
+            else:
+                o, l = reference_block_forward(*args, False, scale, _additive(allowed, q.dtype))
+            seen = allowed.any(dim=-1)
+            o, l = o.masked_fill(~seen[None, None, :, None], 0.0), l.masked_fill(~seen[None, None, :], float("-inf"))
+        _accumulate(out[row, :, q0:q1], lse[row, :, q0:q1], o[0], l[0])
     return out, lse
 
 
@@ -197,14 +223,18 @@ def masked_block_backward(dout, q, k, v, out, lse, qkeys, kkeys, scale: float):
     log-sum-exp of these queries."""
     acc = torch.promote_types(q.dtype, torch.float32)
     dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (q, k, v))
-    for row, q0, q1, k0, k1 in _tiles(qkeys, kkeys):
-        mask = _additive(_visible(qkeys[row, q0:q1], kkeys[row, k0:k1]), q.dtype)
+    for row, q0, q1, k0, k1, masked in _pieces(qkeys, kkeys):
         rows, keys = (slice(row, row + 1), slice(None), slice(q0, q1)), (slice(row, row + 1), slice(None), slice(k0, k1))
         args = (dout[rows], q[rows], k[keys], v[keys], out[rows], lse[rows])
-        if q.device.type == "cpu":
-            g = aten._scaled_dot_product_flash_attention_for_cpu_backward(*args, 0.0, False, attn_mask=mask, scale=scale)
+        if not masked:
+            g = block_backward(*args, False, scale)
         else:
-            g = reference_block_backward(*args, False, scale, mask)
+            mask = _additive(_visible(qkeys[row, q0:q1], kkeys[row, k0:k1]), q.dtype)
+            if q.device.type == "cpu":
+                g = aten._scaled_dot_product_flash_attention_for_cpu_backward(*args, 0.0, False, attn_mask=mask,
+                                                                              scale=scale)
+            else:
+                g = reference_block_backward(*args, False, scale, mask)
         dq[rows] += g[0]
         dk[keys] += g[1]
         dv[keys] += g[2]

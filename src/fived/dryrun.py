@@ -163,7 +163,7 @@ def block_activations(built: RankModel, cfg: Config, layout: Layout, blocks: int
         with autocast, built.plan.forward_context(ledger):
             x = h
             for _, _, block in chosen:
-                x = block(x, cos, sin, None, positions)
+                x = block(x, cos, sin)
         ledger.stop()
         x.float().sum().backward()
     ids = [lid for _, lid, _ in chosen]

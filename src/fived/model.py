@@ -274,8 +274,9 @@ class Transformer(nn.Module):
             positions = torch.arange(seq_len, device=h.device)
         positions = positions.to(h.device)
         cos, sin = rope_cos_sin(positions, self.cfg, h.dtype)
+        masked = (documents, positions) if documents is not None else ()  # (the mask's data, when there is one)
         for layer in self.layers.values():
-            h = layer(h, cos, sin, documents, positions)
+            h = layer(h, cos, sin, *masked)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 

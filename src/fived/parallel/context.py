@@ -38,7 +38,7 @@ from fived import comm
 from fived.attention import (DocumentAttention, block_backward, block_forward, blockwise, kernel_dtype,
                              masked_block_backward, masked_block_forward, order_keys)
 from fived.parallel.tensor import ReduceFromTensorParallelRegion as AllReduceSumForward
-from fived.parallel.ulysses import gather_keys, kv_heads_for_groups, to_heads, to_sequence
+from fived.parallel.ulysses import Reorder, gather_keys, kv_heads_for_groups, to_heads, to_sequence
 
 
 def local_positions(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
@@ -212,18 +212,20 @@ class UlyssesAttention(nn.Module):
     attended: causal, or document-masked, or — hybrid — by the masked ring across the groups in
     `ring` (each ring rank the same heads); the output goes back to its tokens."""
 
-    def __init__(self, group, ring=None):
+    def __init__(self, group, positions: torch.Tensor, ring=None):
+        """`positions`: the rank's tokens' positions in the halves layout (without document masking)."""
         super().__init__()
-        self.group, self.ring = group, ring
+        self.group, self.ring, self.positions = group, ring, positions
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
         dtype, u = kernel_dtype(q, k, v), dist.get_world_size(self.group)
+        positions = (self.positions if documents is None else positions).to(q.device)
         keys = gather_keys(order_keys(documents, positions, q.shape[0]), self.group)
         q, k, v = (to_heads(t.to(dtype), self.group) for t in (q, kv_heads_for_groups(k, u), kv_heads_for_groups(v, u)))
         order = keys.argsort(dim=1, stable=True)
         keys = keys.gather(1, order)
-        q, k, v = (t.gather(1, order[:, :, None, None].expand_as(t)).transpose(1, 2) for t in (q, k, v))
+        q, k, v = (Reorder.apply(t, order).transpose(1, 2) for t in (q, k, v))
         if self.ring is not None:
             out = ring_attention(q, k, v, keys, self.ring)
         elif documents is not None:
@@ -231,9 +233,7 @@ class UlyssesAttention(nn.Module):
         else:
             out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                                    enable_gqa=q.shape[1] != k.shape[1])
-        out = out.transpose(1, 2)
-        out = out.gather(1, order.argsort(dim=1)[:, :, None, None].expand_as(out))
-        return to_sequence(out, self.group)
+        return to_sequence(Reorder.apply(out.transpose(1, 2), order.argsort(dim=1)), self.group)
 
 
 def apply_context_parallel(chunks: list[nn.Module], mesh, cfg) -> torch.Tensor:
@@ -249,9 +249,9 @@ def apply_context_parallel(chunks: list[nn.Module], mesh, cfg) -> torch.Tensor:
             if mode == "ring":
                 block.attention.core = RingAttention(group)
             elif mode == "ulysses":
-                block.attention.core = UlyssesAttention(group)
+                block.attention.core = UlyssesAttention(group, positions)
             else:
-                block.attention.core = UlyssesAttention(mesh.group("cp_ulysses"), ring=mesh.group("cp_ring"))
+                block.attention.core = UlyssesAttention(mesh.group("cp_ulysses"), positions, ring=mesh.group("cp_ring"))
             moe = block.feed_forward
             if hasattr(moe, "reduce_sequence_stats"):
                 moe.reduce_sequence_stats = lambda t, g=group: AllReduceSumForward.apply(t, g)

@@ -58,6 +58,24 @@ def to_sequence(y: torch.Tensor, group) -> torch.Tensor:
     return Exchange.apply(y, group, heads_to_sequence, sequence_to_heads)
 
 
+def _take(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    return x.gather(1, order.view(order.shape + (1,) * (x.dim() - 2)).expand_as(x))
+
+
+class Reorder(torch.autograd.Function):
+    """x [b, n, ...] with each row's tokens in `order` [b, n]; keeps only the order for backward."""
+
+    @staticmethod
+    def forward(ctx, x, order):
+        ctx.save_for_backward(order)
+        return _take(x, order)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (order,) = ctx.saved_tensors
+        return _take(grad, order.argsort(dim=1)), None
+
+
 def gather_keys(keys: torch.Tensor, group) -> torch.Tensor:
     """[b, s] order keys of this rank's tokens -> [b, u*s] of the group's, rank-major."""
     u = dist.get_world_size(group)
