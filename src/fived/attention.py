@@ -14,9 +14,10 @@ found by binary search, and only that range is computed. Tiles follow the docume
 PACKED_TILE), so the computed pairs stay close to the pairs the mask allows. A tile inside one
 document sees the keys up to its first query whole (one unmasked fused call) and needs a mask only
 for the rest (`_pieces`); the explicit masks are thus about a tile square:
-  - CPU: SDPA's CPU flash kernel with an additive mask per tile (the score matrix is never whole: a
-    tile's mask is QUERY_TILE x its key range). Work follows the documents: a tile whose range is
-    empty is skipped, so is a whole block (a ring step) whose keys share no document with its queries.
+  - CPU: SDPA's CPU flash kernel, unmasked or with an additive mask of its piece's size (never the
+    whole score matrix; recomputed in backward, never kept). Work follows the documents: a tile whose
+    range is empty is skipped, so is a whole block (a ring step) whose keys share no document with
+    its queries.
   - CUDA: the unmasked pieces on `block_forward`'s kernels, the masked ones on the reference path
     below (explicit scores, any dtype). A fused CUDA kernel for document masks (flex attention's
     block masks, varlen flash) is not wired in: no GPU here to verify it against this reference.
