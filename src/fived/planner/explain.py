@@ -60,7 +60,7 @@ def _cp_mode_name(layout) -> str:
 
 
 def _cp_mode_note(winner: Plan, model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int, dtype: str,
-                  runtime: Runtime) -> list[str]:
+                  runtime: Runtime, headroom_gib: float) -> list[str]:
     """Why the winner's context parallelism is a ring, Ulysses or hybrid: its exposed cp time against
     the same layout's in every other mode the heads allow."""
     L = winner.layout
@@ -72,7 +72,7 @@ def _cp_mode_note(winner: Plan, model: ModelConfig, cluster: Cluster, seq_len: i
         other = L.with_(cp_mode=mode, cp_ulysses=u)
         if other == L:
             continue
-        plan = evaluate(model, other, cluster, seq_len, global_batch, dtype, runtime)
+        plan = evaluate(model, other, cluster, seq_len, global_batch, dtype, runtime, headroom_gib)
         if plan is not None:
             lines.append(f"    {_cp_mode_name(other)}: {plan.time.cp:.3g} s exposed, step "
                          f"{(plan.time.total / winner.time.total - 1) * 100:+.1f}%"
@@ -142,7 +142,7 @@ def report(search: Search, model: ModelConfig, cluster: Cluster, seq_len: int, g
               f"  step {w.time.total:.3g} s = {_time_parts(w)}",
               f"  memory {_gib(w.memory.total)} of {hw.memory_gib:g} GiB = {_memory_parts(w)}",
               "  links: " + ("; ".join(_link_notes(w, cluster)) or "single GPU"),
-              *_cp_mode_note(w, model, cluster, seq_len, global_batch, dtype, runtime),
+              *_cp_mode_note(w, model, cluster, seq_len, global_batch, dtype, runtime, headroom_gib),
               "  basis: " + "\n         ".join(basis(model, cluster, runtime, w.layout, seq_len)),
               "runners-up (the best plan deciding one thing differently):"]
     for d, values, p in runners_up(search):
