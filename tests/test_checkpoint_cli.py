@@ -50,6 +50,7 @@ def test_resume_with_another_layout_continues_the_log(saved_run, tmp_path):
     (["--global-batch", "16"], "train.global_batch=16"),
     (["--seed", "3"], "train.seed=3"),
     (["--steps", "6"], "train.steps=6"),  # nothing left to train (step 6 of 6)
+    (["--train.optimizer", "muon"], "train.optimizer=muon"),  # the checkpoint holds AdamW's state
 ])
 def test_resume_refuses_in_one_line(saved_run, args, field, capsys):
     assert main(["train", "--resume", str(saved_run), *args]) == 2

@@ -99,3 +99,25 @@ def test_a_failing_rank_fails_fast():
 
     with pytest.raises(RankFailed, match="rank one fails"):
         run_on_ranks(2, body, timeout_s=30)
+
+
+def test_a_rendezvous_port_taken_before_it_is_bound_is_tried_again(monkeypatch):
+    """Another process may take the chosen port before rank 0 binds it (many runs on one machine):
+    nothing has run yet, so the launcher tries another port instead of failing."""
+    import socket
+
+    from fived import launch
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        ports = [taken.getsockname()[1]]
+        free = launch._free_port
+        monkeypatch.setattr(launch, "_free_port", lambda: ports.pop() if ports else free())
+
+        def body():
+            dist.barrier()
+            return dist.get_rank()
+
+        assert run_on_ranks(2, body, timeout_s=30) == [0, 1]
+        assert not ports  # (the taken port was handed out first)

@@ -130,6 +130,24 @@ def test_fp8_rules(monkeypatch):
     with pytest.raises(ConfigError, match=r"^train.fp8=rowwise: needs torchao; pip install 'fived\[fp8\]'$"):
         check_config(tiny_config("tiny", train__fp8="rowwise", train__dtype="bfloat16"), 1)
     check_config(tiny_config("tiny", train__dtype="bfloat16"), 1)  # (without FP8 torchao is not needed)
+    monkeypatch.undo()
+    tp_fp8 = dict(train__fp8="rowwise", train__dtype="bfloat16", parallel__tp=2, parallel__sp=True)
+    with pytest.raises(ConfigError, match=r"^parallel.tp_overlap=True: cannot run with train.fp8=rowwise yet"):
+        check_config(tiny_config("tiny", parallel__tp_overlap=True, **tp_fp8), 2)
+    check_config(tiny_config("tiny", **tp_fp8), 2)
+
+
+def test_the_planner_recommends_no_tp_overlap_with_fp8():
+    from fived.config import model_preset
+    from fived.planner.hardware import hardware
+    from fived.planner.runtimes import PLANNED_RUNTIMES
+    from fived.planner.search import plan
+    from fived.planner.timing import Cluster
+
+    search = plan(model_preset("llama3-8b"), Cluster(hardware("h100"), 16, 8), 8192, 128, "bfloat16",
+                  PLANNED_RUNTIMES["fived-fp8"])
+    with_tp = [p.layout for p in search.plans if p.layout.tp > 1]
+    assert with_tp and not any(layout.tp_overlap for layout in with_tp)
 
 
 def test_the_planner_prices_fp8_gemms_for_a_run_with_fp8():

@@ -46,6 +46,24 @@ def test_with_pipeline_schedules(schedule, virtual):
             parallel__pp_schedule=schedule, parallel__pp_virtual=virtual)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("sp", [False, True])
+def test_split_backward_runs_each_tp_collective_once(sp, overlap):
+    """zero-bubble's input and weight passes both reach a region's backward (and unpack its saved
+    tensors): the overlapped regions compute only each pass's own gradients, the plain regions'
+    re-gathered inputs serve both passes, so every tp collective runs as often (and moves as many
+    bytes) as under interleaved-1f1b."""
+    def tp_comm(schedule):
+        cfg = tiny_config("tiny", parallel__dp=1, parallel__tp=2, parallel__pp=2, parallel__sp=sp, train__steps=1,
+                          parallel__tp_overlap=overlap, train__microbatches=2, parallel__pp_schedule=schedule,
+                          parallel__pp_virtual=2)
+        return [{k: v for k, v in res.comm.items() if k.startswith("tp/")}
+                for res in run_on_ranks(4, run_training, cfg, False, False)]
+
+    interleaved, split = tp_comm("interleaved-1f1b"), tp_comm("zero-bubble")
+    assert all(ranks for ranks in interleaved) and split == interleaved
+
+
 def test_with_context_parallel_and_zero3():
     _verify(4, "tiny", parallel__dp=1, parallel__cp=2, parallel__tp=2, parallel__sp=True, parallel__zero=3)
 

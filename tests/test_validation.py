@@ -74,6 +74,14 @@ CASES = [
     (["verify", "--dp", "4", "--dp-replicate", "2"], "parallel.dp_replicate", "need a sharded stage"),
     (["verify", "--dtype", "bfloat16", "--parallel.reduce_dtype", "float16"], "parallel.reduce_dtype",
      "must be float32 or bfloat16"),
+    (["train", "--train.optimizer", "sgd"], "train.optimizer", "must be one of adamw, muon"),
+    (["train", "--train.optimizer", "muon", "--train.muon_scale", "unit"], "train.muon_scale", "must be one of"),
+    (["train", "--train.optimizer", "muon", "--train.muon_ns_coefficients", "3.4,-4.7"],
+     "train.muon_ns_coefficients", "must be one finite 'a,b,c'"),
+    (["train", "--train.muon_ns_steps", "3", "--train.muon_ns_coefficients", "3,-4,2;3,-4,2"],
+     "train.muon_ns_coefficients", "train.muon_ns_steps=3 of them"),
+    (["train", "--train.optimizer", "muon", "--train.muon_momentum", "1"], "train.muon_momentum", "must be in [0, 1)"),
+    (["train", "--train.muon_ns_steps", "0"], "train.muon_ns_steps", "must be >= 1"),
 ]
 
 

@@ -7,7 +7,7 @@ from fived.model import build_model
 from fived.report import expected_comm_bytes, expected_state_bytes
 from fived.testing import EXACT, run_on_ranks, tiny_config
 from fived.train import run_training
-from fived.verify import run_verify
+from fived.verify import compare, reference_config, run_verify
 
 
 def _quiet(*_):
@@ -176,6 +176,49 @@ def test_overlapped_zero12_matches_reference(over):
     assert report.max_relative_difference <= EXACT, report.max_rel
 
 
+class _LandsAtWait:
+    """An all-gather's result reaching its output only at wait(), as on a GPU, where the gather runs
+    on another stream and nothing orders a read of the output before the wait (gloo's finish before
+    anyone looks, which would hide a read of stale weights)."""
+
+    def __init__(self, work, output, received):
+        self.work, self.output, self.received = work, output, received
+
+    def wait(self):
+        self.work.wait()
+        self.output.copy_(self.received)
+        return True
+
+
+def _train_with_gathers_landing_at_wait(cfg):
+    from fived import comm
+
+    issue = comm.all_gather_single
+
+    def all_gather_single(output, input, group, *, async_op=False, role=None):
+        if not async_op:
+            return issue(output, input, group, role=role)
+        received = torch.empty_like(output)  # (the real collective, into a buffer of its own)
+        return _LandsAtWait(issue(received, input, group, async_op=True, role=role), output, received)
+
+    comm.all_gather_single = all_gather_single
+    return run_training(cfg, False, False, True)
+
+
+@pytest.mark.parametrize("over", [dict(parallel__tp=2, parallel__sp=True, parallel__tp_overlap=True),
+                                  dict(train__compile=True, train__compile_backend="aot_eager")],
+                         ids=["tp-overlap", "compiled"])
+def test_overlapped_gathers_are_waited_for_before_any_weight_is_read(over):
+    """With overlap_param_gather every module waits for its weights' buckets, including code that
+    reads its submodules' weights (tp_overlap's fused regions) and compiled blocks: exact even when
+    each gather lands only at its wait."""
+    cfg = tiny_config("tiny", train__steps=3, parallel__dp=2, parallel__zero=1, **OVERLAP, **over)
+    reference = run_on_ranks(1, run_training, reference_config(cfg), False, False, True)[0]
+    for result in run_on_ranks(4 if cfg.parallel.tp > 1 else 2, _train_with_gathers_landing_at_wait, cfg):
+        report = compare(reference, result)
+        assert report.max_relative_difference <= EXACT, report.max_rel
+
+
 def _launches(cfg):
     """Train; return the number of ZeRO buckets, each launch (bucket, while a backward was armed), the result."""
     from fived.train import Trainer
@@ -203,6 +246,17 @@ def test_overlapped_buckets_reduce_during_backward(zero):
         assert res.comm["dp/reduce_scatter_single"]["calls"] == buckets == res.comm["dp/all_gather_single"]["calls"]
         assert {k: v["bytes"] for k, v in res.comm.items()} == expected_comm_bytes(cfg, 4)
         assert res.memory == expected_state_bytes(cfg, 4, rank=rank)
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_overlapped_bf16_hsdp_sums_in_float32_and_bytes_are_the_formula(zero):
+    """bf16 gradients reduced in float32 pieces while backward runs (two in flight at most): the
+    HSDP replicas' sum is in float32 too, as without overlap, and every byte is the formula's."""
+    cfg = tiny_config("tiny", parallel__dp=4, parallel__dp_replicate=2, parallel__zero=zero, train__steps=1,
+                      train__dtype="bfloat16", train__microbatches=2, **OVERLAP)
+    for res in run_on_ranks(4, run_training, cfg, False, False):
+        assert res.comm["dp_replicate/all_reduce"]["calls"] > 1
+        assert {k: v["bytes"] for k, v in res.comm.items()} == expected_comm_bytes(cfg, 4)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b", "zero-bubble"])

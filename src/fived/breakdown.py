@@ -9,7 +9,7 @@ steps after the first (the first builds the schedule, allocates and warms up). T
     tp, cp, ep (exposed collectives)           tp, cp, ep
     dp = dp, dp_cp, dp_shard(_cp), dp_replicate, edp collectives   dp
     bubble = the schedule's waits (P2P included) + pp collectives   bubble + pp
-    optimizer                                  optimizer
+    optimizer (with Muon's exchange)           optimizer
     overhead = data + logging + checkpoint + other                 overhead - layer_host
 """
 from __future__ import annotations
@@ -54,7 +54,7 @@ def compared(measured: dict) -> dict[str, float]:
     out = {"compute": sum(c.get(k, 0.0) for k in ("forward", "backward", "recompute")),
            "tp": dims.pop("tp", 0.0), "cp": dims.pop("cp", 0.0), "ep": dims.pop("ep", 0.0),
            "dp": sum(dims.pop(g, 0.0) for g in DP_GROUPS), "bubble": c.get("bubble", 0.0) + dims.pop("pp", 0.0),
-           "optimizer": c.get("optimizer", 0.0)}
+           "optimizer": c.get("optimizer", 0.0) + dims.pop("optimizer", 0.0)}  # (Muon's exchange)
     out["overhead"] = sum(c.get(k, 0.0) for k in ("data", "logging", "checkpoint", "other")) + sum(dims.values())
     return out
 

@@ -125,6 +125,20 @@ class TrainConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0  # 0 disables clipping
+    # adamw | muon: Muon (orthogonalised momentum, fived.muon) for the hidden weight matrices (attention,
+    # feed-forward, shared and routed experts, each expert's matrix on its own), AdamW (lr, betas, eps,
+    # weight_decay above) for the embedding, head, norms and router; one lr and schedule for both
+    optimizer: str = "adamw"
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = True
+    muon_ns_steps: int = 5  # Newton-Schulz iterations
+    # X <- a X + (b A + c A^2) X with A = X X^T: one "a,b,c" for every iteration (Keller Jordan's quintic),
+    # or one per iteration separated by ";"
+    muon_ns_coefficients: str = "3.4445,-4.7750,2.0315"
+    # the update of a fan_out x fan_in matrix times: rms 0.2*sqrt(max(fan_out, fan_in)) (Moonlight: AdamW's
+    # update RMS, so AdamW's lr and weight decay carry over) | spectral sqrt(max(1, fan_out/fan_in)) (Keller
+    # Jordan's Muon) | none
+    muon_scale: str = "rms"
     # float32 | bfloat16 (bf16 weights and gradients, float32 master weights and Adam state in the
     # optimizer) | bfloat16-autocast (float32 weights, bf16 matmuls under autocast) | float64
     dtype: str = "float32"

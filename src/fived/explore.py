@@ -20,6 +20,7 @@ from fived.layout.schedule_sim import n_stages_of, pipeline_profile, schedule_ti
 from fived.planner.communication import group_span, step_collectives
 from fived.planner.layer_map import activations, pipeline_ranks, replica_weights
 from fived.layout.stages import rank_chunks, rank_stages
+from fived.planner.runtimes import PLANNED_RUNTIMES, Runtime
 from fived.planner.search import evaluate, layout_refusal
 from fived.planner.timing import Cluster, in_node
 
@@ -84,13 +85,17 @@ def replica_members(layout: Layout, group: str) -> tuple[list[int], int]:
     return inside, len(ranks) - len(inside)
 
 
+# the runtime the page prices, as `fived plan` (and `fived plan --layout`) does by default
+DEFAULT_RUNTIME = PLANNED_RUNTIMES["fived"]
+
+
 def price(model: ModelConfig, layout: Layout, cluster: Cluster, seq_len: int, global_batch: int,
-          dtype: str = "bfloat16", headroom_gib: float = 0.0) -> dict:
+          dtype: str = "bfloat16", headroom_gib: float = 0.0, runtime: Runtime = DEFAULT_RUNTIME) -> dict:
     """The page's entry for one layout: {"error": reason} or the planner's figures."""
     reason = layout_refusal(model, layout, seq_len, global_batch)
     if reason:
         return {"error": str(reason)}
-    plan = evaluate(model, layout, cluster, seq_len, global_batch, dtype, headroom_gib=headroom_gib, checked=True)
+    plan = evaluate(model, layout, cluster, seq_len, global_batch, dtype, runtime, headroom_gib, checked=True)
     gib, step = plan.memory.gib(), plan.time.to_dict()
     micro = layout.microbatches(global_batch)
     return {"memory": [gib[k] for k in MEMORY_PARTS], "time": [step[k] for k in TIME_PARTS],

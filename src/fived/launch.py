@@ -87,6 +87,17 @@ def shutdown_distributed() -> None:
         dist.destroy_process_group()
 
 
+class PortTaken(RuntimeError):
+    """The rendezvous port was taken by another process between being chosen and bound: nothing ran
+    yet, so the launcher tries again on another port."""
+
+    def summary(self) -> dict:
+        return {"kind": "port_taken", "line": str(self).splitlines()[0]}
+
+
+PORT_ATTEMPTS = 3
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -110,7 +121,12 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, timeout_s: float,
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     code = 0
     try:
-        init_distributed(timeout_s, device)
+        try:
+            init_distributed(timeout_s, device)
+        except RuntimeError as e:  # (torch's DistNetworkError)
+            if "EADDRINUSE" in str(e):
+                raise PortTaken(f"port {port} taken by another process before rank {rank} bound it") from e
+            raise
         result = ("ok", fn(*args), time.time(), None)
     except BaseException as e:  # report every failure to the parent, whatever it is
         summary = e.summary() if hasattr(e, "summary") else refused_write_summary(e)
@@ -189,7 +205,17 @@ def run_ranks(world: int, fn: Callable, *args: Any, timeout_s: float = 600.0,
     cuda = device_type(device) == "cuda"
     if cuda and world > torch.cuda.device_count():
         raise RankFailed(f"{world} ranks need {world} GPUs; this machine has {torch.cuda.device_count()}")
-    ctx = mp.get_context("spawn" if cuda else "fork")
+    for attempt in range(PORT_ATTEMPTS):
+        try:
+            return _launch(world, fn, args, timeout_s, deadline_s, device, grace_s)
+        except RankFailed as failed:
+            if attempt + 1 == PORT_ATTEMPTS or failed.line_of("port_taken") is None:
+                raise
+
+
+def _launch(world: int, fn: Callable, args: tuple, timeout_s: float, deadline_s: float | None, device: str,
+            grace_s: float) -> list[Any]:
+    ctx = mp.get_context("spawn" if device_type(device) == "cuda" else "fork")
     port = _free_port()
     with tempfile.TemporaryDirectory(prefix="fived-ranks-") as out_dir:
         procs = [ctx.Process(target=_rank_main, args=(r, world, port, out_dir, timeout_s, device, fn, args), daemon=False)

@@ -49,7 +49,7 @@ class Mesh:
 
     `Mesh.build` needs an initialised default process group; sub-meshes and groups are taken by name:
     pp, dp (= dp_replicate x dp_shard, flattened), dp_replicate, dp_shard, cp, tp, dp_cp, dp_shard_cp,
-    and the expert mesh's ep and edp."""
+    dp_cp_tp (a pipeline stage's ranks), and the expert mesh's ep and edp."""
 
     def __init__(self, layout: Layout | None = None, **sizes):
         self.layout = layout if layout is not None else Layout(**sizes)
@@ -99,7 +99,9 @@ class Mesh:
                 mesh_dim_names=cp_dims, backend_override={name: override for name in cp_dims} if override else None)
         self.flat = {"dp": mesh["dp_replicate", "dp_shard"]._flatten("dp", backend_override=override),
                      "dp_cp": mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp", backend_override=override),
-                     "dp_shard_cp": mesh["dp_shard", "cp"]._flatten("dp_shard_cp", backend_override=override)}
+                     "dp_shard_cp": mesh["dp_shard", "cp"]._flatten("dp_shard_cp", backend_override=override),
+                     "dp_cp_tp": mesh["dp_replicate", "dp_shard", "cp", "tp"]._flatten("dp_cp_tp",
+                                                                                      backend_override=override)}
         return self
 
     def __getitem__(self, name: str):

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # (plain Python otherwise: the layout core and the planner read placements too)
+    import torch
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,18 @@ class Box:
     @property
     def numel(self) -> int:
         return math.prod(self.sizes)
+
+    def intersection(self, other: "Box") -> "Box | None":
+        """The region both boxes cover (None: they do not meet)."""
+        lo = tuple(max(a, b) for a, b in zip(self.offsets, other.offsets))
+        hi = tuple(min(a + s, b + t) for a, s, b, t in zip(self.offsets, self.sizes, other.offsets, other.sizes))
+        if any(h <= low for low, h in zip(lo, hi)):
+            return None
+        return Box(lo, tuple(h - low for low, h in zip(lo, hi)))
+
+    def within(self, outer: "Box") -> tuple[slice, ...]:
+        """This box as slices of a tensor holding `outer` (which contains it)."""
+        return tuple(slice(o - p, o - p + s) for o, s, p in zip(self.offsets, self.sizes, outer.offsets))
 
 
 @dataclass(frozen=True)
@@ -55,26 +69,35 @@ class Placement:
         placed like it) cut into boxes of the whole tensor, as views; padding is left out."""
         if tuple(stored.shape) != self.stored_shape:
             raise ValueError(f"stored tensor of shape {tuple(stored.shape)}, placement says {self.stored_shape}")
-        if self.flat is not None:
-            a = self.flat[0]
-            parts = [(box, stored[start - a:start - a + box.numel].view(box.sizes))
-                     for box, start in flat_boxes(self.local.sizes, *self.flat)]
-        elif self.rows is not None:
-            parts = [(Box((self.rows[0],) + (0,) * (len(self.local.sizes) - 1), self.stored_shape), stored)]
-        else:
-            parts = [(Box((0,) * len(self.local.sizes), self.local.sizes), stored)]
         out = []
-        for box, view in parts:  # local coordinates -> whole-tensor coordinates, clipped to the real size
+        for whole, box, start in self._placed():
+            view = stored if start is None else stored[start:start + box.numel].view(box.sizes)
+            for dim, (want, have) in enumerate(zip(whole.sizes, box.sizes)):
+                if want != have:
+                    view = view.narrow(dim, 0, want)
+            out.append((whole, view))
+        return out
+
+    def boxes(self) -> list[Box]:
+        """The boxes of the whole tensor `pieces` cuts, in its order (no tensor needed)."""
+        return [whole for whole, _, _ in self._placed()]
+
+    def _placed(self):
+        """(box of the whole tensor, box of the model-local tensor, where that box starts in the stored
+        tensor's flat view; None: it is the whole stored tensor) per piece, clipped to the real size."""
+        if self.flat is not None:
+            parts = [(box, start - self.flat[0]) for box, start in flat_boxes(self.local.sizes, *self.flat)]
+        elif self.rows is not None:
+            parts = [(Box((self.rows[0],) + (0,) * (len(self.local.sizes) - 1), self.stored_shape), None)]
+        else:
+            parts = [(Box((0,) * len(self.local.sizes), self.local.sizes), None)]
+        for box, start in parts:  # local coordinates -> whole-tensor coordinates, clipped to the real size
             offsets = tuple(o + lo for o, lo in zip(box.offsets, self.local.offsets))
             ends = tuple(min(o + s, g) for o, s, g in zip(offsets, box.sizes, self.global_shape))
             sizes = tuple(max(e - o, 0) for o, e in zip(offsets, ends))
             if math.prod(sizes) == 0 and len(sizes):
                 continue
-            for dim, (want, have) in enumerate(zip(sizes, box.sizes)):
-                if want != have:
-                    view = view.narrow(dim, 0, want)
-            out.append((Box(offsets, sizes), view))
-        return out
+            yield Box(offsets, sizes), box, start
 
     @property
     def holds_origin(self) -> bool:

@@ -54,5 +54,5 @@ def build_rank(cfg: Config, world: int, *, device: str, timeout_s: float | None,
             init_weights(chunk, cfg.train.seed, plan.init_placement, stats)
         keep_buffers_float32(chunk)  # router biases move by small steps: not in bf16
     modules = plan.data_parallel.wrap(chunks)
-    optimizer = plan.data_parallel.build_optimizer()
+    optimizer = plan.data_parallel.build_optimizer(plan.placements)
     return RankModel(mesh, where, pipeline, chunks, plan, modules, optimizer, stats)

@@ -62,9 +62,10 @@ def expected_comm_bytes(cfg: Config, world: int, rank: int = 0) -> dict[str, int
     from fived.planner.communication import ledger_bytes, step_collectives
 
     layout = Layout.from_config(cfg, world)
-    pp_rank = layout.coordinates(rank)["pp"]
+    pp_rank, member = divmod(rank, layout.dp * layout.cp * layout.tp)
     collectives = step_collectives(cfg.model, layout, cfg.train.seq_len, cfg.train.global_batch, cfg.train.dtype,
-                                   rank_chunks(cfg.model, layout, pp_rank), rank_stages(layout, pp_rank))
+                                   rank_chunks(cfg.model, layout, pp_rank), rank_stages(layout, pp_rank),
+                                   member=member)
     return ledger_bytes(collectives, layout)
 
 

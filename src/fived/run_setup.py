@@ -175,7 +175,8 @@ def file_overrides(path: str | None) -> dict:
 
 # What a resumed run takes from its checkpoint: changing it would make it another run.
 # (data.val_path is not here: validation data is read, never trained on, so a resumed run may add it)
-FIXED_ON_RESUME = ("model.", "data.path", "data.tokenizer", "train.seq_len", "train.global_batch", "train.seed")
+FIXED_ON_RESUME = ("model.", "data.path", "data.tokenizer", "train.seq_len", "train.global_batch", "train.seed",
+                   "train.optimizer")  # (a checkpoint holds its optimizer's state)
 # The flags that describe a layout: given on resume, they define a new one from the defaults.
 LAYOUT_FIELDS = ("dp", "tp", "pp", "cp", "ep", "zero", "dp_replicate", "sp", "pp_schedule", "pp_virtual", "pp_layers")
 

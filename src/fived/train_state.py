@@ -7,7 +7,8 @@ depends on the layout that saved a checkpoint.
 
   model       every parameter and buffer (router biases), by canonical name
   optimizer   AdamW's moments, placed like their parameter (ZeRO-1/2 slices, ZeRO-3 rows included),
-              and its step count per parameter
+              and its step count per parameter; with train.optimizer=muon, each Muon matrix's
+              momentum_buffer instead, placed alike
   progress    the step, the sampler's position and the learning-rate schedule's
   rng         the CPU generator's state (fived draws no random numbers after initialisation; kept
               so that anything added later that does resumes exactly too)
@@ -22,6 +23,7 @@ import torch.distributed as dist
 
 from fived.dcp_io import ShardedValue
 from fived.ledger import local_tensor
+from fived.muon import Muon
 from fived.placement import Box, Placement
 
 
@@ -73,17 +75,24 @@ class OptimizerState:
     def __init__(self, plan, optimizer: torch.optim.Optimizer):
         self.plan, self.optimizer = plan, optimizer
 
+    def _muon(self, param) -> bool:
+        """Whether `param` is a matrix Muon orthogonalises (its state: one momentum buffer, no step)."""
+        return isinstance(self.optimizer, Muon) and self.optimizer.orthogonalizes(param)
+
     def tensors(self, for_load: bool) -> dict[str, ShardedValue]:
         out = {}
         for name, param in self.plan.data_parallel.optimized():
             placement = self.plan.placements[name]
             state = self.optimizer.state[param]
+            muon = self._muon(param)
             if for_load and not state:  # a fresh optimizer: make the state DCP fills
-                state.update(step=torch.zeros((), dtype=_step_dtype()),
-                             **{k: torch.zeros_like(param) for k in self.MOMENTS})
-            for key in self.MOMENTS:
+                state.update(self.optimizer.fresh_state(param) if muon else
+                             {"step": torch.zeros((), dtype=_step_dtype()),
+                              **{k: torch.zeros_like(param) for k in self.MOMENTS}})
+            for key in Muon.STATE if muon else self.MOMENTS:
                 out[f"{name}.{key}"] = _value(placement, state[key])
-            out[f"{name}.step"] = _scalar(state["step"], placement.holds_origin)
+            if not muon:
+                out[f"{name}.step"] = _scalar(state["step"], placement.holds_origin)
         return out
 
     def state(self) -> dict:

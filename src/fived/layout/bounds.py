@@ -21,6 +21,7 @@ INTEGER_BOUNDS = (
     ("train.microbatches", 1, 2**20, 1), ("train.warmup_steps", 0, 10**12, 20), ("train.seed", 0, 2**63 - 1, 0),
     ("train.log_every", 1, 10**12, 10), ("train.eval_every", 0, 10**12, 0), ("train.eval_batches", 0, 2**24, 8),
     ("train.max_restarts", 0, 10**6, 2), ("train.spike_window", 1, 10**6, 20), ("train.max_rollbacks", 0, 10**6, 3),
+    ("train.muon_ns_steps", 1, 100, 5),
     ("checkpoint.every", 0, 10**12, 100), ("checkpoint.keep", 0, 10**6, 3),
 )  # (the parallel sizes: fived.layout.rules, against the world size)
 
@@ -30,6 +31,7 @@ FLOAT_RULES = (
     ("train.min_lr_ratio", "must be in [0, 1]", lambda v: 0 <= v <= 1, "0.1"),
     ("train.beta1", "must be in [0, 1)", lambda v: 0 <= v < 1, "0.9"),
     ("train.beta2", "must be in [0, 1)", lambda v: 0 <= v < 1, "0.95"),
+    ("train.muon_momentum", "must be in [0, 1)", lambda v: 0 <= v < 1, "0.95"),
     ("train.eps", "must be > 0", lambda v: v > 0, "1e-8"),
     ("train.weight_decay", "must be >= 0", lambda v: v >= 0, "0.1"),
     ("train.grad_clip", "must be >= 0 (0: no clipping)", lambda v: v >= 0, "1.0"),
@@ -46,6 +48,18 @@ FLOAT_RULES = (
 )
 
 CHOICES = (("train.on_spike", ("stop", "rollback"), "stop"),)
+
+
+def ns_coefficients(text: str, steps: int) -> list[tuple[float, float, float]] | None:
+    """train.muon_ns_coefficients as one (a, b, c) per iteration: one triple for all, or one per
+    iteration separated by ";". None when it is not that."""
+    try:
+        triples = [tuple(float(x) for x in part.split(",")) for part in text.split(";")]
+    except ValueError:
+        return None
+    if any(len(t) != 3 or not all(map(math.isfinite, t)) for t in triples) or len(triples) not in (1, steps):
+        return None
+    return triples * steps if len(triples) == 1 else triples
 
 
 def _value(cfg: Config, dotted: str):
@@ -74,4 +88,9 @@ def number_errors(cfg: Config) -> list[ConfigError]:
         value = _value(cfg, dotted)
         if value not in options:
             errs.append(ConfigError(dotted, value, "must be one of " + ", ".join(options), f"e.g. {_flag(dotted)} {example}"))
+    t = cfg.train
+    if t.muon_ns_steps >= 1 and ns_coefficients(t.muon_ns_coefficients, t.muon_ns_steps) is None:
+        errs.append(ConfigError("train.muon_ns_coefficients", t.muon_ns_coefficients,
+                                f"must be one finite 'a,b,c' or train.muon_ns_steps={t.muon_ns_steps} of them separated "
+                                "by ';'", "e.g. --train.muon_ns_coefficients 3.4445,-4.7750,2.0315"))
     return errs

@@ -24,9 +24,12 @@ V_SHAPED = ("zbv", "dualpipev")  # two stages per rank, V-shaped
 SINGLE_STAGE = ("gpipe", "1f1b")
 SPLIT_BACKWARD = ("zero-bubble", "zbv", "dualpipev")  # backward split into input- and weight-gradient passes
 # The named groups, in the order the ledger prefers a name when two groups hold the same ranks.
-# (cp_ulysses, cp_ring: hybrid context parallelism's Ulysses groups and the ring across them)
-GROUP_NAMES = ("dp", "cp", "tp", "pp", "ep", "dp_shard", "dp_replicate", "dp_cp", "dp_shard_cp", "edp", "cp_ulysses",
-               "cp_ring")
+# dp_cp_tp: every rank of one pipeline stage (Muon's exchange of whole matrices, fived.muon_plan).
+# cp_ulysses, cp_ring: hybrid context parallelism's Ulysses groups and the ring across them.
+GROUP_NAMES = ("dp", "cp", "tp", "pp", "ep", "dp_shard", "dp_replicate", "dp_cp", "dp_shard_cp", "edp", "dp_cp_tp",
+               "cp_ulysses", "cp_ring")
+OPTIMIZERS = ("adamw", "muon")  # train.optimizer (fived.optim, fived.muon)
+MUON_SCALES = ("rms", "spectral", "none")  # train.muon_scale (fived.muon.update_scale)
 CP_MODES = ("ring", "ulysses", "hybrid")  # parallel.cp_mode
 CP_BALANCES = ("work", "halves")  # parallel.cp_balance
 
@@ -85,7 +88,7 @@ P = ParallelConfig  # the layout fields' defaults: one source of truth, the conf
 @dataclass(frozen=True)
 class Layout:
     """A resolved `ParallelConfig` (dp a number, not -1) plus what the training config decides about the
-    layout (sequences per micro-batch, activation checkpointing): every degree of freedom the runtime
+    layout (sequences per micro-batch, activation checkpointing, the optimizer): every degree of freedom the runtime
     has, hashable, so the planner can weigh thousands of them and a planned one runs as printed.
     `etp` (expert tensor-parallel size; 0 means tp, as fived runs experts) is the planner's only field
     beyond the runtime's: Megatron-Core's MoE parallel folding, which fived cannot run yet."""
@@ -111,20 +114,21 @@ class Layout:
     cp_mode: str = P.cp_mode
     cp_ulysses: int = P.cp_ulysses
     cp_balance: str = P.cp_balance
+    micro_batch: int = 1  # sequences per micro-batch on one data-parallel rank
+    checkpointing: str = TrainConfig.activation_checkpointing
+    etp: int = 0
+    optimizer: str = TrainConfig.optimizer  # muon: its state and its exchange of whole matrices are priced
+    document_mask: bool = DataConfig.document_mask  # (data.document_mask: what the attention masks)
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
 
     def bucket_elements(self, element_bytes: int) -> int | None:
         """Elements per ZeRO-1/2 flat-buffer bucket (None: one bucket, when nothing overlaps)."""
         if not (self.overlap_grad_reduce or self.overlap_param_gather):
             return None
         return max(1, int(self.bucket_mb * 2**20) // element_bytes)
-    micro_batch: int = 1  # sequences per micro-batch on one data-parallel rank
-    checkpointing: str = TrainConfig.activation_checkpointing
-    etp: int = 0
-    document_mask: bool = DataConfig.document_mask  # (data.document_mask: what the attention masks)
-
-    @property
-    def world(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp
 
     @property
     def dp_shard(self) -> int:
@@ -157,7 +161,8 @@ class Layout:
         t = cfg.train
         return cls(**{f.name: getattr(cfg.parallel, f.name) for f in fields(ParallelConfig)} | {
             "dp": dp, "micro_batch": max(1, t.global_batch // (max(dp, 1) * t.microbatches)),
-            "checkpointing": t.activation_checkpointing, "document_mask": cfg.data.document_mask})
+            "checkpointing": t.activation_checkpointing, "optimizer": t.optimizer,
+            "document_mask": cfg.data.document_mask})
 
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(**{f.name: getattr(self, f.name) for f in fields(ParallelConfig)})
@@ -176,7 +181,7 @@ class Layout:
     def group_ranks(self, name: str, rank: int = 0) -> frozenset[int]:
         """The global ranks of `rank`'s group `name` (a GROUP_NAMES entry), as `Mesh.build` forms it."""
         varied = {"pp": "p", "dp": "rs", "dp_replicate": "r", "dp_shard": "s", "cp": "c", "tp": "t", "dp_cp": "rsc",
-                  "dp_shard_cp": "sc", "ep": "e", "edp": "d", "cp_ulysses": "u", "cp_ring": "g"}[name]
+                  "dp_shard_cp": "sc", "ep": "e", "edp": "d", "dp_cp_tp": "rsct", "cp_ulysses": "u", "cp_ring": "g"}[name]
         u = self.ulysses
 
         def coords(r: int) -> dict[str, int]:
@@ -222,6 +227,8 @@ class Layout:
         out["train.microbatches"] = self.microbatches(global_batch)
         out["train.global_batch"] = global_batch
         out["train.activation_checkpointing"] = self.checkpointing
+        if self.optimizer != TrainConfig.optimizer:
+            out["train.optimizer"] = self.optimizer
         if self.document_mask:
             out["data.document_mask"] = True
         return out
@@ -247,6 +254,8 @@ class Layout:
         parts.append(f"mbs{self.micro_batch}")
         if self.checkpointing != "none":
             parts.append(f"ac={self.checkpointing}")
+        if self.optimizer != TrainConfig.optimizer:
+            parts.append(self.optimizer)
         return " ".join(parts)
 
     def to_dict(self) -> dict:

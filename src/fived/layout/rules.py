@@ -10,8 +10,8 @@ import math
 
 from fived.config import Config, ConfigError
 from fived.layout.bounds import number_errors
-from fived.layout.layout import (CHECKPOINTING, COMPILE_BACKENDS, CP_BALANCES, CP_MODES, FP8_RECIPES, PP_SCHEDULES,
-                                 PRECISION_SPECS, SPLIT_BACKWARD, resolve_dp, stages_per_rank)
+from fived.layout.layout import (CHECKPOINTING, COMPILE_BACKENDS, CP_BALANCES, CP_MODES, FP8_RECIPES, MUON_SCALES,
+                                 OPTIMIZERS, PP_SCHEDULES, PRECISION_SPECS, SPLIT_BACKWARD, resolve_dp, stages_per_rank)
 
 
 def nearest_multiple(value: int, base: int) -> int:
@@ -188,13 +188,17 @@ def _model_errors(cfg: Config) -> list[ConfigError]:
          f"e.g. --model.top_k {min(2, max(m.n_experts, 1))}"),
         (t.dtype in PRECISION_SPECS, "train.dtype", t.dtype, "must be one of " + ", ".join(PRECISION_SPECS),
          "e.g. --dtype bfloat16"),
-        *_fp8_checks(t),
+        *_fp8_checks(t, cfg.parallel),
         (t.device in ("auto", "cpu", "cuda"), "train.device", t.device, "must be auto, cpu or cuda",
          "e.g. --train.device auto"),
         (t.activation_checkpointing in CHECKPOINTING, "train.activation_checkpointing", t.activation_checkpointing,
          "must be one of " + ", ".join(CHECKPOINTING), "e.g. --train.activation_checkpointing none"),
         (t.compile_backend in COMPILE_BACKENDS, "train.compile_backend", t.compile_backend,
          "must be one of " + ", ".join(COMPILE_BACKENDS), "e.g. --train.compile_backend inductor"),
+        (t.optimizer in OPTIMIZERS, "train.optimizer", t.optimizer, "must be one of " + ", ".join(OPTIMIZERS),
+         "e.g. --train.optimizer muon"),
+        (t.muon_scale in MUON_SCALES, "train.muon_scale", t.muon_scale, "must be one of " + ", ".join(MUON_SCALES),
+         "e.g. --train.muon_scale rms"),
         (t.steps >= 1, "train.steps", t.steps, "must be >= 1", "e.g. --steps 200"),
         (t.seq_len >= 2, "train.seq_len", t.seq_len, "must be >= 2", "e.g. --seq-len 64"),
         (t.global_batch >= 1, "train.global_batch", t.global_batch, "must be >= 1", "e.g. --global-batch 16"),
@@ -221,7 +225,7 @@ def _model_errors(cfg: Config) -> list[ConfigError]:
 FP8_DTYPES = ("bfloat16", "bfloat16-autocast", "float32")
 
 
-def _fp8_checks(t) -> list[tuple]:
+def _fp8_checks(t, p) -> list[tuple]:
     if t.fp8 == "none" or t.fp8 not in FP8_RECIPES:  # (an unknown recipe: refused by the layout rules)
         return []
     import importlib.util
@@ -229,7 +233,11 @@ def _fp8_checks(t) -> list[tuple]:
     return [(t.dtype in FP8_DTYPES, "train.fp8", t.fp8, f"runs with train.dtype {', '.join(FP8_DTYPES)} "
              f"(not {t.dtype})", "e.g. --dtype bfloat16"),
             (importlib.util.find_spec("torchao") is not None, "train.fp8", t.fp8, "needs torchao",
-             "pip install 'fived[fp8]'")]
+             "pip install 'fived[fp8]'"),
+            # the overlapped regions run their own chunked GEMMs, in the compute dtype, not FP8
+            (not (p.tp_overlap and p.tp > 1), "parallel.tp_overlap", p.tp_overlap,
+             f"cannot run with train.fp8={t.fp8} yet (its fused region GEMMs are not FP8 GEMMs)",
+             "drop --parallel.tp_overlap, or use --train.fp8 none")]
 
 
 def profile_window(text: str, steps: int) -> tuple[int, int] | None:

@@ -189,6 +189,10 @@ def tensor_specs(m: ModelConfig, *, tp: int = 1, ep: int = 1, sp: bool = False) 
 # ZeRO-0/1/2's flat gradients held in bf16 and summed in float32 are cast and reduced this many
 # elements at a time (64 MiB of float32): the runtime's piece and the planner's transient buffer.
 REDUCE_CHUNK_ELEMENTS = 2**24
+# With overlapped reductions (parallel.overlap_grad_reduce) at most this many such cast pieces are in
+# flight at once: a further one first completes the oldest.
+CAST_PIECES_IN_FLIGHT = 2
+
 
 def shard_rows(dim0: int, shards: int, index: int) -> tuple[int, int]:
     """Rows [a, b) of a first dimension that ZeRO-3 (FSDP2) gives shard `index` of `shards`:

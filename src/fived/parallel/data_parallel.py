@@ -5,7 +5,7 @@ Every strategy sees the same contract from the trainer, for the model chunks thi
 (one, or several pipeline stages):
     shard(chunks)             on the meta device, before materialisation (ZeRO-3 shards here)
     wrap(chunks) -> modules   after initialisation (ZeRO-0/1/2 move parameters' gradients into buffers)
-    build_optimizer()       AdamW over what this rank updates
+    build_optimizer(placements)  AdamW (or Muon and AdamW) over what this rank updates
     before_micro_batch(last)  gradient sync only on the last micro-batch
     reduce_gradients()      after the last micro-batch's backward
     clip_gradients(max)     global norm over every shard; returns it
@@ -31,6 +31,7 @@ from fived.ledger import local_tensor as _local
 from fived.model import canonical_name
 from fived.parallel.expert import is_expert
 from fived.optim import build_optimizer
+from fived.placement import Placement
 
 
 class DataParallel:
@@ -61,10 +62,27 @@ class DataParallel:
             for name, p in chunk.named_parameters():
                 yield canonical_name(name), p
 
-    def build_optimizer(self) -> torch.optim.Optimizer:
-        params = self.with_masters(p for _, p in self.named_parameters())
-        self.optimizer = build_optimizer(params, self.cfg.train)
+    def build_optimizer(self, placements: dict[str, Placement]) -> torch.optim.Optimizer:
+        named = list(self.named_parameters())
+        params = self.with_masters(p for _, p in named)
+        self.optimizer = self.make_optimizer([(n, p) for (n, _), p in zip(named, params)], placements)
         return self.optimizer
+
+    def make_optimizer(self, named: list[tuple[str, torch.Tensor]], placements: dict[str, Placement],
+                       decayed=None) -> torch.optim.Optimizer:
+        """train.optimizer over `named` [(canonical name, tensor it updates)]: AdamW, or Muon for the
+        hidden matrices (orthogonalised whole across the ranks holding their pieces) and AdamW for
+        the rest. `decayed(p)`: AdamW's weight decay rule (default: matrices)."""
+        t = self.cfg.train
+        if t.optimizer != "muon":
+            return build_optimizer([p for _, p in named], t, decayed)
+        from fived.muon import Muon
+        from fived.parallel.muon_exchange import MatrixExchange
+
+        exchange = MatrixExchange(self.mesh, self.cfg, placements)
+        matrices = [(n, p) for n, p in named if n in exchange.placements and p.requires_grad]
+        adamw = build_optimizer([p for n, p in named if n not in exchange.placements], t, decayed)
+        return Muon(matrices, adamw, t, exchange)
 
     def with_masters(self, tensors) -> list[torch.Tensor]:
         """The tensors the optimizer updates in place of `tensors`: under train.dtype=bfloat16 a

@@ -26,6 +26,7 @@ from fived.model import Transformer, build_model
 
 from fived.layout.layout import SINGLE_STAGE, stages_per_rank
 from fived.layout.stages import split_layers, stage_rank
+from fived.parallel.tensor_overlap import backward_pass
 
 
 def build_stage(cfg: ModelConfig, layers: list[int], first: bool, last: bool, dtype: torch.dtype) -> Transformer:
@@ -100,7 +101,8 @@ def _tell_backward(stage, on_backward) -> None:
         weights = backward_type in ("full", "weight")
         on_backward(last=last_backward, weights=weights)
         try:
-            return original(backward_type, bwd_kwargs, last_backward=last_backward)
+            with backward_pass(backward_type):  # (overlapped tp regions compute what this pass wants)
+                return original(backward_type, bwd_kwargs, last_backward=last_backward)
         finally:
             on_backward(last=last_backward, weights=weights, stage=stage.submod)
 

@@ -30,7 +30,7 @@ from torch import nn
 from fived import comm
 from fived.layout.spec import Cut, TensorSpec
 from fived.model import MoE, Transformer, canonical_name
-from fived.parallel.tensor_overlap import install_overlapped_region
+from fived.parallel.tensor_overlap import current_backward_pass, install_overlapped_region
 
 
 # --- the communication of a tensor-parallel region, as autograd functions -------------------------
@@ -220,9 +220,10 @@ class TensorParallel:
         if holder["full"] is None:
             holder["full"] = _gather_seq(holder["shard"], self.group)
         full = holder["full"]
-        holder["uses"] -= 1
-        if holder["uses"] == 0:
-            holder["full"] = None
+        if current_backward_pass() != "input":  # (a split backward's weight pass unpacks each view again)
+            holder["uses"] -= 1
+            if holder["uses"] == 0:
+                holder["full"] = None
         return full.as_strided(shape, stride, offset)
 
     # loss ----------------------------------------------------------------------------------------

@@ -29,10 +29,18 @@ ledger counts them as send/recv (`fived.planner.communication`).
 
 Nothing is modified in place that a GEMM produced: selective checkpointing caches GEMM outputs and
 replays them when the block is recomputed.
+
+Split-backward pipeline schedules (zero-bubble, zbv, dualpipev) run a stage's backward twice: an
+input pass, then a weight pass that calls the same autograd nodes again. `backward_pass(kind)`
+(entered by `fived.parallel.pipeline` around each) tells the regions which gradients that pass wants,
+so each GEMM and each collective still runs once: the input pass computes the input gradients (with
+their reductions), the weight pass the weight gradients (the column entry re-gathers its input
+there; the row exit keeps its gathered output gradient from the input pass for it).
 """
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import weakref
 
@@ -46,6 +54,31 @@ from fived.model import Attention, FeedForward
 
 # the column linears (one region input) and the row linear (the region's output) of each region kind
 REGION_LINEARS = {Attention: (("wq", "wk", "wv"), "wo"), FeedForward: (("w1", "w3"), "w2")}
+
+
+# which gradients the running backward wants: "full" (both), "input" or "weight" (split backward)
+_PASS = contextvars.ContextVar("fived_backward_pass", default="full")
+
+
+@contextlib.contextmanager
+def backward_pass(kind: str):
+    """Run a backward pass of `kind` ("full", "input" or "weight") under this context."""
+    token = _PASS.set(kind)
+    try:
+        yield
+    finally:
+        _PASS.reset(token)
+
+
+def current_backward_pass() -> str:
+    """The running backward pass: "full", or under a split-backward schedule "input" / "weight"."""
+    return _PASS.get()
+
+
+def _wants() -> tuple[bool, bool]:
+    """(input gradients, weight gradients) the running backward pass wants."""
+    kind = _PASS.get()
+    return kind != "weight", kind != "input"
 
 
 # --- the rings ------------------------------------------------------------------------------------
@@ -150,18 +183,23 @@ class ColumnParallelEntry(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_input, *grads):
         x, *weights = ctx.saved_tensors
+        want_input, want_weights = _wants()
+        dx, dws = None, [None] * len(weights)
         with ctx.autocast():
-            gathering, gathered = _start_gather(x, ctx.group) if ctx.sp else (None, None)
-            dx = grad_input
-            for g, w in zip(grads, weights):  # (in the input's dtype: reduced as the plain region does)
-                if g is not None:
-                    part = (g @ w).to(x.dtype)
-                    dx = part if dx is None else dx + part
-            reducing, dx = _start_input_grad_reduction(dx, ctx.group, sequence_parallel=ctx.sp)
-            if gathering is not None:
-                gathering.wait()
-            whole = gathered.transpose(0, 1) if ctx.sp else x
-            dws = [None if g is None else _weight_grad(g, whole, w) for g, w in zip(grads, weights)]
+            gathering, gathered = _start_gather(x, ctx.group) if ctx.sp and want_weights else (None, None)
+            reducing = None
+            if want_input:
+                dx = grad_input
+                for g, w in zip(grads, weights):  # (in the input's dtype: reduced as the plain region does)
+                    if g is not None:
+                        part = (g @ w).to(x.dtype)
+                        dx = part if dx is None else dx + part
+                reducing, dx = _start_input_grad_reduction(dx, ctx.group, sequence_parallel=ctx.sp)
+            if want_weights:
+                if gathering is not None:
+                    gathering.wait()
+                whole = gathered.transpose(0, 1) if ctx.sp else x
+                dws = [None if g is None else _weight_grad(g, whole, w) for g, w in zip(grads, weights)]
             if reducing is not None:
                 reducing.wait()
         if dx is not None and ctx.sp:
@@ -197,15 +235,26 @@ class RowParallelExit(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         h, weight = ctx.saved_tensors
+        want_input, want_weights = _wants()
+        dh = dw = None
         with ctx.autocast():
-            if not ctx.sp:
-                dh, whole = grad @ weight, grad
-            else:
-                pieces: list = [None] * dist.get_world_size(ctx.group)
-                chunks = ring_all_gather(grad, ctx.group, lambda g, j: pieces.__setitem__(j, g @ weight))
-                dh, whole = torch.cat(pieces, dim=1), torch.cat(chunks, dim=1)
-            dw = _weight_grad(whole, h, weight)
-        return dh.to(h.dtype), dw, None, None
+            whole = getattr(ctx, "gathered_grad", None)  # (kept by a split backward's input pass)
+            if want_input:
+                if not ctx.sp:
+                    dh, whole = grad @ weight, grad
+                else:
+                    pieces: list = [None] * dist.get_world_size(ctx.group)
+                    chunks = ring_all_gather(grad, ctx.group, lambda g, j: pieces.__setitem__(j, g @ weight))
+                    dh, whole = torch.cat(pieces, dim=1), torch.cat(chunks, dim=1)
+                dh = dh.to(h.dtype)
+                if not want_weights:
+                    ctx.gathered_grad = whole
+            if want_weights:
+                if whole is None:
+                    raise RuntimeError("tp_overlap: a weight-gradient pass ran before its input pass")
+                dw = _weight_grad(whole, h, weight)
+                ctx.gathered_grad = None
+        return dh, dw, None, None
 
 
 def _chunked_all_reduce(h: torch.Tensor, weight: torch.Tensor, group, *, chunks: int) -> torch.Tensor:

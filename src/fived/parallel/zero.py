@@ -31,14 +31,11 @@ of this rank's slices (master 4 + Adam 8 bytes, over S): ZeRO-1 2 + 2 + 12/S, Ze
 """
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
 from fived import comm
-from fived.layout.spec import REDUCE_CHUNK_ELEMENTS, FlatBucket, flat_buckets
-from fived.optim import build_optimizer
+from fived.layout.spec import CAST_PIECES_IN_FLIGHT, REDUCE_CHUNK_ELEMENTS, FlatBucket, flat_buckets
 from fived.parallel.data_parallel import DataParallel
 
 
@@ -139,15 +136,16 @@ class ShardedOptimizerDataParallel(DataParallel):
                 self.segment_names.append(name)
         return segments
 
-    def build_optimizer(self) -> torch.optim.Optimizer:
+    def build_optimizer(self, placements) -> torch.optim.Optimizer:
         # A slice of a matrix is decayed like the matrix (the slices themselves are 1-D).
         decayed = {id(s) for s, decay in self.segments if decay}
-        experts = [p for _, p in self.expert_parameters()]  # not ZeRO-sharded: reduced over edp
-        decayed |= {id(p) for p in experts}
-        tensors = [s for s, _ in self.segments] + experts
+        experts = self.expert_parameters()  # not ZeRO-sharded: reduced over edp
+        decayed |= {id(p) for _, p in experts}
+        tensors = [s for s, _ in self.segments] + [p for _, p in experts]
         optimized = self.with_masters(tensors)  # bf16 runs: float32 masters of the slices, decayed alike
         decayed |= {id(m) for t, m in zip(tensors, optimized) if id(t) in decayed}
-        self.optimizer = build_optimizer(optimized, self.cfg.train, lambda p: id(p) in decayed)
+        names = self.segment_names + [n for n, _ in experts]
+        self.optimizer = self.make_optimizer(list(zip(names, optimized)), placements, lambda p: id(p) in decayed)
         return self.optimizer
 
     def before_micro_batch(self, is_last: bool) -> None:
@@ -260,15 +258,25 @@ class ShardedOptimizerDataParallel(DataParallel):
                 work.wait()
 
     def _wait_in_forward(self) -> None:
-        """A forward pre-hook on each module holding parameters of the flat buffer: wait for the
-        all-gathers of its buckets (started after the previous step) before it computes."""
+        """Forward pre-hooks waiting for the all-gathers (started after the previous step) of the
+        buckets a module computes with: each transformer block waits for all of its parameters' at
+        its start — code inside a block reads its submodules' weights (tp_overlap's fused region
+        GEMMs, FP8 linears), and the wait stays outside a compiled block's graph —, each module
+        outside the blocks (embedding, final norm, head) for those it holds itself."""
         index = {id(p): i for i, p in enumerate(self.params)}
+
+        def wait_for(module: nn.Module, params) -> None:
+            mine = sorted({self.bucket_of_param[index[id(p)]] for p in params if id(p) in index})
+            if mine:
+                module.register_forward_pre_hook(lambda _m, _args: self.wait_parameters(mine), prepend=True)
+
         for chunk in self.chunks:
+            blocks = list(chunk.layers.values())
+            for block in blocks:
+                wait_for(block, block.parameters())
+            in_blocks = {id(p) for block in blocks for p in block.parameters()}
             for module in chunk.modules():
-                mine = sorted({self.bucket_of_param[index[id(p)]] for p in module.parameters(recurse=False)
-                               if id(p) in index})
-                if mine:
-                    module.register_forward_pre_hook(lambda _m, _args, mine=mine: self.wait_parameters(mine))
+                wait_for(module, [p for p in module.parameters(recurse=False) if id(p) not in in_blocks])
 
     def zero_grad(self) -> None:
         for _, p in self.expert_parameters():
@@ -295,7 +303,10 @@ class BucketReductions:
     complete buckets start their reduce-scatter (an all-reduce over dp when unsharded, under a
     pipeline) strictly from the last bucket to the first, so every rank issues the same collectives
     in the same order. Each writes this rank's reduced piece into the full gradient buffer, where
-    the tensor-parallel partial sums find it; `finish` starts what is left and waits."""
+    the tensor-parallel partial sums find it; `finish` starts what is left and waits. Gradients
+    summed in a wider dtype than they are held in (bf16 summed in float32) go in the plain path's
+    cast pieces (REDUCE_CHUNK_ELEMENTS), CAST_PIECES_IN_FLIGHT at most: a further piece first
+    completes the oldest."""
 
     def __init__(self, dp: ShardedOptimizerDataParallel):
         self.dp, self.armed = dp, False
@@ -303,8 +314,9 @@ class BucketReductions:
         self.sizes = [b.last - b.first for b in dp.buckets]
         self.ready = [0] * len(dp.buckets)
         self.next = len(dp.buckets) - 1
-        self.pending: dict[int, tuple] = {}
+        self.pending: list[tuple] = []  # (work, reduced, where it goes), oldest first
         self.counted: set[int] = set()
+        self.casting = dp.params[0].dtype != dp.reduce_dtype
         for p in dp.params:
             p.register_post_accumulate_grad_hook(self._on_gradient)
 
@@ -330,32 +342,49 @@ class BucketReductions:
 
     def _launch(self, *, every: bool) -> None:
         while self.next >= 0 and (every or self.ready[self.next] >= self.sizes[self.next]):
-            self.pending[self.next] = self._start(self.next)
+            self._start(self.next)
             self.next -= 1
 
-    def _start(self, k: int) -> tuple:
+    def _start(self, k: int) -> None:
         dp = self.dp
-        whole = dp.bucket_gradients(k)
-        lo, hi = dp.buckets[k].owned(dp.shard_rank)
-        send = whole if whole.dtype == dp.reduce_dtype else whole.to(dp.reduce_dtype)
-        if dp.shard_group is None:  # unsharded (ZeRO-0 under a pipeline): sum the bucket over dp
-            return comm.all_reduce(send, dp.replicate_group, async_op=True, role="dp"), send
-        out = send[lo - dp.buckets[k].start:hi - dp.buckets[k].start] if send is whole else send.new_empty(hi - lo)
-        return comm.reduce_scatter_single(out, send, dp.shard_group, async_op=True, role="dp"), out
+        whole, bucket = dp.bucket_gradients(k), dp.buckets[k]
+        lo, hi = bucket.owned(dp.shard_rank)
+        target = whole if dp.shard_group is None else dp.grad_buf[lo:hi]
+        if not self.casting:  # in place: the reduced piece lands where the optimizer reads it
+            work = (comm.all_reduce(whole, dp.replicate_group, async_op=True, role="dp") if dp.shard_group is None
+                    else comm.reduce_scatter_single(target, whole, dp.shard_group, async_op=True, role="dp"))
+            self.pending.append((work, target, target))
+            return
+        rows = whole.view(dp.shards, bucket.piece)  # row r: shard r's piece
+        step = max(1, REDUCE_CHUNK_ELEMENTS // dp.shards)
+        for a in range(0, bucket.piece, step):
+            b = min(bucket.piece, a + step)
+            if len(self.pending) >= CAST_PIECES_IN_FLIGHT:
+                self._complete()
+            send = rows[:, a:b].to(dp.reduce_dtype)  # [shards, b - a], each shard's piece in a row
+            if dp.shard_group is None:
+                work, reduced = comm.all_reduce(send, dp.replicate_group, async_op=True, role="dp"), send.view(-1)
+            else:
+                reduced = send.new_empty(b - a)
+                work = comm.reduce_scatter_single(reduced, send.view(-1), dp.shard_group, async_op=True, role="dp")
+            self.pending.append((work, reduced, target[a:b]))
+
+    def _complete(self) -> None:
+        """Wait for the oldest reduction in flight, sum it over the HSDP replicas (in the reduction's
+        dtype, as the plain path does), and put it where the optimizer reads it."""
+        dp = self.dp
+        work, reduced, target = self.pending.pop(0)
+        work.wait()
+        if dp.shard_group is not None and dp.replicate_group is not None:
+            comm.all_reduce(reduced, dp.replicate_group, role="dp")
+        if reduced.data_ptr() != target.data_ptr() or reduced.dtype != target.dtype:
+            target.copy_(reduced)
 
     def finish(self) -> None:
         """Start the buckets still waiting (a parameter without a gradient leaves its bucket open),
-        wait for all, then (HSDP) sum the pieces over the replicas."""
+        then complete every reduction in flight."""
         self._launch(every=True)
-        dp = self.dp
-        for k in sorted(self.pending, reverse=True):
-            work, out = self.pending.pop(k)
-            work.wait()
-            lo, hi = dp.buckets[k].owned(dp.shard_rank)
-            target = dp.bucket_gradients(k) if dp.shard_group is None else dp.grad_buf[lo:hi]
-            if out.data_ptr() != target.data_ptr() or out.dtype != target.dtype:
-                target.copy_(out)
-            if dp.shard_group is not None and dp.replicate_group is not None:
-                comm.all_reduce(target, dp.replicate_group, role="dp")
+        while self.pending:
+            self._complete()
         self.next, self.armed = len(self.ready) - 1, False
         self.ready, self.counted = [0] * len(self.ready), set()

@@ -42,6 +42,9 @@ collectives when full checkpointing recomputes the forward:
        backward (once per step when kept gathered: pipelines, zero3_keep_gathered), reduce-scatters
        once; HSDP all-reduces the shard over replicas. Experts (ep > 1) are reduced over edp: an
        all-reduce (ZeRO-0/1/2) or FSDP2 over edp (ZeRO-3). The clipping norm's 8 bytes per group.
+  dp_cp_tp  train.optimizer=muon: per step, the pieces of whole matrices this rank sends to their
+       owners, then the orthogonalised results it sends back to their other holders (two all-to-alls
+       over the pipeline stage's ranks, `fived.muon_plan`; priced as optimizer time).
 """
 from __future__ import annotations
 
@@ -52,10 +55,11 @@ from fived.config import ModelConfig
 from fived.layout.layout import EP_OVERLAP_CHUNKS, PRECISION_SPECS, Layout
 from fived.layout.spec import flat_buckets, kv_replicated, kv_width
 from fived.layout.stages import stage_rank
+from fived.muon_plan import Exchange, stage_plan
 from fived.planner.memory import ACTIVATION_BYTES, WEIGHT_BYTES, flat_numels, parameter_shapes
 from fived.planner.runtimes import FIVED, Runtime
 
-GROUPS = ("tp", "cp", "ep", "edp", "pp", "dp_cp", "dp_shard_cp", "dp_replicate", "cp_ulysses", "cp_ring")
+GROUPS = ("tp", "cp", "ep", "edp", "pp", "dp_cp", "dp_shard_cp", "dp_replicate", "dp_cp_tp", "cp_ulysses", "cp_ring")
 NORM = 8  # the clipping norm: one float64 per group
 
 
@@ -81,14 +85,15 @@ def group_span(layout: Layout, group: str) -> tuple[int, int]:
     return {"tp": (L.tp, 1), "cp": (L.cp, L.tp), "ep": (L.ep, etp),
             "edp": (L.dp * L.cp * L.tp // (L.ep * etp), L.ep * etp), "pp": (2, L.tp * L.cp * L.dp),
             "dp_cp": (L.dp * L.cp, L.tp), "dp_shard_cp": (L.dp_shard * L.cp, L.tp),
-            "dp_replicate": (L.dp_replicate, L.tp * L.cp * L.dp_shard),
+            "dp_replicate": (L.dp_replicate, L.tp * L.cp * L.dp_shard), "dp_cp_tp": (L.dp * L.cp * L.tp, 1),
             "cp_ulysses": (L.ulysses, L.tp), "cp_ring": (L.cp // L.ulysses, L.tp * L.ulysses)}[group]
 
 
 def step_collectives(m: ModelConfig, layout: Layout, seq_len: int, global_batch: int, dtype: str, chunks,
-                     stages=(), runtime: Runtime = FIVED) -> list[Collective]:
+                     stages=(), runtime: Runtime = FIVED, *, member: int = 0) -> list[Collective]:
     """The collectives of one step on a rank holding `chunks` [(layers, first, last)] — pipeline
-    stages `stages` (their indices, to know which boundaries leave the rank)."""
+    stages `stages` (their indices, to know which boundaries leave the rank) — at position `member`
+    of its stage's dp*cp*tp ranks (only Muon's exchange differs between them)."""
     out: list[Collective] = []
     sizes = {g: group_span(layout, g)[0] for g in GROUPS}
 
@@ -125,6 +130,8 @@ def step_collectives(m: ModelConfig, layout: Layout, seq_len: int, global_batch:
     if L.pp > 1:
         _pipeline(add, m, L, tokens, w, micro, stages)
     _data_parallel(add, m, L, chunks, micro, dtype, runtime)
+    if L.optimizer == "muon" and runtime.is_fived and sizes["dp_cp_tp"] > 1:
+        out += _muon_exchange(m, L, dtype, chunks, member)
     return out
 
 
@@ -154,6 +161,17 @@ def _context_parallel(add, m, L, seq_len, e, fwd, layers, micro, runtime) -> Non
     group = "cp" if u == 1 else "cp_ring"
     add(group, "send", per_layer / hops, hops * layers * micro, "cp")
     add(group, "recv", per_layer / hops, hops * layers * micro, "")
+
+
+def _muon_exchange(m: ModelConfig, L: Layout, dtype: str, chunks, member: int) -> list[Collective]:
+    """Muon's all-to-alls over the stage (`fived.muon_plan`), in the compute dtype: the pieces
+    this rank sends to their owners, then the results it sends their other holders. A phase in which
+    no rank sends is skipped by all; one in which only this rank sends nothing still calls."""
+    plan = stage_plan(m, L, dtype, chunks)
+    lists = plan.exchange(member)
+    return [Collective("dp_cp_tp", "all_to_all_single", Exchange.elements(sends) * ACTIVATION_BYTES[dtype], 1,
+                       "optimizer")
+            for active, sends in zip(plan.traffic, (lists.gather_send, lists.scatter_send)) if active]
 
 
 def _tensor_parallel(add, m, L, tokens, e, w, grad_w, micro, fwd, layers, moe_layers, first, last, regather,

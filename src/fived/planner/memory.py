@@ -16,8 +16,9 @@ Bytes per element (`state_element_bytes`): float32 and bfloat16-autocast runs ke
 gradients and Adam state (4, 4, 8), float64 runs float64; bfloat16 runs keep bf16 weights and
 gradients and, per optimized element, a float32 master and two float32 moments (2, 2, 12: ZeRO-1
 2 + 2 + 12/S, ZeRO-2 2 + 14/S) — under ZeRO-3 FSDP2's float32 sharded parameters are the masters
-(4, 4, 8: 16/S). These equal the ledger's bytes exactly (tests/test_planner.py). Other runtimes (the
-published runs') keep their own bytes per parameter (`fived.planner.runtimes.Runtime`: e.g.
+(4, 4, 8: 16/S). With train.optimizer=muon the Muon matrices' elements keep one moment, not two
+(`muon_saving`). These equal the ledger's bytes exactly (tests/test_planner.py, tests/test_muon.py).
+Other runtimes (the published runs') keep their own bytes per parameter (`fived.planner.runtimes.Runtime`: e.g.
 Megatron's bf16 weights, fp32 main gradients, fp32 master weights and Adam in the optimizer).
 
 Activations: bytes saved for backward per micro-batch (`fived.activation_model`; other runtimes:
@@ -31,8 +32,10 @@ full gradient buffer during backward (fived allocates it per step); ZeRO-3's
 gathered weights (the root module for the whole step and two blocks: the one in use and the
 prefetched one; the whole stage under pipelines) and its unsharded gradients while micro-batches
 accumulate; DDP's gradient buckets; tensor-parallel gathered activations of one region; the loss's
-float32 logits; with checkpointing, one block's activations while backward recomputes it; and a fixed reserve for the CUDA context, NCCL and allocator fragmentation
-(RESERVE_GIB + RESERVE_FRACTION: assumed, not fitted — no published run reports its peak memory).
+float32 logits; with checkpointing, one block's activations while backward recomputes it; Muon's
+step (`muon_buffers`: its pieces' directions and updates, its owned whole matrices and their
+Newton-Schulz workspace, the all-to-alls' buffers); and a fixed reserve for the CUDA context, NCCL and
+allocator fragmentation (RESERVE_GIB + RESERVE_FRACTION: assumed, not fitted — no published run reports its peak memory).
 """
 from __future__ import annotations
 
@@ -43,8 +46,10 @@ from functools import lru_cache
 from fived.config import ModelConfig
 from fived.layout.layout import PRECISION_SPECS, Layout
 from fived.layout.schedule_sim import pipeline_profile
-from fived.layout.spec import REDUCE_CHUNK_ELEMENTS, chunk_specs, flat_owned, flat_range, local_vocab, shard_rows
+from fived.layout.spec import (CAST_PIECES_IN_FLIGHT, REDUCE_CHUNK_ELEMENTS, chunk_specs, flat_owned, flat_range,
+                               local_vocab, shard_rows)
 from fived.layout.stages import model_key, placement, rank_chunks_by_key
+from fived.muon_plan import stage_plan
 from fived.planner.runtimes import FIVED, Runtime, framework_activations
 
 RESERVE_GIB = 2.0  # CUDA context, NCCL communicators and workspaces
@@ -125,11 +130,33 @@ def _rows(dim0: int, shards: int, index: int) -> int:
     return b - a
 
 
+def muon_saving(m: ModelConfig, layout: Layout, dtype: str, chunks, shard_index: int = 0,
+                runtime: Runtime = FIVED) -> int:
+    """Optimizer bytes train.optimizer=muon does not keep on a rank: one moment (of Adam's two) per
+    element of the Muon matrices it stores (`fived.muon_plan`); 0 for AdamW."""
+    if layout.optimizer != "muon" or not runtime.is_fived:
+        return 0
+    plan = stage_plan(m, layout, dtype, chunks)
+    return plan.stored_elements(plan.member_of_shard(shard_index)) * MOMENT_BYTES[dtype]
+
+
+def muon_buffers(m: ModelConfig, layout: Layout, dtype: str, chunks, runtime: Runtime = FIVED) -> int:
+    """Transient bytes of Muon's step on the stage's first rank (`StagePlan.buffer_elements`): in the
+    Newton-Schulz (compute) dtype and the optimizer's (float32, float64 in float64 runs)."""
+    if layout.optimizer != "muon" or not runtime.is_fived:
+        return 0
+    plan = stage_plan(m, layout, dtype, chunks)
+    cast = ACTIVATION_BYTES[dtype] != MOMENT_BYTES[dtype]  # (Newton-Schulz in bf16 on float32 masters)
+    ns, optimizer = plan.buffer_elements(plan.member_of_shard(0), cast=cast)
+    return ns * ACTIVATION_BYTES[dtype] + optimizer * MOMENT_BYTES[dtype]
+
+
 def state_bytes(m: ModelConfig, layout: Layout, dtype: str, chunks: list[tuple[list[int], bool, bool]],
                 shard_index: int = 0, edp_index: int = 0, runtime: Runtime = FIVED) -> dict[str, int]:
     """Parameter, gradient and optimizer bytes of one rank holding `chunks` [(layers, first, last)],
     at position `shard_index` of its dp_shard*cp group and `edp_index` of its expert-data group."""
     pb, gb, ob = state_element_bytes(dtype, layout.zero, runtime)  # ob: per owned (optimized) element
+    saving = muon_saving(m, layout, dtype, chunks, shard_index, runtime)
     dense, expert = [], []
     for layers, first, last in chunks:
         dn, ex = parameter_shapes(m, layout.tp, layout.ep, layers, first, last, layout.expert_tp)
@@ -141,7 +168,7 @@ def state_bytes(m: ModelConfig, layout: Layout, dtype: str, chunks: list[tuple[l
         edp = layout.dp * layout.cp * layout.tp // (layout.ep * layout.expert_tp)
         elems = sum(_rows(r, shards, shard_index) * c * k for (r, c), k in dense)
         elems += sum(_rows(r, edp, edp_index) * c * k for (r, c), k in expert)
-        return {"params": elems * pb, "grads": elems * gb, "optimizer": elems * ob}
+        return {"params": elems * pb, "grads": elems * gb, "optimizer": elems * ob - saving}
     n = sum(r * c * k for (r, c), k in dense)
     cap = layout.bucket_elements(pb)
     if layout.zero == 0:
@@ -152,7 +179,7 @@ def state_bytes(m: ModelConfig, layout: Layout, dtype: str, chunks: list[tuple[l
         a, b = flat_range(n, shards, shard_index)
         owned = b - a
     grads = owned if layout.zero == 2 else n
-    return {"params": (n + n_exp) * pb, "grads": (grads + n_exp) * gb, "optimizer": (owned + n_exp) * ob}
+    return {"params": (n + n_exp) * pb, "grads": (grads + n_exp) * gb, "optimizer": (owned + n_exp) * ob - saving}
 
 
 def state_layout(layout: Layout) -> Layout:
@@ -295,8 +322,9 @@ def _static_buffers(m: ModelConfig, layout: Layout, dtype: str, chunks, state: d
         out += 2 * params
     if layout.zero == 2 and runtime.is_fived:
         out += dense * b  # the flat gradient buffer (not the experts) exists while backward runs
-    if PRECISION_SPECS[dtype].master and layout.zero < 3 and runtime.is_fived:
-        out += state["optimizer"] // optimizer_bytes * 4  # the masters' float32 gradients while the optimizer steps
+    if PRECISION_SPECS[dtype].master and layout.zero < 3 and runtime.is_fived:  # the masters' float32 gradients
+        out += (state["optimizer"] + muon_saving(m, layout, dtype, chunks, runtime=runtime)) // optimizer_bytes * 4
+    out += muon_buffers(m, layout, dtype, chunks, runtime)
     if layout.zero == 0 and layout.pp == 1 and layout.dp > 1:
         out += DDP_BUCKET_BYTES
     out += _reduction_pieces(layout, b, dense, unsharded - dense) if runtime.is_fived else 0
@@ -314,14 +342,16 @@ def _static_buffers(m: ModelConfig, layout: Layout, dtype: str, chunks, state: d
 
 def _reduction_pieces(layout: Layout, b: int, dense: int, experts: int) -> int:
     """Transient bytes of fived's gradient reductions in pieces of REDUCE_CHUNK_ELEMENTS: bf16 flat
-    gradients cast to float32 a piece at a time (with the reduced slice of a sharded stage), and
-    routed experts' gradients (ep > 1, summed over edp) packed, then cast, a piece at a time."""
+    gradients cast to float32 a piece at a time (with the reduced slice of a sharded stage; with
+    overlapped reductions CAST_PIECES_IN_FLIGHT of them at once), and routed experts' gradients
+    (ep > 1, summed over edp) packed, then cast, a piece at a time."""
     cast = 4 if b == 2 and layout.reduce_dtype == "float32" else 0
     flat_reduced = layout.zero in (1, 2) or (layout.zero == 0 and layout.pp > 1 and layout.dp * layout.cp > 1)
     out = 0
     if flat_reduced and cast:
         piece = min(dense, REDUCE_CHUNK_ELEMENTS)
-        out += cast * (piece + (piece // (layout.dp_shard * layout.cp) if layout.zero else 0))
+        in_flight = CAST_PIECES_IN_FLIGHT if layout.overlap_grad_reduce else 1
+        out += in_flight * cast * (piece + (piece // (layout.dp_shard * layout.cp) if layout.zero else 0))
     if layout.zero < 3 and layout.ep > 1 and layout.dp * layout.cp // layout.ep > 1 and experts:
         piece = min(experts, REDUCE_CHUNK_ELEMENTS)
         out += piece * (b + cast)

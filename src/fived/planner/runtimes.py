@@ -107,10 +107,15 @@ def for_layout(runtime: Runtime, layout) -> Runtime:
                    ep_overlap=layout.ep_overlap)
 
 
-def with_overlap(layout):
+def with_overlap(layout, *, fp8: bool = False):
     """`layout` with every overlap switch fived has that applies to it turned on (the planner's
-    recommendation, as Megatron-Core's recipes turn theirs on)."""
-    return layout.with_(tp_overlap=layout.tp > 1, overlap_grad_reduce=layout.dp * layout.cp > 1,
+    recommendation, as Megatron-Core's recipes turn theirs on): tp overlap (not with FP8 linears,
+    which it cannot run yet), the bucketed ZeRO-1/2 reductions and gathers, each pipeline stage's dp
+    reduction (ZeRO-0 under pp too; ZeRO-0 alone and ZeRO-3 overlap without a switch), the expert
+    all-to-all in chunks."""
+    reduced_in_buckets = layout.zero in (1, 2) or (layout.zero == 0 and layout.pp > 1)
+    return layout.with_(tp_overlap=layout.tp > 1 and not fp8,
+                        overlap_grad_reduce=layout.dp * layout.cp > 1 and reduced_in_buckets,
                         overlap_param_gather=layout.zero in (1, 2) and layout.dp_shard * layout.cp > 1,
                         ep_overlap=layout.ep > 1)
 

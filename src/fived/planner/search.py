@@ -206,7 +206,7 @@ def plan(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int, 
                     note(state, floor)
                 continue
             if runtime.is_fived:  # fived's candidates run with every overlap they can use
-                state = with_overlap(state)
+                state = with_overlap(state, fp8=runtime.fp8)
             for options in activation_choices(state, seq_len, global_batch):
                 for layout in options:
                     result = evaluate(model, layout, cluster, seq_len, global_batch, dtype, runtime, headroom_gib)

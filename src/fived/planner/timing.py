@@ -29,7 +29,9 @@ dimension on the link its group actually uses, the overlap the runtime allows, a
   the step's compute, where the runtime overlaps them.
 - pipeline bubble: from the schedule simulator (`fived.layout.schedule_sim.pipeline_profile`);
   ranks sharing cores (CPU) fill each other's idle time.
-- optimizer: AdamW streams 28 bytes per owned parameter (read p, g, m, v; write p, m, v, fp32).
+- optimizer: AdamW streams 28 bytes per owned parameter (read p, g, m, v; write p, m, v, fp32); Muon
+  (train.optimizer=muon) adds its exchange's all-to-alls (`fived.planner.communication`, part
+  "optimizer") and the busiest owner's Newton-Schulz GEMMs.
 - overhead: host work the device does not hide (CPU ranks: per layer and micro-batch, per step).
 """
 from __future__ import annotations
@@ -38,9 +40,10 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 
-from fived.config import ModelConfig
+from fived.config import ModelConfig, TrainConfig
 from fived.layout.layout import PRECISION_SPECS, Layout
 from fived.metrics import flops_per_token
+from fived.muon_plan import ns_flops, stage_plan
 from fived.layout.schedule_sim import pipeline_profile
 from fived.planner.communication import group_span, owned_parameters, step_collectives
 from fived.planner.hardware import Hardware
@@ -199,8 +202,8 @@ def step_time(model: ModelConfig, layout: Layout, cluster: Cluster, seq_len: int
         ep = max(ep / 2, ep - compute * expert_share(m, seq_len))
     dp = time["dp"]
     overlap = (runtime.grad_overlap and L.zero in (0, 3)) or (runtime.zero12_overlap and L.zero in (1, 2))
-    if L.pp > 1:
-        overlap = runtime.pipeline_grad_overlap
+    if L.pp > 1:  # (FSDP2 under a schedule reduce-scatters during each stage's last backward, always)
+        overlap = runtime.pipeline_grad_overlap or (runtime.grad_overlap and L.zero == 3)
     if overlap:  # the reduction behind the last micro-batch's backward, the gathers behind all compute
         dp = max(0.0, dp - compute * 2 / 3 / micro) + max(0.0, time["dp_gather"] - compute)
     else:
@@ -211,11 +214,26 @@ def step_time(model: ModelConfig, layout: Layout, cluster: Cluster, seq_len: int
         # a rank idles frac of the step; ranks sharing cores run in each other's idle time: the step is
         # the busiest rank's work, or its critical path at a whole core if that is longer
         bubble = (compute + tp + cp + ep + pp) * max(0.0, hw.core_share / (1 - frac) - 1)
-    optimizer = 28 * owned_parameters(m, L, chunks) / (hw.hbm_gbps * 1e9)
+    optimizer = 28 * owned_parameters(m, L, chunks) / (hw.hbm_gbps * 1e9) + time["optimizer"]
+    if L.optimizer == "muon" and runtime.is_fived:
+        optimizer += orthogonalization_s(m, L, dtype, chunks, hw)
     layer_host = hw.layer_overhead_s * layers_here * micro * (1 + recompute)
     overhead = layer_host + hw.step_overhead_s + host
     return StepTime(compute, bubble, tp, cp, ep, pp, dp, optimizer, tokens, L.world, model_flops,
                     hw.peak_tflops * 1e12, dict(moved), overhead, layer_host)
+
+
+def orthogonalization_s(m: ModelConfig, L: Layout, dtype: str, chunks, hw: Hardware) -> float:
+    """Muon's Newton-Schulz iterations on the busiest owner of the stage (the scatter waits for it):
+    its whole matrices' GEMMs (train.muon_ns_steps at its default) at the efficiency of their width."""
+    plan = stage_plan(m, L, dtype, chunks)
+    steps, peak = TrainConfig.muon_ns_steps, hw.peak_tflops * 1e12
+
+    def seconds(u) -> float:
+        side = min(u.rows, u.cols)
+        return ns_flops(u.rows, u.cols, steps) / (peak * efficiency(side, side, hw))
+
+    return max(sum(seconds(u) for u in plan.owned(member)) for member in range(plan.size))
 
 
 def _compute(m: ModelConfig, L: Layout, hw: Hardware, runtime: Runtime, dtype: str, seq_len: int, micro: int,

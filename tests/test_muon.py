@@ -1,0 +1,262 @@
+"""train.optimizer=muon: the update is Muon's (one device), its plan places every piece of every
+matrix (plain Python, many layouts), and on real gloo ranks every layout trains exactly like one
+device, orthogonalises each matrix once per step, and moves and keeps the bytes the planner says."""
+import math
+
+import pytest
+import torch
+
+from fived.config import build_config
+from fived.layout.layout import Layout
+from fived.layout.bounds import ns_coefficients
+from fived.muon_plan import Exchange, ns_flops, stage_plan
+from fived.layout.stages import rank_chunks
+from fived.muon import Muon, newton_schulz, update_scale
+from fived.report import expected_comm_bytes, expected_state_bytes
+from fived.testing import EXACT, run_on_ranks, tiny_config
+from fived.train import run_training
+from fived.verify import run_verify
+
+KELLER = ns_coefficients("3.4445,-4.7750,2.0315", 5)
+
+
+def test_newton_schulz_pushes_singular_values_toward_one():
+    """On a tall and a wide matrix: the singular vectors are the matrix's (the result is close to the
+    polar factor U V^T), the singular values within the quintic's band, whatever their spread."""
+    generator = torch.Generator().manual_seed(0)
+    for shape in ((96, 32), (32, 96)):
+        u, _, v = torch.linalg.svd(torch.randn(*shape, generator=generator, dtype=torch.float64), full_matrices=False)
+        spread = torch.logspace(0, -2, min(shape), dtype=torch.float64)  # singular values 1 .. 1e-2
+        matrix = u @ torch.diag(spread) @ v
+        out = newton_schulz(matrix, KELLER)
+        sigma = torch.linalg.svdvals(out)
+        assert out.shape == shape and sigma.max() < 1.25 and sigma.min() > 0.6, sigma
+        polar = u @ v
+        cosine = (out * polar).sum() / (out.norm() * polar.norm())
+        assert cosine > 0.97, cosine
+    # one triple per iteration, spelled out, is the same iteration
+    assert ns_coefficients(";".join(["3.4445,-4.7750,2.0315"] * 5), 5) == KELLER
+    assert ns_coefficients("1,2", 5) is None and ns_coefficients("1,2,3;1,2,3", 5) is None
+
+
+def test_update_scales():
+    assert update_scale("rms", 256, 64) == pytest.approx(0.2 * 16)
+    assert update_scale("spectral", 256, 64) == pytest.approx(2.0)
+    assert update_scale("spectral", 64, 256) == 1.0 and update_scale("none", 3, 5) == 1.0
+
+
+class _Alone:
+    """The exchange of a single device holding every matrix whole: Newton-Schulz on each."""
+
+    def __init__(self, fans):
+        self.placements, self._fans = dict.fromkeys(fans), fans
+
+    def fans(self, name):
+        return self._fans[name]
+
+    def orthogonalize(self, directions, ns):
+        return {name: ns(d) for name, d in directions.items()}
+
+
+def test_one_step_is_the_published_update():
+    """Two steps of fived's Muon on one matrix equal the update written out: momentum, Nesterov,
+    Newton-Schulz, the rms scale, decoupled weight decay; the other tensor gets torch's AdamW."""
+    t = build_config(overrides={"train.optimizer": "muon", "train.lr": 0.01, "train.weight_decay": 0.1}).train
+    generator = torch.Generator().manual_seed(1)
+    w = torch.nn.Parameter(torch.randn(48, 16, generator=generator, dtype=torch.float64))
+    b = torch.nn.Parameter(torch.randn(16, generator=generator, dtype=torch.float64))
+    b_ref = torch.nn.Parameter(b.detach().clone())
+    adamw = torch.optim.AdamW([b], lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=0.0)
+    adamw_ref = torch.optim.AdamW([b_ref], lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=0.0)
+    optimizer = Muon([("layers.0.attention.wq.weight", w)], adamw, t, _Alone({"layers.0.attention.wq.weight": (48, 16)}))
+    expected, momentum = w.detach().clone(), torch.zeros_like(w)
+    for _ in range(2):
+        grad = torch.randn(48, 16, generator=generator, dtype=torch.float64)
+        w.grad, b.grad = grad.clone(), torch.ones(16, dtype=torch.float64)
+        b_ref.grad = b.grad.clone()
+        optimizer.step()
+        adamw_ref.step()
+        momentum = 0.95 * momentum + 0.05 * grad
+        direction = 0.95 * momentum + 0.05 * grad
+        expected = expected * (1 - t.lr * 0.1) - t.lr * 0.2 * math.sqrt(48) * newton_schulz(direction, KELLER)
+        assert torch.allclose(w.detach(), expected, rtol=0, atol=1e-14)
+    assert torch.equal(b, b_ref) and set(optimizer.state[w]) == {"momentum_buffer"}
+
+
+def _one_device_step(cfg):
+    """One step of a one-rank Trainer; the directions Muon's exchange got and what it returned."""
+    from fived.train import Trainer
+
+    trainer = Trainer(cfg, log=False)
+    exchange, seen = trainer.optimizer.exchange, []
+    real = exchange.orthogonalize
+    exchange.orthogonalize = lambda directions, ns: seen.append(({k: v.clone() for k, v in directions.items()},
+                                                                 real(directions, ns))) or seen[-1][1]
+    trainer.fit(progress=False)
+    return seen
+
+
+def test_one_device_orthogonalises_each_whole_matrix():
+    """On one rank the exchange (the code every layout runs) returns Newton-Schulz of each parameter's
+    direction whole, and of each routed expert's matrix on its own: what every layout is held to."""
+    cfg = tiny_config("tiny-moe", train__optimizer="muon", train__steps=1)
+    (directions, updates), = run_on_ranks(1, _one_device_step, cfg)[0]
+    assert len(directions) == cfg.model.n_layers * (4 + 3 + 3)  # attention, shared expert, routed experts
+    for name, d in directions.items():
+        want = torch.stack([newton_schulz(e, KELLER) for e in d]) if d.dim() == 3 else newton_schulz(d, KELLER)
+        assert torch.allclose(updates[name], want, rtol=0, atol=1e-13), name
+
+
+PLANS = {  # (model, world, parallel fields): every way a matrix is cut or repeated
+    "dp1": ("tiny-moe", 1, {}),
+    "zero0-dp4": ("tiny", 4, dict(dp=4)),
+    "zero1-dp4": ("tiny-moe", 4, dict(dp=4, zero=1)),
+    "zero2-buckets": ("tiny-moe", 4, dict(dp=4, zero=2, overlap_grad_reduce=True, bucket_mb=3000 / 2**20)),
+    "zero3-hsdp": ("tiny-moe", 4, dict(dp=4, zero=3, dp_replicate=2)),
+    "tp4-kv-replicated": ("tiny", 4, dict(tp=4)),
+    "ep2-zero1-cp2": ("tiny-moe", 8, dict(dp=2, cp=2, ep=4, zero=1, tp=2)),
+    "ep2-zero3": ("tiny-moe", 4, dict(dp=4, ep=2, zero=3)),
+    "pp2-zero0-flat": ("tiny", 4, dict(dp=2, pp=2)),
+    "5d": ("tiny-moe", 16, dict(pp=2, dp=2, cp=2, tp=2, ep=4, zero=1)),
+}
+
+
+def _plan(model, world, fields, pp_rank=0):
+    cfg = build_config(overrides={"model.name": model, **{f"parallel.{k}": v for k, v in fields.items()},
+                                  "train.microbatches": 2 if fields.get("pp", 1) > 1 else 1})
+    layout = Layout.from_config(cfg, world)
+    return stage_plan(cfg.model, layout, "float64", rank_chunks(cfg.model, layout, pp_rank))
+
+
+@pytest.mark.parametrize("name", list(PLANS))
+def test_plan_places_every_piece_once(name):
+    """Every unit's distinct pieces tile it exactly (no gap, no overlap); each member's pieces are
+    what it stores; the owner ends up with every piece (its own or gathered) and every holder gets
+    its pieces back; what one member sends another receives, in the same order; owners balanced."""
+    plan = _plan(*PLANS[name])
+    for unit in plan.units:
+        distinct = {box for m in range(plan.size) for box in plan.held(unit, m)}
+        assert sum(b.numel for b in distinct) == unit.box.numel, unit
+        for a in distinct:
+            assert all(a == b or a.intersection(b) is None for b in distinct)
+    for m in range(plan.size):
+        stored = sum(b.numel for unit in plan.units for b in plan.held(unit, m))
+        assert stored == plan.stored_elements(m)
+    for me in range(plan.size):
+        lists = plan.exchange(me)
+        for peer in range(plan.size):
+            assert lists.gather_send[peer] == plan.exchange(peer).gather_recv[me]
+            assert lists.scatter_send[peer] == plan.exchange(peer).scatter_recv[me]
+        for u, unit in enumerate(plan.units):
+            if unit.owner == me:
+                own = plan.held(unit, me)
+                gathered = [box for items in lists.gather_recv for v, box in items if v == u]
+                assert sum(b.numel for b in own + gathered) == unit.box.numel
+            else:
+                back = [box for items in lists.scatter_recv for v, box in items if v == u]
+                assert back == plan.held(unit, me)
+    largest = max(ns_flops(u.rows, u.cols, 1) for u in plan.units)  # (greedy by cost: within one matrix)
+    assert max(plan.load) - min(plan.load) <= largest, plan.load
+
+
+def test_ranks_of_a_replica_send_to_their_own_owner():
+    """ZeRO-0 under tp: the owner gathers the other tp halves from its own tp neighbour (the nearest
+    holder), so every rank sends the same bytes instead of dp rank 0 sending them all."""
+    plan = _plan("tiny", 4, dict(dp=2, tp=2))
+    sent = [Exchange.elements(plan.exchange(m).gather_send) for m in range(4)]
+    assert len(set(sent)) == 1 and sent[0] > 0, sent
+    for m in range(4):
+        peers = [p for p, items in enumerate(plan.exchange(m).gather_send) if items]
+        assert all(p // 2 == m // 2 for p in peers), (m, peers)  # (tp innermost: same dp rank)
+
+
+VERIFIED = {  # (model, world, overrides): the issue's layouts, each exact against one device
+    "zero0-dp4": ("tiny-moe", 4, dict(parallel__dp=4, parallel__zero=0, train__microbatches=2)),
+    "zero1-dp4": ("tiny-moe", 4, dict(parallel__dp=4, parallel__zero=1, train__microbatches=2)),
+    "zero2-dp4": ("tiny-moe", 4, dict(parallel__dp=4, parallel__zero=2, train__microbatches=2)),
+    "zero3-dp4": ("tiny-moe", 4, dict(parallel__dp=4, parallel__zero=3, train__microbatches=2)),
+    "zero1-hsdp": ("tiny", 4, dict(parallel__dp=4, parallel__dp_replicate=2, parallel__zero=1)),
+    "zero3-hsdp": ("tiny", 4, dict(parallel__dp=4, parallel__dp_replicate=2, parallel__zero=3)),
+    "zero2-buckets": ("tiny-moe", 4, dict(parallel__dp=4, parallel__zero=2, parallel__overlap_grad_reduce=True,
+                                          parallel__overlap_param_gather=True, parallel__bucket_mb=3000 / 2**20)),
+    "tp2-sp": ("tiny", 2, dict(parallel__tp=2, parallel__sp=True)),
+    "tp4-kv-replicated": ("tiny", 4, dict(parallel__tp=4)),
+    "ep2-moe": ("tiny-moe", 4, dict(parallel__dp=4, parallel__ep=2, parallel__zero=1)),
+    "ep2-zero3": ("tiny-moe", 2, dict(parallel__dp=2, parallel__ep=2, parallel__zero=3)),
+    "pp2": ("tiny", 2, dict(parallel__pp=2, train__microbatches=2)),
+    "pp2-interleaved-dp2": ("tiny-moe", 4, dict(parallel__pp=2, parallel__dp=2, parallel__zero=1, train__microbatches=2,
+                                                parallel__pp_schedule="interleaved-1f1b", parallel__pp_virtual=2)),
+}
+
+
+@pytest.mark.parametrize("layout", list(VERIFIED))
+def test_layout_matches_one_device(layout):
+    model, world, over = VERIFIED[layout]
+    report = run_verify(tiny_config(model, train__optimizer="muon", train__steps=3, **over), world,
+                        printer=lambda *_: None)
+    assert report.max_relative_difference <= EXACT, report.max_rel
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_the_5d_layout(zero):
+    cfg = tiny_config("tiny-moe", train__optimizer="muon", parallel__pp=2, parallel__dp=2, parallel__cp=2,
+                      parallel__tp=2, parallel__ep=4, parallel__zero=zero, train__steps=2, train__microbatches=2)
+    report = run_verify(cfg, 16, printer=lambda *_: None)
+    assert report.max_relative_difference <= EXACT, report.max_rel
+
+
+def _counted(cfg):
+    """Train one step counting Newton-Schulz calls on this rank; (calls, the stage's units, pp rank)."""
+    import fived.muon
+    from fived.train import Trainer
+
+    calls, original = [], fived.muon.newton_schulz
+    fived.muon.newton_schulz = lambda m, c: calls.append(tuple(m.shape)) or original(m, c)
+    trainer = Trainer(cfg, log=False)
+    trainer.fit(progress=False)
+    exchange = trainer.optimizer.exchange
+    return len(calls), len(exchange.plan.units), exchange.me
+
+
+def test_each_matrix_is_orthogonalised_once_per_step():
+    """pp2 x dp2 x tp2 with experts over ep2: the Newton-Schulz calls of all ranks add up to the
+    model's matrices (each routed expert's one), and every rank of a stage does some."""
+    cfg = tiny_config("tiny-moe", train__optimizer="muon", train__steps=1, parallel__pp=2, parallel__dp=2,
+                      parallel__tp=2, parallel__ep=2, train__microbatches=2)
+    counted = run_on_ranks(8, _counted, cfg)
+    m = cfg.model
+    per_layer = 4 + 3 * m.n_shared_experts + 3 * m.n_experts  # attention, shared expert, routed experts
+    assert sum(calls for calls, _, _ in counted) == m.n_layers * per_layer
+    assert all(calls > 0 for calls, _, _ in counted)
+    assert [units for _, units, _ in counted] == [2 * per_layer] * 8  # (each stage: 2 of the 4 layers)
+
+
+LEDGER = {
+    "zero1-dp4": ("tiny-moe", dict(parallel__dp=4, parallel__zero=1)),
+    "zero2-buckets": ("tiny-moe", dict(parallel__dp=4, parallel__zero=2, parallel__overlap_grad_reduce=True,
+                                       parallel__bucket_mb=3000 / 2**20)),
+    "zero3-hsdp": ("tiny", dict(parallel__dp=4, parallel__zero=3, parallel__dp_replicate=2)),
+    "zero0-dp2-tp2": ("tiny-moe", dict(parallel__dp=2, parallel__tp=2)),
+    "ep2-zero1": ("tiny-moe", dict(parallel__dp=4, parallel__ep=2, parallel__zero=1)),
+    "pp2-dp2": ("tiny", dict(parallel__dp=2, parallel__pp=2, train__microbatches=2)),
+    "zero0-dp4-bf16": ("tiny", dict(parallel__dp=4, train__dtype="bfloat16")),
+}
+
+
+@pytest.mark.parametrize("layout", list(LEDGER))
+def test_exchange_and_state_are_the_formula(layout):
+    """On every rank: the exchange's all-to-all bytes and the model-state bytes the ledger measured
+    equal the planner's (routed tokens' all-to-all, which follows the routing, left out)."""
+    model, over = LEDGER[layout]
+    cfg = tiny_config(model, train__optimizer="muon", train__steps=1, train__global_batch=16, **over)
+    adamw = expected_state_bytes(tiny_config(model, train__steps=1, train__global_batch=16, **over), 4)
+    results = run_on_ranks(4, run_training, cfg, False, False)
+    exchanged = 0
+    for rank, res in enumerate(results):
+        measured = {k: v["bytes"] for k, v in res.comm.items() if not k.startswith("ep/all_to_all")}
+        want = {k: v for k, v in expected_comm_bytes(cfg, 4, rank).items() if not k.startswith("ep/all_to_all")}
+        assert measured == want, (rank, measured, want)
+        assert res.memory == expected_state_bytes(cfg, 4, rank), rank
+        exchanged += sum(v for k, v in measured.items() if k.endswith("all_to_all_single"))
+    assert exchanged > 0
+    assert results[0].memory["optimizer"] < adamw["optimizer"]  # one moment, not two, per Muon element
