@@ -41,6 +41,8 @@ Fp8Recipe = Literal["none", "tensorwise", "rowwise"]
 CompileBackend = Literal["inductor", "aot_eager", "eager"]
 LrSchedule = Literal["cosine", "wsd", "constant", "linear"]
 Optimizer = Literal["adamw", "muon"]
+CpMode = Literal["ring", "ulysses", "hybrid"]
+CpBalance = Literal["work", "halves"]
 MuonScale = Literal["rms", "spectral", "none"]
 Device = Literal["auto", "cpu", "cuda"]
 OnSpike = Literal["stop", "rollback"]
@@ -126,6 +128,14 @@ class ParallelConfig:
     # Megatron-Core's distributed optimizer)
     bucket_mb: float = option(25.0, "MiB of gradients per reduction bucket")
     ep_overlap: bool = option(False, "expert all-to-all of one chunk of tokens under the expert GEMMs of another")
+    # Context parallelism (fived.parallel.context): ring (K/V travel around the cp ranks), ulysses
+    # (all-to-all: each rank attends the whole sequence for cp-th of the heads) or hybrid (Ulysses
+    # inside groups of cp_ulysses consecutive cp ranks, a ring across the groups)
+    cp_mode: CpMode = option("ring", "how context parallelism attends: a ring of K/V, Ulysses' all-to-all, or both")
+    cp_ulysses: int = option(2, "hybrid context parallelism: ranks per Ulysses group (must divide cp)")
+    # "work": chosen per sequence from its documents so that attention work is even (fived.documents);
+    # "halves": chunks i and 2cp-1-i, even for one causal sequence only; without document masking: halves
+    cp_balance: CpBalance = option("work", "with data.document_mask: which sequence chunks a cp rank holds")
 
 
 @dataclass
@@ -207,6 +217,9 @@ class DataConfig:
     tokenizer: str = option("byte", '"byte" or the path of a Hugging Face tokenizer.json')
     # Needed when train.eval_every > 0.
     val_path: str = option("", 'validation tokens (.bin or text); "": the split prepare-data --val-fraction wrote')
+    # block-diagonal causal attention over the documents a packed sequence holds (each ends with the
+    # end-of-document token), rotary positions restarting at each document's first token
+    document_mask: bool = option(False, "attention only within documents, positions restarting at each")
 
 
 @dataclass

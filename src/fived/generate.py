@@ -30,7 +30,8 @@ class KVCachedAttentionCore(nn.Module):
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents=None, positions=None) -> torch.Tensor:
+        """(`documents`, `positions`: a prompt is one document; the rotation already used its positions.)"""
         prompt = self.keys is None
         if self.keys is not None and self.values is not None:
             if q.shape[1] != 1:

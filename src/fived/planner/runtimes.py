@@ -132,8 +132,11 @@ PLANNED_RUNTIMES = {
     "fived": replace(fived_runtime(compiled=True), grouped_experts=True),
     "fived-eager": replace(fived_runtime(), grouped_experts=True),
     "fived-fp8": replace(fived_runtime("rowwise", compiled=True), grouped_experts=True),
+    # (ZeRO-2 there is Megatron-FSDP's optim_grads: gradients sharded, so each micro-batch's are reduce-
+    # scattered into the shard, as FSDP's; its distributed optimizer proper is ZeRO-1)
     "megatron-core": replace(_MEGATRON, name="megatron-core", tp_overlap=True, grad_overlap=True,
-                             zero12_overlap=True, pipeline_grad_overlap=True, grouped_experts=True, flash_ring=True),
+                             zero12_overlap=True, pipeline_grad_overlap=True, grouped_experts=True, flash_ring=True,
+                             reduce_per_microbatch=True),
 }
 PLANNED_RUNTIMES["megatron-core-fp8"] = replace(PLANNED_RUNTIMES["megatron-core"], fp8=True)
 PLANNED_RUNTIMES["fsdp"] = replace(_FSDP, fused=True)  # torch.compile'd, as torchtitan-style runs

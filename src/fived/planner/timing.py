@@ -25,7 +25,7 @@ dimension on the link its group actually uses, the overlap the runtime allows, a
   share, each times link_efficiency, plus the hardware's latency per call. Ring collectives
   move 2(n-1)/n (all-reduce) or (n-1)/n (all-gather, reduce-scatter, all-to-all) of the bytes.
 - overlap (`Runtime`): `tp_overlap` of tp hidden, at most the GEMMs' time (what it hides under); the
-  ring behind the attention it overlaps with;
+  ring behind the attention it overlaps with (Ulysses' all-to-alls, cp_mode ulysses/hybrid: exposed);
   the dp reduction behind the last micro-batch's backward and ZeRO-3's prefetched gathers behind
   the step's compute, where the runtime overlaps them.
 - pipeline bubble: from the schedule simulator (`fived.layout.schedule_sim.pipeline_profile`);
@@ -250,7 +250,8 @@ def step_time(model: ModelConfig, layout: Layout, cluster: Cluster, seq_len: int
         moved[call.group] += call.total
     # overlapped tp communication hides under the region's GEMMs, never more than they last
     tp = time["tp"] - min(time["tp"] * (c.tp_overlap if runtime.tp_overlap else 0.0), compute - attention)
-    cp = max(0.0, time["cp"] - attention)  # the ring hides behind the attention blocks
+    # the ring hides behind the attention blocks; Ulysses' all-to-alls stand between the projections and them
+    cp = max(0.0, time["cp"] - attention) + time["cp_a2a"]
     ep, pp = time["ep"], time["pp"]
     if runtime.ep_overlap:  # two chunks: one dispatch and one combine stay exposed, the rest under the experts
         ep = max(ep / 2, ep - compute * expert_share(m, seq_len))
