@@ -1,0 +1,284 @@
+"""What serving a model costs one GPU: memory (weights, KV cache, activations) and time (a prefill,
+a decode step), for a serving layout. `fived.planner.serve` puts these under a workload.
+
+Memory
+- weights: the local shapes of the sharding spec (`fived.layout.spec`: tensor parallelism cuts heads,
+  feed-forward and expert widths and the padded vocabulary, keeps a whole kv head per rank when
+  tp > n_kv_heads; expert parallelism keeps E/ep experts) for the layers the pipeline rank holds
+  (`fived.layout.stages.split_layers`: the cost-balanced split the runtime builds). In bf16 2 bytes
+  each; with fp8 weights the linear layers and experts take 1 byte (embedding, head, norms, router
+  stay bf16, as vLLM's FP8 checkpoints keep them).
+- KV cache (`kv_cache_bytes`, the one formula `fived generate --report` measures against): per layer,
+  keys and values of every position of every sequence the GPU holds, in the kv heads a tp rank holds.
+- activations of one forward (the prefill's tokens, or the decode batch): the widest layer's working
+  set (its input, q/k/v, attention output, the feed-forward's gate/up/product) and the float32
+  logits, plus the reserve of the training planner (CUDA context, NCCL, fragmentation).
+
+Time (hardware rates from `fived.planner.hardware`, efficiency from `fived.planner.timing`)
+- prefill (compute-bound): 2 FLOPs per matmul parameter and token on this GPU's share, plus causal
+  attention, at the GEMM efficiency the training planner fitted on published runs (`timing.efficiency`
+  for the per-GPU width and the prefill's rows), or the memory time of reading the weights if longer;
+  plus each collective.
+- decode step (memory-bandwidth-bound): the weights this GPU reads (dense layers whole; of the experts,
+  those the batch's tokens route to, in expectation) and the KV cache its sequences attend over, at
+  HBM speed x `timing.HBM_EFFICIENCY`, or the step's FLOPs if longer; plus each collective: two tp
+  all-reduces per layer, two expert all-to-alls per MoE layer, one pipeline send per stage boundary,
+  each on the link its group spans (NVLink inside a node, else the network) at `timing.LINK_EFFICIENCY`
+  with the hardware's latency per call; plus the host's dispatch per layer (`Hardware.layer_overhead_s`,
+  fitted for a training layer's forward and backward on CPU ranks, of which a forward is a third; 0 on
+  GPUs, whose serving engines replay decode steps as CUDA graphs).
+A serving engine's GPUs are numbered tp innermost, then pp, then the data-parallel replicas (as vLLM
+places them): a tp group is tp consecutive GPUs, pipeline neighbours are tp apart, an ep group spans
+ep replicas tp*pp apart.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from fived.config import ModelConfig
+from fived.layout.spec import chunk_specs, kv_width, local_vocab
+from fived.layout.stages import model_key, split_layers
+from fived.planner.hardware import Hardware
+from fived.planner.memory import reserve_bytes
+from fived.planner.timing import HBM_EFFICIENCY, LINK_EFFICIENCY, efficiency, in_node
+
+WEIGHT_DTYPES = {"bf16": 2, "fp8": 1}  # bytes per weight of the linear layers and experts
+KV_DTYPES = {"bf16": 2, "fp8": 1, "float32": 4, "float64": 8}
+FORWARD_HOST_SHARE = 1 / 3  # of a training layer's host work (forward + two backward passes), a forward's
+
+
+@dataclass(frozen=True)
+class ServeLayout:
+    """How one serving engine spreads a model over GPUs: tp x pp GPUs per replica, `dp` replicas
+    (data-parallel attention ranks); with `ep` > 1 groups of ep replicas hold the routed experts
+    between them (E/ep each, like fived's ep over dp) and step together. `weights`: bf16 or fp8."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    ep: int = 1
+    weights: str = "bf16"
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def describe(self) -> str:
+        parts = [f"tp{self.tp}"] + [f"pp{self.pp}"] * (self.pp > 1) + [f"dp{self.dp}"] * (self.dp > 1)
+        return " ".join(parts + [f"ep{self.ep}"] * (self.ep > 1) + [self.weights])
+
+
+def kv_cache_bytes(m: ModelConfig, *, tp: int, layers: int, sequences: int, positions: int, element_bytes: int) -> int:
+    """Bytes of the key and value caches one GPU holds: for each of its `layers`, the keys and the
+    values of `positions` positions of `sequences` sequences, in the kv heads a tp rank holds
+    (`fived.layout.spec.kv_width`). `fived generate --report` measures its caches against this."""
+    return 2 * layers * sequences * positions * kv_width(m, tp) * element_bytes
+
+
+def stage_layers(m: ModelConfig, pp: int) -> list[list[int]]:
+    """The layers of each pipeline rank, as the runtime splits them (cost-balanced, head on the last)."""
+    return split_layers(m, pp) if pp > 1 else [list(range(m.n_layers))]
+
+
+@dataclass(frozen=True)
+class StageWeights:
+    """Elements of one pipeline rank's weights (its tp/ep share): linear layers, the rest, routed
+    experts, the embedding (a lookup: neither multiplied nor read whole)."""
+
+    linear: int  # attention, dense feed-forward, shared experts
+    other: int  # head, norms, router (kept in bf16 with fp8 weights)
+    embedding: int
+    experts: int  # this rank's routed experts, all layers
+    expert_layers: int  # MoE layers on this rank
+    local_experts: int  # routed experts per MoE layer on this rank
+    layers: int
+    first: bool
+    last: bool
+
+    def bytes(self, weights: str) -> int:
+        return (self.linear + self.experts) * WEIGHT_DTYPES[weights] + (self.other + self.embedding) * WEIGHT_DTYPES["bf16"]
+
+
+def stage_weights(m: ModelConfig, layout: ServeLayout, pp_rank: int) -> StageWeights:
+    """One pipeline rank's weight elements, from the sharding spec's local shapes."""
+    return _stage_weights(model_key(m), layout.tp, layout.pp, layout.ep, pp_rank)
+
+
+@lru_cache(maxsize=16384)
+def _stage_weights(key: tuple, tp: int, pp: int, ep: int, pp_rank: int) -> StageWeights:
+    m = ModelConfig(**dict(key))
+    layout = ServeLayout(tp=tp, pp=pp, ep=ep)
+    stages = stage_layers(m, layout.pp)
+    layers = stages[pp_rank]
+    first, last = pp_rank == 0, pp_rank == layout.pp - 1
+    linear = other = experts = embedding = 0
+    for spec in chunk_specs(m, layers, first, last, tp=layout.tp, ep=layout.ep):
+        if spec.buffer:
+            continue
+        n = math.prod(spec.local_shape)
+        if spec.expert:
+            experts += n
+        elif spec.part == "embedding":
+            embedding += n
+        elif spec.part == "layer" and spec.name.endswith(".weight") and len(spec.shape) == 2 and "router" not in spec.name:
+            linear += n
+        else:
+            other += n
+    moe_layers = sum(1 for lid in layers if m.is_moe and lid >= m.n_dense_layers)
+    local = m.n_experts // layout.ep if m.is_moe else 0
+    return StageWeights(linear, other, embedding, experts, moe_layers, local, len(layers), first, last)
+
+
+def activation_bytes(m: ModelConfig, tp: int, tokens: int, last: bool, element_bytes: int = 2) -> int:
+    """The working set of one forward over `tokens` tokens on a GPU: the widest layer's input, q/k/v,
+    attention output and feed-forward activations (gate, up, product) at once, and the float32 logits
+    of every token on the last stage (the runtime computes them for the whole prompt)."""
+    ffn = max(m.ffn_dim, m.expert_dim * (m.top_k + m.n_shared_experts) if m.is_moe else 0)
+    width = 3 * m.dim + (2 * m.n_heads * m.head_dim) // tp + 2 * kv_width(m, tp) + 3 * ffn // tp
+    logits = tokens * local_vocab(m, tp) * 4 if last else 0
+    return tokens * width * element_bytes + logits
+
+
+@dataclass
+class GpuMemory:
+    """Bytes on the most loaded GPU of a layout."""
+
+    weights: int
+    kv_cache: int
+    activations: int
+    reserve: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv_cache + self.activations + self.reserve
+
+    def gib(self) -> dict[str, float]:
+        return {k: getattr(self, k) / 2**30 for k in ("weights", "kv_cache", "activations", "reserve", "total")}
+
+
+def gpu_memory(m: ModelConfig, layout: ServeLayout, hw: Hardware, *, sequences: int, positions: int,
+               forward_tokens: int, kv_bytes: int) -> GpuMemory:
+    """The busiest pipeline rank's memory with `sequences` sequences of `positions` positions cached
+    per GPU and one forward of `forward_tokens` tokens in flight."""
+    worst = None
+    for pp_rank in range(layout.pp):
+        w = stage_weights(m, layout, pp_rank)
+        mem = GpuMemory(w.bytes(layout.weights),
+                        kv_cache_bytes(m, tp=layout.tp, layers=w.layers, sequences=sequences, positions=positions,
+                                       element_bytes=kv_bytes),
+                        activation_bytes(m, layout.tp, forward_tokens, w.last), reserve_bytes(hw.memory_gib))
+        if worst is None or mem.total > worst.total:
+            worst = mem
+    return worst
+
+
+def sequences_that_fit(m: ModelConfig, layout: ServeLayout, hw: Hardware, capacity: int, *, positions: int,
+                       forward_tokens: int, kv_bytes: int) -> int:
+    """Sequences of `positions` positions one GPU's KV cache holds beside the weights, one forward's
+    activations and the reserve (0 if the weights alone do not fit)."""
+    empty = gpu_memory(m, layout, hw, sequences=0, positions=positions, forward_tokens=forward_tokens,
+                       kv_bytes=kv_bytes)
+    per_sequence = max(kv_cache_bytes(m, tp=layout.tp, layers=w.layers, sequences=1, positions=positions,
+                                      element_bytes=kv_bytes) for w in _all_stages(m, layout))
+    return max(0, (capacity - empty.total) // per_sequence)
+
+
+def _all_stages(m: ModelConfig, layout: ServeLayout) -> list[StageWeights]:
+    return [stage_weights(m, layout, r) for r in range(layout.pp)]
+
+
+# --- time -------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Link:
+    bandwidth: float  # bytes/s a ring collective reaches
+    latency: float  # seconds per call
+
+
+def group_link(hw: Hardware, gpus_per_node: int, stride: int, size: int) -> Link:
+    """The link a group of `size` GPUs `stride` apart uses: NVLink inside a node, else the network."""
+    if size == 1 or in_node(gpus_per_node, stride, size):
+        return Link(hw.nvlink_gbps * 1e9 * LINK_EFFICIENCY, hw.link_latency_s)
+    return Link(hw.network_gbps * 1e9 * LINK_EFFICIENCY, hw.network_latency_s)
+
+
+def collective_seconds(op: str, nbytes: float, size: int, link: Link, hw: Hardware) -> float:
+    """One ring collective of `nbytes` per rank over `size` ranks (all-reduce moves 2(n-1)/n of them,
+    all-gather and all-to-all (n-1)/n, a send all), with its latency and the per-step latency of a CPU ring."""
+    if size == 1:
+        return 0.0
+    share, steps = {"all_reduce": (2 * (size - 1) / size, 2 * (size - 1)), "all_gather": ((size - 1) / size, size - 1),
+                    "all_to_all": ((size - 1) / size, size - 1), "send": (1.0, 1)}[op]
+    return share * nbytes / link.bandwidth + link.latency + steps * hw.peer_latency_s
+
+
+@dataclass
+class ForwardTime:
+    """Seconds of one forward (a prefill or a decode step) on the busiest path, by part."""
+
+    compute: float  # GEMMs and attention at the fitted efficiency, or reading the weights and KV cache
+    tp: float
+    ep: float
+    pp: float
+    host: float  # dispatch the device does not hide (kernel launches; CPU ranks: fitted per layer)
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.tp + self.ep + self.pp + self.host
+
+
+def forward_time(m: ModelConfig, layout: ServeLayout, hw: Hardware, gpus_per_node: int, *, sequences: int,
+                 new_tokens: int, context: int, kv_bytes: int) -> ForwardTime:
+    """One forward of `sequences` sequences per data-parallel rank, each bringing `new_tokens` tokens
+    (the prompt at a prefill, 1 at a decode step) and attending over `context` positions; the pipeline
+    ranks run one after another (one batch in flight: the latency of a step)."""
+    tokens = sequences * new_tokens
+    e = WEIGHT_DTYPES["bf16"]
+    tp_link = group_link(hw, gpus_per_node, 1, layout.tp)
+    ep_link = group_link(hw, gpus_per_node, layout.tp * layout.pp, layout.ep)
+    pp_link = group_link(hw, gpus_per_node, layout.tp, 2)
+    out = ForwardTime(0.0, 0.0, 0.0, 0.0, 0.0)
+    for w in _all_stages(m, layout):
+        out.compute += _stage_compute(m, layout, hw, w, tokens, sequences, new_tokens, context, kv_bytes)
+        regions = 2 * w.layers + (1 if w.first else 0)  # attention and MLP outputs, the vocab-parallel embedding
+        out.tp += regions * collective_seconds("all_reduce", tokens * m.dim * e, layout.tp, tp_link, hw)
+        slots = tokens * m.top_k * m.dim * e
+        out.ep += 2 * w.expert_layers * collective_seconds("all_to_all", slots, layout.ep, ep_link, hw)
+        if w.last:  # the vocab-parallel logits of each sequence's last position, gathered
+            logits = sequences * local_vocab(m, layout.tp) * layout.tp * 4
+            out.tp += collective_seconds("all_gather", logits, layout.tp, tp_link, hw)
+        else:
+            out.pp += collective_seconds("send", tokens * m.dim * e, 2, pp_link, hw)
+        out.host += w.layers * hw.layer_overhead_s * FORWARD_HOST_SHARE
+    return out
+
+
+def _stage_compute(m: ModelConfig, layout: ServeLayout, hw: Hardware, w: StageWeights, tokens: int, sequences: int,
+                   new_tokens: int, context: int, kv_bytes: int) -> float:
+    """max(FLOPs at the fitted efficiency, bytes read at HBM speed) of one stage's forward."""
+    touched = _experts_touched(m, w, tokens * layout.ep)
+    # a routed expert's rank receives top_k/E of the ep group's tokens for each of its experts
+    flops = 2 * tokens * (w.linear + w.other + w.experts * (m.top_k / max(m.n_experts, 1)) * layout.ep)
+    heads = m.n_heads // layout.tp
+    # causal attention: each new token attends over the positions before it (QK^T and AV)
+    mean_keys = context - (new_tokens - 1) / 2
+    flops += 4 * w.layers * heads * m.head_dim * tokens * mean_keys
+    peak = hw.peak_tflops * 1e12
+    if layout.weights == "fp8" and hw.fp8_tflops > 0:
+        peak = hw.fp8_tflops * 1e12
+    gemm = flops / (peak * efficiency(m.dim / layout.tp, tokens, hw))
+    read = w.bytes(layout.weights) - w.experts * WEIGHT_DTYPES[layout.weights] * (1 - touched)
+    read -= w.embedding * WEIGHT_DTYPES["bf16"]
+    read += kv_cache_bytes(m, tp=layout.tp, layers=w.layers, sequences=sequences, positions=context,
+                           element_bytes=kv_bytes)
+    return max(gemm, read / (hw.hbm_gbps * 1e9 * HBM_EFFICIENCY))
+
+
+def _experts_touched(m: ModelConfig, w: StageWeights, tokens: int) -> float:
+    """Expected share of a rank's routed experts a forward reads: each of the `tokens` tokens of its
+    ep group picks top_k of E experts (uniform routing)."""
+    if not w.expert_layers:
+        return 1.0
+    return 1.0 - (1.0 - m.top_k / m.n_experts) ** tokens
