@@ -1,0 +1,216 @@
+"""What `fived plan --serve` prints: the ranking, the chosen layout's memory and time per GPU, its p99
+latencies under the workload, the command that serves it with vLLM, and next to it the training layout
+`fived plan` picks for the same model and cluster, with why the two differ."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from fived.config import ModelConfig
+from fived.layout.spec import kv_width
+from fived.metrics import matmul_params_per_token
+from fived.planner.serve import ServePlan, Workload, gpus_needed
+from fived.planner.serve_model import ForwardTime
+from fived.planner.timing import Cluster
+
+# The published serving benchmarks `fived plan --serve --validate tests/data/published_serving.csv`
+# predicts; what it printed last (tests/test_serve.py checks these against a fresh run).
+PUBLISHED_ROWS = 18
+PUBLISHED_MEDIAN_ERROR = 0.0  # %, filled from the validation's output
+TRAINING_GROWTH_LIMIT = 64  # look for the smallest training cluster up to 64x the serving one
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f}"
+
+
+def _ms(s: float) -> str:
+    return "inf" if s == float("inf") else f"{s * 1e3:.1f}"
+
+
+def _parts(t: ForwardTime) -> str:
+    names = {"compute": "compute/HBM", "tp": "tp all-reduce", "ep": "expert all-to-all", "pp": "pipeline send",
+             "host": "host dispatch"}
+    return " + ".join(f"{names[k]} {getattr(t, k) * 1e3:.2f}" for k in names if getattr(t, k) > 0)
+
+
+def model_path(source: str, name: str) -> tuple[str, str]:
+    """(the path vLLM loads, what to run first): a Hugging Face directory as is, a fived run exported."""
+    path = Path(source)
+    if (path / "config.json").is_file():
+        return source, ""
+    if path.is_dir():
+        out = f"{source.rstrip('/')}-hf"
+        return out, f"fived export {source} --output {out}"
+    return f"path/to/{name}-hf", f"(the model in Hugging Face format: `fived export RUN --output path/to/{name}-hf` of a fived run)"
+
+
+def vllm_command(plan: ServePlan, w: Workload, path: str) -> str:
+    """The command that serves the layout with vLLM (one engine; with 1 < ep < dp, dp/ep such engines)."""
+    L = plan.layout
+    words = [f"vllm serve {path}", f"--tensor-parallel-size {L.tp}"]
+    if L.pp > 1:
+        words.append(f"--pipeline-parallel-size {L.pp}")
+    engine_dp = L.ep if L.ep > 1 else L.dp
+    if engine_dp > 1:
+        words.append(f"--data-parallel-size {engine_dp}")
+    if L.ep > 1:
+        words.append("--enable-expert-parallel")
+    if L.weights == "fp8":
+        words.append("--quantization fp8")
+    if w.kv_dtype == "fp8":
+        words.append("--kv-cache-dtype fp8")
+    words += [f"--max-model-len {w.positions}", f"--max-num-seqs {max(1, plan.fit)}"]
+    command = " ".join(words)
+    if 1 < L.ep < L.dp:
+        command += f"    # x {L.dp // L.ep} engines behind a load balancer"
+    return command
+
+
+@dataclass
+class TrainingView:
+    """What `fived plan` picks for training the model on the cluster (or the smallest that fits)."""
+
+    seq_len: int
+    global_batch: int
+    plan: object  # fived.planner.search.Plan, or None when nothing fits this cluster
+    least_gib: float  # the least memory any training layout needed here (when none fits)
+    fits_at: int  # GPUs at which training first fits (0: this cluster, or not within the limit)
+    plan_there: object
+
+
+def training_view(m: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int, headroom_gib: float) -> TrainingView:
+    from fived.planner.runtimes import PLANNED_RUNTIMES
+    from fived.planner.search import plan
+
+    runtime = PLANNED_RUNTIMES["fived"]
+    search = plan(m, cluster, seq_len, global_batch, "bfloat16", runtime, headroom_gib)
+    if search.plans:
+        return TrainingView(seq_len, global_batch, search.plans[0], 0.0, 0, None)
+    least = min(search.smallest.values()) / 2**30 if search.smallest else float("inf")
+    gpus = cluster.gpus
+    while gpus < cluster.gpus * TRAINING_GROWTH_LIMIT:
+        gpus *= 2
+        there = plan(m, Cluster(cluster.hardware, gpus, cluster.gpus_per_node), seq_len, global_batch, "bfloat16",
+                     runtime, headroom_gib)
+        if there.plans:
+            return TrainingView(seq_len, global_batch, None, least, gpus, there.plans[0])
+    return TrainingView(seq_len, global_batch, None, least, 0, None)
+
+
+def why_they_differ(serve: ServePlan, train: TrainingView, m: ModelConfig, w: Workload) -> list[str]:
+    """Computed reasons: what each holds per GPU, and what each layout optimises."""
+    L = serve.layout
+    lines = [f"serving holds {_gib(serve.memory.weights)} GiB of {L.weights} weights per GPU and a KV cache "
+             f"({_gib(serve.memory.kv_cache)} GiB at its operating batch, up to {serve.fit} sequences of "
+             f"{w.positions} positions per replica); no gradients, no optimizer state, no activations kept for backward"]
+    plan = train.plan or train.plan_there
+    if plan is not None:
+        mem = plan.memory
+        state = mem.params + mem.grads + mem.optimizer
+        lines.append(f"training ({plan.layout.describe()}) holds {_gib(state)} GiB of model state per GPU (bf16 "
+                     f"weights and gradients, float32 masters and AdamW moments) and {_gib(mem.activations)} GiB of "
+                     f"activations saved for backward")
+    if train.plan is None:
+        where = (f"; `fived plan` first fits it on {train.fits_at} GPUs" if train.fits_at else "")
+        lines.append(f"training does not fit on {L.gpus} GPUs: the least memory any training layout needs is "
+                     f"{train.least_gib:.1f} GiB per GPU{where}")
+    lines.append(f"a decode step reads every weight and the KV cache of the GPU for a handful of tokens: it is bound "
+                 f"by HBM bandwidth ({_ms(serve.decode.compute)} of its {_ms(serve.decode.total)} ms), so serving "
+                 f"splits weights over tp{L.tp} inside a node to shorten each token, and replicates (dp{L.dp}) for "
+                 f"throughput; training's step is compute-bound and sized to its memory")
+    return lines
+
+
+def report(plans: list[ServePlan], m: ModelConfig, cluster: Cluster, w: Workload, top: int, source: str,
+           train: TrainingView | None) -> str:
+    hw = cluster.hardware
+    load = (f"{w.rate:g} requests/s (Poisson)" if w.rate else f"{w.concurrency} requests in flight" if w.concurrency
+            else "the most the targets allow")
+    targets = ", ".join(t for t in (f"p99 TTFT <= {w.ttft_s * 1e3:g} ms" if w.ttft_s != float("inf") else "",
+                                    f"p99 TPOT <= {w.tpot_s * 1e3:g} ms" if w.tpot_s != float("inf") else "") if t)
+    lines = [f"fived plan --serve: {m.name} ({matmul_params_per_token(m) / 1e9:.1f}B matmul params per token) on "
+             f"{cluster.gpus} x {hw.name} ({cluster.gpus_per_node} per node, {hw.memory_gib:g} GiB each)",
+             f"workload: prompts of {w.prompt_len} tokens, {w.output_len} output tokens, {load}"
+             + (f"; targets {targets}" if targets else "") + f"; KV cache in {w.kv_dtype}",
+             "queueing: continuous batching with prefill priority; M/D/1 prefill queue (p99 wait: exponential tail, "
+             "Pollaczek-Khinchine mean); decode batch by Little's law; TPOT slowed by the prefills of arrivals "
+             "(Poisson count, its 99th percentile for p99)"]
+    if not plans:
+        return "\n".join(lines + [f"no serving layout: {cluster.gpus} GPUs cannot be split into tp x pp x dp for this model"])
+    lines.append(f"{'#':>3}  {'layout':<22} {'GiB/GPU':>8} {'seqs/replica':>12} {'prefill ms':>10} {'step ms':>8} "
+                 f"{'p99 TTFT':>9} {'p99 TPOT':>9} {'tok/s':>9}  meets")
+    for i, p in enumerate(plans[:top], 1):
+        score = p.throughput if w.concurrency else p.goodput
+        lines.append(f"{i:>3}  {p.layout.describe():<22} {_gib(p.memory.total):>8} {p.fit:>12} {_ms(p.prefill.total):>10} "
+                     f"{_ms(p.decode.total):>8} {_ms(p.at.p99_ttft_s):>9} {_ms(p.at.p99_tpot_s):>9} {score:>9.0f}  "
+                     + ("yes" if p.meets else "no: " + "; ".join(p.reasons)))
+    best = plans[0]
+    lines += _chosen(best, m, w, source)
+    if train is not None:
+        lines += _training(train, m, cluster)
+        lines.append("why they differ:")
+        lines += [f"  - {reason}" for reason in why_they_differ(best, train, m, w)]
+    lines.append(f"basis: forward times from the training planner's fitted GEMM efficiency and link shares, HBM at "
+                 f"its assumed share; {PUBLISHED_ROWS} published serving benchmarks predicted with a median error of "
+                 f"{PUBLISHED_MEDIAN_ERROR:.0f}% (`fived plan --serve --validate tests/data/published_serving.csv`)")
+    return "\n".join(lines)
+
+
+def _chosen(p: ServePlan, m: ModelConfig, w: Workload, source: str) -> list[str]:
+    L, mem = p.layout, p.memory
+    per_token = 2 * kv_width(m, L.tp) * w.kv_bytes
+    path, first = model_path(source, m.name)
+    out = [f"chosen: {L.describe()}" + ("" if p.meets else " (meets no target: the closest)"),
+           f"  per GPU: weights {_gib(mem.weights)} + KV cache {_gib(mem.kv_cache)} + activations {_gib(mem.activations)}"
+           f" + reserve {_gib(mem.reserve)} = {_gib(mem.total)} GiB",
+           f"  KV cache: {per_token} bytes per token and layer on a GPU ({kv_width(m, L.tp) // m.head_dim} kv heads of "
+           f"{m.head_dim} in {w.kv_dtype}, keys and values); {p.fit} sequences of {w.positions} positions fit per replica "
+           f"({p.fit * L.dp} in all)",
+           f"  prefill of one prompt: {_ms(p.prefill.total)} ms = {_parts(p.prefill)}",
+           f"  decode step at batch {p.at.batch:.1f}: {_ms(p.decode.total)} ms = {_parts(p.decode)}"]
+    if p.at.stable:
+        out.append(f"  at {p.at.rate * L.dp:.2f} requests/s: mean TPOT {_ms(p.at.tpot_s)} ms, p99 TPOT {_ms(p.at.p99_tpot_s)} "
+                   f"ms, p99 TTFT {_ms(p.at.p99_ttft_s)} ms")
+    out.append(f"  within the targets: {p.goodput:.0f} output tokens/s ({p.goodput / w.output_len:.2f} requests/s)")
+    needed = gpus_needed(p, w)
+    if needed:
+        out.append(f"  GPUs this layout needs for {w.rate:g} requests/s within the targets: {needed}")
+    out.append(f"  serve it: {vllm_command(p, w, path)}")
+    if first:
+        out.append(f"    first: {first}")
+    return out
+
+
+def _training(train: TrainingView, m: ModelConfig, cluster: Cluster) -> list[str]:
+    head = (f"training layout (`fived plan`, seq {train.seq_len}, {train.global_batch * train.seq_len:,} tokens per "
+            f"step) on the same {cluster.gpus} GPUs:")
+    if train.plan is not None:
+        p = train.plan
+        return [head, f"  {p.layout.describe()}: {_gib(p.memory.total)} GiB per GPU, step {p.time.total:.3g} s, "
+                      f"MFU {p.time.mfu:.1%}"]
+    out = [head, f"  none fits: the least memory any training layout needs is {train.least_gib:.1f} GiB per GPU of "
+                 f"{cluster.hardware.memory_gib:g}"]
+    if train.plan_there is not None:
+        p = train.plan_there
+        out.append(f"  on {train.fits_at} GPUs: {p.layout.describe()}: {_gib(p.memory.total)} GiB per GPU, step "
+                   f"{p.time.total:.3g} s, MFU {p.time.mfu:.1%}")
+    return out
+
+
+def to_json(plans: list[ServePlan], m: ModelConfig, cluster: Cluster, w: Workload, top: int, source: str,
+            train: TrainingView | None) -> dict:
+    path, first = model_path(source, m.name)
+    out = {"model": m.name, "gpus": cluster.gpus, "gpu": cluster.hardware.name,
+           "workload": {**vars(w), "ttft_s": None if w.ttft_s == float("inf") else w.ttft_s,
+                        "tpot_s": None if w.tpot_s == float("inf") else w.tpot_s},
+           "plans": [p.to_dict() for p in plans[:top]]}
+    if plans:
+        out["vllm"] = vllm_command(plans[0], w, path)
+        out["export"] = first
+    if train is not None:
+        plan = train.plan or train.plan_there
+        out["training"] = {"fits": train.plan is not None, "least_gib": train.least_gib, "fits_at_gpus": train.fits_at,
+                           "plan": plan.to_dict(train.global_batch) if plan is not None else None,
+                           "why": why_they_differ(plans[0], train, m, w) if plans else []}
+    return out
