@@ -109,27 +109,38 @@ def generate(model: nn.Module, prompt: list[int], sampling: Sampling, stop_ids: 
     return out
 
 
-def load_model(source: str, dtype: torch.dtype, device: str):
-    """(model, tokenizer name or path, stop ids) from a run, a checkpoint or a Hugging Face directory."""
+def describe_source(source: str):
+    """(model config, tokenizer name or path, stop ids) of a run, a checkpoint or a Hugging Face directory."""
     from fived.hf.init import is_hf_directory
-    from fived.model import build_model, materialize
 
     if is_hf_directory(source):
         from fived.hf.config_map import model_config_from_hf, read_config, special_token_ids
-        from fived.hf.init import whole_state
 
         cfg = model_config_from_hf(read_config(source), source)
-        state = whole_state(source, cfg, dtype)
         tokenizer = Path(source) / "tokenizer.json"
         tokenizer = str(tokenizer) if tokenizer.is_file() else "byte"
         stop = special_token_ids(source).get("eos_token_id")
     else:
         from fived.hf.export import run_special_tokens
 
-        run, state = _checkpoint_state(source)
+        run = _saved_run(source)
         cfg, tokenizer = run.model, run.data.tokenizer
         stop = run_special_tokens(run).get("eos_token_id")
-    stop_ids = set(stop if isinstance(stop, list) else [] if stop is None else [stop])
+    return cfg, tokenizer, frozenset(stop if isinstance(stop, list) else [] if stop is None else [stop])
+
+
+def load_model(source: str, dtype: torch.dtype, device: str):
+    """(model, tokenizer name or path, stop ids) from a run, a checkpoint or a Hugging Face directory."""
+    from fived.hf.init import is_hf_directory
+    from fived.model import build_model, materialize
+
+    cfg, tokenizer, stop_ids = describe_source(source)
+    if is_hf_directory(source):
+        from fived.hf.init import whole_state
+
+        state = whole_state(source, cfg, dtype)
+    else:
+        state = _checkpoint_state(source, cfg)
     model = build_model(cfg, "meta", dtype)
     materialize(model, device)
     for _, buffer in model.named_buffers():
@@ -141,17 +152,23 @@ def load_model(source: str, dtype: torch.dtype, device: str):
     return model, tokenizer, stop_ids
 
 
-def _checkpoint_state(source: str):
-    from fived import dcp_io
+def _saved_run(source: str):
+    """The config a run or checkpoint was saved with."""
     from fived.checkpoint import find_checkpoint, saved_config
-    from fived.model import build_model, canonical_name
 
     checkpoint = find_checkpoint(source, "source") if Path(source).is_dir() else None
     if checkpoint is None:
         raise ConfigError("source", source, "is neither a fived run or checkpoint nor a Hugging Face model "
                           "directory (config.json)", "give one of those")
-    cfg = saved_config(checkpoint, "source")[1]
-    meta = build_model(cfg.model)
+    return saved_config(checkpoint, "source")[1]
+
+
+def _checkpoint_state(source: str, cfg) -> dict:
+    from fived import dcp_io
+    from fived.checkpoint import find_checkpoint
+    from fived.model import build_model, canonical_name
+
+    meta = build_model(cfg)
     names = [canonical_name(n) for n, _ in [*meta.named_parameters(), *meta.named_buffers()]]
-    whole = dcp_io.read_whole(checkpoint, [f"model.{n}" for n in names])
-    return cfg, {n: whole[f"model.{n}"] for n in names}
+    whole = dcp_io.read_whole(find_checkpoint(source, "source"), [f"model.{n}" for n in names])
+    return {n: whole[f"model.{n}"] for n in names}

@@ -72,13 +72,13 @@ def check_prompts(prompts: list[list[int]], dp: int) -> None:
 
 
 def generate_on_ranks(cfg: Config, world: int, prompts: list[list[int]], sampling: Sampling, *, source: str = "",
-                      stop_ids: frozenset = frozenset(), device: str = "cpu") -> list[RankGeneration]:
-    """Run the generation on `world` fresh ranks; each rank's report, in rank order."""
+                      stop_ids: frozenset = frozenset(), device: str = "cpu", warmup: int = 0) -> list[RankGeneration]:
+    """Run the generation on `world` fresh ranks (after `warmup` untimed ones); each rank's report."""
     from fived.launch import run_ranks
 
     check_prompts(prompts, cfg.parallel.dp)
-    return run_ranks(world, generate_on_rank, cfg, prompts, sampling, source, stop_ids, timeout_s=GENERATE_TIMEOUT_S,
-                     device=device)
+    return run_ranks(world, generate_on_rank, cfg, prompts, sampling, source, stop_ids, warmup,
+                     timeout_s=GENERATE_TIMEOUT_S, device=device)
 
 
 def generated_ids(reports: list[RankGeneration]) -> list[list[int]]:
@@ -92,46 +92,22 @@ def generated_ids(reports: list[RankGeneration]) -> list[list[int]]:
 
 @torch.no_grad()
 def generate_on_rank(cfg: Config, prompts: list[list[int]], sampling: Sampling, source: str,
-                     stop_ids: frozenset) -> RankGeneration:
-    """One rank's part (the default process group is up)."""
+                     stop_ids: frozenset, warmup: int = 0) -> RankGeneration:
+    """One rank's part (the default process group is up); `warmup` untimed generations first (a fresh
+    process's first forward pays one-time costs: allocations, kernel selection, connections)."""
     ranked = build_generation_rank(cfg, source)
     mine = _share(prompts, cfg.parallel.dp, ranked.dp_rank)
-    longest = max(len(p) for p in mine)
-    positions = longest + sampling.max_new_tokens
-    tokens = torch.zeros((len(mine), longest), dtype=torch.long, device=ranked.device)
-    real = torch.zeros((len(mine), positions), dtype=torch.bool, device=ranked.device)
-    for i, prompt in enumerate(mine):
-        tokens[i, longest - len(prompt):] = torch.tensor(prompt)
-        real[i, longest - len(prompt):] = True
-    caches = [KVCachedAttentionCore(positions, real) for _ in ranked.chunk.layers]
-    for block, cache in zip(ranked.chunk.layers.values(), caches):
-        block.attention.core = cache
-    generators = [torch.Generator().manual_seed(sampling.seed) for _ in mine]
-    out: list[list[int]] = [[] for _ in mine]
-
-    dist.barrier()
-    start = time.perf_counter()
-    chosen = ranked.step(tokens, torch.arange(longest, device=ranked.device), sampling, generators)
-    prefill_s = time.perf_counter() - start
-    decode_s = []
-    for step in range(1, sampling.max_new_tokens):
-        for seq, token in zip(out, chosen.tolist()):
-            seq.append(token)
-        start = time.perf_counter()
-        position = torch.tensor([longest + step - 1], device=ranked.device)
-        chosen = ranked.step(chosen[:, None], position, sampling, generators)
-        decode_s.append(time.perf_counter() - start)
-    for seq, token in zip(out, chosen.tolist()):
-        seq.append(token)
-
+    for _ in range(warmup):
+        ranked.generate(mine, sampling)
+    out, caches, prefill_s, decode_s = ranked.generate(mine, sampling)
     from fived.planner.serve_model import kv_cache_bytes
 
-    kv = sum(c.nbytes for c in caches)
+    positions = max(len(p) for p in mine) + sampling.max_new_tokens
     formula = kv_cache_bytes(cfg.model, tp=cfg.parallel.tp, layers=len(caches), sequences=len(mine),
                              positions=positions, element_bytes=ranked.element_bytes)
     keep = ranked.last and ranked.tp_rank == 0
     return RankGeneration(dist.get_rank(), ranked.dp_rank, ranked.pp_rank, ranked.tp_rank, len(mine), positions,
-                          len(caches), kv, formula, prefill_s, decode_s,
+                          len(caches), sum(c.nbytes for c in caches), formula, prefill_s, decode_s,
                           [_until_stop(seq, stop_ids) for seq in out] if keep else None)
 
 
@@ -160,6 +136,36 @@ class GenerationRank:
         self.first, self.last = self.pp_rank == 0, self.pp_rank == mesh.pp - 1
         self.dtype = next(chunk.parameters()).dtype
         self.element_bytes = torch.finfo(self.dtype).bits // 8
+
+    def generate(self, prompts: list[list[int]], sampling: Sampling):
+        """(each prompt's generated ids, the KV caches, prefill seconds, each decode step's seconds) for
+        this rank's prompts, left-padded into one batch, with fresh caches."""
+        longest = max(len(p) for p in prompts)
+        positions = longest + sampling.max_new_tokens
+        tokens = torch.zeros((len(prompts), longest), dtype=torch.long, device=self.device)
+        real = torch.zeros((len(prompts), positions), dtype=torch.bool, device=self.device)
+        for i, prompt in enumerate(prompts):
+            tokens[i, longest - len(prompt):] = torch.tensor(prompt)
+            real[i, longest - len(prompt):] = True
+        caches = [KVCachedAttentionCore(positions, real) for _ in self.chunk.layers]
+        for block, cache in zip(self.chunk.layers.values(), caches):
+            block.attention.core = cache
+        generators = [torch.Generator().manual_seed(sampling.seed) for _ in prompts]
+        out: list[list[int]] = [[] for _ in prompts]
+        dist.barrier()
+        start = time.perf_counter()
+        chosen = self.step(tokens, torch.arange(longest, device=self.device), sampling, generators)
+        prefill_s, decode_s = time.perf_counter() - start, []
+        for step in range(1, sampling.max_new_tokens):
+            for seq, token in zip(out, chosen.tolist()):
+                seq.append(token)
+            start = time.perf_counter()
+            position = torch.tensor([longest + step - 1], device=self.device)
+            chosen = self.step(chosen[:, None], position, sampling, generators)
+            decode_s.append(time.perf_counter() - start)
+        for seq, token in zip(out, chosen.tolist()):
+            seq.append(token)
+        return out, caches, prefill_s, decode_s
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, sampling: Sampling, generators) -> torch.Tensor:
         """The next token of each sequence (on every rank of the first and last stages), after a
@@ -234,3 +240,21 @@ def _load_weights(chunk, plan, source: str) -> None:
         place = plan.init_placement(name) if name in plan.global_shapes else plan.placements[name]
         values[name] = ShardedValue(place.global_shape, place.pieces(tensor.data), place.replica == 0, tensor.dtype)
     load_initial_weights(source, values, {canonical_name(raw) for raw, _ in chunk.named_buffers()})
+
+
+def format_report(reports: list[RankGeneration], cfg: Config) -> str:
+    """Per rank: the KV-cache bytes measured next to `kv_cache_bytes`, the prefill time and the time per
+    output token (median of the decode steps), as the last pipeline stage measured them."""
+    from statistics import median
+
+    p = cfg.parallel
+    lines = [f"generation on {len(reports)} ranks (dp{p.dp} tp{p.tp} pp{p.pp} ep{p.ep}, {cfg.train.dtype}):"]
+    for r in reports:
+        per = r.kv_formula // max(1, r.layers * r.sequences * r.positions)
+        step = f"{median(r.decode_s) * 1e3:.2f} ms per output token (median of {len(r.decode_s)} steps)" \
+            if r.decode_s else "no decode step"
+        lines.append(f"  rank {r.rank} (dp {r.dp_rank}, pp {r.pp_rank}, tp {r.tp_rank}): KV cache {r.kv_bytes:,} bytes "
+                     f"measured | {r.kv_formula:,} formula ({r.layers} layers x {r.sequences} sequences x "
+                     f"{r.positions} positions x {per} bytes of keys and values); prefill {r.prefill_s * 1e3:.2f} ms, "
+                     f"{step}")
+    return "\n".join(lines)

@@ -13,15 +13,16 @@ The queueing model (per data-parallel replica; `dp` replicas share the requests 
   holds, or rho >= 1) means the replica is saturated.
 - TTFT: the prefill queue is M/D/1 (deterministic service S at utilisation rho), waiting time taken
   as exponential beyond its P(wait > 0) = rho with the Pollaczek-Khinchine mean rho S / (2(1 - rho));
-  p99 TTFT = S + one decode step (the one running when the request arrives) + the wait's 99th
-  percentile.
+  TTFT = S + the decode step running when the request arrives (half of one on average, a whole one at
+  p99) + the wait (its mean, its 99th percentile).
 - TPOT as serving benchmarks report it (a request's mean time per output token after the first):
   the step time plus the prefills that interrupt its O tokens, a Poisson count of mean r x O x TPOT;
   p99 TPOT = step(b) + S x (99th percentile of that count) / O.
 - Closed loop (`--concurrency C`): C/dp requests per replica, each sent when the previous ends;
   b = min(C/dp, sequences the KV cache holds) decode together, the rest wait for a slot; the replica
   is never idle, so prefills and steps fill its time: X S + (X O / b) step(b) = 1 gives the request
-  rate X; its latencies are the open loop's at rate X (+ the wait for a slot).
+  rate X; its latencies are the open loop's at rate X with the other b - 1 requests' share (b-1)/b of
+  the prefills (one client never waits for itself), + the wait for a slot.
 - Goodput: the largest rate whose p99 TTFT and p99 TPOT meet the targets (bisection), times O and dp.
 """
 from __future__ import annotations
@@ -67,12 +68,13 @@ class Operating:
     rate: float  # requests/s per replica
     step_s: float  # one decode step at the batch
     tpot_s: float  # mean time per output token (steps slowed by prefills)
+    ttft_s: float  # mean time to first token
     p99_ttft_s: float
     p99_tpot_s: float
     stable: bool = True
 
 
-SATURATED = Operating(math.inf, 0.0, math.inf, math.inf, math.inf, math.inf, stable=False)
+SATURATED = Operating(math.inf, 0.0, math.inf, math.inf, math.inf, math.inf, math.inf, stable=False)
 
 
 @dataclass
@@ -92,7 +94,7 @@ class ServePlan:
         return {"layout": vars(self.layout), "describe": self.layout.describe(), "memory_gib": self.memory.gib(),
                 "memory_bytes": {k: getattr(self.memory, k) for k in ("weights", "kv_cache", "activations", "reserve")},
                 "sequences_per_replica": self.fit, "prefill_ms": self.prefill.total * 1e3,
-                "decode_step_ms": self.decode.total * 1e3, "decode_parts_ms": _parts_ms(self.decode),
+                "decode_step_ms": self.decode.total * 1e3, "ttft_ms": self.at.ttft_s * 1e3, "decode_parts_ms": _parts_ms(self.decode),
                 "prefill_parts_ms": _parts_ms(self.prefill), "batch": self.at.batch, "tpot_ms": self.at.tpot_s * 1e3,
                 "p99_ttft_ms": self.at.p99_ttft_s * 1e3, "p99_tpot_ms": self.at.p99_tpot_s * 1e3,
                 "goodput_tokens_per_s": self.goodput, "throughput_tokens_per_s": self.throughput,
@@ -118,12 +120,26 @@ class Replica:
         """A decode step of `batch` sequences at the mean context (prompt + half the output)."""
         return self.forward(max(batch, 1.0), 1, self.w.prompt_len + self.w.output_len / 2)
 
-    def latencies(self, rate: float, batch: float, step_s: float, tpot_s: float) -> Operating:
+    def static_batch_s(self, batch: int) -> float:
+        """One batch of `batch` prompts generated together to the end (an offline latency benchmark):
+        one prefill of every prompt, then output_len - 1 decode steps."""
+        w = self.w
+        prefill = self.forward(batch, w.prompt_len, w.prompt_len).total
+        return prefill + (w.output_len - 1) * self.step(batch).total
+
+    def latencies(self, rate: float, batch: float, step_s: float, tpot_s: float, others: float) -> Operating:
+        """Latencies at `rate` requests/s with `others` sequences decoding when a request arrives: it waits
+        for the running step (half of one on average) and for the prefills queued ahead (M/D/1), and its
+        tokens for the prefills of arrivals, of which a share others/batch are other requests' (a closed
+        loop's one client never waits for itself)."""
         s, o = self.prefill.total, self.w.output_len
         rho = rate * s
-        wait = _p99_wait(rho, s)
-        interruptions = poisson_quantile(rate * o * tpot_s, QUANTILE)
-        return Operating(batch, rate, step_s, tpot_s, s + step_s + wait, step_s + s * interruptions / o)
+        busy = min(1.0, others)
+        share = min(1.0, others / batch) if batch > 0 else 0.0
+        mean_wait = rho * s / (2 * (1 - rho)) * share
+        interruptions = poisson_quantile(rate * share * o * tpot_s, QUANTILE)
+        return Operating(batch, rate, step_s, tpot_s, s + busy * step_s / 2 + mean_wait,
+                         s + busy * step_s + _p99_wait(rho, s) * share, step_s + s * interruptions / o)
 
     def open_loop(self, rate: float) -> Operating:
         """At Poisson arrivals of `rate` requests/s: the decode batch by Little's law (fixed point)."""
@@ -144,7 +160,7 @@ class Replica:
         else:
             return SATURATED
         step = self.step(batch).total
-        return self.latencies(rate, batch, step, step / (1 - rho))
+        return self.latencies(rate, batch, step, step / (1 - rho), others=batch)
 
     def closed_loop(self, concurrency: float) -> Operating:
         """`concurrency` requests in flight, each sent when the previous ends: the replica is never
@@ -155,8 +171,11 @@ class Replica:
         s, o = self.prefill.total, self.w.output_len
         step = self.step(batch).total
         rate = batch / (batch * s + o * step)
-        out = self.latencies(rate, batch, step, step / (1 - rate * s))
-        out.p99_ttft_s += (concurrency - batch) / rate  # waiting for a free slot
+        others = (batch - 1) / batch  # the share of prefills that are other requests'
+        out = self.latencies(rate, batch, step, step / (1 - rate * s * others), others=batch - 1)
+        queued = (concurrency - batch) / rate  # waiting for a free slot
+        out.ttft_s += queued
+        out.p99_ttft_s += queued
         return out
 
     def meets(self, op: Operating) -> bool:

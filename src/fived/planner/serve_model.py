@@ -24,9 +24,9 @@ Time (hardware rates from `fived.planner.hardware`, efficiency from `fived.plann
   HBM speed x `timing.HBM_EFFICIENCY`, or the step's FLOPs if longer; plus each collective: two tp
   all-reduces per layer, two expert all-to-alls per MoE layer, one pipeline send per stage boundary,
   each on the link its group spans (NVLink inside a node, else the network) at `timing.LINK_EFFICIENCY`
-  with the hardware's latency per call; plus the host's dispatch per layer (`Hardware.layer_overhead_s`,
-  fitted for a training layer's forward and backward on CPU ranks, of which a forward is a third; 0 on
-  GPUs, whose serving engines replay decode steps as CUDA graphs).
+  with the hardware's latency per call; plus the host's dispatch of each operator the forward calls from
+  Python (`Hardware.dispatch_s`: 0 on GPUs, whose serving engines replay decode steps as CUDA graphs;
+  fitted for CPU ranks, which run fived's eager model).
 A serving engine's GPUs are numbered tp innermost, then pp, then the data-parallel replicas (as vLLM
 places them): a tp group is tp consecutive GPUs, pipeline neighbours are tp apart, an ep group spans
 ep replicas tp*pp apart.
@@ -46,7 +46,12 @@ from fived.planner.timing import HBM_EFFICIENCY, LINK_EFFICIENCY, efficiency, in
 
 WEIGHT_DTYPES = {"bf16": 2, "fp8": 1}  # bytes per weight of the linear layers and experts
 KV_DTYPES = {"bf16": 2, "fp8": 1, "float32": 4, "float64": 8}
-FORWARD_HOST_SHARE = 1 / 3  # of a training layer's host work (forward + two backward passes), a forward's
+# Operators a forward of fived's eager model dispatches from Python (torch.profiler's top-level aten ops of
+# a decode step, tests/test_serve.py counts them again): per dense layer, per MoE layer (routing, the
+# grouped experts as one op, the shared expert), and the embedding or the final norm and head
+DENSE_LAYER_OPS = 50
+MOE_LAYER_OPS = 98
+END_OPS = 12
 
 
 @dataclass(frozen=True)
@@ -251,7 +256,8 @@ def forward_time(m: ModelConfig, layout: ServeLayout, hw: Hardware, gpus_per_nod
             out.tp += collective_seconds("all_gather", logits, layout.tp, tp_link, hw)
         else:
             out.pp += collective_seconds("send", tokens * m.dim * e, 2, pp_link, hw)
-        out.host += w.layers * hw.layer_overhead_s * FORWARD_HOST_SHARE
+        out.host += hw.dispatch_s * (DENSE_LAYER_OPS * (w.layers - w.expert_layers) + MOE_LAYER_OPS * w.expert_layers
+                                     + END_OPS * (w.first + w.last))
     return out
 
 

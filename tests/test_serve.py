@@ -1,0 +1,146 @@
+"""`fived plan --serve`: the serving memory and time model, the queueing model, the published serving
+benchmarks it predicts, and the command line (the multi-rank measurements are tests/test_serve_ranks.py)."""
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from fived.cli import main
+from fived.config import model_preset
+from fived.planner.hardware import hardware
+from fived.planner.serve import Replica, Workload, evaluate, plan_serving, poisson_quantile
+from fived.planner.serve_explain import PUBLISHED_MEDIAN_ERROR, PUBLISHED_ROWS, vllm_command
+from fived.planner.serve_model import (DENSE_LAYER_OPS, END_OPS, MOE_LAYER_OPS, ServeLayout, gpu_memory,
+                                       kv_cache_bytes, sequences_that_fit, stage_weights)
+from fived.planner.serve_validation import median_error, validation
+from fived.planner.timing import Cluster
+
+PUBLISHED = Path(__file__).parent / "data" / "published_serving.csv"
+H100x8 = Cluster(hardware("h100"), 8, 8)
+SERVE_70B = ["plan", "--serve", "--model", "llama3-70b", "--gpus", "8", "--gpu", "h100", "--prompt-len", "2048",
+             "--output-len", "256"]
+
+
+def test_published_serving_benchmarks_are_predicted_with_the_stated_error():
+    results, skipped = validation(str(PUBLISHED))
+    assert skipped == [] and len(results) == PUBLISHED_ROWS
+    assert round(median_error(results), 1) == PUBLISHED_MEDIAN_ERROR
+    rows = [r.values for r, _, _ in results]
+    assert {r["model"] for r in rows} == {"llama3-8b", "llama3-70b", "mixtral-8x7b"}
+    assert {hardware(r["gpu"]).name.split("-")[0] for r in rows} >= {"a100", "h100"}
+    assert len({r["engine"] for r in rows}) >= 3 and all(r["locator"] and r["source"] for r in rows)
+
+
+def test_kv_cache_per_token_follows_the_attention_shape():
+    m = model_preset("llama3-70b")  # 8 kv heads of 128
+    per_token = [kv_cache_bytes(m, tp=tp, layers=1, sequences=1, positions=1, element_bytes=2) for tp in (1, 8, 16)]
+    assert per_token == [2 * 8 * 128 * 2, 2 * 128 * 2, 2 * 128 * 2]  # tp16: each rank still holds one whole kv head
+    assert kv_cache_bytes(m, tp=8, layers=80, sequences=3, positions=100, element_bytes=1) == 80 * 3 * 100 * 256
+
+
+def test_fp8_weights_take_one_byte_for_the_linear_layers_only():
+    m = model_preset("llama3-8b")
+    w = stage_weights(m, ServeLayout(tp=2), 0)
+    bf16, fp8 = w.bytes("bf16"), w.bytes("fp8")
+    assert bf16 - fp8 == w.linear and w.embedding == m.vocab_size * m.dim // 2
+    assert abs(bf16 / 2 - 8.03e9 / 2) / 8.03e9 < 0.01  # Llama 3 8B's 8.03B parameters, half per GPU
+
+
+def test_the_kv_cache_fills_what_the_weights_leave():
+    m, hw = model_preset("llama3-70b"), hardware("h100")
+    layout = ServeLayout(tp=4, dp=2)
+    capacity = 77 * 2**30
+    fit = sequences_that_fit(m, layout, hw, capacity, positions=4096, forward_tokens=2048, kv_bytes=2)
+    fits = [gpu_memory(m, layout, hw, sequences=n, positions=4096, forward_tokens=2048, kv_bytes=2).total <= capacity
+            for n in (fit, fit + 1)]
+    assert fit > 10 and fits == [True, False]
+
+
+def test_queueing_model():
+    assert [poisson_quantile(mean, 0.99) for mean in (0, 1, 10)] == [0, 4, 18]
+    m = model_preset("llama3-8b")
+    w = Workload(1024, 128)
+    replica = Replica(m, ServeLayout(), Cluster(hardware("h100"), 1, 8), w, fit=200)
+    alone = replica.closed_loop(1)
+    assert alone.ttft_s == replica.prefill.total and alone.tpot_s == replica.step(1).total  # nobody queues
+    saturated = replica.open_loop(1.01 / replica.prefill.total)
+    assert not saturated.stable
+    light, heavy = replica.open_loop(0.5), replica.open_loop(5.0)
+    assert light.batch < heavy.batch and light.p99_ttft_s < heavy.p99_ttft_s and light.p99_tpot_s < heavy.p99_tpot_s
+    # Little's law: the decode batch is the rate times the time a request spends decoding
+    assert math.isclose(heavy.batch, 5.0 * w.output_len * heavy.tpot_s, rel_tol=1e-4)
+    loose = replica.goodput_rate()
+    tight = Replica(m, ServeLayout(), Cluster(hardware("h100"), 1, 8), replace(w, tpot_s=heavy.p99_tpot_s), 200)
+    assert 0 < tight.goodput_rate() <= 5.0 * 1.001 < loose
+
+
+def test_decode_is_bound_by_reading_the_weights():
+    """A decode step of one sequence reads every weight of the GPU: tp halves it, fp8 halves it again."""
+    m, w = model_preset("llama3-70b"), Workload(128, 128, concurrency=1)
+    steps = {(tp, dt): evaluate(m, ServeLayout(tp=tp, dp=8 // tp, weights=dt), H100x8, w).decode.compute
+             for tp in (2, 4) for dt in ("bf16", "fp8")}
+    assert 0.45 < steps[(4, "bf16")] / steps[(2, "bf16")] < 0.55
+    assert 0.45 < steps[(4, "fp8")] / steps[(4, "bf16")] < 0.6
+
+
+def test_the_forward_dispatch_counts_are_the_models():
+    """The operators fived's model dispatches per layer in a decode step (what CPU ranks pay per op)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from fived.generate import KVCachedAttentionCore
+    from fived.init import init_weights
+    from fived.model import build_model
+
+    def ops(name: str, layers: int) -> int:
+        model = build_model(replace(model_preset(name), n_layers=layers), "cpu", torch.float32)
+        init_weights(model, 0)
+        for block in model.layers.values():
+            block.attention.core = KVCachedAttentionCore(8)
+        with torch.no_grad():
+            model(torch.zeros((2, 4), dtype=torch.long), positions=torch.arange(4))
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                model(torch.zeros((2, 1), dtype=torch.long), positions=torch.tensor([4]))
+        return sum(1 for e in prof.events() if e.cpu_parent is None)
+
+    for name, per_layer in (("tiny", DENSE_LAYER_OPS), ("tiny-moe", MOE_LAYER_OPS)):
+        one, three = ops(name, 1), ops(name, 3)
+        assert (three - one) // 2 == per_layer and abs(one - per_layer - 2 * END_OPS) <= 2, name
+
+
+def test_plan_serve_for_llama3_70b_on_8_h100_prints_the_serving_and_training_plans(capsys):
+    assert main(SERVE_70B + ["--rate", "2", "--ttft-ms", "2000", "--tpot-ms", "50"]) == 0
+    out = capsys.readouterr().out
+    assert "vllm serve path/to/llama3-70b-hf --tensor-parallel-size" in out and "--max-model-len 2304" in out
+    assert "none fits: the least memory any training layout needs" in out and "why they differ:" in out
+    assert main(SERVE_70B + ["--rate", "2", "--ttft-ms", "2000", "--tpot-ms", "50", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    best = data["plans"][0]
+    assert best["meets_targets"] and best["p99_ttft_ms"] <= 2000 and best["p99_tpot_ms"] <= 50
+    assert data["training"]["fits"] is False and data["training"]["fits_at_gpus"] > 8
+    assert best["goodput_tokens_per_s"] == max(p["goodput_tokens_per_s"] for p in data["plans"])
+
+
+def test_expert_parallel_layouts_print_the_engine_flags():
+    m = model_preset("mixtral-8x7b")
+    plans = plan_serving(m, H100x8, Workload(1024, 256, concurrency=64), ("bf16",))
+    ep = next(p for p in plans if p.layout.ep == 4 and p.layout.dp == 8)
+    command = vllm_command(ep, Workload(1024, 256), "mixtral-hf")
+    assert "--data-parallel-size 4 --enable-expert-parallel" in command and "x 2 engines" in command
+
+
+@pytest.mark.parametrize("flags,line", [
+    (["--rate", "2", "--concurrency", "8"], "--rate=2.0: give --rate or --concurrency, not both; drop one"),
+    (["--rate", "-1"], "--rate=-1.0: must be > 0; e.g. --rate 2"),
+    (["--layout", "--tp 3"], "parallel.tp=3: must divide model.n_heads=64; e.g. --tp 2"),
+    (["--weights", "int4"], "--weights=int4: must list bf16 and/or fp8; e.g. --weights bf16,fp8"),
+])
+def test_bad_serving_flags_are_refused_in_one_line(flags, line, capsys):
+    if flags[0] == "--layout":  # (tp*pp must divide the GPUs first: 6 GPUs)
+        args = [a if a != "8" else "6" for a in SERVE_70B] + flags
+    else:
+        args = SERVE_70B + flags
+    assert main(args) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"fived: error: {line}"]
