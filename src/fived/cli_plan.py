@@ -109,6 +109,11 @@ def cmd_plan_layout(ns: argparse.Namespace) -> int:
 
 def cmd_explore(ns: argparse.Namespace) -> int:
     from fived.explore import explore_data
+
+    if ns.serve:
+        from fived.cli_serve import cmd_explore_serve
+
+        return cmd_explore_serve(ns, plan_model)
     from fived.pages import plotly_js, write_page
 
     plotly_js()  # (the extra is installed, before the minute of pricing)
@@ -171,6 +176,7 @@ def add_plan_commands(sub) -> None:
                              "layout and see the planner's memory, communication, pipeline and step time")
     add_cluster_flags(explore)
     explore.add_argument("--output", default="explore.html", help="the page to write (default explore.html)")
+    add_serve_flags(explore)
     explore.set_defaults(func=cmd_explore)
     report = sub.add_parser("report", allow_abbrev=False, help="write an offline HTML page of a training run: "
                             "metrics over steps, measured vs planned bytes, pipeline timeline, expert load")

@@ -131,3 +131,20 @@ def cmd_plan_serve(ns: argparse.Namespace, plan_model) -> int:
     else:
         print(serve_explain.report(plans, model, cluster, w, ns.top, ns.model, train))
     return 0 if plans and plans[0].fit else 1
+
+
+def cmd_explore_serve(ns: argparse.Namespace, plan_model) -> int:
+    """`fived explore --serve`: the serving page (tp, pp, ep, weights, requests in flight)."""
+    from fived.explore_serve import serve_explore_data
+    from fived.pages import plotly_js, write_page
+
+    plotly_js()  # (the extra is installed, before the pricing)
+    w = workload_from(ns)
+    model, cluster = serve_cluster(ns, plan_model)
+    data = serve_explore_data(model, cluster, w, weight_choices(ns), ns.model, training_shape(ns, w),
+                              ns.memory_headroom)
+    out = write_page(ns.output, f"fived explore --serve: {model.name} on {cluster.gpus} x {cluster.hardware.name}",
+                     "serve", data)
+    valid = sum(1 for e in data["entries"].values() if isinstance(e, dict))
+    print(f"fived explore --serve: {len(data['entries'])} layouts ({valid} valid) -> {out}")
+    return 0

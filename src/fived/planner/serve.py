@@ -178,6 +178,13 @@ class Replica:
         out.p99_ttft_s += queued
         return out
 
+    def cluster_closed_loop(self, concurrency: int, replicas: int) -> tuple[Operating, float]:
+        """`concurrency` clients spread over `replicas` (some hold one more): the busiest replica's
+        latencies and the cluster's output tokens/s."""
+        low, extra = divmod(concurrency, replicas)
+        rate = sum(n * self.closed_loop(c).rate for n, c in ((extra, low + 1), (replicas - extra, low)) if n and c)
+        return self.closed_loop(low + 1 if extra else low), rate * self.w.output_len
+
     def meets(self, op: Operating) -> bool:
         return op.stable and op.p99_ttft_s <= self.w.ttft_s and op.p99_tpot_s <= self.w.tpot_s
 
@@ -231,8 +238,7 @@ def evaluate(m: ModelConfig, layout: ServeLayout, cluster: Cluster, w: Workload,
         at = replica.open_loop(w.rate / layout.dp) if fit else SATURATED
         throughput = w.rate * w.output_len if at.stable else 0.0
     elif w.concurrency:
-        at = replica.closed_loop(w.concurrency / layout.dp) if fit else SATURATED
-        throughput = at.rate * layout.dp * w.output_len
+        at, throughput = replica.cluster_closed_loop(w.concurrency, layout.dp) if fit else (SATURATED, 0.0)
     else:
         at = replica.open_loop(rate) if rate else SATURATED
         throughput = rate * layout.dp * w.output_len
