@@ -31,7 +31,8 @@ def _ms(s: float) -> str:
 def _parts(t: ForwardTime) -> str:
     names = {"compute": "compute/HBM", "tp": "tp all-reduce", "ep": "expert all-to-all", "pp": "pipeline send",
              "host": "host dispatch"}
-    return " + ".join(f"{names[k]} {getattr(t, k) * 1e3:.2f}" for k in names if getattr(t, k) > 0)
+    return " + ".join(f"{names[k]} {getattr(t, k) * 1e3:.2f}" + (f" ({t.calls[k]} calls)" if k in t.calls else "")
+                      for k in names if getattr(t, k) > 0)
 
 
 def model_path(source: str, name: str) -> tuple[str, str]:
@@ -139,7 +140,7 @@ def report(plans: list[ServePlan], m: ModelConfig, cluster: Cluster, w: Workload
     if not plans:
         return "\n".join(lines + [f"no serving layout: {cluster.gpus} GPUs cannot be split into tp x pp x dp for this model"])
     lines.append(f"{'#':>3}  {'layout':<22} {'GiB/GPU':>8} {'seqs/replica':>12} {'prefill ms':>10} {'step ms':>8} "
-                 f"{'p99 TTFT':>9} {'p99 TPOT':>9} {'tok/s':>9}  meets")
+                 f"{'p99 TTFT':>9} {'p99 TPOT':>9} {'tok/s' if w.concurrency else 'goodput':>9}  meets")
     for i, p in enumerate(plans[:top], 1):
         score = p.throughput if w.concurrency else p.goodput
         lines.append(f"{i:>3}  {p.layout.describe():<22} {_gib(p.memory.total):>8} {p.fit:>12} {_ms(p.prefill.total):>10} "

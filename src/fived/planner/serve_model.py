@@ -34,7 +34,7 @@ ep replicas tp*pp apart.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 from fived.config import ModelConfig
@@ -227,11 +227,18 @@ class ForwardTime:
     tp: float
     ep: float
     pp: float
-    host: float  # dispatch the device does not hide (kernel launches; CPU ranks: fitted per layer)
+    host: float  # dispatch the device does not hide (CPU ranks: per operator)
+    calls: dict = field(default_factory=dict)  # collectives per part ("tp", "ep", "pp")
 
     @property
     def total(self) -> float:
         return self.compute + self.tp + self.ep + self.pp + self.host
+
+    def add(self, part: str, calls: int, seconds_each: float, size: int) -> None:
+        """`calls` collectives of a group of `size` ranks (none when the group is one rank)."""
+        if size > 1 and calls:
+            setattr(self, part, getattr(self, part) + calls * seconds_each)
+            self.calls[part] = self.calls.get(part, 0) + calls
 
 
 def forward_time(m: ModelConfig, layout: ServeLayout, hw: Hardware, gpus_per_node: int, *, sequences: int,
@@ -248,14 +255,14 @@ def forward_time(m: ModelConfig, layout: ServeLayout, hw: Hardware, gpus_per_nod
     for w in _all_stages(m, layout):
         out.compute += _stage_compute(m, layout, hw, w, tokens, sequences, new_tokens, context, kv_bytes)
         regions = 2 * w.layers + (1 if w.first else 0)  # attention and MLP outputs, the vocab-parallel embedding
-        out.tp += regions * collective_seconds("all_reduce", tokens * m.dim * e, layout.tp, tp_link, hw)
-        slots = tokens * m.top_k * m.dim * e
-        out.ep += 2 * w.expert_layers * collective_seconds("all_to_all", slots, layout.ep, ep_link, hw)
+        out.add("tp", regions, collective_seconds("all_reduce", tokens * m.dim * e, layout.tp, tp_link, hw), layout.tp)
+        slots = tokens * m.top_k * m.dim * e  # dispatch and combine
+        out.add("ep", 2 * w.expert_layers, collective_seconds("all_to_all", slots, layout.ep, ep_link, hw), layout.ep)
         if w.last:  # the vocab-parallel logits of each sequence's last position, gathered
             logits = sequences * local_vocab(m, layout.tp) * layout.tp * 4
-            out.tp += collective_seconds("all_gather", logits, layout.tp, tp_link, hw)
+            out.add("tp", 1, collective_seconds("all_gather", logits, layout.tp, tp_link, hw), layout.tp)
         else:
-            out.pp += collective_seconds("send", tokens * m.dim * e, 2, pp_link, hw)
+            out.add("pp", 1, collective_seconds("send", tokens * m.dim * e, 2, pp_link, hw), layout.pp)
         out.host += hw.dispatch_s * (DENSE_LAYER_OPS * (w.layers - w.expert_layers) + MOE_LAYER_OPS * w.expert_layers
                                      + END_OPS * (w.first + w.last))
     return out
