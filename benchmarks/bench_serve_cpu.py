@@ -53,7 +53,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--fit", action="store_true", help="refit the CPU forward overhead on the measurements")
+    p.add_argument("--fit", action="store_true", help="refit the CPU dispatch per operator on the measurements")
     p.add_argument("--save", metavar="FILE.json", help="write the measurements to FILE")
     p.add_argument("--load", metavar="FILE.json", help="use measurements saved by --save instead of measuring")
     return p.parse_args()

@@ -49,9 +49,9 @@ def test_fp8_weights_take_one_byte_for_the_linear_layers_only():
     assert abs(bf16 / 2 - 8.03e9 / 2) / 8.03e9 < 0.01  # Llama 3 8B's 8.03B parameters, half per GPU
 
 
-def test_the_kv_cache_fills_what_the_weights_leave():
+@pytest.mark.parametrize("layout", [ServeLayout(tp=4, dp=2), ServeLayout(tp=2, pp=3, dp=1)])
+def test_the_kv_cache_fills_what_the_weights_leave(layout):
     m, hw = model_preset("llama3-70b"), hardware("h100")
-    layout = ServeLayout(tp=4, dp=2)
     capacity = 77 * 2**30
     fit = sequences_that_fit(m, layout, hw, capacity, positions=4096, forward_tokens=2048, kv_bytes=2)
     fits = [gpu_memory(m, layout, hw, sequences=n, positions=4096, forward_tokens=2048, kv_bytes=2).total <= capacity

@@ -22,7 +22,8 @@ Time (hardware rates from `fived.planner.hardware`, efficiency from `fived.plann
 - decode step (memory-bandwidth-bound): the weights this GPU reads (dense layers whole; of the experts,
   those the batch's tokens route to, in expectation) and the KV cache its sequences attend over, at
   HBM speed x `timing.HBM_EFFICIENCY`, or the step's FLOPs if longer; plus each collective: two tp
-  all-reduces per layer, two expert all-to-alls per MoE layer, one pipeline send per stage boundary,
+  all-reduces per layer and the logits' gather, three expert all-to-alls per MoE layer (the counts,
+  the dispatch, the combine), a pipeline send per stage boundary and the tokens back to the first,
   each on the link its group spans (NVLink inside a node, else the network) at `timing.LINK_EFFICIENCY`
   with the hardware's latency per call; plus the host's dispatch of each operator the forward calls from
   Python (`Hardware.dispatch_s`: 0 on GPUs, whose serving engines replay decode steps as CUDA graphs;
@@ -75,7 +76,7 @@ class ServeLayout:
         return " ".join(parts + [f"ep{self.ep}"] * (self.ep > 1) + [self.weights])
 
 
-def kv_cache_bytes(m: ModelConfig, *, tp: int, layers: int, sequences: int, positions: int, element_bytes: int) -> int:
+def kv_cache_bytes(m: ModelConfig, *, tp: int, layers: int, sequences: float, positions: float, element_bytes: int) -> float:
     """Bytes of the key and value caches one GPU holds: for each of its `layers`, the keys and the
     values of `positions` positions of `sequences` sequences, in the kv heads a tp rank holds
     (`fived.layout.spec.kv_width`). `fived generate --report` measures its caches against this."""
@@ -163,31 +164,34 @@ class GpuMemory:
         return {k: getattr(self, k) / 2**30 for k in ("weights", "kv_cache", "activations", "reserve", "total")}
 
 
-def gpu_memory(m: ModelConfig, layout: ServeLayout, hw: Hardware, *, sequences: int, positions: int,
-               forward_tokens: int, kv_bytes: int) -> GpuMemory:
-    """The busiest pipeline rank's memory with `sequences` sequences of `positions` positions cached
-    per GPU and one forward of `forward_tokens` tokens in flight."""
-    worst = None
-    for pp_rank in range(layout.pp):
-        w = stage_weights(m, layout, pp_rank)
-        mem = GpuMemory(w.bytes(layout.weights),
-                        kv_cache_bytes(m, tp=layout.tp, layers=w.layers, sequences=sequences, positions=positions,
-                                       element_bytes=kv_bytes),
-                        activation_bytes(m, layout.tp, forward_tokens, w.last), reserve_bytes(hw.memory_gib))
-        if worst is None or mem.total > worst.total:
-            worst = mem
-    return worst
+def rank_memory(m: ModelConfig, layout: ServeLayout, hw: Hardware, pp_rank: int, *, sequences: float,
+                positions: int, forward_tokens: int, kv_bytes: int) -> GpuMemory:
+    """Pipeline rank `pp_rank`'s memory with `sequences` sequences of `positions` positions cached per
+    GPU and one forward of `forward_tokens` tokens in flight (one prompt: engines prefill in chunks)."""
+    w = stage_weights(m, layout, pp_rank)
+    return GpuMemory(w.bytes(layout.weights),
+                     kv_cache_bytes(m, tp=layout.tp, layers=w.layers, sequences=sequences, positions=positions,
+                                    element_bytes=kv_bytes),
+                     activation_bytes(m, layout.tp, forward_tokens, w.last), reserve_bytes(hw.memory_gib))
+
+
+def gpu_memory(m: ModelConfig, layout: ServeLayout, hw: Hardware, **workload) -> GpuMemory:
+    """The busiest pipeline rank's memory (`rank_memory`'s keywords)."""
+    return max((rank_memory(m, layout, hw, r, **workload) for r in range(layout.pp)), key=lambda mem: mem.total)
 
 
 def sequences_that_fit(m: ModelConfig, layout: ServeLayout, hw: Hardware, capacity: int, *, positions: int,
                        forward_tokens: int, kv_bytes: int) -> int:
-    """Sequences of `positions` positions one GPU's KV cache holds beside the weights, one forward's
+    """Sequences of `positions` positions every GPU's KV cache holds beside its weights, one forward's
     activations and the reserve (0 if the weights alone do not fit)."""
-    empty = gpu_memory(m, layout, hw, sequences=0, positions=positions, forward_tokens=forward_tokens,
-                       kv_bytes=kv_bytes)
-    per_sequence = max(kv_cache_bytes(m, tp=layout.tp, layers=w.layers, sequences=1, positions=positions,
-                                      element_bytes=kv_bytes) for w in _all_stages(m, layout))
-    return max(0, (capacity - empty.total) // per_sequence)
+    fits = []
+    for r, w in enumerate(_all_stages(m, layout)):
+        empty = rank_memory(m, layout, hw, r, sequences=0, positions=positions, forward_tokens=forward_tokens,
+                            kv_bytes=kv_bytes)
+        per_sequence = kv_cache_bytes(m, tp=layout.tp, layers=w.layers, sequences=1, positions=positions,
+                                      element_bytes=kv_bytes)
+        fits.append(max(0, (capacity - empty.total) // per_sequence))
+    return min(fits)
 
 
 def _all_stages(m: ModelConfig, layout: ServeLayout) -> list[StageWeights]:
@@ -241,8 +245,8 @@ class ForwardTime:
             self.calls[part] = self.calls.get(part, 0) + calls
 
 
-def forward_time(m: ModelConfig, layout: ServeLayout, hw: Hardware, gpus_per_node: int, *, sequences: int,
-                 new_tokens: int, context: int, kv_bytes: int) -> ForwardTime:
+def forward_time(m: ModelConfig, layout: ServeLayout, hw: Hardware, gpus_per_node: int, *, sequences: float,
+                 new_tokens: int, context: float, kv_bytes: int) -> ForwardTime:
     """One forward of `sequences` sequences per data-parallel rank, each bringing `new_tokens` tokens
     (the prompt at a prefill, 1 at a decode step) and attending over `context` positions; the pipeline
     ranks run one after another (one batch in flight: the latency of a step)."""
@@ -256,11 +260,14 @@ def forward_time(m: ModelConfig, layout: ServeLayout, hw: Hardware, gpus_per_nod
         out.compute += _stage_compute(m, layout, hw, w, tokens, sequences, new_tokens, context, kv_bytes)
         regions = 2 * w.layers + (1 if w.first else 0)  # attention and MLP outputs, the vocab-parallel embedding
         out.add("tp", regions, collective_seconds("all_reduce", tokens * m.dim * e, layout.tp, tp_link, hw), layout.tp)
-        slots = tokens * m.top_k * m.dim * e  # dispatch and combine
+        slots = tokens * m.top_k * m.dim * e  # dispatch and combine, after the per-expert counts
+        counts = collective_seconds("all_to_all", 8 * m.n_experts, layout.ep, ep_link, hw)
+        out.add("ep", w.expert_layers, counts, layout.ep)
         out.add("ep", 2 * w.expert_layers, collective_seconds("all_to_all", slots, layout.ep, ep_link, hw), layout.ep)
         if w.last:  # the vocab-parallel logits of each sequence's last position, gathered
             logits = sequences * local_vocab(m, layout.tp) * layout.tp * 4
             out.add("tp", 1, collective_seconds("all_gather", logits, layout.tp, tp_link, hw), layout.tp)
+            out.add("pp", 1, collective_seconds("send", sequences * 8, 2, pp_link, hw), layout.pp)  # tokens to the first
         else:
             out.add("pp", 1, collective_seconds("send", tokens * m.dim * e, 2, pp_link, hw), layout.pp)
         out.host += hw.dispatch_s * (DENSE_LAYER_OPS * (w.layers - w.expert_layers) + MOE_LAYER_OPS * w.expert_layers
