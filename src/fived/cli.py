@@ -136,6 +136,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     for flag, value, ok, hint in (("--max-new-tokens", ns.max_new_tokens, ns.max_new_tokens >= 1, "e.g. 64"),
                                   ("--temperature", ns.temperature, ns.temperature >= 0, "0 (greedy) or e.g. 0.8"),
                                   ("--top-p", ns.top_p, 0 < ns.top_p <= 1, "e.g. 0.9"),
+                                  ("--nproc", ns.nproc, ns.nproc is None or ns.nproc >= 1, "e.g. 2"),
                                   *((f"--{d}", getattr(ns, d), getattr(ns, d) >= 1, "e.g. 2") for d in ("tp", "pp", "ep"))):
         if not ok:
             raise ConfigError(flag, value, "out of range", hint)

@@ -230,9 +230,6 @@ def evaluate(m: ModelConfig, layout: ServeLayout, cluster: Cluster, w: Workload,
     fit = sequences_that_fit(m, layout, hw, capacity, positions=w.positions, forward_tokens=w.prompt_len,
                              kv_bytes=w.kv_bytes)
     replica = Replica(m, layout, cluster, w, fit)
-    reasons = []
-    if fit == 0:
-        reasons.append("the weights, one prompt's activations and the reserve leave no room for one sequence's KV cache")
     rate = replica.goodput_rate() if fit else 0.0
     if w.rate:
         at = replica.open_loop(w.rate / layout.dp) if fit else SATURATED
@@ -243,17 +240,26 @@ def evaluate(m: ModelConfig, layout: ServeLayout, cluster: Cluster, w: Workload,
         at = replica.open_loop(rate) if rate else SATURATED
         throughput = rate * layout.dp * w.output_len
     meets = fit > 0 and replica.meets(at)
-    if fit and not at.stable:
-        reasons.append(f"saturated: {w.rate:g} requests/s is more than its {layout.dp} replicas sustain")
-    if at.stable and at.p99_ttft_s > w.ttft_s:
-        reasons.append(f"p99 TTFT {at.p99_ttft_s * 1e3:.0f} ms > target {w.ttft_s * 1e3:g} ms")
-    if at.stable and at.p99_tpot_s > w.tpot_s:
-        reasons.append(f"p99 TPOT {at.p99_tpot_s * 1e3:.1f} ms > target {w.tpot_s * 1e3:g} ms")
     batch = math.ceil(at.batch) if at.stable else fit
     memory = gpu_memory(m, layout, hw, sequences=batch, positions=w.positions, forward_tokens=w.prompt_len,
                         kv_bytes=w.kv_bytes)
     return ServePlan(layout, memory, fit, replica.prefill, replica.step(at.batch if at.stable else max(fit, 1)),
-                     at, rate * layout.dp * w.output_len, throughput, meets, reasons)
+                     at, rate * layout.dp * w.output_len, throughput, meets, misses(fit, at, w, layout))
+
+
+def misses(fit: int, at: Operating, w: Workload, layout: ServeLayout) -> list[str]:
+    """Why a layout does not serve the workload within the targets (empty when it does)."""
+    if fit == 0:
+        return ["the weights, one prompt's activations and the reserve leave no room for one sequence's KV cache"]
+    if not at.stable:
+        return [f"saturated: {w.rate:g} requests/s is more than its {layout.dp} replica(s) sustain" if w.rate
+                else "no request rate meets the targets"]
+    out = []
+    if at.p99_ttft_s > w.ttft_s:
+        out.append(f"p99 TTFT {at.p99_ttft_s * 1e3:.0f} ms > target {w.ttft_s * 1e3:g} ms")
+    if at.p99_tpot_s > w.tpot_s:
+        out.append(f"p99 TPOT {at.p99_tpot_s * 1e3:.1f} ms > target {w.tpot_s * 1e3:g} ms")
+    return out
 
 
 def serving_layouts(m: ModelConfig, cluster: Cluster, weights: tuple[str, ...]):
