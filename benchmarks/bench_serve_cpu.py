@@ -34,6 +34,7 @@ from fived.generate import Sampling  # noqa: E402
 from fived.generate_ranks import generate_on_ranks, generation_config  # noqa: E402
 from fived.planner.hardware import DISPATCH_CPU_S, local_hardware  # noqa: E402
 from fived.planner.serve_model import ServeLayout, forward_time  # noqa: E402
+from fived.planner.timing import Cluster  # noqa: E402
 
 # (model, world, tp, pp, ep, prompts in the batch): every dimension generation runs, batch 1 to 8
 CASES = [
@@ -84,9 +85,10 @@ def predict(case, args, overhead_s: float = DISPATCH_CPU_S) -> tuple[float, floa
     hw = replace(hw, dispatch_s=overhead_s / hw.core_share)
     per_rank = batch // layout.dp
     kv = 4  # float32 caches
-    prefill = forward_time(m, layout, hw, world, sequences=per_rank, new_tokens=args.prompt_len,
+    cluster = Cluster(hw, world, world)
+    prefill = forward_time(m, layout, cluster, sequences=per_rank, new_tokens=args.prompt_len,
                            context=args.prompt_len, kv_bytes=kv)
-    step = forward_time(m, layout, hw, world, sequences=per_rank, new_tokens=1,
+    step = forward_time(m, layout, cluster, sequences=per_rank, new_tokens=1,
                         context=args.prompt_len + args.new_tokens / 2, kv_bytes=kv)
     return prefill.total, step.total
 

@@ -113,8 +113,8 @@ class Replica:
         self.prefill = self.forward(1, w.prompt_len, w.prompt_len)
 
     def forward(self, sequences: float, new_tokens: int, context: float) -> ForwardTime:
-        return forward_time(self.m, self.layout, self.cluster.hardware, self.cluster.gpus_per_node,
-                            sequences=sequences, new_tokens=new_tokens, context=context, kv_bytes=self.w.kv_bytes)
+        return forward_time(self.m, self.layout, self.cluster, sequences=sequences, new_tokens=new_tokens,
+                            context=context, kv_bytes=self.w.kv_bytes)
 
     def step(self, batch: float) -> ForwardTime:
         """A decode step of `batch` sequences at the mean context (prompt + half the output)."""

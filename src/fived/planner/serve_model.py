@@ -24,8 +24,8 @@ Time (hardware rates from `fived.planner.hardware`, efficiency from `fived.plann
   HBM speed x `timing.HBM_EFFICIENCY`, or the step's FLOPs if longer; plus each collective: two tp
   all-reduces per layer and the logits' gather, three expert all-to-alls per MoE layer (the counts,
   the dispatch, the combine), a pipeline send per stage boundary and the tokens back to the first,
-  each on the link its group spans (NVLink inside a node, else the network) at `timing.LINK_EFFICIENCY`
-  with the hardware's latency per call; plus the host's dispatch of each operator the forward calls from
+  each on the link its group spans (NVLink inside a node, else the network), priced by the training
+  planner's `timing.group_link` and `timing.collective_seconds`; plus the host's dispatch of each operator the forward calls from
   Python (`Hardware.dispatch_s`: 0 on GPUs, whose serving engines replay decode steps as CUDA graphs;
   fitted for CPU ranks, which run fived's eager model).
 A serving engine's GPUs are numbered tp innermost, then pp, then the data-parallel replicas (as vLLM
@@ -43,7 +43,7 @@ from fived.layout.spec import chunk_specs, kv_width, local_vocab
 from fived.layout.stages import model_key, split_layers
 from fived.planner.hardware import Hardware
 from fived.planner.memory import reserve_bytes
-from fived.planner.timing import HBM_EFFICIENCY, LINK_EFFICIENCY, efficiency, in_node
+from fived.planner.timing import HBM_EFFICIENCY, Cluster, collective_seconds, efficiency, group_link
 
 WEIGHT_DTYPES = {"bf16": 2, "fp8": 1}  # bytes per weight of the linear layers and experts
 KV_DTYPES = {"bf16": 2, "fp8": 1, "float32": 4, "float64": 8}
@@ -200,29 +200,6 @@ def _all_stages(m: ModelConfig, layout: ServeLayout) -> list[StageWeights]:
 
 # --- time -------------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class Link:
-    bandwidth: float  # bytes/s a ring collective reaches
-    latency: float  # seconds per call
-
-
-def group_link(hw: Hardware, gpus_per_node: int, stride: int, size: int) -> Link:
-    """The link a group of `size` GPUs `stride` apart uses: NVLink inside a node, else the network."""
-    if size == 1 or in_node(gpus_per_node, stride, size):
-        return Link(hw.nvlink_gbps * 1e9 * LINK_EFFICIENCY, hw.link_latency_s)
-    return Link(hw.network_gbps * 1e9 * LINK_EFFICIENCY, hw.network_latency_s)
-
-
-def collective_seconds(op: str, nbytes: float, size: int, link: Link, hw: Hardware) -> float:
-    """One ring collective of `nbytes` per rank over `size` ranks (all-reduce moves 2(n-1)/n of them,
-    all-gather and all-to-all (n-1)/n, a send all), with its latency and the per-step latency of a CPU ring."""
-    if size == 1:
-        return 0.0
-    share, steps = {"all_reduce": (2 * (size - 1) / size, 2 * (size - 1)), "all_gather": ((size - 1) / size, size - 1),
-                    "all_to_all": ((size - 1) / size, size - 1), "send": (1.0, 1)}[op]
-    return share * nbytes / link.bandwidth + link.latency + steps * hw.peer_latency_s
-
-
 @dataclass
 class ForwardTime:
     """Seconds of one forward (a prefill or a decode step) on the busiest path, by part."""
@@ -245,31 +222,31 @@ class ForwardTime:
             self.calls[part] = self.calls.get(part, 0) + calls
 
 
-def forward_time(m: ModelConfig, layout: ServeLayout, hw: Hardware, gpus_per_node: int, *, sequences: float,
-                 new_tokens: int, context: float, kv_bytes: int) -> ForwardTime:
+def forward_time(m: ModelConfig, layout: ServeLayout, cluster: Cluster, *, sequences: float, new_tokens: int,
+                 context: float, kv_bytes: int) -> ForwardTime:
     """One forward of `sequences` sequences per data-parallel rank, each bringing `new_tokens` tokens
     (the prompt at a prefill, 1 at a decode step) and attending over `context` positions; the pipeline
     ranks run one after another (one batch in flight: the latency of a step)."""
+    hw = cluster.hardware
     tokens = sequences * new_tokens
     e = WEIGHT_DTYPES["bf16"]
-    tp_link = group_link(hw, gpus_per_node, 1, layout.tp)
-    ep_link = group_link(hw, gpus_per_node, layout.tp * layout.pp, layout.ep)
-    pp_link = group_link(hw, gpus_per_node, layout.tp, 2)
+    tp_link = group_link(cluster, 1, layout.tp)
+    ep_link = group_link(cluster, layout.tp * layout.pp, layout.ep)
+    pp_link = group_link(cluster, layout.tp, 2)
     out = ForwardTime(0.0, 0.0, 0.0, 0.0, 0.0)
     for w in _all_stages(m, layout):
         out.compute += _stage_compute(m, layout, hw, w, tokens, sequences, new_tokens, context, kv_bytes)
         regions = 2 * w.layers + (1 if w.first else 0)  # attention and MLP outputs, the vocab-parallel embedding
-        out.add("tp", regions, collective_seconds("all_reduce", tokens * m.dim * e, layout.tp, tp_link, hw), layout.tp)
+        out.add("tp", regions, collective_seconds("all_reduce", tokens * m.dim * e, tp_link, hw), layout.tp)
         slots = tokens * m.top_k * m.dim * e  # dispatch and combine, after the per-expert counts
-        counts = collective_seconds("all_to_all", 8 * m.n_experts, layout.ep, ep_link, hw)
-        out.add("ep", w.expert_layers, counts, layout.ep)
-        out.add("ep", 2 * w.expert_layers, collective_seconds("all_to_all", slots, layout.ep, ep_link, hw), layout.ep)
+        out.add("ep", w.expert_layers, collective_seconds("all_to_all_single", 8 * m.n_experts, ep_link, hw), layout.ep)
+        out.add("ep", 2 * w.expert_layers, collective_seconds("all_to_all_single", slots, ep_link, hw), layout.ep)
         if w.last:  # the vocab-parallel logits of each sequence's last position, gathered
             logits = sequences * local_vocab(m, layout.tp) * layout.tp * 4
-            out.add("tp", 1, collective_seconds("all_gather", logits, layout.tp, tp_link, hw), layout.tp)
-            out.add("pp", 1, collective_seconds("send", sequences * 8, 2, pp_link, hw), layout.pp)  # tokens to the first
+            out.add("tp", 1, collective_seconds("all_gather_single", logits, tp_link, hw), layout.tp)
+            out.add("pp", 1, collective_seconds("send", sequences * 8, pp_link, hw), layout.pp)  # tokens to the first
         else:
-            out.add("pp", 1, collective_seconds("send", tokens * m.dim * e, 2, pp_link, hw), layout.pp)
+            out.add("pp", 1, collective_seconds("send", tokens * m.dim * e, pp_link, hw), layout.pp)
         out.host += hw.dispatch_s * (DENSE_LAYER_OPS * (w.layers - w.expert_layers) + MOE_LAYER_OPS * w.expert_layers
                                      + END_OPS * (w.first + w.last))
     return out

@@ -126,17 +126,36 @@ def in_node(gpus_per_node: int, stride: int, size: int) -> bool:
     return span <= gpus_per_node and gpus_per_node % span == 0
 
 
-def _link(cluster: Cluster, stride: int, size: int) -> tuple[float, float]:
-    """(bytes/s, latency) of a group: NVLink when its span stays inside one node, else the network."""
+@dataclass(frozen=True)
+class Link:
+    """What a group's collectives run on: `size` ranks, the bytes/s a ring reaches, the latency per call."""
+
+    size: int
+    bandwidth: float
+    latency: float
+
+
+def group_link(cluster: Cluster, stride: int, size: int) -> Link:
+    """The link of a group of `size` ranks `stride` apart: NVLink when its span stays inside one node,
+    else the network."""
     hw = cluster.hardware
     if size == 1 or in_node(cluster.gpus_per_node, stride, size):
-        return hw.nvlink_gbps * 1e9 * LINK_EFFICIENCY, hw.link_latency_s
-    return hw.network_gbps * 1e9 * LINK_EFFICIENCY, hw.network_latency_s
+        return Link(size, hw.nvlink_gbps * 1e9 * LINK_EFFICIENCY, hw.link_latency_s)
+    return Link(size, hw.network_gbps * 1e9 * LINK_EFFICIENCY, hw.network_latency_s)
 
 
 _RING = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather_single": lambda n: (n - 1) / n,
          "reduce_scatter_single": lambda n: (n - 1) / n, "all_to_all_single": lambda n: (n - 1) / n,
          "send": lambda n: 1.0}
+
+
+def collective_seconds(op: str, nbytes: float, link: Link, hw: Hardware) -> float:
+    """One call of collective `op` moving `nbytes` per rank on `link`: the ring's share of the bytes
+    (2(n-1)/n for an all-reduce, (n-1)/n for the others, all of them for a send) at its bandwidth,
+    its latency, and the hardware's latency per ring step (n-1, 2(n-1) for an all-reduce, 1 for a send)."""
+    n = link.size
+    steps = 1 if op == "send" else _RING[op](n) * n
+    return _RING[op](n) * nbytes / link.bandwidth + link.latency + steps * hw.peer_latency_s
 
 
 def efficiency(width: float, rows: float, hw: Hardware) -> float:
@@ -185,10 +204,8 @@ def step_time(model: ModelConfig, layout: Layout, cluster: Cluster, seq_len: int
             host += c.calls * hw.zero3_overhead_s
         if c.group not in links:
             size, stride = group_span(L, c.group)
-            links[c.group] = (size,) + _link(cluster, stride, size)
-        size, bandwidth, latency = links[c.group]
-        steps = 1 if c.op == "send" else _RING[c.op](size) * size  # ring steps: n-1, 2(n-1) for all-reduce
-        time[c.part] += c.calls * (_RING[c.op](size) * c.nbytes / bandwidth + latency + steps * hw.peer_latency_s)
+            links[c.group] = group_link(cluster, stride, size)
+        time[c.part] += c.calls * collective_seconds(c.op, c.nbytes, links[c.group], hw)
         moved[c.group] += c.total
     # overlapped tp communication hides under the region's GEMMs, never more than they last
     tp = time["tp"] - min(time["tp"] * runtime.tp_overlap, compute - attention)
