@@ -65,7 +65,7 @@ def test_queueing_model():
     w = Workload(1024, 128)
     replica = Replica(m, ServeLayout(), Cluster(hardware("h100"), 1, 8), w, fit=200)
     alone = replica.closed_loop(1)
-    assert alone.ttft_s == replica.prefill.total and alone.tpot_s == replica.step(1).total  # nobody queues
+    assert alone.ttft_s == replica.prefill.total and alone.tpot_s == replica.step(1) == replica.decode(1).total  # nobody queues
     saturated = replica.open_loop(1.01 / replica.prefill.total)
     assert not saturated.stable
     light, heavy = replica.open_loop(0.5), replica.open_loop(5.0)
@@ -75,6 +75,23 @@ def test_queueing_model():
     loose = replica.goodput_rate()
     tight = Replica(m, ServeLayout(), Cluster(hardware("h100"), 1, 8), replace(w, tpot_s=heavy.p99_tpot_s), 200)
     assert 0 < tight.goodput_rate() <= 5.0 * 1.001 < loose
+
+
+def test_pipeline_replicas_keep_pp_batches_in_flight():
+    """With pp, a forward's latency is its stages one after another but the replica starts one every
+    busiest-stage interval (vLLM's --pipeline-parallel-size batches in flight): a lone request still
+    pays the whole latency, while at load tp4 pp2 delivers about what tp4 x 2 replicas do."""
+    m, w = model_preset("llama3-70b"), Workload(2048, 256, concurrency=256)
+    pp = Replica(m, ServeLayout(tp=4, pp=2, weights="fp8"), H100x8, w, fit=600)
+    forward = pp.decode(64)
+    assert len(forward.stages) == 2 and math.isclose(sum(forward.stages), forward.total)
+    assert forward.interval == max(forward.stages) < 0.6 * forward.total
+    assert pp.step(64) == max(forward.total, 2 * forward.interval)  # two micro-batches of 32
+    assert pp.closed_loop(1).tpot_s == pp.decode(1).total  # one sequence: no pipelining
+    assert pp.prefill_s == pp.prefill.interval < pp.prefill.total
+    pipelined = evaluate(m, ServeLayout(tp=4, pp=2, weights="fp8"), H100x8, w).throughput
+    replicated = evaluate(m, ServeLayout(tp=4, dp=2, weights="fp8"), H100x8, w).throughput
+    assert 0.9 < pipelined / replicated < 1.1
 
 
 def test_decode_is_bound_by_reading_the_weights():

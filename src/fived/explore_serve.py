@@ -48,7 +48,7 @@ def price(m: ModelConfig, layout: ServeLayout, cluster: Cluster, w: Workload, he
     gib = plan.memory.gib()
     return {"memory": [gib[k] for k in MEMORY_PARTS], "fits": plan.fit >= 1, "fit": plan.fit,
             "describe": layout.describe(), "dp": layout.dp, "batch": plan.at.batch if plan.at.stable else 0,
-            "times_ms": [_finite(t * 1e3) for t in (plan.prefill.total, plan.decode.total, plan.at.ttft_s,
+            "times_ms": [_finite(t * 1e3) for t in (plan.prefill.total, plan.step_s, plan.at.ttft_s,
                                                     plan.at.p99_ttft_s, plan.at.tpot_s, plan.at.p99_tpot_s)],
             "throughput": plan.throughput, "meets": plan.meets, "reasons": plan.reasons,
             "vllm": vllm_command(plan, w, path) if plan.fit else ""}

@@ -3,26 +3,33 @@ run a model with on a cluster for a workload, ranked by the output tokens/s it d
 latency targets. What one forward costs comes from `fived.planner.serve_model`; this module puts it
 under a workload.
 
-The queueing model (per data-parallel replica; `dp` replicas share the requests evenly):
+The queueing model (per data-parallel replica; `dp` replicas share the requests evenly). Prompt and
+output lengths are fixed (every request the same; no length distributions).
+- A replica's forwards: one prefill has a latency S (the pipeline ranks one after another) and
+  occupies the busiest pipeline rank for s (S itself without pp). With pipeline parallelism the
+  replica keeps pp batches in flight, as vLLM's --pipeline-parallel-size does: its b sequences
+  decode as k = min(pp, b) micro-batches of b/k, and a sequence's next token comes after its
+  micro-batch's forward (latency L) or after k forwards of the busiest rank (k x its occupancy l),
+  whichever is longer: the decode step step(b) = max(L(b/k), k l(b/k)) (pp = 1: the forward).
 - Continuous batching with prefill priority, as vLLM's scheduler runs by default: a request's prompt
   is prefilled at the next step boundary, then it joins the running batch, one token per decode step.
-- Open loop (`--rate R`): Poisson arrivals at r = R/dp per replica. Prefills take the replica
-  rho = r x S of its time (S: one prompt's prefill); decode steps get the rest, so a token takes
-  TPOT = step(b) / (1 - rho) on average, and by Little's law the decode batch is b = r x O x TPOT
-  (O output tokens): a fixed point, found by iteration; none (b grows past what the KV cache
-  holds, or rho >= 1) means the replica is saturated.
-- TTFT: the prefill queue is M/D/1 (deterministic service S at utilisation rho), waiting time taken
-  as exponential beyond its P(wait > 0) = rho with the Pollaczek-Khinchine mean rho S / (2(1 - rho));
-  TTFT = S + the decode step running when the request arrives (half of one on average, a whole one at
-  p99) + the wait (its mean, its 99th percentile).
+- Open loop (`--rate R`): Poisson arrivals at r = R/dp per replica. Prefills take the busiest rank
+  rho = r x s of its time; decode steps get the rest, so a token takes TPOT = step(b) / (1 - rho)
+  on average, and by Little's law the decode batch is b = r x O x TPOT (O output tokens): a fixed
+  point, found by iteration; none (b grows past what the KV cache holds, or rho >= 1) means the
+  replica is saturated.
+- TTFT: the prefill queue is M/D/1 (deterministic service s at utilisation rho), waiting time taken
+  as exponential beyond its P(wait > 0) = rho with the Pollaczek-Khinchine mean rho s / (2(1 - rho));
+  TTFT = S + the decode forward occupying the first rank when the request arrives (half of one on
+  average, a whole one at p99) + the wait (its mean, its 99th percentile).
 - TPOT as serving benchmarks report it (a request's mean time per output token after the first):
   the step time plus the prefills that interrupt its O tokens, a Poisson count of mean r x O x TPOT;
-  p99 TPOT = step(b) + S x (99th percentile of that count) / O.
+  p99 TPOT = step(b) + s x (99th percentile of that count) / O.
 - Closed loop (`--concurrency C`): C/dp requests per replica, each sent when the previous ends;
   b = min(C/dp, sequences the KV cache holds) decode together, the rest wait for a slot; the replica
-  is never idle, so prefills and steps fill its time: X S + (X O / b) step(b) = 1 gives the request
-  rate X; its latencies are the open loop's at rate X with the other b - 1 requests' share (b-1)/b of
-  the prefills (one client never waits for itself), + the wait for a slot.
+  is never idle, so prefills and steps fill its busiest rank's time: X s + (X O / b) step(b) = 1
+  gives the request rate X; its latencies are the open loop's at rate X with the other b - 1
+  requests' share (b-1)/b of the prefills (one client never waits for itself), + the wait for a slot.
 - Goodput: the largest rate whose p99 TTFT and p99 TPOT meet the targets (bisection), times O and dp.
 """
 from __future__ import annotations
@@ -66,7 +73,7 @@ class Operating:
 
     batch: float
     rate: float  # requests/s per replica
-    step_s: float  # one decode step at the batch
+    step_s: float  # between two tokens of a sequence at the batch (`Replica.step`)
     tpot_s: float  # mean time per output token (steps slowed by prefills)
     ttft_s: float  # mean time to first token
     p99_ttft_s: float
@@ -83,7 +90,8 @@ class ServePlan:
     memory: GpuMemory  # the busiest GPU at the operating batch
     fit: int  # sequences one replica's KV cache holds
     prefill: ForwardTime  # one prompt
-    decode: ForwardTime  # one decode step at the operating batch
+    decode: ForwardTime  # one decode forward at the operating batch (of a micro-batch with pp)
+    step_s: float  # between two tokens of a sequence at the operating batch, no prefill between
     at: Operating  # at the workload (or at the goodput's rate when the workload gives neither)
     goodput: float  # output tokens/s the cluster sustains within the targets
     throughput: float  # output tokens/s at the workload
@@ -94,7 +102,8 @@ class ServePlan:
         return {"layout": vars(self.layout), "describe": self.layout.describe(), "memory_gib": self.memory.gib(),
                 "memory_bytes": {k: getattr(self.memory, k) for k in ("weights", "kv_cache", "activations", "reserve")},
                 "sequences_per_replica": self.fit, "prefill_ms": self.prefill.total * 1e3,
-                "decode_step_ms": self.decode.total * 1e3, "ttft_ms": self.at.ttft_s * 1e3, "decode_parts_ms": _parts_ms(self.decode),
+                "decode_forward_ms": self.decode.total * 1e3, "decode_step_ms": self.step_s * 1e3,
+                "ttft_ms": self.at.ttft_s * 1e3, "decode_parts_ms": _parts_ms(self.decode),
                 "prefill_parts_ms": _parts_ms(self.prefill), "batch": self.at.batch, "tpot_ms": self.at.tpot_s * 1e3,
                 "p99_ttft_ms": self.at.p99_ttft_s * 1e3, "p99_tpot_ms": self.at.p99_tpot_s * 1e3,
                 "goodput_tokens_per_s": self.goodput, "throughput_tokens_per_s": self.throughput,
@@ -103,6 +112,12 @@ class ServePlan:
 
 def _parts_ms(t: ForwardTime) -> dict:
     return {k: getattr(t, k) * 1e3 for k in ("compute", "tp", "ep", "pp", "host")}
+
+
+def in_flight(layout: ServeLayout, batch: float) -> float:
+    """Micro-batches a replica decodes at once: pp of them (vLLM's batches in flight), fewer when it
+    has fewer sequences."""
+    return min(float(layout.pp), max(batch, 1.0))
 
 
 class Replica:
@@ -116,41 +131,53 @@ class Replica:
         return forward_time(self.m, self.layout, self.cluster, sequences=sequences, new_tokens=new_tokens,
                             context=context, kv_bytes=self.w.kv_bytes)
 
-    def step(self, batch: float) -> ForwardTime:
-        """A decode step of `batch` sequences at the mean context (prompt + half the output)."""
-        return self.forward(max(batch, 1.0), 1, self.w.prompt_len + self.w.output_len / 2)
+    @property
+    def prefill_s(self) -> float:
+        """How long one prefill occupies the replica's busiest pipeline rank (the queue's service time)."""
+        return self.prefill.interval
+
+    def decode(self, batch: float) -> ForwardTime:
+        """One decode forward of a micro-batch of the replica's `batch` sequences, at the mean context
+        (prompt + half the output)."""
+        return self.forward(max(batch / in_flight(self.layout, batch), 1.0), 1, self.w.prompt_len + self.w.output_len / 2)
+
+    def step(self, batch: float) -> float:
+        """Seconds between two tokens of a sequence with `batch` sequences decoding (no prefill between):
+        its micro-batch's forward, or the busiest rank's turn at every micro-batch in flight if longer."""
+        forward = self.decode(batch)
+        return max(forward.total, in_flight(self.layout, batch) * forward.interval)
 
     def static_batch_s(self, batch: int) -> float:
-        """One batch of `batch` prompts generated together to the end (an offline latency benchmark):
-        one prefill of every prompt, then output_len - 1 decode steps."""
+        """One batch of `batch` prompts generated together to the end (an offline latency benchmark), one
+        batch in flight: one prefill of every prompt, then output_len - 1 decode forwards."""
         w = self.w
         prefill = self.forward(batch, w.prompt_len, w.prompt_len).total
-        return prefill + (w.output_len - 1) * self.step(batch).total
+        return prefill + (w.output_len - 1) * self.forward(batch, 1, w.prompt_len + w.output_len / 2).total
 
     def latencies(self, rate: float, batch: float, step_s: float, tpot_s: float, others: float) -> Operating:
         """Latencies at `rate` requests/s with `others` sequences decoding when a request arrives: it waits
-        for the running step (half of one on average) and for the prefills queued ahead (M/D/1), and its
-        tokens for the prefills of arrivals, of which a share others/batch are other requests' (a closed
-        loop's one client never waits for itself)."""
-        s, o = self.prefill.total, self.w.output_len
+        for the decode forward on the first rank (half of one on average) and for the prefills queued
+        ahead (M/D/1), and its tokens for the prefills of arrivals, of which a share others/batch are
+        other requests' (a closed loop's one client never waits for itself)."""
+        s, o = self.prefill_s, self.w.output_len
         rho = rate * s
-        busy = min(1.0, others)
+        busy = min(1.0, others) * self.decode(batch).interval
         share = min(1.0, others / batch) if batch > 0 else 0.0
         mean_wait = rho * s / (2 * (1 - rho)) * share
         interruptions = poisson_quantile(rate * share * o * tpot_s, QUANTILE)
-        return Operating(batch, rate, step_s, tpot_s, s + busy * step_s / 2 + mean_wait,
-                         s + busy * step_s + _p99_wait(rho, s) * share, step_s + s * interruptions / o)
+        first = self.prefill.total
+        return Operating(batch, rate, step_s, tpot_s, first + busy / 2 + mean_wait,
+                         first + busy + _p99_wait(rho, s) * share, step_s + s * interruptions / o)
 
     def open_loop(self, rate: float) -> Operating:
         """At Poisson arrivals of `rate` requests/s: the decode batch by Little's law (fixed point)."""
-        s, o = self.prefill.total, self.w.output_len
+        s, o = self.prefill_s, self.w.output_len
         rho = rate * s
         if rho >= 1:
             return SATURATED
         batch = 0.0
         for _ in range(FIXED_POINT_STEPS):
-            step = self.step(batch).total
-            new = rate * o * step / (1 - rho)
+            new = rate * o * self.step(batch) / (1 - rho)
             if new > self.fit:
                 return SATURATED
             if abs(new - batch) <= 1e-6 * max(new, 1.0):
@@ -159,17 +186,17 @@ class Replica:
             batch = new
         else:
             return SATURATED
-        step = self.step(batch).total
+        step = self.step(batch)
         return self.latencies(rate, batch, step, step / (1 - rho), others=batch)
 
     def closed_loop(self, concurrency: float) -> Operating:
         """`concurrency` requests in flight, each sent when the previous ends: the replica is never
-        idle, its time split between prefills and decode steps, X S + (X O / b) step = 1."""
+        idle, its busiest rank's time split between prefills and decode steps, X s + (X O / b) step = 1."""
         batch = min(concurrency, self.fit)
         if batch <= 0:
             return SATURATED
-        s, o = self.prefill.total, self.w.output_len
-        step = self.step(batch).total
+        s, o = self.prefill_s, self.w.output_len
+        step = self.step(batch)
         rate = batch / (batch * s + o * step)
         others = (batch - 1) / batch  # the share of prefills that are other requests'
         out = self.latencies(rate, batch, step, step / (1 - rate * s * others), others=batch - 1)
@@ -190,7 +217,7 @@ class Replica:
 
     def goodput_rate(self) -> float:
         """The largest request rate whose p99 latencies meet the targets (0 if none)."""
-        low, high = 0.0, 1.0 / self.prefill.total
+        low, high = 0.0, 1.0 / self.prefill_s
         if not self.meets(self.open_loop(high * 1e-6)):
             return 0.0
         for _ in range(BISECTION_STEPS):
@@ -243,8 +270,9 @@ def evaluate(m: ModelConfig, layout: ServeLayout, cluster: Cluster, w: Workload,
     batch = math.ceil(at.batch) if at.stable else fit
     memory = gpu_memory(m, layout, hw, sequences=batch, positions=w.positions, forward_tokens=w.prompt_len,
                         kv_bytes=w.kv_bytes)
-    return ServePlan(layout, memory, fit, replica.prefill, replica.step(at.batch if at.stable else max(fit, 1)),
-                     at, rate * layout.dp * w.output_len, throughput, meets, misses(fit, at, w, layout))
+    shown = at.batch if at.stable else max(fit, 1)  # (saturated: the most that fit)
+    return ServePlan(layout, memory, fit, replica.prefill, replica.decode(shown), replica.step(shown), at,
+                     rate * layout.dp * w.output_len, throughput, meets, misses(fit, at, w, layout))
 
 
 def misses(fit: int, at: Operating, w: Workload, layout: ServeLayout) -> list[str]:

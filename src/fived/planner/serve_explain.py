@@ -9,7 +9,7 @@ from pathlib import Path
 from fived.config import ModelConfig
 from fived.layout.spec import kv_width
 from fived.metrics import matmul_params_per_token
-from fived.planner.serve import ServePlan, Workload, gpus_needed
+from fived.planner.serve import ServePlan, Workload, gpus_needed, in_flight
 from fived.planner.serve_model import ForwardTime
 from fived.planner.timing import Cluster
 
@@ -144,7 +144,7 @@ def report(plans: list[ServePlan], m: ModelConfig, cluster: Cluster, w: Workload
     for i, p in enumerate(plans[:top], 1):
         score = p.throughput if w.concurrency else p.goodput
         lines.append(f"{i:>3}  {p.layout.describe():<22} {_gib(p.memory.total):>8} {p.fit:>12} {_ms(p.prefill.total):>10} "
-                     f"{_ms(p.decode.total):>8} {_ms(p.at.p99_ttft_s):>9} {_ms(p.at.p99_tpot_s):>9} {score:>9.0f}  "
+                     f"{_ms(p.step_s):>8} {_ms(p.at.p99_ttft_s):>9} {_ms(p.at.p99_tpot_s):>9} {score:>9.0f}  "
                      + ("yes" if p.meets else "no: " + "; ".join(p.reasons)))
     best = plans[0]
     lines += _chosen(best, m, w, source)
@@ -169,7 +169,7 @@ def _chosen(p: ServePlan, m: ModelConfig, w: Workload, source: str) -> list[str]
            f"{m.head_dim} in {w.kv_dtype}, keys and values); {p.fit} sequences of {w.positions} positions fit per replica "
            f"({p.fit * L.dp} in all)",
            f"  prefill of one prompt: {_ms(p.prefill.total)} ms = {_parts(p.prefill)}",
-           f"  decode step at batch {p.at.batch:.1f}: {_ms(p.decode.total)} ms = {_parts(p.decode)}"]
+           _decode_line(p)]
     if p.at.stable:
         out.append(f"  at {p.at.rate * L.dp:.2f} requests/s: mean TPOT {_ms(p.at.tpot_s)} ms, p99 TPOT {_ms(p.at.p99_tpot_s)} "
                    f"ms, p99 TTFT {_ms(p.at.p99_ttft_s)} ms")
@@ -181,6 +181,18 @@ def _chosen(p: ServePlan, m: ModelConfig, w: Workload, source: str) -> list[str]
     if first:
         out.append(f"    first: {first}")
     return out
+
+
+def _decode_line(p: ServePlan) -> str:
+    """The decode step: one forward, or with pp the micro-batches in flight and the busiest rank's share."""
+    batch = p.at.batch if p.at.stable else max(p.fit, 1)
+    line = f"  decode step at batch {batch:.1f}: {_ms(p.step_s)} ms"
+    if p.layout.pp == 1:
+        return f"{line} = {_parts(p.decode)}"
+    k = in_flight(p.layout, batch)
+    return (f"{line} between a sequence's tokens: {k:g} micro-batches of {batch / k:.1f} in flight, each forward "
+            f"{_ms(p.decode.total)} ms = {_parts(p.decode)}; the busiest pipeline rank takes "
+            f"{_ms(p.decode.interval)} ms of it")
 
 
 def _training(train: TrainingView, m: ModelConfig, cluster: Cluster) -> list[str]:

@@ -28,6 +28,9 @@ Time (hardware rates from `fived.planner.hardware`, efficiency from `fived.plann
   planner's `timing.group_link` and `timing.collective_seconds`; plus the host's dispatch of each operator the forward calls from
   Python (`Hardware.dispatch_s`: 0 on GPUs, whose serving engines replay decode steps as CUDA graphs;
   fitted for CPU ranks, which run fived's eager model).
+A forward's latency is its pipeline ranks one after another; each rank's share (its work and its send
+onward, `ForwardTime.stages`) says how often a pipeline can start one (`fived.planner.serve` keeps pp
+batches in flight, as vLLM does).
 A serving engine's GPUs are numbered tp innermost, then pp, then the data-parallel replicas (as vLLM
 places them): a tp group is tp consecutive GPUs, pipeline neighbours are tp apart, an ep group spans
 ep replicas tp*pp apart.
@@ -202,7 +205,8 @@ def _all_stages(m: ModelConfig, layout: ServeLayout) -> list[StageWeights]:
 
 @dataclass
 class ForwardTime:
-    """Seconds of one forward (a prefill or a decode step) on the busiest path, by part."""
+    """Seconds of one forward (a prefill or a decode step) through every pipeline rank, by part, and
+    each pipeline rank's share (its own work and its send onward)."""
 
     compute: float  # GEMMs and attention at the fitted efficiency, or reading the weights and KV cache
     tp: float
@@ -210,10 +214,18 @@ class ForwardTime:
     pp: float
     host: float  # dispatch the device does not hide (CPU ranks: per operator)
     calls: dict = field(default_factory=dict)  # collectives per part ("tp", "ep", "pp")
+    stages: list = field(default_factory=list)  # seconds each pipeline rank spends on this forward
 
     @property
     def total(self) -> float:
+        """The forward's latency: the pipeline ranks one after another."""
         return self.compute + self.tp + self.ep + self.pp + self.host
+
+    @property
+    def interval(self) -> float:
+        """How long the busiest pipeline rank is occupied by this forward: with several forwards in
+        flight (pipeline parallelism), one starts every `interval` (without pp, the latency)."""
+        return max(self.stages, default=self.total)
 
     def add(self, part: str, calls: int, seconds_each: float, size: int) -> None:
         """`calls` collectives of a group of `size` ranks (none when the group is one rank)."""
@@ -225,8 +237,8 @@ class ForwardTime:
 def forward_time(m: ModelConfig, layout: ServeLayout, cluster: Cluster, *, sequences: float, new_tokens: int,
                  context: float, kv_bytes: int) -> ForwardTime:
     """One forward of `sequences` sequences per data-parallel rank, each bringing `new_tokens` tokens
-    (the prompt at a prefill, 1 at a decode step) and attending over `context` positions; the pipeline
-    ranks run one after another (one batch in flight: the latency of a step)."""
+    (the prompt at a prefill, 1 at a decode step) and attending over `context` positions: its latency
+    (the pipeline ranks one after another) and each rank's share (`ForwardTime.interval`)."""
     hw = cluster.hardware
     tokens = sequences * new_tokens
     e = WEIGHT_DTYPES["bf16"]
@@ -235,6 +247,7 @@ def forward_time(m: ModelConfig, layout: ServeLayout, cluster: Cluster, *, seque
     pp_link = group_link(cluster, layout.tp, 2)
     out = ForwardTime(0.0, 0.0, 0.0, 0.0, 0.0)
     for w in _all_stages(m, layout):
+        before = out.total
         out.compute += _stage_compute(m, layout, hw, w, tokens, sequences, new_tokens, context, kv_bytes)
         regions = 2 * w.layers + (1 if w.first else 0)  # attention and MLP outputs, the vocab-parallel embedding
         out.add("tp", regions, collective_seconds("all_reduce", tokens * m.dim * e, tp_link, hw), layout.tp)
@@ -249,6 +262,7 @@ def forward_time(m: ModelConfig, layout: ServeLayout, cluster: Cluster, *, seque
             out.add("pp", 1, collective_seconds("send", tokens * m.dim * e, pp_link, hw), layout.pp)
         out.host += hw.dispatch_s * (DENSE_LAYER_OPS * (w.layers - w.expert_layers) + MOE_LAYER_OPS * w.expert_layers
                                      + END_OPS * (w.first + w.last))
+        out.stages.append(out.total - before)
     return out
 
 
