@@ -12,7 +12,7 @@ from fived.cli import main
 from fived.config import model_preset
 from fived.planner.hardware import hardware
 from fived.planner.serve import Replica, Workload, evaluate, plan_serving, poisson_quantile
-from fived.planner.serve_explain import PUBLISHED_MEDIAN_ERROR, PUBLISHED_ROWS, vllm_command
+from fived.planner.serve_explain import PUBLISHED_MEDIAN_ERROR, PUBLISHED_ROWS, TrainingView, vllm_command, why_they_differ
 from fived.planner.serve_model import (DENSE_LAYER_OPS, END_OPS, MOE_LAYER_OPS, ServeLayout, gpu_memory,
                                        kv_cache_bytes, sequences_that_fit, stage_weights)
 from fived.planner.serve_validation import median_error, validation
@@ -101,6 +101,23 @@ def test_decode_is_bound_by_reading_the_weights():
              for tp in (2, 4) for dt in ("bf16", "fp8")}
     assert 0.45 < steps[(4, "bf16")] / steps[(2, "bf16")] < 0.55
     assert 0.45 < steps[(4, "fp8")] / steps[(4, "bf16")] < 0.6
+
+
+@pytest.mark.parametrize("model,gpus,layout,workload,bound,spread", [
+    ("llama3-70b", 1, ServeLayout(weights="fp8"), Workload(2048, 256, concurrency=2), "bound by HBM bandwidth",
+     "serving runs the whole model on each GPU"),  # two sequences: the weights' reads dominate
+    ("llama3-8b", 8, ServeLayout(dp=8, weights="fp8"), Workload(32, 32, concurrency=16384), "compute-bound",
+     "serving replicates (dp8) for throughput"),  # 2048 short sequences per GPU: the GEMMs dominate
+])
+def test_why_serving_differs_from_training_is_computed(model, gpus, layout, workload, bound, spread):
+    m = model_preset(model)
+    plan = evaluate(m, layout, Cluster(hardware("h100"), gpus, min(gpus, 8)), workload)
+    no_training = TrainingView(4096, 1024, None, 200.0, 0, None)
+    lines = why_they_differ(plan, no_training, m, workload)
+    decode = next(line for line in lines if line.startswith("a decode forward"))
+    assert bound in decode.split("; a prefill")[0]
+    assert (plan.decode.read > plan.decode.gemm) == (bound == "bound by HBM bandwidth")
+    assert lines[-1] == spread and "tp1" not in " ".join(lines) and "dp1" not in " ".join(lines)
 
 
 def test_the_forward_dispatch_counts_are_the_models():

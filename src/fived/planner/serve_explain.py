@@ -114,13 +114,39 @@ def why_they_differ(serve: ServePlan, train: TrainingView, m: ModelConfig, w: Wo
                      f"activations saved for backward")
     if train.plan is None:
         where = (f"; `fived plan` first fits it on {train.fits_at} GPUs" if train.fits_at else "")
-        lines.append(f"training does not fit on {L.gpus} GPUs: the least memory any training layout needs is "
+        lines.append(f"training does not fit on {L.gpus} GPU{'s' if L.gpus > 1 else ''}: the least memory any training layout needs is "
                      f"{train.least_gib:.1f} GiB per GPU{where}")
-    lines.append(f"a decode step reads every weight and the KV cache of the GPU for a handful of tokens: it is bound "
-                 f"by HBM bandwidth ({_ms(serve.decode.compute)} of its {_ms(serve.decode.total)} ms), so serving "
-                 f"splits weights over tp{L.tp} inside a node to shorten each token, and replicates (dp{L.dp}) for "
-                 f"throughput; training's step is compute-bound and sized to its memory")
+    lines.append(_bound(serve, w))
+    lines.append(_spread(L) + (f"; training's step spends {plan.time.compute / plan.time.total:.1%} of its "
+                               f"{plan.time.total:.3g} s computing" if plan is not None else ""))
     return lines
+
+
+def _bound(serve: ServePlan, w: Workload) -> str:
+    """What bounds the decode step and the prefill: the longer of the GEMMs and the reads (weights, KV
+    cache) the model priced."""
+    d, p = serve.decode, serve.prefill
+    batch = serve.at.batch if serve.at.stable else max(serve.fit, 1)
+    sequences = batch / in_flight(serve.layout, batch)
+    line = (f"a decode forward of {sequences:.0f} sequence(s) brings one token each: reading the weights and KV "
+            f"cache (each GPU its share) takes {_ms(d.read)} ms, its GEMMs {_ms(d.gemm)} ms: ")
+    line += "bound by HBM bandwidth" if d.read > d.gemm else "compute-bound (the batch amortises the reads)"
+    kind = "compute-bound" if p.gemm >= p.read else "bound by HBM bandwidth"
+    return line + f"; a prefill of {w.prompt_len} tokens is {kind} (GEMMs {_ms(p.gemm)} ms, reads {_ms(p.read)} ms)"
+
+
+def _spread(L) -> str:
+    """What the serving layout does with its GPUs, each dimension only when it is used."""
+    parts = []
+    if L.tp > 1:
+        parts.append(f"splits every layer over tp{L.tp} inside a node, dividing what each GPU reads per token")
+    if L.pp > 1:
+        parts.append(f"splits the layers over pp{L.pp} stages with {L.pp} micro-batches in flight")
+    if L.ep > 1:
+        parts.append(f"spreads the routed experts over ep{L.ep} replicas")
+    if L.dp > 1:
+        parts.append(f"replicates (dp{L.dp}) for throughput")
+    return "serving " + (", ".join(parts) if parts else "runs the whole model on each GPU")
 
 
 def report(plans: list[ServePlan], m: ModelConfig, cluster: Cluster, w: Workload, top: int, source: str,
@@ -197,7 +223,7 @@ def _decode_line(p: ServePlan) -> str:
 
 def _training(train: TrainingView, m: ModelConfig, cluster: Cluster) -> list[str]:
     head = (f"training layout (`fived plan`, seq {train.seq_len}, {train.global_batch * train.seq_len:,} tokens per "
-            f"step) on the same {cluster.gpus} GPUs:")
+            f"step) on the same {cluster.gpus} GPU{'s' if cluster.gpus > 1 else ''}:")
     if train.plan is not None:
         p = train.plan
         return [head, f"  {p.layout.describe()}: {_gib(p.memory.total)} GiB per GPU, step {p.time.total:.3g} s, "

@@ -215,6 +215,8 @@ class ForwardTime:
     host: float  # dispatch the device does not hide (CPU ranks: per operator)
     calls: dict = field(default_factory=dict)  # collectives per part ("tp", "ep", "pp")
     stages: list = field(default_factory=list)  # seconds each pipeline rank spends on this forward
+    gemm: float = 0.0  # of which `compute` is the longer, per rank, summed: the FLOPs at the fitted efficiency
+    read: float = 0.0  # and reading the weights and KV cache at HBM speed
 
     @property
     def total(self) -> float:
@@ -248,7 +250,10 @@ def forward_time(m: ModelConfig, layout: ServeLayout, cluster: Cluster, *, seque
     out = ForwardTime(0.0, 0.0, 0.0, 0.0, 0.0)
     for w in _all_stages(m, layout):
         before = out.total
-        out.compute += _stage_compute(m, layout, hw, w, tokens, sequences, new_tokens, context, kv_bytes)
+        gemm, read = _stage_compute(m, layout, hw, w, tokens, sequences, new_tokens, context, kv_bytes)
+        out.compute += max(gemm, read)
+        out.gemm += gemm
+        out.read += read
         regions = 2 * w.layers + (1 if w.first else 0)  # attention and MLP outputs, the vocab-parallel embedding
         out.add("tp", regions, collective_seconds("all_reduce", tokens * m.dim * e, tp_link, hw), layout.tp)
         slots = tokens * m.top_k * m.dim * e  # dispatch and combine, after the per-expert counts
@@ -267,8 +272,9 @@ def forward_time(m: ModelConfig, layout: ServeLayout, cluster: Cluster, *, seque
 
 
 def _stage_compute(m: ModelConfig, layout: ServeLayout, hw: Hardware, w: StageWeights, tokens: int, sequences: int,
-                   new_tokens: int, context: int, kv_bytes: int) -> float:
-    """max(FLOPs at the fitted efficiency, bytes read at HBM speed) of one stage's forward."""
+                   new_tokens: int, context: int, kv_bytes: int) -> tuple[float, float]:
+    """(seconds of its FLOPs at the fitted efficiency, of its bytes read at HBM speed) of one stage's
+    forward: it takes the longer."""
     touched = _experts_touched(m, w, tokens * layout.ep)
     # a routed expert's rank receives top_k/E of the ep group's tokens for each of its experts
     flops = 2 * tokens * (w.linear + w.other + w.experts * (m.top_k / max(m.n_experts, 1)) * layout.ep)
@@ -284,7 +290,7 @@ def _stage_compute(m: ModelConfig, layout: ServeLayout, hw: Hardware, w: StageWe
     read -= w.embedding * WEIGHT_DTYPES["bf16"]
     read += kv_cache_bytes(m, tp=layout.tp, layers=w.layers, sequences=sequences, positions=context,
                            element_bytes=kv_bytes)
-    return max(gemm, read / (hw.hbm_gbps * 1e9 * HBM_EFFICIENCY))
+    return gemm, read / (hw.hbm_gbps * 1e9 * HBM_EFFICIENCY)
 
 
 def _experts_touched(m: ModelConfig, w: StageWeights, tokens: int) -> float:
