@@ -73,3 +73,41 @@ def test_a_batch_that_does_not_divide_among_the_data_parallel_ranks_is_refused()
     cfg = generation_config(model_preset("tiny-moe"), 2, ep=2)
     with pytest.raises(ConfigError, match=r"3 prompts: must divide among dp=2"):
         generate_on_ranks(cfg, 2, PROMPTS[:3], Sampling(max_new_tokens=2))
+
+
+def _generate_lines(capsys, source, prompts: list[str], *flags) -> list[dict]:
+    """`fived generate SOURCE --prompt ... --json` in float64: one JSON line per prompt."""
+    capsys.readouterr()
+    args = ["generate", str(source), *(a for p in prompts for a in ("--prompt", p)), "--dtype", "float64",
+            "--max-new-tokens", str(HF_OUTPUT), "--json", *flags]
+    assert main(args) == 0
+    return [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+
+
+HF_PROMPTS = ["Hello, world", "The model is", "a", "Tensor parallel ranks "]
+HF_OUTPUT = 12
+
+
+@pytest.mark.parametrize("kind,flags", [("llama", ["--nproc", "4", "--tp", "2", "--pp", "2"]),
+                                        ("mixtral", ["--nproc", "2", "--ep", "2"])])
+def test_generation_on_ranks_from_a_transformers_directory_equals_one_process(kind, flags, tmp_path, capsys):
+    """A random Hugging Face model read by placement on the ranks (`fived generate --nproc`, the CLI's
+    path): each prompt's greedy ids equal the one-process generation of that prompt alone (float64),
+    and both stop at the model's eos_token_id, set here to a token one prompt generates midway."""
+    pytest.importorskip("transformers")
+    from hf_models import save_hf_model
+
+    save_hf_model(kind, tmp_path)
+    free = [_generate_lines(capsys, tmp_path, [p])[0]["generated_ids"] for p in HF_PROMPTS]
+    assert all(len(ids) == HF_OUTPUT for ids in free) and len({tuple(ids) for ids in free}) == len(HF_PROMPTS)
+    eos = next(ids[5] for ids in free if ids[5] not in ids[:5])  # a token first generated at step 6
+    for name in ("config.json", "generation_config.json"):  # (the second, when saved, names the first's eos)
+        if (tmp_path / name).is_file():
+            config = json.loads((tmp_path / name).read_text())
+            (tmp_path / name).write_text(json.dumps({**config, "eos_token_id": eos}))
+    alone = [_generate_lines(capsys, tmp_path, [p])[0]["generated_ids"] for p in HF_PROMPTS]
+    assert [ids[:ids.index(eos) + 1] if eos in ids else ids for ids in free] == alone
+    assert any(len(ids) < HF_OUTPUT for ids in alone) and any(len(ids) == HF_OUTPUT for ids in alone)
+    on_ranks = _generate_lines(capsys, tmp_path, HF_PROMPTS, *flags)
+    assert [line["generated_ids"] for line in on_ranks] == alone
+    assert [line["prompt_ids"] for line in on_ranks] == [list(p.encode()) for p in HF_PROMPTS]
