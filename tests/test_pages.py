@@ -234,7 +234,7 @@ def test_serve_page_shows_the_serving_planners_memory_next_to_the_training_plan(
     assert main(["explore", "--serve", "--model", "llama3-70b", *SERVE, "--output", str(out)]) == 0
     page, errors = open_page(browser, out)
     shown = []
-    for control, value in (("tp", "8"), ("weights", "bf16"), ("concurrency", "128"), ("tp", "4"), ("pp", "2")):
+    for control, value in (("pp", "1"), ("tp", "8"), ("weights", "bf16"), ("concurrency", "128"), ("tp", "4"), ("pp", "2")):
         page.select_option(f"#ctl-{control}", value)
         assert page.get_attribute("body", "data-valid") == "true", page.inner_text("#status")
         v = {name: page.eval_on_selector(f"#ctl-{name}", "e => e.value") for name in ("tp", "pp", "weights", "concurrency")}
@@ -248,7 +248,7 @@ def test_serve_page_shows_the_serving_planners_memory_next_to_the_training_plan(
     assert traces == ["weights", "kv cache", "activations", "reserve"]
     training = page.inner_text("#training")
     assert "no training layout fits this cluster" in training and "fived plan picks on" in training
-    assert "decode step reads every weight" in training
+    assert "a decode forward of" in training and "bound by HBM bandwidth" in training
     assert_not_blank(browser, page, tmp_path / "serve.png")
     page.select_option("#ctl-ep", "2")
     assert page.get_attribute("body", "data-valid") == "false"
