@@ -12,7 +12,8 @@ from fived.cli import main
 from fived.config import model_preset
 from fived.planner.hardware import hardware
 from fived.planner.serve import Replica, Workload, evaluate, plan_serving, poisson_quantile
-from fived.planner.serve_explain import PUBLISHED_MEDIAN_ERROR, PUBLISHED_ROWS, TrainingView, vllm_command, why_they_differ
+from fived.planner.serve_explain import (PUBLISHED_MEDIAN_ERROR, PUBLISHED_ROWS, TrainingView, vllm_command,
+                                         vllm_mismatch, why_they_differ)
 from fived.planner.serve_model import (DENSE_LAYER_OPS, END_OPS, MOE_LAYER_OPS, ServeLayout, gpu_memory,
                                        kv_cache_bytes, sequences_that_fit, stage_weights)
 from fived.planner.serve_validation import median_error, validation
@@ -157,12 +158,21 @@ def test_plan_serve_for_llama3_70b_on_8_h100_prints_the_serving_and_training_pla
     assert best["goodput_tokens_per_s"] == max(p["goodput_tokens_per_s"] for p in data["plans"])
 
 
-def test_expert_parallel_layouts_print_the_engine_flags():
-    m = model_preset("mixtral-8x7b")
-    plans = plan_serving(m, H100x8, Workload(1024, 256, concurrency=64), ("bf16",))
-    ep = next(p for p in plans if p.layout.ep == 4 and p.layout.dp == 8)
-    command = vllm_command(ep, Workload(1024, 256), "mixtral-hf")
-    assert "--data-parallel-size 4 --enable-expert-parallel" in command and "x 2 engines" in command
+def test_the_vllm_command_runs_the_layout_as_priced():
+    """vLLM's --enable-expert-parallel puts whole experts on tp x dp GPUs and its --data-parallel-size cuts
+    an MoE model's experts over them: a command only for the layouts it runs as fived prices them."""
+    m, w = model_preset("mixtral-8x7b"), Workload(1024, 256, concurrency=64)
+    plans = {p.layout.describe(): p for p in plan_serving(m, H100x8, w, ("bf16",))}
+    command = vllm_command(plans["tp1 dp8 ep4 bf16"], w, "mixtral-hf", m)
+    assert "--tensor-parallel-size 1 --data-parallel-size 4 --enable-expert-parallel" in command
+    assert command.endswith("# x 2 engines behind a load balancer")
+    replicas = vllm_command(plans["tp2 dp4 bf16"], w, "mixtral-hf", m)  # ep1: four engines, experts cut over tp2
+    assert "--data-parallel-size" not in replicas and replicas.endswith("# x 4 engines behind a load balancer")
+    assert vllm_command(plans["tp2 dp4 ep2 bf16"], w, "mixtral-hf", m) == ""
+    assert "whole experts on its tp x dp = 4 GPUs" in vllm_mismatch(m, plans["tp2 dp4 ep2 bf16"].layout)
+    dense = model_preset("llama3-8b")
+    assert "--tensor-parallel-size 2 --data-parallel-size 4" in vllm_command(
+        evaluate(dense, ServeLayout(tp=2, dp=4), H100x8, w), w, "llama-hf", dense)
 
 
 @pytest.mark.parametrize("flags,line", [

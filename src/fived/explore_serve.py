@@ -16,7 +16,7 @@ from dataclasses import replace
 
 from fived.config import ModelConfig
 from fived.planner.serve import Workload, evaluate, plan_serving, serving_refusal
-from fived.planner.serve_explain import model_path, training_view, vllm_command, why_they_differ
+from fived.planner.serve_explain import model_path, training_view, vllm_command, vllm_mismatch, why_they_differ
 from fived.planner.serve_model import ServeLayout
 from fived.planner.timing import Cluster
 
@@ -51,7 +51,7 @@ def price(m: ModelConfig, layout: ServeLayout, cluster: Cluster, w: Workload, he
             "times_ms": [_finite(t * 1e3) for t in (plan.prefill.total, plan.step_s, plan.at.ttft_s,
                                                     plan.at.p99_ttft_s, plan.at.tpot_s, plan.at.p99_tpot_s)],
             "throughput": plan.throughput, "meets": plan.meets, "reasons": plan.reasons,
-            "vllm": vllm_command(plan, w, path) if plan.fit else ""}
+            "vllm": (vllm_command(plan, w, path, m) or vllm_mismatch(m, layout)) if plan.fit else ""}
 
 
 def _finite(x: float) -> float | None:

@@ -46,13 +46,28 @@ def model_path(source: str, name: str) -> tuple[str, str]:
     return f"path/to/{name}-hf", f"(the model in Hugging Face format: `fived export RUN --output path/to/{name}-hf` of a fived run)"
 
 
-def vllm_command(plan: ServePlan, w: Workload, path: str) -> str:
-    """The command that serves the layout with vLLM (one engine; with 1 < ep < dp, dp/ep such engines)."""
+def vllm_mismatch(m: ModelConfig, layout) -> str:
+    """Why vLLM cannot run `layout` as it is priced ("" when it can): its --enable-expert-parallel
+    spreads whole experts over an engine's tp x dp GPUs, where fived's ep over replicas cuts each of a
+    replica's E/ep experts over tp."""
+    if layout.ep > 1 and layout.tp > 1:
+        return (f"vLLM's --enable-expert-parallel places whole experts on its tp x dp = {layout.tp * layout.ep} GPUs, "
+                f"while this layout cuts each of a replica's {m.n_experts // layout.ep} experts over tp{layout.tp} "
+                f"(fived's ep over replicas): no vLLM command runs it as priced")
+    return ""
+
+
+def vllm_command(plan: ServePlan, w: Workload, path: str, m: ModelConfig) -> str:
+    """The command that serves the layout with vLLM as priced ("" when vLLM cannot: `vllm_mismatch`).
+    One engine per ep group (dp/ep such engines behind a load balancer); an MoE model without ep runs
+    dp separate engines, since vLLM's --data-parallel-size would cut its experts over tp x dp GPUs."""
     L = plan.layout
+    if vllm_mismatch(m, L):
+        return ""
     words = [f"vllm serve {path}", f"--tensor-parallel-size {L.tp}"]
     if L.pp > 1:
         words.append(f"--pipeline-parallel-size {L.pp}")
-    engine_dp = L.ep if L.ep > 1 else L.dp
+    engine_dp = L.ep if m.is_moe else L.dp
     if engine_dp > 1:
         words.append(f"--data-parallel-size {engine_dp}")
     if L.ep > 1:
@@ -63,8 +78,8 @@ def vllm_command(plan: ServePlan, w: Workload, path: str) -> str:
         words.append("--kv-cache-dtype fp8")
     words += [f"--max-model-len {w.positions}", f"--max-num-seqs {max(1, plan.fit)}"]
     command = " ".join(words)
-    if 1 < L.ep < L.dp:
-        command += f"    # x {L.dp // L.ep} engines behind a load balancer"
+    if L.dp > engine_dp:
+        command += f"    # x {L.dp // engine_dp} engines behind a load balancer"
     return command
 
 
@@ -174,6 +189,11 @@ def report(plans: list[ServePlan], m: ModelConfig, cluster: Cluster, w: Workload
                      + ("yes" if p.meets else "no: " + "; ".join(p.reasons)))
     best = plans[0]
     lines += _chosen(best, m, w, source)
+    if not vllm_command(best, w, "", m):
+        ranked = next(((i, p) for i, p in enumerate(plans, 1) if vllm_command(p, w, "", m)), None)
+        if ranked is not None:
+            lines.append(f"  the best layout vLLM runs as priced: #{ranked[0]} {ranked[1].layout.describe()}: "
+                         + vllm_command(ranked[1], w, model_path(source, m.name)[0], m))
     if train is not None:
         lines += _training(train, m, cluster)
         lines.append("why they differ:")
@@ -203,8 +223,9 @@ def _chosen(p: ServePlan, m: ModelConfig, w: Workload, source: str) -> list[str]
     needed = gpus_needed(p, w)
     if needed:
         out.append(f"  GPUs this layout needs for {w.rate:g} requests/s within the targets: {needed}")
-    out.append(f"  serve it: {vllm_command(p, w, path)}")
-    if first:
+    command = vllm_command(p, w, path, m)
+    out.append(f"  serve it: {command}" if command else f"  serve it: {vllm_mismatch(m, L)}")
+    if first and command:
         out.append(f"    first: {first}")
     return out
 
@@ -245,7 +266,8 @@ def to_json(plans: list[ServePlan], m: ModelConfig, cluster: Cluster, w: Workloa
                         "tpot_s": None if w.tpot_s == float("inf") else w.tpot_s},
            "plans": [p.to_dict() for p in plans[:top]]}
     if plans:
-        out["vllm"] = vllm_command(plans[0], w, path)
+        out["vllm"] = vllm_command(plans[0], w, path, m)
+        out["vllm_mismatch"] = vllm_mismatch(m, plans[0].layout)
         out["export"] = first
     if train is not None:
         plan = train.plan or train.plan_there
