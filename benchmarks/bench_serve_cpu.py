@@ -80,7 +80,7 @@ def predict(case, args, overhead_s: float = DISPATCH_CPU_S) -> tuple[float, floa
     CPU's dispatch per operator (before local_hardware divides it by the ranks' core share)."""
     model, world, tp, pp, ep, batch = case
     m = model_preset(model)
-    layout = ServeLayout(tp=tp, pp=pp, dp=world // (tp * pp), ep=ep, weights="bf16")
+    layout = ServeLayout(tp=tp, pp=pp, dp=world // (tp * pp), ep=ep, weights="float32")  # as the ranks run
     hw = local_hardware(world)
     hw = replace(hw, dispatch_s=overhead_s / hw.core_share)
     per_rank = batch // layout.dp

@@ -14,7 +14,7 @@ from fived.config import model_preset
 from fived.planner.hardware import hardware
 from fived.planner.serve import Replica, Workload, evaluate, plan_serving, poisson_quantile
 from fived.planner.serve_explain import TrainingView, vllm_command, vllm_mismatch, why_they_differ
-from fived.planner.serve_model import (DENSE_LAYER_OPS, END_OPS, MOE_LAYER_OPS, ServeLayout, gpu_memory,
+from fived.planner.serve_model import (DENSE_LAYER_OPS, END_OPS, MOE_LAYER_OPS, ServeLayout, forward_time, gpu_memory,
                                        kv_cache_bytes, sequences_that_fit, stage_weights)
 from fived.planner.serve_validation import median_error, read_rows, validation
 from fived.planner.timing import Cluster
@@ -53,6 +53,22 @@ def test_fp8_weights_take_one_byte_for_the_linear_layers_only():
     bf16, fp8 = w.bytes("bf16"), w.bytes("fp8")
     assert bf16 - fp8 == w.linear and w.embedding == m.vocab_size * m.dim // 2
     assert abs(bf16 / 2 - 8.03e9 / 2) / 8.03e9 < 0.01  # Llama 3 8B's 8.03B parameters, half per GPU
+
+
+def test_the_element_size_follows_the_weights_dtype():
+    """float32 (what fived generate's CPU ranks run): every weight, activation and tp payload in 4 bytes."""
+    from fived.layout.spec import local_vocab
+    from fived.planner.timing import collective_seconds, group_link
+
+    m = model_preset("llama3-8b")
+    hw = replace(hardware("h100"), link_latency_s=0.0, peer_latency_s=0.0)
+    cluster = Cluster(hw, 2, 2)
+    tp = {w: forward_time(m, ServeLayout(tp=2, weights=w), cluster, sequences=4, new_tokens=64, context=64,
+                          kv_bytes=2).tp for w in ("bf16", "float32")}
+    logits = collective_seconds("all_gather_single", 4 * local_vocab(m, 2) * 2 * 4, group_link(cluster, 1, 2), hw)
+    assert math.isclose(tp["float32"] - logits, 2 * (tp["bf16"] - logits))  # (the logits are float32 in both)
+    w = stage_weights(m, ServeLayout(tp=2), 0)
+    assert w.bytes("float32") == 2 * w.bytes("bf16") and ServeLayout(weights="float32").element_bytes == 4
 
 
 @pytest.mark.parametrize("layout", [ServeLayout(tp=4, dp=2), ServeLayout(tp=2, pp=3, dp=1)])

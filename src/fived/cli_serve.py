@@ -62,10 +62,10 @@ def serve_cluster(ns: argparse.Namespace, plan_model):
 
 
 def weight_choices(ns: argparse.Namespace) -> tuple[str, ...]:
-    from fived.planner.serve_model import WEIGHT_DTYPES
+    from fived.planner.serve_model import SERVING_WEIGHTS
 
     chosen = tuple(w.strip() for w in ns.weights.split(",") if w.strip())
-    bad = [w for w in chosen if w not in WEIGHT_DTYPES]
+    bad = [w for w in chosen if w not in SERVING_WEIGHTS]
     if bad or not chosen:
         raise ConfigError("--weights", ns.weights, "must list bf16 and/or fp8", "e.g. --weights bf16,fp8")
     return chosen

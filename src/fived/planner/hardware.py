@@ -123,7 +123,8 @@ def hardware(name_or_path: str, memory_gib: float | None = None) -> Hardware:
 # matmul rate is that host's one-thread float32 rate (device_peak_tflops, best of five), kept fixed:
 # measured again at plan time it would follow whatever else the host runs that instant.
 CPU_MEDIAN_ERROR = 13.5  # % over the benchmark's layouts (what a run printed: see README)
-DISPATCH_CPU_S = 3.5e-6  # benchmarks/bench_serve_cpu.py --fit: the median of three runs' fits (3.4-3.6 us; README, "Serving")
+DISPATCH_CPU_S = 2.5e-6  # benchmarks/bench_serve_cpu.py --fit (float32 priced, as the ranks run): the median of
+#   three runs' fits, 2.4-3.6 us (README, "Serving")
 CPU = Hardware("cpu", 0.105, 0.0, 10.0, 0.5, 0.5, "cpu", link_latency_s=1e-3, network_latency_s=1e-3,
                layer_overhead_s=2.25e-3, step_overhead_s=4e-3, peer_latency_s=2e-4, launch_s=2.5e-6,
                zero3_overhead_s=4e-3, dispatch_s=DISPATCH_CPU_S)

@@ -38,7 +38,7 @@ import math
 from dataclasses import dataclass, field
 
 from fived.config import ModelConfig
-from fived.planner.serve_model import (KV_DTYPES, WEIGHT_DTYPES, ForwardTime, GpuMemory, ServeLayout, forward_time,
+from fived.planner.serve_model import (KV_DTYPES, SERVING_WEIGHTS, ForwardTime, GpuMemory, ServeLayout, forward_time,
                                        gpu_memory, sequences_that_fit)
 from fived.planner.timing import Cluster
 
@@ -310,10 +310,10 @@ def serving_refusal(m: ModelConfig, layout: ServeLayout):
     from fived.config import Config, ParallelConfig, TrainConfig
     from fived.layout.rules import layout_errors
 
-    if layout.weights not in WEIGHT_DTYPES:
+    if layout.weights not in SERVING_WEIGHTS:
         from fived.config import ConfigError
 
-        return ConfigError("--weights", layout.weights, "must be " + " or ".join(WEIGHT_DTYPES), "e.g. bf16")
+        return ConfigError("--weights", layout.weights, "must be " + " or ".join(SERVING_WEIGHTS), "e.g. bf16")
     parallel = ParallelConfig(dp=layout.dp, tp=layout.tp, pp=layout.pp, ep=layout.ep)
     cfg = Config(model=m, parallel=parallel, train=TrainConfig(global_batch=layout.dp * layout.pp,
                                                                microbatches=layout.pp))

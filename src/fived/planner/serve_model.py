@@ -48,7 +48,13 @@ from fived.planner.hardware import Hardware
 from fived.planner.memory import reserve_bytes
 from fived.planner.timing import HBM_EFFICIENCY, Cluster, collective_seconds, efficiency, group_link
 
-WEIGHT_DTYPES = {"bf16": 2, "fp8": 1}  # bytes per weight of the linear layers and experts
+# Weight formats: bytes per weight of the linear layers and experts, and of everything else — the
+# embedding, head, norms and router, the activations and the collectives' payloads (fp8 checkpoints
+# keep those in bf16). bf16 and fp8 are what GPU serving engines run; float32 and float64 what
+# `fived generate` runs on CPU ranks (benchmarks/bench_serve_cpu.py prices those).
+WEIGHT_DTYPES = {"bf16": 2, "fp8": 1, "float32": 4, "float64": 8}
+COMPUTE_BYTES = {"bf16": 2, "fp8": 2, "float32": 4, "float64": 8}
+SERVING_WEIGHTS = ("bf16", "fp8")  # what `fived plan --serve` searches and accepts (GPU peaks are bf16/fp8)
 KV_DTYPES = {"bf16": 2, "fp8": 1, "float32": 4, "float64": 8}
 # Operators a forward of fived's eager model dispatches from Python (torch.profiler's top-level aten ops of
 # a decode step, tests/test_serve.py counts them again): per dense layer, per MoE layer (routing, the
@@ -62,7 +68,8 @@ END_OPS = 12
 class ServeLayout:
     """How one serving engine spreads a model over GPUs: tp x pp GPUs per replica, `dp` replicas
     (data-parallel attention ranks); with `ep` > 1 groups of ep replicas hold the routed experts
-    between them (E/ep each, like fived's ep over dp) and step together. `weights`: bf16 or fp8."""
+    between them (E/ep each, like fived's ep over dp) and step together. `weights`: a WEIGHT_DTYPES
+    format (bf16 or fp8 on GPUs), which also sets the activations' and collectives' element size."""
 
     tp: int = 1
     pp: int = 1
@@ -73,6 +80,11 @@ class ServeLayout:
     @property
     def gpus(self) -> int:
         return self.tp * self.pp * self.dp
+
+    @property
+    def element_bytes(self) -> int:
+        """Bytes per element of the activations, the collectives and the weights kept unquantized."""
+        return COMPUTE_BYTES[self.weights]
 
     def describe(self) -> str:
         parts = [f"tp{self.tp}"] + [f"pp{self.pp}"] * (self.pp > 1) + [f"dp{self.dp}"] * (self.dp > 1)
@@ -107,7 +119,7 @@ class StageWeights:
     last: bool
 
     def bytes(self, weights: str) -> int:
-        return (self.linear + self.experts) * WEIGHT_DTYPES[weights] + (self.other + self.embedding) * WEIGHT_DTYPES["bf16"]
+        return (self.linear + self.experts) * WEIGHT_DTYPES[weights] + (self.other + self.embedding) * COMPUTE_BYTES[weights]
 
 
 def stage_weights(m: ModelConfig, layout: ServeLayout, pp_rank: int) -> StageWeights:
@@ -140,7 +152,7 @@ def _stage_weights(key: tuple, tp: int, pp: int, ep: int, pp_rank: int) -> Stage
     return StageWeights(linear, other, embedding, experts, moe_layers, local, len(layers), first, last)
 
 
-def activation_bytes(m: ModelConfig, tp: int, tokens: int, last: bool, element_bytes: int = 2) -> int:
+def activation_bytes(m: ModelConfig, tp: int, tokens: int, last: bool, element_bytes: int) -> int:
     """The working set of one forward over `tokens` tokens on a GPU: the widest layer's input, q/k/v,
     attention output and feed-forward activations (gate, up, product) at once, and the float32 logits
     of every token on the last stage (the runtime computes them for the whole prompt)."""
@@ -175,7 +187,8 @@ def rank_memory(m: ModelConfig, layout: ServeLayout, hw: Hardware, pp_rank: int,
     return GpuMemory(w.bytes(layout.weights),
                      kv_cache_bytes(m, tp=layout.tp, layers=w.layers, sequences=sequences, positions=positions,
                                     element_bytes=kv_bytes),
-                     activation_bytes(m, layout.tp, forward_tokens, w.last), reserve_bytes(hw.memory_gib))
+                     activation_bytes(m, layout.tp, forward_tokens, w.last, layout.element_bytes),
+                     reserve_bytes(hw.memory_gib))
 
 
 def gpu_memory(m: ModelConfig, layout: ServeLayout, hw: Hardware, **workload) -> GpuMemory:
@@ -243,7 +256,7 @@ def forward_time(m: ModelConfig, layout: ServeLayout, cluster: Cluster, *, seque
     (the pipeline ranks one after another) and each rank's share (`ForwardTime.interval`)."""
     hw = cluster.hardware
     tokens = sequences * new_tokens
-    e = WEIGHT_DTYPES["bf16"]
+    e = layout.element_bytes
     tp_link = group_link(cluster, 1, layout.tp)
     ep_link = group_link(cluster, layout.tp * layout.pp, layout.ep)
     pp_link = group_link(cluster, layout.tp, 2)
@@ -287,7 +300,7 @@ def _stage_compute(m: ModelConfig, layout: ServeLayout, hw: Hardware, w: StageWe
         peak = hw.fp8_tflops * 1e12
     gemm = flops / (peak * efficiency(m.dim / layout.tp, tokens, hw))
     read = w.bytes(layout.weights) - w.experts * WEIGHT_DTYPES[layout.weights] * (1 - touched)
-    read -= w.embedding * WEIGHT_DTYPES["bf16"]
+    read -= w.embedding * layout.element_bytes
     read += kv_cache_bytes(m, tp=layout.tp, layers=w.layers, sequences=sequences, positions=context,
                            element_bytes=kv_bytes)
     return gemm, read / (hw.hbm_gbps * 1e9 * HBM_EFFICIENCY)
