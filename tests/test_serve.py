@@ -179,6 +179,16 @@ def test_plan_serve_for_llama3_70b_on_8_h100_prints_the_serving_and_training_pla
     assert best["goodput_tokens_per_s"] == max(p["goodput_tokens_per_s"] for p in data["plans"])
 
 
+def test_a_saturated_plan_without_targets_says_so(capsys):
+    """More requests than 8 H100 sustain, no latency target: the decode step at the batch that fits, and
+    the shortfall named as what it is (no target to miss)."""
+    assert main(SERVE_70B + ["--rate", "100", "--top", "2"]) == 0  # (a plan, not a failure)
+    chosen = capsys.readouterr().out.split("chosen: ")[1]
+    assert "inf" not in chosen.split("serve it")[0] and "target" not in chosen.split("\n")[0]
+    assert "saturated: 100 requests/s is more than" in chosen and "no layout serves it: the closest" in chosen
+    assert "decode step at its full batch of" in chosen and "  the most it sustains: " in chosen
+
+
 def test_the_vllm_command_runs_the_layout_as_priced():
     """vLLM's --enable-expert-parallel puts whole experts on tp x dp GPUs and its --data-parallel-size cuts
     an MoE model's experts over them: a command only for the layouts it runs as fived prices them."""

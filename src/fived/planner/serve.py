@@ -66,6 +66,10 @@ class Workload:
     def kv_bytes(self) -> int:
         return KV_DTYPES[self.kv_dtype]
 
+    @property
+    def has_targets(self) -> bool:
+        return math.isfinite(self.ttft_s) or math.isfinite(self.tpot_s)
+
 
 @dataclass
 class Operating:

@@ -204,7 +204,7 @@ def _chosen(p: ServePlan, m: ModelConfig, w: Workload, source: str) -> list[str]
     L, mem = p.layout, p.memory
     per_token = 2 * kv_width(m, L.tp) * w.kv_bytes
     path, first = model_path(source, m.name)
-    out = [f"chosen: {L.describe()}" + ("" if p.meets else " (meets no target: the closest)"),
+    out = [f"chosen: {L.describe()}" + _shortfall(p, w),
            f"  per GPU: weights {_gib(mem.weights)} + KV cache {_gib(mem.kv_cache)} + activations {_gib(mem.activations)}"
            f" + reserve {_gib(mem.reserve)} = {_gib(mem.total)} GiB",
            f"  KV cache: {per_token} bytes per token and layer on a GPU ({kv_width(m, L.tp) // m.head_dim} kv heads of "
@@ -215,10 +215,12 @@ def _chosen(p: ServePlan, m: ModelConfig, w: Workload, source: str) -> list[str]
     if p.at.stable:
         out.append(f"  at {p.at.rate * L.dp:.2f} requests/s: mean TPOT {_ms(p.at.tpot_s)} ms, p99 TPOT {_ms(p.at.p99_tpot_s)} "
                    f"ms, p99 TTFT {_ms(p.at.p99_ttft_s)} ms")
-    out.append(f"  within the targets: {p.goodput:.0f} output tokens/s ({p.goodput / w.output_len:.2f} requests/s)")
+    within = " within the targets" if w.has_targets else ""
+    out.append(f"  the most it sustains{within}: {p.goodput:.0f} output tokens/s ({p.goodput / w.output_len:.2f} "
+               f"requests/s)")
     needed = gpus_needed(p, w)
     if needed:
-        out.append(f"  GPUs this layout needs for {w.rate:g} requests/s within the targets: {needed}")
+        out.append(f"  GPUs this layout needs for {w.rate:g} requests/s{within}: {needed}")
     command = vllm_command(p, w, path, m)
     out.append(f"  serve it: {command}" if command else f"  serve it: {vllm_mismatch(m, L)}")
     if first and command:
@@ -226,10 +228,20 @@ def _chosen(p: ServePlan, m: ModelConfig, w: Workload, source: str) -> list[str]
     return out
 
 
+def _shortfall(p: ServePlan, w: Workload) -> str:
+    """Why the best-ranked layout does not serve the workload ("" when it does)."""
+    if p.meets:
+        return ""
+    closest = "no layout meets the targets: the closest" if w.has_targets else "no layout serves it: the closest"
+    return f" ({'; '.join(p.reasons)}; {closest})"
+
+
 def _decode_line(p: ServePlan) -> str:
-    """The decode step: one forward, or with pp the micro-batches in flight and the busiest rank's share."""
+    """The decode step: one forward, or with pp the micro-batches in flight and the busiest rank's share
+    (saturated: at the most sequences that fit)."""
     batch = p.at.batch if p.at.stable else max(p.fit, 1)
-    line = f"  decode step at batch {batch:.1f}: {_ms(p.step_s)} ms"
+    at = f"batch {batch:.1f}" if p.at.stable else f"its full batch of {batch} (saturated)"
+    line = f"  decode step at {at}: {_ms(p.step_s)} ms"
     if p.layout.pp == 1:
         return f"{line} = {_parts(p.decode)}"
     k = in_flight(p.layout, batch)
