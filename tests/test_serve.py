@@ -211,6 +211,8 @@ def test_the_vllm_command_runs_the_layout_as_priced():
     (["--rate", "-1"], "--rate=-1.0: must be > 0; e.g. --rate 2"),
     (["--layout", "--tp 3"], "parallel.tp=3: must divide model.n_heads=64; e.g. --tp 2"),
     (["--weights", "int4"], "--weights=int4: must list bf16 and/or fp8; e.g. --weights bf16,fp8"),
+    (["--model", "/"], "--model=/: is neither a Hugging Face model directory (config.json) nor a fived run or "
+                       "checkpoint (checkpoints/step-<N>/COMPLETE); give one of those"),
 ])
 def test_bad_serving_flags_are_refused_in_one_line(flags, line, capsys):
     if flags[0] == "--layout":  # (tp*pp must divide the GPUs first: 6 GPUs)

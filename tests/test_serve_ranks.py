@@ -111,3 +111,21 @@ def test_generation_on_ranks_from_a_transformers_directory_equals_one_process(ki
     on_ranks = _generate_lines(capsys, tmp_path, HF_PROMPTS, *flags)
     assert [line["generated_ids"] for line in on_ranks] == alone
     assert [line["prompt_ids"] for line in on_ranks] == [list(p.encode()) for p in HF_PROMPTS]
+
+
+@pytest.mark.parametrize("flags,line", [
+    (["--nproc", "3", "--tp", "2"], "--nproc=3: must be a multiple of --tp x --pp = 2; e.g. --nproc 2"),
+    (["--nproc", "4", "--pp", "4"], "--pp=4: 4 pipeline stages need at least as many layers (model.n_layers=2); "
+                                    "e.g. --pp 2"),
+    (["--nproc", "2", "--ep", "2"], "--ep=2: needs a mixture-of-experts model (model.name=hf-llama is dense); use "
+                                    "--ep 1, or a MoE model such as --model tiny-moe"),
+])
+def test_a_generation_layout_is_refused_in_one_line_naming_generates_flag(flags, line, tmp_path, capsys):
+    pytest.importorskip("transformers")
+    from hf_models import save_hf_model
+
+    save_hf_model("llama", tmp_path)
+    capsys.readouterr()
+    assert main(["generate", str(tmp_path), "--prompt", "a", "--prompt", "b", *flags]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"fived: error: {line}"]
+

@@ -25,7 +25,10 @@ def plan_model(name: str):
     if Path(name).is_dir():
         from fived.hf.init import source_model
 
-        return source_model(name)[0]
+        try:
+            return source_model(name)[0]
+        except ConfigError as e:  # (the source is --model here, not training's --init-from)
+            raise ConfigError("--model" if e.field == "--init-from" else e.field, e.value, e.rule, e.hint) from None
     return model_preset(name)
 
 

@@ -48,17 +48,25 @@ class RankGeneration:
     generated: list[list[int]] | None = None
 
 
+# `fived generate`'s flag for each layout field training's rules name
+GENERATE_FLAGS = {"parallel.tp": "--tp", "parallel.pp": "--pp", "parallel.ep": "--ep", "parallel.dp": "--nproc"}
+
+
 def generation_config(model: ModelConfig, world: int, *, tp: int = 1, pp: int = 1, ep: int = 1,
                       dtype: str = "float32", seed: int = 0) -> Config:
-    """The config the generation ranks build from (training's layout rules checked: one line each)."""
+    """The config the generation ranks build from: training's layout rules checked, each refusal one
+    line naming `fived generate`'s flag."""
+    if world % (tp * pp):
+        raise ConfigError("--nproc", world, f"must be a multiple of --tp x --pp = {tp * pp}", f"e.g. --nproc {tp * pp}")
     cfg = build_config(overrides={"parallel.tp": tp, "parallel.pp": pp, "parallel.ep": ep, "train.dtype": dtype,
                                   "train.seed": seed, "train.microbatches": pp})
     cfg.model = model
-    dp = world // (tp * pp) if world % (tp * pp) == 0 else 1
+    dp = world // (tp * pp)
     cfg.train.global_batch = dp * pp
     errors = layout_errors(cfg, world)
     if errors:
-        raise errors[0]
+        e = errors[0]
+        raise ConfigError(GENERATE_FLAGS.get(e.field, e.field), e.value, e.rule, e.hint)
     cfg.parallel.dp = dp
     return cfg
 
