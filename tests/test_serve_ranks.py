@@ -129,3 +129,13 @@ def test_a_generation_layout_is_refused_in_one_line_naming_generates_flag(flags,
     assert main(["generate", str(tmp_path), "--prompt", "a", "--prompt", "b", *flags]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [f"fived: error: {line}"]
 
+
+def test_moe_with_expert_capacity_is_refused_on_ranks():
+    """Capacity-limited routing would count a batch's left padding against the experts' capacity."""
+    from dataclasses import replace
+
+    from fived.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^model.capacity_factor=1.25: generation on ranks batches left-padded "
+                                          r"prompts.*; generate each prompt alone in one process"):
+        generation_config(replace(model_preset("tiny-moe"), capacity_factor=1.25), 2, ep=2)

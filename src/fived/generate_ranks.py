@@ -58,6 +58,10 @@ def generation_config(model: ModelConfig, world: int, *, tp: int = 1, pp: int = 
     line naming `fived generate`'s flag."""
     if world % (tp * pp):
         raise ConfigError("--nproc", world, f"must be a multiple of --tp x --pp = {tp * pp}", f"e.g. --nproc {tp * pp}")
+    if model.is_moe and model.capacity_factor > 0:  # (dropless routing only: padding would take capacity)
+        raise ConfigError("model.capacity_factor", model.capacity_factor, "generation on ranks batches left-padded "
+                          "prompts, whose padding would take the experts' capacity: only dropless MoE (0) runs there",
+                          "generate each prompt alone in one process (one --prompt, no --nproc)")
     cfg = build_config(overrides={"parallel.tp": tp, "parallel.pp": pp, "parallel.ep": ep, "train.dtype": dtype,
                                   "train.seed": seed, "train.microbatches": pp})
     cfg.model = model
