@@ -16,8 +16,8 @@ TRAINING_MIN_SEQ = 4096  # and at least its initial sequence length (the serving
 def add_serve_flags(parser) -> None:
     parser.add_argument("--serve", action="store_true", help="plan serving instead of training: rank tp x pp x "
                         "replicas (x ep, bf16/fp8 weights) by output tokens/s within the latency targets")
-    parser.add_argument("--prompt-len", type=int, help="--serve: prompt tokens per request")
-    parser.add_argument("--output-len", type=int, help="--serve: output tokens per request")
+    parser.add_argument("--prompt-len", type=int, help="--serve: prompt tokens of every request (fixed)")
+    parser.add_argument("--output-len", type=int, help="--serve: output tokens of every request (fixed)")
     parser.add_argument("--rate", type=float, help="--serve: requests/s arriving (Poisson)")
     parser.add_argument("--concurrency", type=int, help="--serve: requests in flight (each sent when one ends)")
     parser.add_argument("--ttft-ms", type=float, help="--serve: p99 time-to-first-token target")

@@ -171,9 +171,9 @@ def report(plans: list[ServePlan], m: ModelConfig, cluster: Cluster, w: Workload
              f"{cluster.gpus} x {hw.name} ({cluster.gpus_per_node} per node, {hw.memory_gib:g} GiB each)",
              f"workload: prompts of {w.prompt_len} tokens, {w.output_len} output tokens, {load}"
              + (f"; targets {targets}" if targets else "") + f"; KV cache in {w.kv_dtype}",
-             "queueing: continuous batching with prefill priority; M/D/1 prefill queue (p99 wait: exponential tail, "
-             "Pollaczek-Khinchine mean); decode batch by Little's law; TPOT slowed by the prefills of arrivals "
-             "(Poisson count, its 99th percentile for p99)"]
+             "queueing: continuous batching with prefill priority, pp batches in flight through a pipeline; M/D/1 "
+             "prefill queue (p99 wait: exponential tail, Pollaczek-Khinchine mean); decode batch by Little's law; "
+             "TPOT slowed by the prefills of arrivals (Poisson count, its 99th percentile for p99)"]
     if not plans:
         return "\n".join(lines + [f"no serving layout: {cluster.gpus} GPUs cannot be split into tp x pp x dp for this model"])
     lines.append(f"{'#':>3}  {'layout':<22} {'GiB/GPU':>8} {'seqs/replica':>12} {'prefill ms':>10} {'step ms':>8} "
