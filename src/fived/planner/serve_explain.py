@@ -139,7 +139,8 @@ def _bound(serve: ServePlan, w: Workload) -> str:
     d, p = serve.decode, serve.prefill
     batch = serve.at.batch if serve.at.stable else max(serve.fit, 1)
     sequences = batch / in_flight(serve.layout, batch)
-    line = (f"a decode forward of {sequences:.0f} sequence(s) brings one token each: reading the weights and KV "
+    line = (f"a decode forward of {sequences:.0f} sequence{'s' if round(sequences) != 1 else ''} brings one token "
+            f"each: reading the weights and KV "
             f"cache (each GPU its share) takes {_ms(d.read)} ms, its GEMMs {_ms(d.gemm)} ms: ")
     line += "bound by HBM bandwidth" if d.read > d.gemm else "compute-bound (the batch amortises the reads)"
     kind = "compute-bound" if p.gemm >= p.read else "bound by HBM bandwidth"
