@@ -170,7 +170,8 @@ def members_per_node(gpus_per_node: int, stride: int, size: int) -> int:
     return max(1, min(size, gpus_per_node // stride)) if stride < gpus_per_node else 1
 
 
-def _link(cluster: Cluster, stride: int, size: int, c: Constants) -> Link:
+def group_link(cluster: Cluster, stride: int, size: int, c: Constants) -> Link:
+    """The link of a group of `size` ranks `stride` apart (NVLink inside a node, NICs across)."""
     hw = cluster.hardware
     k = size if size == 1 else members_per_node(cluster.gpus_per_node, stride, size)
     return Link(size, k, hw.nvlink_gbps * 1e9 * c.link_efficiency, hw.network_gbps * 1e9 * c.link_efficiency,
@@ -245,7 +246,7 @@ def step_time(model: ModelConfig, layout: Layout, cluster: Cluster, seq_len: int
             host += call.calls * hw.zero3_overhead_s
         if call.group not in links:
             size, stride = group_span(L, call.group)
-            links[call.group] = _link(cluster, stride, size, c)
+            links[call.group] = group_link(cluster, stride, size, c)
         time[call.part] += call.calls * collective_seconds(call.op, call.nbytes, links[call.group], hw, c)
         moved[call.group] += call.total
     # overlapped tp communication hides under the region's GEMMs, never more than they last
