@@ -154,8 +154,9 @@ def test_explore_opens_on_the_planners_best_layout_and_toggles_show_its_figures(
         assert f"--parallel.{control} {value}" in flags
         shown.append(gib)
     assert len(set(shown)) == len(shown)  # every toggle changed the per-GPU memory
-    assert "tp all_reduce" in page.inner_text("#layer-map") or "tp reduce_scatter" in page.inner_text("#layer-map")
-    assert "NVLink" in page.inner_text("#layer-map")
+    # the collectives' table: tp's inside a node, at this tp4 x pp4 x cp2 replica (drawn as tiles: 32 GPUs)
+    assert re.search(r"\ttp\t[^\n]*\tNVLink\t4\t", page.inner_text("#layer-map")), page.inner_text("#layer-map")
+    assert page.locator("#layer-map-body .gpu.tile").count() == 32
     assert page.locator("#timeline-chart .main-svg").count() and "bubble fraction" in page.inner_text("#bubble")
     assert_every_axis_labelled(page)
     assert_not_blank(browser, page, tmp_path / "explore.png")
@@ -372,3 +373,13 @@ def test_serve_page_shows_the_serving_planners_memory_next_to_the_training_plan(
     assert page.get_attribute("body", "data-valid") == "false"
     assert "needs a mixture-of-experts model" in page.inner_text("#status")
     assert errors == []
+
+
+def test_plan_layout_takes_fived_trains_short_flags(capsys):
+    """`fived plan --layout '--tp 8 --sp ...'` prices what the long flags (Layout.flags') price."""
+    short = planned(capsys, "llama3-70b", "--tp 8 --sp --pp 2 --zero 1 --microbatches 64")
+    long = planned(capsys, "llama3-70b", "--parallel.tp 8 --parallel.sp true --parallel.pp 2 --parallel.zero 1 "
+                                         "--train.microbatches 64")
+    assert short == long and short["layout"]["tp"] == 8 and short["layout"]["sp"] is True
+    assert main(["plan", "--model", "llama3-70b", *EXPLORE, "--layout", "--tp 8 --bogus 3"]) == 2
+    assert "--bogus is not one of fived train's flags" in capsys.readouterr().err

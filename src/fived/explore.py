@@ -270,19 +270,24 @@ def baseline(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: i
 
 
 def layout_from_flags(model: ModelConfig, flags: str, gpus: int, seq_len: int, global_batch: int) -> Layout:
-    """The layout `fived train`'s layout flags give ("--parallel.tp 4 --train.microbatches 8 ...", as
-    `Layout.flags` prints them), for `fived plan --layout`."""
+    """The layout `fived train`'s layout flags give ("--tp 4 --sp --zero 1", or "--parallel.tp 4
+    --train.microbatches 8 ..." as `Layout.flags` prints them), for `fived plan --layout`."""
+    import argparse
     import shlex
 
-    from fived.config import build_config
+    from fived.run_setup import LaunchRequest, add_config_flags, build_from_args, overrides_of
 
-    words = shlex.split(flags)
-    if len(words) % 2 or any(not w.startswith("--") for w in words[::2]):
-        raise ConfigError("--layout", flags, "must be pairs of --section.field value",
-                          "e.g. --layout '--parallel.tp 4 --parallel.zero 3'")
-    overrides: dict[str, Any] = {k[2:]: v for k, v in zip(words[::2], words[1::2])}
-    overrides.setdefault("train.global_batch", global_batch)
-    cfg = build_config(overrides={**overrides, "train.seq_len": seq_len})
+    parser = argparse.ArgumentParser(prog="fived plan --layout", add_help=False, allow_abbrev=False, exit_on_error=False)
+    add_config_flags(parser)
+    example = "e.g. --layout '--tp 4 --sp --pp 2 --zero 1' (fived train's flags)"
+    try:
+        ns, unknown = parser.parse_known_args(shlex.split(flags))
+    except (argparse.ArgumentError, ValueError) as e:
+        raise ConfigError("--layout", flags, f"not fived train's flags ({e})", example) from None
+    if unknown:
+        raise ConfigError("--layout", flags, f"{unknown[0]} is not one of fived train's flags", example)
+    overrides = {"train.global_batch": global_batch, **overrides_of(ns), "train.seq_len": seq_len}
+    cfg = build_from_args(LaunchRequest(overrides=overrides, dp_shard=ns.dp_shard))
     cfg.model = model
     layout = Layout.from_config(cfg, gpus)
     reason = layout_refusal(model, layout, seq_len, global_batch)

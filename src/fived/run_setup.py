@@ -356,6 +356,17 @@ def prepare_training(request: LaunchRequest | argparse.Namespace, default_world:
 LAYOUT_KEYS = ("parallel.", "train.microbatches")
 
 
+def _same_value(cfg, dotted: str, value) -> bool:
+    """Whether the flag `--dotted value` gives what `cfg` already holds (a repeated, not a differing, flag)."""
+    from fived.config import coerce
+
+    section, _, key = dotted.partition(".")
+    try:
+        return coerce(section, key, value) == cfg.to_dict()[section][key]
+    except ConfigError:
+        return False
+
+
 def reshard_layout(flags: str, cfg):
     """`--reshard-from "<layout flags>"`: the first half's config and world size (only the layout differs)."""
     import copy
@@ -372,7 +383,8 @@ def reshard_layout(flags: str, cfg):
     except (SystemExit, ValueError):
         raise ConfigError("--reshard-from", flags, "not a list of layout flags", example) from None
     given = overrides_of(ns)
-    other = unknown + [k for k in given if not k.startswith(LAYOUT_KEYS)] + (["--config"] if ns.config else [])
+    differs = [k for k, v in given.items() if not k.startswith(LAYOUT_KEYS) and not _same_value(cfg, k, v)]
+    other = unknown + differs + (["--config"] if ns.config else [])
     if other:
         raise ConfigError("--reshard-from", flags, f"only layout flags may differ between the halves ({other[0]})",
                           example)
