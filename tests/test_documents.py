@@ -128,10 +128,9 @@ def test_cp_mode_rules(over, field):
     from fived.layout.rules import check_config
 
     over = {"parallel__cp": 4, "parallel__dp": 1, **over}
-    cfg = tiny_config(**over)
-    p = cfg.parallel
-    with pytest.raises(ConfigError) as e:
-        check_config(cfg, p.tp * p.cp)
+    with pytest.raises(ConfigError) as e:  # (an unknown choice is refused as the config is built)
+        cfg = tiny_config(**over)
+        check_config(cfg, cfg.parallel.tp * cfg.parallel.cp)
     assert e.value.field == field and e.value.hint, str(e.value)
 
 
