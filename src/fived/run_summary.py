@@ -67,8 +67,8 @@ def header_lines(cfg: Config, world: int, launcher: str, resumed_step: int | Non
     """What a launch says before its first step: the model, the ranks, the layout, the steps, where
     the metrics go, and the learning-rate plan."""
     p = cfg.parallel
-    start = (f"resuming step {resumed_step} to step {cfg.train.steps}" if resumed_step is not None
-             else f"{cfg.train.steps} steps")
+    start = (f"resuming step {resumed_step} of {cfg.train.output_dir} to step {cfg.train.steps}"
+             if resumed_step is not None else f"{cfg.train.steps} steps")
     return [f"fived train: model {cfg.model.name}, {world} {launcher}, layout dp={resolve_dp(cfg, world)} tp={p.tp} pp={p.pp} cp={p.cp} "
             f"ep={p.ep} zero={p.zero}, {start} -> {cfg.train.output_dir}/metrics.jsonl",
             f"  {describe_schedule(cfg.train)}; {cfg.train.global_batch} x {cfg.train.seq_len} tokens per step, "
