@@ -65,7 +65,10 @@ def test_the_element_size_follows_the_weights_dtype():
     cluster = Cluster(hw, 2, 2)
     tp = {w: forward_time(m, ServeLayout(tp=2, weights=w), cluster, sequences=4, new_tokens=64, context=64,
                           kv_bytes=2).tp for w in ("bf16", "float32")}
-    logits = collective_seconds("all_gather_single", 4 * local_vocab(m, 2) * 2 * 4, group_link(cluster, 1, 2), hw)
+    from fived.planner.constants import CALIBRATION
+
+    c = CALIBRATION.constants
+    logits = collective_seconds("all_gather_single", 4 * local_vocab(m, 2) * 2 * 4, group_link(cluster, 1, 2, c), hw, c)
     assert math.isclose(tp["float32"] - logits, 2 * (tp["bf16"] - logits))  # (the logits are float32 in both)
     w = stage_weights(m, ServeLayout(tp=2), 0)
     assert w.bytes("float32") == 2 * w.bytes("bf16") and ServeLayout(weights="float32").element_bytes == 4
