@@ -20,8 +20,8 @@ from fived.launch import run_ranks
 from fived.attention import (block_backward, block_forward, reference_block_backward,
                              reference_block_forward, uses_cuda_flash)
 from fived.testing import tiny_config
-from fived.train import run_training
-from fived.verify import compare
+from fived.trainer import run_training
+from fived.verification import compare
 
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
 

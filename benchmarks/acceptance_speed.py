@@ -20,7 +20,7 @@ from fived.config import Config, ModelConfig, build_config
 from fived.launch import run_ranks
 from fived.metrics import flops_per_token
 from fived.planner.hardware import device_peak_tflops
-from fived.train import run_training
+from fived.trainer import run_training
 
 LR = 3e-4  # (a 1B model at fived's default 3e-3 would diverge within the timed steps)
 # The planner's prediction against fived's measured eager run, on CUDA: the step time within 50%
@@ -104,7 +104,7 @@ def hf_speed(model: ModelConfig, *, device: str, dtype: str, seq_len: int, batch
     if device == "cuda":  # (after the build: its float32 copy is not training's memory)
         torch.cuda.reset_peak_memory_stats()
     forward_module = torch.compile(hf, backend=compile_backend) if compile_backend else hf
-    step = make_step(hf, lambda x: forward_module(input_ids=x, use_cache=False).logits, LR)
+    step = make_step(hf, lambda x: forward_module(input_ids=x, use_cache=False).logits, LR)  # noqa: F821 (del'd after use)
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, model.vocab_size, (batch, seq_len + 1), generator=gen).to(device)
     inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()

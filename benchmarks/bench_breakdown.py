@@ -41,7 +41,7 @@ def config(model: str, fields: dict, micro: int, breakdown: bool, args):
 
 def rank_main(args) -> list[list[list[float]]]:
     """Per layout: [times off, times on] of this rank."""
-    from fived.train import Trainer
+    from fived.trainer import Trainer
 
     out = []
     for model, fields, micro in LAYOUTS:

@@ -68,7 +68,7 @@ def _timed(fn) -> float:
 def measure_rank(cfg) -> dict:
     """On each rank: build the trainer's shards and Adam state, then save / async save / load."""
     from fived.checkpoint import find_checkpoint
-    from fived.train import Trainer
+    from fived.trainer import Trainer
 
     trainer = Trainer(cfg)
     trainer.checkpointer.components["optimizer"].tensors(for_load=True)  # AdamW's moments, allocated

@@ -87,7 +87,7 @@ class AttentionClock:
 
 def rank_main(data: str, args) -> dict:
     from fived.parallel import context
-    from fived.train import Trainer
+    from fived.trainer import Trainer
 
     clock = AttentionClock(len(BALANCES))
     context.masked_block_forward = clock.wrap(context.masked_block_forward)

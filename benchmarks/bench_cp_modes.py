@@ -68,7 +68,7 @@ def peak_memory(over: dict, run_dir: Path) -> float:
 
 def rank_main(configs: list) -> list[float]:
     """This rank's seconds per timed step of each mode's Trainer (one process group)."""
-    from fived.train import Trainer
+    from fived.trainer import Trainer
 
     trainers = [Trainer(cfg, log=False) for cfg in configs]
     return interleaved_steps(trainers, warmup=1, steps=configs[0].train.steps - 1)[0]

@@ -69,7 +69,7 @@ def parse_args() -> argparse.Namespace:
 # --- loss -----------------------------------------------------------------------------------------
 
 def final_val_loss(cfg) -> float:
-    from fived.train import run_training
+    from fived.trainer import run_training
 
     return run_ranks(1, run_training, cfg, False, False, device="cpu")[0].metrics[-1]["val_loss"]
 
@@ -160,7 +160,7 @@ def step_peak(trainer, step: int) -> int:
 
 def rank_main(configs, args: argparse.Namespace) -> dict:
     from fived.breakdown import compared, mean_breakdown
-    from fived.train import Trainer
+    from fived.trainer import Trainer
 
     trainers = [Trainer(cfg, log=False) for cfg in configs]
     times, records = interleaved_steps(trainers, warmup=args.warmup, steps=args.timed)

@@ -49,7 +49,7 @@ def config(case: str, on: bool, args):
 
 def rank_main(case: str, args) -> dict:
     """Per trainer (off, on): step times, and rank 0's breakdowns."""
-    from fived.train import Trainer
+    from fived.trainer import Trainer
 
     trainers = [Trainer(config(case, on, args), log=False) for on in (False, True)]
     times, records = interleaved_steps(trainers, warmup=args.warmup, steps=args.steps)

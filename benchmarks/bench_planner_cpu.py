@@ -103,7 +103,7 @@ def _index(layouts, layout) -> int | None:
 
 
 def rank_main(layouts, args: argparse.Namespace) -> dict:
-    from fived.train import Trainer
+    from fived.trainer import Trainer
 
     trainers = [Trainer(config(m, f, micro, args), log=False) for m, f, micro in layouts]
     for s in range(args.warmup):

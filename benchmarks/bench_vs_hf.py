@@ -188,7 +188,7 @@ def main() -> int:
     inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
     steps = {
-        "fived": make_step(ours, lambda x: ours(x), args.lr),
+        "fived": make_step(ours, ours, args.lr),
         "transformers": make_step(hf, lambda x: hf(input_ids=x, use_cache=False).logits, args.lr),
     }
 

@@ -129,7 +129,7 @@ def torch_runner(cfg, stage: int):
 
 
 def rank_main(args: argparse.Namespace) -> dict:
-    from fived.train import Trainer
+    from fived.trainer import Trainer
 
     # torch 2.13 deprecates DDP's broadcast_buffers, which fived's stage 0 passes: not our subject here.
     warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)

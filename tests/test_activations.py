@@ -13,7 +13,7 @@ from fived.activation_model import activation_bytes, layer_bytes
 from fived.config import model_preset
 from fived.report import expected_activation_bytes, expected_activations, format_report
 from fived.testing import run_on_ranks, tiny_config, write_documents
-from fived.train import run_training
+from fived.trainer import run_training
 
 # name: (model, overrides); each group of one world size runs in a single run_on_ranks call.
 SINGLE = {

@@ -8,8 +8,8 @@ import torch
 
 from fived.checkpoint import complete_checkpoints, find_checkpoint
 from fived.testing import EXACT, run_on_ranks, tiny_config, write_documents
-from fived.train import run_training
-from fived.verify import run_verify
+from fived.trainer import run_training
+from fived.verification import run_verify
 
 STEPS = 4
 

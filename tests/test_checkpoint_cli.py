@@ -82,6 +82,18 @@ def test_reshard_from_takes_only_layout_flags(capsys):
     assert "only layout flags may differ" in capsys.readouterr().err
 
 
+def test_reshard_from_accepts_a_flag_that_repeats_the_runs_value():
+    """`--reshard-from "--dp 3 --zero 3 --global-batch 12"` beside `--global-batch 12`: nothing differs."""
+    from fived.config import ConfigError, build_config
+    from fived.run_setup import reshard_layout
+
+    cfg = build_config(overrides={"train.global_batch": 12, "train.steps": 4})
+    first, world = reshard_layout("--dp 3 --zero 3 --global-batch 12", cfg)
+    assert (first.parallel.dp, first.parallel.zero, world) == (3, 3, 3)
+    with pytest.raises(ConfigError, match=r"only layout flags may differ between the halves \(train.global_batch\)"):
+        reshard_layout("--dp 3 --global-batch 24", cfg)
+
+
 def _prepared(argv: list[str]):
     from fived.cli import build_parser
     from fived.run_setup import prepare_training

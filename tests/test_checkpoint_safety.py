@@ -17,7 +17,7 @@ import fived.dcp_io
 from fived.checkpoint import MANIFEST, MARKER, Checkpointer, complete_checkpoints, find_checkpoint
 from fived.launch import RankFailed
 from fived.testing import run_on_ranks, tiny_config
-from fived.train import Trainer, run_training
+from fived.trainer import Trainer, run_training
 
 STEPS, EVERY, KILLED_SAVE = 6, 2, 4
 ARMED = {"now": False}  # set, in the rank that dies, when the save of step KILLED_SAVE starts

@@ -11,7 +11,7 @@ from fived.layout.rules import check_config
 from fived.model import build_model, canonical_name
 from fived.parallel.compile import apply_compile
 from fived.testing import EXACT, tiny_config
-from fived.verify import reference_config, run_verify
+from fived.verification import reference_config, run_verify
 
 LAYOUTS = {
     "tp-sp full checkpointing": (2, dict(parallel__dp=1, parallel__tp=2, parallel__sp=True,
@@ -40,7 +40,12 @@ def test_every_block_is_compiled_and_names_are_kept():
 
 
 def test_unknown_backend_is_one_line():
-    cfg = build_config(overrides={"model.name": "tiny", "train.compile": True, "train.compile_backend": "tensorrt"})
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(ConfigError) as e:  # (an unknown choice: refused as the config is built)
+        cfg = build_config(overrides={"model.name": "tiny", "train.compile": True, "train.compile_backend": "tensorrt"})
         check_config(cfg, 1)
+    with pytest.raises(ConfigError) as built:  # (and one set in Python: by the checks before launch)
+        cfg = build_config(overrides={"model.name": "tiny", "train.compile": True})
+        cfg.train.compile_backend = "tensorrt"  # type: ignore[assignment]
+        check_config(cfg, 1)
+    assert built.value.field == "train.compile_backend" and "\n" not in str(built.value)
     assert e.value.field == "train.compile_backend" and "\n" not in str(e.value)

@@ -7,8 +7,8 @@ import torch
 
 from fived.parallel.context import local_positions
 from fived.testing import EXACT, run_on_ranks, tiny_config
-from fived.train import run_training
-from fived.verify import run_verify
+from fived.trainer import run_training
+from fived.verification import run_verify
 
 
 def _verify(world, model, **over):

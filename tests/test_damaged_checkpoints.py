@@ -13,7 +13,7 @@ from fived.checkpoint_verify import damage
 from fived.cli import main
 from fived.config import ConfigError
 from fived.testing import run_on_ranks, tiny_config
-from fived.train import run_training
+from fived.trainer import run_training
 
 
 @pytest.fixture(scope="module")
@@ -174,7 +174,7 @@ def _resume_choice(run, flaky_rank):
     import fived.checkpoint
     from fived.cli import build_parser
     from fived.run_setup import prepare_training
-    from fived.train_cli import agreed_run
+    from fived.training_run import agreed_run
 
     real = fived.checkpoint.cached_damage
     if dist.get_rank() == flaky_rank:  # a transient read error on this rank alone

@@ -13,6 +13,7 @@ import pytest
 
 import fived.data_prep
 from fived.cli import main
+from fived.config import tomllib
 from fived.data import load_tokenizer, load_tokens
 from fived.data_prep import MissingExtra, prepare_data
 
@@ -171,6 +172,6 @@ def test_training_needs_no_tokenizer_or_vocab_flags(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "val_loss" in r] == [2, 4]
-    resolved = (tmp_path / "run" / "config.toml").read_text()
-    assert f"vocab_size = {vocab}\n" in resolved
-    assert f'tokenizer = "{tmp_path / "moved" / "toks.tokenizer.json"}"' in resolved
+    resolved = tomllib.loads((tmp_path / "run" / "config.toml").read_text())
+    assert resolved["model"]["vocab_size"] == vocab
+    assert resolved["data"]["tokenizer"] == str(tmp_path / "moved" / "toks.tokenizer.json")

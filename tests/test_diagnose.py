@@ -15,7 +15,7 @@ from fived.config import build_config
 from fived.diagnose import Measured, _uneven_micro, diagnose
 from fived.report import write_run_json
 from fived.testing import run_on_ranks
-from fived.train import Trainer
+from fived.trainer import Trainer
 
 
 def _train(cfg, favour_expert: bool):

@@ -10,7 +10,7 @@ from fived.launch import RankFailed
 from fived.model import build_model
 from fived.init import init_weights
 from fived.testing import EXACT, run_on_ranks, tiny_config
-from fived.verify import run_verify
+from fived.verification import run_verify
 
 
 def _reference_params(name: str, seed: int) -> dict:

@@ -17,7 +17,7 @@ from fived.divergence import DIVERGED_EXIT, LossGuard, healthy_checkpoint
 from fived.launch import RankFailed
 from fived.layout.rules import check_config
 from fived.testing import run_on_ranks, tiny_config
-from fived.train import Trainer, run_training
+from fived.trainer import Trainer, run_training
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 STEPS, EVERY, POISONED = 12, 2, 6  # the gradients of step index 6 (logged as step 7) are NaN

@@ -12,7 +12,7 @@ from fived.data_prep import prepare_data
 from fived.model import build_model
 from fived.parallel import lm_loss_sum
 from fived.testing import EXACT, run_on_ranks, tiny_config
-from fived.train import run_training
+from fived.trainer import run_training
 
 STEPS, EVAL_EVERY, EVAL_BATCHES = 4, 2, 2
 LAYOUTS = {

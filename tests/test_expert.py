@@ -3,8 +3,8 @@ ZeRO stage, context parallelism and aux-loss-free balancing; all-to-all bytes ag
 import pytest
 
 from fived.testing import EXACT, run_on_ranks, tiny_config
-from fived.train import run_training
-from fived.verify import run_verify
+from fived.trainer import run_training
+from fived.verification import run_verify
 
 
 def _verify(world, **over):

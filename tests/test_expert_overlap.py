@@ -12,8 +12,8 @@ from fived.parallel.expert import ExpertParallelExperts
 from fived.parallel.expert_overlap import chunk_order, chunk_share
 from fived.report import expected_comm_bytes
 from fived.testing import EXACT, run_on_ranks, tiny_config
-from fived.train import run_training
-from fived.verify import compare, run_layout, run_verify
+from fived.trainer import run_training
+from fived.verification import compare, run_layout, run_verify
 
 LAYOUTS = {
     "ep2": (2, dict(parallel__dp=2, parallel__ep=2)),

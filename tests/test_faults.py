@@ -19,7 +19,7 @@ from fived.faults import PREEMPTED_EXIT
 from fived.launch import RankFailed
 from fived.supervisor import failure_line, run_with_restarts
 from fived.testing import run_on_ranks
-from fived.train import run_training
+from fived.trainer import run_training
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 STEPS = 300

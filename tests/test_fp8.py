@@ -19,7 +19,7 @@ import pytest
 
 from fived.checkpoint import find_checkpoint
 from fived.testing import run_on_ranks, tiny_config
-from fived.train import Trainer, run_training
+from fived.trainer import Trainer, run_training
 
 pytest.importorskip("torchao")
 

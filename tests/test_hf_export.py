@@ -12,7 +12,7 @@ from fived.checkpoint import find_checkpoint
 from fived.cli import main
 from fived.model import build_model
 from fived.testing import run_on_ranks, tiny_config
-from fived.train import run_training
+from fived.trainer import run_training
 
 transformers = pytest.importorskip("transformers")
 

@@ -13,7 +13,7 @@ from fived.hf.config_map import model_config_from_hf, read_config
 from fived.hf.init import configure_init_from, whole_state
 from fived.model import build_model
 from fived.testing import EXACT, run_on_ranks, tiny_config
-from fived.train import run_training
+from fived.trainer import run_training
 
 pytest.importorskip("transformers")
 

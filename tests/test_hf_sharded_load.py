@@ -10,7 +10,7 @@ import torch
 from fived.hf.init import configure_init_from
 from fived.hf.reader import HfCheckpoint
 from fived.testing import run_on_ranks, tiny_config
-from fived.train import Trainer
+from fived.trainer import Trainer
 
 DIM, FFN, LAYERS, VOCAB = 512, 1536, 4, 256
 

@@ -99,7 +99,7 @@ def test_small_pieces_assemble_the_whole_value():
 # --- real layouts on gloo ranks ------------------------------------------------------------------
 
 def _init_on_rank(cfg, want_state: bool):
-    from fived.train import Trainer
+    from fived.trainer import Trainer
 
     trainer = Trainer(cfg, log=False)
     held = hull = 0

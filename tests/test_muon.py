@@ -14,8 +14,8 @@ from fived.layout.stages import rank_chunks
 from fived.muon import Muon, newton_schulz, update_scale
 from fived.report import expected_comm_bytes, expected_state_bytes
 from fived.testing import EXACT, run_on_ranks, tiny_config
-from fived.train import run_training
-from fived.verify import run_verify
+from fived.trainer import run_training
+from fived.verification import run_verify
 
 KELLER = ns_coefficients("3.4445,-4.7750,2.0315", 5)
 
@@ -85,7 +85,7 @@ def test_one_step_is_the_published_update():
 
 def _one_device_step(cfg):
     """One step of a one-rank Trainer; the directions Muon's exchange got and what it returned."""
-    from fived.train import Trainer
+    from fived.trainer import Trainer
 
     trainer = Trainer(cfg, log=False)
     exchange, seen = trainer.optimizer.exchange, []
@@ -208,7 +208,7 @@ def test_the_5d_layout(zero):
 def _counted(cfg):
     """Train one step counting Newton-Schulz calls on this rank; (calls, the stage's units, pp rank)."""
     import fived.muon
-    from fived.train import Trainer
+    from fived.trainer import Trainer
 
     calls, original = [], fived.muon.newton_schulz
     fived.muon.newton_schulz = lambda m, c: calls.append(tuple(m.shape)) or original(m, c)

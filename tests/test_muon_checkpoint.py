@@ -7,8 +7,8 @@ import torch
 from fived.checkpoint import find_checkpoint
 from fived.dcp_io import tensor_shapes
 from fived.testing import EXACT, run_on_ranks, tiny_config
-from fived.train import run_training
-from fived.verify import run_verify
+from fived.trainer import run_training
+from fived.verification import run_verify
 
 STEPS = 4
 MUON = {"train__optimizer": "muon"}

@@ -91,26 +91,74 @@ def _elements(shape) -> int:
     return n
 
 
+def plan_json(capsys, model: str, *flags: str) -> dict:
+    """`fived plan --json`'s output (the same defaults as `fived explore`'s: runtime, headroom)."""
+    capsys.readouterr()
+    assert main(["plan", "--model", model, *EXPLORE, *flags, "--json", "--top", "8"]) in (0, 1)
+    return json.loads(capsys.readouterr().out)
+
+
+BASELINE = {"tp": "1", "sp": "false", "cp": "1", "pp": "1", "pp_schedule": "1f1b", "pp_virtual": "1", "ep": "1",
+            "zero": "0", "hsdp": "false", "micro_batch": "1", "checkpointing": "none"}
+
+
+def set_toggles(page, values: dict) -> None:
+    """Set these toggles, pp last (the schedule's toggles are enabled only while pp > 1)."""
+    page.select_option("#ctl-pp", "2")
+    for name, value in sorted(values.items(), key=lambda kv: kv[0] == "pp"):
+        if page.locator(f"#ctl-{name}").count():
+            page.select_option(f"#ctl-{name}", value)
+
+
+def page_flags(page) -> str:
+    return page.inner_text("#flags").split("--train.dtype bfloat16 ", 1)[1]
+
+
+AXES = """Array.from(document.querySelectorAll('.js-plotly-plot')).flatMap((gd) =>
+    Object.keys(gd._fullLayout).filter((k) => /^[xy]axis\\d*$/.test(k) && gd._fullLayout[k].visible !== false)
+      .map((k) => [gd.id || gd.parentElement.id, k, (gd._fullLayout[k].title || {}).text || '']))"""
+
+
+def assert_every_axis_labelled(page) -> None:
+    axes = page.evaluate(AXES)
+    assert axes and [a for a in axes if not a[2].strip()] == [], axes
+
+
 @needs_chromium
-def test_explore_toggles_show_the_planners_memory_and_the_runtimes_reasons(tmp_path, capsys, browser):
+def test_explore_opens_on_the_planners_best_layout_and_toggles_show_its_figures(tmp_path, capsys, browser):
     out = tmp_path / "mixtral.html"
     assert main(["explore", "--model", "mixtral-8x7b", *EXPLORE, "--output", str(out)]) == 0
     page, errors = open_page(browser, out)
+    ranked = plan_json(capsys, "mixtral-8x7b")["plans"]
+    # it opens on `fived plan`'s best layout, with its figures, and lists the planner's ranking
+    assert page.get_attribute("body", "data-valid") == "true"
+    assert page.inner_text("#status").split(" — ")[0].split(": ", 1)[1] == ranked[0]["describe"]
+    assert float(page.get_attribute("#memory-total", "data-gib")) == ranked[0]["memory_gib"]["total"]
+    assert page_flags(page) == ranked[0]["flags"]
+    rows = page.locator("#ranking-table tr.rank-row")
+    assert rows.count() == len(ranked) and "current" in (rows.nth(0).get_attribute("class") or "")
+    rows.nth(1).click()  # a click loads that layout
+    assert page_flags(page) == ranked[1]["flags"] and "current" in (rows.nth(1).get_attribute("class") or "")
+    assert float(page.get_attribute("#memory-total", "data-gib")) == ranked[1]["memory_gib"]["total"]
+    # every toggle's figures are `fived plan --layout`'s for the flags the page shows
+    set_toggles(page, BASELINE)
     shown = []
     for control, value in (("tp", "4"), ("zero", "3"), ("pp", "4"), ("cp", "2"), ("ep", "8")):
         page.select_option(f"#ctl-{control}", value)
         assert page.get_attribute("body", "data-valid") == "true", page.inner_text("#status")
         gib = float(page.get_attribute("#memory-total", "data-gib"))
-        flags = page.inner_text("#flags").split("--train.dtype bfloat16 ", 1)[1]
+        flags = page_flags(page)
         plan = planned(capsys, "mixtral-8x7b", flags)
         assert gib == plan["memory_gib"]["total"], (control, value)  # exactly the planner's figure
         assert f"{gib:.2f} GiB" in page.inner_text("#memory-total")
         assert f"--parallel.{control} {value}" in flags
         shown.append(gib)
     assert len(set(shown)) == len(shown)  # every toggle changed the per-GPU memory
-    assert "tp all_reduce" in page.inner_text("#layer-map") and "NVLink" in page.inner_text("#layer-map")
-    assert page.locator("#links polyline").count() >= 3  # tp, cp and pp groups drawn through their GPUs
+    # the collectives' table: tp's inside a node, at this tp4 x pp4 x cp2 replica (drawn as tiles: 32 GPUs)
+    assert re.search(r"\ttp\t[^\n]*\tNVLink\t4\t", page.inner_text("#layer-map")), page.inner_text("#layer-map")
+    assert page.locator("#layer-map-body .gpu.tile").count() == 32
     assert page.locator("#timeline-chart .main-svg").count() and "bubble fraction" in page.inner_text("#bubble")
+    assert_every_axis_labelled(page)
     assert_not_blank(browser, page, tmp_path / "explore.png")
 
     page.select_option("#ctl-pp", "8")  # tp4 x pp8 x cp2 leaves dp 2: ep 8 no longer divides dp*cp = 4
@@ -126,21 +174,63 @@ def test_explore_toggles_show_the_planners_memory_and_the_runtimes_reasons(tmp_p
     assert errors == []
 
 
+def test_explore_offers_what_the_planner_searched_and_agrees_with_plan_on_7_gpus():
+    """The toggles' values are the planner's (every cp and virtual-stage count it searched; no ep for a
+    dense model), and on a GPU count no power of two reaches (7) the page has plan's layouts, valid,
+    with plan's figures (it opens on the best)."""
+    from fived.explore import TOGGLES, explore_data, slot
+    from fived.planner.hardware import hardware
+    from fived.planner.runtimes import PLANNED_RUNTIMES
+    from fived.planner.search import SCHEDULES, mesh_shapes, plan
+    from fived.planner.timing import Cluster
+
+    model, cluster = model_preset("llama3-8b"), Cluster(hardware("h100"), 7, 8)
+    data = explore_data(model, cluster, 2048, 14, "bfloat16", 3.0)
+    meshes = list(mesh_shapes(model, 7, 8, 2048, 14))
+    assert data["options"]["pp"] == sorted({m.pp for m in meshes} | {1}) == [1, 7] and data["options"]["ep"] == [1]
+    assert data["options"]["pp_virtual"] == sorted({v for _, v in SCHEDULES})
+    best = plan(model, cluster, 2048, 14, "bfloat16", PLANNED_RUNTIMES["fived"], 3.0).plans  # (fived plan's defaults)
+    assert best and len(data["ranking"]) == min(len(best), 8)
+    for ranked, planned_ in zip(data["ranking"], best):
+        entry = data["entries"][slot(data["options"], "|".join(ranked["values"][t] for t in TOGGLES))]
+        assert isinstance(entry, dict) and entry["describe"] == planned_.layout.describe()
+        assert entry["memory"][-1] == planned_.memory.gib()["total"] and entry["time"][-1] == planned_.time.total
+    assert data["start"] == data["ranking"][0]["values"]
+    wide = explore_data(model, Cluster(hardware("h100"), 64, 8), 8192, 64, "bfloat16", 3.0)["options"]
+    assert wide["cp"] == sorted({m.cp for m in mesh_shapes(model, 64, 8, 8192, 64)} | {1}) and len(wide["cp"]) > 2
+
+
 @needs_chromium
-def test_dense_page_refuses_expert_parallelism_with_the_runtimes_reason(tmp_path, browser):
+def test_dense_page_has_no_ep_toggle_draws_big_maps_compactly_and_memory_readably(tmp_path, browser):
     out = tmp_path / "llama.html"
     assert main(["explore", "--model", "llama3-70b", *EXPLORE, "--output", str(out)]) == 0
     page, errors = open_page(browser, out)
-    before = page.get_attribute("#memory-total", "data-gib")
-    page.select_option("#ctl-ep", "2")
-    model = model_preset("llama3-70b")
-    cfg = Config(model=model, parallel=Layout(dp=128, ep=2).parallel_config(),
-                 train=TrainConfig(seq_len=4096, global_batch=256, microbatches=2))
-    assert page.inner_text("#status") == "invalid: " + str(layout_errors(cfg, 128)[0])
-    assert "needs a mixture-of-experts model" in page.inner_text("#status")
-    page.select_option("#ctl-ep", "1")  # back: the figures of the valid layout again
-    assert page.get_attribute("body", "data-valid") == "true"
-    assert page.get_attribute("#memory-total", "data-gib") == before
+    assert page.locator("#ctl-ep").count() == 0 and page.locator("#ctl-cp option").count() > 2
+    set_toggles(page, {**BASELINE, "tp": "8", "pp": "4", "zero": "1"})  # 32 GPUs per replica
+    assert page.get_attribute("body", "data-valid") == "true", page.inner_text("#status")
+    box = page.locator("#layer-map-body").bounding_box()
+    assert box["height"] < 1500, box  # (it was 4,584 px: every GPU listing every tensor)
+    assert page.locator("#layer-map-body .gpu").count() == 32 and page.locator(".stage-tensors").count() == 4
+    # the no-parallelism bar has a panel of its own: the layout's panel is scaled to the layout and the GPU
+    memory = page.evaluate("""(() => { const gd = document.getElementById('memory-chart'); const L = gd._fullLayout;
+        return [L.yaxis.range[1], gd.data.filter((t) => t.yaxis === 'y2').length, gd.data.length]; })()""")
+    total = float(page.get_attribute("#memory-total", "data-gib"))
+    assert memory[0] <= 1.2 * max(total, 80 - 3.0) and memory[1] * 2 == memory[2]
+    # a small replica draws its collectives' lines, in the margins and gutters, never across a GPU's tensors
+    set_toggles(page, {**BASELINE, "tp": "2", "pp": "2", "zero": "1"})
+    assert page.locator("#links path").count() >= 2
+    crossings = page.evaluate("""(() => {
+        const origin = document.getElementById('layer-map-body').getBoundingClientRect(); const hits = [];
+        const boxes = Array.from(document.querySelectorAll('.gpu .tensor')).map((t) => t.getBoundingClientRect());
+        for (const path of document.querySelectorAll('#links path')) {
+          const moves = path.getAttribute('d').match(/[ML][^ML]+/g).map((m) => [m[0], ...m.slice(1).split(',').map(Number)]);
+          for (let i = 1; i < moves.length; i++) { if (moves[i][0] !== 'L') continue;
+            const [x0, y0] = moves[i - 1].slice(1), [x1, y1] = moves[i].slice(1);
+            for (const b of boxes) { const l = b.left - origin.left, r = b.right - origin.left, t = b.top - origin.top, u = b.bottom - origin.top;
+              if (Math.max(x0, x1) > l && Math.min(x0, x1) < r && Math.max(y0, y1) > t && Math.min(y0, y1) < u) hits.push([x0, y0, x1, y1]); } } }
+        return hits; })()""")
+    assert crossings == []
+    assert_every_axis_labelled(page)
     assert errors == []
 
 
@@ -202,7 +292,36 @@ def test_report_of_a_pipeline_moe_run_shows_every_chart_and_the_report_tables(tm
     assert sorted(loads) == ["0", "1", "2", "3"] and all(len(v) == 8 for v in loads.values())
     heatmap = page.evaluate("(() => { const t = document.getElementById('experts-chart').data[0]; return [t.type, t.z]; })()")
     assert heatmap == ["heatmap", [loads[k] for k in ("0", "1", "2", "3")]]  # every MoE layer of both stages
+    assert_every_axis_labelled(page)
+    labels = page.evaluate("""Array.from(document.querySelectorAll('#timeline-chart .bartext')).filter((t) =>
+        t.getBoundingClientRect().width > 0).map((t) => { const b = t.getBoundingClientRect(); return [b.left, b.top, b.right, b.bottom]; })""")
+    overlaps = [(a, b) for i, a in enumerate(labels) for b in labels[i + 1:]
+                if a[0] < b[2] - 0.5 and b[0] < a[2] - 0.5 and a[1] < b[3] - 0.5 and b[1] < a[3] - 0.5]
+    assert labels and overlaps == []  # the pipeline timeline's labels: only where they fit, never over each other
     assert_not_blank(browser, page, tmp_path / "report.png")
+    assert errors == []
+
+
+@needs_chromium
+def test_report_of_a_resumed_run_marks_the_resume_and_both_layouts_on_every_chart(tmp_path, browser, capsys):
+    run = tmp_path / "run"
+    tiny = ["--seq-len", "16", "--global-batch", "4", "--train.warmup_steps", "1", "--train.log_every", "100"]
+    assert main(["train", *tiny, "--nproc", "2", "--dp", "2", "--steps", "4", "--checkpoint.every", "2",
+                 "--train.output_dir", str(run)]) == 0
+    assert main(["train", "--resume", str(run / "checkpoints" / "step-2"), "--nproc", "2", "--tp", "2",
+                 "--steps", "6"]) == 0  # from step 2, at another layout: steps 3-4 trained again, then 5-6
+    assert main(["report", str(run)]) == 0
+    before, after = "dp2 ZeRO-0 mbs2", "dp1 ZeRO-0 tp2 mbs4"
+    page, errors = open_page(browser, run / "report.html")
+    summary = page.inner_text("#summary")
+    assert f"steps 1-2: {before}; steps 3-6 (resumed): {after}" in summary, summary
+    for chart in ("loss", "lr", "grad-norm", "tokens-per-s", "mfu"):
+        marks = page.evaluate(f"""(() => {{ const L = document.getElementById('{chart}-chart').layout;
+            return [L.shapes.map((s) => [s.x0, s.x1]), L.annotations.map((a) => a.text)]; }})()""")
+        assert marks == [[[2.5, 2.5]], [before, f"resume at step 3: {after} (layout changed)"]], (chart, marks)
+        steps = page.evaluate(f"document.getElementById('{chart}-chart').data[0].x")
+        assert steps == [1, 2, 3, 4, 5, 6]  # (the first launch's steps 3-4: superseded, not drawn twice)
+    assert_every_axis_labelled(page)
     assert errors == []
 
 
@@ -254,3 +373,13 @@ def test_serve_page_shows_the_serving_planners_memory_next_to_the_training_plan(
     assert page.get_attribute("body", "data-valid") == "false"
     assert "needs a mixture-of-experts model" in page.inner_text("#status")
     assert errors == []
+
+
+def test_plan_layout_takes_fived_trains_short_flags(capsys):
+    """`fived plan --layout '--tp 8 --sp ...'` prices what the long flags (Layout.flags') price."""
+    short = planned(capsys, "llama3-70b", "--tp 8 --sp --pp 2 --zero 1 --microbatches 64")
+    long = planned(capsys, "llama3-70b", "--parallel.tp 8 --parallel.sp true --parallel.pp 2 --parallel.zero 1 "
+                                         "--train.microbatches 64")
+    assert short == long and short["layout"]["tp"] == 8 and short["layout"]["sp"] is True
+    assert main(["plan", "--model", "llama3-70b", *EXPLORE, "--layout", "--tp 8 --bogus 3"]) == 2
+    assert "--bogus is not one of fived train's flags" in capsys.readouterr().err

@@ -20,7 +20,7 @@ from fived.planner.search import evaluate, plan
 from fived.planner.timing import Cluster
 from fived.report import expected_comm_bytes, local_model
 from fived.testing import run_on_ranks, tiny_config
-from fived.train import run_training
+from fived.trainer import run_training
 
 CALIBRATION_FILE = Path(__file__).parent / "data" / "published_runs.csv"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -226,7 +226,7 @@ def test_train_layout_auto_runs_the_layout_it_prints(tmp_path):
     ran = next(line for line in out.stdout.splitlines() if line.startswith("fived train: model"))
     for dim in ("dp", "tp", "pp", "cp", "ep", "zero"):
         assert f"{dim}={values[f'--parallel.{dim}']}" in ran, (chosen, ran)
-    assert "loss" in out.stdout.splitlines()[-1]
+    assert "loss" in out.stdout.splitlines()[-2] and "tokens/s" in out.stdout.splitlines()[-1]  # (the summary)
     clash = _fived("train", "--layout", "auto", "--nproc", "4", "--tp", "2")
     assert clash.returncode == 2 and "chooses the parallel layout itself" in clash.stderr
 

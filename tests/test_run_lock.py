@@ -65,7 +65,7 @@ def test_under_torchrun_an_unlockable_directory_is_a_line_for_every_rank(tmp_pat
     """Rank 0's lock failing with an OSError (here: output_dir is a file) is returned as one line,
     which the torchrun path broadcasts, instead of an exception on rank 0 that leaves the others waiting."""
     from fived.testing import run_on_ranks
-    from fived.train_cli import lock_on_rank0
+    from fived.training_run import lock_on_rank0
 
     afile = tmp_path / "afile"
     afile.write_text("")

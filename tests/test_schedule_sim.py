@@ -8,7 +8,7 @@ from fived.layout.stages import stage_rank
 from fived.layout.schedule_sim import (SCHEDULES, bubble_of, check_schedule, in_flight_microbatches, n_stages_of,
                                          peak_alive, schedule_actions, schedule_bubble, simulate)
 from fived.testing import run_on_ranks, tiny_config
-from fived.train import run_training
+from fived.trainer import run_training
 
 LOOPED_VIRTUAL = ("interleaved-1f1b", "zero-bubble")
 

@@ -24,7 +24,7 @@ import pytest
 from fived.config import build_config
 from fived.faults import PREEMPTED_EXIT
 from fived.testing import run_on_ranks
-from fived.train import run_training
+from fived.trainer import run_training
 
 ROOT = Path(__file__).resolve().parents[1]
 DAEMONS = ("munged", "slurmctld", "slurmd")
@@ -117,14 +117,14 @@ PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
         m = self.root / "munge"
         self._spawn("munged", [_exe("munged"), "-F", f"--key-file={m}/munge.key", f"--socket={self.root}/sock/munge",
                                f"--pid-file={m}/munged.pid", f"--log-file={m}/munged.log", f"--seed-file={m}/seed"])
-        self._until(lambda: (self.root / "sock" / "munge").exists(), "munged did not create its socket")
+        self._until((self.root / "sock" / "munge").exists, "munged did not create its socket")
         self._spawn("slurmctld", [_exe("slurmctld"), "-D", "-f", str(self.conf)])
         self._spawn("slurmd", [_exe("slurmd"), "-D", "-f", str(self.conf), "-N", "localhost"])
         self._until(lambda: self.cmd("sinfo", "-h", "-o", "%T", check=False).stdout.strip() == "idle",
                     "the node did not come up idle")
 
     def _spawn(self, name: str, args: list[str]) -> None:
-        out = open(self.root / "log" / f"{name}.out", "w")
+        out = open(self.root / "log" / f"{name}.out", "w")  # noqa: SIM115  (the daemon's log, for its lifetime)
         self.procs.append(subprocess.Popen(args, env=self.env, stdout=out, stderr=subprocess.STDOUT))
 
     def _until(self, ready, what: str, timeout: float = 30) -> None:

@@ -4,8 +4,8 @@ import pytest
 
 from fived.report import expected_activation_bytes, expected_comm_bytes, expected_state_bytes
 from fived.testing import EXACT, run_on_ranks, tiny_config
-from fived.train import run_training
-from fived.verify import run_verify
+from fived.trainer import run_training
+from fived.verification import run_verify
 
 
 def _verify(world, model="tiny", **over):

@@ -2,7 +2,7 @@
 import pytest
 
 import fived.launch
-import fived.verify
+import fived.verification
 from fived.cli import main
 
 
@@ -12,7 +12,7 @@ def no_ranks(monkeypatch):
         raise AssertionError("a rank was started for an invalid configuration")
 
     monkeypatch.setattr(fived.launch, "run_ranks", refuse)
-    monkeypatch.setattr(fived.verify, "run_ranks", refuse)
+    monkeypatch.setattr(fived.verification, "run_ranks", refuse)
 
 
 CASES = [
@@ -40,7 +40,7 @@ CASES = [
     (["verify", "--cp", "2", "--seq-len", "30"], "train.seq_len", "divisible by 2*cp=4"),
     (["verify", "--dp", "3"], "train.global_batch", "divisible by dp=3"),
     (["verify", "--dp", "2", "--microbatches", "3"], "train.microbatches", "must divide the per-rank batch"),
-    (["verify", "--zero", "4"], "parallel.zero", "must be 0, 1, 2 or 3"),
+    (["verify", "--zero", "4"], "parallel.zero", "must be one of 0, 1, 2, 3"),
     (["verify", "--pp-schedule", "gpipe2"], "parallel.pp_schedule", "must be one of"),
     (["verify", "--dtype", "float16"], "train.dtype", "must be one of"),
     (["verify", "--model.dim", "66"], "model.dim", "divisible by model.n_heads=4"),
@@ -73,7 +73,7 @@ CASES = [
      "parallel.dp_replicate", "divide dp=4"),
     (["verify", "--dp", "4", "--dp-replicate", "2"], "parallel.dp_replicate", "need a sharded stage"),
     (["verify", "--dtype", "bfloat16", "--parallel.reduce_dtype", "float16"], "parallel.reduce_dtype",
-     "must be float32 or bfloat16"),
+     "must be one of float32, bfloat16"),
     (["train", "--train.optimizer", "sgd"], "train.optimizer", "must be one of adamw, muon"),
     (["train", "--train.optimizer", "muon", "--train.muon_scale", "unit"], "train.muon_scale", "must be one of"),
     (["train", "--train.optimizer", "muon", "--train.muon_ns_coefficients", "3.4,-4.7"],

@@ -6,8 +6,8 @@ import torch
 from fived.model import build_model
 from fived.report import expected_comm_bytes, expected_state_bytes
 from fived.testing import EXACT, run_on_ranks, tiny_config
-from fived.train import run_training
-from fived.verify import compare, reference_config, run_verify
+from fived.trainer import run_training
+from fived.verification import compare, reference_config, run_verify
 
 
 def _quiet(*_):
@@ -221,7 +221,7 @@ def test_overlapped_gathers_are_waited_for_before_any_weight_is_read(over):
 
 def _launches(cfg):
     """Train; return the number of ZeRO buckets, each launch (bucket, while a backward was armed), the result."""
-    from fived.train import Trainer
+    from fived.trainer import Trainer
 
     trainer = Trainer(cfg, log=False)
     dp = trainer.plan.data_parallel

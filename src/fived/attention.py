@@ -26,6 +26,7 @@ Rows that see no key in a block get output 0 and log-sum-exp -inf, so merging th
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import torch
 
@@ -134,7 +135,7 @@ def _query_tiles(bounds: list[int]) -> list[tuple[int, int]]:
     consecutive short documents packed while the tile stays within PACKED_TILE (a packed tile computes
     every (query, key) pair of its span, so its waste is bounded by its length)."""
     tiles, open_at = [], 0
-    for start, end in zip(bounds[:-1], bounds[1:]):
+    for start, end in itertools.pairwise(bounds):
         if end - open_at <= PACKED_TILE:
             continue  # (the open tile grows to `end`)
         if start > open_at:

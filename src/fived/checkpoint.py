@@ -28,11 +28,13 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from fived import __version__, dcp_io
+from fived import dcp_io
+from fived.version import __version__
 from fived.checkpoint_verify import FORMAT, MANIFEST, MARKER, cached_damage, file_digests
 from fived.config import CheckpointConfig, Config, ConfigError
 from fived.write_errors import WriteFailed, os_error_in
@@ -66,7 +68,7 @@ def find_checkpoint(path: str | Path, flag: str = "checkpoint", crc: bool = True
     damaged newer one skipped with one line on stderr; see fived.checkpoint_verify). A damaged
     checkpoint named explicitly is refused in one line naming the damaged file and the intact
     alternative: falling back is not what was asked for. `crc=False`: no file is read whole (a
-    provisional choice that another process's full check replaces; see fived.train_cli)."""
+    provisional choice that another process's full check replaces; see fived.training_run)."""
     path = Path(path)
     if (path / MARKER).is_file():
         problem = cached_damage(path, crc)
@@ -181,7 +183,7 @@ class Checkpointer:
         # and DCP coordinates over CPU tensors whatever the training backend.
         self.timeout_s = max(timeout_s, self.MIN_TIMEOUT_S)
         self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout_s))
-        self.pending = None  # the Future of a background save
+        self.pending: Any = None  # the Future of a background save
         self.stager = dcp_io.Stager()  # (keeps its copies between background saves)
         self.finalized = threading.Event()  # a background save's digests are sent (rank 0: it is in place)
         self.failure: BaseException | None = None
@@ -222,15 +224,16 @@ class Checkpointer:
                 dcp_io.save(tensors, tmp, self.group)
                 files = self._gathered_digests(tmp, True)
                 if self.rank == 0:
+                    assert files is not None  # (rank 0 gathers every rank's digests of a written save)
                     self._finalize(tmp, step, manifest, files, replace)
             except Exception as e:
                 self._refused_write(e, tmp, step)
                 raise
             return
         self.finalized.clear()
-        self.pending = dcp_io.save(tensors, tmp, self.group, stager=self.stager)
+        self.pending = pending = dcp_io.save(tensors, tmp, self.group, stager=self.stager)
         # (on rank 0, DCP's coordinator, the future completes after every rank's data is written)
-        self.pending.add_done_callback(lambda fut: self._finalize_after(fut, tmp, step, manifest))
+        pending.add_done_callback(lambda fut: self._finalize_after(fut, tmp, step, manifest))
 
     def _room_for(self, tensors: dict, step: int) -> bool:
         """Whether every rank sees room for the whole save (all ranks' bytes, with 5% to spare) on
@@ -263,11 +266,12 @@ class Checkpointer:
         the others waiting in their next collectives for as long as it reads a whole checkpoint);
         rank 0 gets them all, or raises the first rank's read error. None elsewhere, and on rank 0
         when a rank's write failed (`written` False there)."""
+        mine: dict | OSError | None
         try:
             mine = file_digests(tmp, dist.get_rank(self.group)) if written else None
         except OSError as e:
             mine = e
-        found = [None] * dist.get_world_size(self.group) if self.rank == 0 else None
+        found: list = [None] * dist.get_world_size(self.group) if self.rank == 0 else []
         dist.gather_object(mine, found, dst=0, group=self.group)
         if self.rank != 0:
             return None
@@ -353,7 +357,7 @@ class Checkpointer:
                 self.failure = self.failure or e
         if self.failure is not None:
             failure, self.failure = self.failure, None
-            self._refused_write(failure, self.root / f".tmp-step-{self.last_step}", self.last_step)
+            self._refused_write(failure, self.root / f".tmp-step-{self.last_step}", self.last_step or 0)
             raise RuntimeError(f"checkpoint save failed: {failure}") from failure
 
     def load(self, checkpoint: str | Path) -> dict:

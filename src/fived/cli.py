@@ -26,29 +26,21 @@ from fived.run_setup import (  # noqa: E402
 
 
 def cmd_train(ns: argparse.Namespace) -> int:
-    import torch
-
     from fived.launch import under_torchrun
-    from fived.metrics import fresh_output_dir
-    from fived.run_lock import RunLock
-    from fived.train_cli import train_locally, train_under_torchrun
+    from fived.run_setup import default_world_size
+    from fived.training_run import launch
 
-    default_world = torch.cuda.device_count() if torch.cuda.is_available() else 2  # (device auto)
-    run = prepare_training(ns, default_world)
-    cfg = run.cfg
-    if under_torchrun():  # (the ranks first agree on rank 0's choice of checkpoint)
-        return train_under_torchrun(ns, run)
-    if run.finished:
-        print(f"fived train: {cfg.train.output_dir} already reached train.steps={cfg.train.steps}; nothing to do")
-        return 0
-    if run.fresh_dir:
-        cfg.train.output_dir = str(fresh_output_dir(cfg.train.output_dir))
-    with RunLock(cfg.train.output_dir):  # one run per directory (refused in one line naming the holder)
-        return train_locally(ns, run)
+    run = prepare_training(ns, default_world_size())  # (under torchrun the ranks then agree on rank 0's choice)
+    code = launch(run, report=ns.report).code
+    if under_torchrun():  # as every fived rank ends: gloo and DTensor can abort at interpreter exit,
+        sys.stdout.flush()  # which torchrun would count as a failure and restart
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def cmd_verify(ns: argparse.Namespace) -> int:
-    from fived.verify import run_verify
+    from fived.verification import run_verify
 
     defaults = {"train.steps": 5}
     if ns.nproc is None:
@@ -70,6 +62,14 @@ def cmd_dryrun(ns: argparse.Namespace) -> int:
     check_config(cfg, world)
     cfg.parallel.dp = resolve_dp(cfg, world)
     print(format_dryrun(run_dryrun(cfg, world, rank=ns.rank, blocks=ns.blocks, init=not ns.no_init)), flush=True)
+    return 0
+
+
+def cmd_config(ns: argparse.Namespace) -> int:
+    from fived.config_docs import commented_toml, markdown_table
+    from fived.run_setup import build_from_args
+
+    print(markdown_table() if ns.markdown else commented_toml(build_from_args(ns)), end="" if not ns.markdown else "\n")
     return 0
 
 
@@ -155,6 +155,11 @@ def build_parser() -> argparse.ArgumentParser:
     dry.add_argument("--no-init", action="store_true", help="allocate the weights without drawing their initial values")
     dry.set_defaults(func=cmd_dryrun)
     add_plan_commands(sub)
+    config = sub.add_parser("config", allow_abbrev=False, help="print the config these flags give as a TOML file, "
+                            "every field with its description (fived train --config reads it)")
+    add_config_flags(config, nproc_help="(unused)")
+    config.add_argument("--markdown", action="store_true", help="print the table of every field (the README's) instead")
+    config.set_defaults(func=cmd_config)
     prep = sub.add_parser("prepare-data", allow_abbrev=False,
                           help="tokenize .txt, .jsonl, .parquet files or saved datasets into a token file (numpy memmap)")
     prep.add_argument("inputs", nargs="+", help=".txt (one document per file), .jsonl, .parquet files or directories "
@@ -173,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--max-shard-gb", type=float, default=5.0, help="safetensors shard size limit (default 5)")
     exp.set_defaults(func=cmd_export)
     add_generate_command(sub)
-    parser.commands = sub.choices  # (name -> its parser, for flag suggestions)
+    parser.set_defaults(commands=sub.choices)  # (name -> its parser, for flag suggestions)
     return parser
 
 
@@ -204,7 +209,7 @@ NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|nan)$"
 def join_negative_values(argv: list[str]) -> list[str]:
     """`--train.lr -1e-3` as `--train.lr=-1e-3`: argparse takes a value that starts with '-' and is
     not a plain negative number for a flag."""
-    out = []
+    out: list[str] = []
     for token in argv:
         if out and NEGATIVE_NUMBER.match(token) and out[-1].startswith("--") and "=" not in out[-1]:
             out[-1] = f"{out[-1]}={token}"
@@ -219,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     if ns.version:
         import torch
 
-        from fived import __version__
+        from fived.version import __version__
 
         print(f"fived {__version__} (torch {torch.__version__})")
         return 0
@@ -228,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         if unknown:
-            _refuse_unknown(unknown, parser, parser.commands.get(ns.command))
+            _refuse_unknown(unknown, parser, ns.commands.get(ns.command))
         return ns.func(ns)
     except ConfigError as e:
         print(f"fived: error: {e}", file=sys.stderr)

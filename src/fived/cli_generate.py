@@ -79,7 +79,7 @@ def _generate_on_ranks(ns, model, ranks: int, tokenizer, sampling, stop_ids, dev
     from fived.generate_ranks import format_report, generate_on_ranks, generated_ids, generation_config
 
     cfg = generation_config(model, ranks, tp=ns.tp, pp=ns.pp, ep=ns.ep, dtype=ns.dtype)
-    cfg.train.device = device
+    cfg.train.device = device  # type: ignore[assignment]  # (checked: auto, cpu or cuda)
     prompts = _encoded(tokenizer, ns.prompt)
     reports = generate_on_ranks(cfg, ranks, prompts, sampling, source=ns.source, stop_ids=stop_ids, device=device)
     for text, prompt, ids in zip(ns.prompt, prompts, generated_ids(reports)):

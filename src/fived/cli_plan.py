@@ -70,23 +70,30 @@ def cmd_plan(ns: argparse.Namespace) -> int:
 
 def plan_cluster(ns: argparse.Namespace, command: str):
     """The model, cluster and global batch (sequences) `fived plan`/`fived explore` were given."""
-    from fived.planner.hardware import hardware
-    from fived.planner.timing import Cluster
-
     missing = [flag for flag, v in (("--model", ns.model), ("--gpus", ns.gpus), ("--seq", ns.seq),
                                     ("--global-batch-tokens", ns.global_batch_tokens)) if v is None]
     if missing:
         raise ConfigError(missing[0], None, "required", f"fived {command} --model llama3-8b --gpus 64 --gpus-per-node 8 "
                           "--gpu h100 --seq 8192 --global-batch-tokens 4194304" + (" (or --validate FILE.csv)" if command == "plan" else ""))
-    for flag, value, example in (("--gpus", ns.gpus, 64), ("--gpus-per-node", ns.gpus_per_node, 8), ("--seq", ns.seq, 8192),
-                                 ("--global-batch-tokens", ns.global_batch_tokens, 4194304)):
+    return cluster_of(ns.model, ns.gpus, ns.gpus_per_node, ns.gpu, ns.seq, ns.global_batch_tokens)
+
+
+def cluster_of(model, gpus: int, gpus_per_node: int, gpu: str, seq: int, global_batch_tokens: int):
+    """(ModelConfig, Cluster, global batch in sequences), each value checked (one line per bad one):
+    `model` is a preset name, a TOML config's path or a ModelConfig."""
+    from fived.config import ModelConfig
+    from fived.planner.hardware import hardware
+    from fived.planner.timing import Cluster
+
+    for flag, value, example in (("--gpus", gpus, 64), ("--gpus-per-node", gpus_per_node, 8), ("--seq", seq, 8192),
+                                 ("--global-batch-tokens", global_batch_tokens, 4194304)):
         if value < 1:
             raise ConfigError(flag, value, "must be >= 1", f"e.g. {flag} {example}")
-    if ns.global_batch_tokens % ns.seq:
-        raise ConfigError("--global-batch-tokens", ns.global_batch_tokens, f"must be a multiple of --seq {ns.seq}",
-                          f"e.g. {max(1, ns.global_batch_tokens // ns.seq) * ns.seq}")
-    return plan_model(ns.model), Cluster(hardware(ns.gpu), ns.gpus, min(ns.gpus_per_node, ns.gpus)), \
-        ns.global_batch_tokens // ns.seq
+    if global_batch_tokens % seq:
+        raise ConfigError("--global-batch-tokens", global_batch_tokens, f"must be a multiple of --seq {seq}",
+                          f"e.g. {max(1, global_batch_tokens // seq) * seq}")
+    model_config = model if isinstance(model, ModelConfig) else plan_model(model)
+    return model_config, Cluster(hardware(gpu), gpus, min(gpus_per_node, gpus)), global_batch_tokens // seq
 
 
 def cmd_plan_layout(ns: argparse.Namespace) -> int:
@@ -94,11 +101,11 @@ def cmd_plan_layout(ns: argparse.Namespace) -> int:
 
     from fived.explore import layout_from_flags
     from fived.planner.runtimes import PLANNED_RUNTIMES
-    from fived.planner.search import evaluate
+    from fived.planner.search import plan_of  # (layout_from_flags refused a layout that cannot run)
 
     model, cluster, global_batch = plan_cluster(ns, "plan")
     layout = layout_from_flags(model, ns.layout, cluster.gpus, ns.seq, global_batch)
-    plan = evaluate(model, layout, cluster, ns.seq, global_batch, "bfloat16", PLANNED_RUNTIMES[ns.runtime],
+    plan = plan_of(model, layout, cluster, ns.seq, global_batch, "bfloat16", PLANNED_RUNTIMES[ns.runtime],
                     headroom_gib=ns.memory_headroom)
     out = {**plan.to_dict(global_batch), "fits": plan.fits}
     if ns.json:
@@ -124,8 +131,10 @@ def cmd_explore(ns: argparse.Namespace) -> int:
     data = explore_data(model, cluster, ns.seq, global_batch, "bfloat16", ns.memory_headroom)
     out = write_page(ns.output, f"fived explore: {model.name} on {cluster.gpus} x {cluster.hardware.name}",
                      "explore", data)
-    valid = sum(1 for e in data["entries"].values() if isinstance(e, dict))
-    print(f"fived explore: {len(data['entries'])} layouts ({valid} valid) -> {out}")
+    reachable = [e for e in data["entries"] if e is not None]
+    valid = sum(1 for e in reachable if isinstance(e, dict))
+    best = f"; opens on the planner's best: {data['ranking'][0]['describe']}" if data["ranking"] else "; nothing fits"
+    print(f"fived explore: {len(reachable)} layouts ({valid} valid){best} -> {out}")
     return 0
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from typing import Any
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -59,7 +60,9 @@ class CommRecorder:
         self.bytes: dict[tuple[str, str], int] = defaultdict(int)
         self.calls: dict[tuple[str, str], int] = defaultdict(int)
         self.events: list[CommEvent] = []
-        self.failed = self.last = None  # (collective, group): what a timeout is blamed on
+        # (collective, group): what a timeout is blamed on
+        self.failed: tuple[str, Any] | None = None
+        self.last: tuple[str, Any] | None = None
         self.profiling = False  # label each collective for torch.profiler
         self._names: dict[int, str] = {}
 
@@ -126,6 +129,7 @@ class Pending:
             for work in self.works:
                 work.wait()
             return
+        assert self.recorder is not None  # (an event is recorded by a recorder)
         self.event.wait_start = self.recorder.clock()
         try:
             for work in self.works:

@@ -2,15 +2,20 @@
 
 Precedence, lowest first: dataclass defaults < model preset < TOML file < command line.
 The dataclass defaults below are the single source of truth; presets only list what they change.
+Every field carries a one-line description (`option`), which `fived train --help`, the README's
+field table and the comments of a run's config.toml all show (`fived.config_docs`); a field's
+allowed values are its annotation's (a `Literal` for each choice).
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import sys
+import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -27,38 +32,61 @@ class ConfigError(ValueError):
         super().__init__(f"{msg}; {hint}" if hint else msg)
 
 
+# The choice fields' values (the layout's and the checks' names for them are these: fived.layout.layout)
+PPSchedule = Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev"]
+Precision = Literal["float32", "bfloat16", "bfloat16-autocast", "float64"]
+ReduceDtype = Literal["float32", "bfloat16"]
+Checkpointing = Literal["none", "full", "selective"]
+Fp8Recipe = Literal["none", "tensorwise", "rowwise"]
+CompileBackend = Literal["inductor", "aot_eager", "eager"]
+LrSchedule = Literal["cosine", "wsd", "constant", "linear"]
+Optimizer = Literal["adamw", "muon"]
+CpMode = Literal["ring", "ulysses", "hybrid"]
+CpBalance = Literal["work", "halves"]
+MuonScale = Literal["rms", "spectral", "none"]
+Device = Literal["auto", "cpu", "cuda"]
+OnSpike = Literal["stop", "rollback"]
+RopeScaling = Literal["none", "llama3"]
+ZeroStage = Literal[0, 1, 2, 3]
+
+
+def option(default: Any, doc: str, *, key: str | None = None) -> Any:
+    """A config field: its default and its one-line description. `key`: its name in TOML files and
+    flags where the attribute name cannot be it (a Python keyword)."""
+    return field(default=default, metadata={"doc": doc, **({"key": key} if key else {})})
+
+
 @dataclass
 class ModelConfig:
-    name: str = "tiny"
-    vocab_size: int = 256
-    dim: int = 64
-    n_layers: int = 4
-    n_heads: int = 4
-    n_kv_heads: int = 2
-    ffn_dim: int = 128  # SwiGLU hidden size of the dense feed-forward
-    rope_theta: float = 10000.0
-    # Llama 3.1's rotary scaling ("llama3": long wavelengths divided by rope_factor, a smooth ramp
-    # between rope_original_max_len/rope_low_freq_factor and .../rope_high_freq_factor); "none": plain
-    rope_scaling: str = "none"
-    rope_factor: float = 8.0
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_max_len: int = 8192
-    head_size: int = 0  # features per attention head; 0 = dim // n_heads (Qwen3 sets its own)
-    qk_norm: bool = False  # RMSNorm over each query and key head before the rotation (Qwen3)
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = False
-    init_std: float = 0.02
-    # Mixture of experts: n_experts = 0 means a dense model.
-    n_experts: int = 0
-    top_k: int = 2
-    moe_ffn_dim: int = 0  # hidden size of one routed expert; 0 means ffn_dim
-    n_shared_experts: int = 0  # dense experts every token goes through (hidden moe_ffn_dim each)
-    n_dense_layers: int = 0  # the first n layers keep a dense feed-forward (DeepSeek style)
-    route_norm: bool = True  # renormalise the top-k routing weights to sum to 1
-    capacity_factor: float = 0.0  # 0 = dropless; >0 drops per expert beyond cf*tokens*k/E
-    aux_loss_coef: float = 0.01  # load-balancing loss weight (per-sequence statistics)
-    router_bias_rate: float = 0.0  # >0: aux-loss-free balancing (DeepSeek-V3): per-expert bias step
+    name: str = option("tiny", "the preset the model's shape starts from (the fields below override it)")
+    vocab_size: int = option(256, "tokens in the vocabulary (rows of the embedding and the output head)")
+    dim: int = option(64, "hidden size of the residual stream")
+    n_layers: int = option(4, "transformer blocks")
+    n_heads: int = option(4, "attention (query) heads")
+    n_kv_heads: int = option(2, "key/value heads (grouped-query attention; n_heads: multi-head attention)")
+    ffn_dim: int = option(128, "hidden size of the dense SwiGLU feed-forward")
+    rope_theta: float = option(10000.0, "base of the rotary position embedding's frequencies")
+    # Llama 3.1's rotary scaling: long wavelengths divided by rope_factor, a smooth ramp between
+    # rope_original_max_len/rope_low_freq_factor and .../rope_high_freq_factor
+    rope_scaling: RopeScaling = option("none", "rotary scaling of long wavelengths (llama3: Llama 3.1's)")
+    rope_factor: float = option(8.0, "llama3 scaling: long wavelengths are divided by this")
+    rope_low_freq_factor: float = option(1.0, "llama3 scaling: wavelengths above rope_original_max_len / this are scaled")
+    rope_high_freq_factor: float = option(4.0, "llama3 scaling: wavelengths below rope_original_max_len / this are kept")
+    rope_original_max_len: int = option(8192, "llama3 scaling: the context length the model was first trained at")
+    head_size: int = option(0, "features per attention head; 0: dim // n_heads (Qwen3 sets its own)")
+    qk_norm: bool = option(False, "RMSNorm over each query and key head before the rotation (Qwen3)")
+    norm_eps: float = option(1e-5, "RMSNorm's epsilon")
+    tie_embeddings: bool = option(False, "the output head shares the input embedding's weights")
+    init_std: float = option(0.02, "standard deviation of the initial weights")
+    n_experts: int = option(0, "routed experts per mixture-of-experts layer; 0: a dense model")
+    top_k: int = option(2, "experts each token is routed to")
+    moe_ffn_dim: int = option(0, "hidden size of one routed expert; 0: ffn_dim")
+    n_shared_experts: int = option(0, "experts every token goes through (hidden size moe_ffn_dim each)")
+    n_dense_layers: int = option(0, "the first n layers keep a dense feed-forward (DeepSeek style)")
+    route_norm: bool = option(True, "renormalise the top-k routing weights to sum to 1")
+    capacity_factor: float = option(0.0, "0: dropless; > 0: an expert drops tokens beyond this x tokens x top_k / n_experts")
+    aux_loss_coef: float = option(0.01, "weight of the load-balancing loss (per-sequence statistics)")
+    router_bias_rate: float = option(0.0, "> 0: aux-loss-free balancing (DeepSeek-V3): each expert's bias steps by this")
 
     @property
     def head_dim(self) -> int:
@@ -75,137 +103,134 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    dp: int = -1  # -1: whatever the world size leaves after tp*pp*cp
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
-    zero: int = 0  # 0 DDP, 1 optimizer state sharded, 2 + gradients, 3 + parameters (FSDP2)
-    dp_replicate: int = 1  # HSDP: ZeRO shards over dp/dp_replicate ranks, replicated across groups
-    reduce_dtype: str = "float32"  # gradient reduction dtype in bfloat16 runs (float32 | bfloat16)
-    zero3_keep_gathered: bool = False  # ZeRO-3: keep gathered weights across micro-batches
-    sp: bool = False
-    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved-1f1b | zero-bubble | zbv | dualpipev
-    pp_virtual: int = 1  # stages per rank for interleaved-1f1b / zero-bubble (zbv, dualpipev: 2)
-    pp_layers: str = ""  # explicit layers per stage, e.g. "3,1" (default: balanced by cost)
+    dp: int = option(-1, "data-parallel ranks; -1: whatever the world size leaves after tp x pp x cp")
+    tp: int = option(1, "tensor-parallel ranks (attention heads and feed-forward columns split)")
+    pp: int = option(1, "pipeline-parallel stages")
+    cp: int = option(1, "context-parallel ranks (each sequence split; load-balanced ring attention)")
+    ep: int = option(1, "expert-parallel ranks (the routed experts split over dp x cp)")
+    zero: ZeroStage = option(0, "0: DDP; 1: optimizer state sharded; 2: + gradients; 3: + parameters (FSDP2)")
+    dp_replicate: int = option(1, "HSDP: ZeRO shards span dp / dp_replicate ranks, replicated across the groups")
+    reduce_dtype: ReduceDtype = option("float32", "dtype of the gradient reduction in bfloat16 runs")
+    zero3_keep_gathered: bool = option(False, "ZeRO-3: keep the gathered weights across micro-batches")
+    sp: bool = option(False, "sequence parallelism over the tp ranks (needs tp > 1)")
+    pp_schedule: PPSchedule = option("1f1b", "the pipeline schedule")
+    pp_virtual: int = option(1, "stages per rank of interleaved-1f1b and zero-bubble (zbv, dualpipev: 2)")
+    pp_layers: str = option("", 'layers per stage, e.g. "3,1"; "": balanced by cost')
     # Overlap (as Megatron-Core's --tp-comm-overlap, --overlap-grad-reduce, --overlap-param-gather):
     # tp/sp regions' all-gather / reduce-scatter (all-reduce without sp) run in chunks under the GEMMs
     # in forward, and the input gradient's reduction under the weight-gradient GEMM in backward
-    tp_overlap: bool = False
+    tp_overlap: bool = option(False, "tp/sp collectives in chunks under the GEMMs (Megatron-Core's tp-comm-overlap)")
     # gradients reduced in buckets as soon as their last micro-batch's backward is done (ZeRO-1/2, and
     # the dp reduction of each pipeline stage); ZeRO-0 without pp and ZeRO-3 (FSDP2) always overlap
-    overlap_grad_reduce: bool = False
-    overlap_param_gather: bool = False  # ZeRO-1/2: parameters all-gathered in buckets under the next forward
-    # gradient buckets, MiB of gradients: ZeRO-0's all-reduces, and ZeRO-1/2's flat buffer with overlap
-    # (each bucket sharded on its own, as Megatron-Core's distributed optimizer)
-    bucket_mb: float = 25.0
-    ep_overlap: bool = False  # expert all-to-all of one chunk of tokens under the expert GEMMs of another
+    overlap_grad_reduce: bool = option(False, "reduce gradients in buckets as soon as their backward is done")
+    overlap_param_gather: bool = option(False, "ZeRO-1/2: all-gather parameters in buckets under the next forward")
+    # ZeRO-0's all-reduces, and ZeRO-1/2's flat buffer with overlap (each bucket sharded on its own, as
+    # Megatron-Core's distributed optimizer)
+    bucket_mb: float = option(25.0, "MiB of gradients per reduction bucket")
+    ep_overlap: bool = option(False, "expert all-to-all of one chunk of tokens under the expert GEMMs of another")
     # Context parallelism (fived.parallel.context): ring (K/V travel around the cp ranks), ulysses
     # (all-to-all: each rank attends the whole sequence for cp-th of the heads) or hybrid (Ulysses
     # inside groups of cp_ulysses consecutive cp ranks, a ring across the groups)
-    cp_mode: str = "ring"
-    cp_ulysses: int = 2  # hybrid: ranks per Ulysses group (must divide cp)
-    # Which sequence chunks a cp rank holds with data.document_mask: "work" (chosen per sequence from
-    # its documents so that attention work is even, fived.documents) or "halves" (chunks i and
-    # 2cp-1-i, even for one causal sequence only); without document masking always halves
-    cp_balance: str = "work"
+    cp_mode: CpMode = option("ring", "how context parallelism attends: a ring of K/V, Ulysses' all-to-all, or both")
+    cp_ulysses: int = option(2, "hybrid context parallelism: ranks per Ulysses group (must divide cp)")
+    # "work": chosen per sequence from its documents so that attention work is even (fived.documents);
+    # "halves": chunks i and 2cp-1-i, even for one causal sequence only; without document masking: halves
+    cp_balance: CpBalance = option("work", "with data.document_mask: which sequence chunks a cp rank holds")
 
 
 @dataclass
 class TrainConfig:
-    steps: int = 200
-    seq_len: int = 64
-    global_batch: int = 16  # sequences per optimizer step, whatever the layout
-    microbatches: int = 1  # gradient-accumulation micro-batches per data-parallel rank
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 20
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    grad_clip: float = 1.0  # 0 disables clipping
-    # adamw | muon: Muon (orthogonalised momentum, fived.muon) for the hidden weight matrices (attention,
-    # feed-forward, shared and routed experts, each expert's matrix on its own), AdamW (lr, betas, eps,
-    # weight_decay above) for the embedding, head, norms and router; one lr and schedule for both
-    optimizer: str = "adamw"
-    muon_momentum: float = 0.95
-    muon_nesterov: bool = True
-    muon_ns_steps: int = 5  # Newton-Schulz iterations
-    # X <- a X + (b A + c A^2) X with A = X X^T: one "a,b,c" for every iteration (Keller Jordan's quintic),
-    # or one per iteration separated by ";"
-    muon_ns_coefficients: str = "3.4445,-4.7750,2.0315"
+    steps: int = option(200, "optimizer steps the run trains to (a resumed run may extend it)")
+    seq_len: int = option(64, "tokens per sequence")
+    global_batch: int = option(16, "sequences per optimizer step, whatever the layout")
+    microbatches: int = option(1, "gradient-accumulation micro-batches per data-parallel rank (pipelines: >= pp)")
+    lr: float = option(3e-3, "peak learning rate, reached at the end of the warmup")
+    # The lr of a step depends on that step and these fields only (fived.optim.lr_multiplier); the
+    # checkpoint's config holds decay_steps resolved, so extending a run never moves a planned step's lr.
+    lr_schedule: LrSchedule = option("cosine", "the learning rate after warmup (wsd: warmup, stable, decay)")
+    decay_steps: int = option(0, "the step the lr's decay ends at; 0: train.steps, kept when a resumed run is extended")
+    decay_fraction: float = option(0.2, "wsd: the last fraction of decay_steps, where the lr decays (linearly)")
+    min_lr_ratio: float = option(0.1, "the lr at the end of the decay, as a fraction of lr")
+    warmup_steps: int = option(20, "steps of linear warmup to lr")
+    weight_decay: float = option(0.1, "AdamW's decoupled weight decay (matrices only)")
+    beta1: float = option(0.9, "AdamW's beta1")
+    beta2: float = option(0.95, "AdamW's beta2")
+    eps: float = option(1e-8, "AdamW's epsilon")
+    grad_clip: float = option(1.0, "clip the global gradient norm to this; 0: no clipping")
+    # Muon (orthogonalised momentum, fived.muon) for the hidden weight matrices (attention, feed-forward,
+    # shared and routed experts, each expert's matrix on its own), AdamW (lr, betas, eps, weight_decay
+    # above) for the embedding, head, norms and router; one lr and schedule for both
+    optimizer: Optimizer = option("adamw", "the hidden weight matrices' optimizer (muon: AdamW for the rest)")
+    muon_momentum: float = option(0.95, "Muon's momentum")
+    muon_nesterov: bool = option(True, "Muon: Nesterov momentum")
+    muon_ns_steps: int = option(5, "Muon: Newton-Schulz iterations")
+    # X <- a X + (b A + c A^2) X with A = X X^T: one "a,b,c" for every iteration (Keller Jordan's
+    # quintic), or one per iteration separated by ";"
+    muon_ns_coefficients: str = option("3.4445,-4.7750,2.0315", "Muon: the Newton-Schulz step's a,b,c (or one per step, ';')")
     # the update of a fan_out x fan_in matrix times: rms 0.2*sqrt(max(fan_out, fan_in)) (Moonlight: AdamW's
     # update RMS, so AdamW's lr and weight decay carry over) | spectral sqrt(max(1, fan_out/fan_in)) (Keller
     # Jordan's Muon) | none
-    muon_scale: str = "rms"
-    # float32 | bfloat16 (bf16 weights and gradients, float32 master weights and Adam state in the
-    # optimizer) | bfloat16-autocast (float32 weights, bf16 matmuls under autocast) | float64
-    dtype: str = "float32"
-    activation_checkpointing: str = "none"  # none | full | selective
-    # FP8 linears (torchao float8 training; emulated on CPU): none | tensorwise | rowwise
-    fp8: str = "none"
-    compile: bool = False  # torch.compile each transformer block (see fived.parallel.compile)
-    compile_backend: str = "inductor"  # inductor | aot_eager (cheap: traced, no code generation) | eager
-    seed: int = 0
-    # start from these weights: a Hugging Face model directory (its config.json gives the model, its
-    # tokenizer.json the tokenizer) or a fived run/checkpoint (weights only, a fresh optimizer)
-    init_from: str = ""
-    log_every: int = 10
-    output_dir: str = "runs/default"
-    trace: str = ""  # write the executed pipeline actions of every rank as a Chrome/Perfetto trace
-    # Measure where each step's time goes (fived.step_timer: compute, each mesh dimension's exposed and
-    # overlapped communication, bubble, optimizer, data); in metrics.jsonl, run.json, `fived diagnose`
-    breakdown: bool = True
-    # "START:END": record steps START..END (1-based, inclusive) with torch.profiler on every rank;
+    muon_scale: MuonScale = option("rms", "Muon: its update's scale (rms: AdamW's, so its lr and decay carry over)")
+    # bfloat16: bf16 weights and gradients, float32 master weights and Adam state in the optimizer;
+    # bfloat16-autocast: float32 weights, bf16 matmuls under autocast
+    dtype: Precision = option("float32", "precision (bfloat16: float32 masters; -autocast: float32 weights)")
+    activation_checkpointing: Checkpointing = option("none", "recompute activations in backward (selective: "
+                                                      "the cheap element-wise ones)")
+    fp8: Fp8Recipe = option("none", "FP8 linears (torchao float8 training; emulated on CPU)")
+    compile: bool = option(False, "torch.compile each transformer block (see fived.parallel.compile)")
+    compile_backend: CompileBackend = option("inductor", "torch.compile's backend (aot_eager: traced, no code generated)")
+    seed: int = option(0, "seed of the initial weights and the data order")
+    # a Hugging Face model directory (its config.json gives the model, its tokenizer.json the
+    # tokenizer) or a fived run/checkpoint (weights only, a fresh optimizer)
+    init_from: str = option("", "start from these weights: a Hugging Face model directory or a fived run")
+    log_every: int = option(10, "steps between updates of the progress bar's figures")
+    output_dir: str = option("runs/default", "the run directory (a used one: a new one beside it, -1, -2, ...)")
+    trace: str = option("", "write every rank's executed pipeline actions to this Chrome/Perfetto trace")
+    # fived.step_timer: compute, each mesh dimension's exposed and overlapped communication, bubble,
+    # optimizer, data; in metrics.jsonl, run.json, `fived diagnose`
+    breakdown: bool = option(True, "measure where each step's time goes")
     # traces in <output_dir>/profile/ (one per rank and a merged one with fived's spans)
-    profile: str = ""
-    tensorboard: bool = False
+    profile: str = option("", '"START:END": record steps START..END (1-based) with torch.profiler')
+    tensorboard: bool = option(False, "also write TensorBoard scalars (pip install tensorboard)")
     # Validation: the loss over a fixed set of validation batches (the same every time, whatever the
-    # layout), every eval_every steps and at the last step; logged as val_loss and val_ppl. 0 = off.
-    eval_every: int = 0
-    eval_batches: int = 8  # global batches per evaluation; 0 = every whole batch the validation data holds
-    peak_tflops: float = 0.0  # per device, for MFU; 0 = look up the GPU or measure the CPU
-    device: str = "auto"  # auto (cuda if available, else cpu) | cpu | cuda
-    # Faults (see fived.faults): a collective that does not complete in this time fails the run,
-    # naming it; the launcher then restarts every rank from the newest checkpoint, at most
-    # max_restarts times; on SIGTERM ranks save at the next step boundary within preempt_grace_s.
-    collective_timeout_s: float = 600.0
-    max_restarts: int = 0
-    preempt_grace_s: float = 60.0
-    # Divergence guard (see fived.divergence): a non-finite loss or gradient norm, or a loss above
-    # spike_factor x the median loss of the last spike_window steps (0 = no spike check), ends the
-    # run at that step without saving it ("stop"), or ("rollback") reloads the newest healthy
-    # checkpoint and skips the data between it and the spike, at most max_rollbacks times a launch.
-    spike_factor: float = 5.0
-    spike_window: int = 20
-    on_spike: str = "stop"  # stop | rollback
-    max_rollbacks: int = 3
+    # layout), logged as val_loss and val_ppl
+    eval_every: int = option(0, "the validation loss every N steps and at the last step; 0: off")
+    eval_batches: int = option(8, "global batches per evaluation; 0: every whole batch the validation data holds")
+    peak_tflops: float = option(0.0, "per device, for MFU; 0: the GPU's data sheet, or the CPU's measured rate")
+    device: Device = option("auto", "where ranks run (auto: cuda if available, else cpu)")
+    # Faults (see fived.faults): the launcher restarts every rank from the newest checkpoint after a
+    # failure; on SIGTERM ranks save at the next step boundary.
+    collective_timeout_s: float = option(600.0, "a collective not done in this time fails the run, naming it")
+    max_restarts: int = option(0, "restarts of every rank from the newest checkpoint after a failure")
+    preempt_grace_s: float = option(60.0, "on SIGTERM, the seconds ranks get to save at the next step boundary")
+    # Divergence guard (see fived.divergence): "stop" ends the run at that step without saving it;
+    # "rollback" reloads the newest healthy checkpoint and skips the data up to the spike.
+    spike_factor: float = option(5.0, "a loss above this x the recent median is a spike; 0: no spike check")
+    spike_window: int = option(20, "steps whose median loss a spike is measured against")
+    on_spike: OnSpike = option("stop", "on a non-finite or spiking loss or gradient norm")
+    max_rollbacks: int = option(3, "rollbacks per launch before the run stops")
 
 
 @dataclass
 class DataConfig:
-    path: str = ""  # "" = the bundled corpus; a .bin token file from `fived prepare-data`; or a text file
-    tokenizer: str = "byte"  # "byte" or a path to a Hugging Face tokenizer.json
-    # Validation tokens (a .bin or a text file); "" = the split `prepare-data --val-fraction` wrote
-    # beside data.path. Needed when train.eval_every > 0.
-    val_path: str = ""
-    # Attention only within documents (block-diagonal causal over the documents a packed sequence
-    # holds; each document ends with the end-of-document token) and rotary positions restarting at
-    # each document's first token
-    document_mask: bool = False
+    path: str = option("", 'training tokens: "": the bundled corpus; a .bin from fived prepare-data; a text file')
+    tokenizer: str = option("byte", '"byte" or the path of a Hugging Face tokenizer.json')
+    # Needed when train.eval_every > 0.
+    val_path: str = option("", 'validation tokens (.bin or text); "": the split prepare-data --val-fraction wrote')
+    # block-diagonal causal attention over the documents a packed sequence holds (each ends with the
+    # end-of-document token), rotary positions restarting at each document's first token
+    document_mask: bool = option(False, "attention only within documents, positions restarting at each")
 
 
 @dataclass
 class CheckpointConfig:
     """Checkpoints in <output_dir>/checkpoints/step-<N>/ (see fived.checkpoint)."""
 
-    every: int = 0  # save every N steps; 0 = no periodic saves
-    keep: int = 3  # keep the newest K complete checkpoints; 0 = keep all
-    # save in the background: training waits only while this rank's shards are copied
+    every: int = option(0, "save every N steps; 0: no periodic saves")
+    keep: int = option(3, "keep the newest K complete checkpoints; 0: keep all")
     # (`async` in TOML and on the command line; a Python keyword, hence the attribute name)
-    async_: bool = field(default=False, metadata={"key": "async"})
-    final: bool = True  # save once more when the run ends
+    async_: bool = option(False, "save in the background: training waits only while shards are copied", key="async")
+    final: bool = option(True, "save once more when the run ends")
 
 
 @dataclass
@@ -233,6 +258,19 @@ def key_of(f: dataclasses.Field) -> str:
 
 def _fields_by_key(section: str) -> dict[str, dataclasses.Field]:
     return {key_of(f): f for f in fields(SECTION_TYPES[section])}
+
+
+@functools.lru_cache(maxsize=None)
+def field_type(section: str, key: str) -> Any:
+    """The annotation of `section.key`, resolved (str, int, float, bool or a Literal of choices)."""
+    return typing.get_type_hints(SECTION_TYPES[section])[_fields_by_key(section)[key].name]
+
+
+def choices(section: str, key: str) -> tuple | None:
+    """The values a choice field allows (its Literal's), or None for a free field."""
+    kind = field_type(section, key)
+    return typing.get_args(kind) if typing.get_origin(kind) is Literal else None
+
 
 _TINY = dict(vocab_size=256, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128)
 # Real shapes follow the published model cards; they are built on the meta device for planning.
@@ -262,29 +300,40 @@ def did_you_mean(name: str, options) -> str:
 
 
 def coerce(section: str, key: str, value: Any) -> Any:
-    """Convert a TOML or command-line value to the field's declared type, or raise ConfigError."""
-    types = {k: f.type for k, f in _fields_by_key(section).items()}
-    if key not in types:
-        raise ConfigError(f"{section}.{key}", value, "unknown field", did_you_mean(key, types))
-    kind = types[key] if isinstance(types[key], str) else types[key].__name__
+    """Convert a TOML or command-line value to the field's declared type (one of its choices, for a
+    choice field), or raise ConfigError."""
+    by_key = _fields_by_key(section)
+    if key not in by_key:
+        raise ConfigError(f"{section}.{key}", value, "unknown field", did_you_mean(key, by_key))
+    allowed = choices(section, key)
+    kind = type(allowed[0]).__name__ if allowed else field_type(section, key).__name__
     try:
-        if kind == "bool":
-            if isinstance(value, bool):
-                return value
-            if str(value).lower() in ("1", "true", "yes", "on"):
-                return True
-            if str(value).lower() in ("0", "false", "no", "off"):
-                return False
-            raise ValueError
-        if kind == "int":
-            if isinstance(value, float) and not value.is_integer():
-                raise ValueError
-            return int(value)
-        return {"float": float, "str": str}[kind](value)
+        converted = _convert(value, kind)
     except (ValueError, TypeError):
         example = {"bool": "true or false", "int": "2", "float": "0.5", "str": "a word"}[kind]
         what = {"bool": "true or false", "int": "a whole number", "float": "a number", "str": "a string"}[kind]
         raise ConfigError(f"{section}.{key}", value, f"must be {what}", f"e.g. {example}") from None
+    if allowed is not None and converted not in allowed:
+        close = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
+        raise ConfigError(f"{section}.{key}", value, "must be one of " + ", ".join(str(a) for a in allowed),
+                          f"did you mean '{close[0]}'?" if close else f"e.g. --{section}.{key} {by_key[key].default}")
+    return converted
+
+
+def _convert(value: Any, kind: str) -> Any:
+    if kind == "bool":
+        if isinstance(value, bool):
+            return value
+        if str(value).lower() in ("1", "true", "yes", "on"):
+            return True
+        if str(value).lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(value)
+    if kind == "int":
+        if isinstance(value, float) and not value.is_integer():
+            raise ValueError(value)
+        return int(value)
+    return {"float": float, "str": str}[kind](value)
 
 
 def model_preset(name: str) -> ModelConfig:
@@ -339,11 +388,26 @@ def config_from_dict(values: dict[str, dict[str, Any]]) -> Config:
     return cfg
 
 
-def config_fields() -> list[tuple[str, str, Any, str]]:
-    """(section, field, default, type name) for every field: the command line is generated from this."""
+def config_fields() -> list[FieldInfo]:
+    """Every field of every section, in order: the command line and its help are generated from this."""
     out = []
     for section, cls in SECTION_TYPES.items():
         for f in fields(cls):
-            kind = f.type if isinstance(f.type, str) else f.type.__name__
-            out.append((section, key_of(f), f.default, kind))
+            key = key_of(f)
+            allowed = choices(section, key)
+            kind = "choice" if allowed else field_type(section, key).__name__
+            out.append(FieldInfo(section, key, f.name, f.default, kind, allowed, f.metadata.get("doc", "")))
     return out
+
+
+@dataclass(frozen=True)
+class FieldInfo:
+    """What `--help`, the README's field table and a commented config.toml say about one field."""
+
+    section: str
+    key: str  # in TOML files and flags
+    attr: str  # the dataclass attribute (`async_` for the key `async`)
+    default: Any
+    kind: str  # bool | int | float | str | choice
+    choices: tuple | None
+    doc: str  # one line ("" only for a field someone forgot to describe: tests/test_config_docs.py fails)

@@ -170,7 +170,7 @@ def _validation_cut(tokens: np.ndarray, fraction: float, eot_id: int) -> int:
     """Where the validation tokens start: (1 - fraction) of the way, moved to the nearest document
     end within BOUNDARY_SEARCH tokens (if one leaves both parts non-empty)."""
     n = len(tokens)
-    target = min(max(int(round(n * (1.0 - fraction))), 1), n - 1)
+    target = min(max(round(n * (1.0 - fraction)), 1), n - 1)
     lo = max(target - BOUNDARY_SEARCH, 0)
     ends = np.flatnonzero(tokens[lo: target + BOUNDARY_SEARCH] == eot_id) + lo + 1  # a cut right after each end
     ends = ends[(ends > 0) & (ends < n)]
@@ -212,10 +212,10 @@ def prepare_data(inputs: list[str | Path], output: str | Path, tokenizer: str = 
     Everything is written to temporary files and renamed into place at the end, so a failure
     never leaves a half-written file behind or clobbers a good one.
     """
-    inputs = [Path(p) for p in inputs]
-    if not inputs:
+    paths = [Path(p) for p in inputs]
+    if not paths:
         raise ValueError("prepare_data needs at least one input file")
-    for p in inputs:  # check everything before creating anything
+    for p in paths:  # check everything before creating anything
         if not p.exists():
             raise ValueError(f"data file not found: {p}")
         reader = {"parquet": "pyarrow", "dataset": "datasets"}.get(input_format(p))
@@ -239,7 +239,7 @@ def prepare_data(inputs: list[str | Path], output: str | Path, tokenizer: str = 
         fd, tmp_bin = tempfile.mkstemp(dir=bin_path.parent, prefix=bin_path.name + ".", suffix=".tmp")
         moves.append((tmp_bin, bin_path))
         with os.fdopen(fd, "wb") as f:
-            meta["num_tokens"], meta["documents"] = _count_tokens(inputs, tok, dtype, f, text_field, split)
+            meta["num_tokens"], meta["documents"] = _count_tokens(paths, tok, dtype, f, text_field, split)
         if val_fraction > 0:
             meta["num_tokens"] = _split_validation(tmp_bin, meta, val_fraction, val_bin, val_json, moves)
         if "tokenizer_file" in meta:

@@ -70,7 +70,7 @@ class ShardedValue:
             [(b, v.shape, v.dtype) for b, v in self.boxes]
         copies = []
         for i, (box, view) in enumerate(self.boxes):
-            target = previous.boxes[i][1] if reuse else torch.empty(
+            target = previous.boxes[i][1] if reuse and previous is not None else torch.empty(
                 view.shape, dtype=view.dtype, pin_memory=view.is_cuda)  # pinned: fast copies from a GPU
             copies.append((box, target.copy_(view.detach(), non_blocking=view.is_cuda)))
         if any(view.is_cuda for _, view in self.boxes):
@@ -118,6 +118,7 @@ class Stager:
     stage again before the previous save is written."""
 
     should_synchronize_after_execute = False
+    _synchronize_after_execute = False  # (what torch's AsyncStager protocol reads it from)
 
     def __init__(self):
         self.copies: dict[str, ShardedValue] = {}

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from fived.breakdown import COMPARED, compared
-from fived.config import ConfigError, config_from_dict
+from fived.config import Config, ConfigError, config_from_dict
 from fived.layout.layout import Layout, stages_per_rank
 
 TP_SHARE = 0.25
@@ -66,7 +66,7 @@ class Measured:
         return seconds / self.total if self.total else 0.0
 
 
-def read_run(run_dir: str) -> tuple[dict, object]:
+def read_run(run_dir: str) -> tuple[dict, Config]:
     path = Path(run_dir) / "run.json"
     if not path.is_file():
         raise ConfigError("run_dir", run_dir, "has no run.json (written when `fived train` ends)",
@@ -138,7 +138,7 @@ def _pipeline_imbalance(m: Measured, cfg, run) -> Finding | None:
         return None
     per = _pp_ranks(m)
     mean = sum(per.values()) / len(per)
-    busiest = max(per, key=per.get)
+    busiest = max(per, key=lambda pp: per[pp])
     ratio = per[busiest] / mean if mean else 1.0
     if ratio < STAGE_RATIO:
         return None

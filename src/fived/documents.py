@@ -46,7 +46,8 @@ def balanced_chunks(work: list[int], cp: int) -> list[list[int]]:
     """The chunks (indices) each of `cp` ranks holds, len(work)/cp each, attention work balanced
     (see the module's docstring); each rank's list in sequence order."""
     per_rank = len(work) // cp
-    load, held = [0] * cp, [[] for _ in range(cp)]
+    load = [0] * cp
+    held: list[list[int]] = [[] for _ in range(cp)]
     for chunk in sorted(range(len(work)), key=lambda c: (-work[c], c)):
         rank = min((r for r in range(cp) if len(held[r]) < per_rank), key=lambda r: (load[r], r))
         held[rank].append(chunk)

@@ -103,7 +103,7 @@ def measured_state(built: RankModel) -> dict:
     """The ledger's bytes, as the trainer reads them after its first step (gradients and optimizer
     state both alive), plus the masters and flat buffers within them and each chunk's parameters."""
     dp = built.plan.data_parallel
-    out = model_state_bytes(dp.tensors())
+    out: dict = dict(model_state_bytes(dp.tensors()))
     out["masters"] = held_bytes(master for _, master in dp.master_pairs)
     out["buffers"] = held_bytes(dp.flat_buffers())
     out["stages"] = [held_bytes(local_tensor(p) for p in chunk.parameters()) for chunk in built.chunks]

@@ -75,7 +75,8 @@ def serve_explore_data(m: ModelConfig, cluster: Cluster, w: Workload, weights: t
         if "error" in entry:  # reasons repeat: stored once, referenced by index
             if entry["error"] not in errors:
                 errors.append(entry["error"])
-            entry = errors.index(entry["error"])
+            entries[key] = errors.index(entry["error"])
+            continue
         entries[key] = entry
     ranked = plan_serving(m, cluster, w, tuple(opts["weights"]), headroom_gib)
     train = training_view(m, cluster, *training_shape, headroom_gib)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fived.config import ConfigError
+from fived.model import Transformer
 
 
 class KVCachedAttentionCore(nn.Module):
@@ -44,16 +45,17 @@ class KVCachedAttentionCore(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents=None, positions=None) -> torch.Tensor:
         """(`documents`, `positions`: a prompt is one document; the rotation already used its positions.)"""
         start, s = self.length, q.shape[1]
-        if self.keys is None:
+        if self.keys is None or self.values is None:
             shape = (k.shape[0], self.capacity) + tuple(k.shape[2:])
             self.keys, self.values = k.new_zeros(shape), v.new_zeros(shape)
         elif s != 1:
             raise ValueError("after the prompt, each call brings one new position")
+        keys, values = self.keys, self.values
         if start + s > self.capacity:
             raise ValueError(f"the cache holds {self.capacity} positions; position {start + s - 1} does not fit")
-        self.keys[:, start:start + s], self.values[:, start:start + s] = k, v
+        keys[:, start:start + s], values[:, start:start + s] = k, v
         self.length = start + s
-        q, k, v = (t.transpose(1, 2) for t in (q, self.keys[:, :self.length], self.values[:, :self.length]))
+        q, k, v = (t.transpose(1, 2) for t in (q, keys[:, :self.length], values[:, :self.length]))
         gqa = q.shape[1] != k.shape[1]
         if self.key_mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=start == 0, enable_gqa=gqa)
@@ -63,6 +65,7 @@ class KVCachedAttentionCore(nn.Module):
 
     def _mask(self, start: int, s: int) -> torch.Tensor:
         """[batch, 1, queries, keys]: causal over real keys; a padding query sees itself."""
+        assert self.key_mask is not None  # (only a left-padded batch masks keys)
         device = self.key_mask.device
         query = torch.arange(start, start + s, device=device)[:, None]
         key = torch.arange(self.length, device=device)[None, :]
@@ -91,10 +94,10 @@ def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Genera
 
 
 @torch.no_grad()
-def generate(model: nn.Module, prompt: list[int], sampling: Sampling, stop_ids: set[int] = frozenset()) -> list[int]:
+def generate(model: Transformer, prompt: list[int], sampling: Sampling, stop_ids: frozenset[int] | set[int] = frozenset()) -> list[int]:
     """The ids generated after `prompt` (at most max_new_tokens; ends early at a stop id)."""
     model.eval()
-    for block in model.layers.values():
+    for block in model.blocks():
         block.attention.core = KVCachedAttentionCore(len(prompt) + sampling.max_new_tokens)
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(sampling.seed)
@@ -118,8 +121,8 @@ def describe_source(source: str):
         from fived.hf.config_map import model_config_from_hf, read_config, special_token_ids
 
         cfg = model_config_from_hf(read_config(source), source)
-        tokenizer = Path(source) / "tokenizer.json"
-        tokenizer = str(tokenizer) if tokenizer.is_file() else "byte"
+        tokenizer_file = Path(source) / "tokenizer.json"
+        tokenizer = str(tokenizer_file) if tokenizer_file.is_file() else "byte"
         stop = special_token_ids(source).get("eos_token_id")
     else:
         from fived.hf.export import run_special_tokens
@@ -171,5 +174,7 @@ def _checkpoint_state(source: str, cfg) -> dict:
 
     meta = build_model(cfg)
     names = [canonical_name(n) for n, _ in [*meta.named_parameters(), *meta.named_buffers()]]
-    whole = dcp_io.read_whole(find_checkpoint(source, "source"), [f"model.{n}" for n in names])
+    checkpoint = find_checkpoint(source, "source")
+    assert checkpoint is not None  # (describe_source found the run's checkpoint)
+    whole = dcp_io.read_whole(checkpoint, [f"model.{n}" for n in names])
     return {n: whole[f"model.{n}"] for n in names}

@@ -42,7 +42,7 @@ class RankGeneration:
     positions: int  # cached per sequence: the padded prompt and every output token
     layers: int
     kv_bytes: int  # measured: the caches' storage
-    kv_formula: int  # fived.planner.serve_model.kv_cache_bytes for the same shapes
+    kv_formula: float  # fived.planner.serve_model.kv_cache_bytes for the same shapes
     prefill_s: float
     decode_s: list[float] = field(default_factory=list)
     generated: list[list[int]] | None = None
@@ -183,7 +183,7 @@ class GenerationRank:
         """The next token of each sequence (on every rank of the first and last stages), after a
         forward of `tokens` ([sequences, new positions]) at `positions`."""
         b, s = tokens.shape
-        group = self.mesh.group("pp") if self.mesh.pp > 1 else None
+        group = self.mesh.group("pp")  # (sends and receives between stages: only with pp > 1)
         x = tokens
         if not self.first:
             x = torch.empty((b, s, self.cfg.model.dim), dtype=self.dtype, device=self.device)

@@ -173,7 +173,9 @@ def init_weights(model: nn.Module, seed: int, placement_of=None, stats: InitStat
 
 def _own_placement(param: torch.Tensor, shape: tuple[int, ...]) -> Placement:
     """A parameter without a placement table: the whole tensor, or a DTensor's shard."""
-    if not hasattr(param, "to_local"):
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(param, DTensor):
         if tuple(param.shape) != tuple(shape):
             raise ValueError(f"parameter of shape {tuple(param.shape)}, the model's is {tuple(shape)}")
         return Placement(tuple(shape), Box((0,) * len(shape), tuple(shape)))

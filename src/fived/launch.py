@@ -7,6 +7,7 @@ On CPU the ranks are forked from this process (torch is already imported, so a r
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import datetime
 import multiprocessing as mp
@@ -106,10 +107,8 @@ def _free_port() -> int:
 
 def _die_with_parent() -> None:
     """Linux: this rank gets SIGKILL when the launcher dies, however it dies (no orphans)."""
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 def _rank_main(rank: int, world: int, port: int, out_dir: str, timeout_s: float, device: str,
@@ -127,7 +126,7 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, timeout_s: float,
             if "EADDRINUSE" in str(e):
                 raise PortTaken(f"port {port} taken by another process before rank {rank} bound it") from e
             raise
-        result = ("ok", fn(*args), time.time(), None)
+        result: tuple[str, Any, float, dict | None] = ("ok", fn(*args), time.time(), None)
     except BaseException as e:  # report every failure to the parent, whatever it is
         summary = e.summary() if hasattr(e, "summary") else refused_write_summary(e)
         result = ("error", f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}", time.time(), summary)
@@ -205,17 +204,18 @@ def run_ranks(world: int, fn: Callable, *args: Any, timeout_s: float = 600.0,
     cuda = device_type(device) == "cuda"
     if cuda and world > torch.cuda.device_count():
         raise RankFailed(f"{world} ranks need {world} GPUs; this machine has {torch.cuda.device_count()}")
-    for attempt in range(PORT_ATTEMPTS):
+    for _ in range(PORT_ATTEMPTS - 1):
         try:
             return _launch(world, fn, args, timeout_s, deadline_s, device, grace_s)
         except RankFailed as failed:
-            if attempt + 1 == PORT_ATTEMPTS or failed.line_of("port_taken") is None:
+            if failed.line_of("port_taken") is None:
                 raise
+    return _launch(world, fn, args, timeout_s, deadline_s, device, grace_s)
 
 
 def _launch(world: int, fn: Callable, args: tuple, timeout_s: float, deadline_s: float | None, device: str,
             grace_s: float) -> list[Any]:
-    ctx = mp.get_context("spawn" if device_type(device) == "cuda" else "fork")
+    ctx = mp.get_context("spawn") if device_type(device) == "cuda" else mp.get_context("fork")
     port = _free_port()
     with tempfile.TemporaryDirectory(prefix="fived-ranks-") as out_dir:
         procs = [ctx.Process(target=_rank_main, args=(r, world, port, out_dir, timeout_s, device, fn, args), daemon=False)

@@ -13,6 +13,8 @@ from collections import defaultdict
 
 import torch
 
+from fived.model import Transformer
+
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
@@ -39,7 +41,7 @@ def held_bytes(tensors) -> int:
         if t.numel() == 0:
             continue
         start = t.storage_offset() * t.element_size()
-        ranges[t.untyped_storage().data_ptr()].append((start, start + _nbytes(t)))
+        ranges[t.untyped_storage().data_ptr()].append((int(start), int(start + _nbytes(t))))
     total = 0
     for spans in ranges.values():
         end = -1
@@ -112,16 +114,16 @@ class ActivationLedger:
             self._watch(chunk)
 
     # hooks -----------------------------------------------------------------------------------
-    def _watch(self, chunk: torch.nn.Module) -> None:
-        if getattr(chunk, "tok_embeddings", None) is not None:
-            emb = chunk.tok_embeddings
+    def _watch(self, chunk: Transformer) -> None:
+        emb = chunk.tok_embeddings
+        if emb is not None:
             emb.register_forward_pre_hook(lambda m, args: self._enter("embedding", m))
             emb.register_forward_hook(lambda m, args, out: self._leave())
         for name, block in chunk.layers.items():
             block.register_forward_pre_hook(lambda m, args, name=name: self._enter(name, m))
             block.register_forward_hook(lambda m, args, out: self._leave())
             self._watch_selective_cache(block)
-        if getattr(chunk, "norm", None) is not None:
+        if chunk.norm is not None:
             # The head runs from the final norm to the loss, which the trainer computes outside the
             # model: it stays the current part until the next one starts or `leave` is called.
             chunk.norm.register_forward_pre_hook(lambda m, args, c=chunk: self._enter("head", c, head=True))
@@ -131,7 +133,7 @@ class ActivationLedger:
         hooks: wrap the block's context_fn to see that cache, read after the block's forward."""
         fn = getattr(block, "checkpoint_fn", None)
         context_fn = getattr(fn, "keywords", {}).get("context_fn") if fn is not None else None
-        if context_fn is None:
+        if fn is None or context_fn is None:
             return
 
         def seen_context_fn():
@@ -141,13 +143,17 @@ class ActivationLedger:
                 self._sac.append(storage)
             return contexts
 
-        block.checkpoint_fn = functools.partial(fn.func, *fn.args, **{**fn.keywords, "context_fn": seen_context_fn})
+        wrapped = functools.partial(fn.func, *fn.args, **{**fn.keywords, "context_fn": seen_context_fn})
+        setattr(block, "checkpoint_fn", wrapped)  # noqa: B010  (torch's wrapper reads it: no typed attribute)
 
     def _enter(self, name: str, module: torch.nn.Module, head: bool = False) -> None:
         self.layer, self._sac = name, []
         if self.recording:  # weights (and views of them, e.g. transposes) are saved too; not activations
-            params = list(module.parameters()) if not head else [
-                p for part in (module.norm, module.output) if part is not None for p in part.parameters()]
+            parts = [module]
+            if head:  # (the chunk: its final norm and output head)
+                assert isinstance(module, Transformer)
+                parts = [part for part in (module.norm, module.output) if part is not None]
+            params = [p for part in parts for p in part.parameters()]
             self._weights = {_storage_ptr(p) for p in params}
 
     def _leave(self) -> None:
@@ -165,7 +171,7 @@ class ActivationLedger:
     def _count(self) -> None:
         """Count the finished parts' tensors and let go of them (under a pipeline schedule they would
         otherwise outlive their backward: every micro-batch of the step would stay in memory)."""
-        for (name, micro), ts in sorted(self._saved.items(), key=lambda kv: (_order(kv[0][0]), kv[0][1])):
+        for (name, _), ts in sorted(self._saved.items(), key=lambda kv: (_order(kv[0][0]), kv[0][1])):
             self._bytes[name].append(held_bytes(ts))
             if self.detail is not None and name not in self.detail:  # the first micro-batch's tensors
                 self.detail[name] = [(tuple(t.shape), t.dtype, _nbytes(t), _storage_ptr(t)) for t in ts]

@@ -5,6 +5,7 @@ layout itself and the rules it must meet are plain Python in `fived.layout`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -54,10 +55,10 @@ class Mesh:
     def __init__(self, layout: Layout | None = None, **sizes):
         self.layout = layout if layout is not None else Layout(**sizes)
         self.device_type = "cpu"
-        self.device_mesh = None
+        self.device_mesh: Any = None  # (torch's DeviceMesh, once built)
         self.flat: dict = {}
-        self.expert_mesh = None
-        self.cp_mesh = None  # hybrid context parallelism: cp cut into (cp_ring, cp_ulysses)
+        self.expert_mesh: Any = None
+        self.cp_mesh: Any = None  # hybrid context parallelism: cp cut into (cp_ring, cp_ulysses)
 
     @classmethod
     def from_config(cls, cfg: Config, world: int) -> "Mesh":
@@ -80,7 +81,7 @@ class Mesh:
 
         self.device_type = device_type
         override = _backend_override(device_type, timeout_s)
-        dims = {name: override for name in MESH_DIMS} if override else None
+        dims: dict[int | str, Any] | None = {name: override for name in MESH_DIMS} if override else None
         self.device_mesh = init_device_mesh(
             device_type, tuple(getattr(self, d) for d in MESH_DIMS), mesh_dim_names=MESH_DIMS, backend_override=dims)
         # Flattened views: "dp" picks the data (the batch split), "dp_cp" reduces gradients (cp ranks
@@ -127,7 +128,7 @@ class Mesh:
         return names
 
 
-def _backend_override(device_type: str, timeout_s: float | None):
+def _backend_override(device_type: str, timeout_s: float | None) -> Any:
     """(backend, options) carrying the collective timeout, for DeviceMesh's groups."""
     if timeout_s is None:
         return None
@@ -138,6 +139,6 @@ def _backend_override(device_type: str, timeout_s: float | None):
     if device_type == "cuda":
         backend, options = "nccl", dist.ProcessGroupNCCL.Options()
     else:
-        backend, options = "gloo", dist.ProcessGroupGloo._Options()
+        backend, options = "gloo", dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # not in torch's stubs
     options._timeout = datetime.timedelta(seconds=timeout_s)
     return backend, options

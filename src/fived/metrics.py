@@ -80,7 +80,7 @@ class MetricsLog:
     def __init__(self, output_dir: str, tensorboard: bool):
         self.dir = Path(output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.file = open(self.dir / "metrics.jsonl", "a")
+        self.file = open(self.dir / "metrics.jsonl", "a")  # noqa: SIM115  (open for the run: close())
         self.tb = None
         if tensorboard:
             try:

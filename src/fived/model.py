@@ -7,6 +7,7 @@ tensors (e.g. the number of local heads), so a tensor-parallel shard runs the sa
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -67,6 +68,7 @@ class CausalAttentionCore(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
         if documents is not None:
+            assert positions is not None  # (document masking hands the in-document positions too)
             return document_attention(q, k, v, documents, positions)
         # [b, s, h, d] -> [b, h, s, d]; kv heads are shared by groups of query heads (GQA).
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
@@ -82,7 +84,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
-        self.core = CausalAttentionCore()
+        self.core: nn.Module = CausalAttentionCore()  # (context parallelism and generation swap it)
         # Qwen3: each query and key head normalised before the rotation (weights shared by heads)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
@@ -93,7 +95,7 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, s, -1, self.head_dim)
         k = self.wk(x).view(b, s, -1, self.head_dim)
         v = self.wv(x).view(b, s, -1, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         out = self.core(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, documents, positions)
         return self.wo(out.reshape(b, s, -1))
@@ -158,6 +160,8 @@ class MoE(nn.Module):
     is whole on one rank before context parallelism, so the value does not depend on the layout.
     Capacity-factor dropping is per local micro-batch and therefore layout-dependent (documented)."""
 
+    router_bias: torch.Tensor  # (a buffer)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_experts, self.top_k = cfg.n_experts, cfg.top_k
@@ -169,9 +173,9 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(cfg.n_experts, cfg.dim, cfg.expert_dim)
         self.shared = FeedForward(cfg.dim, cfg.expert_dim * cfg.n_shared_experts) if cfg.n_shared_experts else None
         self.aux_loss_scale = 0.0  # set by the trainer: coef / sequences in the global batch
-        self.last_aux_loss = None  # detached per-sequence sum of the last forward
+        self.last_aux_loss: torch.Tensor | None = None  # detached per-sequence sum of the last forward
         self.aux_losses: list = []  # (aux, tokens per expert) per backward since the trainer last read it
-        self.last_tokens_per_expert = None
+        self.last_tokens_per_expert: torch.Tensor | None = None
         # Sums the per-sequence statistics over the ranks that hold parts of a sequence (context
         # parallelism sets it); identity when every sequence is whole on this rank.
         self.reduce_sequence_stats = _identity
@@ -254,10 +258,11 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.sequence_shards = 1  # >1 when the hidden states between pipeline stages are sequence shards
         self.positions: torch.Tensor | None = None  # global positions of the local tokens (context parallelism)
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        # (a pipeline stage without the embedding, or the final norm and head, holds None instead)
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
 
@@ -279,6 +284,11 @@ class Transformer(nn.Module):
             h = layer(h, cos, sin, *masked)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
+
+    def blocks(self) -> list[TransformerBlock]:
+        """This model's (a stage's: its own) blocks, in order; a wrapped block (checkpointed, compiled,
+        sharded) still reads as its block."""
+        return cast("list[TransformerBlock]", list(self.layers.values()))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -130,6 +130,7 @@ def member_placement(spec: TensorSpec, layout: Layout, member: Member, flat: Fla
     elif apart or (L.zero == 0 and (L.pp == 1 or L.dp * L.cp == 1)):  # kept whole (DDP, one dp rank, experts)
         dp_replica = whole_replica
     else:  # in the flat buffer: ZeRO-1/2, and ZeRO-0 under a pipeline
+        assert flat is not None  # (the stage's flat layout, when anything is in a flat buffer)
         flat_range = flat.range(spec.name, 0 if L.zero == 0 else member.shard_cp)
         dp_replica = member.dp_cp if L.zero == 0 else member.replicate
     return Placement(spec.shape, local, spec.tp_replica(member.tp) + L.tp * dp_replica, rows, flat_range)
@@ -191,7 +192,8 @@ class StagePlan:
             *_, rows, cols, candidates = units[i]
             owners[i] = min(candidates, key=lambda c: (self.load[c], c))
             self.load[owners[i]] += ns_flops(rows, cols, 1)
-        return [Unit(*u[:5], owner) for u, owner in zip(units, owners)]
+        return [Unit(name, expert, box, rows, cols, owner)
+                for (name, expert, box, rows, cols, _), owner in zip(units, owners)]
 
     def held(self, unit: Unit, member: int) -> list[Box]:
         """The boxes of `unit` (whole-tensor coordinates) `member` stores, in its placement's order."""
@@ -232,7 +234,7 @@ class StagePlan:
         return self._exchanges[me]
 
     def _exchange(self, me: int) -> Exchange:
-        lists = [[[] for _ in range(self.size)] for _ in range(4)]
+        lists: list[list[list]] = [[[] for _ in range(self.size)] for _ in range(4)]
         gather_send, gather_recv, scatter_send, scatter_recv = lists
         for u, (unit, pieces) in enumerate(zip(self.units, self.pieces)):
             owner = unit.owner

@@ -1,12 +1,11 @@
-"""AdamW with decoupled weight decay on matrices only, and the warmup + cosine schedule.
+"""AdamW with decoupled weight decay on matrices only, and its learning-rate schedule (fived.lr_schedule).
 (Gradient clipping depends on how gradients are sharded: see DataParallel.clip_gradients.)"""
 from __future__ import annotations
-
-import math
 
 import torch
 
 from fived.config import TrainConfig
+from fived.lr_schedule import lr_multiplier
 
 
 def build_optimizer(params, t: TrainConfig, decayed=None) -> torch.optim.AdamW:
@@ -21,14 +20,6 @@ def build_optimizer(params, t: TrainConfig, decayed=None) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
 
 
-def lr_multiplier(step: int, t: TrainConfig) -> float:
-    """Linear warmup over warmup_steps, then cosine decay to min_lr_ratio at the last step."""
-    if step < t.warmup_steps:
-        return (step + 1) / t.warmup_steps
-    span = max(t.steps - t.warmup_steps, 1)
-    progress = min((step - t.warmup_steps) / span, 1.0)
-    return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
 def build_scheduler(optimizer: torch.optim.Optimizer, t: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    """The lr plan of fived.lr_schedule (warmup, then cosine, wsd, linear or constant)."""
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, t))

@@ -25,7 +25,7 @@ class ProfileWindow:
     def __init__(self, spec: str, steps: int, output_dir: str, rank: int, device: torch.device, timer):
         self.window = profile_window(spec, steps) if spec else None
         self.dir, self.rank, self.device, self.timer = Path(output_dir) / "profile", rank, device, timer
-        self.profiler = None
+        self.profiler: torch.profiler.profile | None = None
 
     def before_step(self, step: int) -> None:
         """`step`: the 0-based index of the step about to run (the window counts from 1)."""
@@ -34,13 +34,13 @@ class ProfileWindow:
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        self.profiler = torch.profiler.profile(activities=activities)
-        self.profiler.__enter__()
+        self.profiler = profiler = torch.profiler.profile(activities=activities)
+        profiler.__enter__()
         self._label(True)
 
     def after_step(self, step: int, *, last: bool = False) -> None:
         """After the step with 0-based index `step`; `last`: the run stops here (close the window)."""
-        if self.profiler is None or (step + 1 < self.window[1] and not last):
+        if self.profiler is None or self.window is None or (step + 1 < self.window[1] and not last):
             return
         self._label(False)
         self.profiler.__exit__(None, None, None)

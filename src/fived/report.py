@@ -28,7 +28,7 @@ from fived.mesh import PRECISIONS, Layout, Mesh
 from fived.model import build_model
 from fived.parallel.expert import apply_expert_parallel
 from fived.parallel.tensor import TensorParallel
-from fived.train import TrainResult
+from fived.trainer import TrainResult
 
 
 def expected_state_bytes(cfg: Config, world: int, rank: int = 0) -> dict[str, int]:

@@ -3,7 +3,8 @@ metrics.jsonl (loss, validation loss where logged, lr, grad norm, tokens/s, MFU 
 config.toml (the layout), and run.json, which `fived train` writes at the end (`fived.report.
 write_run_json`: the same measured-vs-planner tables `fived train --report` prints, the executed
 pipeline actions of the last step, the MoE expert load per layer, the measured step breakdown beside
-the planner's), and `fived diagnose`'s findings.
+the planner's), `fived diagnose`'s findings, and launches.jsonl: where the run started, resumed or
+restarted and at which layout (`segments`: marked on every chart).
 """
 from __future__ import annotations
 
@@ -37,8 +38,12 @@ def report_data(run_dir: str) -> dict:
     figures = json.loads((path / "run.json").read_text()) if (path / "run.json").is_file() else {}
     layout = figures.get("layout", {})
     last = metrics["step"][-1] if metrics["step"] else 0
-    shape = " ".join(f"{k}={layout[k]}" for k in ("dp", "tp", "pp", "cp", "ep", "zero") if k in layout)
-    summary = (f"{len(metrics['step'])} steps logged (last {last})" + (f", layout {shape}" if shape else "")
+    parts = segments(path, last)
+    said = {"resume": " (resumed)", "restart": " (restarted)"}
+    shape = "; ".join(f"steps {s['first_step']}-{s['last_step']}{said.get(s['event'], '')}: {s['layout']}" for s in parts)
+    if not parts:  # (a run directory from before launches.jsonl: run.json's layout)
+        shape = "layout " + " ".join(f"{k}={layout[k]}" for k in ("dp", "tp", "pp", "cp", "ep", "zero") if k in layout)
+    summary = (f"{len(metrics['step'])} steps logged (last {last})" + (f"; {shape}" if parts or layout else "")
                + ("" if figures else "; run.json not written yet (the run has not finished): no measured tables"))
     diagnosis = None
     if "breakdown" in figures and "config" in figures:  # (fived diagnose's findings, on the page too)
@@ -52,4 +57,40 @@ def report_data(run_dir: str) -> dict:
             summary += f"; no diagnosis ({e})"
     return {"summary": summary, "metrics": metrics, "state": figures.get("state", []), "comm": figures.get("comm", []),
             "timeline": figures.get("timeline", []), "bubble_line": figures.get("bubble_line", ""),
-            "expert_load": figures.get("expert_load", {}), "layout": layout, "diagnosis": diagnosis}
+            "expert_load": figures.get("expert_load", {}), "layout": layout, "diagnosis": diagnosis, "segments": parts}
+
+
+def segments(run_dir: Path, last_step: int) -> list[dict]:
+    """The stretches of steps each launch trained that the metrics still hold, from launches.jsonl:
+    where each started (a resume or a restart continues after its checkpoint's step, and later steps of
+    earlier launches were superseded), its event and world size, its layout in the planner's words,
+    and whether that layout differs from the previous stretch's."""
+    path = run_dir / "launches.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    out: list[dict] = []
+    for record in records:
+        first = checkpoint_step(record.get("resume_from")) + 1
+        out = [s for s in out if s["first_step"] < first]
+        layout = describe_layout(record)
+        out.append({"first_step": first, "event": record.get("event", "start"), "world": record.get("world_size"),
+                    "layout": layout, "changed": bool(out) and out[-1]["layout"] != layout})
+    for here, after in zip(out, out[1:] + [None]):
+        here["last_step"] = after["first_step"] - 1 if after else last_step
+    return [s for s in out if s["first_step"] <= s["last_step"]]
+
+
+def checkpoint_step(checkpoint: str | None) -> int:
+    """The step of a checkpoint directory (…/checkpoints/step-N), 0 for none."""
+    name = Path(checkpoint).name if checkpoint else ""
+    return int(name[len("step-"):]) if name.startswith("step-") and name[len("step-"):].isdigit() else 0
+
+
+def describe_layout(record: dict) -> str:
+    """A launch's layout as the planner describes layouts (fived.layout.Layout.describe)."""
+    from fived.config import config_from_dict
+    from fived.layout.layout import Layout
+
+    try:
+        return Layout.from_config(config_from_dict(record["config"]), record["world_size"]).describe()
+    except (ConfigError, KeyError, TypeError):  # (a record another fived version wrote: its sizes)
+        return " ".join(f"{k}{v}" for k, v in record.get("layout", {}).items())

@@ -5,11 +5,15 @@ config flags (generated from the dataclasses), new runs, `--layout auto`, resume
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from fived.config import ConfigError, build_config, config_fields
+from fived.config import Config, ConfigError, build_config, config_fields
+from fived.config_docs import SECTION_DOCS, help_text, metavar
+from fived.lr_schedule import decay_steps_of
 
 SHORT_FLAGS = {
     "--model": "model.name", "--dp": "parallel.dp", "--tp": "parallel.tp", "--pp": "parallel.pp",
@@ -30,16 +34,38 @@ def add_config_flags(parser: argparse.ArgumentParser, *,
     parser.add_argument("--dp-shard", type=int, help="HSDP: ranks a ZeRO shard spans; dp = dp_shard x dp_replicate")
     parser.add_argument("--sp", dest="parallel.sp", action="store_const", const=True, default=argparse.SUPPRESS,
                         help="sequence parallelism (with --tp)")
+    docs = {f"{f.section}.{f.key}": f.doc for f in config_fields()}
     for flag, dest in SHORT_FLAGS.items():
-        parser.add_argument(flag, dest=dest, default=argparse.SUPPRESS, help=f"= --{dest}")
-    group = parser.add_argument_group("every config field (defaults from fived.config)")
-    for section, name, default, kind in config_fields():
-        group.add_argument(f"--{section}.{name}", dest=f"{section}.{name}", default=argparse.SUPPRESS,
-                           metavar=kind.upper(), help=f"default {default!r}")
+        parser.add_argument(flag, dest=dest, default=argparse.SUPPRESS, metavar="VALUE", help=f"--{dest}: {docs[dest]}")
+    parser.usage = "%(prog)s [options] [--<section>.<field> VALUE ...]"  # (every field: the groups below)
+    groups = {section: parser.add_argument_group(f"[{section}] {doc}") for section, doc in SECTION_DOCS.items()}
+    for f in config_fields():
+        groups[f.section].add_argument(f"--{f.section}.{f.key}", dest=f"{f.section}.{f.key}", default=argparse.SUPPRESS,
+                                       metavar=metavar(f), help=help_text(f))
 
 
 def overrides_of(ns: argparse.Namespace) -> dict:
     return {k: v for k, v in vars(ns).items() if "." in k}
+
+
+@dataclass
+class LaunchRequest:
+    """What a launch asks for, from `fived train`'s flags (an argparse namespace, see `as_request`) or
+    from the Python API (fived.api): the fields given, a TOML file, the ranks, a run to resume."""
+
+    overrides: dict[str, Any] = field(default_factory=dict)  # {"section.key": value}: the fields given
+    config: str | None = None  # a TOML file (read under the overrides)
+    nproc: int | None = None  # local ranks to start (None: the layout's world size, or the default)
+    dp_shard: int | None = None  # HSDP: dp = dp_shard x parallel.dp_replicate
+    resume: str | None = None  # a run or checkpoint directory, or "auto"
+    layout: str | None = None  # "auto": the planner's best layout
+
+
+def as_request(given: LaunchRequest | argparse.Namespace) -> LaunchRequest:
+    if isinstance(given, LaunchRequest):
+        return given
+    return LaunchRequest(overrides_of(given), given.config, given.nproc, given.dp_shard,
+                         getattr(given, "resume", None), getattr(given, "layout", None))
 
 
 def _in_file(path: str | None, section: str, key: str) -> bool:
@@ -51,9 +77,10 @@ def _in_file(path: str | None, section: str, key: str) -> bool:
         return key in tomllib.load(f).get(section, {})
 
 
-def build_from_args(ns: argparse.Namespace, extra: dict | None = None):
+def build_from_args(given: LaunchRequest | argparse.Namespace, extra: dict | None = None):
     """The config from file + flags; --dp-shard resolved against the final dp_replicate."""
-    over = {**(extra or {}), **overrides_of(ns)}
+    ns = as_request(given)
+    over = {**(extra or {}), **ns.overrides}
     cfg = build_config(ns.config, over)
     if "train.microbatches" not in over and not _in_file(ns.config, "train", "microbatches"):
         # a pipeline needs at least pp micro-batches: default to pp, as torchtitan does
@@ -63,6 +90,13 @@ def build_from_args(ns: argparse.Namespace, extra: dict | None = None):
             raise ConfigError("--dp-shard", ns.dp_shard, "must be >= 1")
         cfg.parallel.dp = ns.dp_shard * cfg.parallel.dp_replicate
     return cfg
+
+
+def default_world_size() -> int:
+    """`fived train`'s ranks when neither --nproc nor the layout says: one per GPU, or 2 on CPU."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 2
 
 
 def world_size(cfg, nproc: int | None, default: int) -> int:
@@ -102,34 +136,36 @@ def auto_layout(cfg, world: int) -> None:
     print("  basis: " + "; ".join(basis(cfg.model, cluster, runtime, best.layout, cfg.train.seq_len)), flush=True)
 
 
-def load_run(ns: argparse.Namespace, default_world: int, defaults: dict | None = None):
+def load_run(given: LaunchRequest | argparse.Namespace, default_world: int, defaults: dict | None = None):
     """Config and world size, both checked (layout and data) before any rank starts."""
     from fived.data import adopt_token_metadata, check_data
     from fived.layout.rules import check_config
     from fived.memory_fit import check_fits
     from fived.mesh import resolve_dp
 
+    ns = as_request(given)
     cfg = build_from_args(ns, defaults)
     if cfg.train.init_from:  # the model (and tokenizer) come from the weights
         from fived.hf.init import configure_init_from
 
-        configure_init_from(cfg, {**file_overrides(ns.config), **overrides_of(ns)})
+        configure_init_from(cfg, {**file_overrides(ns.config), **ns.overrides})
     else:  # a token file's sidecar names its tokenizer and vocabulary: used unless given
-        adopt_token_metadata(cfg, set(overrides_of(ns)) | set(file_overrides(ns.config)))
+        adopt_token_metadata(cfg, set(ns.overrides) | set(file_overrides(ns.config)))
     world = world_size(cfg, ns.nproc, default_world)
-    layout = getattr(ns, "layout", None)
+    layout = ns.layout
     if layout is not None:
         if layout != "auto":
             raise ConfigError("--layout", layout, "unknown", "the only value is 'auto' (the planner chooses)")
-        given = [k for k in overrides_of(ns) if k.startswith("parallel.") or k == "train.microbatches"]
-        if given or ns.dp_shard is not None:
+        layout_flags = [k for k in ns.overrides if k.startswith("parallel.") or k == "train.microbatches"]
+        if layout_flags or ns.dp_shard is not None:
             raise ConfigError("--layout", "auto", "chooses the parallel layout itself, but "
-                              + ", ".join(given or ["--dp-shard"]) + " was given", "drop one of them")
+                              + ", ".join(layout_flags or ["--dp-shard"]) + " was given", "drop one of them")
         if ns.nproc is None:
             raise ConfigError("--layout", "auto", "needs the number of ranks", "add --nproc N")
         auto_layout(cfg, world)
     check_config(cfg, world)
     cfg.parallel.dp = resolve_dp(cfg, world)  # the resolved config says what ran (not "-1: the rest")
+    cfg.train.decay_steps = decay_steps_of(cfg.train)  # (and the lr plan: kept when the run is extended)
     check_fits(cfg, world)
     check_data(cfg)
     check_environment(cfg)
@@ -185,7 +221,7 @@ class NothingToTrain(ConfigError):
     """A resumed run whose checkpoint is already at train.steps."""
 
 
-def load_resumed_run(ns: argparse.Namespace, crc: bool = True):
+def load_resumed_run(request: LaunchRequest | argparse.Namespace, crc: bool = True):
     """`fived train --resume DIR`: the saved config, with a new layout if any layout flag is given and
     other settings (train.steps to extend the run, lr, checkpointing...) as given; then checked."""
     from fived.checkpoint import check_model_shapes
@@ -195,13 +231,15 @@ def load_resumed_run(ns: argparse.Namespace, crc: bool = True):
     from fived.memory_fit import check_fits
     from fived.mesh import resolve_dp
 
+    ns = as_request(request)
+    assert ns.resume is not None  # (what makes it a resumed run)
     checkpoint, manifest, saved = _saved_run(ns.resume, crc)
-    given = {**file_overrides(ns.config), **overrides_of(ns)}
+    given = {**file_overrides(ns.config), **ns.overrides}
     cfg, layout_given = _resumed_config(saved, given, ns.dp_shard)
     cfg.train.output_dir = str(Path(checkpoint).parent.parent)  # the same run directory
     default_world = int(os.environ.get("WORLD_SIZE", manifest["world_size"]))  # (torchrun's, if under it)
     world = world_size(cfg, ns.nproc, default_world) if layout_given else (ns.nproc or default_world)
-    if getattr(ns, "layout", None) is not None:
+    if ns.layout is not None:
         if ns.layout != "auto" or layout_given or ns.nproc is None:
             raise ConfigError("--layout", ns.layout, "with --resume: 'auto' with --nproc N and no layout flags",
                               f"--resume {ns.resume} --layout auto --nproc {world}")
@@ -221,6 +259,11 @@ def load_resumed_run(ns: argparse.Namespace, crc: bool = True):
     check_environment(cfg)
     check_model_shapes(cfg, checkpoint)
     return cfg, world, str(checkpoint), manifest
+
+
+def saved_run_config(resume: str):
+    """The config of the newest intact checkpoint of `resume` (a run or checkpoint directory)."""
+    return _saved_run(resume)[2]
 
 
 def _saved_run(resume: str, crc: bool = True):
@@ -250,6 +293,8 @@ def _resumed_config(saved, given: dict, dp_shard: int | None):
             if probe != saved:
                 raise ConfigError(key, value, f"a resumed run keeps the checkpoint's {key} "
                                   f"({getattr(getattr(saved, section), name, '...')})", "drop the flag, or start a new run")
+    if not saved.train.decay_steps:  # (a checkpoint from before train.decay_steps: its run planned train.steps)
+        saved.train.decay_steps = saved.train.steps
     cfg = copy.deepcopy(saved)
     layout_given = dp_shard is not None or any(k in {f"parallel.{f}" for f in LAYOUT_FIELDS} for k in given)
     if layout_given:
@@ -257,9 +302,12 @@ def _resumed_config(saved, given: dict, dp_shard: int | None):
         cfg.parallel = ParallelConfig(**others)  # (reduce dtype, keep-gathered: as saved unless given)
         cfg.train.microbatches = max(saved.train.microbatches, int(given.get("parallel.pp", 1)))
     for key, value in given.items():
-        set_field(cfg, *key.split(".", 1), value)
+        section, _, name = key.partition(".")
+        set_field(cfg, section, name, value)
     if dp_shard is not None:
         cfg.parallel.dp = dp_shard * cfg.parallel.dp_replicate
+    # the lr plan: the checkpoint's (0 keeps it), unless --train.decay_steps N plans another on purpose
+    cfg.train.decay_steps = cfg.train.decay_steps or saved.train.decay_steps
     return cfg, layout_given
 
 
@@ -267,7 +315,7 @@ def _resumed_config(saved, given: dict, dp_shard: int | None):
 class TrainingRun:
     """What `fived train` will run: the checked config, the world size, and where it starts."""
 
-    cfg: object
+    cfg: Config
     world: int
     resume: str | None = None  # the checkpoint it continues from
     resumed_step: int = 0
@@ -275,14 +323,15 @@ class TrainingRun:
     finished: bool = False  # --resume auto of a run that already reached train.steps
 
 
-def prepare_training(ns: argparse.Namespace, default_world: int) -> TrainingRun:
+def prepare_training(request: LaunchRequest | argparse.Namespace, default_world: int) -> TrainingRun:
     """--resume DIR (continue that run), --resume auto (continue train.output_dir if it holds a
     checkpoint, else start a run there: what a restarted job runs), or a new run. Under torchrun only
     global rank 0 reads checkpoints whole (CRC-32): the other ranks' choice is provisional, replaced by
-    rank 0's once the ranks have joined (fived.train_cli.agreed_run)."""
+    rank 0's once the ranks have joined (fived.training_run.agreed_run)."""
     from fived.checkpoint import find_checkpoint, no_intact_checkpoint
     from fived.launch import under_torchrun
 
+    ns = as_request(request)
     crc = not under_torchrun() or os.environ.get("RANK", "0") == "0"
     if ns.resume == "auto":
         cfg, world = load_run(ns, default_world)
@@ -291,7 +340,7 @@ def prepare_training(ns: argparse.Namespace, default_world: int) -> TrainingRun:
             if refusal:
                 raise refusal
             return TrainingRun(cfg, world, fresh_dir=False)
-        ns.resume = cfg.train.output_dir
+        ns = dataclasses.replace(ns, resume=cfg.train.output_dir)
         try:
             cfg, world, checkpoint, manifest = load_resumed_run(ns, crc)
         except NothingToTrain:  # (a restarted job that had already finished)
@@ -305,6 +354,17 @@ def prepare_training(ns: argparse.Namespace, default_world: int) -> TrainingRun:
 
 
 LAYOUT_KEYS = ("parallel.", "train.microbatches")
+
+
+def _same_value(cfg, dotted: str, value) -> bool:
+    """Whether the flag `--dotted value` gives what `cfg` already holds (a repeated, not a differing, flag)."""
+    from fived.config import coerce
+
+    section, _, key = dotted.partition(".")
+    try:
+        return coerce(section, key, value) == cfg.to_dict()[section][key]
+    except ConfigError:
+        return False
 
 
 def reshard_layout(flags: str, cfg):
@@ -323,7 +383,8 @@ def reshard_layout(flags: str, cfg):
     except (SystemExit, ValueError):
         raise ConfigError("--reshard-from", flags, "not a list of layout flags", example) from None
     given = overrides_of(ns)
-    other = unknown + [k for k in given if not k.startswith(LAYOUT_KEYS)] + (["--config"] if ns.config else [])
+    differs = [k for k, v in given.items() if not k.startswith(LAYOUT_KEYS) and not _same_value(cfg, k, v)]
+    other = unknown + differs + (["--config"] if ns.config else [])
     if other:
         raise ConfigError("--reshard-from", flags, f"only layout flags may differ between the halves ({other[0]})",
                           example)
@@ -331,7 +392,8 @@ def reshard_layout(flags: str, cfg):
     first.parallel = ParallelConfig(dp=1 if ns.nproc is None else -1)
     first.train.microbatches = max(1, int(given.get("parallel.pp", 1)))
     for key, value in given.items():
-        set_field(first, *key.split(".", 1), value)
+        section, _, name = key.partition(".")
+        set_field(first, section, name, value)
     if ns.dp_shard is not None:
         first.parallel.dp = ns.dp_shard * first.parallel.dp_replicate
     if cfg.train.steps < 2:

@@ -85,7 +85,7 @@ class StepTimer:
 
     @contextlib.contextmanager
     def _span(self, category: str, stage: int | None, micro: int | None):
-        label = contextlib.nullcontext()
+        label: contextlib.AbstractContextManager = contextlib.nullcontext()
         if self.profiling:
             where = "".join(f" {k}{v}" for k, v in (("stage", stage), ("mb", micro)) if v is not None)
             label = torch.profiler.record_function(f"fived/{category}{where}")
@@ -97,12 +97,12 @@ class StepTimer:
                 self.spans.append(Span(category, start, self.clock.now(), stage, micro))
 
     @contextlib.contextmanager
-    def step(self, unrouted=contextlib.nullcontext()):
+    def step(self, unrouted=None):
         """One step: spans and collectives from here on, until the next `step`."""
         self.recorder.reset()
         self.spans.clear()
         self._start = self.clock.now() if self.enabled else None
-        with comm.recording(self.recorder), unrouted:
+        with comm.recording(self.recorder), unrouted or contextlib.nullcontext():
             yield
         self._end = self.clock.now() if self.enabled else None
 

@@ -19,11 +19,13 @@ import os
 import platform
 import sys
 import time
+from functools import partial
 from pathlib import Path
+from typing import Callable
 
 import torch
 
-from fived import __version__
+from fived.version import __version__
 from fived.checkpoint import find_checkpoint
 from fived.config import Config
 from fived.write_errors import writing
@@ -35,12 +37,12 @@ from fived.mesh import resolve_dp
 def describe_run_dir(cfg: Config, world: int, event: dict) -> str | None:
     """Write config.toml and append one line to launches.jsonl in the run directory. Returns the
     config.toml it replaced (None if there was none), for restore_config."""
-    import tomli_w
+    from fived.config_docs import commented_toml
 
     run_dir = Path(cfg.train.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     previous = (run_dir / "config.toml").read_text() if (run_dir / "config.toml").is_file() else None
-    write_config_toml(run_dir, tomli_w.dumps(cfg.to_dict()))
+    write_config_toml(run_dir, commented_toml(cfg))  # (every field, with its description)
     p = cfg.parallel
     record = {"time": time.time(), "command": sys.argv, "fived_version": __version__,
               "torch_version": torch.__version__, "python": platform.python_version(), "host": platform.node(),
@@ -77,15 +79,15 @@ def _saves_on_sigterm(cfg: Config) -> bool:
     return cfg.checkpoint.final or cfg.checkpoint.every > 0
 
 
-def run_with_restarts(cfg: Config, world: int, resume: str | None, run_training) -> list:
-    """Run every rank; on a rank's death restart them all from the newest complete checkpoint.
-    Raises RankFailed when restarts are exhausted, Stopped on a signal."""
+def run_with_restarts(cfg: Config, world: int, resume: str | None, train: Callable) -> list:
+    """Run `train(cfg, resume=...)` on every rank; on a rank's death restart them all from the newest
+    complete checkpoint. Raises RankFailed when restarts are exhausted, Stopped on a signal."""
     restarts = 0
     previous = describe_run_dir(cfg, world, {"event": "resume" if resume else "start", "resume_from": resume})
     grace = cfg.train.preempt_grace_s if _saves_on_sigterm(cfg) else 0.0
     while True:
         try:
-            return run_ranks(world, run_training, cfg, True, True, False, resume, device=cfg.train.device,
+            return run_ranks(world, partial(train, cfg, resume=resume), device=cfg.train.device,
                              timeout_s=cfg.train.collective_timeout_s, grace_s=grace)
         except RankFailed as failure:
             diverged = failure.line_of("diverged")
@@ -123,7 +125,7 @@ def stop_line(stop: Stopped, cfg: Config) -> tuple[str, int]:
                     PREEMPTED_EXIT if newest else TERMINATED_EXIT)
         return (f"fived train: preempted (SIGTERM): every rank stopped after step {step} and saved "
                 f"{saved}; continue with: fived train --resume {run_dir}", PREEMPTED_EXIT)
-    saved = find_checkpoint(run_dir)
-    then = f"; newest checkpoint {saved}, continue with: fived train --resume {run_dir}" if saved else ""
+    newest = find_checkpoint(run_dir)
+    then = f"; newest checkpoint {newest}, continue with: fived train --resume {run_dir}" if newest else ""
     code = INTERRUPTED_EXIT if stop.signal_name == "SIGINT" else TERMINATED_EXIT
     return f"fived train: stopped by {stop.signal_name}: every rank was stopped{then}", code

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -86,7 +87,7 @@ class OptimizerState:
             state = self.optimizer.state[param]
             muon = self._muon(param)
             if for_load and not state:  # a fresh optimizer: make the state DCP fills
-                state.update(self.optimizer.fresh_state(param) if muon else
+                state.update(cast(Muon, self.optimizer).fresh_state(param) if muon else
                              {"step": torch.zeros((), dtype=_step_dtype()),
                               **{k: torch.zeros_like(param) for k in self.MOMENTS}})
             for key in Muon.STATE if muon else self.MOMENTS:

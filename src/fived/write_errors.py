@@ -28,7 +28,7 @@ def os_error_in(error: BaseException | None, depth: int = 0) -> OSError | None:
 
 def describe(error: OSError, fallback_path: str | os.PathLike = "") -> str:
     """'<path>: <cause>' for an OSError."""
-    cause = CAUSES.get(error.errno, error.strerror or str(error))
+    cause = CAUSES.get(error.errno, error.strerror or str(error)) if error.errno is not None else str(error)
     return f"{error.filename or fallback_path}: {cause}"
 
 

@@ -19,32 +19,39 @@ function section(id, title) {
   const s = el("section"); s.id = id; s.appendChild(el("h2", null, title)); $("app").appendChild(s); return s;
 }
 
-function timelineChart(target, actions, title) {
-  // actions: [rank, kind, stage, microbatch, start, duration]
+function timelineChart(target, actions, title, xtitle) {
+  // actions: [rank, kind, stage, microbatch, start, duration]; a label only where it fits its bar
   const kinds = [...new Set(actions.map((a) => a[1]))];
   const traces = kinds.map((k) => {
     const mine = actions.filter((a) => a[1] === k);
     return { type: "bar", orientation: "h", name: k, marker: { color: KIND_COLOURS[k] || "#999" },
       y: mine.map((a) => "rank " + a[0]), base: mine.map((a) => a[4]), x: mine.map((a) => a[5]),
-      text: mine.map((a) => k + a[3] + " s" + a[2]), hoverinfo: "text" };
+      text: mine.map((a) => k + a[3] + " s" + a[2]), textposition: "inside", insidetextanchor: "middle",
+      hovertext: mine.map((a) => `${k} micro-batch ${a[3]}, stage ${a[2]}`), hoverinfo: "text" };
   });
-  Plotly.react(target, traces, { barmode: "overlay", title, height: 120 + 30 * new Set(actions.map((a) => a[0])).size,
-    yaxis: { autorange: "reversed" }, xaxis: { title: "time" }, margin: { t: 40, l: 70 } }, PLOT);
+  Plotly.react(target, traces, { barmode: "overlay", title, height: 140 + 30 * new Set(actions.map((a) => a[0])).size,
+    uniformtext: { mode: "hide", minsize: 9 }, yaxis: { autorange: "reversed", title: { text: "pipeline rank" } },
+    xaxis: { title: { text: xtitle } }, margin: { t: 40, l: 110 } }, PLOT);
 }
 
 // ------------------------------------------------------------------------------------- explore
-function layoutKey(D, values) {
-  return Object.keys(D.options).map((k) => String(values[k]).toLowerCase()).join("|");
+const lower = (v) => String(v).toLowerCase();
+
+function slotOf(D, values) {
+  // the entries' position of these toggle values (mixed radix over D.options, in its order)
+  let slot = 0;
+  for (const [name, options] of Object.entries(D.options)) slot = slot * options.length + options.map(lower).indexOf(lower(values[name]));
+  return slot;
 }
 
 function buildControls(D) {
   const box = el("div"); box.id = "controls";
-  const defaults = { pp_schedule: "1f1b", checkpointing: "none" };
   for (const [name, values] of Object.entries(D.options)) {
+    if (values.length < 2) continue;  // (nothing to choose: e.g. no ep toggle for a dense model)
     const label = el("label", null, name + " ");
     const select = el("select"); select.id = "ctl-" + name;
-    for (const v of values) { const o = el("option", null, String(v)); o.value = String(v); select.appendChild(o); }
-    select.value = String(defaults[name] !== undefined ? defaults[name] : values[0]);
+    for (const v of values) { const o = el("option", null, String(v)); o.value = lower(v); select.appendChild(o); }
+    select.value = lower(D.start[name]);
     select.addEventListener("change", () => renderExplore(D, name));
     label.appendChild(select); box.appendChild(label);
   }
@@ -54,25 +61,48 @@ function buildControls(D) {
 
 function currentValues(D) {
   const values = {};
-  for (const name of Object.keys(D.options)) values[name] = $("ctl-" + name).value;
+  for (const [name, options] of Object.entries(D.options)) values[name] = $("ctl-" + name) ? $("ctl-" + name).value : lower(options[0]);
   const pipelined = values.pp !== "1";
-  $("ctl-pp_schedule").disabled = !pipelined; $("ctl-pp_virtual").disabled = !pipelined;
+  for (const name of ["pp_schedule", "pp_virtual"]) if ($("ctl-" + name)) $("ctl-" + name).disabled = !pipelined;
   if (!pipelined) { values.pp_schedule = "1f1b"; values.pp_virtual = "1"; }  // one stage: no schedule
   return values;
 }
 
+function rankingSection(D) {
+  const box = section("ranking", "The planner's best layouts (as fived plan ranks them; click one to load it)");
+  if (!D.ranking.length) { box.appendChild(el("p", "invalid", `nothing fits in ${D.capacity_gib} GiB per GPU: the page opens on the layout that needs the least memory`)); return; }
+  const t = el("table", "figures"); t.id = "ranking-table";
+  t.appendChild(rowOf("th", ["#", "layout", "step s", "tokens/s/GPU", "MFU", "GiB per GPU"]));
+  D.ranking.forEach((r, i) => {
+    const tr = rowOf("td", [String(i + 1), r.describe, r.step_s.toPrecision(4), r.tokens_per_s_per_gpu.toFixed(1), (100 * r.mfu).toFixed(1) + "%", r.gib.toFixed(2)]);
+    tr.className = "rank-row"; tr.dataset.rank = String(i);
+    tr.addEventListener("click", () => {
+      for (const [name, v] of Object.entries(r.values)) if ($("ctl-" + name)) $("ctl-" + name).value = v;
+      renderExplore(D, null);
+    });
+    t.appendChild(tr);
+  });
+  box.appendChild(t);
+}
+
+function markRanking(D, values) {
+  document.querySelectorAll("#ranking-table tr.rank-row").forEach((tr) => {
+    const shown = D.ranking[Number(tr.dataset.rank)].values;
+    const same = Object.keys(shown).every((k) => shown[k] === values[k] || (values.pp === "1" && ["pp_schedule", "pp_virtual"].includes(k)));
+    tr.classList.toggle("current", same);
+  });
+}
+
 function renderExplore(D, changed) {
   const values = currentValues(D);
-  const entry = D.entries[layoutKey(D, values)];
+  const entry = D.entries[slotOf(D, values)];
   const status = $("status");
+  markRanking(D, values);
   document.querySelectorAll("#controls select").forEach((s) => s.classList.remove("invalid"));
-  if (entry === undefined) {
-    status.className = "invalid"; status.textContent = "this combination is not reachable: gpus=" + D.gpus + " is not a multiple of tp*pp*cp";
-    if (changed) $("ctl-" + changed).classList.add("invalid");
-    document.body.dataset.valid = "false"; return;
-  }
-  if (typeof entry === "number") {
-    status.className = "invalid"; status.textContent = "invalid: " + D.errors[entry];
+  if (entry === null || entry === undefined || typeof entry === "number") {
+    status.className = "invalid";
+    status.textContent = typeof entry === "number" ? "invalid: " + D.errors[entry]
+      : "this combination is not reachable: gpus=" + D.gpus + " is not a multiple of tp*pp*cp";
     if (changed) $("ctl-" + changed).classList.add("invalid");
     document.body.dataset.valid = "false"; return;
   }
@@ -86,32 +116,31 @@ function renderExplore(D, changed) {
   drawStep(D, entry);
 }
 
+const COMPACT_GPUS = 8;  // a replica of more GPUs: each stage's tensors listed once, its GPUs as tiles
+
 function drawLayerMap(D, entry) {
   const box = $("layer-map-body"); box.replaceChildren();
   const weights = D.maps.weights[entry.map[0]], acts = D.maps.activations[entry.map[1]], ranks = D.maps.ranks[entry.map[2]];
-  const [tp, , , cp, dp] = entry.map[0].split("|").map(Number);  // the weights' key: tp|ep|zero|cp|dp
+  const [tp, , , cp, dp] = entry.map[0].split("|").map(Number);  // the weights' key: tp|ep|zero|cp|dp|dp_replicate
+  const compact = tp * cp * ranks.length > COMPACT_GPUS;
+  box.classList.toggle("compact", compact);
   const tensors = weights.concat(acts);
   const joined = {};  // global rank -> collectives it takes part in
-  entry.collectives.forEach((c, i) => c[6].forEach((r) => (joined[r] = joined[r] || []).push(i)));
+  entry.collectives.forEach((c, i) => D.members[c[6]].forEach((r) => (joined[r] = joined[r] || []).push(i)));
   ranks.forEach((rank, p) => {
     const row = el("div", "stage");
     const held = rank.layers ? "layers " + rank.stages.map((s) => s[0] + "-" + s[1]).join(", ") + ` (${rank.layers})` : "no layers";
-    row.appendChild(el("div", "stage-label", `pp rank ${p}: ${held}` + (rank.first ? ", embedding" : "") + (rank.last ? ", head" : "")));
+    row.appendChild(el("div", "stage-label", `pp rank ${p}: ${held}` + (rank.first ? ", embedding" : "") + (rank.last ? ", head" : "") +
+      (compact ? ` — each of its ${tp * cp} GPUs holds:` : "")));
+    if (compact) row.appendChild(tensorList(tensors, rank, "stage-tensors"));
     const gpus = el("div", "gpus");
     for (let c = 0; c < cp; c++) for (let t = 0; t < tp; t++) {
       const g = (p * dp * cp + c) * tp + t;
-      const gpu = el("div", "gpu"); gpu.id = "gpu-" + g;
-      gpu.appendChild(el("div", "gpu-label", `GPU ${g} (tp ${t}, cp ${c})`));
-      for (const x of tensors) {
-        const present = x.part === "layer" || (x.part === "embedding" && rank.first) || (x.part === "head" && rank.last);
-        const state = !present ? "absent" : x.split ? "sharded" : "replicated";
-        const shape = x.stored ? `[${x.shape}] stores [${x.stored}]` : `[${x.shape}]`;
-        const chip = el("div", `tensor ${x.kind} ${state}`, `${x.name} ${present ? shape : "—"}`);
-        chip.title = `${x.kind} ${x.name}: full [${x.full}], ${state}${x.split ? " by " + x.split : ""}` +
-          (x.state_note ? "; " + x.state_note : "") + (x.note ? "; " + x.note : "");
-        gpu.appendChild(chip);
-      }
-      for (const i of joined[g] || []) gpu.appendChild(el("span", "badge c" + (i % 8), entry.collectives[i][0] + " " + entry.collectives[i][1]));
+      const gpu = el("div", compact ? "gpu tile" : "gpu"); gpu.id = "gpu-" + g;
+      gpu.appendChild(el("div", "gpu-label", compact ? `GPU ${g}` : `GPU ${g} (tp ${t}, cp ${c})`));
+      gpu.title = `GPU ${g}: tp rank ${t}, cp rank ${c}, pp rank ${p}`;
+      if (!compact) gpu.appendChild(tensorList(tensors, rank, null));
+      for (const i of joined[g] || []) gpu.appendChild(el("span", "badge c" + (i % 8), compact ? "" : entry.collectives[i][0] + " " + entry.collectives[i][1]));
       gpus.appendChild(gpu);
     }
     row.appendChild(gpus); box.appendChild(row);
@@ -119,35 +148,54 @@ function drawLayerMap(D, entry) {
   const list = el("table", "collectives");
   list.appendChild(rowOf("th", ["collective", "mesh dimension", "bytes / step", "calls / step", "link", "group size", "joins GPUs (this replica)"]));
   entry.collectives.forEach((c, i) => {
-    const tr = rowOf("td", [c[1], c[0], BYTES(c[2]), String(c[3]), c[4], String(c[5]), c[6].join(", ") + (c[7] ? ` + ${c[7]} in other replicas` : "")]);
+    const members = D.members[c[6]];
+    const tr = rowOf("td", [c[1], c[0], BYTES(c[2]), String(c[3]), c[4], String(c[5]), members.join(", ") + (c[7] ? ` + ${c[7]} in other replicas` : "")]);
     tr.className = "c" + (i % 8);
-    tr.addEventListener("mouseenter", () => c[6].forEach((r) => $("gpu-" + r) && $("gpu-" + r).classList.add("lit")));
+    tr.addEventListener("mouseenter", () => members.forEach((r) => $("gpu-" + r) && $("gpu-" + r).classList.add("lit")));
     tr.addEventListener("mouseleave", () => document.querySelectorAll(".gpu.lit").forEach((g) => g.classList.remove("lit")));
     list.appendChild(tr);
   });
   if (!entry.collectives.length) list.appendChild(rowOf("td", ["(none: one GPU)"]));
   box.appendChild(list);
-  drawLinks(box, entry.collectives);
+  if (!compact) drawLinks(box, entry.collectives.map((c) => [D.members[c[6]], c[7]]));
+}
+
+function tensorList(tensors, rank, cls) {
+  const box = el("div", cls);
+  for (const x of tensors) {
+    const present = x.part === "layer" || (x.part === "embedding" && rank.first) || (x.part === "head" && rank.last);
+    const state = !present ? "absent" : x.split ? "sharded" : "replicated";
+    const shape = x.stored ? `[${x.shape}] stores [${x.stored}]` : `[${x.shape}]`;
+    const chip = el("div", `tensor ${x.kind} ${state}`, `${x.name} ${present ? shape : "—"}`);
+    chip.title = `${x.kind} ${x.name}: full [${x.full}], ${state}${x.split ? " by " + x.split : ""}` +
+      (x.state_note ? "; " + x.state_note : "") + (x.note ? "; " + x.note : "");
+    box.appendChild(chip);
+  }
+  return box;
 }
 
 const LINK_COLOURS = ["#1f77b4", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"];
 
-function drawLinks(box, collectives) {
-  // each collective as a line through the GPUs of this replica it joins (a stub where it only leaves the replica)
+function drawLinks(box, groups) {
+  // each collective: a lane in the left margin (vertical), and a branch to each GPU it joins along that
+  // GPU's top gutter (horizontal): lines never cross a GPU's tensors; a stub where it leaves the replica
   const svg = document.createElementNS("http://www.w3.org/2000/svg", "svg"); svg.id = "links";
   const origin = box.getBoundingClientRect();
   svg.setAttribute("width", origin.width); svg.setAttribute("height", origin.height);
-  collectives.forEach((c, i) => {
-    const points = c[6].map((r) => $("gpu-" + r)).filter(Boolean).map((g) => {
+  groups.forEach(([members, others], i) => {
+    const lane = 4 + 5 * i;
+    const points = members.map((r) => $("gpu-" + r)).filter(Boolean).map((g) => {
       const b = g.getBoundingClientRect();
-      return [b.left - origin.left + 14 + 9 * i, b.top - origin.top + 4 + 4 * i];  // in the box's top gutter
+      return [b.left - origin.left + 14 + 9 * i, b.top - origin.top + 4 + 4 * i];
     });
-    if (points.length < 2 && c[7]) points.push([points[0][0], points[0][1] - 6]);
-    if (points.length < 2) return;
-    const line = document.createElementNS("http://www.w3.org/2000/svg", "polyline");
-    line.setAttribute("points", points.map((p) => p.join(",")).join(" "));
-    line.setAttribute("stroke", LINK_COLOURS[i % 8]); line.setAttribute("class", "link");
-    svg.appendChild(line);
+    if (points.length < 2 && !(points.length && others)) return;
+    const ys = points.map((p) => p[1]);
+    let d = `M${lane},${Math.min(...ys)} L${lane},${Math.max(...ys)}`;
+    for (const [x, y] of points) d += ` M${lane},${y} L${x},${y}`;
+    if (others) d += ` M${lane},${Math.min(...ys)} L${lane},${Math.min(...ys) - 6}`;
+    const path = document.createElementNS("http://www.w3.org/2000/svg", "path");
+    path.setAttribute("d", d); path.setAttribute("stroke", LINK_COLOURS[i % 8]); path.setAttribute("class", "link");
+    svg.appendChild(path);
   });
   box.appendChild(svg);
 }
@@ -157,24 +205,36 @@ function rowOf(cell, texts) {
 }
 
 function drawMemory(D, entry) {
+  // this layout beside the capacity; no parallelism in a panel of its own (its own scale: often 20x the GPU)
   const total = entry.memory[6];
   const t = $("memory-total"); t.textContent = "per-GPU memory: " + GIB(total); t.dataset.gib = String(total);
   const parts = D.memory_parts.slice(0, 6);
-  const traces = parts.map((p, i) => ({ type: "bar", name: p, x: ["this layout", "no parallelism"], y: [entry.memory[i], D.baseline[i]] }));
-  Plotly.react("memory-chart", traces, { barmode: "stack", height: 420, yaxis: { title: "GiB per GPU" },
-    shapes: [{ type: "line", xref: "paper", x0: 0, x1: 1, y0: D.capacity_gib, y1: D.capacity_gib, line: { color: "red", dash: "dash" } }],
-    annotations: [{ xref: "paper", x: 1, y: D.capacity_gib, text: `capacity ${D.capacity_gib} GiB`, showarrow: false, yanchor: "bottom", xanchor: "right" }],
-    margin: { t: 20 } }, PLOT);
+  const traces = parts.flatMap((p, i) => [
+    { type: "bar", name: p, legendgroup: p, x: ["this layout"], y: [entry.memory[i]], marker: { color: PART_COLOURS[i] } },
+    { type: "bar", name: p, legendgroup: p, showlegend: false, x: ["no parallelism"], y: [D.baseline[i]], xaxis: "x2", yaxis: "y2", marker: { color: PART_COLOURS[i] } }]);
+  const capacity = (axis) => ({ type: "line", xref: axis === "y" ? "x domain" : "x2 domain", x0: 0, x1: 1, yref: axis, y0: D.capacity_gib, y1: D.capacity_gib, line: { color: "red", dash: "dash" } });
+  Plotly.react("memory-chart", traces, { barmode: "stack", height: 420, margin: { t: 30 },
+    xaxis: { domain: [0, 0.55], title: { text: "layout" } }, yaxis: { title: { text: "GiB per GPU" }, rangemode: "tozero", range: [0, 1.15 * Math.max(total, D.capacity_gib)] },
+    xaxis2: { domain: [0.72, 1], anchor: "y2", title: { text: `${(D.baseline[6] / D.capacity_gib).toFixed(1)}x the capacity` } },
+    yaxis2: { anchor: "x2", title: { text: "GiB on one GPU" }, rangemode: "tozero" },
+    shapes: [capacity("y"), capacity("y2")],
+    annotations: [{ xref: "x domain", x: 1, y: D.capacity_gib, yref: "y", text: `capacity ${D.capacity_gib} GiB`, showarrow: false, yanchor: "bottom", xanchor: "right" }] }, PLOT);
 }
+
+const PART_COLOURS = ["#4c78a8", "#f58518", "#54a24b", "#e45756", "#72b7b2", "#b279a2"];
 
 function drawPipeline(D, entry) {
   const text = $("bubble");
-  if (!entry.timeline) { text.textContent = "pp=1: no pipeline (micro-batches accumulate on every GPU)"; Plotly.purge("timeline-chart"); return; }
+  if (!entry.timeline) {
+    text.textContent = entry.bubble ? `bubble fraction ${(entry.bubble * 100).toFixed(2)}% with ${entry.microbatches} micro-batches (a pipeline this deep is not drawn)`
+      : "pp=1: no pipeline (micro-batches accumulate on every GPU)";
+    text.dataset.bubble = String(entry.bubble); Plotly.purge("timeline-chart"); return;
+  }
   const tl = D.timelines[entry.timeline];
   text.textContent = `bubble fraction ${(entry.bubble * 100).toFixed(2)}% with ${entry.microbatches} micro-batches ` +
     `(timeline drawn for ${tl.microbatches}; ${tl.stages} stages, ${tl.stages_per_rank} per rank; unit costs F=1, B=2)`;
   text.dataset.bubble = String(entry.bubble);
-  timelineChart("timeline-chart", tl.actions, "");
+  timelineChart("timeline-chart", tl.actions, "", "time (units: a forward F = 1, a backward B = 2)");
 }
 
 function drawStep(D, entry) {
@@ -182,8 +242,8 @@ function drawStep(D, entry) {
   const total = entry.time[entry.time.length - 1];
   $("throughput").textContent = `step ${total.toPrecision(4)} s · ${entry.tokens_per_s_per_gpu.toFixed(1)} tokens/s/GPU · MFU ${(entry.mfu * 100).toFixed(1)}%`;
   Plotly.react("time-chart", [{ type: "bar", orientation: "h", y: parts, x: entry.time.slice(0, -1), text: entry.time.slice(0, -1).map((s) => s.toPrecision(3) + " s") }],
-    { height: 360, xaxis: { title: "seconds per step (exposed)" }, yaxis: { autorange: "reversed" }, margin: { t: 20, l: 90 } }, PLOT);
-  $("flags").textContent = `fived train --model ${D.model} --train.seq_len ${D.seq_len} --train.dtype ${D.dtype} ${entry.flags}`;
+    { height: 360, xaxis: { title: { text: "seconds per step (exposed)" } }, yaxis: { autorange: "reversed", title: { text: "component" } }, margin: { t: 20, l: 110 } }, PLOT);
+  $("flags").textContent = `fived train --model ${D.model} --train.seq_len ${D.seq_len} --train.dtype ${D.dtype} ` + entry.flags.map((i) => D.flag_words[i]).join(" ");
 }
 
 function explorePage(D) {
@@ -191,6 +251,7 @@ function explorePage(D) {
   const info = el("p", null, `${D.model} on ${D.gpus} x ${D.gpu} (${D.gpus_per_node} per node, ${D.device_gib} GiB), seq ${D.seq_len}, global batch ${D.global_batch} sequences; every figure from fived's planner`);
   $("app").appendChild(info);
   buildControls(D);
+  rankingSection(D);
   const map = section("layer-map", "Layer map: one model replica, per GPU");
   map.appendChild(el("p", "legend", "tensors: sharded / replicated / not present; hover a collective to light the GPUs it joins"));
   const body = el("div"); body.id = "layer-map-body"; map.appendChild(body);
@@ -254,7 +315,7 @@ function renderServe(D, changed) {
   const t = $("memory-total"); t.textContent = "per-GPU memory: " + GIB(total); t.dataset.gib = String(total);
   const parts = D.memory_parts.slice(0, 4);
   Plotly.react("memory-chart", parts.map((p, i) => ({ type: "bar", name: p.replace("_", " "), x: ["this layout"], y: [entry.memory[i]] })),
-    { barmode: "stack", height: 380, yaxis: { title: "GiB per GPU" },
+    { barmode: "stack", height: 380, xaxis: { title: { text: "layout" } }, yaxis: { title: { text: "GiB per GPU" } },
       shapes: [{ type: "line", xref: "paper", x0: 0, x1: 1, y0: D.capacity_gib, y1: D.capacity_gib, line: { color: "red", dash: "dash" } }],
       annotations: [{ xref: "paper", x: 1, y: D.capacity_gib, text: `capacity ${D.capacity_gib} GiB`, showarrow: false, yanchor: "bottom", xanchor: "right" }],
       margin: { t: 20 } }, PLOT);
@@ -269,9 +330,22 @@ function renderServe(D, changed) {
 }
 
 // -------------------------------------------------------------------------------------- report
-function lineChart(target, steps, series, ytitle) {
+function segmentMarks(segments) {
+  // where each launch's steps begin (a resume, a restart), on every chart, with the layout of each stretch
+  const shapes = [], annotations = [];
+  segments.forEach((s, i) => {
+    const x = s.first_step - 0.5;
+    if (i > 0) shapes.push({ type: "line", xref: "x", x0: x, x1: x, yref: "paper", y0: 0, y1: 1, line: { dash: "dot", width: 2, color: s.changed ? "#d62728" : "#555" } });
+    const what = i === 0 ? s.layout : `${s.event} at step ${s.first_step}: ${s.layout}` + (s.changed ? " (layout changed)" : "");
+    annotations.push({ xref: "x", x, xanchor: "left", yref: "paper", y: 1 + 0.09 * (i % 2), yanchor: "bottom", showarrow: false, text: what, font: { size: 10 } });
+  });
+  return { shapes, annotations };
+}
+
+function lineChart(target, steps, series, ytitle, marks) {
   Plotly.react(target, series.map(([name, ys]) => ({ type: "scatter", mode: "lines+markers", name, x: steps, y: ys })),
-    { height: 300, xaxis: { title: "step" }, yaxis: { title: ytitle }, margin: { t: 20 } }, PLOT);
+    { height: 320, xaxis: { title: { text: "step" } }, yaxis: { title: { text: ytitle } }, margin: { t: 50 },
+      shapes: marks.shapes, annotations: marks.annotations }, PLOT);
 }
 
 function tableOf(id, header, rows) {
@@ -287,7 +361,7 @@ function breakdownSection(diag) {
   Plotly.react(chart, [
     { type: "bar", name: "measured", x: names, y: diag.components.map((c) => c.measured_s) },
     { type: "bar", name: "planner", x: names, y: diag.components.map((c) => c.predicted_s) }],
-    { barmode: "group", height: 300, yaxis: { title: "seconds per step" }, margin: { t: 20 } }, PLOT);
+    { barmode: "group", height: 300, xaxis: { title: { text: "component" } }, yaxis: { title: { text: "seconds per step" } }, margin: { t: 20 } }, PLOT);
   box.appendChild(tableOf("breakdown-table", ["component", "measured s", "share", "planner s"], diag.components.map((c) =>
     [c.component, c.measured_s.toFixed(4), (100 * c.measured_share).toFixed(0) + "%", c.predicted_s == null ? "" : c.predicted_s.toFixed(4)])));
   const text = el("pre", null, diag.text); text.id = "diagnosis"; box.appendChild(text);
@@ -295,13 +369,14 @@ function breakdownSection(diag) {
 
 function reportPage(D) {
   $("app").replaceChildren();
-  $("app").appendChild(el("p", null, D.summary));
-  const M = D.metrics, steps = M.step;
-  const charts = [["loss", "loss", "loss"], ["lr", "learning rate", "lr"], ["grad-norm", "grad norm", "grad_norm"],
-    ["tokens-per-s", "tokens/s", "tokens_per_s"], ["mfu", "MFU", "mfu"]];
-  for (const [id, title, key] of charts) {
+  const summary = el("p", null, D.summary); summary.id = "summary"; $("app").appendChild(summary);
+  const M = D.metrics, steps = M.step, marks = segmentMarks(D.segments || []);
+  const charts = [["loss", "loss", "loss", "loss (mean cross-entropy)"], ["lr", "learning rate", "lr", "learning rate"],
+    ["grad-norm", "grad norm", "grad_norm", "gradient norm (before clipping)"], ["tokens-per-s", "tokens/s", "tokens_per_s", "tokens/s (all ranks)"],
+    ["mfu", "MFU", "mfu", "MFU"]];
+  for (const [id, title, key, ytitle] of charts) {
     const s = section("chart-" + id, title); const div = el("div", "chart"); div.id = id + "-chart"; s.appendChild(div);
-    lineChart(div, steps, [[key, M[key]]], title);
+    lineChart(div, steps, [[key, M[key]]], ytitle, marks);
   }
   if (M.val_loss) Plotly.addTraces("loss-chart", { type: "scatter", mode: "lines+markers", name: "val_loss", x: M.val_step, y: M.val_loss });
   const mem = section("memory-table", "Model-state bytes per rank: measured | planner");
@@ -310,18 +385,19 @@ function reportPage(D) {
   const comm = section("comm-table", "Communication per step on rank 0, per mesh dimension: measured | planner");
   comm.appendChild(tableOf("comm-bytes", ["dimension/collective", "measured bytes", "calls", "planner bytes"], D.comm.map((c) => [c.key, c.bytes, c.calls, c.predicted])));
   breakdownSection(D.diagnosis);
-  const pipe = section("pipeline", "Pipeline timeline (executed)");
+  const pipe = section("pipeline", "Pipeline timeline (executed, the last step)");
   const tl = el("div", "chart"); tl.id = "timeline-chart"; pipe.appendChild(tl);
   if (D.timeline.length) {
     pipe.insertBefore(el("p", null, D.bubble_line), tl);
-    timelineChart(tl, D.timeline, "");
+    timelineChart(tl, D.timeline, "", "seconds from the step's first action");
   } else pipe.appendChild(el("p", null, D.layout.pp ? "no pipeline (pp=1)" : "not recorded yet: run.json comes at the end of the run"));
   const experts = section("experts", "Expert load per MoE layer (tokens routed to each expert, last step)");
   const ex = el("div", "chart"); ex.id = "experts-chart"; experts.appendChild(ex);
   const layers = Object.keys(D.expert_load);
   if (layers.length) {
     Plotly.react(ex, [{ type: "heatmap", z: layers.map((l) => D.expert_load[l]), y: layers.map((l) => "layer " + l),
-      x: D.expert_load[layers[0]].map((_, i) => "expert " + i), colorscale: "Viridis" }], { height: 120 + 40 * layers.length, margin: { t: 20, l: 80 } }, PLOT);
+      x: D.expert_load[layers[0]].map((_, i) => "expert " + i), colorscale: "Viridis", colorbar: { title: { text: "tokens" } } }],
+      { height: 140 + 40 * layers.length, xaxis: { title: { text: "expert" } }, yaxis: { title: { text: "MoE layer" } }, margin: { t: 20, l: 110 } }, PLOT);
   } else experts.appendChild(el("p", null, D.layout.pp ? "dense model: no experts" : "not recorded yet: run.json comes at the end of the run"));
 }
 

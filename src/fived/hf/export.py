@@ -33,7 +33,8 @@ def _hf_entries(name: str, shape: tuple[int, ...], cfg, kind: str) -> list[tuple
 
 def _shards(tensors: list[tuple[str, list, int]], max_bytes: int) -> list[list]:
     """Consecutive fived tensors grouped into files of at most max_bytes (a larger tensor alone)."""
-    shards, size = [[]], 0
+    shards: list[list] = [[]]
+    size = 0
     for entry in tensors:
         if shards[-1] and size + entry[2] > max_bytes:
             shards.append([])
@@ -87,7 +88,7 @@ def _write_model(checkpoint: Path, cfg, out: Path, max_shard_bytes: int) -> None
         file = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         writer = StreamingSafetensorsWriter(out / file, [(hf, shape, dtype) for _, entries, _ in shard
                                                           for hf, shape in entries])
-        for name, entries, _ in shard:
+        for name, _, _ in shard:
             whole = dcp_io.read_whole(checkpoint, [f"model.{name}"])[f"model.{name}"].to(dtype)
             for hf, tensor in fived_to_hf(name, whole, cfg.model, kind):
                 writer.write(hf, tensor)

@@ -65,7 +65,9 @@ def configure_init_from(cfg, given: dict) -> None:
     else:
         from fived.checkpoint import check_model_shapes, find_checkpoint
 
-        check_model_shapes(cfg, find_checkpoint(source))
+        checkpoint = find_checkpoint(source)
+        assert checkpoint is not None  # (is_hf_directory or a fived run/checkpoint: checked by its caller)
+        check_model_shapes(cfg, checkpoint)
     if tokenizer:
         if "data.tokenizer" in given and given["data.tokenizer"] != tokenizer:
             raise ConfigError("data.tokenizer", given["data.tokenizer"], f"the tokenizer comes from --init-from "
@@ -120,7 +122,9 @@ def load_initial_weights(source: str, values: dict, buffers: set[str]) -> None:
     from fived import dcp_io
     from fived.checkpoint import find_checkpoint
 
-    dcp_io.load({f"model.{name}": value for name, value in values.items()}, find_checkpoint(source))
+    checkpoint = find_checkpoint(source)
+    assert checkpoint is not None  # (configure_init_from found it)
+    dcp_io.load({f"model.{name}": value for name, value in values.items()}, checkpoint)
 
 
 def whole_state(directory: str | Path, cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:

@@ -8,6 +8,7 @@ which is the transpose of Hugging Face's per-expert [hidden, dim] / [dim, hidden
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from fived.config import ModelConfig
 
@@ -57,7 +58,7 @@ def hf_source(name: str, kind: str) -> Source:
     raise KeyError(f"fived parameter {name} has no Hugging Face counterpart in {kind}")
 
 
-def fived_to_hf(name: str, tensor, cfg: ModelConfig, kind: str) -> list[tuple[str, object]]:
+def fived_to_hf(name: str, tensor, cfg: ModelConfig, kind: str) -> list[tuple[str, Any]]:
     """One whole fived tensor as the Hugging Face tensors it becomes (contiguous)."""
     source = hf_source(name, kind)
     if source.name:

@@ -26,7 +26,7 @@ class HfCheckpoint:
         else:
             self.files = {}
             for path in sorted(self.directory.glob("*.safetensors")):
-                for name in self._header(path).keys():
+                for name in self._header(path).keys():  # noqa: SIM118  (safetensors' safe_open is no iterable)
                     self.files[name] = path
 
     def _header(self, path: Path):

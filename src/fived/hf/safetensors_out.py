@@ -30,7 +30,7 @@ class StreamingSafetensorsWriter:
         text = json.dumps(header, separators=(",", ":")).encode()
         text += b" " * (-len(text) % 8)  # (the data starts 8-byte aligned)
         self.pending = [(name, tuple(shape), dtype) for name, shape, dtype in entries]
-        self.file = open(path, "wb")
+        self.file = open(path, "wb")  # noqa: SIM115  (the writer owns it: closed by its close())
         self.file.write(struct.pack("<Q", len(text)) + text)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
@@ -38,7 +38,7 @@ class StreamingSafetensorsWriter:
         if expected != (name, tuple(tensor.shape), tensor.dtype):
             raise ValueError(f"expected {expected}, got {(name, tuple(tensor.shape), tensor.dtype)}")
         data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-        self.file.write(memoryview(data.numpy()))
+        self.file.write(data.numpy().data)  # (the array's buffer: no copy)
 
     def close(self) -> None:
         self.file.close()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from fived.config import Config, ConfigError
+from fived.config import Config, ConfigError, config_fields
 
 # (field, lowest, highest, a valid example): inclusive integer ranges.
 INTEGER_BOUNDS = (
@@ -18,7 +18,8 @@ INTEGER_BOUNDS = (
     ("model.moe_ffn_dim", 0, 2**20, 0), ("model.n_shared_experts", 0, 64, 1), ("model.n_dense_layers", 0, 4096, 0),
     ("model.rope_original_max_len", 1, 2**24, 8192),
     ("train.steps", 1, 10**12, 200), ("train.seq_len", 2, 2**24, 64), ("train.global_batch", 1, 2**24, 16),
-    ("train.microbatches", 1, 2**20, 1), ("train.warmup_steps", 0, 10**12, 20), ("train.seed", 0, 2**63 - 1, 0),
+    ("train.microbatches", 1, 2**20, 1), ("train.warmup_steps", 0, 10**12, 20),
+    ("train.decay_steps", 0, 10**12, 0), ("train.seed", 0, 2**63 - 1, 0),
     ("train.log_every", 1, 10**12, 10), ("train.eval_every", 0, 10**12, 0), ("train.eval_batches", 0, 2**24, 8),
     ("train.max_restarts", 0, 10**6, 2), ("train.spike_window", 1, 10**6, 20), ("train.max_rollbacks", 0, 10**6, 3),
     ("train.muon_ns_steps", 1, 100, 5),
@@ -29,6 +30,7 @@ INTEGER_BOUNDS = (
 FLOAT_RULES = (
     ("train.lr", "must be > 0", lambda v: v > 0, "3e-3"),
     ("train.min_lr_ratio", "must be in [0, 1]", lambda v: 0 <= v <= 1, "0.1"),
+    ("train.decay_fraction", "must be in (0, 1]", lambda v: 0 < v <= 1, "0.2"),
     ("train.beta1", "must be in [0, 1)", lambda v: 0 <= v < 1, "0.9"),
     ("train.beta2", "must be in [0, 1)", lambda v: 0 <= v < 1, "0.95"),
     ("train.muon_momentum", "must be in [0, 1)", lambda v: 0 <= v < 1, "0.95"),
@@ -47,10 +49,8 @@ FLOAT_RULES = (
     ("model.router_bias_rate", "must be >= 0", lambda v: v >= 0, "0"),
 )
 
-CHOICES = (("train.on_spike", ("stop", "rollback"), "stop"),)
 
-
-def ns_coefficients(text: str, steps: int) -> list[tuple[float, float, float]] | None:
+def ns_coefficients(text: str, steps: int) -> list[tuple[float, ...]] | None:
     """train.muon_ns_coefficients as one (a, b, c) per iteration: one triple for all, or one per
     iteration separated by ";". None when it is not that."""
     try:
@@ -74,20 +74,21 @@ def _flag(dotted: str) -> str:
 def number_errors(cfg: Config) -> list[ConfigError]:
     """Every config number outside its range, and every unknown choice, as one-line errors."""
     errs = []
-    for dotted, lowest, highest, example in INTEGER_BOUNDS:
+    for dotted, lowest, highest, int_example in INTEGER_BOUNDS:
         value = _value(cfg, dotted)
         if not lowest <= value <= highest:
             rule = f"must be >= {lowest}" if value < lowest else f"must be <= {highest} (far beyond any real run)"
-            errs.append(ConfigError(dotted, value, rule, f"e.g. {_flag(dotted)} {example}"))
+            errs.append(ConfigError(dotted, value, rule, f"e.g. {_flag(dotted)} {int_example}"))
     for dotted, rule, ok, example in FLOAT_RULES:
         value = _value(cfg, dotted)
         if not (math.isfinite(value) and ok(value)):
             errs.append(ConfigError(dotted, value, rule + (" and finite" if not math.isfinite(value) else ""),
                                     f"e.g. {_flag(dotted)} {example}"))
-    for dotted, options, example in CHOICES:
-        value = _value(cfg, dotted)
-        if value not in options:
-            errs.append(ConfigError(dotted, value, "must be one of " + ", ".join(options), f"e.g. {_flag(dotted)} {example}"))
+    for f in config_fields():  # (a config built in Python: flags and TOML files are checked as they are read)
+        value = getattr(getattr(cfg, f.section), f.attr)
+        if f.choices is not None and value not in f.choices:
+            errs.append(ConfigError(f"{f.section}.{f.key}", value, "must be one of " + ", ".join(map(str, f.choices)),
+                                    f"e.g. {_flag(f.section + '.' + f.key)} {f.default}"))
     t = cfg.train
     if t.muon_ns_steps >= 1 and ns_coefficients(t.muon_ns_coefficients, t.muon_ns_steps) is None:
         errs.append(ConfigError("train.muon_ns_coefficients", t.muon_ns_coefficients,

@@ -11,15 +11,17 @@ process groups of a layout.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
+from typing import get_args
 
-from fived.config import Config, DataConfig, ParallelConfig, TrainConfig
+from fived.config import (Checkpointing, CompileBackend, Config, CpBalance, CpMode, DataConfig, Fp8Recipe, MuonScale,
+                          Optimizer, ParallelConfig, PPSchedule, ReduceDtype, TrainConfig, ZeroStage)
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev")
-CHECKPOINTING = ("none", "full", "selective")
-FP8_RECIPES = ("none", "tensorwise", "rowwise")  # train.fp8: torchao's float8 training recipes
+PP_SCHEDULES = get_args(PPSchedule)
+CHECKPOINTING = get_args(Checkpointing)
+FP8_RECIPES = get_args(Fp8Recipe)  # train.fp8: torchao's float8 training recipes
 EP_OVERLAP_CHUNKS = 2  # parallel.ep_overlap: the routed slots' chunks (fived.parallel.expert_overlap)
-COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")  # train.compile_backend (fived.parallel.compile)
+COMPILE_BACKENDS = get_args(CompileBackend)  # train.compile_backend (fived.parallel.compile)
 V_SHAPED = ("zbv", "dualpipev")  # two stages per rank, V-shaped
 SINGLE_STAGE = ("gpipe", "1f1b")
 SPLIT_BACKWARD = ("zero-bubble", "zbv", "dualpipev")  # backward split into input- and weight-gradient passes
@@ -28,10 +30,10 @@ SPLIT_BACKWARD = ("zero-bubble", "zbv", "dualpipev")  # backward split into inpu
 # cp_ulysses, cp_ring: hybrid context parallelism's Ulysses groups and the ring across them.
 GROUP_NAMES = ("dp", "cp", "tp", "pp", "ep", "dp_shard", "dp_replicate", "dp_cp", "dp_shard_cp", "edp", "dp_cp_tp",
                "cp_ulysses", "cp_ring")
-OPTIMIZERS = ("adamw", "muon")  # train.optimizer (fived.optim, fived.muon)
-MUON_SCALES = ("rms", "spectral", "none")  # train.muon_scale (fived.muon.update_scale)
-CP_MODES = ("ring", "ulysses", "hybrid")  # parallel.cp_mode
-CP_BALANCES = ("work", "halves")  # parallel.cp_balance
+OPTIMIZERS = get_args(Optimizer)  # train.optimizer (fived.optim, fived.muon)
+MUON_SCALES = get_args(MuonScale)  # train.muon_scale (fived.muon.update_scale)
+CP_MODES = get_args(CpMode)  # parallel.cp_mode
+CP_BALANCES = get_args(CpBalance)  # parallel.cp_balance
 
 
 @dataclass(frozen=True)
@@ -98,12 +100,12 @@ class Layout:
     pp: int = P.pp
     cp: int = P.cp
     ep: int = P.ep
-    zero: int = P.zero
+    zero: ZeroStage = P.zero
     dp_replicate: int = P.dp_replicate
-    reduce_dtype: str = P.reduce_dtype
+    reduce_dtype: ReduceDtype = P.reduce_dtype
     zero3_keep_gathered: bool = P.zero3_keep_gathered
     sp: bool = P.sp
-    pp_schedule: str = P.pp_schedule
+    pp_schedule: PPSchedule = P.pp_schedule
     pp_virtual: int = P.pp_virtual
     pp_layers: str = P.pp_layers
     tp_overlap: bool = P.tp_overlap
@@ -111,13 +113,13 @@ class Layout:
     overlap_param_gather: bool = P.overlap_param_gather
     bucket_mb: float = P.bucket_mb
     ep_overlap: bool = P.ep_overlap
-    cp_mode: str = P.cp_mode
+    cp_mode: CpMode = P.cp_mode
     cp_ulysses: int = P.cp_ulysses
-    cp_balance: str = P.cp_balance
+    cp_balance: CpBalance = P.cp_balance
     micro_batch: int = 1  # sequences per micro-batch on one data-parallel rank
-    checkpointing: str = TrainConfig.activation_checkpointing
+    checkpointing: Checkpointing = TrainConfig.activation_checkpointing
     etp: int = 0
-    optimizer: str = TrainConfig.optimizer  # muon: its state and its exchange of whole matrices are priced
+    optimizer: Optimizer = TrainConfig.optimizer  # muon: its state and its exchange of whole matrices are priced
     document_mask: bool = DataConfig.document_mask  # (data.document_mask: what the attention masks)
 
     @property

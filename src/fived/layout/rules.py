@@ -242,10 +242,10 @@ def _fp8_checks(t, p) -> list[tuple]:
 
 def profile_window(text: str, steps: int) -> tuple[int, int] | None:
     """train.profile "START:END" as (START, END), or None when it is empty or not a valid window."""
-    start, sep, end = text.partition(":")
-    if not sep or not start.strip().isdigit() or not end.strip().isdigit():
+    first, sep, last = text.partition(":")
+    if not sep or not first.strip().isdigit() or not last.strip().isdigit():
         return None
-    start, end = int(start), int(end)
+    start, end = int(first), int(last)
     return (start, end) if 1 <= start <= end <= steps else None
 
 

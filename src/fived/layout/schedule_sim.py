@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import types
+from typing import Any
 
 from fived.layout.layout import SINGLE_STAGE, stages_per_rank
 
@@ -25,7 +26,7 @@ Actions = dict[int, list[tuple[str, int, int]]]
 _PRODUCES = {"F": "F", "B": "G", "I": "IG", "W": ""}  # the finish-time tables an action fills
 
 
-def simulate(actions_per_rank: Actions, n_stages: int, record: list | None = None) -> dict[str, float]:
+def simulate(actions_per_rank: Actions, n_stages: int, record: list | None = None) -> dict[str, Any]:
     """actions_per_rank: rank -> [(kind, stage, microbatch)] in execution order (F/B/I/W only).
     Returns makespan, busy time per rank and the bubble fraction.
 
@@ -40,7 +41,7 @@ def simulate(actions_per_rank: Actions, n_stages: int, record: list | None = Non
     cost_of = {k: c / per_rank_stages for k, c in COST.items()}
     mbs = 1 + max((mb for acts in actions_per_rank.values() for _, _, mb in acts), default=0)
     # finish times of F, I and G: the input gradient a stage sends back, from its B or its I
-    finish = {k: [None] * (n_stages * mbs) for k in "FIG"}
+    finish: dict[str, list[float | None]] = {k: [None] * (n_stages * mbs) for k in "FIG"}
     free = {r: 0.0 for r in ranks}
     busy = {r: 0.0 for r in ranks}
     cursor = {r: 0 for r in ranks}
@@ -52,6 +53,7 @@ def simulate(actions_per_rank: Actions, n_stages: int, record: list | None = Non
         while i < len(queue):
             kind, stage, mb = queue[i]
             x = stage * mbs + mb
+            deps: tuple[tuple[str, int], ...]
             if kind == "F":  # the previous stage's output
                 deps = (("F", x - mbs),) if stage > 0 else ()
             elif kind == "W":  # after its own I

@@ -23,7 +23,7 @@ def stage_rank(stage: int, pp: int, schedule: str) -> int:
     return stage % pp
 
 
-def layer_costs(cfg: ModelConfig) -> tuple[list[float], float]:
+def layer_costs(cfg: ModelConfig) -> tuple[list[int], int]:
     """FLOPs-proportional cost of each layer, and of the output head (on the last stage)."""
     d = cfg.dim
     attn = d * cfg.head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)

@@ -99,7 +99,7 @@ class ParallelPlan:
         for name, shape in self.global_shapes.items():
             placement, value = self.placements.get(name), stored.get(name)
             full = torch.zeros(shape, dtype=like.dtype, device=like.device)
-            if value is not None and placement.replica == 0:
+            if value is not None and placement is not None and placement.replica == 0:
                 for box, view in placement.pieces(local_tensor(value.detach())):
                     full[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.sizes))] = view
             torch.distributed.all_reduce(full)

@@ -13,6 +13,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from fived.grouped_gemm import GROUPED_SWIGLU_OP
 from fived.attention import inside_blockwise
+from fived.model import Transformer
 
 _SAVE = {
     torch.ops.aten.mm.default,
@@ -39,7 +40,7 @@ def _selective_context():
     return create_selective_checkpoint_contexts(_policy)
 
 
-def apply_activation_checkpointing(model: torch.nn.Module, mode: str) -> None:
+def apply_activation_checkpointing(model: Transformer, mode: str) -> None:
     if mode == "none":
         return
     for name, block in list(model.layers.named_children()):

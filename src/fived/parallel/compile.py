@@ -15,9 +15,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fived.model import Transformer
 
-def apply_compile(model: nn.Module, backend: str) -> None:
+
+def apply_compile(model: Transformer, backend: str) -> None:
     """Replace every block of `model.layers` by its compiled wrapper."""
     for name, block in list(model.layers.named_children()):
         # dynamic=False: every micro-batch of a run has the same shape; one graph per block shape
-        model.layers.register_module(name, torch.compile(block, backend=backend, dynamic=False))
+        compiled = torch.compile(block, backend=backend, dynamic=False)
+        assert isinstance(compiled, nn.Module)  # (torch.compile of a module is a module)
+        model.layers.register_module(name, compiled)

@@ -37,6 +37,7 @@ from torch import nn
 from fived import comm
 from fived.attention import (DocumentAttention, block_backward, block_forward, blockwise, kernel_dtype,
                              masked_block_backward, masked_block_forward, order_keys)
+from fived.model import Transformer
 from fived.parallel.tensor import ReduceFromTensorParallelRegion as AllReduceSumForward
 from fived.parallel.ulysses import Reorder, gather_keys, kv_heads_for_groups, to_heads, to_sequence
 
@@ -201,7 +202,10 @@ class RingAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
         dtype = kernel_dtype(q, k, v)
-        keys = None if documents is None else order_keys(documents, positions, q.shape[0])
+        keys = None
+        if documents is not None:
+            assert positions is not None  # (document masking hands the in-document positions too)
+            keys = order_keys(documents, positions, q.shape[0])
         q, k, v = (t.transpose(1, 2).to(dtype) for t in (q, k, v))
         return ring_attention(q, k, v, keys, self.group).transpose(1, 2)
 
@@ -220,7 +224,9 @@ class UlyssesAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
         dtype, u = kernel_dtype(q, k, v), dist.get_world_size(self.group)
-        positions = (self.positions if documents is None else positions).to(q.device)
+        given = self.positions if documents is None else positions
+        assert given is not None  # (document masking hands the in-document positions too)
+        positions = given.to(q.device)
         keys = gather_keys(order_keys(documents, positions, q.shape[0]), self.group)
         q, k, v = (to_heads(t.to(dtype), self.group) for t in (q, kv_heads_for_groups(k, u), kv_heads_for_groups(v, u)))
         order = keys.argsort(dim=1, stable=True)
@@ -236,7 +242,7 @@ class UlyssesAttention(nn.Module):
         return to_sequence(Reorder.apply(out.transpose(1, 2), order.argsort(dim=1)), self.group)
 
 
-def apply_context_parallel(chunks: list[nn.Module], mesh, cfg) -> torch.Tensor:
+def apply_context_parallel(chunks: list[Transformer], mesh, cfg) -> torch.Tensor:
     """Swap every attention core for the cp mode's (ring, Ulysses, or Ulysses groups joined by a
     ring), give RoPE the global positions (of the halves layout; document masking brings its own per
     batch), and make the MoE load-balancing statistics cover the whole sequence. Returns this rank's
@@ -245,7 +251,7 @@ def apply_context_parallel(chunks: list[nn.Module], mesh, cfg) -> torch.Tensor:
     positions = local_positions(cfg.train.seq_len, mesh.cp, mesh.rank("cp"))
     for chunk in chunks:
         chunk.positions = positions
-        for block in chunk.layers.values():
+        for block in chunk.blocks():
             if mode == "ring":
                 block.attention.core = RingAttention(group)
             elif mode == "ulysses":

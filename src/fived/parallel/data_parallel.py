@@ -28,7 +28,7 @@ from fived.config import Config
 from fived.layout.spec import REDUCE_CHUNK_ELEMENTS
 from fived.mesh import DTYPES, PRECISIONS, Mesh
 from fived.ledger import local_tensor as _local
-from fived.model import canonical_name
+from fived.model import Transformer, canonical_name
 from fived.parallel.expert import is_expert
 from fived.optim import build_optimizer
 from fived.placement import Placement
@@ -39,7 +39,7 @@ class DataParallel:
 
     def __init__(self, mesh: Mesh, cfg: Config):
         self.mesh, self.cfg = mesh, cfg
-        self.chunks: list[nn.Module] = []
+        self.chunks: list[Transformer] = []
         self.optimizer: torch.optim.Optimizer | None = None
         self.precision = PRECISIONS[cfg.train.dtype]
         # bf16 runs reduce gradients in float32 unless reduce_dtype=bfloat16 (half the bytes sent).
@@ -49,10 +49,10 @@ class DataParallel:
         self.master_pairs: list[tuple[torch.Tensor, nn.Parameter]] = []
         self.master_of: dict[torch.Tensor, nn.Parameter] = {}
 
-    def shard(self, chunks: list[nn.Module]) -> None:
+    def shard(self, chunks: list[Transformer]) -> None:
         pass
 
-    def wrap(self, chunks: list[nn.Module]) -> list[nn.Module]:
+    def wrap(self, chunks: list[Transformer]) -> list[Transformer]:
         self.chunks = chunks
         return chunks
 
@@ -110,6 +110,7 @@ class DataParallel:
         bf16 values from them."""
         for t, master in self.master_pairs:
             master.grad = None if t.grad is None else t.grad.float()
+        assert self.optimizer is not None  # (built before the first step)
         self.optimizer.step()
         self.masters_to_model()
 
@@ -214,6 +215,7 @@ class DataParallel:
         self.step_masters()
 
     def zero_grad(self) -> None:
+        assert self.optimizer is not None
         self.optimizer.zero_grad(set_to_none=True)
         for t, _ in self.master_pairs:
             t.grad = None
@@ -231,6 +233,7 @@ class DataParallel:
 
     def optimizer_state(self) -> list[torch.Tensor]:
         """Adam's tensors (not the scalar step counters) and the float32 masters of bf16 runs."""
+        assert self.optimizer is not None
         return [v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0] \
             + [master for _, master in self.master_pairs]
 

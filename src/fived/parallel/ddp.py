@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from fived import comm
+from fived.model import Transformer
 from fived.parallel.data_parallel import DataParallel
 
 
@@ -37,7 +38,7 @@ def reduce_bucket(buffer: torch.Tensor, group, reduce_dtype: torch.dtype):
 
 
 class ReplicatedDataParallel(DataParallel):
-    def wrap(self, chunks: list[nn.Module]) -> list[nn.Module]:
+    def wrap(self, chunks: list[Transformer]) -> list[Transformer]:
         self.chunks = chunks
         self.group = self.mesh.group("dp_cp")  # context-parallel ranks hold other tokens: reduce over both
         apart = {n for n, _ in self.expert_parameters()}  # (summed over edp at the end, as elsewhere)

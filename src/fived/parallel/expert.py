@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from fived import comm
-from fived.model import GroupedExperts, MoE
+from fived.model import GroupedExperts, MoE, Transformer
 from fived.layout.layout import EP_OVERLAP_CHUNKS
 from fived.parallel.expert_overlap import overlapped_experts
 
@@ -76,7 +76,7 @@ class ExpertParallelExperts(GroupedExperts):
         return y
 
 
-def apply_expert_parallel(chunks: list[nn.Module], group, ep: int, *, overlap: bool = False) -> None:
+def apply_expert_parallel(chunks: list[Transformer], group, ep: int, *, overlap: bool = False) -> None:
     """Swap each MoE's experts for this rank's share (on the meta device): E/ep consecutive experts,
     ep rank j holding [j*E/ep, (j+1)*E/ep) as the sharding spec places them (`fived.layout.spec`, dim
     0 of each expert tensor); the dispatch's split sizes follow that order, and the placements check
@@ -84,7 +84,7 @@ def apply_expert_parallel(chunks: list[nn.Module], group, ep: int, *, overlap: b
     under the expert GEMMs."""
     overlap_chunks = EP_OVERLAP_CHUNKS if overlap else 1
     for chunk in chunks:
-        for block in chunk.layers.values():
+        for block in chunk.blocks():
             moe = block.feed_forward
             if not isinstance(moe, MoE):
                 continue

@@ -20,7 +20,7 @@ gradients sum their rows in two GEMMs per expert instead of one.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -34,13 +34,16 @@ class InFlight:
 
     def __init__(self, group, out_splits: list[int], in_splits: list[int]):
         self.group, self.out_splits, self.in_splits = group, out_splits, in_splits
-        self.pending = self.sent = None
-        self.back_pending = self.back_result = self.back_sent = None
+        self.pending: Any = None  # (the collective's Work while it runs)
+        self.sent: torch.Tensor | None = None
+        self.back_pending: Any = None
+        self.back_result: torch.Tensor | None = None
+        self.back_sent: torch.Tensor | None = None
 
     def start(self, x: torch.Tensor) -> torch.Tensor:
         out = x.new_empty((sum(self.out_splits),) + tuple(x.shape[1:]))
-        self.sent = x.contiguous()  # (kept alive until the exchange is waited for)
-        self.pending = comm.all_to_all_single(out, self.sent, self.group, output_splits=self.out_splits,
+        self.sent = sent = x.contiguous()  # (kept alive until the exchange is waited for)
+        self.pending = comm.all_to_all_single(out, sent, self.group, output_splits=self.out_splits,
                                               input_splits=self.in_splits, async_op=True, role="ep")
         return out
 
@@ -49,15 +52,16 @@ class InFlight:
         self.pending = self.sent = None
 
     def start_back(self, grad: torch.Tensor) -> None:
-        self.back_result = grad.new_empty((sum(self.in_splits),) + tuple(grad.shape[1:]))
-        self.back_sent = grad.contiguous()
-        self.back_pending = comm.all_to_all_single(self.back_result, self.back_sent, self.group,
+        self.back_result = result = grad.new_empty((sum(self.in_splits),) + tuple(grad.shape[1:]))
+        self.back_sent = sent = grad.contiguous()
+        self.back_pending = comm.all_to_all_single(result, sent, self.group,
                                                    output_splits=self.in_splits, input_splits=self.out_splits,
                                                    async_op=True, role="ep")
 
     def wait_back(self) -> torch.Tensor:
         self.back_pending.wait()
         result = self.back_result
+        assert result is not None  # (start_back came first)
         self.back_pending = self.back_result = self.back_sent = None
         return result
 

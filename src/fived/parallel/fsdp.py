@@ -10,17 +10,23 @@ unsharded meanwhile) — what a pipeline schedule wants.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 import torch
 from torch import nn
 
 from fived import comm
+from fived.model import MoE, Transformer
 from fived.parallel.data_parallel import DataParallel
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
 
 
 class FullyShardedDataParallel(DataParallel):
     experts_apart = False  # sharded over edp by FSDP itself
 
-    def shard(self, chunks: list[nn.Module]) -> None:
+    def shard(self, chunks: list[Transformer]) -> None:
         from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
         if self.mesh.dp_replicate > 1:
@@ -36,8 +42,8 @@ class FullyShardedDataParallel(DataParallel):
         keep = self.cfg.parallel.zero3_keep_gathered or self.mesh.pp > 1
         experts_mesh = self.mesh["edp"] if self.mesh.ep > 1 else None
         for model in chunks:
-            for block in model.layers.values():
-                if experts_mesh is not None and hasattr(block.feed_forward, "experts"):
+            for block in model.blocks():
+                if experts_mesh is not None and isinstance(block.feed_forward, MoE):
                     # sharded over the ranks that hold the same experts (before the block takes the rest)
                     fully_shard(block.feed_forward.experts, mesh=experts_mesh, mp_policy=mp,
                                 reshard_after_forward=not keep)
@@ -51,8 +57,10 @@ class FullyShardedDataParallel(DataParallel):
                     module.set_gradient_divide_factor(1.0)
                     module.set_force_sum_reduction_for_comms(True)
                     # its gathers and reduce-scatters through fived's communication layer
-                    module.set_custom_all_gather(comm.FsdpAllGather())
-                    module.set_custom_reduce_scatter(comm.FsdpReduceScatter())
+                    # (torch's AllGather / ReduceScatter base classes live in a private module; FSDP2
+                    # calls these by that interface)
+                    module.set_custom_all_gather(comm.FsdpAllGather())  # type: ignore[arg-type]
+                    module.set_custom_reduce_scatter(comm.FsdpReduceScatter())  # type: ignore[arg-type]
         self.chunks = chunks
         self._replicate_group = mesh.get_group(0) if self.mesh.dp_replicate > 1 else None  # (FSDP2's all-reduce's)
 
@@ -86,6 +94,7 @@ class FullyShardedDataParallel(DataParallel):
     def before_micro_batch(self, is_last: bool) -> None:
         # (Pipeline stages set these themselves per micro-batch; this is the plain loop's.)
         for model in self.chunks:
-            model.set_requires_gradient_sync(is_last)
+            sharded = cast("FSDPModule", model)  # (fully_shard made every chunk one)
+            sharded.set_requires_gradient_sync(is_last)
             if self.cfg.parallel.zero3_keep_gathered:
-                model.set_reshard_after_backward(is_last)
+                sharded.set_reshard_after_backward(is_last)

@@ -135,7 +135,7 @@ class TensorParallel:
                 self._split(module, attr, name, spec.tp)
             if spec.tp_partial_grad:
                 self.partial_grads.add(name)
-        for block in model.layers.values():
+        for block in model.blocks():
             self._region(block.attention)
             self._region(block.feed_forward)
             if isinstance(block.feed_forward, MoE):
@@ -208,7 +208,7 @@ class TensorParallel:
         ptr = t.untyped_storage().data_ptr()
         holder = self._regather.get(ptr)
         full = holder["gathered"]() if holder is not None else None
-        if full is None or full.untyped_storage().data_ptr() != ptr:
+        if holder is None or full is None or full.untyped_storage().data_ptr() != ptr:
             return t
         holder["uses"] += 1
         return ("sp-shard", holder, t.shape, t.stride(), t.storage_offset())

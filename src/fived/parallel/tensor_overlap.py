@@ -42,7 +42,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import itertools
 import weakref
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -96,15 +98,15 @@ def ring_all_gather(shard: torch.Tensor, group, on_chunk) -> list[torch.Tensor]:
     chunks: list = [None] * size
     current, source = shard.contiguous(), rank
     for step in range(size):
-        pending = incoming = None
-        if step < size - 1:
-            incoming = torch.empty_like(current)
-            pending = comm.exchange([(current, nxt)], [(incoming, prv)], group, role="tp")
         chunks[source] = current
+        if step == size - 1:
+            on_chunk(current, source)
+            break
+        incoming = torch.empty_like(current)
+        pending = comm.exchange([(current, nxt)], [(incoming, prv)], group, role="tp")
         on_chunk(current, source)
-        if pending is not None:
-            pending.wait()
-            current, source = incoming, (source - 1) % size
+        pending.wait()
+        current, source = incoming, (source - 1) % size
     return chunks
 
 
@@ -171,7 +173,7 @@ class ColumnParallelEntry(torch.autograd.Function):
         if not sequence_parallel:
             return (x.view_as(x),) + tuple(F.linear(x, w) for w in weights)
         size = dist.get_world_size(group)
-        pieces = [[None] * size for _ in weights]
+        pieces: list[list] = [[None] * size for _ in weights]
 
         def gemms(chunk, source):
             for i, w in enumerate(weights):
@@ -262,8 +264,9 @@ def _chunked_all_reduce(h: torch.Tensor, weight: torch.Tensor, group, *, chunks:
     rows = h.reshape(-1, h.shape[-1])
     n = rows.shape[0]
     bounds = sorted({n * i // chunks for i in range(chunks + 1)})
-    out, started = None, []
-    for lo, hi in zip(bounds, bounds[1:]):
+    out: torch.Tensor | None = None
+    started = []
+    for lo, hi in itertools.pairwise(bounds):
         y = F.linear(rows[lo:hi], weight)
         if out is None:
             out = y.new_empty((n, y.shape[-1]))
@@ -271,6 +274,7 @@ def _chunked_all_reduce(h: torch.Tensor, weight: torch.Tensor, group, *, chunks:
         started.append(comm.all_reduce(out[lo:hi], group, async_op=True, role="tp"))
     for pending in started:
         pending.wait()
+    assert out is not None  # (at least one chunk of rows)
     return out.view(*h.shape[:-1], out.shape[-1])
 
 
@@ -290,7 +294,8 @@ class OverlappedRegion:
                 raise TypeError(f"tp_overlap: {type(module).__name__} needs bias-free nn.Linear layers")
         self._outputs: dict[int, torch.Tensor] = {}  # id(column linear) -> its output in this forward
         # Weakly: the region's input and output must be freed when the module is done with them.
-        self._entry = self._exit = None
+        self._entry: Any = None
+        self._exit: Any = None
         for linear in self.columns:
             linear.forward = functools.partial(self._column_output, linear)
         self.row.forward = self._row_forward

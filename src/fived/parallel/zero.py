@@ -31,16 +31,19 @@ of this rank's slices (master 4 + Adam 8 bytes, over S): ZeRO-1 2 + 2 + 12/S, Ze
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 from fived import comm
 from fived.layout.spec import CAST_PIECES_IN_FLIGHT, REDUCE_CHUNK_ELEMENTS, FlatBucket, flat_buckets
+from fived.model import Transformer
 from fived.parallel.data_parallel import DataParallel
 
 
 class ShardedOptimizerDataParallel(DataParallel):
-    def shard(self, chunks: list[nn.Module]) -> None:
+    def shard(self, chunks: list[Transformer]) -> None:
         """The flat layout, decided on the meta device: which parameters, their offsets, this rank's
         slice (so the placement table knows each parameter's flat range before anything exists)."""
         self.chunks = chunks
@@ -80,7 +83,7 @@ class ShardedOptimizerDataParallel(DataParallel):
         replica = self.mesh.rank("dp_cp") if self.stage == 0 else self.mesh.rank("dp_replicate")
         return None, (a, b), replica
 
-    def wrap(self, chunks: list[nn.Module]) -> list[nn.Module]:
+    def wrap(self, chunks: list[Transformer]) -> list[Transformer]:
         if self.stage == 0:
             self.shard_group, self.replicate_group = None, self.mesh.group("dp_cp")
         else:
@@ -102,7 +105,7 @@ class ShardedOptimizerDataParallel(DataParallel):
         self.shard_grad = torch.zeros(self.shard_len, dtype=dtype, device=device) if self.stage == 2 else None
         self.segments = self._slice_segments()
         self.reducing = BucketReductions(self) if self.overlap_reduce else None
-        self.gathering: dict[int, object] = {}  # bucket -> its all-gather in flight (overlap_param_gather)
+        self.gathering: dict[int, Any] = {}  # bucket -> its all-gather's Work in flight (overlap_param_gather)
         if self.overlap_gather:
             self._wait_in_forward()
         return chunks
@@ -111,9 +114,10 @@ class ShardedOptimizerDataParallel(DataParallel):
         """Where bucket k's reduced piece lives for the optimizer: in the full gradient buffer
         (ZeRO-1), or ZeRO-2's compact shard."""
         if self.stage == 2:
+            assert self.shard_grad is not None
             return self.shard_grad[self.compact[k]:self.compact[k] + self.buckets[k].piece]
         lo, hi = self.buckets[k].owned(self.shard_rank)
-        return self.grad_buf[lo:hi]
+        return self.full_grads()[lo:hi]
 
     def _attach_grad_buffer(self) -> None:
         """A flat zeroed gradient buffer; each parameter's .grad is a view, so autograd accumulates
@@ -178,7 +182,7 @@ class ShardedOptimizerDataParallel(DataParallel):
         elif self.stage == 2:  # (the overlapped reduce-scatters wrote into the full buffer)
             for k, bucket in enumerate(self.buckets):
                 lo, hi = bucket.owned(self.shard_rank)
-                self.owned_grad(k).copy_(self.grad_buf[lo:hi])
+                self.owned_grad(k).copy_(self.full_grads()[lo:hi])
         if self.stage == 2:
             for p in self.params:
                 p.grad = None
@@ -187,7 +191,12 @@ class ShardedOptimizerDataParallel(DataParallel):
 
     def bucket_gradients(self, k: int) -> torch.Tensor:
         bucket = self.buckets[k]
-        return self.grad_buf[bucket.start:bucket.start + bucket.piece * self.shards]
+        return self.full_grads()[bucket.start:bucket.start + bucket.piece * self.shards]
+
+    def full_grads(self) -> torch.Tensor:
+        """The flat buffer every gradient of the step lands in (ZeRO-2 lets it go once reduced)."""
+        assert self.grad_buf is not None, "ZeRO-2's full gradient buffer is gone until the next backward"
+        return self.grad_buf
 
     def _reduce_bucket(self, k: int) -> None:
         whole, out = self.bucket_gradients(k), self.owned_grad(k)
@@ -282,18 +291,18 @@ class ShardedOptimizerDataParallel(DataParallel):
         for _, p in self.expert_parameters():
             p.grad = None
         if self.stage <= 1:
-            self.grad_buf.zero_()
+            self.full_grads().zero_()
         # ZeRO-2's reduce-scatter overwrites shard_grad; its full buffer is already gone.
 
     def tensors(self) -> dict[str, list[torch.Tensor]]:
         seg_params = [s for s, _ in self.segments]
         experts = [p for _, p in self.expert_parameters()]
         return {"params": self.params + seg_params + experts,
-                "grads": [p.grad for p in self.params + experts if p.grad is not None] + [s.grad for s in seg_params],
+                "grads": [p.grad for p in self.params + experts + seg_params if p.grad is not None],
                 "optimizer": self.optimizer_state()}
 
     def flat_buffers(self) -> list[torch.Tensor]:
-        extra = [self.shard_grad] if self.stage == 2 else []  # (ZeRO-1's is a slice of grad_buf)
+        extra = [self.shard_grad] if self.shard_grad is not None else []  # (ZeRO-1's is a slice of grad_buf)
         return [self.param_buf] + ([self.grad_buf] if self.grad_buf is not None else []) + extra
 
 
@@ -349,7 +358,7 @@ class BucketReductions:
         dp = self.dp
         whole, bucket = dp.bucket_gradients(k), dp.buckets[k]
         lo, hi = bucket.owned(dp.shard_rank)
-        target = whole if dp.shard_group is None else dp.grad_buf[lo:hi]
+        target = whole if dp.shard_group is None else dp.full_grads()[lo:hi]
         if not self.casting:  # in place: the reduced piece lands where the optimizer reads it
             work = (comm.all_reduce(whole, dp.replicate_group, async_op=True, role="dp") if dp.shard_group is None
                     else comm.reduce_scatter_single(target, whole, dp.shard_group, async_op=True, role="dp"))

@@ -17,13 +17,14 @@ for any other file, a refit per source here (`fived.planner.fitting.leave_one_so
 from __future__ import annotations
 
 import statistics
+from typing import Any
 from collections import defaultdict
 from pathlib import Path
 
 from fived.layout.layout import Layout
 from fived.planner.constants import CALIBRATION, Calibration, file_sha256
 from fived.planner.fitting import batch, leave_one_source_out, median_abs, predict
-from fived.planner.search import is_valid, layout_refusal
+from fived.planner.search import layout_refusal
 from fived.planner.published import Row, read_runs, row_kinds
 
 
@@ -78,8 +79,8 @@ def _plan_notes(row: Row, plan) -> list[str]:
         notes.append(f"priced at a global batch of {priced} (the schedule's whole rounds)")
     if not plan.layout.runnable:
         notes.append("not runnable by fived yet")
-    elif not is_valid(row.model, plan.layout, row.seq_len, priced):
-        notes.append(f"outside fived's rules ({layout_refusal(row.model, plan.layout, row.seq_len, priced).rule})")
+    elif (refusal := layout_refusal(row.model, plan.layout, row.seq_len, priced)) is not None:
+        notes.append(f"outside fived's rules ({refusal.rule})")
     return notes
 
 
@@ -134,7 +135,8 @@ def validate(path: str | Path, printer=print, out_of_sample: bool = True,
         printer(line)
     errors = [p.time.tokens_per_s_per_gpu / r.reported - 1 for r, p in done]
     fits = sum(p.fits for p in plans)
-    result = {"rows": len(rows) + len(skipped), "predicted": len(rows), "fits": fits, "median": median_abs(errors)}
+    result: dict[str, Any] = {"rows": len(rows) + len(skipped), "predicted": len(rows), "fits": fits,
+                              "median": median_abs(errors)}
     printer(f"memory: {fits} of {len(rows)} published runs fit in the planner's memory model "
             f"({fits / max(len(rows), 1):.0%})")
     held = _out_of_sample(path, rows, [p.layout for p in plans], calibration, printer, refit) \

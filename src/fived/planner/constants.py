@@ -22,7 +22,7 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from types import MappingProxyType
-from typing import Mapping
+from typing import Any, Mapping
 
 from fived.config import ConfigError
 
@@ -64,7 +64,7 @@ class Calibration:
     out_of_sample: float  # leave-one-source-out median absolute error over the same rows, %
     by_source: Mapping[str, float] = field(default_factory=dict)  # leave-one-source-out median per source, %
     by_kind: Mapping[str, float] = field(default_factory=dict)  # ... per kind (dense, moe, fp8), %
-    coverage: Mapping[str, object] = field(default_factory=dict)  # rows per GPU generation, MoE, FP8, CP...
+    coverage: Mapping[str, Any] = field(default_factory=dict)  # rows per GPU generation, MoE, FP8, CP...
     row_errors: Mapping[str, float] = field(default_factory=dict)  # row id -> leave-one-source-out
     #   predicted/reported - 1 (what validation ranks sweeps by, out of sample)
 

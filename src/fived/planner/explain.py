@@ -145,15 +145,17 @@ def report(search: Search, model: ModelConfig, cluster: Cluster, seq_len: int, g
               *_cp_mode_note(w, model, cluster, seq_len, global_batch, dtype, runtime, headroom_gib),
               "  basis: " + "\n         ".join(basis(model, cluster, runtime, w.layout, seq_len)),
               "runners-up (the best plan deciding one thing differently):"]
-    for d, values, p in runners_up(search):
-        if p is None:
+    for d, values, other in runners_up(search):
+        if other is None:
             need = min(search.smallest[(d, v)] for v in values)
+            room = f"{hw.memory_gib - headroom_gib:g} GiB" + (f": {hw.memory_gib:g} less {headroom_gib:g} of headroom"
+                                                             if headroom_gib else "")
             lines.append(f"  {d}={'/'.join(map(str, values))}: nothing fits (least memory needed {_gib(need)} GiB "
-                         f"> {hw.memory_gib:g})")
+                         f"> {room})")
         else:
-            slower = (p.time.total / w.time.total - 1) * 100
-            lines.append(f"  {d}={values[0]}: {p.layout.describe()} is {slower:.1f}% slower: {_why_slower(p, w)} "
-                         f"(differs in {_differs(p, w)})")
+            slower = (other.time.total / w.time.total - 1) * 100
+            lines.append(f"  {d}={values[0]}: {other.layout.describe()} is {slower:.1f}% slower: {_why_slower(other, w)} "
+                         f"(differs in {_differs(other, w)})")
     return "\n".join(lines)
 
 

@@ -50,7 +50,7 @@ GRIDS = {"efficiency_ampere": [round(0.40 + 0.025 * i, 3) for i in range(21)],
 
 def candidates(row: Row) -> list[Layout]:
     """Every completion of the row's layout (dp follows an open tp or pp)."""
-    base = Layout(**{k: v for k, v in row.fixed.items()})
+    base = Layout(**row.fixed)
     out = []
     for layout in expand(base, row.open):
         dp = row.cluster.gpus // (layout.tp * layout.pp * layout.cp)

@@ -40,6 +40,7 @@ allocator fragmentation (RESERVE_GIB + RESERVE_FRACTION: assumed, not fitted —
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -48,7 +49,7 @@ from fived.layout.layout import PRECISION_SPECS, Layout
 from fived.layout.schedule_sim import pipeline_profile
 from fived.layout.spec import (CAST_PIECES_IN_FLIGHT, REDUCE_CHUNK_ELEMENTS, chunk_specs, flat_owned, flat_range,
                                local_vocab, shard_rows)
-from fived.layout.stages import model_key, placement, rank_chunks_by_key
+from fived.layout.stages import Chunk, model_key, placement, rank_chunks_by_key
 from fived.muon_plan import stage_plan
 from fived.planner.runtimes import FIVED, Runtime, framework_activations
 
@@ -115,7 +116,8 @@ def _flat_numels(key: tuple, tp: int, ep: int, layers: tuple, first: bool, last:
 def _shape_list(m: ModelConfig, tp: int, ep: int, layers, first: bool, last: bool, etp: int):
     """(dense, expert) local (rows, elements per row) of one rank's parameters, read from the sharding
     spec (`fived.layout.spec`); routed experts apart when ep > 1 (their data parallelism is edp's)."""
-    dense, expert = [], []
+    dense: list[tuple[int, int]] = []
+    expert: list[tuple[int, int]] = []
     for spec in chunk_specs(m, layers, first, last, tp=tp, ep=ep, etp=etp):
         if spec.buffer:
             continue
@@ -151,7 +153,7 @@ def muon_buffers(m: ModelConfig, layout: Layout, dtype: str, chunks, runtime: Ru
     return ns * ACTIVATION_BYTES[dtype] + optimizer * MOMENT_BYTES[dtype]
 
 
-def state_bytes(m: ModelConfig, layout: Layout, dtype: str, chunks: list[tuple[list[int], bool, bool]],
+def state_bytes(m: ModelConfig, layout: Layout, dtype: str, chunks: Sequence[Chunk],
                 shard_index: int = 0, edp_index: int = 0, runtime: Runtime = FIVED) -> dict[str, int]:
     """Parameter, gradient and optimizer bytes of one rank holding `chunks` [(layers, first, last)],
     at position `shard_index` of its dp_shard*cp group and `edp_index` of its expert-data group."""
@@ -213,7 +215,7 @@ class MemoryEstimate:
 
 
 def activation_bytes_per_microbatch(m: ModelConfig, layout: Layout, seq_len: int, dtype: str,
-                                    chunks: list[tuple[list[int], bool, bool]], runtime: Runtime = FIVED) -> list[int]:
+                                    chunks: Sequence[Chunk], runtime: Runtime = FIVED) -> list[int]:
     """Bytes one micro-batch saves for backward, per chunk of the rank."""
     return [_activations(model_key(m), _activation_layout(layout), seq_len, dtype, tuple(layers), first, last, runtime)
             for layers, first, last in chunks]
@@ -268,6 +270,7 @@ def memory_per_gpu(m: ModelConfig, layout: Layout, seq_len: int, global_batch: i
         total = sum(state.values()) + buffers + act * in_flight[pp_rank]
         if worst is None or total > worst[0]:
             worst = (total, state, round(act * in_flight[pp_rank]), buffers)
+    assert worst is not None  # (pp >= 1 ranks)
     _, state, activations, buffers = worst
     return MemoryEstimate(state["params"], state["grads"], state["optimizer"], activations, buffers,
                           reserve_bytes(device_gib))
@@ -314,7 +317,8 @@ def _static_buffers(m: ModelConfig, layout: Layout, dtype: str, chunks, state: d
     b = WEIGHT_BYTES[dtype]
     param_bytes, _, optimizer_bytes = state_element_bytes(dtype, layout.zero, runtime)
     params = state["params"] // param_bytes  # elements this rank holds
-    shapes = [parameter_shapes(m, layout.tp, layout.ep, *c, layout.expert_tp) for c in chunks]
+    shapes = [parameter_shapes(m, layout.tp, layout.ep, layers, first, last, layout.expert_tp)
+              for layers, first, last in chunks]
     dense = sum(r * c * k for dn, _ in shapes for (r, c), k in dn)
     unsharded = dense + sum(r * c * k for _, ex in shapes for (r, c), k in ex)
     out = 0

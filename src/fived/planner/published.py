@@ -39,6 +39,7 @@ import csv
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Literal, overload
 
 from fived.config import ConfigError, ModelConfig
 from fived.metrics import flops_per_token
@@ -93,6 +94,10 @@ def number(r: dict, column: str, required: bool = False) -> float | None:
     return float(m.group(1).replace(",", ""))
 
 
+@overload
+def integer(r: dict, column: str, required: Literal[True]) -> int: ...
+@overload
+def integer(r: dict, column: str, required: bool = False) -> int | None: ...
 def integer(r: dict, column: str, required: bool = False) -> int | None:
     value = number(r, column, required)
     if value is None:
@@ -147,18 +152,18 @@ def _model(r: dict, notes: list) -> ModelConfig:
     if not hidden or not heads or not layers or hidden % heads:
         raise Skip(f"hidden={hidden}, heads={heads}, num_layers={layers}: not a transformer shape")
     kv = integer(r, "kv_heads") or heads
-    notes = f"{text(r, 'model')} {text(r, 'arch_notes')}".lower()
-    gated = any(w in notes for w in ("swiglu", "geglu", "gated", "silu")) or (
-        "gelu" not in notes and (kv < heads or any(n in notes for n in GATED_NAMES)))
+    described = f"{text(r, 'model')} {text(r, 'arch_notes')}".lower()
+    gated = any(w in described for w in ("swiglu", "geglu", "gated", "silu")) or (
+        "gelu" not in described and (kv < heads or any(n in described for n in GATED_NAMES)))
     ffn = integer(r, "ffn_hidden") or 4 * hidden
     if not gated:  # two GeLU matrices of width F = three SwiGLU matrices of width 2F/3
         ffn = max(64, round(2 * ffn / 3 / 64) * 64)
     experts = integer(r, "moe_experts") or 0
-    moe = {}
+    moe: dict[str, Any] = {}
     if experts > 1:
         columns = [c for c in r if c and "dense" in c.lower() and ("layer" in c.lower() or "first" in c.lower())]
         dense = next((integer(r, c) for c in columns if integer(r, c) is not None), None)
-        said = re.search(r"first (\d+) (?:layers? )?(?:are )?dense", notes)
+        said = re.search(r"first (\d+) (?:layers? )?(?:are )?dense", described)
         moe = dict(n_experts=experts, top_k=integer(r, "moe_top_k") or 2,
                    n_shared_experts=integer(r, "moe_shared_experts") or 0,
                    moe_ffn_dim=integer(r, "moe_ffn_hidden") or ffn,
@@ -242,7 +247,7 @@ def _layout(r: dict, model: ModelConfig, cluster: Cluster, runtime: Runtime, not
                        and gpus % (t * cp * (pp or 1)) == 0] or [1]
     if pp is None:
         open_["pp"] = [1]
-    fixed = {"tp": tp or 1, "pp": pp or 1, "cp": cp, "ep": ep}
+    fixed: dict[str, Any] = {"tp": tp or 1, "pp": pp or 1, "cp": cp, "ep": ep}
     model_parallel = fixed["tp"] * fixed["pp"] * cp
     if gpus % model_parallel:
         raise Skip(f"num_gpus={gpus} is not a multiple of tp*pp*cp={model_parallel}")
@@ -307,7 +312,7 @@ def _schedule(r: dict, model: ModelConfig, fixed: dict, open_: dict, runtime: Ru
                                                 if model.n_layers % (pp * v) == 0]
 
 
-def _global_batch(r: dict, records: list[dict], fixed: dict, notes: list) -> int:
+def _global_batch(r: dict, records: list[dict], fixed: dict, notes: list) -> int | None:
     seq = integer(r, "seq_len", True)
     stated = integer(r, "global_batch_seqs")
     tokens = integer(r, "global_batch_tokens")
@@ -335,7 +340,7 @@ def _global_batch(r: dict, records: list[dict], fixed: dict, notes: list) -> int
     return fixed["dp"] * (micro or 1) * (4 * fixed["pp"] if fixed["pp"] > 1 else 1)
 
 
-def _reported(r: dict, model: ModelConfig, seq: int, global_batch: int, cluster: Cluster) -> float:
+def _reported(r: dict, model: ModelConfig, seq: int, global_batch: int | None, cluster: Cluster) -> float:
     for column in ("tokens_per_s_per_gpu", "derived_tokens_per_s_per_gpu"):
         value = number(r, column)
         if value:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from fived.config import Config, ConfigError, ModelConfig, TrainConfig
+from fived.config import Config, ConfigError, CpMode, ModelConfig, TrainConfig
 from fived.layout.rules import layout_errors
 from fived.layout.layout import Layout
 from fived.layout.schedule_sim import check_schedule
@@ -88,6 +88,13 @@ def evaluate(model: ModelConfig, layout: Layout, cluster: Cluster, seq_len: int,
     priced with `constants` (default: the shipped calibration's)."""
     if not checked and not is_valid(model, layout, seq_len, global_batch):
         return None
+    return plan_of(model, layout, cluster, seq_len, global_batch, dtype, runtime, headroom_gib, constants)
+
+
+def plan_of(model: ModelConfig, layout: Layout, cluster: Cluster, seq_len: int, global_batch: int,
+            dtype: str = "bfloat16", runtime: Runtime = FIVED, headroom_gib: float = 0.0,
+            constants: Constants | None = None) -> Plan:
+    """The plan of a layout known to run: its memory per GPU and predicted step time."""
     hw = cluster.hardware
     memory = memory_per_gpu(model, layout, seq_len, global_batch, dtype, hw.memory_gib, runtime)
     return Plan(layout, memory, step_time(model, layout, cluster, seq_len, global_batch, dtype, runtime,
@@ -103,7 +110,7 @@ def expand(base: Layout, options: dict) -> list[Layout]:
     names = list(options)
     out = []
     for values in itertools.product(*(options[n] for n in names)):
-        changes = {}
+        changes: dict = {}
         for name, value in zip(names, values):
             if name == "pp_schedule":
                 changes.update(pp_schedule=value[0], pp_virtual=value[1])
@@ -140,10 +147,10 @@ def mesh_shapes(model: ModelConfig, gpus: int, gpus_per_node: int, seq_len: int,
                             yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, etp=1)
 
 
-def cp_modes(model: ModelConfig, tp: int, cp: int) -> list[tuple[str, int]]:
+def cp_modes(model: ModelConfig, tp: int, cp: int) -> list[tuple[CpMode, int]]:
     """(cp_mode, cp_ulysses) choices of a cp degree: the ring, and Ulysses over every group size whose
     ranks can split the heads of a tp rank (all of cp: ulysses; a divisor between: hybrid)."""
-    out = [("ring", Layout.cp_ulysses)]
+    out: list[tuple[CpMode, int]] = [("ring", Layout.cp_ulysses)]
     heads, kv = model.n_heads // tp, max(model.n_kv_heads // tp, 1)
     for u in _divisors(cp, cp)[1:]:
         if heads % u == 0 and (kv % u == 0 or u % kv == 0):
@@ -155,13 +162,22 @@ def state_choices(model: ModelConfig, mesh: Layout, gpus_per_node: int):
     """ZeRO stage, HSDP replicas and pipeline schedule: what decides the model-state bytes."""
     schedules = [("1f1b", 1)] if mesh.pp == 1 else [
         s for s in SCHEDULES if model.n_layers >= mesh.pp * (2 if s[0] in ("zbv", "dualpipev") else s[1])]
-    node_shard = max(1, gpus_per_node // (mesh.tp * mesh.cp))
     for zero in (0, 1, 2, 3):
         replicas = [1]
-        if zero and mesh.ep == 1 and 1 < node_shard < mesh.dp and mesh.dp % node_shard == 0:
-            replicas.append(mesh.dp // node_shard)  # HSDP: shard inside a node, replicate across nodes
+        hsdp = node_replicas(mesh, zero, gpus_per_node)
+        if hsdp:
+            replicas.append(hsdp)
         for dp_replicate, (schedule, v) in itertools.product(replicas, schedules):
             yield mesh.with_(zero=zero, dp_replicate=dp_replicate, pp_schedule=schedule, pp_virtual=v)
+
+
+def node_replicas(mesh: Layout, zero: int, gpus_per_node: int) -> int | None:
+    """The HSDP the planner weighs: ZeRO shards inside a node, replicated across nodes; its replicas
+    (dp_replicate), or None where it does not apply (ZeRO-0, experts, a dp of one node or less)."""
+    node_shard = max(1, gpus_per_node // (mesh.tp * mesh.cp))
+    if zero and mesh.ep == 1 and 1 < node_shard < mesh.dp and mesh.dp % node_shard == 0:
+        return mesh.dp // node_shard
+    return None
 
 
 def activation_choices(layout: Layout, seq_len: int, global_batch: int):
@@ -192,7 +208,8 @@ def plan(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int, 
     also Megatron-Core's folded expert layouts (marked not runnable by fived)."""
     capacity = capacity_bytes(cluster.hardware.memory_gib, headroom_gib)
     reserve = reserve_bytes(cluster.hardware.memory_gib)
-    fitting, considered, smallest = [], 0, {}
+    fitting: list[Plan] = []
+    considered, smallest = 0, dict[tuple, int]()
 
     def note(layout: Layout, need: int) -> None:
         for d in DECISIONS:

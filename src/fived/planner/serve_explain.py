@@ -10,6 +10,7 @@ from fived.config import ModelConfig
 from fived.layout.spec import kv_width
 from fived.metrics import matmul_params_per_token
 from fived.planner.serve import ServePlan, Workload, gpus_needed, in_flight
+from fived.planner.search import Plan
 from fived.planner.serve_model import ForwardTime
 from fived.planner.timing import Cluster
 
@@ -85,10 +86,10 @@ class TrainingView:
 
     seq_len: int
     global_batch: int
-    plan: object  # fived.planner.search.Plan, or None when nothing fits this cluster
+    plan: Plan | None  # None when nothing fits this cluster
     least_gib: float  # the least memory any training layout needed here (when none fits)
     fits_at: int  # GPUs at which training first fits (0: this cluster, or not within the limit)
-    plan_there: object
+    plan_there: Plan | None
 
 
 def training_view(m: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int, headroom_gib: float) -> TrainingView:

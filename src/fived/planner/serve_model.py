@@ -168,12 +168,12 @@ class GpuMemory:
     """Bytes on the most loaded GPU of a layout."""
 
     weights: int
-    kv_cache: int
+    kv_cache: float  # (a mean number of sequences in flight holds a fractional cache)
     activations: int
     reserve: int
 
     @property
-    def total(self) -> int:
+    def total(self) -> float:
         return self.weights + self.kv_cache + self.activations + self.reserve
 
     def gib(self) -> dict[str, float]:
@@ -207,7 +207,7 @@ def sequences_that_fit(m: ModelConfig, layout: ServeLayout, hw: Hardware, capaci
                             kv_bytes=kv_bytes)
         per_sequence = kv_cache_bytes(m, tp=layout.tp, layers=w.layers, sequences=1, positions=positions,
                                       element_bytes=kv_bytes)
-        fits.append(max(0, (capacity - empty.total) // per_sequence))
+        fits.append(max(0, int((capacity - empty.total) // per_sequence)))
     return min(fits)
 
 
@@ -285,8 +285,8 @@ def forward_time(m: ModelConfig, layout: ServeLayout, cluster: Cluster, *, seque
     return out
 
 
-def _stage_compute(m: ModelConfig, layout: ServeLayout, hw: Hardware, w: StageWeights, tokens: int, sequences: int,
-                   new_tokens: int, context: int, kv_bytes: int) -> tuple[float, float]:
+def _stage_compute(m: ModelConfig, layout: ServeLayout, hw: Hardware, w: StageWeights, tokens: float,
+                   sequences: float, new_tokens: int, context: float, kv_bytes: int) -> tuple[float, float]:
     """(seconds of its FLOPs at the fitted efficiency, of its bytes read at HBM speed) of one stage's
     forward: it takes the longer."""
     touched = _experts_touched(m, w, tokens * layout.ep)
@@ -307,7 +307,7 @@ def _stage_compute(m: ModelConfig, layout: ServeLayout, hw: Hardware, w: StageWe
     return gemm, read / (hw.hbm_gbps * 1e9 * HBM_EFFICIENCY)
 
 
-def _experts_touched(m: ModelConfig, w: StageWeights, tokens: int) -> float:
+def _experts_touched(m: ModelConfig, w: StageWeights, tokens: float) -> float:
     """Expected share of a rank's routed experts a forward reads: each of the `tokens` tokens of its
     ep group picks top_k of E experts (uniform routing)."""
     if not w.expert_layers:

@@ -104,7 +104,7 @@ class StepTime:
     world: int
     model_flops: float  # per step, all GPUs (MFU numerator)
     peak_flops: float  # per GPU
-    comm_bytes: dict = None  # bytes per logical group this rank moves in one step (priced collectives)
+    comm_bytes: dict | None = None  # bytes per logical group this rank moves in one step (priced collectives)
     overhead: float = 0.0  # host work the device does not hide
     # the part of `overhead` spent per layer and micro-batch, inside the layers' forward and backward
     # (a measured step breakdown counts it as compute: fived.breakdown)

@@ -11,6 +11,7 @@ import copy
 import math
 import tempfile
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -19,7 +20,7 @@ from fived.launch import run_ranks
 from fived.checkpoint import find_checkpoint
 from fived.layout.rules import check_config
 from fived.mesh import resolve_dp
-from fived.train import TrainResult, run_training
+from fived.trainer import TrainResult, train_rank
 
 TOLERANCE = 1e-9
 
@@ -92,16 +93,17 @@ def run_layout(cfg: Config, world: int, reshard_from: tuple[Config, int] | None 
     half at that other layout, saved, and its second half resumed from that checkpoint at `cfg`."""
     device = cfg.train.device
     if reshard_from is None:
-        return run_ranks(world, run_training, cfg, False, False, True, device=device)
+        return run_ranks(world, partial(train_rank, cfg, log=False, progress=False, return_state=True), device=device)
     first, first_world = copy.deepcopy(reshard_from[0]), reshard_from[1]
     first.checkpoint.final = True  # (the second half starts from the first half's last step)
     second = copy.deepcopy(cfg)
     half = cfg.train.steps // 2
     with tempfile.TemporaryDirectory(prefix="fived-reshard-") as run_dir:
         first.train.output_dir = second.train.output_dir = run_dir
-        before = run_ranks(first_world, run_training, first, True, False, False, None, half, device=device)[0]
+        before = run_ranks(first_world, partial(train_rank, first, progress=False, until=half), device=device)[0]
         checkpoint = str(find_checkpoint(run_dir))
-        after = run_ranks(world, run_training, second, True, False, True, checkpoint, device=device)
+        after = run_ranks(world, partial(train_rank, second, progress=False, return_state=True, resume=checkpoint),
+                          device=device)
     return [TrainResult(metrics=before.metrics + r.metrics, state=r.state) for r in after]
 
 
@@ -110,7 +112,8 @@ def run_verify(cfg: Config, world: int, printer=print, reshard_from: tuple[Confi
     cfg.train.dtype = "float64"
     cfg.train.fp8 = "none"  # (FP8 rounding is no property of the layout, and float64 is what checks it)
     check_config(cfg, world)  # a clear error here rather than from every rank
-    ref = run_ranks(1, run_training, reference_config(cfg), False, False, True, device=cfg.train.device)[0]
+    ref = run_ranks(1, partial(train_rank, reference_config(cfg), log=False, progress=False, return_state=True),
+                    device=cfg.train.device)[0]
     if reshard_from is not None:
         first = copy.deepcopy(reshard_from[0])
         first.train.dtype, first.train.fp8 = "float64", "none"
