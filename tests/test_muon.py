@@ -107,6 +107,28 @@ def test_one_device_orthogonalises_each_whole_matrix():
         assert torch.allclose(updates[name], want, rtol=0, atol=1e-13), name
 
 
+def _unplanned_matrix(cfg):
+    """Build a Trainer whose runtime counts the router among Muon's matrices (the plan does not);
+    the error it raises, or None."""
+    import fived.parallel.data_parallel as data_parallel
+    from fived.train import Trainer
+
+    planned = data_parallel.is_muon_tensor
+    data_parallel.is_muon_tensor = lambda spec: planned(spec) or spec.name.endswith("router.weight")
+    try:
+        Trainer(cfg, log=False)
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_a_matrix_outside_the_plan_is_refused():
+    """The matrices the runtime gives Muon are the plan's: one the plan does not know stops the
+    optimizer's construction (it used to go to AdamW without a word)."""
+    message, = run_on_ranks(1, _unplanned_matrix, tiny_config("tiny-moe", train__optimizer="muon", train__steps=1))
+    assert message is not None and "router.weight" in message, message
+
+
 PLANS = {  # (model, world, parallel fields): every way a matrix is cut or repeated
     "dp1": ("tiny-moe", 1, {}),
     "zero0-dp4": ("tiny", 4, dict(dp=4)),

@@ -29,7 +29,7 @@ from functools import cached_property, lru_cache
 
 from fived.config import ModelConfig
 from fived.layout.layout import PRECISION_SPECS, Layout
-from fived.layout.spec import TensorSpec, chunk_specs, flat_buckets, shard_rows
+from fived.layout.spec import DataRank, FlatLayout, TensorSpec, chunk_specs, in_flat_buffer, keeps_flat_buffer
 from fived.layout.stages import model_key
 from fived.placement import Box, Placement
 
@@ -86,53 +86,32 @@ class Member:
         return cls(index, replicate, shard, cp, tp, dp_cp, shard * layout.cp + cp, dp_cp % layout.ep,
                    dp_cp // layout.ep)
 
+    def data_rank(self, layout: Layout) -> DataRank:
+        L = layout
+        return DataRank(L.zero, L.pp, L.ep, L.dp * L.cp, L.dp_shard * L.cp, self.shard_cp, self.replicate, self.dp_cp)
+
     def distance(self, other: "Member") -> int:
         return sum(a != b for a, b in ((self.replicate, other.replicate), (self.shard, other.shard),
                                       (self.cp, other.cp), (self.tp, other.tp)))
 
 
-class FlatLayout:
-    """ZeRO-1/2's flat buffer (and ZeRO-0's under a pipeline) as `fived.parallel.zero` lays it out:
-    the stage's parameters in the sharding spec's order, routed experts apart under ep > 1, cut
-    into buckets (`flat_buckets`), each sharded on its own."""
-
-    def __init__(self, specs: list[TensorSpec], layout: Layout, dtype: str):
-        flat = [s for s in specs if not s.buffer and not (s.expert and layout.ep > 1)]
-        numels = [math.prod(s.local_shape) for s in flat]
-        self.shards = 1 if layout.zero == 0 else layout.dp_shard * layout.cp
-        cap = layout.bucket_elements(PRECISION_SPECS[dtype].weight_bytes)
-        self.where = {}
-        for bucket in flat_buckets(numels, self.shards, cap):
-            offset = bucket.start
-            for i in range(bucket.first, bucket.last):
-                self.where[flat[i].name] = (bucket, offset, numels[i])
-                offset += numels[i]
-
-    def range(self, name: str, index: int) -> tuple[int, int]:
-        """Elements [a, b) of parameter `name` that shard `index` owns."""
-        bucket, offset, n = self.where[name]
-        lo, hi = bucket.owned(index)
-        a = min(max(lo - offset, 0), n)
-        return a, max(min(hi - offset, n), a)
+def flat_layout(specs: list[TensorSpec], layout: Layout, dtype: str) -> FlatLayout | None:
+    """The stage's flat buffer as `fived.parallel.zero` lays it out (None: the layout keeps none)."""
+    L = layout
+    if not keeps_flat_buffer(L.zero, L.pp, L.dp * L.cp):
+        return None
+    flat = [s for s in specs if in_flat_buffer(s, L.ep)]
+    return FlatLayout([s.name for s in flat], [math.prod(s.local_shape) for s in flat],
+                      1 if L.zero == 0 else L.dp_shard * L.cp, L.bucket_elements(PRECISION_SPECS[dtype].weight_bytes))
 
 
 def member_placement(spec: TensorSpec, layout: Layout, member: Member, flat: FlatLayout | None) -> Placement:
-    """Where `member` stores its piece of `spec` for the optimizer, by the rules of the data-parallel
-    strategy the layout uses (`fived.parallel.make_data_parallel` and each strategy's `storage`)."""
-    L = layout
+    """Where `member` stores its piece of `spec` for the optimizer: the storage rules the runtime's
+    data-parallel strategies apply (`fived.layout.spec.DataRank`)."""
     local = Box(*spec.local_box(tp_rank=member.tp, ep_rank=member.ep))
-    apart = spec.expert and L.ep > 1  # routed experts: data parallel over edp
-    rows = flat_range = None
-    whole_replica = 0 if L.dp * L.cp == 1 else (member.edp if apart else member.dp_cp)
-    if L.zero == 3:
-        shards, index = (L.dp * L.cp // L.ep, member.edp) if apart else (L.dp_shard * L.cp, member.shard_cp)
-        rows, dp_replica = shard_rows(local.sizes[0], shards, index), member.replicate
-    elif apart or (L.zero == 0 and (L.pp == 1 or L.dp * L.cp == 1)):  # kept whole (DDP, one dp rank, experts)
-        dp_replica = whole_replica
-    else:  # in the flat buffer: ZeRO-1/2, and ZeRO-0 under a pipeline
-        flat_range = flat.range(spec.name, 0 if L.zero == 0 else member.shard_cp)
-        dp_replica = member.dp_cp if L.zero == 0 else member.replicate
-    return Placement(spec.shape, local, spec.tp_replica(member.tp) + L.tp * dp_replica, rows, flat_range)
+    stored = member.data_rank(layout).stored(spec, flat)
+    return Placement(spec.shape, local, spec.tp_replica(member.tp) + layout.tp * stored.replica, stored.rows,
+                     stored.flat)
 
 
 @dataclass(frozen=True)
@@ -160,7 +139,7 @@ class StagePlan:
         self.members = [Member.at(L, i) for i in range(self.size)]
         specs = [s for layers, first, last in chunks
                  for s in chunk_specs(m, layers, first, last, tp=L.tp, ep=L.ep, sp=L.sp)]
-        flat = FlatLayout(specs, L, dtype)
+        flat = flat_layout(specs, L, dtype)
         self.specs = [s for s in specs if is_muon_tensor(s)]
         self.names = [s.name for s in self.specs]
         self.placements = [{s.name: member_placement(s, L, member, flat) for s in self.specs} for member in self.members]

@@ -25,10 +25,11 @@ from torch import nn
 
 from fived import comm
 from fived.config import Config
-from fived.layout.spec import REDUCE_CHUNK_ELEMENTS
+from fived.layout.spec import REDUCE_CHUNK_ELEMENTS, DataRank, Stored, TensorSpec, tensor_specs
 from fived.mesh import DTYPES, PRECISIONS, Mesh
 from fived.ledger import local_tensor as _local
 from fived.model import canonical_name
+from fived.muon_plan import is_muon_tensor
 from fived.parallel.expert import is_expert
 from fived.optim import build_optimizer
 from fived.placement import Placement
@@ -80,8 +81,14 @@ class DataParallel:
         from fived.parallel.muon_exchange import MatrixExchange
 
         exchange = MatrixExchange(self.mesh, self.cfg, placements)
-        matrices = [(n, p) for n, p in named if n in exchange.placements and p.requires_grad]
-        adamw = build_optimizer([p for n, p in named if n not in exchange.placements], t, decayed)
+        specs = tensor_specs(self.cfg.model, tp=self.mesh.tp, ep=self.mesh.ep, sp=self.cfg.parallel.sp)
+        matrices = [(n, p) for n, p in named if is_muon_tensor(specs[n]) and p.requires_grad]
+        names, plan = {n for n, _ in matrices}, exchange.plan
+        stored = {n for n in plan.names if plan.placements[exchange.me][n].boxes()}  # (ZeRO-1/2: no empty slices)
+        if not stored <= names <= set(plan.names):  # (else a matrix outside the plan would go to AdamW)
+            raise RuntimeError(f"Muon's plan has this rank store pieces of {sorted(stored)} (of {sorted(plan.names)}), "
+                               f"its optimizer updates {sorted(names)}")
+        adamw = build_optimizer([p for n, p in named if n not in names], t, decayed)
         return Muon(matrices, adamw, t, exchange)
 
     def with_masters(self, tensors) -> list[torch.Tensor]:
@@ -113,17 +120,19 @@ class DataParallel:
         self.optimizer.step()
         self.masters_to_model()
 
-    def storage(self, name: str) -> tuple[tuple[int, int] | None, tuple[int, int] | None, int]:
-        """How parameter `name` is stored here, for its placement: (ZeRO-3 rows, ZeRO-1/2 flat range
-        of the model-local tensor, replica index among the data-parallel ranks holding the same piece).
-        Known on the meta device, right after `shard`."""
-        return None, None, self.whole_replica(name)
+    def storage(self, spec: TensorSpec) -> Stored:
+        """How parameter `spec` is stored here, for its placement (ZeRO-3 rows, or a ZeRO-1/2 flat
+        range of the model-local tensor, and the replica index among the data-parallel ranks holding
+        the same piece): the storage rules of `fived.layout.spec.DataRank`, which Muon's plan reads
+        for every rank. Known on the meta device, right after `shard`."""
+        return self.data_rank().stored(spec)
 
-    def whole_replica(self, name: str) -> int:
-        """Replica index of a tensor every data-parallel rank holds whole (experts: over edp only)."""
-        if self.mesh.dp * self.mesh.cp == 1:
-            return 0
-        return self.mesh.rank("edp") if (self.mesh.ep > 1 and is_expert(name)) else self.mesh.rank("dp_cp")
+    def data_rank(self) -> DataRank:
+        """This rank's place in data parallelism, from its mesh."""
+        m, many = self.mesh, self.mesh.dp * self.mesh.cp > 1
+        return DataRank(self.cfg.parallel.zero, m.pp, m.ep, m.dp * m.cp, m.dp_shard * m.cp,
+                        m.rank("dp_shard_cp") if many else 0, m.rank("dp_replicate") if m.dp_replicate > 1 else 0,
+                        m.rank("dp_cp") if many else 0)
 
     def optimized(self):
         """(canonical name, the tensor the optimizer updates for it here): the parameter itself, its

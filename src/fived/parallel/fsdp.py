@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from fived import comm
+from fived.layout.spec import Stored, TensorSpec
 from fived.parallel.data_parallel import DataParallel
 
 
@@ -56,13 +57,16 @@ class FullyShardedDataParallel(DataParallel):
         self.chunks = chunks
         self._replicate_group = mesh.get_group(0) if self.mesh.dp_replicate > 1 else None  # (FSDP2's all-reduce's)
 
-    def storage(self, name: str) -> tuple[tuple[int, int] | None, tuple[int, int] | None, int]:
-        # FSDP2 shards dim 0 in ceil-sized chunks; the DTensor says which rows are here
-        param = dict(self.named_parameters())[name]
-        chunk = param.__create_chunk_list__()[0]
+    def storage(self, spec: TensorSpec) -> Stored:
+        # the storage rules' rows (FSDP2 shards dim 0 in ceil-sized chunks), held to the DTensor's own
+        stored = super().storage(spec)
+        chunk = dict(self.named_parameters())[spec.name].__create_chunk_list__()[0]
         start = chunk.offsets[0] if len(chunk.offsets) else 0
         rows = (start, start + chunk.sizes[0]) if len(chunk.sizes) else None
-        return rows, None, self.mesh.rank("dp_replicate")  # HSDP replicas hold the same rows
+        empty = rows is not None and rows[0] == rows[1] and stored.rows[0] == stored.rows[1]  # (no rows: anywhere)
+        if rows != stored.rows and not empty:
+            raise RuntimeError(f"{spec.name}: FSDP2 stores rows {rows} here, the storage rules say {stored.rows}")
+        return stored
 
     def unrouted_collectives(self):
         """HSDP: FSDP2's all-reduce across replicas has no hook; counted while a step records."""

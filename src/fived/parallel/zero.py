@@ -35,7 +35,8 @@ import torch
 from torch import nn
 
 from fived import comm
-from fived.layout.spec import CAST_PIECES_IN_FLIGHT, REDUCE_CHUNK_ELEMENTS, FlatBucket, flat_buckets
+from fived.layout.spec import (CAST_PIECES_IN_FLIGHT, REDUCE_CHUNK_ELEMENTS, FlatBucket, FlatLayout, Stored, TensorSpec,
+                              in_flat_buffer)
 from fived.parallel.data_parallel import DataParallel
 
 
@@ -58,27 +59,18 @@ class ShardedOptimizerDataParallel(DataParallel):
         p = self.cfg.parallel
         self.overlap_reduce, self.overlap_gather = p.overlap_grad_reduce, p.overlap_param_gather
         layout_cap = self.mesh.layout.bucket_elements(self.precision.weights.itemsize)
-        self.buckets: list[FlatBucket] = flat_buckets(self.numels, self.shards, layout_cap)
-        self.bucket_of_param = [b for b, bucket in enumerate(self.buckets) for _ in range(bucket.first, bucket.last)]
-        self.offsets = []
-        for bucket in self.buckets:
-            self.offsets += [bucket.start + sum(self.numels[bucket.first:i]) for i in range(bucket.first, bucket.last)]
+        self.flat = FlatLayout(self.names, self.numels, self.shards, layout_cap)
+        self.buckets: list[FlatBucket] = self.flat.buckets
+        self.bucket_of_param, self.offsets = self.flat.bucket_of, self.flat.offsets
         self.shard_rank = rank
         self.shard_len = sum(bucket.piece for bucket in self.buckets)  # elements this rank owns, padding included
         # where each bucket's owned piece sits in ZeRO-2's compact gradient shard
         self.compact = [sum(b.piece for b in self.buckets[:k]) for k in range(len(self.buckets))]
 
-    def storage(self, name: str) -> tuple[tuple[int, int] | None, tuple[int, int] | None, int]:
-        if name not in self.index:  # experts kept apart: whole, replicated over edp
-            return super().storage(name)
-        i = self.index[name]
-        lo, hi = self.buckets[self.bucket_of_param[i]].owned(self.shard_rank)
-        a = min(max(lo - self.offsets[i], 0), self.numels[i])
-        b = max(min(hi - self.offsets[i], self.numels[i]), a)
-        # ZeRO-0 under a pipeline keeps the buffer whole on every dp rank; sharded stages
-        # repeat a slice only across HSDP replica groups
-        replica = self.mesh.rank("dp_cp") if self.stage == 0 else self.mesh.rank("dp_replicate")
-        return None, (a, b), replica
+    def storage(self, spec: TensorSpec) -> Stored:
+        if (spec.name in self.index) != in_flat_buffer(spec, self.mesh.ep):
+            raise RuntimeError(f"{spec.name}: the runtime's flat buffer and the sharding spec disagree on it")
+        return self.data_rank().stored(spec, self.flat)
 
     def wrap(self, chunks: list[nn.Module]) -> list[nn.Module]:
         if self.stage == 0:

@@ -47,7 +47,7 @@ from fived.config import ModelConfig
 from fived.layout.layout import PRECISION_SPECS, Layout
 from fived.layout.schedule_sim import pipeline_profile
 from fived.layout.spec import (CAST_PIECES_IN_FLIGHT, REDUCE_CHUNK_ELEMENTS, chunk_specs, flat_owned, flat_range,
-                               local_vocab, shard_rows)
+                               in_flat_buffer, local_vocab, shard_rows)
 from fived.layout.stages import model_key, placement, rank_chunks_by_key
 from fived.muon_plan import stage_plan
 from fived.planner.runtimes import FIVED, Runtime, framework_activations
@@ -109,7 +109,7 @@ def flat_numels(m: ModelConfig, layout: Layout, chunks) -> list[int]:
 @lru_cache(maxsize=4096)
 def _flat_numels(key: tuple, tp: int, ep: int, layers: tuple, first: bool, last: bool, etp: int) -> tuple:
     specs = chunk_specs(ModelConfig(**dict(key)), layers, first, last, tp=tp, ep=ep, etp=etp)
-    return tuple(math.prod(s.local_shape) for s in specs if not s.buffer and not (s.expert and ep > 1))
+    return tuple(math.prod(s.local_shape) for s in specs if in_flat_buffer(s, ep))
 
 
 def _shape_list(m: ModelConfig, tp: int, ep: int, layers, first: bool, last: bool, etp: int):
