@@ -9,9 +9,11 @@ import torch
 from fived.config import build_config
 from fived.layout.layout import Layout
 from fived.layout.bounds import ns_coefficients
-from fived.muon_plan import Exchange, ns_flops, stage_plan
+from fived.muon_load import busiest_load, member_load
+from fived.muon_plan import Exchange, StagePlan, ns_flops, stage_plan
 from fived.layout.stages import rank_chunks
 from fived.muon import Muon, newton_schulz, update_scale
+from fived.placement import Box
 from fived.report import expected_comm_bytes, expected_state_bytes
 from fived.testing import EXACT, run_on_ranks, tiny_config
 from fived.train import run_training
@@ -46,16 +48,24 @@ def test_update_scales():
 
 
 class _Alone:
-    """The exchange of a single device holding every matrix whole: Newton-Schulz on each."""
+    """The exchange of a single device holding every matrix (a Linear's weight) whole, in float64:
+    Newton-Schulz on each."""
 
-    def __init__(self, fans):
-        self.placements, self._fans = dict.fromkeys(fans), fans
+    dtype = torch.float64
+
+    def __init__(self, shapes):
+        self.shapes = shapes  # name -> (fan_out, fan_in)
 
     def fans(self, name):
-        return self._fans[name]
+        return self.shapes[name]
 
-    def orthogonalize(self, directions, ns):
-        return {name: ns(d) for name, d in directions.items()}
+    def view(self, name, stored, box):
+        return stored
+
+    def orthogonalize(self, direction, ns, apply):
+        for name, shape in self.shapes.items():
+            box = Box((0, 0), shape)
+            apply(name, box, ns(direction(name, box)))
 
 
 def test_one_step_is_the_published_update():
@@ -84,27 +94,39 @@ def test_one_step_is_the_published_update():
 
 
 def _one_device_step(cfg):
-    """One step of a one-rank Trainer; the directions Muon's exchange got and what it returned."""
+    """One step of a one-rank Trainer: [(name, box, direction, update)] of the pieces Muon's exchange
+    handled (on one device: every matrix whole, every routed expert's on its own)."""
     from fived.train import Trainer
 
     trainer = Trainer(cfg, log=False)
-    exchange, seen = trainer.optimizer.exchange, []
+    exchange, seen = trainer.optimizer.exchange, {}
     real = exchange.orthogonalize
-    exchange.orthogonalize = lambda directions, ns: seen.append(({k: v.clone() for k, v in directions.items()},
-                                                                 real(directions, ns))) or seen[-1][1]
+
+    def recorded(direction, ns, apply):
+        def direction_seen(name, box):
+            seen[(name, box)] = [direction(name, box).clone()]
+            return seen[(name, box)][0]
+
+        real(direction_seen, ns, lambda name, box, update: seen[(name, box)].append(update.clone())
+             or apply(name, box, update))
+
+    exchange.orthogonalize = recorded
     trainer.fit(progress=False)
-    return seen
+    return [(name, box, *values) for (name, box), values in seen.items()]
 
 
 def test_one_device_orthogonalises_each_whole_matrix():
     """On one rank the exchange (the code every layout runs) returns Newton-Schulz of each parameter's
     direction whole, and of each routed expert's matrix on its own: what every layout is held to."""
     cfg = tiny_config("tiny-moe", train__optimizer="muon", train__steps=1)
-    (directions, updates), = run_on_ranks(1, _one_device_step, cfg)[0]
-    assert len(directions) == cfg.model.n_layers * (4 + 3 + 3)  # attention, shared expert, routed experts
-    for name, d in directions.items():
-        want = torch.stack([newton_schulz(e, KELLER) for e in d]) if d.dim() == 3 else newton_schulz(d, KELLER)
-        assert torch.allclose(updates[name], want, rtol=0, atol=1e-13), name
+    seen = run_on_ranks(1, _one_device_step, cfg)[0]
+    m = cfg.model
+    assert len(seen) == m.n_layers * (4 + 3 * m.n_shared_experts + 3 * m.n_experts)  # each routed expert's alone
+    for name, box, direction, update in seen:
+        assert box.sizes[-2:] == direction.shape[-2:] and math.prod(box.sizes) == direction.numel(), name
+        matrix = direction.reshape(direction.shape[-2:])
+        want = newton_schulz(matrix, KELLER).reshape(update.shape)
+        assert torch.allclose(update, want, rtol=0, atol=1e-13), name
 
 
 def _unplanned_matrix(cfg):
@@ -154,42 +176,68 @@ def _plan(model, world, fields, pp_rank=0):
 def test_plan_places_every_piece_once(name):
     """Every unit's distinct pieces tile it exactly (no gap, no overlap); each member's pieces are
     what it stores; the owner ends up with every piece (its own or gathered) and every holder gets
-    its pieces back; what one member sends another receives, in the same order; owners balanced."""
+    its pieces back; what one member sends another receives, in the same order; owners balanced;
+    the planner's bound of the busiest member holds every member's own figures."""
     plan = _plan(*PLANS[name])
-    for unit in plan.units:
-        distinct = {box for m in range(plan.size) for box in plan.held(unit, m)}
+    members = [plan.member_plan(m) for m in range(plan.size)]
+    for u, unit in enumerate(plan.units):
+        distinct = {box for member in members for box in member.held(u)}
         assert sum(b.numel for b in distinct) == unit.box.numel, unit
         for a in distinct:
             assert all(a == b or a.intersection(b) is None for b in distinct)
-    for m in range(plan.size):
-        stored = sum(b.numel for unit in plan.units for b in plan.held(unit, m))
-        assert stored == plan.stored_elements(m)
-    for me in range(plan.size):
-        lists = plan.exchange(me)
+    for m, member in enumerate(members):
+        assert sum(b.numel for boxes in member.pieces for b in boxes) == plan.stored_elements(m)
+    for me, member in enumerate(members):
+        lists = member.exchange
         for peer in range(plan.size):
-            assert lists.gather_send[peer] == plan.exchange(peer).gather_recv[me]
-            assert lists.scatter_send[peer] == plan.exchange(peer).scatter_recv[me]
+            assert lists.gather_send.get(peer, ()) == members[peer].exchange.gather_recv.get(me, ())
+            assert lists.scatter_send.get(peer, ()) == members[peer].exchange.scatter_recv.get(me, ())
         for u, unit in enumerate(plan.units):
             if unit.owner == me:
-                own = plan.held(unit, me)
-                gathered = [box for items in lists.gather_recv for v, box in items if v == u]
-                assert sum(b.numel for b in own + gathered) == unit.box.numel
+                gathered = [box for items in lists.gather_recv.values() for v, box in items if v == u]
+                assert sum(b.numel for b in member.held(u) + gathered) == unit.box.numel
             else:
-                back = [box for items in lists.scatter_recv for v, box in items if v == u]
-                assert back == plan.held(unit, me)
+                back = [box for items in lists.scatter_recv.values() for v, box in items if v == u]
+                assert back == member.held(u)
     largest = max(ns_flops(u.rows, u.cols, 1) for u in plan.units)  # (greedy by cost: within one matrix)
     assert max(plan.load) - min(plan.load) <= largest, plan.load
+    bound = busiest_load(plan, plan.units)
+    for member in members:
+        own = member_load(member)
+        assert all(getattr(own, f) <= getattr(bound, f) for f in own.__dataclass_fields__), (own, bound)
+        assert own.peak(2, 4) <= bound.peak(2, 4)
+    gather, scatter = plan.traffic  # (a phase is skipped only when nobody sends in it)
+    assert gather == any(m.exchange.gather_send for m in members)
+    assert scatter == any(m.exchange.scatter_send for m in members)
 
 
 def test_ranks_of_a_replica_send_to_their_own_owner():
     """ZeRO-0 under tp: the owner gathers the other tp halves from its own tp neighbour (the nearest
     holder), so every rank sends the same bytes instead of dp rank 0 sending them all."""
     plan = _plan("tiny", 4, dict(dp=2, tp=2))
-    sent = [Exchange.elements(plan.exchange(m).gather_send) for m in range(4)]
+    sent = [Exchange.elements(plan.member_plan(m).exchange.gather_send) for m in range(4)]
     assert len(set(sent)) == 1 and sent[0] > 0, sent
     for m in range(4):
-        peers = [p for p, items in enumerate(plan.exchange(m).gather_send) if items]
+        peers = list(plan.member_plan(m).exchange.gather_send)
         assert all(p // 2 == m // 2 for p in peers), (m, peers)  # (tp innermost: same dp rank)
+
+
+def test_a_rank_lays_out_only_its_own_part():
+    """Building one member's part of a 64-rank stage of llama3-70b (dp8 x tp8, ZeRO-3: every member
+    holds a piece of every matrix) places its own pieces and those of the units it owns, not every
+    member's: the placements computed stay a small multiple of the units (every member's would be
+    64 times them)."""
+    cfg = build_config(overrides={"model.name": "llama3-70b", "parallel.tp": 8, "parallel.zero": 3})
+    layout = Layout.from_config(cfg, 64)
+    counted = []
+    real = StagePlan.placement
+    StagePlan.placement = lambda self, name, member: counted.append(member) or real(self, name, member)
+    try:
+        plan = StagePlan(cfg.model, layout, "bfloat16", rank_chunks(cfg.model, layout, 0))
+        plan.member_plan(0), plan.traffic, busiest_load(plan, plan.units)
+    finally:
+        StagePlan.placement = real
+    assert plan.size == 64 and len(counted) < 4 * len(plan.units), (len(counted), len(plan.units))
 
 
 VERIFIED = {  # (model, world, overrides): the issue's layouts, each exact against one device

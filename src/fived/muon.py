@@ -45,9 +45,9 @@ def newton_schulz(matrix: torch.Tensor, coefficients: list[tuple[float, float, f
     tall = matrix.shape[0] > matrix.shape[1]
     x = matrix.mT if tall else matrix
     x = x / (torch.linalg.matrix_norm(x) + eps)
-    for a, b, c in coefficients:
+    for a, b, c in coefficients:  # (two fused multiply-adds: X, A and b A + c A^2 alive, then the next X)
         gram = x @ x.mT
-        x = a * x + (b * gram + c * (gram @ gram)) @ x
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
     return x.mT if tall else x
 
 
@@ -82,8 +82,8 @@ class Muon(torch.optim.Optimizer):
     def step(self, closure=None):
         self.adamw.step()
         group = self.param_groups[-1]
-        beta, lr, decay = group["momentum"], group["lr"], group["weight_decay"]
-        directions = {}
+        beta, lr, decay, nesterov = group["momentum"], group["lr"], group["weight_decay"], group["nesterov"]
+        stored = {}  # name -> (gradient, momentum, weight) as this rank stores them
         for name, p in zip(self.names, group["params"]):
             state = self.state[p]
             if not state:
@@ -91,9 +91,18 @@ class Muon(torch.optim.Optimizer):
             buf = local_tensor(state["momentum_buffer"])
             grad = local_tensor(p.grad) if p.grad is not None else torch.zeros_like(buf)
             buf.lerp_(grad, 1 - beta)
-            directions[name] = grad.lerp(buf, beta) if group["nesterov"] else buf
-        updates = self.exchange.orthogonalize(directions, lambda m: newton_schulz(m, self.coefficients))
-        for name, p in zip(self.names, group["params"]):
             weight = local_tensor(p)
-            weight.mul_(1 - lr * decay)
-            weight.add_(updates[name].to(weight.dtype), alpha=-lr * self.scales[name])
+            weight.mul_(1 - lr * decay)  # (decoupled: before the update, as W (1 - lr wd) - lr s O)
+            stored[name] = (grad, buf, weight)
+        x = self.exchange
+
+        def direction(name: str, box) -> torch.Tensor:
+            grad, buf, _ = stored[name]
+            momentum = x.view(name, buf, box)
+            return (x.view(name, grad, box).lerp(momentum, beta) if nesterov else momentum).to(x.dtype)
+
+        def apply(name: str, box, update: torch.Tensor) -> None:
+            weight = x.view(name, stored[name][2], box)
+            weight.add_(update.to(weight.dtype), alpha=-lr * self.scales[name])
+
+        x.orthogonalize(direction, lambda m: newton_schulz(m, self.coefficients), apply)

@@ -18,12 +18,17 @@ within one pipeline stage (its dp*cp*tp ranks: the "stage group", mesh group dp_
            replica 0. One all-to-all over the stage group.
   scatter  the owner sends every other holder (replicas included) its pieces of the result: a
            second all-to-all. Both run in the Newton-Schulz dtype (the run's compute dtype).
-Every member derives the same plan from the layout; the runtime checks the plan's placement of its
-own pieces against its placement table (`fived.placement`) when it builds the optimizer.
+Every member derives the same units and owners from the layout (O(units log members)), and its own
+part of the exchange from its own pieces and those of the units it owns (`MemberPlan`): nobody
+lays out every member's pieces. The runtime checks the plan's placement of its own pieces against
+its placement table (`fived.placement`) when it builds the optimizer. The planner prices the
+busiest member from aggregates (`StagePlan.busiest`), without any member's lists.
 """
 from __future__ import annotations
 
+import heapq
 import math
+from collections import defaultdict
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
@@ -45,6 +50,13 @@ def ns_flops(rows: int, cols: int, steps: int) -> float:
     m <= n its sides, X X^T (2 m^2 n), A A (2 m^3) and B X (2 m^2 n) per iteration."""
     m, n = sorted((rows, cols))
     return steps * (4.0 * m * m * n + 2.0 * m ** 3)
+
+
+def ns_workspace(rows: int, cols: int) -> int:
+    """Elements `fived.muon.newton_schulz` allocates on a rows x cols matrix (m <= n its sides): the
+    normalised X and the next one (m n each), A = X X^T and b A + c A^2 (m^2 each)."""
+    m, n = sorted((rows, cols))
+    return 2 * m * n + 2 * m * m
 
 
 @dataclass(frozen=True)
@@ -105,33 +117,27 @@ def flat_layout(specs: list[TensorSpec], layout: Layout, dtype: str) -> FlatLayo
                       1 if L.zero == 0 else L.dp_shard * L.cp, L.bucket_elements(PRECISION_SPECS[dtype].weight_bytes))
 
 
-def member_placement(spec: TensorSpec, layout: Layout, member: Member, flat: FlatLayout | None) -> Placement:
-    """Where `member` stores its piece of `spec` for the optimizer: the storage rules the runtime's
-    data-parallel strategies apply (`fived.layout.spec.DataRank`)."""
-    local = Box(*spec.local_box(tp_rank=member.tp, ep_rank=member.ep))
-    stored = member.data_rank(layout).stored(spec, flat)
-    return Placement(spec.shape, local, spec.tp_replica(member.tp) + layout.tp * stored.replica, stored.rows,
-                     stored.flat)
-
-
 @dataclass(frozen=True)
 class Exchange:
-    """One member's lists, each item (unit index, box of the whole tensor), per peer member: what it
-    sends and receives in the gather (pieces to owners) and the scatter (results to holders)."""
+    """One member's lists, by peer member (peers with nothing left out), each item (unit index, box
+    of the whole tensor): what it sends and receives in the gather (pieces to owners) and the
+    scatter (results to holders). Both sides list a pair's items in the same order: by unit, then
+    in the sender's (gather) or the holder's (scatter) placement order."""
 
-    gather_send: tuple
-    gather_recv: tuple
-    scatter_send: tuple
-    scatter_recv: tuple
+    gather_send: dict
+    gather_recv: dict
+    scatter_send: dict
+    scatter_recv: dict
 
     @staticmethod
-    def elements(lists) -> int:
-        return sum(box.numel for items in lists for _, box in items)
+    def elements(lists: dict) -> int:
+        return sum(box.numel for items in lists.values() for _, box in items)
 
 
 class StagePlan:
-    """Muon's units on one pipeline rank's stage group (its `chunks`), their owners, and which
-    pieces of each unit every member holds (`member_placement`)."""
+    """Muon's units on one pipeline rank's stage group (its `chunks`), their owners, and the rules
+    that say which piece of a unit any member holds (`placement`, `key`): what every member agrees
+    on, computed without laying out every member's pieces."""
 
     def __init__(self, m: ModelConfig, layout: Layout, dtype: str, chunks):
         L = layout
@@ -139,54 +145,82 @@ class StagePlan:
         self.members = [Member.at(L, i) for i in range(self.size)]
         specs = [s for layers, first, last in chunks
                  for s in chunk_specs(m, layers, first, last, tp=L.tp, ep=L.ep, sp=L.sp)]
-        flat = flat_layout(specs, L, dtype)
-        self.specs = [s for s in specs if is_muon_tensor(s)]
-        self.names = [s.name for s in self.specs]
-        self.placements = [{s.name: member_placement(s, L, member, flat) for s in self.specs} for member in self.members]
+        self.flat = flat_layout(specs, L, dtype)
+        self.specs = {s.name: s for s in specs if is_muon_tensor(s)}
+        self.names = list(self.specs)
         self.units = self._assign(self._units())
-        self._boxes = [{name: p.boxes() for name, p in placed.items()} for placed in self.placements]
-        self._exchanges: dict[int, Exchange] = {}
+        self._groups: dict[tuple, dict] = {}
 
     def _units(self) -> list[tuple]:
-        """(name, expert, box, rows, cols, candidate owners) of every matrix, in model order: a routed
-        expert under ep > 1 goes to a member of its own ep rank (which holds it), any other to any."""
-        out, everyone = [], list(range(self.size))
-        for s in self.specs:
+        """(name, expert, box, rows, cols, ep rank or -1) of every matrix, in model order: a routed
+        expert under ep > 1 can only go to a member of its own ep rank (which holds it)."""
+        out = []
+        for s in self.specs.values():
             if not s.expert:
-                out.append((s.name, -1, Box((0, 0), s.shape), s.shape[0], s.shape[1], everyone))
+                out.append((s.name, -1, Box((0, 0), s.shape), s.shape[0], s.shape[1], -1))
                 continue
             per_rank = s.shape[0] // self.layout.ep  # [E, in, out]: one matrix per expert, E/ep per ep rank
             for j in range(s.shape[0]):
-                holders = [m.index for m in self.members if m.ep == j // per_rank] if self.layout.ep > 1 else everyone
-                out.append((s.name, j, Box((j, 0, 0), (1,) + s.shape[1:]), s.shape[1], s.shape[2], holders))
+                out.append((s.name, j, Box((j, 0, 0), (1,) + s.shape[1:]), s.shape[1], s.shape[2],
+                            j // per_rank if self.layout.ep > 1 else -1))
         return out
 
     def _assign(self, units: list[tuple]) -> list[Unit]:
         """Owners by Newton-Schulz cost: longest first (model order on ties), each to its least-loaded
-        candidate (the lowest on ties)."""
+        candidate (the lowest on ties): a heap of (load, member) per ep rank."""
+        pools: dict[int, list] = defaultdict(list)
+        for member in self.members:
+            pools[member.ep if self.layout.ep > 1 else 0].append((0.0, member.index))  # (ascending: heaps)
         self.load = [0.0] * self.size
         owners = [0] * len(units)
         for i in sorted(range(len(units)), key=lambda i: -ns_flops(units[i][3], units[i][4], 1)):
-            *_, rows, cols, candidates = units[i]
-            owners[i] = min(candidates, key=lambda c: (self.load[c], c))
-            self.load[owners[i]] += ns_flops(rows, cols, 1)
+            *_, rows, cols, ep_rank = units[i]
+            pool = pools[ep_rank] if ep_rank >= 0 else min(pools.values(), key=lambda heap: heap[0])
+            load, owners[i] = heapq.heappop(pool)
+            self.load[owners[i]] = load + ns_flops(rows, cols, 1)
+            heapq.heappush(pool, (self.load[owners[i]], owners[i]))
         return [Unit(*u[:5], owner) for u, owner in zip(units, owners)]
+
+    def fans(self, name: str) -> tuple[int, int]:
+        """(fan_out, fan_in) of each matrix of tensor `name` (a Linear's (out, in); an expert's
+        [in, out] per expert)."""
+        shape = self.specs[name].shape
+        return (shape[2], shape[1]) if len(shape) == 3 else (shape[0], shape[1])
+
+    def placement(self, name: str, member: int) -> Placement:
+        """Where `member` stores its piece of tensor `name` for the optimizer: the storage rules the
+        runtime's data-parallel strategies apply (`fived.layout.spec.DataRank`)."""
+        spec, who = self.specs[name], self.members[member]
+        local = Box(*spec.local_box(tp_rank=who.tp, ep_rank=who.ep))
+        stored = who.data_rank(self.layout).stored(spec, self.flat)
+        return Placement(spec.shape, local, spec.tp_replica(who.tp) + self.layout.tp * stored.replica, stored.rows,
+                         stored.flat)
 
     def held(self, unit: Unit, member: int) -> list[Box]:
         """The boxes of `unit` (whole-tensor coordinates) `member` stores, in its placement's order."""
-        return [b for b in (box.intersection(unit.box) for box in self._boxes[member][unit.name]) if b is not None]
+        boxes = (box.intersection(unit.box) for box in self.placement(unit.name, member).boxes())
+        return [b for b in boxes if b is not None]
 
-    @cached_property
-    def pieces(self) -> list[list[tuple[Box, list[int]]]]:
-        """Per unit, each distinct piece with the members holding it (replicas hold equal boxes)."""
-        out = []
-        for unit in self.units:
-            held: dict[Box, list[int]] = {}
+    def groups(self, spec: TensorSpec) -> dict[tuple, list[int]]:
+        """The members by the piece of `spec` they hold (key -> members, ascending). Tensors cut and
+        stored alike share one grouping (computed once per kind, O(members))."""
+        kind = (spec.expert, spec.tp, spec.ep)
+        if kind not in self._groups:
+            grouped: dict[tuple, list[int]] = defaultdict(list)
             for member in range(self.size):
-                for box in self.held(unit, member):
-                    held.setdefault(box, []).append(member)
-            out.append(list(held.items()))
-        return out
+                grouped[self._kind_key(spec, member)].append(member)
+            self._groups[kind] = dict(grouped)
+        return self._groups[kind]
+
+    def _kind_key(self, spec: TensorSpec, member: int) -> tuple:
+        """`key` by cut indices rather than offsets (equal for every tensor of a kind)."""
+        who = self.members[member]
+        cuts = tuple(cut.index(rank) if cut is not None else 0 for cut, rank in ((spec.tp, who.tp), (spec.ep, who.ep)))
+        return cuts, who.data_rank(self.layout).stored(spec, self.flat).slot
+
+    def replicas(self, spec: TensorSpec, member: int) -> list[int]:
+        """The members holding the same piece of `spec` as `member` (itself included)."""
+        return self.groups(spec)[self._kind_key(spec, member)]
 
     def sender(self, holders: list[int], owner: int) -> int:
         """Who sends a piece the owner lacks: the holder nearest it on the mesh, then the lowest."""
@@ -195,68 +229,78 @@ class StagePlan:
 
     @cached_property
     def traffic(self) -> tuple[bool, bool]:
-        """(any piece gathered, any result scattered): a phase nobody sends in is skipped by all."""
+        """(any piece gathered, any result scattered): a phase nobody sends in is skipped by all. An
+        owner holding its unit whole gathers nothing for it (no other piece exists), and scatters
+        nothing when no replica holds the unit too."""
         gather = scatter = False
-        for unit, pieces in zip(self.units, self.pieces):
-            for _, holders in pieces:
-                gather = gather or unit.owner not in holders
-                scatter = scatter or any(h != unit.owner for h in holders)
+        for unit in self.units:
+            whole = sum(b.numel for b in self.held(unit, unit.owner)) == unit.box.numel
+            gather = gather or not whole
+            scatter = scatter or not whole or len(self.replicas(self.specs[unit.name], unit.owner)) > 1
         return gather, scatter
 
-    def exchange(self, me: int) -> Exchange:
-        """Member `me`'s lists; items ordered by unit, then by the sending member's placement order,
-        so that every sender and receiver agree."""
-        if me not in self._exchanges:
-            self._exchanges[me] = self._exchange(me)
-        return self._exchanges[me]
-
-    def _exchange(self, me: int) -> Exchange:
-        lists = [[[] for _ in range(self.size)] for _ in range(4)]
-        gather_send, gather_recv, scatter_send, scatter_recv = lists
-        for u, (unit, pieces) in enumerate(zip(self.units, self.pieces)):
-            owner = unit.owner
-            for box, holders in pieces:
-                if owner in holders or (owner != me and me not in holders):
-                    continue
-                sender = self.sender(holders, owner)
-                if sender == me:
-                    gather_send[owner].append((u, box))
-                if owner == me:
-                    gather_recv[sender].append((u, box))
-            if owner == me:
-                for member in range(self.size):
-                    if member != me:
-                        scatter_send[member] += [(u, box) for box in self.held(unit, member)]
-            else:
-                scatter_recv[owner] += [(u, box) for box in self.held(unit, me)]
-        return Exchange(*(tuple(tuple(items) for items in lst) for lst in lists))
+    def member_plan(self, member: int) -> "MemberPlan":
+        return MemberPlan(self, member)
 
     def stored_elements(self, member: int) -> int:
         """Elements of Muon tensors `member` stores (each gets one momentum buffer)."""
-        return sum(math.prod(p.stored_shape) for p in self.placements[member].values())
-
-    def owned(self, member: int) -> list[Unit]:
-        return [u for u in self.units if u.owner == member]
+        return sum(math.prod(self.placement(name, member).stored_shape) for name in self.names)
 
     def member_of_shard(self, shard_index: int) -> int:
         """The first member (replica 0, tp rank 0) at position `shard_index` of the dp_shard*cp group."""
         return shard_index * self.layout.tp
 
-    def buffer_elements(self, member: int, *, cast: bool) -> tuple[int, int]:
-        """(elements in the Newton-Schulz dtype, elements in the optimizer's dtype) `member` allocates
-        for a step, all counted as alive at once: its stored pieces' directions (optimizer dtype),
-        their updates and, with `cast` (the two dtypes differ), their copies (Newton-Schulz dtype),
-        its owned units' results, the larger phase's send and receive buffers, and the largest owned
-        unit's Newton-Schulz workspace (X and the products of its iteration: 3 m n + 3 m^2, m <= n)."""
-        stored, owned = self.stored_elements(member), self.owned(member)
-        lists = self.exchange(member)
-        exchanged = max(Exchange.elements(lists.gather_send) + Exchange.elements(lists.gather_recv),
-                        Exchange.elements(lists.scatter_send) + Exchange.elements(lists.scatter_recv))
-        workspace = max((3 * u.rows * u.cols + 3 * min(u.rows, u.cols) ** 2 for u in owned), default=0)
-        return (1 + cast) * stored + sum(u.box.numel for u in owned) + exchanged + workspace, stored
+
+class MemberPlan:
+    """One member's part in Muon's step: the units it owns, its pieces, and its exchange lists,
+    derived from its own pieces and those of the units it owns."""
+
+    def __init__(self, plan: StagePlan, me: int):
+        self.plan, self.me = plan, me
+        self.placements = {name: plan.placement(name, me) for name in plan.names}
+        self.owned = [u for u, unit in enumerate(plan.units) if unit.owner == me]
+        boxes = {name: placement.boxes() for name, placement in self.placements.items()}
+        self.pieces = [[b for b in (box.intersection(unit.box) for box in boxes[unit.name]) if b is not None]
+                       for unit in plan.units]  # per unit, the boxes of it stored here
+        self._senders: dict[tuple, int] = {}
+        lists = [defaultdict(list) for _ in range(4)]
+        for u, unit in enumerate(plan.units):
+            self._add(u, unit, *lists)
+        self.exchange = Exchange(*({peer: tuple(items) for peer, items in lst.items()} for lst in lists))
+
+    def held(self, u: int) -> list[Box]:
+        """The boxes of unit `u` (whole-tensor coordinates) this member stores, in its placement's order."""
+        return self.pieces[u]
+
+    def _add(self, u: int, unit: Unit, gather_send, gather_recv, scatter_send, scatter_recv) -> None:
+        spec, me, owner = self.plan.specs[unit.name], self.me, unit.owner
+        if owner == me:
+            for holders in self.plan.groups(spec).values():
+                boxes = self.held(u) if me in holders else self.plan.held(unit, holders[0])
+                if not boxes:
+                    continue
+                if me not in holders:
+                    gather_recv[self._sender(spec, holders, me)] += [(u, box) for box in boxes]
+                for h in holders:
+                    if h != me:
+                        scatter_send[h] += [(u, box) for box in boxes]
+            return
+        mine = self.held(u)
+        if not mine:
+            return
+        scatter_recv[owner] += [(u, box) for box in mine]
+        holders = self.plan.replicas(spec, me)
+        if owner not in holders and self._sender(spec, holders, owner) == me:
+            gather_send[owner] += [(u, box) for box in mine]
+
+    def _sender(self, spec: TensorSpec, holders: list[int], owner: int) -> int:
+        key = (spec.expert, spec.tp, spec.ep, holders[0], owner)
+        if key not in self._senders:
+            self._senders[key] = self.plan.sender(holders, owner)
+        return self._senders[key]
 
 
-@lru_cache(maxsize=256)
+@lru_cache(maxsize=16)
 def _stage_plan(key: tuple, layout: Layout, dtype: str, chunks: tuple) -> StagePlan:
     return StagePlan(ModelConfig(**dict(key)), layout, dtype, chunks)
 

@@ -274,6 +274,15 @@ class FlatLayout:
         a = min(max(lo - offset, 0), n)
         return a, max(min(hi - offset, n), a)
 
+    def owners(self, name: str, a: int, b: int) -> list[tuple[int, int]]:
+        """(shard, elements) for elements [a, b) of parameter `name`'s flat view, by the shards owning
+        them (each shard's range is contiguous: a division finds them)."""
+        i = self.index[name]
+        bucket = self.buckets[self.bucket_of[i]]
+        lo, hi = self.offsets[i] - bucket.start + a, self.offsets[i] - bucket.start + b
+        shards = range(lo // bucket.piece, (hi - 1) // bucket.piece + 1) if hi > lo else range(0)
+        return [(r, min(hi, (r + 1) * bucket.piece) - max(lo, r * bucket.piece)) for r in shards]
+
 
 @dataclass(frozen=True)
 class Stored:

@@ -84,7 +84,7 @@ class DataParallel:
         specs = tensor_specs(self.cfg.model, tp=self.mesh.tp, ep=self.mesh.ep, sp=self.cfg.parallel.sp)
         matrices = [(n, p) for n, p in named if is_muon_tensor(specs[n]) and p.requires_grad]
         names, plan = {n for n, _ in matrices}, exchange.plan
-        stored = {n for n in plan.names if plan.placements[exchange.me][n].boxes()}  # (ZeRO-1/2: no empty slices)
+        stored = {n for n in plan.names if exchange.mine.placements[n].boxes()}  # (ZeRO-1/2: no empty slices)
         if not stored <= names <= set(plan.names):  # (else a matrix outside the plan would go to AdamW)
             raise RuntimeError(f"Muon's plan has this rank store pieces of {sorted(stored)} (of {sorted(plan.names)}), "
                                f"its optimizer updates {sorted(names)}")

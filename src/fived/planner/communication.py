@@ -52,6 +52,7 @@ from fived.config import ModelConfig
 from fived.layout.layout import EP_OVERLAP_CHUNKS, PRECISION_SPECS, Layout
 from fived.layout.spec import flat_buckets, kv_replicated, kv_width
 from fived.layout.stages import stage_rank
+from fived.muon_load import busiest_load
 from fived.muon_plan import Exchange, stage_plan
 from fived.planner.memory import ACTIVATION_BYTES, WEIGHT_BYTES, flat_numels, parameter_shapes
 from fived.planner.runtimes import FIVED, Runtime
@@ -85,10 +86,10 @@ def group_span(layout: Layout, group: str) -> tuple[int, int]:
 
 
 def step_collectives(m: ModelConfig, layout: Layout, seq_len: int, global_batch: int, dtype: str, chunks,
-                     stages=(), runtime: Runtime = FIVED, *, member: int = 0) -> list[Collective]:
+                     stages=(), runtime: Runtime = FIVED, *, member: int | None = None) -> list[Collective]:
     """The collectives of one step on a rank holding `chunks` [(layers, first, last)] — pipeline
     stages `stages` (their indices, to know which boundaries leave the rank) — at position `member`
-    of its stage's dp*cp*tp ranks (only Muon's exchange differs between them)."""
+    of its stage's dp*cp*tp ranks (only Muon's exchange differs between them; None: its busiest)."""
     out: list[Collective] = []
     sizes = {g: group_span(layout, g)[0] for g in GROUPS}
 
@@ -138,15 +139,20 @@ def step_collectives(m: ModelConfig, layout: Layout, seq_len: int, global_batch:
     return out
 
 
-def _muon_exchange(m: ModelConfig, L: Layout, dtype: str, chunks, member: int) -> list[Collective]:
+def _muon_exchange(m: ModelConfig, L: Layout, dtype: str, chunks, member: int | None) -> list[Collective]:
     """Muon's all-to-alls over the stage (`fived.muon_plan`), in the compute dtype: the pieces
-    this rank sends to their owners, then the results it sends their other holders. A phase in which
-    no rank sends is skipped by all; one in which only this rank sends nothing still calls."""
+    `member` sends to their owners, then the results it sends their other holders (member None: the
+    busiest member's bound, `fived.muon_load.busiest_load`, what the step waits for). A phase in
+    which no rank sends is skipped by all; one in which only this rank sends nothing still calls."""
     plan = stage_plan(m, L, dtype, chunks)
-    lists = plan.exchange(member)
-    return [Collective("dp_cp_tp", "all_to_all_single", Exchange.elements(sends) * ACTIVATION_BYTES[dtype], 1,
-                       "optimizer")
-            for active, sends in zip(plan.traffic, (lists.gather_send, lists.scatter_send)) if active]
+    if member is None:
+        load = busiest_load(plan, plan.units)
+        sent = (max(load.gather_send, load.gather_recv), max(load.scatter_send, load.scatter_recv))
+    else:
+        lists = plan.member_plan(member).exchange
+        sent = (Exchange.elements(lists.gather_send), Exchange.elements(lists.scatter_send))
+    return [Collective("dp_cp_tp", "all_to_all_single", n * ACTIVATION_BYTES[dtype], 1, "optimizer")
+            for active, n in zip(plan.traffic, sent) if active]
 
 
 def _tensor_parallel(add, m, L, tokens, e, w, grad_w, micro, fwd, layers, moe_layers, first, last, regather,

@@ -33,7 +33,7 @@ gathered weights (the root module for the whole step and two blocks: the one in 
 prefetched one; the whole stage under pipelines) and its unsharded gradients while micro-batches
 accumulate; DDP's gradient buckets; tensor-parallel gathered activations of one region; the loss's
 float32 logits; with checkpointing, one block's activations while backward recomputes it; Muon's
-step (`muon_buffers`: its pieces' directions and updates, its owned whole matrices and their
+step (`muon_buffers`: its pieces' directions, its owned whole matrices and their
 Newton-Schulz workspace, the all-to-alls' buffers); and a fixed reserve for the CUDA context, NCCL and
 allocator fragmentation (RESERVE_GIB + RESERVE_FRACTION: assumed, not fitted — no published run reports its peak memory).
 """
@@ -49,6 +49,7 @@ from fived.layout.schedule_sim import pipeline_profile
 from fived.layout.spec import (CAST_PIECES_IN_FLIGHT, REDUCE_CHUNK_ELEMENTS, chunk_specs, flat_owned, flat_range,
                                in_flat_buffer, local_vocab, shard_rows)
 from fived.layout.stages import model_key, placement, rank_chunks_by_key
+from fived.muon_load import busiest_load
 from fived.muon_plan import stage_plan
 from fived.planner.runtimes import FIVED, Runtime, framework_activations
 
@@ -141,14 +142,13 @@ def muon_saving(m: ModelConfig, layout: Layout, dtype: str, chunks, shard_index:
 
 
 def muon_buffers(m: ModelConfig, layout: Layout, dtype: str, chunks, runtime: Runtime = FIVED) -> int:
-    """Transient bytes of Muon's step on the stage's first rank (`StagePlan.buffer_elements`): in the
-    Newton-Schulz (compute) dtype and the optimizer's (float32, float64 in float64 runs)."""
+    """Transient bytes at the peak of Muon's step on the stage's busiest rank (`fived.muon_load`: a
+    bound from aggregates), in the Newton-Schulz (compute) dtype and the optimizer's (float32,
+    float64 in float64 runs)."""
     if layout.optimizer != "muon" or not runtime.is_fived:
         return 0
     plan = stage_plan(m, layout, dtype, chunks)
-    cast = ACTIVATION_BYTES[dtype] != MOMENT_BYTES[dtype]  # (Newton-Schulz in bf16 on float32 masters)
-    ns, optimizer = plan.buffer_elements(plan.member_of_shard(0), cast=cast)
-    return ns * ACTIVATION_BYTES[dtype] + optimizer * MOMENT_BYTES[dtype]
+    return busiest_load(plan, plan.units).peak(ACTIVATION_BYTES[dtype], MOMENT_BYTES[dtype])
 
 
 def state_bytes(m: ModelConfig, layout: Layout, dtype: str, chunks: list[tuple[list[int], bool, bool]],

@@ -227,12 +227,11 @@ def orthogonalization_s(m: ModelConfig, L: Layout, dtype: str, chunks, hw: Hardw
     its whole matrices' GEMMs (train.muon_ns_steps at its default) at the efficiency of their width."""
     plan = stage_plan(m, L, dtype, chunks)
     steps, peak = TrainConfig.muon_ns_steps, hw.peak_tflops * 1e12
-
-    def seconds(u) -> float:
+    seconds = [0.0] * plan.size
+    for u in plan.units:
         side = min(u.rows, u.cols)
-        return ns_flops(u.rows, u.cols, steps) / (peak * efficiency(side, side, hw))
-
-    return max(sum(seconds(u) for u in plan.owned(member)) for member in range(plan.size))
+        seconds[u.owner] += ns_flops(u.rows, u.cols, steps) / (peak * efficiency(side, side, hw))
+    return max(seconds)
 
 
 def _compute(m: ModelConfig, L: Layout, hw: Hardware, runtime: Runtime, dtype: str, seq_len: int, micro: int,
