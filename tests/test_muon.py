@@ -9,7 +9,7 @@ import torch
 from fived.config import build_config
 from fived.layout.layout import Layout
 from fived.layout.bounds import ns_coefficients
-from fived.muon_load import busiest_load, member_load
+from fived.muon_load import busiest_load, busiest_loads, member_load
 from fived.muon_plan import Exchange, StagePlan, ns_flops, stage_plan
 from fived.layout.stages import rank_chunks
 from fived.muon import Muon, newton_schulz, update_scale
@@ -151,6 +151,8 @@ def test_a_matrix_outside_the_plan_is_refused():
     assert message is not None and "router.weight" in message, message
 
 
+MUON_BUCKET_MB = 2**14 / 2**20  # train.muon_bucket_mb in the tests' buckets: 16 KiB of float64 per rank
+
 PLANS = {  # (model, world, parallel fields): every way a matrix is cut or repeated
     "dp1": ("tiny-moe", 1, {}),
     "zero0-dp4": ("tiny", 4, dict(dp=4)),
@@ -162,12 +164,19 @@ PLANS = {  # (model, world, parallel fields): every way a matrix is cut or repea
     "ep2-zero3": ("tiny-moe", 4, dict(dp=4, ep=2, zero=3)),
     "pp2-zero0-flat": ("tiny", 4, dict(dp=2, pp=2)),
     "5d": ("tiny-moe", 16, dict(pp=2, dp=2, cp=2, tp=2, ep=4, zero=1)),
+    # Muon's own buckets (of MUON_BUCKET_MB per rank: a few matrices each), whole units and experts
+    "zero1-muon-buckets": ("tiny-moe", 4, dict(dp=4, zero=1, muon_bucket_mb=MUON_BUCKET_MB)),
+    "ep2-zero3-muon-buckets": ("tiny-moe", 4, dict(dp=4, ep=2, zero=3, muon_bucket_mb=MUON_BUCKET_MB)),
+    "zero0-tp2-muon-buckets": ("tiny", 4, dict(dp=2, tp=2, muon_bucket_mb=MUON_BUCKET_MB)),
 }
 
 
 def _plan(model, world, fields, pp_rank=0):
-    cfg = build_config(overrides={"model.name": model, **{f"parallel.{k}": v for k, v in fields.items()},
-                                  "train.microbatches": 2 if fields.get("pp", 1) > 1 else 1})
+    fields = dict(fields)
+    train = {"train.microbatches": 2 if fields.get("pp", 1) > 1 else 1}
+    if "muon_bucket_mb" in fields:
+        train["train.muon_bucket_mb"] = fields.pop("muon_bucket_mb")
+    cfg = build_config(overrides={"model.name": model, **{f"parallel.{k}": v for k, v in fields.items()}, **train})
     layout = Layout.from_config(cfg, world)
     return stage_plan(cfg.model, layout, "float64", rank_chunks(cfg.model, layout, pp_rank))
 
@@ -175,9 +184,9 @@ def _plan(model, world, fields, pp_rank=0):
 @pytest.mark.parametrize("name", list(PLANS))
 def test_plan_places_every_piece_once(name):
     """Every unit's distinct pieces tile it exactly (no gap, no overlap); each member's pieces are
-    what it stores; the owner ends up with every piece (its own or gathered) and every holder gets
-    its pieces back; what one member sends another receives, in the same order; owners balanced;
-    the planner's bound of the busiest member holds every member's own figures."""
+    what it stores; in each bucket the owner ends up with every piece (its own or gathered) and every
+    holder gets its pieces back; what one member sends another receives, in the same order; owners
+    balanced; the planner's bound of the busiest member holds every member's own figures."""
     plan = _plan(*PLANS[name])
     members = [plan.member_plan(m) for m in range(plan.size)]
     for u, unit in enumerate(plan.units):
@@ -187,39 +196,54 @@ def test_plan_places_every_piece_once(name):
             assert all(a == b or a.intersection(b) is None for b in distinct)
     for m, member in enumerate(members):
         assert sum(b.numel for boxes in member.pieces for b in boxes) == plan.stored_elements(m)
-    for me, member in enumerate(members):
-        lists = member.exchange
-        for peer in range(plan.size):
-            assert lists.gather_send.get(peer, ()) == members[peer].exchange.gather_recv.get(me, ())
-            assert lists.scatter_send.get(peer, ()) == members[peer].exchange.scatter_recv.get(me, ())
-        for u, unit in enumerate(plan.units):
-            if unit.owner == me:
-                gathered = [box for items in lists.gather_recv.values() for v, box in items if v == u]
-                assert sum(b.numel for b in member.held(u) + gathered) == unit.box.numel
-            else:
-                back = [box for items in lists.scatter_recv.values() for v, box in items if v == u]
-                assert back == member.held(u)
+    assert [u for first, last in plan.buckets for u in range(first, last)] == list(range(len(plan.units)))
+    for bucket, ((first, last), bound) in enumerate(zip(plan.buckets, busiest_loads(plan))):
+        for me, member in enumerate(members):
+            lists = member.exchanges[bucket]
+            for peer in range(plan.size):
+                assert lists.gather_send.get(peer, ()) == members[peer].exchanges[bucket].gather_recv.get(me, ())
+                assert lists.scatter_send.get(peer, ()) == members[peer].exchanges[bucket].scatter_recv.get(me, ())
+            assert all(first <= u < last for items in lists.scatter_recv.values() for u, _ in items)
+            for u in range(first, last):
+                if plan.units[u].owner == me:
+                    gathered = [box for items in lists.gather_recv.values() for v, box in items if v == u]
+                    assert sum(b.numel for b in member.held(u) + gathered) == plan.units[u].box.numel
+                else:
+                    back = [box for items in lists.scatter_recv.values() for v, box in items if v == u]
+                    assert back == member.held(u)
+            own = member_load(member, bucket)
+            assert all(getattr(own, f) <= getattr(bound, f) for f in own.__dataclass_fields__), (own, bound)
+            assert own.peak(2, 4) <= bound.peak(2, 4)
+        gather, scatter = plan.traffic[bucket]  # (a phase is skipped only when nobody sends in it)
+        assert gather == any(m.exchanges[bucket].gather_send for m in members)
+        assert scatter == any(m.exchanges[bucket].scatter_send for m in members)
     largest = max(ns_flops(u.rows, u.cols, 1) for u in plan.units)  # (greedy by cost: within one matrix)
-    assert max(plan.load) - min(plan.load) <= largest, plan.load
-    bound = busiest_load(plan, plan.units)
-    for member in members:
-        own = member_load(member)
-        assert all(getattr(own, f) <= getattr(bound, f) for f in own.__dataclass_fields__), (own, bound)
-        assert own.peak(2, 4) <= bound.peak(2, 4)
-    gather, scatter = plan.traffic  # (a phase is skipped only when nobody sends in it)
-    assert gather == any(m.exchange.gather_send for m in members)
-    assert scatter == any(m.exchange.scatter_send for m in members)
+    assert max(plan.load) - min(plan.load) <= largest * len(plan.buckets), plan.load
 
 
 def test_ranks_of_a_replica_send_to_their_own_owner():
     """ZeRO-0 under tp: the owner gathers the other tp halves from its own tp neighbour (the nearest
     holder), so every rank sends the same bytes instead of dp rank 0 sending them all."""
     plan = _plan("tiny", 4, dict(dp=2, tp=2))
-    sent = [Exchange.elements(plan.member_plan(m).exchange.gather_send) for m in range(4)]
-    assert len(set(sent)) == 1 and sent[0] > 0, sent
+    sent = [Exchange.elements(plan.member_plan(m).exchanges[0].gather_send) for m in range(4)]
+    assert len(plan.buckets) == 1 and len(set(sent)) == 1 and sent[0] > 0, sent
     for m in range(4):
-        peers = list(plan.member_plan(m).exchange.gather_send)
+        peers = list(plan.member_plan(m).exchanges[0].gather_send)
         assert all(p // 2 == m // 2 for p in peers), (m, peers)  # (tp innermost: same dp rank)
+
+
+def test_a_bucket_is_spread_over_the_ranks():
+    """llama3-70b on dp8 x tp8 under ZeRO-1 (each shard owns ten consecutive layers): every bucket
+    of Muon's step holds pieces of every shard alike, so no rank stores much more than its share
+    of any bucket (buckets in model order would put a whole bucket on one shard's 8 ranks: 8x)."""
+    cfg = build_config(overrides={"model.name": "llama3-70b", "parallel.tp": 8, "parallel.zero": 1,
+                                  "train.optimizer": "muon", "train.dtype": "bfloat16"})
+    layout = Layout.from_config(cfg, 64)
+    plan = stage_plan(cfg.model, layout, "bfloat16", rank_chunks(cfg.model, layout, 0))
+    assert len(plan.buckets) > 4
+    for (first, last), load in zip(plan.buckets, busiest_loads(plan)):
+        share = sum(u.box.numel for u in plan.units[first:last]) / plan.size
+        assert load.stored <= 1.5 * share, (first, last, load.stored / share)
 
 
 def test_a_rank_lays_out_only_its_own_part():
@@ -256,6 +280,12 @@ VERIFIED = {  # (model, world, overrides): the issue's layouts, each exact again
     "pp2": ("tiny", 2, dict(parallel__pp=2, train__microbatches=2)),
     "pp2-interleaved-dp2": ("tiny-moe", 4, dict(parallel__pp=2, parallel__dp=2, parallel__zero=1, train__microbatches=2,
                                                 parallel__pp_schedule="interleaved-1f1b", parallel__pp_virtual=2)),
+    # Muon's step in buckets of a few matrices (buckets whose experts need no exchange included)
+    "zero1-muon-buckets": ("tiny-moe", 4, dict(parallel__dp=4, parallel__zero=1, train__muon_bucket_mb=MUON_BUCKET_MB)),
+    "ep2-zero3-muon-buckets": ("tiny-moe", 4, dict(parallel__dp=4, parallel__ep=2, parallel__zero=3,
+                                                   train__muon_bucket_mb=MUON_BUCKET_MB)),
+    "dp2-tp2-sp-muon-buckets": ("tiny", 4, dict(parallel__dp=2, parallel__tp=2, parallel__sp=True,
+                                                train__muon_bucket_mb=MUON_BUCKET_MB)),
 }
 
 
@@ -310,6 +340,8 @@ LEDGER = {
     "ep2-zero1": ("tiny-moe", dict(parallel__dp=4, parallel__ep=2, parallel__zero=1)),
     "pp2-dp2": ("tiny", dict(parallel__dp=2, parallel__pp=2, train__microbatches=2)),
     "zero0-dp4-bf16": ("tiny", dict(parallel__dp=4, train__dtype="bfloat16")),
+    "zero3-ep2-muon-buckets": ("tiny-moe", dict(parallel__dp=4, parallel__ep=2, parallel__zero=3,
+                                                train__muon_bucket_mb=MUON_BUCKET_MB)),
 }
 
 

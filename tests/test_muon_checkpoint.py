@@ -21,6 +21,8 @@ RESUMED = {  # (model, world, overrides): pieces as flat ranges, rows, tp halves
                                        model__router_bias_rate=0.01)),
     "pp2-ep2": ("tiny-moe", 4, dict(parallel__pp=2, parallel__dp=2, parallel__ep=2, train__microbatches=2)),
     "zero2-bf16": ("tiny", 2, dict(parallel__dp=2, parallel__zero=2, train__dtype="bfloat16")),
+    "ep2-muon-buckets": ("tiny-moe", 4, dict(parallel__dp=4, parallel__ep=2, parallel__zero=1,
+                                             train__muon_bucket_mb=2**14 / 2**20)),  # (a few matrices each)
 }
 
 

@@ -130,6 +130,11 @@ class TrainConfig:
     # update RMS, so AdamW's lr and weight decay carry over) | spectral sqrt(max(1, fan_out/fan_in)) (Keller
     # Jordan's Muon) | none
     muon_scale: str = "rms"
+    # Muon's step works through its matrices in buckets (model order) of about this many MiB of whole
+    # matrices, in the Newton-Schulz dtype, per rank of the pipeline stage (so every rank can own some):
+    # each bucket is gathered, orthogonalised, scattered and applied before the next, so the step's
+    # transient memory is one bucket's, not the stage's
+    muon_bucket_mb: float = 256.0
     # float32 | bfloat16 (bf16 weights and gradients, float32 master weights and Adam state in the
     # optimizer) | bfloat16-autocast (float32 weights, bf16 matmuls under autocast) | float64
     dtype: str = "float32"

@@ -1,7 +1,8 @@
-"""The figures of Muon's step on the ranks of a pipeline stage, in elements, for the planner's
-memory and time (`fived.planner.memory`, `.communication`, `.timing`): one member's own, from its
-exchange lists (`member_load`), and a bound of the busiest member's, from aggregates over the plan's
-units (`busiest_load`: no member's lists are built, so it costs O(units + members)).
+"""The figures of Muon's step on the ranks of a pipeline stage, per bucket, in elements, for the
+planner's memory and time (`fived.planner.memory`, `.communication`, `.timing`): one member's own,
+from its exchange lists (`member_load`), and a bound of the busiest member's, from aggregates over
+the bucket's units (`busiest_load`: no member's lists are built, so it costs O(units + members)).
+The buckets run one after another: a step's peak is its largest bucket's.
 """
 from __future__ import annotations
 
@@ -41,15 +42,21 @@ class StepLoad:
                    (s.owned + s.scatter_recv) * ns_bytes + s.piece * optimizer_bytes)
 
 
-def member_load(member: MemberPlan) -> StepLoad:
-    """One member's own figures in Muon's step."""
-    units, x = member.plan.units, member.exchange
-    pieces = [b.numel for boxes in member.pieces for b in boxes]
-    return StepLoad(stored=sum(pieces), owned=sum(units[u].box.numel for u in member.owned),
+def member_load(member: MemberPlan, bucket: int) -> StepLoad:
+    """One member's own figures in bucket `bucket` of Muon's step."""
+    first, last = member.plan.buckets[bucket]
+    units, x, owned = member.plan.units, member.exchanges[bucket], member.owned[bucket]
+    pieces = [b.numel for boxes in member.pieces[first:last] for b in boxes]
+    return StepLoad(stored=sum(pieces), owned=sum(units[u].box.numel for u in owned),
                     gather_send=Exchange.elements(x.gather_send), gather_recv=Exchange.elements(x.gather_recv),
                     scatter_send=Exchange.elements(x.scatter_send), scatter_recv=Exchange.elements(x.scatter_recv),
-                    workspace=max((ns_workspace(units[u].rows, units[u].cols) for u in member.owned), default=0),
+                    workspace=max((ns_workspace(units[u].rows, units[u].cols) for u in owned), default=0),
                     piece=max(pieces, default=0))
+
+
+def busiest_loads(plan: StagePlan) -> list[StepLoad]:
+    """Per bucket, the bound of every member's `StepLoad` (`busiest_load`)."""
+    return [busiest_load(plan, plan.units[first:last]) for first, last in plan.buckets]
 
 
 def busiest_load(plan: StagePlan, units: list[Unit]) -> StepLoad:
@@ -78,7 +85,7 @@ def most_stored(plan: StagePlan, units: list[Unit]) -> tuple[int, int]:
     first_rows = piece = 0
     for unit in units:
         spec = plan.specs[unit.name]
-        slots = _slot_parts(plan, spec, unit)
+        slots = plan.slots(spec, unit.expert)
         if spec.expert and L.ep > 1:
             for slot, n in slots:
                 apart[(unit.expert // (spec.shape[0] // L.ep), slot)] += n
@@ -89,21 +96,3 @@ def most_stored(plan: StagePlan, units: list[Unit]) -> tuple[int, int]:
                 dense[slot] += n
         piece = max(piece, max((n for _, n in slots), default=0))
     return first_rows + max(dense.values(), default=0) + max(apart.values(), default=0), piece
-
-
-def _slot_parts(plan: StagePlan, spec: TensorSpec, unit: Unit) -> list[tuple[int, int]]:
-    """(storage slot, elements) of a unit's tp/ep-local elements by the slots storing them; of a
-    whole tensor under ZeRO-3, the first slot's rows only (the most any slot holds)."""
-    L, dim0 = plan.layout, spec.local_shape[0]
-    cols = math.prod(spec.local_shape) // dim0
-    if unit.expert < 0:
-        row, rows = 0, dim0
-    else:  # one row of the local [experts, in, out] tensor
-        row, rows = unit.expert % dim0, 1
-    if L.zero == 3:
-        shards = L.dp * L.cp // L.ep if spec.expert and L.ep > 1 else L.dp_shard * L.cp
-        chunk = math.ceil(dim0 / shards)
-        return [(row // chunk, min(chunk, rows) * cols)]
-    if plan.flat is None or (spec.expert and L.ep > 1):
-        return [(0, rows * cols)]
-    return plan.flat.owners(spec.name, row * cols, (row + rows) * cols)

@@ -8,21 +8,28 @@ width), ep (experts), ZeRO-1/2 (flat ranges of a buffer, which may end anywhere 
 ZeRO-3 (rows), and repeat them over data-parallel ranks (ZeRO-0), HSDP replicas and edp. The scheme,
 within one pipeline stage (its dp*cp*tp ranks: the "stage group", mesh group dp_cp_tp):
   units    every Muon tensor whole; a routed experts' tensor [E, in, out] is E units, one per expert
-  owners   each unit goes to one member of the stage group (a routed expert under ep > 1: a member
-           of its ep rank), greedily by Newton-Schulz cost: longest first, to the least-loaded
-           candidate, the lowest on ties. Every unit is orthogonalised exactly once per step, on
-           its exact assembled matrix: in float64 the result equals one device's.
+  buckets  the step works through the units in buckets of about train.muon_bucket_mb MiB (Newton-
+           Schulz dtype) of whole matrices per member, one after another (gather, orthogonalise,
+           scatter, apply), so its transient memory is one bucket's. A bucket takes units across
+           the storage slots that hold them (ZeRO-1/2's shards own consecutive layers; ep ranks their
+           experts), so its pieces are spread over the members as the stage's are.
+  owners   each unit of a bucket goes to one member of the stage group (a routed expert under ep > 1:
+           a member of its ep rank), greedily by Newton-Schulz cost: longest first, to the candidate
+           least loaded in the bucket, then over all buckets, the lowest on ties. Every unit is
+           orthogonalised exactly once per step, on its exact assembled matrix: in float64 the
+           result equals one device's.
   gather   every piece of a unit the owner does not hold itself is sent to it by one holder, the
            one nearest the owner on the mesh (fewest differing coordinates, then the lowest):
            under ZeRO-0 or HSDP that is a peer of the owner's own replica (a tp neighbour), not
-           replica 0. One all-to-all over the stage group.
+           replica 0. One all-to-all over the stage group per bucket.
   scatter  the owner sends every other holder (replicas included) its pieces of the result: a
-           second all-to-all. Both run in the Newton-Schulz dtype (the run's compute dtype).
-Every member derives the same units and owners from the layout (O(units log members)), and its own
-part of the exchange from its own pieces and those of the units it owns (`MemberPlan`): nobody
-lays out every member's pieces. The runtime checks the plan's placement of its own pieces against
-its placement table (`fived.placement`) when it builds the optimizer. The planner prices the
-busiest member from aggregates (`StagePlan.busiest`), without any member's lists.
+           second all-to-all per bucket. Both run in the Newton-Schulz dtype (the compute dtype).
+Every member derives the same units, buckets and owners from the layout (O(units log members)), and
+its own part of the exchange from its own pieces and those of the units it owns (`MemberPlan`):
+nobody lays out every member's pieces. The runtime checks the plan's placement of its own pieces
+against its placement table (`fived.placement`) when it builds the optimizer. The planner prices
+the busiest member of each bucket from aggregates (`fived.muon_load.busiest_loads`), without any
+member's lists.
 """
 from __future__ import annotations
 
@@ -107,6 +114,18 @@ class Member:
                                       (self.cp, other.cp), (self.tp, other.tp)))
 
 
+def bucket_ranges(sizes: list[int], cap: float) -> list[tuple[int, int]]:
+    """Consecutive [first, last) ranges of units of `sizes` elements, each at most `cap` in all (a unit
+    larger than `cap` alone)."""
+    out, first, total = [], 0, 0
+    for i, n in enumerate(sizes):
+        if i > first and total + n > cap:
+            out.append((first, i))
+            first, total = i, 0
+        total += n
+    return out + [(first, len(sizes))] if sizes else []
+
+
 def flat_layout(specs: list[TensorSpec], layout: Layout, dtype: str) -> FlatLayout | None:
     """The stage's flat buffer as `fived.parallel.zero` lays it out (None: the layout keeps none)."""
     L = layout
@@ -135,9 +154,9 @@ class Exchange:
 
 
 class StagePlan:
-    """Muon's units on one pipeline rank's stage group (its `chunks`), their owners, and the rules
-    that say which piece of a unit any member holds (`placement`, `key`): what every member agrees
-    on, computed without laying out every member's pieces."""
+    """Muon's units on one pipeline rank's stage group (its `chunks`), their buckets and owners, and
+    the rules that say which piece of a unit any member holds (`placement`, `groups`): what every
+    member agrees on, computed without laying out every member's pieces."""
 
     def __init__(self, m: ModelConfig, layout: Layout, dtype: str, chunks):
         L = layout
@@ -148,7 +167,11 @@ class StagePlan:
         self.flat = flat_layout(specs, L, dtype)
         self.specs = {s.name: s for s in specs if is_muon_tensor(s)}
         self.names = list(self.specs)
-        self.units = self._assign(self._units())
+        units = self._interleaved(self._units())
+        cap = L.muon_bucket_mb * 2**20 / PRECISION_SPECS[dtype].compute_bytes * self.size  # whole elements
+        self.buckets = bucket_ranges([u[2].numel for u in units], cap)
+        self.load = [0.0] * self.size  # Newton-Schulz flops per member, over all buckets
+        self.units = [unit for first, last in self.buckets for unit in self._assign(units[first:last])]
         self._groups: dict[tuple, dict] = {}
 
     def _units(self) -> list[tuple]:
@@ -165,20 +188,65 @@ class StagePlan:
                             j // per_rank if self.layout.ep > 1 else -1))
         return out
 
+    def _interleaved(self, units: list[tuple]) -> list[tuple]:
+        """The units in the order the buckets take them: merged across the storage slots that hold
+        most of each (ZeRO-1/2's shards own consecutive layers, an ep rank its own experts), the
+        least-served slot's next unit first, so that a bucket's pieces are spread over the ranks as
+        the stage's are; in model order within a slot, and where every slot holds every unit alike
+        (whole tensors, ZeRO-3's rows)."""
+        by_home: dict[tuple, list] = defaultdict(list)
+        for unit in units:
+            by_home[self.home(self.specs[unit[0]], unit[1])].append(unit)
+        heap = [(0, home, 0) for home in by_home]  # (elements taken, home, next unit)
+        heapq.heapify(heap)
+        out = []
+        while heap:
+            taken, home, i = heapq.heappop(heap)
+            out.append(by_home[home][i])
+            if i + 1 < len(by_home[home]):
+                heapq.heappush(heap, (taken + by_home[home][i][2].numel, home, i + 1))
+        return out
+
+    def home(self, spec: TensorSpec, expert: int) -> tuple[int, int]:
+        """(ep rank, or -1 where every ep rank holds it; the storage slot holding most of it) of the
+        unit `expert` of `spec` (-1: the whole tensor)."""
+        parts = self.slots(spec, expert)
+        slot = max(parts, key=lambda part: (part[1], -part[0]))[0]
+        apart = spec.expert and self.layout.ep > 1
+        return (expert // (spec.shape[0] // self.layout.ep) if apart else -1), slot
+
+    def slots(self, spec: TensorSpec, expert: int) -> list[tuple[int, int]]:
+        """(storage slot, elements) of the tp/ep-local elements of unit `expert` of `spec` (-1: the
+        whole tensor) by the slots storing them; of a whole tensor under ZeRO-3, the first slot's rows
+        only (the most any slot holds: FSDP2's rows are ceil-sized)."""
+        L, dim0 = self.layout, spec.local_shape[0]
+        cols = math.prod(spec.local_shape) // dim0
+        row, rows = (0, dim0) if expert < 0 else (expert % dim0, 1)  # an expert: one row of [experts, in, out]
+        if L.zero == 3:
+            shards = L.dp * L.cp // L.ep if spec.expert and L.ep > 1 else L.dp_shard * L.cp
+            chunk = math.ceil(dim0 / shards)
+            return [(row // chunk, min(chunk, rows) * cols)]
+        if self.flat is None or (spec.expert and L.ep > 1):
+            return [(0, rows * cols)]
+        return self.flat.owners(spec.name, row * cols, (row + rows) * cols)
+
     def _assign(self, units: list[tuple]) -> list[Unit]:
-        """Owners by Newton-Schulz cost: longest first (model order on ties), each to its least-loaded
-        candidate (the lowest on ties): a heap of (load, member) per ep rank."""
+        """Owners of one bucket's units by Newton-Schulz cost: longest first (model order on ties),
+        each to its candidate with the least load in the bucket (the buckets run one after another),
+        then over all buckets, then the lowest: a heap per ep rank."""
         pools: dict[int, list] = defaultdict(list)
         for member in self.members:
-            pools[member.ep if self.layout.ep > 1 else 0].append((0.0, member.index))  # (ascending: heaps)
-        self.load = [0.0] * self.size
+            pools[member.ep if self.layout.ep > 1 else 0].append((0.0, self.load[member.index], member.index))
+        for pool in pools.values():
+            heapq.heapify(pool)
         owners = [0] * len(units)
         for i in sorted(range(len(units)), key=lambda i: -ns_flops(units[i][3], units[i][4], 1)):
             *_, rows, cols, ep_rank = units[i]
             pool = pools[ep_rank] if ep_rank >= 0 else min(pools.values(), key=lambda heap: heap[0])
-            load, owners[i] = heapq.heappop(pool)
-            self.load[owners[i]] = load + ns_flops(rows, cols, 1)
-            heapq.heappush(pool, (self.load[owners[i]], owners[i]))
+            here, _, owners[i] = heapq.heappop(pool)
+            cost = ns_flops(rows, cols, 1)
+            self.load[owners[i]] += cost
+            heapq.heappush(pool, (here + cost, self.load[owners[i]], owners[i]))
         return [Unit(*u[:5], owner) for u, owner in zip(units, owners)]
 
     def fans(self, name: str) -> tuple[int, int]:
@@ -228,16 +296,19 @@ class StagePlan:
         return min(holders, key=lambda h: (self.members[h].distance(me), h))
 
     @cached_property
-    def traffic(self) -> tuple[bool, bool]:
-        """(any piece gathered, any result scattered): a phase nobody sends in is skipped by all. An
-        owner holding its unit whole gathers nothing for it (no other piece exists), and scatters
-        nothing when no replica holds the unit too."""
-        gather = scatter = False
-        for unit in self.units:
-            whole = sum(b.numel for b in self.held(unit, unit.owner)) == unit.box.numel
-            gather = gather or not whole
-            scatter = scatter or not whole or len(self.replicas(self.specs[unit.name], unit.owner)) > 1
-        return gather, scatter
+    def traffic(self) -> list[tuple[bool, bool]]:
+        """Per bucket, (any piece gathered, any result scattered): a phase nobody sends in is skipped
+        by all. An owner holding its unit whole gathers nothing for it (no other piece exists), and
+        scatters nothing when no replica holds the unit too."""
+        out = []
+        for first, last in self.buckets:
+            gather = scatter = False
+            for unit in self.units[first:last]:
+                whole = sum(b.numel for b in self.held(unit, unit.owner)) == unit.box.numel
+                gather = gather or not whole
+                scatter = scatter or not whole or len(self.replicas(self.specs[unit.name], unit.owner)) > 1
+            out.append((gather, scatter))
+        return out
 
     def member_plan(self, member: int) -> "MemberPlan":
         return MemberPlan(self, member)
@@ -252,21 +323,23 @@ class StagePlan:
 
 
 class MemberPlan:
-    """One member's part in Muon's step: the units it owns, its pieces, and its exchange lists,
-    derived from its own pieces and those of the units it owns."""
+    """One member's part in Muon's step: its pieces, and per bucket the units it owns and its
+    exchange lists, derived from its own pieces and those of the units it owns."""
 
     def __init__(self, plan: StagePlan, me: int):
         self.plan, self.me = plan, me
         self.placements = {name: plan.placement(name, me) for name in plan.names}
-        self.owned = [u for u, unit in enumerate(plan.units) if unit.owner == me]
         boxes = {name: placement.boxes() for name, placement in self.placements.items()}
         self.pieces = [[b for b in (box.intersection(unit.box) for box in boxes[unit.name]) if b is not None]
                        for unit in plan.units]  # per unit, the boxes of it stored here
         self._senders: dict[tuple, int] = {}
-        lists = [defaultdict(list) for _ in range(4)]
-        for u, unit in enumerate(plan.units):
-            self._add(u, unit, *lists)
-        self.exchange = Exchange(*({peer: tuple(items) for peer, items in lst.items()} for lst in lists))
+        self.owned, self.exchanges = [], []  # per bucket
+        for first, last in plan.buckets:
+            self.owned.append([u for u in range(first, last) if plan.units[u].owner == me])
+            lists = [defaultdict(list) for _ in range(4)]
+            for u in range(first, last):
+                self._add(u, plan.units[u], *lists)
+            self.exchanges.append(Exchange(*({peer: tuple(items) for peer, items in lst.items()} for lst in lists)))
 
     def held(self, u: int) -> list[Box]:
         """The boxes of unit `u` (whole-tensor coordinates) this member stores, in its placement's order."""

@@ -32,6 +32,7 @@ FLOAT_RULES = (
     ("train.beta1", "must be in [0, 1)", lambda v: 0 <= v < 1, "0.9"),
     ("train.beta2", "must be in [0, 1)", lambda v: 0 <= v < 1, "0.95"),
     ("train.muon_momentum", "must be in [0, 1)", lambda v: 0 <= v < 1, "0.95"),
+    ("train.muon_bucket_mb", "must be > 0 (MiB of whole matrices per rank)", lambda v: v > 0, "256"),
     ("train.eps", "must be > 0", lambda v: v > 0, "1e-8"),
     ("train.weight_decay", "must be >= 0", lambda v: v >= 0, "0.1"),
     ("train.grad_clip", "must be >= 0 (0: no clipping)", lambda v: v >= 0, "1.0"),

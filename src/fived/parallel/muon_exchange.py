@@ -1,7 +1,8 @@
 """Muon's whole matrices from the pieces the ranks store: the runtime of `fived.muon_plan`.
 
-Each step, given the update direction (Nesterov momentum) of every piece of a Muon matrix this rank
-stores, in the Newton-Schulz dtype:
+Each step, bucket by bucket (`train.muon_bucket_mb`; the same buckets in the same order on every
+rank), given the update direction (Nesterov momentum) of every piece of the bucket's matrices this
+rank stores, in the Newton-Schulz dtype:
   1. gather   one all-to-all over the stage group (dp_cp_tp) sends each piece an owner lacks to it;
   2. each owner assembles its units from its own pieces and the received ones, exactly as one device
      holds them, and runs Newton-Schulz on each (the callable the optimizer passes);
@@ -12,9 +13,9 @@ whole) is skipped by every rank; a single-rank stage issues no collective.
 
 Extra communication per step and rank (the planner's `fived.planner.communication`, in the
 Newton-Schulz dtype's bytes): the pieces it gathers to owners, then the results it scatters to the
-other holders of its units. Extra memory, transient, each let go as soon as it is used: the
-directions of its pieces, the all-to-alls' buffers, its owned units assembled and their results
-(`fived.muon_load.StepLoad.peak`, which the planner prices).
+other holders of its units, two all-to-alls per bucket. Extra memory, transient, one bucket's, each
+let go as soon as it is used: the directions of its pieces, the all-to-alls' buffers, its owned
+units assembled and their results (`fived.muon_load.StepLoad.peak`, which the planner prices).
 """
 from __future__ import annotations
 
@@ -68,19 +69,25 @@ class MatrixExchange:
                       apply: Callable[[str, Box, torch.Tensor], None]) -> None:
         """`direction(name, box)`: this rank's update direction on `box`, a piece of a matrix of tensor
         `name` it stores (in the Newton-Schulz dtype, shaped like the box); `apply(name, box, values)`
-        then gets the orthogonalised whole matrix's values on exactly that piece."""
-        units, lists = self.plan.units, self.mine.exchange
-        gather, scatter = self.plan.traffic
-        mine = {(u, box): direction(units[u].name, box) for u in range(len(units)) for box in self.mine.held(u)}
+        then gets the orthogonalised whole matrix's values on exactly that piece. Bucket by bucket,
+        in the plan's order on every rank: one bucket's buffers are let go before the next's."""
+        for bucket in range(len(self.plan.buckets)):
+            self._bucket(bucket, direction, newton_schulz, apply)
+
+    def _bucket(self, bucket: int, direction, newton_schulz, apply) -> None:
+        units, lists, owned = self.plan.units, self.mine.exchanges[bucket], self.mine.owned[bucket]
+        gather, scatter = self.plan.traffic[bucket]
+        mine = {(u, box): direction(units[u].name, box) for u in range(*self.plan.buckets[bucket])
+                for box in self.mine.held(u)}
         received = defaultdict(list)  # unit -> [(box, values)] gathered here
         for (u, box), values in self._all_to_all(lambda u, box: mine[(u, box)], lists.gather_send, lists.gather_recv,
                                                  gather):
             received[u].append((box, values))
-        results = {u: self._orthogonalized(u, mine, received.pop(u, []), newton_schulz) for u in self.mine.owned}
+        results = {u: self._orthogonalized(u, mine, received.pop(u, []), newton_schulz) for u in owned}
         del mine, received  # (the directions and the gathered pieces are let go before the scatter)
         back = self._all_to_all(lambda u, box: results[u][box.within(units[u].box)], lists.scatter_send,
                                 lists.scatter_recv, scatter)
-        for u in self.mine.owned:  # this rank's pieces of the units it owns, from the results
+        for u in owned:  # this rank's pieces of the units it owns, from the results
             for box in self.mine.held(u):
                 apply(units[u].name, box, results[u][box.within(units[u].box)])
         for (u, box), values in back:

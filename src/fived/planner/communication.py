@@ -39,9 +39,10 @@ collectives when full checkpointing recomputes the forward:
        backward (once per step when kept gathered: pipelines, zero3_keep_gathered), reduce-scatters
        once; HSDP all-reduces the shard over replicas. Experts (ep > 1) are reduced over edp: an
        all-reduce (ZeRO-0/1/2) or FSDP2 over edp (ZeRO-3). The clipping norm's 8 bytes per group.
-  dp_cp_tp  train.optimizer=muon: per step, the pieces of whole matrices this rank sends to their
-       owners, then the orthogonalised results it sends back to their other holders (two all-to-alls
-       over the pipeline stage's ranks, `fived.muon_plan`; priced as optimizer time).
+  dp_cp_tp  train.optimizer=muon: per step and bucket of matrices, the pieces of whole matrices this
+       rank sends to their owners, then the orthogonalised results it sends back to their other
+       holders (two all-to-alls over the pipeline stage's ranks, `fived.muon_plan`; priced as
+       optimizer time).
 """
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ from fived.config import ModelConfig
 from fived.layout.layout import EP_OVERLAP_CHUNKS, PRECISION_SPECS, Layout
 from fived.layout.spec import flat_buckets, kv_replicated, kv_width
 from fived.layout.stages import stage_rank
-from fived.muon_load import busiest_load
+from fived.muon_load import busiest_loads
 from fived.muon_plan import Exchange, stage_plan
 from fived.planner.memory import ACTIVATION_BYTES, WEIGHT_BYTES, flat_numels, parameter_shapes
 from fived.planner.runtimes import FIVED, Runtime
@@ -140,19 +141,24 @@ def step_collectives(m: ModelConfig, layout: Layout, seq_len: int, global_batch:
 
 
 def _muon_exchange(m: ModelConfig, L: Layout, dtype: str, chunks, member: int | None) -> list[Collective]:
-    """Muon's all-to-alls over the stage (`fived.muon_plan`), in the compute dtype: the pieces
-    `member` sends to their owners, then the results it sends their other holders (member None: the
-    busiest member's bound, `fived.muon_load.busiest_load`, what the step waits for). A phase in
-    which no rank sends is skipped by all; one in which only this rank sends nothing still calls."""
+    """Muon's all-to-alls over the stage (`fived.muon_plan`), two per bucket, in the compute dtype:
+    the pieces `member` sends to their owners, then the results it sends their other holders (member
+    None: the busiest member's bound, `fived.muon_load.busiest_loads`, what each call waits for). A
+    phase in which no rank sends is skipped by all; one in which only this rank sends nothing still
+    calls."""
     plan = stage_plan(m, L, dtype, chunks)
     if member is None:
-        load = busiest_load(plan, plan.units)
-        sent = (max(load.gather_send, load.gather_recv), max(load.scatter_send, load.scatter_recv))
+        sent = [(max(x.gather_send, x.gather_recv), max(x.scatter_send, x.scatter_recv)) for x in busiest_loads(plan)]
     else:
-        lists = plan.member_plan(member).exchange
-        sent = (Exchange.elements(lists.gather_send), Exchange.elements(lists.scatter_send))
-    return [Collective("dp_cp_tp", "all_to_all_single", n * ACTIVATION_BYTES[dtype], 1, "optimizer")
-            for active, n in zip(plan.traffic, sent) if active]
+        sent = [(Exchange.elements(x.gather_send), Exchange.elements(x.scatter_send))
+                for x in plan.member_plan(member).exchanges]
+    out = []
+    for phase in (0, 1):
+        active = [n[phase] for n, on in zip(sent, plan.traffic) if on[phase]]
+        if active:
+            out.append(Collective("dp_cp_tp", "all_to_all_single", sum(active) * ACTIVATION_BYTES[dtype] / len(active),
+                                  len(active), "optimizer"))
+    return out
 
 
 def _tensor_parallel(add, m, L, tokens, e, w, grad_w, micro, fwd, layers, moe_layers, first, last, regather,

@@ -49,7 +49,7 @@ from fived.layout.schedule_sim import pipeline_profile
 from fived.layout.spec import (CAST_PIECES_IN_FLIGHT, REDUCE_CHUNK_ELEMENTS, chunk_specs, flat_owned, flat_range,
                                in_flat_buffer, local_vocab, shard_rows)
 from fived.layout.stages import model_key, placement, rank_chunks_by_key
-from fived.muon_load import busiest_load
+from fived.muon_load import busiest_loads
 from fived.muon_plan import stage_plan
 from fived.planner.runtimes import FIVED, Runtime, framework_activations
 
@@ -142,13 +142,13 @@ def muon_saving(m: ModelConfig, layout: Layout, dtype: str, chunks, shard_index:
 
 
 def muon_buffers(m: ModelConfig, layout: Layout, dtype: str, chunks, runtime: Runtime = FIVED) -> int:
-    """Transient bytes at the peak of Muon's step on the stage's busiest rank (`fived.muon_load`: a
-    bound from aggregates), in the Newton-Schulz (compute) dtype and the optimizer's (float32,
-    float64 in float64 runs)."""
+    """Transient bytes at the peak of Muon's step on the stage's busiest rank, its largest bucket's
+    (`fived.muon_load`: a bound from aggregates), in the Newton-Schulz (compute) dtype and the
+    optimizer's (float32, float64 in float64 runs)."""
     if layout.optimizer != "muon" or not runtime.is_fived:
         return 0
-    plan = stage_plan(m, layout, dtype, chunks)
-    return busiest_load(plan, plan.units).peak(ACTIVATION_BYTES[dtype], MOMENT_BYTES[dtype])
+    loads = busiest_loads(stage_plan(m, layout, dtype, chunks))
+    return max(load.peak(ACTIVATION_BYTES[dtype], MOMENT_BYTES[dtype]) for load in loads)
 
 
 def state_bytes(m: ModelConfig, layout: Layout, dtype: str, chunks: list[tuple[list[int], bool, bool]],

@@ -223,15 +223,20 @@ def step_time(model: ModelConfig, layout: Layout, cluster: Cluster, seq_len: int
 
 
 def orthogonalization_s(m: ModelConfig, L: Layout, dtype: str, chunks, hw: Hardware) -> float:
-    """Muon's Newton-Schulz iterations on the busiest owner of the stage (the scatter waits for it):
-    its whole matrices' GEMMs (train.muon_ns_steps at its default) at the efficiency of their width."""
+    """Muon's Newton-Schulz iterations on the busiest owner of each bucket of the stage (the scatter
+    waits for it): its whole matrices' GEMMs (train.muon_ns_steps at its default) at the efficiency
+    of their width."""
     plan = stage_plan(m, L, dtype, chunks)
     steps, peak = TrainConfig.muon_ns_steps, hw.peak_tflops * 1e12
-    seconds = [0.0] * plan.size
-    for u in plan.units:
-        side = min(u.rows, u.cols)
-        seconds[u.owner] += ns_flops(u.rows, u.cols, steps) / (peak * efficiency(side, side, hw))
-    return max(seconds)
+    total = 0.0
+    for first, last in plan.buckets:  # one after another, each as long as its busiest owner
+        seconds: dict[int, float] = {}
+        for u in plan.units[first:last]:
+            side = min(u.rows, u.cols)
+            time = ns_flops(u.rows, u.cols, steps) / (peak * efficiency(side, side, hw))
+            seconds[u.owner] = seconds.get(u.owner, 0.0) + time
+        total += max(seconds.values())
+    return total
 
 
 def _compute(m: ModelConfig, L: Layout, hw: Hardware, runtime: Runtime, dtype: str, seq_len: int, micro: int,
