@@ -1,6 +1,7 @@
 """train.optimizer=muon: the update is Muon's (one device), its plan places every piece of every
 matrix (plain Python, many layouts), and on real gloo ranks every layout trains exactly like one
 device, orthogonalises each matrix once per step, and moves and keeps the bytes the planner says."""
+import dataclasses
 import math
 
 import pytest
@@ -262,6 +263,33 @@ def test_a_rank_lays_out_only_its_own_part():
     finally:
         StagePlan.placement = real
     assert plan.size == 64 and len(counted) < 4 * len(plan.units), (len(counted), len(plan.units))
+
+
+def test_the_planner_prices_muon_as_configured(monkeypatch):
+    """The planner's Muon terms follow the run: Newton-Schulz's time scales with train.muon_ns_steps;
+    the exchange's bytes (which leave out each rank's own share) are priced whole, not (n-1)/n of
+    them; Muon's matrix elements stream Muon's bytes, more than AdamW's 28 charged for them."""
+    from fived.planner import communication
+    from fived.planner.hardware import hardware
+    from fived.planner.timing import Cluster, muon_stream_s, orthogonalization_s, step_time
+
+    def layout(**train):
+        cfg = build_config(overrides={"model.name": "llama3-8b", "parallel.tp": 2, "parallel.zero": 1,
+                                      "train.optimizer": "muon", **{f"train.{k}": v for k, v in train.items()}})
+        return cfg.model, Layout.from_config(cfg, 8)
+
+    (m, five), (_, ten) = layout(), layout(muon_ns_steps=10, muon_ns_coefficients="3.4445,-4.7750,2.0315")
+    chunks, hw = rank_chunks(m, five, 0), hardware("h100")
+    assert (five.muon_ns_steps, ten.muon_ns_steps) == (5, 10)
+    assert orthogonalization_s(m, ten, "bfloat16", chunks, hw) == pytest.approx(
+        2 * orthogonalization_s(m, five, "bfloat16", chunks, hw))
+    cluster = Cluster(hw, 8, 8)
+    priced = step_time(m, five, cluster, 4096, 64).optimizer
+    real = communication._muon_exchange
+    monkeypatch.setattr(communication, "_muon_exchange",
+                        lambda *args: [dataclasses.replace(c, sent_only=False) for c in real(*args)])
+    assert step_time(m, five, cluster, 4096, 64).optimizer < priced  # ((n-1)/n of the bytes: cheaper)
+    assert muon_stream_s(m, five, "bfloat16", chunks, hw) > 0
 
 
 VERIFIED = {  # (model, world, overrides): the issue's layouts, each exact against one device

@@ -42,6 +42,17 @@ class StepLoad:
                    (s.owned + s.scatter_recv) * ns_bytes + s.piece * optimizer_bytes)
 
 
+def stream_bytes(optimizer_bytes: int, ns_bytes: int) -> int:
+    """Bytes Muon's step moves through memory per element it stores (AdamW's are 28): the momentum
+    (read m, g; write m), the decay (read, write w), the direction (read g, m; write d), each piece
+    copied into the gather's buffer, into its assembled matrix, into the scatter's buffer and out of
+    it (a read and a write each, in the Newton-Schulz dtype), the update (read w, u; write w), and
+    where the dtypes differ the direction's cast to the Newton-Schulz dtype and the update's back."""
+    o, n = optimizer_bytes, ns_bytes
+    casts = 2 * (o + n) if o != n else 0
+    return 3 * o + 2 * o + 3 * o + 4 * 2 * n + 3 * o + casts
+
+
 def member_load(member: MemberPlan, bucket: int) -> StepLoad:
     """One member's own figures in bucket `bucket` of Muon's step."""
     first, last = member.plan.buckets[bucket]

@@ -382,4 +382,5 @@ def stage_plan(m: ModelConfig, layout: Layout, dtype: str, chunks) -> StagePlan:
     """The plan of the stage group holding `chunks` [(layers, first, last)] (cached: the planner asks
     again for every layout that differs only in activation choices)."""
     chunks = tuple((tuple(layers), first, last) for layers, first, last in chunks)
-    return _stage_plan(model_key(m), layout.with_(micro_batch=1, checkpointing="none"), dtype, chunks)
+    layout = layout.with_(micro_batch=1, checkpointing="none", muon_ns_steps=Layout.muon_ns_steps)  # (not its)
+    return _stage_plan(model_key(m), layout, dtype, chunks)

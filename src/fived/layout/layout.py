@@ -112,6 +112,7 @@ class Layout:
     etp: int = 0
     optimizer: str = TrainConfig.optimizer  # muon: its state and its exchange of whole matrices are priced
     muon_bucket_mb: float = TrainConfig.muon_bucket_mb  # (Muon's step in buckets: fived.muon_plan)
+    muon_ns_steps: int = TrainConfig.muon_ns_steps  # (Newton-Schulz iterations: its time is priced)
 
     @property
     def world(self) -> int:
@@ -147,7 +148,8 @@ class Layout:
         t = cfg.train
         return cls(**{f.name: getattr(cfg.parallel, f.name) for f in fields(ParallelConfig)} | {
             "dp": dp, "micro_batch": max(1, t.global_batch // (max(dp, 1) * t.microbatches)),
-            "checkpointing": t.activation_checkpointing, "optimizer": t.optimizer, "muon_bucket_mb": t.muon_bucket_mb})
+            "checkpointing": t.activation_checkpointing, "optimizer": t.optimizer, "muon_bucket_mb": t.muon_bucket_mb,
+            "muon_ns_steps": t.muon_ns_steps})
 
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(**{f.name: getattr(self, f.name) for f in fields(ParallelConfig)})
@@ -211,8 +213,9 @@ class Layout:
         out["train.activation_checkpointing"] = self.checkpointing
         if self.optimizer != TrainConfig.optimizer:
             out["train.optimizer"] = self.optimizer
-        if self.muon_bucket_mb != TrainConfig.muon_bucket_mb:
-            out["train.muon_bucket_mb"] = self.muon_bucket_mb
+        for name in ("muon_bucket_mb", "muon_ns_steps"):
+            if getattr(self, name) != getattr(TrainConfig, name):
+                out[f"train.{name}"] = getattr(self, name)
         return out
 
     def flags(self, global_batch: int) -> str:

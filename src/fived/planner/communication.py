@@ -69,6 +69,7 @@ class Collective:
     nbytes: float  # per call
     calls: float  # per step
     part: str  # the step-time part that prices it (tp, cp, ep, pp, dp, dp_gather), "" for none (a recv)
+    sent_only: bool = False  # the bytes leave out the rank's own share (Muon's exchange): no (n-1)/n of them
 
     @property
     def total(self) -> float:
@@ -157,7 +158,7 @@ def _muon_exchange(m: ModelConfig, L: Layout, dtype: str, chunks, member: int | 
         active = [n[phase] for n, on in zip(sent, plan.traffic) if on[phase]]
         if active:
             out.append(Collective("dp_cp_tp", "all_to_all_single", sum(active) * ACTIVATION_BYTES[dtype] / len(active),
-                                  len(active), "optimizer"))
+                                  len(active), "optimizer", sent_only=True))
     return out
 
 

@@ -30,8 +30,9 @@ dimension on the link its group actually uses, the overlap the runtime allows, a
 - pipeline bubble: from the schedule simulator (`fived.layout.schedule_sim.pipeline_profile`);
   ranks sharing cores (CPU) fill each other's idle time.
 - optimizer: AdamW streams 28 bytes per owned parameter (read p, g, m, v; write p, m, v, fp32); Muon
-  (train.optimizer=muon) adds its exchange's all-to-alls (`fived.planner.communication`, part
-  "optimizer") and the busiest owner's Newton-Schulz GEMMs.
+  (train.optimizer=muon) streams its own per element of its matrices (`fived.muon_load.stream_bytes`)
+  and adds its exchange's all-to-alls (`fived.planner.communication`, part "optimizer": bytes without
+  the rank's own share, so no (n-1)/n) and each bucket's busiest owner's Newton-Schulz GEMMs.
 - overhead: host work the device does not hide (CPU ranks: per layer and micro-batch, per step).
 """
 from __future__ import annotations
@@ -40,13 +41,15 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 
-from fived.config import ModelConfig, TrainConfig
+from fived.config import ModelConfig
 from fived.layout.layout import PRECISION_SPECS, Layout
 from fived.metrics import flops_per_token
+from fived.muon_load import stream_bytes
 from fived.muon_plan import ns_flops, stage_plan
 from fived.layout.schedule_sim import pipeline_profile
 from fived.planner.communication import group_span, owned_parameters, step_collectives
 from fived.planner.hardware import Hardware
+from fived.planner.memory import MOMENT_BYTES
 from fived.layout.stages import model_key, placement, rank_chunks_by_key, rank_stages
 from fived.planner.runtimes import FIVED, Runtime, for_layout
 
@@ -191,7 +194,8 @@ def step_time(model: ModelConfig, layout: Layout, cluster: Cluster, seq_len: int
             links[c.group] = (size,) + _link(cluster, stride, size)
         size, bandwidth, latency = links[c.group]
         steps = 1 if c.op == "send" else _RING[c.op](size) * size  # ring steps: n-1, 2(n-1) for all-reduce
-        time[c.part] += c.calls * (_RING[c.op](size) * c.nbytes / bandwidth + latency + steps * hw.peer_latency_s)
+        share = 1.0 if c.sent_only else _RING[c.op](size)  # (the rank's own share stays)
+        time[c.part] += c.calls * (share * c.nbytes / bandwidth + latency + steps * hw.peer_latency_s)
         moved[c.group] += c.total
     # overlapped tp communication hides under the region's GEMMs, never more than they last
     tp = time["tp"] - min(time["tp"] * runtime.tp_overlap, compute - attention)
@@ -214,20 +218,27 @@ def step_time(model: ModelConfig, layout: Layout, cluster: Cluster, seq_len: int
         # the busiest rank's work, or its critical path at a whole core if that is longer
         bubble = (compute + tp + cp + ep + pp) * max(0.0, hw.core_share / (1 - frac) - 1)
     optimizer = 28 * owned_parameters(m, L, chunks) / (hw.hbm_gbps * 1e9) + time["optimizer"]
-    if L.optimizer == "muon" and runtime.is_fived:
-        optimizer += orthogonalization_s(m, L, dtype, chunks, hw)
+    if L.optimizer == "muon" and runtime.is_fived:  # (its elements at its own bytes, not AdamW's 28)
+        optimizer += muon_stream_s(m, L, dtype, chunks, hw) + orthogonalization_s(m, L, dtype, chunks, hw)
     layer_host = hw.layer_overhead_s * layers_here * micro * (1 + recompute)
     overhead = layer_host + hw.step_overhead_s + host
     return StepTime(compute, bubble, tp, cp, ep, pp, dp, optimizer, tokens, L.world, model_flops,
                     hw.peak_tflops * 1e12, dict(moved), overhead, layer_host)
 
 
+def muon_stream_s(m: ModelConfig, L: Layout, dtype: str, chunks, hw: Hardware) -> float:
+    """What Muon's elements on the stage's first rank take beyond the AdamW bytes `step_time` charged
+    them: `fived.muon_load.stream_bytes` each, at HBM speed."""
+    elements = stage_plan(m, L, dtype, chunks).stored_elements(0)
+    per_element = stream_bytes(MOMENT_BYTES[dtype], PRECISION_SPECS[dtype].compute_bytes)
+    return (per_element - 28) * elements / (hw.hbm_gbps * 1e9)
+
+
 def orthogonalization_s(m: ModelConfig, L: Layout, dtype: str, chunks, hw: Hardware) -> float:
     """Muon's Newton-Schulz iterations on the busiest owner of each bucket of the stage (the scatter
-    waits for it): its whole matrices' GEMMs (train.muon_ns_steps at its default) at the efficiency
-    of their width."""
+    waits for it): its whole matrices' GEMMs (train.muon_ns_steps) at the efficiency of their width."""
     plan = stage_plan(m, L, dtype, chunks)
-    steps, peak = TrainConfig.muon_ns_steps, hw.peak_tflops * 1e12
+    steps, peak = L.muon_ns_steps, hw.peak_tflops * 1e12
     total = 0.0
     for first, last in plan.buckets:  # one after another, each as long as its busiest owner
         seconds: dict[int, float] = {}
