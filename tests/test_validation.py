@@ -78,10 +78,14 @@ CASES = [
     (["train", "--train.optimizer", "muon", "--train.muon_scale", "unit"], "train.muon_scale", "must be one of"),
     (["train", "--train.optimizer", "muon", "--train.muon_ns_coefficients", "3.4,-4.7"],
      "train.muon_ns_coefficients", "must be one finite 'a,b,c'"),
-    (["train", "--train.muon_ns_steps", "3", "--train.muon_ns_coefficients", "3,-4,2;3,-4,2"],
-     "train.muon_ns_coefficients", "train.muon_ns_steps=3 of them"),
+    (["train", "--train.optimizer", "muon", "--train.muon_ns_steps", "3", "--train.muon_ns_coefficients",
+      "3,-4,2;3,-4,2"], "train.muon_ns_coefficients", "train.muon_ns_steps=3 of them"),
     (["train", "--train.optimizer", "muon", "--train.muon_momentum", "1"], "train.muon_momentum", "must be in [0, 1)"),
-    (["train", "--train.muon_ns_steps", "0"], "train.muon_ns_steps", "must be >= 1"),
+    (["train", "--train.optimizer", "muon", "--train.muon_ns_steps", "0"], "train.muon_ns_steps", "must be >= 1"),
+    (["train", "--train.optimizer", "muon", "--train.muon_bucket_mb", "0"], "train.muon_bucket_mb", "must be > 0"),
+    # Muon's options under AdamW would be ignored: refused
+    (["train", "--train.muon_scale", "spectral"], "train.muon_scale", "only acts with train.optimizer=muon"),
+    (["verify", "--train.muon_nesterov", "false"], "train.muon_nesterov", "only acts with train.optimizer=muon"),
 ]
 
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import fields
 
-from fived.config import Config, ConfigError
+from fived.config import Config, ConfigError, TrainConfig
 from fived.layout.bounds import number_errors
 from fived.layout.layout import (CHECKPOINTING, COMPILE_BACKENDS, FP8_RECIPES, MUON_SCALES, OPTIMIZERS, PP_SCHEDULES,
                                  PRECISION_SPECS, SPLIT_BACKWARD, resolve_dp, stages_per_rank)
@@ -166,6 +167,7 @@ def _model_errors(cfg: Config) -> list[ConfigError]:
         (t.dtype in PRECISION_SPECS, "train.dtype", t.dtype, "must be one of " + ", ".join(PRECISION_SPECS),
          "e.g. --dtype bfloat16"),
         *_fp8_checks(t, cfg.parallel),
+        *_muon_checks(t),
         (t.device in ("auto", "cpu", "cuda"), "train.device", t.device, "must be auto, cpu or cuda",
          "e.g. --train.device auto"),
         (t.activation_checkpointing in CHECKPOINTING, "train.activation_checkpointing", t.activation_checkpointing,
@@ -215,6 +217,20 @@ def _fp8_checks(t, p) -> list[tuple]:
             (not (p.tp_overlap and p.tp > 1), "parallel.tp_overlap", p.tp_overlap,
              f"cannot run with train.fp8={t.fp8} yet (its fused region GEMMs are not FP8 GEMMs)",
              "drop --parallel.tp_overlap, or use --train.fp8 none")]
+
+
+def _muon_checks(t) -> list[tuple]:
+    """Muon's options set under AdamW would change nothing: refused rather than ignored."""
+    if t.optimizer != "adamw":
+        return []
+    out = []
+    for f in fields(TrainConfig):
+        if f.name.startswith("muon_"):
+            default = str(f.default).lower() if isinstance(f.default, bool) else f.default
+            out.append((getattr(t, f.name) == f.default, f"train.{f.name}", getattr(t, f.name),
+                        "only acts with train.optimizer=muon (AdamW ignores it)",
+                        f"add --train.optimizer muon, or leave it at {default}"))
+    return out
 
 
 def profile_window(text: str, steps: int) -> tuple[int, int] | None:
