@@ -3,9 +3,11 @@ Muon's step-time and memory overhead per layout next to the planner's prediction
 
 loss      the default tiny run (200 steps of 16 x 64 tokens, warmup 20, cosine to 0.1, weight decay
           0.1, float32, one rank) on the bundled corpus with 5% held out (`prepare-data
-          --val-fraction 0.05`), for each optimizer a sweep of learning rates; each run's loss on
-          every held-out batch at the last step. A tuned lr is its sweep's best (said when it sits
-          at the grid's edge). Muon uses the default update scale (rms), so the lrs compare.
+          --val-fraction 0.05`): AdamW over a sweep of train.lr, then Muon with train.lr at AdamW's
+          tuned one (the embedding, head, norms and router stay AdamW's) over a sweep of
+          train.muon_lr (its matrices; --muon-scale picks the update scale and its grid); each run's
+          loss on every held-out batch at the last step. A tuned lr is its sweep's best (said when
+          it sits at the grid's edge). --adamw-lr skips AdamW's sweep (one run at that lr).
 overhead  on --world CPU ranks (gloo, one thread each) in one process group, each layout trained
           with AdamW and with Muon: after warmup, timed steps interleave every trainer
           (`side_by_side.interleaved_steps`); per layout the slowest rank's
@@ -19,6 +21,7 @@ overhead  on --world CPU ranks (gloo, one thread each) in one process group, eac
 
     python benchmarks/bench_muon.py                         # both parts
     python benchmarks/bench_muon.py --part loss --steps 200
+    python benchmarks/bench_muon.py --part loss --muon-scale spectral --adamw-lr 3e-3
     python benchmarks/bench_muon.py --part overhead --world 4 --timed 10
 
 Other processes sharing the cores make CPU timings noisy: the load is printed at the start.
@@ -42,7 +45,10 @@ from fived.launch import run_ranks  # noqa: E402
 from side_by_side import interleaved_steps, slowest_median  # noqa: E402
 
 ADAMW_LRS = (1e-3, 2e-3, 3e-3, 5e-3, 1e-2, 2e-2)
-MUON_LRS = (2e-3, 5e-3, 1e-2, 2e-2, 3e-2, 5e-2)
+# train.muon_lr per update scale: rms gives an update AdamW's RMS (0.2), spectral and none about
+# 1/sqrt(fan) of it on the tiny model's matrices, so their grids sit higher
+MUON_LRS = {"rms": (2e-3, 5e-3, 1e-2, 2e-2, 3e-2, 5e-2), "spectral": (1e-2, 2e-2, 5e-2, 0.1, 0.2, 0.3),
+            "none": (1e-2, 2e-2, 5e-2, 0.1, 0.2, 0.3)}
 # (name, model, parallel fields, micro-batches) on 4 ranks: every way Muon's pieces are cut
 LAYOUTS = [
     ("ZeRO-0 dp4", "tiny", dict(dp=4, zero=0), 1),
@@ -60,6 +66,8 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--part", choices=("loss", "overhead", "both"), default="both")
     p.add_argument("--steps", type=int, default=200, help="training steps of each loss run")
+    p.add_argument("--muon-scale", choices=tuple(MUON_LRS), default="rms", help="train.muon_scale of the loss runs")
+    p.add_argument("--adamw-lr", type=float, help="AdamW's lr (and Muon's train.lr) without a sweep")
     p.add_argument("--world", type=int, default=4)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--timed", type=int, default=10, help="timed steps per trainer")
@@ -74,31 +82,37 @@ def final_val_loss(cfg) -> float:
     return run_ranks(1, run_training, cfg, False, False, device="cpu")[0].metrics[-1]["val_loss"]
 
 
+def sweep(name: str, lrs, run) -> tuple[float, float]:
+    """`run(lr)` for every lr of the grid, printed; (the tuned lr, its loss)."""
+    losses = {}
+    for lr in lrs:
+        start = time.perf_counter()
+        losses[lr] = run(lr)
+        print(f"  {name} {lr:<7g} val_loss {losses[lr]:.4f}   ({time.perf_counter() - start:.0f} s)", flush=True)
+    lr = min(losses, key=losses.get)
+    edge = " (at the grid's edge)" if len(lrs) > 1 and lr in (lrs[0], lrs[-1]) else ""
+    print(f"{name}: tuned {lr:g}{edge}, val_loss {losses[lr]:.4f}", flush=True)
+    return lr, losses[lr]
+
+
 def loss_part(args: argparse.Namespace) -> None:
     from fived.data import bundled_corpus_path
     from fived.data_prep import prepare_data
 
     with tempfile.TemporaryDirectory(prefix="fived-muon-") as tmp:
         prepare_data([bundled_corpus_path()], os.path.join(tmp, "corpus"), val_fraction=0.05)
-        best = {}
-        for optimizer, lrs in (("adamw", ADAMW_LRS), ("muon", MUON_LRS)):
-            losses = {}
-            for lr in lrs:
-                cfg = build_config(overrides={
-                    "train.optimizer": optimizer, "train.lr": lr, "train.steps": args.steps, "train.device": "cpu",
-                    "train.eval_every": args.steps, "train.eval_batches": 0, "train.log_every": 10**9,
-                    "data.path": os.path.join(tmp, "corpus.bin")})
-                start = time.perf_counter()
-                losses[lr] = final_val_loss(cfg)
-                print(f"  {optimizer:5s} lr {lr:<7g} val_loss {losses[lr]:.4f}   ({time.perf_counter() - start:.0f} s)",
-                      flush=True)
-            lr = min(losses, key=losses.get)
-            edge = " (at the grid's edge)" if lr in (lrs[0], lrs[-1]) else ""
-            best[optimizer] = (lr, losses[lr])
-            print(f"{optimizer}: tuned lr {lr:g}{edge}, val_loss {losses[lr]:.4f}", flush=True)
-    (lr_a, adamw), (lr_m, muon) = best["adamw"], best["muon"]
-    print(f"loss after {args.steps} steps at a tuned lr each: muon {muon:.4f} (lr {lr_m:g}) vs adamw {adamw:.4f} "
-          f"(lr {lr_a:g}): muon {'lower' if muon < adamw else 'NOT lower'} by {adamw - muon:+.4f}")
+
+        def run(**train) -> float:
+            over = {"train.steps": args.steps, "train.device": "cpu", "train.eval_every": args.steps,
+                    "train.eval_batches": 0, "train.log_every": 10**9, "data.path": os.path.join(tmp, "corpus.bin")}
+            return final_val_loss(build_config(overrides=over | {f"train.{k}": v for k, v in train.items()}))
+
+        lr_a, adamw = sweep("adamw train.lr", (args.adamw_lr,) if args.adamw_lr else ADAMW_LRS, lambda lr: run(lr=lr))
+        lr_m, muon = sweep(f"muon ({args.muon_scale}) train.muon_lr", MUON_LRS[args.muon_scale],
+                           lambda lr: run(optimizer="muon", lr=lr_a, muon_lr=lr, muon_scale=args.muon_scale))
+    print(f"loss after {args.steps} steps at a tuned lr each: muon {muon:.4f} (train.lr {lr_a:g}, train.muon_lr {lr_m:g}, "
+          f"{args.muon_scale}) vs adamw {adamw:.4f} (train.lr {lr_a:g}): muon {'lower' if muon < adamw else 'NOT lower'} "
+          f"by {adamw - muon:+.4f}")
 
 
 # --- overhead -------------------------------------------------------------------------------------

@@ -71,8 +71,12 @@ class _Alone:
 
 def test_one_step_is_the_published_update():
     """Two steps of fived's Muon on one matrix equal the update written out: momentum, Nesterov,
-    Newton-Schulz, the rms scale, decoupled weight decay; the other tensor gets torch's AdamW."""
-    t = build_config(overrides={"train.optimizer": "muon", "train.lr": 0.01, "train.weight_decay": 0.1}).train
+    Newton-Schulz, the rms scale, decoupled weight decay, at train.muon_lr; the other tensor gets
+    torch's AdamW at train.lr; both follow the schedule, each from its own lr."""
+    from fived.optim import build_scheduler, lr_multiplier
+
+    t = build_config(overrides={"train.optimizer": "muon", "train.lr": 0.01, "train.muon_lr": 0.03,
+                                "train.weight_decay": 0.1, "train.warmup_steps": 2}).train
     generator = torch.Generator().manual_seed(1)
     w = torch.nn.Parameter(torch.randn(48, 16, generator=generator, dtype=torch.float64))
     b = torch.nn.Parameter(torch.randn(16, generator=generator, dtype=torch.float64))
@@ -80,16 +84,21 @@ def test_one_step_is_the_published_update():
     adamw = torch.optim.AdamW([b], lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=0.0)
     adamw_ref = torch.optim.AdamW([b_ref], lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=0.0)
     optimizer = Muon([("layers.0.attention.wq.weight", w)], adamw, t, _Alone({"layers.0.attention.wq.weight": (48, 16)}))
+    scheduler, reference = build_scheduler(optimizer, t), build_scheduler(adamw_ref, t)
     expected, momentum = w.detach().clone(), torch.zeros_like(w)
-    for _ in range(2):
+    for step in range(2):
+        lr = t.muon_lr * lr_multiplier(step, t)
+        assert optimizer.param_groups[-1]["lr"] == pytest.approx(lr)
         grad = torch.randn(48, 16, generator=generator, dtype=torch.float64)
         w.grad, b.grad = grad.clone(), torch.ones(16, dtype=torch.float64)
         b_ref.grad = b.grad.clone()
         optimizer.step()
         adamw_ref.step()
+        scheduler.step()
+        reference.step()
         momentum = 0.95 * momentum + 0.05 * grad
         direction = 0.95 * momentum + 0.05 * grad
-        expected = expected * (1 - t.lr * 0.1) - t.lr * 0.2 * math.sqrt(48) * newton_schulz(direction, KELLER)
+        expected = expected * (1 - lr * 0.1) - lr * 0.2 * math.sqrt(48) * newton_schulz(direction, KELLER)
         assert torch.allclose(w.detach(), expected, rtol=0, atol=1e-14)
     assert torch.equal(b, b_ref) and set(optimizer.state[w]) == {"momentum_buffer"}
 

@@ -118,8 +118,9 @@ class TrainConfig:
     grad_clip: float = 1.0  # 0 disables clipping
     # adamw | muon: Muon (orthogonalised momentum, fived.muon) for the hidden weight matrices (attention,
     # feed-forward, shared and routed experts, each expert's matrix on its own), AdamW (lr, betas, eps,
-    # weight_decay above) for the embedding, head, norms and router; one lr and schedule for both
+    # weight_decay above) for the embedding, head, norms and router; one schedule for both
     optimizer: str = "adamw"
+    muon_lr: float = 0.0  # the Muon matrices' learning rate, under the same schedule; 0: train.lr
     muon_momentum: float = 0.95
     muon_nesterov: bool = True
     muon_ns_steps: int = 5  # Newton-Schulz iterations

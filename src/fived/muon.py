@@ -8,9 +8,10 @@ Per step, for each Muon matrix W with (clipped) gradient G and momentum buffer M
          A = X X^T (on the wide orientation), train.muon_ns_steps iterations of (a, b, c)
          (train.muon_ns_coefficients), in the run's compute dtype (float64 in `fived verify`)
     W <- W (1 - lr wd) - lr s O, s the update scale of a fan_out x fan_in matrix (train.muon_scale)
-A routed experts' tensor is one matrix per expert. The embedding, the head, norms and the router
-stay with AdamW (lr, betas, eps, weight decay as train.optimizer=adamw sets them), under the same
-learning-rate schedule: one `param_groups` list, one `state` (checkpoints hold each Muon matrix's
+with lr train.muon_lr (train.lr when 0). A routed experts' tensor is one matrix per expert. The
+embedding, the head, norms and the router stay with AdamW (train.lr, betas, eps, weight decay as
+train.optimizer=adamw sets them), under the same learning-rate schedule (each group's lr times the
+schedule's factor): one `param_groups` list, one `state` (checkpoints hold each Muon matrix's
 `momentum_buffer` by canonical name, placed like its parameter, as AdamW's moments).
 
 Sharded: each rank keeps momentum for the pieces it stores; `fived.parallel.muon_exchange` assembles
@@ -61,7 +62,7 @@ class Muon(torch.optim.Optimizer):
     def __init__(self, matrices: list[tuple[str, torch.Tensor]], adamw: torch.optim.AdamW, t: TrainConfig, exchange):
         self.adamw = adamw
         self.names = [name for name, _ in matrices]
-        muon = {"params": [p for _, p in matrices], "lr": t.lr, "weight_decay": t.weight_decay,
+        muon = {"params": [p for _, p in matrices], "lr": t.muon_lr or t.lr, "weight_decay": t.weight_decay,
                 "momentum": t.muon_momentum, "nesterov": t.muon_nesterov, "muon": True}
         # AdamW's group dicts themselves: the schedule's lr reaches both optimizers
         super().__init__(self.adamw.param_groups + [muon], {"lr": t.lr, "muon": False})

@@ -31,6 +31,7 @@ FLOAT_RULES = (
     ("train.min_lr_ratio", "must be in [0, 1]", lambda v: 0 <= v <= 1, "0.1"),
     ("train.beta1", "must be in [0, 1)", lambda v: 0 <= v < 1, "0.9"),
     ("train.beta2", "must be in [0, 1)", lambda v: 0 <= v < 1, "0.95"),
+    ("train.muon_lr", "must be >= 0 (0: train.lr)", lambda v: v >= 0, "0.02"),
     ("train.muon_momentum", "must be in [0, 1)", lambda v: 0 <= v < 1, "0.95"),
     ("train.muon_bucket_mb", "must be > 0 (MiB of whole matrices per rank)", lambda v: v > 0, "256"),
     ("train.eps", "must be > 0", lambda v: v > 0, "1e-8"),
