@@ -369,6 +369,21 @@ def test_the_5d_layout(zero):
     assert report.max_relative_difference <= EXACT, report.max_rel
 
 
+def _stage_group_built(optimizer):
+    from fived.mesh import Mesh
+
+    mesh = Mesh(Layout(dp=2, optimizer=optimizer)).build("cpu", timeout_s=60)
+    return "dp_cp_tp" in mesh.flat, sorted(mesh.group_names().values())
+
+
+def test_the_stage_group_is_built_for_muon_only():
+    """The mesh group of Muon's exchange (gloo connects every group eagerly) exists with Muon only."""
+    built, names = run_on_ranks(2, _stage_group_built, "adamw")[0]
+    assert not built and "dp_cp_tp" not in names, names
+    built, names = run_on_ranks(2, _stage_group_built, "muon")[0]
+    assert built and "dp_cp_tp" in names
+
+
 def _counted(cfg):
     """Train one step counting Newton-Schulz calls on this rank; (calls, the stage's units, pp rank)."""
     import fived.muon

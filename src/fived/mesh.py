@@ -49,7 +49,7 @@ class Mesh:
 
     `Mesh.build` needs an initialised default process group; sub-meshes and groups are taken by name:
     pp, dp (= dp_replicate x dp_shard, flattened), dp_replicate, dp_shard, cp, tp, dp_cp, dp_shard_cp,
-    dp_cp_tp (a pipeline stage's ranks), and the expert mesh's ep and edp."""
+    dp_cp_tp (a pipeline stage's ranks; with train.optimizer=muon only), and the expert mesh's ep and edp."""
 
     def __init__(self, layout: Layout | None = None, **sizes):
         self.layout = layout if layout is not None else Layout(**sizes)
@@ -92,9 +92,10 @@ class Mesh:
             backend_override={name: override for name in expert_dims} if override else None)
         self.flat = {"dp": mesh["dp_replicate", "dp_shard"]._flatten("dp", backend_override=override),
                      "dp_cp": mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp", backend_override=override),
-                     "dp_shard_cp": mesh["dp_shard", "cp"]._flatten("dp_shard_cp", backend_override=override),
-                     "dp_cp_tp": mesh["dp_replicate", "dp_shard", "cp", "tp"]._flatten("dp_cp_tp",
-                                                                                      backend_override=override)}
+                     "dp_shard_cp": mesh["dp_shard", "cp"]._flatten("dp_shard_cp", backend_override=override)}
+        if self.layout.optimizer == "muon":  # (only Muon's exchange uses it: gloo connects a group eagerly)
+            self.flat["dp_cp_tp"] = mesh["dp_replicate", "dp_shard", "cp", "tp"]._flatten(
+                "dp_cp_tp", backend_override=override)
         return self
 
     def __getitem__(self, name: str):
@@ -113,7 +114,8 @@ class Mesh:
         same ranks (dp and dp_shard without replicas) the first listed names them."""
         names: dict = {}
         for d in GROUP_NAMES:
-            names.setdefault(self.group(d), d)
+            if d != "dp_cp_tp" or d in self.flat:  # (built for Muon only)
+                names.setdefault(self.group(d), d)
         return names
 
 
