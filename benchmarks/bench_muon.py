@@ -3,11 +3,12 @@ Muon's step-time and memory overhead per layout next to the planner's prediction
 
 loss      the default tiny run (200 steps of 16 x 64 tokens, warmup 20, cosine to 0.1, weight decay
           0.1, float32, one rank) on the bundled corpus with 5% held out (`prepare-data
-          --val-fraction 0.05`): AdamW over a sweep of train.lr, then Muon with train.lr at AdamW's
-          tuned one (the embedding, head, norms and router stay AdamW's) over a sweep of
-          train.muon_lr (its matrices; --muon-scale picks the update scale and its grid); each run's
-          loss on every held-out batch at the last step. A tuned lr is its sweep's best (said when
-          it sits at the grid's edge). --adamw-lr skips AdamW's sweep (one run at that lr).
+          --val-fraction 0.05`): AdamW over a sweep of train.lr; Muon over a sweep of train.muon_lr
+          (its matrices; --muon-scale picks the update scale and its grid) with train.lr (the
+          embedding, head, norms and router, AdamW's in both) at AdamW's tuned one, then over a sweep
+          of train.lr at the tuned train.muon_lr; each run's loss on every held-out batch at the
+          last step. A tuned lr is its sweep's best (said when it sits at the grid's edge).
+          --adamw-lr skips AdamW's sweep (one run at that lr).
 overhead  on --world CPU ranks (gloo, one thread each) in one process group, each layout trained
           with AdamW and with Muon: after warmup, timed steps interleave every trainer
           (`side_by_side.interleaved_steps`); per layout the slowest rank's
@@ -49,6 +50,7 @@ ADAMW_LRS = (1e-3, 2e-3, 3e-3, 5e-3, 1e-2, 2e-2)
 # 1/sqrt(fan) of it on the tiny model's matrices, so their grids sit higher
 MUON_LRS = {"rms": (2e-3, 5e-3, 1e-2, 2e-2, 3e-2, 5e-2), "spectral": (1e-2, 2e-2, 5e-2, 0.1, 0.2, 0.3),
             "none": (1e-2, 2e-2, 5e-2, 0.1, 0.2, 0.3)}
+MUON_ADAMW_LRS = (3e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.2)  # train.lr of a Muon run (its AdamW half)
 # (name, model, parallel fields, micro-batches) on 4 ranks: every way Muon's pieces are cut
 LAYOUTS = [
     ("ZeRO-0 dp4", "tiny", dict(dp=4, zero=0), 1),
@@ -107,12 +109,21 @@ def loss_part(args: argparse.Namespace) -> None:
                     "train.eval_batches": 0, "train.log_every": 10**9, "data.path": os.path.join(tmp, "corpus.bin")}
             return final_val_loss(build_config(overrides=over | {f"train.{k}": v for k, v in train.items()}))
 
+        seen = {}
+
+        def muon_run(lr: float, muon_lr: float) -> float:
+            if (lr, muon_lr) not in seen:
+                seen[(lr, muon_lr)] = run(optimizer="muon", lr=lr, muon_lr=muon_lr, muon_scale=args.muon_scale)
+            return seen[(lr, muon_lr)]
+
         lr_a, adamw = sweep("adamw train.lr", (args.adamw_lr,) if args.adamw_lr else ADAMW_LRS, lambda lr: run(lr=lr))
-        lr_m, muon = sweep(f"muon ({args.muon_scale}) train.muon_lr", MUON_LRS[args.muon_scale],
-                           lambda lr: run(optimizer="muon", lr=lr_a, muon_lr=lr, muon_scale=args.muon_scale))
-    print(f"loss after {args.steps} steps at a tuned lr each: muon {muon:.4f} (train.lr {lr_a:g}, train.muon_lr {lr_m:g}, "
-          f"{args.muon_scale}) vs adamw {adamw:.4f} (train.lr {lr_a:g}): muon {'lower' if muon < adamw else 'NOT lower'} "
-          f"by {adamw - muon:+.4f}")
+        name = f"muon ({args.muon_scale}"
+        lr_m, _ = sweep(f"{name}, train.lr {lr_a:g}) train.muon_lr", MUON_LRS[args.muon_scale],
+                        lambda x: muon_run(lr_a, x))
+        lr_h, muon = sweep(f"{name}, train.muon_lr {lr_m:g}) train.lr", MUON_ADAMW_LRS, lambda x: muon_run(x, lr_m))
+    verdict = "lower" if muon < adamw else "NOT lower"
+    print(f"loss after {args.steps} steps at a tuned lr each: muon {muon:.4f} (train.lr {lr_h:g}, train.muon_lr "
+          f"{lr_m:g}, {args.muon_scale}) vs adamw {adamw:.4f} (train.lr {lr_a:g}): muon {verdict} by {adamw - muon:+.4f}")
 
 
 # --- overhead -------------------------------------------------------------------------------------
@@ -209,7 +220,7 @@ def overhead_part(args: argparse.Namespace) -> None:
     configs = [config(m, f, micro, opt, args) for _, m, f, micro in LAYOUTS for opt in ("adamw", "muon")]
     results = run_ranks(args.world, rank_main, configs, args, device="cpu", timeout_s=1800, deadline_s=3600)
     hw, r0 = local_hardware(args.world), results[0]
-    time_rows, memory_rows = [], []
+    time_rows, memory_rows, transient, extra = [], [], [], []
     for i, (name, *_rest) in enumerate(LAYOUTS):
         a, m = 2 * i, 2 * i + 1
         step = [slowest_median([r["times"][k] for r in results]) * 1e3 for k in (a, m)]
@@ -222,6 +233,8 @@ def overhead_part(args: argparse.Namespace) -> None:
         state, peak = [r0["state"][k] for k in (a, m)], [r0["peaks"][k] for k in (a, m)]
         measured = state[1] - state[0] + peak[1] - peak[0]
         predicted = plan[1][2] - plan[0][2] + plan[1][3]
+        transient.append(peak[1] / plan[1][3] - 1)
+        extra.append((plan[1][1] - plan[0][1]) * 1e3 / (optimizer[1] - optimizer[0]))
         memory_rows.append(f"{name:22s} {state[0] / 1024:7.0f} {state[1] / 1024:7.0f}   {plan[0][2] / 1024:7.0f} "
                            f"{plan[1][2] / 1024:7.0f}   {peak[0] / 1024:7.0f} {peak[1] / 1024:7.0f} "
                            f"{plan[1][3] / 1024:7.0f}   {measured / 1024:+8.0f} {predicted / 1024:+8.0f}")
@@ -238,6 +251,9 @@ def overhead_part(args: argparse.Namespace) -> None:
     print(f"{'layout':22s} {'adamw':>7s} {'muon':>7s}   {'adamw':>7s} {'muon':>7s}   {'adamw':>7s} {'muon':>7s} "
           f"{'muon':>7s}   {'measured':>8s} {'planner':>8s}")
     print("\n".join(memory_rows), flush=True)
+    print(f"Muon's step transient (rank 0's heap peak) against the planner's (the busiest rank's bound): "
+          f"{100 * min(transient):+.0f}% .. {100 * max(transient):+.0f}%; the planner's extra optimizer time for Muon "
+          f"against the measured: {min(extra):.2f}x .. {max(extra):.2f}x", flush=True)
 
 
 def main() -> int:

@@ -231,7 +231,7 @@ class StagePlan:
         return self.flat.owners(spec.name, row * cols, (row + rows) * cols)
 
     def _assign(self, units: list[tuple]) -> list[Unit]:
-        """Owners of one bucket's units by Newton-Schulz cost: longest first (model order on ties),
+        """Owners of one bucket's units by Newton-Schulz cost: longest first (bucket order on ties),
         each to its candidate with the least load in the bucket (the buckets run one after another),
         then over all buckets, then the lowest: a heap per ep rank."""
         pools: dict[int, list] = defaultdict(list)
@@ -281,7 +281,8 @@ class StagePlan:
         return self._groups[kind]
 
     def _kind_key(self, spec: TensorSpec, member: int) -> tuple:
-        """`key` by cut indices rather than offsets (equal for every tensor of a kind)."""
+        """Which distinct piece of `spec` `member` holds: its tp and ep cut indices and its storage slot
+        (the same for every tensor of a kind, so `groups` computes it once per kind)."""
         who = self.members[member]
         cuts = tuple(cut.index(rank) if cut is not None else 0 for cut, rank in ((spec.tp, who.tp), (spec.ep, who.ep)))
         return cuts, who.data_rank(self.layout).stored(spec, self.flat).slot
@@ -379,8 +380,9 @@ def _stage_plan(key: tuple, layout: Layout, dtype: str, chunks: tuple) -> StageP
 
 
 def stage_plan(m: ModelConfig, layout: Layout, dtype: str, chunks) -> StagePlan:
-    """The plan of the stage group holding `chunks` [(layers, first, last)] (cached: the planner asks
-    again for every layout that differs only in activation choices)."""
+    """The plan of the stage group holding `chunks` [(layers, first, last)] (cached, a few deep: the
+    planner asks again for every layout that differs only in activation choices)."""
     chunks = tuple((tuple(layers), first, last) for layers, first, last in chunks)
-    layout = layout.with_(micro_batch=1, checkpointing="none", muon_ns_steps=Layout.muon_ns_steps)  # (not its)
+    # (the plan does not depend on activation choices or Newton-Schulz's iterations)
+    layout = layout.with_(micro_batch=1, checkpointing="none", muon_ns_steps=Layout.muon_ns_steps)
     return _stage_plan(model_key(m), layout, dtype, chunks)
