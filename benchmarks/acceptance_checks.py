@@ -17,8 +17,8 @@ import torch
 from fived.checkpoint import find_checkpoint
 from fived.grouped_gemm import expert_loop, grouped_swiglu, uses_grouped_mm
 from fived.launch import run_ranks
-from fived.parallel.context import (block_backward, block_forward, reference_block_backward,
-                                    reference_block_forward, uses_cuda_flash)
+from fived.attention import (block_backward, block_forward, reference_block_backward,
+                             reference_block_forward, uses_cuda_flash)
 from fived.testing import tiny_config
 from fived.train import run_training
 from fived.verify import compare

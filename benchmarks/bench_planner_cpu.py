@@ -12,7 +12,7 @@ absolute error, and whether the auto choice is within 10% of the fastest measure
     python benchmarks/bench_planner_cpu.py                # 4 ranks, 20 timed steps per layout
     python benchmarks/bench_planner_cpu.py --fit          # refit the CPU constants on these times
 
---fit refits EFFICIENCY["cpu"] and CPU's per-layer, per-step and per-collective overheads and link
+--fit refits the CPU entry's gemm_efficiency and its per-layer, per-step and per-collective overheads and link
 speed by coordinate descent on the median absolute error, prints them (what hardware.CPU holds is
 what it printed here) and the leave-one-layout-out error (each layout predicted by constants fitted
 without it). Other agents sharing the cores make single steps noisy: check `uptime` first.
@@ -148,7 +148,7 @@ def median_error(measured, predicted) -> float:
     return statistics.median(abs(p / m - 1) for m, p in zip(measured, predicted)) * 100
 
 
-GRIDS = {"efficiency": [0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0],
+GRIDS = {"gemm_efficiency": [0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0],
          "layer_overhead_s": [x * 1e-4 for x in (1, 2, 4, 6, 8, 10, 14, 20, 30, 45)],
          "step_overhead_s": [x * 1e-3 for x in (0, 1, 2, 3, 5, 8, 12, 20)],
          "link_latency_s": [x * 1e-6 for x in (50, 100, 200, 400, 700, 1000, 1500, 2000, 3000, 5000, 8000)],
@@ -160,29 +160,19 @@ GRIDS = {"efficiency": [0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0],
 
 def fit(layouts, measured, args, base_hw):
     """Coordinate descent (two sweeps) over GRIDS on the median absolute error; returns the hardware."""
-    from fived.planner import timing
-
     hw = base_hw
     for _ in range(2):
         for name, grid in GRIDS.items():
             scores = []
             for value in grid:
-                if name == "efficiency":
-                    timing.EFFICIENCY["cpu"] = value
-                    trial = hw
-                else:
-                    changes = {name: value}
-                    if name == "nvlink_gbps":
-                        changes["network_gbps"] = value
-                    if name == "link_latency_s":
-                        changes["network_latency_s"] = value
-                    trial = replace(hw, **changes)
+                changes = {name: value}
+                if name == "nvlink_gbps":
+                    changes["network_gbps"] = value
+                if name == "link_latency_s":
+                    changes["network_latency_s"] = value
+                trial = replace(hw, **changes)
                 scores.append((median_error(measured, predict(layouts, args, trial)), value, trial))
-            err, value, best = min(scores, key=lambda s: s[0])
-            if name == "efficiency":
-                timing.EFFICIENCY["cpu"] = value
-            else:
-                hw = best
+            hw = min(scores, key=lambda s: s[0])[2]
     return hw
 
 
@@ -190,7 +180,6 @@ def main() -> int:
     import torch
 
     from fived.planner.hardware import local_hardware
-    from fived.planner.timing import EFFICIENCY
 
     args = parse_args()
     load = os.getloadavg()[0]
@@ -222,13 +211,11 @@ def main() -> int:
         loo = []
         for j in range(len(layouts)):
             keep = [i for i in range(len(layouts)) if i != j]
-            saved = EFFICIENCY["cpu"]
             trial = fit([layouts[i] for i in keep], [measured[i] for i in keep], args, hw)
             loo.append(abs(predict([layouts[j]], args, trial)[0] / measured[j] - 1) * 100)
-            EFFICIENCY["cpu"] = saved
         hw = fit(layouts, measured, args, hw)
         share = min(1.0, len(os.sched_getaffinity(0)) / args.world)
-        print(f"fitted: EFFICIENCY['cpu'] = {EFFICIENCY['cpu']}; at a whole core per rank (times the rank's core "
+        print(f"fitted: gemm_efficiency = {hw.gemm_efficiency}; at a whole core per rank (times the rank's core "
               f"share {share:g}): layer_overhead_s = {hw.layer_overhead_s * share:.2e}, step_overhead_s = "
               f"{hw.step_overhead_s * share:.2e}, link_latency_s = {hw.link_latency_s * share:.2e}, peer_latency_s = "
               f"{hw.peer_latency_s * share:.2e}, launch_s = {hw.launch_s * share:.2e}, zero3_overhead_s = "

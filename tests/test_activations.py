@@ -12,7 +12,7 @@ import pytest
 from fived.activation_model import activation_bytes, layer_bytes
 from fived.config import model_preset
 from fived.report import expected_activation_bytes, expected_activations, format_report
-from fived.testing import run_on_ranks, tiny_config
+from fived.testing import run_on_ranks, tiny_config, write_documents
 from fived.train import run_training
 
 # name: (model, overrides); each group of one world size runs in a single run_on_ranks call.
@@ -23,6 +23,10 @@ SINGLE = {
     "moe selective checkpointing": ("tiny-moe", {"train__activation_checkpointing": "selective"}),
     "moe bfloat16-autocast": ("tiny-moe", {"train__dtype": "bfloat16-autocast"}),  # fp32 and bf16 tensors mixed
     "moe bfloat16": ("tiny-moe", {"train__dtype": "bfloat16"}),  # bf16 weights: bf16 but norms and statistics
+    # data.document_mask (on a file of documents): RoPE per sequence, the masked kernel's order keys
+    "documents": ("tiny", {"data__document_mask": True}),
+    "documents full checkpointing": ("tiny", {"data__document_mask": True, "train__activation_checkpointing": "full"}),
+    "documents selective": ("tiny", {"data__document_mask": True, "train__activation_checkpointing": "selective"}),
 }
 PAIR = {
     "tp2 sp": ("tiny", {"parallel__tp": 2, "parallel__sp": True}),
@@ -37,12 +41,28 @@ PAIR = {
     "cp2 moe selective": ("tiny-moe", {"parallel__cp": 2, "parallel__dp": 1,
                                        "train__activation_checkpointing": "selective"}),
     "ep2 dp2 zero3": ("tiny-moe", {"parallel__ep": 2, "parallel__dp": 2, "parallel__zero": 3}),
+    "cp2 documents": ("tiny", {"parallel__cp": 2, "parallel__dp": 1, "data__document_mask": True}),
+    "cp2 ulysses": ("tiny", {"parallel__cp": 2, "parallel__dp": 1, "parallel__cp_mode": "ulysses"}),
+    "cp2 ulysses documents selective": ("tiny", {"parallel__cp": 2, "parallel__dp": 1, "parallel__cp_mode": "ulysses",
+                                                 "data__document_mask": True,
+                                                 "train__activation_checkpointing": "selective"}),
+    "cp2 ulysses selective": ("tiny", {"parallel__cp": 2, "parallel__dp": 1, "parallel__cp_mode": "ulysses",
+                                       "train__activation_checkpointing": "selective"}),
+}
+QUAD = {
+    "cp4 hybrid": ("tiny", {"parallel__cp": 4, "parallel__dp": 1, "parallel__cp_mode": "hybrid"}),
+    "cp4 ulysses (kv heads repeated)": ("tiny", {"parallel__cp": 4, "parallel__dp": 1, "parallel__cp_mode": "ulysses"}),
+    "tp2 sp cp2 ulysses documents": ("tiny", {"parallel__cp": 2, "parallel__dp": 1, "parallel__tp": 2,
+                                              "parallel__sp": True, "parallel__cp_mode": "ulysses",
+                                              "data__document_mask": True}),
 }
 ROUTED = {"ep2 dp2 zero3"}  # per-rank bytes depend on the routing: totals within 10%, ep mean exact
 
 
-def _configs(layouts):
-    return {name: tiny_config(model, train__steps=1, **over) for name, (model, over) in layouts.items()}
+def _configs(layouts, documents):
+    return {name: tiny_config(model, train__steps=1, **over, **({"data__path": documents}
+                                                              if over.get("data__document_mask") else {}))
+            for name, (model, over) in layouts.items()}
 
 
 def _run_all(cfgs):
@@ -50,17 +70,18 @@ def _run_all(cfgs):
 
 
 @pytest.fixture(scope="module")
-def measured():
+def measured(tmp_path_factory):
     out = {}
-    for world, layouts in ((1, SINGLE), (2, PAIR)):
-        cfgs = _configs(layouts)
+    documents = write_documents(tmp_path_factory.mktemp("docs") / "docs.txt")
+    for world, layouts in ((1, SINGLE), (2, PAIR), (4, QUAD)):
+        cfgs = _configs(layouts, documents)
         per_rank = run_on_ranks(world, _run_all, cfgs)
         for name, cfg in cfgs.items():
             out[name] = (cfg, world, [ranks[name] for ranks in per_rank])
     return out
 
 
-@pytest.mark.parametrize("name", list(SINGLE) + list(PAIR))
+@pytest.mark.parametrize("name", list(SINGLE) + list(PAIR) + list(QUAD))
 def test_measured_matches_formula(measured, name):
     cfg, world, results = measured[name]
     totals = []

@@ -8,16 +8,18 @@ from pathlib import Path
 
 import pytest
 
-from fived.config import model_preset
+from fived.config import ConfigError, model_preset
 from fived.planner.basis import basis
-from fived.planner.calibration import COVERAGE, OUT_OF_SAMPLE_ERROR, predict, validate
+from fived.planner.calibration import spearman, validate
+from fived.planner.constants import CALIBRATION, Constants, file_sha256, load_calibration, save_calibration
+from fived.planner.fitting import calibrate, coverage, predict
 from fived.planner.hardware import hardware
 from fived.planner.published import read_runs
 from fived.planner.runtimes import FIVED, PLANNED_RUNTIMES, zero_stage
 from fived.planner.search import plan
 from fived.planner.timing import Cluster
 
-CALIBRATION = Path(__file__).parent / "data" / "published_runs.csv"
+CALIBRATION_FILE = Path(__file__).parent / "data" / "published_runs.csv"
 BASE = dict(source_short="test", model="gpt", num_layers="24", hidden="2048", heads="16", vocab="51200",
             seq_len="2048", gpu_type="A100-SXM4-80GB", num_gpus="16", gpus_per_node="8", tp="2", pp="1", dp="8",
             micro_batch="2", global_batch_seqs="256", framework="Megatron-LM (2022)", tokens_per_s_per_gpu="5000")
@@ -85,18 +87,60 @@ def test_reader_never_crashes(tmp_path):
     assert all(predict(r).time.tokens_per_s_per_gpu > 0 for r in read)
 
 
-def test_calibration_file_coverage():
-    """What `fived plan` quotes (basis) is what the calibration file holds; every row has a source."""
-    rows, skipped = read_runs(CALIBRATION)
+def test_every_run_that_happened_is_read_and_costed(tmp_path):
+    """A local batch per replica split into pipeline micro-batches; a vocabulary unstated (the
+    family's, or the head ignored); more virtual stages than layers; a tp unstated (derived from dp,
+    else the planner's); an interleaved pipeline fived's torch schedules refuse: every row is read,
+    predicted, and says what the reading assumed."""
+    llama = dict(BASE, model="Llama-3.1-8B", num_layers="32", hidden="4096", heads="32", kv_heads="8",
+                 ffn_hidden="14336", vocab="128256", seq_len="8192", num_gpus="64", tp="1", dp="8")
+    rows = [
+        dict(llama, row_id="local", pp="8", micro_batch="16", global_batch_seqs="", precision="FP8",
+             framework="torchtitan (FSDP2, torch.compile)", zero_or_fsdp="FSDP"),
+        dict(llama, row_id="local-column", pp="8", micro_batch="", local_batch="32", global_batch_seqs=""),
+        dict(BASE, row_id="moe-no-vocab", model="Qwen1.5-MoE-A2.7B", vocab="", kv_heads="16", moe_experts="60",
+             moe_top_k="4", moe_ffn_hidden="1408", ep="4", tp="1"),
+        dict(BASE, row_id="no-family", model="house-model", vocab=""),
+        dict(BASE, row_id="more-stages", num_layers="94", hidden="4096", heads="64", kv_heads="4", vocab="151936",
+             moe_experts="128", moe_top_k="8", moe_ffn_hidden="1536", num_gpus="256", tp="2", pp="32", vpp="3",
+             ep="8", dp="4", micro_batch="1", global_batch_seqs="2048", framework="Megatron-Core"),
+        dict(BASE, row_id="tp-from-dp", tp="", pp="2", dp="4"),
+        dict(BASE, row_id="tp-open", tp="", dp=""),
+        dict(BASE, row_id="rounds", num_gpus="32", tp="2", pp="4", vpp="2", dp="4", micro_batch="1",
+             global_batch_seqs="100"),  # 25 micro-batches: torch's interleaved schedule wants whole rounds
+    ]
+    read, skipped = read_runs(_write(tmp_path / "runs.csv", rows))
     assert not skipped
-    counted = {"rows": len(rows), "ampere": sum(r.cluster.hardware.calibration == "ampere" for r in rows),
-               "hopper": sum(r.cluster.hardware.calibration == "hopper" for r in rows),
-               "moe": sum(r.model.is_moe for r in rows), "fp8": sum(r.runtime.fp8 for r in rows),
-               "cp": sum(r.fixed.get("cp", 1) > 1 for r in rows), "max_seq": max(r.seq_len for r in rows),
-               "gpus": tuple(sorted({r.cluster.hardware.name.split("-")[0] for r in rows}))}
-    assert counted == COVERAGE
-    with CALIBRATION.open() as f:
-        assert all(r["source_short"] and r["source_ref"] for r in csv.DictReader(f))
+    got = {r.row_id: r for r in read}
+    local = got["local"]
+    assert local.global_batch == 16 * 8 and "micro_batch" in local.open and 16 in local.open["micro_batch"]
+    assert "local batch 16 per replica (the row's micro_batch)" in local.notes
+    assert got["local-column"].global_batch == 32 * 8 and "local batch 32 per replica" in got["local-column"].notes
+    assert got["moe-no-vocab"].model.vocab_size == 151936 and "vocab: unstated, qwen's 151936" in got["moe-no-vocab"].notes
+    assert got["no-family"].model.vocab_size == 1 and "vocab: unstated, the head's share ignored" in got["no-family"].notes
+    assert got["more-stages"].fixed["pp_virtual"] == 2 and "vpp 3 -> 2: 96 stages, 94 layers" in got["more-stages"].notes
+    assert got["tp-from-dp"].fixed["tp"] == 2 and "tp 2 = gpus/(dp*pp*cp) (unstated)" in got["tp-from-dp"].notes
+    assert "tp" in got["tp-open"].open and "tp: planner" in got["tp-open"].notes
+    plans = {r.row_id: predict(r) for r in read}
+    assert all(p is not None and p.time.tokens_per_s_per_gpu > 0 for p in plans.values())
+    assert plans["local"].layout.micro_batch < 16 and plans["rounds"].layout.pp_virtual == 2
+    lines = []
+    validate(tmp_path / "runs.csv", printer=lines.append, out_of_sample=False)
+    assert lines[-2] == f"predicted {len(rows)} of {len(rows)} rows"
+    assert any(line.split()[0] == "rounds" and "priced at a global batch of 96" in line for line in lines)
+
+
+def test_calibration_file_coverage():
+    """The shipped calibration was fitted on the calibration file as it is (same bytes, every row);
+    what `fived plan` quotes of its coverage is what the file holds; every row has a source."""
+    rows, skipped = read_runs(CALIBRATION_FILE)
+    assert not skipped
+    assert CALIBRATION.sha256 == file_sha256(CALIBRATION_FILE), "refit: python -m fived.planner.fitting " \
+        "tests/data/published_runs.csv"
+    assert CALIBRATION.rows == tuple(r.row_id for r in rows) and set(CALIBRATION.row_errors) == set(CALIBRATION.rows)
+    assert dict(CALIBRATION.coverage) == json.loads(json.dumps(coverage(rows)))
+    with CALIBRATION_FILE.open() as f:
+        assert all(r["source_short"] and r["source_ref"] and r["source_locator"] for r in csv.DictReader(f))
     assert len({r.source for r in rows}) >= 6
 
 
@@ -104,12 +148,60 @@ def test_basis_says_what_is_calibrated_and_what_is_extrapolated():
     h100 = Cluster(hardware("h100"), 16, 8)
     search = plan(model_preset("mixtral-8x7b"), h100, 4096, 128)
     lines = basis(model_preset("mixtral-8x7b"), h100, FIVED, search.plans[0].layout, 4096)
-    assert lines[0].startswith("calibrated:") and f"{OUT_OF_SAMPLE_ERROR:.0f}%" in lines[0]
+    assert lines[0].startswith("calibrated:") and f"{CALIBRATION.out_of_sample:.0f}%" in lines[0]
     assert any("fived's own runtime on a GPU was never measured" in line for line in lines)
-    assert any("mixture of experts" in line for line in lines)
+    assert any("mixture of experts" in line and f"error {CALIBRATION.by_kind['moe']:.0f}%" in line for line in lines)
     b200 = basis(model_preset("llama3-8b"), Cluster(hardware("b200"), 8, 8), FIVED, search.plans[0].layout, 32768)
     assert b200[0].startswith("extrapolated: no published run on b200")
     assert any("sequence length 32768" in line for line in b200)
+
+
+def test_a_refit_is_a_new_calibration_and_the_quoted_figures_follow_it(tmp_path):
+    """Calibration is data: a fit on a subset of the rows (three sources) writes a file whose
+    constants, rows, errors and coverage are that fit's; loaded and passed explicitly, the planner
+    prices with it and quotes its figures; nothing the shipped planner uses changes meanwhile."""
+    with CALIBRATION_FILE.open() as f:
+        records = list(csv.DictReader(f))
+    keep = ("Narayanan2021-SC21", "Korthikanti2022", "PyTorch-float8-FSDP2-2024")
+    subset = _write(tmp_path / "subset.csv", [r for r in records if r["source_short"] in keep])
+    m, cluster = model_preset("llama3-8b"), Cluster(hardware("h100"), 64, 8)
+    before = plan(m, cluster, 8192, 512).plans[0]
+    fitted = calibrate(subset)
+    save_calibration(fitted, tmp_path / "subset.json")
+    loaded = load_calibration(tmp_path / "subset.json")
+    assert loaded.rows == tuple(r["row_id"] for r in records if r["source_short"] in keep)
+    assert loaded.coverage["rows"] == len(loaded.rows) and loaded.coverage["moe"] == 0
+    assert loaded.constants == fitted.constants and loaded.constants != CALIBRATION.constants
+    assert loaded.out_of_sample == pytest.approx(fitted.out_of_sample, abs=1e-4)
+    assert loaded.out_of_sample != CALIBRATION.out_of_sample
+    assert loaded.constants.expert_efficiency == Constants().expert_efficiency  # no MoE row: the prior
+    lines = basis(m, cluster, FIVED, before.layout, 8192, calibration=loaded)
+    assert f"fitted on {len(loaded.rows)} published runs" in lines[0]
+    assert f"typical out-of-sample error {loaded.out_of_sample:.0f}%" in lines[0]
+    printed = []
+    result = validate(subset, printer=printed.append, calibration=loaded)
+    assert result["loso"] == pytest.approx(loaded.out_of_sample, abs=1e-3)
+    assert any(line.startswith("out of sample: as fitted on this file") for line in printed)
+    after = plan(m, cluster, 8192, 512).plans[0]
+    assert after.time.total == before.time.total and CALIBRATION == load_calibration()
+
+
+def test_a_bad_calibration_file_is_refused_in_one_line(tmp_path):
+    good = json.loads(json.dumps(CALIBRATION.to_json()))
+    for change, words in [({"constants": {**good["constants"], "gemm": 1.0}}, "missing or unknown constant"),
+                          ({"extra": 1}, "unknown calibration field"), ({"format": 99}, "not calibration format")]:
+        path = tmp_path / "bad.json"
+        path.write_text(json.dumps({**good, **change}))
+        with pytest.raises(ConfigError, match=words) as e:
+            load_calibration(path)
+        assert "\n" not in str(e.value)
+
+
+def test_spearman():
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [40, 30, 20, 10]) == pytest.approx(-1.0)
+    assert spearman([1, 2, 3, 4], [10, 30, 20, 40]) == pytest.approx(0.8)
+    assert spearman([1, 1, 2], [1, 2, 3]) == pytest.approx(0.866, abs=1e-3)  # ties share their rank
 
 
 def test_folded_experts_are_planned_for_megatron_only():

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fived.checkpoint import complete_checkpoints, find_checkpoint
-from fived.testing import EXACT, run_on_ranks, tiny_config
+from fived.testing import EXACT, run_on_ranks, tiny_config, write_documents
 from fived.train import run_training
 from fived.verify import run_verify
 
@@ -166,6 +166,45 @@ def test_reshard_is_exact(first, second, model):
     model = {"model__name": "tiny", **model}
     a = tiny_config(train__steps=STEPS, train__global_batch=global_batch, **model, **first)
     b = tiny_config(train__steps=STEPS, train__global_batch=global_batch, **model, **second)
+    report = run_verify(b, _world(second), printer=lambda *_: None, reshard_from=(a, _world(first)))
+    assert len(report.rows) == STEPS
+    assert report.max_relative_difference <= EXACT, report.max_rel
+
+
+@pytest.fixture(scope="module")
+def documents(tmp_path_factory):
+    return write_documents(tmp_path_factory.mktemp("docs") / "docs.txt")
+
+
+DOCUMENT_MASKED = {  # data.document_mask: the work-balanced cp assignment is a function of the tokens
+    "cp2-ulysses-eval": ("tiny", 2, dict(parallel__cp=2, parallel__dp=1, parallel__cp_mode="ulysses",
+                                         train__eval_every=1, train__eval_batches=1)),
+    "dp2-cp2-ep2-moe": ("tiny-moe", 4, dict(parallel__cp=2, parallel__dp=2, parallel__ep=2, parallel__zero=1,
+                                            model__router_bias_rate=0.01)),
+}
+
+
+@pytest.mark.parametrize("layout", list(DOCUMENT_MASKED))
+def test_document_masked_resume_is_bit_exact(layout, documents, tmp_path):
+    model, world, over = DOCUMENT_MASKED[layout]
+    cfg = tiny_config(model, train__steps=STEPS, data__path=documents, data__val_path=documents,
+                      data__document_mask=True, **over)
+    whole, first, second = _uninterrupted_and_resumed(world, cfg, tmp_path)
+    keys = ("loss", "grad_norm") + (("val_loss",) if over.get("train__eval_every") else ())
+    for key in keys:
+        assert [m[key] for m in whole[0].metrics] == [m[key] for m in first[0].metrics + second[0].metrics], key
+    for name, value in whole[0].state.items():
+        assert torch.equal(value, second[0].state[name]), name
+
+
+@pytest.mark.parametrize("first,second", [
+    (dict(parallel__cp=4, parallel__cp_mode="hybrid"), dict(parallel__dp=2, parallel__tp=2, parallel__sp=True)),
+    (dict(parallel__dp=2, parallel__pp=2, train__microbatches=2),
+     dict(parallel__cp=2, parallel__dp=2, parallel__zero=3, parallel__cp_mode="ulysses")),
+], ids=["hybrid-to-dp-tp", "pp-to-ulysses-zero3"])
+def test_document_masked_reshard_is_exact(first, second, documents):
+    masked = dict(model__name="tiny", train__steps=STEPS, data__path=documents, data__document_mask=True)
+    a, b = tiny_config(**masked, **first), tiny_config(**masked, **second)
     report = run_verify(b, _world(second), printer=lambda *_: None, reshard_from=(a, _world(first)))
     assert len(report.rows) == STEPS
     assert report.max_relative_difference <= EXACT, report.max_rel

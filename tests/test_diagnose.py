@@ -117,6 +117,21 @@ def test_context_parallel_ring_exposed(tmp_path, capsys):
     assert "cp-communication-exposed" in modes(run, capsys)
 
 
+def test_context_parallel_work_imbalance_with_documents(tmp_path, capsys):
+    """Each sequence: one long document then short ones. The halves layout gives one cp rank ~3x the
+    attention work (named, with the advice to balance by work); the work-balanced one does not."""
+    data = tmp_path / "skewed.txt"
+    data.write_text(("y" * 127 + "\0" + ("x" * 63 + "\0") * 2) * 40 + "\0", newline="")  # windows of 256: 128, 64, 64
+    found = {}
+    for balance in ("halves", "work"):
+        run = run_dir_of(tmp_path / balance, 2, parallel__dp=1, parallel__cp=2, train__seq_len=256,
+                         train__global_batch=2, data__path=str(data), data__document_mask=True,
+                         parallel__cp_balance=balance)
+        found[balance] = modes(run, capsys)
+        assert diagnose(run)["cp_work_spread"] > (1.25 if balance == "halves" else 0.99)
+    assert "cp-imbalance" in found["halves"] and "cp-imbalance" not in found["work"]
+
+
 def test_full_checkpointing_under_a_pipeline_but_not_selective(tmp_path, capsys):
     """A model wide enough that its matmuls dominate (as on GPUs): full checkpointing recomputes each
     block's forward in backward, selective only the element-wise ops. (On the 64-wide tiny model the

@@ -158,7 +158,7 @@ def test_kv_cache_gives_the_full_forward_logits():
     cached = build_model(cfg, "cpu", torch.float64)
     cached.load_state_dict(full.state_dict())
     for block in cached.layers.values():
-        block.attention.core = KVCachedAttentionCore()
+        block.attention.core = KVCachedAttentionCore(12)
     ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = full(ids)

@@ -306,6 +306,7 @@ def test_the_planner_prices_muon_as_configured(monkeypatch):
     the exchange's bytes (which leave out each rank's own share) are priced whole, not (n-1)/n of
     them; Muon's matrix elements stream Muon's bytes, more than AdamW's 28 charged for them."""
     from fived.planner import communication
+    from fived.planner.constants import CALIBRATION
     from fived.planner.hardware import hardware
     from fived.planner.timing import Cluster, muon_stream_s, orthogonalization_s, step_time
 
@@ -315,10 +316,10 @@ def test_the_planner_prices_muon_as_configured(monkeypatch):
         return cfg.model, Layout.from_config(cfg, 8)
 
     (m, five), (_, ten) = layout(), layout(muon_ns_steps=10, muon_ns_coefficients="3.4445,-4.7750,2.0315")
-    chunks, hw = rank_chunks(m, five, 0), hardware("h100")
+    chunks, hw, c = rank_chunks(m, five, 0), hardware("h100"), CALIBRATION.constants
     assert (five.muon_ns_steps, ten.muon_ns_steps) == (5, 10)
-    assert orthogonalization_s(m, ten, "bfloat16", chunks, hw) == pytest.approx(
-        2 * orthogonalization_s(m, five, "bfloat16", chunks, hw))
+    assert orthogonalization_s(m, ten, "bfloat16", chunks, hw, c) == pytest.approx(
+        2 * orthogonalization_s(m, five, "bfloat16", chunks, hw, c))
     cluster = Cluster(hw, 8, 8)
     priced = step_time(m, five, cluster, 4096, 64).optimizer
     real = communication._muon_exchange

@@ -212,3 +212,45 @@ def test_plan_layout_refuses_a_layout_with_the_runtimes_line(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["fived: error: parallel.ep=2: needs a mixture-of-experts model (model.name=llama3-70b is dense); "
                    "use --ep 1, or a MoE model such as --model tiny-moe"]
+
+
+SERVE = ["--gpus", "8", "--gpu", "h100", "--prompt-len", "2048", "--output-len", "256"]
+
+
+def served(capsys, model: str, layout: str, concurrency: str) -> dict:
+    """`fived plan --serve --json --layout FLAGS --concurrency C`'s figures."""
+    capsys.readouterr()
+    assert main(["plan", "--serve", "--model", model, *SERVE, "--concurrency", concurrency, "--layout", layout,
+                 "--json"]) == 0
+    return json.loads(capsys.readouterr().out)["plans"][0]
+
+
+@needs_chromium
+def test_serve_page_shows_the_serving_planners_memory_next_to_the_training_plan(tmp_path, capsys, browser):
+    """llama3-70b on 8 H100, 2k-token prompts and 256-token outputs: each toggle shows exactly `fived
+    plan --serve --layout`'s per-GPU memory (weights / KV cache / activations), a dense model refuses ep
+    with fived's reason, and the training plan stands beside the serving one."""
+    out = tmp_path / "serve.html"
+    assert main(["explore", "--serve", "--model", "llama3-70b", *SERVE, "--output", str(out)]) == 0
+    page, errors = open_page(browser, out)
+    shown = []
+    for control, value in (("pp", "1"), ("tp", "8"), ("weights", "bf16"), ("concurrency", "128"), ("tp", "4"), ("pp", "2")):
+        page.select_option(f"#ctl-{control}", value)
+        assert page.get_attribute("body", "data-valid") == "true", page.inner_text("#status")
+        v = {name: page.eval_on_selector(f"#ctl-{name}", "e => e.value") for name in ("tp", "pp", "weights", "concurrency")}
+        plan = served(capsys, "llama3-70b", f"--tp {v['tp']} --pp {v['pp']} --weights {v['weights']}", v["concurrency"])
+        gib = float(page.get_attribute("#memory-total", "data-gib"))
+        assert gib == plan["memory_gib"]["total"], (control, value)  # exactly the planner's figure
+        assert f"--tensor-parallel-size {v['tp']}" in page.inner_text("#vllm")
+        shown.append(gib)
+    assert len(set(shown)) == len(shown)  # every toggle changed the per-GPU memory
+    traces = page.evaluate("document.getElementById('memory-chart').data.map((t) => t.name)")
+    assert traces == ["weights", "kv cache", "activations", "reserve"]
+    training = page.inner_text("#training")
+    assert "no training layout fits this cluster" in training and "fived plan picks on" in training
+    assert "a decode forward of" in training and "bound by HBM bandwidth" in training
+    assert_not_blank(browser, page, tmp_path / "serve.png")
+    page.select_option("#ctl-ep", "2")
+    assert page.get_attribute("body", "data-valid") == "false"
+    assert "needs a mixture-of-experts model" in page.inner_text("#status")
+    assert errors == []

@@ -36,6 +36,13 @@ Per part, in elements per token unless said (times x bytes unless said):
         MLP        SwiGLU gate, up, silu(gate), product: 4f/T * B
         RoPE       cos and sin tables: 2 * sl * hd (per layer: each layer's ops save them)
         cp > 1     ring attention keeps q, k, v, its output and the log-sum-exp as SDPA does
+        Ulysses    (group of u) q, k, v of the group's tokens of a u-th of the heads (k, v of u heads'
+                   width when the rank has fewer kv heads than u), the output in that layout and in
+                   the tokens' (wo's input): + h/T; the sort order and its inverse 16 bytes * u*B
+        documents  (document masking) the RoPE tables per sequence, 2 * B * hd; the order keys the
+                   masked kernel keeps, 8 bytes per token it attends over (B; u*B under Ulysses;
+                   also hybrid's ring without documents); full or selective checkpointing keeps the
+                   block's documents and positions, 16 bytes * B
     MoE layer, no checkpointing: norms, attention and RoPE as dense, and (every tp rank routes the
     region's whole B tokens):
         router     probabilities E, top-k ids (int64) 8k bytes, the gathered top-k weights k and
@@ -96,19 +103,21 @@ from fived.layout.spec import kv_width, local_vocab
 
 def activation_bytes(model, *, micro_batch_seqs: int, seq_len: int, tp: int = 1, sp: bool = False, cp: int = 1,
                      ep: int = 1, dtype_bytes: int = 4, checkpointing: str = "none", layers=(), first: bool = False,
-                     last: bool = False, autocast: bool = True) -> dict[str, int]:
+                     last: bool = False, autocast: bool = True, ulysses: int = 1,
+                     document_mask: bool = False) -> dict[str, int]:
     """Bytes saved for backward by ONE micro-batch on one rank, by part: a key per layer id in
     `layers` (str), "embedding" if `first` (the rank holds the token embedding), "head" if `last`
     (final norm, output projection, loss). `model` is a `fived.config.ModelConfig`;
     `micro_batch_seqs` the sequences of a micro-batch on this data-parallel rank; `seq_len` the
     whole sequence (cp ranks hold seq_len / cp of each); `dtype_bytes` 8, 4 or 2 (bfloat16 autocast);
     `checkpointing` none | full | selective; `autocast` (with dtype_bytes 2): float32 weights under
-    autocast (bfloat16-autocast), else bf16 weights (bfloat16). See the module docstring for every term."""
+    autocast (bfloat16-autocast), else bf16 weights (bfloat16); `ulysses` the Ulysses group size
+    (`Layout.ulysses`); `document_mask` data.document_mask. See the module docstring for every term."""
     if checkpointing not in CHECKPOINTING:
         raise ValueError(f"checkpointing={checkpointing!r}: must be one of {', '.join(CHECKPOINTING)}")
     if dtype_bytes not in (2, 4, 8):
         raise ValueError(f"dtype_bytes={dtype_bytes}: must be 8 (float64), 4 (float32) or 2 (bfloat16 autocast)")
-    g = _Geometry(model, micro_batch_seqs, seq_len, tp, sp, cp, ep, dtype_bytes, autocast)
+    g = _Geometry(model, micro_batch_seqs, seq_len, tp, sp, cp, ep, dtype_bytes, autocast, ulysses, document_mask)
     out: dict[str, int] = {}
     if first:
         out["embedding"] = g.embedding()
@@ -129,7 +138,8 @@ def layer_bytes(model, moe: bool = False, **layout) -> int:
     for key in ("layers", "first", "last"):
         layout.pop(key, None)
     g = _Geometry(model, layout.pop("micro_batch_seqs"), layout.pop("seq_len"), **{
-        k: layout[k] for k in ("tp", "sp", "cp", "ep", "dtype_bytes", "autocast") if k in layout})
+        k: layout[k] for k in ("tp", "sp", "cp", "ep", "dtype_bytes", "autocast", "ulysses", "document_mask")
+        if k in layout})
     return g.layer(moe, checkpointing)
 
 
@@ -137,8 +147,11 @@ class _Geometry:
     """The sizes the formulas use, for one layout (see the module docstring for the names)."""
 
     def __init__(self, m, b: int, seq_len: int, tp: int = 1, sp: bool = False, cp: int = 1, ep: int = 1,
-                 dtype_bytes: int = 4, autocast: bool = True):
+                 dtype_bytes: int = 4, autocast: bool = True, ulysses: int = 1, document_mask: bool = False):
         self.m, self.b, self.tp, self.cp, self.ep = m, b, tp, cp, ep
+        self.u, self.documents = ulysses, document_mask
+        # the attention keeps its tokens' order keys: document-masked, or the ring across Ulysses groups
+        self.keys = document_mask or 1 < ulysses < cp
         self.sl = seq_len // cp
         self.B = b * self.sl
         self.Bs = self.B / (tp if sp else 1)
@@ -168,11 +181,14 @@ class _Geometry:
         return round(total)
 
     def layer(self, moe: bool, checkpointing: str) -> int:
-        rope = 2 * self.sl * self.hd * self.r
+        # RoPE tables per sequence with document masking; its documents and positions (int64) are
+        # the block's inputs, which checkpointing keeps
+        rope = 2 * (self.B if self.documents else self.sl) * self.hd * self.r
+        ids = 16 * self.B if self.documents else 0
         if checkpointing == "full":
-            return round(self.Bs * self.h * self.r + rope)
+            return round(self.Bs * self.h * self.r + rope + ids)
         if checkpointing == "selective":
-            return round(self._selective(moe) + rope)
+            return round(self._selective(moe) + rope + ids)
         ffn = self._moe() if moe else 4 * self.m.ffn_dim / self.tp * self.B * self.x
         consumers = (1 + (2 if self.m.n_shared_experts else 0)) if moe else 2  # router (+ shared w1, w3) or w1, w3
         return round(self._norm(self.Bs, self.B, consumers=3) + self._attention() + self._norm(self.Bs, self.B, consumers)
@@ -189,9 +205,16 @@ class _Geometry:
         return Bs * (2 * self.h + 1) * self.r + consumers * B * self.h * 2
 
     def _attention(self) -> float:
-        B, h, T, a, kv = self.B, self.h, self.tp, self.a, self.kv
-        # SDPA or ring attention (same kernels, same dtype): q, k, v, output (= wo's input), log-sum-exp
-        return B * ((2 * h / T + 2 * kv) * self.x + a * self.f32)
+        B, h, T, a, kv, u = self.B, self.h, self.tp, self.a, self.kv, self.u
+        if u == 1:  # SDPA or ring attention (same kernels, same dtype): q, k, v, output (= wo's input), lse
+            return B * ((2 * h / T + 2 * kv) * self.x + a * self.f32) + (8 * B if self.keys else 0)
+        # Ulysses: the group's tokens of a u-th of the heads, sorted (kv heads repeated up to u when
+        # fewer), the output in that layout and again in the tokens' (wo's input), the sort order and
+        # its inverse (int64), and the gathered order keys where the attention is masked
+        if (kv // self.hd) % u:
+            kv = u * self.hd
+        return (B * ((3 * h / T + 2 * kv) * self.x + a * self.f32) + 16 * u * B
+                + (8 * u * B if self.keys else 0))
 
     def _slots(self) -> float:
         m, B = self.m, self.B
@@ -226,8 +249,9 @@ class _Geometry:
         m, B, h, T, a, kv, x = self.m, self.B, self.h, self.tp, self.a, self.kv, self.x
         total = self.Bs * h * self.r  # the block's input
         total += B * (h / T + 2 * kv + h) * x  # q, k, v projections; wo's partial output
-        if self.cp == 1:
-            total += B * (h / T * x + a * self.f32)  # SDPA output and log-sum-exp (the ring's: recomputed)
+        if (self.cp == 1 or self.u == self.cp) and not self.documents:
+            # SDPA's output and log-sum-exp (the ring's and the document-masked tiles': recomputed)
+            total += B * (h / T * x + a * self.f32)
         if not moe:
             return total + B * (2 * m.ffn_dim / T + h) * x
         S = self._slots()

@@ -1,4 +1,5 @@
-"""The `fived` command line: train, verify, prepare-data here; plan, explore and report in `cli_plan`.
+"""The `fived` command line: train, verify, prepare-data here; plan, explore and report in `cli_plan`;
+generate in `cli_generate`.
 
 Every config field is a flag `--<section>.<field>` (generated from the dataclasses, so the defaults
 live in one place); common ones have short forms (--model, --dp, --tp, --steps, ...).
@@ -16,6 +17,7 @@ import argparse  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
 
+from fived.cli_generate import add_generate_command  # noqa: E402
 from fived.cli_plan import add_plan_commands  # noqa: E402
 from fived.config import ConfigError, build_config  # noqa: E402
 from fived.launch import Stopped  # noqa: E402
@@ -124,39 +126,6 @@ def cmd_export(ns: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_generate(ns: argparse.Namespace) -> int:
-    import json
-
-    import torch
-
-    from fived.data import load_tokenizer
-    from fived.generate import Sampling, generate, load_model
-    from fived.launch import device_type
-
-    for flag, value, ok, hint in (("--max-new-tokens", ns.max_new_tokens, ns.max_new_tokens >= 1, "e.g. 64"),
-                                  ("--temperature", ns.temperature, ns.temperature >= 0, "0 (greedy) or e.g. 0.8"),
-                                  ("--top-p", ns.top_p, 0 < ns.top_p <= 1, "e.g. 0.9")):
-        if not ok:
-            raise ConfigError(flag, value, "out of range", hint)
-    if ns.dtype not in ("float32", "float64", "bfloat16"):
-        raise ConfigError("--dtype", ns.dtype, "must be float32, float64 or bfloat16", "e.g. float32")
-    if ns.device not in ("auto", "cpu", "cuda") or (ns.device == "cuda" and not torch.cuda.is_available()):
-        raise ConfigError("--device", ns.device, "must be auto, cpu or cuda (with a visible GPU)", "e.g. --device cpu")
-    device = device_type(ns.device)
-    model, tokenizer_name, stop_ids = load_model(ns.source, getattr(torch, ns.dtype), device)
-    tokenizer = load_tokenizer(tokenizer_name)
-    prompt = tokenizer.encode(ns.prompt)
-    if not prompt:
-        raise ConfigError("--prompt", repr(ns.prompt), "encodes to no tokens", "give some text")
-    sampling = Sampling(ns.max_new_tokens, ns.temperature, ns.top_p, ns.seed)
-    ids = generate(model, prompt, sampling, stop_ids)
-    if ns.json:
-        print(json.dumps({"prompt_ids": prompt, "generated_ids": ids, "text": tokenizer.decode(ids)}))
-    else:
-        print(ns.prompt + tokenizer.decode(ids))
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fived", description="5D-parallel training of Llama-style models.",
                                      allow_abbrev=False)
@@ -203,18 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--output", required=True, help="the directory to write (new or empty)")
     exp.add_argument("--max-shard-gb", type=float, default=5.0, help="safetensors shard size limit (default 5)")
     exp.set_defaults(func=cmd_export)
-    gen = sub.add_parser("generate", allow_abbrev=False, help="continue a prompt with a run's model or a Hugging Face model")
-    gen.add_argument("source", help="a run directory, a checkpoint, or a Hugging Face model directory")
-    gen.add_argument("--prompt", required=True, help="the text to continue")
-    gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; > 0: sample")
-    gen.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of tokens whose "
-                     "probability reaches this (default 1: all)")
-    gen.add_argument("--seed", type=int, default=0, help="the sampling seed (default 0)")
-    gen.add_argument("--dtype", default="float32", help="float32 (default), float64 or bfloat16")
-    gen.add_argument("--device", default="auto", help="auto (one GPU if there is one, else CPU), cpu or cuda")
-    gen.add_argument("--json", action="store_true", help="print the prompt's token ids and the generated ids as JSON")
-    gen.set_defaults(func=cmd_generate)
+    add_generate_command(sub)
     parser.commands = sub.choices  # (name -> its parser, for flag suggestions)
     return parser
 

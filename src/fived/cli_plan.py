@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from fived.cli_serve import add_serve_flags
 from fived.config import ConfigError, build_config
 
 DEFAULT_HEADROOM_GIB = 3.0  # so that a winner is not packed to the last GiB of the planner's estimate
@@ -13,11 +14,21 @@ RUNTIME_CHOICES = ("fived", "fived-fp8", "fived-eager", "megatron-core", "megatr
 
 
 def plan_model(name: str):
-    """A preset name or a TOML config's [model] table."""
+    """A preset name, a TOML config's [model] table, or (what `fived plan --serve` also takes) a fived
+    run or checkpoint or a Hugging Face model directory."""
+    from pathlib import Path
+
     from fived.config import model_preset
 
     if name.endswith(".toml"):
         return build_config(name).model
+    if Path(name).is_dir():
+        from fived.hf.init import source_model
+
+        try:
+            return source_model(name)[0]
+        except ConfigError as e:  # (the source is --model here, not training's --init-from)
+            raise ConfigError("--model" if e.field == "--init-from" else e.field, e.value, e.rule, e.hint) from None
     return model_preset(name)
 
 
@@ -27,6 +38,10 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     from fived.planner.runtimes import PLANNED_RUNTIMES
     from fived.planner.search import plan
 
+    if ns.serve:
+        from fived.cli_serve import cmd_plan_serve
+
+        return cmd_plan_serve(ns, plan_model)
     if ns.validate:
         calibration.validate(ns.validate)
         return 0
@@ -97,6 +112,11 @@ def cmd_plan_layout(ns: argparse.Namespace) -> int:
 
 def cmd_explore(ns: argparse.Namespace) -> int:
     from fived.explore import explore_data
+
+    if ns.serve:
+        from fived.cli_serve import cmd_explore_serve
+
+        return cmd_explore_serve(ns, plan_model)
     from fived.pages import plotly_js, write_page
 
     plotly_js()  # (the extra is installed, before the minute of pricing)
@@ -153,11 +173,13 @@ def add_plan_commands(sub) -> None:
                             "(its layouts may not be runnable by fived)")
     planp.add_argument("--layout", metavar="FLAGS", help="price this one layout (fived train's layout flags, as "
                        "'--parallel.tp 4 --parallel.zero 3'), fitting or not, instead of searching")
+    add_serve_flags(planp)
     planp.set_defaults(func=cmd_plan)
     explore = sub.add_parser("explore", allow_abbrev=False, help="write an offline HTML page to toggle a model's 5D "
                              "layout and see the planner's memory, communication, pipeline and step time")
     add_cluster_flags(explore)
     explore.add_argument("--output", default="explore.html", help="the page to write (default explore.html)")
+    add_serve_flags(explore)
     explore.set_defaults(func=cmd_explore)
     report = sub.add_parser("report", allow_abbrev=False, help="write an offline HTML page of a training run: "
                             "metrics over steps, measured vs planned bytes, pipeline timeline, expert load")

@@ -100,6 +100,15 @@ class ParallelConfig:
     # (each bucket sharded on its own, as Megatron-Core's distributed optimizer)
     bucket_mb: float = 25.0
     ep_overlap: bool = False  # expert all-to-all of one chunk of tokens under the expert GEMMs of another
+    # Context parallelism (fived.parallel.context): ring (K/V travel around the cp ranks), ulysses
+    # (all-to-all: each rank attends the whole sequence for cp-th of the heads) or hybrid (Ulysses
+    # inside groups of cp_ulysses consecutive cp ranks, a ring across the groups)
+    cp_mode: str = "ring"
+    cp_ulysses: int = 2  # hybrid: ranks per Ulysses group (must divide cp)
+    # Which sequence chunks a cp rank holds with data.document_mask: "work" (chosen per sequence from
+    # its documents so that attention work is even, fived.documents) or "halves" (chunks i and
+    # 2cp-1-i, even for one causal sequence only); without document masking always halves
+    cp_balance: str = "work"
 
 
 @dataclass
@@ -187,6 +196,10 @@ class DataConfig:
     # Validation tokens (a .bin or a text file); "" = the split `prepare-data --val-fraction` wrote
     # beside data.path. Needed when train.eval_every > 0.
     val_path: str = ""
+    # Attention only within documents (block-diagonal causal over the documents a packed sequence
+    # holds; each document ends with the end-of-document token) and rotary positions restarting at
+    # each document's first token
+    document_mask: bool = False
 
 
 @dataclass

@@ -272,10 +272,21 @@ def check_data(cfg) -> np.ndarray:
         raise ConfigError("train.global_batch", t.global_batch,
                           f"the data holds only {windows} sequences of seq_len={t.seq_len}",
                           "use more data, a shorter seq_len or a smaller global batch")
+    if d.document_mask and end_of_document_id(cfg) is None:
+        raise ConfigError("data.document_mask", True, f"the tokenizer {d.tokenizer!r} has no end-of-document token "
+                          "to find documents by", "use a tokenizer with one (e.g. <|endoftext|>), or set it false")
     validation_data(cfg)
     if t.trace and Path(t.trace).exists():
         raise ConfigError("train.trace", t.trace, "file exists; fived does not overwrite it", "name a new file")
     return tokens
+
+
+def end_of_document_id(cfg) -> int | None:
+    """The token that ends each document: the token file's (its sidecar), else the tokenizer's."""
+    meta = token_metadata(cfg.data.path)
+    if meta is not None and meta.get("eot_id") is not None:
+        return int(meta["eot_id"])
+    return load_tokenizer(cfg.data.tokenizer).eot_id
 
 
 def largest_token_id(path: str, tokens: np.ndarray) -> int:

@@ -19,6 +19,8 @@ The failure modes (thresholds: shares of the measured step time, the mean over r
   recompute-on-critical-path  activation recomputation >= 10% of the step in a pipeline (every
                            stage's backward grows by it, and the bubble with it)
   uneven-microbatches      the slowest micro-batch computes >= 1.5x the fastest (uneven sequence lengths or load)
+  cp-imbalance             with document masking, the busiest cp rank's attention work (the (query, key) pairs
+                           its tokens attend to, fived.documents) >= 1.25x the mean (median over the logged steps)
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ EXPERT_RATIO = 3.0
 CP_SHARE = 0.15
 RECOMPUTE_SHARE = 0.10
 MICRO_RATIO = 1.5
+CP_WORK_RATIO = 1.25
 
 
 @dataclass
@@ -102,7 +105,7 @@ def ideal_bubble(cfg) -> float:
 
 def findings(m: Measured, cfg, run: dict) -> list[Finding]:
     rules = (_too_much_tp, _pipeline_imbalance, _too_few_micro, _too_many_micro, _expert_all_to_all,
-             _expert_imbalance, _cp_exposed, _recompute, _uneven_micro)
+             _expert_imbalance, _cp_exposed, _recompute, _uneven_micro, _cp_imbalance)
     found = [rule(m, cfg, run) for rule in rules]
     return [f for f in found if f is not None]
 
@@ -226,6 +229,27 @@ def _cp_exposed(m: Measured, cfg, run) -> Finding | None:
                     f"longer sequences per rank hide the ring: fewer cp ranks (e.g. --cp {cp // 2})")
 
 
+def _cp_imbalance(m: Measured, cfg, run) -> Finding | None:
+    spread = run.get("cp_work_spread")
+    if spread is None or spread < CP_WORK_RATIO:
+        return None
+    advice = ("balance the chunks by work: --parallel.cp_balance work" if cfg.parallel.cp_balance == "halves" else
+              "a longer sequence per cp rank (fewer cp ranks) gives the balance finer chunks")
+    return Finding("cp-imbalance", f"the busiest cp rank's attention work is {spread:.2f}x the mean (document masking, "
+                   f"cp_balance={cfg.parallel.cp_balance})", f">= {CP_WORK_RATIO}x the mean", advice)
+
+
+def cp_work_spread(run_dir: str) -> float | None:
+    """The median over metrics.jsonl's steps of the cp work spread (None without one)."""
+    import statistics
+
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    values = [r["cp_work_spread"] for r in map(json.loads, path.read_text().splitlines()) if "cp_work_spread" in r]
+    return statistics.median(values) if values else None
+
+
 def _recompute(m: Measured, cfg, run) -> Finding | None:
     seconds = m.raw.get("recompute", 0.0)
     share = m.share(seconds)
@@ -296,6 +320,7 @@ def _tokens_per_ep_rank(loads: dict[str, list[float]], ep: int) -> dict[str, lis
 def diagnose(run_dir: str) -> dict:
     """Everything `fived diagnose` says, as data (`--json`)."""
     run, cfg = read_run(run_dir)
+    run["cp_work_spread"] = cp_work_spread(run_dir)
     world = run["world"]
     m = measure(run, cfg, world)
     predicted = run["breakdown"].get("predicted", {})
@@ -313,6 +338,7 @@ def diagnose(run_dir: str) -> dict:
             # imbalance: per pipeline rank, its slowest data/tensor-parallel rank over their mean
             "rank_spread": {str(pp): max(v) / (sum(v) / len(v)) for pp, v in m.pp_compute.items() if sum(v) > 0},
             "microbatch_spread": max((_spread(s) for s in m.micro), default=1.0),
+            "cp_work_spread": run["cp_work_spread"],
             "expert_tokens_per_ep_rank": _tokens_per_ep_rank(run.get("expert_load", {}), cfg.parallel.ep)
             if cfg.parallel.ep > 1 else {},
             "findings": [asdict(f) for f in found], "next_layouts": suggestions(cfg, world, run, run_dir),
@@ -339,6 +365,8 @@ def format_diagnosis(d: dict) -> str:
         lines.append("  slowest rank / mean, per pipeline rank: "
                      + ", ".join(f"pp{k} {v:.2f}x" for k, v in d["rank_spread"].items()))
     lines.append(f"  micro-batches: slowest / fastest {d['microbatch_spread']:.2f}x (one rank's, one stage's)")
+    if d["cp_work_spread"] is not None:
+        lines.append(f"  attention work, busiest cp rank / mean: {d['cp_work_spread']:.2f}x (document masking)")
     ranks = d["expert_tokens_per_ep_rank"]
     if ranks:  # the worst MoE layer's tokens per expert-parallel rank
         layer = max(ranks, key=lambda k: max(ranks[k]) / max(sum(ranks[k]) / len(ranks[k]), 1e-9))

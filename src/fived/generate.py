@@ -20,25 +20,54 @@ from fived.config import ConfigError
 
 
 class KVCachedAttentionCore(nn.Module):
-    """Causal attention over every position seen so far: keeps the keys and values of earlier calls.
-    The first call (the prompt) is plain causal attention; each later one brings one new position,
-    which sees every key: neither needs a mask."""
+    """Causal attention over every position seen so far, keeping the keys and values of earlier
+    calls in a cache allocated once, at the prompt, for `capacity` positions (the prompt and every
+    output token: what a serving engine reserves for a sequence). The first call (the prompt) is
+    causal attention; each later one brings one new position, which sees every key.
 
-    def __init__(self):
+    `key_mask` ([batch, capacity], True for a real token): left-padded prompts of a batch. A query
+    then sees the real keys up to it, and a padding query only itself (a row with no key would be NaN
+    and flow into the next layer's keys and the experts' routing)."""
+
+    def __init__(self, capacity: int, key_mask: torch.Tensor | None = None):
         super().__init__()
+        self.capacity, self.key_mask = capacity, key_mask
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
+        self.length = 0  # positions cached so far
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        prompt = self.keys is None
-        if not prompt:
-            if q.shape[1] != 1:
-                raise ValueError("after the prompt, each call brings one new position")
-            k, v = torch.cat([self.keys, k], dim=1), torch.cat([self.values, v], dim=1)
-        self.keys, self.values = k, v
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=prompt, enable_gqa=q.shape[1] != k.shape[1])
+    @property
+    def nbytes(self) -> int:
+        """Bytes the cache holds (keys and values, the whole capacity)."""
+        return sum(t.untyped_storage().nbytes() for t in (self.keys, self.values) if t is not None)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents=None, positions=None) -> torch.Tensor:
+        """(`documents`, `positions`: a prompt is one document; the rotation already used its positions.)"""
+        start, s = self.length, q.shape[1]
+        if self.keys is None:
+            shape = (k.shape[0], self.capacity) + tuple(k.shape[2:])
+            self.keys, self.values = k.new_zeros(shape), v.new_zeros(shape)
+        elif s != 1:
+            raise ValueError("after the prompt, each call brings one new position")
+        if start + s > self.capacity:
+            raise ValueError(f"the cache holds {self.capacity} positions; position {start + s - 1} does not fit")
+        self.keys[:, start:start + s], self.values[:, start:start + s] = k, v
+        self.length = start + s
+        q, k, v = (t.transpose(1, 2) for t in (q, self.keys[:, :self.length], self.values[:, :self.length]))
+        gqa = q.shape[1] != k.shape[1]
+        if self.key_mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=start == 0, enable_gqa=gqa)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=self._mask(start, s), enable_gqa=gqa)
         return out.transpose(1, 2)
+
+    def _mask(self, start: int, s: int) -> torch.Tensor:
+        """[batch, 1, queries, keys]: causal over real keys; a padding query sees itself."""
+        device = self.key_mask.device
+        query = torch.arange(start, start + s, device=device)[:, None]
+        key = torch.arange(self.length, device=device)[None, :]
+        real = self.key_mask[:, None, :self.length]
+        return ((key <= query) & real | (key == query))[:, None]
 
 
 @dataclass
@@ -66,7 +95,7 @@ def generate(model: nn.Module, prompt: list[int], sampling: Sampling, stop_ids: 
     """The ids generated after `prompt` (at most max_new_tokens; ends early at a stop id)."""
     model.eval()
     for block in model.layers.values():
-        block.attention.core = KVCachedAttentionCore()
+        block.attention.core = KVCachedAttentionCore(len(prompt) + sampling.max_new_tokens)
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(sampling.seed)
     logits = model(torch.tensor([prompt], device=device), positions=torch.arange(len(prompt), device=device))
@@ -81,27 +110,38 @@ def generate(model: nn.Module, prompt: list[int], sampling: Sampling, stop_ids: 
     return out
 
 
-def load_model(source: str, dtype: torch.dtype, device: str):
-    """(model, tokenizer name or path, stop ids) from a run, a checkpoint or a Hugging Face directory."""
+def describe_source(source: str):
+    """(model config, tokenizer name or path, stop ids) of a run, a checkpoint or a Hugging Face directory."""
     from fived.hf.init import is_hf_directory
-    from fived.model import build_model, materialize
 
     if is_hf_directory(source):
         from fived.hf.config_map import model_config_from_hf, read_config, special_token_ids
-        from fived.hf.init import whole_state
 
         cfg = model_config_from_hf(read_config(source), source)
-        state = whole_state(source, cfg, dtype)
         tokenizer = Path(source) / "tokenizer.json"
         tokenizer = str(tokenizer) if tokenizer.is_file() else "byte"
         stop = special_token_ids(source).get("eos_token_id")
     else:
         from fived.hf.export import run_special_tokens
 
-        run, state = _checkpoint_state(source)
+        run = _saved_run(source)
         cfg, tokenizer = run.model, run.data.tokenizer
         stop = run_special_tokens(run).get("eos_token_id")
-    stop_ids = set(stop if isinstance(stop, list) else [] if stop is None else [stop])
+    return cfg, tokenizer, frozenset(stop if isinstance(stop, list) else [] if stop is None else [stop])
+
+
+def load_model(source: str, dtype: torch.dtype, device: str):
+    """(model, tokenizer name or path, stop ids) from a run, a checkpoint or a Hugging Face directory."""
+    from fived.hf.init import is_hf_directory
+    from fived.model import build_model, materialize
+
+    cfg, tokenizer, stop_ids = describe_source(source)
+    if is_hf_directory(source):
+        from fived.hf.init import whole_state
+
+        state = whole_state(source, cfg, dtype)
+    else:
+        state = _checkpoint_state(source, cfg)
     model = build_model(cfg, "meta", dtype)
     materialize(model, device)
     for _, buffer in model.named_buffers():
@@ -113,17 +153,23 @@ def load_model(source: str, dtype: torch.dtype, device: str):
     return model, tokenizer, stop_ids
 
 
-def _checkpoint_state(source: str):
-    from fived import dcp_io
+def _saved_run(source: str):
+    """The config a run or checkpoint was saved with."""
     from fived.checkpoint import find_checkpoint, saved_config
-    from fived.model import build_model, canonical_name
 
     checkpoint = find_checkpoint(source, "source") if Path(source).is_dir() else None
     if checkpoint is None:
         raise ConfigError("source", source, "is neither a fived run or checkpoint nor a Hugging Face model "
                           "directory (config.json)", "give one of those")
-    cfg = saved_config(checkpoint, "source")[1]
-    meta = build_model(cfg.model)
+    return saved_config(checkpoint, "source")[1]
+
+
+def _checkpoint_state(source: str, cfg) -> dict:
+    from fived import dcp_io
+    from fived.checkpoint import find_checkpoint
+    from fived.model import build_model, canonical_name
+
+    meta = build_model(cfg)
     names = [canonical_name(n) for n, _ in [*meta.named_parameters(), *meta.named_buffers()]]
-    whole = dcp_io.read_whole(checkpoint, [f"model.{n}" for n in names])
-    return cfg, {n: whole[f"model.{n}"] for n in names}
+    whole = dcp_io.read_whole(find_checkpoint(source, "source"), [f"model.{n}" for n in names])
+    return {n: whole[f"model.{n}"] for n in names}

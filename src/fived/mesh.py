@@ -57,6 +57,7 @@ class Mesh:
         self.device_mesh = None
         self.flat: dict = {}
         self.expert_mesh = None
+        self.cp_mesh = None  # hybrid context parallelism: cp cut into (cp_ring, cp_ulysses)
 
     @classmethod
     def from_config(cls, cfg: Config, world: int) -> "Mesh":
@@ -90,6 +91,12 @@ class Mesh:
         self.expert_mesh = init_device_mesh(
             device_type, (self.pp, self.dp * self.cp // self.ep, self.ep, self.tp), mesh_dim_names=expert_dims,
             backend_override={name: override for name in expert_dims} if override else None)
+        if self.layout.cp_mode == "hybrid" and self.cp > 1:  # Ulysses groups of consecutive cp ranks, rings across
+            u = self.layout.ulysses
+            cp_dims = ("pp", "dp_replicate", "dp_shard", "cp_ring", "cp_ulysses", "tp")
+            self.cp_mesh = init_device_mesh(
+                device_type, (self.pp, self.dp_replicate, self.dp_shard, self.cp // u, u, self.tp),
+                mesh_dim_names=cp_dims, backend_override={name: override for name in cp_dims} if override else None)
         self.flat = {"dp": mesh["dp_replicate", "dp_shard"]._flatten("dp", backend_override=override),
                      "dp_cp": mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp", backend_override=override),
                      "dp_shard_cp": mesh["dp_shard", "cp"]._flatten("dp_shard_cp", backend_override=override)}
@@ -101,6 +108,8 @@ class Mesh:
     def __getitem__(self, name: str):
         if name in ("ep", "edp"):
             return self.expert_mesh[name]
+        if name in ("cp_ring", "cp_ulysses"):
+            return self.cp_mesh[name]
         return self.flat[name] if name in self.flat else self.device_mesh[name]
 
     def group(self, name: str):
@@ -114,8 +123,9 @@ class Mesh:
         same ranks (dp and dp_shard without replicas) the first listed names them."""
         names: dict = {}
         for d in GROUP_NAMES:
-            if d != "dp_cp_tp" or d in self.flat:  # (built for Muon only)
-                names.setdefault(self.group(d), d)
+            if (d in ("cp_ring", "cp_ulysses") and self.cp_mesh is None) or (d == "dp_cp_tp" and d not in self.flat):
+                continue  # (built only where used: hybrid context parallelism's groups, Muon's exchange)
+            names.setdefault(self.group(d), d)
         return names
 
 

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fived.attention import document_attention
 from fived.config import ModelConfig
 from fived.grouped_gemm import grouped_swiglu
 
@@ -31,18 +32,21 @@ def rope_frequencies(cfg: ModelConfig, device=None) -> torch.Tensor:
 
 
 def rope_cos_sin(positions: torch.Tensor, cfg: ModelConfig, dtype: torch.dtype):
-    """cos/sin tables for rotary embeddings at the given (global) positions, shape [s, head_dim]."""
+    """cos/sin tables for rotary embeddings at the given positions [s] (or per sequence, [b, s]),
+    shape [s, head_dim] (or [b, s, head_dim])."""
     inv_freq = rope_frequencies(cfg, positions.device)
-    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
+    angles = positions.to(torch.float64)[..., None] * inv_freq
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half convention (as in Hugging Face Llama); x is [b, s, heads, head_dim]."""
+    """Rotate-half convention (as in Hugging Face Llama); x is [b, s, heads, head_dim], the tables
+    [s, head_dim] or [b, s, head_dim]."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[None, :, None, :] + rotated * sin[None, :, None, :]
+    cos, sin = (t[None] if t.dim() == 2 else t for t in (cos, sin))
+    return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
 
 
 class RMSNorm(nn.Module):
@@ -56,10 +60,14 @@ class RMSNorm(nn.Module):
 
 
 class CausalAttentionCore(nn.Module):
-    """softmax(QK^T/sqrt(d)) V with a causal mask. A module of its own so that context parallelism
-    can replace it with ring attention without touching `Attention`."""
+    """softmax(QK^T/sqrt(d)) V with a causal mask, or with `documents` (per-token document ids, and
+    the tokens' in-document `positions`) within documents only (fived.attention). A module of its own
+    so that context parallelism can replace it without touching `Attention`."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        if documents is not None:
+            return document_attention(q, k, v, documents, positions)
         # [b, s, h, d] -> [b, h, s, d]; kv heads are shared by groups of query heads (GQA).
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
@@ -79,14 +87,15 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, documents: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         b, s, _ = x.shape
         q = self.wq(x).view(b, s, -1, self.head_dim)
         k = self.wk(x).view(b, s, -1, self.head_dim)
         v = self.wv(x).view(b, s, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        out = self.core(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
+        out = self.core(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, documents, positions)
         return self.wo(out.reshape(b, s, -1))
 
 
@@ -230,8 +239,9 @@ class TransformerBlock(nn.Module):
         moe = cfg.is_moe and layer_id >= cfg.n_dense_layers
         self.feed_forward = MoE(cfg) if moe else FeedForward(cfg.dim, cfg.ffn_dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, documents: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, documents, positions)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -251,7 +261,11 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
+        """`positions`: the tokens' rotary positions ([s], or [b, s]); `documents`: with document
+        masking, each token's document ([b, s]; `positions` then count from its document's start).
+        Both describe the whole (local) sequence, also when hidden states are SP shards."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if positions is None:
             positions = self.positions
@@ -260,8 +274,9 @@ class Transformer(nn.Module):
             positions = torch.arange(seq_len, device=h.device)
         positions = positions.to(h.device)
         cos, sin = rope_cos_sin(positions, self.cfg, h.dtype)
+        masked = (documents, positions) if documents is not None else ()  # (the mask's data, when there is one)
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, *masked)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 

@@ -75,7 +75,7 @@ def _activation_layout(cfg: Config, world: int) -> dict:
     mesh = Mesh.from_config(cfg, world)
     return dict(micro_batch_seqs=t.global_batch // mesh.dp // t.microbatches, seq_len=t.seq_len, tp=mesh.tp,
                 sp=p.sp, cp=mesh.cp, ep=mesh.ep, dtype_bytes=PRECISIONS[t.dtype].compute.itemsize, autocast=PRECISIONS[t.dtype].autocast,
-                checkpointing=t.activation_checkpointing)
+                checkpointing=t.activation_checkpointing, ulysses=mesh.layout.ulysses, document_mask=cfg.data.document_mask)
 
 
 def expected_activation_bytes(cfg: Config, world: int) -> int:

@@ -28,3 +28,21 @@ def tiny_config(model: str = "tiny", **overrides: Any):
             "train.seq_len": 32, "train.warmup_steps": 1, "train.log_every": 1000, "train.device": "cpu"}
     base.update({k.replace("__", "."): v for k, v in overrides.items()})
     return build_config(overrides=base)
+
+
+def write_documents(path, *, lengths=(5, 9, 17, 30, 60, 120), total: int = 60_000, seed: int = 0) -> str:
+    """A text file of documents cut from the bundled corpus, each of a length drawn from `lengths`,
+    each ended by the byte tokenizer's end-of-document token (NUL): data for document masking."""
+    import random
+
+    from fived.data import bundled_corpus_path
+
+    text = bundled_corpus_path().read_text()
+    draw, docs, at = random.Random(seed), [], 0
+    while at < total:
+        n = draw.choice(lengths)
+        docs.append(text[at % len(text):][:n])
+        at += n
+    with open(path, "w", encoding="utf-8", newline="") as f:
+        f.write("\0".join(docs) + "\0")
+    return str(path)

@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 from fived.checkpoint import Checkpointer
 from fived.config import Config
-from fived.data import GlobalBatchSampler, check_data, validation_sampler
+from fived.data import GlobalBatchSampler, check_data, end_of_document_id, validation_sampler
+from fived.documents import RankBatches, split_micro_batches
 from fived.divergence import LossGuard, handle_divergence
 from fived.faults import PreemptionRequest, timeouts_named
 from fived.launch import device_type
@@ -64,7 +65,10 @@ class Trainer:
         t = cfg.train
         self.precision = PRECISIONS[t.dtype]
         self._find_moe_layers(chunks)
-        self.positions = self.plan.positions
+        # this rank's tokens of a batch (context parallelism) and, with document masking, their documents
+        self.batches = RankBatches(end_of_document=end_of_document_id(cfg) if cfg.data.document_mask else None,
+                                   cp=self.mesh.cp, cp_rank=self.mesh.rank("cp"), balance=cfg.parallel.cp_balance,
+                                   fixed_positions=self.plan.positions)
         self.dp = self.plan.data_parallel
         self.init_stats = built.init_stats  # this rank's generator work: its share of the model (+ tile edges)
         self.model = modules[0]
@@ -155,25 +159,26 @@ class Trainer:
         self.activations.leave()  # the head's part of this micro-batch ends with its loss
         return loss
 
-    def _forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Every micro-batch of this rank's batch; returns the summed token cross-entropy."""
+    def _forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, extra: dict) -> torch.Tensor:
+        """Every micro-batch of this rank's batch (`extra`: the model's keyword inputs, per row);
+        returns the summed token cross-entropy."""
         if self.pipeline:
             self.dp.before_micro_batch(is_last=True)
             if not self.activations.per_layer:
                 self.activations.start()
             with self.timer.span("bubble"), self._autocast(), self.plan.forward_context(self.activations):
-                loss_sum = self.pipeline.step(inputs, targets) * self.global_tokens
+                loss_sum = self.pipeline.step(inputs, targets, extra) * self.global_tokens
             if self.activations.recording:
                 self.activations.stop()
             return loss_sum
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        micro_batches = list(zip(inputs.chunk(self.cfg.train.microbatches), targets.chunk(self.cfg.train.microbatches)))
-        for i, (micro, micro_targets) in enumerate(micro_batches):
+        micro_batches = split_micro_batches(inputs, targets, extra, self.cfg.train.microbatches)
+        for i, (micro, micro_targets, micro_extra) in enumerate(micro_batches):
             self.dp.before_micro_batch(is_last=i == len(micro_batches) - 1)
             if i == 0 and not self.activations.per_layer:
                 self.activations.start()
             with self.timer.span("forward", micro=i), self._autocast(), self.plan.forward_context(self.activations):
-                logits = self.model(micro)
+                logits = self.model(micro, **micro_extra)
                 loss = self.plan.loss_sum(logits, micro_targets)
                 self.activations.leave()
             if self.activations.recording:
@@ -192,17 +197,15 @@ class Trainer:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         micro = self.cfg.train.microbatches
         for index in range(self.val_batches):
-            batch = self.val_sampler.local_batch_at(index, self.mesh.rank("dp"), self.mesh.dp).to(self.device)
-            inputs, targets = batch[:, :-1], batch[:, 1:]
-            if self.positions is not None:
-                inputs, targets = inputs[:, self.positions], targets[:, self.positions]
+            inputs, targets, extra = self.batches(
+                self.val_sampler.local_batch_at(index, self.mesh.rank("dp"), self.mesh.dp).to(self.device))
             if self.pipeline:
                 with self._autocast(), self._summed_losses():
-                    loss_sum += self.pipeline.evaluate(inputs, targets)
+                    loss_sum += self.pipeline.evaluate(inputs, targets, extra)
                 continue
-            for micro_inputs, micro_targets in zip(inputs.chunk(micro), targets.chunk(micro)):
+            for micro_inputs, micro_targets, micro_extra in split_micro_batches(inputs, targets, extra, micro):
                 with self._autocast():
-                    loss_sum += self.plan.loss_sum(self.model(micro_inputs), micro_targets).double()
+                    loss_sum += self.plan.loss_sum(self.model(micro_inputs, **micro_extra), micro_targets).double()
         self.dp.after_forward_only()
         dist.all_reduce(loss_sum, group=self.mesh.group("dp_cp"))  # (as the training loss: see _step)
         if self.pipeline:
@@ -275,11 +278,9 @@ class Trainer:
         start = time.perf_counter()
         with self.timer.step(unrouted=self.dp.unrouted_collectives()):
             with self.timer.span("data"):
-                batch = self.sampler.local_batch_at(step, self.mesh.rank("dp"), self.mesh.dp).to(self.device)
-                inputs, targets = batch[:, :-1], batch[:, 1:]
-                if self.positions is not None:  # context parallelism: this rank's chunks of each sequence
-                    inputs, targets = inputs[:, self.positions], targets[:, self.positions]
-            loss_sum = self._forward_backward(inputs, targets)
+                inputs, targets, extra = self.batches(
+                    self.sampler.local_batch_at(step, self.mesh.rank("dp"), self.mesh.dp).to(self.device))
+            loss_sum = self._forward_backward(inputs, targets, extra)
             with self.timer.span("optimizer"):
                 aux_sum, loads = self._read_moe_statistics()
                 self.plan.finish_gradients()
@@ -311,6 +312,7 @@ class Trainer:
             "peak_mem_mb": peak_memory_mb(self.device),
             "step_time_s": elapsed,
         }
+        record.update(self.batches.work_spread())  # (document masking under cp: the assignment's balance)
         if self.timer.enabled:
             record["breakdown"] = self.timer.breakdown()
         if self.cfg.model.is_moe:  # (every cp rank computed each of its sequences' whole statistic)

@@ -1,5 +1,5 @@
-// fived's pages: look figures up in the embedded data (computed by the planner in Python) and draw
-// them with plotly. No formula lives here.
+// fived's pages (explore, serve, report): look figures up in the embedded data (computed by the planner
+// in Python) and draw them with plotly. No formula lives here.
 "use strict";
 const $ = (id) => document.getElementById(id);
 const el = (tag, cls, text) => { const e = document.createElement(tag); if (cls) e.className = cls; if (text !== undefined) e.textContent = text; return e; };
@@ -203,6 +203,71 @@ function explorePage(D) {
   renderExplore(D, null);
 }
 
+// -------------------------------------------------------------------------------------- serve
+function serveKey(values) {
+  return ["tp", "pp", "ep", "weights", "concurrency"].map((k) => String(values[k])).join("|");
+}
+
+function servePage(D) {
+  $("app").replaceChildren();
+  $("app").appendChild(el("p", null, `${D.model} on ${D.gpus} x ${D.gpu} (${D.gpus_per_node} per node, ${D.device_gib} GiB), ` +
+    `prompts of ${D.prompt_len} tokens, ${D.output_len} output tokens, KV cache in ${D.kv_dtype}; every figure from fived's serving planner`));
+  const box = el("div"); box.id = "controls";
+  for (const [name, values] of Object.entries(D.options)) {
+    const label = el("label", null, (name === "concurrency" ? "requests in flight" : name) + " ");
+    const select = el("select"); select.id = "ctl-" + name;
+    for (const v of values) { const o = el("option", null, String(v)); o.value = String(v); select.appendChild(o); }
+    select.value = String(D.chosen[name] !== undefined ? D.chosen[name] : values[0]);
+    select.addEventListener("change", () => renderServe(D, name));
+    label.appendChild(select); box.appendChild(label);
+  }
+  $("app").appendChild(box);
+  const status = el("div"); status.id = "status"; $("app").appendChild(status);
+  const mem = section("memory", "Memory per GPU: weights, KV cache, activations");
+  [["memory-total", "div"], ["memory-chart", "div"]].forEach(([id, tag]) => { const e = el(tag); e.id = id; mem.appendChild(e); });
+  const lat = section("latency", "Prefill, decode and latencies at these requests in flight");
+  [["latency-table", "div"], ["vllm", "pre"]].forEach(([id, tag]) => { const e = el(tag); e.id = id; lat.appendChild(e); });
+  const train = section("training", `Next to training: fived plan --serve picks ${D.chosen.describe}`);
+  const lines = el("ul"); lines.id = "why";
+  D.training.concat(D.why).forEach((t) => lines.appendChild(el("li", null, t)));
+  train.appendChild(lines);
+  renderServe(D, null);
+}
+
+function renderServe(D, changed) {
+  const values = {};
+  for (const name of Object.keys(D.options)) values[name] = $("ctl-" + name).value;
+  const entry = D.entries[serveKey(values)];
+  const status = $("status");
+  document.querySelectorAll("#controls select").forEach((s) => s.classList.remove("invalid"));
+  if (entry === undefined || typeof entry === "number") {
+    status.className = "invalid";
+    status.textContent = entry === undefined ? `not reachable: gpus=${D.gpus} is not a multiple of tp*pp` : "invalid: " + D.errors[entry];
+    if (changed) $("ctl-" + changed).classList.add("invalid");
+    document.body.dataset.valid = "false"; return;
+  }
+  document.body.dataset.valid = "true";
+  status.className = entry.fits ? (entry.meets ? "valid" : "overflow") : "overflow";
+  status.textContent = `dp=${entry.dp}: ${entry.describe} — ` + (entry.fits ? `${entry.fit} sequences fit per replica` +
+    (entry.meets ? "" : "; " + entry.reasons.join("; ")) : "the weights leave no room for one sequence's KV cache");
+  const total = entry.memory[4];
+  const t = $("memory-total"); t.textContent = "per-GPU memory: " + GIB(total); t.dataset.gib = String(total);
+  const parts = D.memory_parts.slice(0, 4);
+  Plotly.react("memory-chart", parts.map((p, i) => ({ type: "bar", name: p.replace("_", " "), x: ["this layout"], y: [entry.memory[i]] })),
+    { barmode: "stack", height: 380, yaxis: { title: "GiB per GPU" },
+      shapes: [{ type: "line", xref: "paper", x0: 0, x1: 1, y0: D.capacity_gib, y1: D.capacity_gib, line: { color: "red", dash: "dash" } }],
+      annotations: [{ xref: "paper", x: 1, y: D.capacity_gib, text: `capacity ${D.capacity_gib} GiB`, showarrow: false, yanchor: "bottom", xanchor: "right" }],
+      margin: { t: 20 } }, PLOT);
+  const names = ["prefill of one prompt", "decode step", "TTFT mean", "TTFT p99", "TPOT mean", "TPOT p99"];
+  const table = el("table", "figures"); table.id = "latency-figures";
+  table.appendChild(rowOf("th", ["figure", "ms"]));
+  names.forEach((n, i) => table.appendChild(rowOf("td", [n, entry.times_ms[i] === null ? "saturated" : entry.times_ms[i].toFixed(2)])));
+  table.appendChild(rowOf("td", ["output tokens/s (all GPUs)", entry.throughput.toFixed(0)]));
+  table.appendChild(rowOf("td", ["decode batch per replica", entry.batch.toFixed(1)]));
+  $("latency-table").replaceChildren(table);
+  $("vllm").textContent = entry.vllm || "(does not fit)";
+}
+
 // -------------------------------------------------------------------------------------- report
 function lineChart(target, steps, series, ytitle) {
   Plotly.react(target, series.map(([name, ys]) => ({ type: "scatter", mode: "lines+markers", name, x: steps, y: ys })),
@@ -261,6 +326,6 @@ function reportPage(D) {
 }
 
 loadData().then((D) => {
-  (document.body.dataset.page === "explore" ? explorePage : reportPage)(D);
+  ({ explore: explorePage, serve: servePage, report: reportPage })[document.body.dataset.page](D);
   document.body.dataset.ready = "true";
 }).catch((e) => { $("app").textContent = "could not load the page's data: " + e; throw e; });

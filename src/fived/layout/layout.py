@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
 
-from fived.config import Config, ParallelConfig, TrainConfig
+from fived.config import Config, DataConfig, ParallelConfig, TrainConfig
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev")
@@ -25,9 +25,13 @@ SINGLE_STAGE = ("gpipe", "1f1b")
 SPLIT_BACKWARD = ("zero-bubble", "zbv", "dualpipev")  # backward split into input- and weight-gradient passes
 # The named groups, in the order the ledger prefers a name when two groups hold the same ranks.
 # dp_cp_tp: every rank of one pipeline stage (Muon's exchange of whole matrices, fived.muon_plan).
-GROUP_NAMES = ("dp", "cp", "tp", "pp", "ep", "dp_shard", "dp_replicate", "dp_cp", "dp_shard_cp", "edp", "dp_cp_tp")
+# cp_ulysses, cp_ring: hybrid context parallelism's Ulysses groups and the ring across them.
+GROUP_NAMES = ("dp", "cp", "tp", "pp", "ep", "dp_shard", "dp_replicate", "dp_cp", "dp_shard_cp", "edp", "dp_cp_tp",
+               "cp_ulysses", "cp_ring")
 OPTIMIZERS = ("adamw", "muon")  # train.optimizer (fived.optim, fived.muon)
 MUON_SCALES = ("rms", "spectral", "none")  # train.muon_scale (fived.muon.update_scale)
+CP_MODES = ("ring", "ulysses", "hybrid")  # parallel.cp_mode
+CP_BALANCES = ("work", "halves")  # parallel.cp_balance
 
 
 @dataclass(frozen=True)
@@ -107,12 +111,16 @@ class Layout:
     overlap_param_gather: bool = P.overlap_param_gather
     bucket_mb: float = P.bucket_mb
     ep_overlap: bool = P.ep_overlap
+    cp_mode: str = P.cp_mode
+    cp_ulysses: int = P.cp_ulysses
+    cp_balance: str = P.cp_balance
     micro_batch: int = 1  # sequences per micro-batch on one data-parallel rank
     checkpointing: str = TrainConfig.activation_checkpointing
     etp: int = 0
     optimizer: str = TrainConfig.optimizer  # muon: its state and its exchange of whole matrices are priced
     muon_bucket_mb: float = TrainConfig.muon_bucket_mb  # (Muon's step in buckets: fived.muon_plan)
     muon_ns_steps: int = TrainConfig.muon_ns_steps  # (Newton-Schulz iterations: its time is priced)
+    document_mask: bool = DataConfig.document_mask  # (data.document_mask: what the attention masks)
 
     @property
     def world(self) -> int:
@@ -137,6 +145,13 @@ class Layout:
         return self.etp or self.tp
 
     @property
+    def ulysses(self) -> int:
+        """Ranks per Ulysses group: cp (ulysses), cp_ulysses (hybrid), 1 (ring, or no cp)."""
+        if self.cp == 1:
+            return 1
+        return {"ulysses": self.cp, "hybrid": self.cp_ulysses}.get(self.cp_mode, 1)
+
+    @property
     def runnable(self) -> bool:
         """fived's runtime can run it: experts split like the attention (etp = tp), ep over dp*cp."""
         return self.expert_tp == self.tp
@@ -149,7 +164,7 @@ class Layout:
         return cls(**{f.name: getattr(cfg.parallel, f.name) for f in fields(ParallelConfig)} | {
             "dp": dp, "micro_batch": max(1, t.global_batch // (max(dp, 1) * t.microbatches)),
             "checkpointing": t.activation_checkpointing, "optimizer": t.optimizer, "muon_bucket_mb": t.muon_bucket_mb,
-            "muon_ns_steps": t.muon_ns_steps})
+            "muon_ns_steps": t.muon_ns_steps, "document_mask": cfg.data.document_mask})
 
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(**{f.name: getattr(self, f.name) for f in fields(ParallelConfig)})
@@ -168,7 +183,8 @@ class Layout:
     def group_ranks(self, name: str, rank: int = 0) -> frozenset[int]:
         """The global ranks of `rank`'s group `name` (a GROUP_NAMES entry), as `Mesh.build` forms it."""
         varied = {"pp": "p", "dp": "rs", "dp_replicate": "r", "dp_shard": "s", "cp": "c", "tp": "t", "dp_cp": "rsc",
-                  "dp_shard_cp": "sc", "ep": "e", "edp": "d", "dp_cp_tp": "rsct"}[name]
+                  "dp_shard_cp": "sc", "ep": "e", "edp": "d", "dp_cp_tp": "rsct", "cp_ulysses": "u", "cp_ring": "g"}[name]
+        u = self.ulysses
 
         def coords(r: int) -> dict[str, int]:
             rest, t = divmod(r, self.tp)
@@ -177,12 +193,14 @@ class Layout:
             p, d = divmod(rest, self.dp_replicate)
             flat = (d * self.dp_shard + s) * self.cp + c  # the expert mesh cuts dp*cp into (edp, ep)
             return {"p": p, "r": d, "s": s, "c": c, "t": t, "d": flat // self.ep, "e": flat % self.ep,
-                    "x": flat}
+                    "x": flat, "u": c % u, "g": c // u}
 
         def key(r: int) -> tuple:
             k = coords(r)
             if name in ("ep", "edp"):  # the expert mesh's other coordinate is its own
                 return k["p"], k["t"], k["d" if name == "ep" else "e"]
+            if name in ("cp_ulysses", "cp_ring"):  # cp cut into Ulysses groups (consecutive) and rings across
+                return k["p"], k["r"], k["s"], k["t"], k["g" if name == "cp_ulysses" else "u"]
             return tuple(v for dim, v in k.items() if dim in "prsct" and dim not in varied)
 
         mine = key(rank)
@@ -216,6 +234,8 @@ class Layout:
         for name in ("muon_bucket_mb", "muon_ns_steps"):
             if getattr(self, name) != getattr(TrainConfig, name):
                 out[f"train.{name}"] = getattr(self, name)
+        if self.document_mask:
+            out["data.document_mask"] = True
         return out
 
     def flags(self, global_batch: int) -> str:
@@ -232,7 +252,8 @@ class Layout:
             v = stages_per_rank(self.pp_schedule, self.pp_virtual)
             parts.append(f"pp{self.pp} {self.pp_schedule}" + (f" v{v}" if v > 1 else ""))
         if self.cp > 1:
-            parts.append(f"cp{self.cp}")
+            mode = {"ring": "", "ulysses": " ulysses", "hybrid": f" hybrid(ulysses{self.ulysses})"}.get(self.cp_mode, "")
+            parts.append(f"cp{self.cp}{mode}")
         if self.ep > 1:
             parts.append(f"ep{self.ep}" + (f" etp{self.expert_tp}" if not self.runnable else ""))
         parts.append(f"mbs{self.micro_batch}")

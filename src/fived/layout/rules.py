@@ -11,8 +11,8 @@ from dataclasses import fields
 
 from fived.config import Config, ConfigError, TrainConfig
 from fived.layout.bounds import number_errors
-from fived.layout.layout import (CHECKPOINTING, COMPILE_BACKENDS, FP8_RECIPES, MUON_SCALES, OPTIMIZERS, PP_SCHEDULES,
-                                 PRECISION_SPECS, SPLIT_BACKWARD, resolve_dp, stages_per_rank)
+from fived.layout.layout import (CHECKPOINTING, COMPILE_BACKENDS, CP_BALANCES, CP_MODES, FP8_RECIPES, MUON_SCALES,
+                                 OPTIMIZERS, PP_SCHEDULES, PRECISION_SPECS, SPLIT_BACKWARD, resolve_dp, stages_per_rank)
 
 
 def nearest_multiple(value: int, base: int) -> int:
@@ -51,6 +51,7 @@ def layout_errors(cfg: Config, world: int | None) -> list[ConfigError]:
         need(dp * model_parallel == world, "parallel", f"dp{dp}xtp{p.tp}xpp{p.pp}xcp{p.cp}",
              f"dp*tp*pp*cp must equal the number of ranks ({world})")
     _tensor_rules(need, m, p)
+    _context_rules(need, m, p)
     _pipeline_rules(need, m, p, t)
     _data_rules(need, m, p, t, dp)
     return errs
@@ -70,6 +71,28 @@ def _tensor_rules(need, m, p) -> None:
          "add --tp 2, or drop --sp")
     need(p.ep == 1 or m.is_moe, "parallel.ep", p.ep, f"needs a mixture-of-experts model (model.name={m.name} is dense)",
          "use --ep 1, or a MoE model such as --model tiny-moe")
+
+
+def _context_rules(need, m, p) -> None:
+    """Context parallelism's modes: Ulysses gives each rank of a group of u a u-th of the heads."""
+    need(p.cp_mode in CP_MODES, "parallel.cp_mode", p.cp_mode, "must be one of " + ", ".join(CP_MODES),
+         "e.g. --parallel.cp_mode ring")
+    need(p.cp_balance in CP_BALANCES, "parallel.cp_balance", p.cp_balance, "must be one of " + ", ".join(CP_BALANCES),
+         "e.g. --parallel.cp_balance work")
+    if p.cp_mode == "hybrid" and p.cp > 1:
+        need(1 < p.cp_ulysses < p.cp and p.cp % p.cp_ulysses == 0, "parallel.cp_ulysses", p.cp_ulysses,
+             f"hybrid context parallelism needs Ulysses groups of 2..cp/2 ranks dividing cp={p.cp}",
+             f"e.g. --parallel.cp_ulysses {largest_divisor(p.cp, max(2, min(p.cp_ulysses, p.cp // 2)))}"
+             if p.cp >= 4 else "use --parallel.cp_mode ulysses (or ring) for cp=2")
+    if p.cp == 1 or p.cp_mode not in ("ulysses", "hybrid") or m.n_heads % p.tp:
+        return
+    u = p.cp if p.cp_mode == "ulysses" else p.cp_ulysses
+    heads, kv = m.n_heads // p.tp, max(m.n_kv_heads // p.tp, 1)
+    need(heads % u == 0, "parallel.cp", p.cp, f"{p.cp_mode} context parallelism splits the {heads} query heads of a "
+         f"tp rank over {u} ranks: {u} must divide them", "use --parallel.cp_mode ring, or a smaller cp"
+         if p.cp_mode == "ulysses" else f"e.g. --parallel.cp_ulysses {largest_divisor(heads, u)}")
+    need(kv % u == 0 or u % kv == 0, "parallel.cp", p.cp, f"{u} Ulysses ranks must divide the {kv} kv heads of a tp "
+         f"rank, or be a multiple of them (kv heads are then repeated)", "use --parallel.cp_mode ring")
 
 
 def _pipeline_rules(need, m, p, t) -> None:

@@ -113,7 +113,7 @@ def parallelize(chunks: list[Transformer], mesh: Mesh, cfg: Config) -> ParallelP
     tensor_parallel = apply_tensor_parallel(chunks, mesh, cfg, specs)
     positions = None
     if mesh.cp > 1:
-        positions = apply_context_parallel(chunks, mesh.group("cp"), mesh.cp, mesh.rank("cp"), cfg.train.seq_len)
+        positions = apply_context_parallel(chunks, mesh, cfg)
     if mesh.ep > 1:
         apply_expert_parallel(chunks, mesh.group("ep"), mesh.ep, overlap=cfg.parallel.ep_overlap)
     # after the tp cut (Float8Linear adopts the cut weight) and before ZeRO/FSDP take the parameters

@@ -12,7 +12,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from fived.grouped_gemm import GROUPED_SWIGLU_OP
-from fived.parallel.context import inside_ring
+from fived.attention import inside_blockwise
 
 _SAVE = {
     torch.ops.aten.mm.default,
@@ -28,9 +28,9 @@ _SAVE = {
 
 
 def _policy(ctx, op, *args, **kwargs):
-    # Ring attention's blocks are recomputed with its exchanges (the ring reruns them anyway); caching
-    # them would keep a different number of partial outputs on each cp rank.
-    if op in _SAVE and not inside_ring():
+    # Ring attention's blocks are recomputed with its exchanges (the ring reruns them anyway), and so
+    # are document-masked tiles; caching them would keep a data-dependent number of partial outputs.
+    if op in _SAVE and not inside_blockwise():
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 

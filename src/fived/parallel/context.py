@@ -1,8 +1,11 @@
-"""Context parallelism: each sequence split over the cp ranks, attention computed as a ring.
+"""Context parallelism: each sequence split over the cp ranks; attention as a ring (cp_mode ring),
+by all-to-all (ulysses), or both (hybrid: Ulysses inside groups of cp_ulysses ranks, a ring across).
 
-Load balancing: a sequence is cut into 2*cp chunks and cp rank i holds chunks i and 2*cp-1-i, so
-every rank has the same amount of causal work (an early chunk sees few keys, a late one many).
-RoPE uses the tokens' global positions.
+Load balancing: without document masking a sequence is cut into 2*cp chunks and cp rank i holds chunks
+i and 2*cp-1-i, so every rank has the same amount of causal work (an early chunk sees few keys, a
+late one many); RoPE uses the tokens' global positions. With document masking the chunks are chosen
+per sequence by work (`fived.documents`) and every token comes with its document and in-document
+position (the model's `documents`, `positions`).
 
 Ring attention (forward): the rank's K/V block travels around the cp ring; at each of the cp steps
 a rank attends its queries to the block it holds, while the next block is already being received
@@ -10,12 +13,20 @@ a rank attends its queries to the block it holds, while the next block is alread
 output with log-sum-exp weights (online softmax). Because of the chunk layout every block is one
 fused attention call with no mask (see `_ring_step_blocks`): the rank's own block is causal, a block
 from an earlier rank is seen whole by all queries, a block from a later rank whole by the second
-chunk's queries only. The fused kernel (the CPU flash kernel; flash attention on CUDA in 16 bits)
-returns the log-sum-exp and never materialises the score matrix, so memory grows linearly with the
-sequence. Backward runs the ring again, the standard flash ring backward: each block's gradients
-come from the kernel's backward given the *global* output and log-sum-exp (so its probabilities are
-the final ones); K/V travel with their gradient accumulators and after a last hop every
-accumulator is home. Only q, k, v, the output and the log-sum-exp are kept.
+chunk's queries only. The fused kernel (`fived.attention`: the CPU flash kernel; flash attention on
+CUDA in 16 bits) returns the log-sum-exp and never materialises the score matrix, so memory grows
+linearly with the sequence. Backward runs the ring again, the standard flash ring backward: each
+block's gradients come from the kernel's backward given the *global* output and log-sum-exp (so its
+probabilities are the final ones); K/V travel with their gradient accumulators and after a last hop
+every accumulator is home. Only q, k, v, the output and the log-sum-exp are kept.
+
+The masked ring (document masking, and hybrid's ring across Ulysses groups, whose tokens are no
+halves layout): K/V travel with their tokens' order keys (document << 32 | position) and each block
+runs the document-masked kernel, which skips a block whose keys share no document with the queries.
+
+Ulysses (`UlyssesAttention`, exchanges in `fived.parallel.ulysses`): q, k, v are traded for the
+group's tokens of a u-th of the heads, sorted into sequence order by their gathered order keys,
+attended (causal, document-masked, or hybrid's masked ring), and sent back.
 """
 from __future__ import annotations
 
@@ -24,9 +35,10 @@ import torch.distributed as dist
 from torch import nn
 
 from fived import comm
+from fived.attention import (DocumentAttention, block_backward, block_forward, blockwise, kernel_dtype,
+                             masked_block_backward, masked_block_forward, order_keys)
 from fived.parallel.tensor import ReduceFromTensorParallelRegion as AllReduceSumForward
-
-aten = torch.ops.aten
+from fived.parallel.ulysses import Reorder, gather_keys, kv_heads_for_groups, to_heads, to_sequence
 
 
 def local_positions(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
@@ -60,80 +72,6 @@ def _ring_step_blocks(rank: int, source: int, local_len: int):
     return slice(half, local_len), slice(0, local_len), False
 
 
-def uses_cuda_flash(q: torch.Tensor) -> bool:
-    """Whether a block of these queries runs CUDA's flash kernel (else, on CUDA, the reference path)."""
-    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0
-
-
-def _expand_kv(q, k, v):
-    """CUDA flash takes as many kv heads as query heads (GQA by repetition); the CPU kernel does not need it."""
-    groups = q.shape[1] // k.shape[1]
-    return (k, v) if groups == 1 else (k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1))
-
-
-def block_forward(q, k, v, causal: bool, scale: float):
-    """(output, log-sum-exp) of q [b, hq, sq, d] attending to k, v [b, hkv, sk, d]; fused kernel."""
-    if q.device.type == "cpu":
-        return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-    if uses_cuda_flash(q):
-        k, v = _expand_kv(q, k, v)
-        out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
-        return out, lse
-    return reference_block_forward(q, k, v, causal, scale)
-
-
-def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
-    """(dq, dk, dv) of one block, given the global output and log-sum-exp of these queries."""
-    if q.device.type == "cpu":
-        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, causal, scale=scale)
-    if uses_cuda_flash(q):
-        ke, ve = _expand_kv(q, k, v)
-        no_rng = torch.zeros((), dtype=torch.int64, device=q.device)  # unused: no dropout
-        dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
-            dout, q, ke, ve, out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, no_rng, no_rng,
-            scale=scale)
-        return dq, _sum_groups(dk, k.shape[1]), _sum_groups(dv, k.shape[1])
-    return reference_block_backward(dout, q, k, v, out, lse, causal, scale)
-
-
-def _sum_groups(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    b, h, s, d = grad.shape
-    return grad if h == kv_heads else grad.view(b, kv_heads, h // kv_heads, s, d).sum(2)
-
-
-def _math_scores(q, ke, causal, scale):
-    scores = (q @ ke.transpose(-1, -2)) * scale
-    if causal:
-        scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
-    return scores
-
-
-def reference_block_forward(q, k, v, causal, scale):
-    """Reference path (CUDA in float32/float64, where no flash kernel takes the dtype; also what
-    benchmarks/gpu_acceptance.py holds the fused kernels to): explicit scores."""
-    ke, ve = _expand_kv(q, k, v)
-    scores = _math_scores(q, ke, causal, scale)
-    lse = torch.logsumexp(scores, dim=-1)
-    return torch.exp(scores - lse[..., None]) @ ve, lse
-
-
-def reference_block_backward(dout, q, k, v, out, lse, causal, scale):
-    ke, ve = _expand_kv(q, k, v)
-    probs = torch.exp(_math_scores(q, ke, causal, scale) - lse[..., None])
-    dv = probs.transpose(-1, -2) @ dout
-    ds = probs * (dout @ ve.transpose(-1, -2) - (dout * out).sum(-1, keepdim=True))
-    dq, dk = (ds @ ke) * scale, (ds.transpose(-1, -2) @ q) * scale
-    return dq, _sum_groups(dk, k.shape[1]), _sum_groups(dv, k.shape[1])
-
-
-_ring_depth = [0]  # > 0 while a ring's forward runs (selective checkpointing recomputes its blocks)
-
-
-def inside_ring() -> bool:
-    return _ring_depth[0] > 0
-
-
 def _merge(out, lse, block_out, block_lse) -> None:
     """Fold one block's (output, log-sum-exp) into the running ones, in place (online softmax).
     Every query row already has a finite log-sum-exp: the causal block (first) covers its own key."""
@@ -153,8 +91,7 @@ class RingAttentionFunction(torch.autograd.Function):
         out = q.new_empty((b, s, h, d), dtype=acc).transpose(1, 2)
         lse = q.new_empty((b, h, s), dtype=acc)
         held = [k, v]
-        _ring_depth[0] += 1
-        try:
+        with blockwise():
             for step in range(size):
                 pending = _ring_exchange(held, group) if step < size - 1 else None
                 rows, keys, causal = _ring_step_blocks(rank, (rank - step) % size, s)
@@ -166,8 +103,6 @@ class RingAttentionFunction(torch.autograd.Function):
                 if pending is not None:
                     held, request = pending
                     request.wait()
-        finally:
-            _ring_depth[0] -= 1
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group = group
@@ -199,32 +134,124 @@ class RingAttentionFunction(torch.autograd.Function):
         return dq.to(q.dtype), dk_home.to(k.dtype), dv_home.to(v.dtype), None
 
 
+class MaskedRingFunction(torch.autograd.Function):
+    """The ring for any token layout: each K/V block travels with its tokens' order keys and every
+    block is document-masked (`fived.attention.masked_block_forward`: a block whose keys share no
+    document with the queries is skipped). Local tokens are in increasing key order."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, keys, group):
+        size = dist.get_world_size(group)
+        scale = q.shape[-1] ** -0.5
+        held = [k, v, keys]
+        with blockwise():
+            for step in range(size):
+                pending = _ring_exchange(held, group) if step < size - 1 else None
+                o, l = masked_block_forward(q, held[0], held[1], keys, held[2], scale)
+                if step == 0:  # the rank's own block: every query sees itself, so lse is finite
+                    out, lse = o, l
+                else:
+                    _merge(out, lse, o, l)
+                if pending is not None:
+                    held, request = pending
+                    request.wait()
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, keys, out, lse)
+        ctx.group = group
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, keys, out, lse = ctx.saved_tensors
+        group = ctx.group
+        size, scale = dist.get_world_size(group), q.shape[-1] ** -0.5
+        dout = dout.to(q.dtype)
+        dq = torch.zeros_like(q, dtype=lse.dtype)
+        held = [k, v, keys, torch.zeros_like(k, dtype=lse.dtype), torch.zeros_like(v, dtype=lse.dtype)]
+        for step in range(size):
+            kb, vb, kkeys, dk_acc, dv_acc = held
+            dqb, dkb, dvb = masked_block_backward(dout, q, kb, vb, out, lse, keys, kkeys, scale)
+            dq += dqb
+            dk_acc += dkb
+            dv_acc += dvb
+            if step < size - 1:
+                held, request = _ring_exchange([kb, vb, kkeys, dk_acc, dv_acc], group)
+            else:
+                held, request = _ring_exchange([dk_acc, dv_acc], group)
+            request.wait()
+        return dq.to(q.dtype), held[-2].to(k.dtype), held[-1].to(v.dtype), None, None
+
+
+def ring_attention(q, k, v, keys, group) -> torch.Tensor:
+    """q [b, hq, s, d], k/v [b, hkv, s, d] over the ring `group`: the halves ring without `keys`,
+    the masked ring with them ([b, s] order keys, increasing)."""
+    if keys is None:
+        return RingAttentionFunction.apply(q, k, v, group)
+    return MaskedRingFunction.apply(q, k, v, keys, group)
+
+
 class RingAttention(nn.Module):
-    """Drop-in for CausalAttentionCore ([b, s, h, d] in and out) over a cp group. The kernels run in
-    one dtype: autocast's where it is on (as SDPA would), else the inputs' common type."""
+    """Drop-in for CausalAttentionCore ([b, s, h, d] in and out) over a cp group: the halves ring,
+    or with `documents` the document-masked ring. The kernels run in one dtype (`kernel_dtype`)."""
 
     def __init__(self, group):
         super().__init__()
         self.group = group
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        kind = q.device.type
-        if torch.is_autocast_enabled(kind):
-            dtype = torch.get_autocast_dtype(kind)
-        else:
-            dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        dtype = kernel_dtype(q, k, v)
+        keys = None if documents is None else order_keys(documents, positions, q.shape[0])
         q, k, v = (t.transpose(1, 2).to(dtype) for t in (q, k, v))
-        return RingAttentionFunction.apply(q, k, v, self.group).transpose(1, 2)
+        return ring_attention(q, k, v, keys, self.group).transpose(1, 2)
 
 
-def apply_context_parallel(chunks: list[nn.Module], group, cp: int, rank: int, seq_len: int) -> torch.Tensor:
-    """Swap every attention core for ring attention, give RoPE the global positions, and make the MoE
-    load-balancing statistics cover the whole sequence. Returns this rank's token positions."""
-    positions = local_positions(seq_len, cp, rank)
+class UlyssesAttention(nn.Module):
+    """Drop-in for CausalAttentionCore over a Ulysses group (`fived.parallel.ulysses`): q, k, v traded
+    for the group's tokens of a u-th of the heads, put in sequence order (by their order keys), and
+    attended: causal, or document-masked, or — hybrid — by the masked ring across the groups in
+    `ring` (each ring rank the same heads); the output goes back to its tokens."""
+
+    def __init__(self, group, positions: torch.Tensor, ring=None):
+        """`positions`: the rank's tokens' positions in the halves layout (without document masking)."""
+        super().__init__()
+        self.group, self.ring, self.positions = group, ring, positions
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        dtype, u = kernel_dtype(q, k, v), dist.get_world_size(self.group)
+        positions = (self.positions if documents is None else positions).to(q.device)
+        keys = gather_keys(order_keys(documents, positions, q.shape[0]), self.group)
+        q, k, v = (to_heads(t.to(dtype), self.group) for t in (q, kv_heads_for_groups(k, u), kv_heads_for_groups(v, u)))
+        order = keys.argsort(dim=1, stable=True)
+        keys = keys.gather(1, order)
+        q, k, v = (Reorder.apply(t, order).transpose(1, 2) for t in (q, k, v))
+        if self.ring is not None:
+            out = ring_attention(q, k, v, keys, self.ring)
+        elif documents is not None:
+            out = DocumentAttention.apply(q, k, v, keys)
+        else:
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                   enable_gqa=q.shape[1] != k.shape[1])
+        return to_sequence(Reorder.apply(out.transpose(1, 2), order.argsort(dim=1)), self.group)
+
+
+def apply_context_parallel(chunks: list[nn.Module], mesh, cfg) -> torch.Tensor:
+    """Swap every attention core for the cp mode's (ring, Ulysses, or Ulysses groups joined by a
+    ring), give RoPE the global positions (of the halves layout; document masking brings its own per
+    batch), and make the MoE load-balancing statistics cover the whole sequence. Returns this rank's
+    token positions in the halves layout."""
+    group, mode = mesh.group("cp"), cfg.parallel.cp_mode
+    positions = local_positions(cfg.train.seq_len, mesh.cp, mesh.rank("cp"))
     for chunk in chunks:
         chunk.positions = positions
         for block in chunk.layers.values():
-            block.attention.core = RingAttention(group)
+            if mode == "ring":
+                block.attention.core = RingAttention(group)
+            elif mode == "ulysses":
+                block.attention.core = UlyssesAttention(group, positions)
+            else:
+                block.attention.core = UlyssesAttention(mesh.group("cp_ulysses"), positions, ring=mesh.group("cp_ring"))
             moe = block.feed_forward
             if hasattr(moe, "reduce_sequence_stats"):
                 moe.reduce_sequence_stats = lambda t, g=group: AllReduceSumForward.apply(t, g)

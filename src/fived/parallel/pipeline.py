@@ -163,20 +163,21 @@ class Pipeline:
         """The actions of the last schedule.step."""
         return list(self.timeline.actions)
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, extra: dict | None = None) -> torch.Tensor:
         """Run every micro-batch through the schedule; return the sum of the micro-batch losses on
-        the last stage (zero elsewhere)."""
+        the last stage (zero elsewhere). `extra`: the model's keyword inputs (per row: documents,
+        positions), given to every stage, each micro-batch its rows (the schedule splits them)."""
         losses: list[torch.Tensor] = []
         first = 0 in self.stage_ids
         self.timeline.actions.clear()  # keep the last step's actions only
         self.schedule.step(inputs if first else None, target=targets if self.has_last_stage else None,
-                           losses=losses)
+                           losses=losses, **(extra or {}))
         total = torch.zeros((), dtype=torch.float64, device=inputs.device)
         for loss in losses:
             total += loss.detach().double()
         return total
 
-    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor, extra: dict | None = None) -> torch.Tensor:
         """Forward only, through the schedule's eval path: the summed micro-batch losses on the last
         stage (zero elsewhere). The timeline keeps the last training step's actions."""
         kept = list(self.timeline.actions)
@@ -188,7 +189,7 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         try:
             self.schedule.eval(inputs if 0 in self.stage_ids else None,
-                               target=targets if self.has_last_stage else None, losses=losses)
+                               target=targets if self.has_last_stage else None, losses=losses, **(extra or {}))
         finally:
             if order is not None:
                 self.schedule.pipeline_order_with_comms = order

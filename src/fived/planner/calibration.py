@@ -1,197 +1,167 @@
-"""`fived plan --validate FILE.csv`: the planner against published training runs, in sample and out of
-sample, and the fit of its constants (`python -m fived.planner.calibration FILE.csv`).
+"""`fived plan --validate FILE.csv`: the planner against published training runs — per row, per
+kind of run, per sweep of layouts — in sample and out of sample.
 
-Each row (`fived.planner.published`) states a model, a cluster, a layout, the framework it ran and a
-measured throughput. The prediction is the planner's step time for that layout in that runtime,
-its open fields completed by the fastest choice that fits the memory model (or the fastest, when
-none fits: the run happened, so it did fit; `fits` counts how often the memory model agrees).
+Per row: the prediction (`fived.planner.fitting.predict`, priced with the shipped calibration's
+constants) against what the row reports, with the planner-chosen fields and any derivation noted.
+Then: how many runs the memory model says fit; **sweeps** — every group of rows of one source with
+the same model, GPU type and count, sequence length and precision that ran several layouts — each
+with the Spearman correlation of predicted vs measured throughput and the measured throughput of
+the planner's top-ranked row as a share of the best measured one (the choice a user would make);
+the **leave-one-source-out** error (constants refitted without a source predict it) per source, per
+kind of run (dense, MoE, FP8) and over all rows; last the in-sample median.
 
-Fitted constants (`GRIDS`): the share of peak wide GEMMs reach per GPU generation, the width at
-which it halves, the share of link bandwidth collectives reach, the share of tp communication
-Megatron-Core's --tp-comm-overlap hides, the FP8 GEMM speed-up, routed experts' share of a dense
-GEMM's efficiency. Not fitted: the tokens per GEMM at which efficiency halves (timing.ROWS_HALF):
-every GEMM in the set has thousands of tokens, so the data cannot tell it. Coordinate descent
-over a grid; the layouts' open fields are chosen once, before the
-descent (they hardly depend on these constants), so a fit costs one step time per row and value.
-The descent minimises the mean absolute error (every row pulls on the constants; the median, which
-validation reports, would leave a constant that only a few rows depend on undetermined).
-
-Out of sample: leave-one-source-out refits the constants without each source's rows and predicts
-that source with them; the median absolute error over all rows so predicted is the figure to expect
-for a run unlike the calibration set's. `OUT_OF_SAMPLE_ERROR` is what it printed on
-tests/data/published_runs.csv (tested): `fived plan` quotes it as the basis of a prediction.
+Out of sample: for the file the shipped calibration was fitted on (same SHA-256), its stored
+leave-one-source-out errors (`fived.planner.constants.CALIBRATION`; the tests recompute them);
+for any other file, a refit per source here (`fived.planner.fitting.leave_one_source_out`).
 """
 from __future__ import annotations
 
 import statistics
-from dataclasses import replace
+from collections import defaultdict
 from pathlib import Path
 
 from fived.layout.layout import Layout
-from fived.planner import runtimes, timing
-from fived.planner.published import Row, read_runs
-from fived.planner.search import Plan, evaluate, expand
-
-OUT_OF_SAMPLE_ERROR = 10.4  # leave-one-source-out median absolute error, % (validate prints it)
-# What tests/data/published_runs.csv covers (tests/test_planner.py checks it against the file)
-COVERAGE = {"rows": 76, "ampere": 48, "hopper": 28, "moe": 2, "fp8": 4, "cp": 0, "max_seq": 8192,
-            "gpus": ("a100", "a800", "h100", "h800")}
-GRIDS = {"ampere": [0.40 + 0.025 * i for i in range(21)], "hopper": [0.40 + 0.025 * i for i in range(21)],
-         "WIDTH_HALF": [0.0, 32.0, 64.0, 128.0, 256.0, 512.0],
-         "LINK_EFFICIENCY": [0.5, 0.6, 0.7, 0.8, 0.9], "MCORE_TP_OVERLAP": [0.0, 0.25, 0.5, 0.75, 1.0],
-         "FP8_SPEEDUP": [1.0, 1.2, 1.4, 1.6, 1.8, 2.0], "EXPERT_EFFICIENCY": [0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]}
+from fived.planner.constants import CALIBRATION, Calibration, file_sha256
+from fived.planner.fitting import batch, leave_one_source_out, median_abs, predict
+from fived.planner.search import is_valid, layout_refusal
+from fived.planner.published import Row, read_runs, row_kinds
 
 
-def constants() -> dict[str, float]:
-    out = {name: timing.EFFICIENCY[name] for name in ("ampere", "hopper")}
-    out.update(WIDTH_HALF=timing.WIDTH_HALF, LINK_EFFICIENCY=timing.LINK_EFFICIENCY,
-               MCORE_TP_OVERLAP=runtimes.MCORE_TP_OVERLAP, FP8_SPEEDUP=timing.FP8_SPEEDUP,
-               EXPERT_EFFICIENCY=timing.EXPERT_EFFICIENCY)
+def ranks(values: list[float]) -> list[float]:
+    """1-based ranks, ties sharing their mean rank."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    out = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            out[order[k]] = (i + j) / 2 + 1
+        i = j + 1
     return out
 
 
-def set_constants(values: dict[str, float]) -> None:
-    for name, value in values.items():
-        if name in ("ampere", "hopper"):
-            timing.EFFICIENCY[name] = value
-        elif name == "MCORE_TP_OVERLAP":
-            runtimes.MCORE_TP_OVERLAP = value
-        else:
-            setattr(timing, name, value)
+def spearman(xs: list[float], ys: list[float]) -> float:
+    """Spearman's rank correlation (Pearson's of the ranks); nan when either side is constant."""
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    sxy = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    sxx, syy = sum((a - mx) ** 2 for a in rx), sum((b - my) ** 2 for b in ry)
+    return sxy / (sxx * syy) ** 0.5 if sxx and syy else float("nan")
 
 
-def _runtime(row: Row):
-    """The row's runtime with the current tp-overlap constant (it is fitted)."""
-    if row.runtime.tp_overlap:
-        return replace(row.runtime, tp_overlap=runtimes.MCORE_TP_OVERLAP)
-    return row.runtime
-
-
-def candidates(row: Row) -> list[Layout]:
-    """Every completion of the row's layout (dp follows an open tp or pp)."""
-    base = Layout(**{k: v for k, v in row.fixed.items()})
-    out = []
-    for layout in expand(base, row.open):
-        dp = row.cluster.gpus // (layout.tp * layout.pp * layout.cp)
-        if dp >= 1 and dp * layout.tp * layout.pp * layout.cp == row.cluster.gpus:
-            out.append(layout.with_(dp=dp, dp_replicate=layout.dp_replicate if dp % layout.dp_replicate == 0 else 1))
+def sweeps(rows: list[Row], layouts: list[Layout]) -> dict[str, list[int]]:
+    """Label -> indices of rows of one source, model, GPU type and count, sequence and precision that
+    ran at least two different layouts (or batch sizes)."""
+    groups: dict[tuple, list[int]] = defaultdict(list)
+    for i, r in enumerate(rows):
+        groups[(r.source, r.model.name, r.cluster.hardware.name, r.cluster.gpus, r.seq_len, r.runtime.fp8)].append(i)
+    out = {}
+    for (source, model, gpu, gpus, _, fp8), members in groups.items():
+        if len({(layouts[i].describe(), rows[i].global_batch) for i in members}) > 1:
+            out[f"{source[:18]} {model[:24]} {gpus}x{gpu}{' fp8' if fp8 else ''}"] = members
     return out
 
 
-def batch(row: Row, layout: Layout) -> int:
-    """The row's global batch, or one micro-batch per data-parallel rank where it states none."""
-    return row.global_batch or layout.dp * layout.micro_batch
+def rank_quality(measured: list[float], predicted: list[float]) -> tuple[float, float]:
+    """(Spearman of predicted vs measured, measured throughput of the predicted best / the best)."""
+    top = max(range(len(predicted)), key=lambda i: predicted[i])
+    return spearman(predicted, measured), measured[top] / max(measured)
 
 
-def predict(row: Row) -> Plan | None:
-    """The fastest completion of the row's layout that fits in memory, else the fastest (its plan's
-    `fits` is then False); None when no completion is a layout the planner can cost."""
-    plans = [evaluate(row.model, layout, row.cluster, row.seq_len, batch(row, layout), runtime=_runtime(row))
-             for layout in candidates(row)]
-    plans = [p for p in plans if p is not None]
-    # fastest per token: an open batch size changes the tokens a step processes
-    return min(plans, key=lambda p: (not p.fits, -p.time.tokens_per_s_per_gpu)) if plans else None
+def _plan_notes(row: Row, plan) -> list[str]:
+    """What the prediction of `row` assumed beyond the reading: memory, fived's rules, the batch."""
+    notes = [] if plan.fits else ["our memory model: does not fit"]
+    priced = batch(row, plan.layout)
+    if row.global_batch and priced != row.global_batch:
+        notes.append(f"priced at a global batch of {priced} (the schedule's whole rounds)")
+    if not plan.layout.runnable:
+        notes.append("not runnable by fived yet")
+    elif not is_valid(row.model, plan.layout, row.seq_len, priced):
+        notes.append(f"outside fived's rules ({layout_refusal(row.model, plan.layout, row.seq_len, priced).rule})")
+    return notes
 
 
-def _error(row: Row, plan: Plan) -> float:
-    return plan.time.tokens_per_s_per_gpu / row.reported - 1
-
-
-def _retime(row: Row, layout: Layout) -> float:
-    """The signed error of `layout` for `row` under the current constants."""
-    from fived.planner.timing import step_time
-
-    t = step_time(row.model, layout, row.cluster, row.seq_len, batch(row, layout), "bfloat16", _runtime(row))
-    return t.tokens_per_s_per_gpu / row.reported - 1
-
-
-def fit(rows: list[Row], chosen: list[Layout], verbose: bool = False) -> dict[str, float]:
-    """Coordinate descent over GRIDS (two sweeps) minimising the mean absolute error of `rows` with
-    their layouts `chosen`; leaves the best constants set and returns them. A constant no row depends
-    on (FP8 without FP8 rows) keeps its value."""
-    def error() -> float:  # the mean, not the median: every row pulls, a constant few rows decide is fitted too
-        return statistics.fmean(abs(_retime(r, layout)) for r, layout in zip(rows, chosen))
-
-    for _ in range(2):
-        for name, grid in GRIDS.items():
-            scores = []
-            for value in grid:
-                set_constants({name: value})
-                scores.append((round(error(), 9), abs(value - constants()[name]), value))
-            best = min(scores)  # ties: the value nearest the current one
-            set_constants({name: best[2]})
-            if verbose:
-                print(f"{name} = {best[2]:.3f}  (mean absolute error {best[0] * 100:.1f}%)", flush=True)
-    return constants()
-
-
-def leave_one_source_out(rows: list[Row], chosen: list[Layout]) -> dict[str, list[float]]:
-    """Per source: the signed errors of its rows predicted by constants fitted on the other sources."""
-    base = constants()
-    out: dict[str, list[float]] = {}
-    try:
-        for source in sorted({r.source for r in rows}):
-            train = [(r, layout) for r, layout in zip(rows, chosen) if r.source != source]
-            set_constants(base)
-            fit([r for r, _ in train], [layout for _, layout in train])
-            out[source] = [_retime(r, layout) for r, layout in zip(rows, chosen) if r.source == source]
-    finally:
-        set_constants(base)
-    return out
-
-
-def validate(path: str | Path, printer=print, out_of_sample: bool = True) -> dict:
-    """Print predicted vs reported per row, the skipped rows, the fit of the memory model, the
-    leave-one-source-out error, the coverage and, last, the in-sample median absolute error."""
-    rows, skipped = read_runs(path)
+def _print_rows(rows, plans, printer) -> None:
     printer(f"{'row':>4} {'source':<26} {'gpus':>5} {'layout (planner-chosen fields: see notes)':<54} {'reported':>9} "
             f"{'predicted':>9} {'error':>7}  notes")
-    done, chosen, errors, fits = [], [], [], 0
-    for row in rows:
-        plan = predict(row)
-        if plan is None:
-            skipped.append(f"row {row.row_id} skipped: no completion of {Layout(**row.fixed).describe()} is a layout "
-                           "the planner can cost (check tp/pp/dp against heads, layers and the global batch)")
-            continue
-        err = _error(row, plan)
-        done.append(row)
-        chosen.append(plan.layout)
-        errors.append(err)
-        fits += plan.fits
-        notes = row.notes + ([] if plan.fits else ["our memory model: does not fit"])
-        if not plan.layout.runnable:
-            notes.append("not runnable by fived yet")
+    for row, plan in zip(rows, plans):
+        notes = row.notes + _plan_notes(row, plan)
+        err = plan.time.tokens_per_s_per_gpu / row.reported - 1
         printer(f"{row.row_id:>4} {row.source[:26]:<26} {row.cluster.gpus:>5} {plan.layout.describe()[:54]:<54} "
                 f"{row.reported:>9.1f} {plan.time.tokens_per_s_per_gpu:>9.1f} {err * 100:>+6.1f}%  {'; '.join(notes)}")
+
+
+def _print_sweeps(rows, layouts, predicted, out_of_sample, printer) -> list[dict]:
+    """One line per sweep: rows, Spearman and top pick in sample (and out of sample when known)."""
+    out = []
+    groups = sweeps(rows, layouts)
+    if groups:
+        printer("sweeps (one model on one cluster, several layouts): Spearman of predicted vs measured, the "
+                "planner's top pick's measured throughput / the best measured" + (" — in sample | out of sample"
+                                                                                  if out_of_sample else ""))
+    for label, members in groups.items():
+        measured = [rows[i].reported for i in members]
+        rho, top = rank_quality(measured, [predicted[i] for i in members])
+        entry = {"group": label, "rows": [rows[i].row_id for i in members], "spearman": rho, "top": top}
+        line = f"  {label:<56} {len(members):>2} rows  Spearman {rho:+.2f}  top pick {top:.2f}"
+        if out_of_sample:
+            held = [rows[i].reported * (1 + out_of_sample[rows[i].row_id]) for i in members]
+            entry["spearman_loso"], entry["top_loso"] = rank_quality(measured, held)
+            line += f"  |  Spearman {entry['spearman_loso']:+.2f}  top pick {entry['top_loso']:.2f}"
+        printer(line)
+        out.append(entry)
+    return out
+
+
+def validate(path: str | Path, printer=print, out_of_sample: bool = True,
+             calibration: Calibration = CALIBRATION, refit: bool = False) -> dict:
+    """Print predicted vs reported per row, the skipped rows, the memory model's fit, the sweeps'
+    ranking, the leave-one-source-out error per source and kind and over all rows, the coverage and,
+    last, the in-sample median absolute error. Returns the figures printed. `refit`: recompute the
+    out-of-sample errors even for the file `calibration` was fitted on."""
+    rows, skipped = read_runs(path)
+    planned = [(row, predict(row, calibration.constants)) for row in rows]
+    for row, plan in planned:
+        if plan is None:
+            skipped.append(f"row {row.row_id} skipped: no completion of {Layout(**row.fixed).describe()} is a layout "
+                           "the planner can cost")
+    done = [(row, plan) for row, plan in planned if plan is not None]
+    rows, plans = [r for r, _ in done], [p for _, p in done]
+    _print_rows(rows, plans, printer)
     for line in skipped:
         printer(line)
-    median = statistics.median(abs(e) for e in errors) * 100 if errors else float("nan")
-    result = {"rows": len(done) + len(skipped), "predicted": len(done), "fits": fits, "median": median}
-    printer(f"memory: {fits} of {len(done)} published runs fit in the planner's memory model "
-            f"({fits / max(len(done), 1):.0%})")
-    if out_of_sample and len({r.source for r in done}) > 1:
-        per_source = leave_one_source_out(done, chosen)
-        loso = [abs(e) for errs in per_source.values() for e in errs]
-        result["loso"] = statistics.median(loso) * 100
-        result["loso_by_source"] = {s: statistics.median(abs(e) for e in errs) * 100 for s, errs in per_source.items()}
+    errors = [p.time.tokens_per_s_per_gpu / r.reported - 1 for r, p in done]
+    fits = sum(p.fits for p in plans)
+    result = {"rows": len(rows) + len(skipped), "predicted": len(rows), "fits": fits, "median": median_abs(errors)}
+    printer(f"memory: {fits} of {len(rows)} published runs fit in the planner's memory model "
+            f"({fits / max(len(rows), 1):.0%})")
+    held = _out_of_sample(path, rows, [p.layout for p in plans], calibration, printer, refit) \
+        if out_of_sample and len({r.source for r in rows}) > 1 else {}
+    result["sweeps"] = _print_sweeps(rows, [p.layout for p in plans], [p.time.tokens_per_s_per_gpu for p in plans],
+                                     held, printer)
+    if held:
+        result["loso_by_source"] = {s: median_abs(held[r.row_id] for r in rows if r.source == s)
+                                    for s in sorted({r.source for r in rows})}
+        result["loso_by_kind"] = {k: median_abs(held[r.row_id] for r in rows if k in row_kinds(r))
+                                  for k in sorted({k for r in rows for k in row_kinds(r)})}
+        result["loso"] = median_abs(held.values())
         printer("leave-one-source-out (constants fitted without the source): " + ", ".join(
             f"{s} {v:.1f}%" for s, v in result["loso_by_source"].items()))
+        printer("leave-one-source-out by kind: " + ", ".join(
+            f"{k} {v:.1f}% ({sum(k in row_kinds(r) for r in rows)} rows)" for k, v in result["loso_by_kind"].items()))
         printer(f"leave-one-source-out median absolute error: {result['loso']:.1f}%")
-    printer(f"predicted {len(done)} of {result['rows']} rows")
-    printer(f"median absolute error: {median:.1f}%")
+    printer(f"predicted {len(rows)} of {result['rows']} rows")
+    printer(f"median absolute error: {result['median']:.1f}%")
     return result
 
 
-def fit_file(path: str | Path) -> dict[str, float]:
-    """Refit the constants on every row of `path` (what timing.py and runtimes.py hold is what this
-    printed on tests/data/published_runs.csv)."""
-    rows, _ = read_runs(path)
-    plans = [(r, predict(r)) for r in rows]
-    plans = [(r, p) for r, p in plans if p is not None]
-    return fit([r for r, _ in plans], [p.layout for _, p in plans], verbose=True)
-
-
-if __name__ == "__main__":  # python -m fived.planner.calibration tests/data/published_runs.csv
-    import sys
-
-    print(fit_file(sys.argv[1]))
+def _out_of_sample(path, rows: list[Row], layouts: list[Layout], calibration: Calibration, printer,
+                   refit: bool) -> dict[str, float]:
+    """Row id -> leave-one-source-out signed error: the calibration's own when it was fitted on this
+    very file, else refitted here."""
+    if not refit and file_sha256(path) == calibration.sha256 and set(calibration.row_errors) == {r.row_id for r in rows}:
+        printer(f"out of sample: as fitted on this file ({calibration.fitted_on}, the shipped calibration)")
+        return dict(calibration.row_errors)
+    return leave_one_source_out(rows, layouts)

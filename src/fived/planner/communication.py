@@ -23,10 +23,13 @@ collectives when full checkpointing recomputes the forward:
        exit and the head's entry are a region boundary each; the vocab-parallel loss all-reduces 3
        values per token. Per step: partial gradients summed over tp (routers; norm gains with SP;
        replicated kv heads) and the clipping norm's 8 bytes.
-  cp   per layer, the ring: forward cp-1 hops of K, V (and positions where blocks are masked),
-       backward cp-1 hops of K, V, dK, dV and a last hop of dK, dV home (fived keeps dK, dV in at
-       least float32); per
-       MoE layer the sequence's routing statistics summed over cp.
+  cp   per layer, the ring: forward cp-1 hops of K, V (and positions where blocks are masked:
+       fived's int64 order keys with document masking), backward cp-1 hops of K, V, dK, dV (keys)
+       and a last hop of dK, dV home (fived keeps dK, dV in at least float32). Ulysses (cp_mode
+       ulysses over cp, hybrid over cp_ulysses): per layer an all-to-all of each of q, k, v and the
+       output forward, of their gradients backward (kv heads repeated up to u when fewer), and an
+       all-gather of the tokens' order keys; hybrid then rings over cp_ring with u times the tokens
+       and a u-th of the heads. Per MoE layer the sequence's routing statistics summed over cp.
   ep   per MoE layer: the per-expert counts (int64), dispatch (w) and combine (e) forward, their
        gradients backward; B*top_k routing slots (dropless, balanced). With ep_overlap each of these
        four exchanges runs as EP_OVERLAP_CHUNKS calls carrying a share each (same bytes, more calls).
@@ -58,7 +61,7 @@ from fived.muon_plan import Exchange, stage_plan
 from fived.planner.memory import ACTIVATION_BYTES, WEIGHT_BYTES, flat_numels, parameter_shapes
 from fived.planner.runtimes import FIVED, Runtime
 
-GROUPS = ("tp", "cp", "ep", "edp", "pp", "dp_cp", "dp_shard_cp", "dp_replicate", "dp_cp_tp")
+GROUPS = ("tp", "cp", "ep", "edp", "pp", "dp_cp", "dp_shard_cp", "dp_replicate", "dp_cp_tp", "cp_ulysses", "cp_ring")
 NORM = 8  # the clipping norm: one float64 per group
 
 
@@ -77,14 +80,16 @@ class Collective:
 
 
 def group_span(layout: Layout, group: str) -> tuple[int, int]:
-    """(ranks in the group, their distance on the mesh): tp innermost, then cp, dp_shard,
-    dp_replicate, pp; experts fold over dp*cp*tp with etp innermost, ep, then edp."""
+    """(ranks in the group, their distance on the mesh): tp innermost, then cp (hybrid: its Ulysses
+    groups inside, the ring across), dp_shard, dp_replicate, pp; experts fold over dp*cp*tp with etp
+    innermost, ep, then edp."""
     L = layout
     etp = L.expert_tp
     return {"tp": (L.tp, 1), "cp": (L.cp, L.tp), "ep": (L.ep, etp),
             "edp": (L.dp * L.cp * L.tp // (L.ep * etp), L.ep * etp), "pp": (2, L.tp * L.cp * L.dp),
             "dp_cp": (L.dp * L.cp, L.tp), "dp_shard_cp": (L.dp_shard * L.cp, L.tp),
-            "dp_replicate": (L.dp_replicate, L.tp * L.cp * L.dp_shard), "dp_cp_tp": (L.dp * L.cp * L.tp, 1)}[group]
+            "dp_replicate": (L.dp_replicate, L.tp * L.cp * L.dp_shard), "dp_cp_tp": (L.dp * L.cp * L.tp, 1),
+            "cp_ulysses": (L.ulysses, L.tp), "cp_ring": (L.cp // L.ulysses, L.tp * L.ulysses)}[group]
 
 
 def step_collectives(m: ModelConfig, layout: Layout, seq_len: int, global_batch: int, dtype: str, chunks,
@@ -122,15 +127,7 @@ def step_collectives(m: ModelConfig, layout: Layout, seq_len: int, global_batch:
         add("ep", "all_to_all_single", slots * m.dim * w / n, n * (fwd + 1) * moe_layers * micro, "ep")
         add("ep", "all_to_all_single", slots * m.dim * e / n, n * (fwd + 1) * moe_layers * micro, "ep")
     if L.cp > 1:
-        ring = e if runtime.flash_ring else max(e, 4)
-        kv = L.micro_batch * kv_width(m, L.tp) * (seq_len // L.cp) * ring
-        dkv = kv * max(ring, 4) // ring if runtime.is_fived else kv  # fived accumulates dK, dV in >= fp32
-        positions = 0 if runtime.flash_ring else 8 * seq_len // L.cp
-        per_layer = (fwd * (L.cp - 1) * (2 * kv + positions) + (L.cp - 1) * (2 * kv + 2 * dkv + positions)
-                     + 2 * dkv)
-        hops = fwd * (L.cp - 1) + L.cp
-        add("cp", "send", per_layer / hops, hops * layers * micro, "cp")
-        add("cp", "recv", per_layer / hops, hops * layers * micro, "")
+        _context_parallel(add, m, L, seq_len, e, fwd, layers, micro, runtime)
         # MoE load-balancing statistics summed over the sequence's cp ranks: [b, 2E+1] per layer
         add("cp", "all_reduce", L.micro_batch * (2 * m.n_experts + 1) * max(e, 4), fwd * moe_layers * micro, "cp")
     if L.pp > 1:
@@ -139,6 +136,34 @@ def step_collectives(m: ModelConfig, layout: Layout, seq_len: int, global_batch:
     if L.optimizer == "muon" and runtime.is_fived and sizes["dp_cp_tp"] > 1:
         out += _muon_exchange(m, L, dtype, chunks, member)
     return out
+
+
+def _context_parallel(add, m, L, seq_len, e, fwd, layers, micro, runtime) -> None:
+    """Ulysses' all-to-alls inside groups of u = L.ulysses ranks, then the ring across cp/u of them
+    (ring mode: u = 1; ulysses: the whole cp group; hybrid: cp_ulysses ranks, cp_ring across)."""
+    u, tokens = L.ulysses, L.micro_batch * seq_len // L.cp
+    kv_heads = kv_width(m, L.tp) // m.head_dim
+    # fived's order keys (document << 32 | position, int64) travel where blocks are masked
+    keys = 8 * tokens if runtime.is_fived and (L.document_mask or u > 1) else 0
+    if u > 1:  # q, k, v and the output, forward and (their gradients) backward; keys gathered forward
+        group = "cp" if u == L.cp else "cp_ulysses"
+        kv_heads = kv_heads if kv_heads % u == 0 else u  # (kv heads repeated up to u)
+        a2a = tokens * m.head_dim * e * (2 * m.n_heads // L.tp + 2 * kv_heads)
+        add(group, "all_to_all_single", a2a / 4, 4 * (fwd + 1) * layers * micro, "cp_a2a")
+        add(group, "all_gather_single", u * keys, fwd * layers * micro, "cp_a2a")
+        tokens, kv_heads = u * tokens, kv_heads // u
+    ranks = L.cp // u
+    if ranks == 1:
+        return
+    ring = e if runtime.flash_ring else max(e, 4)
+    kv = tokens * kv_heads * m.head_dim * ring
+    dkv = kv * max(ring, 4) // ring if runtime.is_fived else kv  # fived accumulates dK, dV in >= fp32
+    positions = (keys * u) if runtime.flash_ring else 8 * seq_len // L.cp
+    per_layer = fwd * (ranks - 1) * (2 * kv + positions) + (ranks - 1) * (2 * kv + 2 * dkv + positions) + 2 * dkv
+    hops = fwd * (ranks - 1) + ranks
+    group = "cp" if u == 1 else "cp_ring"
+    add(group, "send", per_layer / hops, hops * layers * micro, "cp")
+    add(group, "recv", per_layer / hops, hops * layers * micro, "")
 
 
 def _muon_exchange(m: ModelConfig, L: Layout, dtype: str, chunks, member: int | None) -> list[Collective]:
@@ -245,7 +270,8 @@ def _data_parallel(add, m: ModelConfig, L: Layout, chunks, micro: int, dtype: st
         padded = sum(b.piece for b in cut) * shards if cut else math.ceil(n / shards) * shards
         calls = max(1, len(cut))
         g = runtime.gather_bytes or WEIGHT_BYTES[dtype]
-        add("dp_shard_cp", "reduce_scatter_single", padded * r / calls, calls, "dp")
+        every = micro if L.zero == 2 and runtime.reduce_per_microbatch else 1
+        add("dp_shard_cp", "reduce_scatter_single", padded * r / calls, calls * every, "dp")
         add("dp_shard_cp", "all_gather_single", padded * g / calls, calls, "dp")
         add("dp_replicate", "all_reduce", padded // shards * r / calls, calls, "dp")
         add("dp_shard_cp", "all_reduce", NORM, 1, "dp")

@@ -12,11 +12,11 @@ from fived.config import ModelConfig
 from fived.metrics import matmul_params_per_token
 from fived.planner.basis import basis
 from fived.planner.runtimes import FIVED, Runtime
-from fived.planner.search import DECISIONS, Plan, Search
+from fived.planner.search import DECISIONS, Plan, Search, cp_modes, evaluate
 from fived.planner.timing import Cluster
 
 PARTS = {"compute": "compute", "bubble": "pipeline bubble", "tp": "tensor-parallel communication",
-         "cp": "context-parallel ring", "ep": "expert all-to-all", "pp": "pipeline send/recv",
+         "cp": "context-parallel communication", "ep": "expert all-to-all", "pp": "pipeline send/recv",
          "dp": "gradient reduction (exposed)", "optimizer": "optimizer step", "overhead": "host overhead"}
 
 
@@ -52,6 +52,35 @@ def _link_notes(plan: Plan, cluster: Cluster) -> list[str]:
     if L.dp * L.cp > 1:
         notes.append("gradients reduced " + ("inside a node" if L.tp * L.cp * L.dp <= g else "across nodes"))
     return notes
+
+
+def _cp_mode_name(layout) -> str:
+    return f"hybrid (Ulysses groups of {layout.cp_ulysses}, a ring across)" if layout.cp_mode == "hybrid" \
+        else layout.cp_mode
+
+
+def _cp_mode_note(winner: Plan, model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int, dtype: str,
+                  runtime: Runtime, headroom_gib: float) -> list[str]:
+    """Why the winner's context parallelism is a ring, Ulysses or hybrid: its exposed cp time against
+    the same layout's in every other mode the heads allow."""
+    L = winner.layout
+    if L.cp == 1:
+        return []
+    lines = [f"  cp mode: {_cp_mode_name(L)}, {winner.time.cp:.3g} s of cp communication exposed (the ring's "
+             "hops hide behind the attention blocks; Ulysses' all-to-alls of q, k, v and the output do not)"]
+    for mode, u in cp_modes(model, L.tp, L.cp):
+        other = L.with_(cp_mode=mode, cp_ulysses=u)
+        if other == L:
+            continue
+        plan = evaluate(model, other, cluster, seq_len, global_batch, dtype, runtime, headroom_gib)
+        if plan is not None:
+            lines.append(f"    {_cp_mode_name(other)}: {plan.time.cp:.3g} s exposed, step "
+                         f"{(plan.time.total / winner.time.total - 1) * 100:+.1f}%"
+                         + ("" if plan.fits else ", does not fit"))
+    heads = model.n_heads // L.tp
+    if len(cp_modes(model, L.tp, L.cp)) == 1:
+        lines.append(f"    Ulysses cannot split the {heads} heads of a tp rank over any group of these {L.cp} ranks")
+    return lines
 
 
 def runners_up(search: Search) -> list[tuple[str, list, Plan | None]]:
@@ -113,6 +142,7 @@ def report(search: Search, model: ModelConfig, cluster: Cluster, seq_len: int, g
               f"  step {w.time.total:.3g} s = {_time_parts(w)}",
               f"  memory {_gib(w.memory.total)} of {hw.memory_gib:g} GiB = {_memory_parts(w)}",
               "  links: " + ("; ".join(_link_notes(w, cluster)) or "single GPU"),
+              *_cp_mode_note(w, model, cluster, seq_len, global_batch, dtype, runtime, headroom_gib),
               "  basis: " + "\n         ".join(basis(model, cluster, runtime, w.layout, seq_len)),
               "runners-up (the best plan deciding one thing differently):"]
     for d, values, p in runners_up(search):

@@ -66,6 +66,11 @@ class Hardware:
     #   queued ahead on GPUs (0), fitted for CPU ranks
     core_share: float = 1.0  # share of a core (a device) each rank has: ranks sharing cores fill each
     #   other's pipeline idle time
+    gemm_efficiency: float = 0.0  # share of peak every matmul reaches whatever its shape (CPU ranks:
+    #   fitted by benchmarks/bench_planner_cpu.py); 0: the calibration's for `calibration`'s generation
+    dispatch_s: float = 0.0  # per operator a forward without autograd (serving) dispatches from Python: host
+    #   time the device does not hide (0 on GPUs, whose serving engines replay decode steps as CUDA graphs;
+    #   fitted for CPU ranks by benchmarks/bench_serve_cpu.py --fit)
 
 
 CATALOGUE: dict[str, Hardware] = {h.name: h for h in (
@@ -120,9 +125,11 @@ def hardware(name_or_path: str, memory_gib: float | None = None) -> Hardware:
 # matmul rate is that host's one-thread float32 rate (device_peak_tflops, best of five), kept fixed:
 # measured again at plan time it would follow whatever else the host runs that instant.
 CPU_MEDIAN_ERROR = 13.5  # % over the benchmark's layouts (what a run printed: see README)
+DISPATCH_CPU_S = 2.5e-6  # benchmarks/bench_serve_cpu.py --fit (float32 priced, as the ranks run): the median of
+#   three runs' fits, 2.4-3.6 us (README, "Serving")
 CPU = Hardware("cpu", 0.105, 0.0, 10.0, 0.5, 0.5, "cpu", link_latency_s=1e-3, network_latency_s=1e-3,
                layer_overhead_s=2.25e-3, step_overhead_s=4e-3, peer_latency_s=2e-4, launch_s=2.5e-6,
-               zero3_overhead_s=4e-3)
+               zero3_overhead_s=4e-3, gemm_efficiency=0.2, dispatch_s=DISPATCH_CPU_S)
 
 
 def local_hardware(world: int) -> Hardware:
@@ -148,6 +155,7 @@ def local_hardware(world: int) -> Hardware:
                    layer_overhead_s=CPU.layer_overhead_s / share, step_overhead_s=CPU.step_overhead_s / share,
                    link_latency_s=CPU.link_latency_s / share, network_latency_s=CPU.network_latency_s / share,
                    zero3_overhead_s=CPU.zero3_overhead_s / share, peer_latency_s=CPU.peer_latency_s / share,
+                   dispatch_s=CPU.dispatch_s / share,
                    launch_s=CPU.launch_s / share, core_share=share)
 
 

@@ -222,7 +222,8 @@ def activation_bytes_per_microbatch(m: ModelConfig, layout: Layout, seq_len: int
 def _activation_layout(layout: Layout) -> Layout:
     """What decides the activation bytes of a chunk: the sizes, micro-batch, SP, checkpointing."""
     return Layout(tp=layout.tp, cp=layout.cp, ep=layout.ep, etp=layout.etp, sp=layout.sp,
-                  micro_batch=layout.micro_batch, checkpointing=layout.checkpointing)
+                  micro_batch=layout.micro_batch, checkpointing=layout.checkpointing, cp_mode=layout.cp_mode,
+                  cp_ulysses=layout.cp_ulysses, document_mask=layout.document_mask)
 
 
 @lru_cache(maxsize=262144)
@@ -236,7 +237,8 @@ def _activations(key: tuple, layout: Layout, seq_len: int, dtype: str, layers: t
     L = layout
     parts = activation_bytes(m, micro_batch_seqs=L.micro_batch, seq_len=seq_len, tp=L.tp, sp=L.sp, cp=L.cp, ep=L.ep,
                              dtype_bytes=ACTIVATION_BYTES[dtype], checkpointing=L.checkpointing, layers=layers,
-                             first=first, last=last, autocast=PRECISION_SPECS[dtype].autocast)
+                             first=first, last=last, autocast=PRECISION_SPECS[dtype].autocast, ulysses=L.ulysses,
+                             document_mask=L.document_mask)
     return sum(parts.values())
 
 

@@ -8,7 +8,8 @@ rows it read and "row N skipped: <reason>" lines. Reading rules (each documented
 - Model: GPT-style rows (GeLU MLP of width F, two matrices) become our SwiGLU block with the same
   matmul parameters: ffn = 2F/3 rounded to a multiple of 8*tp. A row is gated (SwiGLU, GeGLU) when
   its architecture notes say so, or, unsaid, when it has grouped-query attention or a Llama-family
-  name. Missing kv_heads: multi-head attention; missing ffn_hidden: 4 x hidden (GeLU). MoE columns:
+  name. Missing kv_heads: multi-head attention; missing ffn_hidden: 4 x hidden (GeLU); missing
+  vocab: the model family's (`FAMILY_VOCAB`), else the head ignored, noted. MoE columns:
   moe_experts, moe_top_k (default 2), moe_shared_experts, moe_ffn_hidden (default ffn_hidden), the
   first dense layers (a column naming dense layers, or "first N ... dense" in the notes). Expert
   parallelism wider than dp*cp spans the tp ranks: Megatron-Core's folding, etp 1 unless stated.
@@ -16,14 +17,18 @@ rows it read and "row N skipped: <reason>" lines. Reading rules (each documented
   The inter-node link, when the row states it as "N x M Gb/s" per node, replaces the catalogue's.
 - Layout: tp, pp, cp, ep, etp, vpp/pp_schedule, sp, micro_batch, recomputation, the ZeRO/FSDP wording
   (`fived.planner.runtimes.zero_stage`); an unsaid schedule in Megatron is its default, 1F1B.
+  A missing tp is what the GPUs leave with a stated dp (gpus/(dp*pp*cp)); more virtual stages than
+  layers, the most that hold a layer each (Megatron's stages of only the embedding or the loss).
   What else the row leaves out is the planner's choice — the
   fastest option that fits the GPU's memory (or the fastest, when none fits) — and shown as such.
   dp inconsistent with gpus/(tp*pp*cp) is derived from the GPU count, and noted. --tp-comm-overlap
   implies sequence parallelism, --overlap-param-gather the distributed optimizer (Megatron requires it).
 - Global batch: global_batch_seqs, or global_batch_tokens / seq_len, or micro_batch x grad_accum x
-  dp; unstated, the global batch per data-parallel rank of a row of the same source and model that
-  states one; else, without a pipeline, one micro-batch per rank of the planner's size; with one,
-  4*pp micro-batches per rank.
+  dp, or a local batch per data-parallel replica x dp (a `local_batch` column, or under a pipeline
+  a micro_batch the notes call the local batch or torchtitan's: split into pipeline micro-batches of
+  the planner's size); unstated, the global batch per data-parallel rank of a row of the same source
+  and model that states one; else, without a pipeline, one micro-batch per rank of the planner's
+  size; with one, 4*pp micro-batches per rank.
 - Throughput, tokens/s per GPU: tokens_per_s_per_gpu, derived_tokens_per_s_per_gpu, or converted
   from step_time_s, tflops_per_gpu or mfu_pct with the papers' model-FLOP count (6 x matmul
   parameters + attention, no recomputation: `metrics.flops_per_token`).
@@ -43,6 +48,11 @@ from fived.planner.timing import Cluster
 
 MISSING = ("", "n/a", "na", "-", "?", "unknown", "not stated", "none stated", "nan", "null")
 GATED_NAMES = ("llama", "mistral", "mixtral", "qwen", "internlm", "olmo", "deepseek", "aquila", "baichuan", "yi-")
+# A row without a vocabulary takes its family's (the tokenizers' published sizes; first match wins),
+# noted; a family not here: the head's share ignored (a vocabulary of 1 token), noted.
+FAMILY_VOCAB = (("llama-3", 128256), ("llama3", 128256), ("llama", 32000), ("mixtral", 32000), ("mistral", 32000),
+                ("qwen", 151936), ("deepseek-v2", 102400), ("deepseek-v3", 129280), ("deepseek", 102400),
+                ("internlm", 103168), ("gpt", 50257), ("olmo", 50304))
 
 
 class Skip(Exception):
@@ -62,6 +72,12 @@ class Row:
     open: dict  # layout fields it leaves to the planner: name -> candidate values
     reported: float  # tokens/s per GPU
     notes: list = field(default_factory=list)  # what the reading derived or assumed, shown per row
+
+
+def row_kinds(row: Row) -> tuple[str, ...]:
+    """What validation reports errors by: "moe" and/or "fp8", else "dense"."""
+    kinds = (("moe",) if row.model.is_moe else ()) + (("fp8",) if row.runtime.fp8 else ())
+    return kinds or ("dense",)
 
 
 def number(r: dict, column: str, required: bool = False) -> float | None:
@@ -111,9 +127,23 @@ def read_runs(path: str | Path) -> tuple[list[Row], list[str]]:
     return rows, skipped
 
 
-def _model(r: dict) -> ModelConfig:
+def _vocab(r: dict, notes: list) -> int:
+    """The row's vocabulary; unstated, its family's (noted), else 1 token: the head's share ignored."""
+    vocab = integer(r, "vocab")
+    if vocab:
+        return vocab
+    name = text(r, "model").lower()
+    family = next(((f, v) for f, v in FAMILY_VOCAB if f in name), None)
+    if family:
+        notes.append(f"vocab: unstated, {family[0]}'s {family[1]}")
+        return family[1]
+    notes.append("vocab: unstated, the head's share ignored")
+    return 1
+
+
+def _model(r: dict, notes: list) -> ModelConfig:
     hidden, heads = integer(r, "hidden", True), integer(r, "heads", True)
-    layers, vocab = integer(r, "num_layers", True), integer(r, "vocab", True)
+    layers, vocab = integer(r, "num_layers", True), _vocab(r, notes)
     if not hidden or not heads or not layers or hidden % heads:
         raise Skip(f"hidden={hidden}, heads={heads}, num_layers={layers}: not a transformer shape")
     kv = integer(r, "kv_heads") or heads
@@ -160,14 +190,20 @@ def _cluster(r: dict) -> Cluster:
 
 
 def _row(r: dict, label: str, records: list[dict]) -> Row:
-    model, cluster = _model(r), _cluster(r)
-    seq = integer(r, "seq_len", True)
     notes: list[str] = []
+    model, cluster = _model(r, notes), _cluster(r)
+    seq = integer(r, "seq_len", True)
     framework, remarks = text(r, "framework"), text(r, "notes")
     runtime = framework_runtime(framework, remarks, text(r, "precision"))
     fixed, open_ = _layout(r, model, cluster, runtime, notes)
-    global_batch = _global_batch(r, records, fixed, notes)
-    if fixed.get("micro_batch") is None:
+    local = _local_batch(r, fixed)
+    if local:  # sequences per data-parallel replica, split into pipeline micro-batches of the planner's size
+        notes.append(f"local batch {local} per replica" + (" (the row's micro_batch)" if fixed["micro_batch"] else ""))
+        fixed["micro_batch"] = None
+    global_batch = _global_batch(r, records, fixed, notes) if not local or _stated_batch(r) else local * fixed["dp"]
+    if local:
+        open_["micro_batch"] = [b for b in (1, 2, 4, 8, 16) if local % b == 0]
+    elif fixed.get("micro_batch") is None:
         fixed.pop("micro_batch", None)
         local = global_batch // max(1, fixed["dp"]) if global_batch else 8
         open_["micro_batch"] = [b for b in (1, 2, 4, 8) if local % b == 0] or [1]
@@ -177,21 +213,39 @@ def _row(r: dict, label: str, records: list[dict]) -> Row:
                _reported(r, model, seq, global_batch, cluster), notes)
 
 
+def _local_batch(r: dict, fixed: dict) -> int | None:
+    """Sequences per data-parallel replica and step, where the row states its batch that way: a
+    `local_batch` column, or under a pipeline a micro_batch its notes call the local batch, or
+    torchtitan's (its local batch size is split into pipeline micro-batches)."""
+    local = integer(r, "local_batch")
+    said = "local batch" in text(r, "notes").lower() or "torchtitan" in text(r, "framework").lower()
+    if not local and fixed["pp"] > 1 and said:
+        local = fixed["micro_batch"]
+    return local or None
+
+
+def _stated_batch(r: dict) -> bool:
+    return bool(integer(r, "global_batch_seqs") or integer(r, "global_batch_tokens"))
+
+
 def _layout(r: dict, model: ModelConfig, cluster: Cluster, runtime: Runtime, notes: list) -> tuple[dict, dict]:
     gpus = cluster.gpus
     tp, pp, cp = integer(r, "tp"), integer(r, "pp"), integer(r, "cp") or 1
     ep, etp = integer(r, "ep") or 1, integer(r, "etp")
     open_: dict = {}
+    dp = integer(r, "dp")
+    if tp is None and dp and gpus % (dp * cp * (pp or 1)) == 0:  # what the GPUs leave for tp
+        tp = gpus // (dp * cp * (pp or 1))
+        notes.append(f"tp {tp} = gpus/(dp*pp*cp) (unstated)")
     if tp is None:
         open_["tp"] = [t for t in (1, 2, 4, 8) if t <= cluster.gpus_per_node and model.n_heads % t == 0
-                       and gpus % (t * cp * (pp or 1)) == 0]
+                       and gpus % (t * cp * (pp or 1)) == 0] or [1]
     if pp is None:
         open_["pp"] = [1]
     fixed = {"tp": tp or 1, "pp": pp or 1, "cp": cp, "ep": ep}
     model_parallel = fixed["tp"] * fixed["pp"] * cp
     if gpus % model_parallel:
         raise Skip(f"num_gpus={gpus} is not a multiple of tp*pp*cp={model_parallel}")
-    dp = integer(r, "dp")
     fixed["dp"] = gpus // model_parallel
     if tp is not None and etp is not None and etp != tp:
         fixed["etp"] = etp
@@ -208,7 +262,7 @@ def _layout(r: dict, model: ModelConfig, cluster: Cluster, runtime: Runtime, not
         fixed["sp"] = fixed["tp"] > 1
     elif fixed["tp"] > 1 or "tp" in open_:
         open_["sp"] = [False, True]
-    _schedule(r, model, fixed, open_, runtime)
+    _schedule(r, model, fixed, open_, runtime, notes)
     stated = zero_stage(text(r, "zero_or_fsdp"))
     zero = stated if stated is not None else (1 if "--overlap-param-gather" in remarks or "--use-distributed-optimizer"
                                               in remarks else 3 if runtime.name == "fsdp" else 0)
@@ -231,14 +285,21 @@ def _layout(r: dict, model: ModelConfig, cluster: Cluster, runtime: Runtime, not
     return fixed, open_
 
 
-def _schedule(r: dict, model: ModelConfig, fixed: dict, open_: dict, runtime: Runtime) -> None:
-    """The row's schedule; unsaid, Megatron's default (1F1B without virtual stages), else the planner's."""
+def _schedule(r: dict, model: ModelConfig, fixed: dict, open_: dict, runtime: Runtime, notes: list) -> None:
+    """The row's schedule; unsaid, Megatron's default (1F1B without virtual stages), else the planner's.
+    More virtual stages than layers (Megatron's stages holding only the embedding or the loss): the
+    most that hold a layer each, noted."""
     pp = fixed["pp"]
     if pp == 1 and "pp" not in open_:
         return
     schedule, vpp = text(r, "pp_schedule").lower(), integer(r, "vpp")
+    if pp > model.n_layers:
+        raise Skip(f"pp={pp} > num_layers={model.n_layers}")
     if pp > 1 and ("interleaved" in schedule or (vpp or 1) > 1):
-        fixed.update(pp_schedule="interleaved-1f1b", pp_virtual=vpp or 2)
+        virtual = min(vpp or 2, model.n_layers // pp)
+        if virtual != (vpp or 2):
+            notes.append(f"vpp {vpp or 2} -> {virtual}: {pp * (vpp or 2)} stages, {model.n_layers} layers")
+        fixed.update(pp_schedule="interleaved-1f1b" if virtual > 1 else "1f1b", pp_virtual=virtual)
     elif pp > 1 and ("1f1b" in schedule or runtime.name.startswith("megatron")):
         fixed.update(pp_schedule="1f1b", pp_virtual=1)
     elif pp > 1:

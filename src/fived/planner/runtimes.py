@@ -34,25 +34,28 @@ documented defaults:
   experts; FP8 GEMMs when the row's precision says FP8.
 - PyTorch FSDP (FSDP1/FSDP2, torchtitan-style or HF): fp32 sharded parameters gathered in bf16
   (float8 all-gather with FP8), reductions overlapped, eager kernels unless compiled.
-- DeepSpeed ZeRO, InternEvo and other ZeRO-style runtimes: bf16 weights and gradients, fp32 master
-  and Adam sharded by stage; fused kernels unless the model is Hugging Face's.
+- DeepSpeed ZeRO, InternEvo, PaddlePaddle and other ZeRO-style runtimes: bf16 weights and gradients,
+  fp32 master and Adam sharded by stage, ZeRO-2 reducing every micro-batch's gradients; reductions
+  overlapped (Paddle's sharding stages: not, before PaddleNLP added it in 2024); fused kernels unless
+  the model is Hugging Face's or the row's norm is unfused (use_fused_rms_norm=False).
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
 
-MCORE_TP_OVERLAP = 1.0  # share of tp communication --tp-comm-overlap hides (fitted, fived.planner.calibration)
-
-
 @dataclass(frozen=True)
 class Runtime:
     name: str = "fived"
     # what it overlaps
-    tp_overlap: float = 0.0  # share of tensor-parallel communication hidden behind GEMMs
+    tp_overlap: bool = False  # tensor-parallel communication hidden behind GEMMs, as much as Megatron-Core's
+    #   --tp-comm-overlap hides (a calibrated share: fived.planner.constants)
     grad_overlap: bool = True  # ZeRO-0 (DDP) / ZeRO-3 (FSDP) reduce during the last backward (pp=1)
     zero12_overlap: bool = False  # ZeRO-1/2 reduce-scatter overlapped with backward
     pipeline_grad_overlap: bool = False  # the dp reduction overlapped under pipeline schedules
+    # ZeRO-2 reduce-scatters every micro-batch's gradients into the partitioned ones (DeepSpeed, Paddle's
+    # sharding stage 2), not the step's once (fived, Megatron keep a full gradient buffer)
+    reduce_per_microbatch: bool = False
     # communication dtypes, bytes (0: fived's rule — see fived.planner.communication)
     reduce_bytes: int = 0  # gradient reduction
     gather_bytes: int = 0  # ZeRO-1/2 parameter all-gather (ZeRO-3 gathers in the compute dtype)
@@ -65,6 +68,8 @@ class Runtime:
     activations: str = "fived"  # fived: fived.activation_model; megatron: Korthikanti et al. (flash)
     # kernels
     fused: bool = False  # fused norm / RoPE / activation kernels (Transformer Engine, apex, compile)
+    python_norm: bool = False  # unfused: RMSNorm written out in Python ops (Hugging Face's LlamaRMSNorm,
+    #   Paddle's without use_fused_rms_norm), not one kernel
     fp8: bool = False  # FP8 GEMMs (Transformer Engine, torchao float8)
     ep_overlap: bool = False  # expert all-to-all of one chunk of tokens under another's expert GEMMs
     # one grouped GEMM for a rank's experts (fived: on CUDA in bf16 only; priced as its CPU loop)
@@ -77,12 +82,6 @@ class Runtime:
 
 
 FIVED = Runtime(flash_ring=True)
-
-
-# Share of tensor-parallel communication fived's overlap (parallel.tp_overlap) hides: assumed to be
-# Megatron-Core's fitted share (the same chunked all-gather/reduce-scatter under the GEMMs, and the
-# same bulk overlap in backward); fived's own overlap was never measured on a GPU.
-FIVED_TP_OVERLAP = MCORE_TP_OVERLAP
 
 
 def fived_runtime(fp8: str = "none", *, compiled: bool = False) -> Runtime:
@@ -102,7 +101,9 @@ def for_layout(runtime: Runtime, layout) -> Runtime:
     ep_overlap); another runtime's row states its own."""
     if not runtime.is_fived:
         return runtime
-    return replace(runtime, tp_overlap=FIVED_TP_OVERLAP if layout.tp_overlap else 0.0,
+    # fived's tp overlap (the same chunked all-gather/reduce-scatter under the GEMMs, the same bulk
+    # overlap in backward) is priced as hiding Megatron-Core's calibrated share: never measured on a GPU
+    return replace(runtime, tp_overlap=layout.tp_overlap,
                    zero12_overlap=layout.overlap_grad_reduce, pipeline_grad_overlap=layout.overlap_grad_reduce,
                    ep_overlap=layout.ep_overlap)
 
@@ -131,8 +132,11 @@ PLANNED_RUNTIMES = {
     "fived": replace(fived_runtime(compiled=True), grouped_experts=True),
     "fived-eager": replace(fived_runtime(), grouped_experts=True),
     "fived-fp8": replace(fived_runtime("rowwise", compiled=True), grouped_experts=True),
-    "megatron-core": replace(_MEGATRON, name="megatron-core", tp_overlap=MCORE_TP_OVERLAP, grad_overlap=True,
-                             zero12_overlap=True, pipeline_grad_overlap=True, grouped_experts=True, flash_ring=True),
+    # (ZeRO-2 there is Megatron-FSDP's optim_grads: gradients sharded, so each micro-batch's are reduce-
+    # scattered into the shard, as FSDP's; its distributed optimizer proper is ZeRO-1)
+    "megatron-core": replace(_MEGATRON, name="megatron-core", tp_overlap=True, grad_overlap=True,
+                             zero12_overlap=True, pipeline_grad_overlap=True, grouped_experts=True, flash_ring=True,
+                             reduce_per_microbatch=True),
 }
 PLANNED_RUNTIMES["megatron-core-fp8"] = replace(PLANNED_RUNTIMES["megatron-core"], fp8=True)
 PLANNED_RUNTIMES["fsdp"] = replace(_FSDP, fused=True)  # torch.compile'd, as torchtitan-style runs
@@ -173,17 +177,21 @@ def framework_runtime(framework: str, notes: str = "", precision: str = "") -> R
         return _MEGATRON
     if "megatron" in text or "nemo" in text or "flagscale" in text:
         overlap = "--tp-comm-overlap" in text
-        return replace(_MEGATRON, name="megatron-core", tp_overlap=MCORE_TP_OVERLAP if overlap else 0.0,
+        return replace(_MEGATRON, name="megatron-core", tp_overlap=overlap,
                        grad_overlap="--overlap-grad-reduce" in text or overlap,
                        zero12_overlap="--overlap-grad-reduce" in text or overlap,
                        pipeline_grad_overlap="--overlap-grad-reduce" in text or overlap,
                        grouped_experts=True, flash_ring=True, fp8=fp8)
-    # DeepSpeed ZeRO, InternEvo and other ZeRO-style runtimes: bf16 weights and gradients, fp32 master
-    # weights and Adam in the (sharded) optimizer, overlapped reductions; fused kernels unless the
-    # model is Hugging Face's
-    eager = "hugging face" in text or "transformers" in text
+    # DeepSpeed ZeRO, InternEvo, PaddlePaddle and other ZeRO-style runtimes: bf16 weights and gradients,
+    # fp32 master weights and Adam in the (sharded) optimizer, ZeRO-2 reducing every micro-batch,
+    # overlapped reductions (Paddle's sharding: not before PaddleNLP's sharding overlap, 2024); fused
+    # kernels unless the model is Hugging Face's or the row says its norm is unfused
+    eager = "hugging face" in text or "transformers" in text or "fused_rms_norm=false" in text
+    overlapped = "overlap_comm false" not in text and "paddle" not in text
     return replace(_FSDP, name="zero-style", param_bytes=2, grad_bytes=2, master_bytes=4, fused=not eager,
-                   zero12_overlap="overlap_comm false" not in text, grad_overlap="overlap_comm false" not in text, fp8=fp8)
+                   python_norm=eager,
+                   zero12_overlap=overlapped, grad_overlap="overlap_comm false" not in text, fp8=fp8,
+                   reduce_per_microbatch=True)
 
 
 def framework_activations(m, layout, seq_len: int, layers, first: bool, last: bool) -> int:

@@ -2,7 +2,8 @@
 memory, rank them by predicted step time, and say why the winner wins.
 
 The enumeration bounds (what "every valid layout" leaves out, on purpose): tp up to two nodes'
-worth of GPUs (beyond, every TP collective crosses the network), cp up to 32, virtual stages 2 and
+worth of GPUs (beyond, every TP collective crosses the network), cp up to 32 (as a ring, Ulysses, or
+Ulysses groups of any size that splits the heads joined by a ring), virtual stages 2 and
 4 for the interleaved schedules, micro-batches of 1, 2, 4, 8 sequences but no more than
 MICRO_BATCH_TOKENS tokens, and HSDP only as "shard inside a node, replicate across nodes".
 
@@ -19,6 +20,7 @@ from fived.config import Config, ConfigError, ModelConfig, TrainConfig
 from fived.layout.rules import layout_errors
 from fived.layout.layout import Layout
 from fived.layout.schedule_sim import check_schedule
+from fived.planner.constants import Constants
 from fived.planner.memory import MemoryEstimate, memory_per_gpu, reserve_bytes, state_floor
 from fived.planner.runtimes import FIVED, Runtime, with_overlap
 from fived.planner.timing import Cluster, StepTime, step_time
@@ -81,14 +83,15 @@ def layout_refusal(model: ModelConfig, layout: Layout, seq_len: int, global_batc
 
 def evaluate(model: ModelConfig, layout: Layout, cluster: Cluster, seq_len: int, global_batch: int,
              dtype: str = "bfloat16", runtime: Runtime = FIVED, headroom_gib: float = 0.0,
-             checked: bool = False) -> Plan | None:
-    """The plan of one layout (None if it cannot run; `checked`: the caller already knows it can)."""
+             checked: bool = False, constants: Constants | None = None) -> Plan | None:
+    """The plan of one layout (None if it cannot run; `checked`: the caller already knows it can),
+    priced with `constants` (default: the shipped calibration's)."""
     if not checked and not is_valid(model, layout, seq_len, global_batch):
         return None
     hw = cluster.hardware
     memory = memory_per_gpu(model, layout, seq_len, global_batch, dtype, hw.memory_gib, runtime)
-    return Plan(layout, memory, step_time(model, layout, cluster, seq_len, global_batch, dtype, runtime),
-                capacity_bytes(hw.memory_gib, headroom_gib))
+    return Plan(layout, memory, step_time(model, layout, cluster, seq_len, global_batch, dtype, runtime,
+                                          constants=constants), capacity_bytes(hw.memory_gib, headroom_gib))
 
 
 def capacity_bytes(memory_gib: float, headroom_gib: float) -> int:
@@ -129,12 +132,23 @@ def mesh_shapes(model: ModelConfig, gpus: int, gpus_per_node: int, seq_len: int,
                 if global_batch % dp:
                     continue
                 eps = [e for e in _divisors(dp * cp, model.n_experts) if model.n_experts % e == 0] if model.is_moe else [1]
-                for ep in eps:
-                    yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
+                for ep, (mode, u) in itertools.product(eps, cp_modes(model, tp, cp)):
+                    yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, cp_mode=mode, cp_ulysses=u)
                 if folded and model.is_moe and tp > 1:
                     for ep in _divisors(dp * cp * tp, model.n_experts):
                         if model.n_experts % ep == 0 and ep > 1:
                             yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, etp=1)
+
+
+def cp_modes(model: ModelConfig, tp: int, cp: int) -> list[tuple[str, int]]:
+    """(cp_mode, cp_ulysses) choices of a cp degree: the ring, and Ulysses over every group size whose
+    ranks can split the heads of a tp rank (all of cp: ulysses; a divisor between: hybrid)."""
+    out = [("ring", Layout.cp_ulysses)]
+    heads, kv = model.n_heads // tp, max(model.n_kv_heads // tp, 1)
+    for u in _divisors(cp, cp)[1:]:
+        if heads % u == 0 and (kv % u == 0 or u % kv == 0):
+            out.append(("ulysses", Layout.cp_ulysses) if u == cp else ("hybrid", u))
+    return out
 
 
 def state_choices(model: ModelConfig, mesh: Layout, gpus_per_node: int):
@@ -158,7 +172,7 @@ def activation_choices(layout: Layout, seq_len: int, global_batch: int):
             yield [layout.with_(micro_batch=mbs, sp=sp, checkpointing=ac) for ac in ("none", "selective", "full")]
 
 
-DECISIONS = ("tp", "pp", "cp", "ep", "etp", "zero", "dp_replicate", "sp", "pp_schedule", "micro_batch",
+DECISIONS = ("tp", "pp", "cp", "cp_mode", "ep", "etp", "zero", "dp_replicate", "sp", "pp_schedule", "micro_batch",
              "checkpointing")
 
 

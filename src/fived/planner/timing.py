@@ -5,26 +5,27 @@ dimension on the link its group actually uses, the overlap the runtime allows, a
 
 - compute: the busiest pipeline rank's model FLOPs (6 x matmul parameters + attention, per token;
   + one more layer forward with full checkpointing) as three kinds of work:
-    GEMMs at peak x `efficiency` (fitted on the published runs, `fived.planner.calibration`): the
+    GEMMs at peak x `efficiency` (constants fitted on the published runs: `fived.planner.constants`): the
       share of peak large transformer GEMMs reach, lowered for narrow per-GPU matrices (hidden/tp) by
-      width / (width + WIDTH_HALF) and for short ones by rows / (rows + ROWS_HALF): rows are a
+      width / (width + width_half) and for short ones by rows / (rows + rows_half): rows are a
       micro-batch's tokens, and for routed experts the tokens each expert receives (top_k/E of
       them, times ep: expert parallelism gathers an expert's tokens from ep ranks). FP8 GEMMs (a
-      runtime with FP8 on a GPU with FP8 tensor cores) take 1/FP8_SPEEDUP of the time (fitted).
+      runtime with FP8 on a GPU with FP8 tensor cores) take 1/fp8_speedup of the time (fitted).
       Experts run as a loop (fived) pay a kernel launch per expert GEMM (the hardware's launch_s).
     attention (QK^T, AV): at the GEMM efficiency with a fused kernel; a context-parallel ring of plain
       matmuls (a runtime without flash_ring) streams the fp32 score matrix RING_SCORE_PASSES times.
     memory-bound element-wise work (norms, RoPE, activation, residual adds, casts) at HBM speed:
       ELEMENTWISE_BYTES per token and layer, eager (fived) or fused (Transformer Engine, compile),
+      the residual stream's repeated on every tp rank without sequence parallelism,
       and fived's autocast weight copies (AUTOCAST_BYTES per parameter and micro-batch).
 - communication: the collectives of `fived.planner.communication` (the bytes `--report` checks
   against the ledger), each on the link its group uses: tp innermost on the mesh, then cp, then
   dp, pp outermost, so a group of ranks `stride` apart spanning `size` ranks stays in one node iff
   stride*size <= gpus per node. Inside a node at NVLink speed, across nodes at the GPU's network
-  share, each times LINK_EFFICIENCY, plus the hardware's latency per call. Ring collectives
+  share, each times link_efficiency, plus the hardware's latency per call. Ring collectives
   move 2(n-1)/n (all-reduce) or (n-1)/n (all-gather, reduce-scatter, all-to-all) of the bytes.
 - overlap (`Runtime`): `tp_overlap` of tp hidden, at most the GEMMs' time (what it hides under); the
-  ring behind the attention it overlaps with;
+  ring behind the attention it overlaps with (Ulysses' all-to-alls, cp_mode ulysses/hybrid: exposed);
   the dp reduction behind the last micro-batch's backward and ZeRO-3's prefetched gathers behind
   the step's compute, where the runtime overlaps them.
 - pipeline bubble: from the schedule simulator (`fived.layout.schedule_sim.pipeline_profile`);
@@ -32,7 +33,8 @@ dimension on the link its group actually uses, the overlap the runtime allows, a
 - optimizer: AdamW streams 28 bytes per owned parameter (read p, g, m, v; write p, m, v, fp32); Muon
   (train.optimizer=muon) streams its own per element of its matrices (`fived.muon_load.stream_bytes`)
   and adds its exchange's all-to-alls (`fived.planner.communication`, part "optimizer": bytes without
-  the rank's own share, so no (n-1)/n) and each bucket's busiest owner's Newton-Schulz GEMMs.
+  the rank's own share, priced as the n/(n-1) times them an all-to-all passes) and each bucket's
+  busiest owner's Newton-Schulz GEMMs.
 - overhead: host work the device does not hide (CPU ranks: per layer and micro-batch, per step).
 """
 from __future__ import annotations
@@ -48,33 +50,38 @@ from fived.muon_load import stream_bytes
 from fived.muon_plan import ns_flops, stage_plan
 from fived.layout.schedule_sim import pipeline_profile
 from fived.planner.communication import group_span, owned_parameters, step_collectives
+from fived.planner.constants import CALIBRATION, Constants
 from fived.planner.hardware import Hardware
 from fived.planner.memory import MOMENT_BYTES
 from fived.layout.stages import model_key, placement, rank_chunks_by_key, rank_stages
 from fived.planner.runtimes import FIVED, Runtime, for_layout
 
-LINK_EFFICIENCY = 0.8  # share of a link's bandwidth ring collectives reach (fitted; NCCL tests report 0.75-0.9)
-# Fitted on tests/data/published_runs.csv by fived.planner.calibration.fit (see there). B200 and
-# MI300X have no published runs in it and use the Hopper figure: uncalibrated. "cpu": fitted on
-# fived's own CPU step times by benchmarks/bench_planner_cpu.py.
-EFFICIENCY = {"ampere": 0.75, "hopper": 0.65, "cpu": 0.2}  # share of dense peak for wide GEMMs
-WIDTH_HALF = 256.0  # per-GPU hidden width (dim/tp) at which GEMM efficiency halves (fitted)
-ROWS_HALF = 128.0  # tokens per GEMM (micro-batch, or routed to one expert) at which it halves (assumed:
-#   the published runs' GEMMs all have thousands of tokens, so they cannot fit it)
-FP8_SPEEDUP = 1.4  # FP8 GEMM time relative to BF16 at the same shapes, casts included (fitted)
-EXPERT_EFFICIENCY = 0.6  # routed experts' share of a dense GEMM's efficiency at the same shapes:
-#   routing, permutation and grouped-GEMM overheads (fitted on the MoE runs)
+# The fitted constants (GEMM efficiency per GPU generation and its shape dependence, link
+# efficiency, tp overlap, FP8 speed-up, experts' efficiency) are data: `fived.planner.constants`
+# (the calibration file the fitter writes), passed to `step_time` or, by default, the shipped one.
+# B200 and MI300X have no published runs in it and take the Hopper figure: uncalibrated. CPU ranks
+# take their hardware entry's `gemm_efficiency` (fitted by benchmarks/bench_planner_cpu.py).
 HBM_EFFICIENCY = 0.8  # share of HBM bandwidth element-wise kernels stream at (assumed)
-# Element-wise bytes per token and layer, forward + backward, (per hidden unit, per ffn unit), counted
-# from the kernels each runtime runs (not fitted: the GEMM efficiency absorbs what the counts miss):
+# Element-wise bytes per token and layer, forward + backward, (per hidden unit on the residual stream,
+# per hidden unit inside attention, per ffn unit), counted from the kernels each runtime runs (not
+# fitted: the GEMM efficiency absorbs what the counts miss). The residual stream's work (norms, their
+# casts, residual adds) is repeated on every tp rank unless sequence parallelism splits it; the
+# attention's (RoPE, layout copies) and the ffn's are split over tp:
 #   eager (fived's model; Hugging Face's alike): fp32 residual stream; F.rms_norm x2 (fwd 8h, bwd 16h
 #   each); autocast's bf16 copy of a norm's output per consuming linear, 5 of them (fwd 6h, bwd ~14h
-#   each, the fp32 gradients summed); RoPE on q and k in fp32 (rotate-half: ~38 B/element forward,
-#   twice that backward, on h + h/4); residual adds (fwd 10h, bwd 6h, x2); SDPA's layout copies (~12h);
-#   SiLU and product on the ffn width in bf16 (fwd 10f, bwd 18f)            ~ (340, 30)
-#   fused (Transformer Engine, apex, torch.compile): norms inside the linears, fused RoPE and SwiGLU,
-#   bf16 residual adds                                                     ~ (50, 16)
-ELEMENTWISE_BYTES = {"eager": (340.0, 30.0), "fused": (50.0, 16.0)}
+#   each, the fp32 gradients summed); residual adds (fwd 10h, bwd 6h, x2)          ~ 180 (stream)
+#   RoPE on q and k in fp32 (rotate-half: ~38 B/element forward, twice that backward, on h + h/4);
+#   SDPA's layout copies (~12h)                                                  ~ 160 (attention)
+#   SiLU and product on the ffn width in bf16 (fwd 10f, bwd 18f)                 ~ 30 (ffn)
+#   fused (Transformer Engine, apex, torch.compile): norms inside the linears (~24h) and bf16 residual
+#   adds (~20h); fused RoPE (~6h); fused SwiGLU (16f)                            ~ (44, 6, 16)
+ELEMENTWISE_BYTES = {"eager": (180.0, 160.0, 30.0), "fused": (44.0, 6.0, 16.0)}
+# An RMSNorm written out in Python ops (cast to fp32, pow, mean, rsqrt, multiply, cast back, times the
+# weight: ~36 bytes per element forward, ~72 backward) instead of one kernel (~24): per norm, 2 a layer
+PYTHON_NORM_EXTRA_BYTES = 108.0 - 24.0
+# Routed tokens' permutation per top_k slot and hidden unit, bf16: gather into expert order and the
+# weighted scatter back, forward (r+w 4 + 4 bytes) and backward (4 + ~6) — the dispatcher's memory traffic
+DISPATCH_BYTES = 18
 AUTOCAST_BYTES = 16  # per parameter and micro-batch (fived): fp32 -> bf16 copy in forward (r 4, w 2),
 #   its bf16 gradient cast and accumulated into the fp32 one in backward (r 2 + 4, w 4)
 RING_SCORE_PASSES = 29  # fp32 score-matrix reads+writes per ring block, forward 11 + backward 18 (context.py)
@@ -132,25 +139,75 @@ def in_node(gpus_per_node: int, stride: int, size: int) -> bool:
     return span <= gpus_per_node and gpus_per_node % span == 0
 
 
-def _link(cluster: Cluster, stride: int, size: int) -> tuple[float, float]:
-    """(bytes/s, latency) of a group: NVLink when its span stays inside one node, else the network."""
-    hw = cluster.hardware
-    if size == 1 or in_node(cluster.gpus_per_node, stride, size):
-        return hw.nvlink_gbps * 1e9 * LINK_EFFICIENCY, hw.link_latency_s
-    return hw.network_gbps * 1e9 * LINK_EFFICIENCY, hw.network_latency_s
-
-
 _RING = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather_single": lambda n: (n - 1) / n,
          "reduce_scatter_single": lambda n: (n - 1) / n, "all_to_all_single": lambda n: (n - 1) / n,
          "send": lambda n: 1.0}
 
 
-def efficiency(width: float, rows: float, hw: Hardware) -> float:
-    """Share of peak a GEMM with `rows` tokens and a per-GPU hidden `width` reaches. (CPU ranks: the
-    share of the matmul rate measured on the host, whatever the shape.)"""
-    if hw.calibration == "cpu":
-        return EFFICIENCY["cpu"]
-    return EFFICIENCY[hw.calibration] * width / (width + WIDTH_HALF) * rows / (rows + ROWS_HALF)
+@dataclass(frozen=True)
+class Link:
+    """What a group's collectives run on: `size` ranks, `per_node` of them in each node they span."""
+    size: int
+    per_node: int
+    nvlink: float  # bytes/s per GPU inside a node (times link_efficiency)
+    network: float  # bytes/s of each GPU's own NIC (times link_efficiency)
+    latency: float  # per collective call
+
+    @property
+    def crosses(self) -> bool:
+        return self.per_node < self.size
+
+    def ring(self, c: Constants) -> float:
+        """Bytes/s a ring collective moves per rank: NVLink inside a node; across nodes NCCL runs
+        rings over several NICs, so a group with k ranks in each node reaches up to k NICs' worth —
+        `c.cross_node_rails` of them at most (fitted: congestion and rail alignment decide how many
+        pay off), and never more than NVLink."""
+        if not self.crosses:
+            return self.nvlink
+        return min(self.nvlink, min(self.per_node, c.cross_node_rails) * self.network)
+
+
+def members_per_node(gpus_per_node: int, stride: int, size: int) -> int:
+    """How many ranks of a group of `size` ranks `stride` apart share each node."""
+    if in_node(gpus_per_node, stride, size):
+        return size
+    return max(1, min(size, gpus_per_node // stride)) if stride < gpus_per_node else 1
+
+
+def group_link(cluster: Cluster, stride: int, size: int, c: Constants) -> Link:
+    """The link of a group of `size` ranks `stride` apart (NVLink inside a node, NICs across)."""
+    hw = cluster.hardware
+    k = size if size == 1 else members_per_node(cluster.gpus_per_node, stride, size)
+    return Link(size, k, hw.nvlink_gbps * 1e9 * c.link_efficiency, hw.network_gbps * 1e9 * c.link_efficiency,
+                hw.link_latency_s if k == size else hw.network_latency_s)
+
+
+def collective_seconds(op: str, nbytes: float, link: Link, hw: Hardware, c: Constants) -> float:
+    """One call of a collective moving `nbytes` per rank on `link`: ring collectives (all-reduce
+    2(n-1)/n of the bytes, all-gather and reduce-scatter (n-1)/n) at the ring's bandwidth with a
+    latency per ring step across nodes; an all-to-all sends (k-1)/n of its bytes over NVLink and
+    (n-k)/n over the rank's own NIC at once; a send its bytes once."""
+    n = link.size
+    if op == "send":
+        return nbytes / (link.network if link.crosses else link.nvlink) + link.latency + hw.peer_latency_s
+    steps = _RING[op](n) * n  # ring steps: n-1, 2(n-1) for all-reduce
+    if op == "all_to_all_single" and link.crosses:
+        k = link.per_node
+        transfer = nbytes * max((k - 1) / n / link.nvlink, (n - k) / n / link.network)
+    else:
+        transfer = _RING[op](n) * nbytes / link.ring(c)
+    step_latency = hw.peer_latency_s + (c.ring_step_latency_s if link.crosses else 0.0)
+    return transfer + link.latency + steps * step_latency
+
+
+def efficiency(width: float, rows: float, hw: Hardware, c: Constants, depth: float = float("inf")) -> float:
+    """Share of peak a GEMM reaches with `rows` tokens, a per-GPU narrow side `width` (hidden/tp) and a
+    full side `depth` (the hidden: the other dimension of every transformer GEMM), each factor
+    x / (x + its half-point). (CPU ranks: the share of the host's matmul rate, whatever the shape.)"""
+    if hw.gemm_efficiency:
+        return hw.gemm_efficiency
+    return (c.gemm_efficiency(hw.calibration) * width / (width + c.width_half) * rows / (rows + c.rows_half)
+            * depth / (depth + c.depth_half))
 
 
 def expert_share(m: ModelConfig, seq_len: int) -> float:
@@ -166,8 +223,10 @@ def attention_share(m: ModelConfig, seq_len: int) -> float:
 
 
 def step_time(model: ModelConfig, layout: Layout, cluster: Cluster, seq_len: int, global_batch: int,
-              dtype: str = "bfloat16", runtime: Runtime = FIVED) -> StepTime:
+              dtype: str = "bfloat16", runtime: Runtime = FIVED, *, constants: Constants | None = None) -> StepTime:
+    """The step of `layout` in `runtime`, priced with `constants` (default: the shipped calibration's)."""
     hw, L, m = cluster.hardware, layout, model
+    c = constants or CALIBRATION.constants
     runtime = for_layout(runtime, L)
     micro = L.microbatches(global_batch)
     tokens = global_batch * seq_len
@@ -177,29 +236,30 @@ def step_time(model: ModelConfig, layout: Layout, cluster: Cluster, seq_len: int
     layers_here = sum(len(layers) for layers, _, _ in chunks)
     recompute = layer_fraction / 3 if L.checkpointing == "full" else 0.0
     flops_gpu = model_flops * (1 + recompute) * share / (L.dp * L.cp * L.tp)
-    compute, attention = _compute(m, L, hw, runtime, dtype, seq_len, micro, layers_here, flops_gpu, 1 + recompute)
+    compute, attention = _compute(m, L, hw, runtime, dtype, seq_len, micro, layers_here, flops_gpu, 1 + recompute, c)
 
     collectives = step_collectives(m, L, seq_len, global_batch, dtype, chunks, rank_stages(L, pp_rank), runtime)
     time: dict[str, float] = defaultdict(float)
     moved: dict[str, float] = defaultdict(float)
     links = {}
     host = 0.0  # FSDP2's host work per gather / reduce-scatter (CPU ranks: not hidden)
-    for c in collectives:
-        if not c.part:
+    for call in collectives:
+        if not call.part:
             continue
-        if L.zero == 3 and c.group in ("dp_shard_cp", "edp") and c.op != "all_reduce":
-            host += c.calls * hw.zero3_overhead_s
-        if c.group not in links:
-            size, stride = group_span(L, c.group)
-            links[c.group] = (size,) + _link(cluster, stride, size)
-        size, bandwidth, latency = links[c.group]
-        steps = 1 if c.op == "send" else _RING[c.op](size) * size  # ring steps: n-1, 2(n-1) for all-reduce
-        share = 1.0 if c.sent_only else _RING[c.op](size)  # (the rank's own share stays)
-        time[c.part] += c.calls * (share * c.nbytes / bandwidth + latency + steps * hw.peer_latency_s)
-        moved[c.group] += c.total
+        if L.zero == 3 and call.group in ("dp_shard_cp", "edp") and call.op != "all_reduce":
+            host += call.calls * hw.zero3_overhead_s
+        if call.group not in links:
+            size, stride = group_span(L, call.group)
+            links[call.group] = group_link(cluster, stride, size, c)
+        nbytes = call.nbytes
+        if call.sent_only:  # (the rank's own share is not in them: priced as the n/(n-1) a collective passes)
+            nbytes *= links[call.group].size / (links[call.group].size - 1)
+        time[call.part] += call.calls * collective_seconds(call.op, nbytes, links[call.group], hw, c)
+        moved[call.group] += call.total
     # overlapped tp communication hides under the region's GEMMs, never more than they last
-    tp = time["tp"] - min(time["tp"] * runtime.tp_overlap, compute - attention)
-    cp = max(0.0, time["cp"] - attention)  # the ring hides behind the attention blocks
+    tp = time["tp"] - min(time["tp"] * (c.tp_overlap if runtime.tp_overlap else 0.0), compute - attention)
+    # the ring hides behind the attention blocks; Ulysses' all-to-alls stand between the projections and them
+    cp = max(0.0, time["cp"] - attention) + time["cp_a2a"]
     ep, pp = time["ep"], time["pp"]
     if runtime.ep_overlap:  # two chunks: one dispatch and one combine stay exposed, the rest under the experts
         ep = max(ep / 2, ep - compute * expert_share(m, seq_len))
@@ -208,7 +268,9 @@ def step_time(model: ModelConfig, layout: Layout, cluster: Cluster, seq_len: int
     if L.pp > 1:  # (FSDP2 under a schedule reduce-scatters during each stage's last backward, always)
         overlap = runtime.pipeline_grad_overlap or (runtime.grad_overlap and L.zero == 3)
     if overlap:  # the reduction behind the last micro-batch's backward, the gathers behind all compute
-        dp = max(0.0, dp - compute * 2 / 3 / micro) + max(0.0, time["dp_gather"] - compute)
+        # (a reduction per micro-batch hides under every backward)
+        hidden_under = compute * 2 / 3 / (1 if L.zero == 2 and runtime.reduce_per_microbatch else micro)
+        dp = max(0.0, dp - hidden_under) + max(0.0, time["dp_gather"] - compute)
     else:
         dp += time["dp_gather"]
     bubble = 0.0
@@ -219,7 +281,7 @@ def step_time(model: ModelConfig, layout: Layout, cluster: Cluster, seq_len: int
         bubble = (compute + tp + cp + ep + pp) * max(0.0, hw.core_share / (1 - frac) - 1)
     optimizer = 28 * owned_parameters(m, L, chunks) / (hw.hbm_gbps * 1e9) + time["optimizer"]
     if L.optimizer == "muon" and runtime.is_fived:  # (its elements at its own bytes, not AdamW's 28)
-        optimizer += muon_stream_s(m, L, dtype, chunks, hw) + orthogonalization_s(m, L, dtype, chunks, hw)
+        optimizer += muon_stream_s(m, L, dtype, chunks, hw) + orthogonalization_s(m, L, dtype, chunks, hw, c)
     layer_host = hw.layer_overhead_s * layers_here * micro * (1 + recompute)
     overhead = layer_host + hw.step_overhead_s + host
     return StepTime(compute, bubble, tp, cp, ep, pp, dp, optimizer, tokens, L.world, model_flops,
@@ -234,7 +296,7 @@ def muon_stream_s(m: ModelConfig, L: Layout, dtype: str, chunks, hw: Hardware) -
     return (per_element - 28) * elements / (hw.hbm_gbps * 1e9)
 
 
-def orthogonalization_s(m: ModelConfig, L: Layout, dtype: str, chunks, hw: Hardware) -> float:
+def orthogonalization_s(m: ModelConfig, L: Layout, dtype: str, chunks, hw: Hardware, c: Constants) -> float:
     """Muon's Newton-Schulz iterations on the busiest owner of each bucket of the stage (the scatter
     waits for it): its whole matrices' GEMMs (train.muon_ns_steps) at the efficiency of their width."""
     plan = stage_plan(m, L, dtype, chunks)
@@ -244,30 +306,36 @@ def orthogonalization_s(m: ModelConfig, L: Layout, dtype: str, chunks, hw: Hardw
         seconds: dict[int, float] = {}
         for u in plan.units[first:last]:
             side = min(u.rows, u.cols)
-            time = ns_flops(u.rows, u.cols, steps) / (peak * efficiency(side, side, hw))
+            time = ns_flops(u.rows, u.cols, steps) / (peak * efficiency(side, side, hw, c, max(u.rows, u.cols)))
             seconds[u.owner] = seconds.get(u.owner, 0.0) + time
         total += max(seconds.values())
     return total
 
 
 def _compute(m: ModelConfig, L: Layout, hw: Hardware, runtime: Runtime, dtype: str, seq_len: int, micro: int,
-             layers: int, flops_gpu: float, recompute: float) -> tuple[float, float]:
+             layers: int, flops_gpu: float, recompute: float, c: Constants) -> tuple[float, float]:
     """(seconds of the rank's compute, seconds of its attention blocks) for one step."""
     peak = hw.peak_tflops * 1e12
     fp8 = runtime.fp8 and hw.fp8_tflops > 0
     tokens_mb = L.micro_batch * seq_len / L.cp
-    dense_eff = efficiency(m.dim / L.tp, tokens_mb, hw)
+    dense_eff = efficiency(m.dim / L.tp, tokens_mb, hw, c, m.dim)
     routed, attn = expert_share(m, seq_len), attention_share(m, seq_len)
     expert_rows = tokens_mb * m.top_k * L.ep / max(m.n_experts, 1) * L.tp / L.expert_tp
-    expert_eff = efficiency(m.dim / L.expert_tp, expert_rows, hw) * EXPERT_EFFICIENCY if routed else 1.0
+    # an expert GEMM's narrow side: the hidden or the expert's width (fine-grained experts), over etp
+    expert_width = min(m.dim, m.expert_dim) / L.expert_tp
+    expert_eff = efficiency(expert_width, expert_rows, hw, c, m.dim) * c.expert_efficiency if routed else 1.0
     gemm = flops_gpu * ((1 - routed - attn) / dense_eff + routed / expert_eff) / peak
     if fp8:
-        gemm /= FP8_SPEEDUP
+        gemm /= c.fp8_speedup
     attention = flops_gpu * attn / dense_eff / peak
     local_tokens = micro * tokens_mb * recompute  # tokens this rank computes, times recomputation
-    per_token_h, per_token_f = ELEMENTWISE_BYTES["fused" if runtime.fused else "eager"]
+    stream, inside, per_ffn = ELEMENTWISE_BYTES["fused" if runtime.fused else "eager"]
+    stream += 2 * PYTHON_NORM_EXTRA_BYTES if runtime.python_norm else 0.0
     ffn = m.expert_dim * m.top_k if m.is_moe else m.ffn_dim
-    elementwise = layers * local_tokens * (per_token_h * m.dim / L.tp + per_token_f * ffn / L.tp)
+    stream_split = L.tp if L.sp else 1  # without SP every tp rank runs the residual stream's work whole
+    elementwise = layers * local_tokens * (stream * m.dim / stream_split + (inside * m.dim + per_ffn * ffn) / L.tp)
+    moe_layers = layers * (m.n_layers - m.n_dense_layers) / m.n_layers if m.is_moe else 0
+    elementwise += moe_layers * local_tokens * m.top_k * DISPATCH_BYTES * m.dim / stream_split
     if L.cp > 1 and not runtime.flash_ring:  # a ring of matmuls: the fp32 score matrix of every block
         heads = m.n_heads / L.tp
         elementwise += layers * micro * recompute * RING_SCORE_PASSES * 4 * heads * tokens_mb * seq_len * L.micro_batch
@@ -278,7 +346,6 @@ def _compute(m: ModelConfig, L: Layout, hw: Hardware, runtime: Runtime, dtype: s
     memory_bound = elementwise / (hw.hbm_gbps * 1e9 * HBM_EFFICIENCY)
     launches = 0.0
     if m.is_moe and not runtime.grouped_experts:  # a loop over the rank's experts: 3 GEMMs x (fwd, 2 bwd)
-        moe_layers = layers * (m.n_layers - m.n_dense_layers) / m.n_layers
         launches = moe_layers * micro * recompute * 9 * (m.n_experts // L.ep) * hw.launch_s
     return gemm + attention + memory_bound + launches, attention
 
