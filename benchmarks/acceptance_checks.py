@@ -5,6 +5,7 @@ paths, a checkpoint's round trip and `fived generate` on the device.
 Each check returns {"status": PASS | FAIL | SKIP, "figures": {...}, "note": "..."}; the driver
 runs it guarded (an exception is that check's FAIL, not the run's end).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -14,11 +15,16 @@ from pathlib import Path
 
 import torch
 
+from fived.attention import (
+    block_backward,
+    block_forward,
+    reference_block_backward,
+    reference_block_forward,
+    uses_cuda_flash,
+)
 from fived.checkpoint import find_checkpoint
 from fived.grouped_gemm import expert_loop, grouped_swiglu, uses_grouped_mm
 from fived.launch import run_ranks
-from fived.attention import (block_backward, block_forward, reference_block_backward,
-                             reference_block_forward, uses_cuda_flash)
 from fived.testing import tiny_config
 from fived.trainer import run_training
 from fived.verification import compare
@@ -38,8 +44,11 @@ KERNEL_TOLERANCE = {torch.bfloat16: 2e-2, torch.float32: 1e-5}
 # parallel/context.py): (name, query rows, key rows, causal) as halves of the local length: its own
 # chunks (causal), an earlier rank's first chunk seen by all its queries, a later rank's two chunks
 # seen by its late chunk only.
-RING_BLOCKS = [("own chunks, causal", (0, 2), (0, 2), True), ("earlier rank", (0, 2), (0, 1), False),
-               ("later rank", (1, 2), (0, 2), False)]
+RING_BLOCKS = [
+    ("own chunks, causal", (0, 2), (0, 2), True),
+    ("earlier rank", (0, 2), (0, 1), False),
+    ("later rank", (1, 2), (0, 2), False),
+]
 
 
 def outcome(ok: bool, figures: dict, note: str = "") -> dict:
@@ -48,7 +57,9 @@ def outcome(ok: bool, figures: dict, note: str = "") -> dict:
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     """||got - want|| / ||want|| in float64 (inf for a NaN, so that it fails)."""
-    diff = torch.linalg.vector_norm(got.double() - want.double()) / torch.linalg.vector_norm(want.double()).clamp_min(1e-300)
+    diff = torch.linalg.vector_norm(got.double() - want.double()) / torch.linalg.vector_norm(want.double()).clamp_min(
+        1e-300
+    )
     value = diff.item()
     return value if value == value else float("inf")
 
@@ -62,11 +73,18 @@ def training_matches_cpu(model: str, *, device: str, steps: int = 4) -> dict:
         runs[where] = run_ranks(1, run_training, cfg, False, False, True, device=where, deadline_s=600)[0]
     report = compare(runs["cpu"], runs[device])
     figures = {f"max_rel_{key}": value for key, value in report.max_rel.items()}
-    figures.update(steps=steps, worst_param=report.worst_param, loss_first=runs[device].metrics[0]["loss"],
-                   loss_last=runs[device].metrics[-1]["loss"])
+    figures.update(
+        steps=steps,
+        worst_param=report.worst_param,
+        loss_first=runs[device].metrics[0]["loss"],
+        loss_last=runs[device].metrics[-1]["loss"],
+    )
     failed = [key for key, value in report.max_rel.items() if not value <= TRAIN_TOLERANCE[key]]
-    note = f"{device} vs cpu, float32" + (" (one run: the plumbing only)" if device == "cpu" else "") \
+    note = (
+        f"{device} vs cpu, float32"
+        + (" (one run: the plumbing only)" if device == "cpu" else "")
         + (f"; over tolerance: {', '.join(failed)}" if failed else "")
+    )
     return outcome(not failed, figures, note)
 
 
@@ -74,8 +92,7 @@ def breakdown_adds_up(*, device: str, steps: int = 4) -> dict:
     """The measured step breakdown (fived.step_timer: CUDA events on a GPU) of a tiny run on `device`:
     per step, the components sum to the breakdown's total, the named ones (all but "other") cover at
     least 95% of it, and the total is the step time the trainer logs, within 5%."""
-    cfg = tiny_config("tiny", train__steps=steps, train__dtype="float32", train__device=device,
-                      train__microbatches=2)
+    cfg = tiny_config("tiny", train__steps=steps, train__dtype="float32", train__device=device, train__microbatches=2)
     result = run_ranks(1, run_training, cfg, False, False, False, device=device, deadline_s=600)[0]
     worst_named, worst_total = 1.0, 0.0
     for record in result.metrics:
@@ -85,8 +102,11 @@ def breakdown_adds_up(*, device: str, steps: int = 4) -> dict:
         worst_named = min(worst_named, named / b["total_s"])
         worst_total = max(worst_total, abs(b["total_s"] / record["step_time_s"] - 1))
     last = result.metrics[-1]["breakdown"]["components"]
-    figures = {"min_named_share": worst_named, "max_total_vs_step_time": worst_total,
-               "last_step_ms": {k: v * 1e3 for k, v in last.items()}}
+    figures = {
+        "min_named_share": worst_named,
+        "max_total_vs_step_time": worst_total,
+        "last_step_ms": {k: v * 1e3 for k, v in last.items()},
+    }
     return outcome(worst_named >= 0.95 and worst_total <= 0.05, figures, f"{device}, {steps} steps, 2 micro-batches")
 
 
@@ -95,17 +115,19 @@ def _random(shape, *, device: str, dtype: torch.dtype, seed: int, scale: float =
     return (torch.randn(shape, generator=gen) * scale).to(device=device, dtype=dtype)
 
 
-def ring_block_errors(head_dim: int, causal: bool, rows: slice, keys: slice, *, local_len: int, device: str,
-                      dtype: torch.dtype) -> dict:
+def ring_block_errors(
+    head_dim: int, causal: bool, rows: slice, keys: slice, *, local_len: int, device: str, dtype: torch.dtype
+) -> dict:
     """One ring block through the fused kernel and through the reference (float64, same inputs):
     relative errors of the output, log-sum-exp and the three gradients. GQA 8 query / 2 kv heads;
     the block's inputs are slices of the local tokens (strided views), as the ring passes them."""
     batch, q_heads, kv_heads = 2, 8, 2
     q = _random((batch, q_heads, local_len, head_dim), device=device, dtype=dtype, seed=1)[:, :, rows]
-    k, v = (_random((batch, kv_heads, local_len, head_dim), device=device, dtype=dtype, seed=s)[:, :, keys]
-            for s in (2, 3))
+    k, v = (
+        _random((batch, kv_heads, local_len, head_dim), device=device, dtype=dtype, seed=s)[:, :, keys] for s in (2, 3)
+    )
     dout = _random(q.shape, device=device, dtype=dtype, seed=4)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     out, lse = block_forward(q, k, v, causal, scale)
     grads = block_backward(dout, q, k, v, out, lse, causal, scale)
     wide = [t.double() for t in (q, k, v, dout)]
@@ -116,8 +138,9 @@ def ring_block_errors(head_dim: int, causal: bool, rows: slice, keys: slice, *, 
     return errors
 
 
-def ring_blocks_match_reference(*, device: str, dtype: torch.dtype, local_len: int = 256,
-                                head_dims: tuple[int, ...] = (64, 128)) -> dict:
+def ring_blocks_match_reference(
+    *, device: str, dtype: torch.dtype, local_len: int = 256, head_dims: tuple[int, ...] = (64, 128)
+) -> dict:
     """The fused ring's blocks (CUDA flash in bf16; the CPU flash kernel on CPU), forward and
     backward, against the explicit-score reference: each block shape the ring computes."""
     probe = torch.empty((1, 1, 1, head_dims[0]), device=device, dtype=dtype)
@@ -128,9 +151,15 @@ def ring_blocks_match_reference(*, device: str, dtype: torch.dtype, local_len: i
     for head_dim in head_dims:
         for name, (q_start, q_end), (k_start, k_end), causal in RING_BLOCKS:
             half = local_len // 2
-            errors = ring_block_errors(head_dim, causal, slice(q_start * half, q_end * half),
-                                       slice(k_start * half, k_end * half), local_len=local_len, device=device,
-                                       dtype=dtype)
+            errors = ring_block_errors(
+                head_dim,
+                causal,
+                slice(q_start * half, q_end * half),
+                slice(k_start * half, k_end * half),
+                local_len=local_len,
+                device=device,
+                dtype=dtype,
+            )
             figures[f"d{head_dim} {name}"] = errors
             worst = max(worst, *errors.values())
     figures["worst_rel_error"] = worst
@@ -145,9 +174,13 @@ def grouped_experts_match_loop(*, device: str, dtype: torch.dtype, dim: int = 25
     counts = [37, 0, 130, 5, 64, 91, 0, 17]
     n = len(counts)
     x = _random((sum(counts), dim), device=device, dtype=dtype, seed=5).requires_grad_()
-    weights = [_random(shape, device=device, dtype=dtype, seed=6 + i, scale=shape[1] ** -0.5).requires_grad_()
-               for i, shape in enumerate([(n, dim, hidden), (n, dim, hidden), (n, hidden, dim)])]
-    path = "torch._grouped_mm" if uses_grouped_mm(x, weights[0]) else ("cpu slices" if device == "cpu" else "padded bmm")
+    weights = [
+        _random(shape, device=device, dtype=dtype, seed=6 + i, scale=shape[1] ** -0.5).requires_grad_()
+        for i, shape in enumerate([(n, dim, hidden), (n, dim, hidden), (n, hidden, dim)])
+    ]
+    path = (
+        "torch._grouped_mm" if uses_grouped_mm(x, weights[0]) else ("cpu slices" if device == "cpu" else "padded bmm")
+    )
     if device != "cpu" and path != "torch._grouped_mm":
         return outcome(False, {"path": path}, f"{dtype} experts on {device} do not take torch._grouped_mm")
     out = grouped_swiglu(x, *weights, torch.tensor(counts, device=device))
@@ -166,8 +199,14 @@ def grouped_experts_match_loop(*, device: str, dtype: torch.dtype, dim: int = 25
 
 def train_and_save(run_dir: str, *, device: str, steps: int = 2):
     """A short float32 tiny run on `device` that checkpoints at its end; (config, final weights)."""
-    cfg = tiny_config("tiny", train__steps=steps, train__dtype="float32", train__device=device,
-                      train__output_dir=run_dir, checkpoint__final=True)
+    cfg = tiny_config(
+        "tiny",
+        train__steps=steps,
+        train__dtype="float32",
+        train__device=device,
+        train__output_dir=run_dir,
+        checkpoint__final=True,
+    )
     return cfg, run_ranks(1, run_training, cfg, True, False, True, device=device, deadline_s=600)[0].state
 
 
@@ -176,10 +215,16 @@ def checkpoint_round_trip(run_dir: str, *, device: str) -> dict:
     bit for bit to what was saved."""
     cfg, saved = train_and_save(run_dir, device=device)
     checkpoint = find_checkpoint(run_dir)
-    loaded = run_ranks(1, run_training, cfg, False, False, True, str(checkpoint), device=device, deadline_s=600)[0].state
+    loaded = run_ranks(1, run_training, cfg, False, False, True, str(checkpoint), device=device, deadline_s=600)[
+        0
+    ].state
     unequal = [name for name, value in saved.items() if not torch.equal(value, loaded[name])]
-    figures = {"checkpoint": Path(checkpoint).name, "tensors": len(saved), "unequal": unequal[:5],
-               "bytes": sum(v.numel() * v.element_size() for v in saved.values())}
+    figures = {
+        "checkpoint": Path(checkpoint).name,
+        "tensors": len(saved),
+        "unequal": unequal[:5],
+        "bytes": sum(v.numel() * v.element_size() for v in saved.values()),
+    }
     return outcome(not unequal and set(saved) == set(loaded), figures, "save, then load into a new trainer")
 
 
@@ -189,8 +234,21 @@ def _generate_ids(run_dir: str, device: str) -> list[int]:
 
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        code = fived_main(["generate", run_dir, "--prompt", "The ", "--max-new-tokens", "16", "--dtype", "float64",
-                           "--device", device, "--json"])
+        code = fived_main(
+            [
+                "generate",
+                run_dir,
+                "--prompt",
+                "The ",
+                "--max-new-tokens",
+                "16",
+                "--dtype",
+                "float64",
+                "--device",
+                device,
+                "--json",
+            ]
+        )
     if code != 0:
         raise RuntimeError(f"fived generate --device {device} exited {code}")
     return json.loads(printed.getvalue().strip().splitlines()[-1])["generated_ids"]

@@ -5,6 +5,7 @@ same shapes, and the planner's prediction for fived's run next to what was measu
 Step times are medians over the timed steps (after warmup steps, which include compilation); a step
 is forward + loss + backward + AdamW step, synchronised with the device before the clock is read.
 """
+
 from __future__ import annotations
 
 import functools
@@ -14,8 +15,8 @@ import statistics
 import time
 
 import torch
-
 from acceptance_checks import SKIP, outcome
+
 from fived.config import Config, ModelConfig, build_config
 from fived.launch import run_ranks
 from fived.metrics import flops_per_token
@@ -31,14 +32,25 @@ LR = 3e-4  # (a 1B model at fived's default 3e-3 would diverge within the timed 
 PLANNER_LIMITS = {"step_time": 0.50, "memory": 0.25}
 
 
-def speed_config(model: ModelConfig, *, device: str, dtype: str, seq_len: int, batch: int, steps: int,
-                 compile_backend: str = "") -> Config:
+def speed_config(
+    model: ModelConfig, *, device: str, dtype: str, seq_len: int, batch: int, steps: int, compile_backend: str = ""
+) -> Config:
     """fived's config for the speed run: one rank, one micro-batch of `batch` sequences."""
-    cfg = build_config(overrides={
-        "train.device": device, "train.dtype": dtype, "train.seq_len": seq_len, "train.global_batch": batch,
-        "train.steps": steps, "train.lr": LR, "train.warmup_steps": 1, "train.log_every": 10**9,
-        "train.compile": bool(compile_backend), "train.compile_backend": compile_backend or "inductor",
-        "parallel.dp": 1})
+    cfg = build_config(
+        overrides={
+            "train.device": device,
+            "train.dtype": dtype,
+            "train.seq_len": seq_len,
+            "train.global_batch": batch,
+            "train.steps": steps,
+            "train.lr": LR,
+            "train.warmup_steps": 1,
+            "train.log_every": 10**9,
+            "train.compile": bool(compile_backend),
+            "train.compile_backend": compile_backend or "inductor",
+            "parallel.dp": 1,
+        }
+    )
     cfg.model = model
     return cfg
 
@@ -49,30 +61,64 @@ def peak_flops(dtype: torch.dtype, device: str) -> float:
     return device_peak_tflops(dtype, device_type=device) * 1e12
 
 
-def _summary(step_times: list[float], tokens_per_step: int, model: ModelConfig, seq_len: int,
-             dtype: torch.dtype, device: str, losses: list[float]) -> dict:
+def _summary(
+    step_times: list[float],
+    tokens_per_step: int,
+    model: ModelConfig,
+    seq_len: int,
+    dtype: torch.dtype,
+    device: str,
+    losses: list[float],
+) -> dict:
     """Median step time, tokens/s and MFU (fived's FLOP count and the device's peak for both runtimes)."""
     step = statistics.median(step_times)
     peak = peak_flops(dtype, device)
     tokens_per_s = tokens_per_step / step
-    return {"step_s": step, "tokens_per_s": tokens_per_s,
-            "mfu": flops_per_token(model, seq_len) * tokens_per_s / peak if peak else 0.0,
-            "loss_first": losses[0], "loss_last": losses[-1]}
+    return {
+        "step_s": step,
+        "tokens_per_s": tokens_per_s,
+        "mfu": flops_per_token(model, seq_len) * tokens_per_s / peak if peak else 0.0,
+        "loss_first": losses[0],
+        "loss_last": losses[-1],
+    }
 
 
 def _finite(figures: dict) -> bool:
     return all(math.isfinite(figures[k]) for k in ("step_s", "loss_first", "loss_last"))
 
 
-def fived_speed(model: ModelConfig, *, device: str, dtype: str, seq_len: int, batch: int, steps: int, warmup: int,
-                compile_backend: str = "") -> dict:
+def fived_speed(
+    model: ModelConfig,
+    *,
+    device: str,
+    dtype: str,
+    seq_len: int,
+    batch: int,
+    steps: int,
+    warmup: int,
+    compile_backend: str = "",
+) -> dict:
     """fived's trainer on one rank (its own process): the logged step records after warmup."""
-    cfg = speed_config(model, device=device, dtype=dtype, seq_len=seq_len, batch=batch, steps=warmup + steps,
-                       compile_backend=compile_backend)
+    cfg = speed_config(
+        model,
+        device=device,
+        dtype=dtype,
+        seq_len=seq_len,
+        batch=batch,
+        steps=warmup + steps,
+        compile_backend=compile_backend,
+    )
     records = run_ranks(1, run_training, cfg, False, False, False, device=device, deadline_s=900)[0].metrics
     timed = records[warmup:]
-    figures = _summary([r["step_time_s"] for r in timed], seq_len * batch, model, seq_len,
-                       _compute_dtype(dtype), device, [r["loss"] for r in records])
+    figures = _summary(
+        [r["step_time_s"] for r in timed],
+        seq_len * batch,
+        model,
+        seq_len,
+        _compute_dtype(dtype),
+        device,
+        [r["loss"] for r in records],
+    )
     figures["warmup_s"] = sum(r["step_time_s"] for r in records[:warmup])
     figures["peak_memory_gib"] = max(r["peak_mem_mb"] for r in records) / 1024 if device == "cuda" else None
     backend = f", compiled ({compile_backend})" if compile_backend else ", eager"
@@ -89,8 +135,17 @@ def _release(device: str) -> None:
         torch.cuda.empty_cache()
 
 
-def hf_speed(model: ModelConfig, *, device: str, dtype: str, seq_len: int, batch: int, steps: int, warmup: int,
-             compile_backend: str = "") -> dict:
+def hf_speed(
+    model: ModelConfig,
+    *,
+    device: str,
+    dtype: str,
+    seq_len: int,
+    batch: int,
+    steps: int,
+    warmup: int,
+    compile_backend: str = "",
+) -> dict:
     """Hugging Face's LlamaForCausalLM of the same shapes (its own initial weights, all parameters in
     `dtype`, torch AdamW), stepped by bench_vs_hf's loop in this process."""
     from bench_vs_hf import hf_llama, make_step
@@ -123,12 +178,16 @@ def hf_speed(model: ModelConfig, *, device: str, dtype: str, seq_len: int, batch
             torch._dynamo.reset()
         _release(device)
     backend = f", torch.compile ({compile_backend})" if compile_backend else ", eager"
-    return outcome(_finite(figures), figures, f"transformers LlamaForCausalLM, all parameters {dtype}, "
-                   f"torch AdamW{backend}, {batch} x {seq_len} tokens/step")
+    return outcome(
+        _finite(figures),
+        figures,
+        f"transformers LlamaForCausalLM, all parameters {dtype}, torch AdamW{backend}, {batch} x {seq_len} tokens/step",
+    )
 
 
-def planner_vs_measured(model: ModelConfig, measured: dict | None, *, device: str, dtype: str, seq_len: int,
-                        batch: int) -> dict:
+def planner_vs_measured(
+    model: ModelConfig, measured: dict | None, *, device: str, dtype: str, seq_len: int, batch: int
+) -> dict:
     """The planner's step time and memory for fived's eager speed run (`fived plan --layout` on
     this device), next to what that run measured."""
     from fived.mesh import Layout
@@ -142,9 +201,14 @@ def planner_vs_measured(model: ModelConfig, measured: dict | None, *, device: st
     if plan is None:
         return outcome(False, {}, "the planner refuses this layout")
     memory = plan.memory.gib()
-    figures = {"hardware": hardware.name, "predicted_step_s": plan.time.total, "predicted_mfu": plan.time.mfu,
-               "predicted_memory_gib": memory["total"] - memory["reserve"], "predicted_reserve_gib": memory["reserve"],
-               "predicted_memory_parts_gib": {k: v for k, v in memory.items() if k not in ("total", "reserve")}}
+    figures = {
+        "hardware": hardware.name,
+        "predicted_step_s": plan.time.total,
+        "predicted_mfu": plan.time.mfu,
+        "predicted_memory_gib": memory["total"] - memory["reserve"],
+        "predicted_reserve_gib": memory["reserve"],
+        "predicted_memory_parts_gib": {k: v for k, v in memory.items() if k not in ("total", "reserve")},
+    }
     if measured is None or measured["status"] != "PASS":
         return outcome(False, figures, "no measured fived run to compare with")
     got = measured["figures"]

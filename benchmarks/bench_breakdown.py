@@ -8,6 +8,7 @@ slowest rank's, a layout's the median. Printed per layout: off, on, and the rati
 
     python benchmarks/bench_breakdown.py                # 4 ranks, 30 timed steps per trainer
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,11 +17,11 @@ import statistics
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import torch  # noqa: E402
-from side_by_side import interleaved_steps, slowest_median  # noqa: E402
+import torch
+from side_by_side import interleaved_steps, slowest_median
 
-from fived.config import build_config  # noqa: E402
-from fived.launch import run_ranks  # noqa: E402
+from fived.config import build_config
+from fived.launch import run_ranks
 
 LAYOUTS = [
     ("tiny", dict(dp=4, zero=0), 1),
@@ -32,9 +33,17 @@ LAYOUTS = [
 
 
 def config(model: str, fields: dict, micro: int, breakdown: bool, args):
-    over = {"model.name": model, "train.seq_len": args.seq_len, "train.global_batch": args.global_batch,
-            "train.microbatches": micro, "train.dtype": "float32", "train.log_every": 10**9, "train.device": "cpu",
-            "train.steps": 1 + args.warmup + args.steps, "train.breakdown": breakdown}
+    over = {
+        "model.name": model,
+        "train.seq_len": args.seq_len,
+        "train.global_batch": args.global_batch,
+        "train.microbatches": micro,
+        "train.dtype": "float32",
+        "train.log_every": 10**9,
+        "train.device": "cpu",
+        "train.steps": 1 + args.warmup + args.steps,
+        "train.breakdown": breakdown,
+    }
     over.update({f"parallel.{k}": v for k, v in fields.items()})
     return build_config(overrides=over)
 
@@ -58,9 +67,11 @@ def main() -> int:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--global-batch", type=int, default=16)
     args = p.parse_args()
-    print(f"step breakdown on vs off | torch {torch.__version__} | {args.world} CPU ranks, gloo, OMP_NUM_THREADS=1 | "
-          f"cpus {len(os.sched_getaffinity(0))} | load {os.getloadavg()[0]:.2f} at start | "
-          f"{args.steps} timed steps each")
+    print(
+        f"step breakdown on vs off | torch {torch.__version__} | {args.world} CPU ranks, gloo, OMP_NUM_THREADS=1 | "
+        f"cpus {len(os.sched_getaffinity(0))} | load {os.getloadavg()[0]:.2f} at start | "
+        f"{args.steps} timed steps each"
+    )
     ranks = run_ranks(args.world, rank_main, args, timeout_s=120, device="cpu")
     ratios = []
     for index, (model, fields, micro) in enumerate(LAYOUTS):
@@ -68,8 +79,10 @@ def main() -> int:
         off, on = (slowest_median([r[index][j] for r in ranks]) for j in (0, 1))
         ratios.append(on / off)
         shape = " ".join(f"{k}={v}" for k, v in fields.items())
-        print(f"  {model:<8} {shape:<26} micro {micro}: off {off * 1e3:7.2f} ms  on {on * 1e3:7.2f} ms  "
-              f"on/off {on / off:.3f}")
+        print(
+            f"  {model:<8} {shape:<26} micro {micro}: off {off * 1e3:7.2f} ms  on {on * 1e3:7.2f} ms  "
+            f"on/off {on / off:.3f}"
+        )
     print(f"median on/off ratio over {len(ratios)} layouts: {statistics.median(ratios):.3f}")
     return 0
 

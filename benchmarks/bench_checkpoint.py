@@ -19,6 +19,7 @@ back with torch.load(weights_only=True), in this process. The last lines are the
     python benchmarks/bench_checkpoint.py                  # 322M parameters, ~20 GB written in all
     python benchmarks/bench_checkpoint.py --layers 4       # quicker, 100M parameters
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,15 +30,17 @@ import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
-from fived.config import build_config  # noqa: E402
-from fived.launch import run_ranks  # noqa: E402
-from fived.model import build_model  # noqa: E402
+from fived.config import build_config
+from fived.launch import run_ranks
+from fived.model import build_model
 
-LAYOUTS = {"ZeRO-3 dp4": {"parallel.dp": 4, "parallel.zero": 3},
-           "tp2 x pp2": {"parallel.tp": 2, "parallel.pp": 2, "train.microbatches": 2}}
+LAYOUTS = {
+    "ZeRO-3 dp4": {"parallel.dp": 4, "parallel.zero": 3},
+    "tp2 x pp2": {"parallel.tp": 2, "parallel.pp": 2, "train.microbatches": 2},
+}
 
 
 def parse_args() -> argparse.Namespace:
@@ -50,10 +53,21 @@ def parse_args() -> argparse.Namespace:
 
 
 def config(args, layout: dict, run_dir: str):
-    over = {"model.name": "tiny", "model.dim": args.dim, "model.n_layers": args.layers, "model.n_heads": 16,
-            "model.n_kv_heads": 16, "model.ffn_dim": args.dim * 11 // 4, "model.vocab_size": args.vocab,
-            "train.seq_len": 16, "train.global_batch": 4, "train.output_dir": run_dir, "train.device": "cpu",
-            "checkpoint.keep": 0, **layout}
+    over = {
+        "model.name": "tiny",
+        "model.dim": args.dim,
+        "model.n_layers": args.layers,
+        "model.n_heads": 16,
+        "model.n_kv_heads": 16,
+        "model.ffn_dim": args.dim * 11 // 4,
+        "model.vocab_size": args.vocab,
+        "train.seq_len": 16,
+        "train.global_batch": 4,
+        "train.output_dir": run_dir,
+        "train.device": "cpu",
+        "checkpoint.keep": 0,
+        **layout,
+    }
     return build_config(overrides=over)
 
 
@@ -122,8 +136,10 @@ def main() -> None:
     try:
         cfg = config(args, {}, root)
         n = sum(p.numel() for p in build_model(cfg.model).parameters())
-        print(f"model: {n / 1e6:.0f}M parameters; state saved = parameters + 2 AdamW moments, float32 "
-              f"({3 * n * 4 / 1e9:.2f} GB); 4 CPU ranks (gloo), one thread each")
+        print(
+            f"model: {n / 1e6:.0f}M parameters; state saved = parameters + 2 AdamW moments, float32 "
+            f"({3 * n * 4 / 1e9:.2f} GB); 4 CPU ranks (gloo), one thread each"
+        )
         peer = torch_peer(cfg, root)
         gb = peer["bytes"] / 1e9
         print(f"torch.save (1 process, fsynced):   {peer['save']:7.2f} s  {gb / peer['save']:6.2f} GB/s")
@@ -137,16 +153,20 @@ def main() -> None:
             rows[name] = worst
             print(f"{name}: checkpoint {size:.2f} GB")
             print(f"  save (sync)          {worst['sync_save']:7.2f} s  {size / worst['sync_save']:6.2f} GB/s")
-            print(f"  save (async): stall  {worst['async_stall']:7.2f} s   complete after {worst['async_total']:.2f} s "
-                  f"(first background save: stall {worst['async_first_stall']:.2f} s; its copies allocated after the "
-                  f"first training step: {worst['prepare']:.2f} s)")
+            print(
+                f"  save (async): stall  {worst['async_stall']:7.2f} s   complete after {worst['async_total']:.2f} s "
+                f"(first background save: stall {worst['async_first_stall']:.2f} s; its copies allocated after the "
+                f"first training step: {worst['prepare']:.2f} s)"
+            )
             print(f"  load                 {worst['load']:7.2f} s  {size / worst['load']:6.2f} GB/s")
             shutil.rmtree(run_dir, ignore_errors=True)
         for name, w in rows.items():
-            print(f"{name}: save fived/torch.save {w['sync_save'] / peer['save']:.2f}x, "
-                  f"load fived/torch.load {w['load'] / peer['load']:.2f}x, "
-                  f"async stall / sync save {w['async_stall'] / w['sync_save']:.2f} "
-                  f"(first background save {w['async_first_stall'] / w['sync_save']:.2f})")
+            print(
+                f"{name}: save fived/torch.save {w['sync_save'] / peer['save']:.2f}x, "
+                f"load fived/torch.load {w['load'] / peer['load']:.2f}x, "
+                f"async stall / sync save {w['async_stall'] / w['sync_save']:.2f} "
+                f"(first background save {w['async_first_stall'] / w['sync_save']:.2f})"
+            )
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -12,6 +12,7 @@ The last lines are the ratios (below 1: the new path is faster).
     python benchmarks/bench_compile.py
     python benchmarks/bench_compile.py --dim 128 --seq 256     # quicker
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,11 +27,11 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import torch  # noqa: E402
+import torch
 
-from fived.config import build_config  # noqa: E402
-from fived.grouped_gemm import expert_loop  # noqa: E402
-from fived.model import GroupedExperts, MoE  # noqa: E402
+from fived.config import build_config
+from fived.grouped_gemm import expert_loop
+from fived.model import GroupedExperts, MoE
 
 
 def parse_args() -> argparse.Namespace:
@@ -49,14 +50,47 @@ def parse_args() -> argparse.Namespace:
 def train_step_times(args, compiled: bool, out: Path) -> list[float]:
     run_dir = out / ("compiled" if compiled else "eager")
     heads = max(args.dim // 64, 2)
-    cmd = [sys.executable, "-m", "fived", "train", "--nproc", "1", "--model.name", "tiny",
-           "--model.dim", str(args.dim), "--model.n_layers", str(args.layers), "--model.n_heads", str(heads),
-           "--model.n_kv_heads", str(heads // 2), "--model.ffn_dim", str(args.dim * 8 // 3 // 64 * 64),
-           "--seq-len", str(args.seq), "--global-batch", str(args.batch), "--steps", str(args.steps),
-           "--train.warmup_steps", "1", "--train.device", "cpu", "--train.output_dir", str(run_dir),
-           "--train.compile", str(compiled).lower()]
-    subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cmd = [
+        sys.executable,
+        "-m",
+        "fived",
+        "train",
+        "--nproc",
+        "1",
+        "--model.name",
+        "tiny",
+        "--model.dim",
+        str(args.dim),
+        "--model.n_layers",
+        str(args.layers),
+        "--model.n_heads",
+        str(heads),
+        "--model.n_kv_heads",
+        str(heads // 2),
+        "--model.ffn_dim",
+        str(args.dim * 8 // 3 // 64 * 64),
+        "--seq-len",
+        str(args.seq),
+        "--global-batch",
+        str(args.batch),
+        "--steps",
+        str(args.steps),
+        "--train.warmup_steps",
+        "1",
+        "--train.device",
+        "cpu",
+        "--train.output_dir",
+        str(run_dir),
+        "--train.compile",
+        str(compiled).lower(),
+    ]
+    subprocess.run(
+        cmd,
+        check=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     return [json.loads(line)["step_time_s"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -70,8 +104,15 @@ class LoopedExperts(GroupedExperts):
 def moe_step_times(args) -> tuple[float, float]:
     """(loop, grouped) seconds per forward + backward of one MoE layer: the two layers share weights
     and tokens and run alternately (so both see the same machine load); the fastest repetition."""
-    cfg = build_config(overrides={"model.name": "tiny-moe", "model.dim": args.dim, "model.n_experts": args.experts,
-                                  "model.moe_ffn_dim": args.dim * 2, "model.n_shared_experts": 0}).model
+    cfg = build_config(
+        overrides={
+            "model.name": "tiny-moe",
+            "model.dim": args.dim,
+            "model.n_experts": args.experts,
+            "model.moe_ffn_dim": args.dim * 2,
+            "model.n_shared_experts": 0,
+        }
+    ).model
     torch.manual_seed(0)
     grouped = MoE(cfg)
     for p in grouped.parameters():
@@ -96,11 +137,15 @@ def main() -> None:
         eager = train_step_times(args, False, Path(tmp))
         compiled = train_step_times(args, True, Path(tmp))
     e_step, c_step = min(eager[3:]), min(compiled[3:])
-    print(f"train step, dim {args.dim} x {args.layers} layers, {args.batch} x {args.seq} tokens: eager {e_step:.3f} s, "
-          f"compiled {c_step:.3f} s (first compiled step {compiled[0]:.1f} s, eager {eager[0]:.2f} s)")
+    print(
+        f"train step, dim {args.dim} x {args.layers} layers, {args.batch} x {args.seq} tokens: eager {e_step:.3f} s, "
+        f"compiled {c_step:.3f} s (first compiled step {compiled[0]:.1f} s, eager {eager[0]:.2f} s)"
+    )
     loop, grouped = moe_step_times(args)
-    print(f"MoE layer fwd+bwd, {args.experts} experts top-2, {args.moe_tokens} tokens, dim {args.dim}: "
-          f"loop {loop * 1e3:.1f} ms, grouped {grouped * 1e3:.1f} ms")
+    print(
+        f"MoE layer fwd+bwd, {args.experts} experts top-2, {args.moe_tokens} tokens, dim {args.dim}: "
+        f"loop {loop * 1e3:.1f} ms, grouped {grouped * 1e3:.1f} ms"
+    )
     print(f"compiled / eager step time: {c_step / e_step:.2f}x")
     print(f"grouped / loop MoE layer time: {grouped / loop:.2f}x")
 

@@ -14,6 +14,7 @@ doubling; the old ring of matmuls grew with its square).
     python benchmarks/bench_context.py                      # seq 8192 and 16384
     python benchmarks/bench_context.py --seq 2048 4096      # quicker
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,9 +37,32 @@ def parse_args() -> argparse.Namespace:
 def run(model: str, seq: int, cp: int, steps: int, out_dir: Path) -> tuple[float, float]:
     """(peak MB, step seconds) of one `fived train` run."""
     run_dir = out_dir / f"s{seq}-cp{cp}"
-    cmd = [sys.executable, "-m", "fived", "train", "--nproc", str(cp), "--cp", str(cp), "--dp", "1",
-           "--model.name", model, "--seq-len", str(seq), "--global-batch", "1", "--steps", str(steps),
-           "--train.warmup_steps", "1", "--train.device", "cpu", "--train.output_dir", str(run_dir)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "fived",
+        "train",
+        "--nproc",
+        str(cp),
+        "--cp",
+        str(cp),
+        "--dp",
+        "1",
+        "--model.name",
+        model,
+        "--seq-len",
+        str(seq),
+        "--global-batch",
+        "1",
+        "--steps",
+        str(steps),
+        "--train.warmup_steps",
+        "1",
+        "--train.device",
+        "cpu",
+        "--train.output_dir",
+        str(run_dir),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -59,8 +83,10 @@ def main() -> None:
         print(f"seq {seq}: cp=2 / cp=1 peak memory per rank {m2 / m1:.2f}x, step time {t2 / t1:.2f}x")
     first, last = args.seq[0], args.seq[-1]
     if last != first:
-        print(f"cp=2 peak memory grows {results[last, 2][0] / results[first, 2][0]:.2f}x from seq {first} "
-              f"to {last} ({last / first:.0f}x the tokens)")
+        print(
+            f"cp=2 peak memory grows {results[last, 2][0] / results[first, 2][0]:.2f}x from seq {first} "
+            f"to {last} ({last / first:.0f}x the tokens)"
+        )
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ shared with other work the wall times carry its load; the CPU seconds do not.
     python benchmarks/bench_cp_balance.py                         # cp 2, seq 8192, 10 timed steps
     python benchmarks/bench_cp_balance.py --cp 4 --seq 16384
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,12 +30,12 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from side_by_side import interleaved_steps, slowest_median  # noqa: E402
+import torch
+import torch.distributed as dist
+from side_by_side import interleaved_steps, slowest_median
 
-from fived.config import build_config  # noqa: E402
-from fived.launch import run_ranks  # noqa: E402
+from fived.config import build_config
+from fived.launch import run_ranks
 
 BALANCES = ("halves", "work")
 
@@ -42,18 +43,29 @@ BALANCES = ("halves", "work")
 def write_skewed(path: Path, seq_len: int, long: int, short: int, sequences: int) -> None:
     """`sequences` windows of seq_len tokens, each: one document of `long` tokens, then `short` ones."""
     text = (Path(__file__).parent.parent / "src/fived/assets/corpus.txt").read_bytes().replace(b"\0", b" ")
-    window = bytearray(text[:long - 1]) + b"\0"
+    window = bytearray(text[: long - 1]) + b"\0"
     while len(window) < seq_len:
-        window += text[len(window):len(window) + short - 1] + b"\0"
+        window += text[len(window) : len(window) + short - 1] + b"\0"
     path.write_bytes(bytes(window[:seq_len]) * sequences + b"\0")
 
 
 def config(balance: str, data: str, args):
-    return build_config(overrides={
-        "model.name": "tiny", "train.seq_len": args.seq, "train.global_batch": args.global_batch,
-        "train.dtype": "float32", "train.log_every": 10**9, "train.device": "cpu",
-        "train.steps": 1 + args.warmup + args.steps, "parallel.dp": 1, "parallel.cp": args.cp,
-        "parallel.cp_balance": balance, "data.path": data, "data.document_mask": True})
+    return build_config(
+        overrides={
+            "model.name": "tiny",
+            "train.seq_len": args.seq,
+            "train.global_batch": args.global_batch,
+            "train.dtype": "float32",
+            "train.log_every": 10**9,
+            "train.device": "cpu",
+            "train.steps": 1 + args.warmup + args.steps,
+            "parallel.dp": 1,
+            "parallel.cp": args.cp,
+            "parallel.cp_balance": balance,
+            "data.path": data,
+            "data.document_mask": True,
+        }
+    )
 
 
 class AttentionClock:
@@ -71,6 +83,7 @@ class AttentionClock:
                 return fn(*args, **kwargs)
             finally:
                 self.seconds[self.current][-1] += time.thread_time() - start
+
         return timed
 
     def stepping(self, index: int, step):
@@ -82,6 +95,7 @@ class AttentionClock:
                 return step(s)
             finally:
                 self.step_seconds[index].append(time.thread_time() - start)
+
         return run
 
 
@@ -98,8 +112,12 @@ def rank_main(data: str, args) -> dict:
     times, _ = interleaved_steps(trainers, warmup=args.warmup, steps=args.steps)
     work = [t.batches.last_rank_work for t in trainers]
     dist.barrier()
-    return {"times": times, "attention": [s[-args.steps:] for s in clock.seconds],
-            "cpu": [s[-args.steps:] for s in clock.step_seconds], "work": work}
+    return {
+        "times": times,
+        "attention": [s[-args.steps :] for s in clock.seconds],
+        "cpu": [s[-args.steps :] for s in clock.step_seconds],
+        "work": work,
+    }
 
 
 def main() -> int:
@@ -113,10 +131,12 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=2)
     args = p.parse_args()
     long = args.long or args.seq // 2
-    print(f"cp balance: halves vs work | torch {torch.__version__} | {args.cp} CPU ranks, gloo, OMP_NUM_THREADS=1 | "
-          f"cpus {len(os.sched_getaffinity(0))} | load {os.getloadavg()[0]:.2f} at start | tiny, float32, seq "
-          f"{args.seq}, batch {args.global_batch}, cp ring, document masking | each sequence: one document of {long} "
-          f"tokens, then documents of {args.short} | {args.steps} timed steps each (medians)")
+    print(
+        f"cp balance: halves vs work | torch {torch.__version__} | {args.cp} CPU ranks, gloo, OMP_NUM_THREADS=1 | "
+        f"cpus {len(os.sched_getaffinity(0))} | load {os.getloadavg()[0]:.2f} at start | tiny, float32, seq "
+        f"{args.seq}, batch {args.global_batch}, cp ring, document masking | each sequence: one document of {long} "
+        f"tokens, then documents of {args.short} | {args.steps} timed steps each (medians)"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "skewed.txt"
         write_skewed(data, args.seq, long, args.short, 4 * args.global_batch + 4)
@@ -127,11 +147,15 @@ def main() -> int:
         seconds = [statistics.median(r["attention"][j]) for r in ranks]
         steps.append(slowest_median([r["times"][j] for r in ranks]))
         compute.append(slowest_median([r["cpu"][j] for r in ranks]))
-        print(f"  {balance:<7} predicted work per rank {', '.join(f'{w / 1e6:.1f}M' for w in work)} "
-              f"(max/min {max(work) / min(work):.2f}) | attention CPU s per rank "
-              f"{', '.join(f'{s:.3f}' for s in seconds)} (slowest/fastest {max(seconds) / min(seconds):.2f}) | "
-              f"step {steps[-1]:.3f} s wall, {compute[-1]:.3f} s CPU (slowest rank)")
-    print(f"work / halves: step time {steps[1] / steps[0]:.3f} (wall), {compute[1] / compute[0]:.3f} (slowest rank's CPU)")
+        print(
+            f"  {balance:<7} predicted work per rank {', '.join(f'{w / 1e6:.1f}M' for w in work)} "
+            f"(max/min {max(work) / min(work):.2f}) | attention CPU s per rank "
+            f"{', '.join(f'{s:.3f}' for s in seconds)} (slowest/fastest {max(seconds) / min(seconds):.2f}) | "
+            f"step {steps[-1]:.3f} s wall, {compute[-1]:.3f} s CPU (slowest rank)"
+        )
+    print(
+        f"work / halves: step time {steps[1] / steps[0]:.3f} (wall), {compute[1] / compute[0]:.3f} (slowest rank's CPU)"
+    )
     return 0
 
 

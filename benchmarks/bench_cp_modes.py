@@ -18,6 +18,7 @@ shortest to the longest sequence, measured and predicted (the runtime's constant
     python benchmarks/bench_cp_modes.py                         # seq 8192 and 16384
     python benchmarks/bench_cp_modes.py --seq 2048 4096 --document-mask
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,7 +31,7 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from side_by_side import interleaved_steps, slowest_median  # noqa: E402
+from side_by_side import interleaved_steps, slowest_median
 
 MODES = (("ring", 2), ("ulysses", 2), ("hybrid", 2))
 CP = 4
@@ -40,15 +41,29 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seq", type=int, nargs="+", default=[8192, 16384])
     p.add_argument("--steps", type=int, default=4, help="timed steps per mode (after one warmup step)")
-    p.add_argument("--document-mask", action="store_true",
-                   help="documents of 64..1024 tokens (fived.testing.write_documents), masked")
+    p.add_argument(
+        "--document-mask",
+        action="store_true",
+        help="documents of 64..1024 tokens (fived.testing.write_documents), masked",
+    )
     return p.parse_args()
 
 
 def overrides(mode: str, u: int, seq: int, steps: int, data: str) -> dict:
-    out = {"parallel.nproc": CP, "parallel.cp": CP, "parallel.dp": 1, "parallel.cp_mode": mode,
-           "parallel.cp_ulysses": u, "model.name": "tiny", "train.seq_len": seq, "train.global_batch": 1,
-           "train.steps": steps, "train.warmup_steps": 1, "train.device": "cpu", "train.dtype": "float32"}
+    out = {
+        "parallel.nproc": CP,
+        "parallel.cp": CP,
+        "parallel.dp": 1,
+        "parallel.cp_mode": mode,
+        "parallel.cp_ulysses": u,
+        "model.name": "tiny",
+        "train.seq_len": seq,
+        "train.global_batch": 1,
+        "train.steps": steps,
+        "train.warmup_steps": 1,
+        "train.device": "cpu",
+        "train.dtype": "float32",
+    }
     if data:
         out.update({"data.path": data, "data.document_mask": True})
     return out
@@ -81,8 +96,11 @@ def step_times(seq: int, args, data: str) -> list[float]:
     configs = []
     for mode, u in MODES:
         over = overrides(mode, u, seq, args.steps + 1, data)
-        configs.append(build_config(overrides={k: v for k, v in over.items() if k != "parallel.nproc"}
-                                    | {"train.log_every": 10**9}))
+        configs.append(
+            build_config(
+                overrides={k: v for k, v in over.items() if k != "parallel.nproc"} | {"train.log_every": 10**9}
+            )
+        )
     ranks = run_ranks(CP, rank_main, configs, timeout_s=3600, device="cpu")
     return [slowest_median([r[j] for r in ranks]) for j in range(len(MODES))]
 
@@ -106,9 +124,11 @@ def predict(over: dict) -> tuple[float, float]:
 def main() -> None:
     args = parse_args()
     results = {}
-    print(f"cp modes at cp={CP} | {CP} CPU ranks on {len(os.sched_getaffinity(0))} cores, gloo, OMP_NUM_THREADS=1 | "
-          f"load {os.getloadavg()[0]:.2f} at start | tiny, float32, global batch 1"
-          + (" | document masking" if args.document_mask else ""))
+    print(
+        f"cp modes at cp={CP} | {CP} CPU ranks on {len(os.sched_getaffinity(0))} cores, gloo, OMP_NUM_THREADS=1 | "
+        f"load {os.getloadavg()[0]:.2f} at start | tiny, float32, global batch 1"
+        + (" | document masking" if args.document_mask else "")
+    )
     print(f"{'seq':>6} {'mode':<9} {'peak MB/rank':>13} {'predicted MB':>13} {'step s':>8} {'predicted s':>12}")
     with tempfile.TemporaryDirectory() as tmp:
         data = ""
@@ -123,19 +143,29 @@ def main() -> None:
                 measured = peak_memory(over, Path(tmp) / f"s{seq}-{mode}"), seconds
                 predicted = predict(over)
                 results[seq, mode] = measured, predicted
-                print(f"{seq:>6} {mode:<9} {measured[0]:>13.0f} {predicted[0]:>13.0f} {measured[1]:>8.2f} "
-                      f"{predicted[1]:>12.2f}", flush=True)
+                print(
+                    f"{seq:>6} {mode:<9} {measured[0]:>13.0f} {predicted[0]:>13.0f} {measured[1]:>8.2f} "
+                    f"{predicted[1]:>12.2f}",
+                    flush=True,
+                )
     for seq in args.seq:
         ring = results[seq, "ring"]
-        print(f"seq {seq}: step time / ring's " + ", ".join(
-            f"{mode} {results[seq, mode][0][1] / ring[0][1]:.2f}x measured, "
-            f"{results[seq, mode][1][1] / ring[1][1]:.2f}x predicted" for mode, _ in MODES[1:]))
+        print(
+            f"seq {seq}: step time / ring's "
+            + ", ".join(
+                f"{mode} {results[seq, mode][0][1] / ring[0][1]:.2f}x measured, "
+                f"{results[seq, mode][1][1] / ring[1][1]:.2f}x predicted"
+                for mode, _ in MODES[1:]
+            )
+        )
     first, last = args.seq[0], args.seq[-1]
     if last != first:
         for mode, _ in MODES:
             (m0, p0), (m1, p1) = results[first, mode], results[last, mode]
-            print(f"{mode}: peak memory grows by {m1[0] - m0[0]:.0f} MB from seq {first} to {last} measured, "
-                  f"{p1[0] - p0[0]:.0f} MB predicted")
+            print(
+                f"{mode}: peak memory grows by {m1[0] - m0[0]:.0f} MB from seq {first} to {last} measured, "
+                f"{p1[0] - p0[0]:.0f} MB predicted"
+            )
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ matmuls): the run still checks that FP8 trains, but its figures are labelled
 
 `fp8_check(device=...)` is the same measurement shaped as a benchmarks/gpu_acceptance.py check.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,15 +25,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from acceptance_checks import SKIP, outcome  # noqa: E402
-from fived.config import PRESETS, ModelConfig  # noqa: E402
+from acceptance_checks import SKIP, outcome
+
+from fived.config import PRESETS, ModelConfig
 
 # (tokens, in_features, out_features): Llama 3 8B's attention and feed-forward GEMMs at 8 x 1024 tokens
 CUDA_SHAPES = [(8192, 4096, 4096), (8192, 4096, 14336), (8192, 14336, 4096)]
 CPU_SHAPES = [(1024, 512, 512), (1024, 512, 1536)]
 # the training comparison: Llama 3.2 1B's widths at 4 layers on CUDA; tiny at dim 512 on CPU
-CUDA_TRAIN = ModelConfig(name="fp8-bench", vocab_size=32000, dim=2048, n_layers=4, n_heads=32, n_kv_heads=8,
-                         ffn_dim=8192)
+CUDA_TRAIN = ModelConfig(
+    name="fp8-bench", vocab_size=32000, dim=2048, n_layers=4, n_heads=32, n_kv_heads=8, ffn_dim=8192
+)
 CPU_TRAIN = ModelConfig(name="fp8-bench-cpu", **dict(PRESETS["tiny"], dim=512, ffn_dim=1536))
 EMULATED = "emulated; not a speed figure"
 
@@ -74,10 +77,12 @@ def linear_tflops(tokens: int, k: int, n: int, *, recipe: str, device: str, step
     return 3 * 2 * tokens * k * n / seconds / 1e12  # forward, input gradient, weight gradient
 
 
-def train_tokens_per_s(model: ModelConfig, *, fp8: str, device: str, seq_len: int, batch: int, steps: int,
-                       warmup: int) -> dict:
+def train_tokens_per_s(
+    model: ModelConfig, *, fp8: str, device: str, seq_len: int, batch: int, steps: int, warmup: int
+) -> dict:
     """fived's trainer on one rank in bf16, with or without FP8 linears: median tokens/s and losses."""
     from acceptance_speed import speed_config
+
     from fived.launch import run_ranks
     from fived.trainer import run_training
 
@@ -92,11 +97,17 @@ def measure(device: str) -> dict:
     """Every figure of the comparison: GEMM TFLOP/s per shape and recipe, train tokens/s per recipe."""
     cuda = device == "cuda"
     shapes = CUDA_SHAPES if cuda else CPU_SHAPES
-    gemms = {f"{t}x{k}x{n}": {r: linear_tflops(t, k, n, recipe=r, device=device) for r in ("none", "tensorwise", "rowwise")}
-             for t, k, n in shapes}
+    gemms = {
+        f"{t}x{k}x{n}": {r: linear_tflops(t, k, n, recipe=r, device=device) for r in ("none", "tensorwise", "rowwise")}
+        for t, k, n in shapes
+    }
     model, seq_len, batch = (CUDA_TRAIN, 2048, 4) if cuda else (CPU_TRAIN, 64, 4)
-    train = {r: train_tokens_per_s(model, fp8=r, device=device, seq_len=seq_len, batch=batch, steps=5 if cuda else 3,
-                                   warmup=2 if cuda else 1) for r in ("none", "tensorwise", "rowwise")}
+    train = {
+        r: train_tokens_per_s(
+            model, fp8=r, device=device, seq_len=seq_len, batch=batch, steps=5 if cuda else 3, warmup=2 if cuda else 1
+        )
+        for r in ("none", "tensorwise", "rowwise")
+    }
     return {"real_fp8": real_fp8(device), "gemm_tflops": gemms, "train": train}
 
 
@@ -109,8 +120,10 @@ def fp8_check(*, device: str) -> dict:
         return {"status": SKIP, "figures": {}, "note": "torchao is not installed (pip install 'fived[fp8]')"}
     figures = measure(device)
     bf16_loss = figures["train"]["none"]["loss_last"]
-    trains = all(math.isfinite(t["loss_last"]) and abs(t["loss_last"] - bf16_loss) <= 0.05 * bf16_loss
-                 for t in figures["train"].values())
+    trains = all(
+        math.isfinite(t["loss_last"]) and abs(t["loss_last"] - bf16_loss) <= 0.05 * bf16_loss
+        for t in figures["train"].values()
+    )
     if not figures["real_fp8"]:
         return outcome(trains, figures, f"FP8 {EMULATED}")
     largest = figures["gemm_tflops"][next(iter(figures["gemm_tflops"]))]

@@ -10,6 +10,7 @@ held, generated (whole tiles), tiles, seconds and generated elements per second.
     python benchmarks/bench_init.py                                 # llama3-70b tp8 pp8, stage 0
     python benchmarks/bench_init.py --model llama3-405b --layers 2  # a slice of a 405b stage
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,11 +20,11 @@ import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import torch  # noqa: E402
+import torch
 
-from fived.config import model_preset  # noqa: E402
-from fived.init import TileFiller, TileSeeds, model_shapes, std_of  # noqa: E402
-from fived.placement import Box, Placement  # noqa: E402
+from fived.config import model_preset
+from fived.init import TileFiller, TileSeeds, model_shapes, std_of
+from fived.placement import Box, Placement
 
 COLUMN_PARALLEL = ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight", "w1.weight", "w3.weight")
 
@@ -62,7 +63,7 @@ def main() -> None:
     per_stage = cfg.n_layers // args.pp
     layers = range(args.stage * per_stage, (args.stage + 1) * per_stage)
     if args.layers:
-        layers = layers[:args.layers]
+        layers = layers[: args.layers]
     keep = {f"layers.{i}." for i in layers}
     names = [n for n in shapes if any(n.startswith(k) for k in keep)]
     if args.stage == 0:
@@ -82,11 +83,15 @@ def main() -> None:
         seconds += time.perf_counter() - start
         del stored
     s = filler.stats
-    print(f"{args.model} tp{args.tp} pp{args.pp} stage {args.stage} tp rank {args.tp_rank}"
-          f"{f' zero3 dp{args.zero3_dp}' if args.zero3_dp > 1 else ''}: {len(names)} tensors, {args.dtype}")
-    print(f"held {held / 1e9:.3f} G elements, generated {s.generated / 1e9:.3f} G in {s.tiles} tiles "
-          f"(x{s.generated / held:.3f} of held), {seconds:.2f} s, {s.generated / seconds / 1e6:.0f} M generated/s, "
-          f"{held / seconds / 1e6:.0f} M held/s")
+    print(
+        f"{args.model} tp{args.tp} pp{args.pp} stage {args.stage} tp rank {args.tp_rank}"
+        f"{f' zero3 dp{args.zero3_dp}' if args.zero3_dp > 1 else ''}: {len(names)} tensors, {args.dtype}"
+    )
+    print(
+        f"held {held / 1e9:.3f} G elements, generated {s.generated / 1e9:.3f} G in {s.tiles} tiles "
+        f"(x{s.generated / held:.3f} of held), {seconds:.2f} s, {s.generated / seconds / 1e6:.0f} M generated/s, "
+        f"{held / seconds / 1e6:.0f} M held/s"
+    )
 
 
 if __name__ == "__main__":

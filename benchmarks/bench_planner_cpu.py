@@ -17,6 +17,7 @@ speed by coordinate descent on the median absolute error, prints them (what hard
 what it printed here) and the leave-one-layout-out error (each layout predicted by constants fitted
 without it). Other agents sharing the cores make single steps noisy: check `uptime` first.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,10 +31,10 @@ from dataclasses import replace
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # run_ranks sets it per rank too
 
-import torch.distributed as dist  # noqa: E402
+import torch.distributed as dist
 
-from fived.config import build_config  # noqa: E402
-from fived.launch import run_ranks  # noqa: E402
+from fived.config import build_config
+from fived.launch import run_ranks
 
 # (model, parallel fields, micro-batches): every dimension and ZeRO stage of the tiny models
 LAYOUTS = [
@@ -70,9 +71,16 @@ def parse_args() -> argparse.Namespace:
 
 
 def config(model: str, fields: dict, micro: int, args: argparse.Namespace):
-    over = {"model.name": model, "train.seq_len": args.seq_len, "train.global_batch": args.global_batch,
-            "train.microbatches": micro, "train.dtype": "float32", "train.log_every": 10**9,
-            "train.device": "cpu", "train.steps": 1 + args.warmup + args.steps}
+    over = {
+        "model.name": model,
+        "train.seq_len": args.seq_len,
+        "train.global_batch": args.global_batch,
+        "train.microbatches": micro,
+        "train.dtype": "float32",
+        "train.log_every": 10**9,
+        "train.device": "cpu",
+        "train.steps": 1 + args.warmup + args.steps,
+    }
     over.update({f"parallel.{k}": v for k, v in fields.items()})
     return build_config(overrides=over)
 
@@ -84,8 +92,17 @@ def auto_layout(args: argparse.Namespace):
     from fived.planner.timing import Cluster
 
     cfg = config("tiny", {}, 1, args)
-    best = plan(cfg.model, Cluster(local_hardware(args.world), args.world, args.world), cfg.train.seq_len,
-                cfg.train.global_batch, cfg.train.dtype).plans[0].layout
+    best = (
+        plan(
+            cfg.model,
+            Cluster(local_hardware(args.world), args.world, args.world),
+            cfg.train.seq_len,
+            cfg.train.global_batch,
+            cfg.train.dtype,
+        )
+        .plans[0]
+        .layout
+    )
     fields = {k.split(".")[1]: v for k, v in best.overrides(args.global_batch).items() if k.startswith("parallel.")}
     return ("tiny", fields, best.microbatches(args.global_batch)), best
 
@@ -117,7 +134,7 @@ def rank_main(layouts, args: argparse.Namespace) -> dict:
     try:
         for i in range(args.steps):
             order = list(range(len(trainers)))
-            for j in (order if i % 2 == 0 else order[::-1]):
+            for j in order if i % 2 == 0 else order[::-1]:
                 dist.barrier()
                 start = time.perf_counter()
                 record = trainers[j].step(args.warmup + i)
@@ -139,8 +156,16 @@ def predict(layouts, args, hw) -> list[float]:
     for m, f, micro in layouts:
         cfg = config(m, f, micro, args)
         layout = Layout.from_config(cfg, args.world)
-        out.append(step_time(cfg.model, layout, Cluster(hw, args.world, args.world), cfg.train.seq_len,
-                             cfg.train.global_batch, cfg.train.dtype).total)
+        out.append(
+            step_time(
+                cfg.model,
+                layout,
+                Cluster(hw, args.world, args.world),
+                cfg.train.seq_len,
+                cfg.train.global_batch,
+                cfg.train.dtype,
+            ).total
+        )
     return out
 
 
@@ -148,14 +173,16 @@ def median_error(measured, predicted) -> float:
     return statistics.median(abs(p / m - 1) for m, p in zip(measured, predicted)) * 100
 
 
-GRIDS = {"gemm_efficiency": [0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0],
-         "layer_overhead_s": [x * 1e-4 for x in (1, 2, 4, 6, 8, 10, 14, 20, 30, 45)],
-         "step_overhead_s": [x * 1e-3 for x in (0, 1, 2, 3, 5, 8, 12, 20)],
-         "link_latency_s": [x * 1e-6 for x in (50, 100, 200, 400, 700, 1000, 1500, 2000, 3000, 5000, 8000)],
-         "nvlink_gbps": [0.5, 1.0, 2.0, 4.0, 8.0],
-         "zero3_overhead_s": [x * 1e-3 for x in (0, 1, 2, 3, 4, 6, 8, 12, 16)],
-         "peer_latency_s": [x * 1e-6 for x in (0, 100, 200, 400, 700, 1000, 1500, 2000, 3000)],
-         "launch_s": [x * 1e-6 for x in (5, 20, 50, 100, 200, 400, 700, 1000)]}
+GRIDS = {
+    "gemm_efficiency": [0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0],
+    "layer_overhead_s": [x * 1e-4 for x in (1, 2, 4, 6, 8, 10, 14, 20, 30, 45)],
+    "step_overhead_s": [x * 1e-3 for x in (0, 1, 2, 3, 5, 8, 12, 20)],
+    "link_latency_s": [x * 1e-6 for x in (50, 100, 200, 400, 700, 1000, 1500, 2000, 3000, 5000, 8000)],
+    "nvlink_gbps": [0.5, 1.0, 2.0, 4.0, 8.0],
+    "zero3_overhead_s": [x * 1e-3 for x in (0, 1, 2, 3, 4, 6, 8, 12, 16)],
+    "peer_latency_s": [x * 1e-6 for x in (0, 100, 200, 400, 700, 1000, 1500, 2000, 3000)],
+    "launch_s": [x * 1e-6 for x in (5, 20, 50, 100, 200, 400, 700, 1000)],
+}
 
 
 def fit(layouts, measured, args, base_hw):
@@ -183,9 +210,11 @@ def main() -> int:
 
     args = parse_args()
     load = os.getloadavg()[0]
-    print(f"planner vs fived on CPU | torch {torch.__version__} | {args.world} ranks, gloo, OMP_NUM_THREADS=1 | "
-          f"cpus {len(os.sched_getaffinity(0))} | load {load:.2f} at start | float32, tiny models, global batch "
-          f"{args.global_batch} x seq {args.seq_len} | {args.steps} timed steps per layout, interleaved")
+    print(
+        f"planner vs fived on CPU | torch {torch.__version__} | {args.world} ranks, gloo, OMP_NUM_THREADS=1 | "
+        f"cpus {len(os.sched_getaffinity(0))} | load {load:.2f} at start | float32, tiny models, global batch "
+        f"{args.global_batch} x seq {args.seq_len} | {args.steps} timed steps per layout, interleaved"
+    )
     layouts = [tuple(x) for x in LAYOUTS]
     if args.load:
         with open(args.load) as f:
@@ -198,10 +227,14 @@ def main() -> int:
         if _index(layouts, auto) is None:
             layouts.append(auto)
         results = run_ranks(args.world, rank_main, layouts, args, timeout_s=1800.0)
-        measured = [statistics.median(max(r["times"][j][i] for r in results) for i in range(args.steps))
-                    for j in range(len(layouts))]
-        components = [{k: statistics.mean(r["components"][j][k] for r in results) for k in results[0]["components"][j]}
-                      for j in range(len(layouts))]  # mean over ranks
+        measured = [
+            statistics.median(max(r["times"][j][i] for r in results) for i in range(args.steps))
+            for j in range(len(layouts))
+        ]
+        components = [
+            {k: statistics.mean(r["components"][j][k] for r in results) for k in results[0]["components"][j]}
+            for j in range(len(layouts))
+        ]  # mean over ranks
         print(f"load {os.getloadavg()[0]:.2f} at end (this benchmark's own ranks included)")
     if args.save:
         with open(args.save, "w") as f:
@@ -215,12 +248,14 @@ def main() -> int:
             loo.append(abs(predict([layouts[j]], args, trial)[0] / measured[j] - 1) * 100)
         hw = fit(layouts, measured, args, hw)
         share = min(1.0, len(os.sched_getaffinity(0)) / args.world)
-        print(f"fitted: gemm_efficiency = {hw.gemm_efficiency}; at a whole core per rank (times the rank's core "
-              f"share {share:g}): layer_overhead_s = {hw.layer_overhead_s * share:.2e}, step_overhead_s = "
-              f"{hw.step_overhead_s * share:.2e}, link_latency_s = {hw.link_latency_s * share:.2e}, peer_latency_s = "
-              f"{hw.peer_latency_s * share:.2e}, launch_s = {hw.launch_s * share:.2e}, zero3_overhead_s = "
-              f"{hw.zero3_overhead_s * share:.2e}; link GB/s = "
-              f"{hw.nvlink_gbps}")
+        print(
+            f"fitted: gemm_efficiency = {hw.gemm_efficiency}; at a whole core per rank (times the rank's core "
+            f"share {share:g}): layer_overhead_s = {hw.layer_overhead_s * share:.2e}, step_overhead_s = "
+            f"{hw.step_overhead_s * share:.2e}, link_latency_s = {hw.link_latency_s * share:.2e}, peer_latency_s = "
+            f"{hw.peer_latency_s * share:.2e}, launch_s = {hw.launch_s * share:.2e}, zero3_overhead_s = "
+            f"{hw.zero3_overhead_s * share:.2e}; link GB/s = "
+            f"{hw.nvlink_gbps}"
+        )
         print(f"leave-one-layout-out median absolute error: {statistics.median(loo):.1f}%")
     predicted = predict(layouts, args, hw)
     auto, chosen = auto_layout(args)  # with the constants now in force
@@ -251,15 +286,20 @@ def component_report(layouts, components, args, hw) -> None:
             errors[k].append(abs(got[k] - want[k]) / step)
     worst = {k: statistics.median(v) for k, v in errors.items()}
     name = max(worst, key=worst.get)
-    print("median |measured - predicted| per component, share of the step: "
-          + ", ".join(f"{k} {v:.1%}" for k, v in worst.items()) + f"; worst: {name}")
+    print(
+        "median |measured - predicted| per component, share of the step: "
+        + ", ".join(f"{k} {v:.1%}" for k, v in worst.items())
+        + f"; worst: {name}"
+    )
 
 
 def report(layouts, measured, predicted, auto_index, chosen) -> int:
     """The table, the auto choice against the fastest measured layout, the median error; exit code."""
     print(f"\n{'#':>3}  {'layout':<44} {'measured ms':>12} {'predicted ms':>13} {'error':>7}")
     for i, ((m, f, micro), got, want) in enumerate(zip(layouts, measured, predicted)):
-        label = f"{m} " + " ".join(f"{k}{'' if v is True else v}" for k, v in f.items() if v not in (1, False) or k == "zero")
+        label = f"{m} " + " ".join(
+            f"{k}{'' if v is True else v}" for k, v in f.items() if v not in (1, False) or k == "zero"
+        )
         label += f" mb{micro}" + ("  <- --layout auto" if i == auto_index else "")
         print(f"{i + 1:>3}  {label:<44} {got * 1e3:>12.1f} {want * 1e3:>13.1f} {(want / got - 1) * 100:>+6.1f}%")
     fastest = min(range(len(layouts)), key=lambda i: measured[i])
@@ -267,9 +307,11 @@ def report(layouts, measured, predicted, auto_index, chosen) -> int:
         print(f"\n--layout auto picks {chosen.describe()}, not among the measured layouts: run without --load")
         return 1
     ratio = measured[auto_index] / measured[fastest]
-    print(f"\n--layout auto picks {chosen.describe()}: measured {measured[auto_index] * 1e3:.1f} ms, the fastest "
-          f"measured layout (#{fastest + 1}) {measured[fastest] * 1e3:.1f} ms: {ratio:.3f}x "
-          f"({'within' if ratio <= 1 + AUTO_TOLERANCE else 'NOT within'} {AUTO_TOLERANCE:.0%})")
+    print(
+        f"\n--layout auto picks {chosen.describe()}: measured {measured[auto_index] * 1e3:.1f} ms, the fastest "
+        f"measured layout (#{fastest + 1}) {measured[fastest] * 1e3:.1f} ms: {ratio:.3f}x "
+        f"({'within' if ratio <= 1 + AUTO_TOLERANCE else 'NOT within'} {AUTO_TOLERANCE:.0%})"
+    )
     print(f"median absolute error: {median_error(measured, predicted):.1f}%")
     return 0 if ratio <= 1 + AUTO_TOLERANCE else 1
 

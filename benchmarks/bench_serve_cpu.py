@@ -19,6 +19,7 @@ without autograd, the only constant the serving model adds for CPU ranks) on the
 search on the median absolute error of both quantities, and prints it with the leave-one-case-out error
 (each case predicted with the value fitted without it). What hardware.py holds is what it printed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,12 +30,12 @@ from dataclasses import replace
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from fived.config import model_preset  # noqa: E402
-from fived.generate import Sampling  # noqa: E402
-from fived.generate_ranks import generate_on_ranks, generation_config  # noqa: E402
-from fived.planner.hardware import DISPATCH_CPU_S, local_hardware  # noqa: E402
-from fived.planner.serve_model import ServeLayout, forward_time  # noqa: E402
-from fived.planner.timing import Cluster  # noqa: E402
+from fived.config import model_preset
+from fived.generate import Sampling
+from fived.generate_ranks import generate_on_ranks, generation_config
+from fived.planner.hardware import DISPATCH_CPU_S, local_hardware
+from fived.planner.serve_model import ServeLayout, forward_time
+from fived.planner.timing import Cluster
 
 # (model, world, tp, pp, ep, prompts in the batch): every dimension generation runs, batch 1 to 8
 CASES = [
@@ -86,10 +87,12 @@ def predict(case, args, overhead_s: float = DISPATCH_CPU_S) -> tuple[float, floa
     per_rank = batch // layout.dp
     kv = 4  # float32 caches
     cluster = Cluster(hw, world, world)
-    prefill = forward_time(m, layout, cluster, sequences=per_rank, new_tokens=args.prompt_len,
-                           context=args.prompt_len, kv_bytes=kv)
-    step = forward_time(m, layout, cluster, sequences=per_rank, new_tokens=1,
-                        context=args.prompt_len + args.new_tokens / 2, kv_bytes=kv)
+    prefill = forward_time(
+        m, layout, cluster, sequences=per_rank, new_tokens=args.prompt_len, context=args.prompt_len, kv_bytes=kv
+    )
+    step = forward_time(
+        m, layout, cluster, sequences=per_rank, new_tokens=1, context=args.prompt_len + args.new_tokens / 2, kv_bytes=kv
+    )
     return prefill.total, step.total
 
 
@@ -108,7 +111,7 @@ def median_abs(errs) -> float:
 
 def fit(cases, measured, args) -> float:
     """The dispatch per operator (seconds) minimising the median absolute error of both quantities."""
-    grid = [i * 1e-7 for i in range(0, 201)]
+    grid = [i * 1e-7 for i in range(201)]
     return min(grid, key=lambda x: (median_abs(errors(cases, measured, args, x)), x))
 
 
@@ -121,25 +124,36 @@ def main() -> None:
         measured = [measure(case, args) for case in CASES]
     if args.save:
         with open(args.save, "w") as f:
-            json.dump({"cases": CASES, "measured": measured, "prompt_len": args.prompt_len,
-                       "new_tokens": args.new_tokens}, f)
-    print(f"{'case':<36} {'prefill ms measured':>20} {'predicted':>10} {'error':>7}   "
-          f"{'ms/token measured':>18} {'predicted':>10} {'error':>7}")
+            json.dump(
+                {"cases": CASES, "measured": measured, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens}, f
+            )
+    print(
+        f"{'case':<36} {'prefill ms measured':>20} {'predicted':>10} {'error':>7}   "
+        f"{'ms/token measured':>18} {'predicted':>10} {'error':>7}"
+    )
     errs = errors(CASES, measured, args, DISPATCH_CPU_S)
     for case, meas, e in zip(CASES, measured, errs):
         model, world, tp, pp, ep, batch = case
         pred = predict(case, args)
         name = f"{model} tp{tp} pp{pp} dp{world // (tp * pp)} ep{ep} batch {batch}"
-        print(f"{name:<36} {meas[0] * 1e3:>20.2f} {pred[0] * 1e3:>10.2f} {e[0]:>+6.1f}%   "
-              f"{meas[1] * 1e3:>18.2f} {pred[1] * 1e3:>10.2f} {e[1]:>+6.1f}%")
-    print(f"median absolute error: prefill {statistics.median(abs(e[0]) for e in errs):.1f}%, time per output "
-          f"token {statistics.median(abs(e[1]) for e in errs):.1f}%, both {median_abs(errs):.1f}% over {len(CASES)} cases")
+        print(
+            f"{name:<36} {meas[0] * 1e3:>20.2f} {pred[0] * 1e3:>10.2f} {e[0]:>+6.1f}%   "
+            f"{meas[1] * 1e3:>18.2f} {pred[1] * 1e3:>10.2f} {e[1]:>+6.1f}%"
+        )
+    print(
+        f"median absolute error: prefill {statistics.median(abs(e[0]) for e in errs):.1f}%, time per output "
+        f"token {statistics.median(abs(e[1]) for e in errs):.1f}%, both {median_abs(errs):.1f}% over {len(CASES)} cases"
+    )
     if args.fit:
         best = fit(CASES, measured, args)
-        held = [errors([c], [m], args, fit(CASES[:i] + CASES[i + 1:], measured[:i] + measured[i + 1:], args))[0]
-                for i, (c, m) in enumerate(zip(CASES, measured))]
-        print(f"fit: DISPATCH_CPU_S = {best:.2e} (in sample {median_abs(errors(CASES, measured, args, best)):.1f}%, "
-              f"leave-one-case-out {median_abs(held):.1f}%)")
+        held = [
+            errors([c], [m], args, fit(CASES[:i] + CASES[i + 1 :], measured[:i] + measured[i + 1 :], args))[0]
+            for i, (c, m) in enumerate(zip(CASES, measured))
+        ]
+        print(
+            f"fit: DISPATCH_CPU_S = {best:.2e} (in sample {median_abs(errors(CASES, measured, args, best)):.1f}%, "
+            f"leave-one-case-out {median_abs(held):.1f}%)"
+        )
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ steps alternate between the two models. The last line printed is the ratio of th
     python benchmarks/bench_vs_hf.py                      # float32, 1 thread
     python benchmarks/bench_vs_hf.py --dtype bfloat16 --threads 4
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,8 +39,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from fived.config import PRESETS, ModelConfig, model_preset  # noqa: E402
-from fived.model import build_model  # noqa: E402
 from fived.init import init_weights  # noqa: E402
+from fived.model import build_model  # noqa: E402
 
 # A CPU-sized default: the "tiny" preset widened so a step is tens of milliseconds on one thread.
 DEFAULT_MODEL = "cpu-bench"
@@ -55,15 +56,22 @@ LOSS_TOL = {"float32": 1e-5, "bfloat16": 5e-2}
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     names = [DEFAULT_MODEL, *PRESETS]
-    p.add_argument("--model", default=DEFAULT_MODEL,
-                   help=f"preset name (dense only): {', '.join(names)}; default {DEFAULT_MODEL} = tiny with "
-                        "dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=688, vocab_size=4096")
+    p.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"preset name (dense only): {', '.join(names)}; default {DEFAULT_MODEL} = tiny with "
+        "dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=688, vocab_size=4096",
+    )
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence fed to the model")
     p.add_argument("--steps", type=int, default=60, help="timed steps per model")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per model (after the check step)")
-    p.add_argument("--dtype", choices=list(DTYPES), default="float32",
-                   help="parameter and compute dtype of both models (the loss is computed in float32)")
+    p.add_argument(
+        "--dtype",
+        choices=list(DTYPES),
+        default="float32",
+        help="parameter and compute dtype of both models (the loss is computed in float32)",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (also OMP/MKL_NUM_THREADS)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
@@ -75,8 +83,10 @@ def parse_args() -> argparse.Namespace:
     else:
         p.error(f"--model {args.model}: unknown preset; valid: {', '.join(names)}")
     if args.cfg.is_moe:
-        p.error(f"--model {args.model}: a mixture-of-experts preset (n_experts={args.cfg.n_experts}); "
-                "LlamaForCausalLM is dense, so only dense presets can be compared")
+        p.error(
+            f"--model {args.model}: a mixture-of-experts preset (n_experts={args.cfg.n_experts}); "
+            "LlamaForCausalLM is dense, so only dense presets can be compared"
+        )
     if min(args.batch, args.seq_len, args.steps) < 1 or args.warmup < 0:
         p.error("--batch, --seq-len and --steps must be >= 1, --warmup >= 0")
     return args
@@ -130,11 +140,17 @@ def hf_name(ours: str) -> str:
     if ours == "output.weight":
         return "lm_head.weight"
     name = ours.replace("tok_embeddings.", "embed_tokens.")
-    for a, b in (("attention.wq.", "self_attn.q_proj."), ("attention.wk.", "self_attn.k_proj."),
-                 ("attention.wv.", "self_attn.v_proj."), ("attention.wo.", "self_attn.o_proj."),
-                 ("feed_forward.w1.", "mlp.gate_proj."), ("feed_forward.w3.", "mlp.up_proj."),
-                 ("feed_forward.w2.", "mlp.down_proj."), ("attention_norm.", "input_layernorm."),
-                 ("ffn_norm.", "post_attention_layernorm.")):
+    for a, b in (
+        ("attention.wq.", "self_attn.q_proj."),
+        ("attention.wk.", "self_attn.k_proj."),
+        ("attention.wv.", "self_attn.v_proj."),
+        ("attention.wo.", "self_attn.o_proj."),
+        ("feed_forward.w1.", "mlp.gate_proj."),
+        ("feed_forward.w3.", "mlp.up_proj."),
+        ("feed_forward.w2.", "mlp.down_proj."),
+        ("attention_norm.", "input_layernorm."),
+        ("ffn_norm.", "post_attention_layernorm."),
+    ):
         name = name.replace(a, b)
     return "model." + name
 
@@ -197,15 +213,23 @@ def main() -> int:
     diff = abs(first["fived"] - first["transformers"])
     tol = LOSS_TOL[args.dtype]
     n_params = sum(p.numel() for p in ours.parameters())
-    print(f"fived vs transformers {transformers.__version__} | torch {torch.__version__} | "
-          f"threads {torch.get_num_threads()} | dtype {args.dtype}")
-    print(f"model {args.model}: dim={cfg.dim} n_layers={cfg.n_layers} n_heads={cfg.n_heads} "
-          f"n_kv_heads={cfg.n_kv_heads} ffn_dim={cfg.ffn_dim} vocab={cfg.vocab_size} "
-          f"tie={cfg.tie_embeddings} params={n_params / 1e6:.2f}M")
-    print(f"batch {args.batch} x seq_len {args.seq_len} = {args.batch * args.seq_len} tokens/step | "
-          f"steps {args.steps} timed, {args.warmup} warmup")
-    print(f"first-step loss: fived {first['fived']:.7f}  transformers {first['transformers']:.7f}  "
-          f"|diff| {diff:.2e} (tol {tol:g})")
+    print(
+        f"fived vs transformers {transformers.__version__} | torch {torch.__version__} | "
+        f"threads {torch.get_num_threads()} | dtype {args.dtype}"
+    )
+    print(
+        f"model {args.model}: dim={cfg.dim} n_layers={cfg.n_layers} n_heads={cfg.n_heads} "
+        f"n_kv_heads={cfg.n_kv_heads} ffn_dim={cfg.ffn_dim} vocab={cfg.vocab_size} "
+        f"tie={cfg.tie_embeddings} params={n_params / 1e6:.2f}M"
+    )
+    print(
+        f"batch {args.batch} x seq_len {args.seq_len} = {args.batch * args.seq_len} tokens/step | "
+        f"steps {args.steps} timed, {args.warmup} warmup"
+    )
+    print(
+        f"first-step loss: fived {first['fived']:.7f}  transformers {first['transformers']:.7f}  "
+        f"|diff| {diff:.2e} (tol {tol:g})"
+    )
     if not diff <= tol:
         print("SANITY CHECK FAILED: the two models do not compute the same loss", file=sys.stderr)
         return 1
@@ -220,7 +244,7 @@ def main() -> int:
     gc.disable()
     try:
         for i in range(args.steps):
-            for k in (order if i % 2 == 0 else order[::-1]):  # alternate which model goes first
+            for k in order if i % 2 == 0 else order[::-1]:  # alternate which model goes first
                 t0 = time.perf_counter()
                 steps[k](inputs, targets)
                 times[k].append(time.perf_counter() - t0)

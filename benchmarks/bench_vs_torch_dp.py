@@ -21,6 +21,7 @@ lines are the ratios fived / torch of the median step times.
     python benchmarks/bench_vs_torch_dp.py                       # 4 ranks, dim 256, 4 layers
     python benchmarks/bench_vs_torch_dp.py --stages 3 --steps 60 --global-batch 32
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,12 +34,12 @@ import warnings
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # run_ranks sets it per rank too
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
-from fived.config import build_config  # noqa: E402
-from fived.launch import run_ranks  # noqa: E402
+from fived.config import build_config
+from fived.launch import run_ranks
 
 STAGES = {0: ("fived zero0", "torch DDP"), 3: ("fived zero3", "torch FSDP2")}
 # First-step agreement (float32; only the order of the reductions differs).
@@ -75,15 +76,27 @@ def parse_args() -> argparse.Namespace:
 
 
 def make_config(args: argparse.Namespace, zero: int):
-    return build_config(overrides={
-        "model.name": "tiny", "model.dim": args.dim, "model.n_layers": args.layers,
-        "model.n_heads": args.heads, "model.n_kv_heads": args.kv_heads, "model.ffn_dim": args.ffn_dim,
-        "model.vocab_size": args.vocab,
-        "parallel.dp": args.world, "parallel.zero": zero,
-        "train.dtype": "float32", "train.seq_len": args.seq_len, "train.global_batch": args.global_batch,
-        "train.microbatches": 1, "train.grad_clip": 1.0, "train.seed": args.seed,
-        "train.steps": 1 + args.warmup + args.steps, "train.log_every": 10**9,
-    })
+    return build_config(
+        overrides={
+            "model.name": "tiny",
+            "model.dim": args.dim,
+            "model.n_layers": args.layers,
+            "model.n_heads": args.heads,
+            "model.n_kv_heads": args.kv_heads,
+            "model.ffn_dim": args.ffn_dim,
+            "model.vocab_size": args.vocab,
+            "parallel.dp": args.world,
+            "parallel.zero": zero,
+            "train.dtype": "float32",
+            "train.seq_len": args.seq_len,
+            "train.global_batch": args.global_batch,
+            "train.microbatches": 1,
+            "train.grad_clip": 1.0,
+            "train.seed": args.seed,
+            "train.steps": 1 + args.warmup + args.steps,
+            "train.log_every": 10**9,
+        }
+    )
 
 
 def _value(t) -> float:
@@ -94,25 +107,28 @@ def _value(t) -> float:
 def torch_runner(cfg, stage: int):
     """The hand-written loop: DDP (stage 0) or FSDP2 (stage 3) around the same Transformer."""
     from fived.data import GlobalBatchSampler, load_tokens
-    from fived.model import build_model
     from fived.init import init_weights
+    from fived.model import build_model
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_model(cfg.model, "cpu")
     init_weights(model, cfg.train.seed)
     if stage == 0:
         from torch.nn.parallel import DistributedDataParallel
+
         model = DistributedDataParallel(model)
     else:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
+
         mesh = init_device_mesh("cpu", (world,))
         for block in model.layers.values():
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
     t = cfg.train
-    opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
-                            weight_decay=t.weight_decay)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay
+    )
     sampler = GlobalBatchSampler(load_tokens(None), t.seq_len, t.global_batch, t.seed)
 
     def step(s: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,7 +181,7 @@ def rank_main(args: argparse.Namespace) -> dict:
     try:
         for i in range(args.steps):
             s = 1 + args.warmup + i
-            for name in (names if i % 2 == 0 else names[::-1]):
+            for name in names if i % 2 == 0 else names[::-1]:
                 dist.barrier()
                 t0 = time.perf_counter()
                 runners[name](s)
@@ -181,15 +197,23 @@ def main() -> int:
     m = cfg.model
     from fived.model import count_params
 
-    print(f"fived vs torch data parallel | torch {torch.__version__} | {args.world} ranks, gloo, "
-          f"OMP_NUM_THREADS=1 | float32 | cpus {os.cpu_count()}")
-    print(f"model: dim={m.dim} n_layers={m.n_layers} n_heads={m.n_heads} n_kv_heads={m.n_kv_heads} "
-          f"ffn_dim={m.ffn_dim} vocab={m.vocab_size} params={count_params(m) / 1e6:.2f}M")
-    print(f"global batch {args.global_batch} x seq_len {args.seq_len} ({args.global_batch // args.world} "
-          f"sequences per rank, 1 micro-batch) | steps {args.steps} timed, {args.warmup} warmup, interleaved")
+    print(
+        f"fived vs torch data parallel | torch {torch.__version__} | {args.world} ranks, gloo, "
+        f"OMP_NUM_THREADS=1 | float32 | cpus {os.cpu_count()}"
+    )
+    print(
+        f"model: dim={m.dim} n_layers={m.n_layers} n_heads={m.n_heads} n_kv_heads={m.n_kv_heads} "
+        f"ffn_dim={m.ffn_dim} vocab={m.vocab_size} params={count_params(m) / 1e6:.2f}M"
+    )
+    print(
+        f"global batch {args.global_batch} x seq_len {args.seq_len} ({args.global_batch // args.world} "
+        f"sequences per rank, 1 micro-batch) | steps {args.steps} timed, {args.warmup} warmup, interleaved"
+    )
     if (os.cpu_count() or 1) < args.world:
-        print(f"warning: {os.cpu_count()} CPUs for {args.world} ranks: ranks share cores, timings are noisy",
-              file=sys.stderr)
+        print(
+            f"warning: {os.cpu_count()} CPUs for {args.world} ranks: ranks share cores, timings are noisy",
+            file=sys.stderr,
+        )
 
     results = run_ranks(args.world, rank_main, args, timeout_s=1800.0)
 
@@ -200,8 +224,10 @@ def main() -> int:
         (l0, n0), (l1, n1) = results[0]["checks"][ours], results[0]["checks"][peer]
         good = abs(l0 - l1) <= LOSS_RTOL * abs(l1) and abs(n0 - n1) <= NORM_RTOL * abs(n1)
         ok &= good
-        print(f"stage {stage} first step: loss {ours} {l0:.7f}  {peer} {l1:.7f} | "
-              f"grad norm {n0:.6f}  {n1:.6f} | {'agree' if good else 'DISAGREE'}")
+        print(
+            f"stage {stage} first step: loss {ours} {l0:.7f}  {peer} {l1:.7f} | "
+            f"grad norm {n0:.6f}  {n1:.6f} | {'agree' if good else 'DISAGREE'}"
+        )
     if not ok:
         print("SANITY CHECK FAILED: fived and torch do not compute the same step", file=sys.stderr)
         return 1

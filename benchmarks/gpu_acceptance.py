@@ -23,6 +23,7 @@ with what needs CUDA marked SKIP, so that the script itself is tested where ther
     python benchmarks/gpu_acceptance.py --out reports/
     python benchmarks/gpu_acceptance.py --device cpu  # smoke run on CPU
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,22 +36,32 @@ import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
-
 import acceptance_checks as checks
 import acceptance_speed as speed
 import bench_fp8_gemm as fp8
+import torch
+
 from fived.config import PRESETS, ModelConfig
 
 TIME_BUDGET_S = 20 * 60
 # Llama 3.2 1B's shapes (1.24B parameters, tied embeddings; its rope scaling left out: no cost).
-LLAMA_1B = ModelConfig(name="llama-1b", vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8,
-                       ffn_dim=8192, rope_theta=500000.0, tie_embeddings=True)
+LLAMA_1B = ModelConfig(
+    name="llama-1b",
+    vocab_size=128256,
+    dim=2048,
+    n_layers=16,
+    n_heads=32,
+    n_kv_heads=8,
+    ffn_dim=8192,
+    rope_theta=500000.0,
+    tie_embeddings=True,
+)
 
 
 @dataclass(frozen=True)
 class Profile:
     """What one run measures: the GPU run, or the CPU smoke run's small stand-ins."""
+
     device: str
     kernel_dtype: torch.dtype  # the fused kernels' dtype (bf16 paths need CUDA)
     speed_model: ModelConfig
@@ -62,10 +73,20 @@ class Profile:
     compile_backend: str  # inductor on CUDA; the CPU smoke run traces only (aot_eager: no C++ build)
 
 
-GPU = Profile("cuda", torch.bfloat16, LLAMA_1B, "bfloat16", seq_len=4096, batch=2, steps=10, warmup=3,
-              compile_backend="inductor")
-SMOKE = Profile("cpu", torch.float32, ModelConfig(name="smoke", **dict(PRESETS["tiny"], n_layers=2)), "float32",
-                seq_len=64, batch=2, steps=2, warmup=1, compile_backend="aot_eager")
+GPU = Profile(
+    "cuda", torch.bfloat16, LLAMA_1B, "bfloat16", seq_len=4096, batch=2, steps=10, warmup=3, compile_backend="inductor"
+)
+SMOKE = Profile(
+    "cpu",
+    torch.float32,
+    ModelConfig(name="smoke", **dict(PRESETS["tiny"], n_layers=2)),
+    "float32",
+    seq_len=64,
+    batch=2,
+    steps=2,
+    warmup=1,
+    compile_backend="aot_eager",
+)
 
 
 def plan_checks(p: Profile, run_dir: str, results: dict) -> list[tuple[str, object]]:
@@ -79,17 +100,25 @@ def plan_checks(p: Profile, run_dir: str, results: dict) -> list[tuple[str, obje
         ("train tiny: device vs cpu", lambda: checks.training_matches_cpu("tiny", device=p.device)),
         ("train tiny-moe: device vs cpu", lambda: checks.training_matches_cpu("tiny-moe", device=p.device)),
         ("step breakdown adds up", lambda: checks.breakdown_adds_up(device=p.device)),
-        ("ring attention blocks vs reference", lambda: checks.ring_blocks_match_reference(device=p.device,
-                                                                                          dtype=p.kernel_dtype)),
+        (
+            "ring attention blocks vs reference",
+            lambda: checks.ring_blocks_match_reference(device=p.device, dtype=p.kernel_dtype),
+        ),
         ("grouped experts vs loop", lambda: checks.grouped_experts_match_loop(device=p.device, dtype=p.kernel_dtype)),
         (f"speed: fived eager ({size})", lambda: speed.fived_speed(p.speed_model, **timing)),
-        (f"speed: fived compiled ({size})", lambda: speed.fived_speed(p.speed_model, **timing,
-                                                                      compile_backend=p.compile_backend)),
+        (
+            f"speed: fived compiled ({size})",
+            lambda: speed.fived_speed(p.speed_model, **timing, compile_backend=p.compile_backend),
+        ),
         (f"speed: transformers eager ({size})", lambda: speed.hf_speed(p.speed_model, **timing)),
-        (f"speed: transformers compiled ({size})", lambda: speed.hf_speed(p.speed_model, **timing,
-                                                                          compile_backend=p.compile_backend)),
-        ("planner vs measured (fived eager)", lambda: speed.planner_vs_measured(
-            p.speed_model, results.get(f"speed: fived eager ({size})"), **shapes)),
+        (
+            f"speed: transformers compiled ({size})",
+            lambda: speed.hf_speed(p.speed_model, **timing, compile_backend=p.compile_backend),
+        ),
+        (
+            "planner vs measured (fived eager)",
+            lambda: speed.planner_vs_measured(p.speed_model, results.get(f"speed: fived eager ({size})"), **shapes),
+        ),
         ("checkpoint round trip", lambda: checks.checkpoint_round_trip(run_dir, device=p.device)),
         ("fived generate: device vs cpu", lambda: checks.generate_matches_cpu(run_dir, device=p.device)),
         ("fp8 vs bf16 (torchao)", lambda: fp8.fp8_check(device=p.device)),
@@ -107,8 +136,11 @@ def run_guarded(name: str, check) -> dict:
         first_line = (str(e).splitlines() or [""])[0]
         result = {"status": checks.FAIL, "figures": {}, "note": f"{type(e).__name__}: {first_line}"}
     result = {"name": name, **result, "seconds": time.perf_counter() - start}
-    print(f"[gpu_acceptance] {result['status']} {name} ({result['seconds']:.1f} s) {result['note']}", file=sys.stderr,
-          flush=True)
+    print(
+        f"[gpu_acceptance] {result['status']} {name} ({result['seconds']:.1f} s) {result['note']}",
+        file=sys.stderr,
+        flush=True,
+    )
     return result
 
 
@@ -119,8 +151,13 @@ def run_all(p: Profile) -> list[dict]:
         for name, check in plan_checks(p, run_dir, results):
             results[name] = run_guarded(name, check)
     total = time.perf_counter() - start
-    budget = {"name": "whole run within 20 minutes", "status": checks.PASS if total <= TIME_BUDGET_S else checks.FAIL,
-              "figures": {"total_s": total, "budget_s": TIME_BUDGET_S}, "note": "", "seconds": 0.0}
+    budget = {
+        "name": "whole run within 20 minutes",
+        "status": checks.PASS if total <= TIME_BUDGET_S else checks.FAIL,
+        "figures": {"total_s": total, "budget_s": TIME_BUDGET_S},
+        "note": "",
+        "seconds": 0.0,
+    }
     return [*results.values(), budget]
 
 
@@ -132,8 +169,10 @@ def summary_line(results: list[dict], p: Profile) -> str:
     counts = {s: sum(r["status"] == s for r in results) for s in (checks.PASS, checks.FAIL, checks.SKIP)}
     total = next(r["figures"]["total_s"] for r in results if r["name"] == "whole run within 20 minutes")
     verdict = "ACCEPTED" if counts[checks.FAIL] == 0 else "NOT ACCEPTED"
-    return (f"gpu_acceptance: {verdict}: {counts['PASS']} PASS, {counts['FAIL']} FAIL, {counts['SKIP']} SKIP "
-            f"on {device_name(p)} in {total / 60:.1f} min")
+    return (
+        f"gpu_acceptance: {verdict}: {counts['PASS']} PASS, {counts['FAIL']} FAIL, {counts['SKIP']} SKIP "
+        f"on {device_name(p)} in {total / 60:.1f} min"
+    )
 
 
 def _figure(value) -> str:
@@ -148,23 +187,33 @@ def speed_table(results: list[dict]) -> list[str]:
     rows = [r for r in results if r["name"].startswith("speed:") and r["status"] == checks.PASS]
     if not rows:
         return []
-    baseline = next((r["figures"]["tokens_per_s"] for r in rows if r["name"].startswith("speed: transformers eager")),
-                    None)
-    lines = ["| runtime | tokens/s | vs transformers eager | MFU | step s | peak GiB | warmup s |",
-             "|---|---|---|---|---|---|---|"]
+    baseline = next(
+        (r["figures"]["tokens_per_s"] for r in rows if r["name"].startswith("speed: transformers eager")), None
+    )
+    lines = [
+        "| runtime | tokens/s | vs transformers eager | MFU | step s | peak GiB | warmup s |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         f = r["figures"]
         peak = "n/a (CPU)" if f["peak_memory_gib"] is None else f"{f['peak_memory_gib']:.2f}"
         ratio = f"{f['tokens_per_s'] / baseline:.2f}x" if baseline else "n/a"
-        lines.append(f"| {r['name'][7:]} | {f['tokens_per_s']:.0f} | {ratio} | {f['mfu']:.1%} | {f['step_s']:.4g} | "
-                     f"{peak} | {f['warmup_s']:.1f} |")
+        lines.append(
+            f"| {r['name'][7:]} | {f['tokens_per_s']:.0f} | {ratio} | {f['mfu']:.1%} | {f['step_s']:.4g} | "
+            f"{peak} | {f['warmup_s']:.1f} |"
+        )
     return ["## Speed", "", *lines, ""]
 
 
 def markdown(results: list[dict], p: Profile, header: dict) -> str:
-    lines = [f"# GPU acceptance: {header['device']}", "",
-             f"torch {header['torch']}, {header['date']}, profile `{p.device}`", "",
-             "| check | status | seconds | note |", "|---|---|---|---|"]
+    lines = [
+        f"# GPU acceptance: {header['device']}",
+        "",
+        f"torch {header['torch']}, {header['date']}, profile `{p.device}`",
+        "",
+        "| check | status | seconds | note |",
+        "|---|---|---|---|",
+    ]
     lines += [f"| {r['name']} | **{r['status']}** | {r['seconds']:.1f} | {r['note']} |" for r in results]
     lines += ["", *speed_table(results), "## Figures", ""]
     for r in results:
@@ -174,8 +223,12 @@ def markdown(results: list[dict], p: Profile, header: dict) -> str:
 
 
 def write_reports(results: list[dict], p: Profile, out: Path, stem: str) -> tuple[Path, Path]:
-    header = {"device": device_name(p), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-              "summary": summary_line(results, p)}
+    header = {
+        "device": device_name(p),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "summary": summary_line(results, p),
+    }
     profile = {k: str(v) if isinstance(v, torch.dtype) else v for k, v in asdict(p).items()}
     out.mkdir(parents=True, exist_ok=True)
     json_path, md_path = out / f"{stem}.json", out / f"{stem}.md"
@@ -186,8 +239,12 @@ def write_reports(results: list[dict], p: Profile, out: Path, stem: str) -> tupl
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                        help="cuda (default): the acceptance run; cpu: the smoke run at tiny sizes")
+    parser.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="cuda (default): the acceptance run; cpu: the smoke run at tiny sizes",
+    )
     parser.add_argument("--out", default=".", help="directory of the reports (default: the current one)")
     parser.add_argument("--name", default="gpu_acceptance", help="the reports' file name without suffix")
     return parser.parse_args(argv)
@@ -196,7 +253,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("gpu_acceptance: CUDA is absent on this machine; nothing was measured (--device cpu runs the smoke checks)")
+        print(
+            "gpu_acceptance: CUDA is absent on this machine; nothing was measured (--device cpu runs the smoke checks)"
+        )
         return 0
     profile = GPU if args.device == "cuda" else SMOKE
     results = run_all(profile)

@@ -5,6 +5,7 @@ reverse on odd ones (so neither always runs right after the other), each after a
 garbage collector off. Every rank returns its own step times; a step's time is the slowest rank's
 (`slowest_median`).
 """
+
 from __future__ import annotations
 
 import gc
@@ -27,7 +28,7 @@ def interleaved_steps(trainers: list, *, warmup: int, steps: int) -> tuple[list[
     gc.disable()
     try:
         for i in range(steps):
-            for j in (order if i % 2 == 0 else order[::-1]):
+            for j in order if i % 2 == 0 else order[::-1]:
                 dist.barrier()
                 start = time.perf_counter()
                 record = trainers[j].step(warmup + i)

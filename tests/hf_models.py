@@ -6,6 +6,7 @@ probabilities in float32 whatever the model's dtype. In float64 tests `Float64Ev
 every float32 request inside its block into float64, so that the comparison measures fived's
 import (names, layouts, the model's arithmetic), not transformers' float32 islands.
 """
+
 from __future__ import annotations
 
 import torch
@@ -30,20 +31,41 @@ class Float64Everywhere(TorchFunctionMode):
 def hf_config(kind: str, **extra):
     import transformers
 
-    common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, intermediate_size=96, rms_norm_eps=1e-5, max_position_embeddings=256)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=96,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=256,
+    )
     common.update({k: extra.pop(k) for k in list(extra) if k in common})
     if kind == "llama":
         return transformers.LlamaConfig(**common, **extra)
     if kind == "llama3.1":
-        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        }
         return transformers.LlamaConfig(**common, rope_parameters=rope, **extra)
     if kind == "mixtral":
         return transformers.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2, **extra)
     if kind == "qwen3_moe":
-        return transformers.Qwen3MoeConfig(**common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                           head_dim=32, norm_topk_prob=False, **extra)
+        return transformers.Qwen3MoeConfig(
+            **common,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            head_dim=32,
+            norm_topk_prob=False,
+            **extra,
+        )
     raise ValueError(kind)
 
 
@@ -53,8 +75,9 @@ def save_hf_model(kind: str, directory, seed: int = 0, dtype=torch.float32, **ex
     import transformers
 
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(hf_config(kind, **extra), attn_implementation="sdpa",
-                                                             experts_implementation="eager")
+    model = transformers.AutoModelForCausalLM.from_config(
+        hf_config(kind, **extra), attn_implementation="sdpa", experts_implementation="eager"
+    )
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.copy_(1 + 0.1 * torch.randn_like(param) if "norm" in name else 0.2 * torch.randn_like(param))
@@ -78,6 +101,9 @@ def _recompute_rope(model) -> None:
 
     for module in model.modules():
         if hasattr(module, "inv_freq") and hasattr(module, "rope_type"):
-            init = module.compute_default_rope_parameters if module.rope_type == "default" \
+            init = (
+                module.compute_default_rope_parameters
+                if module.rope_type == "default"
                 else ROPE_INIT_FUNCTIONS[module.rope_type]
+            )
             module.inv_freq, _ = init(module.config)

@@ -7,6 +7,7 @@ the routing). With ep the slots a rank receives depend on the router; the formul
 perfectly balanced route, which is exact for the mean over the ep ranks and within 10% per rank
 total (worst measured here: 1.47%; per layer up to 6.7%).
 """
+
 import pytest
 
 from fived.activation_model import activation_bytes, layer_bytes
@@ -31,38 +32,76 @@ SINGLE = {
 PAIR = {
     "tp2 sp": ("tiny", {"parallel__tp": 2, "parallel__sp": True}),
     "tp2": ("tiny", {"parallel__tp": 2}),
-    "tp2 sp bfloat16-autocast": ("tiny", {"parallel__tp": 2, "parallel__sp": True, "train__dtype": "bfloat16-autocast"}),
+    "tp2 sp bfloat16-autocast": (
+        "tiny",
+        {"parallel__tp": 2, "parallel__sp": True, "train__dtype": "bfloat16-autocast"},
+    ),
     "tp2 sp bfloat16": ("tiny", {"parallel__tp": 2, "parallel__sp": True, "train__dtype": "bfloat16"}),
     "pp2 1f1b": ("tiny", {"parallel__pp": 2, "parallel__dp": 1, "train__microbatches": 2}),
-    "pp2 interleaved v2": ("tiny", {"parallel__pp": 2, "parallel__dp": 1, "train__microbatches": 4,
-                                    "parallel__pp_schedule": "interleaved-1f1b", "parallel__pp_virtual": 2}),
+    "pp2 interleaved v2": (
+        "tiny",
+        {
+            "parallel__pp": 2,
+            "parallel__dp": 1,
+            "train__microbatches": 4,
+            "parallel__pp_schedule": "interleaved-1f1b",
+            "parallel__pp_virtual": 2,
+        },
+    ),
     "cp2": ("tiny", {"parallel__cp": 2, "parallel__dp": 1}),
     "cp2 bfloat16": ("tiny", {"parallel__cp": 2, "parallel__dp": 1, "train__dtype": "bfloat16"}),
-    "cp2 moe selective": ("tiny-moe", {"parallel__cp": 2, "parallel__dp": 1,
-                                       "train__activation_checkpointing": "selective"}),
+    "cp2 moe selective": (
+        "tiny-moe",
+        {"parallel__cp": 2, "parallel__dp": 1, "train__activation_checkpointing": "selective"},
+    ),
     "ep2 dp2 zero3": ("tiny-moe", {"parallel__ep": 2, "parallel__dp": 2, "parallel__zero": 3}),
     "cp2 documents": ("tiny", {"parallel__cp": 2, "parallel__dp": 1, "data__document_mask": True}),
     "cp2 ulysses": ("tiny", {"parallel__cp": 2, "parallel__dp": 1, "parallel__cp_mode": "ulysses"}),
-    "cp2 ulysses documents selective": ("tiny", {"parallel__cp": 2, "parallel__dp": 1, "parallel__cp_mode": "ulysses",
-                                                 "data__document_mask": True,
-                                                 "train__activation_checkpointing": "selective"}),
-    "cp2 ulysses selective": ("tiny", {"parallel__cp": 2, "parallel__dp": 1, "parallel__cp_mode": "ulysses",
-                                       "train__activation_checkpointing": "selective"}),
+    "cp2 ulysses documents selective": (
+        "tiny",
+        {
+            "parallel__cp": 2,
+            "parallel__dp": 1,
+            "parallel__cp_mode": "ulysses",
+            "data__document_mask": True,
+            "train__activation_checkpointing": "selective",
+        },
+    ),
+    "cp2 ulysses selective": (
+        "tiny",
+        {
+            "parallel__cp": 2,
+            "parallel__dp": 1,
+            "parallel__cp_mode": "ulysses",
+            "train__activation_checkpointing": "selective",
+        },
+    ),
 }
 QUAD = {
     "cp4 hybrid": ("tiny", {"parallel__cp": 4, "parallel__dp": 1, "parallel__cp_mode": "hybrid"}),
     "cp4 ulysses (kv heads repeated)": ("tiny", {"parallel__cp": 4, "parallel__dp": 1, "parallel__cp_mode": "ulysses"}),
-    "tp2 sp cp2 ulysses documents": ("tiny", {"parallel__cp": 2, "parallel__dp": 1, "parallel__tp": 2,
-                                              "parallel__sp": True, "parallel__cp_mode": "ulysses",
-                                              "data__document_mask": True}),
+    "tp2 sp cp2 ulysses documents": (
+        "tiny",
+        {
+            "parallel__cp": 2,
+            "parallel__dp": 1,
+            "parallel__tp": 2,
+            "parallel__sp": True,
+            "parallel__cp_mode": "ulysses",
+            "data__document_mask": True,
+        },
+    ),
 }
 ROUTED = {"ep2 dp2 zero3"}  # per-rank bytes depend on the routing: totals within 10%, ep mean exact
 
 
 def _configs(layouts, documents):
-    return {name: tiny_config(model, train__steps=1, **over, **({"data__path": documents}
-                                                              if over.get("data__document_mask") else {}))
-            for name, (model, over) in layouts.items()}
+    return {
+        name: tiny_config(
+            model, train__steps=1, **over, **({"data__path": documents} if over.get("data__document_mask") else {})
+        )
+        for name, (model, over) in layouts.items()
+    }
 
 
 def _run_all(cfgs):
@@ -89,8 +128,11 @@ def test_measured_matches_formula(measured, name):
         want = expected_activations(cfg, world, rank)
         got = res.activations
         assert set(got) == set(want), (name, rank, sorted(got), sorted(want))
-        moe_layers = {k for k in want if k not in ("embedding", "head") and cfg.model.is_moe
-                      and int(k) >= cfg.model.n_dense_layers}
+        moe_layers = {
+            k
+            for k in want
+            if k not in ("embedding", "head") and cfg.model.is_moe and int(k) >= cfg.model.n_dense_layers
+        }
         for key, value in got.items():
             if name not in ROUTED or key not in moe_layers:
                 assert value == want[key], (name, rank, key, value, want[key])
@@ -147,8 +189,9 @@ def test_compiled_blocks_keep_at_most_the_planned_activations():
 
     shape = {"model__dim": 128, "model__ffn_dim": 384}
     eager_cfg = tiny_config("tiny", train__steps=1, train__dtype="float32", **shape)
-    cfg = tiny_config("tiny", train__steps=1, train__dtype="float32", train__compile=True,
-                      train__compile_backend="inductor", **shape)
+    cfg = tiny_config(
+        "tiny", train__steps=1, train__dtype="float32", train__compile=True, train__compile_backend="inductor", **shape
+    )
     eager = run_on_ranks(1, run_training, eager_cfg, False, False)[0].activations["0"]
     compiled = run_on_ranks(1, run_training, cfg, False, False, timeout_s=600)[0].activations["0"]
     layout = Layout.from_config(cfg, 1)

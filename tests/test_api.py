@@ -1,5 +1,6 @@
 """The Python API (`from fived import Config, train, verify, plan`): documented keyword-only
 signatures, no torch on import, the README's example run as written, the same checks as the CLI."""
+
 import inspect
 import json
 import os
@@ -18,8 +19,13 @@ ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src"), "OMP_
 
 
 def test_help_shows_a_documented_signature_and_import_needs_no_torch():
-    out = subprocess.run([sys.executable, "-c", "import sys, fived; help(fived.train); print('torch' in sys.modules)"],
-                         capture_output=True, text=True, env={**ENV, "PAGER": "cat"}, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", "import sys, fived; help(fived.train); print('torch' in sys.modules)"],
+        capture_output=True,
+        text=True,
+        env={**ENV, "PAGER": "cat"},
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     text = out.stdout
     assert "train(config: 'Config | None' = None, *, nproc: 'int | None' = None, resume: 'str | None' = None" in text
@@ -55,8 +61,9 @@ def test_the_readme_example_runs(tmp_path):
     code = re.search(r"<!-- api example: run by tests/test_api.py -->\n```python\n(.*?)```", README.read_text(), re.S)
     assert code, "the README's API example is missing"
     assert len(code.group(1).strip().splitlines()) <= 12
-    out = subprocess.run([sys.executable, "-c", code.group(1)], capture_output=True, text=True, env=ENV, cwd=tmp_path,
-                         timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-c", code.group(1)], capture_output=True, text=True, env=ENV, cwd=tmp_path, timeout=600
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
     assert re.fullmatch(r"loss 5\.\d\d -> \d\.\d\d at [\d,]+ tokens/s", lines[-2]), lines[-2]

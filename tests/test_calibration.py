@@ -1,6 +1,7 @@
 """Published runs: a reader that never crashes, what it reads (MoE, first dense layers, ZeRO/FSDP
 wording, FP8, GPU variants, open and inconsistent layout fields), validation in and out of sample, and
 what a prediction says of its basis."""
+
 import csv
 import json
 from dataclasses import replace
@@ -20,9 +21,25 @@ from fived.planner.search import plan
 from fived.planner.timing import Cluster
 
 CALIBRATION_FILE = Path(__file__).parent / "data" / "published_runs.csv"
-BASE = dict(source_short="test", model="gpt", num_layers="24", hidden="2048", heads="16", vocab="51200",
-            seq_len="2048", gpu_type="A100-SXM4-80GB", num_gpus="16", gpus_per_node="8", tp="2", pp="1", dp="8",
-            micro_batch="2", global_batch_seqs="256", framework="Megatron-LM (2022)", tokens_per_s_per_gpu="5000")
+BASE = dict(
+    source_short="test",
+    model="gpt",
+    num_layers="24",
+    hidden="2048",
+    heads="16",
+    vocab="51200",
+    seq_len="2048",
+    gpu_type="A100-SXM4-80GB",
+    num_gpus="16",
+    gpus_per_node="8",
+    tp="2",
+    pp="1",
+    dp="8",
+    micro_batch="2",
+    global_batch_seqs="256",
+    framework="Megatron-LM (2022)",
+    tokens_per_s_per_gpu="5000",
+)
 
 
 def _write(path: Path, rows: list[dict]) -> Path:
@@ -36,9 +53,20 @@ def _write(path: Path, rows: list[dict]) -> Path:
 
 
 def test_zero_wording():
-    for text, stage in [("FSDP", 3), ("FULL_SHARD", 3), ("HYBRID_SHARD", 3), ("SHARD_GRAD_OP", 2), ("ZeRO-3-like", 3),
-                        ("zero stage 2", 2), ("distributed optimizer", 1), ("ZeRO-1", 1), ("DDP", 0),
-                        ("none (DDP torch/local)", 0), ("", None), ("n/a", None)]:
+    for text, stage in [
+        ("FSDP", 3),
+        ("FULL_SHARD", 3),
+        ("HYBRID_SHARD", 3),
+        ("SHARD_GRAD_OP", 2),
+        ("ZeRO-3-like", 3),
+        ("zero stage 2", 2),
+        ("distributed optimizer", 1),
+        ("ZeRO-1", 1),
+        ("DDP", 0),
+        ("none (DDP torch/local)", 0),
+        ("", None),
+        ("n/a", None),
+    ]:
         assert zero_stage(text) == stage, text
 
 
@@ -48,25 +76,61 @@ def test_reader_never_crashes(tmp_path):
     rows = [
         dict(BASE, row_id="1", tp="", dp=""),  # missing layout fields: the planner's choice
         dict(BASE, row_id="2", dp="5", micro_batch="n/a", global_batch_seqs="n/a", global_batch_tokens="524288"),
-        dict(BASE, row_id="3", model="moe", kv_heads="4", moe_experts="8", moe_top_k="2", moe_ffn_hidden="1024",
-             moe_shared_experts="1", moe_first_dense_layers="2", zero_or_fsdp="FULL_SHARD", tp="1", dp="16",
-             framework="PyTorch FSDP", precision="FP8 (torchao float8)", gpu_type="H100 SXM 80GB"),
-        dict(BASE, row_id="4", zero_or_fsdp="SHARD_GRAD_OP", framework="DeepSpeed", tp="1", dp="16", pp="",
-             gpu_type="A100-SXM4-40GB"),
+        dict(
+            BASE,
+            row_id="3",
+            model="moe",
+            kv_heads="4",
+            moe_experts="8",
+            moe_top_k="2",
+            moe_ffn_hidden="1024",
+            moe_shared_experts="1",
+            moe_first_dense_layers="2",
+            zero_or_fsdp="FULL_SHARD",
+            tp="1",
+            dp="16",
+            framework="PyTorch FSDP",
+            precision="FP8 (torchao float8)",
+            gpu_type="H100 SXM 80GB",
+        ),
+        dict(
+            BASE,
+            row_id="4",
+            zero_or_fsdp="SHARD_GRAD_OP",
+            framework="DeepSpeed",
+            tp="1",
+            dp="16",
+            pp="",
+            gpu_type="A100-SXM4-40GB",
+        ),
         dict(BASE, row_id="5", hidden="abc"),
         dict(BASE, row_id="6", tokens_per_s_per_gpu="", tflops_per_gpu="n/a"),
         dict(BASE, row_id="7", gpu_type="tpu-v5"),
         dict(BASE, row_id="8", num_gpus="15"),
-        dict(BASE, row_id="9", model="folded", kv_heads="4", moe_experts="16", moe_top_k="2", moe_ffn_hidden="1024",
-             ep="16", etp="", framework="Megatron-Core", gpu_type="NVIDIA H100 80GB HBM3", first_k_dense_replace="1"),
+        dict(
+            BASE,
+            row_id="9",
+            model="folded",
+            kv_heads="4",
+            moe_experts="16",
+            moe_top_k="2",
+            moe_ffn_hidden="1024",
+            ep="16",
+            etp="",
+            framework="Megatron-Core",
+            gpu_type="NVIDIA H100 80GB HBM3",
+            first_k_dense_replace="1",
+        ),
     ]
     path = _write(tmp_path / "runs.csv", rows)
     read, skipped = read_runs(path)
     assert [r.row_id for r in read] == ["1", "2", "3", "4", "9"]
-    assert skipped == ["row 5 skipped: hidden='abc' is not a number",
-                       "row 6 skipped: no throughput (tokens/s, step time, TFLOP/s or MFU)",
-                       "row 7 skipped: gpu_type='tpu-v5': unknown GPU",
-                       "row 8 skipped: num_gpus=15 is not a multiple of tp*pp*cp=2"]
+    assert skipped == [
+        "row 5 skipped: hidden='abc' is not a number",
+        "row 6 skipped: no throughput (tokens/s, step time, TFLOP/s or MFU)",
+        "row 7 skipped: gpu_type='tpu-v5': unknown GPU",
+        "row 8 skipped: num_gpus=15 is not a multiple of tp*pp*cp=2",
+    ]
     one, two, moe, deepspeed, folded = read
     assert folded.fixed["etp"] == 1 and folded.model.n_dense_layers == 1 and "experts folded over tp" in folded.notes[0]
     assert not predict(folded).layout.runnable and folded.cluster.hardware.name == "h100"
@@ -92,22 +156,79 @@ def test_every_run_that_happened_is_read_and_costed(tmp_path):
     family's, or the head ignored); more virtual stages than layers; a tp unstated (derived from dp,
     else the planner's); an interleaved pipeline fived's torch schedules refuse: every row is read,
     predicted, and says what the reading assumed."""
-    llama = dict(BASE, model="Llama-3.1-8B", num_layers="32", hidden="4096", heads="32", kv_heads="8",
-                 ffn_hidden="14336", vocab="128256", seq_len="8192", num_gpus="64", tp="1", dp="8")
+    llama = dict(
+        BASE,
+        model="Llama-3.1-8B",
+        num_layers="32",
+        hidden="4096",
+        heads="32",
+        kv_heads="8",
+        ffn_hidden="14336",
+        vocab="128256",
+        seq_len="8192",
+        num_gpus="64",
+        tp="1",
+        dp="8",
+    )
     rows = [
-        dict(llama, row_id="local", pp="8", micro_batch="16", global_batch_seqs="", precision="FP8",
-             framework="torchtitan (FSDP2, torch.compile)", zero_or_fsdp="FSDP"),
+        dict(
+            llama,
+            row_id="local",
+            pp="8",
+            micro_batch="16",
+            global_batch_seqs="",
+            precision="FP8",
+            framework="torchtitan (FSDP2, torch.compile)",
+            zero_or_fsdp="FSDP",
+        ),
         dict(llama, row_id="local-column", pp="8", micro_batch="", local_batch="32", global_batch_seqs=""),
-        dict(BASE, row_id="moe-no-vocab", model="Qwen1.5-MoE-A2.7B", vocab="", kv_heads="16", moe_experts="60",
-             moe_top_k="4", moe_ffn_hidden="1408", ep="4", tp="1"),
+        dict(
+            BASE,
+            row_id="moe-no-vocab",
+            model="Qwen1.5-MoE-A2.7B",
+            vocab="",
+            kv_heads="16",
+            moe_experts="60",
+            moe_top_k="4",
+            moe_ffn_hidden="1408",
+            ep="4",
+            tp="1",
+        ),
         dict(BASE, row_id="no-family", model="house-model", vocab=""),
-        dict(BASE, row_id="more-stages", num_layers="94", hidden="4096", heads="64", kv_heads="4", vocab="151936",
-             moe_experts="128", moe_top_k="8", moe_ffn_hidden="1536", num_gpus="256", tp="2", pp="32", vpp="3",
-             ep="8", dp="4", micro_batch="1", global_batch_seqs="2048", framework="Megatron-Core"),
+        dict(
+            BASE,
+            row_id="more-stages",
+            num_layers="94",
+            hidden="4096",
+            heads="64",
+            kv_heads="4",
+            vocab="151936",
+            moe_experts="128",
+            moe_top_k="8",
+            moe_ffn_hidden="1536",
+            num_gpus="256",
+            tp="2",
+            pp="32",
+            vpp="3",
+            ep="8",
+            dp="4",
+            micro_batch="1",
+            global_batch_seqs="2048",
+            framework="Megatron-Core",
+        ),
         dict(BASE, row_id="tp-from-dp", tp="", pp="2", dp="4"),
         dict(BASE, row_id="tp-open", tp="", dp=""),
-        dict(BASE, row_id="rounds", num_gpus="32", tp="2", pp="4", vpp="2", dp="4", micro_batch="1",
-             global_batch_seqs="100"),  # 25 micro-batches: torch's interleaved schedule wants whole rounds
+        dict(
+            BASE,
+            row_id="rounds",
+            num_gpus="32",
+            tp="2",
+            pp="4",
+            vpp="2",
+            dp="4",
+            micro_batch="1",
+            global_batch_seqs="100",
+        ),  # 25 micro-batches: torch's interleaved schedule wants whole rounds
     ]
     read, skipped = read_runs(_write(tmp_path / "runs.csv", rows))
     assert not skipped
@@ -116,9 +237,15 @@ def test_every_run_that_happened_is_read_and_costed(tmp_path):
     assert local.global_batch == 16 * 8 and "micro_batch" in local.open and 16 in local.open["micro_batch"]
     assert "local batch 16 per replica (the row's micro_batch)" in local.notes
     assert got["local-column"].global_batch == 32 * 8 and "local batch 32 per replica" in got["local-column"].notes
-    assert got["moe-no-vocab"].model.vocab_size == 151936 and "vocab: unstated, qwen's 151936" in got["moe-no-vocab"].notes
-    assert got["no-family"].model.vocab_size == 1 and "vocab: unstated, the head's share ignored" in got["no-family"].notes
-    assert got["more-stages"].fixed["pp_virtual"] == 2 and "vpp 3 -> 2: 96 stages, 94 layers" in got["more-stages"].notes
+    assert (
+        got["moe-no-vocab"].model.vocab_size == 151936 and "vocab: unstated, qwen's 151936" in got["moe-no-vocab"].notes
+    )
+    assert (
+        got["no-family"].model.vocab_size == 1 and "vocab: unstated, the head's share ignored" in got["no-family"].notes
+    )
+    assert (
+        got["more-stages"].fixed["pp_virtual"] == 2 and "vpp 3 -> 2: 96 stages, 94 layers" in got["more-stages"].notes
+    )
     assert got["tp-from-dp"].fixed["tp"] == 2 and "tp 2 = gpus/(dp*pp*cp) (unstated)" in got["tp-from-dp"].notes
     assert "tp" in got["tp-open"].open and "tp: planner" in got["tp-open"].notes
     plans = {r.row_id: predict(r) for r in read}
@@ -135,8 +262,9 @@ def test_calibration_file_coverage():
     what `fived plan` quotes of its coverage is what the file holds; every row has a source."""
     rows, skipped = read_runs(CALIBRATION_FILE)
     assert not skipped
-    assert CALIBRATION.sha256 == file_sha256(CALIBRATION_FILE), "refit: python -m fived.planner.fitting " \
-        "tests/data/published_runs.csv"
+    assert CALIBRATION.sha256 == file_sha256(CALIBRATION_FILE), (
+        "refit: python -m fived.planner.fitting tests/data/published_runs.csv"
+    )
     assert CALIBRATION.rows == tuple(r.row_id for r in rows) and set(CALIBRATION.row_errors) == set(CALIBRATION.rows)
     assert dict(CALIBRATION.coverage) == json.loads(json.dumps(coverage(rows)))
     with CALIBRATION_FILE.open() as f:
@@ -183,13 +311,16 @@ def test_a_refit_is_a_new_calibration_and_the_quoted_figures_follow_it(tmp_path)
     assert result["loso"] == pytest.approx(loaded.out_of_sample, abs=1e-3)
     assert any(line.startswith("out of sample: as fitted on this file") for line in printed)
     after = plan(m, cluster, 8192, 512).plans[0]
-    assert after.time.total == before.time.total and CALIBRATION == load_calibration()
+    assert after.time.total == before.time.total and load_calibration() == CALIBRATION
 
 
 def test_a_bad_calibration_file_is_refused_in_one_line(tmp_path):
     good = json.loads(json.dumps(CALIBRATION.to_json()))
-    for change, words in [({"constants": {**good["constants"], "gemm": 1.0}}, "missing or unknown constant"),
-                          ({"extra": 1}, "unknown calibration field"), ({"format": 99}, "not calibration format")]:
+    for change, words in [
+        ({"constants": {**good["constants"], "gemm": 1.0}}, "missing or unknown constant"),
+        ({"extra": 1}, "unknown calibration field"),
+        ({"format": 99}, "not calibration format"),
+    ]:
         path = tmp_path / "bad.json"
         path.write_text(json.dumps({**good, **change}))
         with pytest.raises(ConfigError, match=words) as e:
@@ -231,14 +362,43 @@ def _fived(capsys, *args) -> tuple[int, str, str]:
 
 
 def test_cli_plan_runtime_headroom_and_json(capsys):
-    code, out, err = _fived(capsys, "plan", "--model", "llama3-8b", "--gpus", "16", "--gpu", "h100", "--seq", "8192",
-                            "--global-batch-tokens", "1048576", "--json", "--top", "2", "--memory-headroom", "5")
+    code, out, err = _fived(
+        capsys,
+        "plan",
+        "--model",
+        "llama3-8b",
+        "--gpus",
+        "16",
+        "--gpu",
+        "h100",
+        "--seq",
+        "8192",
+        "--global-batch-tokens",
+        "1048576",
+        "--json",
+        "--top",
+        "2",
+        "--memory-headroom",
+        "5",
+    )
     assert code == 0, err
     data = json.loads(out)
     assert data["runtime"] == "fived" and data["memory_headroom_gib"] == 5 and data["basis"]
     assert all(p["runnable"] and p["memory_gib"]["total"] <= 75 for p in data["plans"])
-    code, _, err = _fived(capsys, "plan", "--model", "llama3-8b", "--gpus", "16", "--seq", "8192",
-                          "--global-batch-tokens", "8192", "--memory-headroom", "-1")
+    code, _, err = _fived(
+        capsys,
+        "plan",
+        "--model",
+        "llama3-8b",
+        "--gpus",
+        "16",
+        "--seq",
+        "8192",
+        "--global-batch-tokens",
+        "8192",
+        "--memory-headroom",
+        "-1",
+    )
     assert code == 2 and "--memory-headroom=-1.0: must be >= 0" in err
 
 

@@ -1,6 +1,7 @@
 """Checkpoints on real gloo ranks: a run stopped and resumed equals the uninterrupted run to the last
 bit (every dimension, every ZeRO stage, dense and MoE); a checkpoint written by one layout continues
 at any other exactly like one device; background saves load exactly."""
+
 import json
 
 import pytest
@@ -27,11 +28,23 @@ LAYOUTS = {
     "zero0-dp4": ("tiny", 4, dict(parallel__dp=4)),
     "zero1-dp2-tp2": ("tiny-moe", 4, dict(parallel__dp=2, parallel__tp=2, parallel__zero=1)),
     "zero2-dp4-micro2": ("tiny", 4, dict(parallel__dp=4, parallel__zero=2, train__microbatches=2)),
-    "zero3-hsdp": ("tiny-moe", 4, dict(parallel__dp=4, parallel__dp_replicate=2, parallel__zero=3,
-                                       model__router_bias_rate=0.01)),
+    "zero3-hsdp": (
+        "tiny-moe",
+        4,
+        dict(parallel__dp=4, parallel__dp_replicate=2, parallel__zero=3, model__router_bias_rate=0.01),
+    ),
     "tp2-sp": ("tiny", 2, dict(parallel__tp=2, parallel__sp=True)),
-    "pp2-interleaved": ("tiny-moe", 4, dict(parallel__pp=2, parallel__dp=2, parallel__pp_schedule="interleaved-1f1b",
-                                            parallel__pp_virtual=2, train__microbatches=2)),
+    "pp2-interleaved": (
+        "tiny-moe",
+        4,
+        dict(
+            parallel__pp=2,
+            parallel__dp=2,
+            parallel__pp_schedule="interleaved-1f1b",
+            parallel__pp_virtual=2,
+            train__microbatches=2,
+        ),
+    ),
     "cp2-ep2": ("tiny-moe", 4, dict(parallel__cp=2, parallel__dp=2, parallel__ep=2, model__router_bias_rate=0.01)),
     "ep2-zero3": ("tiny-moe", 2, dict(parallel__dp=2, parallel__ep=2, parallel__zero=3)),
 }
@@ -55,9 +68,16 @@ def test_resume_is_bit_exact_with_many_buckets(tmp_path, zero):
     """ZeRO-0's buckets, and ZeRO-2's overlapped ones, launch in order during backward; with 3 kB
     buckets (dozens of them) a resumed run still equals the uninterrupted one to the last bit."""
     overlap = zero > 0
-    cfg = tiny_config("tiny-moe", train__steps=STEPS, parallel__dp=4, train__microbatches=2, parallel__zero=zero,
-                      parallel__bucket_mb=3000 / 2**20, parallel__overlap_grad_reduce=overlap,
-                      parallel__overlap_param_gather=overlap)
+    cfg = tiny_config(
+        "tiny-moe",
+        train__steps=STEPS,
+        parallel__dp=4,
+        train__microbatches=2,
+        parallel__zero=zero,
+        parallel__bucket_mb=3000 / 2**20,
+        parallel__overlap_grad_reduce=overlap,
+        parallel__overlap_param_gather=overlap,
+    )
     whole, first, second = _uninterrupted_and_resumed(4, cfg, tmp_path)
     assert [m["loss"] for m in whole[0].metrics] == [m["loss"] for m in first[0].metrics + second[0].metrics]
     for name, value in whole[0].state.items():
@@ -79,8 +99,15 @@ def test_resume_is_bit_exact_with_evaluation(layout, tmp_path):
     from fived.data import bundled_corpus_path
 
     model, over = EVALUATED[layout]
-    cfg = tiny_config(model, train__steps=STEPS, train__microbatches=2, train__eval_every=1, train__eval_batches=1,
-                      data__val_path=str(bundled_corpus_path()), **over)
+    cfg = tiny_config(
+        model,
+        train__steps=STEPS,
+        train__microbatches=2,
+        train__eval_every=1,
+        train__eval_batches=1,
+        data__val_path=str(bundled_corpus_path()),
+        **over,
+    )
     whole, first, second = _uninterrupted_and_resumed(4, cfg, tmp_path)
     for key in ("loss", "grad_norm", "val_loss"):
         assert [m[key] for m in whole[0].metrics] == [m[key] for m in first[0].metrics + second[0].metrics], key
@@ -90,8 +117,11 @@ def test_resume_is_bit_exact_with_evaluation(layout, tmp_path):
 
 BF16 = {
     "zero0-dp2": ("tiny", 2, dict(parallel__dp=2)),
-    "zero2-dp2-micro2": ("tiny-moe", 2, dict(parallel__dp=2, parallel__zero=2, train__microbatches=2,
-                                             model__router_bias_rate=0.01)),
+    "zero2-dp2-micro2": (
+        "tiny-moe",
+        2,
+        dict(parallel__dp=2, parallel__zero=2, train__microbatches=2, model__router_bias_rate=0.01),
+    ),
     "zero3-dp2": ("tiny", 2, dict(parallel__dp=2, parallel__zero=3)),
     "pp2-zero0": ("tiny", 2, dict(parallel__pp=2, train__microbatches=2)),
 }
@@ -131,29 +161,57 @@ MOE = {"model__name": "tiny-moe", "model__router_bias_rate": 0.01}
 RESHARD = [
     (dict(parallel__dp=4, parallel__zero=1), dict(parallel__tp=2, parallel__pp=2, train__microbatches=2), {}),
     (dict(parallel__tp=2, parallel__pp=2, train__microbatches=2), dict(parallel__dp=4, parallel__zero=1), {}),
-    (dict(parallel__pp=2, parallel__dp=2, parallel__zero=3, parallel__ep=2, train__microbatches=2),
-     dict(parallel__dp=4, parallel__ep=4, parallel__zero=2), MOE),
-    (dict(parallel__dp=4, parallel__ep=4, parallel__zero=2),
-     dict(parallel__pp=2, parallel__dp=2, parallel__zero=3, parallel__ep=2, train__microbatches=2), MOE),
+    (
+        dict(parallel__pp=2, parallel__dp=2, parallel__zero=3, parallel__ep=2, train__microbatches=2),
+        dict(parallel__dp=4, parallel__ep=4, parallel__zero=2),
+        MOE,
+    ),
+    (
+        dict(parallel__dp=4, parallel__ep=4, parallel__zero=2),
+        dict(parallel__pp=2, parallel__dp=2, parallel__zero=3, parallel__ep=2, train__microbatches=2),
+        MOE,
+    ),
     (dict(parallel__cp=2, parallel__tp=2, parallel__sp=True), dict(parallel__dp=4, parallel__zero=3), {}),
     (dict(parallel__dp=4, parallel__zero=3), dict(parallel__cp=2, parallel__tp=2, parallel__sp=True), {}),
     (dict(parallel__dp=3, parallel__zero=2), dict(parallel__dp=2, parallel__zero=0), {}),
     (dict(parallel__dp=2, parallel__zero=0), dict(parallel__dp=3, parallel__zero=1), MOE),
-    (dict(parallel__dp=4, parallel__dp_replicate=2, parallel__zero=3),
-     dict(parallel__pp=2, parallel__dp=2, parallel__pp_schedule="zbv", train__microbatches=2), {}),
-    (dict(parallel__pp=2, parallel__tp=2, parallel__pp_schedule="interleaved-1f1b", parallel__pp_virtual=2,
-          train__microbatches=2), dict(parallel__dp=4, parallel__dp_replicate=2, parallel__zero=1), {}),
+    (
+        dict(parallel__dp=4, parallel__dp_replicate=2, parallel__zero=3),
+        dict(parallel__pp=2, parallel__dp=2, parallel__pp_schedule="zbv", train__microbatches=2),
+        {},
+    ),
+    (
+        dict(
+            parallel__pp=2,
+            parallel__tp=2,
+            parallel__pp_schedule="interleaved-1f1b",
+            parallel__pp_virtual=2,
+            train__microbatches=2,
+        ),
+        dict(parallel__dp=4, parallel__dp_replicate=2, parallel__zero=1),
+        {},
+    ),
     (dict(parallel__tp=4), dict(parallel__cp=2, parallel__ep=2, parallel__dp=1), MOE),
-    (dict(parallel__tp=4, parallel__zero=0), dict(parallel__dp=2, parallel__tp=2, parallel__zero=3),
-     {"model__vocab_size": 259}),  # vocabulary padded to 260 under tp4, 260 under tp2: padding never saved
-    (dict(parallel__dp=4, parallel__dp_replicate=2, parallel__zero=1), dict(parallel__tp=4),
-     {"model__tie_embeddings": True}),
+    (
+        dict(parallel__tp=4, parallel__zero=0),
+        dict(parallel__dp=2, parallel__tp=2, parallel__zero=3),
+        {"model__vocab_size": 259},
+    ),  # vocabulary padded to 260 under tp4, 260 under tp2: padding never saved
+    (
+        dict(parallel__dp=4, parallel__dp_replicate=2, parallel__zero=1),
+        dict(parallel__tp=4),
+        {"model__tie_embeddings": True},
+    ),
 ]
 
 
 def _world(over: dict) -> int:
-    return over.get("parallel__dp", 1) * over.get("parallel__tp", 1) * over.get("parallel__pp", 1) \
+    return (
+        over.get("parallel__dp", 1)
+        * over.get("parallel__tp", 1)
+        * over.get("parallel__pp", 1)
         * over.get("parallel__cp", 1)
+    )
 
 
 def _pair_id(value) -> str:
@@ -177,18 +235,25 @@ def documents(tmp_path_factory):
 
 
 DOCUMENT_MASKED = {  # data.document_mask: the work-balanced cp assignment is a function of the tokens
-    "cp2-ulysses-eval": ("tiny", 2, dict(parallel__cp=2, parallel__dp=1, parallel__cp_mode="ulysses",
-                                         train__eval_every=1, train__eval_batches=1)),
-    "dp2-cp2-ep2-moe": ("tiny-moe", 4, dict(parallel__cp=2, parallel__dp=2, parallel__ep=2, parallel__zero=1,
-                                            model__router_bias_rate=0.01)),
+    "cp2-ulysses-eval": (
+        "tiny",
+        2,
+        dict(parallel__cp=2, parallel__dp=1, parallel__cp_mode="ulysses", train__eval_every=1, train__eval_batches=1),
+    ),
+    "dp2-cp2-ep2-moe": (
+        "tiny-moe",
+        4,
+        dict(parallel__cp=2, parallel__dp=2, parallel__ep=2, parallel__zero=1, model__router_bias_rate=0.01),
+    ),
 }
 
 
 @pytest.mark.parametrize("layout", list(DOCUMENT_MASKED))
 def test_document_masked_resume_is_bit_exact(layout, documents, tmp_path):
     model, world, over = DOCUMENT_MASKED[layout]
-    cfg = tiny_config(model, train__steps=STEPS, data__path=documents, data__val_path=documents,
-                      data__document_mask=True, **over)
+    cfg = tiny_config(
+        model, train__steps=STEPS, data__path=documents, data__val_path=documents, data__document_mask=True, **over
+    )
     whole, first, second = _uninterrupted_and_resumed(world, cfg, tmp_path)
     keys = ("loss", "grad_norm") + (("val_loss",) if over.get("train__eval_every") else ())
     for key in keys:
@@ -197,11 +262,17 @@ def test_document_masked_resume_is_bit_exact(layout, documents, tmp_path):
         assert torch.equal(value, second[0].state[name]), name
 
 
-@pytest.mark.parametrize("first,second", [
-    (dict(parallel__cp=4, parallel__cp_mode="hybrid"), dict(parallel__dp=2, parallel__tp=2, parallel__sp=True)),
-    (dict(parallel__dp=2, parallel__pp=2, train__microbatches=2),
-     dict(parallel__cp=2, parallel__dp=2, parallel__zero=3, parallel__cp_mode="ulysses")),
-], ids=["hybrid-to-dp-tp", "pp-to-ulysses-zero3"])
+@pytest.mark.parametrize(
+    "first,second",
+    [
+        (dict(parallel__cp=4, parallel__cp_mode="hybrid"), dict(parallel__dp=2, parallel__tp=2, parallel__sp=True)),
+        (
+            dict(parallel__dp=2, parallel__pp=2, train__microbatches=2),
+            dict(parallel__cp=2, parallel__dp=2, parallel__zero=3, parallel__cp_mode="ulysses"),
+        ),
+    ],
+    ids=["hybrid-to-dp-tp", "pp-to-ulysses-zero3"],
+)
 def test_document_masked_reshard_is_exact(first, second, documents):
     masked = dict(model__name="tiny", train__steps=STEPS, data__path=documents, data__document_mask=True)
     a, b = tiny_config(**masked, **first), tiny_config(**masked, **second)
@@ -213,8 +284,9 @@ def test_document_masked_reshard_is_exact(first, second, documents):
 def test_background_save_loads_exactly(tmp_path):
     """checkpoint.async: saves written from a background thread (from staging copies allocated once,
     after the first step) resume the run exactly, and the time training waited is logged."""
-    cfg = tiny_config("tiny-moe", train__steps=6, parallel__dp=2, parallel__zero=2, checkpoint__every=2,
-                      checkpoint__async=True)
+    cfg = tiny_config(
+        "tiny-moe", train__steps=6, parallel__dp=2, parallel__zero=2, checkpoint__every=2, checkpoint__async=True
+    )
     whole = run_on_ranks(2, run_training, cfg, False, False, True)[0]
     cfg.train.output_dir = str(tmp_path)
     saved = run_on_ranks(2, run_training, cfg, True, False, False)[0]

@@ -1,5 +1,6 @@
 """Checkpoints as a user drives them: `fived train --resume` with another layout, what it refuses in
 one line, and `fived verify --reshard-from`."""
+
 import json
 import os
 import subprocess
@@ -17,16 +18,18 @@ SMALL = ["--seq-len", "32", "--global-batch", "8", "--train.warmup_steps", "2"]
 
 
 def fived(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "fived", *args], capture_output=True, text=True, env=ENV,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "fived", *args], capture_output=True, text=True, env=ENV, timeout=timeout
+    )
 
 
 @pytest.fixture(scope="module")
 def saved_run(tmp_path_factory):
     """6 steps on 2 ranks (dp2, ZeRO-1), a checkpoint every 3 steps."""
     run = tmp_path_factory.mktemp("ckpt") / "run"
-    done = fived("train", "--steps", "6", "--zero", "1", "--checkpoint.every", "3", "--train.output_dir", str(run),
-                 *SMALL)
+    done = fived(
+        "train", "--steps", "6", "--zero", "1", "--checkpoint.every", "3", "--train.output_dir", str(run), *SMALL
+    )
     assert done.returncode == 0, done.stderr
     return run
 
@@ -36,8 +39,9 @@ def test_resume_with_another_layout_continues_the_log(saved_run, tmp_path):
     assert manifest["step"] == 6 and manifest["layout"]["zero"] == 1 and manifest["world_size"] == 2
     assert manifest["config"]["checkpoint"]["async"] is False  # the resolved config, with TOML keys
     assert [s for s, _ in complete_checkpoints(saved_run)] == [3, 6]
-    resumed = fived("train", "--resume", str(saved_run), "--steps", "8", "--nproc", "4", "--tp", "2", "--dp", "2",
-                    "--sp")
+    resumed = fived(
+        "train", "--resume", str(saved_run), "--steps", "8", "--nproc", "4", "--tp", "2", "--dp", "2", "--sp"
+    )
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming step 6" in resumed.stdout and "layout dp=2 tp=2" in resumed.stdout
     steps = [json.loads(line)["step"] for line in (saved_run / "metrics.jsonl").read_text().splitlines()]
@@ -45,13 +49,16 @@ def test_resume_with_another_layout_continues_the_log(saved_run, tmp_path):
     assert [s for s, _ in complete_checkpoints(saved_run)][-1] == 8
 
 
-@pytest.mark.parametrize("args,field", [
-    (["--model.n_layers", "6"], "model.n_layers=6"),
-    (["--global-batch", "16"], "train.global_batch=16"),
-    (["--seed", "3"], "train.seed=3"),
-    (["--steps", "6"], "train.steps=6"),  # nothing left to train (step 6 of 6)
-    (["--train.optimizer", "muon"], "train.optimizer=muon"),  # the checkpoint holds AdamW's state
-])
+@pytest.mark.parametrize(
+    "args,field",
+    [
+        (["--model.n_layers", "6"], "model.n_layers=6"),
+        (["--global-batch", "16"], "train.global_batch=16"),
+        (["--seed", "3"], "train.seed=3"),
+        (["--steps", "6"], "train.steps=6"),  # nothing left to train (step 6 of 6)
+        (["--train.optimizer", "muon"], "train.optimizer=muon"),  # the checkpoint holds AdamW's state
+    ],
+)
 def test_resume_refuses_in_one_line(saved_run, args, field, capsys):
     assert main(["train", "--resume", str(saved_run), *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -70,8 +77,22 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_parameter(saved_run
 
 
 def test_verify_reshard_from_the_command_line(capsys):
-    code = main(["verify", "--tp", "2", "--nproc", "2", "--steps", "4", *SMALL, "--checkpoint.final", "false",
-                 "--reshard-from", "--dp 2 --zero 2"])
+    code = main(
+        [
+            "verify",
+            "--tp",
+            "2",
+            "--nproc",
+            "2",
+            "--steps",
+            "4",
+            *SMALL,
+            "--checkpoint.final",
+            "false",
+            "--reshard-from",
+            "--dp 2 --zero 2",
+        ]
+    )
     out = capsys.readouterr().out.strip().splitlines()
     assert out[0].startswith("steps 1-2 at 2 rank(s) dp=2 tp=1") and "resumed at 2 rank(s) dp=1 tp=2" in out[0]
     assert code == 0 and float(out[-1].split(": ")[1]) <= 1e-9
@@ -119,8 +140,18 @@ def test_resume_may_add_validation(saved_run):
     """Validation data is never trained on: a resumed run may add it (data.val_path, train.eval_every)."""
     from fived.data import bundled_corpus_path
 
-    run = _prepared(["--resume", str(saved_run), "--steps", "20", "--train.eval_every", "5",
-                     "--data.val_path", str(bundled_corpus_path())])
+    run = _prepared(
+        [
+            "--resume",
+            str(saved_run),
+            "--steps",
+            "20",
+            "--train.eval_every",
+            "5",
+            "--data.val_path",
+            str(bundled_corpus_path()),
+        ]
+    )
     assert (run.cfg.train.eval_every, run.cfg.data.val_path) == (5, str(bundled_corpus_path()))
 
 

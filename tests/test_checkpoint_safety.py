@@ -1,6 +1,7 @@
 """Nothing is ever lost: SIGKILL at any point of a save leaves the previous checkpoint loadable and the
 resumed run equal to the uninterrupted one; saving and loading a sharded layout never holds the whole
 model on a rank; a checkpoint's metadata cannot smuggle in code."""
+
 import io
 import json
 import os
@@ -60,6 +61,7 @@ def _kill_at_file(name: str, after: bool):
                 _die()
 
         monkeypatch.setattr(fived.checkpoint, "_fsync_write", write)
+
     return patch
 
 
@@ -85,8 +87,15 @@ KILLS = {
 @pytest.mark.parametrize("point", list(KILLS))
 def test_sigkill_during_a_save_loses_nothing(point, tmp_path, monkeypatch):
     how, rank, background, survivor = KILLS[point]
-    cfg = tiny_config("tiny", train__steps=STEPS, parallel__dp=2, parallel__zero=1, checkpoint__every=EVERY,
-                      checkpoint__keep=1, checkpoint__async=background)
+    cfg = tiny_config(
+        "tiny",
+        train__steps=STEPS,
+        parallel__dp=2,
+        parallel__zero=1,
+        checkpoint__every=EVERY,
+        checkpoint__keep=1,
+        checkpoint__async=background,
+    )
     whole = run_on_ranks(2, run_training, cfg, False, False, True)[0]
     cfg.train.output_dir = str(tmp_path)
     with monkeypatch.context() as patch:
@@ -107,9 +116,19 @@ def test_sigkill_during_a_save_loses_nothing(point, tmp_path, monkeypatch):
 def _big(**over):
     """A model whose whole parameters (27M, 109 MB in float32) dwarf what a step or a save needs
     transiently on one of 4 ranks, so a rank holding a whole copy would show in its peak memory."""
-    return tiny_config("tiny", model__dim=512, model__n_heads=8, model__n_kv_heads=8, model__ffn_dim=1536,
-                       model__n_layers=8, train__dtype="float32", train__seq_len=16, train__global_batch=8,
-                       checkpoint__final=False, **over)
+    return tiny_config(
+        "tiny",
+        model__dim=512,
+        model__n_heads=8,
+        model__n_kv_heads=8,
+        model__ffn_dim=1536,
+        model__n_layers=8,
+        train__dtype="float32",
+        train__seq_len=16,
+        train__global_batch=8,
+        checkpoint__final=False,
+        **over,
+    )
 
 
 def _peak_mb() -> float:

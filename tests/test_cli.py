@@ -1,4 +1,5 @@
 """The command line as a user runs it: real processes, real files."""
+
 import json
 import os
 import subprocess
@@ -10,8 +11,9 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def fived(*args, cwd=None, timeout=300):
-    return subprocess.run([sys.executable, "-m", "fived", *args], capture_output=True, text=True,
-                          env=ENV, cwd=cwd, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "fived", *args], capture_output=True, text=True, env=ENV, cwd=cwd, timeout=timeout
+    )
 
 
 def _losses(run_dir):
@@ -41,8 +43,19 @@ def test_prepare_data_then_train_on_it(tmp_path):
     text.write_text("the quick brown fox jumps over the lazy dog. " * 400)
     prep = fived("prepare-data", str(text), "--output", str(tmp_path / "tokens"))
     assert prep.returncode == 0, prep.stderr
-    run = fived("train", "--nproc", "1", "--steps", "50", "--train.warmup_steps", "5", "--data.path", str(tmp_path / "tokens.bin"),
-                "--train.output_dir", str(tmp_path / "run"))
+    run = fived(
+        "train",
+        "--nproc",
+        "1",
+        "--steps",
+        "50",
+        "--train.warmup_steps",
+        "5",
+        "--data.path",
+        str(tmp_path / "tokens.bin"),
+        "--train.output_dir",
+        str(tmp_path / "run"),
+    )
     assert run.returncode == 0, run.stderr
     records = _losses(tmp_path / "run")
     assert records[-1]["loss"] < 1.0  # a repeated sentence is easy to learn (the bundled corpus: ~3)
@@ -57,17 +70,44 @@ def test_verify_cli_last_line_and_exit_code():
 
 def test_under_torchrun(tmp_path):
     """The same entry point joins the ranks torchrun started instead of starting its own."""
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "fived", "train", "--steps", "3",
-                          "--train.output_dir", str(tmp_path / "run")],
-                         capture_output=True, text=True, env=ENV, timeout=120)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "fived",
+            "train",
+            "--steps",
+            "3",
+            "--train.output_dir",
+            str(tmp_path / "run"),
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert len(_losses(tmp_path / "run")) == 3
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "bfloat16-autocast", "float64"])
 def test_other_dtypes_train(tmp_path, dtype):
-    res = fived("train", "--steps", "20", "--dtype", dtype, "--train.output_dir", str(tmp_path / "run"),
-                "--train.activation_checkpointing", "selective")
+    res = fived(
+        "train",
+        "--steps",
+        "20",
+        "--dtype",
+        dtype,
+        "--train.output_dir",
+        str(tmp_path / "run"),
+        "--train.activation_checkpointing",
+        "selective",
+    )
     assert res.returncode == 0, res.stderr
     records = _losses(tmp_path / "run")
     assert records[-1]["loss"] < records[0]["loss"]

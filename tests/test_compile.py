@@ -3,6 +3,7 @@ parallelism, pipeline stages, context parallelism (ring attention) and activatio
 each layout exact against the eager one-process reference in float64. The test uses the cheap
 aot_eager backend (AOT autograd traces forward and backward; no code generation, seconds instead of
 20-30 s per graph); the default inductor backend is run by bench_compile.py."""
+
 import pytest
 from torch._dynamo.eval_frame import OptimizedModule
 
@@ -14,10 +15,15 @@ from fived.testing import EXACT, tiny_config
 from fived.verification import reference_config, run_verify
 
 LAYOUTS = {
-    "tp-sp full checkpointing": (2, dict(parallel__dp=1, parallel__tp=2, parallel__sp=True,
-                                         train__activation_checkpointing="full")),
+    "tp-sp full checkpointing": (
+        2,
+        dict(parallel__dp=1, parallel__tp=2, parallel__sp=True, train__activation_checkpointing="full"),
+    ),
     "pp 1f1b": (2, dict(parallel__dp=1, parallel__pp=2, train__microbatches=2)),
-    "cp selective checkpointing": (2, dict(parallel__dp=1, parallel__cp=2, train__activation_checkpointing="selective")),
+    "cp selective checkpointing": (
+        2,
+        dict(parallel__dp=1, parallel__cp=2, train__activation_checkpointing="selective"),
+    ),
 }
 
 

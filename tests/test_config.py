@@ -21,13 +21,16 @@ def test_cli_model_choice_beats_file(tmp_path):
     assert build_config(toml, {"model.name": "tiny"}).model.n_experts == 0
 
 
-@pytest.mark.parametrize("overrides, field", [
-    ({"train.stepz": 3}, "train.stepz"),
-    ({"training.steps": 3}, "training.steps"),
-    ({"train.steps": "many"}, "train.steps"),
-    ({"parallel.sp": "maybe"}, "parallel.sp"),
-    ({"model.name": "llama9"}, "model.name"),
-])
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        ({"train.stepz": 3}, "train.stepz"),
+        ({"training.steps": 3}, "training.steps"),
+        ({"train.steps": "many"}, "train.steps"),
+        ({"parallel.sp": "maybe"}, "parallel.sp"),
+        ({"model.name": "llama9"}, "model.name"),
+    ],
+)
 def test_bad_fields_are_named(overrides, field):
     with pytest.raises(ConfigError) as e:
         build_config(overrides=overrides)
@@ -41,10 +44,15 @@ def test_unknown_field_suggests_the_close_one():
 
 
 # Published parameter counts (billions) of the real shapes; built on the meta device, no memory.
-@pytest.mark.parametrize("name, billions, tol", [
-    ("llama3-8b", 8.03, 0.01), ("llama3-70b", 70.55, 0.01), ("llama3-405b", 405.85, 0.01),
-    ("mixtral-8x7b", 46.70, 0.01),
-])
+@pytest.mark.parametrize(
+    "name, billions, tol",
+    [
+        ("llama3-8b", 8.03, 0.01),
+        ("llama3-70b", 70.55, 0.01),
+        ("llama3-405b", 405.85, 0.01),
+        ("mixtral-8x7b", 46.70, 0.01),
+    ],
+)
 def test_real_presets_have_published_sizes(name, billions, tol):
     assert count_params(model_preset(name)) / 1e9 == pytest.approx(billions, rel=tol)
 

@@ -2,6 +2,7 @@
 against the single-process reference alone and composed with every other built dimension; activation
 memory and the ring's K/V traffic measured by the ledger against their formulas. (With document
 masking: tests/test_documents.py.)"""
+
 import pytest
 import torch
 
@@ -32,36 +33,52 @@ def test_context_parallel_matches_reference(cp, name):
     _verify(cp, name, parallel__dp=1, parallel__cp=cp)
 
 
-@pytest.mark.parametrize("over", [
-    dict(parallel__dp=2, parallel__tp=2, parallel__cp=2, parallel__sp=True),
-    dict(parallel__dp=2, parallel__cp=2, parallel__zero=3),
-    dict(parallel__dp=1, parallel__cp=2, parallel__pp=2, train__microbatches=2),
-    dict(parallel__dp=1, parallel__cp=2, parallel__tp=2, train__activation_checkpointing="full"),
-], ids=["dp-tp-sp", "dp-zero3", "pp", "tp-checkpointing"])
+@pytest.mark.parametrize(
+    "over",
+    [
+        dict(parallel__dp=2, parallel__tp=2, parallel__cp=2, parallel__sp=True),
+        dict(parallel__dp=2, parallel__cp=2, parallel__zero=3),
+        dict(parallel__dp=1, parallel__cp=2, parallel__pp=2, train__microbatches=2),
+        dict(parallel__dp=1, parallel__cp=2, parallel__tp=2, train__activation_checkpointing="full"),
+    ],
+    ids=["dp-tp-sp", "dp-zero3", "pp", "tp-checkpointing"],
+)
 def test_composes(over):
     world = over["parallel__dp"] * over.get("parallel__tp", 1) * over["parallel__cp"] * over.get("parallel__pp", 1)
     _verify(world, "tiny-moe", **over)
 
 
-@pytest.mark.parametrize("name,cp,mode", [("tiny-moe", 2, "ulysses"), ("tiny", 4, "ulysses"),
-                                          ("tiny-moe", 4, "hybrid")])
+@pytest.mark.parametrize(
+    "name,cp,mode", [("tiny-moe", 2, "ulysses"), ("tiny", 4, "ulysses"), ("tiny-moe", 4, "hybrid")]
+)
 def test_ulysses_and_hybrid_match_reference(name, cp, mode):
     """cp_mode ulysses (4 ranks: the 2 kv heads repeated) and hybrid (Ulysses pairs, a ring across)."""
     _verify(cp, name, parallel__dp=1, parallel__cp=cp, parallel__cp_mode=mode)
 
 
-@pytest.mark.parametrize("over", [
-    dict(parallel__dp=1, parallel__cp=2, parallel__tp=2, parallel__sp=True, parallel__cp_mode="ulysses",
-         train__activation_checkpointing="selective"),
-    dict(parallel__dp=2, parallel__cp=2, parallel__zero=3, parallel__cp_mode="ulysses"),
-], ids=["tp-sp-selective", "dp-zero3"])
+@pytest.mark.parametrize(
+    "over",
+    [
+        dict(
+            parallel__dp=1,
+            parallel__cp=2,
+            parallel__tp=2,
+            parallel__sp=True,
+            parallel__cp_mode="ulysses",
+            train__activation_checkpointing="selective",
+        ),
+        dict(parallel__dp=2, parallel__cp=2, parallel__zero=3, parallel__cp_mode="ulysses"),
+    ],
+    ids=["tp-sp-selective", "dp-zero3"],
+)
 def test_ulysses_composes(over):
     _verify(4, "tiny-moe", **over)
 
 
 def _run(cp, **over):
-    cfg = tiny_config("tiny", parallel__dp=1, parallel__cp=cp, train__steps=1, train__global_batch=4,
-                      train__seq_len=64, **over)
+    cfg = tiny_config(
+        "tiny", parallel__dp=1, parallel__cp=cp, train__steps=1, train__global_batch=4, train__seq_len=64, **over
+    )
     return cfg, run_on_ranks(cp, run_training, cfg, False, False)
 
 

@@ -1,6 +1,7 @@
 """`fived plan` and context parallelism's modes: the search weighs ring, Ulysses and hybrid for every
 cp degree, picks by predicted step time, and says why (the winner's exposed cp time against the same
 layout's in every other mode)."""
+
 import re
 from dataclasses import replace
 
@@ -26,7 +27,7 @@ def _says_why(model, winner, text: str) -> None:
     at = next(i for i, line in enumerate(lines) if line.startswith("  cp mode: "))
     assert lines[at].startswith(f"  cp mode: {winner.layout.cp_mode}")
     others = []
-    for line in lines[at + 1:]:
+    for line in lines[at + 1 :]:
         if not line.startswith("    "):
             break
         others.append(line)

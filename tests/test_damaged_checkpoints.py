@@ -1,6 +1,7 @@
 """Damaged checkpoints: verified before they are trusted; a damaged newest one sends resume, restarts,
 export and generate to the newest intact one (one line), and an explicitly named damaged one is
 refused in one line naming the damaged file and the intact alternative."""
+
 import errno
 import json
 import shutil
@@ -66,8 +67,13 @@ def _no_index(c):
     return ".metadata: not a readable checkpoint index"
 
 
-DAMAGES = {"truncated-shard": _truncate, "deleted-shard": _delete, "flipped-byte": _flip_a_byte,
-           "step-not-a-number": _step_not_a_number, "deleted-index": _no_index}
+DAMAGES = {
+    "truncated-shard": _truncate,
+    "deleted-shard": _delete,
+    "flipped-byte": _flip_a_byte,
+    "step-not-a-number": _step_not_a_number,
+    "deleted-index": _no_index,
+}
 
 
 @pytest.mark.parametrize("how", list(DAMAGES))
@@ -79,7 +85,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_intact_one(how, run, caps
     assert find_checkpoint(run) == run / "checkpoints" / "step-2"
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "checkpoint step-4 is damaged" in err and named in err, err
-    with pytest.raises(ConfigError, match=f"^--resume=.*step-4: damaged: .*; use the intact .*step-2$"):
+    with pytest.raises(ConfigError, match="^--resume=.*step-4: damaged: .*; use the intact .*step-2$"):
         find_checkpoint(newest, "--resume")
 
 
@@ -164,7 +170,10 @@ def test_a_full_disk_during_a_save_is_one_line_and_loses_nothing(run, monkeypatc
         run_on_ranks(1, run_training, cfg, True, False, False, str(run / "checkpoints" / "step-4"))
     (summary,) = failed.value.summaries
     assert summary["kind"] == "write_failed"
-    assert "checkpoint save of step 6 failed:" in summary["line"] and ".tmp-step-6/fived.json: no space left" in summary["line"]
+    assert (
+        "checkpoint save of step 6 failed:" in summary["line"]
+        and ".tmp-step-6/fived.json: no space left" in summary["line"]
+    )
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-2", "step-4"]  # no partial directory
 
 
@@ -214,8 +223,15 @@ def test_each_rank_digests_only_the_files_it_wrote(background, tmp_path, monkeyp
         return real(path)
 
     monkeypatch.setattr(fived.checkpoint_verify, "crc32_of", logged)
-    cfg = tiny_config("tiny", train__steps=4, parallel__dp=2, parallel__zero=2, checkpoint__every=2,
-                      checkpoint__async=background, train__output_dir=str(tmp_path / "run"))
+    cfg = tiny_config(
+        "tiny",
+        train__steps=4,
+        parallel__dp=2,
+        parallel__zero=2,
+        checkpoint__every=2,
+        checkpoint__async=background,
+        train__output_dir=str(tmp_path / "run"),
+    )
     run_on_ranks(2, run_training, cfg, True, False, False)
     read = [line.split() for line in log.read_text().splitlines() if line.split()[1].startswith(".tmp-step-")]
     for step in (2, 4):

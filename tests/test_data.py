@@ -49,8 +49,15 @@ def test_prepare_data_round_trip(tmp_path):
     out = prepare_data([a, b], tmp_path / "out" / "toks")
     assert out == tmp_path / "out" / "toks.bin"
     meta = json.loads((tmp_path / "out" / "toks.json").read_text())
-    assert meta == {"format": "fived-tokens-v1", "dtype": "uint16", "num_tokens": len(expected),
-                    "vocab_size": 256, "tokenizer": "byte", "eot_id": 0, "documents": 2}
+    assert meta == {
+        "format": "fived-tokens-v1",
+        "dtype": "uint16",
+        "num_tokens": len(expected),
+        "vocab_size": 256,
+        "tokenizer": "byte",
+        "eot_id": 0,
+        "documents": 2,
+    }
     for name in ("toks", "toks.bin"):  # with or without the suffix
         tokens = load_tokens(str(tmp_path / "out" / name))
         assert isinstance(tokens, np.memmap) and tokens.dtype == np.uint16
@@ -94,7 +101,7 @@ def test_sampler_shapes_and_windows():
     assert batch.dtype == torch.long and batch.shape == (8, 17)
     tokens = torch.from_numpy(s.tokens.astype(np.int64))
     for row in batch:  # every row is some window i*seq_len .. i*seq_len+seq_len
-        assert any(torch.equal(row, tokens[i * 16: i * 16 + 17]) for i in range(s.num_windows))
+        assert any(torch.equal(row, tokens[i * 16 : i * 16 + 17]) for i in range(s.num_windows))
 
 
 def test_sampler_determinism():
@@ -145,7 +152,7 @@ def test_sampler_epoch_rollover():
             seen.append(start // 8)
     # Each epoch (5 consecutive positions) visits every window exactly once.
     for e in range(20):
-        assert sorted(seen[e * 5:(e + 1) * 5]) == [0, 1, 2, 3, 4]
+        assert sorted(seen[e * 5 : (e + 1) * 5]) == [0, 1, 2, 3, 4]
 
 
 def test_sampler_errors():

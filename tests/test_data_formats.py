@@ -2,6 +2,7 @@
 tokens (each document ended by the end-of-document token), streaming; holds out a validation split
 at a document end; writes files every user can read; names its tokenizer so that training on the
 result needs no tokenizer or vocabulary flags."""
+
 import json
 import os
 import subprocess
@@ -17,8 +18,9 @@ from fived.config import tomllib
 from fived.data import load_tokenizer, load_tokens
 from fived.data_prep import MissingExtra, prepare_data
 
-DOCS = [f"Document {i}: {'the quick brown fox jumps over the lazy dog. ' * (i % 4 + 1)}caf\u00e9 {i}\n"
-        for i in range(40)]
+DOCS = [
+    f"Document {i}: {'the quick brown fox jumps over the lazy dog. ' * (i % 4 + 1)}caf\u00e9 {i}\n" for i in range(40)
+]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
@@ -44,8 +46,9 @@ def _write_inputs(tmp_path) -> dict:
     paths["parquet"] = [tmp_path / "docs.parquet"]
     datasets = pytest.importorskip("datasets")
     datasets.Dataset.from_dict({"body": DOCS}).save_to_disk(str(tmp_path / "saved"))
-    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"body": DOCS}),
-                          "test": datasets.Dataset.from_dict({"body": DOCS[:2]})}).save_to_disk(str(tmp_path / "saved_dict"))
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_dict({"body": DOCS}), "test": datasets.Dataset.from_dict({"body": DOCS[:2]})}
+    ).save_to_disk(str(tmp_path / "saved_dict"))
     paths["dataset"] = [tmp_path / "saved"]
     paths["dataset_dict"] = [tmp_path / "saved_dict"]
     return paths
@@ -117,8 +120,21 @@ def test_errors_are_one_line(tmp_path, monkeypatch, capsys):
     assert "no field 'text'" in capsys.readouterr().err
     assert main(["prepare-data", str(inputs["parquet"][0]), "--output", str(tmp_path / "b"), "--text-field", "x"]) == 2
     assert "no column 'x' (columns: id, body" in capsys.readouterr().err
-    assert main(["prepare-data", str(inputs["dataset_dict"][0]), "--output", str(tmp_path / "c"), "--text-field",
-                 "body", "--split", "validation"]) == 2
+    assert (
+        main(
+            [
+                "prepare-data",
+                str(inputs["dataset_dict"][0]),
+                "--output",
+                str(tmp_path / "c"),
+                "--text-field",
+                "body",
+                "--split",
+                "validation",
+            ]
+        )
+        == 2
+    )
     assert "no split 'validation' (splits: train, test" in capsys.readouterr().err
     (tmp_path / "array.json").write_text(json.dumps([{"text": d} for d in DOCS], indent=1))
     assert main(["prepare-data", str(tmp_path / "array.json"), "--output", str(tmp_path / "a")]) == 2
@@ -160,15 +176,50 @@ def test_training_needs_no_tokenizer_or_vocab_flags(tmp_path):
     words = [f"w{i}" for i in range(400)]
     text.write_text("".join(json.dumps({"text": " ".join(words[j:] + words[:j])}) + "\n" for j in range(0, 400, 7)))
     fived = [sys.executable, "-m", "fived"]
-    prep = subprocess.run(fived + ["prepare-data", str(text), "--output", str(tmp_path / "made" / "toks"), "--tokenizer",
-                                   tok, "--val-fraction", "0.1"], capture_output=True, text=True, env=ENV, timeout=120)
+    prep = subprocess.run(
+        fived
+        + [
+            "prepare-data",
+            str(text),
+            "--output",
+            str(tmp_path / "made" / "toks"),
+            "--tokenizer",
+            tok,
+            "--val-fraction",
+            "0.1",
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=120,
+    )
     assert prep.returncode == 0, prep.stderr
     os.rename(tmp_path / "made", tmp_path / "moved")  # the tokenizer copy moves with the tokens
     os.remove(tok)
-    run = subprocess.run(fived + ["train", "--nproc", "1", "--steps", "4", "--seq-len", "16", "--global-batch", "4",
-                                  "--train.eval_every", "2", "--data.path", str(tmp_path / "moved" / "toks.bin"),
-                                  "--train.output_dir", str(tmp_path / "run")],
-                         capture_output=True, text=True, env=ENV, timeout=300)
+    run = subprocess.run(
+        fived
+        + [
+            "train",
+            "--nproc",
+            "1",
+            "--steps",
+            "4",
+            "--seq-len",
+            "16",
+            "--global-batch",
+            "4",
+            "--train.eval_every",
+            "2",
+            "--data.path",
+            str(tmp_path / "moved" / "toks.bin"),
+            "--train.output_dir",
+            str(tmp_path / "run"),
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "val_loss" in r] == [2, 4]

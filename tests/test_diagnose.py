@@ -4,6 +4,7 @@ its evidence, and a balanced run where none is; the measured breakdown adds up t
 Each run trains a few steps of a tiny model (`Trainer` on forked ranks, as `fived train` runs it),
 writes run.json as `fived train` does, and asks `fived diagnose` (its --json output, and its last
 line) what it sees."""
+
 from __future__ import annotations
 
 import json
@@ -29,9 +30,16 @@ def _train(cfg, favour_expert: bool):
 def run_dir_of(tmp_path, world: int, favour_expert: bool = False, **fields) -> str:
     """Train the tiny model on `world` ranks with config `fields` ("section__field": value); the run
     directory, with run.json as `fived train` writes it."""
-    base = {"model.name": "tiny", "train.steps": 8, "train.seq_len": 64, "train.global_batch": 16,
-            "train.log_every": 1000, "train.device": "cpu", "train.warmup_steps": 1,
-            "train.output_dir": str(tmp_path / "run")}
+    base = {
+        "model.name": "tiny",
+        "train.steps": 8,
+        "train.seq_len": 64,
+        "train.global_batch": 16,
+        "train.log_every": 1000,
+        "train.device": "cpu",
+        "train.warmup_steps": 1,
+        "train.output_dir": str(tmp_path / "run"),
+    }
     base.update({k.replace("__", "."): v for k, v in fields.items()})
     cfg = build_config(overrides=base)
     results = run_on_ranks(world, _train, cfg, favour_expert)
@@ -44,7 +52,7 @@ def modes(run_dir: str, capsys) -> list[str]:
     assert main(["diagnose", run_dir]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith("failure modes: ")
-    named = [] if last == "failure modes: none" else last[len("failure modes: "):].split(", ")
+    named = [] if last == "failure modes: none" else last[len("failure modes: ") :].split(", ")
     assert main(["diagnose", run_dir, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["failure_modes"] == named
     return named
@@ -124,9 +132,17 @@ def test_context_parallel_work_imbalance_with_documents(tmp_path, capsys):
     data.write_text(("y" * 127 + "\0" + ("x" * 63 + "\0") * 2) * 40 + "\0", newline="")  # windows of 256: 128, 64, 64
     found = {}
     for balance in ("halves", "work"):
-        run = run_dir_of(tmp_path / balance, 2, parallel__dp=1, parallel__cp=2, train__seq_len=256,
-                         train__global_batch=2, data__path=str(data), data__document_mask=True,
-                         parallel__cp_balance=balance)
+        run = run_dir_of(
+            tmp_path / balance,
+            2,
+            parallel__dp=1,
+            parallel__cp=2,
+            train__seq_len=256,
+            train__global_batch=2,
+            data__path=str(data),
+            data__document_mask=True,
+            parallel__cp_balance=balance,
+        )
         found[balance] = modes(run, capsys)
         assert diagnose(run)["cp_work_spread"] > (1.25 if balance == "halves" else 0.99)
     assert "cp-imbalance" in found["halves"] and "cp-imbalance" not in found["work"]
@@ -136,8 +152,16 @@ def test_full_checkpointing_under_a_pipeline_but_not_selective(tmp_path, capsys)
     """A model wide enough that its matmuls dominate (as on GPUs): full checkpointing recomputes each
     block's forward in backward, selective only the element-wise ops. (On the 64-wide tiny model the
     CPU's per-op costs make selective's recomputation as long as full's, and diagnose says so.)"""
-    wide = dict(model__dim=256, model__ffn_dim=1024, train__seq_len=128, train__global_batch=8, train__steps=6,
-                parallel__dp=1, parallel__pp=2, train__microbatches=4)
+    wide = dict(
+        model__dim=256,
+        model__ffn_dim=1024,
+        train__seq_len=128,
+        train__global_batch=8,
+        train__steps=6,
+        parallel__dp=1,
+        parallel__pp=2,
+        train__microbatches=4,
+    )
     full = run_dir_of(tmp_path / "full", 2, train__activation_checkpointing="full", **wide)
     selective = run_dir_of(tmp_path / "selective", 2, train__activation_checkpointing="selective", **wide)
     assert "recompute-on-critical-path" in modes(full, capsys)
@@ -168,10 +192,31 @@ def _profiled_run(tmp_path, *flags: str) -> dict:
 
     run_dir = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src"), "OMP_NUM_THREADS": "1"}
-    train = subprocess.run([sys.executable, "-m", "fived", "train", "--nproc", "4", "--steps", "3",
-                            "--global-batch", "8",
-                            "--train.warmup_steps", "1", "--train.profile", "2:3", "--train.output_dir", str(run_dir),
-                            *flags], capture_output=True, text=True, env=env, timeout=300)
+    train = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fived",
+            "train",
+            "--nproc",
+            "4",
+            "--steps",
+            "3",
+            "--global-batch",
+            "8",
+            "--train.warmup_steps",
+            "1",
+            "--train.profile",
+            "2:3",
+            "--train.output_dir",
+            str(run_dir),
+            *flags,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert train.returncode == 0, train.stderr
     assert "merged -> " in train.stdout
     for rank in range(4):  # each rank's own torch.profiler trace loads as Chrome trace JSON
@@ -194,8 +239,9 @@ def test_profile_traces_show_every_dimension_and_every_ranks_forward_backward(tm
     """A pipeline of MoE layers with expert and data parallelism, and tensor x context parallelism:
     every rank's trace has its forward and backward spans (per stage and micro-batch under the
     pipeline) and the collectives of each of its mesh dimensions, by name."""
-    names = _profiled_run(tmp_path / "a", "--model", "tiny-moe", "--dp", "2", "--pp", "2", "--ep", "2",
-                          "--microbatches", "2")
+    names = _profiled_run(
+        tmp_path / "a", "--model", "tiny-moe", "--dp", "2", "--pp", "2", "--ep", "2", "--microbatches", "2"
+    )
     for rank, seen in names.items():
         assert _labels(seen, "fived/forward stage") and _labels(seen, "fived/backward stage"), rank
         for dim in ("dp", "ep", "pp"):
@@ -213,22 +259,42 @@ def _collectives_untouched(cfg):
     import torch.distributed as dist
     import torch.distributed.pipelining.schedules as schedules
 
-    names = ("all_reduce", "all_gather_single", "reduce_scatter_single", "all_to_all_single", "batch_isend_irecv",
-             "send", "recv", "broadcast")
+    names = (
+        "all_reduce",
+        "all_gather_single",
+        "reduce_scatter_single",
+        "all_to_all_single",
+        "batch_isend_irecv",
+        "send",
+        "recv",
+        "broadcast",
+    )
     originals = [getattr(dist, n) for n in names] + [schedules._batch_p2p]
     trainer = Trainer(cfg, log=False)
     seen = []
     trainer.model.register_forward_pre_hook(
-        lambda *_: seen.append([getattr(dist, n) for n in names] + [schedules._batch_p2p] == originals))
+        lambda *_: seen.append([getattr(dist, n) for n in names] + [schedules._batch_p2p] == originals)
+    )
     trainer.fit(progress=False)
     return seen, trainer.timer.recorder.summary()
 
 
 def test_no_process_wide_patching_of_collectives():
     """fived's collectives are recorded by its own layer, while torch.distributed stays as it is."""
-    cfg = build_config(overrides={"model.name": "tiny-moe", "parallel.dp": 2, "parallel.pp": 2, "parallel.ep": 2,
-                                  "parallel.zero": 1, "train.microbatches": 2, "train.steps": 2,
-                                  "train.global_batch": 8, "train.device": "cpu", "train.log_every": 1000})
+    cfg = build_config(
+        overrides={
+            "model.name": "tiny-moe",
+            "parallel.dp": 2,
+            "parallel.pp": 2,
+            "parallel.ep": 2,
+            "parallel.zero": 1,
+            "train.microbatches": 2,
+            "train.steps": 2,
+            "train.global_batch": 8,
+            "train.device": "cpu",
+            "train.log_every": 1000,
+        }
+    )
     for seen, comm in run_on_ranks(4, _collectives_untouched, cfg):
         assert seen and all(seen)
         assert {"pp/send", "pp/recv"} <= set(comm) and any(k.endswith("/all_to_all_single") for k in comm)

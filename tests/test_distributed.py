@@ -1,14 +1,15 @@
 """Multi-rank tests on real gloo ranks: initialisation invariance, data-parallel verification
 against the single-process reference, a broken reduction caught, a failing rank reported."""
+
 import pytest
 import torch
 import torch.distributed as dist
 
 import fived.parallel.ddp
 from fived.config import model_preset
+from fived.init import init_weights
 from fived.launch import RankFailed
 from fived.model import build_model
-from fived.init import init_weights
 from fived.testing import EXACT, run_on_ranks, tiny_config
 from fived.verification import run_verify
 
@@ -29,8 +30,11 @@ def _sharded_init(name: str, seed: int) -> dict:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     model = build_model(model_preset(name))
     for block in model.layers.values():
-        parallelize_module(block.attention, mesh["tp"], {"wq": ColwiseParallel(), "wk": ColwiseParallel(),
-                                                         "wv": ColwiseParallel(), "wo": RowwiseParallel()})
+        parallelize_module(
+            block.attention,
+            mesh["tp"],
+            {"wq": ColwiseParallel(), "wk": ColwiseParallel(), "wv": ColwiseParallel(), "wo": RowwiseParallel()},
+        )
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
     model.to_empty(device="cpu")

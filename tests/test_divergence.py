@@ -1,6 +1,7 @@
 """The divergence guard: a run whose loss or gradients go bad stops at that step (or rolls back to a
 healthy checkpoint) and loses nothing saved before it; impossible optimizer settings are refused
 before launch."""
+
 import json
 import math
 import os
@@ -37,13 +38,18 @@ def test_the_guard_flags_non_finite_values_and_spikes_over_the_window_median():
     assert list(restored.recent) == [1.0, 1.5]  # (a smaller window keeps the newest)
 
 
-@pytest.mark.parametrize("over, rule", [({"train.lr": "inf"}, "train.lr=inf: must be > 0 and finite"),
-                                        ({"train.lr": -1e-3}, "train.lr=-0.001: must be > 0"),
-                                        ({"train.lr": "nan"}, "train.lr=nan"),
-                                        ({"train.beta2": 1.0}, "train.beta2=1.0: must be in [0, 1)"),
-                                        ({"train.eps": 0}, "train.eps=0.0: must be > 0"),
-                                        ({"train.spike_factor": 0.5}, "train.spike_factor=0.5"),
-                                        ({"train.on_spike": "pray"}, "train.on_spike=pray: must be one of stop, rollback")])
+@pytest.mark.parametrize(
+    "over, rule",
+    [
+        ({"train.lr": "inf"}, "train.lr=inf: must be > 0 and finite"),
+        ({"train.lr": -1e-3}, "train.lr=-0.001: must be > 0"),
+        ({"train.lr": "nan"}, "train.lr=nan"),
+        ({"train.beta2": 1.0}, "train.beta2=1.0: must be in [0, 1)"),
+        ({"train.eps": 0}, "train.eps=0.0: must be > 0"),
+        ({"train.spike_factor": 0.5}, "train.spike_factor=0.5"),
+        ({"train.on_spike": "pray"}, "train.on_spike=pray: must be one of stop, rollback"),
+    ],
+)
 def test_impossible_optimizer_settings_are_refused_before_launch(over, rule):
     with pytest.raises(ConfigError, match="^" + re.escape(rule)):
         check_config(build_config(overrides=over), 2)
@@ -74,8 +80,9 @@ def _poison(patch, at_step: int, *, times: int = 1, then_kill_at: int | None = N
 
 
 def _config(run_dir, **over):
-    return tiny_config("tiny", train__steps=STEPS, checkpoint__every=EVERY, checkpoint__keep=2,
-                       train__output_dir=str(run_dir), **over)
+    return tiny_config(
+        "tiny", train__steps=STEPS, checkpoint__every=EVERY, checkpoint__keep=2, train__output_dir=str(run_dir), **over
+    )
 
 
 def _logged(run_dir) -> list[dict]:
@@ -144,27 +151,56 @@ def test_a_diverging_resumed_run_exits_in_one_line_and_loses_no_checkpoint(tmp_p
     at the first spiking step with exit code 65, and every checkpoint it had is still there."""
     run = tmp_path / "run"
     small = ["--nproc", "1", "--seq-len", "32", "--global-batch", "8", "--train.spike_window", "4"]
-    first = subprocess.run([sys.executable, "-m", "fived", "train", "--steps", "6", "--checkpoint.every", "2",
-                            "--checkpoint.keep", "1", "--train.output_dir", str(run), *small],
-                           capture_output=True, text=True, env=ENV, timeout=300)
+    first = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fived",
+            "train",
+            "--steps",
+            "6",
+            "--checkpoint.every",
+            "2",
+            "--checkpoint.keep",
+            "1",
+            "--train.output_dir",
+            str(run),
+            *small,
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=300,
+    )
     assert first.returncode == 0, first.stderr
     before = [s for s, _ in complete_checkpoints(run)]
     assert before == [4, 6]
-    diverging = subprocess.run([sys.executable, "-m", "fived", "train", "--resume", str(run), "--train.lr", "1e3",
-                                "--steps", "40"], capture_output=True, text=True, env=ENV, timeout=300)
+    diverging = subprocess.run(
+        [sys.executable, "-m", "fived", "train", "--resume", str(run), "--train.lr", "1e3", "--steps", "40"],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=300,
+    )
     assert diverging.returncode == DIVERGED_EXIT, diverging.stderr
     lines = [line for line in diverging.stderr.splitlines() if "fived train:" in line]
     assert len(lines) == 1 and "diverged at step" in lines[0] and "Traceback" not in diverging.stderr, diverging.stderr
     assert [s for s, _ in complete_checkpoints(run)] == before
     assert torch.isfinite(torch.tensor([r["loss"] for r in _logged(run)])).all()
     # The hint is a command that works: the launch's --steps (it extended the run) and the lr to go under
-    hint = re.search(r"continue with: (fived train --resume \S+ --steps 40) and a lower --train.lr than 1000 ",
-                     lines[0])
+    hint = re.search(
+        r"continue with: (fived train --resume \S+ --steps 40) and a lower --train.lr than 1000 ", lines[0]
+    )
     assert hint, lines[0]
     assert "lr = 1000.0" not in (run / "config.toml").read_text()  # (the diverging launch's config: not kept)
     assert json.loads((run / "launches.jsonl").read_text().splitlines()[-1])["config"]["train"]["lr"] == 1e3
-    followed = subprocess.run([sys.executable, "-m", *hint.group(1).split(), "--train.lr", "1e-3"],
-                              capture_output=True, text=True, env=ENV, timeout=300)
+    followed = subprocess.run(
+        [sys.executable, "-m", *hint.group(1).split(), "--train.lr", "1e-3"],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=300,
+    )
     assert followed.returncode == 0, followed.stderr
 
 

@@ -1,6 +1,7 @@
 """Document masking (data.document_mask): the masked kernels against a dense-mask SDPA, documents
 really isolated, the work-balanced context-parallel assignment, and `fived verify` exact (float64)
 with masking under ring, Ulysses and hybrid context parallelism, TP+SP, PP and EP."""
+
 import pytest
 import torch
 
@@ -8,8 +9,8 @@ from fived import attention
 from fived.config import ConfigError
 from fived.data import check_data
 from fived.documents import balanced_chunks, chunk_assignment, document_structure, local_token_index, rank_work
-from fived.model import build_model, materialize
 from fived.init import init_weights
+from fived.model import build_model, materialize
 from fived.testing import EXACT, tiny_config, write_documents
 from fived.verification import run_verify
 
@@ -45,8 +46,7 @@ def test_masked_kernel_matches_dense_mask(tile, packed, monkeypatch):
     tokens[1] = 1  # a row of one-token documents
     tokens[2] = 0  # a row that is one document
     documents, positions = document_structure(tokens, 1)
-    q, k, v = (torch.randn(b, s, h, d, dtype=torch.float64, generator=gen, requires_grad=True)
-               for h in (hq, hkv, hkv))
+    q, k, v = (torch.randn(b, s, h, d, dtype=torch.float64, generator=gen, requires_grad=True) for h in (hq, hkv, hkv))
     out = attention.document_attention(q, k, v, documents, positions)
     ref = _dense_reference(q, k, v, documents, positions)
     torch.testing.assert_close(out, ref, rtol=EXACT, atol=EXACT)
@@ -116,14 +116,17 @@ def test_document_mask_needs_an_end_of_document_token(tmp_path):
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("over,field", [
-    (dict(parallel__cp_mode="spiral"), "parallel.cp_mode"),
-    (dict(parallel__cp_balance="even"), "parallel.cp_balance"),
-    (dict(parallel__cp_mode="hybrid", parallel__cp_ulysses=3), "parallel.cp_ulysses"),
-    (dict(parallel__cp_mode="hybrid", parallel__cp_ulysses=4), "parallel.cp_ulysses"),
-    (dict(parallel__cp_mode="ulysses", parallel__cp=8, parallel__dp=1), "parallel.cp"),  # 4 heads over 8 ranks
-    (dict(parallel__cp_mode="ulysses", parallel__tp=4, parallel__cp=2, parallel__dp=1), "parallel.cp"),
-])
+@pytest.mark.parametrize(
+    "over,field",
+    [
+        (dict(parallel__cp_mode="spiral"), "parallel.cp_mode"),
+        (dict(parallel__cp_balance="even"), "parallel.cp_balance"),
+        (dict(parallel__cp_mode="hybrid", parallel__cp_ulysses=3), "parallel.cp_ulysses"),
+        (dict(parallel__cp_mode="hybrid", parallel__cp_ulysses=4), "parallel.cp_ulysses"),
+        (dict(parallel__cp_mode="ulysses", parallel__cp=8, parallel__dp=1), "parallel.cp"),  # 4 heads over 8 ranks
+        (dict(parallel__cp_mode="ulysses", parallel__tp=4, parallel__cp=2, parallel__dp=1), "parallel.cp"),
+    ],
+)
 def test_cp_mode_rules(over, field):
     from fived.layout.rules import check_config
 
@@ -145,12 +148,17 @@ LAYOUTS = {
     "cp2-ring": ("tiny", 2, dict(parallel__dp=1, parallel__cp=2, train__eval_every=1)),
     "cp2-ring-halves": ("tiny", 2, dict(parallel__dp=1, parallel__cp=2, parallel__cp_balance="halves")),
     "cp2-ulysses": ("tiny", 2, dict(parallel__dp=1, parallel__cp=2, parallel__cp_mode="ulysses")),
-    "cp4-hybrid": ("tiny", 4, dict(parallel__dp=1, parallel__cp=4, parallel__cp_mode="hybrid",
-                                   parallel__cp_ulysses=2)),
-    "tp2-sp-cp2-ulysses": ("tiny", 4, dict(parallel__dp=1, parallel__tp=2, parallel__sp=True, parallel__cp=2,
-                                           parallel__cp_mode="ulysses")),
-    "pp2-cp2": ("tiny", 4, dict(parallel__dp=1, parallel__pp=2, parallel__cp=2, train__microbatches=2,
-                                train__eval_every=1)),
+    "cp4-hybrid": ("tiny", 4, dict(parallel__dp=1, parallel__cp=4, parallel__cp_mode="hybrid", parallel__cp_ulysses=2)),
+    "tp2-sp-cp2-ulysses": (
+        "tiny",
+        4,
+        dict(parallel__dp=1, parallel__tp=2, parallel__sp=True, parallel__cp=2, parallel__cp_mode="ulysses"),
+    ),
+    "pp2-cp2": (
+        "tiny",
+        4,
+        dict(parallel__dp=1, parallel__pp=2, parallel__cp=2, train__microbatches=2, train__eval_every=1),
+    ),
     "ep2-cp2-moe": ("tiny-moe", 2, dict(parallel__dp=1, parallel__cp=2, parallel__ep=2)),
     "dp2-tp2-sp": ("tiny", 4, dict(parallel__dp=2, parallel__tp=2, parallel__sp=True, parallel__zero=1)),
     "cp2-selective": ("tiny", 2, dict(parallel__dp=1, parallel__cp=2, train__activation_checkpointing="selective")),
@@ -168,13 +176,17 @@ def test_document_masked_layout_matches_reference(layout, documents):
         assert "val_loss" in report.max_rel
 
 
-@pytest.mark.parametrize("world,over", [
-    (2, dict(parallel__cp=2)),
-    (2, dict(parallel__cp=2, parallel__cp_mode="ulysses")),
-    (4, dict(parallel__cp=4, parallel__cp_mode="ulysses")),  # 2 kv heads repeated for 4 ranks
-    (4, dict(parallel__cp=4, parallel__cp_mode="hybrid")),
-    (4, dict(parallel__cp=2, parallel__tp=2, parallel__cp_mode="ulysses", train__activation_checkpointing="full")),
-], ids=["ring", "ulysses", "ulysses4", "hybrid", "tp2-ulysses-full"])
+@pytest.mark.parametrize(
+    "world,over",
+    [
+        (2, dict(parallel__cp=2)),
+        (2, dict(parallel__cp=2, parallel__cp_mode="ulysses")),
+        (4, dict(parallel__cp=4, parallel__cp_mode="ulysses")),  # 2 kv heads repeated for 4 ranks
+        (4, dict(parallel__cp=4, parallel__cp_mode="hybrid")),
+        (4, dict(parallel__cp=2, parallel__tp=2, parallel__cp_mode="ulysses", train__activation_checkpointing="full")),
+    ],
+    ids=["ring", "ulysses", "ulysses4", "hybrid", "tp2-ulysses-full"],
+)
 @pytest.mark.parametrize("masked", [True, False], ids=["documents", "causal"])
 def test_cp_traffic_is_the_planner_formula(world, over, masked, documents):
     """Every byte the cp modes move (ring hops with their order keys, Ulysses' all-to-alls and key
@@ -183,8 +195,15 @@ def test_cp_traffic_is_the_planner_formula(world, over, masked, documents):
     from fived.testing import run_on_ranks
     from fived.trainer import run_training
 
-    cfg = tiny_config("tiny", train__steps=1, parallel__dp=1, data__path=documents, data__document_mask=masked,
-                      train__global_batch=4, **over)
+    cfg = tiny_config(
+        "tiny",
+        train__steps=1,
+        parallel__dp=1,
+        data__path=documents,
+        data__document_mask=masked,
+        train__global_batch=4,
+        **over,
+    )
     results = run_on_ranks(world, run_training, cfg, False, False)
     for rank, r in enumerate(results):
         measured = {k: v["bytes"] for k, v in r.comm.items()}

@@ -3,6 +3,7 @@ model-state bytes (the trainer's ledger, after a real optimizer step) equal the 
 
 Each layout runs in a subprocess (its memory is given back when it ends; the largest holds ~8 GB),
 initialised as training initialises it (each rank draws only its own pieces' tiles)."""
+
 import os
 import re
 import subprocess
@@ -39,8 +40,9 @@ VERDICT = re.compile(r"^rank (\d+) model-state bytes: measured (\d+), planner (\
 
 def dryrun(flags: str) -> str:
     env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "fived", "dryrun", *flags.split()], env=env, capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "fived", "dryrun", *flags.split()], env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 
@@ -60,19 +62,24 @@ def test_measured_model_state_is_the_planners(name):
 
 
 def test_tiny_layout_at_16384_ranks_initialised_with_blocks():
-    out = dryrun("--model tiny-moe --tp 2 --pp 4 --ep 8 --nproc 16384 --global-batch 8192 --dtype bfloat16 --zero 1 "
-                 "--rank 16383 --blocks 1")
+    out = dryrun(
+        "--model tiny-moe --tp 2 --pp 4 --ep 8 --nproc 16384 --global-batch 8192 --dtype bfloat16 --zero 1 "
+        "--rank 16383 --blocks 1"
+    )
     assert "(initialised)" in out and "layer 3:" in out
     rank, measured, planned = map(int, VERDICT.match(out.strip().splitlines()[-1]).groups())
     assert (rank, measured) == (16383, planned)
 
 
-@pytest.mark.parametrize("argv, message", [
-    ("--model llama3-70b --tp 3 --nproc 24 --rank 0", "parallel.tp=3: must divide model.n_heads=64"),
-    ("--model llama3-70b --tp 8 --nproc 16 --rank 16", "--rank=16: must be in 0..15"),
-    ("--model llama3-70b --nproc 8 --rank 0 --blocks -1", "--blocks=-1: must be >= 0"),
-    ("--model llama3-71b --nproc 8 --rank 0", "model.name=llama3-71b: unknown preset"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        ("--model llama3-70b --tp 3 --nproc 24 --rank 0", "parallel.tp=3: must divide model.n_heads=64"),
+        ("--model llama3-70b --tp 8 --nproc 16 --rank 16", "--rank=16: must be in 0..15"),
+        ("--model llama3-70b --nproc 8 --rank 0 --blocks -1", "--blocks=-1: must be >= 0"),
+        ("--model llama3-71b --nproc 8 --rank 0", "model.name=llama3-71b: unknown preset"),
+    ],
+)
 def test_bad_flags_get_one_line(argv, message, capsys):
     assert main(["dryrun", *argv.split()]) == 2
     err = capsys.readouterr().err
@@ -84,8 +91,10 @@ def test_blocks_under_zero3_and_interleaved_stages_numbered_by_the_pipeline():
     pipeline stage number (rank 1 of pp2 interleaved v2 holds stages 1 and 3)."""
     out = dryrun("--model tiny --zero 3 --dp 2 --nproc 2 --rank 0 --blocks 1")
     assert "layer 0:" in out and VERDICT.match(out.strip().splitlines()[-1])
-    out = dryrun("--model tiny --pp 2 --pp-schedule interleaved-1f1b --pp-virtual 2 --nproc 2 --global-batch 4 "
-                 "--rank 1 --blocks 5")
+    out = dryrun(
+        "--model tiny --pp 2 --pp-schedule interleaved-1f1b --pp-virtual 2 --nproc 2 --global-batch 4 "
+        "--rank 1 --blocks 5"
+    )
     assert "stage 1: layer 1," in out and "stage 3: layer 3 + head," in out
     assert "the first 2 of the rank's 2 blocks" in out
 
@@ -94,7 +103,7 @@ def test_a_rank_that_cannot_fit_is_refused_before_anything_is_built(monkeypatch,
     import fived.dryrun
 
     monkeypatch.setattr(fived.dryrun, "available_bytes", lambda: 2**30)
-    assert main(["dryrun", *"--model llama3-8b --tp 8 --nproc 8 --rank 0".split()]) == 2
+    assert main(["dryrun", *["--model", "llama3-8b", "--tp", "8", "--nproc", "8", "--rank", "0"]]) == 2
     err = capsys.readouterr().err
     assert err.startswith("fived: error: --rank=0: this rank needs about ") and err.count("\n") == 1, err
     assert "more than the 1.0 GiB available" in err

@@ -1,6 +1,7 @@
 """Validation loss on real gloo ranks: the mean cross-entropy over every token of the fixed validation
 batches, the same (float64) under one process, tp2 x pp2 and dp2 x cp2 x ep2; evaluating changes
 nothing about training; logged to metrics.jsonl."""
+
 import json
 
 import numpy as np
@@ -31,8 +32,15 @@ def tokens(tmp_path_factory):
 
 
 def _config(tokens, world_over, **extra):
-    return tiny_config("tiny-moe", train__steps=STEPS, train__eval_every=EVAL_EVERY, train__eval_batches=EVAL_BATCHES,
-                       data__path=str(tokens) + ".bin", **world_over, **extra)
+    return tiny_config(
+        "tiny-moe",
+        train__steps=STEPS,
+        train__eval_every=EVAL_EVERY,
+        train__eval_batches=EVAL_BATCHES,
+        data__path=str(tokens) + ".bin",
+        **world_over,
+        **extra,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +75,16 @@ def test_every_pipeline_schedule_evaluates_forward_only(schedule, runs, tokens):
     """Schedules that run an action list would run its backward actions in eval; fived gives them the
     forward actions only. (1f1b is in LAYOUTS, interleaved-1f1b below with ZeRO-3.)"""
     virtual = 2 if schedule == "zero-bubble" else 1
-    cfg = _config(tokens, dict(parallel__pp=2, parallel__dp=2, parallel__pp_schedule=schedule,
-                               parallel__pp_virtual=virtual, train__microbatches=4 if schedule == "dualpipev" else 2))
+    cfg = _config(
+        tokens,
+        dict(
+            parallel__pp=2,
+            parallel__dp=2,
+            parallel__pp_schedule=schedule,
+            parallel__pp_virtual=virtual,
+            train__microbatches=4 if schedule == "dualpipev" else 2,
+        ),
+    )
     losses = _val_losses(run_on_ranks(4, run_training, cfg, False, False, False)[0].metrics)
     reference = _val_losses(runs["one-process"].metrics)
     assert sorted(losses) == sorted(reference)
@@ -115,9 +131,31 @@ def test_val_loss_is_logged(tokens, tmp_path):
 def test_verify_compares_the_validation_loss(tokens, capsys):
     from fived.cli import main
 
-    code = main(["verify", "--pp", "2", "--nproc", "2", "--dp", "1", "--model", "tiny-moe", "--steps", "2",
-                 "--seq-len", "32", "--global-batch", "8", "--train.eval_every", "1", "--train.eval_batches", "1",
-                 "--data.path", str(tokens) + ".bin"])
+    code = main(
+        [
+            "verify",
+            "--pp",
+            "2",
+            "--nproc",
+            "2",
+            "--dp",
+            "1",
+            "--model",
+            "tiny-moe",
+            "--steps",
+            "2",
+            "--seq-len",
+            "32",
+            "--global-batch",
+            "8",
+            "--train.eval_every",
+            "1",
+            "--train.eval_batches",
+            "1",
+            "--data.path",
+            str(tokens) + ".bin",
+        ]
+    )
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if x.startswith("max relative difference in val_loss: "))
     assert code == 0 and float(line.split(": ")[1]) <= EXACT, out
@@ -130,8 +168,11 @@ def test_too_little_validation_data_is_refused(tmp_path):
     small = tmp_path / "val.txt"
     small.write_text("x" * 200)  # 6 sequences of 32 + 1 tokens, fewer than a global batch of 8
     cfg = tiny_config(train__eval_every=2, data__val_path=str(small))
-    with pytest.raises(ConfigError, match=r"^data\.val_path=.*: holds 6 sequences of seq_len=32, fewer than one "
-                                          r"global batch \(8\); hold out more data"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^data\.val_path=.*: holds 6 sequences of seq_len=32, fewer than one "
+        r"global batch \(8\); hold out more data",
+    ):
         check_data(cfg)
     cfg.train.eval_every = 0  # no evaluation: the validation data is not read
     check_data(cfg)

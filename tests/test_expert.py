@@ -1,5 +1,6 @@
 """Expert parallelism on real gloo ranks: exact against the single-process reference with every
 ZeRO stage, context parallelism and aux-loss-free balancing; all-to-all bytes against the formula."""
+
 import pytest
 
 from fived.testing import EXACT, run_on_ranks, tiny_config
@@ -52,7 +53,6 @@ def test_model_state_memory_with_experts_and_context(zero):
     only; the rest ZeRO-sharded over dp_shard x cp."""
     from fived.report import expected_state_bytes
 
-    cfg = tiny_config("tiny-moe", parallel__dp=2, parallel__cp=2, parallel__ep=2, parallel__zero=zero,
-                      train__steps=1)
+    cfg = tiny_config("tiny-moe", parallel__dp=2, parallel__cp=2, parallel__ep=2, parallel__zero=zero, train__steps=1)
     for res in run_on_ranks(4, run_training, cfg, False, False):
         assert res.memory == pytest.approx(expected_state_bytes(cfg, 4), abs=4 * 2 * 8)

@@ -1,6 +1,7 @@
 """parallel.ep_overlap on real gloo ranks: exact against the single-process reference across layouts;
 the exchanges really run in chunks, asynchronously, under the other chunk's GEMMs (forward and
 backward); the ledger's bytes are the planner's formula."""
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -22,8 +23,10 @@ LAYOUTS = {
     "dp2-tp2-sp-ep2": (4, dict(parallel__dp=2, parallel__tp=2, parallel__sp=True, parallel__ep=2)),
     "pp2-dp2-ep2-micro2": (4, dict(parallel__pp=2, parallel__dp=2, parallel__ep=2, train__microbatches=2)),
     # (a schedule that splits backward: input gradients first, the weights' later)
-    "pp2-zbv-dp2-ep2-micro4": (4, dict(parallel__pp=2, parallel__dp=2, parallel__ep=2, train__microbatches=4,
-                                       parallel__pp_schedule="zbv")),
+    "pp2-zbv-dp2-ep2-micro4": (
+        4,
+        dict(parallel__pp=2, parallel__dp=2, parallel__ep=2, train__microbatches=4, parallel__pp_schedule="zbv"),
+    ),
     "cp2-ep2": (4, dict(parallel__dp=2, parallel__cp=2, parallel__ep=2)),
     "ep2-full-checkpointing": (2, dict(parallel__dp=2, parallel__ep=2, train__activation_checkpointing="full")),
 }
@@ -42,8 +45,14 @@ def test_with_capacity_dropping_same_as_without_overlap():
     reference): overlapped and plain EP drop the same slots and train alike. (Capacity 0.5 holds
     half of the routed slots: some are always dropped.)"""
     plain = tiny_config("tiny-moe", parallel__dp=2, parallel__ep=2, model__capacity_factor=0.5, train__steps=2)
-    overlapped = tiny_config("tiny-moe", parallel__dp=2, parallel__ep=2, model__capacity_factor=0.5, train__steps=2,
-                             parallel__ep_overlap=True)
+    overlapped = tiny_config(
+        "tiny-moe",
+        parallel__dp=2,
+        parallel__ep=2,
+        model__capacity_factor=0.5,
+        train__steps=2,
+        parallel__ep_overlap=True,
+    )
     report = compare(run_layout(plain, 2)[0], run_layout(overlapped, 2)[0])
     assert report.max_relative_difference <= EXACT, report.max_rel
 
@@ -118,8 +127,13 @@ def test_async_calls_and_bytes_are_the_formula(checkpointing):
     group (a rank's combine carries what its experts received: balanced only over the group), of
     the planner's formula; the calls: per MoE layer and micro-batch one counts exchange and 4 x 2
     chunks, forward ones again when full checkpointing recomputes them."""
-    common = dict(parallel__dp=2, parallel__ep=2, train__steps=1, train__microbatches=2,
-                  train__activation_checkpointing=checkpointing)
+    common = dict(
+        parallel__dp=2,
+        parallel__ep=2,
+        train__steps=1,
+        train__microbatches=2,
+        train__activation_checkpointing=checkpointing,
+    )
     cfg, plain = tiny_config("tiny-moe", parallel__ep_overlap=True, **common), tiny_config("tiny-moe", **common)
     on, off = run_on_ranks(2, run_training, cfg, False, False), run_on_ranks(2, run_training, plain, False, False)
     key = "dp/all_to_all_single"  # (the ep group holds dp's ranks: the ledger names it dp)

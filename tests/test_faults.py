@@ -1,6 +1,7 @@
 """Runs that survive faults, as a user meets them: SIGTERM to the launcher (preemption), a rank killed
 mid-run (automatic restart, locally and under torchrun), a rank stalling before a collective. Each
 run with a fault ends exactly where the same run without it ends (float64), and no process is left."""
+
 import json
 import os
 import signal
@@ -23,8 +24,13 @@ from fived.trainer import run_training
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 STEPS = 300
-RUN = {"train.dtype": "float64", "train.steps": STEPS, "train.seq_len": 32, "train.global_batch": 8,
-       "train.log_every": 1000}
+RUN = {
+    "train.dtype": "float64",
+    "train.steps": STEPS,
+    "train.seq_len": 32,
+    "train.global_batch": 8,
+    "train.log_every": 1000,
+}
 
 
 def _flags(over: dict) -> list[str]:
@@ -72,8 +78,17 @@ def test_sigterm_saves_the_current_step_and_resume_is_exact(target, tmp_path):
     the same step and saves it; the run exits 75; resumed, it ends as the uninterrupted run."""
     run_dir = tmp_path / "run"
     layout = {"parallel.dp": 4}
-    args = [sys.executable, "-m", "fived", "train", "--nproc", "4", *_flags({**RUN, **layout}),
-            "--train.output_dir", str(run_dir)]
+    args = [
+        sys.executable,
+        "-m",
+        "fived",
+        "train",
+        "--nproc",
+        "4",
+        *_flags({**RUN, **layout}),
+        "--train.output_dir",
+        str(run_dir),
+    ]
     proc = subprocess.Popen(args, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _wait_for_steps(run_dir, 3, proc)
     ranks = _children(proc.pid)
@@ -85,8 +100,13 @@ def test_sigterm_saves_the_current_step_and_resume_is_exact(target, tmp_path):
     step = _logged_losses(run_dir)[-1][0]
     assert [s for s, _ in complete_checkpoints(run_dir)] == [step]  # saved at the step it stopped after
     assert f"stopped after step {step}" in err.strip().splitlines()[-1]
-    resumed = subprocess.run([sys.executable, "-m", "fived", "train", "--resume", str(run_dir)], env=ENV,
-                             capture_output=True, text=True, timeout=300)
+    resumed = subprocess.run(
+        [sys.executable, "-m", "fived", "train", "--resume", str(run_dir)],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert resumed.returncode == 0, resumed.stderr
     whole = _uninterrupted(4, layout)
     assert _logged_losses(run_dir) == [(m["step"], m["loss"]) for m in whole.metrics]
@@ -109,8 +129,22 @@ def test_a_killed_rank_is_restarted_and_the_run_ends_as_without_it(launcher, tmp
     if launcher == "fived":
         args = [sys.executable, "-m", "fived", "train", "--nproc", "2", "--max-restarts", "2", *flags]
     else:  # torchrun restarts the ranks; each start continues the newest checkpoint (--resume auto)
-        args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                "--max-restarts", "1", "-m", "fived", "train", "--resume", "auto", *flags]
+        args = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "1",
+            "-m",
+            "fived",
+            "train",
+            "--resume",
+            "auto",
+            *flags,
+        ]
     code, err = _kill_a_rank_then_finish(args, run_dir, rank_index=1)
     assert code == 0, err
     launches = [json.loads(line) for line in (run_dir / "launches.jsonl").read_text().splitlines()]
@@ -144,8 +178,16 @@ def _stalling_all_reduce(real, stall_rank: int, after_calls: int):
 
 
 def test_a_stalled_rank_fails_the_run_naming_the_collective(tmp_path, monkeypatch):
-    cfg = build_config(overrides={**RUN, "parallel.dp": 2, "parallel.tp": 2, "train.steps": 5,
-                                  "train.collective_timeout_s": 3, "train.output_dir": str(tmp_path)})
+    cfg = build_config(
+        overrides={
+            **RUN,
+            "parallel.dp": 2,
+            "parallel.tp": 2,
+            "train.steps": 5,
+            "train.collective_timeout_s": 3,
+            "train.output_dir": str(tmp_path),
+        }
+    )
     monkeypatch.setattr(dist, "all_reduce", _stalling_all_reduce(dist.all_reduce, stall_rank=1, after_calls=20))
     start = time.monotonic()
     with pytest.raises(RankFailed) as failed:
@@ -153,8 +195,10 @@ def test_a_stalled_rank_fails_the_run_naming_the_collective(tmp_path, monkeypatc
     assert time.monotonic() - start < 60
     line = failure_line(failed.value)
     # (rank 3 may also be waiting for rank 1, in their dp all-reduce: then the line names it too)
-    assert line.startswith("collective timeout: rank 1 never arrived within 3 s (train.collective_timeout_s); "
-                           "all_reduce over the tp group (ranks 0, 1): waiting rank 0"), line
+    assert line.startswith(
+        "collective timeout: rank 1 never arrived within 3 s (train.collective_timeout_s); "
+        "all_reduce over the tp group (ranks 0, 1): waiting rank 0"
+    ), line
     assert not [pid for pid in _children(os.getpid()) if _alive(pid)]  # no rank left behind
 
 
@@ -165,7 +209,9 @@ def test_the_timeout_line_names_the_stalled_rank_and_every_waiting_collective():
 
     dp = {"kind": "collective_timeout", "rank": 2, "op": "all_reduce", "dim": "dp", "ranks": [0, 2], "timeout_s": 3}
     tp = {**dp, "rank": 0, "dim": "tp", "ranks": [0, 1]}
-    assert timeout_line([dp, tp]) == ("rank 1 never arrived within 3 s (train.collective_timeout_s); all_reduce "
-                                      "over the tp group (ranks 0, 1): waiting rank 0; all_reduce over the dp group "
-                                      "(ranks 0, 2): waiting rank 2")
+    assert timeout_line([dp, tp]) == (
+        "rank 1 never arrived within 3 s (train.collective_timeout_s); all_reduce "
+        "over the tp group (ranks 0, 1): waiting rank 0; all_reduce over the dp group "
+        "(ranks 0, 2): waiting rank 2"
+    )
     assert timeout_line([dp]).startswith("rank 0 never arrived within 3 s")

@@ -15,6 +15,7 @@ Why the multi-rank tolerances differ by recipe (measured, float32 runs, 3 steps)
   amax over the local sequence) is the same case (measured <= 1.1e-4).
 Each rank also reports how many Float8Linear modules it ran, so a layout that dropped the swap fails.
 """
+
 import pytest
 
 from fived.checkpoint import find_checkpoint
@@ -103,8 +104,15 @@ def test_fp8_checkpoint_resumes_exactly_under_canonical_names(tmp_path):
     from fived import dcp_io
 
     def cfg(fp8, out):
-        return tiny_config("tiny", train__fp8=fp8, train__dtype="bfloat16", train__steps=4, parallel__dp=2,
-                           parallel__zero=1, train__output_dir=str(out))
+        return tiny_config(
+            "tiny",
+            train__fp8=fp8,
+            train__dtype="bfloat16",
+            train__steps=4,
+            parallel__dp=2,
+            parallel__zero=1,
+            train__output_dir=str(out),
+        )
 
     whole = run_on_ranks(2, run_training, cfg("rowwise", tmp_path / "whole"), False, False)
     run_on_ranks(2, run_training, cfg("rowwise", tmp_path / "fp8"), True, False, False, None, 2)
@@ -126,7 +134,9 @@ def test_fp8_rules(monkeypatch):
     with pytest.raises(ConfigError, match="train.fp8=tensorwise: runs with train.dtype"):
         check_config(tiny_config("tiny", train__fp8="tensorwise"), 1)  # (tiny_config is float64)
     find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else find_spec(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else find_spec(name, *a)
+    )
     with pytest.raises(ConfigError, match=r"^train.fp8=rowwise: needs torchao; pip install 'fived\[fp8\]'$"):
         check_config(tiny_config("tiny", train__fp8="rowwise", train__dtype="bfloat16"), 1)
     check_config(tiny_config("tiny", train__dtype="bfloat16"), 1)  # (without FP8 torchao is not needed)
@@ -144,8 +154,14 @@ def test_the_planner_recommends_no_tp_overlap_with_fp8():
     from fived.planner.search import plan
     from fived.planner.timing import Cluster
 
-    search = plan(model_preset("llama3-8b"), Cluster(hardware("h100"), 16, 8), 8192, 128, "bfloat16",
-                  PLANNED_RUNTIMES["fived-fp8"])
+    search = plan(
+        model_preset("llama3-8b"),
+        Cluster(hardware("h100"), 16, 8),
+        8192,
+        128,
+        "bfloat16",
+        PLANNED_RUNTIMES["fived-fp8"],
+    )
     with_tp = [p.layout for p in search.plans if p.layout.tp > 1]
     assert with_tp and not any(layout.tp_overlap for layout in with_tp)
 
@@ -157,10 +173,19 @@ def test_the_planner_prices_fp8_gemms_for_a_run_with_fp8():
     from fived.planner.runtimes import fived_runtime
     from fived.planner.timing import Cluster, step_time
 
-    cfg = build_config(overrides={"model.name": "llama3-8b", "parallel.dp": 8, "parallel.zero": 3,
-                                  "train.seq_len": 8192, "train.global_batch": 32})
+    cfg = build_config(
+        overrides={
+            "model.name": "llama3-8b",
+            "parallel.dp": 8,
+            "parallel.zero": 3,
+            "train.seq_len": 8192,
+            "train.global_batch": 32,
+        }
+    )
     cluster = Cluster(hardware("h100"), 8, 8)
-    compute = {fp8: step_time(cfg.model, Layout.from_config(cfg, 8), cluster, 8192, 32, "bfloat16",
-                              fived_runtime(fp8)).compute for fp8 in ("none", "rowwise")}
+    compute = {
+        fp8: step_time(cfg.model, Layout.from_config(cfg, 8), cluster, 8192, 32, "bfloat16", fived_runtime(fp8)).compute
+        for fp8 in ("none", "rowwise")
+    }
     assert compute["rowwise"] < 0.9 * compute["none"]
     assert fived_runtime("none").fp8 is False

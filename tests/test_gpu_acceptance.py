@@ -1,6 +1,7 @@
 """benchmarks/gpu_acceptance.py where there is no GPU: the default run says so in one line and exits
 0; the CPU smoke run (`--device cpu`) goes through every check at tiny sizes and writes both reports.
 (CUDA is hidden from both runs, so that on a GPU host this test does not start the GPU run.)"""
+
 import json
 import os
 import subprocess
@@ -14,8 +15,9 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
 
 
 def acceptance(*args, cwd, timeout=300):  # (minutes only on a machine loaded by others)
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=ENV, cwd=cwd,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=ENV, cwd=cwd, timeout=timeout
+    )
 
 
 def test_without_cuda_one_line_and_exit_0(tmp_path):

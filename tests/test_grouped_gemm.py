@@ -1,6 +1,7 @@
 """The grouped experts op against the per-expert loop it replaced: values and every gradient, in
 float64, with experts that get no slots; and torch's custom-op checks (fake kernel, autograd
 registration, compile-time tracing)."""
+
 import pytest
 import torch
 
@@ -28,4 +29,6 @@ def test_matches_the_loop(counts):
 def test_custom_op_checks():
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(10, 8, generator=gen, dtype=torch.float64, requires_grad=True)
-    torch.library.opcheck(torch.ops.fived.grouped_swiglu.default, (x, *_weights(4, 8, 12, gen), torch.tensor([3, 0, 5, 2])))
+    torch.library.opcheck(
+        torch.ops.fived.grouped_swiglu.default, (x, *_weights(4, 8, 12, gen), torch.tensor([3, 0, 5, 2]))
+    )

@@ -1,6 +1,7 @@
 """Export and generation round trip: a tiny model trained 20 steps, `fived export`ed, loads in
 transformers with no missing or unexpected weights and gives fived's logits; sharded files load
 the same; `fived generate --json` gives transformers' greedy ids."""
+
 import json
 import logging
 
@@ -23,8 +24,16 @@ def trained_run(tmp_path_factory):
     values, seeds 0, 1, 3, 4 and 5 give a model that greedily generates only spaces after any prompt
     tried, which would make the greedy-ids comparison below trivial.)"""
     run = tmp_path_factory.mktemp("run")
-    cfg = tiny_config("tiny", train__steps=20, train__dtype="float32", train__output_dir=str(run),
-                      model__n_layers=2, parallel__tp=2, parallel__dp=1, train__seed=2)
+    cfg = tiny_config(
+        "tiny",
+        train__steps=20,
+        train__dtype="float32",
+        train__output_dir=str(run),
+        model__n_layers=2,
+        parallel__tp=2,
+        parallel__dp=1,
+        train__seed=2,
+    )
     run_on_ranks(2, run_training, cfg, True, False)
     return run, cfg
 
@@ -80,25 +89,35 @@ def test_export_refuses_an_existing_directory_and_a_non_run(trained_run, tmp_pat
     assert len(capsys.readouterr().err.strip().splitlines()) == 2
 
 
-@pytest.mark.parametrize("kind,changes,layout", [
-    ("qwen3_moe", {}, dict(parallel__ep=2, parallel__dp=2)),
-    ("llama3.1", {}, dict(parallel__tp=2, parallel__dp=1)),
-    ("llama", {"tie_word_embeddings": True}, dict(parallel__dp=2, parallel__zero=1)),
-], ids=["qwen3moe-ep2", "llama3.1-tp2", "llama-tied-zero1"])
+@pytest.mark.parametrize(
+    "kind,changes,layout",
+    [
+        ("qwen3_moe", {}, dict(parallel__ep=2, parallel__dp=2)),
+        ("llama3.1", {}, dict(parallel__tp=2, parallel__dp=1)),
+        ("llama", {"tie_word_embeddings": True}, dict(parallel__dp=2, parallel__zero=1)),
+    ],
+    ids=["qwen3moe-ep2", "llama3.1-tp2", "llama-tied-zero1"],
+)
 def test_import_train_export_round_trip(kind, changes, layout, tmp_path, caplog):
     """A model imported, trained one step at a negligible learning rate and exported again is the same
     model to transformers: same architecture, rope scaling and tying, the original's logits."""
     from hf_models import hf_logits, save_hf_model
 
-    from fived.hf.init import configure_init_from
-
     from fived.hf.config_map import special_token_ids
     from fived.hf.export import byte_tokenizer
+    from fived.hf.init import configure_init_from
 
     reference = save_hf_model(kind, tmp_path / "in", dtype=torch.float32, **changes)
     byte_tokenizer().save(str(tmp_path / "in" / "tokenizer.json"))  # (the run's tokenizer: bos/eos travel)
-    cfg = tiny_config("tiny", train__steps=1, train__dtype="float32", train__lr=1e-9,
-                      train__init_from=str(tmp_path / "in"), train__output_dir=str(tmp_path / "run"), **layout)
+    cfg = tiny_config(
+        "tiny",
+        train__steps=1,
+        train__dtype="float32",
+        train__lr=1e-9,
+        train__init_from=str(tmp_path / "in"),
+        train__output_dir=str(tmp_path / "run"),
+        **layout,
+    )
     configure_init_from(cfg, {})
     run_on_ranks(2, run_training, cfg, True, False)
     assert main(["export", str(tmp_path / "run"), "--output", str(tmp_path / "out")]) == 0
@@ -129,7 +148,7 @@ def test_generate_greedy_equals_transformers(trained_run, tmp_path, capsys):
     assert from_run["prompt_ids"] == list(prompt.encode())
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     ids = torch.tensor([from_run["prompt_ids"]])
-    expected = model.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=0)[0, ids.shape[1]:].tolist()
+    expected = model.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=0)[0, ids.shape[1] :].tolist()
     assert from_run["generated_ids"] == expected == from_export["generated_ids"]
     assert len(set(expected)) > 1
 
@@ -143,7 +162,7 @@ def test_generate_from_a_transformers_directory(kind, tmp_path, capsys):
     model = save_hf_model(kind, tmp_path)
     got = _generate_json(capsys, tmp_path, "Hello, world", "--max-new-tokens", "20")
     ids = torch.tensor([got["prompt_ids"]])
-    expected = model.generate(ids, max_new_tokens=20, do_sample=False, pad_token_id=0)[0, ids.shape[1]:].tolist()
+    expected = model.generate(ids, max_new_tokens=20, do_sample=False, pad_token_id=0)[0, ids.shape[1] :].tolist()
     assert got["generated_ids"] == expected and len(set(expected)) > 3
 
 
@@ -163,7 +182,7 @@ def test_kv_cache_gives_the_full_forward_logits():
     with torch.no_grad():
         expected = full(ids)
         steps = [cached(ids[:, :5], positions=torch.arange(5))]
-        steps += [cached(ids[:, i:i + 1], positions=torch.tensor([i])) for i in range(5, 12)]
+        steps += [cached(ids[:, i : i + 1], positions=torch.tensor([i])) for i in range(5, 12)]
     assert (torch.cat(steps, dim=1) - expected).abs().max().item() <= 1e-12
 
 
@@ -177,8 +196,9 @@ def test_sampling_is_seeded_and_top_p_keeps_the_nucleus(trained_run, capsys):
     from fived.generate import Sampling, next_token
 
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
-    drawn = {next_token(logits, Sampling(temperature=1.0, top_p=0.7), torch.Generator().manual_seed(s))
-             for s in range(200)}
+    drawn = {
+        next_token(logits, Sampling(temperature=1.0, top_p=0.7), torch.Generator().manual_seed(s)) for s in range(200)
+    }
     assert drawn == {0, 1}  # 0.5 + 0.3 reaches 0.7; the tail is never drawn
 
 

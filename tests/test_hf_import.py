@@ -2,12 +2,13 @@
 models built with transformers and saved locally give fived the same logits as transformers; under
 tp2 x pp2 and ep2 x dp2 the first step's loss after --init-from equals the one-process loss;
 architectures fived cannot express are refused in one line."""
+
 import json
 
 import pytest
 import torch
-
 from hf_models import hf_logits, save_hf_model
+
 from fived.cli import main
 from fived.hf.config_map import model_config_from_hf, read_config
 from fived.hf.init import configure_init_from, whole_state
@@ -66,12 +67,19 @@ def _transformers_loss(reference, cfg) -> float:
 
 LAYOUTS = {  # name: (kind, transformers config changes, layout)
     "llama-tp2-pp2": ("llama", {}, dict(parallel__tp=2, parallel__pp=2, parallel__dp=1, train__microbatches=2)),
-    "llama3.1-tp2-sp-pp2": ("llama3.1", {}, dict(parallel__tp=2, parallel__pp=2, parallel__dp=1,
-                                                 train__microbatches=2, parallel__sp=True)),
+    "llama3.1-tp2-sp-pp2": (
+        "llama3.1",
+        {},
+        dict(parallel__tp=2, parallel__pp=2, parallel__dp=1, train__microbatches=2, parallel__sp=True),
+    ),
     "mixtral-ep2-dp2": ("mixtral", {}, dict(parallel__ep=2, parallel__dp=4)),  # (ep shards dp: 2 x 2)
     "qwen3moe-ep2-dp2-zero3": ("qwen3_moe", {}, dict(parallel__ep=2, parallel__dp=4, parallel__zero=3)),
     "mixtral-tp2-ep2": ("mixtral", {}, dict(parallel__tp=2, parallel__ep=2, parallel__dp=2)),
-    "llama-tp4-padded-vocab": ("llama", {"vocab_size": 258, "num_key_value_heads": 1}, dict(parallel__tp=4, parallel__dp=1)),
+    "llama-tp4-padded-vocab": (
+        "llama",
+        {"vocab_size": 258, "num_key_value_heads": 1},
+        dict(parallel__tp=4, parallel__dp=1),
+    ),
     "llama-tp2-zero2": ("llama", {}, dict(parallel__tp=2, parallel__dp=2, parallel__zero=2)),
 }
 
@@ -83,7 +91,9 @@ def test_first_step_loss_is_layout_independent(name, tmp_path):
     one, cfg = _first_loss(1, tmp_path, parallel__dp=1)
     many, _ = _first_loss(4, tmp_path, **layout)
     assert abs(many - one) <= EXACT * abs(one)
-    assert abs(one - _transformers_loss(reference, cfg)) <= EXACT * abs(one)  # (the imported model's loss, not fived's init)
+    assert abs(one - _transformers_loss(reference, cfg)) <= EXACT * abs(
+        one
+    )  # (the imported model's loss, not fived's init)
 
 
 def test_qwen3_q_k_norm_gradients_sum_over_tp(tmp_path):
@@ -107,13 +117,16 @@ def _refusal(capsys, directory, *flags):
     return err
 
 
-@pytest.mark.parametrize("change,named", [
-    ({"attention_bias": True}, "attention_bias"),
-    ({"hidden_act": "gelu"}, "hidden_act"),
-    ({"model_type": "gpt2"}, "model_type"),
-    ({"sliding_window": 32, "model_type": "mixtral"}, "sliding_window"),
-    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, "rope_type"),
-])
+@pytest.mark.parametrize(
+    "change,named",
+    [
+        ({"attention_bias": True}, "attention_bias"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"model_type": "gpt2"}, "model_type"),
+        ({"sliding_window": 32, "model_type": "mixtral"}, "sliding_window"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, "rope_type"),
+    ],
+)
 def test_architectures_fived_cannot_express_are_refused(change, named, tmp_path, capsys):
     save_hf_model("llama", tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
@@ -137,8 +150,9 @@ def test_init_from_fived_checkpoint_takes_weights_not_optimizer(tmp_path):
 
     cfg = tiny_config("tiny", train__steps=2, train__output_dir=str(tmp_path / "base"))
     base = run_on_ranks(2, run_training, cfg, True, False)[0]
-    tuned = tiny_config("tiny", train__steps=1, train__init_from=str(tmp_path / "base"), parallel__tp=2,
-                        parallel__dp=1, train__seed=7)
+    tuned = tiny_config(
+        "tiny", train__steps=1, train__init_from=str(tmp_path / "base"), parallel__tp=2, parallel__dp=1, train__seed=7
+    )
     configure_init_from(tuned, {})
     result = run_on_ranks(2, run_training, tuned, False, False)[0].metrics[0]
     assert result["step"] == 1 and result["lr"] == base.metrics[0]["lr"]  # a new run, a new schedule
@@ -162,8 +176,16 @@ def test_bf16_masters_start_from_the_source_on_every_layout(tmp_path):
     base = run_on_ranks(2, run_training, cfg, True, False, True)[0].state
     assert any(not torch.equal(v, v.bfloat16().float()) for v in base.values())  # (more than bf16 holds)
     for zero in (1, 3):
-        tuned = tiny_config("tiny", train__steps=1, train__init_from=str(tmp_path / "base"), train__dtype="bfloat16",
-                            train__lr=1e-30, train__weight_decay=0.0, parallel__dp=2, parallel__zero=zero)
+        tuned = tiny_config(
+            "tiny",
+            train__steps=1,
+            train__init_from=str(tmp_path / "base"),
+            train__dtype="bfloat16",
+            train__lr=1e-30,
+            train__weight_decay=0.0,
+            parallel__dp=2,
+            parallel__zero=zero,
+        )
         configure_init_from(tuned, {})
         state = run_on_ranks(2, run_training, tuned, False, False, True)[0].state  # (lr 1e-30: masters stay)
         for name, value in base.items():
@@ -179,10 +201,10 @@ def test_train_export_generate_never_import_transformers(tmp_path):
     script = f"""
 import sys
 from fived.cli import main
-assert main(["train", "--init-from", "{tmp_path / 'hf'}", "--steps", "2", "--nproc", "1",
-             "--train.output_dir", "{tmp_path / 'run'}", "--train.seq_len", "32", "--global-batch", "4"]) == 0
-assert main(["export", "{tmp_path / 'run'}", "--output", "{tmp_path / 'out'}"]) == 0
-assert main(["generate", "{tmp_path / 'out'}", "--prompt", "hi", "--max-new-tokens", "3"]) == 0
+assert main(["train", "--init-from", "{tmp_path / "hf"}", "--steps", "2", "--nproc", "1",
+             "--train.output_dir", "{tmp_path / "run"}", "--train.seq_len", "32", "--global-batch", "4"]) == 0
+assert main(["export", "{tmp_path / "run"}", "--output", "{tmp_path / "out"}"]) == 0
+assert main(["generate", "{tmp_path / "out"}", "--prompt", "hi", "--max-new-tokens", "3"]) == 0
 assert "transformers" not in sys.modules, "transformers was imported"
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)

@@ -1,6 +1,7 @@
 """Sharded import: a rank that holds a quarter of the model (ZeRO-3 over 4 ranks) never holds the
 whole model in memory while `--init-from` loads it: its peak resident memory during the build and
 load grows by less than the model's size (it reads only its rows from the safetensors files)."""
+
 import json
 from pathlib import Path
 
@@ -23,21 +24,38 @@ def write_llama(directory: Path) -> int:
     tensors = {"model.embed_tokens.weight": (VOCAB, DIM), "model.norm.weight": (DIM,), "lm_head.weight": (VOCAB, DIM)}
     for i in range(LAYERS):
         p = f"model.layers.{i}."
-        tensors.update({p + "self_attn.q_proj.weight": (DIM, DIM), p + "self_attn.k_proj.weight": (DIM, DIM),
-                        p + "self_attn.v_proj.weight": (DIM, DIM), p + "self_attn.o_proj.weight": (DIM, DIM),
-                        p + "mlp.gate_proj.weight": (FFN, DIM), p + "mlp.up_proj.weight": (FFN, DIM),
-                        p + "mlp.down_proj.weight": (DIM, FFN), p + "input_layernorm.weight": (DIM,),
-                        p + "post_attention_layernorm.weight": (DIM,)})
+        tensors.update(
+            {
+                p + "self_attn.q_proj.weight": (DIM, DIM),
+                p + "self_attn.k_proj.weight": (DIM, DIM),
+                p + "self_attn.v_proj.weight": (DIM, DIM),
+                p + "self_attn.o_proj.weight": (DIM, DIM),
+                p + "mlp.gate_proj.weight": (FFN, DIM),
+                p + "mlp.up_proj.weight": (FFN, DIM),
+                p + "mlp.down_proj.weight": (DIM, FFN),
+                p + "input_layernorm.weight": (DIM,),
+                p + "post_attention_layernorm.weight": (DIM,),
+            }
+        )
     names = sorted(tensors)
     weight_map = {}
-    for part, chunk in enumerate((names[:len(names) // 2], names[len(names) // 2:])):
+    for part, chunk in enumerate((names[: len(names) // 2], names[len(names) // 2 :])):
         file = f"model-{part + 1:05d}-of-00002.safetensors"
         save_file({n: torch.randn(tensors[n], generator=gen) * 0.02 for n in chunk}, str(directory / file))
-        weight_map.update({n: file for n in chunk})
+        weight_map.update(dict.fromkeys(chunk, file))
     (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    config = {"model_type": "llama", "vocab_size": VOCAB, "hidden_size": DIM, "intermediate_size": FFN,
-              "num_hidden_layers": LAYERS, "num_attention_heads": 8, "num_key_value_heads": 8,
-              "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu"}
+    config = {
+        "model_type": "llama",
+        "vocab_size": VOCAB,
+        "hidden_size": DIM,
+        "intermediate_size": FFN,
+        "num_hidden_layers": LAYERS,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+    }
     (directory / "config.json").write_text(json.dumps(config))
     return sum(torch.Size(s).numel() for s in tensors.values()) * 4
 
@@ -68,6 +86,7 @@ def counting_read(read):
     def wrapped(self, name, offsets, sizes):
         ELEMENTS_READ[0] += torch.Size(sizes).numel()
         return read(self, name, offsets, sizes)
+
     return wrapped
 
 
@@ -86,11 +105,14 @@ def peak_growth_while_loading(cfg) -> tuple[int, int, int]:
 def test_a_rank_holding_a_quarter_never_holds_the_whole_model(tmp_path, monkeypatch):
     monkeypatch.setattr(HfCheckpoint, "read", counting_read(HfCheckpoint.read))  # (the forked ranks inherit it)
     size = write_llama(tmp_path)
-    cfg = tiny_config("tiny", train__steps=1, train__dtype="float32", train__init_from=str(tmp_path),
-                      parallel__dp=4, parallel__zero=3)
+    cfg = tiny_config(
+        "tiny", train__steps=1, train__dtype="float32", train__init_from=str(tmp_path), parallel__dp=4, parallel__zero=3
+    )
     configure_init_from(cfg, {})
     growth = run_on_ranks(4, peak_growth_while_loading, cfg)
-    print(f"model {size / 2**20:.1f} MiB; peak growth per rank (MiB) building with the import / without: "
-          + ", ".join(f"{a / 2**20:.1f}/{b / 2**20:.1f}" for a, b, _ in growth))
+    print(
+        f"model {size / 2**20:.1f} MiB; peak growth per rank (MiB) building with the import / without: "
+        + ", ".join(f"{a / 2**20:.1f}/{b / 2**20:.1f}" for a, b, _ in growth)
+    )
     assert [read for _, _, read in growth] == [size // 4] * 4  # each rank read exactly its quarter
     assert max(a for a, _, _ in growth) < size  # (measured: 2.5-19 MiB of 53, as much as without the import)

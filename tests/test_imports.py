@@ -1,5 +1,6 @@
 """The package's import graph: no cycles (imports inside functions count: a lazy import hides a cycle,
 it does not remove it) and no private (_underscore) name imported from another module."""
+
 import ast
 from pathlib import Path
 
@@ -68,8 +69,11 @@ def test_no_import_cycles_and_no_private_imports():
     for name, tree in modules.items():
         edges = _imports(tree, modules)
         graph[name] = {m for m, _ in edges if m in modules and m != name}
-        private += [f"{name} imports {m}.{n}" for m, n in edges
-                    if n and n.startswith("_") and not n.endswith("__") and m != name]
+        private += [
+            f"{name} imports {m}.{n}"
+            for m, n in edges
+            if n and n.startswith("_") and not n.endswith("__") and m != name
+        ]
     assert not _cycles(graph), _cycles(graph)
     assert not private, private
 

@@ -1,5 +1,6 @@
 """Initialisation generates only what a rank holds (fived.init), and the pieces every layout's ranks
 fill assemble into the one-process value bit for bit."""
+
 import math
 
 import pytest
@@ -65,13 +66,13 @@ def test_a_rank_generates_its_share_of_a_big_parameter(rank):
         print(f"{cut}: rank {rank} holds {held}, generated {stats.generated} (x{stats.generated / held:.4f})")
     rows, cols = BIG[0] // WAYS, BIG[1] // WAYS
     torch.testing.assert_close(stored["rows"], stored["zero3-rows"], rtol=0, atol=0)
-    crossing = stored["columns"][rank * rows:(rank + 1) * rows]
-    torch.testing.assert_close(crossing, stored["rows"][:, rank * cols:(rank + 1) * cols], rtol=0, atol=0)
+    crossing = stored["columns"][rank * rows : (rank + 1) * rows]
+    torch.testing.assert_close(crossing, stored["rows"][:, rank * cols : (rank + 1) * cols], rtol=0, atol=0)
     a = _cuts(rank)["flat-range"].flat[0]
     first_full_row = -(-a // BIG[1])
     local = first_full_row - rank * rows
     if 0 <= local < rows:  # the flat slice's first whole row, where the row cut has it too
-        row = stored["flat-range"][first_full_row * BIG[1] - a:][:BIG[1]]
+        row = stored["flat-range"][first_full_row * BIG[1] - a :][: BIG[1]]
         torch.testing.assert_close(row, stored["rows"][local], rtol=0, atol=0)
 
 
@@ -82,10 +83,12 @@ def test_small_pieces_assemble_the_whole_value():
     name, shape = "layers.0.feed_forward.w1.weight", (cfg.ffn_dim, cfg.dim)
     full = init_value(name, shape, cfg, 5)
     seeds = TileSeeds({n: tuple(p.shape) for n, p in build_model(cfg).named_parameters()}, 5)
-    for placement in (Placement(shape, Box((0, 0), (100, 64))),
-                      Placement(shape, Box((100, 0), (100, 64))),  # runs 44 rows into padding
-                      Placement(shape, Box((0, 0), shape), flat=(1000, math.prod(shape) - 100)),
-                      Placement(shape, Box((0, 0), shape), rows=(37, 90))):
+    for placement in (
+        Placement(shape, Box((0, 0), (100, 64))),
+        Placement(shape, Box((100, 0), (100, 64))),  # runs 44 rows into padding
+        Placement(shape, Box((0, 0), shape), flat=(1000, math.prod(shape) - 100)),
+        Placement(shape, Box((0, 0), shape), rows=(37, 90)),
+    ):
         stored = torch.full(placement.stored_shape, float("nan"))
         if placement.local.sizes[0] + placement.local.offsets[0] > shape[0]:
             stored.zero_()
@@ -97,6 +100,7 @@ def test_small_pieces_assemble_the_whole_value():
 
 
 # --- real layouts on gloo ranks ------------------------------------------------------------------
+
 
 def _init_on_rank(cfg, want_state: bool):
     from fived.trainer import Trainer
@@ -128,8 +132,14 @@ def _assert_assembled_equals_one_process(results, cfg):
             assert torch.equal(res["state"][name], value), name
 
 
-WIDE = dict(model__dim=1024, model__n_heads=8, model__n_kv_heads=8, model__ffn_dim=2048, model__vocab_size=1000,
-            model__n_layers=1)
+WIDE = dict(
+    model__dim=1024,
+    model__n_heads=8,
+    model__n_kv_heads=8,
+    model__ffn_dim=2048,
+    model__vocab_size=1000,
+    model__n_layers=1,
+)
 
 
 @pytest.mark.parametrize("zero", [1, 3])
@@ -146,24 +156,35 @@ def test_each_rank_generates_only_its_boxes(zero):
     share = whole / (4 if zero == 3 else 2)
     for rank, res in enumerate(results):
         stats, held = res["stats"], res["held"]
-        print(f"zero{zero} rank {rank}: holds {held} of {whole}, generated {stats.generated} "
-              f"(x{stats.generated / held:.3f}, hull {res['hull']}) in {stats.tiles} tiles")
+        print(
+            f"zero{zero} rank {rank}: holds {held} of {whole}, generated {stats.generated} "
+            f"(x{stats.generated / held:.3f}, hull {res['hull']}) in {stats.tiles} tiles"
+        )
         assert stats.generated <= res["hull"]
         assert held <= 1.01 * share and stats.generated <= 1.25 * held
     _assert_assembled_equals_one_process(results, cfg)
 
 
 LAYOUTS = {  # name: (model, world, overrides)
-    "tp4-padded-vocab-kv-replicated-tied": ("tiny", 4, dict(parallel__tp=4, parallel__dp=1, model__vocab_size=259,
-                                                           model__tie_embeddings=True)),
+    "tp4-padded-vocab-kv-replicated-tied": (
+        "tiny",
+        4,
+        dict(parallel__tp=4, parallel__dp=1, model__vocab_size=259, model__tie_embeddings=True),
+    ),
     "tp2-padded-vocab": ("tiny", 2, dict(parallel__tp=2, parallel__dp=1, model__vocab_size=257)),
     "ep2-dp2": ("tiny-moe", 2, dict(parallel__dp=2, parallel__ep=2, parallel__zero=0)),
     "zero1-dp4": ("tiny-moe", 4, dict(parallel__dp=4, parallel__zero=1)),
     "zero3-dp4-ep2": ("tiny-moe", 4, dict(parallel__dp=4, parallel__zero=3, parallel__ep=2)),
-    "pp2-tp2-zero2": ("tiny-moe", 4, dict(parallel__pp=2, parallel__tp=2, parallel__dp=1, parallel__zero=2,
-                                          train__microbatches=2)),
-    "pp2-dp2-ep2-zero3": ("tiny-moe", 4, dict(parallel__pp=2, parallel__dp=2, parallel__ep=2, parallel__zero=3,
-                                              train__microbatches=2)),
+    "pp2-tp2-zero2": (
+        "tiny-moe",
+        4,
+        dict(parallel__pp=2, parallel__tp=2, parallel__dp=1, parallel__zero=2, train__microbatches=2),
+    ),
+    "pp2-dp2-ep2-zero3": (
+        "tiny-moe",
+        4,
+        dict(parallel__pp=2, parallel__dp=2, parallel__ep=2, parallel__zero=3, train__microbatches=2),
+    ),
 }
 
 

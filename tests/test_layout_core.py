@@ -1,6 +1,7 @@
 """The layout core (`fived.layout`): plain Python that imports without torch; the planner reads it and
 never the runtime's `fived.parallel`; the sharding spec cuts every tensor of real models into pieces
 that tile it exactly (no gap, no overlap but declared replicas)."""
+
 import ast
 import dataclasses
 import math
@@ -15,18 +16,26 @@ from fived.config import model_preset
 from fived.layout.spec import padded_vocab, tensor_specs
 
 ROOT = Path(fived.__file__).parent
-CORE = ["fived.layout"] + sorted(f"fived.layout.{p.stem}" for p in (ROOT / "layout").glob("*.py") if p.stem != "__init__")
+CORE = ["fived.layout"] + sorted(
+    f"fived.layout.{p.stem}" for p in (ROOT / "layout").glob("*.py") if p.stem != "__init__"
+)
 
 
 def test_the_layout_core_imports_without_torch():
-    code = ("import sys; sys.modules['torch'] = None\n"  # any `import torch` now raises ImportError
-            f"for name in {CORE!r}: __import__(name)\n"
-            "from fived.layout.rules import check_config; from fived.config import build_config\n"
-            "check_config(build_config(overrides={'parallel.tp': 2, 'parallel.dp': 2}), 4); print('ok')")
+    code = (
+        "import sys; sys.modules['torch'] = None\n"  # any `import torch` now raises ImportError
+        f"for name in {CORE!r}: __import__(name)\n"
+        "from fived.layout.rules import check_config; from fived.config import build_config\n"
+        "check_config(build_config(overrides={'parallel.tp': 2, 'parallel.dp': 2}), 4); print('ok')"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
-    blocked = subprocess.run([sys.executable, "-c", "import sys; sys.modules['torch'] = None; import fived.mesh"],
-                             capture_output=True, text=True, timeout=60)
+    blocked = subprocess.run(
+        [sys.executable, "-c", "import sys; sys.modules['torch'] = None; import fived.mesh"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert blocked.returncode != 0  # (the check can fail: a module that needs torch does not import)
 
 
@@ -65,8 +74,16 @@ def test_the_planner_and_the_core_never_reach_the_runtimes_parallel_modules():
             assert {m for m in seen if m != "fived.config" and m != "fived"} <= set(CORE), (start, sorted(seen))
 
 
-CASES = [("llama3-405b", 16, 1), ("llama3-70b", 8, 1), ("llama3-8b", 4, 1), ("mixtral-8x7b", 4, 8),
-         ("deepseek-v3-like", 8, 64), ("tiny-moe", 2, 2), ("tiny", 4, 1), ("tiny-vocab-250", 4, 1)]
+CASES = [
+    ("llama3-405b", 16, 1),
+    ("llama3-70b", 8, 1),
+    ("llama3-8b", 4, 1),
+    ("mixtral-8x7b", 4, 8),
+    ("deepseek-v3-like", 8, 64),
+    ("tiny-moe", 2, 2),
+    ("tiny", 4, 1),
+    ("tiny-vocab-250", 4, 1),
+]
 
 
 @pytest.mark.parametrize("name,tp,ep", CASES)

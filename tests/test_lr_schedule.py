@@ -1,6 +1,7 @@
 """The learning-rate plan (fived.lr_schedule): each schedule's shape, and the plan surviving a resume
 that extends the run: every step of the resumed, extended run has the lr the original run planned
 for it, and the steps beyond that plan stay at the end of the decay."""
+
 import itertools
 import json
 import math
@@ -55,7 +56,18 @@ def _lrs(run_dir) -> dict[int, float]:
     return {r["step"]: r["lr"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
 
 
-TINY = ["--nproc", "2", "--seq-len", "16", "--global-batch", "4", "--train.warmup_steps", "2", "--train.log_every", "100"]
+TINY = [
+    "--nproc",
+    "2",
+    "--seq-len",
+    "16",
+    "--global-batch",
+    "4",
+    "--train.warmup_steps",
+    "2",
+    "--train.log_every",
+    "100",
+]
 
 
 def test_a_resumed_extended_run_keeps_the_original_plans_lr(tmp_path, capsys):
@@ -80,8 +92,22 @@ def test_a_wsd_run_extended_before_its_decay_replans_it_on_purpose(tmp_path, cap
     original = _lrs(run)
     assert [original[s] for s in (3, 4, 5, 6, 7)] == [3e-3] * 5 and original[8] < 3e-3  # its decay: steps 7-8
     # --train.decay_steps moves the decay to the new end (steps 13-16): steps 7 and 8 now stay at lr
-    assert main(["train", "--resume", str(run / "checkpoints" / "step-4"), "--nproc", "2", "--steps", "16",
-                 "--train.decay_steps", "16"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--resume",
+                str(run / "checkpoints" / "step-4"),
+                "--nproc",
+                "2",
+                "--steps",
+                "16",
+                "--train.decay_steps",
+                "16",
+            ]
+        )
+        == 0
+    )
     resumed = _lrs(run)
     assert [resumed[s] for s in range(3, 14)] == [3e-3] * 11 and resumed[16] < resumed[14] < 3e-3
     saved = json.loads((run / "launches.jsonl").read_text().splitlines()[-1])["config"]["train"]

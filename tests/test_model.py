@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from fived.config import model_preset
-from fived.model import MoE, build_model
 from fived.init import init_weights
+from fived.model import MoE, build_model
 from fived.parallel.checkpointing import apply_activation_checkpointing
 
 F64 = torch.float64
@@ -89,7 +89,7 @@ def test_moe_aux_loss_is_per_sequence():
     whole = moe.last_aux_loss
     parts = []
     for i in range(4):
-        moe(x[i:i + 1])
+        moe(x[i : i + 1])
         parts.append(moe.last_aux_loss)
     torch.testing.assert_close(whole, torch.stack(parts).sum(), rtol=1e-13, atol=0)
 

@@ -1,6 +1,7 @@
 """Checkpoints of train.optimizer=muon runs on real gloo ranks: each Muon matrix's momentum buffer is
 saved by canonical name, placed like its parameter, so a resumed run equals the uninterrupted one to
 the last bit, and a checkpoint written by one layout continues at another exactly like one device."""
+
 import pytest
 import torch
 
@@ -15,12 +16,29 @@ MUON = {"train__optimizer": "muon"}
 
 RESUMED = {  # (model, world, overrides): pieces as flat ranges, rows, tp halves, experts, stages
     "zero1-dp2-tp2": ("tiny-moe", 4, dict(parallel__dp=2, parallel__tp=2, parallel__zero=1)),
-    "zero2-buckets": ("tiny-moe", 4, dict(parallel__dp=4, parallel__zero=2, train__microbatches=2,
-                                          parallel__overlap_grad_reduce=True, parallel__bucket_mb=3000 / 2**20)),
-    "zero3-hsdp": ("tiny-moe", 4, dict(parallel__dp=4, parallel__dp_replicate=2, parallel__zero=3,
-                                       model__router_bias_rate=0.01)),
+    "zero2-buckets": (
+        "tiny-moe",
+        4,
+        dict(
+            parallel__dp=4,
+            parallel__zero=2,
+            train__microbatches=2,
+            parallel__overlap_grad_reduce=True,
+            parallel__bucket_mb=3000 / 2**20,
+        ),
+    ),
+    "zero3-hsdp": (
+        "tiny-moe",
+        4,
+        dict(parallel__dp=4, parallel__dp_replicate=2, parallel__zero=3, model__router_bias_rate=0.01),
+    ),
     "pp2-ep2": ("tiny-moe", 4, dict(parallel__pp=2, parallel__dp=2, parallel__ep=2, train__microbatches=2)),
     "zero2-bf16": ("tiny", 2, dict(parallel__dp=2, parallel__zero=2, train__dtype="bfloat16")),
+    "ep2-muon-buckets": (
+        "tiny-moe",
+        4,
+        dict(parallel__dp=4, parallel__ep=2, parallel__zero=1, train__muon_bucket_mb=2**14 / 2**20),
+    ),  # (a few matrices each)
 }
 
 
@@ -39,24 +57,36 @@ def test_resume_is_bit_exact(layout, tmp_path):
     for name, value in whole[0].state.items():
         assert torch.equal(value, second[0].state[name]), name
     saved = tensor_shapes(checkpoint)  # Muon's state by canonical name, whole shapes; AdamW's for the rest
-    assert saved["optimizer.layers.0.attention.wq.weight.momentum_buffer"] == saved["model.layers.0.attention.wq.weight"]
+    assert (
+        saved["optimizer.layers.0.attention.wq.weight.momentum_buffer"] == saved["model.layers.0.attention.wq.weight"]
+    )
     assert "optimizer.layers.0.attention.wq.weight.exp_avg" not in saved
     assert "optimizer.tok_embeddings.weight.exp_avg_sq" in saved
 
 
 def _world(over: dict) -> int:
-    return over.get("parallel__dp", 1) * over.get("parallel__tp", 1) * over.get("parallel__pp", 1) \
+    return (
+        over.get("parallel__dp", 1)
+        * over.get("parallel__tp", 1)
+        * over.get("parallel__pp", 1)
         * over.get("parallel__cp", 1)
+    )
 
 
 MOE = {"model__name": "tiny-moe", "model__router_bias_rate": 0.01}
 RESHARD = [  # (first half's layout, second half's, model): every kind of piece, both ways
     (dict(parallel__dp=4, parallel__zero=1), dict(parallel__tp=2, parallel__pp=2, train__microbatches=2), {}),
     (dict(parallel__tp=2, parallel__pp=2, train__microbatches=2), dict(parallel__dp=4, parallel__zero=3), {}),
-    (dict(parallel__pp=2, parallel__dp=2, parallel__zero=3, parallel__ep=2, train__microbatches=2),
-     dict(parallel__dp=4, parallel__ep=4, parallel__zero=2), MOE),
-    (dict(parallel__cp=2, parallel__tp=2, parallel__sp=True), dict(parallel__dp=4, parallel__dp_replicate=2,
-                                                                   parallel__zero=1), {}),
+    (
+        dict(parallel__pp=2, parallel__dp=2, parallel__zero=3, parallel__ep=2, train__microbatches=2),
+        dict(parallel__dp=4, parallel__ep=4, parallel__zero=2),
+        MOE,
+    ),
+    (
+        dict(parallel__cp=2, parallel__tp=2, parallel__sp=True),
+        dict(parallel__dp=4, parallel__dp_replicate=2, parallel__zero=1),
+        {},
+    ),
 ]
 
 

@@ -2,6 +2,7 @@
 system's /usr/bin/chromium): the figures a toggle shows are `fived plan --layout --json`'s, an
 invalid toggle shows the runtime's own reason, the report's tables are `fived train --report`'s.
 Skipped only where chromium is missing and CI is unset (CI installs it: .ci/run)."""
+
 from __future__ import annotations
 
 import base64
@@ -18,12 +19,14 @@ from fived.cli import main
 from fived.config import Config, TrainConfig, model_preset
 from fived.layout.rules import layout_errors
 from fived.mesh import Layout
-from fived.planner.layer_map import layer_weights, end_weights
+from fived.planner.layer_map import end_weights, layer_weights
 from fived.planner.memory import parameter_shapes
 
 CHROMIUM = "/usr/bin/chromium"
-needs_chromium = pytest.mark.skipif(not os.path.exists(CHROMIUM) and not os.environ.get("CI"),
-                                    reason="no /usr/bin/chromium (CI installs it and never skips)")
+needs_chromium = pytest.mark.skipif(
+    not os.path.exists(CHROMIUM) and not os.environ.get("CI"),
+    reason="no /usr/bin/chromium (CI installs it and never skips)",
+)
 EXPLORE = ["--gpus", "128", "--gpu", "h100", "--seq", "4096", "--global-batch-tokens", str(4096 * 256)]
 
 
@@ -43,8 +46,10 @@ def open_page(browser, path: Path):
     page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
     page.on("pageerror", lambda e: errors.append(str(e)))
     # offline: any request beyond the file itself is refused and reported
-    page.route(lambda url: not url.startswith("file:") and not url.startswith("data:"),
-               lambda route: (errors.append("fetched " + route.request.url), route.abort()))
+    page.route(
+        lambda url: not url.startswith("file:") and not url.startswith("data:"),
+        lambda route: (errors.append("fetched " + route.request.url), route.abort()),
+    )
     page.goto(path.resolve().as_uri())
     page.wait_for_selector("body[data-ready=true]", timeout=60_000)
     return page, errors
@@ -54,7 +59,8 @@ def assert_not_blank(browser, page, path: Path) -> None:
     """The screenshot has ink: decoded by the browser, many distinct colours and enough non-white."""
     png = page.screenshot(path=str(path), full_page=True)
     probe = browser.new_page()
-    stats = probe.evaluate("""async (src) => {
+    stats = probe.evaluate(
+        """async (src) => {
         const img = new Image(); img.src = src; await img.decode();
         const c = document.createElement("canvas"); c.width = img.width; c.height = img.height;
         const g = c.getContext("2d"); g.drawImage(img, 0, 0);
@@ -62,7 +68,8 @@ def assert_not_blank(browser, page, path: Path) -> None:
         for (let i = 0; i < d.length; i += 4) { colours.add((d[i] << 16) | (d[i + 1] << 8) | d[i + 2]);
           if (d[i] + d[i + 1] + d[i + 2] < 600) ink++; }
         return { colours: colours.size, ink: ink / (d.length / 4) }; }""",
-                           "data:image/png;base64," + base64.b64encode(png).decode())
+        "data:image/png;base64," + base64.b64encode(png).decode(),
+    )
     probe.close()
     assert stats["colours"] > 50 and stats["ink"] > 0.01, stats
 
@@ -98,8 +105,19 @@ def plan_json(capsys, model: str, *flags: str) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-BASELINE = {"tp": "1", "sp": "false", "cp": "1", "pp": "1", "pp_schedule": "1f1b", "pp_virtual": "1", "ep": "1",
-            "zero": "0", "hsdp": "false", "micro_batch": "1", "checkpointing": "none"}
+BASELINE = {
+    "tp": "1",
+    "sp": "false",
+    "cp": "1",
+    "pp": "1",
+    "pp_schedule": "1f1b",
+    "pp_virtual": "1",
+    "ep": "1",
+    "zero": "0",
+    "hsdp": "false",
+    "micro_batch": "1",
+    "checkpointing": "none",
+}
 
 
 def set_toggles(page, values: dict) -> None:
@@ -165,8 +183,11 @@ def test_explore_opens_on_the_planners_best_layout_and_toggles_show_its_figures(
     assert page.get_attribute("body", "data-valid") == "false"
     model = model_preset("mixtral-8x7b")
     layout = Layout(dp=2, tp=4, pp=8, cp=2, ep=8, zero=3)
-    cfg = Config(model=model, parallel=layout.parallel_config(),
-                 train=TrainConfig(seq_len=4096, global_batch=256, microbatches=128))
+    cfg = Config(
+        model=model,
+        parallel=layout.parallel_config(),
+        train=TrainConfig(seq_len=4096, global_batch=256, microbatches=128),
+    )
     reason = str(layout_errors(cfg, 128)[0])
     assert reason.startswith("parallel.ep=8: must divide dp*cp=4")
     assert page.inner_text("#status") == "invalid: " + reason
@@ -240,9 +261,23 @@ def test_report_of_a_running_run_shows_its_metrics(tmp_path, browser):
     beside the loss where logged) and says why the tables are empty."""
     from fived.run_report import report_data
 
-    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(
-        {"step": s, "loss": 5.0 - s, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 100.0, "mfu": 0.01,
-         **({"val_loss": 4.5} if s == 2 else {})}) for s in (1, 2, 3)) + "\n")
+    (tmp_path / "metrics.jsonl").write_text(
+        "\n".join(
+            json.dumps(
+                {
+                    "step": s,
+                    "loss": 5.0 - s,
+                    "lr": 1e-3,
+                    "grad_norm": 1.0,
+                    "tokens_per_s": 100.0,
+                    "mfu": 0.01,
+                    **({"val_loss": 4.5} if s == 2 else {}),
+                }
+            )
+            for s in (1, 2, 3)
+        )
+        + "\n"
+    )
     data = report_data(str(tmp_path))
     assert data["metrics"]["loss"] == [4.0, 3.0, 2.0] and data["metrics"]["val_step"] == [2]
     assert data["state"] == [] and "run.json not written yet" in data["summary"]
@@ -256,8 +291,11 @@ def test_report_of_a_running_run_shows_its_metrics(tmp_path, browser):
 def report_lines(stdout: str) -> list[tuple[int, list[int]]]:
     """(rank, [params, grads, optimizer measured and formula]) from `fived train --report`'s table."""
     rows = []
-    for m in re.finditer(r"rank (\d+): params ([\d,]+) \| ([\d,]+); grads ([\d,]+) \| ([\d,]+); "
-                         r"optimizer ([\d,]+) \| ([\d,]+)", stdout):
+    for m in re.finditer(
+        r"rank (\d+): params ([\d,]+) \| ([\d,]+); grads ([\d,]+) \| ([\d,]+); "
+        r"optimizer ([\d,]+) \| ([\d,]+)",
+        stdout,
+    ):
         rows.append((int(m.group(1)), [int(g.replace(",", "")) for g in m.groups()[1:]]))
     return rows
 
@@ -266,10 +304,39 @@ def report_lines(stdout: str) -> list[tuple[int, list[int]]]:
 def test_report_of_a_pipeline_moe_run_shows_every_chart_and_the_report_tables(tmp_path, browser):
     run_dir = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src"), "OMP_NUM_THREADS": "1"}
-    train = subprocess.run([sys.executable, "-m", "fived", "train", "--model", "tiny-moe", "--pp", "2", "--ep", "2",
-                            "--dp", "2", "--nproc", "4", "--steps", "3", "--microbatches", "2", "--global-batch", "4",
-                            "--train.warmup_steps", "1", "--train.output_dir", str(run_dir), "--report"],
-                           capture_output=True, text=True, env=env, timeout=300)
+    train = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fived",
+            "train",
+            "--model",
+            "tiny-moe",
+            "--pp",
+            "2",
+            "--ep",
+            "2",
+            "--dp",
+            "2",
+            "--nproc",
+            "4",
+            "--steps",
+            "3",
+            "--microbatches",
+            "2",
+            "--global-batch",
+            "4",
+            "--train.warmup_steps",
+            "1",
+            "--train.output_dir",
+            str(run_dir),
+            "--report",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert train.returncode == 0, train.stderr
     expected = report_lines(train.stdout)
     assert len(expected) == 4
@@ -290,13 +357,19 @@ def test_report_of_a_pipeline_moe_run_shows_every_chart_and_the_report_tables(tm
     assert page.inner_text("#diagnosis").strip().splitlines()[-1].startswith("failure modes: ")
     loads = json.loads((run_dir / "run.json").read_text())["expert_load"]
     assert sorted(loads) == ["0", "1", "2", "3"] and all(len(v) == 8 for v in loads.values())
-    heatmap = page.evaluate("(() => { const t = document.getElementById('experts-chart').data[0]; return [t.type, t.z]; })()")
+    heatmap = page.evaluate(
+        "(() => { const t = document.getElementById('experts-chart').data[0]; return [t.type, t.z]; })()"
+    )
     assert heatmap == ["heatmap", [loads[k] for k in ("0", "1", "2", "3")]]  # every MoE layer of both stages
     assert_every_axis_labelled(page)
     labels = page.evaluate("""Array.from(document.querySelectorAll('#timeline-chart .bartext')).filter((t) =>
         t.getBoundingClientRect().width > 0).map((t) => { const b = t.getBoundingClientRect(); return [b.left, b.top, b.right, b.bottom]; })""")
-    overlaps = [(a, b) for i, a in enumerate(labels) for b in labels[i + 1:]
-                if a[0] < b[2] - 0.5 and b[0] < a[2] - 0.5 and a[1] < b[3] - 0.5 and b[1] < a[3] - 0.5]
+    overlaps = [
+        (a, b)
+        for i, a in enumerate(labels)
+        for b in labels[i + 1 :]
+        if a[0] < b[2] - 0.5 and b[0] < a[2] - 0.5 and a[1] < b[3] - 0.5 and b[1] < a[3] - 0.5
+    ]
     assert labels and overlaps == []  # the pipeline timeline's labels: only where they fit, never over each other
     assert_not_blank(browser, page, tmp_path / "report.png")
     assert errors == []
@@ -306,10 +379,29 @@ def test_report_of_a_pipeline_moe_run_shows_every_chart_and_the_report_tables(tm
 def test_report_of_a_resumed_run_marks_the_resume_and_both_layouts_on_every_chart(tmp_path, browser, capsys):
     run = tmp_path / "run"
     tiny = ["--seq-len", "16", "--global-batch", "4", "--train.warmup_steps", "1", "--train.log_every", "100"]
-    assert main(["train", *tiny, "--nproc", "2", "--dp", "2", "--steps", "4", "--checkpoint.every", "2",
-                 "--train.output_dir", str(run)]) == 0
-    assert main(["train", "--resume", str(run / "checkpoints" / "step-2"), "--nproc", "2", "--tp", "2",
-                 "--steps", "6"]) == 0  # from step 2, at another layout: steps 3-4 trained again, then 5-6
+    assert (
+        main(
+            [
+                "train",
+                *tiny,
+                "--nproc",
+                "2",
+                "--dp",
+                "2",
+                "--steps",
+                "4",
+                "--checkpoint.every",
+                "2",
+                "--train.output_dir",
+                str(run),
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(["train", "--resume", str(run / "checkpoints" / "step-2"), "--nproc", "2", "--tp", "2", "--steps", "6"])
+        == 0
+    )  # from step 2, at another layout: steps 3-4 trained again, then 5-6
     assert main(["report", str(run)]) == 0
     before, after = "dp2 ZeRO-0 mbs2", "dp1 ZeRO-0 tp2 mbs4"
     page, errors = open_page(browser, run / "report.html")
@@ -329,8 +421,10 @@ def test_plan_layout_refuses_a_layout_with_the_runtimes_line(capsys):
     """`fived plan --layout` (what the page's flags are checked against) says why, in one line."""
     assert main(["plan", "--model", "llama3-70b", *EXPLORE, "--layout", "--parallel.ep 2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["fived: error: parallel.ep=2: needs a mixture-of-experts model (model.name=llama3-70b is dense); "
-                   "use --ep 1, or a MoE model such as --model tiny-moe"]
+    assert err == [
+        "fived: error: parallel.ep=2: needs a mixture-of-experts model (model.name=llama3-70b is dense); "
+        "use --ep 1, or a MoE model such as --model tiny-moe"
+    ]
 
 
 SERVE = ["--gpus", "8", "--gpu", "h100", "--prompt-len", "2048", "--output-len", "256"]
@@ -339,8 +433,10 @@ SERVE = ["--gpus", "8", "--gpu", "h100", "--prompt-len", "2048", "--output-len",
 def served(capsys, model: str, layout: str, concurrency: str) -> dict:
     """`fived plan --serve --json --layout FLAGS --concurrency C`'s figures."""
     capsys.readouterr()
-    assert main(["plan", "--serve", "--model", model, *SERVE, "--concurrency", concurrency, "--layout", layout,
-                 "--json"]) == 0
+    assert (
+        main(["plan", "--serve", "--model", model, *SERVE, "--concurrency", concurrency, "--layout", layout, "--json"])
+        == 0
+    )
     return json.loads(capsys.readouterr().out)["plans"][0]
 
 
@@ -353,10 +449,20 @@ def test_serve_page_shows_the_serving_planners_memory_next_to_the_training_plan(
     assert main(["explore", "--serve", "--model", "llama3-70b", *SERVE, "--output", str(out)]) == 0
     page, errors = open_page(browser, out)
     shown = []
-    for control, value in (("pp", "1"), ("tp", "8"), ("weights", "bf16"), ("concurrency", "128"), ("tp", "4"), ("pp", "2")):
+    for control, value in (
+        ("pp", "1"),
+        ("tp", "8"),
+        ("weights", "bf16"),
+        ("concurrency", "128"),
+        ("tp", "4"),
+        ("pp", "2"),
+    ):
         page.select_option(f"#ctl-{control}", value)
         assert page.get_attribute("body", "data-valid") == "true", page.inner_text("#status")
-        v = {name: page.eval_on_selector(f"#ctl-{name}", "e => e.value") for name in ("tp", "pp", "weights", "concurrency")}
+        v = {
+            name: page.eval_on_selector(f"#ctl-{name}", "e => e.value")
+            for name in ("tp", "pp", "weights", "concurrency")
+        }
         plan = served(capsys, "llama3-70b", f"--tp {v['tp']} --pp {v['pp']} --weights {v['weights']}", v["concurrency"])
         gib = float(page.get_attribute("#memory-total", "data-gib"))
         assert gib == plan["memory_gib"]["total"], (control, value)  # exactly the planner's figure
@@ -378,8 +484,11 @@ def test_serve_page_shows_the_serving_planners_memory_next_to_the_training_plan(
 def test_plan_layout_takes_fived_trains_short_flags(capsys):
     """`fived plan --layout '--tp 8 --sp ...'` prices what the long flags (Layout.flags') price."""
     short = planned(capsys, "llama3-70b", "--tp 8 --sp --pp 2 --zero 1 --microbatches 64")
-    long = planned(capsys, "llama3-70b", "--parallel.tp 8 --parallel.sp true --parallel.pp 2 --parallel.zero 1 "
-                                         "--train.microbatches 64")
+    long = planned(
+        capsys,
+        "llama3-70b",
+        "--parallel.tp 8 --parallel.sp true --parallel.pp 2 --parallel.zero 1 --train.microbatches 64",
+    )
     assert short == long and short["layout"]["tp"] == 8 and short["layout"]["sp"] is True
     assert main(["plan", "--model", "llama3-70b", *EXPLORE, "--layout", "--tp 8 --bogus 3"]) == 2
     assert "--bogus is not one of fived train's flags" in capsys.readouterr().err

@@ -1,5 +1,6 @@
 """Pipeline parallelism on real gloo ranks: every schedule exact against the single-process
 reference, composed with DP/ZeRO and TP; bubbles simulated from the executed action lists; traces."""
+
 import json
 import os
 import subprocess
@@ -9,8 +10,8 @@ import pytest
 
 from fived.config import model_preset
 from fived.layout.layout import stages_per_rank
-from fived.layout.stages import split_layers
 from fived.layout.schedule_sim import bubble_of, simulate
+from fived.layout.stages import split_layers
 from fived.testing import EXACT, run_on_ranks, tiny_config
 from fived.trainer import run_training
 from fived.verification import run_verify
@@ -32,21 +33,46 @@ def _verify(world, model, **over):
 @pytest.mark.parametrize("pp", [2, 4])
 def test_every_schedule_matches_reference(pp, schedule, name):
     micro = 2 * pp if schedule == "dualpipev" else pp
-    _verify(pp, name, parallel__dp=1, parallel__pp=pp, parallel__pp_schedule=schedule,
-            parallel__pp_virtual=_virtual(schedule), train__microbatches=micro, train__global_batch=micro,
-            model__n_layers=4 if pp == 2 else 8)
+    _verify(
+        pp,
+        name,
+        parallel__dp=1,
+        parallel__pp=pp,
+        parallel__pp_schedule=schedule,
+        parallel__pp_virtual=_virtual(schedule),
+        train__microbatches=micro,
+        train__global_batch=micro,
+        model__n_layers=4 if pp == 2 else 8,
+    )
 
 
 @pytest.mark.parametrize("zero", [1, 3])
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b"])
 def test_with_data_and_tensor_parallel(schedule, zero):
-    _verify(8, "tiny-moe", parallel__dp=2, parallel__tp=2, parallel__pp=2, parallel__zero=zero,
-            parallel__pp_schedule=schedule, parallel__pp_virtual=_virtual(schedule), train__microbatches=2)
+    _verify(
+        8,
+        "tiny-moe",
+        parallel__dp=2,
+        parallel__tp=2,
+        parallel__pp=2,
+        parallel__zero=zero,
+        parallel__pp_schedule=schedule,
+        parallel__pp_virtual=_virtual(schedule),
+        train__microbatches=2,
+    )
 
 
 def test_uneven_split_and_sequence_parallel():
-    _verify(4, "tiny", parallel__dp=1, parallel__tp=2, parallel__sp=True, parallel__pp=2,
-            parallel__pp_layers="3,1", train__microbatches=2)
+    _verify(
+        4,
+        "tiny",
+        parallel__dp=1,
+        parallel__tp=2,
+        parallel__sp=True,
+        parallel__pp=2,
+        parallel__pp_layers="3,1",
+        train__microbatches=2,
+    )
 
 
 @pytest.mark.parametrize("p", [2, 4])
@@ -57,9 +83,18 @@ def test_bubbles_from_executed_actions(p, m):
         if schedule == "dualpipev" and m < 2 * p:
             continue
         v = _virtual(schedule)
-        cfg = tiny_config("tiny", parallel__dp=1, parallel__pp=p, parallel__pp_schedule=schedule, parallel__pp_virtual=v,
-                          train__microbatches=m, train__global_batch=m, train__seq_len=8, train__steps=1,
-                          model__n_layers=8)
+        cfg = tiny_config(
+            "tiny",
+            parallel__dp=1,
+            parallel__pp=p,
+            parallel__pp_schedule=schedule,
+            parallel__pp_virtual=v,
+            train__microbatches=m,
+            train__global_batch=m,
+            train__seq_len=8,
+            train__steps=1,
+            model__n_layers=8,
+        )
         actions = [a for res in run_on_ranks(p, run_training, cfg, False, False) for a in res.timeline]
         assert {a.kind for a in actions} >= {"F", "send_f", "recv_f"}
         bubbles[schedule] = bubble_of(actions, p * stages_per_rank(schedule, v))
@@ -93,11 +128,38 @@ def test_split_is_balanced_by_cost_and_can_be_overridden():
 
 def test_trace_of_an_8_rank_run_is_chrome_json(tmp_path):
     trace = tmp_path / "trace.json"
-    res = subprocess.run([sys.executable, "-m", "fived", "train", "--nproc", "8", "--dp", "2", "--pp", "4",
-                          "--pp-schedule", "interleaved-1f1b", "--pp-virtual", "2", "--model.n_layers", "8",
-                          "--microbatches", "4", "--steps", "2", "--trace", str(trace),
-                          "--train.output_dir", str(tmp_path / "run")],
-                         capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fived",
+            "train",
+            "--nproc",
+            "8",
+            "--dp",
+            "2",
+            "--pp",
+            "4",
+            "--pp-schedule",
+            "interleaved-1f1b",
+            "--pp-virtual",
+            "2",
+            "--model.n_layers",
+            "8",
+            "--microbatches",
+            "4",
+            "--steps",
+            "2",
+            "--trace",
+            str(trace),
+            "--train.output_dir",
+            str(tmp_path / "run"),
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     events = json.loads(trace.read_text())["traceEvents"]
     spans = [e for e in events if e["ph"] == "X"]

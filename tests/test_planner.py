@@ -1,5 +1,6 @@
 """The planner: its memory model against the runtime's ledger on real gloo ranks (model state
 exact, activations within 10%), its step-time model against the published runs, and the CLI."""
+
 import json
 import os
 import subprocess
@@ -10,11 +11,11 @@ import pytest
 
 from fived.config import build_config, model_preset
 from fived.layout.schedule_sim import analyse, pipeline_profile
+from fived.layout.stages import rank_chunks
+from fived.mesh import Layout
 from fived.planner.calibration import validate
 from fived.planner.constants import CALIBRATION
 from fived.planner.hardware import CATALOGUE, hardware
-from fived.mesh import Layout
-from fived.layout.stages import rank_chunks
 from fived.planner.memory import activation_bytes_per_microbatch, parameter_shapes, state_bytes
 from fived.planner.search import evaluate, plan
 from fived.planner.timing import Cluster
@@ -64,15 +65,19 @@ def test_memory_model_equals_the_ledger():
             chunks = rank_chunks(cfg.model, layout, where["pp"])
             want = state_bytes(cfg.model, layout, cfg.train.dtype, chunks, where["shard"], where["edp"])
             assert state == want, (LAYOUTS[i], rank, state, want)
-            predicted = sum(activation_bytes_per_microbatch(cfg.model, layout, cfg.train.seq_len, cfg.train.dtype, chunks))
+            predicted = sum(
+                activation_bytes_per_microbatch(cfg.model, layout, cfg.train.seq_len, cfg.train.dtype, chunks)
+            )
             measured = sum(acts.values())
             worst = max(worst, abs(predicted / measured - 1))
             assert abs(predicted / measured - 1) <= 0.10, (LAYOUTS[i], rank, predicted, measured)
     print(f"worst activation error {worst:.2%}")
 
 
-@pytest.mark.parametrize("name,tp,ep", [("llama3-8b", 4, 1), ("llama3-405b", 8, 1), ("mixtral-8x7b", 2, 4),
-                                        ("deepseek-v3-like", 8, 8), ("tiny", 4, 1)])
+@pytest.mark.parametrize(
+    "name,tp,ep",
+    [("llama3-8b", 4, 1), ("llama3-405b", 8, 1), ("mixtral-8x7b", 2, 4), ("deepseek-v3-like", 8, 8), ("tiny", 4, 1)],
+)
 def test_parameter_shapes_match_the_split_model(name, tp, ep):
     cfg = build_config(overrides={"model.name": name, "parallel.tp": tp, "parallel.ep": ep, "parallel.dp": 8})
     model = local_model(cfg, 8 * tp)
@@ -82,8 +87,9 @@ def test_parameter_shapes_match_the_split_model(name, tp, ep):
     assert sum(r * c * k for (r, c), k in experts) == expert
 
 
-@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("gpipe", 1), ("interleaved-1f1b", 2), ("zero-bubble", 2),
-                                        ("zbv", 1), ("dualpipev", 1)])
+@pytest.mark.parametrize(
+    "schedule,v", [("1f1b", 1), ("gpipe", 1), ("interleaved-1f1b", 2), ("zero-bubble", 2), ("zbv", 1), ("dualpipev", 1)]
+)
 def test_pipeline_extrapolation_equals_the_simulation(schedule, v):
     for pp, m in [(2, 16), (2, 15), (4, 32), (4, 36), (4, 30), (8, 64), (8, 60)]:
         if schedule in ("interleaved-1f1b", "zero-bubble") and m % (m // pp):
@@ -116,14 +122,20 @@ def test_validate_in_and_out_of_sample(validated):
     assert result["loso_by_kind"]["fp8"] <= 15.0
 
 
-@pytest.mark.xfail(strict=True, reason="issue 24, not reached: the 3 MoE rows, all FlagPerf's, are predicted "
-                   "out of sample by the prior expert efficiency alone (median 16.0%)")
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 24, not reached: the 3 MoE rows, all FlagPerf's, are predicted "
+    "out of sample by the prior expert efficiency alone (median 16.0%)",
+)
 def test_moe_rows_out_of_sample(validated):
     assert validated[0]["loso_by_kind"]["moe"] <= 15.0
 
 
-@pytest.mark.xfail(strict=True, reason="issue 24, not reached: FlagPerf-PaddleNLP LLaMA-7B on 8 A100-40GB "
-                   "measured 2744/2163/2160/2232 tokens/s — three layouts within 3.3% — ranked with Spearman 0.40")
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 24, not reached: FlagPerf-PaddleNLP LLaMA-7B on 8 A100-40GB "
+    "measured 2744/2163/2160/2232 tokens/s — three layouts within 3.3% — ranked with Spearman 0.40",
+)
 def test_every_sweep_is_ranked_right(validated):
     """In every sweep of layouts (one model on one cluster), in and out of sample, the planner's
     ranking agrees with the measured one (Spearman >= 0.6) and its top pick reaches 0.9 of the best
@@ -185,8 +197,10 @@ def test_hardware_catalogue_and_toml(tmp_path):
     assert {"a100", "h100", "h200", "h800", "b200", "mi300x"} <= set(CATALOGUE)
     assert hardware("H100-SXM5") is CATALOGUE["h100"]
     path = tmp_path / "gpu.toml"
-    path.write_text('name = "x"\npeak_tflops = 100.0\nmemory_gib = 40.0\nhbm_gbps = 1000.0\n'
-                    'nvlink_gbps = 100.0\nnetwork_gbps = 10.0\n')
+    path.write_text(
+        'name = "x"\npeak_tflops = 100.0\nmemory_gib = 40.0\nhbm_gbps = 1000.0\n'
+        "nvlink_gbps = 100.0\nnetwork_gbps = 10.0\n"
+    )
     assert hardware(str(path)).memory_gib == 40.0
     path.write_text('name = "x"\npeak_tflop = 1.0\n')
     with pytest.raises(Exception, match="peak_tflop.*unknown hardware field.*peak_tflops"):
@@ -194,31 +208,64 @@ def test_hardware_catalogue_and_toml(tmp_path):
 
 
 def _fived(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "fived", *args], capture_output=True, text=True, env=ENV,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "fived", *args], capture_output=True, text=True, env=ENV, timeout=timeout
+    )
 
 
 def test_cli_plan_json_and_errors():
-    out = _fived("plan", "--model", "llama3-8b", "--gpus", "16", "--gpu", "h100", "--seq", "8192",
-                 "--global-batch-tokens", "1048576", "--json", "--top", "3")
+    out = _fived(
+        "plan",
+        "--model",
+        "llama3-8b",
+        "--gpus",
+        "16",
+        "--gpu",
+        "h100",
+        "--seq",
+        "8192",
+        "--global-batch-tokens",
+        "1048576",
+        "--json",
+        "--top",
+        "3",
+    )
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
     assert len(data["plans"]) == 3 and data["plans"][0]["step"]["total"] <= data["plans"][1]["step"]["total"]
     assert data["runners_up"]
-    text = _fived("plan", "--model", "llama3-8b", "--gpus", "16", "--gpu", "h100", "--seq", "8192",
-                  "--global-batch-tokens", "1048576")
-    assert text.returncode == 0 and "run it: fived train --model llama3-8b --train.seq_len 8192 --train.dtype bfloat16" \
-        in text.stdout and "slower:" in text.stdout and "(differs in " in text.stdout
+    text = _fived(
+        "plan",
+        "--model",
+        "llama3-8b",
+        "--gpus",
+        "16",
+        "--gpu",
+        "h100",
+        "--seq",
+        "8192",
+        "--global-batch-tokens",
+        "1048576",
+    )
+    assert (
+        text.returncode == 0
+        and "run it: fived train --model llama3-8b --train.seq_len 8192 --train.dtype bfloat16" in text.stdout
+        and "slower:" in text.stdout
+        and "(differs in " in text.stdout
+    )
     # (`fived plan --validate` from the command line: tests/test_calibration.py)
     bad = _fived("plan", "--model", "llama3-8b", "--gpus", "16", "--seq", "8192", "--global-batch-tokens", "1000")
     assert bad.returncode == 2 and "--global-batch-tokens=1000: must be a multiple of --seq 8192" in bad.stderr
-    bad = _fived("plan", "--model", "llama3-8b", "--gpus", "16", "--gpu", "h1000", "--seq", "8", "--global-batch-tokens", "8")
+    bad = _fived(
+        "plan", "--model", "llama3-8b", "--gpus", "16", "--gpu", "h1000", "--seq", "8", "--global-batch-tokens", "8"
+    )
     assert bad.returncode == 2 and "unknown GPU" in bad.stderr and "h100" in bad.stderr
 
 
 def test_train_layout_auto_runs_the_layout_it_prints(tmp_path):
-    out = _fived("train", "--layout", "auto", "--nproc", "4", "--steps", "2",
-                 "--train.output_dir", str(tmp_path / "run"))
+    out = _fived(
+        "train", "--layout", "auto", "--nproc", "4", "--steps", "2", "--train.output_dir", str(tmp_path / "run")
+    )
     assert out.returncode == 0, out.stderr
     chosen = next(line for line in out.stdout.splitlines() if line.startswith("fived train --layout auto:"))
     flags = chosen.split(" = ", 1)[1].split()
@@ -287,11 +334,20 @@ def test_one_layout_description():
     names = {f.name for f in fields(Layout)}
     assert {f.name for f in fields(ParallelConfig)} <= names
     assert all(getattr(Layout, f.name) == f.default for f in fields(ParallelConfig) if f.name != "dp")
-    cfg = build_config(overrides={"parallel.tp": 2, "parallel.pp": 2, "parallel.zero": 3, "parallel.sp": True,
-                                  "train.global_batch": 16, "train.microbatches": 4})
+    cfg = build_config(
+        overrides={
+            "parallel.tp": 2,
+            "parallel.pp": 2,
+            "parallel.zero": 3,
+            "parallel.sp": True,
+            "train.global_batch": 16,
+            "train.microbatches": 4,
+        }
+    )
     layout = Layout.from_config(cfg, 8)
     assert (layout.dp, layout.micro_batch) == (2, 2) and layout.parallel_config() == ParallelConfig(
-        **{**vars(cfg.parallel), "dp": 2})
+        **{**vars(cfg.parallel), "dp": 2}
+    )
     mesh = Mesh.from_config(cfg, 8)
     assert (mesh.dp, mesh.tp, mesh.pp, mesh.cp, mesh.ep, mesh.dp_shard, mesh.world_size) == (2, 2, 2, 1, 1, 2, 8)
 
@@ -303,13 +359,18 @@ def test_every_planned_runtime_is_a_plan_choice():
     assert set(RUNTIME_CHOICES) == set(PLANNED_RUNTIMES)
 
 
-FOLDING = pytest.mark.xfail(strict=True, reason=(
-    "issue 23, not reached under issue 24's calibration: Megatron-Core's best Mixtral layout (17.44 s) folds "
-    "the experts (etp1 under tp2+sp, pp2 cp2 ep8), which fived's mesh cannot run; fived's best is 17.57 s"))
+FOLDING = pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "issue 23, not reached under issue 24's calibration: Megatron-Core's best Mixtral layout (17.44 s) folds "
+        "the experts (etp1 under tp2+sp, pp2 cp2 ep8), which fived's mesh cannot run; fived's best is 17.57 s"
+    ),
+)
 
 
-@pytest.mark.parametrize("name, gpus, seq", [("llama3-70b", 256, 8192),
-                                             pytest.param("mixtral-8x7b", 64, 4096, marks=FOLDING)])
+@pytest.mark.parametrize(
+    "name, gpus, seq", [("llama3-70b", 256, 8192), pytest.param("mixtral-8x7b", 64, 4096, marks=FOLDING)]
+)
 def test_fived_plans_no_slower_than_megatron_core(name, gpus, seq):
     """Issue 23's bar, as `fived plan` prints it (4M tokens on H100, 3 GiB headroom): fived's best layout
     is no slower than Megatron-Core's runtime's best; for the dense 70B it keeps tp with sequence
@@ -317,8 +378,12 @@ def test_fived_plans_no_slower_than_megatron_core(name, gpus, seq):
     from fived.planner.runtimes import PLANNED_RUNTIMES
 
     cluster = Cluster(hardware("h100"), gpus, 8)
-    best = {runtime: plan(model_preset(name), cluster, seq, 4194304 // seq, "bfloat16", PLANNED_RUNTIMES[runtime],
-                          headroom_gib=3.0).plans[0] for runtime in ("fived", "megatron-core")}
+    best = {
+        runtime: plan(
+            model_preset(name), cluster, seq, 4194304 // seq, "bfloat16", PLANNED_RUNTIMES[runtime], headroom_gib=3.0
+        ).plans[0]
+        for runtime in ("fived", "megatron-core")
+    }
     assert best["fived"].time.total <= best["megatron-core"].time.total
     if name == "llama3-70b":
         assert 1 < best["fived"].layout.tp <= 8 and best["fived"].layout.sp

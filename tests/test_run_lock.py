@@ -1,5 +1,6 @@
 """One run per directory: a second `fived train` on a directory in use is refused in one line naming
 the holder; the lock goes with the holder however it dies."""
+
 import os
 import platform
 import signal
@@ -19,7 +20,9 @@ HOLD = "import sys, time; from fived.run_lock import RunLock; RunLock(sys.argv[1
 @pytest.fixture
 def holder(tmp_path):
     """Another process holding the lock on tmp_path/run."""
-    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path / "run")], stdout=subprocess.PIPE, text=True, env=ENV)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(tmp_path / "run")], stdout=subprocess.PIPE, text=True, env=ENV
+    )
     assert proc.stdout.readline().strip() == "held"
     yield proc
     proc.kill()
@@ -27,7 +30,19 @@ def holder(tmp_path):
 
 
 def test_a_second_run_on_a_directory_in_use_is_refused_naming_the_holder(tmp_path, holder, capsys):
-    code = main(["train", "--nproc", "1", "--steps", "2", "--train.warmup_steps", "1", "--train.output_dir", str(tmp_path / "run")])
+    code = main(
+        [
+            "train",
+            "--nproc",
+            "1",
+            "--steps",
+            "2",
+            "--train.warmup_steps",
+            "1",
+            "--train.output_dir",
+            str(tmp_path / "run"),
+        ]
+    )
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.count("\n") == 0, err
     assert f"pid {holder.pid} on host {platform.node()}" in err and "one run per directory" in err

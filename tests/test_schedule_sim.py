@@ -1,12 +1,22 @@
 """Schedule action lists generated without running: textbook bubbles, well-formed lists, in-flight
 micro-batches, and exactly what the runtime executes on real gloo ranks."""
+
 from collections import Counter
 
 import pytest
 
+from fived.layout.schedule_sim import (
+    SCHEDULES,
+    bubble_of,
+    check_schedule,
+    in_flight_microbatches,
+    n_stages_of,
+    peak_alive,
+    schedule_actions,
+    schedule_bubble,
+    simulate,
+)
 from fived.layout.stages import stage_rank
-from fived.layout.schedule_sim import (SCHEDULES, bubble_of, check_schedule, in_flight_microbatches, n_stages_of,
-                                         peak_alive, schedule_actions, schedule_bubble, simulate)
 from fived.testing import run_on_ranks, tiny_config
 from fived.trainer import run_training
 
@@ -31,7 +41,7 @@ def test_gpipe_and_1f1b_bubble_is_textbook(schedule, p, m):
 def test_generated_lists_are_complete_and_on_the_runtime_ranks(schedule):
     for p in (2, 3, 4, 8):
         for m in (p, p + 1, 2 * p, 3 * p, 4 * p + 2):
-            for v in ((1, 2, 3) if schedule in LOOPED_VIRTUAL else (1,)):
+            for v in (1, 2, 3) if schedule in LOOPED_VIRTUAL else (1,):
                 if not _runnable(schedule, p, v, m):
                     continue
                 acts = schedule_actions(schedule, p, v, m)
@@ -61,8 +71,14 @@ def test_zero_bubble_schedules_beat_interleaved_beats_1f1b(p, m):
 
 
 def test_the_runtime_s_refusals_are_refused():
-    for args in [("1f1b", 4, 1, 3), ("gpipe", 4, 1, 2), ("dualpipev", 4, 2, 7), ("interleaved-1f1b", 4, 2, 9),
-                 ("zero-bubble", 4, 2, 9), ("nope", 2, 1, 4)]:
+    for args in [
+        ("1f1b", 4, 1, 3),
+        ("gpipe", 4, 1, 2),
+        ("dualpipev", 4, 2, 7),
+        ("interleaved-1f1b", 4, 2, 9),
+        ("zero-bubble", 4, 2, 9),
+        ("nope", 2, 1, 4),
+    ]:
         with pytest.raises(ValueError):
             schedule_actions(*args)
     assert schedule_actions("dualpipev", 4, 2, 8) and schedule_actions("interleaved-1f1b", 4, 2, 10)
@@ -105,10 +121,21 @@ def _timelines(configs):
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 8)])
 def test_generated_actions_are_what_the_runtime_executes(p, m):
     cases = [(s, 2 if s in LOOPED_VIRTUAL else 1) for s in SCHEDULES]
-    configs = [tiny_config("tiny", parallel__dp=1, parallel__pp=p, parallel__pp_schedule=s, parallel__pp_virtual=v,
-                           train__microbatches=m, train__global_batch=m, train__seq_len=8, train__steps=1,
-                           model__n_layers=2 * p)
-               for s, v in cases]
+    configs = [
+        tiny_config(
+            "tiny",
+            parallel__dp=1,
+            parallel__pp=p,
+            parallel__pp_schedule=s,
+            parallel__pp_virtual=v,
+            train__microbatches=m,
+            train__global_batch=m,
+            train__seq_len=8,
+            train__steps=1,
+            model__n_layers=2 * p,
+        )
+        for s, v in cases
+    ]
     per_rank = run_on_ranks(p, _timelines, configs)  # one set of ranks runs every schedule
     for i, (schedule, v) in enumerate(cases):
         executed = {rank: per_rank[rank][i] for rank in range(p)}

@@ -1,5 +1,6 @@
 """`fived plan --serve`: the serving memory and time model, the queueing model, the published serving
 benchmarks it predicts, and the command line (the multi-rank measurements are tests/test_serve_ranks.py)."""
+
 import json
 import math
 import re
@@ -14,22 +15,43 @@ from fived.config import model_preset
 from fived.planner.hardware import hardware
 from fived.planner.serve import Replica, Workload, evaluate, plan_serving, poisson_quantile
 from fived.planner.serve_explain import TrainingView, vllm_command, vllm_mismatch, why_they_differ
-from fived.planner.serve_model import (DENSE_LAYER_OPS, END_OPS, MOE_LAYER_OPS, ServeLayout, forward_time, gpu_memory,
-                                       kv_cache_bytes, sequences_that_fit, stage_weights)
+from fived.planner.serve_model import (
+    DENSE_LAYER_OPS,
+    END_OPS,
+    MOE_LAYER_OPS,
+    ServeLayout,
+    forward_time,
+    gpu_memory,
+    kv_cache_bytes,
+    sequences_that_fit,
+    stage_weights,
+)
 from fived.planner.serve_validation import median_error, read_rows, validation
 from fived.planner.timing import Cluster
 
 PUBLISHED = Path(__file__).parent / "data" / "published_serving.csv"
 H100x8 = Cluster(hardware("h100"), 8, 8)
-SERVE_70B = ["plan", "--serve", "--model", "llama3-70b", "--gpus", "8", "--gpu", "h100", "--prompt-len", "2048",
-             "--output-len", "256"]
+SERVE_70B = [
+    "plan",
+    "--serve",
+    "--model",
+    "llama3-70b",
+    "--gpus",
+    "8",
+    "--gpu",
+    "h100",
+    "--prompt-len",
+    "2048",
+    "--output-len",
+    "256",
+]
 
 
 def test_published_serving_benchmarks_are_predicted_with_the_readmes_error():
     """Every row is predicted, and the README's `--validate` block states what a fresh run computes."""
     results, skipped = validation(str(PUBLISHED))
     readme = (Path(__file__).parents[1] / "README.md").read_text()
-    block = readme[readme.index("$ fived plan --serve --validate tests/data/published_serving.csv"):]
+    block = readme[readme.index("$ fived plan --serve --validate tests/data/published_serving.csv") :]
     rows = int(re.search(r"predicted (\d+) of (\d+) rows", block).group(1))
     stated = float(re.search(r"median absolute error: ([\d.]+)%", block).group(1))
     assert skipped == [] and len(results) == rows == len(read_rows(str(PUBLISHED)))
@@ -63,8 +85,10 @@ def test_the_element_size_follows_the_weights_dtype():
     m = model_preset("llama3-8b")
     hw = replace(hardware("h100"), link_latency_s=0.0, peer_latency_s=0.0)
     cluster = Cluster(hw, 2, 2)
-    tp = {w: forward_time(m, ServeLayout(tp=2, weights=w), cluster, sequences=4, new_tokens=64, context=64,
-                          kv_bytes=2).tp for w in ("bf16", "float32")}
+    tp = {
+        w: forward_time(m, ServeLayout(tp=2, weights=w), cluster, sequences=4, new_tokens=64, context=64, kv_bytes=2).tp
+        for w in ("bf16", "float32")
+    }
     from fived.planner.constants import CALIBRATION
 
     c = CALIBRATION.constants
@@ -79,8 +103,10 @@ def test_the_kv_cache_fills_what_the_weights_leave(layout):
     m, hw = model_preset("llama3-70b"), hardware("h100")
     capacity = 77 * 2**30
     fit = sequences_that_fit(m, layout, hw, capacity, positions=4096, forward_tokens=2048, kv_bytes=2)
-    fits = [gpu_memory(m, layout, hw, sequences=n, positions=4096, forward_tokens=2048, kv_bytes=2).total <= capacity
-            for n in (fit, fit + 1)]
+    fits = [
+        gpu_memory(m, layout, hw, sequences=n, positions=4096, forward_tokens=2048, kv_bytes=2).total <= capacity
+        for n in (fit, fit + 1)
+    ]
     assert fit > 10 and fits == [True, False]
 
 
@@ -90,7 +116,9 @@ def test_queueing_model():
     w = Workload(1024, 128)
     replica = Replica(m, ServeLayout(), Cluster(hardware("h100"), 1, 8), w, fit=200)
     alone = replica.closed_loop(1)
-    assert alone.ttft_s == replica.prefill.total and alone.tpot_s == replica.step(1) == replica.decode(1).total  # nobody queues
+    assert (
+        alone.ttft_s == replica.prefill.total and alone.tpot_s == replica.step(1) == replica.decode(1).total
+    )  # nobody queues
     saturated = replica.open_loop(1.01 / replica.prefill.total)
     assert not saturated.stable
     light, heavy = replica.open_loop(0.5), replica.open_loop(5.0)
@@ -122,18 +150,36 @@ def test_pipeline_replicas_keep_pp_batches_in_flight():
 def test_decode_is_bound_by_reading_the_weights():
     """A decode step of one sequence reads every weight of the GPU: tp halves it, fp8 halves it again."""
     m, w = model_preset("llama3-70b"), Workload(128, 128, concurrency=1)
-    steps = {(tp, dt): evaluate(m, ServeLayout(tp=tp, dp=8 // tp, weights=dt), H100x8, w).decode.compute
-             for tp in (2, 4) for dt in ("bf16", "fp8")}
+    steps = {
+        (tp, dt): evaluate(m, ServeLayout(tp=tp, dp=8 // tp, weights=dt), H100x8, w).decode.compute
+        for tp in (2, 4)
+        for dt in ("bf16", "fp8")
+    }
     assert 0.45 < steps[(4, "bf16")] / steps[(2, "bf16")] < 0.55
     assert 0.45 < steps[(4, "fp8")] / steps[(4, "bf16")] < 0.6
 
 
-@pytest.mark.parametrize("model,gpus,layout,workload,bound,spread", [
-    ("llama3-70b", 1, ServeLayout(weights="fp8"), Workload(2048, 256, concurrency=2), "bound by HBM bandwidth",
-     "serving runs the whole model on each GPU"),  # two sequences: the weights' reads dominate
-    ("llama3-8b", 8, ServeLayout(dp=8, weights="fp8"), Workload(32, 32, concurrency=16384), "compute-bound",
-     "serving replicates (dp8) for throughput"),  # 2048 short sequences per GPU: the GEMMs dominate
-])
+@pytest.mark.parametrize(
+    "model,gpus,layout,workload,bound,spread",
+    [
+        (
+            "llama3-70b",
+            1,
+            ServeLayout(weights="fp8"),
+            Workload(2048, 256, concurrency=2),
+            "bound by HBM bandwidth",
+            "serving runs the whole model on each GPU",
+        ),  # two sequences: the weights' reads dominate
+        (
+            "llama3-8b",
+            8,
+            ServeLayout(dp=8, weights="fp8"),
+            Workload(32, 32, concurrency=16384),
+            "compute-bound",
+            "serving replicates (dp8) for throughput",
+        ),  # 2048 short sequences per GPU: the GEMMs dominate
+    ],
+)
 def test_why_serving_differs_from_training_is_computed(model, gpus, layout, workload, bound, spread):
     m = model_preset(model)
     plan = evaluate(m, layout, Cluster(hardware("h100"), gpus, min(gpus, 8)), workload)
@@ -206,17 +252,24 @@ def test_the_vllm_command_runs_the_layout_as_priced():
     assert "whole experts on its tp x dp = 4 GPUs" in vllm_mismatch(m, plans["tp2 dp4 ep2 bf16"].layout)
     dense = model_preset("llama3-8b")
     assert "--tensor-parallel-size 2 --data-parallel-size 4" in vllm_command(
-        evaluate(dense, ServeLayout(tp=2, dp=4), H100x8, w), w, "llama-hf", dense)
+        evaluate(dense, ServeLayout(tp=2, dp=4), H100x8, w), w, "llama-hf", dense
+    )
 
 
-@pytest.mark.parametrize("flags,line", [
-    (["--rate", "2", "--concurrency", "8"], "--rate=2.0: give --rate or --concurrency, not both; drop one"),
-    (["--rate", "-1"], "--rate=-1.0: must be > 0; e.g. --rate 2"),
-    (["--layout", "--tp 3"], "parallel.tp=3: must divide model.n_heads=64; e.g. --tp 2"),
-    (["--weights", "int4"], "--weights=int4: must list bf16 and/or fp8; e.g. --weights bf16,fp8"),
-    (["--model", "/"], "--model=/: is neither a Hugging Face model directory (config.json) nor a fived run or "
-                       "checkpoint (checkpoints/step-<N>/COMPLETE); give one of those"),
-])
+@pytest.mark.parametrize(
+    "flags,line",
+    [
+        (["--rate", "2", "--concurrency", "8"], "--rate=2.0: give --rate or --concurrency, not both; drop one"),
+        (["--rate", "-1"], "--rate=-1.0: must be > 0; e.g. --rate 2"),
+        (["--layout", "--tp 3"], "parallel.tp=3: must divide model.n_heads=64; e.g. --tp 2"),
+        (["--weights", "int4"], "--weights=int4: must list bf16 and/or fp8; e.g. --weights bf16,fp8"),
+        (
+            ["--model", "/"],
+            "--model=/: is neither a Hugging Face model directory (config.json) nor a fived run or "
+            "checkpoint (checkpoints/step-<N>/COMPLETE); give one of those",
+        ),
+    ],
+)
 def test_bad_serving_flags_are_refused_in_one_line(flags, line, capsys):
     if flags[0] == "--layout":  # (tp*pp must divide the GPUs first: 6 GPUs)
         args = [a if a != "8" else "6" for a in SERVE_70B] + flags

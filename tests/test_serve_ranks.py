@@ -1,6 +1,7 @@
 """Multi-rank generation (`fived.generate_ranks`) on real gloo ranks: the greedy ids equal the one-process
 generation of each prompt, and each rank's KV-cache bytes equal what `fived plan --serve` predicts for
 the same layout and workload, exactly."""
+
 import json
 
 import pytest
@@ -34,9 +35,32 @@ def planned_kv_bytes(capsys, model: str, world: int, tp: int, pp: int, ep: int, 
     """The KV-cache bytes per GPU `fived plan --serve --layout ... --json` predicts for these ranks
     serving the four prompts at once."""
     capsys.readouterr()
-    assert main(["plan", "--serve", "--model", model, "--gpus", str(world), "--gpu", "h100", "--prompt-len", "7",
-                 "--output-len", str(OUTPUT), "--concurrency", str(len(PROMPTS)), "--kv-dtype", kv_dtype,
-                 "--layout", f"--tp {tp} --pp {pp} --ep {ep}", "--json"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--serve",
+                "--model",
+                model,
+                "--gpus",
+                str(world),
+                "--gpu",
+                "h100",
+                "--prompt-len",
+                "7",
+                "--output-len",
+                str(OUTPUT),
+                "--concurrency",
+                str(len(PROMPTS)),
+                "--kv-dtype",
+                kv_dtype,
+                "--layout",
+                f"--tp {tp} --pp {pp} --ep {ep}",
+                "--json",
+            ]
+        )
+        == 0
+    )
     return json.loads(capsys.readouterr().out)["plans"][0]["memory_bytes"]["kv_cache"]
 
 
@@ -45,9 +69,17 @@ def references():
     return {name: one_process(name, torch.float64) for name in ("tiny", "tiny-moe")}
 
 
-@pytest.mark.parametrize("model,world,tp,pp,ep", [
-    ("tiny", 1, 1, 1, 1), ("tiny", 2, 2, 1, 1), ("tiny", 4, 4, 1, 1),  # tp4 > 2 kv heads: each rank holds one
-    ("tiny", 2, 1, 2, 1), ("tiny-moe", 2, 1, 1, 2), ("tiny-moe", 4, 2, 1, 2)])
+@pytest.mark.parametrize(
+    "model,world,tp,pp,ep",
+    [
+        ("tiny", 1, 1, 1, 1),
+        ("tiny", 2, 2, 1, 1),
+        ("tiny", 4, 4, 1, 1),  # tp4 > 2 kv heads: each rank holds one
+        ("tiny", 2, 1, 2, 1),
+        ("tiny-moe", 2, 1, 1, 2),
+        ("tiny-moe", 4, 2, 1, 2),
+    ],
+)
 def test_generation_on_ranks_equals_one_process_and_the_planned_kv_cache(model, world, tp, pp, ep, references, capsys):
     cfg = generation_config(model_preset(model), world, tp=tp, pp=pp, ep=ep, dtype="float64")
     reports = generate_on_ranks(cfg, world, PROMPTS, Sampling(max_new_tokens=OUTPUT))
@@ -78,8 +110,17 @@ def test_a_batch_that_does_not_divide_among_the_data_parallel_ranks_is_refused()
 def _generate_lines(capsys, source, prompts: list[str], *flags) -> list[dict]:
     """`fived generate SOURCE --prompt ... --json` in float64: one JSON line per prompt."""
     capsys.readouterr()
-    args = ["generate", str(source), *(a for p in prompts for a in ("--prompt", p)), "--dtype", "float64",
-            "--max-new-tokens", str(HF_OUTPUT), "--json", *flags]
+    args = [
+        "generate",
+        str(source),
+        *(a for p in prompts for a in ("--prompt", p)),
+        "--dtype",
+        "float64",
+        "--max-new-tokens",
+        str(HF_OUTPUT),
+        "--json",
+        *flags,
+    ]
     assert main(args) == 0
     return [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
 
@@ -88,8 +129,9 @@ HF_PROMPTS = ["Hello, world", "The model is", "a", "Tensor parallel ranks "]
 HF_OUTPUT = 12
 
 
-@pytest.mark.parametrize("kind,flags", [("llama", ["--nproc", "4", "--tp", "2", "--pp", "2"]),
-                                        ("mixtral", ["--nproc", "2", "--ep", "2"])])
+@pytest.mark.parametrize(
+    "kind,flags", [("llama", ["--nproc", "4", "--tp", "2", "--pp", "2"]), ("mixtral", ["--nproc", "2", "--ep", "2"])]
+)
 def test_generation_on_ranks_from_a_transformers_directory_equals_one_process(kind, flags, tmp_path, capsys):
     """A random Hugging Face model read by placement on the ranks (`fived generate --nproc`, the CLI's
     path): each prompt's greedy ids equal the one-process generation of that prompt alone (float64),
@@ -106,20 +148,28 @@ def test_generation_on_ranks_from_a_transformers_directory_equals_one_process(ki
             config = json.loads((tmp_path / name).read_text())
             (tmp_path / name).write_text(json.dumps({**config, "eos_token_id": eos}))
     alone = [_generate_lines(capsys, tmp_path, [p])[0]["generated_ids"] for p in HF_PROMPTS]
-    assert [ids[:ids.index(eos) + 1] if eos in ids else ids for ids in free] == alone
+    assert [ids[: ids.index(eos) + 1] if eos in ids else ids for ids in free] == alone
     assert any(len(ids) < HF_OUTPUT for ids in alone) and any(len(ids) == HF_OUTPUT for ids in alone)
     on_ranks = _generate_lines(capsys, tmp_path, HF_PROMPTS, *flags)
     assert [line["generated_ids"] for line in on_ranks] == alone
     assert [line["prompt_ids"] for line in on_ranks] == [list(p.encode()) for p in HF_PROMPTS]
 
 
-@pytest.mark.parametrize("flags,line", [
-    (["--nproc", "3", "--tp", "2"], "--nproc=3: must be a multiple of --tp x --pp = 2; e.g. --nproc 2"),
-    (["--nproc", "4", "--pp", "4"], "--pp=4: 4 pipeline stages need at least as many layers (model.n_layers=2); "
-                                    "e.g. --pp 2"),
-    (["--nproc", "2", "--ep", "2"], "--ep=2: needs a mixture-of-experts model (model.name=hf-llama is dense); use "
-                                    "--ep 1, or a MoE model such as --model tiny-moe"),
-])
+@pytest.mark.parametrize(
+    "flags,line",
+    [
+        (["--nproc", "3", "--tp", "2"], "--nproc=3: must be a multiple of --tp x --pp = 2; e.g. --nproc 2"),
+        (
+            ["--nproc", "4", "--pp", "4"],
+            "--pp=4: 4 pipeline stages need at least as many layers (model.n_layers=2); e.g. --pp 2",
+        ),
+        (
+            ["--nproc", "2", "--ep", "2"],
+            "--ep=2: needs a mixture-of-experts model (model.name=hf-llama is dense); use "
+            "--ep 1, or a MoE model such as --model tiny-moe",
+        ),
+    ],
+)
 def test_a_generation_layout_is_refused_in_one_line_naming_generates_flag(flags, line, tmp_path, capsys):
     pytest.importorskip("transformers")
     from hf_models import save_hf_model
@@ -136,6 +186,9 @@ def test_moe_with_expert_capacity_is_refused_on_ranks():
 
     from fived.config import ConfigError
 
-    with pytest.raises(ConfigError, match=r"^model.capacity_factor=1.25: generation on ranks batches left-padded "
-                                          r"prompts.*; generate each prompt alone in one process"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^model.capacity_factor=1.25: generation on ranks batches left-padded "
+        r"prompts.*; generate each prompt alone in one process",
+    ):
         generation_config(replace(model_preset("tiny-moe"), capacity_factor=1.25), 2, ep=2)

@@ -5,6 +5,7 @@ preempted mid-run the way its `--signal=TERM@120` does (SIGTERM to the job's ste
 shell): the first run saves and exits 75, the script requeues the job, Slurm starts it again, it
 continues the checkpoint and ends exactly (float64, every loss) where an uninterrupted run ends.
 Skipped only where the Slurm packages are missing and CI is unset (CI installs them: .ci/run)."""
+
 from __future__ import annotations
 
 import json
@@ -29,21 +30,31 @@ from fived.trainer import run_training
 ROOT = Path(__file__).resolve().parents[1]
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "squeue", "scancel", "scontrol", "sinfo", "srun")
-MISSING = [name for name in DAEMONS + CLIENTS
-           if not shutil.which(name) and not os.path.exists(f"/usr/sbin/{name}")]
+MISSING = [name for name in DAEMONS + CLIENTS if not shutil.which(name) and not os.path.exists(f"/usr/sbin/{name}")]
 pytestmark = [
-    pytest.mark.skipif(bool(MISSING) and not os.environ.get("CI"),
-                       reason=f"Slurm not installed (no {', '.join(MISSING)}; apt-get install slurmctld "
-                              "slurmd slurm-client munge; CI installs them and never skips)"),
-    pytest.mark.skipif(os.geteuid() != 0 and not os.environ.get("CI"),
-                       reason="the test's Slurm runs its daemons as root (SlurmUser=root)"),
+    pytest.mark.skipif(
+        bool(MISSING) and not os.environ.get("CI"),
+        reason=f"Slurm not installed (no {', '.join(MISSING)}; apt-get install slurmctld "
+        "slurmd slurm-client munge; CI installs them and never skips)",
+    ),
+    pytest.mark.skipif(
+        os.geteuid() != 0 and not os.environ.get("CI"),
+        reason="the test's Slurm runs its daemons as root (SlurmUser=root)",
+    ),
 ]
 
 STEPS = 300
-RUN = {"train.dtype": "float64", "train.steps": STEPS, "train.seq_len": 32, "train.global_batch": 8,
-       "train.log_every": 1000}
-FIVED = ("fived train --model tiny --nproc 2 --dp 2 --steps {steps} --train.dtype float64 --seq-len 32 "
-         "--global-batch 8 --train.log_every 1000 --checkpoint.every 50 --train.output_dir {out} --resume auto")
+RUN = {
+    "train.dtype": "float64",
+    "train.steps": STEPS,
+    "train.seq_len": 32,
+    "train.global_batch": 8,
+    "train.log_every": 1000,
+}
+FIVED = (
+    "fived train --model tiny --nproc 2 --dp 2 --steps {steps} --train.dtype float64 --seq-len 32 "
+    "--global-batch 8 --train.log_every 1000 --checkpoint.every 50 --train.output_dir {out} --resume auto"
+)
 
 
 def _exe(name: str) -> str:
@@ -115,13 +126,25 @@ PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
 
     def start(self) -> None:
         m = self.root / "munge"
-        self._spawn("munged", [_exe("munged"), "-F", f"--key-file={m}/munge.key", f"--socket={self.root}/sock/munge",
-                               f"--pid-file={m}/munged.pid", f"--log-file={m}/munged.log", f"--seed-file={m}/seed"])
+        self._spawn(
+            "munged",
+            [
+                _exe("munged"),
+                "-F",
+                f"--key-file={m}/munge.key",
+                f"--socket={self.root}/sock/munge",
+                f"--pid-file={m}/munged.pid",
+                f"--log-file={m}/munged.log",
+                f"--seed-file={m}/seed",
+            ],
+        )
         self._until((self.root / "sock" / "munge").exists, "munged did not create its socket")
         self._spawn("slurmctld", [_exe("slurmctld"), "-D", "-f", str(self.conf)])
         self._spawn("slurmd", [_exe("slurmd"), "-D", "-f", str(self.conf), "-N", "localhost"])
-        self._until(lambda: self.cmd("sinfo", "-h", "-o", "%T", check=False).stdout.strip() == "idle",
-                    "the node did not come up idle")
+        self._until(
+            lambda: self.cmd("sinfo", "-h", "-o", "%T", check=False).stdout.strip() == "idle",
+            "the node did not come up idle",
+        )
 
     def _spawn(self, name: str, args: list[str]) -> None:
         out = open(self.root / "log" / f"{name}.out", "w")  # noqa: SIM115  (the daemon's log, for its lifetime)
@@ -170,8 +193,9 @@ PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
 @pytest.fixture(scope="module")
 def slurm():
     if MISSING:  # CI set: never skip
-        pytest.fail(f"Slurm not installed: no {', '.join(MISSING)} "
-                    "(.ci/run installs slurmctld slurmd slurm-client munge)")
+        pytest.fail(
+            f"Slurm not installed: no {', '.join(MISSING)} (.ci/run installs slurmctld slurmd slurm-client munge)"
+        )
     root = Path(tempfile.mkdtemp(prefix="fived-slurm-"))  # (munged wants its socket's folder open to all)
     root.chmod(0o755)
     cluster = Slurm(root)
@@ -203,8 +227,9 @@ def test_the_readme_sbatch_script_is_requeued_on_preemption_and_ends_as_without_
     metrics = run_dir / "metrics.jsonl"
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 60):
         state = slurm.job(job_id)["JobState"]
-        assert state in ("PENDING", "CONFIGURING", "RUNNING") and time.monotonic() < deadline, \
+        assert state in ("PENDING", "CONFIGURING", "RUNNING") and time.monotonic() < deadline, (
             f"{state}\n{out.read_text() if out.exists() else ''}\n{slurm.logs()}"
+        )
         time.sleep(0.2)
     # ... then preempt it as `#SBATCH --signal=TERM@120` does: SIGTERM to the job's steps (srun's
     # tasks), not to the batch shell, which then runs the requeue line
@@ -213,8 +238,9 @@ def test_the_readme_sbatch_script_is_requeued_on_preemption_and_ends_as_without_
     deadline = time.monotonic() + 150
     ended = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL")
     while (info := slurm.job(job_id))["JobState"] not in ended:
-        assert time.monotonic() < deadline, \
+        assert time.monotonic() < deadline, (
             f"{info['JobState']} {info.get('Reason')}\n{out.read_text()}\n{slurm.logs()}"
+        )
         time.sleep(0.5)
     log = out.read_text(errors="replace")
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{log}\n{slurm.logs()}"

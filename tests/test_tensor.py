@@ -1,5 +1,6 @@
 """Tensor and sequence parallelism on real gloo ranks: exact against the single-process reference;
 activation memory, communication and model-state bytes measured by the ledger equal the formulas."""
+
 import pytest
 
 from fived.report import expected_activation_bytes, expected_comm_bytes, expected_state_bytes
@@ -28,23 +29,32 @@ def test_with_activation_checkpointing(sp, mode):
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_with_data_parallel_and_zero(zero):
-    _verify(4, "tiny-moe", parallel__dp=2, parallel__tp=2, parallel__sp=True, parallel__zero=zero,
-            train__microbatches=2)
+    _verify(
+        4, "tiny-moe", parallel__dp=2, parallel__tp=2, parallel__sp=True, parallel__zero=zero, train__microbatches=2
+    )
 
 
 @pytest.mark.parametrize("tp, sp, tied", [(4, False, False), (2, True, True)])
 def test_vocabulary_not_divisible_by_tp(tp, sp, tied):
     """Padded vocab rows/columns are masked: the loss is exactly the one-device loss."""
-    _verify(tp, "tiny", parallel__dp=1, parallel__tp=tp, parallel__sp=sp, model__vocab_size=258 + tp // 4,
-            model__tie_embeddings=tied)
+    _verify(
+        tp,
+        "tiny",
+        parallel__dp=1,
+        parallel__tp=tp,
+        parallel__sp=sp,
+        model__vocab_size=258 + tp // 4,
+        model__tie_embeddings=tied,
+    )
 
 
 WIDE = {"model__dim": 128, "model__n_heads": 8, "model__n_kv_heads": 4, "model__ffn_dim": 256}
 
 
 def _run(tp, sp, shape, **over):
-    cfg = tiny_config("tiny", parallel__dp=1, parallel__tp=tp, parallel__sp=sp, train__steps=1,
-                      train__global_batch=4, **shape, **over)
+    cfg = tiny_config(
+        "tiny", parallel__dp=1, parallel__tp=tp, parallel__sp=sp, train__steps=1, train__global_batch=4, **shape, **over
+    )
     return cfg, run_on_ranks(tp, run_training, cfg, False, False)
 
 
@@ -69,8 +79,9 @@ def test_activation_memory_is_the_formula(shape):
 @pytest.mark.parametrize("sp", [False, True])
 def test_communication_and_state_are_the_formulas(sp, name):
     for micro in (1, 2):
-        cfg = tiny_config(name, parallel__dp=1, parallel__tp=2, parallel__sp=sp, train__steps=1,
-                          train__microbatches=micro)
+        cfg = tiny_config(
+            name, parallel__dp=1, parallel__tp=2, parallel__sp=sp, train__steps=1, train__microbatches=micro
+        )
         results = run_on_ranks(2, run_training, cfg, False, False)
         for res in results:
             assert {k: v["bytes"] for k, v in res.comm.items()} == expected_comm_bytes(cfg, 2)
@@ -88,5 +99,7 @@ def test_tp_layer_traffic_per_layer():
     _, one_sp = _run(2, True, {}, model__n_layers=1)
     _, two_sp = _run(2, True, {}, model__n_layers=2)
     gathered = two_sp[0].comm["tp/all_gather_single"]["bytes"] - one_sp[0].comm["tp/all_gather_single"]["bytes"]
-    scattered = two_sp[0].comm["tp/reduce_scatter_single"]["bytes"] - one_sp[0].comm["tp/reduce_scatter_single"]["bytes"]
+    scattered = (
+        two_sp[0].comm["tp/reduce_scatter_single"]["bytes"] - one_sp[0].comm["tp/reduce_scatter_single"]["bytes"]
+    )
     assert gathered == 6 * act and scattered == 4 * act  # 2 AG + 2 RS forward, 2 RS + 2 AG backward, 2 re-gathers

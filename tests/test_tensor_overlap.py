@@ -2,6 +2,7 @@
 fived.parallel.tensor_overlap) on real gloo ranks: exact against the single-process reference with
 every other dimension it composes with; the ledger shows the ring ran and equals the formula; the
 activation memory is the plain path's."""
+
 import pytest
 
 from fived.report import expected_activation_bytes, expected_comm_bytes
@@ -42,8 +43,17 @@ def test_with_pipeline_stages(sp):
 @pytest.mark.parametrize("schedule, virtual", [("interleaved-1f1b", 2), ("zero-bubble", 2), ("zbv", 1)])
 def test_with_pipeline_schedules(schedule, virtual):
     """(zero-bubble and zbv split backward into input and weight gradients)"""
-    _verify(4, "tiny", parallel__dp=1, parallel__tp=2, parallel__pp=2, parallel__sp=True, train__microbatches=2,
-            parallel__pp_schedule=schedule, parallel__pp_virtual=virtual)
+    _verify(
+        4,
+        "tiny",
+        parallel__dp=1,
+        parallel__tp=2,
+        parallel__pp=2,
+        parallel__sp=True,
+        train__microbatches=2,
+        parallel__pp_schedule=schedule,
+        parallel__pp_virtual=virtual,
+    )
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -53,12 +63,24 @@ def test_split_backward_runs_each_tp_collective_once(sp, overlap):
     tensors): the overlapped regions compute only each pass's own gradients, the plain regions'
     re-gathered inputs serve both passes, so every tp collective runs as often (and moves as many
     bytes) as under interleaved-1f1b."""
+
     def tp_comm(schedule):
-        cfg = tiny_config("tiny", parallel__dp=1, parallel__tp=2, parallel__pp=2, parallel__sp=sp, train__steps=1,
-                          parallel__tp_overlap=overlap, train__microbatches=2, parallel__pp_schedule=schedule,
-                          parallel__pp_virtual=2)
-        return [{k: v for k, v in res.comm.items() if k.startswith("tp/")}
-                for res in run_on_ranks(4, run_training, cfg, False, False)]
+        cfg = tiny_config(
+            "tiny",
+            parallel__dp=1,
+            parallel__tp=2,
+            parallel__pp=2,
+            parallel__sp=sp,
+            train__steps=1,
+            parallel__tp_overlap=overlap,
+            train__microbatches=2,
+            parallel__pp_schedule=schedule,
+            parallel__pp_virtual=2,
+        )
+        return [
+            {k: v for k, v in res.comm.items() if k.startswith("tp/")}
+            for res in run_on_ranks(4, run_training, cfg, False, False)
+        ]
 
     interleaved, split = tp_comm("interleaved-1f1b"), tp_comm("zero-bubble")
     assert all(ranks for ranks in interleaved) and split == interleaved
@@ -69,13 +91,21 @@ def test_with_context_parallel_and_zero3():
 
 
 def test_with_compiled_blocks():
-    _verify(2, "tiny", parallel__dp=1, parallel__tp=2, parallel__sp=True, train__compile=True,
-            train__compile_backend="aot_eager")
+    _verify(
+        2,
+        "tiny",
+        parallel__dp=1,
+        parallel__tp=2,
+        parallel__sp=True,
+        train__compile=True,
+        train__compile_backend="aot_eager",
+    )
 
 
 def _train(name, sp, overlap, **over):
-    cfg = tiny_config(name, parallel__dp=1, parallel__tp=2, parallel__sp=sp, train__steps=1,
-                      parallel__tp_overlap=overlap, **over)
+    cfg = tiny_config(
+        name, parallel__dp=1, parallel__tp=2, parallel__sp=sp, train__steps=1, parallel__tp_overlap=overlap, **over
+    )
     return cfg, run_on_ranks(2, run_training, cfg, False, False)
 
 
@@ -111,10 +141,22 @@ def test_ledger_with_checkpointing_tp4_and_autocast():
     keep a gathered copy)."""
     # (dense under autocast: the plain MoE region's bytes under autocast + SP differ from the formula
     # without tp_overlap too)
-    for name, mode, tp, dtype in (("tiny-moe", "full", 2, "float64"), ("tiny-moe", "selective", 2, "float64"),
-                                  ("tiny-moe", "none", 4, "float64"), ("tiny", "none", 2, "bfloat16-autocast")):
-        cfg = tiny_config(name, parallel__dp=1, parallel__tp=tp, parallel__sp=True, train__steps=1,
-                          parallel__tp_overlap=True, train__activation_checkpointing=mode, train__dtype=dtype)
+    for name, mode, tp, dtype in (
+        ("tiny-moe", "full", 2, "float64"),
+        ("tiny-moe", "selective", 2, "float64"),
+        ("tiny-moe", "none", 4, "float64"),
+        ("tiny", "none", 2, "bfloat16-autocast"),
+    ):
+        cfg = tiny_config(
+            name,
+            parallel__dp=1,
+            parallel__tp=tp,
+            parallel__sp=True,
+            train__steps=1,
+            parallel__tp_overlap=True,
+            train__activation_checkpointing=mode,
+            train__dtype=dtype,
+        )
         for res in run_on_ranks(tp, run_training, cfg, False, False):
             assert {k: v["bytes"] for k, v in res.comm.items()} == expected_comm_bytes(cfg, tp), mode
 
@@ -126,8 +168,16 @@ def test_activation_memory_is_the_plain_paths():
     """The overlapped region keeps its input's sequence shard (1/tp with SP) as the plain region's
     saved-tensor hook does: the bytes saved per layer are the formula's, with and without SP."""
     for tp, sp in [(2, False), (2, True), (4, True)]:
-        cfg = tiny_config("tiny", parallel__dp=1, parallel__tp=tp, parallel__sp=sp, train__steps=1,
-                          train__global_batch=4, parallel__tp_overlap=True, **WIDE)
+        cfg = tiny_config(
+            "tiny",
+            parallel__dp=1,
+            parallel__tp=tp,
+            parallel__sp=sp,
+            train__steps=1,
+            train__global_batch=4,
+            parallel__tp_overlap=True,
+            **WIDE,
+        )
         for res in run_on_ranks(tp, run_training, cfg, False, False):
             layers = {k: v for k, v in res.activations.items() if k.isdigit()}
             assert layers and all(got == expected_activation_bytes(cfg, tp) for got in layers.values()), (tp, sp)

@@ -1,4 +1,5 @@
 """Invalid configurations are refused with one line naming the field, before any rank starts."""
+
 import pytest
 
 import fived.launch
@@ -24,16 +25,25 @@ CASES = [
     (["train", "--nproc", "-2"], "--nproc", "must be >= 1"),
     (["train", "--train.output_dir", "/etc/hostname/run"], "train.output_dir", "cannot be written"),
     (["train", "--data.tokenizer", "/nonexistent/tokenizer.json"], "data.tokenizer", "file not found"),
-    (["prepare-data", "/etc/hostname", "--output", "/tmp/x", "--tokenizer", "/nonexistent/tok.json"], "--tokenizer",
-     "file not found"),
+    (
+        ["prepare-data", "/etc/hostname", "--output", "/tmp/x", "--tokenizer", "/nonexistent/tok.json"],
+        "--tokenizer",
+        "file not found",
+    ),
     (["train", "--stpes", "10"], "--stpes", "unknown flag; did you mean --steps?"),
     (["verify", "--microbatchs", "2"], "--microbatchs", "unknown flag; did you mean --microbatches?"),
     (["verify", "--tp", "3"], "parallel.tp", "must divide model.n_heads=4"),
-    (["verify", "--tp", "4", "--model.n_heads", "8", "--model.n_kv_heads", "3", "--model.dim", "96"],
-     "model.n_kv_heads", "divide model.n_heads=8"),
+    (
+        ["verify", "--tp", "4", "--model.n_heads", "8", "--model.n_kv_heads", "3", "--model.dim", "96"],
+        "model.n_kv_heads",
+        "divide model.n_heads=8",
+    ),
     (["verify", "--pp", "8"], "parallel.pp", "at least as many layers"),
-    (["verify", "--pp", "2", "--pp-schedule", "zbv", "--train.activation_checkpointing", "selective"],
-     "train.activation_checkpointing", "selective checkpointing cannot run under zbv"),
+    (
+        ["verify", "--pp", "2", "--pp-schedule", "zbv", "--train.activation_checkpointing", "selective"],
+        "train.activation_checkpointing",
+        "selective checkpointing cannot run under zbv",
+    ),
     (["verify", "--ep", "2"], "parallel.ep", "needs a mixture-of-experts model"),
     (["verify", "--dp", "3", "--ep", "3", "--model", "tiny-moe"], "parallel.ep", "must divide model.n_experts=8"),
     (["verify", "--dp", "2", "--ep", "4", "--model", "tiny-moe"], "parallel.ep", "must divide dp*cp=2"),
@@ -49,39 +59,81 @@ CASES = [
     (["train", "--train.activation_checkpointing", "some"], "train.activation_checkpointing", "must be one of"),
     (["verify", "--train.stepz", "3"], "train.stepz", "unknown field"),
     (["verify", "--model", "llama9"], "model.name", "unknown preset"),
-    (["verify", "--dp", "4", "--dp-replicate", "2", "--zero", "3", "--ep", "2", "--model", "tiny-moe"],
-     "parallel.ep", "with HSDP replicas is not supported yet"),
+    (
+        ["verify", "--dp", "4", "--dp-replicate", "2", "--zero", "3", "--ep", "2", "--model", "tiny-moe"],
+        "parallel.ep",
+        "with HSDP replicas is not supported yet",
+    ),
     (["verify", "--tp", "4", "--model.ffn_dim", "130"], "model.ffn_dim", "divisible by tp=4"),
-    (["verify", "--pp", "2", "--microbatches", "2", "--model.tie_embeddings", "true"], "model.tie_embeddings",
-     "across pipeline stages"),
+    (
+        ["verify", "--pp", "2", "--microbatches", "2", "--model.tie_embeddings", "true"],
+        "model.tie_embeddings",
+        "across pipeline stages",
+    ),
     (["train", "--data.path", "/nonexistent/tokens.bin"], "data.path", "not found"),
-    (["verify", "--pp", "2", "--pp-virtual", "2", "--microbatches", "2"], "parallel.pp_virtual",
-     "only interleaved-1f1b and zero-bubble take virtual stages"),
-    (["verify", "--pp", "2", "--pp-layers", "3,2", "--microbatches", "2"], "parallel.pp_layers",
-     "summing to model.n_layers=4"),
-    (["verify", "--pp", "2", "--pp-schedule", "dualpipev", "--microbatches", "2"], "train.microbatches",
-     "dualpipev needs at least as many micro-batches as stages"),
+    (
+        ["verify", "--pp", "2", "--pp-virtual", "2", "--microbatches", "2"],
+        "parallel.pp_virtual",
+        "only interleaved-1f1b and zero-bubble take virtual stages",
+    ),
+    (
+        ["verify", "--pp", "2", "--pp-layers", "3,2", "--microbatches", "2"],
+        "parallel.pp_layers",
+        "summing to model.n_layers=4",
+    ),
+    (
+        ["verify", "--pp", "2", "--pp-schedule", "dualpipev", "--microbatches", "2"],
+        "train.microbatches",
+        "dualpipev needs at least as many micro-batches as stages",
+    ),
     (["verify", "--sp"], "parallel.sp", "needs tp > 1"),
     (["train", "--train.eval_every", "5"], "train.eval_every", "needs validation data"),
     (["train", "--train.eval_every", "-1"], "train.eval_every", "must be >= 0"),
     (["train", "--train.eval_every", "5", "--data.val_path", "/nonexistent/val.bin"], "data.val_path", "not found"),
-    (["prepare-data", "/etc/hostname", "--output", "/tmp/x", "--val-fraction", "1.5"], "--val-fraction",
-     "must be in [0, 1)"),
+    (
+        ["prepare-data", "/etc/hostname", "--output", "/tmp/x", "--val-fraction", "1.5"],
+        "--val-fraction",
+        "must be in [0, 1)",
+    ),
     (["prepare-data", "/nonexistent/docs.jsonl", "--output", "/tmp/x"], "inputs", "file not found"),
     (["verify", "--tp", "2", "--sp", "--seq-len", "31"], "train.seq_len", "divisible by tp*cp=2 with --sp"),
-    (["verify", "--dp", "4", "--dp-replicate", "3", "--zero", "3", "--global-batch", "12"],
-     "parallel.dp_replicate", "divide dp=4"),
+    (
+        ["verify", "--dp", "4", "--dp-replicate", "3", "--zero", "3", "--global-batch", "12"],
+        "parallel.dp_replicate",
+        "divide dp=4",
+    ),
     (["verify", "--dp", "4", "--dp-replicate", "2"], "parallel.dp_replicate", "need a sharded stage"),
-    (["verify", "--dtype", "bfloat16", "--parallel.reduce_dtype", "float16"], "parallel.reduce_dtype",
-     "must be one of float32, bfloat16"),
+    (
+        ["verify", "--dtype", "bfloat16", "--parallel.reduce_dtype", "float16"],
+        "parallel.reduce_dtype",
+        "must be one of float32, bfloat16",
+    ),
     (["train", "--train.optimizer", "sgd"], "train.optimizer", "must be one of adamw, muon"),
     (["train", "--train.optimizer", "muon", "--train.muon_scale", "unit"], "train.muon_scale", "must be one of"),
-    (["train", "--train.optimizer", "muon", "--train.muon_ns_coefficients", "3.4,-4.7"],
-     "train.muon_ns_coefficients", "must be one finite 'a,b,c'"),
-    (["train", "--train.muon_ns_steps", "3", "--train.muon_ns_coefficients", "3,-4,2;3,-4,2"],
-     "train.muon_ns_coefficients", "train.muon_ns_steps=3 of them"),
+    (
+        ["train", "--train.optimizer", "muon", "--train.muon_ns_coefficients", "3.4,-4.7"],
+        "train.muon_ns_coefficients",
+        "must be one finite 'a,b,c'",
+    ),
+    (
+        [
+            "train",
+            "--train.optimizer",
+            "muon",
+            "--train.muon_ns_steps",
+            "3",
+            "--train.muon_ns_coefficients",
+            "3,-4,2;3,-4,2",
+        ],
+        "train.muon_ns_coefficients",
+        "train.muon_ns_steps=3 of them",
+    ),
     (["train", "--train.optimizer", "muon", "--train.muon_momentum", "1"], "train.muon_momentum", "must be in [0, 1)"),
-    (["train", "--train.muon_ns_steps", "0"], "train.muon_ns_steps", "must be >= 1"),
+    (["train", "--train.optimizer", "muon", "--train.muon_ns_steps", "0"], "train.muon_ns_steps", "must be >= 1"),
+    (["train", "--train.optimizer", "muon", "--train.muon_bucket_mb", "0"], "train.muon_bucket_mb", "must be > 0"),
+    # Muon's options under AdamW would be ignored: refused
+    (["train", "--train.muon_scale", "spectral"], "train.muon_scale", "only acts with train.optimizer=muon"),
+    (["verify", "--train.muon_nesterov", "false"], "train.muon_nesterov", "only acts with train.optimizer=muon"),
 ]
 
 
@@ -132,8 +184,10 @@ def test_warmup_longer_than_the_run_is_warned(tmp_path, capsys):
     cfg = build_config(overrides={"train.warmup_steps": 300, "train.steps": 200, "train.output_dir": str(tmp_path)})
     check_environment(cfg)
     err = capsys.readouterr().err.strip()
-    assert err == ("fived: warning: train.warmup_steps=300 > train.steps=200: the learning rate never reaches "
-                   "train.lr=0.003; e.g. --train.warmup_steps 20"), err
+    assert err == (
+        "fived: warning: train.warmup_steps=300 > train.steps=200: the learning rate never reaches "
+        "train.lr=0.003; e.g. --train.warmup_steps 20"
+    ), err
 
 
 def test_version(capsys):

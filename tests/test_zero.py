@@ -1,5 +1,6 @@
 """ZeRO stages 0-3 and HSDP on real gloo ranks: exact against the single-process reference, and the
 ledger's measured memory and communication against the formulas in fived.report."""
+
 import pytest
 import torch
 
@@ -26,34 +27,47 @@ def test_zero_stage_matches_reference(zero, micro, name):
 SMALL_BUCKET_MB = 3000 / 2**20  # 3 kB: dozens of buckets in the tiny models
 
 
-@pytest.mark.parametrize("over", [dict(parallel__dp=4, train__microbatches=2),
-                                  dict(parallel__dp=2, parallel__tp=2, parallel__sp=True)])
+@pytest.mark.parametrize(
+    "over", [dict(parallel__dp=4, train__microbatches=2), dict(parallel__dp=2, parallel__tp=2, parallel__sp=True)]
+)
 def test_zero0_in_many_buckets_matches_reference(over):
     """ZeRO-0 with 3 kB buckets (dozens, launched in order while backward runs) is still exact."""
-    report = run_verify(tiny_config("tiny-moe", train__steps=2, parallel__bucket_mb=SMALL_BUCKET_MB, **over), 4,
-                        printer=_quiet)
+    report = run_verify(
+        tiny_config("tiny-moe", train__steps=2, parallel__bucket_mb=SMALL_BUCKET_MB, **over), 4, printer=_quiet
+    )
     assert report.max_relative_difference <= EXACT, report.max_rel
 
 
 @pytest.mark.parametrize("zero", [1, 2, 3])
 def test_hsdp_matches_reference(zero):
-    cfg = tiny_config("tiny-moe", parallel__dp=4, parallel__dp_replicate=2, parallel__zero=zero,
-                      train__microbatches=2, train__steps=2)
+    cfg = tiny_config(
+        "tiny-moe", parallel__dp=4, parallel__dp_replicate=2, parallel__zero=zero, train__microbatches=2, train__steps=2
+    )
     report = run_verify(cfg, 4, printer=_quiet)
     assert report.max_relative_difference <= EXACT, report.max_rel
 
 
 def _ledger(zero, micro=1, dtype="float32", replicate=1, **extra):
-    cfg = tiny_config("tiny-moe", parallel__dp=4, parallel__zero=zero, parallel__dp_replicate=replicate,
-                      train__microbatches=micro, train__steps=1, train__dtype=dtype, train__global_batch=16,
-                      **extra)
+    cfg = tiny_config(
+        "tiny-moe",
+        parallel__dp=4,
+        parallel__zero=zero,
+        parallel__dp_replicate=replicate,
+        train__microbatches=micro,
+        train__steps=1,
+        train__dtype=dtype,
+        train__global_batch=16,
+        **extra,
+    )
     return cfg, run_on_ranks(4, run_training, cfg, False, False)
 
 
 # Model-state bytes per parameter at S = 4 shards: float32 weights (float32 and bfloat16-autocast runs;
 # float64 twice these), and bf16 weights and gradients with float32 masters and Adam state (bfloat16)
-TEXTBOOK = {"float32": {0: 16, 1: 8 + 8 / 4, 2: 4 + 12 / 4, 3: 16 / 4},
-            "bfloat16": {0: 2 + 2 + 12, 1: 2 + 2 + 12 / 4, 2: 2 + 14 / 4, 3: 16 / 4}}
+TEXTBOOK = {
+    "float32": {0: 16, 1: 8 + 8 / 4, 2: 4 + 12 / 4, 3: 16 / 4},
+    "bfloat16": {0: 2 + 2 + 12, 1: 2 + 2 + 12 / 4, 2: 2 + 14 / 4, 3: 16 / 4},
+}
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16-autocast", "bfloat16"])
@@ -81,8 +95,12 @@ def test_communication_is_the_formula(zero):
     for cfg, results in ((cfg1, one), (cfg4, four)):
         for res in results:
             assert {k: v["bytes"] for k, v in res.comm.items()} == expected_comm_bytes(cfg, 4)
-    reduce_op = {0: "dp/all_reduce", 1: "dp/reduce_scatter_single", 2: "dp/reduce_scatter_single",
-                 3: "dp/reduce_scatter_single"}[zero]
+    reduce_op = {
+        0: "dp/all_reduce",
+        1: "dp/reduce_scatter_single",
+        2: "dp/reduce_scatter_single",
+        3: "dp/reduce_scatter_single",
+    }[zero]
     assert four[0].comm[reduce_op] == one[0].comm[reduce_op]
     if zero in (1, 2):
         assert one[0].comm["dp/all_gather_single"]["calls"] == 1 == one[0].comm[reduce_op]["calls"]
@@ -95,8 +113,7 @@ def test_zero3_gathers_for_forward_and_backward():
     kept_cfg, kept = _ledger(3, micro=2, parallel__zero3_keep_gathered=True)
     total = 4 * results[0].memory["params"]  # bytes of every parameter: 4 shards of this size
     assert kept[0].comm["dp/all_gather_single"]["bytes"] == total
-    assert {k: v["bytes"] for k, v in kept[0].comm.items()} \
-        == expected_comm_bytes(kept_cfg, 4)
+    assert {k: v["bytes"] for k, v in kept[0].comm.items()} == expected_comm_bytes(kept_cfg, 4)
     per_micro = results[0].comm["dp/all_gather_single"]["bytes"] / 2
     blocks = per_micro - total
     assert 0.9 * total < blocks < total  # the blocks are most, but not all, of the model
@@ -119,8 +136,9 @@ def test_bf16_tracks_float32():
 
     final = {}
     for dtype in ("float32", "bfloat16", "bfloat16-autocast"):
-        cfg = build_config(overrides={"train.dtype": dtype, "parallel.dp": 2, "parallel.zero": 1,
-                                      "train.log_every": 1000})
+        cfg = build_config(
+            overrides={"train.dtype": dtype, "parallel.dp": 2, "parallel.zero": 1, "train.log_every": 1000}
+        )
         final[dtype] = run_on_ranks(2, run_training, cfg, False, False, timeout_s=300)[0].metrics[-1]["loss"]
     print("final losses:", final)
     assert final["float32"] < 3.0  # it learned (from 5.56)
@@ -134,8 +152,10 @@ PIECEWISE = {  # (overrides, the modules whose piece size is cut): every reducin
     "ZeRO-1 dp2 x tp2": (dict(parallel__dp=2, parallel__tp=2, parallel__zero=1), ("zero",)),
     "ZeRO-2 HSDP 2x2": (dict(parallel__dp=4, parallel__dp_replicate=2, parallel__zero=2), ("zero",)),
     "ZeRO-0 flat under pp2 x dp2": (dict(parallel__dp=2, parallel__pp=2, parallel__zero=0), ("zero",)),
-    "experts over edp2 (ep2 x dp4 ZeRO-1)": (dict(parallel__dp=4, parallel__ep=2, parallel__zero=1),
-                                             ("data_parallel",)),
+    "experts over edp2 (ep2 x dp4 ZeRO-1)": (
+        dict(parallel__dp=4, parallel__ep=2, parallel__zero=1),
+        ("data_parallel",),
+    ),
 }
 
 
@@ -158,17 +178,22 @@ def test_bf16_gradients_reduced_in_pieces_equal_one_piece(name, monkeypatch):
     assert all(torch.equal(pieces.state[k], whole.state[k]) for k in whole.state)
 
 
-OVERLAP = dict(parallel__overlap_grad_reduce=True, parallel__overlap_param_gather=True,
-               parallel__bucket_mb=SMALL_BUCKET_MB)
+OVERLAP = dict(
+    parallel__overlap_grad_reduce=True, parallel__overlap_param_gather=True, parallel__bucket_mb=SMALL_BUCKET_MB
+)
 
 
-@pytest.mark.parametrize("over", [dict(parallel__dp=4, parallel__zero=1, train__microbatches=2),
-                                  dict(parallel__dp=4, parallel__zero=2, train__microbatches=2),
-                                  dict(parallel__dp=4, parallel__zero=2, parallel__dp_replicate=2),
-                                  dict(parallel__dp=2, parallel__zero=1, parallel__tp=2, parallel__sp=True,
-                                       train__microbatches=2),
-                                  dict(parallel__dp=2, parallel__zero=2, parallel__cp=2, parallel__ep=2)],
-                         ids=["zero1-acc", "zero2-acc", "zero2-hsdp", "zero1-tp-sp", "zero2-cp-ep"])
+@pytest.mark.parametrize(
+    "over",
+    [
+        dict(parallel__dp=4, parallel__zero=1, train__microbatches=2),
+        dict(parallel__dp=4, parallel__zero=2, train__microbatches=2),
+        dict(parallel__dp=4, parallel__zero=2, parallel__dp_replicate=2),
+        dict(parallel__dp=2, parallel__zero=1, parallel__tp=2, parallel__sp=True, train__microbatches=2),
+        dict(parallel__dp=2, parallel__zero=2, parallel__cp=2, parallel__ep=2),
+    ],
+    ids=["zero1-acc", "zero2-acc", "zero2-hsdp", "zero1-tp-sp", "zero2-cp-ep"],
+)
 def test_overlapped_zero12_matches_reference(over):
     """ZeRO-1/2 with the gradient reduce-scatter in buckets during backward and the parameter
     all-gather in buckets under the next forward: still exact."""
@@ -205,9 +230,14 @@ def _train_with_gathers_landing_at_wait(cfg):
     return run_training(cfg, False, False, True)
 
 
-@pytest.mark.parametrize("over", [dict(parallel__tp=2, parallel__sp=True, parallel__tp_overlap=True),
-                                  dict(train__compile=True, train__compile_backend="aot_eager")],
-                         ids=["tp-overlap", "compiled"])
+@pytest.mark.parametrize(
+    "over",
+    [
+        dict(parallel__tp=2, parallel__sp=True, parallel__tp_overlap=True),
+        dict(train__compile=True, train__compile_backend="aot_eager"),
+    ],
+    ids=["tp-overlap", "compiled"],
+)
 def test_overlapped_gathers_are_waited_for_before_any_weight_is_read(over):
     """With overlap_param_gather every module waits for its weights' buckets, including code that
     reads its submodules' weights (tp_overlap's fused regions) and compiled blocks: exact even when
@@ -237,8 +267,15 @@ def test_overlapped_buckets_reduce_during_backward(zero):
     """The buckets really launch while backward runs (all but the first bucket, which backward
     finishes last, start before the trainer waits), one reduce-scatter and one all-gather each; the
     bytes and the state equal the formula with per-bucket padding."""
-    cfg = tiny_config("tiny-moe", parallel__dp=4, parallel__zero=zero, train__microbatches=2, train__steps=1,
-                      train__global_batch=16, **OVERLAP)
+    cfg = tiny_config(
+        "tiny-moe",
+        parallel__dp=4,
+        parallel__zero=zero,
+        train__microbatches=2,
+        train__steps=1,
+        train__global_batch=16,
+        **OVERLAP,
+    )
     for rank, (buckets, launched, res) in enumerate(run_on_ranks(4, _launches, cfg)):
         assert buckets >= 10
         assert [k for k, _ in launched] == list(range(buckets - 1, -1, -1))  # last bucket first, each once
@@ -252,8 +289,16 @@ def test_overlapped_buckets_reduce_during_backward(zero):
 def test_overlapped_bf16_hsdp_sums_in_float32_and_bytes_are_the_formula(zero):
     """bf16 gradients reduced in float32 pieces while backward runs (two in flight at most): the
     HSDP replicas' sum is in float32 too, as without overlap, and every byte is the formula's."""
-    cfg = tiny_config("tiny", parallel__dp=4, parallel__dp_replicate=2, parallel__zero=zero, train__steps=1,
-                      train__dtype="bfloat16", train__microbatches=2, **OVERLAP)
+    cfg = tiny_config(
+        "tiny",
+        parallel__dp=4,
+        parallel__dp_replicate=2,
+        parallel__zero=zero,
+        train__steps=1,
+        train__dtype="bfloat16",
+        train__microbatches=2,
+        **OVERLAP,
+    )
     for res in run_on_ranks(4, run_training, cfg, False, False):
         assert res.comm["dp_replicate/all_reduce"]["calls"] > 1
         assert {k: v["bytes"] for k, v in res.comm.items()} == expected_comm_bytes(cfg, 4)
@@ -267,8 +312,14 @@ def test_overlapped_reduction_under_pipeline_matches_reference(schedule):
     if schedule != "1f1b":
         over["parallel__pp_virtual"] = 2
     for zero in (0, 1):
-        cfg = tiny_config("tiny", train__steps=2, parallel__zero=zero, parallel__overlap_grad_reduce=True,
-                          parallel__bucket_mb=SMALL_BUCKET_MB, **over)
+        cfg = tiny_config(
+            "tiny",
+            train__steps=2,
+            parallel__zero=zero,
+            parallel__overlap_grad_reduce=True,
+            parallel__bucket_mb=SMALL_BUCKET_MB,
+            **over,
+        )
         report = run_verify(cfg, 4, printer=_quiet)
         assert report.max_relative_difference <= EXACT, (zero, report.max_rel)
 
@@ -277,9 +328,18 @@ def test_overlapped_reduction_under_pipeline_matches_reference(schedule):
 def test_pipeline_stages_reduce_inside_the_schedule(schedule, virtual):
     """Under a pipeline every bucket starts inside the schedule, at its stage's last backward (for
     zero-bubble: its last weight pass), not in the wait after it."""
-    cfg = tiny_config("tiny", train__steps=1, parallel__zero=1, parallel__overlap_grad_reduce=True,
-                      parallel__bucket_mb=SMALL_BUCKET_MB, parallel__pp=2, parallel__dp=2,
-                      parallel__pp_schedule=schedule, parallel__pp_virtual=virtual, train__microbatches=4)
+    cfg = tiny_config(
+        "tiny",
+        train__steps=1,
+        parallel__zero=1,
+        parallel__overlap_grad_reduce=True,
+        parallel__bucket_mb=SMALL_BUCKET_MB,
+        parallel__pp=2,
+        parallel__dp=2,
+        parallel__pp_schedule=schedule,
+        parallel__pp_virtual=virtual,
+        train__microbatches=4,
+    )
     for buckets, launched, _ in run_on_ranks(4, _launches, cfg):
         assert buckets >= 10 and [k for k, _ in launched] == list(range(buckets - 1, -1, -1))
         assert all(armed for _, armed in launched)

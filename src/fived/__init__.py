@@ -6,6 +6,7 @@
 train`, `fived verify` and `fived plan` do, with keyword-only options (fived.api). Importing fived
 imports no torch.
 """
+
 from fived.api import TrainingFailed, plan, train, verify
 from fived.config import Config, ConfigError
 from fived.run_summary import RunSummary

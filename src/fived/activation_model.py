@@ -93,6 +93,7 @@ The RoPE tables are one pair of tensors shared by the layers of a chunk, but eac
 counts them (as the ledger does); the sum over layers thus overstates a rank's memory by
 (layers - 1) * 2*sl*hd*x bytes — negligible next to the rest.
 """
+
 from __future__ import annotations
 
 import math
@@ -101,10 +102,24 @@ from fived.layout.layout import CHECKPOINTING
 from fived.layout.spec import kv_width, local_vocab
 
 
-def activation_bytes(model, *, micro_batch_seqs: int, seq_len: int, tp: int = 1, sp: bool = False, cp: int = 1,
-                     ep: int = 1, dtype_bytes: int = 4, checkpointing: str = "none", layers=(), first: bool = False,
-                     last: bool = False, autocast: bool = True, ulysses: int = 1,
-                     document_mask: bool = False) -> dict[str, int]:
+def activation_bytes(
+    model,
+    *,
+    micro_batch_seqs: int,
+    seq_len: int,
+    tp: int = 1,
+    sp: bool = False,
+    cp: int = 1,
+    ep: int = 1,
+    dtype_bytes: int = 4,
+    checkpointing: str = "none",
+    layers=(),
+    first: bool = False,
+    last: bool = False,
+    autocast: bool = True,
+    ulysses: int = 1,
+    document_mask: bool = False,
+) -> dict[str, int]:
     """Bytes saved for backward by ONE micro-batch on one rank, by part: a key per layer id in
     `layers` (str), "embedding" if `first` (the rank holds the token embedding), "head" if `last`
     (final norm, output projection, loss). `model` is a `fived.config.ModelConfig`;
@@ -137,17 +152,36 @@ def layer_bytes(model, moe: bool = False, **layout) -> int:
     checkpointing = layout.pop("checkpointing", "none")
     for key in ("layers", "first", "last"):
         layout.pop(key, None)
-    g = _Geometry(model, layout.pop("micro_batch_seqs"), layout.pop("seq_len"), **{
-        k: layout[k] for k in ("tp", "sp", "cp", "ep", "dtype_bytes", "autocast", "ulysses", "document_mask")
-        if k in layout})
+    g = _Geometry(
+        model,
+        layout.pop("micro_batch_seqs"),
+        layout.pop("seq_len"),
+        **{
+            k: layout[k]
+            for k in ("tp", "sp", "cp", "ep", "dtype_bytes", "autocast", "ulysses", "document_mask")
+            if k in layout
+        },
+    )
     return g.layer(moe, checkpointing)
 
 
 class _Geometry:
     """The sizes the formulas use, for one layout (see the module docstring for the names)."""
 
-    def __init__(self, m, b: int, seq_len: int, tp: int = 1, sp: bool = False, cp: int = 1, ep: int = 1,
-                 dtype_bytes: int = 4, autocast: bool = True, ulysses: int = 1, document_mask: bool = False):
+    def __init__(
+        self,
+        m,
+        b: int,
+        seq_len: int,
+        tp: int = 1,
+        sp: bool = False,
+        cp: int = 1,
+        ep: int = 1,
+        dtype_bytes: int = 4,
+        autocast: bool = True,
+        ulysses: int = 1,
+        document_mask: bool = False,
+    ):
         self.m, self.b, self.tp, self.cp, self.ep = m, b, tp, cp, ep
         self.u, self.documents = ulysses, document_mask
         # the attention keeps its tokens' order keys: document-masked, or the ring across Ulysses groups
@@ -191,8 +225,13 @@ class _Geometry:
             return round(self._selective(moe) + rope + ids)
         ffn = self._moe() if moe else 4 * self.m.ffn_dim / self.tp * self.B * self.x
         consumers = (1 + (2 if self.m.n_shared_experts else 0)) if moe else 2  # router (+ shared w1, w3) or w1, w3
-        return round(self._norm(self.Bs, self.B, consumers=3) + self._attention() + self._norm(self.Bs, self.B, consumers)
-                     + ffn + rope)
+        return round(
+            self._norm(self.Bs, self.B, consumers=3)
+            + self._attention()
+            + self._norm(self.Bs, self.B, consumers)
+            + ffn
+            + rope
+        )
 
     # pieces ------------------------------------------------------------------------------------
     def _norm(self, Bs: float, B: float, consumers: int) -> float:
@@ -213,8 +252,7 @@ class _Geometry:
         # its inverse (int64), and the gathered order keys where the attention is masked
         if (kv // self.hd) % u:
             kv = u * self.hd
-        return (B * ((3 * h / T + 2 * kv) * self.x + a * self.f32) + 16 * u * B
-                + (8 * u * B if self.keys else 0))
+        return B * ((3 * h / T + 2 * kv) * self.x + a * self.f32) + 16 * u * B + (8 * u * B if self.keys else 0)
 
     def _slots(self) -> float:
         m, B = self.m, self.B

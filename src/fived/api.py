@@ -10,9 +10,11 @@ one line, before any process starts) and keyword-only options:
 
 Importing fived imports no torch; these functions do when called.
 """
+
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Literal
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal
 
 from fived.config import Config, ConfigError, ModelConfig, build_config, config_fields
 from fived.run_summary import RunSummary
@@ -31,8 +33,15 @@ class TrainingFailed(RuntimeError):
         self.code, self.line = code, line
 
 
-def train(config: Config | None = None, *, nproc: int | None = None, resume: str | None = None,
-          layout: Literal["auto"] | None = None, report: bool = False, progress: bool = True) -> RunSummary | None:
+def train(
+    config: Config | None = None,
+    *,
+    nproc: int | None = None,
+    resume: str | None = None,
+    layout: Literal["auto"] | None = None,
+    report: bool = False,
+    progress: bool = True,
+) -> RunSummary | None:
     """Train `config` (default: the embedded tiny run) as `fived train` does, and return its summary.
 
     nproc: local ranks to start (default: the layout's world size, or one per GPU, or 2 on CPU); in a
@@ -59,8 +68,9 @@ def train(config: Config | None = None, *, nproc: int | None = None, resume: str
     return outcome.summary
 
 
-def verify(config: Config | None = None, *, nproc: int | None = None, printer: Callable[[str], Any] | None = print
-           ) -> VerifyReport:
+def verify(
+    config: Config | None = None, *, nproc: int | None = None, printer: Callable[[str], Any] | None = print
+) -> VerifyReport:
     """Train `config`'s layout and the single-process reference on the same global batches in float64
     (its train.steps; `fived verify` defaults to 5) and compare losses, gradient norms and final
     parameters. nproc: ranks (default: the layout's world size, dp 1 when nothing sets it). printer:
@@ -74,8 +84,17 @@ def verify(config: Config | None = None, *, nproc: int | None = None, printer: C
     return run_verify(cfg, world, printer=printer or (lambda line: None))
 
 
-def plan(model: str | ModelConfig, *, gpus: int, seq_len: int, global_batch_tokens: int, gpu: str = "h100",
-         gpus_per_node: int = 8, runtime: str = "fived", memory_headroom_gib: float = 3.0) -> list[Plan]:
+def plan(
+    model: str | ModelConfig,
+    *,
+    gpus: int,
+    seq_len: int,
+    global_batch_tokens: int,
+    gpu: str = "h100",
+    gpus_per_node: int = 8,
+    runtime: str = "fived",
+    memory_headroom_gib: float = 3.0,
+) -> list[Plan]:
     """The layouts of `model` (a preset name, a TOML config's path, or a ModelConfig) that fit `gpus`
     GPUs of type `gpu` (a100, h100, h200, h800, b200, mi300x or a hardware .toml) with `memory_headroom_gib`
     left free, fastest first, as `fived plan` ranks them: each Plan's layout (`.layout.flags(global_batch)`
@@ -87,8 +106,9 @@ def plan(model: str | ModelConfig, *, gpus: int, seq_len: int, global_batch_toke
     if runtime not in PLANNED_RUNTIMES:
         raise ConfigError("runtime", runtime, "unknown", "one of " + ", ".join(PLANNED_RUNTIMES))
     model_config, cluster, global_batch = cluster_of(model, gpus, gpus_per_node, gpu, seq_len, global_batch_tokens)
-    return search(model_config, cluster, seq_len, global_batch, "bfloat16", PLANNED_RUNTIMES[runtime],
-                  memory_headroom_gib).plans
+    return search(
+        model_config, cluster, seq_len, global_batch, "bfloat16", PLANNED_RUNTIMES[runtime], memory_headroom_gib
+    ).plans
 
 
 def _given(config: Config | None, resume: str | None) -> dict[str, Any]:
@@ -103,5 +123,8 @@ def _given(config: Config | None, resume: str | None) -> dict[str, Any]:
     else:
         base = build_config(overrides={"model.name": config.model.name})  # (refuses a name that is no preset)
     mine, theirs = config.to_dict(), base.to_dict()
-    return {f"{f.section}.{f.key}": mine[f.section][f.key] for f in config_fields()
-            if mine[f.section][f.key] != theirs[f.section][f.key] or (f.section, f.key) == ("model", "name")}
+    return {
+        f"{f.section}.{f.key}": mine[f.section][f.key]
+        for f in config_fields()
+        if mine[f.section][f.key] != theirs[f.section][f.key] or (f.section, f.key) == ("model", "name")
+    }

@@ -23,6 +23,7 @@ for the rest (`_pieces`); the explicit masks are thus about a tile square:
     block masks, varlen flash) is not wired in: no GPU here to verify it against this reference.
 Rows that see no key in a block get output 0 and log-sum-exp -inf, so merging the block is a no-op.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -79,13 +80,14 @@ def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
     """(dq, dk, dv) of one block, given the global output and log-sum-exp of these queries."""
     if q.device.type == "cpu":
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+            dout, q, k, v, out, lse, 0.0, causal, scale=scale
+        )
     if uses_cuda_flash(q):
         ke, ve = _expand_kv(q, k, v)
         no_rng = torch.zeros((), dtype=torch.int64, device=q.device)  # unused: no dropout
         dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
-            dout, q, ke, ve, out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, no_rng, no_rng,
-            scale=scale)
+            dout, q, ke, ve, out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, no_rng, no_rng, scale=scale
+        )
         return dq, _sum_groups(dk, k.shape[1]), _sum_groups(dv, k.shape[1])
     return reference_block_backward(dout, q, k, v, out, lse, causal, scale)
 
@@ -123,6 +125,7 @@ def reference_block_backward(dout, q, k, v, out, lse, causal, scale, mask=None):
 
 
 # --- document masking -----------------------------------------------------------------------------
+
 
 def order_keys(documents: torch.Tensor | None, positions: torch.Tensor, batch: int) -> torch.Tensor:
     """[b, s] int64 order keys of tokens (document << 32 | position); no documents: one document."""
@@ -203,15 +206,15 @@ def masked_block_forward(q, k, v, qkeys, kkeys, scale: float):
     out = torch.zeros((b, s, h, d), dtype=acc, device=q.device).transpose(1, 2)
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
     for row, q0, q1, k0, k1, masked in _pieces(qkeys, kkeys):
-        args = (q[row:row + 1, :, q0:q1], k[row:row + 1, :, k0:k1], v[row:row + 1, :, k0:k1])
+        args = (q[row : row + 1, :, q0:q1], k[row : row + 1, :, k0:k1], v[row : row + 1, :, k0:k1])
         if not masked:
             o, l = block_forward(*args, False, scale)
         else:
             allowed = _visible(qkeys[row, q0:q1], kkeys[row, k0:k1])
             if q.device.type == "cpu":
-                o, l = aten._scaled_dot_product_flash_attention_for_cpu(*args, 0.0, False,
-                                                                        attn_mask=_additive(allowed, q.dtype),
-                                                                        scale=scale)
+                o, l = aten._scaled_dot_product_flash_attention_for_cpu(
+                    *args, 0.0, False, attn_mask=_additive(allowed, q.dtype), scale=scale
+                )
             else:
                 o, l = reference_block_forward(*args, False, scale, _additive(allowed, q.dtype))
             seen = allowed.any(dim=-1)
@@ -226,15 +229,19 @@ def masked_block_backward(dout, q, k, v, out, lse, qkeys, kkeys, scale: float):
     acc = torch.promote_types(q.dtype, torch.float32)
     dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (q, k, v))
     for row, q0, q1, k0, k1, masked in _pieces(qkeys, kkeys):
-        rows, keys = (slice(row, row + 1), slice(None), slice(q0, q1)), (slice(row, row + 1), slice(None), slice(k0, k1))
+        rows, keys = (
+            (slice(row, row + 1), slice(None), slice(q0, q1)),
+            (slice(row, row + 1), slice(None), slice(k0, k1)),
+        )
         args = (dout[rows], q[rows], k[keys], v[keys], out[rows], lse[rows])
         if not masked:
             g = block_backward(*args, False, scale)
         else:
             mask = _additive(_visible(qkeys[row, q0:q1], kkeys[row, k0:k1]), q.dtype)
             if q.device.type == "cpu":
-                g = aten._scaled_dot_product_flash_attention_for_cpu_backward(*args, 0.0, False, attn_mask=mask,
-                                                                              scale=scale)
+                g = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                    *args, 0.0, False, attn_mask=mask, scale=scale
+                )
             else:
                 g = reference_block_backward(*args, False, scale, mask)
         dq[rows] += g[0]
@@ -258,8 +265,9 @@ class DocumentAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, keys = ctx.saved_tensors
-        dq, dk, dv = masked_block_backward(dout.to(q.dtype).contiguous(), q, k, v, out, lse, keys, keys,
-                                           q.shape[-1] ** -0.5)
+        dq, dk, dv = masked_block_backward(
+            dout.to(q.dtype).contiguous(), q, k, v, out, lse, keys, keys, q.shape[-1] ** -0.5
+        )
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 

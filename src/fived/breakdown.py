@@ -12,6 +12,7 @@ steps after the first (the first builds the schedule, allocates and warms up). T
     optimizer (with Muon's exchange)           optimizer
     overhead = data + logging + checkpoint + other                 overhead - layer_host
 """
+
 from __future__ import annotations
 
 import sys
@@ -42,19 +43,25 @@ def mean_breakdown(breakdowns: list[dict], *, skip_first: bool = True) -> dict:
     shape = [len(stage) for stage in per_step[0]]
     out["microbatch_s"] = []
     if all([len(stage) for stage in p] == shape for p in per_step):
-        out["microbatch_s"] = [[sum(p[s][i] for p in per_step) / n for i in range(width)]
-                               for s, width in enumerate(shape)]
+        out["microbatch_s"] = [
+            [sum(p[s][i] for p in per_step) / n for i in range(width)] for s, width in enumerate(shape)
+        ]
     return out
 
 
 def compared(measured: dict) -> dict[str, float]:
     """A rank's measured components on the planner's terms (see the module docstring)."""
     c = measured.get("components", {})
-    dims = {k[len("comm_"):]: v for k, v in c.items() if k.startswith("comm_")}
-    out = {"compute": sum(c.get(k, 0.0) for k in ("forward", "backward", "recompute")),
-           "tp": dims.pop("tp", 0.0), "cp": dims.pop("cp", 0.0), "ep": dims.pop("ep", 0.0),
-           "dp": sum(dims.pop(g, 0.0) for g in DP_GROUPS), "bubble": c.get("bubble", 0.0) + dims.pop("pp", 0.0),
-           "optimizer": c.get("optimizer", 0.0) + dims.pop("optimizer", 0.0)}  # (Muon's exchange)
+    dims = {k[len("comm_") :]: v for k, v in c.items() if k.startswith("comm_")}
+    out = {
+        "compute": sum(c.get(k, 0.0) for k in ("forward", "backward", "recompute")),
+        "tp": dims.pop("tp", 0.0),
+        "cp": dims.pop("cp", 0.0),
+        "ep": dims.pop("ep", 0.0),
+        "dp": sum(dims.pop(g, 0.0) for g in DP_GROUPS),
+        "bubble": c.get("bubble", 0.0) + dims.pop("pp", 0.0),
+        "optimizer": c.get("optimizer", 0.0) + dims.pop("optimizer", 0.0),
+    }  # (Muon's exchange)
     out["overhead"] = sum(c.get(k, 0.0) for k in ("data", "logging", "checkpoint", "other")) + sum(dims.values())
     return out
 
@@ -76,15 +83,30 @@ def predicted(cfg: Config, world: int, hardware=None) -> tuple[dict[str, float],
         return None
     layout = Layout.from_config(cfg, world)
     try:
-        t = step_time(cfg.model, layout, Cluster(hw, world, world), cfg.train.seq_len, cfg.train.global_batch,
-                      cfg.train.dtype, fived_runtime(cfg.train.fp8))
+        t = step_time(
+            cfg.model,
+            layout,
+            Cluster(hw, world, world),
+            cfg.train.seq_len,
+            cfg.train.global_batch,
+            cfg.train.dtype,
+            fived_runtime(cfg.train.fp8),
+        )
     except Exception as e:  # (the run's own figures are written whatever the planner makes of it)
         print(f"fived: no planner prediction for this run's step ({type(e).__name__}: {e})", file=sys.stderr)
         return None
     # the planner's pp (P2P transfer) is time the pipeline waits: measured within the bubble
     # the planner's per-layer host work runs inside the layers' forward and backward: measured as compute
-    return {"compute": t.compute + t.layer_host, "tp": t.tp, "cp": t.cp, "ep": t.ep, "dp": t.dp,
-            "bubble": t.bubble + t.pp, "optimizer": t.optimizer, "overhead": t.overhead - t.layer_host}, asdict(hw)
+    return {
+        "compute": t.compute + t.layer_host,
+        "tp": t.tp,
+        "cp": t.cp,
+        "ep": t.ep,
+        "dp": t.dp,
+        "bubble": t.bubble + t.pp,
+        "optimizer": t.optimizer,
+        "overhead": t.overhead - t.layer_host,
+    }, asdict(hw)
 
 
 def run_breakdown(cfg: Config, world: int, per_rank: list[list[dict]]) -> dict:

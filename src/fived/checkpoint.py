@@ -18,6 +18,7 @@ Asynchronous saves (`checkpoint.async`): training waits while each rank copies t
 DCP writes the copies from a background thread over a process group of its own (gloo), and rank 0
 finalises when they are all written. A new save first waits for the previous one.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -34,9 +35,9 @@ import torch
 import torch.distributed as dist
 
 from fived import dcp_io
-from fived.version import __version__
 from fived.checkpoint_verify import FORMAT, MANIFEST, MARKER, cached_damage, file_digests
 from fived.config import CheckpointConfig, Config, ConfigError
+from fived.version import __version__
 from fived.write_errors import WriteFailed, os_error_in
 
 
@@ -49,7 +50,7 @@ def complete_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
     found = []
     root = checkpoints_dir(run_dir)
     for path in root.glob("step-*") if root.is_dir() else []:
-        step = path.name[len("step-"):]
+        step = path.name[len("step-") :]
         if step.isdigit() and (path / MARKER).is_file() and (path / MANIFEST).is_file():
             found.append((int(step), path))
     return sorted(found)
@@ -75,8 +76,12 @@ def find_checkpoint(path: str | Path, flag: str = "checkpoint", crc: bool = True
         if problem is None:
             return path
         intact = newest_intact(path.parent.parent) if path.parent.name == "checkpoints" else None
-        raise ConfigError(flag, str(path), f"damaged: {problem}",
-                          f"use the intact {intact}" if intact else "no intact checkpoint of this run is left")
+        raise ConfigError(
+            flag,
+            str(path),
+            f"damaged: {problem}",
+            f"use the intact {intact}" if intact else "no intact checkpoint of this run is left",
+        )
     found = complete_checkpoints(path)
     for i, (step, checkpoint) in reversed(list(enumerate(found))):
         problem = cached_damage(checkpoint, crc)
@@ -84,8 +89,12 @@ def find_checkpoint(path: str | Path, flag: str = "checkpoint", crc: bool = True
             return checkpoint
         if os.environ.get("RANK", "0") == "0" and (checkpoint, problem) not in _WARNED:  # (once; one rank)
             _WARNED.add((checkpoint, problem))
-            print(f"fived: warning: checkpoint step-{step} is damaged ({problem}); "
-                  f"{'using an older one' if i else 'no older checkpoint is left'}", file=sys.stderr, flush=True)
+            print(
+                f"fived: warning: checkpoint step-{step} is damaged ({problem}); "
+                f"{'using an older one' if i else 'no older checkpoint is left'}",
+                file=sys.stderr,
+                flush=True,
+            )
     return None
 
 
@@ -97,9 +106,13 @@ def no_intact_checkpoint(run_dir: str | Path, flag: str, value: str, crc: bool =
     if not found:
         return None
     step, newest = found[-1]
-    return ConfigError(flag, value, f"{run_dir} holds {len(found)} checkpoint(s) but no intact one: the newest, "
-                       f"step-{step}, is damaged ({cached_damage(newest, crc)})",
-                       f"move or remove {Path(run_dir) / 'checkpoints'}, or use another --train.output_dir")
+    return ConfigError(
+        flag,
+        value,
+        f"{run_dir} holds {len(found)} checkpoint(s) but no intact one: the newest, "
+        f"step-{step}, is damaged ({cached_damage(newest, crc)})",
+        f"move or remove {Path(run_dir) / 'checkpoints'}, or use another --train.output_dir",
+    )
 
 
 def read_manifest(checkpoint: str | Path) -> dict:
@@ -119,8 +132,9 @@ def saved_config(checkpoint: str | Path, flag: str) -> tuple[dict, Config]:
         manifest = read_manifest(checkpoint)
         return manifest, config_from_dict(manifest["config"])
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ConfigError(flag, str(checkpoint), f"unreadable manifest ({e})",
-                          "use another checkpoint of the run") from None
+        raise ConfigError(
+            flag, str(checkpoint), f"unreadable manifest ({e})", "use another checkpoint of the run"
+        ) from None
 
 
 def check_model_shapes(cfg: Config, checkpoint: str | Path) -> None:
@@ -137,12 +151,20 @@ def check_model_shapes(cfg: Config, checkpoint: str | Path) -> None:
         have = saved.get(f"model.{name}")
         if have != tuple(tensor.shape):
             found = "is missing" if have is None else f"has shape {list(have)}"
-            raise ConfigError("checkpoint", str(checkpoint), f"parameter {name} {found} in the checkpoint, "
-                              f"the config's model needs {list(tensor.shape)}", "use the model config it was saved with")
-    extra = sorted(k for k in saved if k.startswith("model.") and k[len("model."):] not in dict(tensors))
+            raise ConfigError(
+                "checkpoint",
+                str(checkpoint),
+                f"parameter {name} {found} in the checkpoint, the config's model needs {list(tensor.shape)}",
+                "use the model config it was saved with",
+            )
+    extra = sorted(k for k in saved if k.startswith("model.") and k[len("model.") :] not in dict(tensors))
     if extra:
-        raise ConfigError("checkpoint", str(checkpoint), f"parameter {extra[0][len('model.'):]} is in the checkpoint "
-                          "but not in the config's model", "use the model config it was saved with")
+        raise ConfigError(
+            "checkpoint",
+            str(checkpoint),
+            f"parameter {extra[0][len('model.') :]} is in the checkpoint but not in the config's model",
+            "use the model config it was saved with",
+        )
 
 
 def _fsync_write(path: Path, text: str) -> None:
@@ -173,11 +195,16 @@ class Checkpointer:
     # The checkpoint group's collectives wait for the slowest rank's writes: at least this long.
     MIN_TIMEOUT_S = 1800.0
 
-    def __init__(self, run_dir: str | Path, settings: CheckpointConfig, components: dict, manifest: dict,
-                 timeout_s: float = 600.0):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        settings: CheckpointConfig,
+        components: dict,
+        manifest: dict,
+        timeout_s: float = 600.0,
+    ):
         self.root, self.settings, self.components = checkpoints_dir(run_dir), settings, components
-        self.manifest = {"format": FORMAT, "fived_version": __version__, "torch_version": torch.__version__,
-                         **manifest}
+        self.manifest = {"format": FORMAT, "fived_version": __version__, "torch_version": torch.__version__, **manifest}
         self.rank = dist.get_rank()
         # Its own gloo group: a background save's collectives must not interleave with training's,
         # and DCP coordinates over CPU tensors whatever the training backend.
@@ -198,8 +225,11 @@ class Checkpointer:
         return self.settings.every > 0 and step % self.settings.every == 0
 
     def tensors(self) -> dict:
-        return {f"{name}.{key}": value for name, comp in self.components.items()
-                for key, value in comp.tensors(for_load=False).items()}
+        return {
+            f"{name}.{key}": value
+            for name, comp in self.components.items()
+            for key, value in comp.tensors(for_load=False).items()
+        }
 
     def prepare_background(self) -> None:
         """Allocate (and touch) the background saves' staging copies now, once, instead of during the
@@ -215,8 +245,12 @@ class Checkpointer:
         tensors = self.tensors()
         if not self._room_for(tensors, step):
             return
-        manifest = {**self.manifest, "step": step, "saved_at": time.time(),
-                    "components": {name: comp.state() for name, comp in self.components.items()}}
+        manifest = {
+            **self.manifest,
+            "step": step,
+            "saved_at": time.time(),
+            "components": {name: comp.state() for name, comp in self.components.items()},
+        }
         tmp = self.root / f".tmp-step-{step}"
         self.last_step = step
         if not background:
@@ -246,9 +280,13 @@ class Checkpointer:
         short = torch.tensor([1.0 if free < need else 0.0])
         dist.all_reduce(short, op=dist.ReduceOp.MAX, group=self.group)
         if short.item() and self.rank == 0:
-            print(f"\nfived train: warning: checkpoint of step {step} skipped: {self.root} has {free / 2**20:.1f} "
-                  f"MiB free, the save needs {need / 2**20:.1f} MiB; training goes on and the next save tries "
-                  "again", file=sys.stderr, flush=True)
+            print(
+                f"\nfived train: warning: checkpoint of step {step} skipped: {self.root} has {free / 2**20:.1f} "
+                f"MiB free, the save needs {need / 2**20:.1f} MiB; training goes on and the next save tries "
+                "again",
+                file=sys.stderr,
+                flush=True,
+            )
         return not short.item()
 
     def _refused_write(self, error: BaseException, tmp: Path, step: int) -> None:
@@ -343,7 +381,7 @@ class Checkpointer:
         if self.settings.keep <= 0:
             return
         confirmed = [path for step, path in complete_checkpoints(self.root.parent) if step < newest]
-        for path in confirmed[:-self.settings.keep]:
+        for path in confirmed[: -self.settings.keep]:
             _discard(path)
 
     def wait(self) -> None:
@@ -363,8 +401,11 @@ class Checkpointer:
     def load(self, checkpoint: str | Path) -> dict:
         """Fill every component from `checkpoint` (written by any layout); returns its manifest."""
         manifest = read_manifest(checkpoint)
-        tensors = {f"{name}.{key}": value for name, comp in self.components.items()
-                   for key, value in comp.tensors(for_load=True).items()}
+        tensors = {
+            f"{name}.{key}": value
+            for name, comp in self.components.items()
+            for key, value in comp.tensors(for_load=True).items()
+        }
         dcp_io.load(tensors, checkpoint, self.group)
         for name, comp in self.components.items():
             comp.load_state(manifest["components"].get(name, {}))

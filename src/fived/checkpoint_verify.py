@@ -13,6 +13,7 @@ from storage when not (a shard larger than the free memory, or evicted meanwhile
     record: the first three checks still apply).
 CRC-32 finds accidental damage (truncation, bit rot, a partial copy), not deliberate forgery.
 """
+
 from __future__ import annotations
 
 import json
@@ -56,7 +57,7 @@ def _manifest_damage(checkpoint: Path) -> tuple[str | None, dict]:
         return f"{checkpoint / MANIFEST} is unreadable ({e})", {}
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         return f"{checkpoint / MANIFEST} is not a {FORMAT} manifest", {}
-    step, name = manifest.get("step"), checkpoint.name[len("step-"):]
+    step, name = manifest.get("step"), checkpoint.name[len("step-") :]
     if type(step) is not int or (name.isdigit() and step != int(name)):
         return f"{checkpoint / MANIFEST} gives step {step!r}, not the step number {name}", {}
     return None, manifest
@@ -110,8 +111,11 @@ _verdicts: dict[tuple, str | None] = {}
 def cached_damage(checkpoint: Path, crc: bool = True) -> str | None:
     """damage(), once per state of a checkpoint's files (names, sizes, times) in this process."""
     try:
-        key = (str(checkpoint.resolve()), crc, *sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns)
-                                                  for e in os.scandir(checkpoint)))
+        key = (
+            str(checkpoint.resolve()),
+            crc,
+            *sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(checkpoint)),
+        )
     except OSError:
         return damage(checkpoint, crc)
     if key not in _verdicts:

@@ -5,6 +5,7 @@ Every config field is a flag `--<section>.<field>` (generated from the dataclass
 live in one place); common ones have short forms (--model, --dp, --tp, --steps, ...).
 Configuration errors are reported before any rank is started.
 """
+
 from __future__ import annotations
 
 import os
@@ -13,16 +14,15 @@ import os
 # Must happen before torch is imported.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import argparse  # noqa: E402
-import re  # noqa: E402
-import sys  # noqa: E402
+import argparse
+import re
+import sys
 
-from fived.cli_generate import add_generate_command  # noqa: E402
-from fived.cli_plan import add_plan_commands  # noqa: E402
-from fived.config import ConfigError, build_config  # noqa: E402
-from fived.launch import Stopped  # noqa: E402
-from fived.run_setup import (  # noqa: E402
-    add_config_flags, load_run, prepare_training, reshard_layout)
+from fived.cli_generate import add_generate_command
+from fived.cli_plan import add_plan_commands
+from fived.config import ConfigError, build_config
+from fived.launch import Stopped
+from fived.run_setup import add_config_flags, load_run, prepare_training, reshard_layout
 
 
 def cmd_train(ns: argparse.Namespace) -> int:
@@ -83,8 +83,9 @@ def cmd_prepare_data(ns: argparse.Namespace) -> int:
     val_path = bin_path.with_name(bin_path.name[: -len(".bin")] + ".val.bin")
     for path in (bin_path, val_path if ns.val_fraction > 0 else None):
         if path is not None and path.exists():
-            raise ConfigError("--output", ns.output, f"{path} exists; fived does not overwrite token files",
-                              "name a new output")
+            raise ConfigError(
+                "--output", ns.output, f"{path} exists; fived does not overwrite token files", "name a new output"
+            )
     for path in ns.inputs:
         if not Path(path).exists():
             raise ConfigError("inputs", path, "file not found", "give .txt, .jsonl, .parquet files or saved datasets")
@@ -93,25 +94,36 @@ def cmd_prepare_data(ns: argparse.Namespace) -> int:
         except ValueError as e:
             raise ConfigError("inputs", path, str(e).split(": ", 1)[-1]) from None
     if ns.tokenizer != "byte" and not Path(ns.tokenizer).is_file():
-        raise ConfigError("--tokenizer", ns.tokenizer, "file not found",
-                          "give the path of a Hugging Face tokenizer.json, or 'byte'")
+        raise ConfigError(
+            "--tokenizer", ns.tokenizer, "file not found", "give the path of a Hugging Face tokenizer.json, or 'byte'"
+        )
     if not 0.0 <= ns.val_fraction < 1.0:
         raise ConfigError("--val-fraction", ns.val_fraction, "must be in [0, 1)", "e.g. 0.05")
     if load_tokenizer(ns.tokenizer).eot_id is None:
-        raise ConfigError("--tokenizer", ns.tokenizer, "has no end-of-document token to separate documents",
-                          "use a tokenizer.json with one of " + ", ".join(EOT_TOKENS))
+        raise ConfigError(
+            "--tokenizer",
+            ns.tokenizer,
+            "has no end-of-document token to separate documents",
+            "use a tokenizer.json with one of " + ", ".join(EOT_TOKENS),
+        )
     try:
         out = prepare_data(ns.inputs, ns.output, ns.tokenizer, ns.text_field, ns.val_fraction, ns.split)
     except MissingExtra as e:  # pyarrow / datasets for .parquet / saved datasets
-        raise ConfigError("inputs", e.input_path, f"reading it needs {e.module}, which is not installed", FORMAT_EXTRA) from None
+        raise ConfigError(
+            "inputs", e.input_path, f"reading it needs {e.module}, which is not installed", FORMAT_EXTRA
+        ) from None
     except (ValueError, UnicodeDecodeError) as e:
         print(f"fived: error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
     except OSError as e:  # (a full disk, a read-only or unreadable path)
         from fived.write_errors import describe
 
-        raise ConfigError("prepare-data", ns.output, f"failed: {describe(e)}",
-                          "free some space, or choose readable inputs and a writable --output") from None
+        raise ConfigError(
+            "prepare-data",
+            ns.output,
+            f"failed: {describe(e)}",
+            "free some space, or choose readable inputs and a writable --output",
+        ) from None
     print(f"wrote {out}" + (f" and {val_path}" if ns.val_fraction > 0 else ""))
     return 0
 
@@ -127,52 +139,98 @@ def cmd_export(ns: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fived", description="5D-parallel training of Llama-style models.",
-                                     allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        prog="fived", description="5D-parallel training of Llama-style models.", allow_abbrev=False
+    )
     parser.add_argument("--version", action="store_true", help="print fived's and torch's versions")
     sub = parser.add_subparsers(dest="command")
-    train = sub.add_parser("train", allow_abbrev=False, help="train a model (no arguments: the embedded tiny default on 2 CPU ranks)")
+    train = sub.add_parser(
+        "train", allow_abbrev=False, help="train a model (no arguments: the embedded tiny default on 2 CPU ranks)"
+    )
     add_config_flags(train)
     train.add_argument("--report", action="store_true", help="print the ledger: bytes per rank and per collective")
     train.add_argument("--layout", help="'auto': the planner picks the fastest layout that fits the --nproc ranks")
-    train.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its newest complete checkpoint, "
-                       "with the layout flags given now (any layout); 'auto': train.output_dir's newest "
-                       "checkpoint if it has one, else start the run there (for restarted jobs)")
+    train.add_argument(
+        "--resume",
+        metavar="DIR",
+        help="continue the run in DIR from its newest complete checkpoint, "
+        "with the layout flags given now (any layout); 'auto': train.output_dir's newest "
+        "checkpoint if it has one, else start the run there (for restarted jobs)",
+    )
     train.set_defaults(func=cmd_train)
-    verify = sub.add_parser("verify", allow_abbrev=False, help="compare a layout with the single-process reference in float64")
+    verify = sub.add_parser(
+        "verify", allow_abbrev=False, help="compare a layout with the single-process reference in float64"
+    )
     add_config_flags(verify)
-    verify.add_argument("--reshard-from", metavar="FLAGS", help="run the first half of the steps at the layout these "
-                        "flags give, checkpoint, resume at this layout for the second half")
+    verify.add_argument(
+        "--reshard-from",
+        metavar="FLAGS",
+        help="run the first half of the steps at the layout these "
+        "flags give, checkpoint, resume at this layout for the second half",
+    )
     verify.set_defaults(func=cmd_verify)
-    dry_help = ("build one rank of any layout at any world size in this process (fake process group), "
-                "initialise it, take one optimizer step, and set its measured bytes beside the planner's")
-    dry = sub.add_parser("dryrun", allow_abbrev=False, help=dry_help, description=dry_help + " (the run-time "
-                         "flags --max-restarts, --trace, --init-from, data and checkpoint fields are accepted and unused)")
+    dry_help = (
+        "build one rank of any layout at any world size in this process (fake process group), "
+        "initialise it, take one optimizer step, and set its measured bytes beside the planner's"
+    )
+    dry = sub.add_parser(
+        "dryrun",
+        allow_abbrev=False,
+        help=dry_help,
+        description=dry_help + " (the run-time "
+        "flags --max-restarts, --trace, --init-from, data and checkpoint fields are accepted and unused)",
+    )
     add_config_flags(dry, nproc_help="the world size whose rank --rank is built (any: 512, 16384, ...)")
     dry.add_argument("--rank", type=int, required=True, help="the global rank to build")
-    dry.add_argument("--blocks", type=int, default=0, help="run forward and backward through this many of the "
-                     "rank's transformer blocks (one micro-batch) and compare activation bytes")
+    dry.add_argument(
+        "--blocks",
+        type=int,
+        default=0,
+        help="run forward and backward through this many of the "
+        "rank's transformer blocks (one micro-batch) and compare activation bytes",
+    )
     dry.add_argument("--no-init", action="store_true", help="allocate the weights without drawing their initial values")
     dry.set_defaults(func=cmd_dryrun)
     add_plan_commands(sub)
-    config = sub.add_parser("config", allow_abbrev=False, help="print the config these flags give as a TOML file, "
-                            "every field with its description (fived train --config reads it)")
+    config = sub.add_parser(
+        "config",
+        allow_abbrev=False,
+        help="print the config these flags give as a TOML file, "
+        "every field with its description (fived train --config reads it)",
+    )
     add_config_flags(config, nproc_help="(unused)")
     config.add_argument("--markdown", action="store_true", help="print the table of every field (the README's) instead")
     config.set_defaults(func=cmd_config)
-    prep = sub.add_parser("prepare-data", allow_abbrev=False,
-                          help="tokenize .txt, .jsonl, .parquet files or saved datasets into a token file (numpy memmap)")
-    prep.add_argument("inputs", nargs="+", help=".txt (one document per file), .jsonl, .parquet files or directories "
-                      "of Dataset.save_to_disk, in order; every document ends with the end-of-document token")
+    prep = sub.add_parser(
+        "prepare-data",
+        allow_abbrev=False,
+        help="tokenize .txt, .jsonl, .parquet files or saved datasets into a token file (numpy memmap)",
+    )
+    prep.add_argument(
+        "inputs",
+        nargs="+",
+        help=".txt (one document per file), .jsonl, .parquet files or directories "
+        "of Dataset.save_to_disk, in order; every document ends with the end-of-document token",
+    )
     prep.add_argument("--output", required=True, help="output path (.bin; a .json sidecar is written beside it)")
     prep.add_argument("--tokenizer", default="byte", help="'byte' or a Hugging Face tokenizer.json")
-    prep.add_argument("--text-field", default="text", help="the JSON field / Parquet or dataset column holding "
-                      "the text (default 'text')")
+    prep.add_argument(
+        "--text-field",
+        default="text",
+        help="the JSON field / Parquet or dataset column holding the text (default 'text')",
+    )
     prep.add_argument("--split", default="train", help="the split of a saved DatasetDict (default 'train')")
-    prep.add_argument("--val-fraction", type=float, default=0.0, help="hold out the last fraction of the tokens "
-                      "(cut at a document end) as <output>.val.bin, for train.eval_every (default 0)")
+    prep.add_argument(
+        "--val-fraction",
+        type=float,
+        default=0.0,
+        help="hold out the last fraction of the tokens "
+        "(cut at a document end) as <output>.val.bin, for train.eval_every (default 0)",
+    )
     prep.set_defaults(func=cmd_prepare_data)
-    exp = sub.add_parser("export", allow_abbrev=False, help="write a run's checkpoint as a Hugging Face model directory")
+    exp = sub.add_parser(
+        "export", allow_abbrev=False, help="write a run's checkpoint as a Hugging Face model directory"
+    )
     exp.add_argument("source", help="a run directory (its newest checkpoint) or a checkpoint directory")
     exp.add_argument("--output", required=True, help="the directory to write (new or empty)")
     exp.add_argument("--max-shard-gb", type=float, default=5.0, help="safetensors shard size limit (default 5)")

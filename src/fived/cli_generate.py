@@ -1,6 +1,7 @@
 """`fived generate`: continue prompts with a run's or a Hugging Face model, in one process (one prompt)
 or on ranks with training's parallel modules (`--nproc`, `--tp`, `--pp`, `--ep`: `fived.generate_ranks`).
 Bad values are refused in one line before any model is read or rank started."""
+
 from __future__ import annotations
 
 import argparse
@@ -10,23 +11,36 @@ from fived.config import ConfigError
 
 
 def add_generate_command(sub) -> None:
-    gen = sub.add_parser("generate", allow_abbrev=False, help="continue a prompt with a run's model or a Hugging Face model")
+    gen = sub.add_parser(
+        "generate", allow_abbrev=False, help="continue a prompt with a run's model or a Hugging Face model"
+    )
     gen.add_argument("source", help="a run directory, a checkpoint, or a Hugging Face model directory")
     gen.add_argument("--prompt", required=True, action="append", help="the text to continue (repeat for a batch)")
     gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; > 0: sample")
-    gen.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of tokens whose "
-                     "probability reaches this (default 1: all)")
+    gen.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="sample from the smallest set of tokens whose probability reaches this (default 1: all)",
+    )
     gen.add_argument("--seed", type=int, default=0, help="the sampling seed (default 0)")
     gen.add_argument("--dtype", default="float32", help="float32 (default), float64 or bfloat16")
     gen.add_argument("--device", default="auto", help="auto (one GPU if there is one, else CPU), cpu or cuda")
-    gen.add_argument("--json", action="store_true", help="print the prompt's token ids and the generated ids as JSON "
-                     "(a line per prompt)")
+    gen.add_argument(
+        "--json",
+        action="store_true",
+        help="print the prompt's token ids and the generated ids as JSON (a line per prompt)",
+    )
     gen.add_argument("--nproc", type=int, help="ranks to generate on (default tp*pp*ep); dp is what tp*pp leaves")
     for dim, what in (("tp", "tensor-parallel"), ("pp", "pipeline"), ("ep", "expert-parallel (over dp)")):
         gen.add_argument(f"--{dim}", type=int, default=1, help=f"{what} size, as training splits the model (default 1)")
-    gen.add_argument("--report", action="store_true", help="print each rank's KV-cache bytes (measured and the "
-                     "serving planner's formula), prefill time and time per output token")
+    gen.add_argument(
+        "--report",
+        action="store_true",
+        help="print each rank's KV-cache bytes (measured and the "
+        "serving planner's formula), prefill time and time per output token",
+    )
     gen.set_defaults(func=cmd_generate)
 
 
@@ -37,11 +51,13 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     from fived.generate import Sampling, describe_source, generate, load_model
     from fived.launch import device_type
 
-    for flag, value, ok, hint in (("--max-new-tokens", ns.max_new_tokens, ns.max_new_tokens >= 1, "e.g. 64"),
-                                  ("--temperature", ns.temperature, ns.temperature >= 0, "0 (greedy) or e.g. 0.8"),
-                                  ("--top-p", ns.top_p, 0 < ns.top_p <= 1, "e.g. 0.9"),
-                                  ("--nproc", ns.nproc, ns.nproc is None or ns.nproc >= 1, "e.g. 2"),
-                                  *((f"--{d}", getattr(ns, d), getattr(ns, d) >= 1, "e.g. 2") for d in ("tp", "pp", "ep"))):
+    for flag, value, ok, hint in (
+        ("--max-new-tokens", ns.max_new_tokens, ns.max_new_tokens >= 1, "e.g. 64"),
+        ("--temperature", ns.temperature, ns.temperature >= 0, "0 (greedy) or e.g. 0.8"),
+        ("--top-p", ns.top_p, 0 < ns.top_p <= 1, "e.g. 0.9"),
+        ("--nproc", ns.nproc, ns.nproc is None or ns.nproc >= 1, "e.g. 2"),
+        *((f"--{d}", getattr(ns, d), getattr(ns, d) >= 1, "e.g. 2") for d in ("tp", "pp", "ep")),
+    ):
         if not ok:
             raise ConfigError(flag, value, "out of range", hint)
     if ns.dtype not in ("float32", "float64", "bfloat16"):
@@ -83,8 +99,11 @@ def _generate_on_ranks(ns, model, ranks: int, tokenizer, sampling, stop_ids, dev
     prompts = _encoded(tokenizer, ns.prompt)
     reports = generate_on_ranks(cfg, ranks, prompts, sampling, source=ns.source, stop_ids=stop_ids, device=device)
     for text, prompt, ids in zip(ns.prompt, prompts, generated_ids(reports)):
-        print(json.dumps({"prompt_ids": prompt, "generated_ids": ids, "text": tokenizer.decode(ids)}) if ns.json
-              else text + tokenizer.decode(ids))
+        print(
+            json.dumps({"prompt_ids": prompt, "generated_ids": ids, "text": tokenizer.decode(ids)})
+            if ns.json
+            else text + tokenizer.decode(ids)
+        )
     if ns.report:
         print(format_report(reports, cfg))
     return 0

@@ -23,13 +23,14 @@ The recorder is a scoped context and not an object handed to each module because
 run inside autograd functions, module hooks and FSDP2's own hooks, which have no handle on the
 trainer; the context is installed only for the span of a step, and only groups of the mesh are named.
 """
+
 from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -89,8 +90,9 @@ class CommRecorder:
 
     def summary(self) -> dict[str, dict[str, int]]:
         """{"dp/all_reduce": {"bytes": .., "calls": ..}, ...}"""
-        return {f"{d}/{op}": {"bytes": self.bytes[(d, op)], "calls": self.calls[(d, op)]}
-                for d, op in sorted(self.bytes)}
+        return {
+            f"{d}/{op}": {"bytes": self.bytes[(d, op)], "calls": self.calls[(d, op)]} for d, op in sorted(self.bytes)
+        }
 
     def blamed_collective(self) -> tuple[str, str, tuple[int, ...]]:
         """(collective, mesh dimension, global ranks) of the collective that raised in this step, or
@@ -195,32 +197,71 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def all_reduce(tensor: torch.Tensor, group, *, op=dist.ReduceOp.SUM, async_op: bool = False, role: str | None = None):
-    return _issue("all_reduce", group, _nbytes(tensor),
-                  lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op), async_op, role)
+    return _issue(
+        "all_reduce",
+        group,
+        _nbytes(tensor),
+        lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op),
+        async_op,
+        role,
+    )
 
 
-def all_gather_single(output: torch.Tensor, input: torch.Tensor, group, *, async_op: bool = False,
-                      role: str | None = None):
-    return _issue("all_gather_single", group, _nbytes(output),
-                  lambda: dist.all_gather_single(output, input, group=group, async_op=async_op), async_op, role)
+def all_gather_single(
+    output: torch.Tensor, input: torch.Tensor, group, *, async_op: bool = False, role: str | None = None
+):
+    return _issue(
+        "all_gather_single",
+        group,
+        _nbytes(output),
+        lambda: dist.all_gather_single(output, input, group=group, async_op=async_op),
+        async_op,
+        role,
+    )
 
 
-def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, group, *, op=dist.ReduceOp.SUM,
-                          async_op: bool = False, role: str | None = None):
-    return _issue("reduce_scatter_single", group, _nbytes(input),
-                  lambda: dist.reduce_scatter_single(output, input, op=op, group=group, async_op=async_op), async_op,
-                  role)
+def reduce_scatter_single(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group,
+    *,
+    op=dist.ReduceOp.SUM,
+    async_op: bool = False,
+    role: str | None = None,
+):
+    return _issue(
+        "reduce_scatter_single",
+        group,
+        _nbytes(input),
+        lambda: dist.reduce_scatter_single(output, input, op=op, group=group, async_op=async_op),
+        async_op,
+        role,
+    )
 
 
-def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group, *, output_splits=None, input_splits=None,
-                      async_op: bool = False, role: str | None = None):
-    return _issue("all_to_all_single", group, _nbytes(input),
-                  lambda: dist.all_to_all_single(output, input, output_splits, input_splits, group=group,
-                                                 async_op=async_op), async_op, role)
+def all_to_all_single(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group,
+    *,
+    output_splits=None,
+    input_splits=None,
+    async_op: bool = False,
+    role: str | None = None,
+):
+    return _issue(
+        "all_to_all_single",
+        group,
+        _nbytes(input),
+        lambda: dist.all_to_all_single(output, input, output_splits, input_splits, group=group, async_op=async_op),
+        async_op,
+        role,
+    )
 
 
-def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], group, *,
-             role: str | None = None) -> Pending:
+def exchange(
+    sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], group, *, role: str | None = None
+) -> Pending:
     """Start point-to-point sends (tensor, global peer) and receives (buffer, global peer) on `group`
     as one batch; wait on the result before reading the buffers."""
     ops = [dist.P2POp(dist.isend, t, peer, group) for t, peer in sends]
@@ -262,9 +303,12 @@ class FsdpAllGather:
         # Bytes only where FSDP2 waits on the Work itself (it checks its type) or runs the collective
         # on a side stream of its own (CUDA: a time marked there would not be the caller's wait)
         if async_op or output_tensor.is_cuda:
-            return _issue_unwaited("all_gather_single", group, _nbytes(output_tensor),
-                                   lambda: dist.all_gather_single(output_tensor, input_tensor, group=group,
-                                                                  async_op=async_op))
+            return _issue_unwaited(
+                "all_gather_single",
+                group,
+                _nbytes(output_tensor),
+                lambda: dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op),
+            )
         return all_gather_single(output_tensor, input_tensor, group, role="dp")
 
 
@@ -276,9 +320,12 @@ class FsdpReduceScatter:
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
         if async_op or output_tensor.is_cuda:  # (bytes only, as FsdpAllGather)
-            return _issue_unwaited("reduce_scatter_single", group, _nbytes(input_tensor),
-                                   lambda: dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group,
-                                                                      async_op=async_op))
+            return _issue_unwaited(
+                "reduce_scatter_single",
+                group,
+                _nbytes(input_tensor),
+                lambda: dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op),
+            )
         return reduce_scatter_single(output_tensor, input_tensor, group, op=op, role="dp")
 
 

@@ -6,6 +6,7 @@ Every field carries a one-line description (`option`), which `fived train --help
 field table and the comments of a run's config.toml all show (`fived.config_docs`); a field's
 allowed values are its annotation's (a `Literal` for each choice).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -70,8 +71,12 @@ class ModelConfig:
     # rope_original_max_len/rope_low_freq_factor and .../rope_high_freq_factor
     rope_scaling: RopeScaling = option("none", "rotary scaling of long wavelengths (llama3: Llama 3.1's)")
     rope_factor: float = option(8.0, "llama3 scaling: long wavelengths are divided by this")
-    rope_low_freq_factor: float = option(1.0, "llama3 scaling: wavelengths above rope_original_max_len / this are scaled")
-    rope_high_freq_factor: float = option(4.0, "llama3 scaling: wavelengths below rope_original_max_len / this are kept")
+    rope_low_freq_factor: float = option(
+        1.0, "llama3 scaling: wavelengths above rope_original_max_len / this are scaled"
+    )
+    rope_high_freq_factor: float = option(
+        4.0, "llama3 scaling: wavelengths below rope_original_max_len / this are kept"
+    )
     rope_original_max_len: int = option(8192, "llama3 scaling: the context length the model was first trained at")
     head_size: int = option(0, "features per attention head; 0: dim // n_heads (Qwen3 sets its own)")
     qk_norm: bool = option(False, "RMSNorm over each query and key head before the rotation (Qwen3)")
@@ -84,9 +89,13 @@ class ModelConfig:
     n_shared_experts: int = option(0, "experts every token goes through (hidden size moe_ffn_dim each)")
     n_dense_layers: int = option(0, "the first n layers keep a dense feed-forward (DeepSeek style)")
     route_norm: bool = option(True, "renormalise the top-k routing weights to sum to 1")
-    capacity_factor: float = option(0.0, "0: dropless; > 0: an expert drops tokens beyond this x tokens x top_k / n_experts")
+    capacity_factor: float = option(
+        0.0, "0: dropless; > 0: an expert drops tokens beyond this x tokens x top_k / n_experts"
+    )
     aux_loss_coef: float = option(0.01, "weight of the load-balancing loss (per-sequence statistics)")
-    router_bias_rate: float = option(0.0, "> 0: aux-loss-free balancing (DeepSeek-V3): each expert's bias steps by this")
+    router_bias_rate: float = option(
+        0.0, "> 0: aux-loss-free balancing (DeepSeek-V3): each expert's bias steps by this"
+    )
 
     @property
     def head_dim(self) -> int:
@@ -159,26 +168,36 @@ class TrainConfig:
     grad_clip: float = option(1.0, "clip the global gradient norm to this; 0: no clipping")
     # Muon (orthogonalised momentum, fived.muon) for the hidden weight matrices (attention, feed-forward,
     # shared and routed experts, each expert's matrix on its own), AdamW (lr, betas, eps, weight_decay
-    # above) for the embedding, head, norms and router; one lr and schedule for both
+    # above) for the embedding, head, norms and router; one schedule for both (train.muon_lr: Muon's own lr)
     optimizer: Optimizer = option("adamw", "the hidden weight matrices' optimizer (muon: AdamW for the rest)")
+    muon_lr: float = option(0.0, "the Muon matrices' learning rate, under the same schedule; 0: train.lr")
     muon_momentum: float = option(0.95, "Muon's momentum")
     muon_nesterov: bool = option(True, "Muon: Nesterov momentum")
     muon_ns_steps: int = option(5, "Muon: Newton-Schulz iterations")
     # X <- a X + (b A + c A^2) X with A = X X^T: one "a,b,c" for every iteration (Keller Jordan's
     # quintic), or one per iteration separated by ";"
-    muon_ns_coefficients: str = option("3.4445,-4.7750,2.0315", "Muon: the Newton-Schulz step's a,b,c (or one per step, ';')")
+    muon_ns_coefficients: str = option(
+        "3.4445,-4.7750,2.0315", "Muon: the Newton-Schulz step's a,b,c (or one per step, ';')"
+    )
     # the update of a fan_out x fan_in matrix times: rms 0.2*sqrt(max(fan_out, fan_in)) (Moonlight: AdamW's
     # update RMS, so AdamW's lr and weight decay carry over) | spectral sqrt(max(1, fan_out/fan_in)) (Keller
     # Jordan's Muon) | none
     muon_scale: MuonScale = option("rms", "Muon: its update's scale (rms: AdamW's, so its lr and decay carry over)")
+    # each bucket is gathered, orthogonalised, scattered and applied before the next (whole matrices, in
+    # model order, in the Newton-Schulz dtype, per rank of the pipeline stage), so the step's transient
+    # memory is one bucket's, not the stage's
+    muon_bucket_mb: float = option(256.0, "Muon: MiB per rank of the matrices its step orthogonalises at once")
     # bfloat16: bf16 weights and gradients, float32 master weights and Adam state in the optimizer;
     # bfloat16-autocast: float32 weights, bf16 matmuls under autocast
     dtype: Precision = option("float32", "precision (bfloat16: float32 masters; -autocast: float32 weights)")
-    activation_checkpointing: Checkpointing = option("none", "recompute activations in backward (selective: "
-                                                      "the cheap element-wise ones)")
+    activation_checkpointing: Checkpointing = option(
+        "none", "recompute activations in backward (selective: the cheap element-wise ones)"
+    )
     fp8: Fp8Recipe = option("none", "FP8 linears (torchao float8 training; emulated on CPU)")
     compile: bool = option(False, "torch.compile each transformer block (see fived.parallel.compile)")
-    compile_backend: CompileBackend = option("inductor", "torch.compile's backend (aot_eager: traced, no code generated)")
+    compile_backend: CompileBackend = option(
+        "inductor", "torch.compile's backend (aot_eager: traced, no code generated)"
+    )
     seed: int = option(0, "seed of the initial weights and the data order")
     # a Hugging Face model directory (its config.json gives the model, its tokenizer.json the
     # tokenizer) or a fived run/checkpoint (weights only, a fresh optimizer)
@@ -243,12 +262,19 @@ class Config:
 
     def to_dict(self) -> dict:
         """{section: {key: value}}, with the keys a TOML file or a flag uses."""
-        return {section: {key_of(f): getattr(getattr(self, section), f.name) for f in fields(cls)}
-                for section, cls in SECTION_TYPES.items()}
+        return {
+            section: {key_of(f): getattr(getattr(self, section), f.name) for f in fields(cls)}
+            for section, cls in SECTION_TYPES.items()
+        }
 
 
-SECTION_TYPES = {"model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig, "data": DataConfig,
-                 "checkpoint": CheckpointConfig}
+SECTION_TYPES = {
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "train": TrainConfig,
+    "data": DataConfig,
+    "checkpoint": CheckpointConfig,
+}
 
 
 def key_of(f: dataclasses.Field) -> str:
@@ -260,7 +286,7 @@ def _fields_by_key(section: str) -> dict[str, dataclasses.Field]:
     return {key_of(f): f for f in fields(SECTION_TYPES[section])}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def field_type(section: str, key: str) -> Any:
     """The annotation of `section.key`, resolved (str, int, float, bool or a Literal of choices)."""
     return typing.get_type_hints(SECTION_TYPES[section])[_fields_by_key(section)[key].name]
@@ -277,19 +303,42 @@ _TINY = dict(vocab_size=256, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_di
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(_TINY),
     "tiny-moe": dict(_TINY, n_experts=8, top_k=2, moe_ffn_dim=64, n_shared_experts=1),
-    "llama3-8b": dict(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
-                      ffn_dim=14336, rope_theta=500000.0),
-    "llama3-70b": dict(vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
-                       ffn_dim=28672, rope_theta=500000.0),
-    "llama3-405b": dict(vocab_size=128256, dim=16384, n_layers=126, n_heads=128, n_kv_heads=8,
-                        ffn_dim=53248, rope_theta=500000.0),
-    "mixtral-8x7b": dict(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
-                         ffn_dim=14336, rope_theta=1e6, n_experts=8, top_k=2),
+    "llama3-8b": dict(
+        vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, rope_theta=500000.0
+    ),
+    "llama3-70b": dict(
+        vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672, rope_theta=500000.0
+    ),
+    "llama3-405b": dict(
+        vocab_size=128256, dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim=53248, rope_theta=500000.0
+    ),
+    "mixtral-8x7b": dict(
+        vocab_size=32000,
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim=14336,
+        rope_theta=1e6,
+        n_experts=8,
+        top_k=2,
+    ),
     # DeepSeek-V3's expert layout (256 routed experts, top-8, one shared, 3 dense layers) on our
     # grouped-query attention instead of multi-head latent attention.
-    "deepseek-v3-like": dict(vocab_size=129280, dim=7168, n_layers=61, n_heads=128, n_kv_heads=128,
-                             ffn_dim=18432, n_experts=256, top_k=8, moe_ffn_dim=2048,
-                             n_shared_experts=1, n_dense_layers=3, rope_theta=10000.0),
+    "deepseek-v3-like": dict(
+        vocab_size=129280,
+        dim=7168,
+        n_layers=61,
+        n_heads=128,
+        n_kv_heads=128,
+        ffn_dim=18432,
+        n_experts=256,
+        top_k=8,
+        moe_ffn_dim=2048,
+        n_shared_experts=1,
+        n_dense_layers=3,
+        rope_theta=10000.0,
+    ),
 }
 
 
@@ -315,8 +364,12 @@ def coerce(section: str, key: str, value: Any) -> Any:
         raise ConfigError(f"{section}.{key}", value, f"must be {what}", f"e.g. {example}") from None
     if allowed is not None and converted not in allowed:
         close = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
-        raise ConfigError(f"{section}.{key}", value, "must be one of " + ", ".join(str(a) for a in allowed),
-                          f"did you mean '{close[0]}'?" if close else f"e.g. --{section}.{key} {by_key[key].default}")
+        raise ConfigError(
+            f"{section}.{key}",
+            value,
+            "must be one of " + ", ".join(str(a) for a in allowed),
+            f"did you mean '{close[0]}'?" if close else f"e.g. --{section}.{key} {by_key[key].default}",
+        )
     return converted
 
 

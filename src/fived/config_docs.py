@@ -3,6 +3,7 @@ and its annotation's allowed values): the groups of `fived train --help`, the RE
 (`fived config --markdown`) and the comments of a TOML config (a run directory's config.toml,
 `fived config`).
 """
+
 from __future__ import annotations
 
 from typing import Any

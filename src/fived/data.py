@@ -5,6 +5,7 @@ a pure function of (tokens, seq_len, global_batch, seed, step), and a data-paral
 rank's share is just a contiguous slice of it. So any DP/TP/PP layout sees exactly
 the same examples as a single device, and resuming only needs the step number.
 """
+
 from __future__ import annotations
 
 import json
@@ -45,8 +46,7 @@ class HFTokenizer:
             import tokenizers  # imported here so the byte path needs no extra package
         except ImportError as e:
             raise ImportError(
-                f"tokenizer {str(path)!r} needs the Hugging Face tokenizers package: "
-                "pip install tokenizers"
+                f"tokenizer {str(path)!r} needs the Hugging Face tokenizers package: pip install tokenizers"
             ) from e
         if not Path(path).is_file():
             raise ValueError(f"tokenizer file not found: {path}")
@@ -68,7 +68,7 @@ class HFTokenizer:
 
 
 def load_tokenizer(name: str):
-    """"byte" -> ByteTokenizer; anything else is taken as a path to a tokenizer.json."""
+    """ "byte" -> ByteTokenizer; anything else is taken as a path to a tokenizer.json."""
     if name == "byte":
         return ByteTokenizer()
     return HFTokenizer(name)
@@ -229,8 +229,13 @@ class GlobalBatchSampler:
             yield self.next_global_batch()
 
     def state_dict(self) -> dict:
-        state = {"step": self.step, "seed": self.seed, "seq_len": self.seq_len,
-                 "global_batch": self.global_batch, "num_windows": self.num_windows}
+        state = {
+            "step": self.step,
+            "seed": self.seed,
+            "seq_len": self.seq_len,
+            "global_batch": self.global_batch,
+            "num_windows": self.num_windows,
+        }
         return {**state, "skips": [list(s) for s in self.skips]} if self.skips else state
 
     def load_state_dict(self, state: dict) -> None:
@@ -249,32 +254,51 @@ def check_data(cfg) -> np.ndarray:
 
     d, t = cfg.data, cfg.train
     if d.tokenizer != "byte" and not Path(d.tokenizer).is_file():
-        raise ConfigError("data.tokenizer", d.tokenizer, "file not found",
-                          "give the path of a Hugging Face tokenizer.json, or 'byte'")
+        raise ConfigError(
+            "data.tokenizer", d.tokenizer, "file not found", "give the path of a Hugging Face tokenizer.json, or 'byte'"
+        )
     if d.path and not Path(d.path).exists():
-        raise ConfigError("data.path", d.path, "file not found",
-                          "give a .bin from `fived prepare-data`, a text file, or leave it empty for the bundled corpus")
+        raise ConfigError(
+            "data.path",
+            d.path,
+            "file not found",
+            "give a .bin from `fived prepare-data`, a text file, or leave it empty for the bundled corpus",
+        )
     try:
         vocab = load_tokenizer(d.tokenizer).vocab_size
         tokens = load_tokens(d.path, d.tokenizer)
     except (ValueError, ImportError) as e:
         raise ConfigError("data", d.path or "bundled corpus", str(e).splitlines()[0]) from None
     if vocab > cfg.model.vocab_size:
-        raise ConfigError("model.vocab_size", cfg.model.vocab_size, f"smaller than the tokenizer's vocabulary ({vocab})",
-                          f"set --model.vocab_size {vocab}")
+        raise ConfigError(
+            "model.vocab_size",
+            cfg.model.vocab_size,
+            f"smaller than the tokenizer's vocabulary ({vocab})",
+            f"set --model.vocab_size {vocab}",
+        )
     largest = largest_token_id(d.path, tokens)
     if largest >= cfg.model.vocab_size:
-        raise ConfigError("data.path", d.path or "bundled corpus", f"holds token id {largest}, beyond the model's "
-                          f"vocabulary (model.vocab_size={cfg.model.vocab_size})",
-                          f"set --model.vocab_size {largest + 1}, or re-tokenize the data with the model's tokenizer")
+        raise ConfigError(
+            "data.path",
+            d.path or "bundled corpus",
+            f"holds token id {largest}, beyond the model's vocabulary (model.vocab_size={cfg.model.vocab_size})",
+            f"set --model.vocab_size {largest + 1}, or re-tokenize the data with the model's tokenizer",
+        )
     windows = max(0, (len(tokens) - 1) // t.seq_len)
     if windows < t.global_batch:
-        raise ConfigError("train.global_batch", t.global_batch,
-                          f"the data holds only {windows} sequences of seq_len={t.seq_len}",
-                          "use more data, a shorter seq_len or a smaller global batch")
+        raise ConfigError(
+            "train.global_batch",
+            t.global_batch,
+            f"the data holds only {windows} sequences of seq_len={t.seq_len}",
+            "use more data, a shorter seq_len or a smaller global batch",
+        )
     if d.document_mask and end_of_document_id(cfg) is None:
-        raise ConfigError("data.document_mask", True, f"the tokenizer {d.tokenizer!r} has no end-of-document token "
-                          "to find documents by", "use a tokenizer with one (e.g. <|endoftext|>), or set it false")
+        raise ConfigError(
+            "data.document_mask",
+            True,
+            f"the tokenizer {d.tokenizer!r} has no end-of-document token to find documents by",
+            "use a tokenizer with one (e.g. <|endoftext|>), or set it false",
+        )
     validation_data(cfg)
     if t.trace and Path(t.trace).exists():
         raise ConfigError("train.trace", t.trace, "file exists; fived does not overwrite it", "name a new file")
@@ -357,23 +381,38 @@ def validation_data(cfg) -> np.ndarray | None:
         return None
     path = validation_path(cfg)
     if not path:
-        raise ConfigError("train.eval_every", t.eval_every, "needs validation data",
-                          "hold some out with `fived prepare-data ... --val-fraction 0.05`, or give --data.val_path")
+        raise ConfigError(
+            "train.eval_every",
+            t.eval_every,
+            "needs validation data",
+            "hold some out with `fived prepare-data ... --val-fraction 0.05`, or give --data.val_path",
+        )
     if not Path(path).exists():
-        raise ConfigError("data.val_path", path, "file not found", "give a .bin from `fived prepare-data` or a text file")
+        raise ConfigError(
+            "data.val_path", path, "file not found", "give a .bin from `fived prepare-data` or a text file"
+        )
     try:
         tokens = load_tokens(path, cfg.data.tokenizer)
     except (ValueError, ImportError) as e:
-        raise ConfigError("data.val_path", path, str(e).splitlines()[0],
-                          "give validation tokens made like data.path (same tokenizer)") from None
+        raise ConfigError(
+            "data.val_path", path, str(e).splitlines()[0], "give validation tokens made like data.path (same tokenizer)"
+        ) from None
     largest = largest_token_id(path, tokens)
     if largest >= cfg.model.vocab_size:
-        raise ConfigError("data.val_path", path, f"holds token id {largest}, beyond the model's vocabulary "
-                          f"(model.vocab_size={cfg.model.vocab_size})", "give validation tokens made like data.path")
+        raise ConfigError(
+            "data.val_path",
+            path,
+            f"holds token id {largest}, beyond the model's vocabulary (model.vocab_size={cfg.model.vocab_size})",
+            "give validation tokens made like data.path",
+        )
     windows = max(0, (len(tokens) - 1) // t.seq_len)
     if windows < t.global_batch:
-        raise ConfigError("data.val_path", path, f"holds {windows} sequences of seq_len={t.seq_len}, fewer than one "
-                          f"global batch ({t.global_batch})", "hold out more data (a larger --val-fraction)")
+        raise ConfigError(
+            "data.val_path",
+            path,
+            f"holds {windows} sequences of seq_len={t.seq_len}, fewer than one global batch ({t.global_batch})",
+            "hold out more data (a larger --val-fraction)",
+        )
     return tokens
 
 

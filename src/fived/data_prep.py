@@ -14,6 +14,7 @@ tokenized into one token file, streaming.
   copied next to the tokens), so training on the result needs neither `--data.tokenizer` nor
   `--model.vocab_size`.
 """
+
 from __future__ import annotations
 
 import json
@@ -93,8 +94,10 @@ def _parquet_documents(path: Path, field: str):
 
     parquet = pq.ParquetFile(path)
     if field not in parquet.schema_arrow.names:
-        raise ValueError(f"{path}: no column {field!r} (columns: {', '.join(parquet.schema_arrow.names)}; "
-                         "give the text's column with --text-field)")
+        raise ValueError(
+            f"{path}: no column {field!r} (columns: {', '.join(parquet.schema_arrow.names)}; "
+            "give the text's column with --text-field)"
+        )
     for batch in parquet.iter_batches(batch_size=ROWS_PER_BATCH, columns=[field]):
         yield from batch.column(0).to_pylist()
 
@@ -107,8 +110,10 @@ def _dataset_documents(path: Path, field: str, split: str):
             raise ValueError(f"{path}: no split {split!r} (splits: {', '.join(data)}; choose one with --split)")
         data = data[split]
     if field not in data.column_names:
-        raise ValueError(f"{path}: no column {field!r} (columns: {', '.join(data.column_names)}; "
-                         "give the text's column with --text-field)")
+        raise ValueError(
+            f"{path}: no column {field!r} (columns: {', '.join(data.column_names)}; "
+            "give the text's column with --text-field)"
+        )
     for rows in data.select_columns([field]).iter(batch_size=ROWS_PER_BATCH):
         yield from rows[field]
 
@@ -125,8 +130,11 @@ def pieces(path: Path, text_field: str = "text", split: str = "train"):
             previous = block
         yield previous, True
         return
-    rows = {"jsonl": lambda: _jsonl_documents(path, text_field), "parquet": lambda: _parquet_documents(path, text_field),
-            "dataset": lambda: _dataset_documents(path, text_field, split)}[kind]()
+    rows = {
+        "jsonl": lambda: _jsonl_documents(path, text_field),
+        "parquet": lambda: _parquet_documents(path, text_field),
+        "dataset": lambda: _dataset_documents(path, text_field, split),
+    }[kind]()
     for text in rows:
         if text is None:
             continue  # a missing value in a column: no document
@@ -172,7 +180,7 @@ def _validation_cut(tokens: np.ndarray, fraction: float, eot_id: int) -> int:
     n = len(tokens)
     target = min(max(round(n * (1.0 - fraction)), 1), n - 1)
     lo = max(target - BOUNDARY_SEARCH, 0)
-    ends = np.flatnonzero(tokens[lo: target + BOUNDARY_SEARCH] == eot_id) + lo + 1  # a cut right after each end
+    ends = np.flatnonzero(tokens[lo : target + BOUNDARY_SEARCH] == eot_id) + lo + 1  # a cut right after each end
     ends = ends[(ends > 0) & (ends < n)]
     return int(ends[np.abs(ends - target).argmin()]) if ends.size else target
 
@@ -204,8 +212,14 @@ def _count_tokens(inputs: list[Path], tok, dtype, out, text_field: str, split: s
     return num_tokens, num_docs
 
 
-def prepare_data(inputs: list[str | Path], output: str | Path, tokenizer: str = "byte", text_field: str = "text",
-                 val_fraction: float = 0.0, split: str = "train") -> Path:
+def prepare_data(
+    inputs: list[str | Path],
+    output: str | Path,
+    tokenizer: str = "byte",
+    text_field: str = "text",
+    val_fraction: float = 0.0,
+    split: str = "train",
+) -> Path:
     """Tokenize `inputs` (in order) into `<output>.bin` with its `<output>.json` sidecar, and with
     `val_fraction` > 0 the validation split `<output>.val.bin` / `.val.json`.
 
@@ -230,8 +244,14 @@ def prepare_data(inputs: list[str | Path], output: str | Path, tokenizer: str = 
     bin_path, json_path = token_file_paths(output)
     val_bin, val_json = token_file_paths(str(bin_path)[: -len(".bin")] + ".val")
     bin_path.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"format": TOKEN_FORMAT, "dtype": np.dtype(dtype).name, "num_tokens": 0, "vocab_size": tok.vocab_size,
-            "tokenizer": tokenizer, "eot_id": tok.eot_id}
+    meta = {
+        "format": TOKEN_FORMAT,
+        "dtype": np.dtype(dtype).name,
+        "num_tokens": 0,
+        "vocab_size": tok.vocab_size,
+        "tokenizer": tokenizer,
+        "eot_id": tok.eot_id,
+    }
     if tokenizer != "byte":  # a copy beside the tokens: the sidecar stays valid wherever they move
         meta["tokenizer_file"] = bin_path.with_suffix(".tokenizer.json").name
     moves: list[tuple[str, Path]] = []  # (temporary file, final path)
@@ -260,10 +280,7 @@ def prepare_data(inputs: list[str | Path], output: str | Path, tokenizer: str = 
     return bin_path
 
 
-
-
-def _split_validation(tmp_bin: str, meta: dict, fraction: float, val_bin: Path, val_json: Path,
-                      moves: list) -> int:
+def _split_validation(tmp_bin: str, meta: dict, fraction: float, val_bin: Path, val_json: Path, moves: list) -> int:
     """Move the last `fraction` of the tokens in `tmp_bin` to a validation file; returns the
     training tokens left."""
     dtype, n = np.dtype(meta["dtype"]), meta["num_tokens"]
@@ -275,7 +292,7 @@ def _split_validation(tmp_bin: str, meta: dict, fraction: float, val_bin: Path, 
     moves.append((tmp_val, val_bin))
     with os.fdopen(fd, "wb") as f:
         for start in range(cut, n, BOUNDARY_SEARCH):  # (in pieces: memory stays bounded)
-            np.asarray(tokens[start: min(start + BOUNDARY_SEARCH, n)]).tofile(f)
+            np.asarray(tokens[start : min(start + BOUNDARY_SEARCH, n)]).tofile(f)
     del tokens
     os.truncate(tmp_bin, cut * dtype.itemsize)
     val_meta = {**meta, "num_tokens": n - cut, "split": "validation"}

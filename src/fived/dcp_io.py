@@ -11,6 +11,7 @@ Safety: tensor data is read by DCP with `torch.load(weights_only=True)`; DCP's `
 pickle, read here by an unpickler that admits only DCP's own metadata classes. Nothing else is
 unpickled: non-tensor state goes to a JSON file beside (see fived.checkpoint).
 """
+
 from __future__ import annotations
 
 import io
@@ -22,7 +23,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties, TensorStorageMetadata)
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from fived.placement import Box
@@ -37,8 +43,9 @@ class ShardedValue:
     storage, or into a staged copy). `write` is False on replicas that hold the same boxes as a
     saving rank."""
 
-    def __init__(self, global_shape: tuple[int, ...], boxes: list[tuple[Box, torch.Tensor]], write: bool,
-                 dtype: torch.dtype):
+    def __init__(
+        self, global_shape: tuple[int, ...], boxes: list[tuple[Box, torch.Tensor]], write: bool, dtype: torch.dtype
+    ):
         self.global_shape, self.boxes, self.write, self.dtype = tuple(global_shape), boxes, write, dtype
 
     def size(self) -> torch.Size:
@@ -47,10 +54,16 @@ class ShardedValue:
     def __create_write_items__(self, fqn: str, _obj) -> list[WriteItem]:
         if not self.write:
             return []
-        return [WriteItem(index=MetadataIndex(fqn, torch.Size(box.offsets)), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(chunk=_chunk(box), properties=TensorProperties(dtype=self.dtype),
-                                                      size=self.size()))
-                for box, _ in self.boxes]
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, torch.Size(box.offsets)),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=_chunk(box), properties=TensorProperties(dtype=self.dtype), size=self.size()
+                ),
+            )
+            for box, _ in self.boxes
+        ]
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
         return [_chunk(box) for box, _ in self.boxes]
@@ -61,17 +74,21 @@ class ShardedValue:
                 return view
         raise KeyError(f"no box at {tuple(offsets)}")
 
-    def staged(self, previous: "ShardedValue | None" = None) -> "ShardedValue":
+    def staged(self, previous: ShardedValue | None = None) -> ShardedValue:
         """A copy on CPU, so that training may go on changing the original while it is written; into
         `previous`'s memory when it has the same boxes (no new allocation, no page faults)."""
         if not self.write:
             return ShardedValue(self.global_shape, [], False, self.dtype)
-        reuse = previous is not None and [(b, v.shape, v.dtype) for b, v in previous.boxes] == \
-            [(b, v.shape, v.dtype) for b, v in self.boxes]
+        reuse = previous is not None and [(b, v.shape, v.dtype) for b, v in previous.boxes] == [
+            (b, v.shape, v.dtype) for b, v in self.boxes
+        ]
         copies = []
         for i, (box, view) in enumerate(self.boxes):
-            target = previous.boxes[i][1] if reuse and previous is not None else torch.empty(
-                view.shape, dtype=view.dtype, pin_memory=view.is_cuda)  # pinned: fast copies from a GPU
+            target = (
+                previous.boxes[i][1]
+                if reuse and previous is not None
+                else torch.empty(view.shape, dtype=view.dtype, pin_memory=view.is_cuda)
+            )  # pinned: fast copies from a GPU
             copies.append((box, target.copy_(view.detach(), non_blocking=view.is_cuda)))
         if any(view.is_cuda for _, view in self.boxes):
             torch.cuda.synchronize()
@@ -106,8 +123,9 @@ class _LoadPlanner(DefaultLoadPlanner):
 
     def load_bytes(self, read_item, value) -> None:
         # DCP would torch.load(weights_only=False) them: fived never saves bytes, and never loads them.
-        raise CheckpointError(f"checkpoint entry {read_item.dest_index.fqn} holds pickled bytes, which fived does not load")
-
+        raise CheckpointError(
+            f"checkpoint entry {read_item.dest_index.fqn} holds pickled bytes, which fived does not load"
+        )
 
 
 class Stager:
@@ -140,8 +158,9 @@ def save(values: dict[str, ShardedValue], path: str | Path, group=None, stager: 
     a group no other thread uses, e.g. its own gloo group)."""
     writer = dcp.FileSystemWriter(str(path), sync_files=True)
     if stager is not None:
-        return dcp.async_save(values, storage_writer=writer, planner=_SavePlanner(), process_group=group,
-                              async_stager=stager)
+        return dcp.async_save(
+            values, storage_writer=writer, planner=_SavePlanner(), process_group=group, async_stager=stager
+        )
     dcp.save(values, storage_writer=writer, planner=_SavePlanner(), process_group=group)
     return None
 
@@ -160,8 +179,7 @@ def check_tensors(path: str | Path, shapes: dict[str, tuple[int, ...]]) -> None:
         if name not in saved:
             raise CheckpointError(f"{name} is missing from the checkpoint {path}")
         if saved[name] != tuple(shape):
-            raise CheckpointError(f"{name} has shape {list(saved[name])} in the checkpoint {path}, "
-                                  f"{list(shape)} here")
+            raise CheckpointError(f"{name} has shape {list(saved[name])} in the checkpoint {path}, {list(shape)} here")
 
 
 def read_whole(path: str | Path, names: list[str]) -> dict[str, torch.Tensor]:
@@ -188,12 +206,25 @@ def tensor_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
 
 # Everything DCP's metadata pickle names (checked against torch 2.13's files); nothing else loads.
 _METADATA_GLOBALS = {
-    *(("torch.distributed.checkpoint.metadata", n) for n in (
-        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-        "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")),
+    *(
+        ("torch.distributed.checkpoint.metadata", n)
+        for n in (
+            "Metadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "TensorProperties",
+            "TensorStorageMetadata",
+            "ChunkStorageMetadata",
+            "_MEM_FORMAT_ENCODING",
+        )
+    ),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
 }
 
 
@@ -202,7 +233,8 @@ class _MetadataUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str):
         allowed = (module, name) in _METADATA_GLOBALS or (
-            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        )
         if not allowed:
             raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which fived does not load")
         return super().find_class(module, name)
@@ -217,7 +249,8 @@ class SafeReader(dcp.FileSystemReader):
         except (OSError, pickle.UnpicklingError, EOFError, AttributeError, TypeError) as e:
             raise CheckpointError(f"{path}: not a readable checkpoint index ({e})") from None
         if not isinstance(metadata, Metadata) or not all(
-                isinstance(md, TensorStorageMetadata) for md in metadata.state_dict_metadata.values()):
+            isinstance(md, TensorStorageMetadata) for md in metadata.state_dict_metadata.values()
+        ):
             raise CheckpointError(f"{path}: holds entries other than tensors, which fived does not load")
         if getattr(metadata, "storage_meta", None) is None:
             from torch.distributed.checkpoint.metadata import StorageMeta

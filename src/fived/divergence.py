@@ -19,6 +19,7 @@ only counts checkpoints whose next step passed.
              appends the event to `rollbacks.jsonl` and trains on; at most `train.max_rollbacks`
              times per launch, then it stops as above.
 """
+
 from __future__ import annotations
 
 import collections
@@ -42,8 +43,10 @@ class Diverged(RuntimeError):
         self.step, self.reason, self.healthy, self.run_dir = step, reason, healthy, run_dir
         lower = f"a lower --train.lr than {lr:g}"  # (the launch's own: it may have been overridden)
         if healthy:  # (--steps: the launch's target, which may have extended the run past the checkpoint's)
-            then = (f"newest healthy checkpoint {healthy}; continue with: fived train --resume {run_dir} "
-                    f"--steps {steps} and {lower} (or --train.on_spike rollback)")
+            then = (
+                f"newest healthy checkpoint {healthy}; continue with: fived train --resume {run_dir} "
+                f"--steps {steps} and {lower} (or --train.on_spike rollback)"
+            )
         else:
             then = f"no healthy checkpoint to continue from; start again with {lower}"
         super().__init__(f"diverged at step {step}: {reason}; nothing saved after it; {then}")
@@ -70,8 +73,10 @@ class LossGuard:
         if self.factor > 0 and len(self.recent) == self.window:
             median = statistics.median(self.recent)
             if loss > self.factor * median:
-                return (f"loss {loss:.4g} > train.spike_factor={self.factor:g} x {median:.4g}, the median of "
-                        f"the last {self.window} steps")
+                return (
+                    f"loss {loss:.4g} > train.spike_factor={self.factor:g} x {median:.4g}, the median of "
+                    f"the last {self.window} steps"
+                )
         return None
 
     def accept(self, loss: float) -> None:
@@ -109,10 +114,14 @@ def agreed_healthy_checkpoint(run_dir: str | Path, diverged_step: int, group) ->
 
 def record_rollback(run_dir: str | Path, event: dict) -> None:
     """Rank 0: one line on stderr and one JSON line in rollbacks.jsonl."""
-    print(f"\nfived train: rolled back: step {event['diverged_step']} diverged ({event['reason']}); "
-          f"reloaded checkpoint step-{event['from_step']} and skipped the data of steps "
-          f"{event['from_step'] + 1}..{event['diverged_step']} (rollback {event['rollback']} of "
-          f"{event['max_rollbacks']})", file=sys.stderr, flush=True)
+    print(
+        f"\nfived train: rolled back: step {event['diverged_step']} diverged ({event['reason']}); "
+        f"reloaded checkpoint step-{event['from_step']} and skipped the data of steps "
+        f"{event['from_step'] + 1}..{event['diverged_step']} (rollback {event['rollback']} of "
+        f"{event['max_rollbacks']})",
+        file=sys.stderr,
+        flush=True,
+    )
     with open(Path(run_dir) / "rollbacks.jsonl", "a") as f:
         f.write(json.dumps({"time": time.time(), **event}) + "\n")
 
@@ -151,7 +160,15 @@ def handle_divergence(trainer, done: int, reason: str) -> int:
         trainer.log.close()
         keep_log_until(t.output_dir, step)
         trainer.log = MetricsLog(t.output_dir, t.tensorboard)
-        record_rollback(t.output_dir, {"diverged_step": done, "reason": reason, "from_step": step,
-                                       "skipped_steps": [step + 1, done], "rollback": rollbacks,
-                                       "max_rollbacks": t.max_rollbacks})
+        record_rollback(
+            t.output_dir,
+            {
+                "diverged_step": done,
+                "reason": reason,
+                "from_step": step,
+                "skipped_steps": [step + 1, done],
+                "rollback": rollbacks,
+                "max_rollbacks": t.max_rollbacks,
+            },
+        )
     return step

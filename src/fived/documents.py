@@ -19,6 +19,7 @@ computes the same assignment without communication, and a resumed or resharded r
 A rank's chunks are kept in sequence order (its tokens' order keys increase, which the
 document-masked kernels rely on).
 """
+
 from __future__ import annotations
 
 import torch
@@ -87,8 +88,9 @@ class RankBatches:
     """A rank's batch rows [b, S+1] -> (inputs, targets, model keyword arguments): this cp rank's
     tokens, and with document masking each token's document and in-document position."""
 
-    def __init__(self, *, end_of_document: int | None, cp: int, cp_rank: int, balance: str,
-                 fixed_positions: torch.Tensor | None):
+    def __init__(
+        self, *, end_of_document: int | None, cp: int, cp_rank: int, balance: str, fixed_positions: torch.Tensor | None
+    ):
         """`end_of_document`: None without document masking; `fixed_positions`: the halves layout's
         positions of this cp rank (context parallelism without document masking), else None."""
         self.end_of_document, self.cp, self.cp_rank, self.balance = end_of_document, cp, cp_rank, balance
@@ -100,7 +102,9 @@ class RankBatches:
         (document masking under context parallelism; else {}): for the step's record and `fived diagnose`."""
         if not self.last_rank_work:
             return {}
-        return {"cp_work_spread": max(self.last_rank_work) * len(self.last_rank_work) / max(sum(self.last_rank_work), 1)}
+        return {
+            "cp_work_spread": max(self.last_rank_work) * len(self.last_rank_work) / max(sum(self.last_rank_work), 1)
+        }
 
     def __call__(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
         inputs, targets = batch[:, :-1], batch[:, 1:]
@@ -113,12 +117,16 @@ class RankBatches:
             assignment = chunk_assignment(positions, self.cp, self.balance)
             self.last_rank_work = rank_work(positions, assignment)
             index = local_token_index(assignment, positions.shape[1], self.cp_rank, positions.device)
-            inputs, targets, documents, positions = (t.gather(1, index) for t in (inputs, targets, documents, positions))
+            inputs, targets, documents, positions = (
+                t.gather(1, index) for t in (inputs, targets, documents, positions)
+            )
         return inputs, targets, {"documents": documents, "positions": positions}
 
 
 def split_micro_batches(inputs: torch.Tensor, targets: torch.Tensor, extra: dict, micro: int):
     """[(inputs, targets, keyword arguments)] of each of `micro` micro-batches (rows split evenly)."""
     pieces = {key: value.chunk(micro) for key, value in extra.items()}
-    return [(i, t, {key: chunks[n] for key, chunks in pieces.items()})
-            for n, (i, t) in enumerate(zip(inputs.chunk(micro), targets.chunk(micro)))]
+    return [
+        (i, t, {key: chunks[n] for key, chunks in pieces.items()})
+        for n, (i, t) in enumerate(zip(inputs.chunk(micro), targets.chunk(micro)))
+    ]

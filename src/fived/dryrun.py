@@ -16,6 +16,7 @@ fake group moves no data, so the collectives inside blocks are mirrored (every o
 assumed to hold and send what this one does) and expert parallelism's token counts are exchanged
 as a perfectly balanced route: the planner's assumption.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -25,12 +26,12 @@ import torch
 import torch.distributed as dist
 
 from fived.config import Config, ConfigError
+from fived.layout.stages import rank_chunks, rank_stages
 from fived.ledger import ActivationLedger, held_bytes, local_tensor, model_state_bytes
-from fived.mesh import PRECISIONS, Layout
 from fived.memory_fit import available_bytes
+from fived.mesh import PRECISIONS, Layout
 from fived.metrics import peak_memory_mb
 from fived.model import rope_cos_sin
-from fived.layout.stages import rank_chunks, rank_stages
 from fived.planner.memory import activation_bytes_per_microbatch, state_bytes, state_element_bytes
 from fived.rank import RankModel, build_rank
 
@@ -64,8 +65,14 @@ def planner_state(cfg: Config, world: int, rank: int) -> dict:
     _, _, per_owned = state_element_bytes(cfg.train.dtype, layout.zero)
     # float32 masters: 4 of the optimizer's bytes per owned element where the optimizer keeps them
     master = 4 if PRECISIONS[cfg.train.dtype].master and layout.zero < 3 else 0
-    return {**total, "masters": total["optimizer"] // per_owned * master, "stages": stages, "chunks": chunks,
-            "where": where, "layout": layout}
+    return {
+        **total,
+        "masters": total["optimizer"] // per_owned * master,
+        "stages": stages,
+        "chunks": chunks,
+        "where": where,
+        "layout": layout,
+    }
 
 
 def check_room(cfg: Config, planner: dict, blocks: int, *, rank: int) -> None:
@@ -78,10 +85,14 @@ def check_room(cfg: Config, planner: dict, blocks: int, *, rank: int) -> None:
     acts = sum(activation_bytes_per_microbatch(cfg.model, layout, cfg.train.seq_len, cfg.train.dtype, layers))
     need, have = int(1.25 * state + 1.5 * acts), available_bytes()
     if need > have:
-        raise ConfigError("--rank", rank, f"this rank needs about {need / 2**30:.1f} GiB here (model state "
-                          f"{state / 2**30:.1f} GiB and the first step's transients, + {1.5 * acts / 2**30:.1f} GiB "
-                          f"for {len(layers)} block(s)), more than the {have / 2**30:.1f} GiB available",
-                          "a smaller layout share (more --tp/--pp, --zero 3), fewer --blocks, or a shorter --seq-len")
+        raise ConfigError(
+            "--rank",
+            rank,
+            f"this rank needs about {need / 2**30:.1f} GiB here (model state "
+            f"{state / 2**30:.1f} GiB and the first step's transients, + {1.5 * acts / 2**30:.1f} GiB "
+            f"for {len(layers)} block(s)), more than the {have / 2**30:.1f} GiB available",
+            "a smaller layout share (more --tp/--pp, --zero 3), fewer --blocks, or a shorter --seq-len",
+        )
 
 
 def step_without_data(built: RankModel) -> None:
@@ -133,8 +144,11 @@ def mirrored_collectives():
         else:
             output.zero_()
 
-    for name, fn in (("all_gather_single", all_gather_single), ("reduce_scatter_single", reduce_scatter_single),
-                     ("all_to_all_single", all_to_all_single)):
+    for name, fn in (
+        ("all_gather_single", all_gather_single),
+        ("reduce_scatter_single", reduce_scatter_single),
+        ("all_to_all_single", all_to_all_single),
+    ):
         setattr(dist, name, fn)
     try:
         yield
@@ -167,7 +181,9 @@ def block_activations(built: RankModel, cfg: Config, layout: Layout, blocks: int
         ledger.stop()
         x.float().sum().backward()
     ids = [lid for _, lid, _ in chosen]
-    want = activation_bytes_per_microbatch(cfg.model, layout, t.seq_len, t.dtype, [((int(i),), False, False) for i in ids])
+    want = activation_bytes_per_microbatch(
+        cfg.model, layout, t.seq_len, t.dtype, [((int(i),), False, False) for i in ids]
+    )
     return {i: ledger.per_layer.get(i, 0) for i in ids}, dict(zip(ids, want))
 
 
@@ -192,10 +208,21 @@ def run_dryrun(cfg: Config, world: int, *, rank: int, blocks: int = 0, init: boo
         if blocks:
             built.plan.data_parallel.zero_grad()
             acts = block_activations(built, cfg, planner["layout"], min(blocks, sum(map(len, layers))))
-    return {"rank": rank, "world": world, "cfg": cfg, "init": init, "planner": planner, "measured": measured,
-            "layers": layers, "build_s": built_s, "step_s": step_s, "build_rss_mb": built_rss,
-            "peak_rss_mb": peak_memory_mb(built.device),
-            "activations": acts, "init_stats": built.init_stats}
+    return {
+        "rank": rank,
+        "world": world,
+        "cfg": cfg,
+        "init": init,
+        "planner": planner,
+        "measured": measured,
+        "layers": layers,
+        "build_s": built_s,
+        "step_s": step_s,
+        "build_rss_mb": built_rss,
+        "peak_rss_mb": peak_memory_mb(built.device),
+        "activations": acts,
+        "init_stats": built.init_stats,
+    }
 
 
 def _row(label: str, got: int, want: int | None) -> str:
@@ -212,36 +239,42 @@ def _init_line(stats) -> list[str]:
     """The initialisation's generator work next to what the rank holds (its tiles' rounding)."""
     if not stats.filled:
         return []
-    return [f"  init: drew {stats.generated:,} values in {stats.tiles:,} tiles for the {stats.filled:,} elements "
-            f"this rank holds (x{stats.generated / stats.filled:.3f})"]
+    return [
+        f"  init: drew {stats.generated:,} values in {stats.tiles:,} tiles for the {stats.filled:,} elements "
+        f"this rank holds (x{stats.generated / stats.filled:.3f})"
+    ]
 
 
 def format_dryrun(result: dict) -> str:
     """The report: model-state bytes measured | planner, per stage, activations; last line the verdict."""
     m, p, cfg = result["measured"], result["planner"], result["cfg"]
     layout, where, rank = p["layout"], p["where"], result["rank"]
-    lines = [f"fived dryrun: rank {rank} of {result['world']} (pipeline rank {where['pp']}, ZeRO shard "
-             f"{where['shard']}, expert-data index {where['edp']}) of {cfg.model.name} {layout.describe()}, "
-             f"{cfg.train.dtype}, seq {cfg.train.seq_len}",
-             f"  built in {result['build_s']:.1f} s ({'initialised' if result['init'] else 'not initialised: --no-init'}), "
-             f"first optimizer step {result['step_s']:.1f} s; peak RSS {result['build_rss_mb'] / 1024:.2f} GiB "
-             f"after the build, {result['peak_rss_mb'] / 1024:.2f} GiB in all",
-             *_init_line(result["init_stats"]),
-             f"  {'model-state bytes':<44}{'measured':>17}  {'planner':>17}"]
+    lines = [
+        f"fived dryrun: rank {rank} of {result['world']} (pipeline rank {where['pp']}, ZeRO shard "
+        f"{where['shard']}, expert-data index {where['edp']}) of {cfg.model.name} {layout.describe()}, "
+        f"{cfg.train.dtype}, seq {cfg.train.seq_len}",
+        f"  built in {result['build_s']:.1f} s ({'initialised' if result['init'] else 'not initialised: --no-init'}), "
+        f"first optimizer step {result['step_s']:.1f} s; peak RSS {result['build_rss_mb'] / 1024:.2f} GiB "
+        f"after the build, {result['peak_rss_mb'] / 1024:.2f} GiB in all",
+        *_init_line(result["init_stats"]),
+        f"  {'model-state bytes':<44}{'measured':>17}  {'planner':>17}",
+    ]
     lines += [_row(kind, m[kind], p[kind]) for kind in STATE_KINDS]
     lines.append(_row("  of the optimizer: float32 masters", m["masters"], p["masters"]))
-    lines.append(_row("flat buffers/buckets (with padding)", m["buffers"], None)
-                 + "  (hold the params/grads above)")
+    lines.append(_row("flat buffers/buckets (with padding)", m["buffers"], None) + "  (hold the params/grads above)")
     stages = rank_stages(layout, where["pp"]) if layout.pp > 1 else [0]  # (pipeline stage numbers, not local)
     for stage, ids, got, want, chunk in zip(stages, result["layers"], m["stages"], p["stages"], p["chunks"]):
         ends = [name for name, here in (("embedding", chunk[1]), ("head", chunk[2])) if here]
-        lines.append(_row(f"stage {stage}: {_layers(ids)}" + "".join(f" + {e}" for e in ends) + ", params", got,
-                          want["params"]))
+        lines.append(
+            _row(f"stage {stage}: {_layers(ids)}" + "".join(f" + {e}" for e in ends) + ", params", got, want["params"])
+        )
     if result["activations"]:
         got, want = result["activations"]
-        lines.append(f"  activation bytes per micro-batch (mbs {layout.micro_batch}, "
-                     f"{cfg.train.activation_checkpointing} checkpointing, the first {len(got)} of the rank's "
-                     f"{sum(map(len, result['layers']))} blocks): measured | planner")
+        lines.append(
+            f"  activation bytes per micro-batch (mbs {layout.micro_batch}, "
+            f"{cfg.train.activation_checkpointing} checkpointing, the first {len(got)} of the rank's "
+            f"{sum(map(len, result['layers']))} blocks): measured | planner"
+        )
         for lid in got:
             err = (got[lid] - want[lid]) / want[lid] if want[lid] else 0.0
             lines.append(f"    layer {lid}: {got[lid]:,} | {want[lid]:,} ({err:+.2%})")

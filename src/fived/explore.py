@@ -12,6 +12,7 @@ one-line reason (`fived.layout.rules.layout_errors`, then torch's schedule rules
 the planner's best layout and lists its ranking (`ranking`). The layer map's local shapes come from
 `fived.planner.layer_map`, the pipeline timeline from `fived.layout.schedule_sim`.
 """
+
 from __future__ import annotations
 
 import functools
@@ -22,12 +23,20 @@ from typing import Any
 from fived.config import ConfigError, ModelConfig
 from fived.layout.layout import CHECKPOINTING, PP_SCHEDULES, Layout, stages_per_rank
 from fived.layout.schedule_sim import n_stages_of, pipeline_profile, schedule_timeline
+from fived.layout.stages import rank_chunks, rank_stages
 from fived.planner.communication import group_span, step_collectives
 from fived.planner.layer_map import activations, pipeline_ranks, replica_weights
-from fived.layout.stages import rank_chunks, rank_stages
 from fived.planner.runtimes import PLANNED_RUNTIMES, Runtime, with_overlap
-from fived.planner.search import (MICRO_BATCH_TOKENS, MICRO_BATCHES, SCHEDULES, layout_refusal, mesh_shapes,
-                                  node_replicas, plan, plan_of)
+from fived.planner.search import (
+    MICRO_BATCH_TOKENS,
+    MICRO_BATCHES,
+    SCHEDULES,
+    layout_refusal,
+    mesh_shapes,
+    node_replicas,
+    plan,
+    plan_of,
+)
 from fived.planner.timing import Cluster, in_node
 
 TOGGLES = ("tp", "sp", "cp", "pp", "pp_schedule", "pp_virtual", "ep", "zero", "hsdp", "micro_batch", "checkpointing")
@@ -44,10 +53,19 @@ def toggle_options(model: ModelConfig, cluster: Cluster, seq_len: int, global_ba
     meshes = list(mesh_shapes(model, cluster.gpus, cluster.gpus_per_node, seq_len, global_batch))
     of = lambda name: sorted({getattr(m, name) for m in meshes} | {1})  # noqa: E731  (1: no parallelism)
     schedules = [s for s in PP_SCHEDULES if s in {name for name, _ in SCHEDULES}]
-    return {"tp": of("tp"), "sp": [False, True], "cp": of("cp"), "pp": of("pp"), "pp_schedule": schedules,
-            "pp_virtual": sorted({v for _, v in SCHEDULES}), "ep": of("ep"), "zero": [0, 1, 2, 3],
-            "hsdp": [False, True], "micro_batch": [m for m in MICRO_BATCHES if m == 1 or m * seq_len <= MICRO_BATCH_TOKENS],
-            "checkpointing": list(CHECKPOINTING)}
+    return {
+        "tp": of("tp"),
+        "sp": [False, True],
+        "cp": of("cp"),
+        "pp": of("pp"),
+        "pp_schedule": schedules,
+        "pp_virtual": sorted({v for _, v in SCHEDULES}),
+        "ep": of("ep"),
+        "zero": [0, 1, 2, 3],
+        "hsdp": [False, True],
+        "micro_batch": [m for m in MICRO_BATCHES if m == 1 or m * seq_len <= MICRO_BATCH_TOKENS],
+        "checkpointing": list(CHECKPOINTING),
+    }
 
 
 def layout_key(layout: Layout) -> str:
@@ -71,10 +89,21 @@ def reachable_layouts(options: dict[str, list], cluster: Cluster):
             continue
         schedules = itertools.product(options["pp_schedule"], options["pp_virtual"]) if pp > 1 else [("1f1b", 1)]
         for (schedule, virtual), ep, zero, hsdp, mbs, ac in itertools.product(
-                schedules, options["ep"], options["zero"], options["hsdp"], options["micro_batch"],
-                options["checkpointing"]):
-            layout = Layout(dp=gpus // (tp * cp * pp), tp=tp, sp=sp, cp=cp, pp=pp, pp_schedule=schedule,
-                            pp_virtual=virtual, ep=ep, zero=zero, micro_batch=mbs, checkpointing=ac)
+            schedules, options["ep"], options["zero"], options["hsdp"], options["micro_batch"], options["checkpointing"]
+        ):
+            layout = Layout(
+                dp=gpus // (tp * cp * pp),
+                tp=tp,
+                sp=sp,
+                cp=cp,
+                pp=pp,
+                pp_schedule=schedule,
+                pp_virtual=virtual,
+                ep=ep,
+                zero=zero,
+                micro_batch=mbs,
+                checkpointing=ac,
+            )
             if not hsdp:
                 yield layout_key(layout), layout
                 continue
@@ -82,15 +111,21 @@ def reachable_layouts(options: dict[str, list], cluster: Cluster):
             if replicas is None:
                 key = layout_key(layout).split("|")
                 key[TOGGLES.index("hsdp")] = "true"
-                yield "|".join(key), (f"hsdp: ZeRO shards inside a node (its {cluster.gpus_per_node // (tp * cp) or 1} "
-                                      f"data-parallel ranks), replicated across nodes: needs ZeRO 1-3, ep 1 and "
-                                      f"dp={layout.dp} a multiple of them beyond one node; e.g. hsdp false")
+                yield (
+                    "|".join(key),
+                    (
+                        f"hsdp: ZeRO shards inside a node (its {cluster.gpus_per_node // (tp * cp) or 1} "
+                        f"data-parallel ranks), replicated across nodes: needs ZeRO 1-3, ep 1 and "
+                        f"dp={layout.dp} a multiple of them beyond one node; e.g. hsdp false"
+                    ),
+                )
             else:
                 yield layout_key(layout.with_(dp_replicate=replicas)), layout.with_(dp_replicate=replicas)
 
 
-def collectives(model: ModelConfig, layout: Layout, cluster: Cluster, seq_len: int, global_batch: int,
-                dtype: str) -> list[list]:
+def collectives(
+    model: ModelConfig, layout: Layout, cluster: Cluster, seq_len: int, global_batch: int, dtype: str
+) -> list[list]:
     """[group, op, bytes per step, calls per step, link] of pipeline rank 0 (the planner's list)."""
     chunks = rank_chunks(model, layout, 0)
     merged: dict = {}
@@ -123,8 +158,16 @@ def replica_members(layout: Layout, group: str) -> tuple[list[int], int]:
 DEFAULT_RUNTIME = PLANNED_RUNTIMES["fived"]
 
 
-def price(model: ModelConfig, layout: Layout, cluster: Cluster, seq_len: int, global_batch: int,
-          dtype: str = "bfloat16", headroom_gib: float = 0.0, runtime: Runtime = DEFAULT_RUNTIME) -> dict:
+def price(
+    model: ModelConfig,
+    layout: Layout,
+    cluster: Cluster,
+    seq_len: int,
+    global_batch: int,
+    dtype: str = "bfloat16",
+    headroom_gib: float = 0.0,
+    runtime: Runtime = DEFAULT_RUNTIME,
+) -> dict:
     """The page's entry for one layout: {"error": reason} or the planner's figures (as `fived plan`
     prices it: with the overlaps fived turns on)."""
     reason = layout_refusal(model, layout, seq_len, global_batch)
@@ -135,20 +178,33 @@ def price(model: ModelConfig, layout: Layout, cluster: Cluster, seq_len: int, gl
     plan = plan_of(model, layout, cluster, seq_len, global_batch, dtype, runtime, headroom_gib)
     gib, step = plan.memory.gib(), plan.time.to_dict()
     micro = layout.microbatches(global_batch)
-    return {"memory": [gib[k] for k in MEMORY_PARTS], "time": [step[k] for k in TIME_PARTS],
-            "tokens_per_s_per_gpu": step["tokens_per_s_per_gpu"], "mfu": step["mfu"], "fits": plan.fits,
-            "flags": layout.flags(global_batch), "describe": layout.describe(), "microbatches": micro,
-            "bubble": pipeline_profile(layout.pp_schedule, layout.pp, layout.pp_virtual, micro)[0] if layout.pp > 1 else 0.0,
-            "collectives": collectives(model, layout, cluster, seq_len, global_batch, dtype),
-            "map": map_keys(layout), "timeline": timeline_key(layout, micro)}
+    return {
+        "memory": [gib[k] for k in MEMORY_PARTS],
+        "time": [step[k] for k in TIME_PARTS],
+        "tokens_per_s_per_gpu": step["tokens_per_s_per_gpu"],
+        "mfu": step["mfu"],
+        "fits": plan.fits,
+        "flags": layout.flags(global_batch),
+        "describe": layout.describe(),
+        "microbatches": micro,
+        "bubble": pipeline_profile(layout.pp_schedule, layout.pp, layout.pp_virtual, micro)[0]
+        if layout.pp > 1
+        else 0.0,
+        "collectives": collectives(model, layout, cluster, seq_len, global_batch, dtype),
+        "map": map_keys(layout),
+        "timeline": timeline_key(layout, micro),
+    }
 
 
 def map_keys(layout: Layout) -> list[str]:
     """Keys of the layer map's parts: weights, activations, pipeline ranks (each depends on fewer
     toggles than the whole layout: stored once per distinct key)."""
     L = layout
-    return [f"{L.tp}|{L.ep}|{L.zero}|{L.cp}|{L.dp}|{L.dp_replicate}", f"{L.tp}|{L.sp}|{L.cp}|{L.micro_batch}|{L.checkpointing}",
-            f"{L.pp}|{L.pp_schedule}|{L.pp_virtual}"]
+    return [
+        f"{L.tp}|{L.ep}|{L.zero}|{L.cp}|{L.dp}|{L.dp_replicate}",
+        f"{L.tp}|{L.sp}|{L.cp}|{L.micro_batch}|{L.checkpointing}",
+        f"{L.pp}|{L.pp_schedule}|{L.pp_virtual}",
+    ]
 
 
 def timeline_key(layout: Layout, micro: int) -> str:
@@ -161,8 +217,14 @@ def timeline_microbatches(layout: Layout, micro: int) -> int:
     return min(micro, TIMELINE_MICROBATCHES * layout.pp)
 
 
-def explore_data(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int, dtype: str = "bfloat16",
-                 headroom_gib: float = 0.0) -> dict:
+def explore_data(
+    model: ModelConfig,
+    cluster: Cluster,
+    seq_len: int,
+    global_batch: int,
+    dtype: str = "bfloat16",
+    headroom_gib: float = 0.0,
+) -> dict:
     """Everything the explore page shows, for every reachable layout (see the module docstring).
     `entries` is a flat list indexed by the toggles' value positions (`slot`: mixed radix, TOGGLES
     order): None where gpus is no multiple of tp*pp*cp, a reason's index, or the layout's figures,
@@ -173,8 +235,11 @@ def explore_data(model: ModelConfig, cluster: Cluster, seq_len: int, global_batc
     maps: dict = {"weights": {}, "activations": {}, "ranks": {}}
     timelines: dict = {}
     for key, layout in reachable_layouts(options, cluster):
-        entry: dict[str, Any] = {"error": layout} if isinstance(layout, str) else price(model, layout, cluster, seq_len, global_batch,
-                                                                         dtype, headroom_gib)
+        entry: dict[str, Any] = (
+            {"error": layout}
+            if isinstance(layout, str)
+            else price(model, layout, cluster, seq_len, global_batch, dtype, headroom_gib)
+        )
         if "error" in entry:  # reasons repeat: stored once, referenced by index
             entries[slot(options, key)] = errors.id(entry["error"])
             continue
@@ -185,29 +250,52 @@ def explore_data(model: ModelConfig, cluster: Cluster, seq_len: int, global_batc
         entries[slot(options, key)] = entry
     hw = cluster.hardware
     ranked = ranking(model, cluster, seq_len, global_batch, dtype, headroom_gib)
-    return {"model": model.name, "gpus": cluster.gpus, "gpus_per_node": cluster.gpus_per_node, "gpu": hw.name,
-            "capacity_gib": hw.memory_gib - headroom_gib, "device_gib": hw.memory_gib, "seq_len": seq_len,
-            "global_batch": global_batch, "dtype": dtype, "is_moe": model.is_moe, "n_experts": model.n_experts,
-            "options": options, "memory_parts": MEMORY_PARTS, "time_parts": TIME_PARTS, "errors": errors.items,
-            "entries": entries, "flag_words": flag_words.items, "members": members.items, "maps": maps,
-            "timelines": timelines, "ranking": ranked,
-            "start": ranked[0]["values"] if ranked else least_memory(entries, options),
-            "baseline": baseline(model, cluster, seq_len, global_batch, dtype, headroom_gib)}
+    return {
+        "model": model.name,
+        "gpus": cluster.gpus,
+        "gpus_per_node": cluster.gpus_per_node,
+        "gpu": hw.name,
+        "capacity_gib": hw.memory_gib - headroom_gib,
+        "device_gib": hw.memory_gib,
+        "seq_len": seq_len,
+        "global_batch": global_batch,
+        "dtype": dtype,
+        "is_moe": model.is_moe,
+        "n_experts": model.n_experts,
+        "options": options,
+        "memory_parts": MEMORY_PARTS,
+        "time_parts": TIME_PARTS,
+        "errors": errors.items,
+        "entries": entries,
+        "flag_words": flag_words.items,
+        "members": members.items,
+        "maps": maps,
+        "timelines": timelines,
+        "ranking": ranked,
+        "start": ranked[0]["values"] if ranked else least_memory(entries, options),
+        "baseline": baseline(model, cluster, seq_len, global_batch, dtype, headroom_gib),
+    }
 
 
 def _draw_parts(model: ModelConfig, layout: Layout, seq_len: int, entry: dict, maps: dict, timelines: dict) -> None:
     """The layer map's parts and the pipeline timeline an entry refers to, computed once per key."""
     for part, map_key in zip(("weights", "activations", "ranks"), entry["map"]):
         if map_key not in maps[part]:
-            maps[part][map_key] = (replica_weights(model, layout) if part == "weights" else
-                                   activations(model, layout, seq_len) if part == "activations" else
-                                   pipeline_ranks(model, layout))
+            maps[part][map_key] = (
+                replica_weights(model, layout)
+                if part == "weights"
+                else activations(model, layout, seq_len)
+                if part == "activations"
+                else pipeline_ranks(model, layout)
+            )
     if entry["timeline"] and entry["timeline"] not in timelines:
         shown = timeline_microbatches(layout, entry["microbatches"])
         timelines[entry["timeline"]] = {
-            "microbatches": shown, "stages": n_stages_of(layout.pp_schedule, layout.pp, layout.pp_virtual),
+            "microbatches": shown,
+            "stages": n_stages_of(layout.pp_schedule, layout.pp, layout.pp_virtual),
             "stages_per_rank": stages_per_rank(layout.pp_schedule, layout.pp_virtual),
-            "actions": schedule_timeline(layout.pp_schedule, layout.pp, layout.pp_virtual, shown)}
+            "actions": schedule_timeline(layout.pp_schedule, layout.pp, layout.pp_virtual, shown),
+        }
 
 
 class Interned:
@@ -233,19 +321,28 @@ def slot(options: dict[str, list], key: str) -> int:
 
 
 def flag_pairs(flags: str) -> list[str]:
-    """"--parallel.tp 4 --parallel.sp true ..." as ["--parallel.tp 4", "--parallel.sp true", ...]."""
+    """ "--parallel.tp 4 --parallel.sp true ..." as ["--parallel.tp 4", "--parallel.sp true", ...]."""
     words = flags.split()
     return [f"{flag} {value}" for flag, value in zip(words[::2], words[1::2])]
 
 
-def ranking(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int, dtype: str,
-            headroom_gib: float) -> list[dict]:
+def ranking(
+    model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int, dtype: str, headroom_gib: float
+) -> list[dict]:
     """`fived plan`'s best layouts (the same search, runtime and headroom), fastest first, each with
     the toggle values that show it."""
     search = plan(model, cluster, seq_len, global_batch, dtype, DEFAULT_RUNTIME, headroom_gib)
-    return [{"values": toggle_values(p.layout), "describe": p.layout.describe(), "step_s": p.time.total,
-             "tokens_per_s_per_gpu": p.time.tokens_per_s_per_gpu, "mfu": p.time.mfu, "gib": p.memory.gib()["total"]}
-            for p in search.plans[:RANKED]]
+    return [
+        {
+            "values": toggle_values(p.layout),
+            "describe": p.layout.describe(),
+            "step_s": p.time.total,
+            "tokens_per_s_per_gpu": p.time.tokens_per_s_per_gpu,
+            "mfu": p.time.mfu,
+            "gib": p.memory.gib()["total"],
+        }
+        for p in search.plans[:RANKED]
+    ]
 
 
 def least_memory(entries: list, options: dict) -> dict:
@@ -259,8 +356,9 @@ def least_memory(entries: list, options: dict) -> dict:
     return {name: values[name] for name in options}
 
 
-def baseline(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int, dtype: str,
-             headroom_gib: float) -> list[float]:
+def baseline(
+    model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int, dtype: str, headroom_gib: float
+) -> list[float]:
     """No parallelism: the whole model and one sequence's activations on one GPU (the planner's
     memory for dp=1, every other dimension 1, ZeRO-0)."""
     from fived.planner.memory import memory_per_gpu
@@ -277,7 +375,9 @@ def layout_from_flags(model: ModelConfig, flags: str, gpus: int, seq_len: int, g
 
     from fived.run_setup import LaunchRequest, add_config_flags, build_from_args, overrides_of
 
-    parser = argparse.ArgumentParser(prog="fived plan --layout", add_help=False, allow_abbrev=False, exit_on_error=False)
+    parser = argparse.ArgumentParser(
+        prog="fived plan --layout", add_help=False, allow_abbrev=False, exit_on_error=False
+    )
     add_config_flags(parser)
     example = "e.g. --layout '--tp 4 --sp --pp 2 --zero 1' (fived train's flags)"
     try:

@@ -8,6 +8,7 @@ sequences that fit, prefill and decode times, mean and p99 latencies, throughput
 or refused with fived's own one-line reason (`serve.serving_refusal`). Beside them, the ranking of
 `fived plan --serve` for the workload and the training layout `fived plan` picks for the cluster.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -29,8 +30,13 @@ def options(m: ModelConfig, cluster: Cluster, weights: tuple[str, ...]) -> dict:
     powers = [d for d in (1, 2, 4, 8, 16) if d <= cluster.gpus and cluster.gpus % d == 0]
     eps = [e for e in powers if m.n_experts % e == 0] if m.is_moe else DENSE_EP
     dtypes = [w for w in weights if w == "bf16" or cluster.hardware.fp8_tflops > 0]
-    return {"tp": [d for d in powers if d <= cluster.gpus_per_node], "pp": powers, "ep": eps, "weights": dtypes,
-            "concurrency": CONCURRENCY}
+    return {
+        "tp": [d for d in powers if d <= cluster.gpus_per_node],
+        "pp": powers,
+        "ep": eps,
+        "weights": dtypes,
+        "concurrency": CONCURRENCY,
+    }
 
 
 def entry_key(values: dict) -> str:
@@ -38,20 +44,36 @@ def entry_key(values: dict) -> str:
     return "|".join(str(values[k]) for k in ("tp", "pp", "ep", "weights", "concurrency"))
 
 
-def price(m: ModelConfig, layout: ServeLayout, cluster: Cluster, w: Workload, headroom_gib: float,
-          path: str) -> dict:
+def price(m: ModelConfig, layout: ServeLayout, cluster: Cluster, w: Workload, headroom_gib: float, path: str) -> dict:
     """The page's entry for one layout at one concurrency: {"error": reason} or the planner's figures."""
     reason = serving_refusal(m, layout)
     if reason is not None:
         return {"error": str(reason)}
     plan = evaluate(m, layout, cluster, w, headroom_gib)
     gib = plan.memory.gib()
-    return {"memory": [gib[k] for k in MEMORY_PARTS], "fits": plan.fit >= 1, "fit": plan.fit,
-            "describe": layout.describe(), "dp": layout.dp, "batch": plan.at.batch if plan.at.stable else 0,
-            "times_ms": [_finite(t * 1e3) for t in (plan.prefill.total, plan.step_s, plan.at.ttft_s,
-                                                    plan.at.p99_ttft_s, plan.at.tpot_s, plan.at.p99_tpot_s)],
-            "throughput": plan.throughput, "meets": plan.meets, "reasons": plan.reasons,
-            "vllm": (vllm_command(plan, w, path, m) or vllm_mismatch(m, layout)) if plan.fit else ""}
+    return {
+        "memory": [gib[k] for k in MEMORY_PARTS],
+        "fits": plan.fit >= 1,
+        "fit": plan.fit,
+        "describe": layout.describe(),
+        "dp": layout.dp,
+        "batch": plan.at.batch if plan.at.stable else 0,
+        "times_ms": [
+            _finite(t * 1e3)
+            for t in (
+                plan.prefill.total,
+                plan.step_s,
+                plan.at.ttft_s,
+                plan.at.p99_ttft_s,
+                plan.at.tpot_s,
+                plan.at.p99_tpot_s,
+            )
+        ],
+        "throughput": plan.throughput,
+        "meets": plan.meets,
+        "reasons": plan.reasons,
+        "vllm": (vllm_command(plan, w, path, m) or vllm_mismatch(m, layout)) if plan.fit else "",
+    }
 
 
 def _finite(x: float) -> float | None:
@@ -59,8 +81,15 @@ def _finite(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
 
-def serve_explore_data(m: ModelConfig, cluster: Cluster, w: Workload, weights: tuple[str, ...], source: str,
-                       training_shape: tuple[int, int], headroom_gib: float = 0.0) -> dict:
+def serve_explore_data(
+    m: ModelConfig,
+    cluster: Cluster,
+    w: Workload,
+    weights: tuple[str, ...],
+    source: str,
+    training_shape: tuple[int, int],
+    headroom_gib: float = 0.0,
+) -> dict:
     """Everything the serving page shows (see the module docstring)."""
     opts = options(m, cluster, weights)
     path = model_path(source, m.name)[0]
@@ -70,8 +99,14 @@ def serve_explore_data(m: ModelConfig, cluster: Cluster, w: Workload, weights: t
         key = entry_key({"tp": tp, "pp": pp, "ep": ep, "weights": dtype, "concurrency": c})
         if cluster.gpus % (tp * pp):
             continue
-        entry = price(m, ServeLayout(tp=tp, pp=pp, dp=cluster.gpus // (tp * pp), ep=ep, weights=dtype), cluster,
-                      replace(w, rate=0.0, concurrency=c), headroom_gib, path)
+        entry = price(
+            m,
+            ServeLayout(tp=tp, pp=pp, dp=cluster.gpus // (tp * pp), ep=ep, weights=dtype),
+            cluster,
+            replace(w, rate=0.0, concurrency=c),
+            headroom_gib,
+            path,
+        )
         if "error" in entry:  # reasons repeat: stored once, referenced by index
             if entry["error"] not in errors:
                 errors.append(entry["error"])
@@ -82,23 +117,44 @@ def serve_explore_data(m: ModelConfig, cluster: Cluster, w: Workload, weights: t
     train = training_view(m, cluster, *training_shape, headroom_gib)
     chosen = ranked[0].layout if ranked else ServeLayout()
     hw = cluster.hardware
-    return {"model": m.name, "gpus": cluster.gpus, "gpus_per_node": cluster.gpus_per_node, "gpu": hw.name,
-            "device_gib": hw.memory_gib, "capacity_gib": hw.memory_gib - headroom_gib,
-            "prompt_len": w.prompt_len, "output_len": w.output_len, "kv_dtype": w.kv_dtype,
-            "options": opts, "memory_parts": MEMORY_PARTS, "errors": errors, "entries": entries,
-            "chosen": {"tp": chosen.tp, "pp": chosen.pp, "ep": chosen.ep, "weights": chosen.weights,
-                       "describe": chosen.describe()},
-            "training": _training_lines(train), "why": why_they_differ(ranked[0], train, m, w) if ranked else []}
+    return {
+        "model": m.name,
+        "gpus": cluster.gpus,
+        "gpus_per_node": cluster.gpus_per_node,
+        "gpu": hw.name,
+        "device_gib": hw.memory_gib,
+        "capacity_gib": hw.memory_gib - headroom_gib,
+        "prompt_len": w.prompt_len,
+        "output_len": w.output_len,
+        "kv_dtype": w.kv_dtype,
+        "options": opts,
+        "memory_parts": MEMORY_PARTS,
+        "errors": errors,
+        "entries": entries,
+        "chosen": {
+            "tp": chosen.tp,
+            "pp": chosen.pp,
+            "ep": chosen.ep,
+            "weights": chosen.weights,
+            "describe": chosen.describe(),
+        },
+        "training": _training_lines(train),
+        "why": why_they_differ(ranked[0], train, m, w) if ranked else [],
+    }
 
 
 def _training_lines(train) -> list[str]:
     plan = train.plan or train.plan_there
     lines = []
     if train.plan is None:
-        lines.append(f"no training layout fits this cluster: the least memory any needs is {train.least_gib:.1f} GiB per GPU")
+        lines.append(
+            f"no training layout fits this cluster: the least memory any needs is {train.least_gib:.1f} GiB per GPU"
+        )
     if plan is not None:
         where = "this cluster" if train.plan is not None else f"{train.fits_at} GPUs"
-        lines.append(f"fived plan picks on {where}: {plan.layout.describe()}, {plan.memory.total / 2**30:.1f} GiB per "
-                     f"GPU, step {plan.time.total:.3g} s, MFU {plan.time.mfu:.1%} (seq {train.seq_len}, "
-                     f"{train.global_batch * train.seq_len:,} tokens per step)")
+        lines.append(
+            f"fived plan picks on {where}: {plan.layout.describe()}, {plan.memory.total / 2**30:.1f} GiB per "
+            f"GPU, step {plan.time.total:.3g} s, MFU {plan.time.mfu:.1%} (seq {train.seq_len}, "
+            f"{train.global_batch * train.seq_len:,} tokens per step)"
+        )
     return lines

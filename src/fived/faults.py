@@ -10,6 +10,7 @@ that time raises in the ranks waiting in it. The trainer turns that into `Collec
 the collective, the mesh dimension of its group and the group's ranks (fived.comm records which
 collective each rank is in), and the launcher applies its restart policy.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -46,12 +47,20 @@ class CollectiveTimeout(RuntimeError):
 
     def __init__(self, rank: int, op: str, dim: str, ranks: tuple[int, ...], timeout_s: float):
         self.rank, self.op, self.dim, self.ranks, self.timeout_s = rank, op, dim, tuple(ranks), timeout_s
-        super().__init__(f"{op} over the {dim} group (ranks {', '.join(map(str, ranks))}) did not complete "
-                         f"within {timeout_s:g} s (train.collective_timeout_s) on rank {rank}")
+        super().__init__(
+            f"{op} over the {dim} group (ranks {', '.join(map(str, ranks))}) did not complete "
+            f"within {timeout_s:g} s (train.collective_timeout_s) on rank {rank}"
+        )
 
     def summary(self) -> dict:
-        return {"kind": "collective_timeout", "rank": self.rank, "op": self.op, "dim": self.dim,
-                "ranks": list(self.ranks), "timeout_s": self.timeout_s}
+        return {
+            "kind": "collective_timeout",
+            "rank": self.rank,
+            "op": self.op,
+            "dim": self.dim,
+            "ranks": list(self.ranks),
+            "timeout_s": self.timeout_s,
+        }
 
 
 @contextlib.contextmanager
@@ -87,8 +96,11 @@ def timeout_line(summaries: list[dict]) -> str:
         waiting.setdefault((s["op"], s["dim"], tuple(s["ranks"])), []).append(s["rank"])
     keys = sorted(waiting, key=lambda k: (DIM_ORDER.index(k[1]) if k[1] in DIM_ORDER else len(DIM_ORDER), k))
     absent = sorted({r for key in keys for r in key[2] if r not in waiting_somewhere})
-    parts = [f"{op} over the {dim} group (ranks {', '.join(map(str, ranks))}): waiting rank "
-             f"{', '.join(map(str, sorted(waiting[(op, dim, ranks)])))}" for op, dim, ranks in keys]
+    parts = [
+        f"{op} over the {dim} group (ranks {', '.join(map(str, ranks))}): waiting rank "
+        f"{', '.join(map(str, sorted(waiting[(op, dim, ranks)])))}"
+        for op, dim, ranks in keys
+    ]
     timeout = f"within {summaries[0]['timeout_s']:g} s (train.collective_timeout_s)"
     if absent:
         return f"rank {', '.join(map(str, absent))} never arrived {timeout}; " + "; ".join(parts)

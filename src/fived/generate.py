@@ -7,6 +7,7 @@ Keys and values are cached: the prompt runs once, then each step runs only the n
 is a replacement of each attention's core (the same seam context parallelism uses), so the model
 code knows nothing of generation.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -42,7 +43,9 @@ class KVCachedAttentionCore(nn.Module):
         """Bytes the cache holds (keys and values, the whole capacity)."""
         return sum(t.untyped_storage().nbytes() for t in (self.keys, self.values) if t is not None)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents=None, positions=None) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents=None, positions=None
+    ) -> torch.Tensor:
         """(`documents`, `positions`: a prompt is one document; the rotation already used its positions.)"""
         start, s = self.length, q.shape[1]
         if self.keys is None or self.values is None:
@@ -53,9 +56,9 @@ class KVCachedAttentionCore(nn.Module):
         keys, values = self.keys, self.values
         if start + s > self.capacity:
             raise ValueError(f"the cache holds {self.capacity} positions; position {start + s - 1} does not fit")
-        keys[:, start:start + s], values[:, start:start + s] = k, v
+        keys[:, start : start + s], values[:, start : start + s] = k, v
         self.length = start + s
-        q, k, v = (t.transpose(1, 2) for t in (q, keys[:, :self.length], values[:, :self.length]))
+        q, k, v = (t.transpose(1, 2) for t in (q, keys[:, : self.length], values[:, : self.length]))
         gqa = q.shape[1] != k.shape[1]
         if self.key_mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=start == 0, enable_gqa=gqa)
@@ -69,7 +72,7 @@ class KVCachedAttentionCore(nn.Module):
         device = self.key_mask.device
         query = torch.arange(start, start + s, device=device)[:, None]
         key = torch.arange(self.length, device=device)[None, :]
-        real = self.key_mask[:, None, :self.length]
+        real = self.key_mask[:, None, : self.length]
         return ((key <= query) & real | (key == query))[:, None]
 
 
@@ -94,7 +97,9 @@ def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Genera
 
 
 @torch.no_grad()
-def generate(model: Transformer, prompt: list[int], sampling: Sampling, stop_ids: frozenset[int] | set[int] = frozenset()) -> list[int]:
+def generate(
+    model: Transformer, prompt: list[int], sampling: Sampling, stop_ids: frozenset[int] | set[int] = frozenset()
+) -> list[int]:
     """The ids generated after `prompt` (at most max_new_tokens; ends early at a stop id)."""
     model.eval()
     for block in model.blocks():
@@ -150,7 +155,9 @@ def load_model(source: str, dtype: torch.dtype, device: str):
     for _, buffer in model.named_buffers():
         buffer.zero_()
     missing, _ = model.load_state_dict(state, strict=False)
-    missing = [m for m in missing if not m.endswith("router_bias") and not (cfg.tie_embeddings and m == "output.weight")]
+    missing = [
+        m for m in missing if not m.endswith("router_bias") and not (cfg.tie_embeddings and m == "output.weight")
+    ]
     if missing:
         raise ConfigError("source", source, f"has no value for {missing[0]}", "give a complete model")
     return model, tokenizer, stop_ids
@@ -162,8 +169,12 @@ def _saved_run(source: str):
 
     checkpoint = find_checkpoint(source, "source") if Path(source).is_dir() else None
     if checkpoint is None:
-        raise ConfigError("source", source, "is neither a fived run or checkpoint nor a Hugging Face model "
-                          "directory (config.json)", "give one of those")
+        raise ConfigError(
+            "source",
+            source,
+            "is neither a fived run or checkpoint nor a Hugging Face model directory (config.json)",
+            "give one of those",
+        )
     return saved_config(checkpoint, "source")[1]
 
 

@@ -14,6 +14,7 @@ so that the serving planner's memory model (`fived.planner.serve_model`) is meas
 - Every rank reports the bytes its caches hold next to `kv_cache_bytes`, the prefill time (the barrier
   before the prompt to its first tokens) and each decode step's time, as the last stage saw them.
 """
+
 from __future__ import annotations
 
 import time
@@ -52,18 +53,31 @@ class RankGeneration:
 GENERATE_FLAGS = {"parallel.tp": "--tp", "parallel.pp": "--pp", "parallel.ep": "--ep", "parallel.dp": "--nproc"}
 
 
-def generation_config(model: ModelConfig, world: int, *, tp: int = 1, pp: int = 1, ep: int = 1,
-                      dtype: str = "float32", seed: int = 0) -> Config:
+def generation_config(
+    model: ModelConfig, world: int, *, tp: int = 1, pp: int = 1, ep: int = 1, dtype: str = "float32", seed: int = 0
+) -> Config:
     """The config the generation ranks build from: training's layout rules checked, each refusal one
     line naming `fived generate`'s flag."""
     if world % (tp * pp):
         raise ConfigError("--nproc", world, f"must be a multiple of --tp x --pp = {tp * pp}", f"e.g. --nproc {tp * pp}")
     if model.is_moe and model.capacity_factor > 0:  # (dropless routing only: padding would take capacity)
-        raise ConfigError("model.capacity_factor", model.capacity_factor, "generation on ranks batches left-padded "
-                          "prompts, whose padding would take the experts' capacity: only dropless MoE (0) runs there",
-                          "generate each prompt alone in one process (one --prompt, no --nproc)")
-    cfg = build_config(overrides={"parallel.tp": tp, "parallel.pp": pp, "parallel.ep": ep, "train.dtype": dtype,
-                                  "train.seed": seed, "train.microbatches": pp})
+        raise ConfigError(
+            "model.capacity_factor",
+            model.capacity_factor,
+            "generation on ranks batches left-padded "
+            "prompts, whose padding would take the experts' capacity: only dropless MoE (0) runs there",
+            "generate each prompt alone in one process (one --prompt, no --nproc)",
+        )
+    cfg = build_config(
+        overrides={
+            "parallel.tp": tp,
+            "parallel.pp": pp,
+            "parallel.ep": ep,
+            "train.dtype": dtype,
+            "train.seed": seed,
+            "train.microbatches": pp,
+        }
+    )
     cfg.model = model
     dp = world // (tp * pp)
     cfg.train.global_batch = dp * pp
@@ -79,18 +93,41 @@ def check_prompts(prompts: list[list[int]], dp: int) -> None:
     if not prompts or any(not p for p in prompts):
         raise ConfigError("--prompt", "(empty)", "every prompt must encode to at least one token", "give some text")
     if len(prompts) % dp:
-        raise ConfigError("--prompt", f"{len(prompts)} prompts", f"must divide among dp={dp} data-parallel ranks",
-                          f"give {dp * (len(prompts) // dp + 1)} prompts, or fewer ranks")
+        raise ConfigError(
+            "--prompt",
+            f"{len(prompts)} prompts",
+            f"must divide among dp={dp} data-parallel ranks",
+            f"give {dp * (len(prompts) // dp + 1)} prompts, or fewer ranks",
+        )
 
 
-def generate_on_ranks(cfg: Config, world: int, prompts: list[list[int]], sampling: Sampling, *, source: str = "",
-                      stop_ids: frozenset = frozenset(), device: str = "cpu", warmup: int = 0) -> list[RankGeneration]:
+def generate_on_ranks(
+    cfg: Config,
+    world: int,
+    prompts: list[list[int]],
+    sampling: Sampling,
+    *,
+    source: str = "",
+    stop_ids: frozenset = frozenset(),
+    device: str = "cpu",
+    warmup: int = 0,
+) -> list[RankGeneration]:
     """Run the generation on `world` fresh ranks (after `warmup` untimed ones); each rank's report."""
     from fived.launch import run_ranks
 
     check_prompts(prompts, cfg.parallel.dp)
-    return run_ranks(world, generate_on_rank, cfg, prompts, sampling, source, stop_ids, warmup,
-                     timeout_s=GENERATE_TIMEOUT_S, device=device)
+    return run_ranks(
+        world,
+        generate_on_rank,
+        cfg,
+        prompts,
+        sampling,
+        source,
+        stop_ids,
+        warmup,
+        timeout_s=GENERATE_TIMEOUT_S,
+        device=device,
+    )
 
 
 def generated_ids(reports: list[RankGeneration]) -> list[list[int]]:
@@ -103,8 +140,9 @@ def generated_ids(reports: list[RankGeneration]) -> list[list[int]]:
 
 
 @torch.no_grad()
-def generate_on_rank(cfg: Config, prompts: list[list[int]], sampling: Sampling, source: str,
-                     stop_ids: frozenset, warmup: int = 0) -> RankGeneration:
+def generate_on_rank(
+    cfg: Config, prompts: list[list[int]], sampling: Sampling, source: str, stop_ids: frozenset, warmup: int = 0
+) -> RankGeneration:
     """One rank's part (the default process group is up); `warmup` untimed generations first (a fresh
     process's first forward pays one-time costs: allocations, kernel selection, connections)."""
     ranked = build_generation_rank(cfg, source)
@@ -115,24 +153,41 @@ def generate_on_rank(cfg: Config, prompts: list[list[int]], sampling: Sampling, 
     from fived.planner.serve_model import kv_cache_bytes
 
     positions = max(len(p) for p in mine) + sampling.max_new_tokens
-    formula = kv_cache_bytes(cfg.model, tp=cfg.parallel.tp, layers=len(caches), sequences=len(mine),
-                             positions=positions, element_bytes=ranked.element_bytes)
+    formula = kv_cache_bytes(
+        cfg.model,
+        tp=cfg.parallel.tp,
+        layers=len(caches),
+        sequences=len(mine),
+        positions=positions,
+        element_bytes=ranked.element_bytes,
+    )
     keep = ranked.last and ranked.tp_rank == 0
-    return RankGeneration(dist.get_rank(), ranked.dp_rank, ranked.pp_rank, ranked.tp_rank, len(mine), positions,
-                          len(caches), sum(c.nbytes for c in caches), formula, prefill_s, decode_s,
-                          [_until_stop(seq, stop_ids) for seq in out] if keep else None)
+    return RankGeneration(
+        dist.get_rank(),
+        ranked.dp_rank,
+        ranked.pp_rank,
+        ranked.tp_rank,
+        len(mine),
+        positions,
+        len(caches),
+        sum(c.nbytes for c in caches),
+        formula,
+        prefill_s,
+        decode_s,
+        [_until_stop(seq, stop_ids) for seq in out] if keep else None,
+    )
 
 
 def _share(prompts: list[list[int]], dp: int, dp_rank: int) -> list[list[int]]:
     per = len(prompts) // dp
-    return prompts[dp_rank * per:(dp_rank + 1) * per]
+    return prompts[dp_rank * per : (dp_rank + 1) * per]
 
 
 def _until_stop(ids: list[int], stop_ids: frozenset) -> list[int]:
     """The ids up to and including the first stop id (as one-process generation ends)."""
     for i, token in enumerate(ids):
         if token in stop_ids:
-            return ids[:i + 1]
+            return ids[: i + 1]
     return ids
 
 
@@ -157,8 +212,8 @@ class GenerationRank:
         tokens = torch.zeros((len(prompts), longest), dtype=torch.long, device=self.device)
         real = torch.zeros((len(prompts), positions), dtype=torch.bool, device=self.device)
         for i, prompt in enumerate(prompts):
-            tokens[i, longest - len(prompt):] = torch.tensor(prompt)
-            real[i, longest - len(prompt):] = True
+            tokens[i, longest - len(prompt) :] = torch.tensor(prompt)
+            real[i, longest - len(prompt) :] = True
         caches = [KVCachedAttentionCore(positions, real) for _ in self.chunk.layers]
         for block, cache in zip(self.chunk.layers.values(), caches):
             block.attention.core = cache
@@ -194,8 +249,9 @@ class GenerationRank:
         chosen = torch.empty(b, dtype=torch.long, device=self.device)
         if self.last:
             logits = self._full_logits(h[:, -1])
-            chosen = torch.tensor([next_token(row, sampling, g) for row, g in zip(logits, generators)],
-                                  device=self.device)
+            chosen = torch.tensor(
+                [next_token(row, sampling, g) for row, g in zip(logits, generators)], device=self.device
+            )
         if self.mesh.pp > 1 and self.last:
             comm.exchange([(chosen, dist.get_global_rank(group, 0))], [], group).wait()
         elif self.mesh.pp > 1 and self.first:
@@ -263,10 +319,15 @@ def format_report(reports: list[RankGeneration], cfg: Config) -> str:
     lines = [f"generation on {len(reports)} ranks (dp{p.dp} tp{p.tp} pp{p.pp} ep{p.ep}, {cfg.train.dtype}):"]
     for r in reports:
         per = r.kv_formula // max(1, r.layers * r.sequences * r.positions)
-        step = f"{median(r.decode_s) * 1e3:.2f} ms per output token (median of {len(r.decode_s)} steps)" \
-            if r.decode_s else "no decode step"
-        lines.append(f"  rank {r.rank} (dp {r.dp_rank}, pp {r.pp_rank}, tp {r.tp_rank}): KV cache {r.kv_bytes:,} bytes "
-                     f"measured | {r.kv_formula:,} formula ({r.layers} layers x {r.sequences} sequences x "
-                     f"{r.positions} positions x {per} bytes of keys and values); prefill {r.prefill_s * 1e3:.2f} ms, "
-                     f"{step}")
+        step = (
+            f"{median(r.decode_s) * 1e3:.2f} ms per output token (median of {len(r.decode_s)} steps)"
+            if r.decode_s
+            else "no decode step"
+        )
+        lines.append(
+            f"  rank {r.rank} (dp {r.dp_rank}, pp {r.pp_rank}, tp {r.tp_rank}): KV cache {r.kv_bytes:,} bytes "
+            f"measured | {r.kv_formula:,} formula ({r.layers} layers x {r.sequences} sequences x "
+            f"{r.positions} positions x {per} bytes of keys and values); prefill {r.prefill_s * 1e3:.2f} ms, "
+            f"{step}"
+        )
     return "\n".join(lines)

@@ -19,6 +19,7 @@ It saves for backward the input, gate and up ([slots, hidden]); silu(gate) and t
 recomputed there (element-wise, cheap). `expert_loop` is the former loop of per-expert GEMMs, kept
 as the reference the benchmark and the tests compare against.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -35,8 +36,13 @@ def expert_loop(x: torch.Tensor, w1, w3, w2, counts: list[int]) -> torch.Tensor:
 
 def uses_grouped_mm(x: torch.Tensor, w1: torch.Tensor) -> bool:
     """torch's grouped GEMM: CUDA, bf16, and rows aligned to 16 bytes (as its kernels require)."""
-    return (x.is_cuda and hasattr(torch, "_grouped_mm") and x.dtype == torch.bfloat16
-            and w1.shape[1] % 16 == 0 and w1.shape[2] % 16 == 0)
+    return (
+        x.is_cuda
+        and hasattr(torch, "_grouped_mm")
+        and x.dtype == torch.bfloat16
+        and w1.shape[1] % 16 == 0
+        and w1.shape[2] % 16 == 0
+    )
 
 
 def _group_ends(counts: torch.Tensor) -> torch.Tensor:
@@ -71,8 +77,9 @@ def _swiglu_grad(d_hidden, gate, up, d_gate_in, d_up_in):
 
 
 @torch.library.custom_op("fived::grouped_swiglu", mutates_args=())
-def _grouped_swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
-                    counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _grouped_swiglu(
+    x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, counts: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if x.device.type == "cpu":
         return _forward_slices(x, w1, w3, w2, counts.tolist())
     if uses_grouped_mm(x, w1):
@@ -116,10 +123,18 @@ def _setup_context(ctx, inputs, output):
 
 
 @torch.library.custom_op("fived::grouped_swiglu_backward", mutates_args=())
-def _grouped_swiglu_backward(grad_out: torch.Tensor, d_gate_in: torch.Tensor, d_up_in: torch.Tensor,
-                             x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
-                             counts: torch.Tensor, gate: torch.Tensor, up: torch.Tensor
-                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _grouped_swiglu_backward(
+    grad_out: torch.Tensor,
+    d_gate_in: torch.Tensor,
+    d_up_in: torch.Tensor,
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    counts: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dw1, dw3, dw2); an op of its own so that compiled graphs keep it whole too."""
     if x.device.type == "cpu":
         return _backward_slices(grad_out, d_gate_in, d_up_in, x, w1, w3, w2, counts.tolist(), gate, up)
@@ -127,7 +142,9 @@ def _grouped_swiglu_backward(grad_out: torch.Tensor, d_gate_in: torch.Tensor, d_
         offs = _group_ends(counts)
         d_hidden = torch._grouped_mm(grad_out, w2.transpose(1, 2), offs=offs)
         d_gate, d_up = _swiglu_grad(d_hidden, gate, up, d_gate_in, d_up_in)
-        dx = torch._grouped_mm(d_gate, w1.transpose(1, 2), offs=offs) + torch._grouped_mm(d_up, w3.transpose(1, 2), offs=offs)
+        dx = torch._grouped_mm(d_gate, w1.transpose(1, 2), offs=offs) + torch._grouped_mm(
+            d_up, w3.transpose(1, 2), offs=offs
+        )
         dw1, dw3 = torch._grouped_mm(x.t(), d_gate, offs=offs), torch._grouped_mm(x.t(), d_up, offs=offs)
         return dx, dw1, dw3, torch._grouped_mm((F.silu(gate) * up).t(), grad_out, offs=offs)
     groups = _Groups(counts, x.shape[0])

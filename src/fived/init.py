@@ -19,6 +19,7 @@ numbering reads the model's parameter shapes (its config), which every rank know
 Std rules: norms 1, residual-branch outputs (attention.wo, w2, experts' w2) init_std / sqrt(2 L),
 everything else init_std; buffers (router biases) 0; padding (a vocabulary padded for tp) 0.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -95,7 +96,9 @@ class TileFiller:
         self.generator = torch.Generator()
 
     @torch.no_grad()
-    def fill(self, name: str, shape: tuple[int, ...], std: float | None, pieces: list[tuple[Box, torch.Tensor]]) -> None:
+    def fill(
+        self, name: str, shape: tuple[int, ...], std: float | None, pieces: list[tuple[Box, torch.Tensor]]
+    ) -> None:
         """Write parameter `name`'s initial values into `pieces` ((box of the whole tensor of `shape`,
         view) pairs, e.g. `Placement.pieces(stored)`), drawing each touched tile once."""
         shape = tuple(shape)
@@ -115,8 +118,8 @@ class TileFiller:
         for coords, users in wanted.items():
             origin = tuple(c * t for c, t in zip(coords, tile))
             sizes = tuple(min(t, g - o) for t, g, o in zip(tile, shape, origin))
-            values = self.buffer[:math.prod(sizes)].view(sizes)
-            index = sum(c * math.prod(grid[d + 1:]) for d, c in enumerate(coords))
+            values = self.buffer[: math.prod(sizes)].view(sizes)
+            index = sum(c * math.prod(grid[d + 1 :]) for d, c in enumerate(coords))
             self.generator.manual_seed(self.seeds(name, index))
             values.normal_(0.0, std, generator=self.generator)
             self.stats.generated += values.numel()

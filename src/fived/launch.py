@@ -5,6 +5,7 @@ On CPU the ranks are forked from this process (torch is already imported, so a r
 (CUDA does not survive fork) and use NCCL. The same `run_ranks` drives `fived train --nproc N`,
 `fived verify` and the multi-rank tests.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -20,7 +21,8 @@ import tempfile
 import threading
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -111,13 +113,21 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def _rank_main(rank: int, world: int, port: int, out_dir: str, timeout_s: float, device: str,
-               fn: Callable, args: tuple) -> None:
+def _rank_main(
+    rank: int, world: int, port: int, out_dir: str, timeout_s: float, device: str, fn: Callable, args: tuple
+) -> None:
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every process: the launcher handles it
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (not the launcher's handler, inherited by fork)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+    )
     code = 0
     try:
         try:
@@ -191,8 +201,15 @@ class _Ranks:
             p.join()
 
 
-def run_ranks(world: int, fn: Callable, *args: Any, timeout_s: float = 600.0,
-              deadline_s: float | None = None, device: str = "auto", grace_s: float = 0.0) -> list[Any]:
+def run_ranks(
+    world: int,
+    fn: Callable,
+    *args: Any,
+    timeout_s: float = 600.0,
+    deadline_s: float | None = None,
+    device: str = "auto",
+    grace_s: float = 0.0,
+) -> list[Any]:
     """Run fn(*args) on `world` fresh ranks with an initialised process group; return their results.
 
     `timeout_s` bounds each collective; `deadline_s` (if given) the whole run. If any rank fails,
@@ -213,13 +230,16 @@ def run_ranks(world: int, fn: Callable, *args: Any, timeout_s: float = 600.0,
     return _launch(world, fn, args, timeout_s, deadline_s, device, grace_s)
 
 
-def _launch(world: int, fn: Callable, args: tuple, timeout_s: float, deadline_s: float | None, device: str,
-            grace_s: float) -> list[Any]:
+def _launch(
+    world: int, fn: Callable, args: tuple, timeout_s: float, deadline_s: float | None, device: str, grace_s: float
+) -> list[Any]:
     ctx = mp.get_context("spawn") if device_type(device) == "cuda" else mp.get_context("fork")
     port = _free_port()
     with tempfile.TemporaryDirectory(prefix="fived-ranks-") as out_dir:
-        procs = [ctx.Process(target=_rank_main, args=(r, world, port, out_dir, timeout_s, device, fn, args), daemon=False)
-                 for r in range(world)]
+        procs = [
+            ctx.Process(target=_rank_main, args=(r, world, port, out_dir, timeout_s, device, fn, args), daemon=False)
+            for r in range(world)
+        ]
         ranks = _Ranks(procs, grace_s)
         previous = _install_handlers(ranks.on_signal)
         try:
@@ -257,7 +277,11 @@ def _collect(procs: list, out_dir: str, stop_signal: str | None, died: dict[int,
             else:
                 errors.append((1, when, r, value, summary))
         elif r in died:  # dead before the launcher killed anyone: a signal from outside, or a crash
-            how = f"was killed by {signal.Signals(-p.exitcode).name}" if p.exitcode < 0 else f"exited with code {p.exitcode}"
+            how = (
+                f"was killed by {signal.Signals(-p.exitcode).name}"
+                if p.exitcode < 0
+                else f"exited with code {p.exitcode}"
+            )
             errors.append((0 if p.exitcode < 0 else 1, died[r], r, f"rank {r} {how}, without a report", None))
     if stop_signal is not None:
         raise Stopped(stop_signal, results if len(results) == len(procs) else None)

@@ -6,6 +6,7 @@ measured by `fived.comm`, the layer fived's collectives go through.)
   layer, the embedding and the head (final norm, output projection, loss), inside pipeline
   schedules too, so activation memory is a measured figure (`fived.activation_model` predicts it).
 """
+
 from __future__ import annotations
 
 import functools
@@ -59,10 +60,24 @@ def model_state_bytes(tensors: dict[str, list[torch.Tensor]]) -> dict[str, int]:
 
 # Autograd nodes that only view or cast their input: a saved tensor reached from a parameter
 # through these is that weight (a transpose for a matmul, one expert's slice, an autocast copy).
-_WEIGHT_VIEWS = {"TBackward0", "TransposeBackward0", "TransposeBackward1", "PermuteBackward0", "ViewBackward0",
-                 "UnsafeViewBackward0", "SelectBackward0", "SliceBackward0", "ExpandBackward0",
-                 "AsStridedBackward0", "AliasBackward0", "ToCopyBackward0", "UnsqueezeBackward0",
-                 "SqueezeBackward0", "SqueezeBackward1", "ReshapeAliasBackward0"}
+_WEIGHT_VIEWS = {
+    "TBackward0",
+    "TransposeBackward0",
+    "TransposeBackward1",
+    "PermuteBackward0",
+    "ViewBackward0",
+    "UnsafeViewBackward0",
+    "SelectBackward0",
+    "SliceBackward0",
+    "ExpandBackward0",
+    "AsStridedBackward0",
+    "AliasBackward0",
+    "ToCopyBackward0",
+    "UnsqueezeBackward0",
+    "SqueezeBackward0",
+    "SqueezeBackward1",
+    "ReshapeAliasBackward0",
+}
 
 
 def _is_weight(t: torch.Tensor) -> bool:
@@ -210,8 +225,9 @@ class ActivationLedger:
         """The figure per part: the mean of its micro-batches' bytes."""
         self._count()
         self.recording = False
-        self.per_layer = {name: round(sum(v) / len(v))
-                          for name, v in sorted(self._bytes.items(), key=lambda kv: _order(kv[0]))}
+        self.per_layer = {
+            name: round(sum(v) / len(v)) for name, v in sorted(self._bytes.items(), key=lambda kv: _order(kv[0]))
+        }
         self._bytes, self.layer, self.micro, self._sac = defaultdict(list), None, None, []
 
 

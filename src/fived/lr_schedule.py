@@ -12,6 +12,7 @@ launch, resolved into the run's config and so kept in its checkpoints: `fived tr
 --steps N` extends a run without moving the lr of any step it had planned (0 keeps the checkpoint's
 D); `--train.decay_steps N` plans another decay on purpose (for wsd: before its decay starts).
 """
+
 from __future__ import annotations
 
 import math

@@ -3,6 +3,7 @@ rank's parameters, gradients and optimizer state (`fived.planner.memory.state_fl
 of any pipeline rank) against the GPU's memory, or on CPU against this machine's RAM shared by its
 local ranks. A layout that cannot fit is refused in one line naming the bytes, instead of
 allocating until the machine runs out of memory. (Activations come on top: this is a floor.)"""
+
 from __future__ import annotations
 
 import os
@@ -30,11 +31,11 @@ def available_bytes() -> int:
 
 def check_fits(cfg: Config, world: int) -> None:
     """Refuse (ConfigError) a layout whose per-rank model state cannot fit on this machine."""
+    import torch
+
     from fived.launch import device_type
     from fived.layout.layout import Layout
     from fived.planner.memory import state_floor
-
-    import torch
 
     device = device_type(cfg.train.device)
     if device == "cuda" and not torch.cuda.is_available():
@@ -44,6 +45,11 @@ def check_fits(cfg: Config, world: int) -> None:
     have = machine_bytes(device)
     if per_rank * local_ranks > have:
         where = "one GPU's memory" if device == "cuda" else f"this machine's RAM (for {local_ranks} local rank(s))"
-        raise ConfigError("model", cfg.model.name, f"needs {per_rank / 2**30:.1f} GiB of model state per rank "
-                          f"({per_rank} bytes: parameters, gradients, optimizer), more than {where}: "
-                          f"{have / 2**30:.1f} GiB", "use more ranks with --zero 3 / --tp / --pp, or a smaller model")
+        raise ConfigError(
+            "model",
+            cfg.model.name,
+            f"needs {per_rank / 2**30:.1f} GiB of model state per rank "
+            f"({per_rank} bytes: parameters, gradients, optimizer), more than {where}: "
+            f"{have / 2**30:.1f} GiB",
+            "use more ranks with --zero 3 / --tp / --pp, or a smaller model",
+        )

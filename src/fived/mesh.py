@@ -2,6 +2,7 @@
 torch dtypes of each `train.dtype` (`PRECISIONS`, from the layout core's `PRECISION_SPECS`). The
 layout itself and the rules it must meet are plain Python in `fived.layout`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,13 +11,39 @@ from typing import Any
 import torch
 
 from fived.config import Config
-from fived.layout.layout import (CHECKPOINTING, COMPILE_BACKENDS, GROUP_NAMES, MESH_DIMS, PP_SCHEDULES,
-                                 PRECISION_SPECS, SINGLE_STAGE, SPLIT_BACKWARD, V_SHAPED, Layout, resolve_dp,
-                                 stages_per_rank)
+from fived.layout.layout import (
+    CHECKPOINTING,
+    COMPILE_BACKENDS,
+    GROUP_NAMES,
+    MESH_DIMS,
+    PP_SCHEDULES,
+    PRECISION_SPECS,
+    SINGLE_STAGE,
+    SPLIT_BACKWARD,
+    V_SHAPED,
+    Layout,
+    resolve_dp,
+    stages_per_rank,
+)
 
-__all__ = ["CHECKPOINTING", "COMPILE_BACKENDS", "DTYPES", "GROUP_NAMES", "MESH_DIMS", "PP_SCHEDULES", "PRECISIONS",
-           "SINGLE_STAGE", "SPLIT_BACKWARD", "V_SHAPED", "Layout", "Mesh", "Precision", "build_dtype", "resolve_dp",
-           "stages_per_rank"]
+__all__ = [
+    "CHECKPOINTING",
+    "COMPILE_BACKENDS",
+    "DTYPES",
+    "GROUP_NAMES",
+    "MESH_DIMS",
+    "PP_SCHEDULES",
+    "PRECISIONS",
+    "SINGLE_STAGE",
+    "SPLIT_BACKWARD",
+    "V_SHAPED",
+    "Layout",
+    "Mesh",
+    "Precision",
+    "build_dtype",
+    "resolve_dp",
+    "stages_per_rank",
+]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -50,7 +77,7 @@ class Mesh:
 
     `Mesh.build` needs an initialised default process group; sub-meshes and groups are taken by name:
     pp, dp (= dp_replicate x dp_shard, flattened), dp_replicate, dp_shard, cp, tp, dp_cp, dp_shard_cp,
-    dp_cp_tp (a pipeline stage's ranks), and the expert mesh's ep and edp."""
+    dp_cp_tp (a pipeline stage's ranks; with train.optimizer=muon only), and the expert mesh's ep and edp."""
 
     def __init__(self, layout: Layout | None = None, **sizes):
         self.layout = layout if layout is not None else Layout(**sizes)
@@ -61,7 +88,7 @@ class Mesh:
         self.cp_mesh: Any = None  # hybrid context parallelism: cp cut into (cp_ring, cp_ulysses)
 
     @classmethod
-    def from_config(cls, cfg: Config, world: int) -> "Mesh":
+    def from_config(cls, cfg: Config, world: int) -> Mesh:
         return cls(Layout.from_config(cfg, world))
 
     dp = property(lambda self: self.layout.dp)
@@ -73,7 +100,7 @@ class Mesh:
     dp_shard = property(lambda self: self.layout.dp_shard)
     world_size = property(lambda self: self.layout.world)
 
-    def build(self, device_type: str, timeout_s: float | None = None) -> "Mesh":
+    def build(self, device_type: str, timeout_s: float | None = None) -> Mesh:
         """Create every group; with `timeout_s`, a collective on any of them that does not complete in
         that time raises (torch's default for new groups would be 30 minutes, whatever the default
         group's timeout)."""
@@ -81,28 +108,39 @@ class Mesh:
 
         self.device_type = device_type
         override = _backend_override(device_type, timeout_s)
-        dims: dict[int | str, Any] | None = {name: override for name in MESH_DIMS} if override else None
+        dims: dict[int | str, Any] | None = dict.fromkeys(MESH_DIMS, override) if override else None
         self.device_mesh = init_device_mesh(
-            device_type, tuple(getattr(self, d) for d in MESH_DIMS), mesh_dim_names=MESH_DIMS, backend_override=dims)
+            device_type, tuple(getattr(self, d) for d in MESH_DIMS), mesh_dim_names=MESH_DIMS, backend_override=dims
+        )
         # Flattened views: "dp" picks the data (the batch split), "dp_cp" reduces gradients (cp ranks
         # see other tokens of the same sequences), "dp_shard_cp" holds the ZeRO shards.
         mesh = self.device_mesh
         # Experts: dp*cp cut into ep groups of consecutive ranks (ep innermost) and edp groups across.
         expert_dims = ("pp", "edp", "ep", "tp")
         self.expert_mesh = init_device_mesh(
-            device_type, (self.pp, self.dp * self.cp // self.ep, self.ep, self.tp), mesh_dim_names=expert_dims,
-            backend_override={name: override for name in expert_dims} if override else None)
+            device_type,
+            (self.pp, self.dp * self.cp // self.ep, self.ep, self.tp),
+            mesh_dim_names=expert_dims,
+            backend_override=dict.fromkeys(expert_dims, override) if override else None,
+        )
         if self.layout.cp_mode == "hybrid" and self.cp > 1:  # Ulysses groups of consecutive cp ranks, rings across
             u = self.layout.ulysses
             cp_dims = ("pp", "dp_replicate", "dp_shard", "cp_ring", "cp_ulysses", "tp")
             self.cp_mesh = init_device_mesh(
-                device_type, (self.pp, self.dp_replicate, self.dp_shard, self.cp // u, u, self.tp),
-                mesh_dim_names=cp_dims, backend_override={name: override for name in cp_dims} if override else None)
-        self.flat = {"dp": mesh["dp_replicate", "dp_shard"]._flatten("dp", backend_override=override),
-                     "dp_cp": mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp", backend_override=override),
-                     "dp_shard_cp": mesh["dp_shard", "cp"]._flatten("dp_shard_cp", backend_override=override),
-                     "dp_cp_tp": mesh["dp_replicate", "dp_shard", "cp", "tp"]._flatten("dp_cp_tp",
-                                                                                      backend_override=override)}
+                device_type,
+                (self.pp, self.dp_replicate, self.dp_shard, self.cp // u, u, self.tp),
+                mesh_dim_names=cp_dims,
+                backend_override=dict.fromkeys(cp_dims, override) if override else None,
+            )
+        self.flat = {
+            "dp": mesh["dp_replicate", "dp_shard"]._flatten("dp", backend_override=override),
+            "dp_cp": mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp", backend_override=override),
+            "dp_shard_cp": mesh["dp_shard", "cp"]._flatten("dp_shard_cp", backend_override=override),
+        }
+        if self.layout.optimizer == "muon":  # (only Muon's exchange uses it: gloo connects a group eagerly)
+            self.flat["dp_cp_tp"] = mesh["dp_replicate", "dp_shard", "cp", "tp"]._flatten(
+                "dp_cp_tp", backend_override=override
+            )
         return self
 
     def __getitem__(self, name: str):
@@ -123,8 +161,9 @@ class Mesh:
         same ranks (dp and dp_shard without replicas) the first listed names them."""
         names: dict = {}
         for d in GROUP_NAMES:
-            if d not in ("cp_ring", "cp_ulysses") or self.cp_mesh is not None:
-                names.setdefault(self.group(d), d)
+            if (d in ("cp_ring", "cp_ulysses") and self.cp_mesh is None) or (d == "dp_cp_tp" and d not in self.flat):
+                continue  # (built only where used: hybrid context parallelism's groups, Muon's exchange)
+            names.setdefault(self.group(d), d)
         return names
 
 

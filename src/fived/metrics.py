@@ -8,6 +8,7 @@ parameter except the input embedding (a lookup), with only top_k routed experts 
 attention's QK^T and AV products, without discounting the causal mask. Activation recomputation is
 not counted (this is MFU, not HFU).
 """
+
 from __future__ import annotations
 
 import json
@@ -85,9 +86,12 @@ class MetricsLog:
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
+
                 self.tb = SummaryWriter(str(self.dir / "tensorboard"))
             except ImportError:
-                print("tensorboard is not installed (pip install tensorboard); logging JSON lines only", file=sys.stderr)
+                print(
+                    "tensorboard is not installed (pip install tensorboard); logging JSON lines only", file=sys.stderr
+                )
 
     def write(self, record: dict) -> None:
         try:

@@ -4,6 +4,7 @@ The model code has no parallel branches: every parallel dimension is applied fro
 `fived.parallel.parallelize`, which swaps or wraps modules. Shapes inside forward are read from the
 tensors (e.g. the number of local heads), so a tensor-parallel shard runs the same code.
 """
+
 from __future__ import annotations
 
 import math
@@ -65,8 +66,14 @@ class CausalAttentionCore(nn.Module):
     the tokens' in-document `positions`) within documents only (fived.attention). A module of its own
     so that context parallelism can replace it without touching `Attention`."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        documents: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         if documents is not None:
             assert positions is not None  # (document masking hands the in-document positions too)
             return document_attention(q, k, v, documents, positions)
@@ -89,8 +96,14 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, documents: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        documents: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         b, s, _ = x.shape
         q = self.wq(x).view(b, s, -1, self.head_dim)
         k = self.wk(x).view(b, s, -1, self.head_dim)
@@ -195,7 +208,7 @@ class MoE(nn.Module):
         tokens = torch.full((b, 1), float(s), dtype=probs.dtype, device=x.device)
         stats = self.reduce_sequence_stats(torch.cat([slots.sum(dim=1), probs.sum(dim=1), tokens], dim=-1))
         frac = stats[:, :e] / (stats[:, -1:] * self.top_k)  # [b, E]
-        mean_prob = stats[:, e:2 * e] / stats[:, -1:]
+        mean_prob = stats[:, e : 2 * e] / stats[:, -1:]
         aux = (e * (frac * mean_prob).sum(dim=-1)).sum()
         self.last_aux_loss = aux.detach()
 
@@ -243,8 +256,14 @@ class TransformerBlock(nn.Module):
         moe = cfg.is_moe and layer_id >= cfg.n_dense_layers
         self.feed_forward = MoE(cfg) if moe else FeedForward(cfg.dim, cfg.ffn_dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, documents: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        documents: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin, documents, positions)
         return x + self.feed_forward(self.ffn_norm(x))
 
@@ -266,8 +285,9 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                documents: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor | None = None, documents: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """`positions`: the tokens' rotary positions ([s], or [b, s]); `documents`: with document
         masking, each token's document ([b, s]; `positions` then count from its document's start).
         Both describe the whole (local) sequence, also when hidden states are SP shards."""
@@ -322,7 +342,9 @@ def materialize(model: nn.Module, device: str | torch.device) -> None:
         torch.__future__.set_swap_module_params_on_conversion(previous)
 
 
-def build_model(cfg: ModelConfig, device: str | torch.device = "meta", dtype: torch.dtype = torch.float32) -> Transformer:
+def build_model(
+    cfg: ModelConfig, device: str | torch.device = "meta", dtype: torch.dtype = torch.float32
+) -> Transformer:
     """Build on `device` (meta by default: no memory is allocated until `to_empty`)."""
     with torch.device(device):
         model = Transformer(cfg)

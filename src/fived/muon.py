@@ -8,15 +8,17 @@ Per step, for each Muon matrix W with (clipped) gradient G and momentum buffer M
          A = X X^T (on the wide orientation), train.muon_ns_steps iterations of (a, b, c)
          (train.muon_ns_coefficients), in the run's compute dtype (float64 in `fived verify`)
     W <- W (1 - lr wd) - lr s O, s the update scale of a fan_out x fan_in matrix (train.muon_scale)
-A routed experts' tensor is one matrix per expert. The embedding, the head, norms and the router
-stay with AdamW (lr, betas, eps, weight decay as train.optimizer=adamw sets them), under the same
-learning-rate schedule: one `param_groups` list, one `state` (checkpoints hold each Muon matrix's
+with lr train.muon_lr (train.lr when 0). A routed experts' tensor is one matrix per expert. The
+embedding, the head, norms and the router stay with AdamW (train.lr, betas, eps, weight decay as
+train.optimizer=adamw sets them), under the same learning-rate schedule (each group's lr times the
+schedule's factor): one `param_groups` list, one `state` (checkpoints hold each Muon matrix's
 `momentum_buffer` by canonical name, placed like its parameter, as AdamW's moments).
 
 Sharded: each rank keeps momentum for the pieces it stores; `fived.parallel.muon_exchange` assembles
 every matrix whole at one owner, which orthogonalises it once, and returns each rank its pieces
 (see `fived.muon_plan`). A single device runs the same code with itself as every owner.
 """
+
 from __future__ import annotations
 
 import math
@@ -39,15 +41,17 @@ def update_scale(rule: str, fan_out: int, fan_in: int) -> float:
     return 1.0
 
 
-def newton_schulz(matrix: torch.Tensor, coefficients: list[tuple[float, float, float]], eps: float = 1e-7) -> torch.Tensor:
+def newton_schulz(
+    matrix: torch.Tensor, coefficients: list[tuple[float, float, float]], eps: float = 1e-7
+) -> torch.Tensor:
     """The orthogonalised `matrix` (approximately U V^T of its SVD, singular values pushed toward 1),
     in its own dtype. Iterates on the wide orientation, so A = X X^T is the smaller Gram matrix."""
     tall = matrix.shape[0] > matrix.shape[1]
     x = matrix.mT if tall else matrix
     x = x / (torch.linalg.matrix_norm(x) + eps)
-    for a, b, c in coefficients:
+    for a, b, c in coefficients:  # (two fused multiply-adds: X, A and b A + c A^2 alive, then the next X)
         gram = x @ x.mT
-        x = a * x + (b * gram + c * (gram @ gram)) @ x
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
     return x.mT if tall else x
 
 
@@ -61,8 +65,14 @@ class Muon(torch.optim.Optimizer):
     def __init__(self, matrices: list[tuple[str, torch.Tensor]], adamw: torch.optim.AdamW, t: TrainConfig, exchange):
         self.adamw = adamw
         self.names = [name for name, _ in matrices]
-        muon = {"params": [p for _, p in matrices], "lr": t.lr, "weight_decay": t.weight_decay,
-                "momentum": t.muon_momentum, "nesterov": t.muon_nesterov, "muon": True}
+        muon = {
+            "params": [p for _, p in matrices],
+            "lr": t.muon_lr or t.lr,
+            "weight_decay": t.weight_decay,
+            "momentum": t.muon_momentum,
+            "nesterov": t.muon_nesterov,
+            "muon": True,
+        }
         # AdamW's group dicts themselves: the schedule's lr reaches both optimizers
         super().__init__(self.adamw.param_groups + [muon], {"lr": t.lr, "muon": False})
         self.adamw.state = self.state  # one state: checkpoints and the memory ledger read optimizer.state
@@ -82,8 +92,8 @@ class Muon(torch.optim.Optimizer):
     def step(self, closure=None):
         self.adamw.step()
         group = self.param_groups[-1]
-        beta, lr, decay = group["momentum"], group["lr"], group["weight_decay"]
-        directions = {}
+        beta, lr, decay, nesterov = group["momentum"], group["lr"], group["weight_decay"], group["nesterov"]
+        stored = {}  # name -> (gradient, momentum, weight) as this rank stores them
         for name, p in zip(self.names, group["params"]):
             state = self.state[p]
             if not state:
@@ -91,9 +101,18 @@ class Muon(torch.optim.Optimizer):
             buf = local_tensor(state["momentum_buffer"])
             grad = local_tensor(p.grad) if p.grad is not None else torch.zeros_like(buf)
             buf.lerp_(grad, 1 - beta)
-            directions[name] = grad.lerp(buf, beta) if group["nesterov"] else buf
-        updates = self.exchange.orthogonalize(directions, lambda m: newton_schulz(m, self.coefficients))
-        for name, p in zip(self.names, group["params"]):
             weight = local_tensor(p)
-            weight.mul_(1 - lr * decay)
-            weight.add_(updates[name].to(weight.dtype), alpha=-lr * self.scales[name])
+            weight.mul_(1 - lr * decay)  # (decoupled: before the update, as W (1 - lr wd) - lr s O)
+            stored[name] = (grad, buf, weight)
+        x = self.exchange
+
+        def direction(name: str, box) -> torch.Tensor:
+            grad, buf, _ = stored[name]
+            momentum = x.view(name, buf, box)
+            return (x.view(name, grad, box).lerp(momentum, beta) if nesterov else momentum).to(x.dtype)
+
+        def apply(name: str, box, update: torch.Tensor) -> None:
+            weight = x.view(name, stored[name][2], box)
+            weight.add_(update.to(weight.dtype), alpha=-lr * self.scales[name])
+
+        x.orthogonalize(direction, lambda m: newton_schulz(m, self.coefficients), apply)

@@ -1,5 +1,6 @@
 """AdamW with decoupled weight decay on matrices only, and its learning-rate schedule (fived.lr_schedule).
 (Gradient clipping depends on how gradients are sharded: see DataParallel.clip_gradients.)"""
+
 from __future__ import annotations
 
 import torch

@@ -5,6 +5,7 @@ only looks figures up in the data and draws them: every number is computed in Py
 
 plotly is an optional extra: `pip install 'fived[pages]'`.
 """
+
 from __future__ import annotations
 
 import base64
@@ -21,8 +22,12 @@ def plotly_js() -> str:
     try:
         from plotly.offline import get_plotlyjs
     except ImportError:
-        raise ConfigError("plotly", "not installed", "the pages bundle plotly.js from the plotly package",
-                          "pip install 'fived[pages]'") from None
+        raise ConfigError(
+            "plotly",
+            "not installed",
+            "the pages bundle plotly.js from the plotly package",
+            "pip install 'fived[pages]'",
+        ) from None
     return get_plotlyjs()
 
 
@@ -34,12 +39,20 @@ def write_page(path: str | Path, title: str, kind: str, data: dict) -> Path:
     """Write the page `kind` ("explore" or "report") showing `data` to `path`."""
     assets = files("fived.assets")
     payload = base64.b64encode(gzip.compress(json.dumps(data, separators=(",", ":")).encode(), 6)).decode()
-    page = "\n".join([
-        "<!doctype html>", '<html lang="en"><head><meta charset="utf-8">', f"<title>{html.escape(title)}</title>",
-        f"<style>{assets.joinpath('pages.css').read_text()}</style>", inline_script(plotly_js()), "</head>",
-        f'<body data-page="{kind}"><h1>{html.escape(title)}</h1><div id="app">loading...</div>',
-        f'<script id="fived-data" type="application/octet-stream">{payload}</script>',
-        inline_script(assets.joinpath("pages.js").read_text()), "</body></html>"])
+    page = "\n".join(
+        [
+            "<!doctype html>",
+            '<html lang="en"><head><meta charset="utf-8">',
+            f"<title>{html.escape(title)}</title>",
+            f"<style>{assets.joinpath('pages.css').read_text()}</style>",
+            inline_script(plotly_js()),
+            "</head>",
+            f'<body data-page="{kind}"><h1>{html.escape(title)}</h1><div id="app">loading...</div>',
+            f'<script id="fived-data" type="application/octet-stream">{payload}</script>',
+            inline_script(assets.joinpath("pages.js").read_text()),
+            "</body></html>",
+        ]
+    )
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(page)

@@ -13,6 +13,7 @@ Initialisation (`fived.init`: each rank draws only its pieces' tiles), `full_sta
 `--init-from` and export read this table; an optimizer moment is placed exactly like the parameter
 it belongs to.
 """
+
 from __future__ import annotations
 
 import math
@@ -34,7 +35,7 @@ class Box:
     def numel(self) -> int:
         return math.prod(self.sizes)
 
-    def intersection(self, other: "Box") -> "Box | None":
+    def intersection(self, other: Box) -> Box | None:
         """The region both boxes cover (None: they do not meet)."""
         lo = tuple(max(a, b) for a, b in zip(self.offsets, other.offsets))
         hi = tuple(min(a + s, b + t) for a, s, b, t in zip(self.offsets, self.sizes, other.offsets, other.sizes))
@@ -42,7 +43,7 @@ class Box:
             return None
         return Box(lo, tuple(h - low for low, h in zip(lo, hi)))
 
-    def within(self, outer: "Box") -> tuple[slice, ...]:
+    def within(self, outer: Box) -> tuple[slice, ...]:
         """This box as slices of a tensor holding `outer` (which contains it)."""
         return tuple(slice(o - p, o - p + s) for o, s, p in zip(self.offsets, self.sizes, outer.offsets))
 
@@ -71,7 +72,7 @@ class Placement:
             raise ValueError(f"stored tensor of shape {tuple(stored.shape)}, placement says {self.stored_shape}")
         out = []
         for whole, box, start in self._placed():
-            view = stored if start is None else stored[start:start + box.numel].view(box.sizes)
+            view = stored if start is None else stored[start : start + box.numel].view(box.sizes)
             for dim, (want, have) in enumerate(zip(whole.sizes, box.sizes)):
                 if want != have:
                     view = view.narrow(dim, 0, want)

@@ -9,6 +9,7 @@ and CUDA kernels on GPU). While the window is open fived labels its own work for
 profile/trace.json: every rank's events in one file, one process per rank ("rank R"), on one time
 axis (each trace's baseTimeNanoseconds: the host clocks, aligned only as well as the hosts' are).
 """
+
 from __future__ import annotations
 
 import json
@@ -57,13 +58,17 @@ def merge_traces(run_dir: str | Path, world: int) -> Path | None:
     """profile/trace.json from the ranks' traces (those present): one process per rank, times in
     microseconds from the earliest event of any rank."""
     folder = Path(run_dir) / "profile"
-    traces = {r: json.loads((folder / f"rank{r}.json").read_text())
-              for r in range(world) if (folder / f"rank{r}.json").is_file()}
+    traces = {
+        r: json.loads((folder / f"rank{r}.json").read_text())
+        for r in range(world)
+        if (folder / f"rank{r}.json").is_file()
+    }
     if not traces:
         return None
     bases = {r: t.get("baseTimeNanoseconds", 0) / 1e3 for r, t in traces.items()}
-    origin = min(bases[r] + min((e["ts"] for e in t["traceEvents"] if "ts" in e), default=0.0)
-                 for r, t in traces.items())
+    origin = min(
+        bases[r] + min((e["ts"] for e in t["traceEvents"] if "ts" in e), default=0.0) for r, t in traces.items()
+    )
     events = []
     for rank, trace in sorted(traces.items()):
         events.append({"name": "process_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}})

@@ -1,6 +1,7 @@
 """One rank's share of the model, built: the mesh, its pipeline stages on meta, the parallel plan, the
 materialised shards initialised by placement, the data-parallel wrapping and the optimizer. The
 trainer and `fived dryrun` both build a rank here, so a dry run measures what training allocates."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

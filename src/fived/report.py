@@ -17,6 +17,7 @@ slightly less.
 
 Communication per step: the planner's model of every collective (`fived.planner.communication`).
 """
+
 from __future__ import annotations
 
 from fived.activation_model import activation_bytes, layer_bytes
@@ -39,8 +40,9 @@ def expected_state_bytes(cfg: Config, world: int, rank: int = 0) -> dict[str, in
 
     layout = Layout.from_config(cfg, world)
     where = layout.coordinates(rank)
-    return state_bytes(cfg.model, layout, cfg.train.dtype, rank_chunks(cfg.model, layout, where["pp"]),
-                       where["shard"], where["edp"])
+    return state_bytes(
+        cfg.model, layout, cfg.train.dtype, rank_chunks(cfg.model, layout, where["pp"]), where["shard"], where["edp"]
+    )
 
 
 def local_model(cfg: Config, world: int):
@@ -63,9 +65,16 @@ def expected_comm_bytes(cfg: Config, world: int, rank: int = 0) -> dict[str, int
 
     layout = Layout.from_config(cfg, world)
     pp_rank, member = divmod(rank, layout.dp * layout.cp * layout.tp)
-    collectives = step_collectives(cfg.model, layout, cfg.train.seq_len, cfg.train.global_batch, cfg.train.dtype,
-                                   rank_chunks(cfg.model, layout, pp_rank), rank_stages(layout, pp_rank),
-                                   member=member)
+    collectives = step_collectives(
+        cfg.model,
+        layout,
+        cfg.train.seq_len,
+        cfg.train.global_batch,
+        cfg.train.dtype,
+        rank_chunks(cfg.model, layout, pp_rank),
+        rank_stages(layout, pp_rank),
+        member=member,
+    )
     return ledger_bytes(collectives, layout)
 
 
@@ -73,9 +82,19 @@ def _activation_layout(cfg: Config, world: int) -> dict:
     """The layout arguments of `fived.activation_model.activation_bytes` for this config."""
     t, p = cfg.train, cfg.parallel
     mesh = Mesh.from_config(cfg, world)
-    return dict(micro_batch_seqs=t.global_batch // mesh.dp // t.microbatches, seq_len=t.seq_len, tp=mesh.tp,
-                sp=p.sp, cp=mesh.cp, ep=mesh.ep, dtype_bytes=PRECISIONS[t.dtype].compute.itemsize, autocast=PRECISIONS[t.dtype].autocast,
-                checkpointing=t.activation_checkpointing, ulysses=mesh.layout.ulysses, document_mask=cfg.data.document_mask)
+    return dict(
+        micro_batch_seqs=t.global_batch // mesh.dp // t.microbatches,
+        seq_len=t.seq_len,
+        tp=mesh.tp,
+        sp=p.sp,
+        cp=mesh.cp,
+        ep=mesh.ep,
+        dtype_bytes=PRECISIONS[t.dtype].compute.itemsize,
+        autocast=PRECISIONS[t.dtype].autocast,
+        checkpointing=t.activation_checkpointing,
+        ulysses=mesh.layout.ulysses,
+        document_mask=cfg.data.document_mask,
+    )
 
 
 def expected_activation_bytes(cfg: Config, world: int) -> int:
@@ -107,24 +126,41 @@ def report_figures(cfg: Config, world: int, results: list[TrainResult]) -> dict:
     """The measured-vs-formula tables of `--report` (model-state bytes per rank, rank 0's collectives
     per mesh dimension), the pipeline's executed actions and the MoE expert load per layer: what
     `format_report` prints and what `fived train` writes to the run directory's run.json."""
-    state = [{"rank": rank, "measured": {k: res.memory.get(k, 0) for k in ("params", "grads", "optimizer")},
-              "predicted": expected_state_bytes(cfg, world, rank)}
-             for rank, res in enumerate(results)]
+    state = [
+        {
+            "rank": rank,
+            "measured": {k: res.memory.get(k, 0) for k in ("params", "grads", "optimizer")},
+            "predicted": expected_state_bytes(cfg, world, rank),
+        }
+        for rank, res in enumerate(results)
+    ]
     want_comm, comm = expected_comm_bytes(cfg, world), results[0].comm
-    comm_rows = [{"key": key, "bytes": comm.get(key, {}).get("bytes", 0), "calls": comm.get(key, {}).get("calls", 0),
-                  "predicted": want_comm.get(key, 0)} for key in sorted(set(comm) | set(want_comm))]
+    comm_rows = [
+        {
+            "key": key,
+            "bytes": comm.get(key, {}).get("bytes", 0),
+            "calls": comm.get(key, {}).get("calls", 0),
+            "predicted": want_comm.get(key, 0),
+        }
+        for key in sorted(set(comm) | set(want_comm))
+    ]
     actions = [a for res in results for a in res.timeline]
     t0 = min((a.start for a in actions), default=0.0)  # seconds from the step's first action
     timeline = [[a.rank, a.kind, a.stage, a.microbatch, a.start - t0, a.end - a.start] for a in actions]
     loads: dict[str, list[float]] = {}
     for res in results:
         loads.update(res.expert_load)
-    return {"state": state, "comm": comm_rows, "timeline": timeline,
-            "expert_load": dict(sorted(loads.items(), key=lambda kv: int(kv[0])))}
+    return {
+        "state": state,
+        "comm": comm_rows,
+        "timeline": timeline,
+        "expert_load": dict(sorted(loads.items(), key=lambda kv: int(kv[0]))),
+    }
 
 
-def write_run_json(cfg: Config, world: int, results: list[TrainResult],
-                   breakdowns: list[list[dict]] | None = None) -> None:
+def write_run_json(
+    cfg: Config, world: int, results: list[TrainResult], breakdowns: list[list[dict]] | None = None
+) -> None:
     """run.json in the run directory (`fived report` and `fived diagnose` read it): the report's
     figures, the layout, the config, and the measured step breakdown of every rank beside the
     planner's (`breakdowns`: each rank's per-step breakdowns, where `results` holds only some ranks)."""
@@ -153,8 +189,10 @@ def _bubble_line(cfg: Config, results: list[TrainResult]) -> str:
 
     p, m = cfg.parallel.pp, cfg.train.microbatches
     stages = p * stages_per_rank(cfg.parallel.pp_schedule, cfg.parallel.pp_virtual)
-    return (f"pipeline bubble of {cfg.parallel.pp_schedule}, simulated from the executed actions with unit "
-            f"times: {bubble_of(timeline, stages):.4f} (GPipe/1F1B textbook (p-1)/(m+p-1) = {(p - 1) / (m + p - 1):.4f})")
+    return (
+        f"pipeline bubble of {cfg.parallel.pp_schedule}, simulated from the executed actions with unit "
+        f"times: {bubble_of(timeline, stages):.4f} (GPipe/1F1B textbook (p-1)/(m+p-1) = {(p - 1) / (m + p - 1):.4f})"
+    )
 
 
 def format_report(cfg: Config, world: int, results: list[TrainResult]) -> str:
@@ -171,8 +209,10 @@ def format_report(cfg: Config, world: int, results: list[TrainResult]) -> str:
     if figures["timeline"]:
         lines.append(_bubble_line(cfg, results))
     if any(res.activations for res in results):
-        lines.append(f"activation bytes saved for backward per micro-batch ({cfg.train.activation_checkpointing} "
-                     "checkpointing; measured | formula):")
+        lines.append(
+            f"activation bytes saved for backward per micro-batch ({cfg.train.activation_checkpointing} "
+            "checkpointing; measured | formula):"
+        )
         for rank, res in enumerate(results):
             want_act = expected_activations(cfg, world, rank)
             got_total, want_total = sum(res.activations.values()), sum(want_act.values())

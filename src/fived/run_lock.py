@@ -14,6 +14,7 @@ is gone.
 A filesystem without flock (Lustre mounted without `flock`, some NFS setups: ENOSYS, ENOLCK,
 EOPNOTSUPP) cannot lock: the run says so in one warning line and goes on unlocked.
 """
+
 from __future__ import annotations
 
 import errno
@@ -46,14 +47,22 @@ class RunLock:
         except BlockingIOError:
             holder = os.read(fd, 256).decode(errors="replace").strip() or "another process"
             os.close(fd)
-            raise ConfigError("train.output_dir", str(self.run_dir), f"is in use by a running fived train ({holder}); "
-                              "one run per directory", "wait for it to end, or choose another --train.output_dir") from None
+            raise ConfigError(
+                "train.output_dir",
+                str(self.run_dir),
+                f"is in use by a running fived train ({holder}); one run per directory",
+                "wait for it to end, or choose another --train.output_dir",
+            ) from None
         except OSError as e:
             if e.errno not in NO_FLOCK:
                 os.close(fd)
                 raise OSError(e.errno, e.strerror, str(self.path)) from None
-            print(f"fived: warning: {self.path}: the filesystem does not support flock ({e.strerror}); running "
-                  "without the one-run-per-directory lock", file=sys.stderr, flush=True)
+            print(
+                f"fived: warning: {self.path}: the filesystem does not support flock ({e.strerror}); running "
+                "without the one-run-per-directory lock",
+                file=sys.stderr,
+                flush=True,
+            )
         try:
             os.ftruncate(fd, 0)
             os.write(fd, f"pid {os.getpid()} on host {platform.node()}\n".encode())

@@ -6,6 +6,7 @@ pipeline actions of the last step, the MoE expert load per layer, the measured s
 the planner's), `fived diagnose`'s findings, and launches.jsonl: where the run started, resumed or
 restarted and at which layout (`segments`: marked on every chart).
 """
+
 from __future__ import annotations
 
 import json
@@ -33,18 +34,25 @@ def report_data(run_dir: str) -> dict:
     """Everything the report page shows for `run_dir`."""
     path = Path(run_dir)
     if not (path / "metrics.jsonl").is_file():
-        raise ConfigError("run_dir", run_dir, "has no metrics.jsonl", "give a `fived train` output directory (train.output_dir)")
+        raise ConfigError(
+            "run_dir", run_dir, "has no metrics.jsonl", "give a `fived train` output directory (train.output_dir)"
+        )
     metrics = read_metrics(path)
     figures = json.loads((path / "run.json").read_text()) if (path / "run.json").is_file() else {}
     layout = figures.get("layout", {})
     last = metrics["step"][-1] if metrics["step"] else 0
     parts = segments(path, last)
     said = {"resume": " (resumed)", "restart": " (restarted)"}
-    shape = "; ".join(f"steps {s['first_step']}-{s['last_step']}{said.get(s['event'], '')}: {s['layout']}" for s in parts)
+    shape = "; ".join(
+        f"steps {s['first_step']}-{s['last_step']}{said.get(s['event'], '')}: {s['layout']}" for s in parts
+    )
     if not parts:  # (a run directory from before launches.jsonl: run.json's layout)
         shape = "layout " + " ".join(f"{k}={layout[k]}" for k in ("dp", "tp", "pp", "cp", "ep", "zero") if k in layout)
-    summary = (f"{len(metrics['step'])} steps logged (last {last})" + (f"; {shape}" if parts or layout else "")
-               + ("" if figures else "; run.json not written yet (the run has not finished): no measured tables"))
+    summary = (
+        f"{len(metrics['step'])} steps logged (last {last})"
+        + (f"; {shape}" if parts or layout else "")
+        + ("" if figures else "; run.json not written yet (the run has not finished): no measured tables")
+    )
     diagnosis = None
     if "breakdown" in figures and "config" in figures:  # (fived diagnose's findings, on the page too)
         from fived.diagnose import diagnose, format_diagnosis
@@ -55,9 +63,18 @@ def report_data(run_dir: str) -> dict:
         except (ConfigError, KeyError, ValueError) as e:  # (a run.json the page can still draw without it)
             diagnosis = None
             summary += f"; no diagnosis ({e})"
-    return {"summary": summary, "metrics": metrics, "state": figures.get("state", []), "comm": figures.get("comm", []),
-            "timeline": figures.get("timeline", []), "bubble_line": figures.get("bubble_line", ""),
-            "expert_load": figures.get("expert_load", {}), "layout": layout, "diagnosis": diagnosis, "segments": parts}
+    return {
+        "summary": summary,
+        "metrics": metrics,
+        "state": figures.get("state", []),
+        "comm": figures.get("comm", []),
+        "timeline": figures.get("timeline", []),
+        "bubble_line": figures.get("bubble_line", ""),
+        "expert_load": figures.get("expert_load", {}),
+        "layout": layout,
+        "diagnosis": diagnosis,
+        "segments": parts,
+    }
 
 
 def segments(run_dir: Path, last_step: int) -> list[dict]:
@@ -72,8 +89,15 @@ def segments(run_dir: Path, last_step: int) -> list[dict]:
         first = checkpoint_step(record.get("resume_from")) + 1
         out = [s for s in out if s["first_step"] < first]
         layout = describe_layout(record)
-        out.append({"first_step": first, "event": record.get("event", "start"), "world": record.get("world_size"),
-                    "layout": layout, "changed": bool(out) and out[-1]["layout"] != layout})
+        out.append(
+            {
+                "first_step": first,
+                "event": record.get("event", "start"),
+                "world": record.get("world_size"),
+                "layout": layout,
+                "changed": bool(out) and out[-1]["layout"] != layout,
+            }
+        )
     for here, after in zip(out, out[1:] + [None]):
         here["last_step"] = after["first_step"] - 1 if after else last_step
     return [s for s in out if s["first_step"] <= s["last_step"]]
@@ -82,7 +106,7 @@ def segments(run_dir: Path, last_step: int) -> list[dict]:
 def checkpoint_step(checkpoint: str | None) -> int:
     """The step of a checkpoint directory (…/checkpoints/step-N), 0 for none."""
     name = Path(checkpoint).name if checkpoint else ""
-    return int(name[len("step-"):]) if name.startswith("step-") and name[len("step-"):].isdigit() else 0
+    return int(name[len("step-") :]) if name.startswith("step-") and name[len("step-") :].isdigit() else 0
 
 
 def describe_layout(record: dict) -> str:

@@ -2,6 +2,7 @@
 config flags (generated from the dataclasses), new runs, `--layout auto`, resumed runs
 (`--resume`) and the first half of `fived verify --reshard-from`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,32 +17,58 @@ from fived.config_docs import SECTION_DOCS, help_text, metavar
 from fived.lr_schedule import decay_steps_of
 
 SHORT_FLAGS = {
-    "--model": "model.name", "--dp": "parallel.dp", "--tp": "parallel.tp", "--pp": "parallel.pp",
-    "--cp": "parallel.cp", "--ep": "parallel.ep", "--zero": "parallel.zero",
+    "--model": "model.name",
+    "--dp": "parallel.dp",
+    "--tp": "parallel.tp",
+    "--pp": "parallel.pp",
+    "--cp": "parallel.cp",
+    "--ep": "parallel.ep",
+    "--zero": "parallel.zero",
     "--dp-replicate": "parallel.dp_replicate",
-    "--pp-schedule": "parallel.pp_schedule", "--pp-virtual": "parallel.pp_virtual",
-    "--microbatches": "train.microbatches", "--steps": "train.steps", "--seed": "train.seed",
-    "--dtype": "train.dtype", "--seq-len": "train.seq_len", "--global-batch": "train.global_batch",
-    "--trace": "train.trace", "--pp-layers": "parallel.pp_layers", "--max-restarts": "train.max_restarts",
+    "--pp-schedule": "parallel.pp_schedule",
+    "--pp-virtual": "parallel.pp_virtual",
+    "--microbatches": "train.microbatches",
+    "--steps": "train.steps",
+    "--seed": "train.seed",
+    "--dtype": "train.dtype",
+    "--seq-len": "train.seq_len",
+    "--global-batch": "train.global_batch",
+    "--trace": "train.trace",
+    "--pp-layers": "parallel.pp_layers",
+    "--max-restarts": "train.max_restarts",
     "--init-from": "train.init_from",
 }
 
 
-def add_config_flags(parser: argparse.ArgumentParser, *,
-                     nproc_help: str = "local ranks to start (default: the layout's world size, or 2)") -> None:
+def add_config_flags(
+    parser: argparse.ArgumentParser,
+    *,
+    nproc_help: str = "local ranks to start (default: the layout's world size, or 2)",
+) -> None:
     parser.add_argument("--config", help="a TOML file with [model], [parallel], [train], [data] tables")
     parser.add_argument("--nproc", type=int, help=nproc_help)
     parser.add_argument("--dp-shard", type=int, help="HSDP: ranks a ZeRO shard spans; dp = dp_shard x dp_replicate")
-    parser.add_argument("--sp", dest="parallel.sp", action="store_const", const=True, default=argparse.SUPPRESS,
-                        help="sequence parallelism (with --tp)")
+    parser.add_argument(
+        "--sp",
+        dest="parallel.sp",
+        action="store_const",
+        const=True,
+        default=argparse.SUPPRESS,
+        help="sequence parallelism (with --tp)",
+    )
     docs = {f"{f.section}.{f.key}": f.doc for f in config_fields()}
     for flag, dest in SHORT_FLAGS.items():
         parser.add_argument(flag, dest=dest, default=argparse.SUPPRESS, metavar="VALUE", help=f"--{dest}: {docs[dest]}")
     parser.usage = "%(prog)s [options] [--<section>.<field> VALUE ...]"  # (every field: the groups below)
     groups = {section: parser.add_argument_group(f"[{section}] {doc}") for section, doc in SECTION_DOCS.items()}
     for f in config_fields():
-        groups[f.section].add_argument(f"--{f.section}.{f.key}", dest=f"{f.section}.{f.key}", default=argparse.SUPPRESS,
-                                       metavar=metavar(f), help=help_text(f))
+        groups[f.section].add_argument(
+            f"--{f.section}.{f.key}",
+            dest=f"{f.section}.{f.key}",
+            default=argparse.SUPPRESS,
+            metavar=metavar(f),
+            help=help_text(f),
+        )
 
 
 def overrides_of(ns: argparse.Namespace) -> dict:
@@ -64,8 +91,14 @@ class LaunchRequest:
 def as_request(given: LaunchRequest | argparse.Namespace) -> LaunchRequest:
     if isinstance(given, LaunchRequest):
         return given
-    return LaunchRequest(overrides_of(given), given.config, given.nproc, given.dp_shard,
-                         getattr(given, "resume", None), getattr(given, "layout", None))
+    return LaunchRequest(
+        overrides_of(given),
+        given.config,
+        given.nproc,
+        given.dp_shard,
+        getattr(given, "resume", None),
+        getattr(given, "layout", None),
+    )
 
 
 def _in_file(path: str | None, section: str, key: str) -> bool:
@@ -124,15 +157,22 @@ def auto_layout(cfg, world: int) -> None:
     runtime = fived_runtime(cfg.train.fp8)
     search = plan(cfg.model, cluster, cfg.train.seq_len, cfg.train.global_batch, cfg.train.dtype, runtime)
     if not search.plans:
-        raise ConfigError("--layout", "auto", f"no layout of {cfg.model.name} fits {world} rank(s) of {hw.name}",
-                          "use more ranks, a shorter train.seq_len or a smaller train.global_batch")
+        raise ConfigError(
+            "--layout",
+            "auto",
+            f"no layout of {cfg.model.name} fits {world} rank(s) of {hw.name}",
+            "use more ranks, a shorter train.seq_len or a smaller train.global_batch",
+        )
     best = search.plans[0]
     for dotted, value in best.layout.overrides(cfg.train.global_batch).items():
         section, _, key = dotted.partition(".")
         set_field(cfg, section, key, value)
-    print(f"fived train --layout auto: {best.layout.describe()} on {world} x {hw.name} "
-          f"(predicted {best.time.total:.3g} s/step, {best.memory.total / 2**30:.2f} GiB/rank) = "
-          f"{best.layout.flags(cfg.train.global_batch)}", flush=True)
+    print(
+        f"fived train --layout auto: {best.layout.describe()} on {world} x {hw.name} "
+        f"(predicted {best.time.total:.3g} s/step, {best.memory.total / 2**30:.2f} GiB/rank) = "
+        f"{best.layout.flags(cfg.train.global_batch)}",
+        flush=True,
+    )
     print("  basis: " + "; ".join(basis(cfg.model, cluster, runtime, best.layout, cfg.train.seq_len)), flush=True)
 
 
@@ -158,8 +198,12 @@ def load_run(given: LaunchRequest | argparse.Namespace, default_world: int, defa
             raise ConfigError("--layout", layout, "unknown", "the only value is 'auto' (the planner chooses)")
         layout_flags = [k for k in ns.overrides if k.startswith("parallel.") or k == "train.microbatches"]
         if layout_flags or ns.dp_shard is not None:
-            raise ConfigError("--layout", "auto", "chooses the parallel layout itself, but "
-                              + ", ".join(layout_flags or ["--dp-shard"]) + " was given", "drop one of them")
+            raise ConfigError(
+                "--layout",
+                "auto",
+                "chooses the parallel layout itself, but " + ", ".join(layout_flags or ["--dp-shard"]) + " was given",
+                "drop one of them",
+            )
         if ns.nproc is None:
             raise ConfigError("--layout", "auto", "needs the number of ranks", "add --nproc N")
         auto_layout(cfg, world)
@@ -180,8 +224,12 @@ def check_environment(cfg) -> None:
     import torch
 
     if cfg.train.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device", "cuda", "no CUDA device is visible to this process "
-                          "(torch.cuda.is_available() is False)", "use --train.device cpu (or auto)")
+        raise ConfigError(
+            "train.device",
+            "cuda",
+            "no CUDA device is visible to this process (torch.cuda.is_available() is False)",
+            "use --train.device cpu (or auto)",
+        )
     out = Path(cfg.train.output_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -189,13 +237,20 @@ def check_environment(cfg) -> None:
         probe.write_text("")
         probe.unlink()
     except OSError as e:
-        raise ConfigError("train.output_dir", cfg.train.output_dir, f"cannot be written ({e.strerror})",
-                          "choose a directory you can write, e.g. --train.output_dir runs/default") from None
+        raise ConfigError(
+            "train.output_dir",
+            cfg.train.output_dir,
+            f"cannot be written ({e.strerror})",
+            "choose a directory you can write, e.g. --train.output_dir runs/default",
+        ) from None
     t = cfg.train
     if t.warmup_steps > t.steps:
-        print(f"fived: warning: train.warmup_steps={t.warmup_steps} > train.steps={t.steps}: the learning rate "
-              f"never reaches train.lr={t.lr:g}; e.g. --train.warmup_steps {max(1, t.steps // 10)}",
-              file=sys.stderr, flush=True)
+        print(
+            f"fived: warning: train.warmup_steps={t.warmup_steps} > train.steps={t.steps}: the learning rate "
+            f"never reaches train.lr={t.lr:g}; e.g. --train.warmup_steps {max(1, t.steps // 10)}",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def file_overrides(path: str | None) -> dict:
@@ -211,8 +266,15 @@ def file_overrides(path: str | None) -> dict:
 
 # What a resumed run takes from its checkpoint: changing it would make it another run.
 # (data.val_path is not here: validation data is read, never trained on, so a resumed run may add it)
-FIXED_ON_RESUME = ("model.", "data.path", "data.tokenizer", "train.seq_len", "train.global_batch", "train.seed",
-                   "train.optimizer")  # (a checkpoint holds its optimizer's state)
+FIXED_ON_RESUME = (
+    "model.",
+    "data.path",
+    "data.tokenizer",
+    "train.seq_len",
+    "train.global_batch",
+    "train.seed",
+    "train.optimizer",
+)  # (a checkpoint holds its optimizer's state)
 # The flags that describe a layout: given on resume, they define a new one from the defaults.
 LAYOUT_FIELDS = ("dp", "tp", "pp", "cp", "ep", "zero", "dp_replicate", "sp", "pp_schedule", "pp_virtual", "pp_layers")
 
@@ -241,21 +303,36 @@ def load_resumed_run(request: LaunchRequest | argparse.Namespace, crc: bool = Tr
     world = world_size(cfg, ns.nproc, default_world) if layout_given else (ns.nproc or default_world)
     if ns.layout is not None:
         if ns.layout != "auto" or layout_given or ns.nproc is None:
-            raise ConfigError("--layout", ns.layout, "with --resume: 'auto' with --nproc N and no layout flags",
-                              f"--resume {ns.resume} --layout auto --nproc {world}")
+            raise ConfigError(
+                "--layout",
+                ns.layout,
+                "with --resume: 'auto' with --nproc N and no layout flags",
+                f"--resume {ns.resume} --layout auto --nproc {world}",
+            )
         cfg.parallel = ParallelConfig()
         auto_layout(cfg, world)
     if cfg.train.steps <= manifest["step"]:
-        raise NothingToTrain("train.steps", cfg.train.steps, f"the checkpoint is at step {manifest['step']}: "
-                             "nothing left to train", f"extend the run, e.g. --steps {manifest['step'] + saved.train.steps}")
+        raise NothingToTrain(
+            "train.steps",
+            cfg.train.steps,
+            f"the checkpoint is at step {manifest['step']}: nothing left to train",
+            f"extend the run, e.g. --steps {manifest['step'] + saved.train.steps}",
+        )
     check_config(cfg, world)
     cfg.parallel.dp = resolve_dp(cfg, world)
     check_fits(cfg, world)
     tokens = check_data(cfg)
-    windows, saved_windows = (len(tokens) - 1) // cfg.train.seq_len, manifest["components"]["progress"]["sampler"]["num_windows"]
+    windows, saved_windows = (
+        (len(tokens) - 1) // cfg.train.seq_len,
+        manifest["components"]["progress"]["sampler"]["num_windows"],
+    )
     if windows != saved_windows:
-        raise ConfigError("data.path", cfg.data.path or "bundled corpus", f"holds {windows} sequences now, the "
-                          f"checkpoint's run had {saved_windows}: the data changed", "resume with the data it was trained on")
+        raise ConfigError(
+            "data.path",
+            cfg.data.path or "bundled corpus",
+            f"holds {windows} sequences now, the checkpoint's run had {saved_windows}: the data changed",
+            "resume with the data it was trained on",
+        )
     check_environment(cfg)
     check_model_shapes(cfg, checkpoint)
     return cfg, world, str(checkpoint), manifest
@@ -273,8 +350,11 @@ def _saved_run(resume: str, crc: bool = True):
     checkpoint = find_checkpoint(resume, "--resume", crc)
     if checkpoint is None:
         raise no_intact_checkpoint(resume, "--resume", resume, crc) or ConfigError(
-            "--resume", resume, "holds no complete checkpoint (checkpoints/step-<N>/COMPLETE)",
-            "give the output directory of a run that saved one (checkpoint.every or checkpoint.final)")
+            "--resume",
+            resume,
+            "holds no complete checkpoint (checkpoints/step-<N>/COMPLETE)",
+            "give the output directory of a run that saved one (checkpoint.every or checkpoint.final)",
+        )
     return (checkpoint, *saved_config(checkpoint, "--resume"))
 
 
@@ -291,8 +371,12 @@ def _resumed_config(saved, given: dict, dp_shard: int | None):
             probe = copy.deepcopy(saved)
             set_field(probe, section, name, value)
             if probe != saved:
-                raise ConfigError(key, value, f"a resumed run keeps the checkpoint's {key} "
-                                  f"({getattr(getattr(saved, section), name, '...')})", "drop the flag, or start a new run")
+                raise ConfigError(
+                    key,
+                    value,
+                    f"a resumed run keeps the checkpoint's {key} ({getattr(getattr(saved, section), name, '...')})",
+                    "drop the flag, or start a new run",
+                )
     if not saved.train.decay_steps:  # (a checkpoint from before train.decay_steps: its run planned train.steps)
         saved.train.decay_steps = saved.train.steps
     cfg = copy.deepcopy(saved)
@@ -386,8 +470,9 @@ def reshard_layout(flags: str, cfg):
     differs = [k for k, v in given.items() if not k.startswith(LAYOUT_KEYS) and not _same_value(cfg, k, v)]
     other = unknown + differs + (["--config"] if ns.config else [])
     if other:
-        raise ConfigError("--reshard-from", flags, f"only layout flags may differ between the halves ({other[0]})",
-                          example)
+        raise ConfigError(
+            "--reshard-from", flags, f"only layout flags may differ between the halves ({other[0]})", example
+        )
     first = copy.deepcopy(cfg)
     first.parallel = ParallelConfig(dp=1 if ns.nproc is None else -1)
     first.train.microbatches = max(1, int(given.get("parallel.pp", 1)))
@@ -397,10 +482,9 @@ def reshard_layout(flags: str, cfg):
     if ns.dp_shard is not None:
         first.parallel.dp = ns.dp_shard * first.parallel.dp_replicate
     if cfg.train.steps < 2:
-        raise ConfigError("train.steps", cfg.train.steps, "--reshard-from splits the run in two halves: needs >= 2",
-                          "--steps 4")
+        raise ConfigError(
+            "train.steps", cfg.train.steps, "--reshard-from splits the run in two halves: needs >= 2", "--steps 4"
+        )
     world = world_size(first, ns.nproc, 1)
     check_config(first, world)
     return first, world
-
-

@@ -16,6 +16,7 @@ wait, an upper bound).
 
 Marks come from the host clock on CPU, from CUDA events on GPU (read after the step synchronises).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -148,9 +149,13 @@ class StepTimer:
         overlapped = {role: covered(spans) for role, spans in in_flight.items()}
         exclusive, stages, micro = attribute(intervals, total)
         components = {k: v for k, v in exclusive.items() if v > 0 or k == "other"}
-        return {"total_s": total, "components": components, "overlapped": overlapped,
-                "stage_compute_s": {str(k): v for k, v in sorted(stages.items())},
-                "microbatch_s": _per_stage(micro)}
+        return {
+            "total_s": total,
+            "components": components,
+            "overlapped": overlapped,
+            "stage_compute_s": {str(k): v for k, v in sorted(stages.items())},
+            "microbatch_s": _per_stage(micro),
+        }
 
 
 def covered(spans: list[tuple[float, float]]) -> float:

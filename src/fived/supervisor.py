@@ -12,6 +12,7 @@ nothing saved after the newest healthy checkpoint, see fived.divergence; never r
 preempted after saving (resumable: run `fived train --resume DIR`); 130 interrupted (Ctrl-C); 143
 terminated with nothing saved.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,19 +20,19 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Callable
 
 import torch
 
-from fived.version import __version__
 from fived.checkpoint import find_checkpoint
 from fived.config import Config
-from fived.write_errors import writing
 from fived.faults import INTERRUPTED_EXIT, PREEMPTED_EXIT, TERMINATED_EXIT, timeout_line
 from fived.launch import RankFailed, Stopped, run_ranks
 from fived.mesh import resolve_dp
+from fived.version import __version__
+from fived.write_errors import writing
 
 
 def describe_run_dir(cfg: Config, world: int, event: dict) -> str | None:
@@ -44,11 +45,26 @@ def describe_run_dir(cfg: Config, world: int, event: dict) -> str | None:
     previous = (run_dir / "config.toml").read_text() if (run_dir / "config.toml").is_file() else None
     write_config_toml(run_dir, commented_toml(cfg))  # (every field, with its description)
     p = cfg.parallel
-    record = {"time": time.time(), "command": sys.argv, "fived_version": __version__,
-              "torch_version": torch.__version__, "python": platform.python_version(), "host": platform.node(),
-              "world_size": world, "layout": {"dp": resolve_dp(cfg, world), "tp": p.tp, "pp": p.pp, "cp": p.cp,
-                                              "ep": p.ep, "zero": p.zero, "dp_replicate": p.dp_replicate},
-              **event, "config": cfg.to_dict()}  # (config.toml is the latest; every launch's is kept here)
+    record = {
+        "time": time.time(),
+        "command": sys.argv,
+        "fived_version": __version__,
+        "torch_version": torch.__version__,
+        "python": platform.python_version(),
+        "host": platform.node(),
+        "world_size": world,
+        "layout": {
+            "dp": resolve_dp(cfg, world),
+            "tp": p.tp,
+            "pp": p.pp,
+            "cp": p.cp,
+            "ep": p.ep,
+            "zero": p.zero,
+            "dp_replicate": p.dp_replicate,
+        },
+        **event,
+        "config": cfg.to_dict(),
+    }  # (config.toml is the latest; every launch's is kept here)
     with writing(run_dir / "launches.jsonl"), open(run_dir / "launches.jsonl", "a") as f:
         f.write(json.dumps(record) + "\n")
     return previous
@@ -87,8 +103,13 @@ def run_with_restarts(cfg: Config, world: int, resume: str | None, train: Callab
     grace = cfg.train.preempt_grace_s if _saves_on_sigterm(cfg) else 0.0
     while True:
         try:
-            return run_ranks(world, partial(train, cfg, resume=resume), device=cfg.train.device,
-                             timeout_s=cfg.train.collective_timeout_s, grace_s=grace)
+            return run_ranks(
+                world,
+                partial(train, cfg, resume=resume),
+                device=cfg.train.device,
+                timeout_s=cfg.train.collective_timeout_s,
+                grace_s=grace,
+            )
         except RankFailed as failure:
             diverged = failure.line_of("diverged")
             if diverged:
@@ -99,11 +120,24 @@ def run_with_restarts(cfg: Config, world: int, resume: str | None, train: Callab
             checkpoint = find_checkpoint(cfg.train.output_dir)
             resume = str(checkpoint) if checkpoint is not None else None
             why = failure_line(failure)
-            describe_run_dir(cfg, world, {"event": "restart", "restart": restarts, "failed_rank": failure.rank,
-                                          "failed_step": last_logged_step(cfg.train.output_dir) + 1, "why": why,
-                                          "resume_from": resume})
-            print(f"fived train: {why}; restart {restarts} of {cfg.train.max_restarts} from "
-                  f"{Path(resume).name if resume else 'the start'}", file=sys.stderr, flush=True)
+            describe_run_dir(
+                cfg,
+                world,
+                {
+                    "event": "restart",
+                    "restart": restarts,
+                    "failed_rank": failure.rank,
+                    "failed_step": last_logged_step(cfg.train.output_dir) + 1,
+                    "why": why,
+                    "resume_from": resume,
+                },
+            )
+            print(
+                f"fived train: {why}; restart {restarts} of {cfg.train.max_restarts} from "
+                f"{Path(resume).name if resume else 'the start'}",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def failure_line(failure: RankFailed) -> str:
@@ -119,12 +153,18 @@ def stop_line(stop: Stopped, cfg: Config) -> tuple[str, int]:
         saved = Path(run_dir) / "checkpoints" / f"step-{step}"
         if not saved.is_dir():  # (the save was skipped: no room on the disk, said by its warning)
             newest = find_checkpoint(run_dir)
-            return (f"fived train: preempted (SIGTERM): every rank stopped after step {step}, whose save was "
-                    f"skipped; newest checkpoint {newest}; continue with: fived train --resume {run_dir}"
-                    if newest else f"fived train: preempted (SIGTERM) after step {step}; nothing could be saved",
-                    PREEMPTED_EXIT if newest else TERMINATED_EXIT)
-        return (f"fived train: preempted (SIGTERM): every rank stopped after step {step} and saved "
-                f"{saved}; continue with: fived train --resume {run_dir}", PREEMPTED_EXIT)
+            return (
+                f"fived train: preempted (SIGTERM): every rank stopped after step {step}, whose save was "
+                f"skipped; newest checkpoint {newest}; continue with: fived train --resume {run_dir}"
+                if newest
+                else f"fived train: preempted (SIGTERM) after step {step}; nothing could be saved",
+                PREEMPTED_EXIT if newest else TERMINATED_EXIT,
+            )
+        return (
+            f"fived train: preempted (SIGTERM): every rank stopped after step {step} and saved "
+            f"{saved}; continue with: fived train --resume {run_dir}",
+            PREEMPTED_EXIT,
+        )
     newest = find_checkpoint(run_dir)
     then = f"; newest checkpoint {newest}, continue with: fived train --resume {run_dir}" if newest else ""
     code = INTERRUPTED_EXIT if stop.signal_name == "SIGINT" else TERMINATED_EXIT

@@ -1,8 +1,10 @@
 """Helpers for multi-rank tests: run a test body on N real gloo ranks (forked processes, real
 collectives, no mocks) with a short timeout, so a hung collective fails the test in seconds."""
+
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from fived.launch import run_ranks
 
@@ -24,8 +26,16 @@ def tiny_config(model: str = "tiny", **overrides: Any):
     """A small float64 config for exactness tests; overrides are {"section.field": value}."""
     from fived.config import build_config
 
-    base = {"model.name": model, "train.steps": 3, "train.dtype": "float64", "train.global_batch": 8,
-            "train.seq_len": 32, "train.warmup_steps": 1, "train.log_every": 1000, "train.device": "cpu"}
+    base = {
+        "model.name": model,
+        "train.steps": 3,
+        "train.dtype": "float64",
+        "train.global_batch": 8,
+        "train.seq_len": 32,
+        "train.warmup_steps": 1,
+        "train.log_every": 1000,
+        "train.device": "cpu",
+    }
     base.update({k.replace("__", "."): v for k, v in overrides.items()})
     return build_config(overrides=base)
 
@@ -41,7 +51,7 @@ def write_documents(path, *, lengths=(5, 9, 17, 30, 60, 120), total: int = 60_00
     draw, docs, at = random.Random(seed), [], 0
     while at < total:
         n = draw.choice(lengths)
-        docs.append(text[at % len(text):][:n])
+        docs.append(text[at % len(text) :][:n])
         at += n
     with open(path, "w", encoding="utf-8", newline="") as f:
         f.write("\0".join(docs) + "\0")

@@ -13,6 +13,7 @@ depends on the layout that saved a checkpoint.
   rng         the CPU generator's state (fived draws no random numbers after initialisation; kept
               so that anything added later that does resumes exactly too)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -87,9 +88,14 @@ class OptimizerState:
             state = self.optimizer.state[param]
             muon = self._muon(param)
             if for_load and not state:  # a fresh optimizer: make the state DCP fills
-                state.update(cast(Muon, self.optimizer).fresh_state(param) if muon else
-                             {"step": torch.zeros((), dtype=_step_dtype()),
-                              **{k: torch.zeros_like(param) for k in self.MOMENTS}})
+                state.update(
+                    cast(Muon, self.optimizer).fresh_state(param)
+                    if muon
+                    else {
+                        "step": torch.zeros((), dtype=_step_dtype()),
+                        **{k: torch.zeros_like(param) for k in self.MOMENTS},
+                    }
+                )
             for key in Muon.STATE if muon else self.MOMENTS:
                 out[f"{name}.{key}"] = _value(placement, state[key])
             if not muon:
@@ -116,8 +122,11 @@ class ProgressState:
         return {}
 
     def state(self) -> dict:
-        return {"step": self.sampler.step, "sampler": self.sampler.state_dict(),
-                "scheduler_last_epoch": self.scheduler.last_epoch}
+        return {
+            "step": self.sampler.step,
+            "sampler": self.sampler.state_dict(),
+            "scheduler_last_epoch": self.scheduler.last_epoch,
+        }
 
     def load_state(self, state: dict) -> None:
         self.sampler.load_state_dict(state["sampler"])

@@ -5,6 +5,7 @@ token-sum of cross-entropy divided by the *global* batch's token count, so gradi
 gradient of the mean loss over all tokens whatever the layout), finish gradient reduction once,
 clip by the global norm, step AdamW and the schedule, and log.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -18,17 +19,17 @@ import torch.distributed as dist
 from fived.checkpoint import Checkpointer
 from fived.config import Config
 from fived.data import GlobalBatchSampler, check_data, end_of_document_id, validation_sampler
-from fived.documents import RankBatches, split_micro_batches
 from fived.divergence import LossGuard, handle_divergence
+from fived.documents import RankBatches, split_micro_batches
 from fived.faults import PreemptionRequest, timeouts_named
 from fived.launch import device_type
-from fived.ledger import ActivationLedger, model_state_bytes
 from fived.layout.rules import check_config
+from fived.ledger import ActivationLedger, model_state_bytes
 from fived.mesh import PRECISIONS, build_dtype
 from fived.metrics import MetricsLog, flops_per_token, keep_log_until, peak_memory_mb
-from fived.planner.hardware import device_peak_tflops
 from fived.model import MoE, canonical_name
 from fived.optim import build_scheduler
+from fived.planner.hardware import device_peak_tflops
 from fived.profiling import ProfileWindow
 from fived.rank import build_rank
 from fived.step_timer import StepTimer
@@ -44,7 +45,9 @@ class TrainResult:
     # bytes saved for backward per micro-batch: per layer id, "embedding" and "head" where this rank has them
     activations: dict[str, int] = field(default_factory=dict)
     timeline: list = field(default_factory=list)  # pipeline actions this rank executed (last step)
-    expert_load: dict[str, list[float]] = field(default_factory=dict)  # MoE layer id -> global tokens per expert (last step)
+    expert_load: dict[str, list[float]] = field(
+        default_factory=dict
+    )  # MoE layer id -> global tokens per expert (last step)
     breakdowns: list[dict] = field(default_factory=list)  # this rank's measured step breakdown per step
     preempted: bool = False  # stopped early on SIGTERM (after saving, when checkpointing is on)
     checkpoints: list[int] = field(default_factory=list)  # the steps this launch saved checkpoints of
@@ -54,22 +57,29 @@ class Trainer:
     """`log`: this run owns cfg.train.output_dir (metrics, checkpoints); `resume`: a checkpoint to
     continue from (written by any layout)."""
 
-    def __init__(self, cfg: Config, log: bool = True, resume: str | None = None,
-                 preemption: PreemptionRequest | None = None):
+    def __init__(
+        self, cfg: Config, log: bool = True, resume: str | None = None, preemption: PreemptionRequest | None = None
+    ):
         self.cfg = cfg
         self.world = dist.get_world_size()
         self.rank = dist.get_rank()
         check_config(cfg, self.world)  # already checked before launch; a cheap guard under torchrun
-        built = build_rank(cfg, self.world, device=device_type(cfg.train.device), timeout_s=cfg.train.collective_timeout_s)
+        built = build_rank(
+            cfg, self.world, device=device_type(cfg.train.device), timeout_s=cfg.train.collective_timeout_s
+        )
         self.mesh, self.device, self.pipeline, self.plan = built.mesh, built.device, built.pipeline, built.plan
         chunks, modules, self.optimizer = built.chunks, built.modules, built.optimizer
         t = cfg.train
         self.precision = PRECISIONS[t.dtype]
         self._find_moe_layers(chunks)
         # this rank's tokens of a batch (context parallelism) and, with document masking, their documents
-        self.batches = RankBatches(end_of_document=end_of_document_id(cfg) if cfg.data.document_mask else None,
-                                   cp=self.mesh.cp, cp_rank=self.mesh.rank("cp"), balance=cfg.parallel.cp_balance,
-                                   fixed_positions=self.plan.positions)
+        self.batches = RankBatches(
+            end_of_document=end_of_document_id(cfg) if cfg.data.document_mask else None,
+            cp=self.mesh.cp,
+            cp_rank=self.mesh.rank("cp"),
+            balance=cfg.parallel.cp_balance,
+            fixed_positions=self.plan.positions,
+        )
         self.dp = self.plan.data_parallel
         self.init_stats = built.init_stats  # this rank's generator work: its share of the model (+ tile edges)
         self.model = modules[0]
@@ -81,8 +91,9 @@ class Trainer:
         self.timer.watch_recompute(chunks if not t.compile else [])  # (compiled blocks: not timed apart)
         if self.pipeline:
             self.pipeline.timeline.spans = self.timer if t.breakdown else None
-            schedule = self.pipeline.build_schedule(modules, self._pipeline_loss, self.device,
-                                                      on_backward=self.dp.backward_of_stage)
+            schedule = self.pipeline.build_schedule(
+                modules, self._pipeline_loss, self.device, on_backward=self.dp.backward_of_stage
+            )
             self.activations.watch_stages(getattr(schedule, "_stages", None) or [schedule._stage])
         self.scheduler = build_scheduler(self.optimizer, t)
         if t.init_from and not resume:  # (a resumed run's checkpoint holds the weights)
@@ -106,8 +117,9 @@ class Trainer:
 
     def _find_moe_layers(self, chunks) -> None:
         self.moe_layers = [m for c in chunks for m in c.modules() if isinstance(m, MoE)]
-        self.moe_layer_ids = [name for c in chunks for name, block in c.layers.items()
-                              if any(isinstance(m, MoE) for m in block.modules())]  # (in moe_layers' order)
+        self.moe_layer_ids = [
+            name for c in chunks for name, block in c.layers.items() if any(isinstance(m, MoE) for m in block.modules())
+        ]  # (in moe_layers' order)
         self.last_expert_load: torch.Tensor | None = None  # [local MoE layer, expert], the last step's
 
     def expert_load(self) -> dict[str, list[float]]:
@@ -121,8 +133,9 @@ class Trainer:
         if not (log or resume):
             return None
         t = self.cfg.train
-        checkpointer = Checkpointer(t.output_dir, self.cfg.checkpoint, self._stateful(chunks), self._manifest(),
-                                    t.collective_timeout_s)
+        checkpointer = Checkpointer(
+            t.output_dir, self.cfg.checkpoint, self._stateful(chunks), self._manifest(), t.collective_timeout_s
+        )
         if resume:
             checkpointer.last_step = checkpointer.load(resume)["step"]
             if log and self.rank == 0:
@@ -141,14 +154,30 @@ class Trainer:
 
     def _stateful(self, chunks) -> dict:
         """The components a checkpoint holds, by name."""
-        return {"model": ModelState(self.plan, chunks), "optimizer": OptimizerState(self.plan, self.optimizer),
-                "progress": ProgressState(self.sampler, self.scheduler), "rng": RNGState(), "guard": self.guard}
+        return {
+            "model": ModelState(self.plan, chunks),
+            "optimizer": OptimizerState(self.plan, self.optimizer),
+            "progress": ProgressState(self.sampler, self.scheduler),
+            "rng": RNGState(),
+            "guard": self.guard,
+        }
 
     def _manifest(self) -> dict:
         m = self.mesh
-        return {"config": self.cfg.to_dict(), "world_size": self.world,
-                "layout": {"dp": m.dp, "tp": m.tp, "pp": m.pp, "cp": m.cp, "ep": m.ep, "dp_replicate": m.dp_replicate,
-                           "zero": self.cfg.parallel.zero, "pp_schedule": self.cfg.parallel.pp_schedule}}
+        return {
+            "config": self.cfg.to_dict(),
+            "world_size": self.world,
+            "layout": {
+                "dp": m.dp,
+                "tp": m.tp,
+                "pp": m.pp,
+                "cp": m.cp,
+                "ep": m.ep,
+                "dp_replicate": m.dp_replicate,
+                "zero": self.cfg.parallel.zero,
+                "pp_schedule": self.cfg.parallel.pp_schedule,
+            },
+        }
 
     def _autocast(self):
         if self.precision.autocast:
@@ -201,7 +230,8 @@ class Trainer:
         assert self.val_sampler is not None  # (evaluations need validation data: checked before launch)
         for index in range(self.val_batches):
             inputs, targets, extra = self.batches(
-                self.val_sampler.local_batch_at(index, self.mesh.rank("dp"), self.mesh.dp).to(self.device))
+                self.val_sampler.local_batch_at(index, self.mesh.rank("dp"), self.mesh.dp).to(self.device)
+            )
             if self.pipeline:
                 with self._autocast(), self._summed_losses():
                     loss_sum += self.pipeline.evaluate(inputs, targets, extra)
@@ -231,7 +261,7 @@ class Trainer:
         for moe in self.moe_layers:
             # One entry per micro-batch's backward; a pipeline schedule's first step also runs a
             # shape-inference backward on dummy data first, which is not a training value.
-            entries = moe.aux_losses[-self.cfg.train.microbatches:]
+            entries = moe.aux_losses[-self.cfg.train.microbatches :]
             aux_sum += sum(aux.double() for aux, _ in entries)
             loads.append(sum(load for _, load in entries))
             moe.aux_losses.clear()
@@ -285,7 +315,8 @@ class Trainer:
         with self.timer.step(unrouted=self.dp.unrouted_collectives()):
             with self.timer.span("data"):
                 inputs, targets, extra = self.batches(
-                    self.sampler.local_batch_at(step, self.mesh.rank("dp"), self.mesh.dp).to(self.device))
+                    self.sampler.local_batch_at(step, self.mesh.rank("dp"), self.mesh.dp).to(self.device)
+                )
             loss_sum = self._forward_backward(inputs, targets, extra)
             with self.timer.span("optimizer"):
                 aux_sum, loads = self._read_moe_statistics()
@@ -332,8 +363,14 @@ class Trainer:
 
         last = until or self.cfg.train.steps
         step = first = self.sampler.step
-        bar = tqdm(total=last, initial=first, desc="train", unit="step",
-                   disable=not (progress and self.rank == 0), mininterval=0.5)
+        bar = tqdm(
+            total=last,
+            initial=first,
+            desc="train",
+            unit="step",
+            disable=not (progress and self.rank == 0),
+            mininterval=0.5,
+        )
         history: list[dict] = []
         self.waited: float | None = None
         self.shown: dict[str, str] = {}
@@ -363,8 +400,13 @@ class Trainer:
             step += 1
             bar.update(1)
             if (step - 1) % self.cfg.train.log_every == 0 or step == last:
-                bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}",
-                                tok_s=f"{record['tokens_per_s']:.0f}", mfu=f"{record['mfu']:.1%}", **self.shown)
+                bar.set_postfix(
+                    loss=f"{record['loss']:.4f}",
+                    lr=f"{record['lr']:.2e}",
+                    tok_s=f"{record['tokens_per_s']:.0f}",
+                    mfu=f"{record['mfu']:.1%}",
+                    **self.shown,
+                )
         self.profile.after_step(last - 1, last=True)  # (a run stopped inside the window writes what it has)
         if self.checkpointer is not None:
             final = self.cfg.checkpoint.final or self.checkpointer.due(last) or self.preempted
@@ -378,13 +420,18 @@ class Trainer:
     def result(self, metrics: list[dict], *, return_state: bool = False) -> TrainResult:
         """What this rank measured over `metrics`' steps (and, if asked, the whole parameters)."""
         self.dp.wait_parameters()
-        return TrainResult(metrics=metrics, state=self.plan.full_state() if return_state else {},
-                           memory=self.state_bytes, activations=self.activations.per_layer,
-                           comm=self.timer.recorder.summary(),
-                           timeline=self.pipeline.last_step_actions() if self.pipeline else [],
-                           preempted=self.preempted, expert_load=self.expert_load(),
-                           breakdowns=[m["breakdown"] for m in metrics if "breakdown" in m],
-                           checkpoints=list(self.saved_steps))
+        return TrainResult(
+            metrics=metrics,
+            state=self.plan.full_state() if return_state else {},
+            memory=self.state_bytes,
+            activations=self.activations.per_layer,
+            comm=self.timer.recorder.summary(),
+            timeline=self.pipeline.last_step_actions() if self.pipeline else [],
+            preempted=self.preempted,
+            expert_load=self.expert_load(),
+            breakdowns=[m["breakdown"] for m in metrics if "breakdown" in m],
+            checkpoints=list(self.saved_steps),
+        )
 
     def _after_step(self, step: int, record: dict, first_step: bool) -> None:
         """What a healthy step adds to its record: the wait for the previous save, the background
@@ -394,8 +441,12 @@ class Trainer:
             if "breakdown" in record:  # (a stall of this step's wall time, beside its own work)
                 record["breakdown"]["components"]["checkpoint"] = record["checkpoint_s"]
                 record["breakdown"]["total_s"] += record["checkpoint_s"]
-        if first_step and self.checkpointer is not None and self.cfg.checkpoint.async_ \
-                and self.cfg.checkpoint.every > 0:
+        if (
+            first_step
+            and self.checkpointer is not None
+            and self.cfg.checkpoint.async_
+            and self.cfg.checkpoint.every > 0
+        ):
             start = time.perf_counter()
             self.checkpointer.prepare_background()
             record["checkpoint_prepare_s"] = time.perf_counter() - start
@@ -407,8 +458,15 @@ class Trainer:
             self.shown["val_loss"] = f"{val_loss:.4f}"
 
 
-def train_rank(cfg: Config, *, log: bool = True, progress: bool = True, return_state: bool = False,
-               resume: str | None = None, until: int | None = None) -> TrainResult:
+def train_rank(
+    cfg: Config,
+    *,
+    log: bool = True,
+    progress: bool = True,
+    return_state: bool = False,
+    resume: str | None = None,
+    until: int | None = None,
+) -> TrainResult:
     """Entry point on each rank (process group already initialised). `log`: write the run directory
     (metrics, checkpoints); `progress`: rank 0 shows a progress bar; `return_state`: the result holds
     the full parameters; `resume`: a checkpoint to continue from; `until`: stop (and save) there."""
@@ -418,8 +476,14 @@ def train_rank(cfg: Config, *, log: bool = True, progress: bool = True, return_s
     return trainer.result(trainer.fit(progress=progress, until=until), return_state=return_state)
 
 
-def run_training(cfg: Config, log: bool = True, progress: bool = True, return_state: bool = False,
-                 resume: str | None = None, until: int | None = None) -> TrainResult:
+def run_training(
+    cfg: Config,
+    log: bool = True,
+    progress: bool = True,
+    return_state: bool = False,
+    resume: str | None = None,
+    until: int | None = None,
+) -> TrainResult:
     """`train_rank` with its options in order: the test suite's call sites use it (`run_on_ranks(2,
     run_training, cfg, False, False, True)`); fived's own code calls train_rank by keyword."""
     return train_rank(cfg, log=log, progress=progress, return_state=return_state, resume=resume, until=until)

@@ -4,6 +4,7 @@
 claim the run directory, say the same header, record the launch, train, write run.json and say the
 same summary (fived.run_summary); `fived train` and `fived.train` (the Python API) call `launch`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -129,8 +130,11 @@ class TorchrunRanks:
         cfg, previous = run.cfg, None
         if self.rank == 0:
             restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-            previous = describe_run_dir(cfg, run.world, {"event": "resume" if run.resume else "start",
-                                                         "resume_from": run.resume, "torchrun_restart": restart})
+            previous = describe_run_dir(
+                cfg,
+                run.world,
+                {"event": "resume" if run.resume else "start", "resume_from": run.resume, "torchrun_restart": restart},
+            )
         try:
             result = train_rank(cfg, progress=progress, resume=run.resume)
         except (Diverged, WriteFailed) as stop:  # (a divergence: every rank at the same step; rank 0 says it)
@@ -151,8 +155,12 @@ class TorchrunRanks:
 
         from fived.breakdown import mean_breakdown
 
-        slim = dataclasses.replace(result, metrics=result.metrics if self.rank == 0 else [], state={},
-                                   breakdowns=[mean_breakdown(result.breakdowns)] if result.breakdowns else [])
+        slim = dataclasses.replace(
+            result,
+            metrics=result.metrics if self.rank == 0 else [],
+            state={},
+            breakdowns=[mean_breakdown(result.breakdowns)] if result.breakdowns else [],
+        )
         everyone = [None] * dist.get_world_size() if self.rank == 0 else None
         dist.gather_object(slim, everyone, dst=0)
         return everyone
@@ -244,8 +252,10 @@ def print_profile(cfg, world: int) -> None:
 
     merged = merge_traces(cfg.train.output_dir, world)
     if merged is not None:
-        print(f"profile of steps {cfg.train.profile} ({world} rank(s)): {merged.parent}/rank<R>.json, merged "
-              f"-> {merged} (open in https://ui.perfetto.dev or chrome://tracing)")
+        print(
+            f"profile of steps {cfg.train.profile} ({world} rank(s)): {merged.parent}/rank<R>.json, merged "
+            f"-> {merged} (open in https://ui.perfetto.dev or chrome://tracing)"
+        )
 
 
 def agreed_run(run: TrainingRun) -> TrainingRun:

@@ -5,6 +5,7 @@ Relative difference: |a - b| / |b| for scalars (per step), ||a - b|| / ||b|| for
 (Frobenius norm). In float64 a correct layout differs from the reference only by summation order,
 ~1e-15..1e-12; a wrong reduction or a mis-sharded parameter shows up as 1e-3 or more.
 """
+
 from __future__ import annotations
 
 import copy
@@ -15,9 +16,9 @@ from functools import partial
 
 import torch
 
+from fived.checkpoint import find_checkpoint
 from fived.config import Config, ParallelConfig
 from fived.launch import run_ranks
-from fived.checkpoint import find_checkpoint
 from fived.layout.rules import check_config
 from fived.mesh import resolve_dp
 from fived.trainer import TrainResult, train_rank
@@ -47,9 +48,12 @@ def _rel(a: float, b: float) -> float:
 
 def _describe(cfg: Config, world: int) -> str:
     p = cfg.parallel
-    return (f"{world} rank(s) dp={resolve_dp(cfg, world)} tp={p.tp} pp={p.pp} cp={p.cp} ep={p.ep} zero={p.zero}"
-            + (f" dp_replicate={p.dp_replicate}" if p.dp_replicate > 1 else "") + (" sp" if p.sp else "")
-            + (f" {p.pp_schedule}" if p.pp > 1 else ""))
+    return (
+        f"{world} rank(s) dp={resolve_dp(cfg, world)} tp={p.tp} pp={p.pp} cp={p.cp} ep={p.ep} zero={p.zero}"
+        + (f" dp_replicate={p.dp_replicate}" if p.dp_replicate > 1 else "")
+        + (" sp" if p.sp else "")
+        + (f" {p.pp_schedule}" if p.pp > 1 else "")
+    )
 
 
 def reference_config(cfg: Config) -> Config:
@@ -80,8 +84,10 @@ def compare(ref: TrainResult, lay: TrainResult) -> VerifyReport:
         raise ValueError(f"parameter names differ: {sorted(set(ref.state) ^ set(lay.state))}")
     report.max_rel["params"] = 0.0
     for name, expected in ref.state.items():
-        diff = (torch.linalg.vector_norm(lay.state[name].double() - expected.double())
-                / torch.linalg.vector_norm(expected.double()).clamp_min(1e-300)).item()
+        diff = (
+            torch.linalg.vector_norm(lay.state[name].double() - expected.double())
+            / torch.linalg.vector_norm(expected.double()).clamp_min(1e-300)
+        ).item()
         diff = diff if math.isfinite(diff) else math.inf
         if diff >= report.max_rel["params"]:
             report.max_rel["params"], report.worst_param = diff, name
@@ -102,8 +108,9 @@ def run_layout(cfg: Config, world: int, reshard_from: tuple[Config, int] | None 
         first.train.output_dir = second.train.output_dir = run_dir
         before = run_ranks(first_world, partial(train_rank, first, progress=False, until=half), device=device)[0]
         checkpoint = str(find_checkpoint(run_dir))
-        after = run_ranks(world, partial(train_rank, second, progress=False, return_state=True, resume=checkpoint),
-                          device=device)
+        after = run_ranks(
+            world, partial(train_rank, second, progress=False, return_state=True, resume=checkpoint), device=device
+        )
     return [TrainResult(metrics=before.metrics + r.metrics, state=r.state) for r in after]
 
 
@@ -112,15 +119,20 @@ def run_verify(cfg: Config, world: int, printer=print, reshard_from: tuple[Confi
     cfg.train.dtype = "float64"
     cfg.train.fp8 = "none"  # (FP8 rounding is no property of the layout, and float64 is what checks it)
     check_config(cfg, world)  # a clear error here rather than from every rank
-    ref = run_ranks(1, partial(train_rank, reference_config(cfg), log=False, progress=False, return_state=True),
-                    device=cfg.train.device)[0]
+    ref = run_ranks(
+        1,
+        partial(train_rank, reference_config(cfg), log=False, progress=False, return_state=True),
+        device=cfg.train.device,
+    )[0]
     if reshard_from is not None:
         first = copy.deepcopy(reshard_from[0])
         first.train.dtype, first.train.fp8 = "float64", "none"
         check_config(first, reshard_from[1])
         reshard_from = (first, reshard_from[1])
-        printer(f"steps 1-{cfg.train.steps // 2} at {_describe(first, reshard_from[1])}, checkpointed, "
-                f"resumed at {_describe(cfg, world)}")
+        printer(
+            f"steps 1-{cfg.train.steps // 2} at {_describe(first, reshard_from[1])}, checkpointed, "
+            f"resumed at {_describe(cfg, world)}"
+        )
     layout = run_layout(cfg, world, reshard_from)
     # Every rank's losses, norms and (gathered) parameters against the reference: the worst counts.
     report = max((compare(ref, lay) for lay in layout), key=lambda r: r.max_relative_difference)

@@ -2,15 +2,21 @@
 line naming the path and the cause, wherever fived writes (checkpoints, metrics, export,
 prepare-data), instead of whatever a library makes of it (DCP reports a full disk as
 `enforce fail ... unexpected pos`)."""
+
 from __future__ import annotations
 
 import contextlib
 import errno
 import os
 
-CAUSES = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
-          errno.EROFS: "read-only filesystem", errno.EACCES: "permission denied", errno.EPERM: "not permitted",
-          errno.EIO: "input/output error"}
+CAUSES = {
+    errno.ENOSPC: "no space left on the device",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EROFS: "read-only filesystem",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "not permitted",
+    errno.EIO: "input/output error",
+}
 
 
 def os_error_in(error: BaseException | None, depth: int = 0) -> OSError | None:

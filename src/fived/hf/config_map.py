@@ -6,6 +6,7 @@ then the top k (renormalised to sum to 1 by Mixtral always, by Qwen3-MoE when no
 Anything else (biases, another activation, sliding windows, other rope variants, shared experts,
 MoE layers that are not a suffix of the stack) is refused, naming the key that differs.
 """
+
 from __future__ import annotations
 
 import json
@@ -13,16 +14,24 @@ from pathlib import Path
 
 from fived.config import ConfigError, ModelConfig
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
 
 
 class Unsupported(ConfigError):
     """A model fived cannot reproduce exactly: one line naming the config.json key that differs."""
 
     def __init__(self, source: str, key: str, value, rule: str):
-        super().__init__("--init-from", source, f"config.json {key}={value!r}: {rule}",
-                         "fived imports Llama 2/3/3.1, Qwen3, Mixtral and Qwen3-MoE models")
+        super().__init__(
+            "--init-from",
+            source,
+            f"config.json {key}={value!r}: {rule}",
+            "fived imports Llama 2/3/3.1, Qwen3, Mixtral and Qwen3-MoE models",
+        )
 
 
 def read_config(directory: str | Path) -> dict:
@@ -30,8 +39,12 @@ def read_config(directory: str | Path) -> dict:
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise ConfigError("--init-from", str(directory), f"no readable config.json ({e})",
-                          "give a Hugging Face model directory (config.json + *.safetensors)") from None
+        raise ConfigError(
+            "--init-from",
+            str(directory),
+            f"no readable config.json ({e})",
+            "give a Hugging Face model directory (config.json + *.safetensors)",
+        ) from None
 
 
 SPECIAL_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -66,11 +79,19 @@ def model_config_from_hf(hf: dict, source: str) -> ModelConfig:
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
     rope = rope_parameters(hf)
     cfg = ModelConfig(
-        name=f"hf-{kind}", vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
-        n_heads=heads, n_kv_heads=hf.get("num_key_value_heads") or heads, ffn_dim=hf["intermediate_size"],
-        rope_theta=float(rope["rope_theta"]), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        name=f"hf-{kind}",
+        vocab_size=hf["vocab_size"],
+        dim=hf["hidden_size"],
+        n_layers=hf["num_hidden_layers"],
+        n_heads=heads,
+        n_kv_heads=hf.get("num_key_value_heads") or heads,
+        ffn_dim=hf["intermediate_size"],
+        rope_theta=float(rope["rope_theta"]),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        head_size=0 if head_dim * heads == hf["hidden_size"] else head_dim, qk_norm=kind.startswith("qwen3"))
+        head_size=0 if head_dim * heads == hf["hidden_size"] else head_dim,
+        qk_norm=kind.startswith("qwen3"),
+    )
     if rope["rope_type"] == "llama3":
         cfg.rope_scaling = "llama3"
         cfg.rope_factor = float(rope["factor"])
@@ -94,21 +115,47 @@ def _refuse_differences(hf: dict, source: str) -> None:
         ("hidden_act", hf.get("hidden_act", "silu"), lambda v: v == "silu", "fived's feed-forward is SwiGLU (silu)"),
         ("attention_bias", hf.get("attention_bias", False), lambda v: not v, "fived's projections have no biases"),
         ("mlp_bias", hf.get("mlp_bias", False), lambda v: not v, "fived's projections have no biases"),
-        ("rope_type", rope_parameters(hf)["rope_type"], lambda v: v in ("default", "llama3"),
-         "fived's rotary embeddings are plain or Llama 3.1-scaled"),
-        ("partial_rotary_factor", rope_parameters(hf).get("partial_rotary_factor", 1.0), lambda v: v == 1.0,
-         "fived rotates the whole head"),
+        (
+            "rope_type",
+            rope_parameters(hf)["rope_type"],
+            lambda v: v in ("default", "llama3"),
+            "fived's rotary embeddings are plain or Llama 3.1-scaled",
+        ),
+        (
+            "partial_rotary_factor",
+            rope_parameters(hf).get("partial_rotary_factor", 1.0),
+            lambda v: v == 1.0,
+            "fived rotates the whole head",
+        ),
         ("router_jitter_noise", hf.get("router_jitter_noise", 0.0), lambda v: not v, "fived's router adds no noise"),
-        ("decoder_sparse_step", hf.get("decoder_sparse_step", 1), lambda v: v == 1,
-         "fived's MoE layers are every layer after the dense ones"),
-        ("mlp_only_layers", hf.get("mlp_only_layers") or [], lambda v: list(v) == list(range(len(v))),
-         "fived's dense layers come first (model.n_dense_layers)"),
-        ("shared_expert_intermediate_size", hf.get("shared_expert_intermediate_size", 0), lambda v: not v,
-         "fived's shared experts have no gate"),
+        (
+            "decoder_sparse_step",
+            hf.get("decoder_sparse_step", 1),
+            lambda v: v == 1,
+            "fived's MoE layers are every layer after the dense ones",
+        ),
+        (
+            "mlp_only_layers",
+            hf.get("mlp_only_layers") or [],
+            lambda v: list(v) == list(range(len(v))),
+            "fived's dense layers come first (model.n_dense_layers)",
+        ),
+        (
+            "shared_expert_intermediate_size",
+            hf.get("shared_expert_intermediate_size", 0),
+            lambda v: not v,
+            "fived's shared experts have no gate",
+        ),
     ]
     windowed = hf.get("sliding_window") is not None and hf.get("use_sliding_window", kind == "mixtral")
-    checks.append(("sliding_window", hf.get("sliding_window"), lambda v: not windowed,
-                   "fived's attention sees the whole sequence"))
+    checks.append(
+        (
+            "sliding_window",
+            hf.get("sliding_window"),
+            lambda v: not windowed,
+            "fived's attention sees the whole sequence",
+        )
+    )
     for key, value, ok, rule in checks:
         if not ok(value):
             raise Unsupported(source, key, value, rule)
@@ -117,24 +164,56 @@ def _refuse_differences(hf: dict, source: str) -> None:
 def hf_config_from_model(cfg: ModelConfig, dtype: str, extra: dict | None = None) -> dict:
     """config.json for a fived model: Llama, Qwen3, Mixtral or Qwen3-MoE, whichever expresses it."""
     kind = export_kind(cfg)
-    out = {"architectures": [ARCHITECTURES[kind]], "model_type": kind, "vocab_size": cfg.vocab_size,
-           "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim, "num_hidden_layers": cfg.n_layers,
-           "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
-           "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
-           "attention_bias": False, "mlp_bias": False, "rope_theta": cfg.rope_theta, "rope_scaling": None,
-           "max_position_embeddings": max(cfg.rope_original_max_len, 2048), "torch_dtype": dtype, "use_cache": True}
+    out = {
+        "architectures": [ARCHITECTURES[kind]],
+        "model_type": kind,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.dim,
+        "intermediate_size": cfg.ffn_dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.norm_eps,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None,
+        "max_position_embeddings": max(cfg.rope_original_max_len, 2048),
+        "torch_dtype": dtype,
+        "use_cache": True,
+    }
     if cfg.rope_scaling == "llama3":
-        out["rope_scaling"] = {"rope_type": "llama3", "factor": cfg.rope_factor,
-                               "low_freq_factor": cfg.rope_low_freq_factor,
-                               "high_freq_factor": cfg.rope_high_freq_factor,
-                               "original_max_position_embeddings": cfg.rope_original_max_len}
+        out["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": cfg.rope_factor,
+            "low_freq_factor": cfg.rope_low_freq_factor,
+            "high_freq_factor": cfg.rope_high_freq_factor,
+            "original_max_position_embeddings": cfg.rope_original_max_len,
+        }
     if kind == "mixtral":
-        out.update(num_local_experts=cfg.n_experts, num_experts_per_tok=cfg.top_k, intermediate_size=cfg.expert_dim,
-                   sliding_window=None, router_jitter_noise=0.0, output_router_logits=False)
+        out.update(
+            num_local_experts=cfg.n_experts,
+            num_experts_per_tok=cfg.top_k,
+            intermediate_size=cfg.expert_dim,
+            sliding_window=None,
+            router_jitter_noise=0.0,
+            output_router_logits=False,
+        )
     elif kind == "qwen3_moe":
-        out.update(num_experts=cfg.n_experts, num_experts_per_tok=cfg.top_k, moe_intermediate_size=cfg.expert_dim,
-                   norm_topk_prob=cfg.route_norm, decoder_sparse_step=1, use_sliding_window=False,
-                   sliding_window=None, mlp_only_layers=list(range(cfg.n_dense_layers)), output_router_logits=False)
+        out.update(
+            num_experts=cfg.n_experts,
+            num_experts_per_tok=cfg.top_k,
+            moe_intermediate_size=cfg.expert_dim,
+            norm_topk_prob=cfg.route_norm,
+            decoder_sparse_step=1,
+            use_sliding_window=False,
+            sliding_window=None,
+            mlp_only_layers=list(range(cfg.n_dense_layers)),
+            output_router_logits=False,
+        )
     out.update(extra or {})
     return out
 
@@ -143,20 +222,39 @@ def export_kind(cfg: ModelConfig) -> str:
     """The Hugging Face architecture that computes what `cfg` computes (Llama or Qwen3 when dense;
     Mixtral or Qwen3-MoE with experts), or a ConfigError naming the field none of them has."""
     if cfg.rope_scaling != "none" and cfg.qk_norm:
-        raise ConfigError("model.rope_scaling", cfg.rope_scaling, "fived exports Llama 3.1's rope scaling as "
-                          "Llama or Mixtral only, which have no q/k norms", "export a model without --model.qk_norm")
+        raise ConfigError(
+            "model.rope_scaling",
+            cfg.rope_scaling,
+            "fived exports Llama 3.1's rope scaling as Llama or Mixtral only, which have no q/k norms",
+            "export a model without --model.qk_norm",
+        )
     if not cfg.is_moe:
         return "qwen3" if cfg.qk_norm else "llama"
     if cfg.n_shared_experts:
-        raise ConfigError("model.n_shared_experts", cfg.n_shared_experts, "Mixtral and Qwen3-MoE have no "
-                          "ungated shared experts", "export a model trained with --model.n_shared_experts 0")
+        raise ConfigError(
+            "model.n_shared_experts",
+            cfg.n_shared_experts,
+            "Mixtral and Qwen3-MoE have no ungated shared experts",
+            "export a model trained with --model.n_shared_experts 0",
+        )
     if cfg.router_bias_rate > 0:
-        raise ConfigError("model.router_bias_rate", cfg.router_bias_rate, "the learned expert-selection biases "
-                          "have no place in Mixtral's or Qwen3-MoE's router", "export a model trained with 0")
+        raise ConfigError(
+            "model.router_bias_rate",
+            cfg.router_bias_rate,
+            "the learned expert-selection biases have no place in Mixtral's or Qwen3-MoE's router",
+            "export a model trained with 0",
+        )
     if cfg.qk_norm:
         return "qwen3_moe"
     if not cfg.route_norm or cfg.n_dense_layers:
-        field, value = ("model.route_norm", False) if not cfg.route_norm else ("model.n_dense_layers", cfg.n_dense_layers)
-        raise ConfigError(field, value, "Mixtral renormalises the top-k weights and has no dense layers "
-                          "(Qwen3-MoE would, but needs --model.qk_norm true)", "export a Mixtral-shaped model")
+        field, value = (
+            ("model.route_norm", False) if not cfg.route_norm else ("model.n_dense_layers", cfg.n_dense_layers)
+        )
+        raise ConfigError(
+            field,
+            value,
+            "Mixtral renormalises the top-k weights and has no dense layers "
+            "(Qwen3-MoE would, but needs --model.qk_norm true)",
+            "export a Mixtral-shaped model",
+        )
     return "mixtral"

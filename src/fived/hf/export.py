@@ -7,6 +7,7 @@ model.safetensors.index.json), generation_config.json and the tokenizer (the run
 or one that reproduces fived's byte tokenizer). Streams: one whole tensor is read from the
 checkpoint (whatever layout wrote it), converted and written before the next is read.
 """
+
 from __future__ import annotations
 
 import json
@@ -49,11 +50,17 @@ def export(source: str, output: str, max_shard_bytes: int = SHARD_BYTES) -> Path
 
     checkpoint = find_checkpoint(source, "source") if Path(source).is_dir() else None
     if checkpoint is None:
-        raise ConfigError("source", source, "holds no complete fived checkpoint (checkpoints/step-<N>/COMPLETE)",
-                          "give a run directory or one of its checkpoints")
+        raise ConfigError(
+            "source",
+            source,
+            "holds no complete fived checkpoint (checkpoints/step-<N>/COMPLETE)",
+            "give a run directory or one of its checkpoints",
+        )
     out = Path(output)
     if out.exists() and any(out.iterdir()):
-        raise ConfigError("--output", output, "exists and is not empty; fived does not overwrite", "name a new directory")
+        raise ConfigError(
+            "--output", output, "exists and is not empty; fived does not overwrite", "name a new directory"
+        )
     cfg = saved_config(checkpoint, "source")[1]
     # Written into a temporary sibling and renamed at the end (as checkpoints): a failure or a kill
     # leaves no partial output that a retry would then refuse.
@@ -64,8 +71,12 @@ def export(source: str, output: str, max_shard_bytes: int = SHARD_BYTES) -> Path
         _write_model(checkpoint, cfg, tmp, max_shard_bytes)
         os.replace(tmp, out)  # (in one step, also over an empty `out`: checked above)
     except OSError as e:
-        raise ConfigError("--output", output, f"cannot be written ({e.strerror or e}: {e.filename or tmp})",
-                          "free some space or choose a writable directory") from None
+        raise ConfigError(
+            "--output",
+            output,
+            f"cannot be written ({e.strerror or e}: {e.filename or tmp})",
+            "free some space or choose a writable directory",
+        ) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
@@ -86,8 +97,9 @@ def _write_model(checkpoint: Path, cfg, out: Path, max_shard_bytes: int) -> None
     weight_map = {}
     for i, shard in enumerate(shards):
         file = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        writer = StreamingSafetensorsWriter(out / file, [(hf, shape, dtype) for _, entries, _ in shard
-                                                          for hf, shape in entries])
+        writer = StreamingSafetensorsWriter(
+            out / file, [(hf, shape, dtype) for _, entries, _ in shard for hf, shape in entries]
+        )
         for name, _, _ in shard:
             whole = dcp_io.read_whole(checkpoint, [f"model.{name}"])[f"model.{name}"].to(dtype)
             for hf, tensor in fived_to_hf(name, whole, cfg.model, kind):
@@ -127,8 +139,11 @@ def _write_tokenizer(tokenizer: str, out: Path) -> None:
         except ImportError:
             import sys
 
-            print("fived export: tokenizer.json not written (the byte tokenizer's needs the tokenizers package: "
-                  "pip install tokenizers)", file=sys.stderr)
+            print(
+                "fived export: tokenizer.json not written (the byte tokenizer's needs the tokenizers package: "
+                "pip install tokenizers)",
+                file=sys.stderr,
+            )
             return
     else:
         shutil.copyfile(tokenizer, target)

@@ -9,6 +9,7 @@ Hugging Face directory each box of its placement (tp/ep slice, ZeRO-3 rows, ZeRO
 padding left out) is read with safetensors slices, so no rank reads more than its share of a
 tensor; from a fived checkpoint DCP reads the model's entries by the same placements.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -38,8 +39,13 @@ def source_model(source: str) -> tuple[ModelConfig, str | None]:
         return model, str(tokenizer) if tokenizer.is_file() else None
     checkpoint = find_checkpoint(source, "train.init_from") if Path(source).is_dir() else None
     if checkpoint is None:
-        raise ConfigError("--init-from", source, "is neither a Hugging Face model directory (config.json) nor a "
-                          "fived run or checkpoint (checkpoints/step-<N>/COMPLETE)", "give one of those")
+        raise ConfigError(
+            "--init-from",
+            source,
+            "is neither a Hugging Face model directory (config.json) nor a "
+            "fived run or checkpoint (checkpoints/step-<N>/COMPLETE)",
+            "give one of those",
+        )
     saved = saved_config(checkpoint, "--init-from")[1]
     return saved.model, saved.data.tokenizer
 
@@ -55,8 +61,9 @@ def configure_init_from(cfg, given: dict) -> None:
         field = "model.name" if name == "name" else key
         mine = getattr(model, name, None)
         if name == "name" or getattr(cfg.model, name) != mine:
-            raise ConfigError(field, value, f"the model comes from --init-from {source} ({name}={mine})",
-                              "drop the flag")
+            raise ConfigError(
+                field, value, f"the model comes from --init-from {source} ({name}={mine})", "drop the flag"
+            )
     for name in TRAINING_ONLY:
         setattr(model, name, getattr(cfg.model, name))
     cfg.model = model
@@ -70,8 +77,12 @@ def configure_init_from(cfg, given: dict) -> None:
         check_model_shapes(cfg, checkpoint)
     if tokenizer:
         if "data.tokenizer" in given and given["data.tokenizer"] != tokenizer:
-            raise ConfigError("data.tokenizer", given["data.tokenizer"], f"the tokenizer comes from --init-from "
-                              f"{source} ({tokenizer})", "drop the flag")
+            raise ConfigError(
+                "data.tokenizer",
+                given["data.tokenizer"],
+                f"the tokenizer comes from --init-from {source} ({tokenizer})",
+                "drop the flag",
+            )
         cfg.data.tokenizer = tokenizer
 
 
@@ -103,12 +114,20 @@ def check_hf_names(directory: str | Path, cfg: ModelConfig, kind: str) -> None:
     for name, shape in expected.items():
         if name not in have or checkpoint.shape(name) != shape:
             found = "missing" if name not in have else f"of shape {list(checkpoint.shape(name))}"
-            raise ConfigError("--init-from", str(directory), f"tensor {name} is {found}; config.json implies "
-                              f"{list(shape)}", "give a complete model directory")
+            raise ConfigError(
+                "--init-from",
+                str(directory),
+                f"tensor {name} is {found}; config.json implies {list(shape)}",
+                "give a complete model directory",
+            )
     extra = sorted(have - set(expected) - ({"lm_head.weight"} if cfg.tie_embeddings else set()))
     if extra:
-        raise ConfigError("--init-from", str(directory), f"tensor {extra[0]} has no place in fived's model "
-                          "(an architecture difference)", "fived imports Llama, Qwen3, Mixtral and Qwen3-MoE")
+        raise ConfigError(
+            "--init-from",
+            str(directory),
+            f"tensor {extra[0]} has no place in fived's model (an architecture difference)",
+            "fived imports Llama, Qwen3, Mixtral and Qwen3-MoE",
+        )
 
 
 def load_initial_weights(source: str, values: dict, buffers: set[str]) -> None:
@@ -138,7 +157,8 @@ def whole_state(directory: str | Path, cfg: ModelConfig, dtype: torch.dtype = to
     for raw, param in build_model(cfg).named_parameters():
         name = canonical_name(raw)
         out[name] = torch.empty(param.shape, dtype=dtype)
-        values[name] = ShardedValue(tuple(param.shape), [(Box((0,) * param.dim(), tuple(param.shape)), out[name])],
-                                    True, dtype)
+        values[name] = ShardedValue(
+            tuple(param.shape), [(Box((0,) * param.dim(), tuple(param.shape)), out[name])], True, dtype
+        )
     fill_from_hf(directory, kind, values)
     return out

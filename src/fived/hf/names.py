@@ -5,6 +5,7 @@ permutation; nn.Linear weights are [out, in] on both sides. The one change of sh
 fived keeps each layer's experts stacked as [E, dim, hidden] (w1, w3) and [E, hidden, dim] (w2),
 which is the transpose of Hugging Face's per-expert [hidden, dim] / [dim, hidden] Linear weights.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,21 +13,43 @@ from typing import Any
 
 from fived.config import ModelConfig
 
-LAYER = {"attention.wq.weight": "self_attn.q_proj.weight", "attention.wk.weight": "self_attn.k_proj.weight",
-         "attention.wv.weight": "self_attn.v_proj.weight", "attention.wo.weight": "self_attn.o_proj.weight",
-         "attention.q_norm.weight": "self_attn.q_norm.weight", "attention.k_norm.weight": "self_attn.k_norm.weight",
-         "attention_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
-         "feed_forward.w1.weight": "mlp.gate_proj.weight", "feed_forward.w3.weight": "mlp.up_proj.weight",
-         "feed_forward.w2.weight": "mlp.down_proj.weight"}
-TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-       "output.weight": "lm_head.weight"}
+LAYER = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "attention.q_norm.weight": "self_attn.q_norm.weight",
+    "attention.k_norm.weight": "self_attn.k_norm.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+}
+TOP = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 # per architecture: (router, expert tensor name template with {e}) for fived's router, w1, w3, w2
-MOE = {"mixtral": ("block_sparse_moe.gate.weight", {"w1": "block_sparse_moe.experts.{e}.w1.weight",
-                                                    "w3": "block_sparse_moe.experts.{e}.w3.weight",
-                                                    "w2": "block_sparse_moe.experts.{e}.w2.weight"}),
-       "qwen3_moe": ("mlp.gate.weight", {"w1": "mlp.experts.{e}.gate_proj.weight",
-                                         "w3": "mlp.experts.{e}.up_proj.weight",
-                                         "w2": "mlp.experts.{e}.down_proj.weight"})}
+MOE = {
+    "mixtral": (
+        "block_sparse_moe.gate.weight",
+        {
+            "w1": "block_sparse_moe.experts.{e}.w1.weight",
+            "w3": "block_sparse_moe.experts.{e}.w3.weight",
+            "w2": "block_sparse_moe.experts.{e}.w2.weight",
+        },
+    ),
+    "qwen3_moe": (
+        "mlp.gate.weight",
+        {
+            "w1": "mlp.experts.{e}.gate_proj.weight",
+            "w3": "mlp.experts.{e}.up_proj.weight",
+            "w2": "mlp.experts.{e}.down_proj.weight",
+        },
+    ),
+}
 
 
 @dataclass(frozen=True)

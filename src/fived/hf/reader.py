@@ -5,6 +5,7 @@ holds a quarter of a tensor reads about a quarter of it. A sharded checkpoint's
 `model.safetensors.index.json` says which file holds each tensor; without one every `*.safetensors`
 file in the directory is listed.
 """
+
 from __future__ import annotations
 
 import json
@@ -58,6 +59,8 @@ class HfCheckpoint:
         if source.name:
             return self.read(source.name, offsets, sizes)
         first, count = offsets[0], sizes[0]
-        parts = [self.read(source.per_expert.format(e=e), (offsets[2], offsets[1]), (sizes[2], sizes[1])).t()
-                 for e in range(first, first + count)]
+        parts = [
+            self.read(source.per_expert.format(e=e), (offsets[2], offsets[1]), (sizes[2], sizes[1])).t()
+            for e in range(first, first + count)
+        ]
         return torch.stack(parts)

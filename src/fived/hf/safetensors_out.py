@@ -4,6 +4,7 @@
 one. The format allows streaming: an 8-byte little-endian header length, a JSON header giving each
 tensor's dtype, shape and byte range (known from the shapes alone), then the bytes in that order.
 """
+
 from __future__ import annotations
 
 import json

@@ -4,6 +4,7 @@
 allocator out of memory. The integer bounds are generous (well beyond any published model) and only
 there to turn typos into errors; whether a layout fits in memory is fived.memory_fit's question.
 """
+
 from __future__ import annotations
 
 import math
@@ -12,18 +13,35 @@ from fived.config import Config, ConfigError, config_fields
 
 # (field, lowest, highest, a valid example): inclusive integer ranges.
 INTEGER_BOUNDS = (
-    ("model.vocab_size", 2, 2**24, 32000), ("model.dim", 2, 2**17, 4096), ("model.n_layers", 1, 4096, 32),
-    ("model.n_heads", 1, 4096, 32), ("model.n_kv_heads", 1, 4096, 8), ("model.ffn_dim", 1, 2**20, 14336),
-    ("model.head_size", 0, 4096, 0), ("model.n_experts", 0, 4096, 8), ("model.top_k", 0, 4096, 2),
-    ("model.moe_ffn_dim", 0, 2**20, 0), ("model.n_shared_experts", 0, 64, 1), ("model.n_dense_layers", 0, 4096, 0),
+    ("model.vocab_size", 2, 2**24, 32000),
+    ("model.dim", 2, 2**17, 4096),
+    ("model.n_layers", 1, 4096, 32),
+    ("model.n_heads", 1, 4096, 32),
+    ("model.n_kv_heads", 1, 4096, 8),
+    ("model.ffn_dim", 1, 2**20, 14336),
+    ("model.head_size", 0, 4096, 0),
+    ("model.n_experts", 0, 4096, 8),
+    ("model.top_k", 0, 4096, 2),
+    ("model.moe_ffn_dim", 0, 2**20, 0),
+    ("model.n_shared_experts", 0, 64, 1),
+    ("model.n_dense_layers", 0, 4096, 0),
     ("model.rope_original_max_len", 1, 2**24, 8192),
-    ("train.steps", 1, 10**12, 200), ("train.seq_len", 2, 2**24, 64), ("train.global_batch", 1, 2**24, 16),
-    ("train.microbatches", 1, 2**20, 1), ("train.warmup_steps", 0, 10**12, 20),
-    ("train.decay_steps", 0, 10**12, 0), ("train.seed", 0, 2**63 - 1, 0),
-    ("train.log_every", 1, 10**12, 10), ("train.eval_every", 0, 10**12, 0), ("train.eval_batches", 0, 2**24, 8),
-    ("train.max_restarts", 0, 10**6, 2), ("train.spike_window", 1, 10**6, 20), ("train.max_rollbacks", 0, 10**6, 3),
+    ("train.steps", 1, 10**12, 200),
+    ("train.seq_len", 2, 2**24, 64),
+    ("train.global_batch", 1, 2**24, 16),
+    ("train.microbatches", 1, 2**20, 1),
+    ("train.warmup_steps", 0, 10**12, 20),
+    ("train.decay_steps", 0, 10**12, 0),
+    ("train.seed", 0, 2**63 - 1, 0),
+    ("train.log_every", 1, 10**12, 10),
+    ("train.eval_every", 0, 10**12, 0),
+    ("train.eval_batches", 0, 2**24, 8),
+    ("train.max_restarts", 0, 10**6, 2),
+    ("train.spike_window", 1, 10**6, 20),
+    ("train.max_rollbacks", 0, 10**6, 3),
     ("train.muon_ns_steps", 1, 100, 5),
-    ("checkpoint.every", 0, 10**12, 100), ("checkpoint.keep", 0, 10**6, 3),
+    ("checkpoint.every", 0, 10**12, 100),
+    ("checkpoint.keep", 0, 10**6, 3),
 )  # (the parallel sizes: fived.layout.rules, against the world size)
 
 # (field, rule, test, a valid example): every one also must be finite.
@@ -33,7 +51,9 @@ FLOAT_RULES = (
     ("train.decay_fraction", "must be in (0, 1]", lambda v: 0 < v <= 1, "0.2"),
     ("train.beta1", "must be in [0, 1)", lambda v: 0 <= v < 1, "0.9"),
     ("train.beta2", "must be in [0, 1)", lambda v: 0 <= v < 1, "0.95"),
+    ("train.muon_lr", "must be >= 0 (0: train.lr)", lambda v: v >= 0, "0.02"),
     ("train.muon_momentum", "must be in [0, 1)", lambda v: 0 <= v < 1, "0.95"),
+    ("train.muon_bucket_mb", "must be > 0 (MiB of whole matrices per rank)", lambda v: v > 0, "256"),
     ("train.eps", "must be > 0", lambda v: v > 0, "1e-8"),
     ("train.weight_decay", "must be >= 0", lambda v: v >= 0, "0.1"),
     ("train.grad_clip", "must be >= 0 (0: no clipping)", lambda v: v >= 0, "1.0"),
@@ -82,16 +102,33 @@ def number_errors(cfg: Config) -> list[ConfigError]:
     for dotted, rule, ok, example in FLOAT_RULES:
         value = _value(cfg, dotted)
         if not (math.isfinite(value) and ok(value)):
-            errs.append(ConfigError(dotted, value, rule + (" and finite" if not math.isfinite(value) else ""),
-                                    f"e.g. {_flag(dotted)} {example}"))
+            errs.append(
+                ConfigError(
+                    dotted,
+                    value,
+                    rule + (" and finite" if not math.isfinite(value) else ""),
+                    f"e.g. {_flag(dotted)} {example}",
+                )
+            )
     for f in config_fields():  # (a config built in Python: flags and TOML files are checked as they are read)
         value = getattr(getattr(cfg, f.section), f.attr)
         if f.choices is not None and value not in f.choices:
-            errs.append(ConfigError(f"{f.section}.{f.key}", value, "must be one of " + ", ".join(map(str, f.choices)),
-                                    f"e.g. {_flag(f.section + '.' + f.key)} {f.default}"))
+            errs.append(
+                ConfigError(
+                    f"{f.section}.{f.key}",
+                    value,
+                    "must be one of " + ", ".join(map(str, f.choices)),
+                    f"e.g. {_flag(f.section + '.' + f.key)} {f.default}",
+                )
+            )
     t = cfg.train
     if t.muon_ns_steps >= 1 and ns_coefficients(t.muon_ns_coefficients, t.muon_ns_steps) is None:
-        errs.append(ConfigError("train.muon_ns_coefficients", t.muon_ns_coefficients,
-                                f"must be one finite 'a,b,c' or train.muon_ns_steps={t.muon_ns_steps} of them separated "
-                                "by ';'", "e.g. --train.muon_ns_coefficients 3.4445,-4.7750,2.0315"))
+        errs.append(
+            ConfigError(
+                "train.muon_ns_coefficients",
+                t.muon_ns_coefficients,
+                f"must be one finite 'a,b,c' or train.muon_ns_steps={t.muon_ns_steps} of them separated by ';'",
+                "e.g. --train.muon_ns_coefficients 3.4445,-4.7750,2.0315",
+            )
+        )
     return errs

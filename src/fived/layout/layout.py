@@ -8,13 +8,28 @@ dp_shard group, replicas across dp_replicate); the flattened "dp" group spans bo
 parallelism folds over dp*cp (ep divides dp*cp). Plain Python: `fived.mesh.Mesh` builds the
 process groups of a layout.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
 from typing import get_args
 
-from fived.config import (Checkpointing, CompileBackend, Config, CpBalance, CpMode, DataConfig, Fp8Recipe, MuonScale,
-                          Optimizer, ParallelConfig, PPSchedule, ReduceDtype, TrainConfig, ZeroStage)
+from fived.config import (
+    Checkpointing,
+    CompileBackend,
+    Config,
+    CpBalance,
+    CpMode,
+    DataConfig,
+    Fp8Recipe,
+    MuonScale,
+    Optimizer,
+    ParallelConfig,
+    PPSchedule,
+    ReduceDtype,
+    TrainConfig,
+    ZeroStage,
+)
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 PP_SCHEDULES = get_args(PPSchedule)
@@ -28,8 +43,21 @@ SPLIT_BACKWARD = ("zero-bubble", "zbv", "dualpipev")  # backward split into inpu
 # The named groups, in the order the ledger prefers a name when two groups hold the same ranks.
 # dp_cp_tp: every rank of one pipeline stage (Muon's exchange of whole matrices, fived.muon_plan).
 # cp_ulysses, cp_ring: hybrid context parallelism's Ulysses groups and the ring across them.
-GROUP_NAMES = ("dp", "cp", "tp", "pp", "ep", "dp_shard", "dp_replicate", "dp_cp", "dp_shard_cp", "edp", "dp_cp_tp",
-               "cp_ulysses", "cp_ring")
+GROUP_NAMES = (
+    "dp",
+    "cp",
+    "tp",
+    "pp",
+    "ep",
+    "dp_shard",
+    "dp_replicate",
+    "dp_cp",
+    "dp_shard_cp",
+    "edp",
+    "dp_cp_tp",
+    "cp_ulysses",
+    "cp_ring",
+)
 OPTIMIZERS = get_args(Optimizer)  # train.optimizer (fived.optim, fived.muon)
 MUON_SCALES = get_args(MuonScale)  # train.muon_scale (fived.muon.update_scale)
 CP_MODES = get_args(CpMode)  # parallel.cp_mode
@@ -63,10 +91,12 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float64": 8}
 # train.dtype -> PrecisionSpec. "bfloat16": bf16 parameters and gradients, float32 master weights and
 # Adam state in the optimizer (sharded like it under ZeRO-1/2/3); "bfloat16-autocast": float32
 # weights, gradients and Adam state, matmuls in bf16 under autocast.
-PRECISION_SPECS = {"float32": PrecisionSpec("float32", "float32"),
-                   "bfloat16": PrecisionSpec("bfloat16", "bfloat16", master=True),
-                   "bfloat16-autocast": PrecisionSpec("float32", "bfloat16"),
-                   "float64": PrecisionSpec("float64", "float64")}
+PRECISION_SPECS = {
+    "float32": PrecisionSpec("float32", "float32"),
+    "bfloat16": PrecisionSpec("bfloat16", "bfloat16", master=True),
+    "bfloat16-autocast": PrecisionSpec("float32", "bfloat16"),
+    "float64": PrecisionSpec("float64", "float64"),
+}
 
 
 def stages_per_rank(schedule: str, virtual: int) -> int:
@@ -120,6 +150,8 @@ class Layout:
     checkpointing: Checkpointing = TrainConfig.activation_checkpointing
     etp: int = 0
     optimizer: Optimizer = TrainConfig.optimizer  # muon: its state and its exchange of whole matrices are priced
+    muon_bucket_mb: float = TrainConfig.muon_bucket_mb  # (Muon's step in buckets: fived.muon_plan)
+    muon_ns_steps: int = TrainConfig.muon_ns_steps  # (Newton-Schulz iterations: its time is priced)
     document_mask: bool = DataConfig.document_mask  # (data.document_mask: what the attention masks)
 
     @property
@@ -157,14 +189,22 @@ class Layout:
         return self.expert_tp == self.tp
 
     @classmethod
-    def from_config(cls, cfg: Config, world: int | None) -> "Layout":
+    def from_config(cls, cfg: Config, world: int | None) -> Layout:
         """The layout a `Config` runs on `world` ranks."""
         dp = resolve_dp(cfg, world)
         t = cfg.train
-        return cls(**{f.name: getattr(cfg.parallel, f.name) for f in fields(ParallelConfig)} | {
-            "dp": dp, "micro_batch": max(1, t.global_batch // (max(dp, 1) * t.microbatches)),
-            "checkpointing": t.activation_checkpointing, "optimizer": t.optimizer,
-            "document_mask": cfg.data.document_mask})
+        return cls(
+            **{f.name: getattr(cfg.parallel, f.name) for f in fields(ParallelConfig)}
+            | {
+                "dp": dp,
+                "micro_batch": max(1, t.global_batch // (max(dp, 1) * t.microbatches)),
+                "checkpointing": t.activation_checkpointing,
+                "optimizer": t.optimizer,
+                "muon_bucket_mb": t.muon_bucket_mb,
+                "muon_ns_steps": t.muon_ns_steps,
+                "document_mask": cfg.data.document_mask,
+            }
+        )
 
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(**{f.name: getattr(self, f.name) for f in fields(ParallelConfig)})
@@ -182,8 +222,21 @@ class Layout:
 
     def group_ranks(self, name: str, rank: int = 0) -> frozenset[int]:
         """The global ranks of `rank`'s group `name` (a GROUP_NAMES entry), as `Mesh.build` forms it."""
-        varied = {"pp": "p", "dp": "rs", "dp_replicate": "r", "dp_shard": "s", "cp": "c", "tp": "t", "dp_cp": "rsc",
-                  "dp_shard_cp": "sc", "ep": "e", "edp": "d", "dp_cp_tp": "rsct", "cp_ulysses": "u", "cp_ring": "g"}[name]
+        varied = {
+            "pp": "p",
+            "dp": "rs",
+            "dp_replicate": "r",
+            "dp_shard": "s",
+            "cp": "c",
+            "tp": "t",
+            "dp_cp": "rsc",
+            "dp_shard_cp": "sc",
+            "ep": "e",
+            "edp": "d",
+            "dp_cp_tp": "rsct",
+            "cp_ulysses": "u",
+            "cp_ring": "g",
+        }[name]
         u = self.ulysses
 
         def coords(r: int) -> dict[str, int]:
@@ -192,8 +245,18 @@ class Layout:
             rest, s = divmod(rest, self.dp_shard)
             p, d = divmod(rest, self.dp_replicate)
             flat = (d * self.dp_shard + s) * self.cp + c  # the expert mesh cuts dp*cp into (edp, ep)
-            return {"p": p, "r": d, "s": s, "c": c, "t": t, "d": flat // self.ep, "e": flat % self.ep,
-                    "x": flat, "u": c % u, "g": c // u}
+            return {
+                "p": p,
+                "r": d,
+                "s": s,
+                "c": c,
+                "t": t,
+                "d": flat // self.ep,
+                "e": flat % self.ep,
+                "x": flat,
+                "u": c % u,
+                "g": c // u,
+            }
 
         def key(r: int) -> tuple:
             k = coords(r)
@@ -216,27 +279,36 @@ class Layout:
         """Micro-batches per step on each data-parallel rank (global_batch in sequences)."""
         return global_batch // (self.dp * self.micro_batch)
 
-    def with_(self, **changes) -> "Layout":
+    def with_(self, **changes) -> Layout:
         return replace(self, **changes)
 
     def overrides(self, global_batch: int) -> dict:
         """The config overrides that run this layout (`fived train --section.field value ...`): the
         sizes always, other parallel fields where they differ from the defaults."""
         always = ("dp", "tp", "pp", "cp", "ep", "zero", "dp_replicate", "sp")
-        out = {f"parallel.{f.name}": getattr(self, f.name) for f in fields(ParallelConfig)
-               if f.name in always or (self.pp > 1 and f.name in ("pp_schedule", "pp_virtual"))
-               or getattr(self, f.name) != f.default}
+        out = {
+            f"parallel.{f.name}": getattr(self, f.name)
+            for f in fields(ParallelConfig)
+            if f.name in always
+            or (self.pp > 1 and f.name in ("pp_schedule", "pp_virtual"))
+            or getattr(self, f.name) != f.default
+        }
         out["train.microbatches"] = self.microbatches(global_batch)
         out["train.global_batch"] = global_batch
         out["train.activation_checkpointing"] = self.checkpointing
         if self.optimizer != TrainConfig.optimizer:
             out["train.optimizer"] = self.optimizer
+        for name in ("muon_bucket_mb", "muon_ns_steps"):
+            if getattr(self, name) != getattr(TrainConfig, name):
+                out[f"train.{name}"] = getattr(self, name)
         if self.document_mask:
             out["data.document_mask"] = True
         return out
 
     def flags(self, global_batch: int) -> str:
-        return " ".join(f"--{k} {str(v).lower() if isinstance(v, bool) else v}" for k, v in self.overrides(global_batch).items())
+        return " ".join(
+            f"--{k} {str(v).lower() if isinstance(v, bool) else v}" for k, v in self.overrides(global_batch).items()
+        )
 
     def describe(self) -> str:
         parts = [f"dp{self.dp}"]
@@ -249,7 +321,9 @@ class Layout:
             v = stages_per_rank(self.pp_schedule, self.pp_virtual)
             parts.append(f"pp{self.pp} {self.pp_schedule}" + (f" v{v}" if v > 1 else ""))
         if self.cp > 1:
-            mode = {"ring": "", "ulysses": " ulysses", "hybrid": f" hybrid(ulysses{self.ulysses})"}.get(self.cp_mode, "")
+            mode = {"ring": "", "ulysses": " ulysses", "hybrid": f" hybrid(ulysses{self.ulysses})"}.get(
+                self.cp_mode, ""
+            )
             parts.append(f"cp{self.cp}{mode}")
         if self.ep > 1:
             parts.append(f"ep{self.ep}" + (f" etp{self.expert_tp}" if not self.runnable else ""))

@@ -3,15 +3,29 @@ concrete valid value (`ConfigError`): the model's own shape rules, then tensor, 
 rules, and, when the world size does not fit, the nearest layouts that do. `fived train`, `fived
 verify` and the planner's search all ask these rules, so a planned layout is one the runtime accepts.
 """
+
 from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import fields
 
-from fived.config import Config, ConfigError
+from fived.config import Config, ConfigError, TrainConfig
 from fived.layout.bounds import number_errors
-from fived.layout.layout import (CHECKPOINTING, COMPILE_BACKENDS, CP_BALANCES, CP_MODES, FP8_RECIPES, MUON_SCALES,
-                                 OPTIMIZERS, PP_SCHEDULES, PRECISION_SPECS, SPLIT_BACKWARD, resolve_dp, stages_per_rank)
+from fived.layout.layout import (
+    CHECKPOINTING,
+    COMPILE_BACKENDS,
+    CP_BALANCES,
+    CP_MODES,
+    FP8_RECIPES,
+    MUON_SCALES,
+    OPTIMIZERS,
+    PP_SCHEDULES,
+    PRECISION_SPECS,
+    SPLIT_BACKWARD,
+    resolve_dp,
+    stages_per_rank,
+)
 
 
 def nearest_multiple(value: int, base: int) -> int:
@@ -43,12 +57,20 @@ def layout_errors(cfg: Config, world: int | None) -> list[ConfigError]:
         return errs
     model_parallel = p.tp * p.pp * p.cp
     if world is not None and dp == -1:
-        need(False, "parallel", f"tp{p.tp}xpp{p.pp}xcp{p.cp}",
-             f"tp*pp*cp={model_parallel} must divide the number of ranks ({world})")
+        need(
+            False,
+            "parallel",
+            f"tp{p.tp}xpp{p.pp}xcp{p.cp}",
+            f"tp*pp*cp={model_parallel} must divide the number of ranks ({world})",
+        )
         return errs
     if world is not None:
-        need(dp * model_parallel == world, "parallel", f"dp{dp}xtp{p.tp}xpp{p.pp}xcp{p.cp}",
-             f"dp*tp*pp*cp must equal the number of ranks ({world})")
+        need(
+            dp * model_parallel == world,
+            "parallel",
+            f"dp{dp}xtp{p.tp}xpp{p.pp}xcp{p.cp}",
+            f"dp*tp*pp*cp must equal the number of ranks ({world})",
+        )
     _tensor_rules(need, m, p)
     _context_rules(need, m, p)
     _pipeline_rules(need, m, p, t)
@@ -57,164 +79,387 @@ def layout_errors(cfg: Config, world: int | None) -> list[ConfigError]:
 
 
 def _tensor_rules(need, m, p) -> None:
-    need(m.n_heads % p.tp == 0, "parallel.tp", p.tp, f"must divide model.n_heads={m.n_heads}",
-         f"e.g. --tp {largest_divisor(m.n_heads, p.tp)}")
+    need(
+        m.n_heads % p.tp == 0,
+        "parallel.tp",
+        p.tp,
+        f"must divide model.n_heads={m.n_heads}",
+        f"e.g. --tp {largest_divisor(m.n_heads, p.tp)}",
+    )
     for name in ("ffn_dim", "moe_ffn_dim"):
         value = getattr(m, name)
-        need(value % p.tp == 0, f"model.{name}", value, f"must be divisible by tp={p.tp}",
-             f"e.g. --model.{name} {nearest_multiple(value, p.tp)}")
-    need(m.n_kv_heads % p.tp == 0 or p.tp % m.n_kv_heads == 0, "parallel.tp", p.tp,
-         f"must divide model.n_kv_heads={m.n_kv_heads} or be a multiple of it (kv heads are then replicated)",
-         f"e.g. --tp {largest_divisor(m.n_kv_heads, p.tp)}")
-    need(not p.sp or p.tp > 1, "parallel.sp", p.sp, "sequence parallelism splits over tp ranks: it needs tp > 1",
-         "add --tp 2, or drop --sp")
-    need(p.ep == 1 or m.is_moe, "parallel.ep", p.ep, f"needs a mixture-of-experts model (model.name={m.name} is dense)",
-         "use --ep 1, or a MoE model such as --model tiny-moe")
+        need(
+            value % p.tp == 0,
+            f"model.{name}",
+            value,
+            f"must be divisible by tp={p.tp}",
+            f"e.g. --model.{name} {nearest_multiple(value, p.tp)}",
+        )
+    need(
+        m.n_kv_heads % p.tp == 0 or p.tp % m.n_kv_heads == 0,
+        "parallel.tp",
+        p.tp,
+        f"must divide model.n_kv_heads={m.n_kv_heads} or be a multiple of it (kv heads are then replicated)",
+        f"e.g. --tp {largest_divisor(m.n_kv_heads, p.tp)}",
+    )
+    need(
+        not p.sp or p.tp > 1,
+        "parallel.sp",
+        p.sp,
+        "sequence parallelism splits over tp ranks: it needs tp > 1",
+        "add --tp 2, or drop --sp",
+    )
+    need(
+        p.ep == 1 or m.is_moe,
+        "parallel.ep",
+        p.ep,
+        f"needs a mixture-of-experts model (model.name={m.name} is dense)",
+        "use --ep 1, or a MoE model such as --model tiny-moe",
+    )
 
 
 def _context_rules(need, m, p) -> None:
     """Context parallelism's modes: Ulysses gives each rank of a group of u a u-th of the heads."""
-    need(p.cp_mode in CP_MODES, "parallel.cp_mode", p.cp_mode, "must be one of " + ", ".join(CP_MODES),
-         "e.g. --parallel.cp_mode ring")
-    need(p.cp_balance in CP_BALANCES, "parallel.cp_balance", p.cp_balance, "must be one of " + ", ".join(CP_BALANCES),
-         "e.g. --parallel.cp_balance work")
+    need(
+        p.cp_mode in CP_MODES,
+        "parallel.cp_mode",
+        p.cp_mode,
+        "must be one of " + ", ".join(CP_MODES),
+        "e.g. --parallel.cp_mode ring",
+    )
+    need(
+        p.cp_balance in CP_BALANCES,
+        "parallel.cp_balance",
+        p.cp_balance,
+        "must be one of " + ", ".join(CP_BALANCES),
+        "e.g. --parallel.cp_balance work",
+    )
     if p.cp_mode == "hybrid" and p.cp > 1:
-        need(1 < p.cp_ulysses < p.cp and p.cp % p.cp_ulysses == 0, "parallel.cp_ulysses", p.cp_ulysses,
-             f"hybrid context parallelism needs Ulysses groups of 2..cp/2 ranks dividing cp={p.cp}",
-             f"e.g. --parallel.cp_ulysses {largest_divisor(p.cp, max(2, min(p.cp_ulysses, p.cp // 2)))}"
-             if p.cp >= 4 else "use --parallel.cp_mode ulysses (or ring) for cp=2")
+        need(
+            1 < p.cp_ulysses < p.cp and p.cp % p.cp_ulysses == 0,
+            "parallel.cp_ulysses",
+            p.cp_ulysses,
+            f"hybrid context parallelism needs Ulysses groups of 2..cp/2 ranks dividing cp={p.cp}",
+            f"e.g. --parallel.cp_ulysses {largest_divisor(p.cp, max(2, min(p.cp_ulysses, p.cp // 2)))}"
+            if p.cp >= 4
+            else "use --parallel.cp_mode ulysses (or ring) for cp=2",
+        )
     if p.cp == 1 or p.cp_mode not in ("ulysses", "hybrid") or m.n_heads % p.tp:
         return
     u = p.cp if p.cp_mode == "ulysses" else p.cp_ulysses
     heads, kv = m.n_heads // p.tp, max(m.n_kv_heads // p.tp, 1)
-    need(heads % u == 0, "parallel.cp", p.cp, f"{p.cp_mode} context parallelism splits the {heads} query heads of a "
-         f"tp rank over {u} ranks: {u} must divide them", "use --parallel.cp_mode ring, or a smaller cp"
-         if p.cp_mode == "ulysses" else f"e.g. --parallel.cp_ulysses {largest_divisor(heads, u)}")
-    need(kv % u == 0 or u % kv == 0, "parallel.cp", p.cp, f"{u} Ulysses ranks must divide the {kv} kv heads of a tp "
-         f"rank, or be a multiple of them (kv heads are then repeated)", "use --parallel.cp_mode ring")
+    need(
+        heads % u == 0,
+        "parallel.cp",
+        p.cp,
+        f"{p.cp_mode} context parallelism splits the {heads} query heads of a "
+        f"tp rank over {u} ranks: {u} must divide them",
+        "use --parallel.cp_mode ring, or a smaller cp"
+        if p.cp_mode == "ulysses"
+        else f"e.g. --parallel.cp_ulysses {largest_divisor(heads, u)}",
+    )
+    need(
+        kv % u == 0 or u % kv == 0,
+        "parallel.cp",
+        p.cp,
+        f"{u} Ulysses ranks must divide the {kv} kv heads of a tp "
+        f"rank, or be a multiple of them (kv heads are then repeated)",
+        "use --parallel.cp_mode ring",
+    )
 
 
 def _pipeline_rules(need, m, p, t) -> None:
-    need(p.pp == 1 or not m.tie_embeddings, "model.tie_embeddings", m.tie_embeddings,
-         "tied embeddings across pipeline stages are not supported yet", "set it false, or use --pp 1")
-    need(p.pp_schedule in PP_SCHEDULES, "parallel.pp_schedule", p.pp_schedule, "must be one of " + ", ".join(PP_SCHEDULES),
-         "e.g. --pp-schedule 1f1b")
+    need(
+        p.pp == 1 or not m.tie_embeddings,
+        "model.tie_embeddings",
+        m.tie_embeddings,
+        "tied embeddings across pipeline stages are not supported yet",
+        "set it false, or use --pp 1",
+    )
+    need(
+        p.pp_schedule in PP_SCHEDULES,
+        "parallel.pp_schedule",
+        p.pp_schedule,
+        "must be one of " + ", ".join(PP_SCHEDULES),
+        "e.g. --pp-schedule 1f1b",
+    )
     if p.pp_schedule not in PP_SCHEDULES:
         return
     need(p.pp_virtual >= 1, "parallel.pp_virtual", p.pp_virtual, "must be >= 1", "e.g. --pp-virtual 2")
-    need(p.pp_virtual == 1 or p.pp_schedule in ("interleaved-1f1b", "zero-bubble"), "parallel.pp_virtual",
-         p.pp_virtual, f"only interleaved-1f1b and zero-bubble take virtual stages ({p.pp_schedule} uses "
-         f"{stages_per_rank(p.pp_schedule, 1)} per rank)", "use --pp-virtual 1, or --pp-schedule interleaved-1f1b")
+    need(
+        p.pp_virtual == 1 or p.pp_schedule in ("interleaved-1f1b", "zero-bubble"),
+        "parallel.pp_virtual",
+        p.pp_virtual,
+        f"only interleaved-1f1b and zero-bubble take virtual stages ({p.pp_schedule} uses "
+        f"{stages_per_rank(p.pp_schedule, 1)} per rank)",
+        "use --pp-virtual 1, or --pp-schedule interleaved-1f1b",
+    )
     per_rank = stages_per_rank(p.pp_schedule, max(p.pp_virtual, 1))
     stages = p.pp * per_rank if p.pp > 1 else 1
-    need(m.n_layers >= stages, "parallel.pp", p.pp,
-         f"{stages} pipeline stages need at least as many layers (model.n_layers={m.n_layers})",
-         f"e.g. --pp {max(1, m.n_layers // per_rank)}")
+    need(
+        m.n_layers >= stages,
+        "parallel.pp",
+        p.pp,
+        f"{stages} pipeline stages need at least as many layers (model.n_layers={m.n_layers})",
+        f"e.g. --pp {max(1, m.n_layers // per_rank)}",
+    )
     if p.pp_layers:
         try:
             counts = [int(c) for c in p.pp_layers.split(",")]
         except ValueError:
             counts = []
         even = [m.n_layers // stages + (1 if i < m.n_layers % stages else 0) for i in range(stages)]
-        need(len(counts) == stages and all(c >= 1 for c in counts) and sum(counts) == m.n_layers,
-             "parallel.pp_layers", p.pp_layers,
-             f"must list {stages} positive layer counts summing to model.n_layers={m.n_layers}",
-             f"e.g. --pp-layers {','.join(map(str, even))}" if m.n_layers >= stages else "")
-    need(p.pp_schedule != "dualpipev" or p.pp == 1 or t.microbatches >= 2 * p.pp, "train.microbatches",
-         t.microbatches, f"dualpipev needs at least as many micro-batches as stages (2*pp={2 * p.pp})",
-         f"e.g. --microbatches {2 * p.pp}")
-    need(p.pp == 1 or t.microbatches >= p.pp, "train.microbatches", t.microbatches, f"must be >= pp={p.pp}",
-         f"e.g. --microbatches {p.pp}")
-    need(p.pp == 1 or p.pp_schedule not in SPLIT_BACKWARD or t.activation_checkpointing != "selective",
-         "train.activation_checkpointing", t.activation_checkpointing,
-         f"selective checkpointing cannot run under {p.pp_schedule}: its split backward (input, then weight "
-         f"gradients) would replay the cached ops twice, which torch refuses",
-         "use --train.activation_checkpointing full, or --pp-schedule 1f1b/interleaved-1f1b")
+        need(
+            len(counts) == stages and all(c >= 1 for c in counts) and sum(counts) == m.n_layers,
+            "parallel.pp_layers",
+            p.pp_layers,
+            f"must list {stages} positive layer counts summing to model.n_layers={m.n_layers}",
+            f"e.g. --pp-layers {','.join(map(str, even))}" if m.n_layers >= stages else "",
+        )
+    need(
+        p.pp_schedule != "dualpipev" or p.pp == 1 or t.microbatches >= 2 * p.pp,
+        "train.microbatches",
+        t.microbatches,
+        f"dualpipev needs at least as many micro-batches as stages (2*pp={2 * p.pp})",
+        f"e.g. --microbatches {2 * p.pp}",
+    )
+    need(
+        p.pp == 1 or t.microbatches >= p.pp,
+        "train.microbatches",
+        t.microbatches,
+        f"must be >= pp={p.pp}",
+        f"e.g. --microbatches {p.pp}",
+    )
+    need(
+        p.pp == 1 or p.pp_schedule not in SPLIT_BACKWARD or t.activation_checkpointing != "selective",
+        "train.activation_checkpointing",
+        t.activation_checkpointing,
+        f"selective checkpointing cannot run under {p.pp_schedule}: its split backward (input, then weight "
+        f"gradients) would replay the cached ops twice, which torch refuses",
+        "use --train.activation_checkpointing full, or --pp-schedule 1f1b/interleaved-1f1b",
+    )
 
 
 def _data_rules(need, m, p, t, dp: int) -> None:
     dp_cp = max(dp, 1) * p.cp
     ep_ok = largest_divisor(math.gcd(m.n_experts, dp_cp) if m.is_moe else dp_cp, p.ep)
-    need(not m.is_moe or m.n_experts % p.ep == 0, "parallel.ep", p.ep, f"must divide model.n_experts={m.n_experts}",
-         f"e.g. --ep {ep_ok}")
+    need(
+        not m.is_moe or m.n_experts % p.ep == 0,
+        "parallel.ep",
+        p.ep,
+        f"must divide model.n_experts={m.n_experts}",
+        f"e.g. --ep {ep_ok}",
+    )
     need(dp >= 1 and dp_cp % p.ep == 0, "parallel.ep", p.ep, f"must divide dp*cp={dp_cp}", f"e.g. --ep {ep_ok}")
-    need(not p.sp or t.seq_len % (p.tp * p.cp) == 0, "train.seq_len", t.seq_len,
-         f"must be divisible by tp*cp={p.tp * p.cp} with --sp", f"e.g. --seq-len {nearest_multiple(t.seq_len, p.tp * p.cp)}")
-    need(t.seq_len % (2 * p.cp) == 0 or p.cp == 1, "train.seq_len", t.seq_len,
-         f"must be divisible by 2*cp={2 * p.cp} (load-balanced context-parallel chunks)",
-         f"e.g. --seq-len {nearest_multiple(t.seq_len, 2 * p.cp)}")
+    need(
+        not p.sp or t.seq_len % (p.tp * p.cp) == 0,
+        "train.seq_len",
+        t.seq_len,
+        f"must be divisible by tp*cp={p.tp * p.cp} with --sp",
+        f"e.g. --seq-len {nearest_multiple(t.seq_len, p.tp * p.cp)}",
+    )
+    need(
+        t.seq_len % (2 * p.cp) == 0 or p.cp == 1,
+        "train.seq_len",
+        t.seq_len,
+        f"must be divisible by 2*cp={2 * p.cp} (load-balanced context-parallel chunks)",
+        f"e.g. --seq-len {nearest_multiple(t.seq_len, 2 * p.cp)}",
+    )
     need(p.zero in (0, 1, 2, 3), "parallel.zero", p.zero, "must be 0, 1, 2 or 3", "e.g. --zero 1")
-    need(p.ep == 1 or p.dp_replicate == 1, "parallel.ep", p.ep, "expert parallelism with HSDP replicas is not supported yet",
-         "use --ep 1, or --dp-replicate 1")
-    need(p.dp_replicate >= 1 and dp >= 1 and dp % p.dp_replicate == 0, "parallel.dp_replicate", p.dp_replicate,
-         f"must be >= 1 and divide dp={dp} (dp = dp_replicate x dp_shard)",
-         f"e.g. --dp-replicate {largest_divisor(max(dp, 1), max(p.dp_replicate, 1))}")
-    need(p.dp_replicate == 1 or p.zero >= 1, "parallel.dp_replicate", p.dp_replicate,
-         "replica groups (HSDP) need a sharded stage", "add --zero 1 (or 2, 3)")
-    need(p.reduce_dtype in ("float32", "bfloat16"), "parallel.reduce_dtype", p.reduce_dtype,
-         "must be float32 or bfloat16", "e.g. --parallel.reduce_dtype float32")
+    need(
+        p.ep == 1 or p.dp_replicate == 1,
+        "parallel.ep",
+        p.ep,
+        "expert parallelism with HSDP replicas is not supported yet",
+        "use --ep 1, or --dp-replicate 1",
+    )
+    need(
+        p.dp_replicate >= 1 and dp >= 1 and dp % p.dp_replicate == 0,
+        "parallel.dp_replicate",
+        p.dp_replicate,
+        f"must be >= 1 and divide dp={dp} (dp = dp_replicate x dp_shard)",
+        f"e.g. --dp-replicate {largest_divisor(max(dp, 1), max(p.dp_replicate, 1))}",
+    )
+    need(
+        p.dp_replicate == 1 or p.zero >= 1,
+        "parallel.dp_replicate",
+        p.dp_replicate,
+        "replica groups (HSDP) need a sharded stage",
+        "add --zero 1 (or 2, 3)",
+    )
+    need(
+        p.reduce_dtype in ("float32", "bfloat16"),
+        "parallel.reduce_dtype",
+        p.reduce_dtype,
+        "must be float32 or bfloat16",
+        "e.g. --parallel.reduce_dtype float32",
+    )
     need(t.microbatches >= 1, "train.microbatches", t.microbatches, "must be >= 1", "e.g. --microbatches 1")
-    need(p.bucket_mb > 0 and math.isfinite(p.bucket_mb), "parallel.bucket_mb", p.bucket_mb, "must be > 0 and finite",
-         "e.g. --parallel.bucket_mb 25")
-    need(not p.overlap_param_gather or p.zero in (1, 2), "parallel.overlap_param_gather", p.overlap_param_gather,
-         f"gathers the parameters of ZeRO-1/2 (zero={p.zero} has no separate gather; ZeRO-3 prefetches already)",
-         "add --zero 1, or set it false")
-    need(t.fp8 in FP8_RECIPES, "train.fp8", t.fp8, "must be one of " + ", ".join(FP8_RECIPES), "e.g. --train.fp8 rowwise")
-    need(dp >= 1 and t.global_batch % dp == 0, "train.global_batch", t.global_batch, f"must be divisible by dp={dp}",
-         f"e.g. --global-batch {nearest_multiple(t.global_batch, max(dp, 1))}")
+    need(
+        p.bucket_mb > 0 and math.isfinite(p.bucket_mb),
+        "parallel.bucket_mb",
+        p.bucket_mb,
+        "must be > 0 and finite",
+        "e.g. --parallel.bucket_mb 25",
+    )
+    need(
+        not p.overlap_param_gather or p.zero in (1, 2),
+        "parallel.overlap_param_gather",
+        p.overlap_param_gather,
+        f"gathers the parameters of ZeRO-1/2 (zero={p.zero} has no separate gather; ZeRO-3 prefetches already)",
+        "add --zero 1, or set it false",
+    )
+    need(
+        t.fp8 in FP8_RECIPES, "train.fp8", t.fp8, "must be one of " + ", ".join(FP8_RECIPES), "e.g. --train.fp8 rowwise"
+    )
+    need(
+        dp >= 1 and t.global_batch % dp == 0,
+        "train.global_batch",
+        t.global_batch,
+        f"must be divisible by dp={dp}",
+        f"e.g. --global-batch {nearest_multiple(t.global_batch, max(dp, 1))}",
+    )
     if dp >= 1 and t.global_batch % dp == 0 and t.microbatches >= 1:
         local = t.global_batch // dp
-        need(local % t.microbatches == 0, "train.microbatches", t.microbatches,
-             f"must divide the per-rank batch global_batch/dp={local}",
-             f"e.g. --microbatches {largest_divisor(local, t.microbatches)}")
+        need(
+            local % t.microbatches == 0,
+            "train.microbatches",
+            t.microbatches,
+            f"must divide the per-rank batch global_batch/dp={local}",
+            f"e.g. --microbatches {largest_divisor(local, t.microbatches)}",
+        )
 
 
 def _model_errors(cfg: Config) -> list[ConfigError]:
     m, t, c = cfg.model, cfg.train, cfg.checkpoint
     checks = [
-        (m.head_size > 0 or m.dim % m.n_heads == 0, "model.dim", m.dim, f"must be divisible by model.n_heads={m.n_heads}",
-         f"e.g. --model.dim {nearest_multiple(m.dim, m.n_heads)}"),
-        (m.n_heads % max(m.n_kv_heads, 1) == 0 and m.n_kv_heads >= 1, "model.n_kv_heads", m.n_kv_heads,
-         f"must be >= 1 and divide model.n_heads={m.n_heads}",
-         f"e.g. --model.n_kv_heads {largest_divisor(m.n_heads, max(m.n_kv_heads, 1))}"),
-        (m.head_dim % 2 == 0, "model.dim", m.dim, "dim/n_heads must be even for rotary embeddings",
-         f"e.g. --model.dim {nearest_multiple(m.dim, 2 * m.n_heads)}"),
-        (m.rope_scaling in ("none", "llama3"), "model.rope_scaling", m.rope_scaling, "must be none or llama3",
-         "e.g. --model.rope_scaling none"),
-        (m.rope_scaling == "none" or m.rope_high_freq_factor > m.rope_low_freq_factor > 0, "model.rope_high_freq_factor",
-         m.rope_high_freq_factor, f"must exceed model.rope_low_freq_factor={m.rope_low_freq_factor} (> 0)",
-         "e.g. --model.rope_high_freq_factor 4"),
-        (not m.is_moe or 1 <= m.top_k <= m.n_experts, "model.top_k", m.top_k, f"must be in 1..n_experts={m.n_experts}",
-         f"e.g. --model.top_k {min(2, max(m.n_experts, 1))}"),
-        (t.dtype in PRECISION_SPECS, "train.dtype", t.dtype, "must be one of " + ", ".join(PRECISION_SPECS),
-         "e.g. --dtype bfloat16"),
+        (
+            m.head_size > 0 or m.dim % m.n_heads == 0,
+            "model.dim",
+            m.dim,
+            f"must be divisible by model.n_heads={m.n_heads}",
+            f"e.g. --model.dim {nearest_multiple(m.dim, m.n_heads)}",
+        ),
+        (
+            m.n_heads % max(m.n_kv_heads, 1) == 0 and m.n_kv_heads >= 1,
+            "model.n_kv_heads",
+            m.n_kv_heads,
+            f"must be >= 1 and divide model.n_heads={m.n_heads}",
+            f"e.g. --model.n_kv_heads {largest_divisor(m.n_heads, max(m.n_kv_heads, 1))}",
+        ),
+        (
+            m.head_dim % 2 == 0,
+            "model.dim",
+            m.dim,
+            "dim/n_heads must be even for rotary embeddings",
+            f"e.g. --model.dim {nearest_multiple(m.dim, 2 * m.n_heads)}",
+        ),
+        (
+            m.rope_scaling in ("none", "llama3"),
+            "model.rope_scaling",
+            m.rope_scaling,
+            "must be none or llama3",
+            "e.g. --model.rope_scaling none",
+        ),
+        (
+            m.rope_scaling == "none" or m.rope_high_freq_factor > m.rope_low_freq_factor > 0,
+            "model.rope_high_freq_factor",
+            m.rope_high_freq_factor,
+            f"must exceed model.rope_low_freq_factor={m.rope_low_freq_factor} (> 0)",
+            "e.g. --model.rope_high_freq_factor 4",
+        ),
+        (
+            not m.is_moe or 1 <= m.top_k <= m.n_experts,
+            "model.top_k",
+            m.top_k,
+            f"must be in 1..n_experts={m.n_experts}",
+            f"e.g. --model.top_k {min(2, max(m.n_experts, 1))}",
+        ),
+        (
+            t.dtype in PRECISION_SPECS,
+            "train.dtype",
+            t.dtype,
+            "must be one of " + ", ".join(PRECISION_SPECS),
+            "e.g. --dtype bfloat16",
+        ),
         *_fp8_checks(t, cfg.parallel),
-        (t.device in ("auto", "cpu", "cuda"), "train.device", t.device, "must be auto, cpu or cuda",
-         "e.g. --train.device auto"),
-        (t.activation_checkpointing in CHECKPOINTING, "train.activation_checkpointing", t.activation_checkpointing,
-         "must be one of " + ", ".join(CHECKPOINTING), "e.g. --train.activation_checkpointing none"),
-        (t.compile_backend in COMPILE_BACKENDS, "train.compile_backend", t.compile_backend,
-         "must be one of " + ", ".join(COMPILE_BACKENDS), "e.g. --train.compile_backend inductor"),
-        (t.optimizer in OPTIMIZERS, "train.optimizer", t.optimizer, "must be one of " + ", ".join(OPTIMIZERS),
-         "e.g. --train.optimizer muon"),
-        (t.muon_scale in MUON_SCALES, "train.muon_scale", t.muon_scale, "must be one of " + ", ".join(MUON_SCALES),
-         "e.g. --train.muon_scale rms"),
+        *_muon_checks(t),
+        (
+            t.device in ("auto", "cpu", "cuda"),
+            "train.device",
+            t.device,
+            "must be auto, cpu or cuda",
+            "e.g. --train.device auto",
+        ),
+        (
+            t.activation_checkpointing in CHECKPOINTING,
+            "train.activation_checkpointing",
+            t.activation_checkpointing,
+            "must be one of " + ", ".join(CHECKPOINTING),
+            "e.g. --train.activation_checkpointing none",
+        ),
+        (
+            t.compile_backend in COMPILE_BACKENDS,
+            "train.compile_backend",
+            t.compile_backend,
+            "must be one of " + ", ".join(COMPILE_BACKENDS),
+            "e.g. --train.compile_backend inductor",
+        ),
+        (
+            t.optimizer in OPTIMIZERS,
+            "train.optimizer",
+            t.optimizer,
+            "must be one of " + ", ".join(OPTIMIZERS),
+            "e.g. --train.optimizer muon",
+        ),
+        (
+            t.muon_scale in MUON_SCALES,
+            "train.muon_scale",
+            t.muon_scale,
+            "must be one of " + ", ".join(MUON_SCALES),
+            "e.g. --train.muon_scale rms",
+        ),
         (t.steps >= 1, "train.steps", t.steps, "must be >= 1", "e.g. --steps 200"),
         (t.seq_len >= 2, "train.seq_len", t.seq_len, "must be >= 2", "e.g. --seq-len 64"),
         (t.global_batch >= 1, "train.global_batch", t.global_batch, "must be >= 1", "e.g. --global-batch 16"),
-        (0 <= t.warmup_steps, "train.warmup_steps", t.warmup_steps, "must be >= 0", "e.g. --train.warmup_steps 20"),
+        (t.warmup_steps >= 0, "train.warmup_steps", t.warmup_steps, "must be >= 0", "e.g. --train.warmup_steps 20"),
         (t.lr > 0, "train.lr", t.lr, "must be > 0", "e.g. --train.lr 3e-3"),
-        (t.collective_timeout_s > 0, "train.collective_timeout_s", t.collective_timeout_s, "must be > 0",
-         "e.g. --train.collective_timeout_s 600"),
+        (
+            t.collective_timeout_s > 0,
+            "train.collective_timeout_s",
+            t.collective_timeout_s,
+            "must be > 0",
+            "e.g. --train.collective_timeout_s 600",
+        ),
         (t.max_restarts >= 0, "train.max_restarts", t.max_restarts, "must be >= 0", "e.g. --max-restarts 2"),
-        (t.preempt_grace_s >= 0, "train.preempt_grace_s", t.preempt_grace_s, "must be >= 0",
-         "e.g. --train.preempt_grace_s 60"),
-        (profile_window(t.profile, t.steps) is not None or not t.profile, "train.profile", t.profile,
-         f"must be START:END with 1 <= START <= END <= train.steps={t.steps}",
-         f"e.g. --train.profile {min(2, t.steps)}:{min(3, t.steps)}"),
-        (t.breakdown or not t.profile, "train.breakdown", t.breakdown,
-         "must be true with train.profile (fived's spans label the trace)", "e.g. --train.breakdown true"),
-        (c.every >= 0, "checkpoint.every", c.every, "must be >= 0 (0: no periodic saves)", "e.g. --checkpoint.every 100"),
+        (
+            t.preempt_grace_s >= 0,
+            "train.preempt_grace_s",
+            t.preempt_grace_s,
+            "must be >= 0",
+            "e.g. --train.preempt_grace_s 60",
+        ),
+        (
+            profile_window(t.profile, t.steps) is not None or not t.profile,
+            "train.profile",
+            t.profile,
+            f"must be START:END with 1 <= START <= END <= train.steps={t.steps}",
+            f"e.g. --train.profile {min(2, t.steps)}:{min(3, t.steps)}",
+        ),
+        (
+            t.breakdown or not t.profile,
+            "train.breakdown",
+            t.breakdown,
+            "must be true with train.profile (fived's spans label the trace)",
+            "e.g. --train.breakdown true",
+        ),
+        (
+            c.every >= 0,
+            "checkpoint.every",
+            c.every,
+            "must be >= 0 (0: no periodic saves)",
+            "e.g. --checkpoint.every 100",
+        ),
         (c.keep >= 0, "checkpoint.keep", c.keep, "must be >= 0 (0: keep all)", "e.g. --checkpoint.keep 3"),
     ]
     return [ConfigError(field, value, rule, hint) for ok, field, value, rule, hint in checks if not ok]
@@ -230,14 +475,50 @@ def _fp8_checks(t, p) -> list[tuple]:
         return []
     import importlib.util
 
-    return [(t.dtype in FP8_DTYPES, "train.fp8", t.fp8, f"runs with train.dtype {', '.join(FP8_DTYPES)} "
-             f"(not {t.dtype})", "e.g. --dtype bfloat16"),
-            (importlib.util.find_spec("torchao") is not None, "train.fp8", t.fp8, "needs torchao",
-             "pip install 'fived[fp8]'"),
-            # the overlapped regions run their own chunked GEMMs, in the compute dtype, not FP8
-            (not (p.tp_overlap and p.tp > 1), "parallel.tp_overlap", p.tp_overlap,
-             f"cannot run with train.fp8={t.fp8} yet (its fused region GEMMs are not FP8 GEMMs)",
-             "drop --parallel.tp_overlap, or use --train.fp8 none")]
+    return [
+        (
+            t.dtype in FP8_DTYPES,
+            "train.fp8",
+            t.fp8,
+            f"runs with train.dtype {', '.join(FP8_DTYPES)} (not {t.dtype})",
+            "e.g. --dtype bfloat16",
+        ),
+        (
+            importlib.util.find_spec("torchao") is not None,
+            "train.fp8",
+            t.fp8,
+            "needs torchao",
+            "pip install 'fived[fp8]'",
+        ),
+        # the overlapped regions run their own chunked GEMMs, in the compute dtype, not FP8
+        (
+            not (p.tp_overlap and p.tp > 1),
+            "parallel.tp_overlap",
+            p.tp_overlap,
+            f"cannot run with train.fp8={t.fp8} yet (its fused region GEMMs are not FP8 GEMMs)",
+            "drop --parallel.tp_overlap, or use --train.fp8 none",
+        ),
+    ]
+
+
+def _muon_checks(t) -> list[tuple]:
+    """Muon's options set under AdamW would change nothing: refused rather than ignored."""
+    if t.optimizer != "adamw":
+        return []
+    out = []
+    for f in fields(TrainConfig):
+        if f.name.startswith("muon_"):
+            default = str(f.default).lower() if isinstance(f.default, bool) else f.default
+            out.append(
+                (
+                    getattr(t, f.name) == f.default,
+                    f"train.{f.name}",
+                    getattr(t, f.name),
+                    "only acts with train.optimizer=muon (AdamW ignores it)",
+                    f"add --train.optimizer muon, or leave it at {default}",
+                )
+            )
+    return out
 
 
 def profile_window(text: str, steps: int) -> tuple[int, int] | None:
@@ -259,8 +540,12 @@ def suggest_layouts(cfg: Config, world: int, limit: int = 3) -> list[str]:
             continue
         dp = world // (tp * pp * cp)
         for ep in [e for e in range(1, dp * cp + 1) if (dp * cp) % e == 0]:
-            trial = Config(model=cfg.model, train=cfg.train, data=cfg.data,
-                           parallel=type(p)(**{**vars(p), "dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep}))
+            trial = Config(
+                model=cfg.model,
+                train=cfg.train,
+                data=cfg.data,
+                parallel=type(p)(**{**vars(p), "dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep}),
+            )
             if not layout_errors(trial, world):
                 dist = sum(abs(a - b) for a, b in zip((dp, tp, pp, cp, ep), want))
                 found.append((dist, f"--dp {dp} --tp {tp} --pp {pp} --cp {cp} --ep {ep}"))
@@ -278,6 +563,10 @@ def check_config(cfg: Config, world: int | None) -> None:
         near = suggest_layouts(cfg, world) if world else []
         p = cfg.parallel
         ranks = max(p.dp, 1) * p.tp * p.pp * p.cp
-        err = ConfigError(err.field, err.value, err.rule,
-                          ("nearest valid layouts: " + " | ".join(near)) if near else f"e.g. --nproc {ranks}")
+        err = ConfigError(
+            err.field,
+            err.value,
+            err.rule,
+            ("nearest valid layouts: " + " | ".join(near)) if near else f"e.g. --nproc {ranks}",
+        )
     raise err

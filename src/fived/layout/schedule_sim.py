@@ -12,6 +12,7 @@ Generated orders (`schedule_actions`) are the orders the runtime executes: for t
 schedules they come from torch.distributed.pipelining's own per-rank order generators; for GPipe
 and 1F1B, whose runtime order is hard-coded in their `_step_microbatches`, from a few lines here.
 """
+
 from __future__ import annotations
 
 import functools
@@ -42,9 +43,9 @@ def simulate(actions_per_rank: Actions, n_stages: int, record: list | None = Non
     mbs = 1 + max((mb for acts in actions_per_rank.values() for _, _, mb in acts), default=0)
     # finish times of F, I and G: the input gradient a stage sends back, from its B or its I
     finish: dict[str, list[float | None]] = {k: [None] * (n_stages * mbs) for k in "FIG"}
-    free = {r: 0.0 for r in ranks}
-    busy = {r: 0.0 for r in ranks}
-    cursor = {r: 0 for r in ranks}
+    free = dict.fromkeys(ranks, 0.0)
+    busy = dict.fromkeys(ranks, 0.0)
+    cursor = dict.fromkeys(ranks, 0)
     waiting: dict[tuple[str, int], list[int]] = {}  # (table, index) -> ranks blocked on it
     runnable = list(reversed(ranks))
     while runnable:
@@ -103,6 +104,7 @@ def bubble_of(actions, n_stages: int) -> float:
 # ----------------------------------------------------------------------------------------------
 # Action lists without running: what the runtime (fived.parallel.pipeline + torch) executes.
 
+
 def n_stages_of(schedule: str, pp: int, virtual: int) -> int:
     return pp * stages_per_rank(schedule, virtual) if pp > 1 else 1
 
@@ -153,8 +155,12 @@ def _one_f_one_b(rank: int, pp: int, m: int) -> list[tuple[str, int, int]]:
     return out
 
 
-_TORCH_CLASS = {"interleaved-1f1b": "ScheduleInterleaved1F1B", "zero-bubble": "ScheduleInterleavedZeroBubble",
-                "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
+_TORCH_CLASS = {
+    "interleaved-1f1b": "ScheduleInterleaved1F1B",
+    "zero-bubble": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
+}
 
 
 def _torch_order(schedule: str, pp: int, local_stages: int, m: int) -> Actions:
@@ -166,9 +172,15 @@ def _torch_order(schedule: str, pp: int, local_stages: int, m: int) -> Actions:
     from torch.distributed.pipelining import schedules as S
 
     rounds = max(1, m // pp)
-    fake = types.SimpleNamespace(pp_group_size=pp, n_local_stages=local_stages, _n_microbatches=m,
-                                 number_of_rounds=rounds, microbatches_per_round=m // rounds,
-                                 num_stages=pp * local_stages, _num_stages=pp * local_stages)
+    fake = types.SimpleNamespace(
+        pp_group_size=pp,
+        n_local_stages=local_stages,
+        _n_microbatches=m,
+        number_of_rounds=rounds,
+        microbatches_per_round=m // rounds,
+        num_stages=pp * local_stages,
+        _num_stages=pp * local_stages,
+    )
     generate = getattr(S, _TORCH_CLASS[schedule])._calculate_single_rank_operations
     # keyed by id: hashing torch's str-Enum members runs Python code, a third of the time here
     kind_of = {id(S.FORWARD): "F", id(S.FULL_BACKWARD): "B", id(S.BACKWARD_INPUT): "I", id(S.BACKWARD_WEIGHT): "W"}

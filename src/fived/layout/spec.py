@@ -20,6 +20,7 @@ The runtime splits its meta-device modules by it (`fived.parallel.tensor`, `.exp
 `Placement`s (checkpoints, `--init-from`, export, init) are computed from it, and the planner's
 memory model and layer map read local shapes from it. Plain Python: no torch.
 """
+
 from __future__ import annotations
 
 import math
@@ -104,8 +105,9 @@ def kv_replicated(m: ModelConfig, tp: int) -> bool:
     return cut is not None and cut.replicas > 1
 
 
-def layer_specs(m: ModelConfig, lid: int, *, tp: int = 1, ep: int = 1, sp: bool = False,
-                etp: int = 0) -> tuple[TensorSpec, ...]:
+def layer_specs(
+    m: ModelConfig, lid: int, *, tp: int = 1, ep: int = 1, sp: bool = False, etp: int = 0
+) -> tuple[TensorSpec, ...]:
     """Transformer layer `lid`'s tensors. `etp`: the tensor-parallel size of the routed experts (0:
     tp, as fived runs them; the planner prices other runtimes' expert tensor parallelism)."""
     return _layer_specs(m, lid if m.is_moe and lid >= m.n_dense_layers else -1, tp, ep, sp, etp or tp, lid)
@@ -118,11 +120,13 @@ def _layer_specs(m: ModelConfig, moe_id: int, tp: int, ep: int, sp: bool, etp: i
     def t(name, shape, cut=None, **kw):
         return TensorSpec(pre + name, tuple(shape), "layer", lid, cut, **kw)
 
-    out = [t("attention_norm.weight", [d], tp_partial_grad=sp and tp > 1),
-           t("attention.wq.weight", [heads, d], _cut(0, tp)),
-           t("attention.wk.weight", [m.n_kv_heads * hd, d], _kv_cut(m, tp)),
-           t("attention.wv.weight", [m.n_kv_heads * hd, d], _kv_cut(m, tp)),
-           t("attention.wo.weight", [d, heads], _cut(1, tp))]
+    out = [
+        t("attention_norm.weight", [d], tp_partial_grad=sp and tp > 1),
+        t("attention.wq.weight", [heads, d], _cut(0, tp)),
+        t("attention.wk.weight", [m.n_kv_heads * hd, d], _kv_cut(m, tp)),
+        t("attention.wv.weight", [m.n_kv_heads * hd, d], _kv_cut(m, tp)),
+        t("attention.wo.weight", [d, heads], _cut(1, tp)),
+    ]
     if m.qk_norm:  # shared by heads: each rank's heads give it a part of the gradient
         out += [t(f"attention.{n}.weight", [hd], tp_partial_grad=tp > 1) for n in ("q_norm", "k_norm")]
     out.append(t("ffn_norm.weight", [d], tp_partial_grad=sp and tp > 1))
@@ -130,10 +134,12 @@ def _layer_specs(m: ModelConfig, moe_id: int, tp: int, ep: int, sp: bool, etp: i
         out += _mlp(t, "feed_forward.", m.ffn_dim, d, tp)
         return tuple(out)
     e, f, by_ep = m.n_experts, m.expert_dim, _cut(0, ep)
-    out += [t("feed_forward.router.weight", [e, d], tp_partial_grad=tp > 1),
-            t("feed_forward.experts.w1", [e, d, f], _cut(2, etp), ep=by_ep, expert=True),
-            t("feed_forward.experts.w3", [e, d, f], _cut(2, etp), ep=by_ep, expert=True),
-            t("feed_forward.experts.w2", [e, f, d], _cut(1, etp), ep=by_ep, expert=True)]
+    out += [
+        t("feed_forward.router.weight", [e, d], tp_partial_grad=tp > 1),
+        t("feed_forward.experts.w1", [e, d, f], _cut(2, etp), ep=by_ep, expert=True),
+        t("feed_forward.experts.w3", [e, d, f], _cut(2, etp), ep=by_ep, expert=True),
+        t("feed_forward.experts.w2", [e, f, d], _cut(1, etp), ep=by_ep, expert=True),
+    ]
     if m.n_shared_experts:
         out += _mlp(t, "feed_forward.shared.", f * m.n_shared_experts, d, tp)
     out.append(t("feed_forward.router_bias", [e], buffer=True))
@@ -142,8 +148,11 @@ def _layer_specs(m: ModelConfig, moe_id: int, tp: int, ep: int, sp: bool, etp: i
 
 def _mlp(t, pre: str, hidden: int, d: int, tp: int) -> list[TensorSpec]:
     """SwiGLU: gate and up column-parallel (output features split), down row-parallel."""
-    return [t(pre + "w1.weight", [hidden, d], _cut(0, tp)), t(pre + "w3.weight", [hidden, d], _cut(0, tp)),
-            t(pre + "w2.weight", [d, hidden], _cut(1, tp))]
+    return [
+        t(pre + "w1.weight", [hidden, d], _cut(0, tp)),
+        t(pre + "w3.weight", [hidden, d], _cut(0, tp)),
+        t(pre + "w2.weight", [d, hidden], _cut(1, tp)),
+    ]
 
 
 def end_specs(m: ModelConfig, *, first: bool, last: bool, tp: int = 1, sp: bool = False) -> tuple[TensorSpec, ...]:
@@ -169,8 +178,9 @@ def local_vocab(m: ModelConfig, tp: int) -> int:
     return padded_vocab(m, tp) // tp
 
 
-def chunk_specs(m: ModelConfig, layers, first: bool, last: bool, *, tp: int = 1, ep: int = 1, sp: bool = False,
-                etp: int = 0) -> list[TensorSpec]:
+def chunk_specs(
+    m: ModelConfig, layers, first: bool, last: bool, *, tp: int = 1, ep: int = 1, sp: bool = False, etp: int = 0
+) -> list[TensorSpec]:
     """The tensors of a model chunk (a pipeline stage, or the whole model), in the model's order."""
     ends = end_specs(m, first=first, last=last, tp=tp, sp=sp)
     out = [s for s in ends if s.part == "embedding"]
@@ -242,6 +252,109 @@ def flat_owned(numels: list[int], shards: int, index: int, cap: int | None) -> i
     """Real (unpadded) elements shard `index` owns of the flat buffer `flat_buckets` lays out."""
     owned = 0
     for bucket in flat_buckets(numels, shards, cap):
-        real = sum(numels[bucket.first:bucket.last])
+        real = sum(numels[bucket.first : bucket.last])
         owned += max(0, min(real, (index + 1) * bucket.piece) - min(real, index * bucket.piece))
     return owned
+
+
+def in_flat_buffer(spec: TensorSpec, ep: int) -> bool:
+    """Whether ZeRO-0/1/2's flat buffer holds `spec`: every parameter but the routed experts under
+    ep > 1, which stay apart (data parallel over edp)."""
+    return not spec.buffer and not (spec.expert and ep > 1)
+
+
+class FlatLayout:
+    """ZeRO-1/2's flat buffer (and ZeRO-0's under a pipeline, `shards` = 1): the parameters `names`
+    of `numels` elements one after another, cut into `flat_buckets` of `cap`, each sharded on its own."""
+
+    def __init__(self, names: list[str], numels: list[int], shards: int, cap: int | None):
+        self.names, self.numels, self.shards = list(names), list(numels), shards
+        self.index = {name: i for i, name in enumerate(self.names)}
+        self.buckets = flat_buckets(self.numels, shards, cap)
+        self.bucket_of = [k for k, bucket in enumerate(self.buckets) for _ in range(bucket.first, bucket.last)]
+        self.offsets = []  # where each parameter starts in the buffer
+        for bucket in self.buckets:
+            self.offsets += [
+                bucket.start + sum(self.numels[bucket.first : i]) for i in range(bucket.first, bucket.last)
+            ]
+
+    def owned(self, name: str, shard: int) -> tuple[int, int]:
+        """Elements [a, b) of parameter `name`'s flat view that shard `shard` owns (a == b: none)."""
+        i = self.index[name]
+        lo, hi = self.buckets[self.bucket_of[i]].owned(shard)
+        n, offset = self.numels[i], self.offsets[i]
+        a = min(max(lo - offset, 0), n)
+        return a, max(min(hi - offset, n), a)
+
+    def owners(self, name: str, a: int, b: int) -> list[tuple[int, int]]:
+        """(shard, elements) for elements [a, b) of parameter `name`'s flat view, by the shards owning
+        them (each shard's range is contiguous: a division finds them)."""
+        i = self.index[name]
+        bucket = self.buckets[self.bucket_of[i]]
+        lo, hi = self.offsets[i] - bucket.start + a, self.offsets[i] - bucket.start + b
+        shards = range(lo // bucket.piece, (hi - 1) // bucket.piece + 1) if hi > lo else range(0)
+        return [(r, min(hi, (r + 1) * bucket.piece) - max(lo, r * bucket.piece)) for r in shards]
+
+
+@dataclass(frozen=True)
+class Stored:
+    """How one rank stores its tp/ep-local piece of a tensor: ZeRO-3 rows [a, b), or ZeRO-1/2 elements
+    [a, b) of its flat view, or (both None) all of it; `replica` numbers the data-parallel ranks
+    storing the same part (0: the copy that is saved); `slot` tells the distinct parts apart (the
+    shard index the rows or range are cut by, 0 when whole)."""
+
+    rows: tuple[int, int] | None
+    flat: tuple[int, int] | None
+    replica: int
+    slot: int
+
+
+def keeps_flat_buffer(zero: int, pp: int, dp_cp_size: int) -> bool:
+    """Whether parameters live in the flat buffer (`fived.parallel.zero`): under ZeRO-1/2, and ZeRO-0
+    under a pipeline with more than one dp*cp rank; ZeRO-0 otherwise keeps them whole (DDP, or a
+    single data-parallel rank), ZeRO-3 as rows (FSDP2)."""
+    return zero in (1, 2) or (zero == 0 and pp > 1 and dp_cp_size > 1)
+
+
+@dataclass(frozen=True)
+class DataRank:
+    """A rank's place in data parallelism, as the storage rules (`stored`) read it: the runtime's
+    strategies (`fived.parallel.make_data_parallel`) build it from their mesh, Muon's plan
+    (`fived.muon_plan`) from any rank's mesh coordinates."""
+
+    zero: int
+    pp: int
+    ep: int
+    dp_cp_size: int  # dp * cp
+    shards: int  # dp_shard * cp: the ZeRO shard group
+    shard: int  # this rank's index in it
+    replicate: int  # its index in dp_replicate
+    dp_cp: int  # its index in dp * cp (the expert mesh: ep rank dp_cp % ep, edp rank dp_cp // ep)
+
+    @property
+    def flat_buffer(self) -> bool:
+        return keeps_flat_buffer(self.zero, self.pp, self.dp_cp_size)
+
+    def whole_replica(self, spec: TensorSpec) -> int:
+        """The replica index of a tensor every data-parallel rank holds whole (routed experts under
+        ep > 1: every edp rank), as buffers always are."""
+        if self.dp_cp_size == 1:
+            return 0
+        return self.dp_cp // self.ep if spec.expert and self.ep > 1 else self.dp_cp
+
+    def stored(self, spec: TensorSpec, flat: FlatLayout | None = None) -> Stored:
+        """How this rank stores `spec`'s local piece (`flat`: the stage's flat buffer, when it has one)."""
+        apart = spec.expert and self.ep > 1  # routed experts: data parallel over edp only
+        if self.zero == 3:
+            edp_size, edp = (
+                self.dp_cp_size // self.ep,
+                self.dp_cp // self.ep,
+            )  # FSDP2: rows over the shard group (experts: over edp), HSDP replicas across
+            shards, index = (edp_size, edp) if apart else (self.shards, self.shard)
+            return Stored(shard_rows(spec.local_shape[0], shards, index), None, self.replicate, index)
+        if apart or not self.flat_buffer:
+            return Stored(None, None, self.whole_replica(spec), 0)
+        assert flat is not None  # (the stage's flat buffer: a rank that keeps one is handed it)
+        if self.zero == 0:  # the flat buffer unsharded, repeated on every dp*cp rank
+            return Stored(None, flat.owned(spec.name, 0), self.dp_cp, 0)
+        return Stored(None, flat.owned(spec.name, self.shard), self.replicate, self.shard)

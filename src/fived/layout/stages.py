@@ -7,6 +7,7 @@ rules the runtime builds its stages by and the planner prices them by (plain Pyt
 - Stage s runs on pp rank s % pp for looped schedules, and on ranks 0..pp-1 then back pp-1..0 for
   the V-shaped ones (zbv, dualpipev).
 """
+
 from __future__ import annotations
 
 from functools import lru_cache
@@ -78,8 +79,9 @@ def _split(key: tuple, n_stages: int, pp_layers: str) -> tuple[tuple[int, ...], 
 
 def rank_chunks(m: ModelConfig, layout: Layout, pp_rank: int) -> list[Chunk]:
     """The (layers, first, last) chunks pipeline rank `pp_rank` holds, as the runtime places them."""
-    return rank_chunks_by_key(model_key(m), layout.pp, placement(layout.pp_schedule), layout.n_stages, pp_rank,
-                              layout.pp_layers)
+    return rank_chunks_by_key(
+        model_key(m), layout.pp, placement(layout.pp_schedule), layout.n_stages, pp_rank, layout.pp_layers
+    )
 
 
 def rank_stages(layout: Layout, pp_rank: int) -> list[int]:
@@ -93,8 +95,9 @@ def placement(schedule: str) -> str:
 
 
 @lru_cache(maxsize=65536)
-def rank_chunks_by_key(key: tuple, pp: int, schedule: str, n_stages: int, pp_rank: int,
-                       pp_layers: str = "") -> list[Chunk]:
+def rank_chunks_by_key(
+    key: tuple, pp: int, schedule: str, n_stages: int, pp_rank: int, pp_layers: str = ""
+) -> list[Chunk]:
     if pp == 1:
         return [(tuple(range(dict(key)["n_layers"])), True, True)]
     stages = _split(key, n_stages, pp_layers)

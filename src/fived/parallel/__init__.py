@@ -5,6 +5,7 @@ TP -> CP -> EP -> pipeline split -> FP8 linears -> activation checkpointing -> d
 It runs on the meta device, before any parameter is materialised, and returns the `ParallelPlan`
 the trainer drives: initialise shards, loss, gradient finishing, clipping, whole parameters.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -14,9 +15,9 @@ from dataclasses import dataclass, field
 import torch
 
 from fived.config import Config
-from fived.mesh import Mesh
+from fived.layout.spec import TensorSpec, keeps_flat_buffer, tensor_specs
 from fived.ledger import local_tensor
-from fived.layout.spec import TensorSpec, tensor_specs
+from fived.mesh import Mesh
 from fived.model import Transformer, canonical_name
 from fived.parallel.checkpointing import apply_activation_checkpointing
 from fived.parallel.compile import apply_compile
@@ -128,12 +129,14 @@ def parallelize(chunks: list[Transformer], mesh: Mesh, cfg: Config) -> ParallelP
     ep_rank = mesh.rank("ep") if mesh.ep > 1 else 0
     placements = describe_placements(chunks, specs, data_parallel, tp=mesh.tp, tp_rank=tp_rank, ep_rank=ep_rank)
     global_shapes = {name: s.shape for name, s in specs.items() if not s.buffer}
-    return ParallelPlan(data_parallel, tensor_parallel, mesh.group("pp") if mesh.pp > 1 else None, positions,
-                        placements, global_shapes)
+    return ParallelPlan(
+        data_parallel, tensor_parallel, mesh.group("pp") if mesh.pp > 1 else None, positions, placements, global_shapes
+    )
 
 
-def describe_placements(chunks, specs: dict[str, TensorSpec], data_parallel: DataParallel, *, tp: int, tp_rank: int,
-                        ep_rank: int) -> dict[str, Placement]:
+def describe_placements(
+    chunks, specs: dict[str, TensorSpec], data_parallel: DataParallel, *, tp: int, tp_rank: int, ep_rank: int
+) -> dict[str, Placement]:
     """The placement of every parameter and buffer this rank holds (see fived.placement): its tp/ep
     box from the sharding spec, its data-parallel storage from the ZeRO stage's own layout."""
     out = {}
@@ -143,12 +146,14 @@ def describe_placements(chunks, specs: dict[str, TensorSpec], data_parallel: Dat
             box = Box(*spec.local_box(tp_rank=tp_rank, ep_rank=ep_rank))
             if tuple(param.shape) != box.sizes:  # (a ZeRO-3 DTensor's shape is the unsharded local one)
                 raise RuntimeError(f"{spec.name}: the runtime built {tuple(param.shape)}, the spec says {box.sizes}")
-            rows, flat, dp_replica = data_parallel.storage(spec.name)
-            out[spec.name] = Placement(spec.shape, box, spec.tp_replica(tp_rank) + tp * dp_replica, rows, flat)
+            stored = data_parallel.storage(spec)
+            out[spec.name] = Placement(
+                spec.shape, box, spec.tp_replica(tp_rank) + tp * stored.replica, stored.rows, stored.flat
+            )
         for raw, _ in chunk.named_buffers():
             spec = specs[canonical_name(raw)]
             whole = Box((0,) * len(spec.shape), spec.shape)
-            out[spec.name] = Placement(spec.shape, whole, tp_rank + tp * data_parallel.whole_replica(spec.name))
+            out[spec.name] = Placement(spec.shape, whole, tp_rank + tp * data_parallel.data_rank().whole_replica(spec))
     return out
 
 
@@ -157,21 +162,21 @@ def make_data_parallel(mesh: Mesh, cfg: Config) -> DataParallel:
     stage = cfg.parallel.zero
     if stage == 3:
         return FullyShardedDataParallel(mesh, cfg)
-    if mesh.dp * mesh.cp == 1 and stage == 0:
-        return DataParallel(mesh, cfg)
-    if stage == 0 and mesh.pp == 1:
-        return ReplicatedDataParallel(mesh, cfg)
     # ZeRO-1/2, and ZeRO-0 under a pipeline schedule (one all-reduce of a flat buffer per step,
     # after the schedule, instead of DDP hooks inside it)
-    return ShardedOptimizerDataParallel(mesh, cfg)
+    if keeps_flat_buffer(stage, mesh.pp, mesh.dp * mesh.cp):
+        return ShardedOptimizerDataParallel(mesh, cfg)
+    return DataParallel(mesh, cfg) if mesh.dp * mesh.cp == 1 else ReplicatedDataParallel(mesh, cfg)
 
 
-def apply_tensor_parallel(chunks: list[Transformer], mesh: Mesh, cfg: Config,
-                          specs: dict[str, TensorSpec]) -> TensorParallel | None:
+def apply_tensor_parallel(
+    chunks: list[Transformer], mesh: Mesh, cfg: Config, specs: dict[str, TensorSpec]
+) -> TensorParallel | None:
     if mesh.tp == 1:
         return None
-    tp = TensorParallel(chunks[0], mesh.group("tp"), cfg.parallel.sp, mesh.tp, mesh.rank("tp"), specs,
-                        overlap=cfg.parallel.tp_overlap)
+    tp = TensorParallel(
+        chunks[0], mesh.group("tp"), cfg.parallel.sp, mesh.tp, mesh.rank("tp"), specs, overlap=cfg.parallel.tp_overlap
+    )
     for chunk in chunks:
         tp.apply(chunk)
     return tp

@@ -4,15 +4,15 @@
 - selective: keep the outputs of the matrix multiplications and attention (the expensive ops) and
   recompute the cheap element-wise ones (norms, activations, RoPE), as in Korthikanti et al.
 """
-from __future__ import annotations
 
+from __future__ import annotations
 
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from fived.grouped_gemm import GROUPED_SWIGLU_OP
 from fived.attention import inside_blockwise
+from fived.grouped_gemm import GROUPED_SWIGLU_OP
 from fived.model import Transformer
 
 _SAVE = {

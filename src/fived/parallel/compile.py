@@ -10,6 +10,7 @@ parameter names, which `fived.model.canonical_name` strips), so initialisation, 
 placements see the same names. `train.compile_backend` picks torch.compile's backend: "inductor"
 (generated kernels; the default) or the cheaper "aot_eager" (traced, no code generation) and "eager".
 """
+
 from __future__ import annotations
 
 import torch

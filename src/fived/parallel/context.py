@@ -28,6 +28,7 @@ Ulysses (`UlyssesAttention`, exchanges in `fived.parallel.ulysses`): q, k, v are
 group's tokens of a u-th of the heads, sorted into sequence order by their gathered order keys,
 attended (causal, document-masked, or hybrid's masked ring), and sent back.
 """
+
 from __future__ import annotations
 
 import torch
@@ -35,8 +36,16 @@ import torch.distributed as dist
 from torch import nn
 
 from fived import comm
-from fived.attention import (DocumentAttention, block_backward, block_forward, blockwise, kernel_dtype,
-                             masked_block_backward, masked_block_forward, order_keys)
+from fived.attention import (
+    DocumentAttention,
+    block_backward,
+    block_forward,
+    blockwise,
+    kernel_dtype,
+    masked_block_backward,
+    masked_block_forward,
+    order_keys,
+)
 from fived.model import Transformer
 from fived.parallel.tensor import ReduceFromTensorParallelRegion as AllReduceSumForward
 from fived.parallel.ulysses import Reorder, gather_keys, kv_heads_for_groups, to_heads, to_sequence
@@ -87,7 +96,7 @@ class RingAttentionFunction(torch.autograd.Function):
         """q [b, hq, s, d], k/v [b, hkv, s, d]: the local tokens in load-balanced chunk order."""
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         b, h, s, d = q.shape
-        scale, acc = d ** -0.5, torch.promote_types(q.dtype, torch.float32)
+        scale, acc = d**-0.5, torch.promote_types(q.dtype, torch.float32)
         # [b, s, h, d] storage, so the caller's transpose back and reshape for wo is a view
         out = q.new_empty((b, s, h, d), dtype=acc).transpose(1, 2)
         lse = q.new_empty((b, h, s), dtype=acc)
@@ -121,8 +130,16 @@ class RingAttentionFunction(torch.autograd.Function):
         for step in range(size):
             kb, vb, dk_acc, dv_acc = held
             rows, keys, causal = _ring_step_blocks(rank, (rank - step) % size, s)
-            dqb, dkb, dvb = block_backward(dout[:, :, rows], q[:, :, rows], kb[:, :, keys], vb[:, :, keys],
-                                            out[:, :, rows], lse[:, :, rows], causal, scale)
+            dqb, dkb, dvb = block_backward(
+                dout[:, :, rows],
+                q[:, :, rows],
+                kb[:, :, keys],
+                vb[:, :, keys],
+                out[:, :, rows],
+                lse[:, :, rows],
+                causal,
+                scale,
+            )
             dq[:, :, rows] += dqb
             dk_acc[:, :, keys] += dkb
             dv_acc[:, :, keys] += dvb
@@ -199,8 +216,14 @@ class RingAttention(nn.Module):
         super().__init__()
         self.group = group
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        documents: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         dtype = kernel_dtype(q, k, v)
         keys = None
         if documents is not None:
@@ -221,8 +244,14 @@ class UlyssesAttention(nn.Module):
         super().__init__()
         self.group, self.ring, self.positions = group, ring, positions
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        documents: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         dtype, u = kernel_dtype(q, k, v), dist.get_world_size(self.group)
         given = self.positions if documents is None else positions
         assert given is not None  # (document masking hands the in-document positions too)
@@ -237,8 +266,9 @@ class UlyssesAttention(nn.Module):
         elif documents is not None:
             out = DocumentAttention.apply(q, k, v, keys)
         else:
-            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                                   enable_gqa=q.shape[1] != k.shape[1])
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1]
+            )
         return to_sequence(Reorder.apply(out.transpose(1, 2), order.argsort(dim=1)), self.group)
 
 

@@ -15,6 +15,7 @@ Each rank's loss is already divided by the token count of the *global* batch, so
 **summed** over ranks (not averaged): the sum is the gradient of the mean loss over all tokens,
 whatever the split. Every strategy reduces with SUM for that reason.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -25,12 +26,13 @@ from torch import nn
 
 from fived import comm
 from fived.config import Config
-from fived.layout.spec import REDUCE_CHUNK_ELEMENTS
-from fived.mesh import DTYPES, PRECISIONS, Mesh
+from fived.layout.spec import REDUCE_CHUNK_ELEMENTS, DataRank, Stored, TensorSpec, tensor_specs
 from fived.ledger import local_tensor as _local
+from fived.mesh import DTYPES, PRECISIONS, Mesh
 from fived.model import Transformer, canonical_name
-from fived.parallel.expert import is_expert
+from fived.muon_plan import is_muon_tensor
 from fived.optim import build_optimizer
+from fived.parallel.expert import is_expert
 from fived.placement import Placement
 
 
@@ -68,8 +70,9 @@ class DataParallel:
         self.optimizer = self.make_optimizer([(n, p) for (n, _), p in zip(named, params)], placements)
         return self.optimizer
 
-    def make_optimizer(self, named: list[tuple[str, torch.Tensor]], placements: dict[str, Placement],
-                       decayed=None) -> torch.optim.Optimizer:
+    def make_optimizer(
+        self, named: list[tuple[str, torch.Tensor]], placements: dict[str, Placement], decayed=None
+    ) -> torch.optim.Optimizer:
         """train.optimizer over `named` [(canonical name, tensor it updates)]: AdamW, or Muon for the
         hidden matrices (orthogonalised whole across the ranks holding their pieces) and AdamW for
         the rest. `decayed(p)`: AdamW's weight decay rule (default: matrices)."""
@@ -80,8 +83,16 @@ class DataParallel:
         from fived.parallel.muon_exchange import MatrixExchange
 
         exchange = MatrixExchange(self.mesh, self.cfg, placements)
-        matrices = [(n, p) for n, p in named if n in exchange.placements and p.requires_grad]
-        adamw = build_optimizer([p for n, p in named if n not in exchange.placements], t, decayed)
+        specs = tensor_specs(self.cfg.model, tp=self.mesh.tp, ep=self.mesh.ep, sp=self.cfg.parallel.sp)
+        matrices = [(n, p) for n, p in named if is_muon_tensor(specs[n]) and p.requires_grad]
+        names, plan = {n for n, _ in matrices}, exchange.plan
+        stored = {n for n in plan.names if exchange.mine.placements[n].boxes()}  # (ZeRO-1/2: no empty slices)
+        if not stored <= names <= set(plan.names):  # (else a matrix outside the plan would go to AdamW)
+            raise RuntimeError(
+                f"Muon's plan has this rank store pieces of {sorted(stored)} (of {sorted(plan.names)}), "
+                f"its optimizer updates {sorted(names)}"
+            )
+        adamw = build_optimizer([p for n, p in named if n not in names], t, decayed)
         return Muon(matrices, adamw, t, exchange)
 
     def with_masters(self, tensors) -> list[torch.Tensor]:
@@ -114,17 +125,26 @@ class DataParallel:
         self.optimizer.step()
         self.masters_to_model()
 
-    def storage(self, name: str) -> tuple[tuple[int, int] | None, tuple[int, int] | None, int]:
-        """How parameter `name` is stored here, for its placement: (ZeRO-3 rows, ZeRO-1/2 flat range
-        of the model-local tensor, replica index among the data-parallel ranks holding the same piece).
-        Known on the meta device, right after `shard`."""
-        return None, None, self.whole_replica(name)
+    def storage(self, spec: TensorSpec) -> Stored:
+        """How parameter `spec` is stored here, for its placement (ZeRO-3 rows, or a ZeRO-1/2 flat
+        range of the model-local tensor, and the replica index among the data-parallel ranks holding
+        the same piece): the storage rules of `fived.layout.spec.DataRank`, which Muon's plan reads
+        for every rank. Known on the meta device, right after `shard`."""
+        return self.data_rank().stored(spec)
 
-    def whole_replica(self, name: str) -> int:
-        """Replica index of a tensor every data-parallel rank holds whole (experts: over edp only)."""
-        if self.mesh.dp * self.mesh.cp == 1:
-            return 0
-        return self.mesh.rank("edp") if (self.mesh.ep > 1 and is_expert(name)) else self.mesh.rank("dp_cp")
+    def data_rank(self) -> DataRank:
+        """This rank's place in data parallelism, from its mesh."""
+        m, many = self.mesh, self.mesh.dp * self.mesh.cp > 1
+        return DataRank(
+            self.cfg.parallel.zero,
+            m.pp,
+            m.ep,
+            m.dp * m.cp,
+            m.dp_shard * m.cp,
+            m.rank("dp_shard_cp") if many else 0,
+            m.rank("dp_replicate") if m.dp_replicate > 1 else 0,
+            m.rank("dp_cp") if many else 0,
+        )
 
     def optimized(self):
         """(canonical name, the tensor the optimizer updates for it here): the parameter itself, its
@@ -169,8 +189,11 @@ class DataParallel:
 
     def reduce_expert_gradients(self) -> None:
         if self.mesh.dp * self.mesh.cp // self.mesh.ep > 1:
-            _all_reduce_flat([p.grad for _, p in self.expert_parameters() if p.grad is not None],
-                             self.mesh.group("edp"), self.reduce_dtype)
+            _all_reduce_flat(
+                [p.grad for _, p in self.expert_parameters() if p.grad is not None],
+                self.mesh.group("edp"),
+                self.reduce_dtype,
+            )
 
     def named_grads(self, model_grads: bool = False):
         """(canonical parameter name, local gradient) for what the optimizer steps; model_grads=True:
@@ -223,8 +246,11 @@ class DataParallel:
     def tensors(self) -> dict[str, list[torch.Tensor]]:
         """The tensors this rank holds for the model state, for the memory ledger."""
         params = [p for _, p in self.named_parameters()]
-        return {"params": params, "grads": [p.grad for p in params if p.grad is not None],
-                "optimizer": self.optimizer_state()}
+        return {
+            "params": params,
+            "grads": [p.grad for p in params if p.grad is not None],
+            "optimizer": self.optimizer_state(),
+        }
 
     def flat_buffers(self) -> list[torch.Tensor]:
         """The flat buffers this strategy allocated (padding included): the parameters and gradients
@@ -234,8 +260,9 @@ class DataParallel:
     def optimizer_state(self) -> list[torch.Tensor]:
         """Adam's tensors (not the scalar step counters) and the float32 masters of bf16 runs."""
         assert self.optimizer is not None
-        return [v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0] \
-            + [master for _, master in self.master_pairs]
+        return [v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0] + [
+            master for _, master in self.master_pairs
+        ]
 
 
 def _all_reduce_flat(grads: list[torch.Tensor], group, reduce_dtype: torch.dtype) -> None:
@@ -248,7 +275,7 @@ def _all_reduce_flat(grads: list[torch.Tensor], group, reduce_dtype: torch.dtype
         start = 0
         while start < view.numel():
             take = min(room, view.numel() - start)
-            batch.append(view[start:start + take])
+            batch.append(view[start : start + take])
             start, room = start + take, room - take
             if room == 0:
                 _all_reduce_pieces(batch, group, reduce_dtype)
@@ -262,5 +289,5 @@ def _all_reduce_pieces(pieces: list[torch.Tensor], group, reduce_dtype: torch.dt
     comm.all_reduce(flat, group, role="dp")
     offset = 0
     for piece in pieces:  # (views of the gradients: written in place)
-        piece.copy_(flat[offset:offset + piece.numel()])
+        piece.copy_(flat[offset : offset + piece.numel()])
         offset += piece.numel()

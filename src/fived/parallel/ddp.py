@@ -11,6 +11,7 @@ would depend on how many steps this process had run, and a run resumed from a ch
 a few ulps away from the uninterrupted one. Here a parameter always sits at the same offset of the
 same bucket, so resuming changes no digit.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -65,7 +66,7 @@ class ReplicatedDataParallel(DataParallel):
         buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
         offset = 0
         for p in params:
-            p.grad = buffer[offset:offset + p.numel()].view_as(p)
+            p.grad = buffer[offset : offset + p.numel()].view_as(p)
             offset += p.numel()
         return Bucket(params, buffer)
 

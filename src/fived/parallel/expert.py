@@ -9,14 +9,14 @@ dense, so the auxiliary loss does not depend on the layout; dropless by default.
 Gradients: an expert's gradient already sums the tokens of every rank of its ep group (the
 all-to-all carries them back), so it is reduced only over edp; dense gradients over all of dp*cp.
 """
+
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from fived import comm
-from fived.model import GroupedExperts, MoE, Transformer
 from fived.layout.layout import EP_OVERLAP_CHUNKS
+from fived.model import GroupedExperts, MoE, Transformer
 from fived.parallel.expert_overlap import overlapped_experts
 
 
@@ -34,8 +34,9 @@ class AllToAll(torch.autograd.Function):
     def backward(ctx, grad):
         out_splits, in_splits = ctx.splits
         back = grad.new_empty((sum(in_splits),) + tuple(grad.shape[1:]))
-        comm.all_to_all_single(back, grad.contiguous(), ctx.group, output_splits=in_splits, input_splits=out_splits,
-                               role="ep")
+        comm.all_to_all_single(
+            back, grad.contiguous(), ctx.group, output_splits=in_splits, input_splits=out_splits, role="ep"
+        )
         return back, None, None, None
 
 
@@ -57,8 +58,14 @@ class ExpertParallelExperts(GroupedExperts):
         recv_counts = torch.empty_like(send_counts)  # [source rank, local expert], flattened
         comm.all_to_all_single(recv_counts, send_counts, self.group, role="ep")
         if self.overlap_chunks > 1:
-            return overlapped_experts(x, send_counts.view(self.ep, local), recv_counts.view(self.ep, local), self.group,
-                                      self.by_source, chunks=self.overlap_chunks)
+            return overlapped_experts(
+                x,
+                send_counts.view(self.ep, local),
+                recv_counts.view(self.ep, local),
+                self.group,
+                self.by_source,
+                chunks=self.overlap_chunks,
+            )
         send_splits = send_counts.view(self.ep, local).sum(1).tolist()
         recv = recv_counts.view(self.ep, local)
         tokens = AllToAll.apply(x, recv.sum(1).tolist(), send_splits, self.group)
@@ -91,8 +98,9 @@ def apply_expert_parallel(chunks: list[Transformer], group, ep: int, *, overlap:
             old = moe.experts
             dim, hidden = old.w1.shape[1], old.w1.shape[2]
             with torch.device(old.w1.device):
-                moe.experts = ExpertParallelExperts(moe.n_experts, dim, hidden, group, ep,
-                                                    overlap_chunks=overlap_chunks).to(old.w1.dtype)
+                moe.experts = ExpertParallelExperts(
+                    moe.n_experts, dim, hidden, group, ep, overlap_chunks=overlap_chunks
+                ).to(old.w1.dtype)
 
 
 def is_expert(name: str) -> bool:

@@ -18,9 +18,11 @@ tests/test_expert_overlap.py through the recorder's marks).
 Per token the math is the plain path's: the same rows meet the same weights; only the weight
 gradients sum their rows in two GEMMs per expert instead of one.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -43,8 +45,9 @@ class InFlight:
     def start(self, x: torch.Tensor) -> torch.Tensor:
         out = x.new_empty((sum(self.out_splits),) + tuple(x.shape[1:]))
         self.sent = sent = x.contiguous()  # (kept alive until the exchange is waited for)
-        self.pending = comm.all_to_all_single(out, sent, self.group, output_splits=self.out_splits,
-                                              input_splits=self.in_splits, async_op=True, role="ep")
+        self.pending = comm.all_to_all_single(
+            out, sent, self.group, output_splits=self.out_splits, input_splits=self.in_splits, async_op=True, role="ep"
+        )
         return out
 
     def wait(self) -> None:
@@ -54,9 +57,15 @@ class InFlight:
     def start_back(self, grad: torch.Tensor) -> None:
         self.back_result = result = grad.new_empty((sum(self.in_splits),) + tuple(grad.shape[1:]))
         self.back_sent = sent = grad.contiguous()
-        self.back_pending = comm.all_to_all_single(result, sent, self.group,
-                                                   output_splits=self.in_splits, input_splits=self.out_splits,
-                                                   async_op=True, role="ep")
+        self.back_pending = comm.all_to_all_single(
+            result,
+            sent,
+            self.group,
+            output_splits=self.in_splits,
+            input_splits=self.out_splits,
+            async_op=True,
+            role="ep",
+        )
 
     def wait_back(self) -> torch.Tensor:
         self.back_pending.wait()
@@ -127,9 +136,15 @@ def chunk_order(counts: torch.Tensor, chunks: int) -> torch.Tensor:
 # (eager under train.compile: every chunk's row count changes with the routing, so a traced region
 # would recompile per micro-batch until torch gives up; the GEMMs are one custom op either way)
 @torch.compiler.disable
-def overlapped_experts(x: torch.Tensor, send_counts: torch.Tensor, recv_counts: torch.Tensor, group,
-                       local_experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], *,
-                       chunks: int = EP_OVERLAP_CHUNKS) -> torch.Tensor:
+def overlapped_experts(
+    x: torch.Tensor,
+    send_counts: torch.Tensor,
+    recv_counts: torch.Tensor,
+    group,
+    local_experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    *,
+    chunks: int = EP_OVERLAP_CHUNKS,
+) -> torch.Tensor:
     """The routed experts over x (slots sorted by global expert) in `chunks` pipelined chunks.
     send_counts[r, e]: this rank's slots for expert e of ep rank r; recv_counts[r, e]: rank r's
     slots for this rank's local expert e (both int64 tensors on x's device; read once on the host
@@ -139,8 +154,10 @@ def overlapped_experts(x: torch.Tensor, send_counts: torch.Tensor, recv_counts: 
     order = chunk_order(send_counts.flatten(), chunks)
     send_splits = [[sum(chunk_share(c, k, chunks) for c in row) for row in send] for k in range(chunks)]
     recv_splits = [[sum(chunk_share(c, k, chunks) for c in row) for row in recv] for k in range(chunks)]
-    dispatches = [exchange_started(piece, group, recv_splits[k], send_splits[k])
-                  for k, piece in enumerate(x[order].split([sum(s) for s in send_splits]))]
+    dispatches = [
+        exchange_started(piece, group, recv_splits[k], send_splits[k])
+        for k, piece in enumerate(x[order].split([sum(s) for s in send_splits]))
+    ]
     combines = []
     for k, (buffer, flight) in enumerate(dispatches):
         out = local_experts(exchange_waited(buffer, flight), chunk_share(recv_counts, k, chunks))

@@ -32,6 +32,7 @@ all-reduce is a functional collective outside `fived.comm` (unledgered, unattrib
 float8 gather changes the bytes the planner prices; ZeRO-3 gathers weights in the compute dtype and
 each Float8Linear casts its gathered weight.
 """
+
 from __future__ import annotations
 
 import logging

@@ -8,14 +8,15 @@ Gradient accumulation: gradients are reduced only on the last micro-batch. With
 (one gather per step instead of one per micro-batch, at the cost of holding the whole model
 unsharded meanwhile) — what a pipeline schedule wants.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, cast
 
 import torch
-from torch import nn
 
 from fived import comm
+from fived.layout.spec import Stored, TensorSpec
 from fived.model import MoE, Transformer
 from fived.parallel.data_parallel import DataParallel
 
@@ -45,8 +46,9 @@ class FullyShardedDataParallel(DataParallel):
             for block in model.blocks():
                 if experts_mesh is not None and isinstance(block.feed_forward, MoE):
                     # sharded over the ranks that hold the same experts (before the block takes the rest)
-                    fully_shard(block.feed_forward.experts, mesh=experts_mesh, mp_policy=mp,
-                                reshard_after_forward=not keep)
+                    fully_shard(
+                        block.feed_forward.experts, mesh=experts_mesh, mp_policy=mp, reshard_after_forward=not keep
+                    )
                 fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=not keep)
             # The root (embedding, final norm, head) is used again first in backward: keep it gathered.
             fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
@@ -64,13 +66,18 @@ class FullyShardedDataParallel(DataParallel):
         self.chunks = chunks
         self._replicate_group = mesh.get_group(0) if self.mesh.dp_replicate > 1 else None  # (FSDP2's all-reduce's)
 
-    def storage(self, name: str) -> tuple[tuple[int, int] | None, tuple[int, int] | None, int]:
-        # FSDP2 shards dim 0 in ceil-sized chunks; the DTensor says which rows are here
-        param = dict(self.named_parameters())[name]
-        chunk = param.__create_chunk_list__()[0]
+    def storage(self, spec: TensorSpec) -> Stored:
+        # the storage rules' rows (FSDP2 shards dim 0 in ceil-sized chunks), held to the DTensor's own
+        stored = super().storage(spec)
+        chunk = dict(self.named_parameters())[spec.name].__create_chunk_list__()[0]
         start = chunk.offsets[0] if len(chunk.offsets) else 0
         rows = (start, start + chunk.sizes[0]) if len(chunk.sizes) else None
-        return rows, None, self.mesh.rank("dp_replicate")  # HSDP replicas hold the same rows
+        empty = (
+            rows is not None and stored.rows is not None and rows[0] == rows[1] and stored.rows[0] == stored.rows[1]
+        )  # (no rows: anywhere)
+        if rows != stored.rows and not empty:
+            raise RuntimeError(f"{spec.name}: FSDP2 stores rows {rows} here, the storage rules say {stored.rows}")
+        return stored
 
     def unrouted_collectives(self):
         """HSDP: FSDP2's all-reduce across replicas has no hook; counted while a step records."""

@@ -11,6 +11,7 @@ of `torch.distributed.pipelining`, with every executed action recorded.
   W (backward for weights), and the send/recv it issued — with stage, micro-batch and time.
   `fived.layout.schedule_sim` costs such action lists with unit times to give the bubble.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -22,10 +23,9 @@ from torch import nn
 
 from fived import comm
 from fived.config import Config, ModelConfig
-from fived.model import Transformer, build_model
-
 from fived.layout.layout import SINGLE_STAGE, stages_per_rank
 from fived.layout.stages import split_layers, stage_rank
+from fived.model import Transformer, build_model
 from fived.parallel.tensor_overlap import backward_pass
 
 
@@ -129,8 +129,9 @@ class Pipeline:
         self.timeline = Timeline()
 
     def build_chunks(self, dtype: torch.dtype) -> list[Transformer]:
-        return [build_stage(self.cfg.model, self.layers[s], s == 0, s == self.n_stages - 1, dtype)
-                for s in self.stage_ids]
+        return [
+            build_stage(self.cfg.model, self.layers[s], s == 0, s == self.n_stages - 1, dtype) for s in self.stage_ids
+        ]
 
     @property
     def has_last_stage(self) -> bool:
@@ -149,9 +150,14 @@ class Pipeline:
             self.timeline.instrument(stage)
             if on_backward is not None:
                 _tell_backward(stage, on_backward)
-        cls = {"gpipe": S.ScheduleGPipe, "1f1b": S.Schedule1F1B, "interleaved-1f1b": S.ScheduleInterleaved1F1B,
-               "zero-bubble": S.ScheduleInterleavedZeroBubble, "zbv": S.ScheduleZBVZeroBubble,
-               "dualpipev": S.ScheduleDualPipeV}[self.schedule_name]
+        cls = {
+            "gpipe": S.ScheduleGPipe,
+            "1f1b": S.Schedule1F1B,
+            "interleaved-1f1b": S.ScheduleInterleaved1F1B,
+            "zero-bubble": S.ScheduleInterleavedZeroBubble,
+            "zbv": S.ScheduleZBVZeroBubble,
+            "dualpipev": S.ScheduleDualPipeV,
+        }[self.schedule_name]
         micro = self.cfg.train.microbatches
         if self.schedule_name in SINGLE_STAGE:
             self.schedule = cls(stages[0], n_microbatches=micro, loss_fn=loss_fn, scale_grads=False)
@@ -170,8 +176,9 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         first = 0 in self.stage_ids
         self.timeline.actions.clear()  # keep the last step's actions only
-        self.schedule.step(inputs if first else None, target=targets if self.has_last_stage else None,
-                           losses=losses, **(extra or {}))
+        self.schedule.step(
+            inputs if first else None, target=targets if self.has_last_stage else None, losses=losses, **(extra or {})
+        )
         total = torch.zeros((), dtype=torch.float64, device=inputs.device)
         for loss in losses:
             total += loss.detach().double()
@@ -188,8 +195,12 @@ class Pipeline:
             self.schedule.pipeline_order_with_comms = {rank: forward_only(actions) for rank, actions in order.items()}
         losses: list[torch.Tensor] = []
         try:
-            self.schedule.eval(inputs if 0 in self.stage_ids else None,
-                               target=targets if self.has_last_stage else None, losses=losses, **(extra or {}))
+            self.schedule.eval(
+                inputs if 0 in self.stage_ids else None,
+                target=targets if self.has_last_stage else None,
+                losses=losses,
+                **(extra or {}),
+            )
         finally:
             if order is not None:
                 self.schedule.pipeline_order_with_comms = order
@@ -222,10 +233,22 @@ def write_chrome_trace(path: str, actions: list[Action]) -> None:
     import json
 
     t0 = min((a.start for a in actions), default=0.0)
-    events = [{"name": f"{a.kind}{a.microbatch}", "cat": a.kind, "ph": "X", "pid": a.rank, "tid": a.stage,
-               "ts": (a.start - t0) * 1e6, "dur": max((a.end - a.start) * 1e6, 0.001),
-               "args": {"stage": a.stage, "microbatch": a.microbatch, "kind": a.kind}} for a in actions]
-    events += [{"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}}
-               for r in sorted({a.rank for a in actions})]
+    events = [
+        {
+            "name": f"{a.kind}{a.microbatch}",
+            "cat": a.kind,
+            "ph": "X",
+            "pid": a.rank,
+            "tid": a.stage,
+            "ts": (a.start - t0) * 1e6,
+            "dur": max((a.end - a.start) * 1e6, 0.001),
+            "args": {"stage": a.stage, "microbatch": a.microbatch, "kind": a.kind},
+        }
+        for a in actions
+    ]
+    events += [
+        {"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}}
+        for r in sorted({a.rank for a in actions})
+    ]
     with open(path, "w") as f:
         json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)

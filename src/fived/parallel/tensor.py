@@ -19,6 +19,7 @@ tp is padded; padded logits are masked out, so the loss is exactly the one-devic
 Grouped-query attention with fewer kv heads than tp replicates kv heads: rank r holds kv head
 r // (tp / n_kv_heads), and the ranks sharing a head sum its gradient.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -32,8 +33,8 @@ from fived.layout.spec import Cut, TensorSpec
 from fived.model import MoE, Transformer, canonical_name
 from fived.parallel.tensor_overlap import current_backward_pass, install_overlapped_region
 
-
 # --- the communication of a tensor-parallel region, as autograd functions -------------------------
+
 
 class CopyToTensorParallelRegion(torch.autograd.Function):
     @staticmethod
@@ -104,13 +105,23 @@ class ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
 
 # --- the plan -------------------------------------------------------------------------------------
 
+
 class TensorParallel:
     """The tensor-parallel plan of one model: each parameter split as the sharding spec says
     (`fived.layout.spec`: heads, feed-forward and expert hidden sizes, the padded vocabulary, kv
     heads several ranks hold), the gradients that are partial sums over tp, and the region hooks."""
 
-    def __init__(self, model: Transformer, group, sequence_parallel: bool, size: int, rank: int,
-                 specs: dict[str, TensorSpec], *, overlap: bool = False):
+    def __init__(
+        self,
+        model: Transformer,
+        group,
+        sequence_parallel: bool,
+        size: int,
+        rank: int,
+        specs: dict[str, TensorSpec],
+        *,
+        overlap: bool = False,
+    ):
         """`size`/`rank` are given, not read from `group`, so a plan can be made without processes.
         `overlap`: attention and dense MLP regions overlap their communication with their GEMMs
         (`fived.parallel.tensor_overlap`); MoE regions keep the hooks below."""
@@ -173,7 +184,11 @@ class TensorParallel:
         self._regather.clear()
         # Weakly: the gathered input must be freed as soon as the region's ops are done with it.
         self._regather[full.untyped_storage().data_ptr()] = {
-            "shard": x.detach(), "gathered": weakref.ref(full), "uses": 0, "full": None}
+            "shard": x.detach(),
+            "gathered": weakref.ref(full),
+            "uses": 0,
+            "full": None,
+        }
         return full
 
     def _exit(self, y: torch.Tensor) -> torch.Tensor:
@@ -192,12 +207,14 @@ class TensorParallel:
             tokens = args[0]
             self._outside = (tokens < lo) | (tokens >= lo + module.weight.shape[0])
             return ((tokens - lo).masked_fill(self._outside, 0),)
+
         return pre
 
     def _embedding_hook(self, lo: int):
         def post(module, args, out):
             out = out.masked_fill(self._outside[..., None], 0.0)  # rows owned by another rank
             return self._exit(out)
+
         return post
 
     # saved tensors: with SP keep the sequence shard of a gathered input, gather again in backward --

@@ -37,6 +37,7 @@ so each GEMM and each collective still runs once: the input pass computes the in
 their reductions), the weight pass the weight gradients (the column entry re-gathers its input
 there; the row exit keeps its gathered output gradient from the input pass for it).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -84,6 +85,7 @@ def _wants() -> tuple[bool, bool]:
 
 
 # --- the rings ------------------------------------------------------------------------------------
+
 
 def _ring(group) -> tuple[int, int, int, int]:
     """(rank in group, group size, global rank of the next rank, global rank of the previous)."""
@@ -162,6 +164,7 @@ def _weight_grad(grad: torch.Tensor, inp: torch.Tensor, weight: torch.Tensor) ->
 
 # --- the two ends of a region ---------------------------------------------------------------------
 
+
 class ColumnParallelEntry(torch.autograd.Function):
     """(region input, x W_1^T, ..., x W_n^T) from this rank's input (its sequence shard with SP)."""
 
@@ -231,7 +234,7 @@ class RowParallelExit(torch.autograd.Function):
         size = dist.get_world_size(group)
         if sequence_parallel:
             chunk = h.shape[1] // size
-            return ring_reduce_scatter(lambda j: F.linear(h[:, j * chunk:(j + 1) * chunk], weight), group)
+            return ring_reduce_scatter(lambda j: F.linear(h[:, j * chunk : (j + 1) * chunk], weight), group)
         return _chunked_all_reduce(h, weight, group, chunks=size)
 
     @staticmethod
@@ -280,6 +283,7 @@ def _chunked_all_reduce(h: torch.Tensor, weight: torch.Tensor, group, *, chunks:
 
 # --- installing a region --------------------------------------------------------------------------
 
+
 class OverlappedRegion:
     """One attention or dense MLP module made an overlapped region: a pre-hook runs the entry, the
     column linears return its outputs, the row linear is the exit, and a forward hook checks that
@@ -311,8 +315,9 @@ class OverlappedRegion:
 
     def _column_output(self, linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         if self._entry is None or x is not self._entry() or id(linear) not in self._outputs:
-            raise RuntimeError("tp_overlap: a column-parallel linear was called on something other than "
-                               "its region's input, or twice")
+            raise RuntimeError(
+                "tp_overlap: a column-parallel linear was called on something other than its region's input, or twice"
+            )
         return self._outputs.pop(id(linear))
 
     def _row_forward(self, h: torch.Tensor) -> torch.Tensor:

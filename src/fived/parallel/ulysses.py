@@ -4,6 +4,7 @@ holding some tokens of every head, trades them for all of the group's tokens of 
 tokens arrive rank-major (rank 0's tokens first). Through `fived.comm` (role cp): all-to-all of q, k,
 v forward and of the output back, the reverse in backward, and an all-gather of the tokens' order keys.
 """
+
 from __future__ import annotations
 
 import torch

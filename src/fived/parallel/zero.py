@@ -29,6 +29,7 @@ Bytes per parameter held per rank (b = parameter dtype size, S = dp_shard):
 In bf16 runs (train.dtype=bfloat16) the buffers are bf16 and the optimizer updates float32 masters
 of this rank's slices (master 4 + Adam 8 bytes, over S): ZeRO-1 2 + 2 + 12/S, ZeRO-2 2 + 14/S.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -37,7 +38,15 @@ import torch
 from torch import nn
 
 from fived import comm
-from fived.layout.spec import CAST_PIECES_IN_FLIGHT, REDUCE_CHUNK_ELEMENTS, FlatBucket, flat_buckets
+from fived.layout.spec import (
+    CAST_PIECES_IN_FLIGHT,
+    REDUCE_CHUNK_ELEMENTS,
+    FlatBucket,
+    FlatLayout,
+    Stored,
+    TensorSpec,
+    in_flat_buffer,
+)
 from fived.model import Transformer
 from fived.parallel.data_parallel import DataParallel
 
@@ -61,27 +70,18 @@ class ShardedOptimizerDataParallel(DataParallel):
         p = self.cfg.parallel
         self.overlap_reduce, self.overlap_gather = p.overlap_grad_reduce, p.overlap_param_gather
         layout_cap = self.mesh.layout.bucket_elements(self.precision.weights.itemsize)
-        self.buckets: list[FlatBucket] = flat_buckets(self.numels, self.shards, layout_cap)
-        self.bucket_of_param = [b for b, bucket in enumerate(self.buckets) for _ in range(bucket.first, bucket.last)]
-        self.offsets = []
-        for bucket in self.buckets:
-            self.offsets += [bucket.start + sum(self.numels[bucket.first:i]) for i in range(bucket.first, bucket.last)]
+        self.flat = FlatLayout(self.names, self.numels, self.shards, layout_cap)
+        self.buckets: list[FlatBucket] = self.flat.buckets
+        self.bucket_of_param, self.offsets = self.flat.bucket_of, self.flat.offsets
         self.shard_rank = rank
         self.shard_len = sum(bucket.piece for bucket in self.buckets)  # elements this rank owns, padding included
         # where each bucket's owned piece sits in ZeRO-2's compact gradient shard
         self.compact = [sum(b.piece for b in self.buckets[:k]) for k in range(len(self.buckets))]
 
-    def storage(self, name: str) -> tuple[tuple[int, int] | None, tuple[int, int] | None, int]:
-        if name not in self.index:  # experts kept apart: whole, replicated over edp
-            return super().storage(name)
-        i = self.index[name]
-        lo, hi = self.buckets[self.bucket_of_param[i]].owned(self.shard_rank)
-        a = min(max(lo - self.offsets[i], 0), self.numels[i])
-        b = max(min(hi - self.offsets[i], self.numels[i]), a)
-        # ZeRO-0 under a pipeline keeps the buffer whole on every dp rank; sharded stages
-        # repeat a slice only across HSDP replica groups
-        replica = self.mesh.rank("dp_cp") if self.stage == 0 else self.mesh.rank("dp_replicate")
-        return None, (a, b), replica
+    def storage(self, spec: TensorSpec) -> Stored:
+        if (spec.name in self.index) != in_flat_buffer(spec, self.mesh.ep):
+            raise RuntimeError(f"{spec.name}: the runtime's flat buffer and the sharding spec disagree on it")
+        return self.data_rank().stored(spec, self.flat)
 
     def wrap(self, chunks: list[Transformer]) -> list[Transformer]:
         if self.stage == 0:
@@ -96,8 +96,8 @@ class ShardedOptimizerDataParallel(DataParallel):
         with torch.no_grad():
             for p, offset in zip(self.params, self.offsets):
                 n = p.numel()
-                self.param_buf[offset:offset + n].copy_(p.reshape(-1))
-                p.data = self.param_buf[offset:offset + n].view_as(p)
+                self.param_buf[offset : offset + n].copy_(p.reshape(-1))
+                p.data = self.param_buf[offset : offset + n].view_as(p)
 
         self.grad_buf: torch.Tensor | None = None
         if self.stage <= 1:
@@ -115,7 +115,7 @@ class ShardedOptimizerDataParallel(DataParallel):
         (ZeRO-1), or ZeRO-2's compact shard."""
         if self.stage == 2:
             assert self.shard_grad is not None
-            return self.shard_grad[self.compact[k]:self.compact[k] + self.buckets[k].piece]
+            return self.shard_grad[self.compact[k] : self.compact[k] + self.buckets[k].piece]
         lo, hi = self.buckets[k].owned(self.shard_rank)
         return self.full_grads()[lo:hi]
 
@@ -124,7 +124,7 @@ class ShardedOptimizerDataParallel(DataParallel):
         every micro-batch in place into the flat layout the reduce-scatter needs."""
         self.grad_buf = torch.zeros_like(self.param_buf)
         for p, offset in zip(self.params, self.offsets):
-            p.grad = self.grad_buf[offset:offset + p.numel()].view_as(p)
+            p.grad = self.grad_buf[offset : offset + p.numel()].view_as(p)
 
     def _slice_segments(self) -> list[tuple[nn.Parameter, bool]]:
         """This rank's pieces cut at parameter boundaries: (view parameter, decayed?)."""
@@ -135,7 +135,7 @@ class ShardedOptimizerDataParallel(DataParallel):
             a, b = max(offset, lo), min(offset + p.numel(), hi)
             if a < b:
                 seg = nn.Parameter(self.param_buf[a:b])  # shares the buffer's storage
-                seg.grad = self.owned_grad(k)[a - lo:b - lo]
+                seg.grad = self.owned_grad(k)[a - lo : b - lo]
                 segments.append((seg, p.dim() >= 2))
                 self.segment_names.append(name)
         return segments
@@ -191,7 +191,7 @@ class ShardedOptimizerDataParallel(DataParallel):
 
     def bucket_gradients(self, k: int) -> torch.Tensor:
         bucket = self.buckets[k]
-        return self.full_grads()[bucket.start:bucket.start + bucket.piece * self.shards]
+        return self.full_grads()[bucket.start : bucket.start + bucket.piece * self.shards]
 
     def full_grads(self) -> torch.Tensor:
         """The flat buffer every gradient of the step lands in (ZeRO-2 lets it go once reduced)."""
@@ -254,9 +254,10 @@ class ShardedOptimizerDataParallel(DataParallel):
         with torch.no_grad():
             for k, bucket in enumerate(self.buckets):
                 lo, hi = bucket.owned(self.shard_rank)
-                whole = self.param_buf[bucket.start:bucket.start + bucket.piece * self.shards]
-                work = comm.all_gather_single(whole, self.param_buf[lo:hi], self.shard_group,
-                                              async_op=self.overlap_gather, role="dp")
+                whole = self.param_buf[bucket.start : bucket.start + bucket.piece * self.shards]
+                work = comm.all_gather_single(
+                    whole, self.param_buf[lo:hi], self.shard_group, async_op=self.overlap_gather, role="dp"
+                )
                 if self.overlap_gather:
                     self.gathering[k] = work
 
@@ -297,9 +298,11 @@ class ShardedOptimizerDataParallel(DataParallel):
     def tensors(self) -> dict[str, list[torch.Tensor]]:
         seg_params = [s for s, _ in self.segments]
         experts = [p for _, p in self.expert_parameters()]
-        return {"params": self.params + seg_params + experts,
-                "grads": [p.grad for p in self.params + experts + seg_params if p.grad is not None],
-                "optimizer": self.optimizer_state()}
+        return {
+            "params": self.params + seg_params + experts,
+            "grads": [p.grad for p in self.params + experts + seg_params if p.grad is not None],
+            "optimizer": self.optimizer_state(),
+        }
 
     def flat_buffers(self) -> list[torch.Tensor]:
         extra = [self.shard_grad] if self.shard_grad is not None else []  # (ZeRO-1's is a slice of grad_buf)
@@ -360,8 +363,11 @@ class BucketReductions:
         lo, hi = bucket.owned(dp.shard_rank)
         target = whole if dp.shard_group is None else dp.full_grads()[lo:hi]
         if not self.casting:  # in place: the reduced piece lands where the optimizer reads it
-            work = (comm.all_reduce(whole, dp.replicate_group, async_op=True, role="dp") if dp.shard_group is None
-                    else comm.reduce_scatter_single(target, whole, dp.shard_group, async_op=True, role="dp"))
+            work = (
+                comm.all_reduce(whole, dp.replicate_group, async_op=True, role="dp")
+                if dp.shard_group is None
+                else comm.reduce_scatter_single(target, whole, dp.shard_group, async_op=True, role="dp")
+            )
             self.pending.append((work, target, target))
             return
         rows = whole.view(dp.shards, bucket.piece)  # row r: shard r's piece

@@ -6,6 +6,7 @@ passed): what its calibration set covers and its leave-one-source-out errors, ov
 FP8 runs; fived's own CPU step times are benchmarks/bench_planner_cpu.py's
 (`fived.planner.hardware.CPU_MEDIAN_ERROR`).
 """
+
 from __future__ import annotations
 
 from fived.config import ModelConfig
@@ -16,46 +17,75 @@ from fived.planner.runtimes import Runtime
 from fived.planner.timing import Cluster
 
 
-def basis(model: ModelConfig, cluster: Cluster, runtime: Runtime, layout: Layout, seq_len: int, *,
-          calibration: Calibration = CALIBRATION) -> list[str]:
+def basis(
+    model: ModelConfig,
+    cluster: Cluster,
+    runtime: Runtime,
+    layout: Layout,
+    seq_len: int,
+    *,
+    calibration: Calibration = CALIBRATION,
+) -> list[str]:
     """One line per part of the prediction: 'calibrated: ...' or 'extrapolated: ...'."""
     hw, covered, kinds = cluster.hardware, calibration.coverage, calibration.by_kind
     if hw.calibration == "cpu":
-        lines = [f"calibrated: fived's step times on CPU ranks (benchmarks/bench_planner_cpu.py, median error "
-                 f"{CPU_MEDIAN_ERROR:.0f}% over its layouts)"]
+        lines = [
+            f"calibrated: fived's step times on CPU ranks (benchmarks/bench_planner_cpu.py, median error "
+            f"{CPU_MEDIAN_ERROR:.0f}% over its layouts)"
+        ]
         if model.dim > 4096 or seq_len > 4096:
             lines.append("extrapolated: a model or sequence far larger than the benchmark's tiny ones")
         return lines
     runs = covered.get(hw.calibration, 0)
     if runs and hw.name.split("-")[0] in covered["gpus"]:
-        lines = [f"calibrated: GEMM efficiency and link speeds fitted on {covered['rows']} published runs "
-                 f"({runs} on {hw.calibration} GPUs); typical out-of-sample error {calibration.out_of_sample:.0f}% "
-                 "(leave-one-source-out, `fived plan --validate`)"]
+        lines = [
+            f"calibrated: GEMM efficiency and link speeds fitted on {covered['rows']} published runs "
+            f"({runs} on {hw.calibration} GPUs); typical out-of-sample error {calibration.out_of_sample:.0f}% "
+            "(leave-one-source-out, `fived plan --validate`)"
+        ]
     else:
         lines = [f"extrapolated: no published run on {hw.name} (it takes the {hw.calibration} constants)"]
     if runtime.is_fived:
-        kernels = "its compiled blocks priced as fused kernels" if runtime.fused else \
-            "its eager element-wise kernels priced at HBM speed"
-        lines.append("extrapolated: fived's own runtime on a GPU was never measured (no GPU was available): "
-                     f"{kernels}, its GEMMs at the published runs' efficiency, its tp overlap (parallel.tp_overlap) "
-                     "as hiding what Megatron-Core's --tp-comm-overlap hides")
+        kernels = (
+            "its compiled blocks priced as fused kernels"
+            if runtime.fused
+            else "its eager element-wise kernels priced at HBM speed"
+        )
+        lines.append(
+            "extrapolated: fived's own runtime on a GPU was never measured (no GPU was available): "
+            f"{kernels}, its GEMMs at the published runs' efficiency, its tp overlap (parallel.tp_overlap) "
+            "as hiding what Megatron-Core's --tp-comm-overlap hides"
+        )
     if model.is_moe:
-        experts = "; fived runs a rank's experts as one grouped GEMM (CUDA, bf16)" if runtime.grouped_experts \
+        experts = (
+            "; fived runs a rank's experts as one grouped GEMM (CUDA, bf16)"
+            if runtime.grouped_experts
             else "; fived runs its experts in a loop, one kernel launch per expert GEMM"
-        lines.append(f"{'calibrated' if covered['moe'] else 'extrapolated'}: mixture of experts "
-                     f"({covered['moe']} MoE runs in the calibration set{_error(kinds, 'moe')})"
-                     + (experts if runtime.is_fived else ""))
+        )
+        lines.append(
+            f"{'calibrated' if covered['moe'] else 'extrapolated'}: mixture of experts "
+            f"({covered['moe']} MoE runs in the calibration set{_error(kinds, 'moe')})"
+            + (experts if runtime.is_fived else "")
+        )
     if runtime.fp8:
-        lines.append(f"{'calibrated' if covered['fp8'] else 'extrapolated'}: FP8 GEMMs ({covered['fp8']} FP8 runs"
-                     f"{_error(kinds, 'fp8')})")
+        lines.append(
+            f"{'calibrated' if covered['fp8'] else 'extrapolated'}: FP8 GEMMs ({covered['fp8']} FP8 runs"
+            f"{_error(kinds, 'fp8')})"
+        )
     if layout.cp > 1:
-        ring = "fived's ring of fused attention blocks has no GPU measurement" if runtime.is_fived \
+        ring = (
+            "fived's ring of fused attention blocks has no GPU measurement"
+            if runtime.is_fived
             else f"{covered['cp']} context-parallel runs in the calibration set"
-        lines.append(f"{'calibrated' if covered['cp'] and not runtime.is_fived else 'extrapolated'}: context "
-                     f"parallelism ({ring})")
+        )
+        lines.append(
+            f"{'calibrated' if covered['cp'] and not runtime.is_fived else 'extrapolated'}: context "
+            f"parallelism ({ring})"
+        )
     if seq_len > covered["max_seq"]:
-        lines.append(f"extrapolated: sequence length {seq_len} beyond the calibration set's longest "
-                     f"({covered['max_seq']})")
+        lines.append(
+            f"extrapolated: sequence length {seq_len} beyond the calibration set's longest ({covered['max_seq']})"
+        )
     if not layout.runnable:
         lines.append("not runnable by fived yet: experts split differently from the attention (MoE parallel folding)")
     return lines

@@ -14,18 +14,19 @@ Out of sample: for the file the shipped calibration was fitted on (same SHA-256)
 leave-one-source-out errors (`fived.planner.constants.CALIBRATION`; the tests recompute them);
 for any other file, a refit per source here (`fived.planner.fitting.leave_one_source_out`).
 """
+
 from __future__ import annotations
 
 import statistics
-from typing import Any
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 from fived.layout.layout import Layout
 from fived.planner.constants import CALIBRATION, Calibration, file_sha256
 from fived.planner.fitting import batch, leave_one_source_out, median_abs, predict
-from fived.planner.search import layout_refusal
 from fived.planner.published import Row, read_runs, row_kinds
+from fived.planner.search import layout_refusal
 
 
 def ranks(values: list[float]) -> list[float]:
@@ -85,13 +86,17 @@ def _plan_notes(row: Row, plan) -> list[str]:
 
 
 def _print_rows(rows, plans, printer) -> None:
-    printer(f"{'row':>4} {'source':<26} {'gpus':>5} {'layout (planner-chosen fields: see notes)':<54} {'reported':>9} "
-            f"{'predicted':>9} {'error':>7}  notes")
+    printer(
+        f"{'row':>4} {'source':<26} {'gpus':>5} {'layout (planner-chosen fields: see notes)':<54} {'reported':>9} "
+        f"{'predicted':>9} {'error':>7}  notes"
+    )
     for row, plan in zip(rows, plans):
         notes = row.notes + _plan_notes(row, plan)
         err = plan.time.tokens_per_s_per_gpu / row.reported - 1
-        printer(f"{row.row_id:>4} {row.source[:26]:<26} {row.cluster.gpus:>5} {plan.layout.describe()[:54]:<54} "
-                f"{row.reported:>9.1f} {plan.time.tokens_per_s_per_gpu:>9.1f} {err * 100:>+6.1f}%  {'; '.join(notes)}")
+        printer(
+            f"{row.row_id:>4} {row.source[:26]:<26} {row.cluster.gpus:>5} {plan.layout.describe()[:54]:<54} "
+            f"{row.reported:>9.1f} {plan.time.tokens_per_s_per_gpu:>9.1f} {err * 100:>+6.1f}%  {'; '.join(notes)}"
+        )
 
 
 def _print_sweeps(rows, layouts, predicted, out_of_sample, printer) -> list[dict]:
@@ -99,9 +104,11 @@ def _print_sweeps(rows, layouts, predicted, out_of_sample, printer) -> list[dict
     out = []
     groups = sweeps(rows, layouts)
     if groups:
-        printer("sweeps (one model on one cluster, several layouts): Spearman of predicted vs measured, the "
-                "planner's top pick's measured throughput / the best measured" + (" — in sample | out of sample"
-                                                                                  if out_of_sample else ""))
+        printer(
+            "sweeps (one model on one cluster, several layouts): Spearman of predicted vs measured, the "
+            "planner's top pick's measured throughput / the best measured"
+            + (" — in sample | out of sample" if out_of_sample else "")
+        )
     for label, members in groups.items():
         measured = [rows[i].reported for i in members]
         rho, top = rank_quality(measured, [predicted[i] for i in members])
@@ -116,8 +123,13 @@ def _print_sweeps(rows, layouts, predicted, out_of_sample, printer) -> list[dict
     return out
 
 
-def validate(path: str | Path, printer=print, out_of_sample: bool = True,
-             calibration: Calibration = CALIBRATION, refit: bool = False) -> dict:
+def validate(
+    path: str | Path,
+    printer=print,
+    out_of_sample: bool = True,
+    calibration: Calibration = CALIBRATION,
+    refit: bool = False,
+) -> dict:
     """Print predicted vs reported per row, the skipped rows, the memory model's fit, the sweeps'
     ranking, the leave-one-source-out error per source and kind and over all rows, the coverage and,
     last, the in-sample median absolute error. Returns the figures printed. `refit`: recompute the
@@ -126,8 +138,10 @@ def validate(path: str | Path, printer=print, out_of_sample: bool = True,
     planned = [(row, predict(row, calibration.constants)) for row in rows]
     for row, plan in planned:
         if plan is None:
-            skipped.append(f"row {row.row_id} skipped: no completion of {Layout(**row.fixed).describe()} is a layout "
-                           "the planner can cost")
+            skipped.append(
+                f"row {row.row_id} skipped: no completion of {Layout(**row.fixed).describe()} is a layout "
+                "the planner can cost"
+            )
     done = [(row, plan) for row, plan in planned if plan is not None]
     rows, plans = [r for r, _ in done], [p for _, p in done]
     _print_rows(rows, plans, printer)
@@ -135,35 +149,59 @@ def validate(path: str | Path, printer=print, out_of_sample: bool = True,
         printer(line)
     errors = [p.time.tokens_per_s_per_gpu / r.reported - 1 for r, p in done]
     fits = sum(p.fits for p in plans)
-    result: dict[str, Any] = {"rows": len(rows) + len(skipped), "predicted": len(rows), "fits": fits,
-                              "median": median_abs(errors)}
-    printer(f"memory: {fits} of {len(rows)} published runs fit in the planner's memory model "
-            f"({fits / max(len(rows), 1):.0%})")
-    held = _out_of_sample(path, rows, [p.layout for p in plans], calibration, printer, refit) \
-        if out_of_sample and len({r.source for r in rows}) > 1 else {}
-    result["sweeps"] = _print_sweeps(rows, [p.layout for p in plans], [p.time.tokens_per_s_per_gpu for p in plans],
-                                     held, printer)
+    result: dict[str, Any] = {
+        "rows": len(rows) + len(skipped),
+        "predicted": len(rows),
+        "fits": fits,
+        "median": median_abs(errors),
+    }
+    printer(
+        f"memory: {fits} of {len(rows)} published runs fit in the planner's memory model "
+        f"({fits / max(len(rows), 1):.0%})"
+    )
+    held = (
+        _out_of_sample(path, rows, [p.layout for p in plans], calibration, printer, refit)
+        if out_of_sample and len({r.source for r in rows}) > 1
+        else {}
+    )
+    result["sweeps"] = _print_sweeps(
+        rows, [p.layout for p in plans], [p.time.tokens_per_s_per_gpu for p in plans], held, printer
+    )
     if held:
-        result["loso_by_source"] = {s: median_abs(held[r.row_id] for r in rows if r.source == s)
-                                    for s in sorted({r.source for r in rows})}
-        result["loso_by_kind"] = {k: median_abs(held[r.row_id] for r in rows if k in row_kinds(r))
-                                  for k in sorted({k for r in rows for k in row_kinds(r)})}
+        result["loso_by_source"] = {
+            s: median_abs(held[r.row_id] for r in rows if r.source == s) for s in sorted({r.source for r in rows})
+        }
+        result["loso_by_kind"] = {
+            k: median_abs(held[r.row_id] for r in rows if k in row_kinds(r))
+            for k in sorted({k for r in rows for k in row_kinds(r)})
+        }
         result["loso"] = median_abs(held.values())
-        printer("leave-one-source-out (constants fitted without the source): " + ", ".join(
-            f"{s} {v:.1f}%" for s, v in result["loso_by_source"].items()))
-        printer("leave-one-source-out by kind: " + ", ".join(
-            f"{k} {v:.1f}% ({sum(k in row_kinds(r) for r in rows)} rows)" for k, v in result["loso_by_kind"].items()))
+        printer(
+            "leave-one-source-out (constants fitted without the source): "
+            + ", ".join(f"{s} {v:.1f}%" for s, v in result["loso_by_source"].items())
+        )
+        printer(
+            "leave-one-source-out by kind: "
+            + ", ".join(
+                f"{k} {v:.1f}% ({sum(k in row_kinds(r) for r in rows)} rows)" for k, v in result["loso_by_kind"].items()
+            )
+        )
         printer(f"leave-one-source-out median absolute error: {result['loso']:.1f}%")
     printer(f"predicted {len(rows)} of {result['rows']} rows")
     printer(f"median absolute error: {result['median']:.1f}%")
     return result
 
 
-def _out_of_sample(path, rows: list[Row], layouts: list[Layout], calibration: Calibration, printer,
-                   refit: bool) -> dict[str, float]:
+def _out_of_sample(
+    path, rows: list[Row], layouts: list[Layout], calibration: Calibration, printer, refit: bool
+) -> dict[str, float]:
     """Row id -> leave-one-source-out signed error: the calibration's own when it was fitted on this
     very file, else refitted here."""
-    if not refit and file_sha256(path) == calibration.sha256 and set(calibration.row_errors) == {r.row_id for r in rows}:
+    if (
+        not refit
+        and file_sha256(path) == calibration.sha256
+        and set(calibration.row_errors) == {r.row_id for r in rows}
+    ):
         printer(f"out of sample: as fitted on this file ({calibration.fitted_on}, the shipped calibration)")
         return dict(calibration.row_errors)
     return leave_one_source_out(rows, layouts)

@@ -42,10 +42,12 @@ collectives when full checkpointing recomputes the forward:
        backward (once per step when kept gathered: pipelines, zero3_keep_gathered), reduce-scatters
        once; HSDP all-reduces the shard over replicas. Experts (ep > 1) are reduced over edp: an
        all-reduce (ZeRO-0/1/2) or FSDP2 over edp (ZeRO-3). The clipping norm's 8 bytes per group.
-  dp_cp_tp  train.optimizer=muon: per step, the pieces of whole matrices this rank sends to their
-       owners, then the orthogonalised results it sends back to their other holders (two all-to-alls
-       over the pipeline stage's ranks, `fived.muon_plan`; priced as optimizer time).
+  dp_cp_tp  train.optimizer=muon: per step and bucket of matrices, the pieces of whole matrices this
+       rank sends to their owners, then the orthogonalised results it sends back to their other
+       holders (two all-to-alls over the pipeline stage's ranks, `fived.muon_plan`; priced as
+       optimizer time).
 """
+
 from __future__ import annotations
 
 import math
@@ -55,6 +57,7 @@ from fived.config import ModelConfig
 from fived.layout.layout import EP_OVERLAP_CHUNKS, PRECISION_SPECS, Layout
 from fived.layout.spec import flat_buckets, kv_replicated, kv_width
 from fived.layout.stages import stage_rank
+from fived.muon_load import busiest_loads
 from fived.muon_plan import Exchange, stage_plan
 from fived.planner.memory import ACTIVATION_BYTES, WEIGHT_BYTES, flat_numels, parameter_shapes
 from fived.planner.runtimes import FIVED, Runtime
@@ -70,6 +73,7 @@ class Collective:
     nbytes: float  # per call
     calls: float  # per step
     part: str  # the step-time part that prices it (tp, cp, ep, pp, dp, dp_gather), "" for none (a recv)
+    sent_only: bool = False  # the bytes leave out the rank's own share (Muon's exchange): no (n-1)/n of them
 
     @property
     def total(self) -> float:
@@ -82,18 +86,36 @@ def group_span(layout: Layout, group: str) -> tuple[int, int]:
     innermost, ep, then edp."""
     L = layout
     etp = L.expert_tp
-    return {"tp": (L.tp, 1), "cp": (L.cp, L.tp), "ep": (L.ep, etp),
-            "edp": (L.dp * L.cp * L.tp // (L.ep * etp), L.ep * etp), "pp": (2, L.tp * L.cp * L.dp),
-            "dp_cp": (L.dp * L.cp, L.tp), "dp_shard_cp": (L.dp_shard * L.cp, L.tp),
-            "dp_replicate": (L.dp_replicate, L.tp * L.cp * L.dp_shard), "dp_cp_tp": (L.dp * L.cp * L.tp, 1),
-            "cp_ulysses": (L.ulysses, L.tp), "cp_ring": (L.cp // L.ulysses, L.tp * L.ulysses)}[group]
+    return {
+        "tp": (L.tp, 1),
+        "cp": (L.cp, L.tp),
+        "ep": (L.ep, etp),
+        "edp": (L.dp * L.cp * L.tp // (L.ep * etp), L.ep * etp),
+        "pp": (2, L.tp * L.cp * L.dp),
+        "dp_cp": (L.dp * L.cp, L.tp),
+        "dp_shard_cp": (L.dp_shard * L.cp, L.tp),
+        "dp_replicate": (L.dp_replicate, L.tp * L.cp * L.dp_shard),
+        "dp_cp_tp": (L.dp * L.cp * L.tp, 1),
+        "cp_ulysses": (L.ulysses, L.tp),
+        "cp_ring": (L.cp // L.ulysses, L.tp * L.ulysses),
+    }[group]
 
 
-def step_collectives(m: ModelConfig, layout: Layout, seq_len: int, global_batch: int, dtype: str, chunks,
-                     stages=(), runtime: Runtime = FIVED, *, member: int = 0) -> list[Collective]:
+def step_collectives(
+    m: ModelConfig,
+    layout: Layout,
+    seq_len: int,
+    global_batch: int,
+    dtype: str,
+    chunks,
+    stages=(),
+    runtime: Runtime = FIVED,
+    *,
+    member: int | None = None,
+) -> list[Collective]:
     """The collectives of one step on a rank holding `chunks` [(layers, first, last)] — pipeline
     stages `stages` (their indices, to know which boundaries leave the rank) — at position `member`
-    of its stage's dp*cp*tp ranks (only Muon's exchange differs between them)."""
+    of its stage's dp*cp*tp ranks (only Muon's exchange differs between them; None: its busiest)."""
     out: list[Collective] = []
     sizes = {g: group_span(layout, g)[0] for g in GROUPS}
 
@@ -114,9 +136,23 @@ def step_collectives(m: ModelConfig, layout: Layout, seq_len: int, global_batch:
     if L.tp > 1:
         # fived's selective checkpointing recomputes a block (GEMM outputs cached) and its tp collectives
         rec = 2 if L.checkpointing == "full" or (L.checkpointing == "selective" and runtime.is_fived) else 1
-        _tensor_parallel(add, m, L, tokens, e, w, grad_w, micro, rec, layers, moe_layers, first, last,
-                         regather=not (runtime.is_fived and PRECISION_SPECS[dtype].autocast),
-                         overlap=L.tp_overlap and runtime.is_fived)
+        _tensor_parallel(
+            add,
+            m,
+            L,
+            tokens,
+            e,
+            w,
+            grad_w,
+            micro,
+            rec,
+            layers,
+            moe_layers,
+            first,
+            last,
+            regather=not (runtime.is_fived and PRECISION_SPECS[dtype].autocast),
+            overlap=L.tp_overlap and runtime.is_fived,
+        )
     if L.ep > 1 and moe_layers:  # dispatch (w) and combine (e), again when recomputed, and their gradients
         slots = tokens * m.top_k * L.expert_tp // L.tp
         add("ep", "all_to_all_single", 8 * m.n_experts, fwd * moe_layers * micro, "ep")  # tokens per expert
@@ -163,19 +199,38 @@ def _context_parallel(add, m, L, seq_len, e, fwd, layers, micro, runtime) -> Non
     add(group, "recv", per_layer / hops, hops * layers * micro, "")
 
 
-def _muon_exchange(m: ModelConfig, L: Layout, dtype: str, chunks, member: int) -> list[Collective]:
-    """Muon's all-to-alls over the stage (`fived.muon_plan`), in the compute dtype: the pieces
-    this rank sends to their owners, then the results it sends their other holders. A phase in which
-    no rank sends is skipped by all; one in which only this rank sends nothing still calls."""
+def _muon_exchange(m: ModelConfig, L: Layout, dtype: str, chunks, member: int | None) -> list[Collective]:
+    """Muon's all-to-alls over the stage (`fived.muon_plan`), two per bucket, in the compute dtype:
+    the pieces `member` sends to their owners, then the results it sends their other holders (member
+    None: the busiest member's bound, `fived.muon_load.busiest_loads`, what each call waits for). A
+    phase in which no rank sends is skipped by all; one in which only this rank sends nothing still
+    calls."""
     plan = stage_plan(m, L, dtype, chunks)
-    lists = plan.exchange(member)
-    return [Collective("dp_cp_tp", "all_to_all_single", Exchange.elements(sends) * ACTIVATION_BYTES[dtype], 1,
-                       "optimizer")
-            for active, sends in zip(plan.traffic, (lists.gather_send, lists.scatter_send)) if active]
+    if member is None:
+        sent = [(max(x.gather_send, x.gather_recv), max(x.scatter_send, x.scatter_recv)) for x in busiest_loads(plan)]
+    else:
+        sent = [
+            (Exchange.elements(x.gather_send), Exchange.elements(x.scatter_send))
+            for x in plan.member_plan(member).exchanges
+        ]
+    out = []
+    for phase in (0, 1):
+        active = [n[phase] for n, on in zip(sent, plan.traffic) if on[phase]]
+        if active:
+            out.append(
+                Collective(
+                    "dp_cp_tp",
+                    "all_to_all_single",
+                    sum(active) * ACTIVATION_BYTES[dtype] / len(active),
+                    len(active),
+                    "optimizer",
+                    sent_only=True,
+                )
+            )
+    return out
 
 
-def _tensor_parallel(add, m, L, tokens, e, w, grad_w, micro, fwd, layers, moe_layers, first, last, regather,
-                     overlap):
+def _tensor_parallel(add, m, L, tokens, e, w, grad_w, micro, fwd, layers, moe_layers, first, last, regather, overlap):
     narrow, wide = tokens * m.dim * e, tokens * m.dim * w
     regions = 2 * layers
     ends = int(first) + int(last)
@@ -271,8 +326,13 @@ def _data_parallel(add, m: ModelConfig, L: Layout, chunks, micro: int, dtype: st
         if keep:
             add("dp_shard_cp", "all_gather_single", padded * g / modules, modules, "dp_gather")
         else:  # per micro-batch: everything for forward, the blocks again for backward (the root stays)
-            add("dp_shard_cp", "all_gather_single", (2 * padded - root) * g / (modules + layers),
-                micro * (modules + layers), "dp_gather")
+            add(
+                "dp_shard_cp",
+                "all_gather_single",
+                (2 * padded - root) * g / (modules + layers),
+                micro * (modules + layers),
+                "dp_gather",
+            )
         add("dp_shard_cp", "reduce_scatter_single", padded * r / modules, modules, "dp")
         add("dp_replicate", "all_reduce", padded // shards * r, 1, "dp")
         add("dp_shard_cp", "all_reduce", NORM, 1, "dp")

@@ -14,15 +14,17 @@ object and passed explicitly (`timing.step_time(..., constants=...)`).
 `Constants()`'s defaults are the priors the fitter starts from (each commented with where it comes
 from); a constant no row of the fitted set depends on keeps its prior.
 """
+
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any
 
 from fived.config import ConfigError
 
@@ -33,6 +35,7 @@ DEFAULT_PATH = Path(__file__).with_name("calibration.json")
 @dataclass(frozen=True)
 class Constants:
     """What the step-time model takes from measurements (fitted unless said otherwise)."""
+
     efficiency_ampere: float = 0.7  # share of dense peak wide GEMMs reach, A100/A800 (prior: cuBLAS ~70-80%)
     efficiency_hopper: float = 0.6  # H100/H200/H800 (prior: cuBLAS reaches a lower share of Hopper's peak)
     width_half: float = 256.0  # per-GPU hidden width (dim/tp) at which GEMM efficiency halves
@@ -69,12 +72,19 @@ class Calibration:
     #   predicted/reported - 1 (what validation ranks sweeps by, out of sample)
 
     def to_json(self) -> dict:
-        return {"format": FORMAT, "constants": asdict(self.constants), "fitted_on": self.fitted_on,
-                "sha256": self.sha256, "rows": list(self.rows), "in_sample": round(self.in_sample, 4),
-                "out_of_sample": round(self.out_of_sample, 4),
-                "by_source": {k: round(v, 4) for k, v in self.by_source.items()},
-                "by_kind": {k: round(v, 4) for k, v in self.by_kind.items()}, "coverage": dict(self.coverage),
-                "row_errors": {k: round(v, 6) for k, v in self.row_errors.items()}}
+        return {
+            "format": FORMAT,
+            "constants": asdict(self.constants),
+            "fitted_on": self.fitted_on,
+            "sha256": self.sha256,
+            "rows": list(self.rows),
+            "in_sample": round(self.in_sample, 4),
+            "out_of_sample": round(self.out_of_sample, 4),
+            "by_source": {k: round(v, 4) for k, v in self.by_source.items()},
+            "by_kind": {k: round(v, 4) for k, v in self.by_kind.items()},
+            "coverage": dict(self.coverage),
+            "row_errors": {k: round(v, 6) for k, v in self.row_errors.items()},
+        }
 
 
 def file_sha256(path: str | Path) -> str:
@@ -87,28 +97,40 @@ def load_calibration(path: str | Path = DEFAULT_PATH) -> Calibration:
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise ConfigError("calibration", str(path), f"not a readable calibration file ({e.__class__.__name__})",
-                          "write one with python -m fived.planner.fitting FILE.csv --out PATH") from None
+        raise ConfigError(
+            "calibration",
+            str(path),
+            f"not a readable calibration file ({e.__class__.__name__})",
+            "write one with python -m fived.planner.fitting FILE.csv --out PATH",
+        ) from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ConfigError("calibration", str(path), f"not calibration format {FORMAT}", "refit it")
     known = {f.name for f in fields(Calibration)} | {"format"}
     unknown = sorted(set(data) - known)
     if unknown:
-        raise ConfigError(f"{path}: {unknown[0]}", data[unknown[0]], "unknown calibration field", ", ".join(sorted(known)))
+        raise ConfigError(
+            f"{path}: {unknown[0]}", data[unknown[0]], "unknown calibration field", ", ".join(sorted(known))
+        )
     constant_names = {f.name for f in fields(Constants)}
     given = data.get("constants") or {}
     if set(given) != constant_names:
         missing = sorted(constant_names ^ set(given))
-        raise ConfigError(f"{path}: constants", missing[0], "missing or unknown constant", ", ".join(sorted(constant_names)))
+        raise ConfigError(
+            f"{path}: constants", missing[0], "missing or unknown constant", ", ".join(sorted(constant_names))
+        )
     try:
-        return Calibration(constants=Constants(**{k: float(v) for k, v in given.items()}),
-                           fitted_on=str(data["fitted_on"]), sha256=str(data["sha256"]),
-                           rows=tuple(str(r) for r in data["rows"]), in_sample=float(data["in_sample"]),
-                           out_of_sample=float(data["out_of_sample"]),
-                           by_source=MappingProxyType({str(k): float(v) for k, v in data.get("by_source", {}).items()}),
-                           by_kind=MappingProxyType({str(k): float(v) for k, v in data.get("by_kind", {}).items()}),
-                           coverage=MappingProxyType(dict(data.get("coverage", {}))),
-                           row_errors=MappingProxyType({str(k): float(v) for k, v in data.get("row_errors", {}).items()}))
+        return Calibration(
+            constants=Constants(**{k: float(v) for k, v in given.items()}),
+            fitted_on=str(data["fitted_on"]),
+            sha256=str(data["sha256"]),
+            rows=tuple(str(r) for r in data["rows"]),
+            in_sample=float(data["in_sample"]),
+            out_of_sample=float(data["out_of_sample"]),
+            by_source=MappingProxyType({str(k): float(v) for k, v in data.get("by_source", {}).items()}),
+            by_kind=MappingProxyType({str(k): float(v) for k, v in data.get("by_kind", {}).items()}),
+            coverage=MappingProxyType(dict(data.get("coverage", {}))),
+            row_errors=MappingProxyType({str(k): float(v) for k, v in data.get("row_errors", {}).items()}),
+        )
     except (KeyError, TypeError, ValueError) as e:
         raise ConfigError("calibration", str(path), f"malformed ({e})", "refit it") from None
 

@@ -6,6 +6,7 @@ the best plan that decides it differently — and the line says which parts of i
 every decision it makes differently (a best alternative often changes two: tp down means cp or dp
 up), or, when no plan with that value fits, how much memory the least hungry one needed.
 """
+
 from __future__ import annotations
 
 from fived.config import ModelConfig
@@ -15,9 +16,17 @@ from fived.planner.runtimes import FIVED, Runtime
 from fived.planner.search import DECISIONS, Plan, Search, cp_modes, evaluate
 from fived.planner.timing import Cluster
 
-PARTS = {"compute": "compute", "bubble": "pipeline bubble", "tp": "tensor-parallel communication",
-         "cp": "context-parallel communication", "ep": "expert all-to-all", "pp": "pipeline send/recv",
-         "dp": "gradient reduction (exposed)", "optimizer": "optimizer step", "overhead": "host overhead"}
+PARTS = {
+    "compute": "compute",
+    "bubble": "pipeline bubble",
+    "tp": "tensor-parallel communication",
+    "cp": "context-parallel communication",
+    "ep": "expert all-to-all",
+    "pp": "pipeline send/recv",
+    "dp": "gradient reduction (exposed)",
+    "optimizer": "optimizer step",
+    "overhead": "host overhead",
+}
 
 
 def _gib(n: float) -> str:
@@ -31,7 +40,9 @@ def _time_parts(plan: Plan) -> str:
 
 def _memory_parts(plan: Plan) -> str:
     m = plan.memory
-    return ", ".join(f"{k} {_gib(getattr(m, k))}" for k in ("params", "grads", "optimizer", "activations", "buffers", "reserve"))
+    return ", ".join(
+        f"{k} {_gib(getattr(m, k))}" for k in ("params", "grads", "optimizer", "activations", "buffers", "reserve")
+    )
 
 
 def _why_slower(plan: Plan, winner: Plan) -> str:
@@ -55,28 +66,42 @@ def _link_notes(plan: Plan, cluster: Cluster) -> list[str]:
 
 
 def _cp_mode_name(layout) -> str:
-    return f"hybrid (Ulysses groups of {layout.cp_ulysses}, a ring across)" if layout.cp_mode == "hybrid" \
+    return (
+        f"hybrid (Ulysses groups of {layout.cp_ulysses}, a ring across)"
+        if layout.cp_mode == "hybrid"
         else layout.cp_mode
+    )
 
 
-def _cp_mode_note(winner: Plan, model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int, dtype: str,
-                  runtime: Runtime, headroom_gib: float) -> list[str]:
+def _cp_mode_note(
+    winner: Plan,
+    model: ModelConfig,
+    cluster: Cluster,
+    seq_len: int,
+    global_batch: int,
+    dtype: str,
+    runtime: Runtime,
+    headroom_gib: float,
+) -> list[str]:
     """Why the winner's context parallelism is a ring, Ulysses or hybrid: its exposed cp time against
     the same layout's in every other mode the heads allow."""
     L = winner.layout
     if L.cp == 1:
         return []
-    lines = [f"  cp mode: {_cp_mode_name(L)}, {winner.time.cp:.3g} s of cp communication exposed (the ring's "
-             "hops hide behind the attention blocks; Ulysses' all-to-alls of q, k, v and the output do not)"]
+    lines = [
+        f"  cp mode: {_cp_mode_name(L)}, {winner.time.cp:.3g} s of cp communication exposed (the ring's "
+        "hops hide behind the attention blocks; Ulysses' all-to-alls of q, k, v and the output do not)"
+    ]
     for mode, u in cp_modes(model, L.tp, L.cp):
         other = L.with_(cp_mode=mode, cp_ulysses=u)
         if other == L:
             continue
         plan = evaluate(model, other, cluster, seq_len, global_batch, dtype, runtime, headroom_gib)
         if plan is not None:
-            lines.append(f"    {_cp_mode_name(other)}: {plan.time.cp:.3g} s exposed, step "
-                         f"{(plan.time.total / winner.time.total - 1) * 100:+.1f}%"
-                         + ("" if plan.fits else ", does not fit"))
+            lines.append(
+                f"    {_cp_mode_name(other)}: {plan.time.cp:.3g} s exposed, step "
+                f"{(plan.time.total / winner.time.total - 1) * 100:+.1f}%" + ("" if plan.fits else ", does not fit")
+            )
     heads = model.n_heads // L.tp
     if len(cp_modes(model, L.tp, L.cp)) == 1:
         lines.append(f"    Ulysses cannot split the {heads} heads of a tp rank over any group of these {L.cp} ranks")
@@ -103,71 +128,133 @@ def runners_up(search: Search) -> list[tuple[str, list, Plan | None]]:
 
 
 def _differs(plan: Plan, winner: Plan) -> str:
-    return ", ".join(f"{d} {getattr(winner.layout, d)}->{getattr(plan.layout, d)}" for d in DECISIONS
-                     if getattr(plan.layout, d) != getattr(winner.layout, d))
+    return ", ".join(
+        f"{d} {getattr(winner.layout, d)}->{getattr(plan.layout, d)}"
+        for d in DECISIONS
+        if getattr(plan.layout, d) != getattr(winner.layout, d)
+    )
 
 
-def report(search: Search, model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int, top: int,
-           model_arg: str = "", dtype: str = "bfloat16", runtime: Runtime = FIVED, headroom_gib: float = 0.0) -> str:
+def report(
+    search: Search,
+    model: ModelConfig,
+    cluster: Cluster,
+    seq_len: int,
+    global_batch: int,
+    top: int,
+    model_arg: str = "",
+    dtype: str = "bfloat16",
+    runtime: Runtime = FIVED,
+    headroom_gib: float = 0.0,
+) -> str:
     """The text `fived plan` prints. `model_arg`: how `fived train` names the model (--model NAME or
     --config FILE)."""
     hw = cluster.hardware
-    lines = [f"fived plan: {model.name} ({matmul_params_per_token(model) / 1e9:.1f}B matmul params per token), "
-             f"{cluster.gpus} x {hw.name} ({cluster.gpus_per_node} per node, {hw.memory_gib:g} GiB each), "
-             f"seq {seq_len}, global batch {global_batch} sequences ({global_batch * seq_len:,} tokens), "
-             f"runtime {runtime.name}" + (" with FP8 GEMMs" if runtime.fp8 else ""),
-             f"{search.considered} valid layouts considered, {len(search.plans)} fit in memory"
-             + (f" ({headroom_gib:g} GiB of each GPU left free)" if headroom_gib else "")]
+    lines = [
+        f"fived plan: {model.name} ({matmul_params_per_token(model) / 1e9:.1f}B matmul params per token), "
+        f"{cluster.gpus} x {hw.name} ({cluster.gpus_per_node} per node, {hw.memory_gib:g} GiB each), "
+        f"seq {seq_len}, global batch {global_batch} sequences ({global_batch * seq_len:,} tokens), "
+        f"runtime {runtime.name}" + (" with FP8 GEMMs" if runtime.fp8 else ""),
+        f"{search.considered} valid layouts considered, {len(search.plans)} fit in memory"
+        + (f" ({headroom_gib:g} GiB of each GPU left free)" if headroom_gib else ""),
+    ]
     if not search.considered:
-        lines.append(f"no valid layout: {cluster.gpus} GPUs cannot be split into dp x tp x pp x cp for this model "
-                     f"(tp must divide {model.n_heads} heads, dp the {global_batch} sequences, pp the "
-                     f"{model.n_layers} layers); try a GPU count that is a multiple of {cluster.gpus_per_node}")
+        lines.append(
+            f"no valid layout: {cluster.gpus} GPUs cannot be split into dp x tp x pp x cp for this model "
+            f"(tp must divide {model.n_heads} heads, dp the {global_batch} sequences, pp the "
+            f"{model.n_layers} layers); try a GPU count that is a multiple of {cluster.gpus_per_node}"
+        )
         return "\n".join(lines)
     if not search.plans:
         need = min(search.smallest.values())
-        lines.append(f"no layout fits: the least memory any needs is {_gib(need)} GiB per GPU of {hw.memory_gib:g}; "
-                     f"use more GPUs, GPUs with more memory, or a shorter sequence / smaller global batch")
+        lines.append(
+            f"no layout fits: the least memory any needs is {_gib(need)} GiB per GPU of {hw.memory_gib:g}; "
+            f"use more GPUs, GPUs with more memory, or a shorter sequence / smaller global batch"
+        )
         return "\n".join(lines)
     lines.append(f"{'#':>3}  {'layout':<58} {'step s':>8} {'tok/s/GPU':>10} {'MFU':>6} {'GiB':>6}")
     for i, p in enumerate(search.plans[:top], 1):
-        lines.append(f"{i:>3}  {p.layout.describe():<58} {p.time.total:>8.3g} {p.time.tokens_per_s_per_gpu:>10.1f} "
-                     f"{p.time.mfu:>6.1%} {_gib(p.memory.total):>6}")
+        lines.append(
+            f"{i:>3}  {p.layout.describe():<58} {p.time.total:>8.3g} {p.time.tokens_per_s_per_gpu:>10.1f} "
+            f"{p.time.mfu:>6.1%} {_gib(p.memory.total):>6}"
+        )
     w = search.plans[0]
-    run = (f"fived train {model_arg or '--model ' + model.name} --train.seq_len {seq_len} --train.dtype {dtype} "
-           f"{w.layout.flags(global_batch)}" + (" --train.compile true" if runtime.fused else "")
-           + (" --train.fp8 rowwise" if runtime.fp8 else "")) if w.layout.runnable and runtime.is_fived else \
-        f"not runnable by fived yet (planned for the {runtime.name} runtime)"
-    lines += [f"winner: {w.layout.describe()}",
-              f"  run it: {run}",
-              f"  step {w.time.total:.3g} s = {_time_parts(w)}",
-              f"  memory {_gib(w.memory.total)} of {hw.memory_gib:g} GiB = {_memory_parts(w)}",
-              "  links: " + ("; ".join(_link_notes(w, cluster)) or "single GPU"),
-              *_cp_mode_note(w, model, cluster, seq_len, global_batch, dtype, runtime, headroom_gib),
-              "  basis: " + "\n         ".join(basis(model, cluster, runtime, w.layout, seq_len)),
-              "runners-up (the best plan deciding one thing differently):"]
+    run = (
+        (
+            f"fived train {model_arg or '--model ' + model.name} --train.seq_len {seq_len} --train.dtype {dtype} "
+            f"{w.layout.flags(global_batch)}"
+            + (" --train.compile true" if runtime.fused else "")
+            + (" --train.fp8 rowwise" if runtime.fp8 else "")
+        )
+        if w.layout.runnable and runtime.is_fived
+        else f"not runnable by fived yet (planned for the {runtime.name} runtime)"
+    )
+    lines += [
+        f"winner: {w.layout.describe()}",
+        f"  run it: {run}",
+        f"  step {w.time.total:.3g} s = {_time_parts(w)}",
+        f"  memory {_gib(w.memory.total)} of {hw.memory_gib:g} GiB = {_memory_parts(w)}",
+        "  links: " + ("; ".join(_link_notes(w, cluster)) or "single GPU"),
+        *_cp_mode_note(w, model, cluster, seq_len, global_batch, dtype, runtime, headroom_gib),
+        "  basis: " + "\n         ".join(basis(model, cluster, runtime, w.layout, seq_len)),
+        "runners-up (the best plan deciding one thing differently):",
+    ]
     for d, values, other in runners_up(search):
         if other is None:
             need = min(search.smallest[(d, v)] for v in values)
-            room = f"{hw.memory_gib - headroom_gib:g} GiB" + (f": {hw.memory_gib:g} less {headroom_gib:g} of headroom"
-                                                             if headroom_gib else "")
-            lines.append(f"  {d}={'/'.join(map(str, values))}: nothing fits (least memory needed {_gib(need)} GiB "
-                         f"> {room})")
+            room = f"{hw.memory_gib - headroom_gib:g} GiB" + (
+                f": {hw.memory_gib:g} less {headroom_gib:g} of headroom" if headroom_gib else ""
+            )
+            lines.append(
+                f"  {d}={'/'.join(map(str, values))}: nothing fits (least memory needed {_gib(need)} GiB > {room})"
+            )
         else:
             slower = (other.time.total / w.time.total - 1) * 100
-            lines.append(f"  {d}={values[0]}: {other.layout.describe()} is {slower:.1f}% slower: {_why_slower(other, w)} "
-                         f"(differs in {_differs(other, w)})")
+            lines.append(
+                f"  {d}={values[0]}: {other.layout.describe()} is {slower:.1f}% slower: {_why_slower(other, w)} "
+                f"(differs in {_differs(other, w)})"
+            )
     return "\n".join(lines)
 
 
-def to_json(search: Search, model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int, top: int,
-            runtime: Runtime = FIVED, headroom_gib: float = 0.0) -> dict:
-    return {"model": model.name, "gpus": cluster.gpus, "gpus_per_node": cluster.gpus_per_node,
-            "gpu": cluster.hardware.name, "seq_len": seq_len, "global_batch": global_batch,
-            "runtime": runtime.name, "fp8": runtime.fp8, "memory_headroom_gib": headroom_gib,
-            "basis": basis(model, cluster, runtime, search.plans[0].layout, seq_len) if search.plans else [],
-            "considered": search.considered, "fitting": len(search.plans),
-            "plans": [p.to_dict(global_batch) for p in search.plans[:top]],
-            "runners_up": [{"decision": d, "values": vs, "fits": p is not None,
-                            **({"plan": p.to_dict(global_batch), "slower_pct": (p.time.total / search.plans[0].time.total - 1) * 100}
-                               if p is not None else {"least_memory_gib": min(search.smallest[(d, v)] for v in vs) / 2**30})}
-                           for d, vs, p in (runners_up(search) if search.plans else [])]}
+def to_json(
+    search: Search,
+    model: ModelConfig,
+    cluster: Cluster,
+    seq_len: int,
+    global_batch: int,
+    top: int,
+    runtime: Runtime = FIVED,
+    headroom_gib: float = 0.0,
+) -> dict:
+    return {
+        "model": model.name,
+        "gpus": cluster.gpus,
+        "gpus_per_node": cluster.gpus_per_node,
+        "gpu": cluster.hardware.name,
+        "seq_len": seq_len,
+        "global_batch": global_batch,
+        "runtime": runtime.name,
+        "fp8": runtime.fp8,
+        "memory_headroom_gib": headroom_gib,
+        "basis": basis(model, cluster, runtime, search.plans[0].layout, seq_len) if search.plans else [],
+        "considered": search.considered,
+        "fitting": len(search.plans),
+        "plans": [p.to_dict(global_batch) for p in search.plans[:top]],
+        "runners_up": [
+            {
+                "decision": d,
+                "values": vs,
+                "fits": p is not None,
+                **(
+                    {
+                        "plan": p.to_dict(global_batch),
+                        "slower_pct": (p.time.total / search.plans[0].time.total - 1) * 100,
+                    }
+                    if p is not None
+                    else {"least_memory_gib": min(search.smallest[(d, v)] for v in vs) / 2**30}
+                ),
+            }
+            for d, vs, p in (runners_up(search) if search.plans else [])
+        ],
+    }

@@ -21,6 +21,7 @@ rows and predicts that source with them; the median absolute error over all rows
 figure to expect for a run unlike the calibration set's. `calibrate` returns both, with the file
 they came from, as one `fived.planner.constants.Calibration`; `fived plan` quotes its figures.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,16 +37,18 @@ from fived.planner.search import Plan, evaluate, expand
 from fived.planner.timing import step_time
 
 PRIORS = Constants()
-GRIDS = {"efficiency_ampere": [round(0.40 + 0.025 * i, 3) for i in range(21)],
-         "efficiency_hopper": [round(0.40 + 0.025 * i, 3) for i in range(21)],
-         "width_half": [0.0, 32.0, 64.0, 128.0, 256.0, 512.0],
-         "depth_half": [0.0, 256.0, 512.0, 1024.0, 2048.0],
-         "link_efficiency": [0.5, 0.6, 0.7, 0.8, 0.9],
-         "ring_step_latency_s": [0.0, 5e-6, 10e-6, 20e-6, 40e-6, 80e-6],
-         "cross_node_rails": [1.0, 1.5, 2.0, 3.0, 4.0, 8.0],
-         "tp_overlap": [0.0, 0.25, 0.5, 0.75, 1.0],
-         "fp8_speedup": [1.0, 1.2, 1.4, 1.6, 1.8, 2.0],
-         "expert_efficiency": [0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]}
+GRIDS = {
+    "efficiency_ampere": [round(0.40 + 0.025 * i, 3) for i in range(21)],
+    "efficiency_hopper": [round(0.40 + 0.025 * i, 3) for i in range(21)],
+    "width_half": [0.0, 32.0, 64.0, 128.0, 256.0, 512.0],
+    "depth_half": [0.0, 256.0, 512.0, 1024.0, 2048.0],
+    "link_efficiency": [0.5, 0.6, 0.7, 0.8, 0.9],
+    "ring_step_latency_s": [0.0, 5e-6, 10e-6, 20e-6, 40e-6, 80e-6],
+    "cross_node_rails": [1.0, 1.5, 2.0, 3.0, 4.0, 8.0],
+    "tp_overlap": [0.0, 0.25, 0.5, 0.75, 1.0],
+    "fp8_speedup": [1.0, 1.2, 1.4, 1.6, 1.8, 2.0],
+    "expert_efficiency": [0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0],
+}
 
 
 def candidates(row: Row) -> list[Layout]:
@@ -82,12 +85,26 @@ def predict(row: Row, constants: Constants | None = None) -> Plan | None:
     `fits` is then False). A run that happened is costed even where fived's own rules refuse every
     completion (torch's schedules' micro-batch rounds, ...): then among those the step-time model can
     price (a layer per stage, whole micro-batches). None when none is."""
+
     def priced(layouts, checked):
-        plans = [evaluate(row.model, layout, row.cluster, row.seq_len, batch(row, layout), runtime=row.runtime,
-                          checked=checked, constants=constants) for layout in layouts]
+        plans = [
+            evaluate(
+                row.model,
+                layout,
+                row.cluster,
+                row.seq_len,
+                batch(row, layout),
+                runtime=row.runtime,
+                checked=checked,
+                constants=constants,
+            )
+            for layout in layouts
+        ]
         return [p for p in plans if p is not None]
 
-    plans = priced(candidates(row), False) or priced([layout for layout in candidates(row) if costable(row, layout)], True)
+    plans = priced(candidates(row), False) or priced(
+        [layout for layout in candidates(row) if costable(row, layout)], True
+    )
     # fastest per token: an open batch size changes the tokens a step processes
     return min(plans, key=lambda p: (not p.fits, -p.time.tokens_per_s_per_gpu)) if plans else None
 
@@ -106,8 +123,9 @@ def costable(row: Row, layout: Layout) -> bool:
 
 def signed_error(row: Row, layout: Layout, constants: Constants) -> float:
     """predicted / reported - 1 for `row` run as `layout`, priced with `constants`."""
-    t = step_time(row.model, layout, row.cluster, row.seq_len, batch(row, layout), "bfloat16", row.runtime,
-                  constants=constants)
+    t = step_time(
+        row.model, layout, row.cluster, row.seq_len, batch(row, layout), "bfloat16", row.runtime, constants=constants
+    )
     return t.tokens_per_s_per_gpu / row.reported - 1
 
 
@@ -120,8 +138,9 @@ def fit(rows: list[Row], chosen: list[Layout], verbose: bool = False, sweeps: in
     return min(fits, key=lambda f: (f[0], fits.index(f)))[1]
 
 
-def descend(rows: list[Row], chosen: list[Layout], start: Constants, verbose: bool = False,
-            sweeps: int = 6) -> tuple[float, Constants]:
+def descend(
+    rows: list[Row], chosen: list[Layout], start: Constants, verbose: bool = False, sweeps: int = 6
+) -> tuple[float, Constants]:
     """Coordinate descent over GRIDS from `start`, sweep after sweep until none changes a constant (at
     most `sweeps`); ties go to the value nearest the current one. (mean absolute error, constants)."""
     current, best = start, (float("inf"), 0.0, 0.0)
@@ -151,7 +170,9 @@ def leave_one_source_out(rows: list[Row], chosen: list[Layout]) -> dict[str, flo
     for source in sorted({r.source for r in rows}):
         train = [(r, layout) for r, layout in zip(rows, chosen) if r.source != source]
         constants = fit([r for r, _ in train], [layout for _, layout in train])
-        out.update({r.row_id: signed_error(r, layout, constants) for r, layout in zip(rows, chosen) if r.source == source})
+        out.update(
+            {r.row_id: signed_error(r, layout, constants) for r, layout in zip(rows, chosen) if r.source == source}
+        )
     return out
 
 
@@ -164,12 +185,17 @@ def median_abs(errors) -> float:
 def coverage(rows: list[Row]) -> dict:
     """What a calibration set holds: rows per GPU generation, MoE, FP8 and context-parallel rows,
     the longest sequence and the GPU families."""
-    return {"rows": len(rows), "ampere": sum(r.cluster.hardware.calibration == "ampere" for r in rows),
-            "hopper": sum(r.cluster.hardware.calibration == "hopper" for r in rows),
-            "moe": sum(r.model.is_moe for r in rows), "fp8": sum(r.runtime.fp8 for r in rows),
-            "cp": sum(r.fixed.get("cp", 1) > 1 for r in rows), "max_seq": max(r.seq_len for r in rows),
-            "gpus": sorted({r.cluster.hardware.name.split("-")[0] for r in rows}),
-            "sources": len({r.source for r in rows})}
+    return {
+        "rows": len(rows),
+        "ampere": sum(r.cluster.hardware.calibration == "ampere" for r in rows),
+        "hopper": sum(r.cluster.hardware.calibration == "hopper" for r in rows),
+        "moe": sum(r.model.is_moe for r in rows),
+        "fp8": sum(r.runtime.fp8 for r in rows),
+        "cp": sum(r.fixed.get("cp", 1) > 1 for r in rows),
+        "max_seq": max(r.seq_len for r in rows),
+        "gpus": sorted({r.cluster.hardware.name.split("-")[0] for r in rows}),
+        "sources": len({r.source for r in rows}),
+    }
 
 
 def choose_layouts(rows: list[Row], constants: Constants) -> tuple[list[Row], list[Layout]]:
@@ -191,11 +217,18 @@ def calibrate(path: str | Path, name: str | None = None, verbose: bool = False) 
     by_source = {s: median_abs(loso[r.row_id] for r in rows if r.source == s) for s in sorted({r.source for r in rows})}
     kinds = sorted({k for r in rows for k in row_kinds(r)})
     by_kind = {k: median_abs(loso[r.row_id] for r in rows if k in row_kinds(r)) for k in kinds}
-    return Calibration(constants=constants, fitted_on=str(name or path), sha256=file_sha256(path),
-                       rows=tuple(r.row_id for r in rows),
-                       in_sample=median_abs(signed_error(r, layout, constants) for r, layout in zip(rows, chosen)),
-                       out_of_sample=median_abs(loso.values()), by_source=by_source, by_kind=by_kind,
-                       coverage=coverage(rows), row_errors={r.row_id: loso[r.row_id] for r in rows})
+    return Calibration(
+        constants=constants,
+        fitted_on=str(name or path),
+        sha256=file_sha256(path),
+        rows=tuple(r.row_id for r in rows),
+        in_sample=median_abs(signed_error(r, layout, constants) for r, layout in zip(rows, chosen)),
+        out_of_sample=median_abs(loso.values()),
+        by_source=by_source,
+        by_kind=by_kind,
+        coverage=coverage(rows),
+        row_errors={r.row_id: loso[r.row_id] for r in rows},
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -205,8 +238,10 @@ def main(argv: list[str] | None = None) -> int:
     ns = p.parse_args(argv)
     calibration = calibrate(ns.csv, verbose=True)
     save_calibration(calibration, ns.out)
-    print(f"in sample {calibration.in_sample:.1f}%, leave-one-source-out {calibration.out_of_sample:.1f}% "
-          f"({', '.join(f'{k} {v:.1f}%' for k, v in calibration.by_kind.items())}); wrote {ns.out}")
+    print(
+        f"in sample {calibration.in_sample:.1f}%, leave-one-source-out {calibration.out_of_sample:.1f}% "
+        f"({', '.join(f'{k} {v:.1f}%' for k, v in calibration.by_kind.items())}); wrote {ns.out}"
+    )
     return 0
 
 

@@ -34,6 +34,7 @@ A user's own hardware is a TOML file with the same fields:
 Variants a published run names ("A100-SXM4-40GB", "H100 96GB HBM2e") are their family's entry with the
 memory they state (`hardware(name, memory_gib)`): the rates stay the family's.
 """
+
 from __future__ import annotations
 
 import re
@@ -73,15 +74,18 @@ class Hardware:
     #   fitted for CPU ranks by benchmarks/bench_serve_cpu.py --fit)
 
 
-CATALOGUE: dict[str, Hardware] = {h.name: h for h in (
-    Hardware("a100", 312.0, 80.0, 2039.0, 300.0, 25.0, "ampere"),
-    Hardware("a800", 312.0, 80.0, 2039.0, 200.0, 25.0, "ampere"),
-    Hardware("h100", 989.0, 80.0, 3350.0, 450.0, 50.0, "hopper", 1979.0),
-    Hardware("h200", 989.0, 141.0, 4800.0, 450.0, 50.0, "hopper", 1979.0),
-    Hardware("h800", 989.0, 80.0, 3350.0, 200.0, 50.0, "hopper", 1979.0),
-    Hardware("b200", 2250.0, 180.0, 7700.0, 900.0, 50.0, "hopper", 4500.0),
-    Hardware("mi300x", 1307.0, 192.0, 5300.0, 448.0, 50.0, "hopper", 2615.0),
-)}
+CATALOGUE: dict[str, Hardware] = {
+    h.name: h
+    for h in (
+        Hardware("a100", 312.0, 80.0, 2039.0, 300.0, 25.0, "ampere"),
+        Hardware("a800", 312.0, 80.0, 2039.0, 200.0, 25.0, "ampere"),
+        Hardware("h100", 989.0, 80.0, 3350.0, 450.0, 50.0, "hopper", 1979.0),
+        Hardware("h200", 989.0, 141.0, 4800.0, 450.0, 50.0, "hopper", 1979.0),
+        Hardware("h800", 989.0, 80.0, 3350.0, 200.0, 50.0, "hopper", 1979.0),
+        Hardware("b200", 2250.0, 180.0, 7700.0, 900.0, 50.0, "hopper", 4500.0),
+        Hardware("mi300x", 1307.0, 192.0, 5300.0, 448.0, 50.0, "hopper", 2615.0),
+    )
+}
 HBM2_40GB_GBPS = 1555.0  # A100 SXM4 40GB (the A100 data sheet)
 
 
@@ -91,14 +95,17 @@ def hardware(name_or_path: str, memory_gib: float | None = None) -> Hardware:
     path = Path(name_or_path)
     if path.suffix == ".toml":
         if not path.is_file():
-            raise ConfigError("--gpu", name_or_path, "file not found", "give a TOML hardware file or one of "
-                              + ", ".join(CATALOGUE))
+            raise ConfigError(
+                "--gpu", name_or_path, "file not found", "give a TOML hardware file or one of " + ", ".join(CATALOGUE)
+            )
         with path.open("rb") as f:
             values = tomllib.load(f)
         known = {f.name for f in fields(Hardware)}
         for key in values:
             if key not in known:
-                raise ConfigError(f"{name_or_path}: {key}", values[key], "unknown hardware field", did_you_mean(key, known))
+                raise ConfigError(
+                    f"{name_or_path}: {key}", values[key], "unknown hardware field", did_you_mean(key, known)
+                )
         missing = [f.name for f in fields(Hardware) if f.name not in values and f.default is MISSING]
         if missing:
             raise ConfigError(name_or_path, ", ".join(missing), "missing hardware fields", "see fived.planner.hardware")
@@ -127,9 +134,24 @@ def hardware(name_or_path: str, memory_gib: float | None = None) -> Hardware:
 CPU_MEDIAN_ERROR = 13.5  # % over the benchmark's layouts (what a run printed: see README)
 DISPATCH_CPU_S = 2.5e-6  # benchmarks/bench_serve_cpu.py --fit (float32 priced, as the ranks run): the median of
 #   three runs' fits, 2.4-3.6 us (README, "Serving")
-CPU = Hardware("cpu", 0.105, 0.0, 10.0, 0.5, 0.5, "cpu", link_latency_s=1e-3, network_latency_s=1e-3,
-               layer_overhead_s=2.25e-3, step_overhead_s=4e-3, peer_latency_s=2e-4, launch_s=2.5e-6,
-               zero3_overhead_s=4e-3, gemm_efficiency=0.2, dispatch_s=DISPATCH_CPU_S)
+CPU = Hardware(
+    "cpu",
+    0.105,
+    0.0,
+    10.0,
+    0.5,
+    0.5,
+    "cpu",
+    link_latency_s=1e-3,
+    network_latency_s=1e-3,
+    layer_overhead_s=2.25e-3,
+    step_overhead_s=4e-3,
+    peer_latency_s=2e-4,
+    launch_s=2.5e-6,
+    zero3_overhead_s=4e-3,
+    gemm_efficiency=0.2,
+    dispatch_s=DISPATCH_CPU_S,
+)
 
 
 def local_hardware(world: int) -> Hardware:
@@ -145,18 +167,30 @@ def local_hardware(world: int) -> Hardware:
         for key, hw in CATALOGUE.items():
             if key.upper() in name:  # the catalogue's rates, this board's memory (A100 40GB, H100 NVL...)
                 return replace(hw, memory_gib=torch.cuda.get_device_properties(0).total_memory / 2**30)
-        raise ConfigError("--layout", "auto", f"the GPU '{name}' is not in the planner's catalogue",
-                          "plan it with `fived plan --gpu my-gpu.toml` and pass the printed flags to fived train")
+        raise ConfigError(
+            "--layout",
+            "auto",
+            f"the GPU '{name}' is not in the planner's catalogue",
+            "plan it with `fived plan --gpu my-gpu.toml` and pass the printed flags to fived train",
+        )
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     cores = len(os.sched_getaffinity(0))
     share = min(1.0, cores / max(world, 1))  # ranks beyond the cores share them
     # host work and every collective's synchronisation wait for the ranks sharing a core
-    return replace(CPU, peak_tflops=CPU.peak_tflops * share, memory_gib=memory / max(world, 1),
-                   layer_overhead_s=CPU.layer_overhead_s / share, step_overhead_s=CPU.step_overhead_s / share,
-                   link_latency_s=CPU.link_latency_s / share, network_latency_s=CPU.network_latency_s / share,
-                   zero3_overhead_s=CPU.zero3_overhead_s / share, peer_latency_s=CPU.peer_latency_s / share,
-                   dispatch_s=CPU.dispatch_s / share,
-                   launch_s=CPU.launch_s / share, core_share=share)
+    return replace(
+        CPU,
+        peak_tflops=CPU.peak_tflops * share,
+        memory_gib=memory / max(world, 1),
+        layer_overhead_s=CPU.layer_overhead_s / share,
+        step_overhead_s=CPU.step_overhead_s / share,
+        link_latency_s=CPU.link_latency_s / share,
+        network_latency_s=CPU.network_latency_s / share,
+        zero3_overhead_s=CPU.zero3_overhead_s / share,
+        peer_latency_s=CPU.peer_latency_s / share,
+        dispatch_s=CPU.dispatch_s / share,
+        launch_s=CPU.launch_s / share,
+        core_share=share,
+    )
 
 
 def device_peak_tflops(dtype, configured: float = 0.0, device_type: str | None = None) -> float:

@@ -8,6 +8,7 @@ edp), ZeRO-1/2 shard the optimizer state (and ZeRO-2 the gradients) S ways, S = 
 Activations are one micro-batch's on the rank: B = micro_batch * seq_len / cp tokens (sequence
 parallelism splits the residual stream's over tp too).
 """
+
 from __future__ import annotations
 
 import math
@@ -30,8 +31,14 @@ def end_weights(m: ModelConfig, tp: int, first: bool, last: bool) -> list[dict]:
 
 
 def _weight(spec: TensorSpec, part: str) -> dict:
-    return {"name": _short_name(spec.name), "kind": "weight", "part": part, "shape": list(spec.local_shape),
-            "full": list(spec.shape), "split": spec.splits}
+    return {
+        "name": _short_name(spec.name),
+        "kind": "weight",
+        "part": part,
+        "shape": list(spec.local_shape),
+        "full": list(spec.shape),
+        "split": spec.splits,
+    }
 
 
 def _short_name(name: str) -> str:
@@ -72,14 +79,24 @@ def activations(m: ModelConfig, layout: Layout, seq_len: int) -> list[dict]:
     by_sp = "+".join(x for x in (by_cp, "sp" if L.sp else "") if x)
     resid = [tokens // L.tp if L.sp else tokens, m.dim]
     ffn = (m.expert_dim * m.top_k) if m.is_moe else m.ffn_dim
-    out = [a("x (residual)", resid, [L.micro_batch * seq_len, m.dim], by_sp),
-           a("q", [tokens, q_width], [L.micro_batch * seq_len, m.n_heads * hd], by_tp),
-           a("k, v", [tokens, kv_local * hd], [L.micro_batch * seq_len, m.n_kv_heads * hd],
-             by_tp if kv_local < m.n_kv_heads else by_cp),
-           a("attention out", [tokens, q_width], [L.micro_batch * seq_len, m.n_heads * hd], by_tp),
-           a("ffn hidden" + (" (top_k routed)" if m.is_moe else ""), [tokens, ffn_width],
-             [L.micro_batch * seq_len, ffn], by_tp),
-           a("logits", [tokens, local_vocab(m, L.tp)], [L.micro_batch * seq_len, m.vocab_size], by_tp, "head")]
+    out = [
+        a("x (residual)", resid, [L.micro_batch * seq_len, m.dim], by_sp),
+        a("q", [tokens, q_width], [L.micro_batch * seq_len, m.n_heads * hd], by_tp),
+        a(
+            "k, v",
+            [tokens, kv_local * hd],
+            [L.micro_batch * seq_len, m.n_kv_heads * hd],
+            by_tp if kv_local < m.n_kv_heads else by_cp,
+        ),
+        a("attention out", [tokens, q_width], [L.micro_batch * seq_len, m.n_heads * hd], by_tp),
+        a(
+            "ffn hidden" + (" (top_k routed)" if m.is_moe else ""),
+            [tokens, ffn_width],
+            [L.micro_batch * seq_len, ffn],
+            by_tp,
+        ),
+        a("logits", [tokens, local_vocab(m, L.tp)], [L.micro_batch * seq_len, m.vocab_size], by_tp, "head"),
+    ]
     if L.checkpointing == "full":
         for t in out[1:5]:
             t["note"] = "recomputed in backward (full checkpointing)"
@@ -105,7 +122,12 @@ def pipeline_ranks(m: ModelConfig, layout: Layout) -> list[dict]:
     ranks = []
     for pp_rank in range(layout.pp):
         chunks = rank_chunks(m, layout, pp_rank)
-        ranks.append({"stages": [[min(layers), max(layers)] for layers, _, _ in chunks if layers],
-                      "layers": sum(len(layers) for layers, _, _ in chunks),
-                      "first": any(f for _, f, _ in chunks), "last": any(la for _, _, la in chunks)})
+        ranks.append(
+            {
+                "stages": [[min(layers), max(layers)] for layers, _, _ in chunks if layers],
+                "layers": sum(len(layers) for layers, _, _ in chunks),
+                "first": any(f for _, f, _ in chunks),
+                "last": any(la for _, _, la in chunks),
+            }
+        )
     return ranks

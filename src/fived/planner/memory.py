@@ -33,10 +33,11 @@ gathered weights (the root module for the whole step and two blocks: the one in 
 prefetched one; the whole stage under pipelines) and its unsharded gradients while micro-batches
 accumulate; DDP's gradient buckets; tensor-parallel gathered activations of one region; the loss's
 float32 logits; with checkpointing, one block's activations while backward recomputes it; Muon's
-step (`muon_buffers`: its pieces' directions and updates, its owned whole matrices and their
+step (`muon_buffers`: its pieces' directions, its owned whole matrices and their
 Newton-Schulz workspace, the all-to-alls' buffers); and a fixed reserve for the CUDA context, NCCL and
 allocator fragmentation (RESERVE_GIB + RESERVE_FRACTION: assumed, not fitted — no published run reports its peak memory).
 """
+
 from __future__ import annotations
 
 import math
@@ -47,9 +48,18 @@ from functools import lru_cache
 from fived.config import ModelConfig
 from fived.layout.layout import PRECISION_SPECS, Layout
 from fived.layout.schedule_sim import pipeline_profile
-from fived.layout.spec import (CAST_PIECES_IN_FLIGHT, REDUCE_CHUNK_ELEMENTS, chunk_specs, flat_owned, flat_range,
-                               local_vocab, shard_rows)
+from fived.layout.spec import (
+    CAST_PIECES_IN_FLIGHT,
+    REDUCE_CHUNK_ELEMENTS,
+    chunk_specs,
+    flat_owned,
+    flat_range,
+    in_flat_buffer,
+    local_vocab,
+    shard_rows,
+)
 from fived.layout.stages import Chunk, model_key, placement, rank_chunks_by_key
+from fived.muon_load import busiest_loads
 from fived.muon_plan import stage_plan
 from fived.planner.runtimes import FIVED, Runtime, framework_activations
 
@@ -93,8 +103,12 @@ def _parameter_shapes(key: tuple, tp: int, ep: int, n_dense: int, n_moe: int, fi
     ends = _shape_list(m, tp, ep, [], first, last, etp)[0]
     dense: dict = {}
     expert: dict = {}
-    for shapes, times, box in ((one_dense, n_dense, dense), (one_moe[0], n_moe, dense), (one_moe[1], n_moe, expert),
-                               (ends, 1, dense)):
+    for shapes, times, box in (
+        (one_dense, n_dense, dense),
+        (one_moe[0], n_moe, dense),
+        (one_moe[1], n_moe, expert),
+        (ends, 1, dense),
+    ):
         for shape in shapes:
             box[shape] = box.get(shape, 0) + times
     return tuple((s, k) for s, k in dense.items() if k), tuple((s, k) for s, k in expert.items() if k)
@@ -103,14 +117,17 @@ def _parameter_shapes(key: tuple, tp: int, ep: int, n_dense: int, n_moe: int, fi
 def flat_numels(m: ModelConfig, layout: Layout, chunks) -> list[int]:
     """Elements of each parameter of ZeRO-0/1/2's flat buffer on a rank holding `chunks`, in the
     runtime's order (the sharding spec's): what `fived.layout.spec.flat_buckets` cuts into buckets."""
-    return [n for layers, first, last in chunks
-            for n in _flat_numels(model_key(m), layout.tp, layout.ep, tuple(layers), first, last, layout.expert_tp)]
+    return [
+        n
+        for layers, first, last in chunks
+        for n in _flat_numels(model_key(m), layout.tp, layout.ep, tuple(layers), first, last, layout.expert_tp)
+    ]
 
 
 @lru_cache(maxsize=4096)
 def _flat_numels(key: tuple, tp: int, ep: int, layers: tuple, first: bool, last: bool, etp: int) -> tuple:
     specs = chunk_specs(ModelConfig(**dict(key)), layers, first, last, tp=tp, ep=ep, etp=etp)
-    return tuple(math.prod(s.local_shape) for s in specs if not s.buffer and not (s.expert and ep > 1))
+    return tuple(math.prod(s.local_shape) for s in specs if in_flat_buffer(s, ep))
 
 
 def _shape_list(m: ModelConfig, tp: int, ep: int, layers, first: bool, last: bool, etp: int):
@@ -132,8 +149,9 @@ def _rows(dim0: int, shards: int, index: int) -> int:
     return b - a
 
 
-def muon_saving(m: ModelConfig, layout: Layout, dtype: str, chunks, shard_index: int = 0,
-                runtime: Runtime = FIVED) -> int:
+def muon_saving(
+    m: ModelConfig, layout: Layout, dtype: str, chunks, shard_index: int = 0, runtime: Runtime = FIVED
+) -> int:
     """Optimizer bytes train.optimizer=muon does not keep on a rank: one moment (of Adam's two) per
     element of the Muon matrices it stores (`fived.muon_plan`); 0 for AdamW."""
     if layout.optimizer != "muon" or not runtime.is_fived:
@@ -143,18 +161,24 @@ def muon_saving(m: ModelConfig, layout: Layout, dtype: str, chunks, shard_index:
 
 
 def muon_buffers(m: ModelConfig, layout: Layout, dtype: str, chunks, runtime: Runtime = FIVED) -> int:
-    """Transient bytes of Muon's step on the stage's first rank (`StagePlan.buffer_elements`): in the
-    Newton-Schulz (compute) dtype and the optimizer's (float32, float64 in float64 runs)."""
+    """Transient bytes at the peak of Muon's step on the stage's busiest rank, its largest bucket's
+    (`fived.muon_load`: a bound from aggregates), in the Newton-Schulz (compute) dtype and the
+    optimizer's (float32, float64 in float64 runs)."""
     if layout.optimizer != "muon" or not runtime.is_fived:
         return 0
-    plan = stage_plan(m, layout, dtype, chunks)
-    cast = ACTIVATION_BYTES[dtype] != MOMENT_BYTES[dtype]  # (Newton-Schulz in bf16 on float32 masters)
-    ns, optimizer = plan.buffer_elements(plan.member_of_shard(0), cast=cast)
-    return ns * ACTIVATION_BYTES[dtype] + optimizer * MOMENT_BYTES[dtype]
+    loads = busiest_loads(stage_plan(m, layout, dtype, chunks))
+    return max(load.peak(ACTIVATION_BYTES[dtype], MOMENT_BYTES[dtype]) for load in loads)
 
 
-def state_bytes(m: ModelConfig, layout: Layout, dtype: str, chunks: Sequence[Chunk],
-                shard_index: int = 0, edp_index: int = 0, runtime: Runtime = FIVED) -> dict[str, int]:
+def state_bytes(
+    m: ModelConfig,
+    layout: Layout,
+    dtype: str,
+    chunks: Sequence[Chunk],
+    shard_index: int = 0,
+    edp_index: int = 0,
+    runtime: Runtime = FIVED,
+) -> dict[str, int]:
     """Parameter, gradient and optimizer bytes of one rank holding `chunks` [(layers, first, last)],
     at position `shard_index` of its dp_shard*cp group and `edp_index` of its expert-data group."""
     pb, gb, ob = state_element_bytes(dtype, layout.zero, runtime)  # ob: per owned (optimized) element
@@ -192,8 +216,10 @@ def state_layout(layout: Layout) -> Layout:
 
 def state_floor(m: ModelConfig, layout: Layout, dtype: str, runtime: Runtime = FIVED) -> int:
     """The largest model-state bytes of any pipeline rank: a lower bound of the peak, to prune early."""
-    return max(sum(state.values()) + static for state, static, _, _ in
-               _rank_states(model_key(m), state_layout(layout), dtype, runtime))
+    return max(
+        sum(state.values()) + static
+        for state, static, _, _ in _rank_states(model_key(m), state_layout(layout), dtype, runtime)
+    )
 
 
 @dataclass
@@ -214,38 +240,71 @@ class MemoryEstimate:
         return {k: getattr(self, k) / 2**30 for k in keys}
 
 
-def activation_bytes_per_microbatch(m: ModelConfig, layout: Layout, seq_len: int, dtype: str,
-                                    chunks: Sequence[Chunk], runtime: Runtime = FIVED) -> list[int]:
+def activation_bytes_per_microbatch(
+    m: ModelConfig, layout: Layout, seq_len: int, dtype: str, chunks: Sequence[Chunk], runtime: Runtime = FIVED
+) -> list[int]:
     """Bytes one micro-batch saves for backward, per chunk of the rank."""
-    return [_activations(model_key(m), _activation_layout(layout), seq_len, dtype, tuple(layers), first, last, runtime)
-            for layers, first, last in chunks]
+    return [
+        _activations(model_key(m), _activation_layout(layout), seq_len, dtype, tuple(layers), first, last, runtime)
+        for layers, first, last in chunks
+    ]
 
 
 def _activation_layout(layout: Layout) -> Layout:
     """What decides the activation bytes of a chunk: the sizes, micro-batch, SP, checkpointing."""
-    return Layout(tp=layout.tp, cp=layout.cp, ep=layout.ep, etp=layout.etp, sp=layout.sp,
-                  micro_batch=layout.micro_batch, checkpointing=layout.checkpointing, cp_mode=layout.cp_mode,
-                  cp_ulysses=layout.cp_ulysses, document_mask=layout.document_mask)
+    return Layout(
+        tp=layout.tp,
+        cp=layout.cp,
+        ep=layout.ep,
+        etp=layout.etp,
+        sp=layout.sp,
+        micro_batch=layout.micro_batch,
+        checkpointing=layout.checkpointing,
+        cp_mode=layout.cp_mode,
+        cp_ulysses=layout.cp_ulysses,
+        document_mask=layout.document_mask,
+    )
 
 
 @lru_cache(maxsize=262144)
-def _activations(key: tuple, layout: Layout, seq_len: int, dtype: str, layers: tuple, first: bool, last: bool,
-                 runtime: Runtime) -> int:
+def _activations(
+    key: tuple, layout: Layout, seq_len: int, dtype: str, layers: tuple, first: bool, last: bool, runtime: Runtime
+) -> int:
     m = ModelConfig(**dict(key))
     if runtime.activations == "megatron":  # (fived's compiled blocks too: see runtimes.fived_runtime)
         return framework_activations(m, layout, seq_len, layers, first, last)
     from fived.activation_model import activation_bytes
 
     L = layout
-    parts = activation_bytes(m, micro_batch_seqs=L.micro_batch, seq_len=seq_len, tp=L.tp, sp=L.sp, cp=L.cp, ep=L.ep,
-                             dtype_bytes=ACTIVATION_BYTES[dtype], checkpointing=L.checkpointing, layers=layers,
-                             first=first, last=last, autocast=PRECISION_SPECS[dtype].autocast, ulysses=L.ulysses,
-                             document_mask=L.document_mask)
+    parts = activation_bytes(
+        m,
+        micro_batch_seqs=L.micro_batch,
+        seq_len=seq_len,
+        tp=L.tp,
+        sp=L.sp,
+        cp=L.cp,
+        ep=L.ep,
+        dtype_bytes=ACTIVATION_BYTES[dtype],
+        checkpointing=L.checkpointing,
+        layers=layers,
+        first=first,
+        last=last,
+        autocast=PRECISION_SPECS[dtype].autocast,
+        ulysses=L.ulysses,
+        document_mask=L.document_mask,
+    )
     return sum(parts.values())
 
 
-def memory_per_gpu(m: ModelConfig, layout: Layout, seq_len: int, global_batch: int, dtype: str,
-                   device_gib: float, runtime: Runtime = FIVED) -> MemoryEstimate:
+def memory_per_gpu(
+    m: ModelConfig,
+    layout: Layout,
+    seq_len: int,
+    global_batch: int,
+    dtype: str,
+    device_gib: float,
+    runtime: Runtime = FIVED,
+) -> MemoryEstimate:
     """Peak bytes on the most loaded GPU: the pipeline rank whose state + activations are largest."""
     L, key = layout, model_key(m)
     micro = L.microbatches(global_batch)
@@ -253,10 +312,13 @@ def memory_per_gpu(m: ModelConfig, layout: Layout, seq_len: int, global_batch: i
     e = ACTIVATION_BYTES[dtype]
     tokens = L.micro_batch * seq_len // L.cp  # one micro-batch on one rank
     states = _rank_states(key, state_layout(L), dtype, runtime)
-    acts = _rank_activations(key, _activation_layout(L), L.pp, placement(L.pp_schedule), L.n_stages, L.pp_layers,
-                             seq_len, dtype, runtime)
+    acts = _rank_activations(
+        key, _activation_layout(L), L.pp, placement(L.pp_schedule), L.n_stages, L.pp_layers, seq_len, dtype, runtime
+    )
     # checkpointing recomputes one block at a time in backward: its activations exist once more
-    recompute = _recompute_block(key, _activation_layout(L), seq_len, dtype, runtime) if L.checkpointing != "none" else 0
+    recompute = (
+        _recompute_block(key, _activation_layout(L), seq_len, dtype, runtime) if L.checkpointing != "none" else 0
+    )
     worst = None
     for pp_rank, ((state, static, accumulated, chunks), act) in enumerate(zip(states, acts)):
         buffers = static + recompute
@@ -272,8 +334,9 @@ def memory_per_gpu(m: ModelConfig, layout: Layout, seq_len: int, global_batch: i
             worst = (total, state, round(act * in_flight[pp_rank]), buffers)
     assert worst is not None  # (pp >= 1 ranks)
     _, state, activations, buffers = worst
-    return MemoryEstimate(state["params"], state["grads"], state["optimizer"], activations, buffers,
-                          reserve_bytes(device_gib))
+    return MemoryEstimate(
+        state["params"], state["grads"], state["optimizer"], activations, buffers, reserve_bytes(device_gib)
+    )
 
 
 @lru_cache(maxsize=65536)
@@ -287,8 +350,13 @@ def _recompute_block(key, layout: Layout, seq_len: int, dtype: str, runtime: Run
 @lru_cache(maxsize=65536)
 def _rank_activations(key, layout: Layout, pp, schedule, n_stages, pp_layers, seq_len, dtype, runtime):
     """Per pipeline rank: bytes one micro-batch saves for backward over all the rank's chunks."""
-    return [sum(_activations(key, layout, seq_len, dtype, *c, runtime) for c in
-                rank_chunks_by_key(key, pp, schedule, n_stages, r, pp_layers)) for r in range(pp)]
+    return [
+        sum(
+            _activations(key, layout, seq_len, dtype, *c, runtime)
+            for c in rank_chunks_by_key(key, pp, schedule, n_stages, r, pp_layers)
+        )
+        for r in range(pp)
+    ]
 
 
 def reserve_bytes(device_gib: float) -> int:
@@ -303,8 +371,10 @@ def _rank_states(key, layout: Layout, dtype: str, runtime: Runtime):
     out, seen = [], {}
     for r in range(layout.pp):
         chunks = rank_chunks_by_key(key, layout.pp, placement(layout.pp_schedule), layout.n_stages, r, layout.pp_layers)
-        kinds = tuple((sum(1 for i in layers if m.is_moe and i >= m.n_dense_layers), len(layers), first, last)
-                      for layers, first, last in chunks)
+        kinds = tuple(
+            (sum(1 for i in layers if m.is_moe and i >= m.n_dense_layers), len(layers), first, last)
+            for layers, first, last in chunks
+        )
         if kinds not in seen:  # ranks with the same kinds of layers hold the same state
             state = state_bytes(m, layout, dtype, chunks, runtime=runtime)
             seen[kinds] = (state,) + _static_buffers(m, layout, dtype, chunks, state, runtime)
@@ -312,13 +382,17 @@ def _rank_states(key, layout: Layout, dtype: str, runtime: Runtime):
     return out
 
 
-def _static_buffers(m: ModelConfig, layout: Layout, dtype: str, chunks, state: dict, runtime: Runtime) -> tuple[int, int]:
+def _static_buffers(
+    m: ModelConfig, layout: Layout, dtype: str, chunks, state: dict, runtime: Runtime
+) -> tuple[int, int]:
     """(transient bytes, ZeRO-3's accumulated unsharded gradients) of one rank."""
     b = WEIGHT_BYTES[dtype]
     param_bytes, _, optimizer_bytes = state_element_bytes(dtype, layout.zero, runtime)
     params = state["params"] // param_bytes  # elements this rank holds
-    shapes = [parameter_shapes(m, layout.tp, layout.ep, layers, first, last, layout.expert_tp)
-              for layers, first, last in chunks]
+    shapes = [
+        parameter_shapes(m, layout.tp, layout.ep, layers, first, last, layout.expert_tp)
+        for layers, first, last in chunks
+    ]
     dense = sum(r * c * k for dn, _ in shapes for (r, c), k in dn)
     unsharded = dense + sum(r * c * k for _, ex in shapes for (r, c), k in ex)
     out = 0
@@ -337,8 +411,11 @@ def _static_buffers(m: ModelConfig, layout: Layout, dtype: str, chunks, state: d
     # gathered weights in the compute dtype: the whole stage under pipelines (kept); otherwise the
     # root (embedding, final norm, head: gathered for the whole step) and two blocks (in use, prefetched)
     gathered = runtime.gather_bytes or ACTIVATION_BYTES[dtype]  # (the compute dtype)
-    ends = sum(rows * cols * k for _, first, last in chunks
-               for (rows, cols), k in parameter_shapes(m, layout.tp, layout.ep, (), first, last, layout.expert_tp)[0])
+    ends = sum(
+        rows * cols * k
+        for _, first, last in chunks
+        for (rows, cols), k in parameter_shapes(m, layout.tp, layout.ep, (), first, last, layout.expert_tp)[0]
+    )
     per_layer = (unsharded - ends) / max(1, sum(len(c[0]) for c in chunks))
     out += int(unsharded if layout.pp > 1 else ends + 2 * per_layer) * gathered
     return out, unsharded * (runtime.grad_bytes or b)

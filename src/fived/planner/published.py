@@ -33,6 +33,7 @@ rows it read and "row N skipped: <reason>" lines. Reading rules (each documented
   from step_time_s, tflops_per_gpu or mfu_pct with the papers' model-FLOP count (6 x matmul
   parameters + attention, no recomputation: `metrics.flops_per_token`).
 """
+
 from __future__ import annotations
 
 import csv
@@ -51,9 +52,20 @@ MISSING = ("", "n/a", "na", "-", "?", "unknown", "not stated", "none stated", "n
 GATED_NAMES = ("llama", "mistral", "mixtral", "qwen", "internlm", "olmo", "deepseek", "aquila", "baichuan", "yi-")
 # A row without a vocabulary takes its family's (the tokenizers' published sizes; first match wins),
 # noted; a family not here: the head's share ignored (a vocabulary of 1 token), noted.
-FAMILY_VOCAB = (("llama-3", 128256), ("llama3", 128256), ("llama", 32000), ("mixtral", 32000), ("mistral", 32000),
-                ("qwen", 151936), ("deepseek-v2", 102400), ("deepseek-v3", 129280), ("deepseek", 102400),
-                ("internlm", 103168), ("gpt", 50257), ("olmo", 50304))
+FAMILY_VOCAB = (
+    ("llama-3", 128256),
+    ("llama3", 128256),
+    ("llama", 32000),
+    ("mixtral", 32000),
+    ("mistral", 32000),
+    ("qwen", 151936),
+    ("deepseek-v2", 102400),
+    ("deepseek-v3", 129280),
+    ("deepseek", 102400),
+    ("internlm", 103168),
+    ("gpt", 50257),
+    ("olmo", 50304),
+)
 
 
 class Skip(Exception):
@@ -116,8 +128,9 @@ def read_runs(path: str | Path) -> tuple[list[Row], list[str]]:
     """(rows read, "row N skipped: <reason>" for the others)."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError("--validate", str(path), "file not found", "give a CSV in the columns of "
-                          "tests/data/published_runs.csv")
+        raise ConfigError(
+            "--validate", str(path), "file not found", "give a CSV in the columns of tests/data/published_runs.csv"
+        )
     with path.open(newline="", encoding="utf-8-sig") as f:
         records = list(csv.DictReader(f))
     rows, skipped = [], []
@@ -154,7 +167,8 @@ def _model(r: dict, notes: list) -> ModelConfig:
     kv = integer(r, "kv_heads") or heads
     described = f"{text(r, 'model')} {text(r, 'arch_notes')}".lower()
     gated = any(w in described for w in ("swiglu", "geglu", "gated", "silu")) or (
-        "gelu" not in described and (kv < heads or any(n in described for n in GATED_NAMES)))
+        "gelu" not in described and (kv < heads or any(n in described for n in GATED_NAMES))
+    )
     ffn = integer(r, "ffn_hidden") or 4 * hidden
     if not gated:  # two GeLU matrices of width F = three SwiGLU matrices of width 2F/3
         ffn = max(64, round(2 * ffn / 3 / 64) * 64)
@@ -164,16 +178,27 @@ def _model(r: dict, notes: list) -> ModelConfig:
         columns = [c for c in r if c and "dense" in c.lower() and ("layer" in c.lower() or "first" in c.lower())]
         dense = next((integer(r, c) for c in columns if integer(r, c) is not None), None)
         said = re.search(r"first (\d+) (?:layers? )?(?:are )?dense", described)
-        moe = dict(n_experts=experts, top_k=integer(r, "moe_top_k") or 2,
-                   n_shared_experts=integer(r, "moe_shared_experts") or 0,
-                   moe_ffn_dim=integer(r, "moe_ffn_hidden") or ffn,
-                   n_dense_layers=dense if dense is not None else int(said.group(1)) if said else 0)
+        moe = dict(
+            n_experts=experts,
+            top_k=integer(r, "moe_top_k") or 2,
+            n_shared_experts=integer(r, "moe_shared_experts") or 0,
+            moe_ffn_dim=integer(r, "moe_ffn_hidden") or ffn,
+            n_dense_layers=dense if dense is not None else int(said.group(1)) if said else 0,
+        )
     if kv > heads or heads % kv:
         raise Skip(f"kv_heads={kv} does not divide heads={heads}")
     if moe and moe["n_dense_layers"] >= layers:
         raise Skip(f"{moe['n_dense_layers']} first dense layers of {layers}: no MoE layer left")
-    return ModelConfig(name=text(r, "model"), vocab_size=vocab, dim=hidden, n_layers=layers, n_heads=heads,
-                       n_kv_heads=kv, ffn_dim=ffn, **moe)
+    return ModelConfig(
+        name=text(r, "model"),
+        vocab_size=vocab,
+        dim=hidden,
+        n_layers=layers,
+        n_heads=heads,
+        n_kv_heads=kv,
+        ffn_dim=ffn,
+        **moe,
+    )
 
 
 def _cluster(r: dict) -> Cluster:
@@ -214,8 +239,19 @@ def _row(r: dict, label: str, records: list[dict]) -> Row:
         open_["micro_batch"] = [b for b in (1, 2, 4, 8) if local % b == 0] or [1]
     for name in [k for k in open_ if k in ("tp", "pp", "micro_batch", "checkpointing", "sp", "dp_replicate")]:
         notes.append(f"{name}: planner")
-    return Row(label, text(r, "source_short"), model, cluster, runtime, seq, global_batch, fixed, open_,
-               _reported(r, model, seq, global_batch, cluster), notes)
+    return Row(
+        label,
+        text(r, "source_short"),
+        model,
+        cluster,
+        runtime,
+        seq,
+        global_batch,
+        fixed,
+        open_,
+        _reported(r, model, seq, global_batch, cluster),
+        notes,
+    )
 
 
 def _local_batch(r: dict, fixed: dict) -> int | None:
@@ -243,8 +279,11 @@ def _layout(r: dict, model: ModelConfig, cluster: Cluster, runtime: Runtime, not
         tp = gpus // (dp * cp * (pp or 1))
         notes.append(f"tp {tp} = gpus/(dp*pp*cp) (unstated)")
     if tp is None:
-        open_["tp"] = [t for t in (1, 2, 4, 8) if t <= cluster.gpus_per_node and model.n_heads % t == 0
-                       and gpus % (t * cp * (pp or 1)) == 0] or [1]
+        open_["tp"] = [
+            t
+            for t in (1, 2, 4, 8)
+            if t <= cluster.gpus_per_node and model.n_heads % t == 0 and gpus % (t * cp * (pp or 1)) == 0
+        ] or [1]
     if pp is None:
         open_["pp"] = [1]
     fixed: dict[str, Any] = {"tp": tp or 1, "pp": pp or 1, "cp": cp, "ep": ep}
@@ -269,8 +308,17 @@ def _layout(r: dict, model: ModelConfig, cluster: Cluster, runtime: Runtime, not
         open_["sp"] = [False, True]
     _schedule(r, model, fixed, open_, runtime, notes)
     stated = zero_stage(text(r, "zero_or_fsdp"))
-    zero = stated if stated is not None else (1 if "--overlap-param-gather" in remarks or "--use-distributed-optimizer"
-                                              in remarks else 3 if runtime.name == "fsdp" else 0)
+    zero = (
+        stated
+        if stated is not None
+        else (
+            1
+            if "--overlap-param-gather" in remarks or "--use-distributed-optimizer" in remarks
+            else 3
+            if runtime.name == "fsdp"
+            else 0
+        )
+    )
     fixed["zero"] = zero
     shard = integer(r, "dp_shard")
     if shard and zero and fixed["dp"] % shard == 0:
@@ -308,8 +356,9 @@ def _schedule(r: dict, model: ModelConfig, fixed: dict, open_: dict, runtime: Ru
     elif pp > 1 and ("1f1b" in schedule or runtime.name.startswith("megatron")):
         fixed.update(pp_schedule="1f1b", pp_virtual=1)
     elif pp > 1:
-        open_["pp_schedule"] = [("1f1b", 1)] + [("interleaved-1f1b", v) for v in (2, 3, 4)
-                                                if model.n_layers % (pp * v) == 0]
+        open_["pp_schedule"] = [("1f1b", 1)] + [
+            ("interleaved-1f1b", v) for v in (2, 3, 4) if model.n_layers % (pp * v) == 0
+        ]
 
 
 def _global_batch(r: dict, records: list[dict], fixed: dict, notes: list) -> int | None:
@@ -324,8 +373,11 @@ def _global_batch(r: dict, records: list[dict], fixed: dict, notes: list) -> int
     if micro and accum:
         return micro * accum * fixed["dp"]
     for other in records:  # a sibling row of the same source and model that states it
-        if other is not r and text(other, "source_short") == text(r, "source_short") \
-                and text(other, "model") == text(r, "model"):
+        if (
+            other is not r
+            and text(other, "source_short") == text(r, "source_short")
+            and text(other, "model") == text(r, "model")
+        ):
             try:
                 theirs, their_dp = integer(other, "global_batch_seqs"), integer(other, "dp")
             except Skip:

@@ -39,10 +39,12 @@ documented defaults:
   overlapped (Paddle's sharding stages: not, before PaddleNLP added it in 2024); fused kernels unless
   the model is Hugging Face's or the row's norm is unfused (use_fused_rms_norm=False).
 """
+
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
+
 
 @dataclass(frozen=True)
 class Runtime:
@@ -103,9 +105,13 @@ def for_layout(runtime: Runtime, layout) -> Runtime:
         return runtime
     # fived's tp overlap (the same chunked all-gather/reduce-scatter under the GEMMs, the same bulk
     # overlap in backward) is priced as hiding Megatron-Core's calibrated share: never measured on a GPU
-    return replace(runtime, tp_overlap=layout.tp_overlap,
-                   zero12_overlap=layout.overlap_grad_reduce, pipeline_grad_overlap=layout.overlap_grad_reduce,
-                   ep_overlap=layout.ep_overlap)
+    return replace(
+        runtime,
+        tp_overlap=layout.tp_overlap,
+        zero12_overlap=layout.overlap_grad_reduce,
+        pipeline_grad_overlap=layout.overlap_grad_reduce,
+        ep_overlap=layout.ep_overlap,
+    )
 
 
 def with_overlap(layout, *, fp8: bool = False):
@@ -115,16 +121,39 @@ def with_overlap(layout, *, fp8: bool = False):
     reduction (ZeRO-0 under pp too; ZeRO-0 alone and ZeRO-3 overlap without a switch), the expert
     all-to-all in chunks."""
     reduced_in_buckets = layout.zero in (1, 2) or (layout.zero == 0 and layout.pp > 1)
-    return layout.with_(tp_overlap=layout.tp > 1 and not fp8,
-                        overlap_grad_reduce=layout.dp * layout.cp > 1 and reduced_in_buckets,
-                        overlap_param_gather=layout.zero in (1, 2) and layout.dp_shard * layout.cp > 1,
-                        ep_overlap=layout.ep > 1)
+    return layout.with_(
+        tp_overlap=layout.tp > 1 and not fp8,
+        overlap_grad_reduce=layout.dp * layout.cp > 1 and reduced_in_buckets,
+        overlap_param_gather=layout.zero in (1, 2) and layout.dp_shard * layout.cp > 1,
+        ep_overlap=layout.ep > 1,
+    )
 
-_MEGATRON = Runtime(name="megatron", grad_overlap=False, reduce_bytes=4, gather_bytes=2, residual_bytes=2,
-                    param_bytes=2, grad_bytes=4, master_bytes=4, autocast_copies=False, activations="megatron",
-                    fused=True)
-_FSDP = Runtime(name="fsdp", grad_overlap=True, reduce_bytes=4, gather_bytes=2, residual_bytes=2, param_bytes=4,
-                grad_bytes=4, autocast_copies=False, activations="megatron", fused=False)
+
+_MEGATRON = Runtime(
+    name="megatron",
+    grad_overlap=False,
+    reduce_bytes=4,
+    gather_bytes=2,
+    residual_bytes=2,
+    param_bytes=2,
+    grad_bytes=4,
+    master_bytes=4,
+    autocast_copies=False,
+    activations="megatron",
+    fused=True,
+)
+_FSDP = Runtime(
+    name="fsdp",
+    grad_overlap=True,
+    reduce_bytes=4,
+    gather_bytes=2,
+    residual_bytes=2,
+    param_bytes=4,
+    grad_bytes=4,
+    autocast_copies=False,
+    activations="megatron",
+    fused=False,
+)
 
 # `fived plan --runtime`: fived's, or (to compare) a published framework's
 PLANNED_RUNTIMES = {
@@ -134,20 +163,46 @@ PLANNED_RUNTIMES = {
     "fived-fp8": replace(fived_runtime("rowwise", compiled=True), grouped_experts=True),
     # (ZeRO-2 there is Megatron-FSDP's optim_grads: gradients sharded, so each micro-batch's are reduce-
     # scattered into the shard, as FSDP's; its distributed optimizer proper is ZeRO-1)
-    "megatron-core": replace(_MEGATRON, name="megatron-core", tp_overlap=True, grad_overlap=True,
-                             zero12_overlap=True, pipeline_grad_overlap=True, grouped_experts=True, flash_ring=True,
-                             reduce_per_microbatch=True),
+    "megatron-core": replace(
+        _MEGATRON,
+        name="megatron-core",
+        tp_overlap=True,
+        grad_overlap=True,
+        zero12_overlap=True,
+        pipeline_grad_overlap=True,
+        grouped_experts=True,
+        flash_ring=True,
+        reduce_per_microbatch=True,
+    ),
 }
 PLANNED_RUNTIMES["megatron-core-fp8"] = replace(PLANNED_RUNTIMES["megatron-core"], fp8=True)
 PLANNED_RUNTIMES["fsdp"] = replace(_FSDP, fused=True)  # torch.compile'd, as torchtitan-style runs
 PLANNED_RUNTIMES["fsdp-fp8"] = replace(_FSDP, fused=True, fp8=True, gather_bytes=1)
 
 # Row fields read to describe its runtime: wording -> ZeRO stage (None: not said)
-ZERO_WORDS = (("zero-3", 3), ("zero3", 3), ("zero_3", 3), ("zero stage 3", 3), ("full_shard", 3),
-              ("hybrid_shard", 3), ("hsdp", 3), ("fsdp", 3), ("shard_grad_op", 2), ("zero-2", 2), ("zero2", 2),
-              ("zero stage 2", 2), ("distributed optimizer", 1), ("distributed-optimizer", 1),
-              ("distrib", 1), ("zero-1", 1), ("zero1", 1), ("zero stage 1", 1), ("ddp", 0), ("none", 0),
-              ("no_shard", 0))
+ZERO_WORDS = (
+    ("zero-3", 3),
+    ("zero3", 3),
+    ("zero_3", 3),
+    ("zero stage 3", 3),
+    ("full_shard", 3),
+    ("hybrid_shard", 3),
+    ("hsdp", 3),
+    ("fsdp", 3),
+    ("shard_grad_op", 2),
+    ("zero-2", 2),
+    ("zero2", 2),
+    ("zero stage 2", 2),
+    ("distributed optimizer", 1),
+    ("distributed-optimizer", 1),
+    ("distrib", 1),
+    ("zero-1", 1),
+    ("zero1", 1),
+    ("zero stage 1", 1),
+    ("ddp", 0),
+    ("none", 0),
+    ("no_shard", 0),
+)
 
 
 def zero_stage(text: str) -> int | None:
@@ -171,27 +226,47 @@ def framework_runtime(framework: str, notes: str = "", precision: str = "") -> R
     fp8 = is_fp8(precision)
     if "fsdp" in text or "torchtitan" in text or "pytorch" in text or "hf " in text:
         compiled = "compile" in text
-        return replace(_FSDP, fused=compiled, fp8=fp8, gather_bytes=1 if fp8 else 2,
-                       reduce_bytes=2 if "reduce in bf16" in text else 4)
+        return replace(
+            _FSDP,
+            fused=compiled,
+            fp8=fp8,
+            gather_bytes=1 if fp8 else 2,
+            reduce_bytes=2 if "reduce in bf16" in text else 4,
+        )
     if "megatron-lm (2021)" in text or "megatron-lm (2022)" in text:
         return _MEGATRON
     if "megatron" in text or "nemo" in text or "flagscale" in text:
         overlap = "--tp-comm-overlap" in text
-        return replace(_MEGATRON, name="megatron-core", tp_overlap=overlap,
-                       grad_overlap="--overlap-grad-reduce" in text or overlap,
-                       zero12_overlap="--overlap-grad-reduce" in text or overlap,
-                       pipeline_grad_overlap="--overlap-grad-reduce" in text or overlap,
-                       grouped_experts=True, flash_ring=True, fp8=fp8)
+        return replace(
+            _MEGATRON,
+            name="megatron-core",
+            tp_overlap=overlap,
+            grad_overlap="--overlap-grad-reduce" in text or overlap,
+            zero12_overlap="--overlap-grad-reduce" in text or overlap,
+            pipeline_grad_overlap="--overlap-grad-reduce" in text or overlap,
+            grouped_experts=True,
+            flash_ring=True,
+            fp8=fp8,
+        )
     # DeepSpeed ZeRO, InternEvo, PaddlePaddle and other ZeRO-style runtimes: bf16 weights and gradients,
     # fp32 master weights and Adam in the (sharded) optimizer, ZeRO-2 reducing every micro-batch,
     # overlapped reductions (Paddle's sharding: not before PaddleNLP's sharding overlap, 2024); fused
     # kernels unless the model is Hugging Face's or the row says its norm is unfused
     eager = "hugging face" in text or "transformers" in text or "fused_rms_norm=false" in text
     overlapped = "overlap_comm false" not in text and "paddle" not in text
-    return replace(_FSDP, name="zero-style", param_bytes=2, grad_bytes=2, master_bytes=4, fused=not eager,
-                   python_norm=eager,
-                   zero12_overlap=overlapped, grad_overlap="overlap_comm false" not in text, fp8=fp8,
-                   reduce_per_microbatch=True)
+    return replace(
+        _FSDP,
+        name="zero-style",
+        param_bytes=2,
+        grad_bytes=2,
+        master_bytes=4,
+        fused=not eager,
+        python_norm=eager,
+        zero12_overlap=overlapped,
+        grad_overlap="overlap_comm false" not in text,
+        fp8=fp8,
+        reduce_per_microbatch=True,
+    )
 
 
 def framework_activations(m, layout, seq_len: int, layers, first: bool, last: bool) -> int:

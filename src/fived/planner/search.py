@@ -11,22 +11,30 @@ Order of decisions (the background notes' recipe): fit memory first, then reach 
 (micro-batch size x micro-batches x dp), then maximise throughput. Validity is the runtime's own
 check (`fived.layout.rules.layout_errors`), so every planned layout is one `fived train` accepts.
 """
+
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
 
 from fived.config import Config, ConfigError, CpMode, ModelConfig, TrainConfig
-from fived.layout.rules import layout_errors
 from fived.layout.layout import Layout
+from fived.layout.rules import layout_errors
 from fived.layout.schedule_sim import check_schedule
 from fived.planner.constants import Constants
 from fived.planner.memory import MemoryEstimate, memory_per_gpu, reserve_bytes, state_floor
 from fived.planner.runtimes import FIVED, Runtime, with_overlap
 from fived.planner.timing import Cluster, StepTime, step_time
 
-SCHEDULES = (("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 4), ("zero-bubble", 2), ("zbv", 1),
-             ("dualpipev", 1), ("gpipe", 1))
+SCHEDULES = (
+    ("1f1b", 1),
+    ("interleaved-1f1b", 2),
+    ("interleaved-1f1b", 4),
+    ("zero-bubble", 2),
+    ("zbv", 1),
+    ("dualpipev", 1),
+    ("gpipe", 1),
+)
 MICRO_BATCHES = (1, 2, 4, 8)
 # A micro-batch of this many tokens already fills the GEMMs; larger ones only add memory and bubble.
 MICRO_BATCH_TOKENS = 8192
@@ -44,10 +52,15 @@ class Plan:
         return self.memory.total <= self.capacity
 
     def to_dict(self, global_batch: int) -> dict:
-        return {"layout": self.layout.to_dict(), "describe": self.layout.describe(),
-                "flags": self.layout.flags(global_batch), "memory_gib": self.memory.gib(),
-                "capacity_gib": self.capacity / 2**30, "step": self.time.to_dict(),
-                "runnable": self.layout.runnable}
+        return {
+            "layout": self.layout.to_dict(),
+            "describe": self.layout.describe(),
+            "flags": self.layout.flags(global_batch),
+            "memory_gib": self.memory.gib(),
+            "capacity_gib": self.capacity / 2**30,
+            "step": self.time.to_dict(),
+            "runnable": self.layout.runnable,
+        }
 
 
 def is_valid(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int) -> bool:
@@ -61,19 +74,31 @@ def layout_refusal(model: ModelConfig, layout: Layout, seq_len: int, global_batc
     first; a folded expert layout (planner-only) by Megatron-Core's rules instead for its experts
     (ep*etp ranks divide dp*cp*tp, etp divides tp and the expert width); then the micro-batch size
     and torch's schedule rules."""
-    t = TrainConfig(seq_len=seq_len, global_batch=global_batch, microbatches=layout.microbatches(global_batch),
-                    activation_checkpointing=layout.checkpointing)
+    t = TrainConfig(
+        seq_len=seq_len,
+        global_batch=global_batch,
+        microbatches=layout.microbatches(global_batch),
+        activation_checkpointing=layout.checkpointing,
+    )
     checked = layout if layout.runnable else layout.with_(ep=1, etp=0)
     errors = layout_errors(Config(model=model, parallel=checked.parallel_config(), train=t), layout.world)
     if errors:
         return errors[0]
-    if not layout.runnable and not (model.is_moe and model.n_experts % layout.ep == 0 and layout.tp % layout.etp == 0
-                                    and model.expert_dim % layout.etp == 0
-                                    and (layout.dp * layout.cp * layout.tp) % (layout.ep * layout.etp) == 0):
+    if not layout.runnable and not (
+        model.is_moe
+        and model.n_experts % layout.ep == 0
+        and layout.tp % layout.etp == 0
+        and model.expert_dim % layout.etp == 0
+        and (layout.dp * layout.cp * layout.tp) % (layout.ep * layout.etp) == 0
+    ):
         return ConfigError("etp", layout.etp, "the folded expert layout breaks Megatron-Core's rules", "e.g. etp 0")
     if global_batch % (layout.dp * layout.micro_batch):  # (no flags express it: microbatches would round)
-        return ConfigError("micro_batch", layout.micro_batch, f"must divide the per-rank batch global_batch/dp="
-                           f"{global_batch // layout.dp}", "e.g. micro_batch 1")
+        return ConfigError(
+            "micro_batch",
+            layout.micro_batch,
+            f"must divide the per-rank batch global_batch/dp={global_batch // layout.dp}",
+            "e.g. micro_batch 1",
+        )
     try:  # what torch's schedule constructors refuse (micro-batch rounds)
         check_schedule(layout.pp_schedule, layout.pp, layout.pp_virtual, t.microbatches)
     except ValueError as e:
@@ -81,9 +106,18 @@ def layout_refusal(model: ModelConfig, layout: Layout, seq_len: int, global_batc
     return None
 
 
-def evaluate(model: ModelConfig, layout: Layout, cluster: Cluster, seq_len: int, global_batch: int,
-             dtype: str = "bfloat16", runtime: Runtime = FIVED, headroom_gib: float = 0.0,
-             checked: bool = False, constants: Constants | None = None) -> Plan | None:
+def evaluate(
+    model: ModelConfig,
+    layout: Layout,
+    cluster: Cluster,
+    seq_len: int,
+    global_batch: int,
+    dtype: str = "bfloat16",
+    runtime: Runtime = FIVED,
+    headroom_gib: float = 0.0,
+    checked: bool = False,
+    constants: Constants | None = None,
+) -> Plan | None:
     """The plan of one layout (None if it cannot run; `checked`: the caller already knows it can),
     priced with `constants` (default: the shipped calibration's)."""
     if not checked and not is_valid(model, layout, seq_len, global_batch):
@@ -91,14 +125,26 @@ def evaluate(model: ModelConfig, layout: Layout, cluster: Cluster, seq_len: int,
     return plan_of(model, layout, cluster, seq_len, global_batch, dtype, runtime, headroom_gib, constants)
 
 
-def plan_of(model: ModelConfig, layout: Layout, cluster: Cluster, seq_len: int, global_batch: int,
-            dtype: str = "bfloat16", runtime: Runtime = FIVED, headroom_gib: float = 0.0,
-            constants: Constants | None = None) -> Plan:
+def plan_of(
+    model: ModelConfig,
+    layout: Layout,
+    cluster: Cluster,
+    seq_len: int,
+    global_batch: int,
+    dtype: str = "bfloat16",
+    runtime: Runtime = FIVED,
+    headroom_gib: float = 0.0,
+    constants: Constants | None = None,
+) -> Plan:
     """The plan of a layout known to run: its memory per GPU and predicted step time."""
     hw = cluster.hardware
     memory = memory_per_gpu(model, layout, seq_len, global_batch, dtype, hw.memory_gib, runtime)
-    return Plan(layout, memory, step_time(model, layout, cluster, seq_len, global_batch, dtype, runtime,
-                                          constants=constants), capacity_bytes(hw.memory_gib, headroom_gib))
+    return Plan(
+        layout,
+        memory,
+        step_time(model, layout, cluster, seq_len, global_batch, dtype, runtime, constants=constants),
+        capacity_bytes(hw.memory_gib, headroom_gib),
+    )
 
 
 def capacity_bytes(memory_gib: float, headroom_gib: float) -> int:
@@ -124,8 +170,9 @@ def _divisors(n: int, limit: int) -> list[int]:
     return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
 
 
-def mesh_shapes(model: ModelConfig, gpus: int, gpus_per_node: int, seq_len: int, global_batch: int,
-                folded: bool = False):
+def mesh_shapes(
+    model: ModelConfig, gpus: int, gpus_per_node: int, seq_len: int, global_batch: int, folded: bool = False
+):
     """(dp, tp, pp, cp, ep) products equal to the GPU count, with the cheap divisibility rules; with
     `folded`, also Megatron-Core's MoE parallel folding (experts over dp*cp*tp, etp 1)."""
     for tp in _divisors(gpus, 2 * gpus_per_node):
@@ -138,7 +185,11 @@ def mesh_shapes(model: ModelConfig, gpus: int, gpus_per_node: int, seq_len: int,
                 dp = gpus // (tp * cp * pp)
                 if global_batch % dp:
                     continue
-                eps = [e for e in _divisors(dp * cp, model.n_experts) if model.n_experts % e == 0] if model.is_moe else [1]
+                eps = (
+                    [e for e in _divisors(dp * cp, model.n_experts) if model.n_experts % e == 0]
+                    if model.is_moe
+                    else [1]
+                )
                 for ep, (mode, u) in itertools.product(eps, cp_modes(model, tp, cp)):
                     yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, cp_mode=mode, cp_ulysses=u)
                 if folded and model.is_moe and tp > 1:
@@ -160,8 +211,11 @@ def cp_modes(model: ModelConfig, tp: int, cp: int) -> list[tuple[CpMode, int]]:
 
 def state_choices(model: ModelConfig, mesh: Layout, gpus_per_node: int):
     """ZeRO stage, HSDP replicas and pipeline schedule: what decides the model-state bytes."""
-    schedules = [("1f1b", 1)] if mesh.pp == 1 else [
-        s for s in SCHEDULES if model.n_layers >= mesh.pp * (2 if s[0] in ("zbv", "dualpipev") else s[1])]
+    schedules = (
+        [("1f1b", 1)]
+        if mesh.pp == 1
+        else [s for s in SCHEDULES if model.n_layers >= mesh.pp * (2 if s[0] in ("zbv", "dualpipev") else s[1])]
+    )
     for zero in (0, 1, 2, 3):
         replicas = [1]
         hsdp = node_replicas(mesh, zero, gpus_per_node)
@@ -188,8 +242,20 @@ def activation_choices(layout: Layout, seq_len: int, global_batch: int):
             yield [layout.with_(micro_batch=mbs, sp=sp, checkpointing=ac) for ac in ("none", "selective", "full")]
 
 
-DECISIONS = ("tp", "pp", "cp", "cp_mode", "ep", "etp", "zero", "dp_replicate", "sp", "pp_schedule", "micro_batch",
-             "checkpointing")
+DECISIONS = (
+    "tp",
+    "pp",
+    "cp",
+    "cp_mode",
+    "ep",
+    "etp",
+    "zero",
+    "dp_replicate",
+    "sp",
+    "pp_schedule",
+    "micro_batch",
+    "checkpointing",
+)
 
 
 @dataclass
@@ -199,8 +265,15 @@ class Search:
     smallest: dict  # (decision, value) -> least memory (bytes) any layout with it needed
 
 
-def plan(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int, dtype: str = "bfloat16",
-         runtime: Runtime = FIVED, headroom_gib: float = 0.0) -> Search:
+def plan(
+    model: ModelConfig,
+    cluster: Cluster,
+    seq_len: int,
+    global_batch: int,
+    dtype: str = "bfloat16",
+    runtime: Runtime = FIVED,
+    headroom_gib: float = 0.0,
+) -> Search:
     """Every fitting plan, fastest first: a plan fits when its peak stays `headroom_gib` below the
     device's memory. Layouts whose model state alone overflows are dropped before their activation
     options are costed; of the checkpointing options of one layout, the first that fits is kept (the

@@ -32,14 +32,23 @@ output lengths are fixed (every request the same; no length distributions).
   requests' share (b-1)/b of the prefills (one client never waits for itself), + the wait for a slot.
 - Goodput: the largest rate whose p99 TTFT and p99 TPOT meet the targets (bisection), times O and dp.
 """
+
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 
 from fived.config import ModelConfig
-from fived.planner.serve_model import (KV_DTYPES, SERVING_WEIGHTS, ForwardTime, GpuMemory, ServeLayout, forward_time,
-                                       gpu_memory, sequences_that_fit)
+from fived.planner.serve_model import (
+    KV_DTYPES,
+    SERVING_WEIGHTS,
+    ForwardTime,
+    GpuMemory,
+    ServeLayout,
+    forward_time,
+    gpu_memory,
+    sequences_that_fit,
+)
 from fived.planner.timing import Cluster
 
 QUANTILE = 0.99
@@ -103,15 +112,27 @@ class ServePlan:
     reasons: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        return {"layout": vars(self.layout), "describe": self.layout.describe(), "memory_gib": self.memory.gib(),
-                "memory_bytes": {k: getattr(self.memory, k) for k in ("weights", "kv_cache", "activations", "reserve")},
-                "sequences_per_replica": self.fit, "prefill_ms": self.prefill.total * 1e3,
-                "decode_forward_ms": self.decode.total * 1e3, "decode_step_ms": self.step_s * 1e3,
-                "ttft_ms": self.at.ttft_s * 1e3, "decode_parts_ms": _parts_ms(self.decode),
-                "prefill_parts_ms": _parts_ms(self.prefill), "batch": self.at.batch, "tpot_ms": self.at.tpot_s * 1e3,
-                "p99_ttft_ms": self.at.p99_ttft_s * 1e3, "p99_tpot_ms": self.at.p99_tpot_s * 1e3,
-                "goodput_tokens_per_s": self.goodput, "throughput_tokens_per_s": self.throughput,
-                "meets_targets": self.meets, "reasons": self.reasons}
+        return {
+            "layout": vars(self.layout),
+            "describe": self.layout.describe(),
+            "memory_gib": self.memory.gib(),
+            "memory_bytes": {k: getattr(self.memory, k) for k in ("weights", "kv_cache", "activations", "reserve")},
+            "sequences_per_replica": self.fit,
+            "prefill_ms": self.prefill.total * 1e3,
+            "decode_forward_ms": self.decode.total * 1e3,
+            "decode_step_ms": self.step_s * 1e3,
+            "ttft_ms": self.at.ttft_s * 1e3,
+            "decode_parts_ms": _parts_ms(self.decode),
+            "prefill_parts_ms": _parts_ms(self.prefill),
+            "batch": self.at.batch,
+            "tpot_ms": self.at.tpot_s * 1e3,
+            "p99_ttft_ms": self.at.p99_ttft_s * 1e3,
+            "p99_tpot_ms": self.at.p99_tpot_s * 1e3,
+            "goodput_tokens_per_s": self.goodput,
+            "throughput_tokens_per_s": self.throughput,
+            "meets_targets": self.meets,
+            "reasons": self.reasons,
+        }
 
 
 def _parts_ms(t: ForwardTime) -> dict:
@@ -132,8 +153,15 @@ class Replica:
         self.prefill = self.forward(1, w.prompt_len, w.prompt_len)
 
     def forward(self, sequences: float, new_tokens: int, context: float) -> ForwardTime:
-        return forward_time(self.m, self.layout, self.cluster, sequences=sequences, new_tokens=new_tokens,
-                            context=context, kv_bytes=self.w.kv_bytes)
+        return forward_time(
+            self.m,
+            self.layout,
+            self.cluster,
+            sequences=sequences,
+            new_tokens=new_tokens,
+            context=context,
+            kv_bytes=self.w.kv_bytes,
+        )
 
     @property
     def prefill_s(self) -> float:
@@ -143,7 +171,9 @@ class Replica:
     def decode(self, batch: float) -> ForwardTime:
         """One decode forward of a micro-batch of the replica's `batch` sequences, at the mean context
         (prompt + half the output)."""
-        return self.forward(max(batch / in_flight(self.layout, batch), 1.0), 1, self.w.prompt_len + self.w.output_len / 2)
+        return self.forward(
+            max(batch / in_flight(self.layout, batch), 1.0), 1, self.w.prompt_len + self.w.output_len / 2
+        )
 
     def step(self, batch: float) -> float:
         """Seconds between two tokens of a sequence with `batch` sequences decoding (no prefill between):
@@ -170,8 +200,15 @@ class Replica:
         mean_wait = rho * s / (2 * (1 - rho)) * share
         interruptions = poisson_quantile(rate * share * o * tpot_s, QUANTILE)
         first = self.prefill.total
-        return Operating(batch, rate, step_s, tpot_s, first + busy / 2 + mean_wait,
-                         first + busy + _p99_wait(rho, s) * share, step_s + s * interruptions / o)
+        return Operating(
+            batch,
+            rate,
+            step_s,
+            tpot_s,
+            first + busy / 2 + mean_wait,
+            first + busy + _p99_wait(rho, s) * share,
+            step_s + s * interruptions / o,
+        )
 
     def open_loop(self, rate: float) -> Operating:
         """At Poisson arrivals of `rate` requests/s: the decode batch by Little's law (fixed point)."""
@@ -254,12 +291,15 @@ def poisson_quantile(mean: float, q: float) -> int:
     return k
 
 
-def evaluate(m: ModelConfig, layout: ServeLayout, cluster: Cluster, w: Workload, headroom_gib: float = 0.0) -> ServePlan:
+def evaluate(
+    m: ModelConfig, layout: ServeLayout, cluster: Cluster, w: Workload, headroom_gib: float = 0.0
+) -> ServePlan:
     """The serving plan of one layout: memory, forward times, the workload's operating point, goodput."""
     hw = cluster.hardware
     capacity = int((hw.memory_gib - headroom_gib) * 2**30)
-    fit = sequences_that_fit(m, layout, hw, capacity, positions=w.positions, forward_tokens=w.prompt_len,
-                             kv_bytes=w.kv_bytes)
+    fit = sequences_that_fit(
+        m, layout, hw, capacity, positions=w.positions, forward_tokens=w.prompt_len, kv_bytes=w.kv_bytes
+    )
     replica = Replica(m, layout, cluster, w, fit)
     rate = replica.goodput_rate() if fit else 0.0
     if w.rate:
@@ -272,11 +312,23 @@ def evaluate(m: ModelConfig, layout: ServeLayout, cluster: Cluster, w: Workload,
         throughput = rate * layout.dp * w.output_len
     meets = fit > 0 and replica.meets(at)
     batch = math.ceil(at.batch) if at.stable else fit
-    memory = gpu_memory(m, layout, hw, sequences=batch, positions=w.positions, forward_tokens=w.prompt_len,
-                        kv_bytes=w.kv_bytes)
+    memory = gpu_memory(
+        m, layout, hw, sequences=batch, positions=w.positions, forward_tokens=w.prompt_len, kv_bytes=w.kv_bytes
+    )
     shown = at.batch if at.stable else max(fit, 1)  # (saturated: the most that fit)
-    return ServePlan(layout, memory, fit, replica.prefill, replica.decode(shown), replica.step(shown), at,
-                     rate * layout.dp * w.output_len, throughput, meets, misses(fit, at, w, layout))
+    return ServePlan(
+        layout,
+        memory,
+        fit,
+        replica.prefill,
+        replica.decode(shown),
+        replica.step(shown),
+        at,
+        rate * layout.dp * w.output_len,
+        throughput,
+        meets,
+        misses(fit, at, w, layout),
+    )
 
 
 def misses(fit: int, at: Operating, w: Workload, layout: ServeLayout) -> list[str]:
@@ -284,8 +336,11 @@ def misses(fit: int, at: Operating, w: Workload, layout: ServeLayout) -> list[st
     if fit == 0:
         return ["the weights, one prompt's activations and the reserve leave no room for one sequence's KV cache"]
     if not at.stable:
-        return [f"saturated: {w.rate:g} requests/s is more than its {layout.dp} replica(s) sustain" if w.rate
-                else "no request rate meets the targets"]
+        return [
+            f"saturated: {w.rate:g} requests/s is more than its {layout.dp} replica(s) sustain"
+            if w.rate
+            else "no request rate meets the targets"
+        ]
     out = []
     if at.p99_ttft_s > w.ttft_s:
         out.append(f"p99 TTFT {at.p99_ttft_s * 1e3:.0f} ms > target {w.ttft_s * 1e3:g} ms")
@@ -301,7 +356,7 @@ def serving_layouts(m: ModelConfig, cluster: Cluster, weights: tuple[str, ...]):
     for tp in (d for d in range(1, min(gpus, cluster.gpus_per_node) + 1) if gpus % d == 0):
         for pp in (d for d in range(1, min(gpus // tp, m.n_layers) + 1) if (gpus // tp) % d == 0):
             dp = gpus // (tp * pp)
-            for ep in (e for e in range(1, dp + 1) if dp % e == 0 and (e == 1 or m.is_moe and m.n_experts % e == 0)):
+            for ep in (e for e in range(1, dp + 1) if dp % e == 0 and (e == 1 or (m.is_moe and m.n_experts % e == 0))):
                 layout = ServeLayout(tp=tp, pp=pp, dp=dp, ep=ep)
                 if serving_refusal(m, layout) is None:
                     for dtype in weights:
@@ -319,8 +374,9 @@ def serving_refusal(m: ModelConfig, layout: ServeLayout):
 
         return ConfigError("--weights", layout.weights, "must be " + " or ".join(SERVING_WEIGHTS), "e.g. bf16")
     parallel = ParallelConfig(dp=layout.dp, tp=layout.tp, pp=layout.pp, ep=layout.ep)
-    cfg = Config(model=m, parallel=parallel, train=TrainConfig(global_batch=layout.dp * layout.pp,
-                                                               microbatches=layout.pp))
+    cfg = Config(
+        model=m, parallel=parallel, train=TrainConfig(global_batch=layout.dp * layout.pp, microbatches=layout.pp)
+    )
     errors = layout_errors(cfg, layout.gpus)
     return errors[0] if errors else None
 
@@ -332,10 +388,13 @@ def rank_plans(plans: list[ServePlan], w: Workload) -> list[ServePlan]:
     return sorted(plans, key=lambda p: (not p.meets, -score(p), p.at.p99_ttft_s))
 
 
-def plan_serving(m: ModelConfig, cluster: Cluster, w: Workload, weights: tuple[str, ...] = ("bf16", "fp8"),
-                 headroom_gib: float = 0.0) -> list[ServePlan]:
+def plan_serving(
+    m: ModelConfig, cluster: Cluster, w: Workload, weights: tuple[str, ...] = ("bf16", "fp8"), headroom_gib: float = 0.0
+) -> list[ServePlan]:
     """Every serving layout of the cluster, evaluated and ranked."""
-    return rank_plans([evaluate(m, layout, cluster, w, headroom_gib) for layout in serving_layouts(m, cluster, weights)], w)
+    return rank_plans(
+        [evaluate(m, layout, cluster, w, headroom_gib) for layout in serving_layouts(m, cluster, weights)], w
+    )
 
 
 def gpus_needed(plan: ServePlan, w: Workload) -> int:

@@ -35,6 +35,7 @@ A serving engine's GPUs are numbered tp innermost, then pp, then the data-parall
 places them): a tp group is tp consecutive GPUs, pipeline neighbours are tp apart, an ep group spans
 ep replicas tp*pp apart.
 """
+
 from __future__ import annotations
 
 import math
@@ -44,9 +45,9 @@ from functools import lru_cache
 from fived.config import ModelConfig
 from fived.layout.spec import chunk_specs, kv_width, local_vocab
 from fived.layout.stages import model_key, split_layers
+from fived.planner.constants import CALIBRATION
 from fived.planner.hardware import Hardware
 from fived.planner.memory import reserve_bytes
-from fived.planner.constants import CALIBRATION
 from fived.planner.timing import HBM_EFFICIENCY, Cluster, collective_seconds, efficiency, group_link
 
 # Weight formats: bytes per weight of the linear layers and experts, and of everything else — the
@@ -92,7 +93,9 @@ class ServeLayout:
         return " ".join(parts + [f"ep{self.ep}"] * (self.ep > 1) + [self.weights])
 
 
-def kv_cache_bytes(m: ModelConfig, *, tp: int, layers: int, sequences: float, positions: float, element_bytes: int) -> float:
+def kv_cache_bytes(
+    m: ModelConfig, *, tp: int, layers: int, sequences: float, positions: float, element_bytes: int
+) -> float:
     """Bytes of the key and value caches one GPU holds: for each of its `layers`, the keys and the
     values of `positions` positions of `sequences` sequences, in the kv heads a tp rank holds
     (`fived.layout.spec.kv_width`). `fived generate --report` measures its caches against this."""
@@ -120,7 +123,9 @@ class StageWeights:
     last: bool
 
     def bytes(self, weights: str) -> int:
-        return (self.linear + self.experts) * WEIGHT_DTYPES[weights] + (self.other + self.embedding) * COMPUTE_BYTES[weights]
+        return (self.linear + self.experts) * WEIGHT_DTYPES[weights] + (self.other + self.embedding) * COMPUTE_BYTES[
+            weights
+        ]
 
 
 def stage_weights(m: ModelConfig, layout: ServeLayout, pp_rank: int) -> StageWeights:
@@ -144,7 +149,12 @@ def _stage_weights(key: tuple, tp: int, pp: int, ep: int, pp_rank: int) -> Stage
             experts += n
         elif spec.part == "embedding":
             embedding += n
-        elif spec.part == "layer" and spec.name.endswith(".weight") and len(spec.shape) == 2 and "router" not in spec.name:
+        elif (
+            spec.part == "layer"
+            and spec.name.endswith(".weight")
+            and len(spec.shape) == 2
+            and "router" not in spec.name
+        ):
             linear += n
         else:
             other += n
@@ -180,16 +190,28 @@ class GpuMemory:
         return {k: getattr(self, k) / 2**30 for k in ("weights", "kv_cache", "activations", "reserve", "total")}
 
 
-def rank_memory(m: ModelConfig, layout: ServeLayout, hw: Hardware, pp_rank: int, *, sequences: float,
-                positions: int, forward_tokens: int, kv_bytes: int) -> GpuMemory:
+def rank_memory(
+    m: ModelConfig,
+    layout: ServeLayout,
+    hw: Hardware,
+    pp_rank: int,
+    *,
+    sequences: float,
+    positions: int,
+    forward_tokens: int,
+    kv_bytes: int,
+) -> GpuMemory:
     """Pipeline rank `pp_rank`'s memory with `sequences` sequences of `positions` positions cached per
     GPU and one forward of `forward_tokens` tokens in flight (one prompt: engines prefill in chunks)."""
     w = stage_weights(m, layout, pp_rank)
-    return GpuMemory(w.bytes(layout.weights),
-                     kv_cache_bytes(m, tp=layout.tp, layers=w.layers, sequences=sequences, positions=positions,
-                                    element_bytes=kv_bytes),
-                     activation_bytes(m, layout.tp, forward_tokens, w.last, layout.element_bytes),
-                     reserve_bytes(hw.memory_gib))
+    return GpuMemory(
+        w.bytes(layout.weights),
+        kv_cache_bytes(
+            m, tp=layout.tp, layers=w.layers, sequences=sequences, positions=positions, element_bytes=kv_bytes
+        ),
+        activation_bytes(m, layout.tp, forward_tokens, w.last, layout.element_bytes),
+        reserve_bytes(hw.memory_gib),
+    )
 
 
 def gpu_memory(m: ModelConfig, layout: ServeLayout, hw: Hardware, **workload) -> GpuMemory:
@@ -197,16 +219,26 @@ def gpu_memory(m: ModelConfig, layout: ServeLayout, hw: Hardware, **workload) ->
     return max((rank_memory(m, layout, hw, r, **workload) for r in range(layout.pp)), key=lambda mem: mem.total)
 
 
-def sequences_that_fit(m: ModelConfig, layout: ServeLayout, hw: Hardware, capacity: int, *, positions: int,
-                       forward_tokens: int, kv_bytes: int) -> int:
+def sequences_that_fit(
+    m: ModelConfig,
+    layout: ServeLayout,
+    hw: Hardware,
+    capacity: int,
+    *,
+    positions: int,
+    forward_tokens: int,
+    kv_bytes: int,
+) -> int:
     """Sequences of `positions` positions every GPU's KV cache holds beside its weights, one forward's
     activations and the reserve (0 if the weights alone do not fit)."""
     fits = []
     for r, w in enumerate(_all_stages(m, layout)):
-        empty = rank_memory(m, layout, hw, r, sequences=0, positions=positions, forward_tokens=forward_tokens,
-                            kv_bytes=kv_bytes)
-        per_sequence = kv_cache_bytes(m, tp=layout.tp, layers=w.layers, sequences=1, positions=positions,
-                                      element_bytes=kv_bytes)
+        empty = rank_memory(
+            m, layout, hw, r, sequences=0, positions=positions, forward_tokens=forward_tokens, kv_bytes=kv_bytes
+        )
+        per_sequence = kv_cache_bytes(
+            m, tp=layout.tp, layers=w.layers, sequences=1, positions=positions, element_bytes=kv_bytes
+        )
         fits.append(max(0, int((capacity - empty.total) // per_sequence)))
     return min(fits)
 
@@ -216,6 +248,7 @@ def _all_stages(m: ModelConfig, layout: ServeLayout) -> list[StageWeights]:
 
 
 # --- time -------------------------------------------------------------------------------------------
+
 
 @dataclass
 class ForwardTime:
@@ -250,8 +283,16 @@ class ForwardTime:
             self.calls[part] = self.calls.get(part, 0) + calls
 
 
-def forward_time(m: ModelConfig, layout: ServeLayout, cluster: Cluster, *, sequences: float, new_tokens: int,
-                 context: float, kv_bytes: int) -> ForwardTime:
+def forward_time(
+    m: ModelConfig,
+    layout: ServeLayout,
+    cluster: Cluster,
+    *,
+    sequences: float,
+    new_tokens: int,
+    context: float,
+    kv_bytes: int,
+) -> ForwardTime:
     """One forward of `sequences` sequences per data-parallel rank, each bringing `new_tokens` tokens
     (the prompt at a prefill, 1 at a decode step) and attending over `context` positions: its latency
     (the pipeline ranks one after another) and each rank's share (`ForwardTime.interval`)."""
@@ -271,22 +312,38 @@ def forward_time(m: ModelConfig, layout: ServeLayout, cluster: Cluster, *, seque
         regions = 2 * w.layers + (1 if w.first else 0)  # attention and MLP outputs, the vocab-parallel embedding
         out.add("tp", regions, collective_seconds("all_reduce", tokens * m.dim * e, tp_link, hw, c), layout.tp)
         slots = tokens * m.top_k * m.dim * e  # dispatch and combine, after the per-expert counts
-        out.add("ep", w.expert_layers, collective_seconds("all_to_all_single", 8 * m.n_experts, ep_link, hw, c), layout.ep)
+        out.add(
+            "ep", w.expert_layers, collective_seconds("all_to_all_single", 8 * m.n_experts, ep_link, hw, c), layout.ep
+        )
         out.add("ep", 2 * w.expert_layers, collective_seconds("all_to_all_single", slots, ep_link, hw, c), layout.ep)
         if w.last:  # the vocab-parallel logits of each sequence's last position, gathered
             logits = sequences * local_vocab(m, layout.tp) * layout.tp * 4
             out.add("tp", 1, collective_seconds("all_gather_single", logits, tp_link, hw, c), layout.tp)
-            out.add("pp", 1, collective_seconds("send", sequences * 8, pp_link, hw, c), layout.pp)  # tokens to the first
+            out.add(
+                "pp", 1, collective_seconds("send", sequences * 8, pp_link, hw, c), layout.pp
+            )  # tokens to the first
         else:
             out.add("pp", 1, collective_seconds("send", tokens * m.dim * e, pp_link, hw, c), layout.pp)
-        out.host += hw.dispatch_s * (DENSE_LAYER_OPS * (w.layers - w.expert_layers) + MOE_LAYER_OPS * w.expert_layers
-                                     + END_OPS * (w.first + w.last))
+        out.host += hw.dispatch_s * (
+            DENSE_LAYER_OPS * (w.layers - w.expert_layers)
+            + MOE_LAYER_OPS * w.expert_layers
+            + END_OPS * (w.first + w.last)
+        )
         out.stages.append(out.total - before)
     return out
 
 
-def _stage_compute(m: ModelConfig, layout: ServeLayout, hw: Hardware, w: StageWeights, tokens: float,
-                   sequences: float, new_tokens: int, context: float, kv_bytes: int) -> tuple[float, float]:
+def _stage_compute(
+    m: ModelConfig,
+    layout: ServeLayout,
+    hw: Hardware,
+    w: StageWeights,
+    tokens: float,
+    sequences: float,
+    new_tokens: int,
+    context: float,
+    kv_bytes: int,
+) -> tuple[float, float]:
     """(seconds of its FLOPs at the fitted efficiency, of its bytes read at HBM speed) of one stage's
     forward: it takes the longer."""
     touched = _experts_touched(m, w, tokens * layout.ep)
@@ -302,8 +359,9 @@ def _stage_compute(m: ModelConfig, layout: ServeLayout, hw: Hardware, w: StageWe
     gemm = flops / (peak * efficiency(m.dim / layout.tp, tokens, hw, CALIBRATION.constants, m.dim))
     read = w.bytes(layout.weights) - w.experts * WEIGHT_DTYPES[layout.weights] * (1 - touched)
     read -= w.embedding * layout.element_bytes
-    read += kv_cache_bytes(m, tp=layout.tp, layers=w.layers, sequences=sequences, positions=context,
-                           element_bytes=kv_bytes)
+    read += kv_cache_bytes(
+        m, tp=layout.tp, layers=w.layers, sequences=sequences, positions=context, element_bytes=kv_bytes
+    )
     return gemm, read / (hw.hbm_gbps * 1e9 * HBM_EFFICIENCY)
 
 

@@ -11,6 +11,7 @@ A row's metric is predicted by `fived.planner.serve` for its layout and workload
   tokens_per_s_per_user   output tokens over one request's generation time (batch 1)
 Nothing is fitted on these rows: they test the forward-time model and the queueing model as built.
 """
+
 from __future__ import annotations
 
 import csv
@@ -42,7 +43,9 @@ def read_rows(path: str) -> list[Row]:
         with open(path, newline="") as f:
             return [Row(i, row) for i, row in enumerate(csv.DictReader(f), 1)]
     except OSError as e:
-        raise ConfigError("--validate", path, f"cannot be read ({e.strerror})", "give a CSV of published serving runs") from None
+        raise ConfigError(
+            "--validate", path, f"cannot be read ({e.strerror})", "give a CSV of published serving runs"
+        ) from None
 
 
 def predict(row: Row) -> float:
@@ -52,18 +55,30 @@ def predict(row: Row) -> float:
     gpus, tp, pp, ep = row.int("gpus"), row.int("tp", 1), row.int("pp", 1), row.int("ep", 1)
     cluster = Cluster(hardware(v["gpu"]), gpus, min(GPUS_PER_NODE, gpus))
     layout = ServeLayout(tp=tp, pp=pp, dp=gpus // (tp * pp), ep=ep, weights=v["weights"])
-    w = Workload(row.int("prompt_len"), row.int("output_len"), concurrency=row.int("concurrency"),
-                 kv_dtype=v["kv_dtype"] or "bf16")
+    w = Workload(
+        row.int("prompt_len"),
+        row.int("output_len"),
+        concurrency=row.int("concurrency"),
+        kv_dtype=v["kv_dtype"] or "bf16",
+    )
     metric = v["metric"]
     if metric in ("e2e_latency_ms", "tokens_per_s_per_user"):
         capacity = int(cluster.hardware.memory_gib * 2**30)
-        fit = sequences_that_fit(m, layout, cluster.hardware, capacity, positions=w.positions,
-                                 forward_tokens=w.prompt_len, kv_bytes=w.kv_bytes)
+        fit = sequences_that_fit(
+            m,
+            layout,
+            cluster.hardware,
+            capacity,
+            positions=w.positions,
+            forward_tokens=w.prompt_len,
+            kv_bytes=w.kv_bytes,
+        )
         seconds = Replica(m, layout, cluster, w, fit).static_batch_s(row.int("batch", 1))
         return seconds * 1e3 if metric == "e2e_latency_ms" else w.output_len / seconds
     plan = evaluate(m, layout, cluster, w)
-    return {"output_tokens_per_s": plan.throughput, "ttft_ms": plan.at.ttft_s * 1e3,
-            "tpot_ms": plan.at.tpot_s * 1e3}[metric]
+    return {"output_tokens_per_s": plan.throughput, "ttft_ms": plan.at.ttft_s * 1e3, "tpot_ms": plan.at.tpot_s * 1e3}[
+        metric
+    ]
 
 
 def validation(path: str) -> tuple[list[tuple[Row, float, float]], list[str]]:
@@ -92,14 +107,20 @@ def median_error(results: list[tuple[Row, float, float]]) -> float:
 def validate(path: str) -> float:
     """Print every row's published and predicted figure and the median absolute error; return it."""
     results, skipped = validation(path)
-    print(f"{'row':>3}  {'source':<28} {'model':<13} {'gpu':<15} {'layout':<14} {'workload':<18} {'metric':<22} "
-          f"{'published':>10} {'fived':>10} {'error':>7}")
+    print(
+        f"{'row':>3}  {'source':<28} {'model':<13} {'gpu':<15} {'layout':<14} {'workload':<18} {'metric':<22} "
+        f"{'published':>10} {'fived':>10} {'error':>7}"
+    )
     for row, published, predicted in results:
         v = row.values
         layout = f"tp{v['tp']} pp{v['pp']} {v['weights']}"
-        load = f"{v['prompt_len']}/{v['output_len']} " + (f"b{v['batch']}" if v.get("batch") else f"c{v['concurrency']}")
-        print(f"{row.number:>3}  {v['source']:<28} {v['model']:<13} {v['gpu']:<15} {layout:<14} {load:<18} "
-              f"{v['metric']:<22} {published:>10.4g} {predicted:>10.4g} {(predicted / published - 1) * 100:>+6.1f}%")
+        load = f"{v['prompt_len']}/{v['output_len']} " + (
+            f"b{v['batch']}" if v.get("batch") else f"c{v['concurrency']}"
+        )
+        print(
+            f"{row.number:>3}  {v['source']:<28} {v['model']:<13} {v['gpu']:<15} {layout:<14} {load:<18} "
+            f"{v['metric']:<22} {published:>10.4g} {predicted:>10.4g} {(predicted / published - 1) * 100:>+6.1f}%"
+        )
     for line in skipped:
         print(line)
     if not results:
@@ -108,9 +129,13 @@ def validate(path: str) -> float:
     per_source: dict[str, list] = {}
     for r in results:
         per_source.setdefault(r[0].values["source"], []).append(r)
-    print("median absolute error per source: " + ", ".join(f"{s} {median_error(rs):.1f}%" for s, rs in per_source.items()))
+    print(
+        "median absolute error per source: " + ", ".join(f"{s} {median_error(rs):.1f}%" for s, rs in per_source.items())
+    )
     error = median_error(results)
-    print(f"predicted {len(results)} of {len(results) + len(skipped)} rows; faster than published (lower latency, higher "
-          f"throughput) in {sum(1 for r in results if optimistic(*r))} of them")
+    print(
+        f"predicted {len(results)} of {len(results) + len(skipped)} rows; faster than published (lower latency, higher "
+        f"throughput) in {sum(1 for r in results if optimistic(*r))} of them"
+    )
     print(f"median absolute error: {error:.1f}%")
     return error

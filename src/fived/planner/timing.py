@@ -31,25 +31,30 @@ dimension on the link its group actually uses, the overlap the runtime allows, a
 - pipeline bubble: from the schedule simulator (`fived.layout.schedule_sim.pipeline_profile`);
   ranks sharing cores (CPU) fill each other's idle time.
 - optimizer: AdamW streams 28 bytes per owned parameter (read p, g, m, v; write p, m, v, fp32); Muon
-  (train.optimizer=muon) adds its exchange's all-to-alls (`fived.planner.communication`, part
-  "optimizer") and the busiest owner's Newton-Schulz GEMMs.
+  (train.optimizer=muon) streams its own per element of its matrices (`fived.muon_load.stream_bytes`)
+  and adds its exchange's all-to-alls (`fived.planner.communication`, part "optimizer": bytes without
+  the rank's own share, priced as the n/(n-1) times them an all-to-all passes) and each bucket's
+  busiest owner's Newton-Schulz GEMMs.
 - overhead: host work the device does not hide (CPU ranks: per layer and micro-batch, per step).
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 
-from fived.config import ModelConfig, TrainConfig
+from fived.config import ModelConfig
 from fived.layout.layout import PRECISION_SPECS, Layout
-from fived.metrics import flops_per_token
-from fived.muon_plan import ns_flops, stage_plan
 from fived.layout.schedule_sim import pipeline_profile
+from fived.layout.stages import model_key, placement, rank_chunks_by_key, rank_stages
+from fived.metrics import flops_per_token
+from fived.muon_load import stream_bytes
+from fived.muon_plan import ns_flops, stage_plan
 from fived.planner.communication import group_span, owned_parameters, step_collectives
 from fived.planner.constants import CALIBRATION, Constants
 from fived.planner.hardware import Hardware
-from fived.layout.stages import model_key, placement, rank_chunks_by_key, rank_stages
+from fived.planner.memory import MOMENT_BYTES
 from fived.planner.runtimes import FIVED, Runtime, for_layout
 
 # The fitted constants (GEMM efficiency per GPU generation and its shape dependence, link
@@ -112,8 +117,17 @@ class StepTime:
 
     @property
     def total(self) -> float:
-        return (self.compute + self.bubble + self.tp + self.cp + self.ep + self.pp + self.dp + self.optimizer
-                + self.overhead)
+        return (
+            self.compute
+            + self.bubble
+            + self.tp
+            + self.cp
+            + self.ep
+            + self.pp
+            + self.dp
+            + self.optimizer
+            + self.overhead
+        )
 
     @property
     def tokens_per_s_per_gpu(self) -> float:
@@ -124,8 +138,11 @@ class StepTime:
         return self.model_flops / self.total / self.world / self.peak_flops
 
     def to_dict(self) -> dict:
-        out = {k: v for k, v in asdict(self).items() if k not in ("tokens", "world", "model_flops", "peak_flops",
-                                                                   "comm_bytes", "layer_host")}
+        out = {
+            k: v
+            for k, v in asdict(self).items()
+            if k not in ("tokens", "world", "model_flops", "peak_flops", "comm_bytes", "layer_host")
+        }
         return {**out, "total": self.total, "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, "mfu": self.mfu}
 
 
@@ -135,14 +152,19 @@ def in_node(gpus_per_node: int, stride: int, size: int) -> bool:
     return span <= gpus_per_node and gpus_per_node % span == 0
 
 
-_RING = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather_single": lambda n: (n - 1) / n,
-         "reduce_scatter_single": lambda n: (n - 1) / n, "all_to_all_single": lambda n: (n - 1) / n,
-         "send": lambda n: 1.0}
+_RING = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather_single": lambda n: (n - 1) / n,
+    "reduce_scatter_single": lambda n: (n - 1) / n,
+    "all_to_all_single": lambda n: (n - 1) / n,
+    "send": lambda n: 1.0,
+}
 
 
 @dataclass(frozen=True)
 class Link:
     """What a group's collectives run on: `size` ranks, `per_node` of them in each node they span."""
+
     size: int
     per_node: int
     nvlink: float  # bytes/s per GPU inside a node (times link_efficiency)
@@ -174,8 +196,13 @@ def group_link(cluster: Cluster, stride: int, size: int, c: Constants) -> Link:
     """The link of a group of `size` ranks `stride` apart (NVLink inside a node, NICs across)."""
     hw = cluster.hardware
     k = size if size == 1 else members_per_node(cluster.gpus_per_node, stride, size)
-    return Link(size, k, hw.nvlink_gbps * 1e9 * c.link_efficiency, hw.network_gbps * 1e9 * c.link_efficiency,
-                hw.link_latency_s if k == size else hw.network_latency_s)
+    return Link(
+        size,
+        k,
+        hw.nvlink_gbps * 1e9 * c.link_efficiency,
+        hw.network_gbps * 1e9 * c.link_efficiency,
+        hw.link_latency_s if k == size else hw.network_latency_s,
+    )
 
 
 def collective_seconds(op: str, nbytes: float, link: Link, hw: Hardware, c: Constants) -> float:
@@ -202,8 +229,15 @@ def efficiency(width: float, rows: float, hw: Hardware, c: Constants, depth: flo
     x / (x + its half-point). (CPU ranks: the share of the host's matmul rate, whatever the shape.)"""
     if hw.gemm_efficiency:
         return hw.gemm_efficiency
-    return (c.gemm_efficiency(hw.calibration) * width / (width + c.width_half) * rows / (rows + c.rows_half)
-            * depth / (depth + c.depth_half))
+    return (
+        c.gemm_efficiency(hw.calibration)
+        * width
+        / (width + c.width_half)
+        * rows
+        / (rows + c.rows_half)
+        * depth
+        / (depth + c.depth_half)
+    )
 
 
 def expert_share(m: ModelConfig, seq_len: int) -> float:
@@ -218,8 +252,17 @@ def attention_share(m: ModelConfig, seq_len: int) -> float:
     return 12 * m.n_layers * m.n_heads * m.head_dim * seq_len / flops_per_token(m, seq_len)
 
 
-def step_time(model: ModelConfig, layout: Layout, cluster: Cluster, seq_len: int, global_batch: int,
-              dtype: str = "bfloat16", runtime: Runtime = FIVED, *, constants: Constants | None = None) -> StepTime:
+def step_time(
+    model: ModelConfig,
+    layout: Layout,
+    cluster: Cluster,
+    seq_len: int,
+    global_batch: int,
+    dtype: str = "bfloat16",
+    runtime: Runtime = FIVED,
+    *,
+    constants: Constants | None = None,
+) -> StepTime:
     """The step of `layout` in `runtime`, priced with `constants` (default: the shipped calibration's)."""
     hw, L, m = cluster.hardware, layout, model
     c = constants or CALIBRATION.constants
@@ -227,7 +270,9 @@ def step_time(model: ModelConfig, layout: Layout, cluster: Cluster, seq_len: int
     micro = L.microbatches(global_batch)
     tokens = global_batch * seq_len
     model_flops = flops_per_token(m, seq_len) * tokens
-    share, pp_rank, layer_fraction = _busiest_rank(model_key(m), L.pp, placement(L.pp_schedule), L.n_stages, L.pp_layers)
+    share, pp_rank, layer_fraction = _busiest_rank(
+        model_key(m), L.pp, placement(L.pp_schedule), L.n_stages, L.pp_layers
+    )
     chunks = rank_chunks_by_key(model_key(m), L.pp, placement(L.pp_schedule), L.n_stages, pp_rank, L.pp_layers)
     layers_here = sum(len(layers) for layers, _, _ in chunks)
     recompute = layer_fraction / 3 if L.checkpointing == "full" else 0.0
@@ -247,7 +292,10 @@ def step_time(model: ModelConfig, layout: Layout, cluster: Cluster, seq_len: int
         if call.group not in links:
             size, stride = group_span(L, call.group)
             links[call.group] = group_link(cluster, stride, size, c)
-        time[call.part] += call.calls * collective_seconds(call.op, call.nbytes, links[call.group], hw, c)
+        nbytes = call.nbytes
+        if call.sent_only:  # (the rank's own share is not in them: priced as the n/(n-1) a collective passes)
+            nbytes *= links[call.group].size / (links[call.group].size - 1)
+        time[call.part] += call.calls * collective_seconds(call.op, nbytes, links[call.group], hw, c)
         moved[call.group] += call.total
     # overlapped tp communication hides under the region's GEMMs, never more than they last
     tp = time["tp"] - min(time["tp"] * (c.tp_overlap if runtime.tp_overlap else 0.0), compute - attention)
@@ -273,29 +321,66 @@ def step_time(model: ModelConfig, layout: Layout, cluster: Cluster, seq_len: int
         # the busiest rank's work, or its critical path at a whole core if that is longer
         bubble = (compute + tp + cp + ep + pp) * max(0.0, hw.core_share / (1 - frac) - 1)
     optimizer = 28 * owned_parameters(m, L, chunks) / (hw.hbm_gbps * 1e9) + time["optimizer"]
-    if L.optimizer == "muon" and runtime.is_fived:
-        optimizer += orthogonalization_s(m, L, dtype, chunks, hw, c)
+    if L.optimizer == "muon" and runtime.is_fived:  # (its elements at its own bytes, not AdamW's 28)
+        optimizer += muon_stream_s(m, L, dtype, chunks, hw) + orthogonalization_s(m, L, dtype, chunks, hw, c)
     layer_host = hw.layer_overhead_s * layers_here * micro * (1 + recompute)
     overhead = layer_host + hw.step_overhead_s + host
-    return StepTime(compute, bubble, tp, cp, ep, pp, dp, optimizer, tokens, L.world, model_flops,
-                    hw.peak_tflops * 1e12, dict(moved), overhead, layer_host)
+    return StepTime(
+        compute,
+        bubble,
+        tp,
+        cp,
+        ep,
+        pp,
+        dp,
+        optimizer,
+        tokens,
+        L.world,
+        model_flops,
+        hw.peak_tflops * 1e12,
+        dict(moved),
+        overhead,
+        layer_host,
+    )
+
+
+def muon_stream_s(m: ModelConfig, L: Layout, dtype: str, chunks, hw: Hardware) -> float:
+    """What Muon's elements on the stage's first rank take beyond the AdamW bytes `step_time` charged
+    them: `fived.muon_load.stream_bytes` each, at HBM speed."""
+    elements = stage_plan(m, L, dtype, chunks).stored_elements(0)
+    per_element = stream_bytes(MOMENT_BYTES[dtype], PRECISION_SPECS[dtype].compute_bytes)
+    return (per_element - 28) * elements / (hw.hbm_gbps * 1e9)
 
 
 def orthogonalization_s(m: ModelConfig, L: Layout, dtype: str, chunks, hw: Hardware, c: Constants) -> float:
-    """Muon's Newton-Schulz iterations on the busiest owner of the stage (the scatter waits for it):
-    its whole matrices' GEMMs (train.muon_ns_steps at its default) at the efficiency of their width."""
+    """Muon's Newton-Schulz iterations on the busiest owner of each bucket of the stage (the scatter
+    waits for it): its whole matrices' GEMMs (train.muon_ns_steps) at the efficiency of their width."""
     plan = stage_plan(m, L, dtype, chunks)
-    steps, peak = TrainConfig.muon_ns_steps, hw.peak_tflops * 1e12
+    steps, peak = L.muon_ns_steps, hw.peak_tflops * 1e12
+    total = 0.0
+    for first, last in plan.buckets:  # one after another, each as long as its busiest owner
+        seconds: dict[int, float] = {}
+        for u in plan.units[first:last]:
+            side = min(u.rows, u.cols)
+            time = ns_flops(u.rows, u.cols, steps) / (peak * efficiency(side, side, hw, c, max(u.rows, u.cols)))
+            seconds[u.owner] = seconds.get(u.owner, 0.0) + time
+        total += max(seconds.values())
+    return total
 
-    def seconds(u) -> float:
-        side = min(u.rows, u.cols)
-        return ns_flops(u.rows, u.cols, steps) / (peak * efficiency(side, side, hw, c, max(u.rows, u.cols)))
 
-    return max(sum(seconds(u) for u in plan.owned(member)) for member in range(plan.size))
-
-
-def _compute(m: ModelConfig, L: Layout, hw: Hardware, runtime: Runtime, dtype: str, seq_len: int, micro: int,
-             layers: int, flops_gpu: float, recompute: float, c: Constants) -> tuple[float, float]:
+def _compute(
+    m: ModelConfig,
+    L: Layout,
+    hw: Hardware,
+    runtime: Runtime,
+    dtype: str,
+    seq_len: int,
+    micro: int,
+    layers: int,
+    flops_gpu: float,
+    recompute: float,
+    c: Constants,
+) -> tuple[float, float]:
     """(seconds of the rank's compute, seconds of its attention blocks) for one step."""
     peak = hw.peak_tflops * 1e12
     fp8 = runtime.fp8 and hw.fp8_tflops > 0
