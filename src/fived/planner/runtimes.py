@@ -28,10 +28,13 @@ each from what its row states (framework, precision, ZeRO/FSDP wording, overlap 
 documented defaults:
 - Megatron-LM 2021/2022: bf16/fp16 weights, fp32 main gradients, fp32 master weights and Adam in
   the (distributed) optimizer, gradients reduced in fp32 after the backward, no tp overlap, fused
-  kernels (apex), activations as Korthikanti et al. count them.
+  kernels (apex), activations as Korthikanti et al. count them, the masked score matrix computed whole
+  (no flash attention).
 - Megatron-Core (2023+, Transformer Engine): the same state, fused kernels and flash attention;
   --overlap-grad-reduce / --overlap-param-gather / --tp-comm-overlap as the row says; grouped GEMM
-  experts; FP8 GEMMs when the row's precision says FP8.
+  experts with --moe-grouped-gemm (else its default, SequentialMLP: a loop over a rank's experts);
+  causal attention in a fused kernel (flash attention, Transformer Engine); FP8 GEMMs when the row's
+  precision says FP8.
 - PyTorch FSDP (FSDP1/FSDP2, torchtitan-style or HF): fp32 sharded parameters gathered in bf16
   (float8 all-gather with FP8), reductions overlapped, eager kernels unless compiled.
 - DeepSpeed ZeRO, InternEvo, PaddlePaddle and other ZeRO-style runtimes: bf16 weights and gradients,
@@ -77,6 +80,11 @@ class Runtime:
     # one grouped GEMM for a rank's experts (fived: on CUDA in bf16 only; priced as its CPU loop)
     grouped_experts: bool = False
     flash_ring: bool = False  # context-parallel blocks with a fused attention kernel (fived: yes)
+    # causal attention in a fused kernel that skips the blocks above the diagonal (FlashAttention, cuDNN /
+    # Transformer Engine fused attention, SDPA's flash kernel): half the QK^T and AV FLOPs the papers count
+    # (fived.metrics.flops_per_token) are computed. Megatron-LM 2021/2022 materialise the score matrix and
+    # mask it (Korthikanti et al.'s selective recomputation exists for it): the whole count
+    causal_skip: bool = True
 
     @property
     def is_fived(self) -> bool:
@@ -131,6 +139,7 @@ def with_overlap(layout, *, fp8: bool = False):
 
 _MEGATRON = Runtime(
     name="megatron",
+    causal_skip=False,
     grad_overlap=False,
     reduce_bytes=4,
     gather_bytes=2,
@@ -166,6 +175,7 @@ PLANNED_RUNTIMES = {
     "megatron-core": replace(
         _MEGATRON,
         name="megatron-core",
+        causal_skip=True,
         tp_overlap=True,
         grad_overlap=True,
         zero12_overlap=True,
@@ -240,11 +250,14 @@ def framework_runtime(framework: str, notes: str = "", precision: str = "") -> R
         return replace(
             _MEGATRON,
             name="megatron-core",
+            causal_skip=True,  # flash attention (--use-flash-attn) or Transformer Engine's fused attention
             tp_overlap=overlap,
             grad_overlap="--overlap-grad-reduce" in text or overlap,
             zero12_overlap="--overlap-grad-reduce" in text or overlap,
             pipeline_grad_overlap="--overlap-grad-reduce" in text or overlap,
-            grouped_experts=True,
+            # Megatron-Core runs a rank's experts as one grouped GEMM only with --moe-grouped-gemm; without
+            # it, SequentialMLP: a loop over the local experts, a kernel launch per expert GEMM
+            grouped_experts="--moe-grouped-gemm" in text,
             flash_ring=True,
             fp8=fp8,
         )

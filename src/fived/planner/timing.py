@@ -11,8 +11,11 @@ dimension on the link its group actually uses, the overlap the runtime allows, a
       micro-batch's tokens, and for routed experts the tokens each expert receives (top_k/E of
       them, times ep: expert parallelism gathers an expert's tokens from ep ranks). FP8 GEMMs (a
       runtime with FP8 on a GPU with FP8 tensor cores) take 1/fp8_speedup of the time (fitted).
-      Experts run as a loop (fived) pay a kernel launch per expert GEMM (the hardware's launch_s).
-    attention (QK^T, AV): at the GEMM efficiency with a fused kernel; a context-parallel ring of plain
+      Experts run as a loop (fived; Megatron-Core without --moe-grouped-gemm) pay a kernel launch per
+      expert GEMM (the hardware's launch_s).
+    attention (QK^T, AV): at the GEMM efficiency with a fused kernel, which with the causal mask computes
+      half the blocks the FLOP count has (`Runtime.causal_skip`: flash attention, Transformer Engine,
+      SDPA; not Megatron-LM 2021/2022, which masks a whole score matrix); a context-parallel ring of plain
       matmuls (a runtime without flash_ring) streams the fp32 score matrix RING_SCORE_PASSES times.
     memory-bound element-wise work (norms, RoPE, activation, residual adds, casts) at HBM speed:
       ELEMENTWISE_BYTES per token and layer, eager (fived) or fused (Transformer Engine, compile),
@@ -394,6 +397,8 @@ def _compute(
     gemm = flops_gpu * ((1 - routed - attn) / dense_eff + routed / expert_eff) / peak
     if fp8:
         gemm /= c.fp8_speedup
+    if runtime.causal_skip and not hw.gemm_efficiency:  # a fused causal kernel computes half the blocks (GPUs;
+        attn /= 2  # a CPU entry's efficiency was fitted on whole steps, attention priced whole)
     attention = flops_gpu * attn / dense_eff / peak
     local_tokens = micro * tokens_mb * recompute  # tokens this rank computes, times recomputation
     stream, inside, per_ffn = ELEMENTWISE_BYTES["fused" if runtime.fused else "eager"]
