@@ -10,15 +10,16 @@ from pathlib import Path
 import pytest
 
 from fived.config import ConfigError, model_preset
+from fived.layout.layout import Layout
 from fived.planner.basis import basis
 from fived.planner.calibration import spearman, validate
 from fived.planner.constants import CALIBRATION, Constants, file_sha256, load_calibration, save_calibration
 from fived.planner.fitting import calibrate, coverage, predict
-from fived.planner.hardware import hardware
+from fived.planner.hardware import CPU, hardware
 from fived.planner.published import read_runs
 from fived.planner.runtimes import FIVED, PLANNED_RUNTIMES, zero_stage
 from fived.planner.search import plan
-from fived.planner.timing import Cluster
+from fived.planner.timing import Cluster, step_time
 
 CALIBRATION_FILE = Path(__file__).parent / "data" / "published_runs.csv"
 BASE = dict(
@@ -68,6 +69,31 @@ def test_zero_wording():
         ("n/a", None),
     ]:
         assert zero_stage(text) == stage, text
+
+
+def test_what_the_flagperf_moe_runs_ran():
+    """Read from their rows: a rank's experts in one grouped GEMM only with --moe-grouped-gemm (the
+    Qwen-MoE script passes none: Megatron-Core's SequentialMLP), row 97's network the 2x200 Gb/s per
+    node of FlagPerf's DGX A100 40G environment, and causal attention in a fused kernel for every
+    runtime but Megatron-LM 2021/2022's."""
+    rows = {r.row_id: r for r in read_runs(CALIBRATION_FILE)[0]}
+    assert [rows[i].runtime.grouped_experts for i in ("66", "67", "97")] == [True, False, True]
+    assert rows["97"].cluster.hardware.network_gbps == 2 * 200 / 8 / 8
+    unfused = {r.source for r in rows.values() if not r.runtime.causal_skip}
+    assert unfused == {"Narayanan2021-SC21", "Korthikanti2022"}
+
+
+def test_a_fused_causal_kernel_halves_the_attention_on_gpus():
+    """The causal mask's half of QK^T and AV is skipped by a fused kernel (GPUs); CPU ranks' fitted
+    efficiency prices attention whole."""
+    m, layout = model_preset("llama3-8b"), Layout(dp=8)
+    for gpu, halved in (("h100", True), ("cpu", False)):
+        hw = hardware(gpu) if gpu != "cpu" else CPU
+        t = {
+            skip: step_time(m, layout, Cluster(hw, 8, 8), 8192, 8, runtime=replace(FIVED, causal_skip=skip))
+            for skip in (True, False)
+        }
+        assert (t[True].compute < t[False].compute) == halved
 
 
 def test_reader_never_crashes(tmp_path):
