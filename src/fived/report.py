@@ -50,8 +50,8 @@ def local_model(cfg: Config, world: int):
     model = build_model(cfg.model)
     mesh = Mesh.from_config(cfg, world)
     if mesh.tp > 1:
-        specs = tensor_specs(cfg.model, tp=mesh.tp, ep=mesh.ep, sp=cfg.parallel.sp)
-        TensorParallel(model, None, cfg.parallel.sp, mesh.tp, 0, specs).apply(model)
+        specs = tensor_specs(cfg.model, tp=mesh.tp, ep=mesh.ep, sp=cfg.parallel.sp, etp=cfg.parallel.etp)
+        TensorParallel(model, None, cfg.parallel.sp, mesh.tp, 0, specs, fold_experts=mesh.layout.folded).apply(model)
     if mesh.ep > 1:
         apply_expert_parallel([model], None, mesh.ep)
     return model
