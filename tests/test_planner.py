@@ -26,7 +26,7 @@ from fived.trainer import run_training
 CALIBRATION_FILE = Path(__file__).parent / "data" / "published_runs.csv"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
-# Nine layouts on 4 ranks covering every dimension, ZeRO stage, HSDP, SP, checkpointing mode and both bf16 modes.
+# Ten layouts on 4 ranks covering every dimension, ZeRO stage, HSDP, SP, checkpointing mode and both bf16 modes.
 LAYOUTS = [
     ("tiny", dict(dp=2, tp=2, sp=True, zero=1)),
     ("tiny-moe", dict(dp=4, zero=2, checkpointing="selective")),
@@ -37,6 +37,7 @@ LAYOUTS = [
     ("tiny-moe", dict(dp=2, cp=2, ep=4, zero=1)),
     ("tiny", dict(dp=2, tp=2, sp=True, zero=1, dtype="bfloat16-autocast")),  # fp32 weights, bf16 compute
     ("tiny-moe", dict(dp=2, pp=2, zero=1, microbatches=2, dtype="bfloat16")),  # bf16 weights, fp32 masters
+    ("tiny-moe", dict(dp=2, tp=2, sp=True, ep=4, etp=1, zero=3)),  # MoE parallel folding
 ]
 
 
@@ -294,6 +295,8 @@ COMM_LAYOUTS = [
     ("tiny-moe", dict(dp=2, cp=2, ep=4, zero=3)),
     ("tiny-moe", dict(dp=2, tp=2, sp=True, zero=1, microbatches=2, checkpointing="full")),
     ("tiny-moe", dict(dp=2, cp=2, zero=0, checkpointing="full")),
+    ("tiny-moe", dict(dp=2, tp=2, sp=True, ep=4, etp=1, zero=1, microbatches=2)),  # folded: ep spans tp
+    ("tiny-moe", dict(dp=1, tp=2, cp=2, sp=True, ep=2, etp=1, zero=2, checkpointing="full", tp_overlap=True)),
 ]
 
 

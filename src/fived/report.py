@@ -94,6 +94,7 @@ def _activation_layout(cfg: Config, world: int) -> dict:
         checkpointing=t.activation_checkpointing,
         ulysses=mesh.layout.ulysses,
         document_mask=cfg.data.document_mask,
+        folded=mesh.layout.folded,
     )
 
 
