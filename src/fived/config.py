@@ -139,7 +139,7 @@ class ParallelConfig:
     ep_overlap: bool = option(False, "expert all-to-all of one chunk of tokens under the expert GEMMs of another")
     # MoE parallel folding (Megatron-Core's expert_tensor_parallel_size=1): the routed experts whole on
     # each rank and ep over dp x cp x tp, each tp rank routing its own sequence shard (needs sp)
-    etp: int = option(0, "expert tensor parallelism: 0: experts split over tp like the attention; 1: folded, ep over dp x cp x tp")
+    etp: int = option(0, "experts' tp: 0 split like the attention; 1 folded (whole, ep over dp x cp x tp)")
     # Context parallelism (fived.parallel.context): ring (K/V travel around the cp ranks), ulysses
     # (all-to-all: each rank attends the whole sequence for cp-th of the heads) or hybrid (Ulysses
     # inside groups of cp_ulysses consecutive cp ranks, a ring across the groups)

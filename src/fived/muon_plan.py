@@ -104,7 +104,9 @@ class Member:
         replicate, shard = divmod(rest, layout.dp_shard)
         dp_cp = (replicate * layout.dp_shard + shard) * layout.cp + cp
         experts = layout.expert_index(dp_cp, tp)  # (its place on the expert mesh: ep innermost)
-        return cls(index, replicate, shard, cp, tp, dp_cp, shard * layout.cp + cp, experts % layout.ep, experts // layout.ep)
+        return cls(
+            index, replicate, shard, cp, tp, dp_cp, shard * layout.cp + cp, experts % layout.ep, experts // layout.ep
+        )
 
     def data_rank(self, layout: Layout) -> DataRank:
         L = layout

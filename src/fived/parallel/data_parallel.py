@@ -83,7 +83,9 @@ class DataParallel:
         from fived.parallel.muon_exchange import MatrixExchange
 
         exchange = MatrixExchange(self.mesh, self.cfg, placements)
-        specs = tensor_specs(self.cfg.model, tp=self.mesh.tp, ep=self.mesh.ep, sp=self.cfg.parallel.sp, etp=self.cfg.parallel.etp)
+        specs = tensor_specs(
+            self.cfg.model, tp=self.mesh.tp, ep=self.mesh.ep, sp=self.cfg.parallel.sp, etp=self.cfg.parallel.etp
+        )
         matrices = [(n, p) for n, p in named if is_muon_tensor(specs[n]) and p.requires_grad]
         names, plan = {n for n, _ in matrices}, exchange.plan
         stored = {n for n in plan.names if exchange.mine.placements[n].boxes()}  # (ZeRO-1/2: no empty slices)
