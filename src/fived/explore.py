@@ -39,20 +39,8 @@ from fived.planner.search import (
 )
 from fived.planner.timing import Cluster, in_node
 
-TOGGLES = (
-    "tp",
-    "sp",
-    "cp",
-    "pp",
-    "pp_schedule",
-    "pp_virtual",
-    "ep",
-    "etp",
-    "zero",
-    "hsdp",
-    "micro_batch",
-    "checkpointing",
-)
+MESH_TOGGLES = ("tp", "sp", "cp", "pp", "pp_schedule", "pp_virtual", "ep", "etp")  # (etp: MoE parallel folding)
+TOGGLES = MESH_TOGGLES + ("zero", "hsdp", "micro_batch", "checkpointing")
 MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "buffers", "reserve", "total")
 TIME_PARTS = ("compute", "bubble", "tp", "cp", "ep", "pp", "dp", "optimizer", "overhead", "total")
 TIMELINE_MICROBATCHES = 4  # per pipeline rank drawn: enough to show fill, steady state and drain
