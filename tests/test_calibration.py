@@ -159,7 +159,7 @@ def test_reader_never_crashes(tmp_path):
     ]
     one, two, moe, deepspeed, folded = read
     assert folded.fixed["etp"] == 1 and folded.model.n_dense_layers == 1 and "experts folded over tp" in folded.notes[0]
-    assert not predict(folded).layout.runnable and folded.cluster.hardware.name == "h100"
+    assert predict(folded).layout.folded and folded.cluster.hardware.name == "h100"  # (fived runs folding)
     assert "tp" in one.open and "tp: planner" in one.notes
     assert two.fixed["dp"] == 8 and "dp 5 -> 8 (gpus/(tp*pp*cp))" in two.notes and two.global_batch == 256
     m = moe.model
@@ -172,7 +172,8 @@ def test_reader_never_crashes(tmp_path):
     result = validate(path, printer=lines.append, out_of_sample=False)
     assert lines[-1] == f"median absolute error: {result['median']:.1f}%"
     assert lines[-2] == "predicted 5 of 9 rows" and (result["predicted"], result["rows"]) == (5, 9)
-    assert any(line.startswith("   9 ") and "not runnable by fived yet" in line for line in lines)
+    folded_line = next(line for line in lines if line.startswith("   9 "))  # (fived runs folding: no refusal)
+    assert "ep16 etp1" in folded_line and "not runnable" not in folded_line and "outside" not in folded_line
     assert sum(line.startswith("row ") and "skipped:" in line for line in lines) == 4
     assert all(predict(r).time.tokens_per_s_per_gpu > 0 for r in read)
 
@@ -361,15 +362,17 @@ def test_spearman():
     assert spearman([1, 1, 2], [1, 2, 3]) == pytest.approx(0.866, abs=1e-3)  # ties share their rank
 
 
-def test_folded_experts_are_planned_for_megatron_only():
-    """Megatron-Core's MoE parallel folding (experts over tp ranks, etp 1) is a planner-only layout:
-    considered for that runtime, never offered to fived's."""
+def test_folded_experts_are_planned_for_every_runtime():
+    """Megatron-Core's MoE parallel folding (experts over tp ranks, etp 1) is considered for every
+    runtime, fived's included (it runs them: parallel.etp=1), and the fived command says so."""
     m = replace(model_preset("mixtral-8x7b"), n_layers=8)  # (a quarter of Mixtral: 8 GPUs hold it)
     cluster = Cluster(hardware("h100"), 8, 8)
-    folded = plan(m, cluster, 4096, 32, runtime=PLANNED_RUNTIMES["megatron-core"])
-    assert any(p.layout.etp == 1 and p.layout.ep * p.layout.etp > p.layout.dp * p.layout.cp for p in folded.plans)
-    assert all(p.layout.runnable or p.layout.etp == 1 for p in folded.plans)
-    assert all(p.layout.runnable for p in plan(m, cluster, 4096, 32).plans)
+    for runtime in (PLANNED_RUNTIMES["megatron-core"], PLANNED_RUNTIMES["fived"]):
+        plans = plan(m, cluster, 4096, 32, runtime=runtime).plans
+        assert any(p.layout.folded and p.layout.ep > p.layout.dp * p.layout.cp for p in plans)
+        assert all(p.layout.runnable and (p.layout.sp or not p.layout.folded) for p in plans)
+    folded = next(p.layout for p in plans if p.layout.folded)
+    assert "--parallel.etp 1" in folded.flags(32) and " etp1 " in folded.describe()
 
 
 def test_memory_headroom_is_left_free():

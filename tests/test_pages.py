@@ -113,6 +113,7 @@ BASELINE = {
     "pp_schedule": "1f1b",
     "pp_virtual": "1",
     "ep": "1",
+    "etp": "0",
     "zero": "0",
     "hsdp": "false",
     "micro_batch": "1",
@@ -153,6 +154,7 @@ def test_explore_opens_on_the_planners_best_layout_and_toggles_show_its_figures(
     assert page.inner_text("#status").split(" — ")[0].split(": ", 1)[1] == ranked[0]["describe"]
     assert float(page.get_attribute("#memory-total", "data-gib")) == ranked[0]["memory_gib"]["total"]
     assert page_flags(page) == ranked[0]["flags"]
+    assert "--parallel.etp 1" in ranked[0]["flags"] and page.locator("#ctl-etp").count() == 1  # (it folds)
     rows = page.locator("#ranking-table tr.rank-row")
     assert rows.count() == len(ranked) and "current" in (rows.nth(0).get_attribute("class") or "")
     rows.nth(1).click()  # a click loads that layout
@@ -226,7 +228,8 @@ def test_dense_page_has_no_ep_toggle_draws_big_maps_compactly_and_memory_readabl
     out = tmp_path / "llama.html"
     assert main(["explore", "--model", "llama3-70b", *EXPLORE, "--output", str(out)]) == 0
     page, errors = open_page(browser, out)
-    assert page.locator("#ctl-ep").count() == 0 and page.locator("#ctl-cp option").count() > 2
+    assert page.locator("#ctl-ep").count() == 0 and page.locator("#ctl-etp").count() == 0
+    assert page.locator("#ctl-cp option").count() > 2
     set_toggles(page, {**BASELINE, "tp": "8", "pp": "4", "zero": "1"})  # 32 GPUs per replica
     assert page.get_attribute("body", "data-valid") == "true", page.inner_text("#status")
     box = page.locator("#layer-map-body").bounding_box()

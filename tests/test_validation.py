@@ -131,6 +131,13 @@ CASES = [
     (["train", "--train.optimizer", "muon", "--train.muon_momentum", "1"], "train.muon_momentum", "must be in [0, 1)"),
     (["train", "--train.optimizer", "muon", "--train.muon_ns_steps", "0"], "train.muon_ns_steps", "must be >= 1"),
     (["train", "--train.optimizer", "muon", "--train.muon_bucket_mb", "0"], "train.muon_bucket_mb", "must be > 0"),
+    # MoE parallel folding: routes each tp rank's sequence shard, ep over dp*cp*tp
+    (
+        ["verify", "--model", "tiny-moe", "--nproc", "4", "--tp", "2", "--ep", "2", "--parallel.etp", "1"],
+        "parallel.etp",
+        "needs sequence parallelism",
+    ),
+    (["verify", "--model", "tiny-moe", "--parallel.etp", "2"], "parallel.etp", "must be 0"),
     # Muon's options under AdamW would be ignored: refused
     (["train", "--train.muon_scale", "spectral"], "train.muon_scale", "only acts with train.optimizer=muon"),
     (["verify", "--train.muon_nesterov", "false"], "train.muon_nesterov", "only acts with train.optimizer=muon"),

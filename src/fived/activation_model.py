@@ -119,6 +119,7 @@ def activation_bytes(
     autocast: bool = True,
     ulysses: int = 1,
     document_mask: bool = False,
+    folded: bool = False,
 ) -> dict[str, int]:
     """Bytes saved for backward by ONE micro-batch on one rank, by part: a key per layer id in
     `layers` (str), "embedding" if `first` (the rank holds the token embedding), "head" if `last`
@@ -127,12 +128,16 @@ def activation_bytes(
     whole sequence (cp ranks hold seq_len / cp of each); `dtype_bytes` 8, 4 or 2 (bfloat16 autocast);
     `checkpointing` none | full | selective; `autocast` (with dtype_bytes 2): float32 weights under
     autocast (bfloat16-autocast), else bf16 weights (bfloat16); `ulysses` the Ulysses group size
-    (`Layout.ulysses`); `document_mask` data.document_mask. See the module docstring for every term."""
+    (`Layout.ulysses`); `document_mask` data.document_mask; `folded` MoE parallel folding (etp 1 under
+    tp: a MoE layer routes its Bs sequence-shard tokens through whole experts). See the module
+    docstring for every term."""
     if checkpointing not in CHECKPOINTING:
         raise ValueError(f"checkpointing={checkpointing!r}: must be one of {', '.join(CHECKPOINTING)}")
     if dtype_bytes not in (2, 4, 8):
         raise ValueError(f"dtype_bytes={dtype_bytes}: must be 8 (float64), 4 (float32) or 2 (bfloat16 autocast)")
-    g = _Geometry(model, micro_batch_seqs, seq_len, tp, sp, cp, ep, dtype_bytes, autocast, ulysses, document_mask)
+    g = _Geometry(
+        model, micro_batch_seqs, seq_len, tp, sp, cp, ep, dtype_bytes, autocast, ulysses, document_mask, folded
+    )
     out: dict[str, int] = {}
     if first:
         out["embedding"] = g.embedding()
@@ -158,7 +163,7 @@ def layer_bytes(model, moe: bool = False, **layout) -> int:
         layout.pop("seq_len"),
         **{
             k: layout[k]
-            for k in ("tp", "sp", "cp", "ep", "dtype_bytes", "autocast", "ulysses", "document_mask")
+            for k in ("tp", "sp", "cp", "ep", "dtype_bytes", "autocast", "ulysses", "document_mask", "folded")
             if k in layout
         },
     )
@@ -181,8 +186,10 @@ class _Geometry:
         autocast: bool = True,
         ulysses: int = 1,
         document_mask: bool = False,
+        folded: bool = False,
     ):
         self.m, self.b, self.tp, self.cp, self.ep = m, b, tp, cp, ep
+        self.folded = folded and tp > 1
         self.u, self.documents = ulysses, document_mask
         # the attention keeps its tokens' order keys: document-masked, or the ring across Ulysses groups
         self.keys = document_mask or 1 < ulysses < cp
@@ -254,8 +261,12 @@ class _Geometry:
             kv = u * self.hd
         return B * ((3 * h / T + 2 * kv) * self.x + a * self.f32) + 16 * u * B + (8 * u * B if self.keys else 0)
 
+    def _routed(self) -> tuple[float, int]:
+        """(tokens a MoE layer routes, the tp split of its experts): B and T, or folded Bs and 1."""
+        return (self.Bs, 1) if self.folded else (self.B, self.tp)
+
     def _slots(self) -> float:
-        m, B = self.m, self.B
+        m, B = self.m, self._routed()[0]
         slots = B * m.top_k
         if m.capacity_factor > 0:
             cap = math.ceil(m.capacity_factor * B * m.top_k / m.n_experts)
@@ -263,7 +274,8 @@ class _Geometry:
         return slots
 
     def _moe(self) -> float:
-        m, B, h, T, b = self.m, self.B, self.h, self.tp, self.b
+        m, h, b = self.m, self.h, self.b
+        B, T = self._routed()
         E, k, S = m.n_experts, m.top_k, self._slots()
         p = self.f32  # router probabilities and statistics
         router = B * E * p + 8 * k * B + ((k + 1) * B * p if m.route_norm else 0)
@@ -279,7 +291,7 @@ class _Geometry:
             dispatched = S * h * self.x
             combine = (2 * S * h + S) * self.x
         experts = 2 * m.expert_dim / T * S * self.x + 8 * E // self.ep
-        shared = 4 * m.expert_dim * m.n_shared_experts / T * B * self.x
+        shared = 4 * m.expert_dim * m.n_shared_experts / self.tp * self.B * self.x  # (a tp region: B tokens)
         aux = p + 8 * E
         return router + stats + ids + dispatched + experts + combine + shared + aux
 
@@ -292,9 +304,9 @@ class _Geometry:
             total += B * (h / T * x + a * self.f32)
         if not moe:
             return total + B * (2 * m.ffn_dim / T + h) * x
-        S = self._slots()
-        total += B * m.n_experts * x  # router logits
-        total += S * (2 * m.expert_dim / T + h) * x
+        S, (routed, split) = self._slots(), self._routed()
+        total += routed * m.n_experts * x  # router logits
+        total += S * (2 * m.expert_dim / split + h) * x
         if m.n_shared_experts:
             total += B * (2 * m.expert_dim * m.n_shared_experts / T + h) * x
         return total

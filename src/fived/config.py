@@ -116,7 +116,7 @@ class ParallelConfig:
     tp: int = option(1, "tensor-parallel ranks (attention heads and feed-forward columns split)")
     pp: int = option(1, "pipeline-parallel stages")
     cp: int = option(1, "context-parallel ranks (each sequence split; load-balanced ring attention)")
-    ep: int = option(1, "expert-parallel ranks (the routed experts split over dp x cp)")
+    ep: int = option(1, "expert-parallel ranks (the routed experts split over dp x cp, or dp x cp x tp with etp 1)")
     zero: ZeroStage = option(0, "0: DDP; 1: optimizer state sharded; 2: + gradients; 3: + parameters (FSDP2)")
     dp_replicate: int = option(1, "HSDP: ZeRO shards span dp / dp_replicate ranks, replicated across the groups")
     reduce_dtype: ReduceDtype = option("float32", "dtype of the gradient reduction in bfloat16 runs")
@@ -137,6 +137,9 @@ class ParallelConfig:
     # Megatron-Core's distributed optimizer)
     bucket_mb: float = option(25.0, "MiB of gradients per reduction bucket")
     ep_overlap: bool = option(False, "expert all-to-all of one chunk of tokens under the expert GEMMs of another")
+    # MoE parallel folding (Megatron-Core's expert_tensor_parallel_size=1): the routed experts whole on
+    # each rank and ep over dp x cp x tp, each tp rank routing its own sequence shard (needs sp)
+    etp: int = option(0, "experts' tp: 0 split like the attention; 1 folded (whole, ep over dp x cp x tp)")
     # Context parallelism (fived.parallel.context): ring (K/V travel around the cp ranks), ulysses
     # (all-to-all: each rank attends the whole sequence for cp-th of the heads) or hybrid (Ulysses
     # inside groups of cp_ulysses consecutive cp ranks, a ring across the groups)

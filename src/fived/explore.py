@@ -2,8 +2,8 @@
 document the page (`fived.pages`) only looks values up in.
 
 The toggles span the values `fived plan` searches for this model and cluster (`toggle_options`: the
-tp, cp, pp and ep of its mesh shapes, its schedules and virtual stages, its micro-batch sizes), plus
-sp, the ZeRO stage, its HSDP (ZeRO shards inside a node, replicas across nodes) and activation
+tp, cp, pp and ep of its mesh shapes, folded ones included, its schedules and virtual stages, its micro-batch sizes), plus
+sp, etp (MoE parallel folding), the ZeRO stage, its HSDP (ZeRO shards inside a node, replicas across nodes) and activation
 checkpointing; dp is what the GPU count leaves (gpus / (tp*pp*cp)). Each reachable combination is
 either priced as the planner prices it (`fived.planner.search.evaluate` with the overlaps fived
 turns on: memory per GPU, step time, the collectives of `fived.planner.communication` with the
@@ -39,7 +39,8 @@ from fived.planner.search import (
 )
 from fived.planner.timing import Cluster, in_node
 
-TOGGLES = ("tp", "sp", "cp", "pp", "pp_schedule", "pp_virtual", "ep", "zero", "hsdp", "micro_batch", "checkpointing")
+MESH_TOGGLES = ("tp", "sp", "cp", "pp", "pp_schedule", "pp_virtual", "ep", "etp")  # (etp: MoE parallel folding)
+TOGGLES = MESH_TOGGLES + ("zero", "hsdp", "micro_batch", "checkpointing")
 MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "buffers", "reserve", "total")
 TIME_PARTS = ("compute", "bubble", "tp", "cp", "ep", "pp", "dp", "optimizer", "overhead", "total")
 TIMELINE_MICROBATCHES = 4  # per pipeline rank drawn: enough to show fill, steady state and drain
@@ -49,8 +50,9 @@ RANKED = 8  # the planner's best layouts listed on the page
 
 def toggle_options(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int) -> dict[str, list]:
     """The values each toggle offers: what `fived plan` searches for this model on this cluster (every
-    tp, cp, pp and ep of its mesh shapes; a dense model has no ep toggle: one value)."""
-    meshes = list(mesh_shapes(model, cluster.gpus, cluster.gpus_per_node, seq_len, global_batch))
+    tp, cp, pp and ep of its mesh shapes, folded ones included; a dense model has no ep or etp toggle:
+    one value)."""
+    meshes = list(mesh_shapes(model, cluster.gpus, cluster.gpus_per_node, seq_len, global_batch, folded=True))
     of = lambda name: sorted({getattr(m, name) for m in meshes} | {1})  # noqa: E731  (1: no parallelism)
     schedules = [s for s in PP_SCHEDULES if s in {name for name, _ in SCHEDULES}]
     return {
@@ -61,6 +63,7 @@ def toggle_options(model: ModelConfig, cluster: Cluster, seq_len: int, global_ba
         "pp_schedule": schedules,
         "pp_virtual": sorted({v for _, v in SCHEDULES}),
         "ep": of("ep"),
+        "etp": [0, 1] if any(m.etp == 1 for m in meshes) else [0],  # (MoE parallel folding: parallel.etp)
         "zero": [0, 1, 2, 3],
         "hsdp": [False, True],
         "micro_batch": [m for m in MICRO_BATCHES if m == 1 or m * seq_len <= MICRO_BATCH_TOKENS],
@@ -88,8 +91,14 @@ def reachable_layouts(options: dict[str, list], cluster: Cluster):
         if gpus % (tp * cp * pp):
             continue
         schedules = itertools.product(options["pp_schedule"], options["pp_virtual"]) if pp > 1 else [("1f1b", 1)]
-        for (schedule, virtual), ep, zero, hsdp, mbs, ac in itertools.product(
-            schedules, options["ep"], options["zero"], options["hsdp"], options["micro_batch"], options["checkpointing"]
+        for (schedule, virtual), ep, etp, zero, hsdp, mbs, ac in itertools.product(
+            schedules,
+            options["ep"],
+            options["etp"],
+            options["zero"],
+            options["hsdp"],
+            options["micro_batch"],
+            options["checkpointing"],
         ):
             layout = Layout(
                 dp=gpus // (tp * cp * pp),
@@ -100,10 +109,14 @@ def reachable_layouts(options: dict[str, list], cluster: Cluster):
                 pp_schedule=schedule,
                 pp_virtual=virtual,
                 ep=ep,
+                etp=etp,
                 zero=zero,
                 micro_batch=mbs,
                 checkpointing=ac,
             )
+            if etp == 1 and not layout.folded:  # (not priced twice: the same layout as etp 0)
+                yield layout_key(layout), "etp: folding the experts (etp 1) needs tp > 1 to change anything; e.g. etp 0"
+                continue
             if not hsdp:
                 yield layout_key(layout), layout
                 continue

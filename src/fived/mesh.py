@@ -77,7 +77,8 @@ class Mesh:
 
     `Mesh.build` needs an initialised default process group; sub-meshes and groups are taken by name:
     pp, dp (= dp_replicate x dp_shard, flattened), dp_replicate, dp_shard, cp, tp, dp_cp, dp_shard_cp,
-    dp_cp_tp (a pipeline stage's ranks; with train.optimizer=muon only), and the expert mesh's ep and edp."""
+    dp_cp_tp (a pipeline stage's ranks; with train.optimizer=muon only), and the expert mesh's ep and edp
+    (over dp*cp, or over dp*cp*tp with parallel.etp=1: `Layout.expert_ranks`)."""
 
     def __init__(self, layout: Layout | None = None, **sizes):
         self.layout = layout if layout is not None else Layout(**sizes)
@@ -99,6 +100,7 @@ class Mesh:
     dp_replicate = property(lambda self: self.layout.dp_replicate)
     dp_shard = property(lambda self: self.layout.dp_shard)
     world_size = property(lambda self: self.layout.world)
+    edp = property(lambda self: self.layout.expert_ranks // self.layout.ep)  # ranks holding the same experts
 
     def build(self, device_type: str, timeout_s: float | None = None) -> Mesh:
         """Create every group; with `timeout_s`, a collective on any of them that does not complete in
@@ -115,11 +117,14 @@ class Mesh:
         # Flattened views: "dp" picks the data (the batch split), "dp_cp" reduces gradients (cp ranks
         # see other tokens of the same sequences), "dp_shard_cp" holds the ZeRO shards.
         mesh = self.device_mesh
-        # Experts: dp*cp cut into ep groups of consecutive ranks (ep innermost) and edp groups across.
-        expert_dims = ("pp", "edp", "ep", "tp")
+        # Experts: dp*cp cut into ep groups of consecutive ranks (ep innermost) and edp groups across,
+        # one such cut per tp rank; folded (parallel.etp=1), a stage's dp*cp*tp ranks (consecutive,
+        # tp innermost) cut alike, so an ep group may span tp ranks ("etp" then has size 1).
+        expert_dims = ("pp", "edp", "ep", "etp")
+        etp = 1 if self.layout.folded else self.tp
         self.expert_mesh = init_device_mesh(
             device_type,
-            (self.pp, self.dp * self.cp // self.ep, self.ep, self.tp),
+            (self.pp, self.layout.expert_ranks // self.ep, self.ep, etp),
             mesh_dim_names=expert_dims,
             backend_override=dict.fromkeys(expert_dims, override) if override else None,
         )

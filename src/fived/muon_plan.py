@@ -103,13 +103,25 @@ class Member:
         rest, cp = divmod(rest, layout.cp)
         replicate, shard = divmod(rest, layout.dp_shard)
         dp_cp = (replicate * layout.dp_shard + shard) * layout.cp + cp
+        experts = layout.expert_index(dp_cp, tp)  # (its place on the expert mesh: ep innermost)
         return cls(
-            index, replicate, shard, cp, tp, dp_cp, shard * layout.cp + cp, dp_cp % layout.ep, dp_cp // layout.ep
+            index, replicate, shard, cp, tp, dp_cp, shard * layout.cp + cp, experts % layout.ep, experts // layout.ep
         )
 
     def data_rank(self, layout: Layout) -> DataRank:
         L = layout
-        return DataRank(L.zero, L.pp, L.ep, L.dp * L.cp, L.dp_shard * L.cp, self.shard_cp, self.replicate, self.dp_cp)
+        return DataRank(
+            L.zero,
+            L.pp,
+            L.ep,
+            L.dp * L.cp,
+            L.dp_shard * L.cp,
+            self.shard_cp,
+            self.replicate,
+            self.dp_cp,
+            L.expert_ranks,
+            L.expert_index(self.dp_cp, self.tp),
+        )
 
     def distance(self, other: Member) -> int:
         return sum(

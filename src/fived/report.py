@@ -50,8 +50,8 @@ def local_model(cfg: Config, world: int):
     model = build_model(cfg.model)
     mesh = Mesh.from_config(cfg, world)
     if mesh.tp > 1:
-        specs = tensor_specs(cfg.model, tp=mesh.tp, ep=mesh.ep, sp=cfg.parallel.sp)
-        TensorParallel(model, None, cfg.parallel.sp, mesh.tp, 0, specs).apply(model)
+        specs = tensor_specs(cfg.model, tp=mesh.tp, ep=mesh.ep, sp=cfg.parallel.sp, etp=cfg.parallel.etp)
+        TensorParallel(model, None, cfg.parallel.sp, mesh.tp, 0, specs, fold_experts=mesh.layout.folded).apply(model)
     if mesh.ep > 1:
         apply_expert_parallel([model], None, mesh.ep)
     return model
@@ -94,6 +94,7 @@ def _activation_layout(cfg: Config, world: int) -> dict:
         checkpointing=t.activation_checkpointing,
         ulysses=mesh.layout.ulysses,
         document_mask=cfg.data.document_mask,
+        folded=mesh.layout.folded,
     )
 
 

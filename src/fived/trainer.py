@@ -269,7 +269,7 @@ class Trainer:
 
     @torch.no_grad()
     def _balance_experts(self, loads: list[torch.Tensor]) -> float:
-        """Global tokens per expert of each local MoE layer (summed over dp*cp); with
+        """Global tokens per expert of each local MoE layer (summed over dp*cp, and tp when folded); with
         model.router_bias_rate > 0, step each router bias toward balance (DeepSeek-V3's
         aux-loss-free method: underloaded experts up, overloaded down). Returns the worst layer's
         max/mean load (over the whole pipeline)."""
@@ -277,6 +277,8 @@ class Trainer:
         if loads:
             stacked = torch.stack(loads)
             dist.all_reduce(stacked, group=self.mesh.group("dp_cp"))
+            if self.mesh.layout.folded:  # (each tp rank routed its own sequence shard: parallel.etp=1)
+                dist.all_reduce(stacked, group=self.mesh.group("tp"))
             rate = self.cfg.model.router_bias_rate
             for moe, load in zip(self.moe_layers, stacked):
                 if rate > 0:

@@ -5,7 +5,8 @@ precisions) and the way ranks are numbered on the mesh.
 Mesh order, outermost to innermost: pp, dp, cp, tp (as Megatron-Core's rank generator: tp on the
 fastest links, pp across nodes). dp is itself dp_replicate x dp_shard (HSDP: ZeRO shards within a
 dp_shard group, replicas across dp_replicate); the flattened "dp" group spans both. Expert
-parallelism folds over dp*cp (ep divides dp*cp). Plain Python: `fived.mesh.Mesh` builds the
+parallelism folds over dp*cp (ep divides dp*cp), or with parallel.etp=1 (MoE parallel folding) over a
+stage's dp*cp*tp ranks, whole experts on each (ep divides dp*cp*tp). Plain Python: `fived.mesh.Mesh` builds the
 process groups of a layout.
 """
 
@@ -122,8 +123,9 @@ class Layout:
     """A resolved `ParallelConfig` (dp a number, not -1) plus what the training config decides about the
     layout (sequences per micro-batch, activation checkpointing, the optimizer): every degree of freedom the runtime
     has, hashable, so the planner can weigh thousands of them and a planned one runs as printed.
-    `etp` (expert tensor-parallel size; 0 means tp, as fived runs experts) is the planner's only field
-    beyond the runtime's: Megatron-Core's MoE parallel folding, which fived cannot run yet."""
+    `etp` (expert tensor-parallel size) is 0 (experts split over tp like the attention) or 1 (MoE
+    parallel folding: whole experts, ep over dp*cp*tp) for the runtime; the planner also weighs other
+    runtimes' values, which fived does not run."""
 
     dp: int = 1
     tp: int = P.tp
@@ -143,12 +145,12 @@ class Layout:
     overlap_param_gather: bool = P.overlap_param_gather
     bucket_mb: float = P.bucket_mb
     ep_overlap: bool = P.ep_overlap
+    etp: int = P.etp
     cp_mode: CpMode = P.cp_mode
     cp_ulysses: int = P.cp_ulysses
     cp_balance: CpBalance = P.cp_balance
     micro_batch: int = 1  # sequences per micro-batch on one data-parallel rank
     checkpointing: Checkpointing = TrainConfig.activation_checkpointing
-    etp: int = 0
     optimizer: Optimizer = TrainConfig.optimizer  # muon: its state and its exchange of whole matrices are priced
     muon_bucket_mb: float = TrainConfig.muon_bucket_mb  # (Muon's step in buckets: fived.muon_plan)
     muon_ns_steps: int = TrainConfig.muon_ns_steps  # (Newton-Schulz iterations: its time is priced)
@@ -177,6 +179,21 @@ class Layout:
         return self.etp or self.tp
 
     @property
+    def folded(self) -> bool:
+        """MoE parallel folding that changes anything: whole experts where the attention is tp-split."""
+        return self.etp == 1 and self.tp > 1
+
+    @property
+    def expert_ranks(self) -> int:
+        """The ranks of a pipeline stage that ep x edp cut: dp*cp, or dp*cp*tp when folded."""
+        return self.dp * self.cp * (self.tp if self.folded else 1)
+
+    def expert_index(self, dp_cp: int, tp: int) -> int:
+        """A rank's index among `expert_ranks` from its dp*cp and tp indices (tp innermost when folded):
+        its ep rank is index % ep, its edp rank index // ep."""
+        return dp_cp * self.tp + tp if self.folded else dp_cp
+
+    @property
     def ulysses(self) -> int:
         """Ranks per Ulysses group: cp (ulysses), cp_ulysses (hybrid), 1 (ring, or no cp)."""
         if self.cp == 1:
@@ -185,8 +202,8 @@ class Layout:
 
     @property
     def runnable(self) -> bool:
-        """fived's runtime can run it: experts split like the attention (etp = tp), ep over dp*cp."""
-        return self.expert_tp == self.tp
+        """fived's runtime can run it: experts split like the attention (etp 0), or folded (etp 1)."""
+        return self.etp in (0, 1)
 
     @classmethod
     def from_config(cls, cfg: Config, world: int | None) -> Layout:
@@ -218,7 +235,7 @@ class Layout:
         rest, dps_i = divmod(rest, self.dp_shard)
         pp_i, dpr_i = divmod(rest, self.dp_replicate)
         dp_cp = (dpr_i * self.dp_shard + dps_i) * self.cp + cp_i
-        return {"pp": pp_i, "shard": dps_i * self.cp + cp_i, "edp": dp_cp // self.ep}
+        return {"pp": pp_i, "shard": dps_i * self.cp + cp_i, "edp": self.expert_index(dp_cp, tp_i) // self.ep}
 
     def group_ranks(self, name: str, rank: int = 0) -> frozenset[int]:
         """The global ranks of `rank`'s group `name` (a GROUP_NAMES entry), as `Mesh.build` forms it."""
@@ -244,7 +261,7 @@ class Layout:
             rest, c = divmod(rest, self.cp)
             rest, s = divmod(rest, self.dp_shard)
             p, d = divmod(rest, self.dp_replicate)
-            flat = (d * self.dp_shard + s) * self.cp + c  # the expert mesh cuts dp*cp into (edp, ep)
+            flat = self.expert_index((d * self.dp_shard + s) * self.cp + c, t)  # the expert mesh cuts it into (edp, ep)
             return {
                 "p": p,
                 "r": d,
@@ -260,8 +277,8 @@ class Layout:
 
         def key(r: int) -> tuple:
             k = coords(r)
-            if name in ("ep", "edp"):  # the expert mesh's other coordinate is its own
-                return k["p"], k["t"], k["d" if name == "ep" else "e"]
+            if name in ("ep", "edp"):  # the expert mesh's other coordinate is its own (tp's too, unless folded)
+                return k["p"], 0 if self.folded else k["t"], k["d" if name == "ep" else "e"]
             if name in ("cp_ulysses", "cp_ring"):  # cp cut into Ulysses groups (consecutive) and rings across
                 return k["p"], k["r"], k["s"], k["t"], k["g" if name == "cp_ulysses" else "u"]
             return tuple(v for dim, v in k.items() if dim in "prsct" and dim not in varied)
@@ -326,7 +343,7 @@ class Layout:
             )
             parts.append(f"cp{self.cp}{mode}")
         if self.ep > 1:
-            parts.append(f"ep{self.ep}" + (f" etp{self.expert_tp}" if not self.runnable else ""))
+            parts.append(f"ep{self.ep}" + (f" etp{self.expert_tp}" if self.expert_tp != self.tp else ""))
         parts.append(f"mbs{self.micro_batch}")
         if self.checkpointing != "none":
             parts.append(f"ac={self.checkpointing}")

@@ -12,6 +12,7 @@ from dataclasses import fields
 
 from fived.config import Config, ConfigError, TrainConfig
 from fived.layout.bounds import number_errors
+from fived.layout.expert_rules import expert_rules
 from fived.layout.layout import (
     CHECKPOINTING,
     COMPILE_BACKENDS,
@@ -241,16 +242,7 @@ def _pipeline_rules(need, m, p, t) -> None:
 
 
 def _data_rules(need, m, p, t, dp: int) -> None:
-    dp_cp = max(dp, 1) * p.cp
-    ep_ok = largest_divisor(math.gcd(m.n_experts, dp_cp) if m.is_moe else dp_cp, p.ep)
-    need(
-        not m.is_moe or m.n_experts % p.ep == 0,
-        "parallel.ep",
-        p.ep,
-        f"must divide model.n_experts={m.n_experts}",
-        f"e.g. --ep {ep_ok}",
-    )
-    need(dp >= 1 and dp_cp % p.ep == 0, "parallel.ep", p.ep, f"must divide dp*cp={dp_cp}", f"e.g. --ep {ep_ok}")
+    expert_rules(need, m, p, t, dp)
     need(
         not p.sp or t.seq_len % (p.tp * p.cp) == 0,
         "train.seq_len",
@@ -266,13 +258,6 @@ def _data_rules(need, m, p, t, dp: int) -> None:
         f"e.g. --seq-len {nearest_multiple(t.seq_len, 2 * p.cp)}",
     )
     need(p.zero in (0, 1, 2, 3), "parallel.zero", p.zero, "must be 0, 1, 2 or 3", "e.g. --zero 1")
-    need(
-        p.ep == 1 or p.dp_replicate == 1,
-        "parallel.ep",
-        p.ep,
-        "expert parallelism with HSDP replicas is not supported yet",
-        "use --ep 1, or --dp-replicate 1",
-    )
     need(
         p.dp_replicate >= 1 and dp >= 1 and dp % p.dp_replicate == 0,
         "parallel.dp_replicate",

@@ -2,14 +2,16 @@
 written once, as data (torchtitan's parallelize plans as data; Megatron-Core's ShardedTensor for
 where each piece lives).
 
-`tensor_specs(m, tp=, ep=, sp=)` lists the model's tensors by canonical name with their whole shape
+`tensor_specs(m, tp=, ep=, sp=, etp=)` lists the model's tensors by canonical name with their whole shape
 and, per dimension:
   - tp: which tensor dimension tensor parallelism cuts, into how many pieces, after padding it to
     what (the vocabulary, to a multiple of tp), and how many consecutive tp ranks hold each piece
     (kv heads when tp > n_kv_heads: rank r holds kv head r // (tp / n_kv_heads)); None: replicated,
     with `tp_partial_grad` when each tp rank still holds only part of its gradient (norms under SP,
     the MoE router, Qwen3's q/k norms);
-  - ep: routed experts are cut along dim 0 (expert j of E on ep rank j // (E/ep));
+  - ep: routed experts are cut along dim 0 (expert j of E on ep rank j // (E/ep)); folded (etp 1,
+    Megatron-Core's MoE parallel folding) they are not cut by tp: ep then spans dp*cp*tp (`folded`),
+    or with ep 1 each tp rank holds them whole with a partial gradient (its own tokens');
   - data parallelism: `shard_rows` (ZeRO-3: FSDP2's ceil-sized row chunks of dim 0) and
     `flat_range` (ZeRO-1/2: a range of one flat buffer of the other parameters, in model order,
     padded to a multiple of the shard group; with overlapped reductions `flat_buckets` cuts that
@@ -57,6 +59,9 @@ class TensorSpec:
     expert: bool = False  # a routed expert's weight (data parallel over edp when ep > 1)
     tp_partial_grad: bool = False  # replicated over tp, but each tp rank holds part of its gradient
     buffer: bool = False  # not a parameter (the router's balancing bias): saved, never optimized
+    # a routed expert folded over tp (etp 1, ep > 1): tp ranks hold other experts or edp replicas,
+    # which the expert mesh numbers, not tp copies
+    folded: bool = False
 
     def local_box(self, *, tp_rank: int = 0, ep_rank: int = 0) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(offsets, sizes) of the tp/ep-local tensor in the (padded) whole tensor."""
@@ -73,6 +78,8 @@ class TensorSpec:
 
     def tp_replica(self, tp_rank: int) -> int:
         """Among the tp ranks holding the same piece, this rank's number (0: the copy that is saved)."""
+        if self.folded:
+            return 0
         return tp_rank if self.tp is None else tp_rank % self.tp.replicas
 
     @property
@@ -134,11 +141,13 @@ def _layer_specs(m: ModelConfig, moe_id: int, tp: int, ep: int, sp: bool, etp: i
         out += _mlp(t, "feed_forward.", m.ffn_dim, d, tp)
         return tuple(out)
     e, f, by_ep = m.n_experts, m.expert_dim, _cut(0, ep)
+    # folded (whole experts under tp > 1): each tp rank routes its own tokens through them
+    fold = {"folded": ep > 1, "tp_partial_grad": ep == 1} if etp == 1 < tp else {}
     out += [
         t("feed_forward.router.weight", [e, d], tp_partial_grad=tp > 1),
-        t("feed_forward.experts.w1", [e, d, f], _cut(2, etp), ep=by_ep, expert=True),
-        t("feed_forward.experts.w3", [e, d, f], _cut(2, etp), ep=by_ep, expert=True),
-        t("feed_forward.experts.w2", [e, f, d], _cut(1, etp), ep=by_ep, expert=True),
+        t("feed_forward.experts.w1", [e, d, f], _cut(2, etp), ep=by_ep, expert=True, **fold),
+        t("feed_forward.experts.w3", [e, d, f], _cut(2, etp), ep=by_ep, expert=True, **fold),
+        t("feed_forward.experts.w2", [e, f, d], _cut(1, etp), ep=by_ep, expert=True, **fold),
     ]
     if m.n_shared_experts:
         out += _mlp(t, "feed_forward.shared.", f * m.n_shared_experts, d, tp)
@@ -189,9 +198,9 @@ def chunk_specs(
     return out + [s for s in ends if s.part == "head"]
 
 
-def tensor_specs(m: ModelConfig, *, tp: int = 1, ep: int = 1, sp: bool = False) -> dict[str, TensorSpec]:
+def tensor_specs(m: ModelConfig, *, tp: int = 1, ep: int = 1, sp: bool = False, etp: int = 0) -> dict[str, TensorSpec]:
     """Every tensor of the whole model by canonical name."""
-    return {s.name: s for s in chunk_specs(m, range(m.n_layers), True, True, tp=tp, ep=ep, sp=sp)}
+    return {s.name: s for s in chunk_specs(m, range(m.n_layers), True, True, tp=tp, ep=ep, sp=sp, etp=etp)}
 
 
 # --- data parallelism: how a ZeRO stage stores a tensor's local piece ------------------------------
@@ -329,7 +338,11 @@ class DataRank:
     shards: int  # dp_shard * cp: the ZeRO shard group
     shard: int  # this rank's index in it
     replicate: int  # its index in dp_replicate
-    dp_cp: int  # its index in dp * cp (the expert mesh: ep rank dp_cp % ep, edp rank dp_cp // ep)
+    dp_cp: int  # its index in dp * cp
+    # the expert mesh: ep x edp cut `expert_ranks` ranks (dp*cp, or dp*cp*tp folded, `Layout.expert_ranks`);
+    # this rank's index among them is ep rank expert_index % ep, edp rank expert_index // ep
+    expert_ranks: int
+    expert_index: int
 
     @property
     def flat_buffer(self) -> bool:
@@ -338,18 +351,16 @@ class DataRank:
     def whole_replica(self, spec: TensorSpec) -> int:
         """The replica index of a tensor every data-parallel rank holds whole (routed experts under
         ep > 1: every edp rank), as buffers always are."""
-        if self.dp_cp_size == 1:
-            return 0
-        return self.dp_cp // self.ep if spec.expert and self.ep > 1 else self.dp_cp
+        if spec.expert and self.ep > 1:
+            return self.expert_index // self.ep
+        return 0 if self.dp_cp_size == 1 else self.dp_cp
 
     def stored(self, spec: TensorSpec, flat: FlatLayout | None = None) -> Stored:
         """How this rank stores `spec`'s local piece (`flat`: the stage's flat buffer, when it has one)."""
         apart = spec.expert and self.ep > 1  # routed experts: data parallel over edp only
         if self.zero == 3:
-            edp_size, edp = (
-                self.dp_cp_size // self.ep,
-                self.dp_cp // self.ep,
-            )  # FSDP2: rows over the shard group (experts: over edp), HSDP replicas across
+            # FSDP2: rows over the shard group (experts: over edp), HSDP replicas across
+            edp_size, edp = self.expert_ranks // self.ep, self.expert_index // self.ep
             shards, index = (edp_size, edp) if apart else (self.shards, self.shard)
             return Stored(shard_rows(spec.local_shape[0], shards, index), None, self.replicate, index)
         if apart or not self.flat_buffer:

@@ -110,7 +110,7 @@ class ParallelPlan:
 
 def parallelize(chunks: list[Transformer], mesh: Mesh, cfg: Config) -> ParallelPlan:
     """`chunks`: the whole model, or this rank's pipeline stages (already split, on meta)."""
-    specs = tensor_specs(cfg.model, tp=mesh.tp, ep=mesh.ep, sp=cfg.parallel.sp)
+    specs = tensor_specs(cfg.model, tp=mesh.tp, ep=mesh.ep, sp=cfg.parallel.sp, etp=cfg.parallel.etp)
     tensor_parallel = apply_tensor_parallel(chunks, mesh, cfg, specs)
     positions = None
     if mesh.cp > 1:
@@ -175,7 +175,14 @@ def apply_tensor_parallel(
     if mesh.tp == 1:
         return None
     tp = TensorParallel(
-        chunks[0], mesh.group("tp"), cfg.parallel.sp, mesh.tp, mesh.rank("tp"), specs, overlap=cfg.parallel.tp_overlap
+        chunks[0],
+        mesh.group("tp"),
+        cfg.parallel.sp,
+        mesh.tp,
+        mesh.rank("tp"),
+        specs,
+        overlap=cfg.parallel.tp_overlap,
+        fold_experts=mesh.layout.folded,
     )
     for chunk in chunks:
         tp.apply(chunk)

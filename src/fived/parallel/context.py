@@ -289,6 +289,8 @@ def apply_context_parallel(chunks: list[Transformer], mesh, cfg) -> torch.Tensor
             else:
                 block.attention.core = UlyssesAttention(mesh.group("cp_ulysses"), positions, ring=mesh.group("cp_ring"))
             moe = block.feed_forward
-            if hasattr(moe, "reduce_sequence_stats"):
-                moe.reduce_sequence_stats = lambda t, g=group: AllReduceSumForward.apply(t, g)
+            if hasattr(moe, "reduce_sequence_stats"):  # (after folding's sum over tp, if any)
+                moe.reduce_sequence_stats = lambda t, g=group, f=moe.reduce_sequence_stats: AllReduceSumForward.apply(
+                    f(t), g
+                )
     return positions

@@ -83,7 +83,9 @@ class DataParallel:
         from fived.parallel.muon_exchange import MatrixExchange
 
         exchange = MatrixExchange(self.mesh, self.cfg, placements)
-        specs = tensor_specs(self.cfg.model, tp=self.mesh.tp, ep=self.mesh.ep, sp=self.cfg.parallel.sp)
+        specs = tensor_specs(
+            self.cfg.model, tp=self.mesh.tp, ep=self.mesh.ep, sp=self.cfg.parallel.sp, etp=self.cfg.parallel.etp
+        )
         matrices = [(n, p) for n, p in named if is_muon_tensor(specs[n]) and p.requires_grad]
         names, plan = {n for n, _ in matrices}, exchange.plan
         stored = {n for n in plan.names if exchange.mine.placements[n].boxes()}  # (ZeRO-1/2: no empty slices)
@@ -144,6 +146,8 @@ class DataParallel:
             m.rank("dp_shard_cp") if many else 0,
             m.rank("dp_replicate") if m.dp_replicate > 1 else 0,
             m.rank("dp_cp") if many else 0,
+            m.layout.expert_ranks,
+            m.layout.expert_index(m.rank("dp_cp") if many else 0, m.rank("tp") if m.tp > 1 else 0),
         )
 
     def optimized(self):
@@ -188,7 +192,7 @@ class DataParallel:
         return [(n, p) for n, p in self.named_parameters() if is_expert(n)]
 
     def reduce_expert_gradients(self) -> None:
-        if self.mesh.dp * self.mesh.cp // self.mesh.ep > 1:
+        if self.mesh.edp > 1:
             _all_reduce_flat(
                 [p.grad for _, p in self.expert_parameters() if p.grad is not None],
                 self.mesh.group("edp"),
@@ -220,7 +224,9 @@ class DataParallel:
         if experts:  # disjoint over ep, equal over edp: summed over ep, then counted once below
             expert_sq = sum(weight(n) * g.double().square().sum() for n, g in experts)
             comm.all_reduce(expert_sq, self.mesh.group("ep"))
-            for group in self.norm_groups():
+            # (folded, parallel.etp=1: ep spans tp ranks too, which the sum over tp below repeats)
+            repeated = self.norm_groups() + ([self.mesh.group("tp")] if self.mesh.layout.folded else [])
+            for group in repeated:
                 expert_sq = expert_sq / dist.get_world_size(group)
             sq += expert_sq
             grads += experts

@@ -13,6 +13,12 @@ With SP the gathered input of a region is not kept for backward: a saved-tensor 
 rank's sequence shard and gathers it again when backward needs it (as Megatron-LM does), so
 activation memory really shrinks by tp; the price is one more all-gather per region in backward.
 
+MoE parallel folding (parallel.etp=1, needs SP): the MoE block is no region. Its input stays this
+rank's sequence shard, which it routes itself to whole experts over the folded ep group
+(`fived.parallel.expert`); only its shared experts (dense, tp-split) are a region of their own. The
+router's gradient is then a partial sum over tp like the norms', and the per-sequence balancing
+statistics are summed over tp, so the auxiliary loss is the one-device value on every tp rank.
+
 The embedding is vocab-parallel and the output head column-parallel over the vocabulary; the loss is
 a vocab-parallel cross-entropy that never gathers the logits. A vocabulary that does not divide by
 tp is padded; padded logits are masked out, so the loss is exactly the one-device loss.
@@ -121,12 +127,14 @@ class TensorParallel:
         specs: dict[str, TensorSpec],
         *,
         overlap: bool = False,
+        fold_experts: bool = False,
     ):
         """`size`/`rank` are given, not read from `group`, so a plan can be made without processes.
         `overlap`: attention and dense MLP regions overlap their communication with their GEMMs
-        (`fived.parallel.tensor_overlap`); MoE regions keep the hooks below."""
+        (`fived.parallel.tensor_overlap`); MoE regions keep the hooks below. `fold_experts`
+        (parallel.etp=1): MoE blocks route their own sequence shard (see the module's text)."""
         self.group, self.sp = group, sequence_parallel
-        self.overlap = overlap
+        self.overlap, self.fold_experts = overlap, fold_experts
         self.tp, self.rank = size, rank
         self.cfg = model.cfg
         self.specs = specs
@@ -148,13 +156,28 @@ class TensorParallel:
                 self.partial_grads.add(name)
         for block in model.blocks():
             self._region(block.attention)
-            self._region(block.feed_forward)
-            if isinstance(block.feed_forward, MoE):
+            moe = block.feed_forward
+            if isinstance(moe, MoE) and self.fold_experts:
+                self._fold(moe)
+                continue
+            self._region(moe)
+            if isinstance(moe, MoE):
                 # the auxiliary loss, computed identically on each rank, is seeded 1/tp per rank
-                block.feed_forward.aux_loss_scale /= self.tp
+                moe.aux_loss_scale /= self.tp
         self._vocab_parallel(model)
         if self.sp:
             model.sequence_shards = self.tp  # hidden states between pipeline stages are shards
+
+    def _fold(self, moe: MoE) -> None:
+        """A folded MoE: no region around it; its shared experts one (gathered, tp-split, reduce-
+        scattered back to the shard). Each rank's router sees only its tokens, so the per-sequence
+        statistics are summed over tp in forward (identity backward: each rank's seed of the whole
+        loss reaches its own tokens' probabilities; the aux scale is not divided by tp)."""
+        assert self.sp  # (the layout rules refuse folding without sequence parallelism)
+        if moe.shared is not None:
+            self._region(moe.shared)
+        previous = moe.reduce_sequence_stats
+        moe.reduce_sequence_stats = lambda t: ReduceFromTensorParallelRegion.apply(previous(t), self.group)
 
     def _split(self, module: nn.Module, attr: str, name: str, cut: Cut) -> None:
         param = getattr(module, attr)
@@ -280,7 +303,9 @@ class TensorParallel:
         """Weight of this rank's squared gradient norm when summed over tp: 1 for a split parameter,
         1/tp for a replicated one (counted once), 1/replicas for shared kv heads."""
         spec = self.shards.get(name)
-        return 1.0 / self.tp if spec is None else 1.0 / spec.replicas
+        if spec is None:  # (folded experts are distinct pieces over ep x edp, which span tp)
+            return 1.0 if name in self.specs and self.specs[name].folded else 1.0 / self.tp
+        return 1.0 / spec.replicas
 
 
 def _parameter_slots(model: nn.Module):

@@ -87,7 +87,11 @@ def basis(
             f"extrapolated: sequence length {seq_len} beyond the calibration set's longest ({covered['max_seq']})"
         )
     if not layout.runnable:
-        lines.append("not runnable by fived yet: experts split differently from the attention (MoE parallel folding)")
+        # (fived runs experts split like the attention, etp 0, or folded whole, etp 1: not other etp)
+        lines.append(
+            f"not runnable by fived yet: experts split over etp={layout.etp} of tp={layout.tp} ranks "
+            "(fived runs etp 0: split like the attention, or etp 1: folded, whole)"
+        )
     return lines
 
 

@@ -232,10 +232,12 @@ def _muon_exchange(m: ModelConfig, L: Layout, dtype: str, chunks, member: int | 
 
 def _tensor_parallel(add, m, L, tokens, e, w, grad_w, micro, fwd, layers, moe_layers, first, last, regather, overlap):
     narrow, wide = tokens * m.dim * e, tokens * m.dim * w
-    regions = 2 * layers
+    # folded (etp 1): a MoE block is no region, its shared experts (a dense MLP) are one of their own
+    unfolded = 0 if L.folded else moe_layers
+    regions = 2 * layers - (moe_layers if L.folded and not m.n_shared_experts else 0)
     ends = int(first) + int(last)
     # tp_overlap: attention and dense MLP regions are `fived.parallel.tensor_overlap`'s, MoE ones plain
-    ring = (2 * layers - moe_layers) if overlap else 0
+    ring = (regions - unfolded) if overlap else 0
     plain = regions - ring
     # a recomputed block stops once it has rebuilt what backward needs (torch's early stop): every
     # region's entry again, but only the attention region's exit (the MLP's output is not saved);
@@ -262,6 +264,10 @@ def _tensor_parallel(add, m, L, tokens, e, w, grad_w, micro, fwd, layers, moe_la
         add("tp", "all_reduce", wide, micro * (regions + ends), "tp")
     add("tp", "all_reduce", tokens * max(e, 4), micro * 3 * last, "tp")  # the loss: max, sum of exp, target
     add("tp", "all_reduce", m.n_experts * m.dim * grad_w, moe_layers, "dp")  # routers
+    if L.folded:  # each tp rank routed its own tokens: the per-sequence statistics [b, 2E+1] summed
+        add("tp", "all_reduce", L.micro_batch * (2 * m.n_experts + 1) * max(e, 4), fwd * moe_layers * micro, "tp")
+        if L.ep == 1:  # whole experts on every tp rank, each with its own tokens' part of the gradient
+            add("tp", "all_reduce", 3 * m.n_experts * m.dim * m.expert_dim * grad_w, moe_layers, "dp")
     if kv_replicated(m, L.tp):  # replicated kv heads: [kv heads, head_dim, dim] slots for k and v
         add("tp", "all_reduce", 2 * m.n_kv_heads * m.head_dim * m.dim * grad_w, layers, "dp")
     add("tp", "all_reduce", NORM, 1, "dp")

@@ -187,6 +187,8 @@ def report(
             + (" --train.fp8 rowwise" if runtime.fp8 else "")
         )
         if w.layout.runnable and runtime.is_fived
+        else f"planned for the {runtime.name} runtime; fived's own price of it: --runtime fived"
+        if w.layout.runnable
         else f"not runnable by fived yet (planned for the {runtime.name} runtime)"
     )
     lines += [

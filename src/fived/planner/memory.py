@@ -292,6 +292,7 @@ def _activations(
         autocast=PRECISION_SPECS[dtype].autocast,
         ulysses=L.ulysses,
         document_mask=L.document_mask,
+        folded=L.folded,
     )
     return sum(parts.values())
 

@@ -290,7 +290,8 @@ def framework_activations(m, layout, seq_len: int, layers, first: bool, last: bo
       split over t: q and the attention output 2h + 2h, k and v 4 kv_dim, the MLP's gate, up and
                     activation outputs 6f (GeLU MLPs of width F: 4F, the same for f = 2F/3)
       MoE layers: top_k slots of the permuted input 2h and the expert's 6 f_e / etp, the router's
-                    fp32 logits 4E, shared experts 6 f_s / t
+                    fp32 logits 4E (folded, etp 1 under SP: of the B/t tokens a rank routes), shared
+                    experts 6 f_s / t
       full checkpointing keeps the layer input 2h (/t with SP); selective = none (flash attention)
       head: bf16 logits and their fp32 softmax, 6 V / t"""
     L = layout
@@ -304,8 +305,8 @@ def framework_activations(m, layout, seq_len: int, layers, first: bool, last: bo
             total += 2 * h / split_sp
             continue
         moe = m.is_moe and i >= m.n_dense_layers
-        if moe:
-            ffn = m.top_k * (2 * h + 6 * m.expert_dim / L.expert_tp) + 4 * m.n_experts
+        if moe:  # (folded: each tp rank routes its own B/t tokens of the sequence shard)
+            ffn = (m.top_k * (2 * h + 6 * m.expert_dim / L.expert_tp) + 4 * m.n_experts) / (t if L.folded else 1)
             ffn += 6 * m.expert_dim * m.n_shared_experts / t
         else:
             ffn = 6 * m.ffn_dim / t

@@ -71,8 +71,9 @@ def is_valid(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int
 
 def layout_refusal(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int) -> ConfigError | None:
     """Why `layout` cannot run (None if it can): the runtime's own checks and their one-line reason
-    first; a folded expert layout (planner-only) by Megatron-Core's rules instead for its experts
-    (ep*etp ranks divide dp*cp*tp, etp divides tp and the expert width); then the micro-batch size
+    first (MoE parallel folding, etp 1, is the runtime's: its rules are fived's); another runtime's
+    expert tensor parallelism that fived does not run (planner-only) by Megatron-Core's rules instead
+    for its experts (ep*etp ranks divide dp*cp*tp, etp divides tp and the expert width); then the micro-batch size
     and torch's schedule rules."""
     t = TrainConfig(
         seq_len=seq_len,
@@ -171,7 +172,7 @@ def _divisors(n: int, limit: int) -> list[int]:
 
 
 def mesh_shapes(
-    model: ModelConfig, gpus: int, gpus_per_node: int, seq_len: int, global_batch: int, folded: bool = False
+    model: ModelConfig, gpus: int, gpus_per_node: int, seq_len: int, global_batch: int, *, folded: bool = False
 ):
     """(dp, tp, pp, cp, ep) products equal to the GPU count, with the cheap divisibility rules; with
     `folded`, also Megatron-Core's MoE parallel folding (experts over dp*cp*tp, etp 1)."""
@@ -277,8 +278,8 @@ def plan(
     """Every fitting plan, fastest first: a plan fits when its peak stays `headroom_gib` below the
     device's memory. Layouts whose model state alone overflows are dropped before their activation
     options are costed; of the checkpointing options of one layout, the first that fits is kept (the
-    others only recompute more). fived's runtime considers the layouts it runs; another runtime's
-    also Megatron-Core's folded expert layouts (marked not runnable by fived)."""
+    others only recompute more). Every runtime considers MoE parallel folding (etp 1: experts whole,
+    ep over dp*cp*tp), which fived runs too."""
     capacity = capacity_bytes(cluster.hardware.memory_gib, headroom_gib)
     reserve = reserve_bytes(cluster.hardware.memory_gib)
     fitting: list[Plan] = []
@@ -289,7 +290,7 @@ def plan(
             k = (d, getattr(layout, d))
             smallest[k] = min(smallest.get(k, need), need)
 
-    for mesh in mesh_shapes(model, cluster.gpus, cluster.gpus_per_node, seq_len, global_batch, not runtime.is_fived):
+    for mesh in mesh_shapes(model, cluster.gpus, cluster.gpus_per_node, seq_len, global_batch, folded=True):
         for state in state_choices(model, mesh, cluster.gpus_per_node):
             floor = state_floor(model, state, dtype, runtime) + reserve
             if floor > capacity:
