@@ -347,7 +347,7 @@ def _data_parallel(add, m: ModelConfig, L: Layout, chunks, micro: int, dtype: st
         add("edp", "all_gather_single", experts * g, 1 if keep else 2 * micro, "dp_gather")
         add("edp", "reduce_scatter_single", experts * r, 1, "dp")
     if L.zero < 3 and n_exp:
-        add("edp", "all_reduce", n_exp * r, 1, "dp")
+        add("edp", "all_reduce", n_exp * r, 1, "dp_expert")
         add("ep", "all_reduce", NORM, 1, "dp")
 
 

@@ -85,13 +85,17 @@ class Runtime:
     # (fived.metrics.flops_per_token) are computed. Megatron-LM 2021/2022 materialise the score matrix and
     # mask it (Korthikanti et al.'s selective recomputation exists for it): the whole count
     causal_skip: bool = True
+    # routed experts' gradients (outside ZeRO-3) reduced over edp during backward like the dense ones
+    # (Megatron-Core's expert-data-parallel buckets); fived keeps them apart from its flat buffer and
+    # reduces them in one call after backward (fived.parallel.data_parallel.reduce_expert_gradients)
+    expert_grad_overlap: bool = True
 
     @property
     def is_fived(self) -> bool:
         return self.name == "fived"
 
 
-FIVED = Runtime(flash_ring=True)
+FIVED = Runtime(flash_ring=True, expert_grad_overlap=False)
 
 
 def fived_runtime(fp8: str = "none", *, compiled: bool = False) -> Runtime:

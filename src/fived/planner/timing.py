@@ -307,7 +307,7 @@ def step_time(
     ep, pp = time["ep"], time["pp"]
     if runtime.ep_overlap:  # two chunks: one dispatch and one combine stay exposed, the rest under the experts
         ep = max(ep / 2, ep - compute * expert_share(m, seq_len))
-    dp = time["dp"]
+    dp = time["dp"] + (time["dp_expert"] if runtime.expert_grad_overlap else 0.0)
     overlap = (runtime.grad_overlap and L.zero in (0, 3)) or (runtime.zero12_overlap and L.zero in (1, 2))
     if L.pp > 1:  # (FSDP2 under a schedule reduce-scatters during each stage's last backward, always)
         overlap = runtime.pipeline_grad_overlap or (runtime.grad_overlap and L.zero == 3)
@@ -317,6 +317,8 @@ def step_time(
         dp = max(0.0, dp - hidden_under) + max(0.0, time["dp_gather"] - compute)
     else:
         dp += time["dp_gather"]
+    if not runtime.expert_grad_overlap:  # (reduced after backward: nothing to hide under)
+        dp += time["dp_expert"]
     bubble = 0.0
     if L.pp > 1:
         frac = pipeline_profile(L.pp_schedule, L.pp, L.pp_virtual, micro)[0]
