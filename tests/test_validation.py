@@ -141,6 +141,12 @@ CASES = [
     # Muon's options under AdamW would be ignored: refused
     (["train", "--train.muon_scale", "spectral"], "train.muon_scale", "only acts with train.optimizer=muon"),
     (["verify", "--train.muon_nesterov", "false"], "train.muon_nesterov", "only acts with train.optimizer=muon"),
+    (
+        ["verify", "--parallel.zero", "1", "--parallel.overlap_grad_reduce", "true"]
+        + ["--parallel.zero2_reduce_every_microbatch", "true"],
+        "parallel.zero2_reduce_every_microbatch",
+        "needs zero=2 with overlap_grad_reduce",
+    ),
 ]
 
 

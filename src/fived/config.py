@@ -133,6 +133,11 @@ class ParallelConfig:
     # the dp reduction of each pipeline stage); ZeRO-0 without pp and ZeRO-3 (FSDP2) always overlap
     overlap_grad_reduce: bool = option(False, "reduce gradients in buckets as soon as their backward is done")
     overlap_param_gather: bool = option(False, "ZeRO-1/2: all-gather parameters in buckets under the next forward")
+    # ZeRO-2 as DeepSpeed / Megatron-FSDP's optim_grads: each bucket reduce-scattered into the shard as
+    # soon as a micro-batch's backward completes it (fived.parallel.zero_microbatch), not after the last
+    zero2_reduce_every_microbatch: bool = option(
+        False, "ZeRO-2 with overlap_grad_reduce: reduce-scatter every micro-batch's gradients into the shard"
+    )
     # ZeRO-0's all-reduces, and ZeRO-1/2's flat buffer with overlap (each bucket sharded on its own, as
     # Megatron-Core's distributed optimizer)
     bucket_mb: float = option(25.0, "MiB of gradients per reduction bucket")

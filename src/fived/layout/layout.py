@@ -143,6 +143,7 @@ class Layout:
     tp_overlap: bool = P.tp_overlap
     overlap_grad_reduce: bool = P.overlap_grad_reduce
     overlap_param_gather: bool = P.overlap_param_gather
+    zero2_reduce_every_microbatch: bool = P.zero2_reduce_every_microbatch
     bucket_mb: float = P.bucket_mb
     ep_overlap: bool = P.ep_overlap
     etp: int = P.etp

@@ -295,6 +295,14 @@ def _data_rules(need, m, p, t, dp: int) -> None:
         "add --zero 1, or set it false",
     )
     need(
+        not p.zero2_reduce_every_microbatch or (p.zero == 2 and p.overlap_grad_reduce),
+        "parallel.zero2_reduce_every_microbatch",
+        p.zero2_reduce_every_microbatch,
+        f"needs zero=2 with overlap_grad_reduce (its buckets; here zero={p.zero}, "
+        f"overlap_grad_reduce={str(p.overlap_grad_reduce).lower()})",
+        "add --zero 2 --parallel.overlap_grad_reduce true, or set it false",
+    )
+    need(
         t.fp8 in FP8_RECIPES, "train.fp8", t.fp8, "must be one of " + ", ".join(FP8_RECIPES), "e.g. --train.fp8 rowwise"
     )
     need(

@@ -9,7 +9,8 @@ rank r of the dp_shard group owns the contiguous slice [r*L, (r+1)*L). Per step:
      parameter boundaries so weight decay still follows each parameter;
   4. one all-gather over dp_shard refreshes every parameter.
 ZeRO-1 keeps the full gradient buffer between steps (reduce-scatter in place); ZeRO-2 frees it
-after the reduce-scatter and keeps only the slice's reduced gradients. "Stage 0" here (used under
+after the reduce-scatter and keeps only the slice's reduced gradients (with
+`parallel.zero2_reduce_every_microbatch` it never has one: fived.parallel.zero_microbatch). "Stage 0" here (used under
 pipeline schedules, where DDP's hooks would fire inside the schedule) is the same flat buffer
 unsharded: one all-reduce over dp per step.
 
@@ -49,6 +50,7 @@ from fived.layout.spec import (
 )
 from fived.model import Transformer
 from fived.parallel.data_parallel import DataParallel
+from fived.parallel.zero_microbatch import MicroBatchReductions
 
 
 class ShardedOptimizerDataParallel(DataParallel):
@@ -69,6 +71,7 @@ class ShardedOptimizerDataParallel(DataParallel):
         self.index = {n: i for i, n in enumerate(self.names)}
         p = self.cfg.parallel
         self.overlap_reduce, self.overlap_gather = p.overlap_grad_reduce, p.overlap_param_gather
+        self.every_micro = p.zero2_reduce_every_microbatch  # (fived.parallel.zero_microbatch)
         layout_cap = self.mesh.layout.bucket_elements(self.precision.weights.itemsize)
         self.flat = FlatLayout(self.names, self.numels, self.shards, layout_cap)
         self.buckets: list[FlatBucket] = self.flat.buckets
@@ -104,7 +107,9 @@ class ShardedOptimizerDataParallel(DataParallel):
             self._attach_grad_buffer()
         self.shard_grad = torch.zeros(self.shard_len, dtype=dtype, device=device) if self.stage == 2 else None
         self.segments = self._slice_segments()
-        self.reducing = BucketReductions(self) if self.overlap_reduce else None
+        self.reducing: BucketReductions | MicroBatchReductions | None = None
+        if self.overlap_reduce:
+            self.reducing = MicroBatchReductions(self) if self.every_micro else BucketReductions(self)
         self.gathering: dict[int, Any] = {}  # bucket -> its all-gather's Work in flight (overlap_param_gather)
         if self.overlap_gather:
             self._wait_in_forward()
@@ -153,7 +158,7 @@ class ShardedOptimizerDataParallel(DataParallel):
         return self.optimizer
 
     def before_micro_batch(self, is_last: bool) -> None:
-        if self.grad_buf is None:  # ZeRO-2: a full buffer only while the step's backward runs
+        if self.grad_buf is None and not self.every_micro:  # ZeRO-2: a full buffer only while backward runs
             self._attach_grad_buffer()
         if self.reducing is not None and self.mesh.pp == 1:  # (a pipeline says which backward is last)
             self.reducing.arm(is_last)
@@ -167,7 +172,7 @@ class ShardedOptimizerDataParallel(DataParallel):
         if stage is None:
             self.reducing.arm(last and weights)
             return
-        if last and weights:
+        if weights and (last or self.every_micro):  # (every micro-batch's pass counts there)
             self.reducing.gradients_done(stage)
         self.reducing.arm(False)
 
@@ -179,7 +184,7 @@ class ShardedOptimizerDataParallel(DataParallel):
         if self.reducing is None:
             for k in range(len(self.buckets)):
                 self._reduce_bucket(k)
-        elif self.stage == 2:  # (the overlapped reduce-scatters wrote into the full buffer)
+        elif self.stage == 2 and not self.every_micro:  # (the overlapped reduce-scatters wrote into the full buffer)
             for k, bucket in enumerate(self.buckets):
                 lo, hi = bucket.owned(self.shard_rank)
                 self.owned_grad(k).copy_(self.full_grads()[lo:hi])
@@ -224,7 +229,9 @@ class ShardedOptimizerDataParallel(DataParallel):
             comm.all_reduce(out, self.replicate_group, role="dp")
 
     def named_grads(self, model_grads: bool = False):
-        if model_grads:
+        if model_grads and self.every_micro:  # the reduced shard already: tp's partial sums act
+            yield from self.named_grads()  # element by element, alike on every tp rank's same slice
+        elif model_grads:
             yield from super().named_grads()
         else:
             for seg, name in zip(self.segments, self.segment_names):

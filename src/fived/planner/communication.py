@@ -60,7 +60,7 @@ from fived.layout.stages import stage_rank
 from fived.muon_load import busiest_loads
 from fived.muon_plan import Exchange, stage_plan
 from fived.planner.memory import ACTIVATION_BYTES, WEIGHT_BYTES, flat_numels, parameter_shapes
-from fived.planner.runtimes import FIVED, Runtime
+from fived.planner.runtimes import FIVED, Runtime, reduces_every_microbatch
 
 GROUPS = ("tp", "cp", "ep", "edp", "pp", "dp_cp", "dp_shard_cp", "dp_replicate", "dp_cp_tp", "cp_ulysses", "cp_ring")
 NORM = 8  # the clipping norm: one float64 per group
@@ -318,7 +318,7 @@ def _data_parallel(add, m: ModelConfig, L: Layout, chunks, micro: int, dtype: st
         padded = sum(b.piece for b in cut) * shards if cut else math.ceil(n / shards) * shards
         calls = max(1, len(cut))
         g = runtime.gather_bytes or WEIGHT_BYTES[dtype]
-        every = micro if L.zero == 2 and runtime.reduce_per_microbatch else 1
+        every = micro if reduces_every_microbatch(runtime, L) else 1
         add("dp_shard_cp", "reduce_scatter_single", padded * r / calls, calls * every, "dp")
         add("dp_shard_cp", "all_gather_single", padded * g / calls, calls, "dp")
         add("dp_replicate", "all_reduce", padded // shards * r / calls, calls, "dp")

@@ -52,6 +52,7 @@ from fived.layout.spec import (
     CAST_PIECES_IN_FLIGHT,
     REDUCE_CHUNK_ELEMENTS,
     chunk_specs,
+    flat_buckets,
     flat_owned,
     flat_range,
     in_flat_buffer,
@@ -61,7 +62,7 @@ from fived.layout.spec import (
 from fived.layout.stages import Chunk, model_key, placement, rank_chunks_by_key
 from fived.muon_load import busiest_loads
 from fived.muon_plan import stage_plan
-from fived.planner.runtimes import FIVED, Runtime, framework_activations
+from fived.planner.runtimes import FIVED, Runtime, framework_activations, reduces_every_microbatch
 
 RESERVE_GIB = 2.0  # CUDA context, NCCL communicators and workspaces
 RESERVE_FRACTION = 0.05  # allocator fragmentation, as a share of the device's memory
@@ -399,14 +400,17 @@ def _static_buffers(
     out = 0
     if PRECISION_SPECS[dtype].autocast and layout.zero < 3 and runtime.autocast_copies:  # autocast's bf16 weight copies
         out += 2 * params
-    if layout.zero == 2 and runtime.is_fived:
+    every = reduces_every_microbatch(runtime, layout)
+    if layout.zero == 2 and runtime.is_fived and every:
+        out += _every_microbatch_buffers(m, layout, chunks, b, state["grads"] // b - (unsharded - dense))
+    elif layout.zero == 2 and runtime.is_fived:
         out += dense * b  # the flat gradient buffer (not the experts) exists while backward runs
     if PRECISION_SPECS[dtype].master and layout.zero < 3 and runtime.is_fived:  # the masters' float32 gradients
         out += (state["optimizer"] + muon_saving(m, layout, dtype, chunks, runtime=runtime)) // optimizer_bytes * 4
     out += muon_buffers(m, layout, dtype, chunks, runtime)
     if layout.zero == 0 and layout.pp == 1 and layout.dp > 1:
         out += DDP_BUCKET_BYTES
-    out += _reduction_pieces(layout, b, dense, unsharded - dense) if runtime.is_fived else 0
+    out += _reduction_pieces(layout, b, dense, unsharded - dense, every) if runtime.is_fived else 0
     if layout.zero < 3:
         return out, 0
     # gathered weights in the compute dtype: the whole stage under pipelines (kept); otherwise the
@@ -422,13 +426,27 @@ def _static_buffers(
     return out, unsharded * (runtime.grad_bytes or b)
 
 
-def _reduction_pieces(layout: Layout, b: int, dense: int, experts: int) -> int:
+def _every_microbatch_buffers(m: ModelConfig, layout: Layout, chunks, b: int, owned: int) -> int:
+    """ZeRO-2 reducing every micro-batch (fived.parallel.zero_microbatch), no whole gradient buffer:
+    the gradients of the largest bucket and the one after it as autograd fills them, CAST_PIECES_IN_FLIGHT
+    largest buckets packed in the reduction dtype with their reduced pieces, and in bf16 runs reducing
+    in float32 the shard's float32 sum of the micro-batches."""
+    shards = layout.dp_shard * layout.cp
+    cut = flat_buckets(flat_numels(m, layout, chunks), shards, layout.bucket_elements(b))
+    largest = max(bucket.piece for bucket in cut) * shards
+    rb = 4 if b == 2 and layout.reduce_dtype == "float32" else b
+    return 2 * largest * b + CAST_PIECES_IN_FLIGHT * rb * (largest + largest // shards) + (owned * rb if rb != b else 0)
+
+
+def _reduction_pieces(layout: Layout, b: int, dense: int, experts: int, every_micro: bool = False) -> int:
     """Transient bytes of fived's gradient reductions in pieces of REDUCE_CHUNK_ELEMENTS: bf16 flat
     gradients cast to float32 a piece at a time (with the reduced slice of a sharded stage; with
-    overlapped reductions CAST_PIECES_IN_FLIGHT of them at once), and routed experts' gradients
-    (ep > 1, summed over edp) packed, then cast, a piece at a time."""
+    overlapped reductions CAST_PIECES_IN_FLIGHT of them at once; not ZeRO-2 reducing every micro-batch,
+    which packs whole buckets: `_every_microbatch_buffers`), and routed experts' gradients (ep > 1,
+    summed over edp) packed, then cast, a piece at a time."""
     cast = 4 if b == 2 and layout.reduce_dtype == "float32" else 0
     flat_reduced = layout.zero in (1, 2) or (layout.zero == 0 and layout.pp > 1 and layout.dp * layout.cp > 1)
+    flat_reduced = flat_reduced and not (every_micro and layout.zero == 2)
     out = 0
     if flat_reduced and cast:
         piece = min(dense, REDUCE_CHUNK_ELEMENTS)

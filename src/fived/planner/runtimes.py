@@ -13,7 +13,8 @@ What fived overlaps is the layout's to say (`for_layout`):
 - parallel.tp_overlap: the tp/sp regions' all-gather / reduce-scatter (all-reduce without sp) in
   chunks under the GEMMs forward, the input gradient's reduction under the weight-gradient GEMMs in
   backward (priced as hiding Megatron-Core's fitted share; fived's own share never measured on a GPU);
-- parallel.overlap_grad_reduce: ZeRO-1/2's bucketed reduce-scatter during the last backward, and the
+- parallel.overlap_grad_reduce: ZeRO-1/2's bucketed reduce-scatter during the last backward (with
+  parallel.zero2_reduce_every_microbatch: ZeRO-2's during every micro-batch's backward), and the
   dp reduction of each pipeline stage from that stage's last backward (parallel.overlap_param_gather:
   ZeRO-1/2's bucketed all-gather under the next forward);
 - parallel.ep_overlap: the expert all-to-all of one chunk under the other chunk's expert GEMMs.
@@ -59,7 +60,7 @@ class Runtime:
     zero12_overlap: bool = False  # ZeRO-1/2 reduce-scatter overlapped with backward
     pipeline_grad_overlap: bool = False  # the dp reduction overlapped under pipeline schedules
     # ZeRO-2 reduce-scatters every micro-batch's gradients into the partitioned ones (DeepSpeed, Paddle's
-    # sharding stage 2), not the step's once (fived, Megatron keep a full gradient buffer)
+    # sharding stage 2, Megatron-FSDP; fived with parallel.zero2_reduce_every_microbatch), not the step's once
     reduce_per_microbatch: bool = False
     # communication dtypes, bytes (0: fived's rule — see fived.planner.communication)
     reduce_bytes: int = 0  # gradient reduction
@@ -122,8 +123,16 @@ def for_layout(runtime: Runtime, layout) -> Runtime:
         tp_overlap=layout.tp_overlap,
         zero12_overlap=layout.overlap_grad_reduce,
         pipeline_grad_overlap=layout.overlap_grad_reduce,
+        reduce_per_microbatch=layout.zero2_reduce_every_microbatch,
         ep_overlap=layout.ep_overlap,
     )
+
+
+def reduces_every_microbatch(runtime: Runtime, layout) -> bool:
+    """Whether ZeRO-2 reduce-scatters each micro-batch's gradients: the runtime's way, or for fived
+    the layout's switch (read here too when `runtime` did not go through `for_layout`)."""
+    every = runtime.reduce_per_microbatch or (runtime.is_fived and layout.zero2_reduce_every_microbatch)
+    return layout.zero == 2 and every
 
 
 def with_overlap(layout, *, fp8: bool = False):

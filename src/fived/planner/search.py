@@ -107,6 +107,24 @@ def layout_refusal(model: ModelConfig, layout: Layout, seq_len: int, global_batc
     return None
 
 
+def reduction_choices(layout: Layout, runtime: Runtime) -> list[Layout]:
+    """fived's ZeRO-2 with overlapped buckets both ways: reducing after the last micro-batch, and every
+    micro-batch (parallel.zero2_reduce_every_microbatch: a reduction to hide under each backward, but
+    micro-batches times the bytes and a float32 shard in bf16 runs); the planner keeps it where faster."""
+    if runtime.is_fived and layout.zero == 2 and layout.overlap_grad_reduce:
+        return [layout, layout.with_(zero2_reduce_every_microbatch=True)]
+    return [layout]
+
+
+def _faster(plans: list) -> Plan | None:
+    """The first plan that fits and is strictly faster than those before it (else the first)."""
+    best = plans[0]
+    for p in plans[1:]:
+        if p is not None and p.fits and (best is None or not best.fits or p.time.total < best.time.total):
+            best = p
+    return best
+
+
 def evaluate(
     model: ModelConfig,
     layout: Layout,
@@ -302,7 +320,12 @@ def plan(
                 state = with_overlap(state, fp8=runtime.fp8)
             for options in activation_choices(state, seq_len, global_batch):
                 for layout in options:
-                    result = evaluate(model, layout, cluster, seq_len, global_batch, dtype, runtime, headroom_gib)
+                    result = _faster(
+                        [
+                            evaluate(model, x, cluster, seq_len, global_batch, dtype, runtime, headroom_gib)
+                            for x in reduction_choices(layout, runtime)
+                        ]
+                    )
                     if result is None:  # e.g. selective checkpointing under a split-backward schedule
                         continue
                     considered += 1

@@ -58,7 +58,7 @@ from fived.planner.communication import group_span, owned_parameters, step_colle
 from fived.planner.constants import CALIBRATION, Constants
 from fived.planner.hardware import Hardware
 from fived.planner.memory import MOMENT_BYTES
-from fived.planner.runtimes import FIVED, Runtime, for_layout
+from fived.planner.runtimes import FIVED, Runtime, for_layout, reduces_every_microbatch
 
 # The fitted constants (GEMM efficiency per GPU generation and its shape dependence, link
 # efficiency, tp overlap, FP8 speed-up, experts' efficiency) are data: `fived.planner.constants`
@@ -313,7 +313,7 @@ def step_time(
         overlap = runtime.pipeline_grad_overlap or (runtime.grad_overlap and L.zero == 3)
     if overlap:  # the reduction behind the last micro-batch's backward, the gathers behind all compute
         # (a reduction per micro-batch hides under every backward)
-        hidden_under = compute * 2 / 3 / (1 if L.zero == 2 and runtime.reduce_per_microbatch else micro)
+        hidden_under = compute * 2 / 3 / (1 if reduces_every_microbatch(runtime, L) else micro)
         dp = max(0.0, dp - hidden_under) + max(0.0, time["dp_gather"] - compute)
     else:
         dp += time["dp_gather"]
