@@ -33,6 +33,7 @@ from fived.model import Transformer, canonical_name
 from fived.muon_plan import is_muon_tensor
 from fived.optim import build_optimizer
 from fived.parallel.expert import is_expert
+from fived.parallel.expert_grads import ExpertGradReductions
 from fived.placement import Placement
 
 
@@ -50,6 +51,8 @@ class DataParallel:
         # (model tensor, its float32 master) for what the optimizer updates in bf16 runs
         self.master_pairs: list[tuple[torch.Tensor, nn.Parameter]] = []
         self.master_of: dict[torch.Tensor, nn.Parameter] = {}
+        self.expert_reducing: ExpertGradReductions | None = None  # (overlap_grad_reduce: built at first use)
+        self._expert_reducing_built = False
 
     def shard(self, chunks: list[Transformer]) -> None:
         pass
@@ -158,7 +161,10 @@ class DataParallel:
             yield name, self.master_of.get(p, p)
 
     def before_micro_batch(self, is_last: bool) -> None:
-        pass
+        """(Strategies overriding it call it: it arms the experts' overlapped reduction.)"""
+        reducing = self.expert_reductions()
+        if reducing is not None and self.mesh.pp == 1:  # (a pipeline says which backward is last)
+            reducing.arm(is_last)
 
     def unrouted_collectives(self):
         """A context counting collectives of a library this strategy uses that cannot be routed
@@ -170,7 +176,10 @@ class DataParallel:
 
     def backward_of_stage(self, *, last: bool, weights: bool, stage: nn.Module | None = None) -> None:
         """A pipeline stage's backward starts (`stage` None) or ends (ZeRO-1/2 with overlap_grad_reduce
-        start reducing a stage's buckets after its last one)."""
+        start reducing a stage's buckets after its last one; with overlap_grad_reduce the experts'
+        edp reduction too: strategies overriding it call it)."""
+        if self.expert_reducing is not None:
+            self.expert_reducing.backward_of_stage(last=last, weights=weights, stage=stage)
 
     def wait_parameters(self) -> None:
         """Wait for parameter all-gathers still in flight (ZeRO-1/2 with overlap_param_gather): before
@@ -191,8 +200,20 @@ class DataParallel:
             return []
         return [(n, p) for n, p in self.named_parameters() if is_expert(n)]
 
+    def expert_reductions(self) -> ExpertGradReductions | None:
+        """The experts' edp reduction during backward (parallel.overlap_grad_reduce, edp > 1), built
+        before the first backward: its hooks go on the parameters as the run trains them."""
+        if not self._expert_reducing_built:
+            self._expert_reducing_built = True
+            experts = self.expert_parameters()
+            if self.cfg.parallel.overlap_grad_reduce and self.mesh.edp > 1 and experts:
+                self.expert_reducing = ExpertGradReductions(experts, self.mesh.group("edp"), self.reduce_dtype)
+        return self.expert_reducing
+
     def reduce_expert_gradients(self) -> None:
-        if self.mesh.edp > 1:
+        if self.expert_reducing is not None:  # (started during backward: the rest now, then the waits)
+            self.expert_reducing.finish()
+        elif self.mesh.edp > 1:
             _all_reduce_flat(
                 [p.grad for _, p in self.expert_parameters() if p.grad is not None],
                 self.mesh.group("edp"),

@@ -86,6 +86,7 @@ class ReplicatedDataParallel(DataParallel):
             self.next_bucket += 1
 
     def before_micro_batch(self, is_last: bool) -> None:
+        super().before_micro_batch(is_last)  # (the experts' overlapped edp reduction)
         self.sync = is_last  # earlier micro-batches only accumulate
         if is_last:
             self.next_bucket = 0

@@ -158,6 +158,7 @@ class ShardedOptimizerDataParallel(DataParallel):
         return self.optimizer
 
     def before_micro_batch(self, is_last: bool) -> None:
+        super().before_micro_batch(is_last)  # (the experts' overlapped edp reduction)
         if self.grad_buf is None and not self.every_micro:  # ZeRO-2: a full buffer only while backward runs
             self._attach_grad_buffer()
         if self.reducing is not None and self.mesh.pp == 1:  # (a pipeline says which backward is last)
@@ -167,6 +168,7 @@ class ShardedOptimizerDataParallel(DataParallel):
         """A pipeline stage's backward starts (`stage` None) or ended (`stage` given): with `last` its
         last micro-batch's, so its buckets may start reducing; a weight-only pass (split-backward
         schedules) accumulates without autograd's hooks, so its end marks the stage's gradients done."""
+        super().backward_of_stage(last=last, weights=weights, stage=stage)  # (the experts')
         if self.reducing is None:
             return
         if stage is None:

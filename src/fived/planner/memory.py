@@ -443,7 +443,8 @@ def _reduction_pieces(layout: Layout, b: int, dense: int, experts: int, every_mi
     gradients cast to float32 a piece at a time (with the reduced slice of a sharded stage; with
     overlapped reductions CAST_PIECES_IN_FLIGHT of them at once; not ZeRO-2 reducing every micro-batch,
     which packs whole buckets: `_every_microbatch_buffers`), and routed experts' gradients (ep > 1,
-    summed over edp) packed, then cast, a piece at a time."""
+    summed over edp) packed, then cast, a piece at a time (overlapped, `fived.parallel.expert_grads`:
+    cast pieces only, CAST_PIECES_IN_FLIGHT at once; uncast, in place)."""
     cast = 4 if b == 2 and layout.reduce_dtype == "float32" else 0
     flat_reduced = layout.zero in (1, 2) or (layout.zero == 0 and layout.pp > 1 and layout.dp * layout.cp > 1)
     flat_reduced = flat_reduced and not (every_micro and layout.zero == 2)
@@ -452,7 +453,7 @@ def _reduction_pieces(layout: Layout, b: int, dense: int, experts: int, every_mi
         piece = min(dense, REDUCE_CHUNK_ELEMENTS)
         in_flight = CAST_PIECES_IN_FLIGHT if layout.overlap_grad_reduce else 1
         out += in_flight * cast * (piece + (piece // (layout.dp_shard * layout.cp) if layout.zero else 0))
-    if layout.zero < 3 and layout.ep > 1 and layout.dp * layout.cp // layout.ep > 1 and experts:
+    if layout.zero < 3 and layout.ep > 1 and layout.expert_ranks // layout.ep > 1 and experts:
         piece = min(experts, REDUCE_CHUNK_ELEMENTS)
-        out += piece * (b + cast)
+        out += piece * (CAST_PIECES_IN_FLIGHT * cast if layout.overlap_grad_reduce else b + cast)
     return out

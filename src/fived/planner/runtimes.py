@@ -16,7 +16,9 @@ What fived overlaps is the layout's to say (`for_layout`):
 - parallel.overlap_grad_reduce: ZeRO-1/2's bucketed reduce-scatter during the last backward (with
   parallel.zero2_reduce_every_microbatch: ZeRO-2's during every micro-batch's backward), and the
   dp reduction of each pipeline stage from that stage's last backward (parallel.overlap_param_gather:
-  ZeRO-1/2's bucketed all-gather under the next forward);
+  ZeRO-1/2's bucketed all-gather under the next forward); outside ZeRO-3 also the routed experts'
+  edp all-reduce, one MoE layer at a time as its expert gradients are final (Megatron-Core's
+  expert-data-parallel buckets; without the switch one call after backward, priced exposed);
 - parallel.ep_overlap: the expert all-to-all of one chunk under the other chunk's expert GEMMs.
 `fived_runtime` adds what a run's `train.compile` (fused element-wise kernels, activations as
 Korthikanti et al. count them) and `train.fp8` (torchao float8 GEMMs; weights, gradients and
@@ -88,7 +90,8 @@ class Runtime:
     causal_skip: bool = True
     # routed experts' gradients (outside ZeRO-3) reduced over edp during backward like the dense ones
     # (Megatron-Core's expert-data-parallel buckets); fived keeps them apart from its flat buffer and
-    # reduces them in one call after backward (fived.parallel.data_parallel.reduce_expert_gradients)
+    # reduces them per MoE layer during the last backward with parallel.overlap_grad_reduce
+    # (fived.parallel.expert_grads), else in one call after it (`for_layout` sets it from the switch)
     expert_grad_overlap: bool = True
 
     @property
@@ -112,8 +115,8 @@ def fived_runtime(fp8: str = "none", *, compiled: bool = False) -> Runtime:
 
 def for_layout(runtime: Runtime, layout) -> Runtime:
     """What `runtime` overlaps on `layout`: fived overlaps what the layout's switches turn on
-    (parallel.tp_overlap, overlap_grad_reduce — ZeRO-1/2 and the dp reduction under pipelines —,
-    ep_overlap); another runtime's row states its own."""
+    (parallel.tp_overlap, overlap_grad_reduce — ZeRO-1/2, the dp reduction under pipelines and the
+    experts' edp reduction —, ep_overlap); another runtime's row states its own."""
     if not runtime.is_fived:
         return runtime
     # fived's tp overlap (the same chunked all-gather/reduce-scatter under the GEMMs, the same bulk
@@ -124,6 +127,7 @@ def for_layout(runtime: Runtime, layout) -> Runtime:
         zero12_overlap=layout.overlap_grad_reduce,
         pipeline_grad_overlap=layout.overlap_grad_reduce,
         reduce_per_microbatch=layout.zero2_reduce_every_microbatch,
+        expert_grad_overlap=layout.overlap_grad_reduce,
         ep_overlap=layout.ep_overlap,
     )
 
@@ -139,12 +143,13 @@ def with_overlap(layout, *, fp8: bool = False):
     """`layout` with every overlap switch fived has that applies to it turned on (the planner's
     recommendation, as Megatron-Core's recipes turn theirs on): tp overlap (not with FP8 linears,
     which it cannot run yet), the bucketed ZeRO-1/2 reductions and gathers, each pipeline stage's dp
-    reduction (ZeRO-0 under pp too; ZeRO-0 alone and ZeRO-3 overlap without a switch), the expert
-    all-to-all in chunks."""
+    reduction (ZeRO-0 under pp too; ZeRO-0 alone and ZeRO-3 overlap without a switch), the routed
+    experts' edp reduction (ZeRO-0/1/2, edp > 1), the expert all-to-all in chunks."""
     reduced_in_buckets = layout.zero in (1, 2) or (layout.zero == 0 and layout.pp > 1)
+    experts_apart = layout.zero < 3 and layout.ep > 1 and layout.expert_ranks // layout.ep > 1
     return layout.with_(
         tp_overlap=layout.tp > 1 and not fp8,
-        overlap_grad_reduce=layout.dp * layout.cp > 1 and reduced_in_buckets,
+        overlap_grad_reduce=(layout.dp * layout.cp > 1 and reduced_in_buckets) or experts_apart,
         overlap_param_gather=layout.zero in (1, 2) and layout.dp_shard * layout.cp > 1,
         ep_overlap=layout.ep > 1,
     )

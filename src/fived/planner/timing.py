@@ -307,16 +307,22 @@ def step_time(
     ep, pp = time["ep"], time["pp"]
     if runtime.ep_overlap:  # two chunks: one dispatch and one combine stay exposed, the rest under the experts
         ep = max(ep / 2, ep - compute * expert_share(m, seq_len))
-    dp = time["dp"] + (time["dp_expert"] if runtime.expert_grad_overlap else 0.0)
+    experts = time["dp_expert"] if runtime.expert_grad_overlap else 0.0
     overlap = (runtime.grad_overlap and L.zero in (0, 3)) or (runtime.zero12_overlap and L.zero in (1, 2))
     if L.pp > 1:  # (FSDP2 under a schedule reduce-scatters during each stage's last backward, always)
         overlap = runtime.pipeline_grad_overlap or (runtime.grad_overlap and L.zero == 3)
-    if overlap:  # the reduction behind the last micro-batch's backward, the gathers behind all compute
-        # (a reduction per micro-batch hides under every backward)
-        hidden_under = compute * 2 / 3 / (1 if reduces_every_microbatch(runtime, L) else micro)
-        dp = max(0.0, dp - hidden_under) + max(0.0, time["dp_gather"] - compute)
+    if overlap:
+        dp = exposed_reduction(
+            time["dp"],
+            experts,
+            time["dp_gather"],
+            compute,
+            micro,
+            every_microbatch=reduces_every_microbatch(runtime, L),
+            experts_last_only=runtime.is_fived,
+        )
     else:
-        dp += time["dp_gather"]
+        dp = time["dp"] + experts + time["dp_gather"]
     if not runtime.expert_grad_overlap:  # (reduced after backward: nothing to hide under)
         dp += time["dp_expert"]
     bubble = 0.0
@@ -347,6 +353,32 @@ def step_time(
         overhead,
         layer_host,
     )
+
+
+def exposed_reduction(
+    dense: float,
+    experts: float,
+    gathers: float,
+    compute: float,
+    micro: int,
+    *,
+    every_microbatch: bool,
+    experts_last_only: bool,
+) -> float:
+    """The overlapped data-parallel communication left exposed (backward: 2/3 of compute, a micro-batch's
+    share each). A reduction after the last micro-batch hides under that micro-batch's backward; one per
+    micro-batch (ZeRO-2 reducing every micro-batch) under each micro-batch's own. Routed experts' gradients
+    reduced apart (fived.parallel.expert_grads) go on the last micro-batch only, sharing its backward with
+    that micro-batch's dense reduction; a runtime reducing them in its buckets reduces them alike. The
+    parameter gathers hide under all compute."""
+    window = compute * 2 / 3 / micro
+    exposed = max(0.0, gathers - compute)
+    if not every_microbatch:
+        return exposed + max(0.0, dense + experts - window)
+    per = dense / micro
+    if not experts_last_only:
+        return exposed + micro * max(0.0, per + experts / micro - window)
+    return exposed + (micro - 1) * max(0.0, per - window) + max(0.0, per + experts - window)
 
 
 def muon_stream_s(m: ModelConfig, L: Layout, dtype: str, chunks, hw: Hardware) -> float:
