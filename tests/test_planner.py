@@ -368,11 +368,9 @@ def test_every_planned_runtime_is_a_plan_choice():
 FOLDING = pytest.mark.xfail(
     strict=True,
     reason=(
-        "issue 23, not reached under issue 24's calibration: fived's best Mixtral layout folds the experts "
-        "(dp8 ZeRO-3 tp2+sp pp4 zbv ep8 etp1, 17.42 s), as Megatron-Core's does (dp8 ZeRO-2 tp4+sp pp2 zbv ep8 "
-        "etp1, 17.18 s), which fits in fived (ZeRO-2 reducing every micro-batch or not) at 17.43 s: its dense "
-        "reduction hides either way; the gap is the routed experts' gradient reduction fived exposes after "
-        "backward (0.42 s)"
+        "issue 23, not reached: on Mixtral fived's best layout is Megatron-Core's (dp8 ZeRO-2 tp4+sp pp2 zbv ep8 "
+        "etp1), 17.28 s against 17.18 s: fived reduces the routed experts' gradients over edp on the last "
+        "micro-batch only (0.27 s exposed), Megatron-Core's ZeRO-2 under every micro-batch's backward"
     ),
 )
 
