@@ -365,19 +365,7 @@ def test_every_planned_runtime_is_a_plan_choice():
     assert set(RUNTIME_CHOICES) == set(PLANNED_RUNTIMES)
 
 
-FOLDING = pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "issue 23, not reached: on Mixtral fived's best layout is Megatron-Core's (dp8 ZeRO-2 tp4+sp pp2 zbv ep8 "
-        "etp1), 17.28 s against 17.18 s: fived reduces the routed experts' gradients over edp on the last "
-        "micro-batch only (0.27 s exposed), Megatron-Core's ZeRO-2 under every micro-batch's backward"
-    ),
-)
-
-
-@pytest.mark.parametrize(
-    "name, gpus, seq", [("llama3-70b", 256, 8192), pytest.param("mixtral-8x7b", 64, 4096, marks=FOLDING)]
-)
+@pytest.mark.parametrize("name, gpus, seq", [("llama3-70b", 256, 8192), ("mixtral-8x7b", 64, 4096)])
 def test_fived_plans_no_slower_than_megatron_core(name, gpus, seq):
     """Issue 23's bar, as `fived plan` prints it (4M tokens on H100, 3 GiB headroom): fived's best layout
     is no slower than Megatron-Core's runtime's best; for the dense 70B it keeps tp with sequence

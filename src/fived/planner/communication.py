@@ -347,7 +347,10 @@ def _data_parallel(add, m: ModelConfig, L: Layout, chunks, micro: int, dtype: st
         add("edp", "all_gather_single", experts * g, 1 if keep else 2 * micro, "dp_gather")
         add("edp", "reduce_scatter_single", experts * r, 1, "dp")
     if L.zero < 3 and n_exp:
-        add("edp", "all_reduce", n_exp * r, 1, "dp_expert")
+        # a runtime whose ZeRO-2 reduces every micro-batch's gradients reduces the experts' with them
+        # (sharded gradients leave nowhere to accumulate); fived's go on the last micro-batch only
+        per_microbatch = reduces_every_microbatch(runtime, L) and not runtime.is_fived
+        add("edp", "all_reduce", n_exp * r, micro if per_microbatch else 1, "dp_expert")
         add("ep", "all_reduce", NORM, 1, "dp")
 
 

@@ -62,7 +62,8 @@ class Runtime:
     zero12_overlap: bool = False  # ZeRO-1/2 reduce-scatter overlapped with backward
     pipeline_grad_overlap: bool = False  # the dp reduction overlapped under pipeline schedules
     # ZeRO-2 reduce-scatters every micro-batch's gradients into the partitioned ones (DeepSpeed, Paddle's
-    # sharding stage 2, Megatron-FSDP; fived with parallel.zero2_reduce_every_microbatch), not the step's once
+    # sharding stage 2, Megatron-FSDP; fived with parallel.zero2_reduce_every_microbatch), not the step's once;
+    # their routed experts' gradients with them (fived's: on the last micro-batch only, fived.parallel.expert_grads)
     reduce_per_microbatch: bool = False
     # communication dtypes, bytes (0: fived's rule — see fived.planner.communication)
     reduce_bytes: int = 0  # gradient reduction
