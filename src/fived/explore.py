@@ -31,11 +31,13 @@ from fived.planner.search import (
     MICRO_BATCH_TOKENS,
     MICRO_BATCHES,
     SCHEDULES,
+    fastest_fitting,
     layout_refusal,
     mesh_shapes,
     node_replicas,
     plan,
     plan_of,
+    reduction_choices,
 )
 from fived.planner.timing import Cluster, in_node
 
@@ -188,7 +190,15 @@ def price(
         return {"error": str(reason)}
     if runtime.is_fived:  # with every overlap fived can use, as the planner's search weighs it
         layout = with_overlap(layout, fp8=runtime.fp8)
-    plan = plan_of(model, layout, cluster, seq_len, global_batch, dtype, runtime, headroom_gib)
+    # (fived's ZeRO-2 both ways, as the search weighs it: reducing every micro-batch where faster or it fits)
+    plan = fastest_fitting(
+        [
+            plan_of(model, x, cluster, seq_len, global_batch, dtype, runtime, headroom_gib)
+            for x in reduction_choices(layout, runtime)
+        ]
+    )
+    assert plan is not None  # (plan_of prices every layout it is given)
+    layout = plan.layout
     gib, step = plan.memory.gib(), plan.time.to_dict()
     micro = layout.microbatches(global_batch)
     return {

@@ -11,6 +11,14 @@ import math
 
 from fived.config import Config, ConfigError, config_fields
 
+
+def largest_divisor(n: int, at_most: int) -> int:
+    """The largest divisor of n that is at most `at_most` (1 if none larger): the valid value the
+    layout rules suggest."""
+    # (from the top down: the planner asks for every layout it weighs, usually of a divisor itself)
+    return next((d for d in range(max(at_most, 1), 0, -1) if n % d == 0), 1)
+
+
 # (field, lowest, highest, a valid example): inclusive integer ranges.
 INTEGER_BOUNDS = (
     ("model.vocab_size", 2, 2**24, 32000),

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import math
 
+from fived.layout.bounds import largest_divisor
+
 
 def expert_rules(need, m, p, t, dp: int) -> None:
     """`need(ok, field, value, rule, hint)` for every expert rule of `m` (model), `p` (parallel) and
     `t` (train) on `dp` data-parallel ranks."""
-    from fived.layout.rules import largest_divisor  # (rules imports this module)
-
     folded = p.etp == 1 and p.tp > 1
     ranks = max(dp, 1) * p.cp * (p.tp if folded else 1)
     over = "dp*cp*tp (parallel.etp=1)" if folded else "dp*cp"

@@ -11,7 +11,7 @@ import math
 from dataclasses import fields
 
 from fived.config import Config, ConfigError, TrainConfig
-from fived.layout.bounds import number_errors
+from fived.layout.bounds import largest_divisor, number_errors
 from fived.layout.expert_rules import expert_rules
 from fived.layout.layout import (
     CHECKPOINTING,
@@ -33,12 +33,6 @@ def nearest_multiple(value: int, base: int) -> int:
     """The multiple of `base` nearest to `value` (at least `base`; ties go up)."""
     base = max(base, 1)
     return max(base, round(value / base + 1e-9) * base) if value % base else value
-
-
-def largest_divisor(n: int, at_most: int) -> int:
-    """The largest divisor of n that is at most `at_most` (1 if none larger)."""
-    # (from the top down: the planner asks for every layout it weighs, usually of a divisor itself)
-    return next((d for d in range(max(at_most, 1), 0, -1) if n % d == 0), 1)
 
 
 def layout_errors(cfg: Config, world: int | None) -> list[ConfigError]:

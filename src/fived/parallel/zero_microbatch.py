@@ -28,7 +28,7 @@ at most CAST_PIECES_IN_FLIGHT packed buckets in flight (a bucket and its reduced
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from torch import nn
@@ -36,14 +36,11 @@ from torch import nn
 from fived import comm
 from fived.layout.spec import CAST_PIECES_IN_FLIGHT
 
-if TYPE_CHECKING:
-    from fived.parallel.zero import ShardedOptimizerDataParallel
-
 
 class MicroBatchReductions:
     """The per-micro-batch counterpart of zero.BucketReductions for ZeRO-2's flat buckets."""
 
-    def __init__(self, dp: ShardedOptimizerDataParallel) -> None:
+    def __init__(self, dp: Any) -> None:  # (zero.ShardedOptimizerDataParallel: zero imports this module)
         self.dp = dp
         self.members = [[dp.params[i] for i in range(b.first, b.last)] for b in dp.buckets]
         self.next = len(dp.buckets) - 1

@@ -116,7 +116,7 @@ def reduction_choices(layout: Layout, runtime: Runtime) -> list[Layout]:
     return [layout]
 
 
-def _faster(plans: list) -> Plan | None:
+def fastest_fitting(plans: list) -> Plan | None:
     """The first plan that fits and is strictly faster than those before it (else the first)."""
     best = plans[0]
     for p in plans[1:]:
@@ -320,7 +320,7 @@ def plan(
                 state = with_overlap(state, fp8=runtime.fp8)
             for options in activation_choices(state, seq_len, global_batch):
                 for layout in options:
-                    result = _faster(
+                    result = fastest_fitting(
                         [
                             evaluate(model, x, cluster, seq_len, global_batch, dtype, runtime, headroom_gib)
                             for x in reduction_choices(layout, runtime)
