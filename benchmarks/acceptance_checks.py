@@ -15,19 +15,19 @@ from pathlib import Path
 
 import torch
 
-from fived.attention import (
+from fived.checkpoint.checkpointer import find_checkpoint
+from fived.launch.ranks import run_ranks
+from fived.model.attention import (
     block_backward,
     block_forward,
     reference_block_backward,
     reference_block_forward,
     uses_cuda_flash,
 )
-from fived.checkpoint import find_checkpoint
-from fived.grouped_gemm import expert_loop, grouped_swiglu, uses_grouped_mm
-from fived.launch import run_ranks
+from fived.model.grouped_gemm import expert_loop, grouped_swiglu, uses_grouped_mm
 from fived.testing import tiny_config
-from fived.trainer import run_training
-from fived.verification import compare
+from fived.tools.verification import compare
+from fived.training.trainer import run_training
 
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
 
@@ -89,7 +89,7 @@ def training_matches_cpu(model: str, *, device: str, steps: int = 4) -> dict:
 
 
 def breakdown_adds_up(*, device: str, steps: int = 4) -> dict:
-    """The measured step breakdown (fived.step_timer: CUDA events on a GPU) of a tiny run on `device`:
+    """The measured step breakdown (fived.training.step_timer: CUDA events on a GPU) of a tiny run on `device`:
     per step, the components sum to the breakdown's total, the named ones (all but "other") cover at
     least 95% of it, and the total is the step time the trainer logs, within 5%."""
     cfg = tiny_config("tiny", train__steps=steps, train__dtype="float32", train__device=device, train__microbatches=2)
@@ -230,7 +230,7 @@ def checkpoint_round_trip(run_dir: str, *, device: str) -> dict:
 
 def _generate_ids(run_dir: str, device: str) -> list[int]:
     """`fived generate RUN --json` in this process (float64: greedy picks cannot tie differently)."""
-    from fived.cli import main as fived_main
+    from fived.cli.main import main as fived_main
 
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):

@@ -18,10 +18,10 @@ import torch
 from acceptance_checks import SKIP, outcome
 
 from fived.config import Config, ModelConfig, build_config
-from fived.launch import run_ranks
-from fived.metrics import flops_per_token
+from fived.launch.ranks import run_ranks
+from fived.layout.flops import flops_per_token
 from fived.planner.hardware import device_peak_tflops
-from fived.trainer import run_training
+from fived.training.trainer import run_training
 
 LR = 3e-4  # (a 1B model at fived's default 3e-3 would diverge within the timed steps)
 # The planner's prediction against fived's measured eager run, on CUDA: the step time within 50%
@@ -190,7 +190,7 @@ def planner_vs_measured(
 ) -> dict:
     """The planner's step time and memory for fived's eager speed run (`fived plan --layout` on
     this device), next to what that run measured."""
-    from fived.mesh import Layout
+    from fived.parallel.mesh import Layout
     from fived.planner.hardware import local_hardware
     from fived.planner.search import evaluate
     from fived.planner.timing import Cluster

@@ -1,5 +1,5 @@
 """What measuring the step breakdown costs: fived's Trainer with train.breakdown on (every span timed,
-every collective recorded through fived.comm) against the same Trainer with it off (the collectives
+every collective recorded through fived.parallel.comm) against the same Trainer with it off (the collectives
 go straight to torch.distributed), on the same ranks, in one run.
 
 Both trainers of a layout are built side by side in one process group; after warmup their timed
@@ -21,7 +21,7 @@ import torch
 from side_by_side import interleaved_steps, slowest_median
 
 from fived.config import build_config
-from fived.launch import run_ranks
+from fived.launch.ranks import run_ranks
 
 LAYOUTS = [
     ("tiny", dict(dp=4, zero=0), 1),
@@ -50,7 +50,7 @@ def config(model: str, fields: dict, micro: int, breakdown: bool, args):
 
 def rank_main(args) -> list[list[list[float]]]:
     """Per layout: [times off, times on] of this rank."""
-    from fived.trainer import Trainer
+    from fived.training.trainer import Trainer
 
     out = []
     for model, fields, micro in LAYOUTS:

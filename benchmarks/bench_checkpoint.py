@@ -34,8 +34,8 @@ import torch
 import torch.distributed as dist
 
 from fived.config import build_config
-from fived.launch import run_ranks
-from fived.model import build_model
+from fived.launch.ranks import run_ranks
+from fived.model.transformer import build_model
 
 LAYOUTS = {
     "ZeRO-3 dp4": {"parallel.dp": 4, "parallel.zero": 3},
@@ -81,8 +81,8 @@ def _timed(fn) -> float:
 
 def measure_rank(cfg) -> dict:
     """On each rank: build the trainer's shards and Adam state, then save / async save / load."""
-    from fived.checkpoint import find_checkpoint
-    from fived.trainer import Trainer
+    from fived.checkpoint.checkpointer import find_checkpoint
+    from fived.training.trainer import Trainer
 
     trainer = Trainer(cfg)
     trainer.checkpointer.components["optimizer"].tensors(for_load=True)  # AdamW's moments, allocated

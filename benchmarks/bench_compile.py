@@ -4,7 +4,7 @@
    block compiled on its own): the step time is the fastest step after the first three (the first
    compiled step pays the compilation, reported separately).
 2. One MoE layer (router, dispatch, experts, combine) forward + backward, with its experts run by
-   the grouped op (`fived.grouped_gemm`: one batched call) and by the former per-expert loop
+   the grouped op (`fived.model.grouped_gemm`: one batched call) and by the former per-expert loop
    (`expert_loop`), same weights and tokens, run alternately; the fastest of the repetitions (the machine is shared).
 
 The last lines are the ratios (below 1: the new path is faster).
@@ -30,8 +30,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch
 
 from fived.config import build_config
-from fived.grouped_gemm import expert_loop
-from fived.model import GroupedExperts, MoE
+from fived.model.grouped_gemm import expert_loop
+from fived.model.transformer import GroupedExperts, MoE
 
 
 def parse_args() -> argparse.Namespace:

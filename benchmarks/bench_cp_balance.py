@@ -9,7 +9,7 @@ Per rank and step the benchmark sums the CPU seconds (the rank's compute thread'
 machine load and waits do not count) spent in the document-masked attention blocks
 (`masked_block_forward`/`masked_block_backward`: the kernels and their tiling, the rank's attention
 work). Printed per assignment: the attention work the assignment predicts per rank
-((query, key) pairs, `fived.documents.rank_work`), the measured attention seconds per rank (medians),
+((query, key) pairs, `fived.data.documents.rank_work`), the measured attention seconds per rank (medians),
 their spread (slowest / fastest rank), the step time (wall: the slowest rank's, median) and the step's
 compute (each rank's CPU seconds in the step, the slowest rank's, median: what the step would take
 on dedicated cores, waiting for the slowest rank aside), and both ratios work / halves. On a machine
@@ -35,7 +35,7 @@ import torch.distributed as dist
 from side_by_side import interleaved_steps, slowest_median
 
 from fived.config import build_config
-from fived.launch import run_ranks
+from fived.launch.ranks import run_ranks
 
 BALANCES = ("halves", "work")
 
@@ -101,7 +101,7 @@ class AttentionClock:
 
 def rank_main(data: str, args) -> dict:
     from fived.parallel import context
-    from fived.trainer import Trainer
+    from fived.training.trainer import Trainer
 
     clock = AttentionClock(len(BALANCES))
     context.masked_block_forward = clock.wrap(context.masked_block_forward)

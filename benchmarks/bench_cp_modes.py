@@ -83,7 +83,7 @@ def peak_memory(over: dict, run_dir: Path) -> float:
 
 def rank_main(configs: list) -> list[float]:
     """This rank's seconds per timed step of each mode's Trainer (one process group)."""
-    from fived.trainer import Trainer
+    from fived.training.trainer import Trainer
 
     trainers = [Trainer(cfg, log=False) for cfg in configs]
     return interleaved_steps(trainers, warmup=1, steps=configs[0].train.steps - 1)[0]
@@ -91,7 +91,7 @@ def rank_main(configs: list) -> list[float]:
 
 def step_times(seq: int, args, data: str) -> list[float]:
     from fived.config import build_config
-    from fived.launch import run_ranks
+    from fived.launch.ranks import run_ranks
 
     configs = []
     for mode, u in MODES:

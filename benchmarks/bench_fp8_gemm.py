@@ -83,8 +83,8 @@ def train_tokens_per_s(
     """fived's trainer on one rank in bf16, with or without FP8 linears: median tokens/s and losses."""
     from acceptance_speed import speed_config
 
-    from fived.launch import run_ranks
-    from fived.trainer import run_training
+    from fived.launch.ranks import run_ranks
+    from fived.training.trainer import run_training
 
     cfg = speed_config(model, device=device, dtype="bfloat16", seq_len=seq_len, batch=batch, steps=warmup + steps)
     cfg.train.fp8 = fp8

@@ -1,4 +1,4 @@
-"""Time one rank's initialisation of a big model's shard (fived.init), in one process, no ranks.
+"""Time one rank's initialisation of a big model's shard (fived.model.init), in one process, no ranks.
 
 The rank is tensor-parallel rank `--tp-rank` of pipeline stage `--stage` of a tp x pp layout (its
 data-parallel ranks hold the same tensors before ZeRO-1/2 wraps them, or rows of them under
@@ -23,8 +23,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch
 
 from fived.config import model_preset
-from fived.init import TileFiller, TileSeeds, model_shapes, std_of
-from fived.placement import Box, Placement
+from fived.layout.placement import Box, Placement
+from fived.model.init import TileFiller, TileSeeds, model_shapes, std_of
 
 COLUMN_PARALLEL = ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight", "w1.weight", "w3.weight")
 

@@ -13,7 +13,7 @@ overhead  on --world CPU ranks (gloo, one thread each) in one process group, eac
           with AdamW and with Muon: after warmup, timed steps interleave every trainer
           (`side_by_side.interleaved_steps`); per layout the slowest rank's
           median step and rank 0's mean optimizer component (Muon's exchange included) beside the
-          planner's (`fived.breakdown.predicted` on this host's `local_hardware`), rank 0's
+          planner's (`fived.training.breakdown.predicted` on this host's `local_hardware`), rank 0's
           optimizer-state bytes (ledger) beside the planner's, and the transient peak of one
           optimizer step above its start (glibc's heap in use, sampled after every torch op: CPU
           has no allocator statistics) beside the planner's Muon buffers
@@ -44,7 +44,7 @@ from side_by_side import interleaved_steps, slowest_median
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fived.config import build_config
-from fived.launch import run_ranks
+from fived.launch.ranks import run_ranks
 
 ADAMW_LRS = (1e-3, 2e-3, 3e-3, 5e-3, 1e-2, 2e-2)
 # train.muon_lr per update scale: rms gives an update AdamW's RMS (0.2), spectral and none about
@@ -84,7 +84,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def final_val_loss(cfg) -> float:
-    from fived.trainer import run_training
+    from fived.training.trainer import run_training
 
     return run_ranks(1, run_training, cfg, False, False, device="cpu")[0].metrics[-1]["val_loss"]
 
@@ -103,8 +103,8 @@ def sweep(name: str, lrs, run) -> tuple[float, float]:
 
 
 def loss_part(args: argparse.Namespace) -> None:
-    from fived.data import bundled_corpus_path
-    from fived.data_prep import prepare_data
+    from fived.data.loader import bundled_corpus_path
+    from fived.data.prepare import prepare_data
 
     with tempfile.TemporaryDirectory(prefix="fived-muon-") as tmp:
         prepare_data([bundled_corpus_path()], os.path.join(tmp, "corpus"), val_fraction=0.05)
@@ -219,8 +219,8 @@ def step_peak(trainer, step: int) -> int:
 
 
 def rank_main(configs, args: argparse.Namespace) -> dict:
-    from fived.breakdown import compared, mean_breakdown
-    from fived.trainer import Trainer
+    from fived.training.breakdown import compared, mean_breakdown
+    from fived.training.trainer import Trainer
 
     trainers = [Trainer(cfg, log=False) for cfg in configs]
     times, records = interleaved_steps(trainers, warmup=args.warmup, steps=args.timed)
@@ -242,11 +242,11 @@ def rank_main(configs, args: argparse.Namespace) -> dict:
 def predictions(cfg, world: int, hw) -> tuple[float, float, int, int]:
     """The planner's (step seconds, optimizer seconds, optimizer-state bytes, Muon's transient
     bytes) for rank 0 of this run."""
-    from fived.breakdown import predicted
     from fived.layout.layout import Layout
     from fived.layout.stages import rank_chunks
     from fived.planner.memory import muon_buffers
-    from fived.report import expected_state_bytes
+    from fived.training.breakdown import predicted
+    from fived.training.report import expected_state_bytes
 
     components, _ = predicted(cfg, world, hw)
     layout = Layout.from_config(cfg, world)

@@ -1,7 +1,7 @@
 """Each overlap switch off vs on, per mesh dimension, in one run: fived's Trainer twice side by side in
 one process group (switch off, switch on), timed steps alternating (order reversed every other round,
 each after a barrier); a step's time is the slowest rank's, a trainer's the median over its steps.
-From the step breakdown (`fived.step_timer`, rank 0): the dimension's exposed communication (waited
+From the step breakdown (`fived.training.step_timer`, rank 0): the dimension's exposed communication (waited
 for) and, with the switch on, the communication that ran under compute.
 
     python benchmarks/bench_overlap.py                  # every case, 12 timed steps each
@@ -25,7 +25,7 @@ import torch
 from side_by_side import interleaved_steps, slowest_median
 
 from fived.config import build_config
-from fived.launch import run_ranks
+from fived.launch.ranks import run_ranks
 
 WIDE = {"model.dim": 512, "model.ffn_dim": 1024, "model.n_heads": 8, "model.n_kv_heads": 4}
 # name: (ranks, mesh dimension (breakdown role), base overrides, the switches)
@@ -76,7 +76,7 @@ def config(case: str, on: bool, args):
 
 def rank_main(case: str, args) -> dict:
     """Per trainer (off, on): step times, and rank 0's breakdowns."""
-    from fived.trainer import Trainer
+    from fived.training.trainer import Trainer
 
     trainers = [Trainer(config(case, on, args), log=False) for on in (False, True)]
     times, records = interleaved_steps(trainers, warmup=args.warmup, steps=args.steps)

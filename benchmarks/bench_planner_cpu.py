@@ -1,6 +1,6 @@
 """The planner against fived's measured step times on CPU ranks: predicted vs measured per layout.
 
-On N CPU ranks (gloo, one thread each; `fived.launch.run_ranks` forks them), in ONE process group,
+On N CPU ranks (gloo, one thread each; `fived.launch.ranks.run_ranks` forks them), in ONE process group,
 fived's Trainer runs every layout of LAYOUTS (the tiny models: every dimension, every ZeRO stage,
 HSDP, SP) and the layout `fived train --layout auto` picks for these ranks. After warmup, timed steps
 interleave the layouts (order reversed every other round), each after a barrier; a step's time is
@@ -34,7 +34,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # run_ranks sets it per rank too
 import torch.distributed as dist
 
 from fived.config import build_config
-from fived.launch import run_ranks
+from fived.launch.ranks import run_ranks
 
 # (model, parallel fields, micro-batches): every dimension and ZeRO stage of the tiny models
 LAYOUTS = [
@@ -110,7 +110,7 @@ def auto_layout(args: argparse.Namespace):
 def _index(layouts, layout) -> int | None:
     """Where `layout` (model, parallel fields, micro-batches) is among `layouts`, fields compared with
     the runtime's defaults filled in."""
-    from fived.mesh import Layout
+    from fived.parallel.mesh import Layout
 
     def key(entry):
         m, f, micro = entry
@@ -120,7 +120,7 @@ def _index(layouts, layout) -> int | None:
 
 
 def rank_main(layouts, args: argparse.Namespace) -> dict:
-    from fived.trainer import Trainer
+    from fived.training.trainer import Trainer
 
     trainers = [Trainer(config(m, f, micro, args), log=False) for m, f, micro in layouts]
     for s in range(args.warmup):
@@ -142,14 +142,14 @@ def rank_main(layouts, args: argparse.Namespace) -> dict:
                 breakdowns[j].append(record["breakdown"])
     finally:
         gc.enable()
-    from fived.breakdown import compared, mean_breakdown
+    from fived.training.breakdown import compared, mean_breakdown
 
     # this rank's measured components per layout (the planner's terms), mean over the timed steps
     return {"times": times, "components": [compared(mean_breakdown(b, skip_first=False)) for b in breakdowns]}
 
 
 def predict(layouts, args, hw) -> list[float]:
-    from fived.mesh import Layout
+    from fived.parallel.mesh import Layout
     from fived.planner.timing import Cluster, step_time
 
     out = []
@@ -267,12 +267,12 @@ def main() -> int:
 
 
 def component_report(layouts, components, args, hw) -> None:
-    """Each layout's measured step breakdown (fived.step_timer, mean over ranks and timed steps)
-    beside the planner's components (fived.breakdown maps them), in ms; and the component the
+    """Each layout's measured step breakdown (fived.training.step_timer, mean over ranks and timed steps)
+    beside the planner's components (fived.training.breakdown maps them), in ms; and the component the
     planner gets most wrong: the largest median |measured - predicted| over the layouts, as a
     share of the measured step."""
-    from fived.breakdown import COMPARED, predicted
-    from fived.mesh import Layout
+    from fived.parallel.mesh import Layout
+    from fived.training.breakdown import COMPARED, predicted
 
     print(f"\nstep breakdown per layout, measured/predicted ms ({', '.join(COMPARED)}):")
     errors: dict[str, list[float]] = {k: [] for k in COMPARED}

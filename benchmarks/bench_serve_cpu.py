@@ -1,7 +1,7 @@
 """The serving planner against fived's measured generation on CPU ranks: prefill time and time per output
 token, predicted vs measured, per layout and batch size.
 
-Each case runs `fived.generate_ranks` (the multi-rank generation of `fived generate --nproc`: training's
+Each case runs `fived.tools.generate_ranks` (the multi-rank generation of `fived generate --nproc`: training's
 tensor, pipeline and expert parallel modules, KV caches) on fresh gloo ranks, one thread each, `--repeats`
 times after one untimed generation in the same ranks; a case's measured prefill is the median over repeats of the last pipeline stage's prefill (the
 barrier before the prompt to its first tokens), its time per output token the median over repeats of
@@ -31,11 +31,11 @@ from dataclasses import replace
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from fived.config import model_preset
-from fived.generate import Sampling
-from fived.generate_ranks import generate_on_ranks, generation_config
 from fived.planner.hardware import DISPATCH_CPU_S, local_hardware
 from fived.planner.serve_model import ServeLayout, forward_time
 from fived.planner.timing import Cluster
+from fived.tools.generate import Sampling
+from fived.tools.generate_ranks import generate_on_ranks, generation_config
 
 # (model, world, tp, pp, ep, prompts in the batch): every dimension generation runs, batch 1 to 8
 CASES = [

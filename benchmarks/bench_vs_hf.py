@@ -39,8 +39,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from fived.config import PRESETS, ModelConfig, model_preset  # noqa: E402
-from fived.init import init_weights  # noqa: E402
-from fived.model import build_model  # noqa: E402
+from fived.model.init import init_weights  # noqa: E402
+from fived.model.transformer import build_model  # noqa: E402
 
 # A CPU-sized default: the "tiny" preset widened so a step is tens of milliseconds on one thread.
 DEFAULT_MODEL = "cpu-bench"

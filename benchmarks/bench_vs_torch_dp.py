@@ -1,6 +1,6 @@
 """Time fived's data-parallel training step against the plain torch loops a user would write.
 
-On N CPU ranks (gloo, one thread each; `fived.launch.run_ranks` forks them), in ONE process group:
+On N CPU ranks (gloo, one thread each; `fived.launch.ranks.run_ranks` forks them), in ONE process group:
 
   stage 0: fived's Trainer with parallel.zero=0      vs  DistributedDataParallel(model) + AdamW
   stage 3: fived's Trainer with parallel.zero=3      vs  fully_shard(each block), fully_shard(root) + AdamW
@@ -39,7 +39,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from fived.config import build_config
-from fived.launch import run_ranks
+from fived.launch.ranks import run_ranks
 
 STAGES = {0: ("fived zero0", "torch DDP"), 3: ("fived zero3", "torch FSDP2")}
 # First-step agreement (float32; only the order of the reductions differs).
@@ -106,9 +106,9 @@ def _value(t) -> float:
 
 def torch_runner(cfg, stage: int):
     """The hand-written loop: DDP (stage 0) or FSDP2 (stage 3) around the same Transformer."""
-    from fived.data import GlobalBatchSampler, load_tokens
-    from fived.init import init_weights
-    from fived.model import build_model
+    from fived.data.loader import GlobalBatchSampler, load_tokens
+    from fived.model.init import init_weights
+    from fived.model.transformer import build_model
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_model(cfg.model, "cpu")
@@ -145,7 +145,7 @@ def torch_runner(cfg, stage: int):
 
 
 def rank_main(args: argparse.Namespace) -> dict:
-    from fived.trainer import Trainer
+    from fived.training.trainer import Trainer
 
     # torch 2.13 deprecates DDP's broadcast_buffers, which fived's stage 0 passes: not our subject here.
     warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
@@ -195,7 +195,7 @@ def main() -> int:
     args = parse_args()
     cfg = make_config(args, 0)
     m = cfg.model
-    from fived.model import count_params
+    from fived.model.transformer import count_params
 
     print(
         f"fived vs torch data parallel | torch {torch.__version__} | {args.world} ranks, gloo, "

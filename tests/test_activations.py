@@ -1,5 +1,5 @@
 """Activation memory: what the ledger measures on real gloo ranks against the formulas of
-`fived.activation_model`, per part (layers, embedding, head) and in total per rank.
+`fived.layout.activation_model`, per part (layers, embedding, head) and in total per rank.
 
 Exact (byte for byte) wherever routing does not enter: every dense layer, embedding and head in
 every layout, and MoE layers without expert parallelism (dropless: the slot count is B*k whatever
@@ -10,11 +10,11 @@ total (worst measured here: 1.47%; per layer up to 6.7%).
 
 import pytest
 
-from fived.activation_model import activation_bytes, layer_bytes
 from fived.config import model_preset
-from fived.report import expected_activation_bytes, expected_activations, format_report
+from fived.layout.activation_model import activation_bytes, layer_bytes
 from fived.testing import run_on_ranks, tiny_config, write_documents
-from fived.trainer import run_training
+from fived.training.report import expected_activation_bytes, expected_activations, format_report
+from fived.training.trainer import run_training
 
 # name: (model, overrides); each group of one world size runs in a single run_on_ranks call.
 SINGLE = {

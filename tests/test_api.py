@@ -44,9 +44,9 @@ def test_every_option_is_keyword_only():
 
 
 def test_a_bad_config_raises_the_clis_line_before_any_rank(monkeypatch, tmp_path):
-    import fived.launch
+    import fived.launch.ranks
 
-    monkeypatch.setattr(fived.launch, "run_ranks", lambda *a, **k: pytest.fail("a rank was started"))
+    monkeypatch.setattr(fived.launch.ranks, "run_ranks", lambda *a, **k: pytest.fail("a rank was started"))
     cfg = Config()
     cfg.parallel.tp, cfg.train.output_dir = 3, str(tmp_path / "run")
     with pytest.raises(ConfigError, match=r"^parallel.tp=3: must divide model.n_heads=4; e.g. --tp 2$"):

@@ -6,8 +6,8 @@ import json
 import numpy as np
 import pytest
 
-from fived.cli import join_negative_values, main
-from fived.data import largest_token_id
+from fived.cli.main import join_negative_values, main
+from fived.data.loader import largest_token_id
 
 
 def _token_file(tmp_path, tokens, vocab=256):
@@ -54,13 +54,13 @@ def test_a_sidecar_that_cannot_be_updated_leaves_no_temporary_file(tmp_path, mon
     import errno
     import os
 
-    import fived.data
+    import fived.data.loader
 
     def refused(src, dst):
         raise OSError(errno.EXDEV, os.strerror(errno.EXDEV), str(src))
 
     path = _token_file(tmp_path, np.arange(100) % 50)
-    monkeypatch.setattr(fived.data.os, "replace", refused)
+    monkeypatch.setattr(fived.data.loader.os, "replace", refused)
     assert largest_token_id(str(path), np.memmap(path, dtype=np.uint16, mode="r")) == 49
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tokens.bin", "tokens.json"]
 

@@ -383,7 +383,7 @@ def test_memory_headroom_is_left_free():
 
 def _fived(capsys, *args) -> tuple[int, str, str]:
     """`fived ...` in this process (the command line's own entry point; no interpreter start-up)."""
-    from fived.cli import main
+    from fived.cli.main import main
 
     code = main(list(args))
     out = capsys.readouterr()

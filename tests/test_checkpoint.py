@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from fived.checkpoint import complete_checkpoints, find_checkpoint
+from fived.checkpoint.checkpointer import complete_checkpoints, find_checkpoint
 from fived.testing import EXACT, run_on_ranks, tiny_config, write_documents
-from fived.trainer import run_training
-from fived.verification import run_verify
+from fived.tools.verification import run_verify
+from fived.training.trainer import run_training
 
 STEPS = 4
 
@@ -96,7 +96,7 @@ def test_resume_is_bit_exact_with_evaluation(layout, tmp_path):
     weights) neither draws random numbers nor moves the data position, and leaves every parameter
     as a checkpoint expects it: the resumed run equals the uninterrupted one to the last bit,
     validation losses included."""
-    from fived.data import bundled_corpus_path
+    from fived.data.loader import bundled_corpus_path
 
     model, over = EVALUATED[layout]
     cfg = tiny_config(

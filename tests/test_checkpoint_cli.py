@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from fived.checkpoint import check_model_shapes, complete_checkpoints, read_manifest
-from fived.cli import main
+from fived.checkpoint.checkpointer import check_model_shapes, complete_checkpoints, read_manifest
+from fived.cli.main import main
 from fived.config import ConfigError
 from fived.testing import tiny_config
 
@@ -106,7 +106,7 @@ def test_reshard_from_takes_only_layout_flags(capsys):
 def test_reshard_from_accepts_a_flag_that_repeats_the_runs_value():
     """`--reshard-from "--dp 3 --zero 3 --global-batch 12"` beside `--global-batch 12`: nothing differs."""
     from fived.config import ConfigError, build_config
-    from fived.run_setup import reshard_layout
+    from fived.launch.run_setup import reshard_layout
 
     cfg = build_config(overrides={"train.global_batch": 12, "train.steps": 4})
     first, world = reshard_layout("--dp 3 --zero 3 --global-batch 12", cfg)
@@ -116,8 +116,8 @@ def test_reshard_from_accepts_a_flag_that_repeats_the_runs_value():
 
 
 def _prepared(argv: list[str]):
-    from fived.cli import build_parser
-    from fived.run_setup import prepare_training
+    from fived.cli.main import build_parser
+    from fived.launch.run_setup import prepare_training
 
     ns, unknown = build_parser().parse_known_args(["train", *argv])
     assert not unknown
@@ -125,7 +125,7 @@ def _prepared(argv: list[str]):
 
 
 def test_resume_keeps_the_layout_when_only_other_parallel_settings_change(saved_run):
-    from fived.checkpoint import find_checkpoint
+    from fived.checkpoint.checkpointer import find_checkpoint
 
     saved = read_manifest(find_checkpoint(saved_run))  # (step 6, or 8 once the test above extended the run)
     run = _prepared(["--resume", str(saved_run), "--steps", "20", "--parallel.reduce_dtype", "bfloat16"])
@@ -138,7 +138,7 @@ def test_resume_keeps_the_layout_when_only_other_parallel_settings_change(saved_
 
 def test_resume_may_add_validation(saved_run):
     """Validation data is never trained on: a resumed run may add it (data.val_path, train.eval_every)."""
-    from fived.data import bundled_corpus_path
+    from fived.data.loader import bundled_corpus_path
 
     run = _prepared(
         [

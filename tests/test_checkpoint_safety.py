@@ -13,12 +13,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import fived.checkpoint
-import fived.dcp_io
-from fived.checkpoint import MANIFEST, MARKER, Checkpointer, complete_checkpoints, find_checkpoint
-from fived.launch import RankFailed
+import fived.checkpoint.checkpointer
+import fived.checkpoint.dcp_io
+from fived.checkpoint.checkpointer import MANIFEST, MARKER, Checkpointer, complete_checkpoints, find_checkpoint
+from fived.launch.ranks import RankFailed
 from fived.testing import run_on_ranks, tiny_config
-from fived.trainer import Trainer, run_training
+from fived.training.trainer import Trainer, run_training
 
 STEPS, EVERY, KILLED_SAVE = 6, 2, 4
 ARMED = {"now": False}  # set, in the rank that dies, when the save of step KILLED_SAVE starts
@@ -39,19 +39,19 @@ def _arm_on_save(monkeypatch, rank: int):
 
 
 def _kill_writing_shards(monkeypatch):
-    real = fived.dcp_io._SavePlanner.lookup_object
+    real = fived.checkpoint.dcp_io._SavePlanner.lookup_object
 
     def lookup(self, index):
         if ARMED["now"]:
             _die()
         return real(self, index)
 
-    monkeypatch.setattr(fived.dcp_io._SavePlanner, "lookup_object", lookup)
+    monkeypatch.setattr(fived.checkpoint.dcp_io._SavePlanner, "lookup_object", lookup)
 
 
 def _kill_at_file(name: str, after: bool):
     def patch(monkeypatch):
-        real = fived.checkpoint._fsync_write
+        real = fived.checkpoint.checkpointer._fsync_write
 
         def write(path, text):
             if ARMED["now"] and path.name == name and not after:
@@ -60,7 +60,7 @@ def _kill_at_file(name: str, after: bool):
             if ARMED["now"] and path.name == name and after:
                 _die()
 
-        monkeypatch.setattr(fived.checkpoint, "_fsync_write", write)
+        monkeypatch.setattr(fived.checkpoint.checkpointer, "_fsync_write", write)
 
     return patch
 
@@ -71,7 +71,7 @@ def _kill_pruning(monkeypatch):
     def discard(path):
         _die()
 
-    monkeypatch.setattr(fived.checkpoint, "_discard", discard)
+    monkeypatch.setattr(fived.checkpoint.checkpointer, "_discard", discard)
 
 
 # name: (how it dies, which rank, background save, the newest complete checkpoint afterwards)
@@ -157,7 +157,7 @@ def _load(cfg, run_dir):
 def test_no_rank_holds_the_whole_model_while_saving_or_loading(tmp_path):
     """Peak resident memory of each of 4 ranks grows by less than a quarter of the model's
     parameters while it saves (ZeRO-3), and while it loads that checkpoint into ZeRO-3 or tp2 x pp2."""
-    from fived.model import build_model
+    from fived.model.transformer import build_model
 
     whole_mb = sum(p.numel() for p in build_model(_big().model).parameters()) * 4 / 2**20
     zero3 = _big(parallel__dp=4, parallel__zero=3)
@@ -178,8 +178,8 @@ class _Evil:
 
 def test_checkpoint_metadata_cannot_run_code(tmp_path):
     (tmp_path / ".metadata").write_bytes(pickle.dumps(_Evil(tmp_path / "owned")))
-    with pytest.raises(fived.dcp_io.CheckpointError, match="posix.system|os.system"):
-        fived.dcp_io.tensor_shapes(tmp_path)
+    with pytest.raises(fived.checkpoint.dcp_io.CheckpointError, match="posix.system|os.system"):
+        fived.checkpoint.dcp_io.tensor_shapes(tmp_path)
     assert not (tmp_path / "owned").exists()
 
 

@@ -9,10 +9,10 @@ from torch._dynamo.eval_frame import OptimizedModule
 
 from fived.config import ConfigError, build_config
 from fived.layout.rules import check_config
-from fived.model import build_model, canonical_name
+from fived.model.transformer import build_model, canonical_name
 from fived.parallel.compile import apply_compile
 from fived.testing import EXACT, tiny_config
-from fived.verification import reference_config, run_verify
+from fived.tools.verification import reference_config, run_verify
 
 LAYOUTS = {
     "tp-sp full checkpointing": (

@@ -1,7 +1,7 @@
 import pytest
 
 from fived.config import PRESETS, ConfigError, ModelConfig, build_config, model_preset
-from fived.model import count_params
+from fived.model.transformer import count_params
 
 
 def test_defaults_presets_toml_and_cli_precedence(tmp_path):

@@ -8,8 +8,8 @@ import torch
 
 from fived.parallel.context import local_positions
 from fived.testing import EXACT, run_on_ranks, tiny_config
-from fived.trainer import run_training
-from fived.verification import run_verify
+from fived.tools.verification import run_verify
+from fived.training.trainer import run_training
 
 
 def _verify(world, model, **over):

@@ -9,12 +9,12 @@ import shutil
 import pytest
 
 import fived.hf.export
-from fived.checkpoint import find_checkpoint, read_manifest
-from fived.checkpoint_verify import damage
-from fived.cli import main
+from fived.checkpoint.checkpointer import find_checkpoint, read_manifest
+from fived.checkpoint.verify import damage
+from fived.cli.main import main
 from fived.config import ConfigError
 from fived.testing import run_on_ranks, tiny_config
-from fived.trainer import run_training
+from fived.training.trainer import run_training
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +137,7 @@ def test_a_failing_export_leaves_no_partial_output(run, tmp_path, monkeypatch, c
 def test_a_save_without_room_is_skipped_and_the_next_one_tries_again(tmp_path, monkeypatch, capsys):
     """Free space is checked before a save: the save of step 2 is skipped with one warning line,
     training goes on, and the save of step 4 (room again) is written."""
-    import fived.checkpoint
+    import fived.checkpoint.checkpointer
 
     real, calls = shutil.disk_usage, []
 
@@ -146,7 +146,7 @@ def test_a_save_without_room_is_skipped_and_the_next_one_tries_again(tmp_path, m
         found = real(path)
         return found._replace(free=1000) if len(calls) == 1 else found
 
-    monkeypatch.setattr(fived.checkpoint.shutil, "disk_usage", usage)
+    monkeypatch.setattr(fived.checkpoint.checkpointer.shutil, "disk_usage", usage)
     cfg = tiny_config("tiny", train__steps=4, checkpoint__every=2, train__output_dir=str(tmp_path))
     result = run_on_ranks(1, run_training, cfg, True, False, False)[0]
     assert result.metrics[-1]["step"] == 4
@@ -154,17 +154,17 @@ def test_a_save_without_room_is_skipped_and_the_next_one_tries_again(tmp_path, m
 
 
 def test_a_full_disk_during_a_save_is_one_line_and_loses_nothing(run, monkeypatch):
-    import fived.checkpoint
-    from fived.launch import RankFailed
+    import fived.checkpoint.checkpointer
+    from fived.launch.ranks import RankFailed
 
-    real = fived.checkpoint._fsync_write
+    real = fived.checkpoint.checkpointer._fsync_write
 
     def full(path, text):
         if path.name == "fived.json":
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         real(path, text)
 
-    monkeypatch.setattr(fived.checkpoint, "_fsync_write", full)
+    monkeypatch.setattr(fived.checkpoint.checkpointer, "_fsync_write", full)
     cfg = tiny_config("tiny", train__steps=6, checkpoint__every=2, train__output_dir=str(run))
     with pytest.raises(RankFailed) as failed:
         run_on_ranks(1, run_training, cfg, True, False, False, str(run / "checkpoints" / "step-4"))
@@ -180,14 +180,14 @@ def test_a_full_disk_during_a_save_is_one_line_and_loses_nothing(run, monkeypatc
 def _resume_choice(run, flaky_rank):
     import torch.distributed as dist
 
-    import fived.checkpoint
-    from fived.cli import build_parser
-    from fived.run_setup import prepare_training
-    from fived.training_run import agreed_run
+    import fived.checkpoint.checkpointer
+    from fived.cli.main import build_parser
+    from fived.launch.run_setup import prepare_training
+    from fived.launch.training_run import agreed_run
 
-    real = fived.checkpoint.cached_damage
+    real = fived.checkpoint.checkpointer.cached_damage
     if dist.get_rank() == flaky_rank:  # a transient read error on this rank alone
-        fived.checkpoint.cached_damage = lambda c, crc=True: "EIO" if c.name == "step-4" else real(c, crc)
+        fived.checkpoint.checkpointer.cached_damage = lambda c, crc=True: "EIO" if c.name == "step-4" else real(c, crc)
     ns = build_parser().parse_args(["train", "--resume", "auto", "--steps", "6", "--train.output_dir", str(run)])
     mine = prepare_training(ns, 1)
     agreed = agreed_run(mine)
@@ -213,16 +213,16 @@ def test_each_rank_digests_only_the_files_it_wrote(background, tmp_path, monkeyp
     and the manifest records every file, as a load verifies them."""
     import os
 
-    import fived.checkpoint_verify
+    import fived.checkpoint.verify
 
-    real, log = fived.checkpoint_verify.crc32_of, tmp_path / "digested"
+    real, log = fived.checkpoint.verify.crc32_of, tmp_path / "digested"
 
     def logged(path):
         with open(log, "a") as f:
             f.write(f"{os.environ.get('RANK', '-')} {path.parent.name} {path.name}\n")
         return real(path)
 
-    monkeypatch.setattr(fived.checkpoint_verify, "crc32_of", logged)
+    monkeypatch.setattr(fived.checkpoint.verify, "crc32_of", logged)
     cfg = tiny_config(
         "tiny",
         train__steps=4,

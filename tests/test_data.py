@@ -4,14 +4,14 @@ import numpy as np
 import pytest
 import torch
 
-from fived.data import (
+from fived.data.loader import (
     ByteTokenizer,
     GlobalBatchSampler,
     bundled_corpus_path,
     load_tokenizer,
     load_tokens,
 )
-from fived.data_prep import prepare_data
+from fived.data.prepare import prepare_data
 
 TEXT_A = "Hello, world! The quick brown fox jumps over the lazy dog.\n" * 20
 TEXT_B = "Second file: caf\u00e9, na\u00efve, \u65e5\u672c\u8a9e.\r\nwindows line end kept\n"

@@ -12,11 +12,11 @@ import tracemalloc
 import numpy as np
 import pytest
 
-import fived.data_prep
-from fived.cli import main
+import fived.data.prepare
+from fived.cli.main import main
 from fived.config import tomllib
-from fived.data import load_tokenizer, load_tokens
-from fived.data_prep import MissingExtra, prepare_data
+from fived.data.loader import load_tokenizer, load_tokens
+from fived.data.prepare import MissingExtra, prepare_data
 
 DOCS = [
     f"Document {i}: {'the quick brown fox jumps over the lazy dog. ' * (i % 4 + 1)}caf\u00e9 {i}\n" for i in range(40)
@@ -56,7 +56,7 @@ def _write_inputs(tmp_path) -> dict:
 
 @pytest.mark.parametrize("tokenizer", ["byte", "hf"])
 def test_every_format_gives_the_same_tokens(tmp_path, tokenizer, monkeypatch):
-    monkeypatch.setattr(fived.data_prep, "ROWS_PER_BATCH", 5)  # several record batches per file
+    monkeypatch.setattr(fived.data.prepare, "ROWS_PER_BATCH", 5)  # several record batches per file
     name = "byte" if tokenizer == "byte" else _hf_tokenizer(tmp_path)
     expected = _expected(name)
     for kind, inputs in _write_inputs(tmp_path).items():
@@ -79,7 +79,7 @@ def _peak_bytes(path, out) -> int:
 def test_streaming_memory_does_not_grow_with_the_file(tmp_path, monkeypatch):
     """Text through 16 kB blocks: Python's peak allocation is the same for a 2 MB and an 8 MB file
     (a few blocks plus fixed costs), far below either."""
-    monkeypatch.setattr(fived.data_prep, "TEXT_BLOCK_CHARS", 1 << 14)
+    monkeypatch.setattr(fived.data.prepare, "TEXT_BLOCK_CHARS", 1 << 14)
     line = "streamed line of text, not read whole. " * 3 + "\n"
     peaks = {}
     for mb in (2, 8):

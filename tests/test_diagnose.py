@@ -11,12 +11,12 @@ import json
 
 import pytest
 
-from fived.cli import main
+from fived.cli.main import main
 from fived.config import build_config
-from fived.diagnose import Measured, _uneven_micro, diagnose
-from fived.report import write_run_json
 from fived.testing import run_on_ranks
-from fived.trainer import Trainer
+from fived.tools.diagnose import Measured, _uneven_micro, diagnose
+from fived.training.report import write_run_json
+from fived.training.trainer import Trainer
 
 
 def _train(cfg, favour_expert: bool):

@@ -7,11 +7,11 @@ import torch.distributed as dist
 
 import fived.parallel.ddp
 from fived.config import model_preset
-from fived.init import init_weights
-from fived.launch import RankFailed
-from fived.model import build_model
+from fived.launch.ranks import RankFailed
+from fived.model.init import init_weights
+from fived.model.transformer import build_model
 from fived.testing import EXACT, run_on_ranks, tiny_config
-from fived.verification import run_verify
+from fived.tools.verification import run_verify
 
 
 def _reference_params(name: str, seed: int) -> dict:
@@ -86,7 +86,7 @@ def _average(buffer, group, reduce_dtype):
 @pytest.mark.parametrize("broken", [_skip_reduction, _average])
 def test_verify_catches_a_broken_reduction(broken, monkeypatch, capsys):
     """Ranks are forked, so they inherit the patched reduction; verify must fail loudly."""
-    from fived.cli import main
+    from fived.cli.main import main
 
     monkeypatch.setattr(fived.parallel.ddp, "reduce_bucket", broken)
     assert main(["verify", "--dp", "2", "--steps", "3", "--seq-len", "32", "--global-batch", "8"]) == 1
@@ -110,7 +110,7 @@ def test_a_rendezvous_port_taken_before_it_is_bound_is_tried_again(monkeypatch):
     nothing has run yet, so the launcher tries another port instead of failing."""
     import socket
 
-    from fived import launch
+    from fived.launch import ranks as launch
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

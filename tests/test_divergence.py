@@ -12,13 +12,13 @@ import sys
 import pytest
 import torch
 
-from fived.checkpoint import complete_checkpoints
+from fived.checkpoint.checkpointer import complete_checkpoints
 from fived.config import ConfigError, build_config
-from fived.divergence import DIVERGED_EXIT, LossGuard, healthy_checkpoint
-from fived.launch import RankFailed
+from fived.launch.ranks import RankFailed
 from fived.layout.rules import check_config
 from fived.testing import run_on_ranks, tiny_config
-from fived.trainer import Trainer, run_training
+from fived.training.divergence import DIVERGED_EXIT, LossGuard, healthy_checkpoint
+from fived.training.trainer import Trainer, run_training
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 STEPS, EVERY, POISONED = 12, 2, 6  # the gradients of step index 6 (logged as step 7) are NaN
@@ -134,9 +134,9 @@ def test_a_second_divergence_beyond_max_rollbacks_stops(tmp_path, monkeypatch):
 
 
 def test_the_healthy_checkpoint_is_one_whose_next_step_passed(tmp_path, monkeypatch):
-    import fived.divergence
+    import fived.training.divergence
 
-    monkeypatch.setattr(fived.divergence, "cached_damage", lambda path: None)  # (empty stand-ins: intact)
+    monkeypatch.setattr(fived.training.divergence, "cached_damage", lambda path: None)  # (empty stand-ins: intact)
     root = tmp_path / "checkpoints"
     for step in (2, 4, 6):
         (root / f"step-{step}").mkdir(parents=True)
@@ -224,9 +224,9 @@ def test_every_rank_rolls_back_to_the_checkpoint_rank_0_chose(tmp_path, monkeypa
     so the 2-rank run ends exactly as the run that skipped the window from step 4."""
     import torch.distributed as dist
 
-    import fived.divergence
+    import fived.training.divergence
 
-    real = fived.divergence.cached_damage
+    real = fived.training.divergence.cached_damage
 
     def flaky(path):
         if dist.get_rank() == 1 and path.name == "step-4":
@@ -236,7 +236,7 @@ def test_every_rank_rolls_back_to_the_checkpoint_rank_0_chose(tmp_path, monkeypa
     cfg = _config(tmp_path, train__on_spike="rollback", train__max_rollbacks=1)
     with monkeypatch.context() as patch:
         _poison(patch, POISONED)
-        patch.setattr(fived.divergence, "cached_damage", flaky)
+        patch.setattr(fived.training.divergence, "cached_damage", flaky)
         rolled = run_on_ranks(2, run_training, cfg, True, False, False)
     reference = run_on_ranks(2, _trained_with_skip, _config(tmp_path / "ref"), 4, POISONED + 1 - 4)[0]
     assert [r["loss"] for r in rolled[0].metrics] == [r["loss"] for r in reference]

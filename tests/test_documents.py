@@ -5,14 +5,14 @@ with masking under ring, Ulysses and hybrid context parallelism, TP+SP, PP and E
 import pytest
 import torch
 
-from fived import attention
 from fived.config import ConfigError
-from fived.data import check_data
-from fived.documents import balanced_chunks, chunk_assignment, document_structure, local_token_index, rank_work
-from fived.init import init_weights
-from fived.model import build_model, materialize
+from fived.data.documents import balanced_chunks, chunk_assignment, document_structure, local_token_index, rank_work
+from fived.data.loader import check_data
+from fived.model import attention
+from fived.model.init import init_weights
+from fived.model.transformer import build_model, materialize
 from fived.testing import EXACT, tiny_config, write_documents
-from fived.verification import run_verify
+from fived.tools.verification import run_verify
 
 
 @pytest.fixture(scope="module")
@@ -191,9 +191,9 @@ def test_document_masked_layout_matches_reference(layout, documents):
 def test_cp_traffic_is_the_planner_formula(world, over, masked, documents):
     """Every byte the cp modes move (ring hops with their order keys, Ulysses' all-to-alls and key
     gathers, hybrid's both), as the ledger records them, equals the planner's formula on every rank."""
-    from fived.report import expected_comm_bytes
     from fived.testing import run_on_ranks
-    from fived.trainer import run_training
+    from fived.training.report import expected_comm_bytes
+    from fived.training.trainer import run_training
 
     cfg = tiny_config(
         "tiny",

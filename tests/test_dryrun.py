@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import fived
-from fived.cli import main
+from fived.cli.main import main
 
 SRC = str(Path(fived.__file__).parents[1])
 L70 = "--model llama3-70b --tp 8 --pp 8 --dp 8 --zero 1 --dtype bfloat16 --nproc 512 --global-batch 64"
@@ -100,9 +100,9 @@ def test_blocks_under_zero3_and_interleaved_stages_numbered_by_the_pipeline():
 
 
 def test_a_rank_that_cannot_fit_is_refused_before_anything_is_built(monkeypatch, capsys):
-    import fived.dryrun
+    import fived.tools.dryrun
 
-    monkeypatch.setattr(fived.dryrun, "available_bytes", lambda: 2**30)
+    monkeypatch.setattr(fived.tools.dryrun, "available_bytes", lambda: 2**30)
     assert main(["dryrun", *["--model", "llama3-8b", "--tp", "8", "--nproc", "8", "--rank", "0"]]) == 2
     err = capsys.readouterr().err
     assert err.startswith("fived: error: --rank=0: this rank needs about ") and err.count("\n") == 1, err

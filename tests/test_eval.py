@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from fived.data import GlobalBatchSampler, bundled_corpus_path, load_tokens
-from fived.data_prep import prepare_data
-from fived.model import build_model
+from fived.data.loader import GlobalBatchSampler, bundled_corpus_path, load_tokens
+from fived.data.prepare import prepare_data
+from fived.model.transformer import build_model
 from fived.parallel import lm_loss_sum
 from fived.testing import EXACT, run_on_ranks, tiny_config
-from fived.trainer import run_training
+from fived.training.trainer import run_training
 
 STEPS, EVAL_EVERY, EVAL_BATCHES = 4, 2, 2
 LAYOUTS = {
@@ -129,7 +129,7 @@ def test_val_loss_is_logged(tokens, tmp_path):
 
 
 def test_verify_compares_the_validation_loss(tokens, capsys):
-    from fived.cli import main
+    from fived.cli.main import main
 
     code = main(
         [
@@ -163,7 +163,7 @@ def test_verify_compares_the_validation_loss(tokens, capsys):
 
 def test_too_little_validation_data_is_refused(tmp_path):
     from fived.config import ConfigError
-    from fived.data import check_data
+    from fived.data.loader import check_data
 
     small = tmp_path / "val.txt"
     small.write_text("x" * 200)  # 6 sequences of 32 + 1 tokens, fewer than a global batch of 8

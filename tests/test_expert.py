@@ -4,8 +4,8 @@ ZeRO stage, context parallelism and aux-loss-free balancing; all-to-all bytes ag
 import pytest
 
 from fived.testing import EXACT, run_on_ranks, tiny_config
-from fived.trainer import run_training
-from fived.verification import run_verify
+from fived.tools.verification import run_verify
+from fived.training.trainer import run_training
 
 
 def _verify(world, **over):
@@ -49,9 +49,9 @@ def test_all_to_all_bytes_are_the_formula():
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_model_state_memory_with_experts_and_context(zero):
-    """Per-rank bytes equal fived.report's formula: experts E/ep per rank, sharded over edp by ZeRO-3
+    """Per-rank bytes equal fived.training.report's formula: experts E/ep per rank, sharded over edp by ZeRO-3
     only; the rest ZeRO-sharded over dp_shard x cp."""
-    from fived.report import expected_state_bytes
+    from fived.training.report import expected_state_bytes
 
     cfg = tiny_config("tiny-moe", parallel__dp=2, parallel__cp=2, parallel__ep=2, parallel__zero=zero, train__steps=1)
     for res in run_on_ranks(4, run_training, cfg, False, False):

@@ -10,7 +10,7 @@ from fived.config import ConfigError
 from fived.layout.layout import Layout
 from fived.layout.rules import layout_errors
 from fived.testing import EXACT, run_on_ranks, tiny_config
-from fived.verification import run_verify
+from fived.tools.verification import run_verify
 
 FOLD = dict(parallel__tp=2, parallel__sp=True, parallel__etp=1)
 
@@ -62,7 +62,7 @@ def test_expert_groups_span_tp(tmp_path):
 def _mesh_groups(cfg):
     import torch.distributed as dist
 
-    from fived.mesh import Mesh
+    from fived.parallel.mesh import Mesh
 
     mesh = Mesh.from_config(cfg, dist.get_world_size()).build("cpu", 30)
     return [dist.get_process_group_ranks(mesh.group(name)) for name in ("ep", "edp")]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fived.testing import EXACT, run_on_ranks, tiny_config
-from fived.verification import compare, reference_config, run_verify
+from fived.tools.verification import compare, reference_config, run_verify
 
 OVERLAP = dict(parallel__overlap_grad_reduce=True, train__steps=2)
 
@@ -35,7 +35,7 @@ def _launches(cfg):
     """Train; return the MoE layers this rank reduces, each launch (layer, while a backward was
     armed), whether each edp all-reduce of the last step was asynchronous (waited for after it was
     issued, not blocking in the call), the result with the whole parameters."""
-    from fived.trainer import Trainer
+    from fived.training.trainer import Trainer
 
     trainer = Trainer(cfg, log=False)
     reducing = trainer.plan.data_parallel.expert_reductions()
@@ -63,7 +63,7 @@ def _check_launches(cfg, world):
 
 
 def run_training_state(cfg):
-    from fived.trainer import run_training
+    from fived.training.trainer import run_training
 
     return run_training(cfg, False, False, True)
 
@@ -98,7 +98,7 @@ def test_without_the_switch_experts_reduce_after_backward():
 
 
 def _built(cfg):
-    from fived.trainer import Trainer
+    from fived.training.trainer import Trainer
 
     trainer = Trainer(cfg, log=False)
     trainer.fit(progress=False)

@@ -7,14 +7,14 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fived import comm
 from fived.layout.layout import EP_OVERLAP_CHUNKS
+from fived.parallel import comm
 from fived.parallel.expert import ExpertParallelExperts
 from fived.parallel.expert_overlap import chunk_order, chunk_share
-from fived.report import expected_comm_bytes
 from fived.testing import EXACT, run_on_ranks, tiny_config
-from fived.trainer import run_training
-from fived.verification import compare, run_layout, run_verify
+from fived.tools.verification import compare, run_layout, run_verify
+from fived.training.report import expected_comm_bytes
+from fived.training.trainer import run_training
 
 LAYOUTS = {
     "ep2": (2, dict(parallel__dp=2, parallel__ep=2)),

@@ -13,14 +13,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fived.checkpoint import complete_checkpoints, find_checkpoint
+from fived.checkpoint.checkpointer import complete_checkpoints, find_checkpoint
+from fived.checkpoint.dcp_io import read_whole
 from fived.config import build_config
-from fived.dcp_io import read_whole
-from fived.faults import PREEMPTED_EXIT
-from fived.launch import RankFailed
-from fived.supervisor import failure_line, run_with_restarts
+from fived.launch.ranks import RankFailed
+from fived.launch.supervisor import failure_line, run_with_restarts
 from fived.testing import run_on_ranks
-from fived.trainer import run_training
+from fived.training.faults import PREEMPTED_EXIT
+from fived.training.trainer import run_training
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 STEPS = 300
@@ -205,7 +205,7 @@ def test_a_stalled_rank_fails_the_run_naming_the_collective(tmp_path, monkeypatc
 def test_the_timeout_line_names_the_stalled_rank_and_every_waiting_collective():
     """Rank 1 stalls: rank 0 times out in their tp all-reduce, and rank 2, waiting for rank 0 (itself
     waiting) in a dp all-reduce, may time out too; the line names rank 1 and the tp collective first."""
-    from fived.faults import timeout_line
+    from fived.training.faults import timeout_line
 
     dp = {"kind": "collective_timeout", "rank": 2, "op": "all_reduce", "dim": "dp", "ranks": [0, 2], "timeout_s": 3}
     tp = {**dp, "rank": 0, "dim": "tp", "ranks": [0, 1]}

@@ -4,7 +4,7 @@
 import pytest
 
 from fived.testing import EXACT, tiny_config
-from fived.verification import run_verify
+from fived.tools.verification import run_verify
 
 PAIRS = {  # name: (world, overrides); ep needs dp*cp ranks to fold over, so (tp|pp, ep) bring dp 2
     "dp-tp": (4, dict(parallel__dp=2, parallel__tp=2, parallel__zero=1)),

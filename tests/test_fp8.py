@@ -18,9 +18,9 @@ Each rank also reports how many Float8Linear modules it ran, so a layout that dr
 
 import pytest
 
-from fived.checkpoint import find_checkpoint
+from fived.checkpoint.checkpointer import find_checkpoint
 from fived.testing import run_on_ranks, tiny_config
-from fived.trainer import Trainer, run_training
+from fived.training.trainer import Trainer, run_training
 
 pytest.importorskip("torchao")
 
@@ -37,7 +37,7 @@ def test_the_swap_converts_every_block_linear_and_skips_the_head_and_router():
     import torch
 
     from fived.config import build_config
-    from fived.model import build_model
+    from fived.model.transformer import build_model
     from fived.parallel.fp8 import apply_fp8
 
     for name in ("tiny", "tiny-moe"):
@@ -101,7 +101,7 @@ def test_fp8_composes_with_every_dimension(layout, recipe):
 def test_fp8_checkpoint_resumes_exactly_under_canonical_names(tmp_path):
     """Dynamic scaling keeps no state: a resumed FP8 run equals the uninterrupted one to the last bit,
     and its checkpoint holds the same tensors, by the same names, as a run without FP8."""
-    from fived import dcp_io
+    from fived.checkpoint import dcp_io
 
     def cfg(fp8, out):
         return tiny_config(

@@ -5,7 +5,7 @@ registration, compile-time tracing)."""
 import pytest
 import torch
 
-from fived.grouped_gemm import expert_loop, grouped_swiglu
+from fived.model.grouped_gemm import expert_loop, grouped_swiglu
 
 
 def _weights(n_experts, dim, hidden, gen):

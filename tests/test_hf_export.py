@@ -8,19 +8,19 @@ import logging
 import pytest
 import torch
 
-from fived import dcp_io
-from fived.checkpoint import find_checkpoint
-from fived.cli import main
-from fived.model import build_model
+from fived.checkpoint import dcp_io
+from fived.checkpoint.checkpointer import find_checkpoint
+from fived.cli.main import main
+from fived.model.transformer import build_model
 from fived.testing import run_on_ranks, tiny_config
-from fived.trainer import run_training
+from fived.training.trainer import run_training
 
 transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory):
-    """tiny (GQA, 2 layers, dim 64) trained 20 steps in float32 at tp2. (Seed 2: with fived.init's
+    """tiny (GQA, 2 layers, dim 64) trained 20 steps in float32 at tp2. (Seed 2: with fived.model.init's
     values, seeds 0, 1, 3, 4 and 5 give a model that greedily generates only spaces after any prompt
     tried, which would make the greedy-ids comparison below trivial.)"""
     run = tmp_path_factory.mktemp("run")
@@ -168,8 +168,8 @@ def test_generate_from_a_transformers_directory(kind, tmp_path, capsys):
 
 def test_kv_cache_gives_the_full_forward_logits():
     """Each cached step's logits equal a forward over the whole sequence so far (float64)."""
-    from fived.generate import KVCachedAttentionCore
-    from fived.init import init_weights
+    from fived.model.init import init_weights
+    from fived.tools.generate import KVCachedAttentionCore
 
     cfg = tiny_config("tiny-moe", model__n_layers=2).model
     full = build_model(cfg, "cpu", torch.float64)
@@ -193,7 +193,7 @@ def test_sampling_is_seeded_and_top_p_keeps_the_nucleus(trained_run, capsys):
     b = _generate_json(capsys, run, "Data ", *flags, "--seed", "1")
     c = _generate_json(capsys, run, "Data ", *flags, "--seed", "2")
     assert a == b and a["generated_ids"] != c["generated_ids"]
-    from fived.generate import Sampling, next_token
+    from fived.tools.generate import Sampling, next_token
 
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
     drawn = {

@@ -9,12 +9,12 @@ import pytest
 import torch
 from hf_models import hf_logits, save_hf_model
 
-from fived.cli import main
+from fived.cli.main import main
 from fived.hf.config_map import model_config_from_hf, read_config
 from fived.hf.init import configure_init_from, whole_state
-from fived.model import build_model
+from fived.model.transformer import build_model
 from fived.testing import EXACT, run_on_ranks, tiny_config
-from fived.trainer import run_training
+from fived.training.trainer import run_training
 
 pytest.importorskip("transformers")
 
@@ -57,7 +57,7 @@ def _first_loss(world: int, directory, **layout):
 
 def _transformers_loss(reference, cfg) -> float:
     """transformers' mean cross-entropy on the batch of fived's first step."""
-    from fived.data import GlobalBatchSampler, check_data
+    from fived.data.loader import GlobalBatchSampler, check_data
 
     t = cfg.train
     batch = GlobalBatchSampler(check_data(cfg), t.seq_len, t.global_batch, t.seed).global_batch_at(0)
@@ -143,9 +143,9 @@ def test_flags_that_contradict_config_json_are_refused(tmp_path, capsys):
 def test_init_from_fived_checkpoint_takes_weights_not_optimizer(tmp_path):
     """A fived run as --init-from (at another layout): its weights, a new step count and learning-rate
     schedule (fine-tuning); the first loss is the trained weights' loss on the new run's batch."""
-    from fived import dcp_io
-    from fived.checkpoint import find_checkpoint
-    from fived.data import GlobalBatchSampler, check_data
+    from fived.checkpoint import dcp_io
+    from fived.checkpoint.checkpointer import find_checkpoint
+    from fived.data.loader import GlobalBatchSampler, check_data
     from fived.parallel import lm_loss_sum
 
     cfg = tiny_config("tiny", train__steps=2, train__output_dir=str(tmp_path / "base"))
@@ -200,7 +200,7 @@ def test_train_export_generate_never_import_transformers(tmp_path):
     save_hf_model("llama", tmp_path / "hf")
     script = f"""
 import sys
-from fived.cli import main
+from fived.cli.main import main
 assert main(["train", "--init-from", "{tmp_path / "hf"}", "--steps", "2", "--nproc", "1",
              "--train.output_dir", "{tmp_path / "run"}", "--train.seq_len", "32", "--global-batch", "4"]) == 0
 assert main(["export", "{tmp_path / "run"}", "--output", "{tmp_path / "out"}"]) == 0

@@ -11,7 +11,7 @@ import torch
 from fived.hf.init import configure_init_from
 from fived.hf.reader import HfCheckpoint
 from fived.testing import run_on_ranks, tiny_config
-from fived.trainer import Trainer
+from fived.training.trainer import Trainer
 
 DIM, FFN, LAYERS, VOCAB = 512, 1536, 4, 256
 

@@ -1,4 +1,4 @@
-"""Initialisation generates only what a rank holds (fived.init), and the pieces every layout's ranks
+"""Initialisation generates only what a rank holds (fived.model.init), and the pieces every layout's ranks
 fill assemble into the one-process value bit for bit."""
 
 import math
@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from fived.init import TILE_2D, InitStats, TileFiller, TileSeeds, init_value, init_weights, tile_shape
-from fived.model import build_model
-from fived.placement import Box, Placement
+from fived.layout.placement import Box, Placement
+from fived.model.init import TILE_2D, InitStats, TileFiller, TileSeeds, init_value, init_weights, tile_shape
+from fived.model.transformer import build_model
 from fived.testing import run_on_ranks, tiny_config
 
 EMBEDDING = "tok_embeddings.weight"
@@ -103,7 +103,7 @@ def test_small_pieces_assemble_the_whole_value():
 
 
 def _init_on_rank(cfg, want_state: bool):
-    from fived.trainer import Trainer
+    from fived.training.trainer import Trainer
 
     trainer = Trainer(cfg, log=False)
     held = hull = 0

@@ -31,7 +31,7 @@ def test_the_layout_core_imports_without_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
     blocked = subprocess.run(
-        [sys.executable, "-c", "import sys; sys.modules['torch'] = None; import fived.mesh"],
+        [sys.executable, "-c", "import sys; sys.modules['torch'] = None; import fived.parallel.mesh"],
         capture_output=True,
         text=True,
         timeout=60,

@@ -1,4 +1,4 @@
-"""The learning-rate plan (fived.lr_schedule): each schedule's shape, and the plan surviving a resume
+"""The learning-rate plan (fived.optim.lr_schedule): each schedule's shape, and the plan surviving a resume
 that extends the run: every step of the resumed, extended run has the lr the original run planned
 for it, and the steps beyond that plan stay at the end of the decay."""
 
@@ -8,9 +8,9 @@ import math
 
 import pytest
 
-from fived.cli import main
+from fived.cli.main import main
 from fived.config import TrainConfig
-from fived.lr_schedule import decay_steps_of, describe_schedule, lr_multiplier, wsd_decay_start
+from fived.optim.lr_schedule import decay_steps_of, describe_schedule, lr_multiplier, wsd_decay_start
 
 
 def plan(**fields) -> list[float]:

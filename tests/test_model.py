@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from fived.config import model_preset
-from fived.init import init_weights
-from fived.model import MoE, build_model
+from fived.model.init import init_weights
+from fived.model.transformer import MoE, build_model
 from fived.parallel.checkpointing import apply_activation_checkpointing
 
 F64 = torch.float64

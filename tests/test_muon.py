@@ -11,15 +11,15 @@ import torch
 from fived.config import build_config
 from fived.layout.bounds import ns_coefficients
 from fived.layout.layout import Layout
+from fived.layout.muon_load import busiest_load, busiest_loads, member_load
+from fived.layout.muon_plan import Exchange, StagePlan, ns_flops, stage_plan
+from fived.layout.placement import Box
 from fived.layout.stages import rank_chunks
-from fived.muon import Muon, newton_schulz, update_scale
-from fived.muon_load import busiest_load, busiest_loads, member_load
-from fived.muon_plan import Exchange, StagePlan, ns_flops, stage_plan
-from fived.placement import Box
-from fived.report import expected_comm_bytes, expected_state_bytes
+from fived.optim.muon import Muon, newton_schulz, update_scale
 from fived.testing import EXACT, run_on_ranks, tiny_config
-from fived.trainer import run_training
-from fived.verification import run_verify
+from fived.tools.verification import run_verify
+from fived.training.report import expected_comm_bytes, expected_state_bytes
+from fived.training.trainer import run_training
 
 KELLER = ns_coefficients("3.4445,-4.7750,2.0315", 5)
 
@@ -72,7 +72,7 @@ def test_one_step_is_the_published_update():
     """Two steps of fived's Muon on one matrix equal the update written out: momentum, Nesterov,
     Newton-Schulz, the rms scale, decoupled weight decay, at train.muon_lr; the other tensor gets
     torch's AdamW at train.lr; both follow the schedule, each from its own lr."""
-    from fived.optim import build_scheduler, lr_multiplier
+    from fived.optim.adamw import build_scheduler, lr_multiplier
 
     t = build_config(
         overrides={
@@ -154,7 +154,7 @@ def test_the_update_is_torchs_muon(scale, torch_rule):
 def _one_device_step(cfg):
     """One step of a one-rank Trainer: [(name, box, direction, update)] of the pieces Muon's exchange
     handled (on one device: every matrix whole, every routed expert's on its own)."""
-    from fived.trainer import Trainer
+    from fived.training.trainer import Trainer
 
     trainer = Trainer(cfg, log=False)
     exchange, seen = trainer.optimizer.exchange, {}
@@ -194,7 +194,7 @@ def _unplanned_matrix(cfg):
     """Build a Trainer whose runtime counts the router among Muon's matrices (the plan does not);
     the error it raises, or None."""
     import fived.parallel.data_parallel as data_parallel
-    from fived.trainer import Trainer
+    from fived.training.trainer import Trainer
 
     planned = data_parallel.is_muon_tensor
     data_parallel.is_muon_tensor = lambda spec: planned(spec) or spec.name.endswith("router.weight")
@@ -447,7 +447,7 @@ def test_the_5d_layout(zero):
 
 
 def _stage_group_built(optimizer):
-    from fived.mesh import Mesh
+    from fived.parallel.mesh import Mesh
 
     mesh = Mesh(Layout(dp=2, optimizer=optimizer)).build("cpu", timeout_s=60)
     return "dp_cp_tp" in mesh.flat, sorted(mesh.group_names().values())
@@ -463,11 +463,11 @@ def test_the_stage_group_is_built_for_muon_only():
 
 def _counted(cfg):
     """Train one step counting Newton-Schulz calls on this rank; (calls, the stage's units, pp rank)."""
-    import fived.muon
-    from fived.trainer import Trainer
+    import fived.optim.muon
+    from fived.training.trainer import Trainer
 
-    calls, original = [], fived.muon.newton_schulz
-    fived.muon.newton_schulz = lambda m, c: calls.append(tuple(m.shape)) or original(m, c)
+    calls, original = [], fived.optim.muon.newton_schulz
+    fived.optim.muon.newton_schulz = lambda m, c: calls.append(tuple(m.shape)) or original(m, c)
     trainer = Trainer(cfg, log=False)
     trainer.fit(progress=False)
     exchange = trainer.optimizer.exchange

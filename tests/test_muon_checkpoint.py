@@ -5,11 +5,11 @@ the last bit, and a checkpoint written by one layout continues at another exactl
 import pytest
 import torch
 
-from fived.checkpoint import find_checkpoint
-from fived.dcp_io import tensor_shapes
+from fived.checkpoint.checkpointer import find_checkpoint
+from fived.checkpoint.dcp_io import tensor_shapes
 from fived.testing import EXACT, run_on_ranks, tiny_config
-from fived.trainer import run_training
-from fived.verification import run_verify
+from fived.tools.verification import run_verify
+from fived.training.trainer import run_training
 
 STEPS = 4
 MUON = {"train__optimizer": "muon"}

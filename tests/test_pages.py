@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from fived.cli import main
+from fived.cli.main import main
 from fived.config import Config, TrainConfig, model_preset
 from fived.layout.rules import layout_errors
-from fived.mesh import Layout
+from fived.parallel.mesh import Layout
 from fived.planner.layer_map import end_weights, layer_weights
 from fived.planner.memory import parameter_shapes
 
@@ -201,11 +201,11 @@ def test_explore_offers_what_the_planner_searched_and_agrees_with_plan_on_7_gpus
     """The toggles' values are the planner's (every cp and virtual-stage count it searched; no ep for a
     dense model), and on a GPU count no power of two reaches (7) the page has plan's layouts, valid,
     with plan's figures (it opens on the best)."""
-    from fived.explore import TOGGLES, explore_data, slot
     from fived.planner.hardware import hardware
     from fived.planner.runtimes import PLANNED_RUNTIMES
     from fived.planner.search import SCHEDULES, mesh_shapes, plan
     from fived.planner.timing import Cluster
+    from fived.tools.explore import TOGGLES, explore_data, slot
 
     model, cluster = model_preset("llama3-8b"), Cluster(hardware("h100"), 7, 8)
     data = explore_data(model, cluster, 2048, 14, "bfloat16", 3.0)
@@ -262,7 +262,7 @@ def test_dense_page_has_no_ep_toggle_draws_big_maps_compactly_and_memory_readabl
 def test_report_of_a_running_run_shows_its_metrics(tmp_path, browser):
     """Before run.json exists (the run has not finished), the page has the metrics (validation loss
     beside the loss where logged) and says why the tables are empty."""
-    from fived.run_report import report_data
+    from fived.tools.run_report import report_data
 
     (tmp_path / "metrics.jsonl").write_text(
         "\n".join(

@@ -13,8 +13,8 @@ from fived.layout.layout import stages_per_rank
 from fived.layout.schedule_sim import bubble_of, simulate
 from fived.layout.stages import split_layers
 from fived.testing import EXACT, run_on_ranks, tiny_config
-from fived.trainer import run_training
-from fived.verification import run_verify
+from fived.tools.verification import run_verify
+from fived.training.trainer import run_training
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev"]
 

@@ -12,16 +12,16 @@ import pytest
 from fived.config import build_config, model_preset
 from fived.layout.schedule_sim import analyse, pipeline_profile
 from fived.layout.stages import rank_chunks
-from fived.mesh import Layout
+from fived.parallel.mesh import Layout
 from fived.planner.calibration import validate
 from fived.planner.constants import CALIBRATION
 from fived.planner.hardware import CATALOGUE, hardware
 from fived.planner.memory import activation_bytes_per_microbatch, parameter_shapes, state_bytes
 from fived.planner.search import evaluate, plan
 from fived.planner.timing import Cluster
-from fived.report import expected_comm_bytes, local_model
 from fived.testing import run_on_ranks, tiny_config
-from fived.trainer import run_training
+from fived.training.report import expected_comm_bytes, local_model
+from fived.training.trainer import run_training
 
 CALIBRATION_FILE = Path(__file__).parent / "data" / "published_runs.csv"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -335,7 +335,7 @@ def test_one_layout_description():
     from dataclasses import fields
 
     from fived.config import ParallelConfig
-    from fived.mesh import Mesh
+    from fived.parallel.mesh import Mesh
 
     names = {f.name for f in fields(Layout)}
     assert {f.name for f in fields(ParallelConfig)} <= names
@@ -359,7 +359,7 @@ def test_one_layout_description():
 
 
 def test_every_planned_runtime_is_a_plan_choice():
-    from fived.cli_plan import RUNTIME_CHOICES
+    from fived.cli.plan import RUNTIME_CHOICES
     from fived.planner.runtimes import PLANNED_RUNTIMES
 
     assert set(RUNTIME_CHOICES) == set(PLANNED_RUNTIMES)

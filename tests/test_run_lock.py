@@ -9,12 +9,12 @@ import sys
 
 import pytest
 
-from fived.cli import main
+from fived.cli.main import main
 from fived.config import ConfigError
-from fived.run_lock import RunLock
+from fived.launch.run_lock import RunLock
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-HOLD = "import sys, time; from fived.run_lock import RunLock; RunLock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(120)"
+HOLD = "import sys, time; from fived.launch.run_lock import RunLock; RunLock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(120)"
 
 
 @pytest.fixture
@@ -79,8 +79,8 @@ def test_a_filesystem_without_flock_warns_once_and_runs_unlocked(code, tmp_path,
 def test_under_torchrun_an_unlockable_directory_is_a_line_for_every_rank(tmp_path):
     """Rank 0's lock failing with an OSError (here: output_dir is a file) is returned as one line,
     which the torchrun path broadcasts, instead of an exception on rank 0 that leaves the others waiting."""
+    from fived.launch.training_run import lock_on_rank0
     from fived.testing import run_on_ranks
-    from fived.training_run import lock_on_rank0
 
     afile = tmp_path / "afile"
     afile.write_text("")

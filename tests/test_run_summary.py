@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from fived.run_summary import WARMUP_STEPS_EXCLUDED, summarise
+from fived.launch.run_summary import WARMUP_STEPS_EXCLUDED, summarise
 
 ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src"), "OMP_NUM_THREADS": "1"}
 FLAGS = [

@@ -18,7 +18,7 @@ from fived.layout.schedule_sim import (
 )
 from fived.layout.stages import stage_rank
 from fived.testing import run_on_ranks, tiny_config
-from fived.trainer import run_training
+from fived.training.trainer import run_training
 
 LOOPED_VIRTUAL = ("interleaved-1f1b", "zero-bubble")
 

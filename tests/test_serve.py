@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fived.cli import main
+from fived.cli.main import main
 from fived.config import model_preset
 from fived.planner.hardware import hardware
 from fived.planner.serve import Replica, Workload, evaluate, plan_serving, poisson_quantile
@@ -195,9 +195,9 @@ def test_the_forward_dispatch_counts_are_the_models():
     """The operators fived's model dispatches per layer in a decode step (what CPU ranks pay per op)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from fived.generate import KVCachedAttentionCore
-    from fived.init import init_weights
-    from fived.model import build_model
+    from fived.model.init import init_weights
+    from fived.model.transformer import build_model
+    from fived.tools.generate import KVCachedAttentionCore
 
     def ops(name: str, layers: int) -> int:
         model = build_model(replace(model_preset(name), n_layers=layers), "cpu", torch.float32)

@@ -1,4 +1,4 @@
-"""Multi-rank generation (`fived.generate_ranks`) on real gloo ranks: the greedy ids equal the one-process
+"""Multi-rank generation (`fived.tools.generate_ranks`) on real gloo ranks: the greedy ids equal the one-process
 generation of each prompt, and each rank's KV-cache bytes equal what `fived plan --serve` predicts for
 the same layout and workload, exactly."""
 
@@ -7,12 +7,12 @@ import json
 import pytest
 import torch
 
-from fived.cli import main
+from fived.cli.main import main
 from fived.config import model_preset
-from fived.generate import Sampling, generate
-from fived.generate_ranks import generate_on_ranks, generated_ids, generation_config
-from fived.init import init_weights
-from fived.model import build_model
+from fived.model.init import init_weights
+from fived.model.transformer import build_model
+from fived.tools.generate import Sampling, generate
+from fived.tools.generate_ranks import generate_on_ranks, generated_ids, generation_config
 
 # Four prompts of different lengths; each half's longest is 7 tokens, so every data-parallel rank's
 # cache holds 7 + OUTPUT positions per sequence (what --prompt-len 7 predicts).
@@ -21,7 +21,7 @@ OUTPUT = 6
 
 
 def one_process(model_name: str, dtype: torch.dtype) -> list[list[int]]:
-    """Each prompt alone through `fived.generate.generate` (the one-process path, tested against
+    """Each prompt alone through `fived.tools.generate.generate` (the one-process path, tested against
     transformers), with the initial weights of seed 0."""
     out = []
     for prompt in PROMPTS:

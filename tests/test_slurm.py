@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 
 from fived.config import build_config
-from fived.faults import PREEMPTED_EXIT
 from fived.testing import run_on_ranks
-from fived.trainer import run_training
+from fived.training.faults import PREEMPTED_EXIT
+from fived.training.trainer import run_training
 
 ROOT = Path(__file__).resolve().parents[1]
 DAEMONS = ("munged", "slurmctld", "slurmd")

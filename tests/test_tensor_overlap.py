@@ -5,10 +5,10 @@ activation memory is the plain path's."""
 
 import pytest
 
-from fived.report import expected_activation_bytes, expected_comm_bytes
 from fived.testing import EXACT, run_on_ranks, tiny_config
-from fived.trainer import run_training
-from fived.verification import run_verify
+from fived.tools.verification import run_verify
+from fived.training.report import expected_activation_bytes, expected_comm_bytes
+from fived.training.trainer import run_training
 
 
 def _verify(world, model="tiny", **over):

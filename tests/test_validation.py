@@ -2,9 +2,9 @@
 
 import pytest
 
-import fived.launch
-import fived.verification
-from fived.cli import main
+import fived.launch.ranks
+import fived.tools.verification
+from fived.cli.main import main
 
 
 @pytest.fixture
@@ -12,8 +12,8 @@ def no_ranks(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a rank was started for an invalid configuration")
 
-    monkeypatch.setattr(fived.launch, "run_ranks", refuse)
-    monkeypatch.setattr(fived.verification, "run_ranks", refuse)
+    monkeypatch.setattr(fived.launch.ranks, "run_ranks", refuse)
+    monkeypatch.setattr(fived.tools.verification, "run_ranks", refuse)
 
 
 CASES = [
@@ -192,7 +192,7 @@ def test_the_way_out_is_the_nearest_valid_value():
 
 def test_warmup_longer_than_the_run_is_warned(tmp_path, capsys):
     from fived.config import build_config
-    from fived.run_setup import check_environment
+    from fived.launch.run_setup import check_environment
 
     cfg = build_config(overrides={"train.warmup_steps": 300, "train.steps": 200, "train.output_dir": str(tmp_path)})
     check_environment(cfg)

@@ -1,14 +1,14 @@
 """ZeRO stages 0-3 and HSDP on real gloo ranks: exact against the single-process reference, and the
-ledger's measured memory and communication against the formulas in fived.report."""
+ledger's measured memory and communication against the formulas in fived.training.report."""
 
 import pytest
 import torch
 
-from fived.model import build_model
-from fived.report import expected_comm_bytes, expected_state_bytes
+from fived.model.transformer import build_model
 from fived.testing import EXACT, run_on_ranks, tiny_config
-from fived.trainer import run_training
-from fived.verification import compare, reference_config, run_verify
+from fived.tools.verification import compare, reference_config, run_verify
+from fived.training.report import expected_comm_bytes, expected_state_bytes
+from fived.training.trainer import run_training
 
 
 def _quiet(*_):
@@ -216,7 +216,7 @@ class _LandsAtWait:
 
 
 def _train_with_gathers_landing_at_wait(cfg):
-    from fived import comm
+    from fived.parallel import comm
 
     issue = comm.all_gather_single
 
@@ -251,7 +251,7 @@ def test_overlapped_gathers_are_waited_for_before_any_weight_is_read(over):
 
 def _launches(cfg):
     """Train; return the number of ZeRO buckets, each launch (bucket, while a backward was armed), the result."""
-    from fived.trainer import Trainer
+    from fived.training.trainer import Trainer
 
     trainer = Trainer(cfg, log=False)
     dp = trainer.plan.data_parallel

@@ -6,10 +6,10 @@ gradients summed in float32, and the ledger's bytes equal to the planner's."""
 import pytest
 import torch
 
-from fived.report import expected_comm_bytes, expected_state_bytes
 from fived.testing import EXACT, run_on_ranks, tiny_config
-from fived.trainer import run_training
-from fived.verification import run_verify
+from fived.tools.verification import run_verify
+from fived.training.report import expected_comm_bytes, expected_state_bytes
+from fived.training.trainer import run_training
 
 SMALL_BUCKET_MB = 3000 / 2**20  # 3 kB: dozens of buckets in the tiny models
 EVERY = dict(
@@ -51,7 +51,7 @@ def test_every_microbatch_matches_reference(world, over):
 def _counted(cfg):
     """Train; the buckets, each reduction started (bucket, micro-batches whose backward had run), the most
     gradient elements any parameters held at a start, whether a whole gradient buffer ever existed, the result."""
-    from fived.trainer import Trainer
+    from fived.training.trainer import Trainer
 
     trainer = Trainer(cfg, log=False)
     dp = trainer.plan.data_parallel
@@ -89,7 +89,7 @@ def test_a_reduce_scatter_per_bucket_per_microbatch():
 
 
 def _accumulators(cfg):
-    from fived.trainer import Trainer
+    from fived.training.trainer import Trainer
 
     trainer = Trainer(cfg, log=False)
     dp = trainer.plan.data_parallel

@@ -9,7 +9,7 @@ imports no torch.
 
 from fived.api import TrainingFailed, plan, train, verify
 from fived.config import Config, ConfigError
-from fived.run_summary import RunSummary
+from fived.launch.run_summary import RunSummary
 from fived.version import __version__
 
 __all__ = ["Config", "ConfigError", "RunSummary", "TrainingFailed", "__version__", "plan", "train", "verify"]

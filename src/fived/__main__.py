@@ -1,5 +1,5 @@
 import sys
 
-from fived.cli import main
+from fived.cli.main import main
 
 sys.exit(main())

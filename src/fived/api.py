@@ -17,11 +17,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 from fived.config import Config, ConfigError, ModelConfig, build_config, config_fields
-from fived.run_summary import RunSummary
+from fived.launch.run_summary import RunSummary
 
 if TYPE_CHECKING:
     from fived.planner.search import Plan
-    from fived.verification import VerifyReport
+    from fived.tools.verification import VerifyReport
 
 
 class TrainingFailed(RuntimeError):
@@ -49,7 +49,7 @@ def train(
         the summary).
     resume: a run or checkpoint directory to continue ("auto": train.output_dir's newest checkpoint,
         if any); `config`, if given, is the checkpoint's config with the fields to change (a larger
-        train.steps extends the run; the lr plan of its steps is kept, see fived.lr_schedule).
+        train.steps extends the run; the lr plan of its steps is kept, see fived.optim.lr_schedule).
     layout: "auto": the planner's best layout for `nproc` ranks.
     report: print the ledger (`fived train --report`); progress: show the progress bar.
 
@@ -57,8 +57,8 @@ def train(
     Returns None when a resumed run had already reached train.steps; raises ConfigError before any
     rank starts, TrainingFailed when a launch ends early.
     """
-    from fived.run_setup import LaunchRequest, default_world_size, prepare_training
-    from fived.training_run import launch
+    from fived.launch.run_setup import LaunchRequest, default_world_size, prepare_training
+    from fived.launch.training_run import launch
 
     request = LaunchRequest(overrides=_given(config, resume), nproc=nproc, resume=resume, layout=layout)
     run = prepare_training(request, default_world_size())
@@ -75,8 +75,8 @@ def verify(
     (its train.steps; `fived verify` defaults to 5) and compare losses, gradient norms and final
     parameters. nproc: ranks (default: the layout's world size, dp 1 when nothing sets it). printer:
     where the per-step table goes (None: nowhere). The report's `ok`: within 1e-9."""
-    from fived.run_setup import LaunchRequest, load_run
-    from fived.verification import run_verify
+    from fived.launch.run_setup import LaunchRequest, load_run
+    from fived.tools.verification import run_verify
 
     given = _given(config, None)
     defaults = {"parallel.dp": 1} if nproc is None else {}  # (a tp=2 config means tp=2 alone, not tp=2 x dp)
@@ -99,7 +99,7 @@ def plan(
     GPUs of type `gpu` (a100, h100, h200, h800, b200, mi300x or a hardware .toml) with `memory_headroom_gib`
     left free, fastest first, as `fived plan` ranks them: each Plan's layout (`.layout.flags(global_batch)`
     runs it), its memory per GPU and predicted step time. runtime: plan for fived or, to compare, another."""
-    from fived.cli_plan import cluster_of
+    from fived.cli.plan import cluster_of
     from fived.planner.runtimes import PLANNED_RUNTIMES
     from fived.planner.search import plan as search
 
@@ -117,7 +117,7 @@ def _given(config: Config | None, resume: str | None) -> dict[str, Any]:
     if config is None:
         return {}
     if resume not in (None, "auto"):
-        from fived.run_setup import saved_run_config
+        from fived.launch.run_setup import saved_run_config
 
         base = saved_run_config(resume)
     else:

@@ -150,7 +150,7 @@ class ParallelConfig:
     # inside groups of cp_ulysses consecutive cp ranks, a ring across the groups)
     cp_mode: CpMode = option("ring", "how context parallelism attends: a ring of K/V, Ulysses' all-to-all, or both")
     cp_ulysses: int = option(2, "hybrid context parallelism: ranks per Ulysses group (must divide cp)")
-    # "work": chosen per sequence from its documents so that attention work is even (fived.documents);
+    # "work": chosen per sequence from its documents so that attention work is even (fived.data.documents);
     # "halves": chunks i and 2cp-1-i, even for one causal sequence only; without document masking: halves
     cp_balance: CpBalance = option("work", "with data.document_mask: which sequence chunks a cp rank holds")
 
@@ -162,7 +162,7 @@ class TrainConfig:
     global_batch: int = option(16, "sequences per optimizer step, whatever the layout")
     microbatches: int = option(1, "gradient-accumulation micro-batches per data-parallel rank (pipelines: >= pp)")
     lr: float = option(3e-3, "peak learning rate, reached at the end of the warmup")
-    # The lr of a step depends on that step and these fields only (fived.optim.lr_multiplier); the
+    # The lr of a step depends on that step and these fields only (fived.optim.adamw.lr_multiplier); the
     # checkpoint's config holds decay_steps resolved, so extending a run never moves a planned step's lr.
     lr_schedule: LrSchedule = option("cosine", "the learning rate after warmup (wsd: warmup, stable, decay)")
     decay_steps: int = option(0, "the step the lr's decay ends at; 0: train.steps, kept when a resumed run is extended")
@@ -174,7 +174,7 @@ class TrainConfig:
     beta2: float = option(0.95, "AdamW's beta2")
     eps: float = option(1e-8, "AdamW's epsilon")
     grad_clip: float = option(1.0, "clip the global gradient norm to this; 0: no clipping")
-    # Muon (orthogonalised momentum, fived.muon) for the hidden weight matrices (attention, feed-forward,
+    # Muon (orthogonalised momentum, fived.optim.muon) for the hidden weight matrices (attention, feed-forward,
     # shared and routed experts, each expert's matrix on its own), AdamW (lr, betas, eps, weight_decay
     # above) for the embedding, head, norms and router; one schedule for both (train.muon_lr: Muon's own lr)
     optimizer: Optimizer = option("adamw", "the hidden weight matrices' optimizer (muon: AdamW for the rest)")
@@ -213,7 +213,7 @@ class TrainConfig:
     log_every: int = option(10, "steps between updates of the progress bar's figures")
     output_dir: str = option("runs/default", "the run directory (a used one: a new one beside it, -1, -2, ...)")
     trace: str = option("", "write every rank's executed pipeline actions to this Chrome/Perfetto trace")
-    # fived.step_timer: compute, each mesh dimension's exposed and overlapped communication, bubble,
+    # fived.training.step_timer: compute, each mesh dimension's exposed and overlapped communication, bubble,
     # optimizer, data; in metrics.jsonl, run.json, `fived diagnose`
     breakdown: bool = option(True, "measure where each step's time goes")
     # traces in <output_dir>/profile/ (one per rank and a merged one with fived's spans)
@@ -225,12 +225,12 @@ class TrainConfig:
     eval_batches: int = option(8, "global batches per evaluation; 0: every whole batch the validation data holds")
     peak_tflops: float = option(0.0, "per device, for MFU; 0: the GPU's data sheet, or the CPU's measured rate")
     device: Device = option("auto", "where ranks run (auto: cuda if available, else cpu)")
-    # Faults (see fived.faults): the launcher restarts every rank from the newest checkpoint after a
+    # Faults (see fived.training.faults): the launcher restarts every rank from the newest checkpoint after a
     # failure; on SIGTERM ranks save at the next step boundary.
     collective_timeout_s: float = option(600.0, "a collective not done in this time fails the run, naming it")
     max_restarts: int = option(0, "restarts of every rank from the newest checkpoint after a failure")
     preempt_grace_s: float = option(60.0, "on SIGTERM, the seconds ranks get to save at the next step boundary")
-    # Divergence guard (see fived.divergence): "stop" ends the run at that step without saving it;
+    # Divergence guard (see fived.training.divergence): "stop" ends the run at that step without saving it;
     # "rollback" reloads the newest healthy checkpoint and skips the data up to the spike.
     spike_factor: float = option(5.0, "a loss above this x the recent median is a spike; 0: no spike check")
     spike_window: int = option(20, "steps whose median loss a spike is measured against")
@@ -251,7 +251,7 @@ class DataConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Checkpoints in <output_dir>/checkpoints/step-<N>/ (see fived.checkpoint)."""
+    """Checkpoints in <output_dir>/checkpoints/step-<N>/ (see fived.checkpoint.checkpointer)."""
 
     every: int = option(0, "save every N steps; 0: no periodic saves")
     keep: int = option(3, "keep the newest K complete checkpoints; 0: keep all")

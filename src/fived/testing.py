@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from fived.launch import run_ranks
+from fived.launch.ranks import run_ranks
 
 TEST_TIMEOUT_S = 60.0
 # Tests hold layouts to this, far tighter than `fived verify`'s 1e-9 exit threshold: a correct float64
@@ -45,7 +45,7 @@ def write_documents(path, *, lengths=(5, 9, 17, 30, 60, 120), total: int = 60_00
     each ended by the byte tokenizer's end-of-document token (NUL): data for document masking."""
     import random
 
-    from fived.data import bundled_corpus_path
+    from fived.data.loader import bundled_corpus_path
 
     text = bundled_corpus_path().read_text()
     draw, docs, at = random.Random(seed), [], 0

@@ -46,7 +46,7 @@ def _shards(tensors: list[tuple[str, list, int]], max_bytes: int) -> list[list]:
 
 
 def export(source: str, output: str, max_shard_bytes: int = SHARD_BYTES) -> Path:
-    from fived.checkpoint import find_checkpoint, saved_config
+    from fived.checkpoint.checkpointer import find_checkpoint, saved_config
 
     checkpoint = find_checkpoint(source, "source") if Path(source).is_dir() else None
     if checkpoint is None:
@@ -84,8 +84,8 @@ def export(source: str, output: str, max_shard_bytes: int = SHARD_BYTES) -> Path
 
 def _write_model(checkpoint: Path, cfg, out: Path, max_shard_bytes: int) -> None:
     """The safetensors shards (one tensor in memory at a time), tokenizer and configs into `out`."""
-    from fived import dcp_io
-    from fived.model import build_model, canonical_name
+    from fived.checkpoint import dcp_io
+    from fived.model.transformer import build_model, canonical_name
 
     kind = export_kind(cfg.model)
     dtype = torch.float64 if cfg.train.dtype == "float64" else torch.float32  # (bf16 checkpoints hold float32 masters)

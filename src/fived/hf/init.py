@@ -31,7 +31,7 @@ def is_hf_directory(path: str | Path) -> bool:
 
 def source_model(source: str) -> tuple[ModelConfig, str | None]:
     """(model config, tokenizer path or None) of an --init-from source; ConfigError if unusable."""
-    from fived.checkpoint import find_checkpoint, saved_config
+    from fived.checkpoint.checkpointer import find_checkpoint, saved_config
 
     if is_hf_directory(source):
         model = model_config_from_hf(read_config(source), source)
@@ -70,7 +70,7 @@ def configure_init_from(cfg, given: dict) -> None:
     if is_hf_directory(source):
         check_hf_names(source, model, read_config(source)["model_type"])
     else:
-        from fived.checkpoint import check_model_shapes, find_checkpoint
+        from fived.checkpoint.checkpointer import check_model_shapes, find_checkpoint
 
         checkpoint = find_checkpoint(source)
         assert checkpoint is not None  # (is_hf_directory or a fived run/checkpoint: checked by its caller)
@@ -99,7 +99,7 @@ def fill_from_hf(directory: str | Path, kind: str, values: dict) -> None:
 
 def check_hf_names(directory: str | Path, cfg: ModelConfig, kind: str) -> None:
     """Every tensor the model needs is in the files with its shape, and nothing else is (one line)."""
-    from fived.model import build_model, canonical_name
+    from fived.model.transformer import build_model, canonical_name
 
     checkpoint = HfCheckpoint(directory)
     expected = {}
@@ -138,8 +138,8 @@ def load_initial_weights(source: str, values: dict, buffers: set[str]) -> None:
         params = {name: value for name, value in values.items() if name not in buffers}
         fill_from_hf(source, read_config(source)["model_type"], params)
         return
-    from fived import dcp_io
-    from fived.checkpoint import find_checkpoint
+    from fived.checkpoint import dcp_io
+    from fived.checkpoint.checkpointer import find_checkpoint
 
     checkpoint = find_checkpoint(source)
     assert checkpoint is not None  # (configure_init_from found it)
@@ -148,9 +148,9 @@ def load_initial_weights(source: str, values: dict, buffers: set[str]) -> None:
 
 def whole_state(directory: str | Path, cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
     """Every parameter of the model in `directory`, whole, by fived name (one process: generation, tests)."""
-    from fived.dcp_io import ShardedValue
-    from fived.model import build_model, canonical_name
-    from fived.placement import Box
+    from fived.checkpoint.dcp_io import ShardedValue
+    from fived.layout.placement import Box
+    from fived.model.transformer import build_model, canonical_name
 
     kind = read_config(directory)["model_type"]
     out, values = {}, {}

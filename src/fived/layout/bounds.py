@@ -2,7 +2,7 @@
 -1e-3, betas outside [0, 1), `--model.n_layers 100000` or `--steps 1e23` are refused in one line
 (`ConfigError`: field, value, rule, a valid value) instead of writing NaN checkpoints or running the
 allocator out of memory. The integer bounds are generous (well beyond any published model) and only
-there to turn typos into errors; whether a layout fits in memory is fived.memory_fit's question.
+there to turn typos into errors; whether a layout fits in memory is fived.launch.memory_fit's question.
 """
 
 from __future__ import annotations

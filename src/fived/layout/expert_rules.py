@@ -61,7 +61,7 @@ def _folding_rules(need, m, p, t) -> None:
         "folded experts route each tp rank's own sequence shard: it needs sequence parallelism",
         "add --sp, or use --parallel.etp 0",
     )
-    # Muon's exchange places a routed expert's pieces by (ep, edp) over dp*cp only (fived.muon_plan)
+    # Muon's exchange places a routed expert's pieces by (ep, edp) over dp*cp only (fived.layout.muon_plan)
     need(
         t.optimizer != "muon",
         "parallel.etp",

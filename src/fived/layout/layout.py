@@ -6,7 +6,7 @@ Mesh order, outermost to innermost: pp, dp, cp, tp (as Megatron-Core's rank gene
 fastest links, pp across nodes). dp is itself dp_replicate x dp_shard (HSDP: ZeRO shards within a
 dp_shard group, replicas across dp_replicate); the flattened "dp" group spans both. Expert
 parallelism folds over dp*cp (ep divides dp*cp), or with parallel.etp=1 (MoE parallel folding) over a
-stage's dp*cp*tp ranks, whole experts on each (ep divides dp*cp*tp). Plain Python: `fived.mesh.Mesh` builds the
+stage's dp*cp*tp ranks, whole experts on each (ep divides dp*cp*tp). Plain Python: `fived.parallel.mesh.Mesh` builds the
 process groups of a layout.
 """
 
@@ -42,7 +42,7 @@ V_SHAPED = ("zbv", "dualpipev")  # two stages per rank, V-shaped
 SINGLE_STAGE = ("gpipe", "1f1b")
 SPLIT_BACKWARD = ("zero-bubble", "zbv", "dualpipev")  # backward split into input- and weight-gradient passes
 # The named groups, in the order the ledger prefers a name when two groups hold the same ranks.
-# dp_cp_tp: every rank of one pipeline stage (Muon's exchange of whole matrices, fived.muon_plan).
+# dp_cp_tp: every rank of one pipeline stage (Muon's exchange of whole matrices, fived.layout.muon_plan).
 # cp_ulysses, cp_ring: hybrid context parallelism's Ulysses groups and the ring across them.
 GROUP_NAMES = (
     "dp",
@@ -59,8 +59,8 @@ GROUP_NAMES = (
     "cp_ulysses",
     "cp_ring",
 )
-OPTIMIZERS = get_args(Optimizer)  # train.optimizer (fived.optim, fived.muon)
-MUON_SCALES = get_args(MuonScale)  # train.muon_scale (fived.muon.update_scale)
+OPTIMIZERS = get_args(Optimizer)  # train.optimizer (fived.optim.adamw, fived.optim.muon)
+MUON_SCALES = get_args(MuonScale)  # train.muon_scale (fived.optim.muon.update_scale)
 CP_MODES = get_args(CpMode)  # parallel.cp_mode
 CP_BALANCES = get_args(CpBalance)  # parallel.cp_balance
 
@@ -153,7 +153,7 @@ class Layout:
     micro_batch: int = 1  # sequences per micro-batch on one data-parallel rank
     checkpointing: Checkpointing = TrainConfig.activation_checkpointing
     optimizer: Optimizer = TrainConfig.optimizer  # muon: its state and its exchange of whole matrices are priced
-    muon_bucket_mb: float = TrainConfig.muon_bucket_mb  # (Muon's step in buckets: fived.muon_plan)
+    muon_bucket_mb: float = TrainConfig.muon_bucket_mb  # (Muon's step in buckets: fived.layout.muon_plan)
     muon_ns_steps: int = TrainConfig.muon_ns_steps  # (Newton-Schulz iterations: its time is priced)
     document_mask: bool = DataConfig.document_mask  # (data.document_mask: what the attention masks)
 

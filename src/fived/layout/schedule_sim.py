@@ -117,7 +117,7 @@ def check_schedule(schedule: str, pp: int, virtual: int, microbatches: int) -> N
         raise ValueError(f"pp, virtual and microbatches must be >= 1, got {pp}, {virtual}, {microbatches}")
     if pp == 1:
         return
-    if microbatches < pp:  # fived.mesh (torch's 1F1B refuses it too)
+    if microbatches < pp:  # fived.parallel.mesh (torch's 1F1B refuses it too)
         raise ValueError(f"{microbatches} micro-batches < pp={pp}")
     if schedule == "dualpipev" and microbatches < 2 * pp:  # torch: at least as many as stages
         raise ValueError(f"dualpipev needs >= 2*pp={2 * pp} micro-batches, got {microbatches}")

@@ -329,7 +329,7 @@ def keeps_flat_buffer(zero: int, pp: int, dp_cp_size: int) -> bool:
 class DataRank:
     """A rank's place in data parallelism, as the storage rules (`stored`) read it: the runtime's
     strategies (`fived.parallel.make_data_parallel`) build it from their mesh, Muon's plan
-    (`fived.muon_plan`) from any rank's mesh coordinates."""
+    (`fived.layout.muon_plan`) from any rank's mesh coordinates."""
 
     zero: int
     pp: int

@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 import torch
 
 from fived.config import Config
+from fived.layout.placement import Box, Placement
 from fived.layout.spec import TensorSpec, keeps_flat_buffer, tensor_specs
-from fived.ledger import local_tensor
-from fived.mesh import Mesh
-from fived.model import Transformer, canonical_name
+from fived.model.ledger import local_tensor
+from fived.model.transformer import Transformer, canonical_name
 from fived.parallel.checkpointing import apply_activation_checkpointing
 from fived.parallel.compile import apply_compile
 from fived.parallel.context import apply_context_parallel
@@ -27,9 +27,9 @@ from fived.parallel.ddp import ReplicatedDataParallel
 from fived.parallel.expert import apply_expert_parallel
 from fived.parallel.fp8 import apply_fp8
 from fived.parallel.fsdp import FullyShardedDataParallel
+from fived.parallel.mesh import Mesh
 from fived.parallel.tensor import TensorParallel
 from fived.parallel.zero import ShardedOptimizerDataParallel
-from fived.placement import Box, Placement
 
 
 def lm_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -137,7 +137,7 @@ def parallelize(chunks: list[Transformer], mesh: Mesh, cfg: Config) -> ParallelP
 def describe_placements(
     chunks, specs: dict[str, TensorSpec], data_parallel: DataParallel, *, tp: int, tp_rank: int, ep_rank: int
 ) -> dict[str, Placement]:
-    """The placement of every parameter and buffer this rank holds (see fived.placement): its tp/ep
+    """The placement of every parameter and buffer this rank holds (see fived.layout.placement): its tp/ep
     box from the sharding spec, its data-parallel storage from the ZeRO stage's own layout."""
     out = {}
     for chunk in chunks:

@@ -11,9 +11,9 @@ import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from fived.attention import inside_blockwise
-from fived.grouped_gemm import GROUPED_SWIGLU_OP
-from fived.model import Transformer
+from fived.model.attention import inside_blockwise
+from fived.model.grouped_gemm import GROUPED_SWIGLU_OP
+from fived.model.transformer import Transformer
 
 _SAVE = {
     torch.ops.aten.mm.default,

@@ -6,7 +6,7 @@ Compiling block by block rather than the whole model keeps compile time to one g
 block (the blocks share their code, so later ones reuse the first one's compiled code), keeps the
 collectives between blocks (FSDP's gathers, pipeline sends) outside the graphs, and leaves the
 embedding, the head and the loss eager. The compiled block wraps the original (`_orig_mod.` in
-parameter names, which `fived.model.canonical_name` strips), so initialisation, checkpoints and
+parameter names, which `fived.model.transformer.canonical_name` strips), so initialisation, checkpoints and
 placements see the same names. `train.compile_backend` picks torch.compile's backend: "inductor"
 (generated kernels; the default) or the cheaper "aot_eager" (traced, no code generation) and "eager".
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fived.model import Transformer
+from fived.model.transformer import Transformer
 
 
 def apply_compile(model: Transformer, backend: str) -> None:

@@ -4,7 +4,7 @@ by all-to-all (ulysses), or both (hybrid: Ulysses inside groups of cp_ulysses ra
 Load balancing: without document masking a sequence is cut into 2*cp chunks and cp rank i holds chunks
 i and 2*cp-1-i, so every rank has the same amount of causal work (an early chunk sees few keys, a
 late one many); RoPE uses the tokens' global positions. With document masking the chunks are chosen
-per sequence by work (`fived.documents`) and every token comes with its document and in-document
+per sequence by work (`fived.data.documents`) and every token comes with its document and in-document
 position (the model's `documents`, `positions`).
 
 Ring attention (forward): the rank's K/V block travels around the cp ring; at each of the cp steps
@@ -13,7 +13,7 @@ a rank attends its queries to the block it holds, while the next block is alread
 output with log-sum-exp weights (online softmax). Because of the chunk layout every block is one
 fused attention call with no mask (see `_ring_step_blocks`): the rank's own block is causal, a block
 from an earlier rank is seen whole by all queries, a block from a later rank whole by the second
-chunk's queries only. The fused kernel (`fived.attention`: the CPU flash kernel; flash attention on
+chunk's queries only. The fused kernel (`fived.model.attention`: the CPU flash kernel; flash attention on
 CUDA in 16 bits) returns the log-sum-exp and never materialises the score matrix, so memory grows
 linearly with the sequence. Backward runs the ring again, the standard flash ring backward: each
 block's gradients come from the kernel's backward given the *global* output and log-sum-exp (so its
@@ -35,8 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fived import comm
-from fived.attention import (
+from fived.model.attention import (
     DocumentAttention,
     block_backward,
     block_forward,
@@ -46,7 +45,8 @@ from fived.attention import (
     masked_block_forward,
     order_keys,
 )
-from fived.model import Transformer
+from fived.model.transformer import Transformer
+from fived.parallel import comm
 from fived.parallel.tensor import ReduceFromTensorParallelRegion as AllReduceSumForward
 from fived.parallel.ulysses import Reorder, gather_keys, kv_heads_for_groups, to_heads, to_sequence
 
@@ -154,7 +154,7 @@ class RingAttentionFunction(torch.autograd.Function):
 
 class MaskedRingFunction(torch.autograd.Function):
     """The ring for any token layout: each K/V block travels with its tokens' order keys and every
-    block is document-masked (`fived.attention.masked_block_forward`: a block whose keys share no
+    block is document-masked (`fived.model.attention.masked_block_forward`: a block whose keys share no
     document with the queries is skipped). Local tokens are in increasing key order."""
 
     @staticmethod

@@ -24,17 +24,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fived import comm
 from fived.config import Config
+from fived.layout.muon_plan import is_muon_tensor
+from fived.layout.placement import Placement
 from fived.layout.spec import REDUCE_CHUNK_ELEMENTS, DataRank, Stored, TensorSpec, tensor_specs
-from fived.ledger import local_tensor as _local
-from fived.mesh import DTYPES, PRECISIONS, Mesh
-from fived.model import Transformer, canonical_name
-from fived.muon_plan import is_muon_tensor
-from fived.optim import build_optimizer
+from fived.model.ledger import local_tensor as _local
+from fived.model.transformer import Transformer, canonical_name
+from fived.optim.adamw import build_optimizer
+from fived.parallel import comm
 from fived.parallel.expert import is_expert
 from fived.parallel.expert_grads import ExpertGradReductions
-from fived.placement import Placement
+from fived.parallel.mesh import DTYPES, PRECISIONS, Mesh
 
 
 class DataParallel:
@@ -82,7 +82,7 @@ class DataParallel:
         t = self.cfg.train
         if t.optimizer != "muon":
             return build_optimizer([p for _, p in named], t, decayed)
-        from fived.muon import Muon
+        from fived.optim.muon import Muon
         from fived.parallel.muon_exchange import MatrixExchange
 
         exchange = MatrixExchange(self.mesh, self.cfg, placements)
@@ -168,7 +168,7 @@ class DataParallel:
 
     def unrouted_collectives(self):
         """A context counting collectives of a library this strategy uses that cannot be routed
-        through `fived.comm` (none here; FSDP2's HSDP all-reduce under ZeRO-3)."""
+        through `fived.parallel.comm` (none here; FSDP2's HSDP all-reduce under ZeRO-3)."""
         return contextlib.nullcontext()
 
     def after_forward_only(self) -> None:

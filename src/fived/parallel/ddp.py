@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from fived import comm
-from fived.model import Transformer
+from fived.model.transformer import Transformer
+from fived.parallel import comm
 from fived.parallel.data_parallel import DataParallel
 
 

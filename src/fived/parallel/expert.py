@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from fived import comm
 from fived.layout.layout import EP_OVERLAP_CHUNKS
-from fived.model import GroupedExperts, MoE, Transformer
+from fived.model.transformer import GroupedExperts, MoE, Transformer
+from fived.parallel import comm
 from fived.parallel.expert_overlap import overlapped_experts
 
 

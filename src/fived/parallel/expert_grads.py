@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fived import comm
 from fived.layout.spec import CAST_PIECES_IN_FLIGHT, REDUCE_CHUNK_ELEMENTS
+from fived.parallel import comm
 
 
 class ExpertGradReductions:

@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from fived import comm
 from fived.layout.layout import EP_OVERLAP_CHUNKS  # (there: the planner counts the calls too)
+from fived.parallel import comm
 
 
 class InFlight:

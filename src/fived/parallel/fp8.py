@@ -17,7 +17,7 @@ Not converted (`converts`):
 - the MoE router (`router`): its scores choose the experts; an fp8 rounding could flip a choice;
 - linears with a dimension that is not a multiple of 16 (what FP8 GEMMs require);
 - the grouped expert weights (`GroupedExperts`: [E, ...] Parameters, not `nn.Linear`); they run in
-  `train.dtype` through `fived.grouped_gemm`.
+  `train.dtype` through `fived.model.grouped_gemm`.
 torchao's size thresholds (`_auto_filter_for_recipe`: skip small GEMMs that are slower in FP8 on an
 H100) are not applied: they are a speed heuristic, and they would leave the tiny test models unconverted.
 
@@ -28,7 +28,7 @@ activations and output gradients over the local micro-batch. An FP8 run is there
 identical with, the one-device FP8 run (see tests/test_fp8.py for the measured differences).
 
 Not used: torchao's `enable_fsdp_float8_all_gather` (FSDP2 gathers float8 weights). Its amax
-all-reduce is a functional collective outside `fived.comm` (unledgered, unattributed) and the
+all-reduce is a functional collective outside `fived.parallel.comm` (unledgered, unattributed) and the
 float8 gather changes the bytes the planner prices; ZeRO-3 gathers weights in the compute dtype and
 each Float8Linear casts its gathered weight.
 """

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from fived import comm
 from fived.layout.spec import Stored, TensorSpec
-from fived.model import MoE, Transformer
+from fived.model.transformer import MoE, Transformer
+from fived.parallel import comm
 from fived.parallel.data_parallel import DataParallel
 
 if TYPE_CHECKING:

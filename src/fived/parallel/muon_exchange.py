@@ -1,4 +1,4 @@
-"""Muon's whole matrices from the pieces the ranks store: the runtime of `fived.muon_plan`.
+"""Muon's whole matrices from the pieces the ranks store: the runtime of `fived.layout.muon_plan`.
 
 Each step, bucket by bucket (`train.muon_bucket_mb`; the same buckets in the same order on every
 rank), given the update direction (Nesterov momentum) of every piece of the bucket's matrices this
@@ -15,7 +15,7 @@ Extra communication per step and rank (the planner's `fived.planner.communicatio
 Newton-Schulz dtype's bytes): the pieces it gathers to owners, then the results it scatters to the
 other holders of its units, two all-to-alls per bucket. Extra memory, transient, one bucket's, each
 let go as soon as it is used: the directions of its pieces, the all-to-alls' buffers, its owned
-units assembled and their results (`fived.muon_load.StepLoad.peak`, which the planner prices).
+units assembled and their results (`fived.layout.muon_load.StepLoad.peak`, which the planner prices).
 """
 
 from __future__ import annotations
@@ -26,13 +26,13 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from fived import comm
 from fived.config import Config
+from fived.layout.muon_plan import MemberPlan, StagePlan, stage_plan
+from fived.layout.placement import Box, Placement
 from fived.layout.stages import rank_chunks
-from fived.ledger import local_tensor
-from fived.mesh import PRECISIONS, Mesh
-from fived.muon_plan import MemberPlan, StagePlan, stage_plan
-from fived.placement import Box, Placement
+from fived.model.ledger import local_tensor
+from fived.parallel import comm
+from fived.parallel.mesh import PRECISIONS, Mesh
 
 
 class MatrixExchange:

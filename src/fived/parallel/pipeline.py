@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from fived import comm
 from fived.config import Config, ModelConfig
 from fived.layout.layout import SINGLE_STAGE, stages_per_rank
 from fived.layout.stages import split_layers, stage_rank
-from fived.model import Transformer, build_model
+from fived.model.transformer import Transformer, build_model
+from fived.parallel import comm
 from fived.parallel.tensor_overlap import backward_pass
 
 
@@ -55,7 +55,7 @@ class Action:
 @dataclass
 class Timeline:
     """What one rank executed, in order. The point-to-point ops the stages build are counted by
-    `fived.comm` (the schedule issues them). `spans`: the trainer's `fived.step_timer.StepTimer`, if
+    `fived.parallel.comm` (the schedule issues them). `spans`: the trainer's `fived.training.step_timer.StepTimer`, if
     it times the step: each forward and backward is a span of its stage and micro-batch."""
 
     actions: list[Action] = field(default_factory=list)

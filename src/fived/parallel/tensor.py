@@ -34,9 +34,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fived import comm
 from fived.layout.spec import Cut, TensorSpec
-from fived.model import MoE, Transformer, canonical_name
+from fived.model.transformer import MoE, Transformer, canonical_name
+from fived.parallel import comm
 from fived.parallel.tensor_overlap import current_backward_pass, install_overlapped_region
 
 # --- the communication of a tensor-parallel region, as autograd functions -------------------------

@@ -52,8 +52,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from fived import comm
-from fived.model import Attention, FeedForward
+from fived.model.transformer import Attention, FeedForward
+from fived.parallel import comm
 
 # the column linears (one region input) and the row linear (the region's output) of each region kind
 REGION_LINEARS = {Attention: (("wq", "wk", "wv"), "wo"), FeedForward: (("w1", "w3"), "w2")}

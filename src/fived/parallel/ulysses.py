@@ -1,7 +1,7 @@
 """Ulysses (all-to-all) context parallelism's exchanges (DeepSpeed-Ulysses): a group of u ranks, each
 holding some tokens of every head, trades them for all of the group's tokens of a u-th of the heads
 (before attention), and back (after). Rank j of the group takes heads [j h/u, (j+1) h/u); the group's
-tokens arrive rank-major (rank 0's tokens first). Through `fived.comm` (role cp): all-to-all of q, k,
+tokens arrive rank-major (rank 0's tokens first). Through `fived.parallel.comm` (role cp): all-to-all of q, k,
 v forward and of the output back, the reverse in backward, and an all-gather of the tokens' order keys.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from fived import comm
+from fived.parallel import comm
 
 
 def _all_to_all(send: torch.Tensor, group) -> torch.Tensor:

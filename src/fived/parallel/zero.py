@@ -38,7 +38,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from fived import comm
 from fived.layout.spec import (
     CAST_PIECES_IN_FLIGHT,
     REDUCE_CHUNK_ELEMENTS,
@@ -48,7 +47,8 @@ from fived.layout.spec import (
     TensorSpec,
     in_flat_buffer,
 )
-from fived.model import Transformer
+from fived.model.transformer import Transformer
+from fived.parallel import comm
 from fived.parallel.data_parallel import DataParallel
 from fived.parallel.zero_microbatch import MicroBatchReductions
 

@@ -33,8 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from fived import comm
 from fived.layout.spec import CAST_PIECES_IN_FLIGHT
+from fived.parallel import comm
 
 
 class MicroBatchReductions:

@@ -44,7 +44,7 @@ collectives when full checkpointing recomputes the forward:
        all-reduce (ZeRO-0/1/2) or FSDP2 over edp (ZeRO-3). The clipping norm's 8 bytes per group.
   dp_cp_tp  train.optimizer=muon: per step and bucket of matrices, the pieces of whole matrices this
        rank sends to their owners, then the orthogonalised results it sends back to their other
-       holders (two all-to-alls over the pipeline stage's ranks, `fived.muon_plan`; priced as
+       holders (two all-to-alls over the pipeline stage's ranks, `fived.layout.muon_plan`; priced as
        optimizer time).
 """
 
@@ -55,10 +55,10 @@ from dataclasses import dataclass
 
 from fived.config import ModelConfig
 from fived.layout.layout import EP_OVERLAP_CHUNKS, PRECISION_SPECS, Layout
+from fived.layout.muon_load import busiest_loads
+from fived.layout.muon_plan import Exchange, stage_plan
 from fived.layout.spec import flat_buckets, kv_replicated, kv_width
 from fived.layout.stages import stage_rank
-from fived.muon_load import busiest_loads
-from fived.muon_plan import Exchange, stage_plan
 from fived.planner.memory import ACTIVATION_BYTES, WEIGHT_BYTES, flat_numels, parameter_shapes
 from fived.planner.runtimes import FIVED, Runtime, reduces_every_microbatch
 
@@ -200,9 +200,9 @@ def _context_parallel(add, m, L, seq_len, e, fwd, layers, micro, runtime) -> Non
 
 
 def _muon_exchange(m: ModelConfig, L: Layout, dtype: str, chunks, member: int | None) -> list[Collective]:
-    """Muon's all-to-alls over the stage (`fived.muon_plan`), two per bucket, in the compute dtype:
+    """Muon's all-to-alls over the stage (`fived.layout.muon_plan`), two per bucket, in the compute dtype:
     the pieces `member` sends to their owners, then the results it sends their other holders (member
-    None: the busiest member's bound, `fived.muon_load.busiest_loads`, what each call waits for). A
+    None: the busiest member's bound, `fived.layout.muon_load.busiest_loads`, what each call waits for). A
     phase in which no rank sends is skipped by all; one in which only this rank sends nothing still
     calls."""
     plan = stage_plan(m, L, dtype, chunks)
@@ -366,7 +366,7 @@ def owned_parameters(m: ModelConfig, L: Layout, chunks) -> float:
 
 
 def ledger_bytes(collectives: list[Collective], layout: Layout) -> dict[str, int]:
-    """{"<ledger group name>/<op>": bytes} as `fived.comm.CommRecorder.summary` keys them."""
+    """{"<ledger group name>/<op>": bytes} as `fived.parallel.comm.CommRecorder.summary` keys them."""
     out: dict[str, int] = {}
     for c in collectives:
         key = f"{layout.ledger_name(c.group)}/{c.op}"

@@ -10,7 +10,7 @@ up), or, when no plan with that value fits, how much memory the least hungry one
 from __future__ import annotations
 
 from fived.config import ModelConfig
-from fived.metrics import matmul_params_per_token
+from fived.layout.flops import matmul_params_per_token
 from fived.planner.basis import basis
 from fived.planner.runtimes import FIVED, Runtime
 from fived.planner.search import DECISIONS, Plan, Search, cp_modes, evaluate

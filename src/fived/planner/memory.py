@@ -21,7 +21,7 @@ gradients and, per optimized element, a float32 master and two float32 moments (
 Other runtimes (the published runs') keep their own bytes per parameter (`fived.planner.runtimes.Runtime`: e.g.
 Megatron's bf16 weights, fp32 main gradients, fp32 master weights and Adam in the optimizer).
 
-Activations: bytes saved for backward per micro-batch (`fived.activation_model`; other runtimes:
+Activations: bytes saved for backward per micro-batch (`fived.layout.activation_model`; other runtimes:
 `fived.planner.runtimes.framework_activations`), times the number of micro-batches a rank's
 schedule keeps in flight (`schedule_sim.in_flight_microbatches`).
 
@@ -47,6 +47,8 @@ from functools import lru_cache
 
 from fived.config import ModelConfig
 from fived.layout.layout import PRECISION_SPECS, Layout
+from fived.layout.muon_load import busiest_loads
+from fived.layout.muon_plan import stage_plan
 from fived.layout.schedule_sim import pipeline_profile
 from fived.layout.spec import (
     CAST_PIECES_IN_FLIGHT,
@@ -60,8 +62,6 @@ from fived.layout.spec import (
     shard_rows,
 )
 from fived.layout.stages import Chunk, model_key, placement, rank_chunks_by_key
-from fived.muon_load import busiest_loads
-from fived.muon_plan import stage_plan
 from fived.planner.runtimes import FIVED, Runtime, framework_activations, reduces_every_microbatch
 
 RESERVE_GIB = 2.0  # CUDA context, NCCL communicators and workspaces
@@ -154,7 +154,7 @@ def muon_saving(
     m: ModelConfig, layout: Layout, dtype: str, chunks, shard_index: int = 0, runtime: Runtime = FIVED
 ) -> int:
     """Optimizer bytes train.optimizer=muon does not keep on a rank: one moment (of Adam's two) per
-    element of the Muon matrices it stores (`fived.muon_plan`); 0 for AdamW."""
+    element of the Muon matrices it stores (`fived.layout.muon_plan`); 0 for AdamW."""
     if layout.optimizer != "muon" or not runtime.is_fived:
         return 0
     plan = stage_plan(m, layout, dtype, chunks)
@@ -163,7 +163,7 @@ def muon_saving(
 
 def muon_buffers(m: ModelConfig, layout: Layout, dtype: str, chunks, runtime: Runtime = FIVED) -> int:
     """Transient bytes at the peak of Muon's step on the stage's busiest rank, its largest bucket's
-    (`fived.muon_load`: a bound from aggregates), in the Newton-Schulz (compute) dtype and the
+    (`fived.layout.muon_load`: a bound from aggregates), in the Newton-Schulz (compute) dtype and the
     optimizer's (float32, float64 in float64 runs)."""
     if layout.optimizer != "muon" or not runtime.is_fived:
         return 0
@@ -274,7 +274,7 @@ def _activations(
     m = ModelConfig(**dict(key))
     if runtime.activations == "megatron":  # (fived's compiled blocks too: see runtimes.fived_runtime)
         return framework_activations(m, layout, seq_len, layers, first, last)
-    from fived.activation_model import activation_bytes
+    from fived.layout.activation_model import activation_bytes
 
     L = layout
     parts = activation_bytes(

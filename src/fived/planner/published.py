@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any, Literal, overload
 
 from fived.config import ConfigError, ModelConfig
-from fived.metrics import flops_per_token
+from fived.layout.flops import flops_per_token
 from fived.planner.hardware import hardware
 from fived.planner.runtimes import Runtime, framework_runtime, zero_stage
 from fived.planner.timing import Cluster

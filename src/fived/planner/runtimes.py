@@ -74,7 +74,7 @@ class Runtime:
     grad_bytes: int = 0  # gradients as accumulated
     master_bytes: int = 0  # a separate fp32 master copy, sharded like the optimizer state
     autocast_copies: bool = True  # fived (bfloat16-autocast): bf16 copies of the weights live through the forward
-    activations: str = "fived"  # fived: fived.activation_model; megatron: Korthikanti et al. (flash)
+    activations: str = "fived"  # fived: fived.layout.activation_model; megatron: Korthikanti et al. (flash)
     # kernels
     fused: bool = False  # fused norm / RoPE / activation kernels (Transformer Engine, apex, compile)
     python_norm: bool = False  # unfused: RMSNorm written out in Python ops (Hugging Face's LlamaRMSNorm,
@@ -86,7 +86,7 @@ class Runtime:
     flash_ring: bool = False  # context-parallel blocks with a fused attention kernel (fived: yes)
     # causal attention in a fused kernel that skips the blocks above the diagonal (FlashAttention, cuDNN /
     # Transformer Engine fused attention, SDPA's flash kernel): half the QK^T and AV FLOPs the papers count
-    # (fived.metrics.flops_per_token) are computed. Megatron-LM 2021/2022 materialise the score matrix and
+    # (fived.layout.flops.flops_per_token) are computed. Megatron-LM 2021/2022 materialise the score matrix and
     # mask it (Korthikanti et al.'s selective recomputation exists for it): the whole count
     causal_skip: bool = True
     # routed experts' gradients (outside ZeRO-3) reduced over edp during backward like the dense ones

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fived.config import ModelConfig
+from fived.layout.flops import matmul_params_per_token
 from fived.layout.spec import kv_width
-from fived.metrics import matmul_params_per_token
 from fived.planner.search import Plan
 from fived.planner.serve import ServePlan, Workload, gpus_needed, in_flight
 from fived.planner.serve_model import ForwardTime

@@ -34,7 +34,7 @@ dimension on the link its group actually uses, the overlap the runtime allows, a
 - pipeline bubble: from the schedule simulator (`fived.layout.schedule_sim.pipeline_profile`);
   ranks sharing cores (CPU) fill each other's idle time.
 - optimizer: AdamW streams 28 bytes per owned parameter (read p, g, m, v; write p, m, v, fp32); Muon
-  (train.optimizer=muon) streams its own per element of its matrices (`fived.muon_load.stream_bytes`)
+  (train.optimizer=muon) streams its own per element of its matrices (`fived.layout.muon_load.stream_bytes`)
   and adds its exchange's all-to-alls (`fived.planner.communication`, part "optimizer": bytes without
   the rank's own share, priced as the n/(n-1) times them an all-to-all passes) and each bucket's
   busiest owner's Newton-Schulz GEMMs.
@@ -48,12 +48,12 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 
 from fived.config import ModelConfig
+from fived.layout.flops import flops_per_token
 from fived.layout.layout import PRECISION_SPECS, Layout
+from fived.layout.muon_load import stream_bytes
+from fived.layout.muon_plan import ns_flops, stage_plan
 from fived.layout.schedule_sim import pipeline_profile
 from fived.layout.stages import model_key, placement, rank_chunks_by_key, rank_stages
-from fived.metrics import flops_per_token
-from fived.muon_load import stream_bytes
-from fived.muon_plan import ns_flops, stage_plan
 from fived.planner.communication import group_span, owned_parameters, step_collectives
 from fived.planner.constants import CALIBRATION, Constants
 from fived.planner.hardware import Hardware
@@ -115,7 +115,7 @@ class StepTime:
     comm_bytes: dict | None = None  # bytes per logical group this rank moves in one step (priced collectives)
     overhead: float = 0.0  # host work the device does not hide
     # the part of `overhead` spent per layer and micro-batch, inside the layers' forward and backward
-    # (a measured step breakdown counts it as compute: fived.breakdown)
+    # (a measured step breakdown counts it as compute: fived.training.breakdown)
     layer_host: float = 0.0
 
     @property
@@ -383,7 +383,7 @@ def exposed_reduction(
 
 def muon_stream_s(m: ModelConfig, L: Layout, dtype: str, chunks, hw: Hardware) -> float:
     """What Muon's elements on the stage's first rank take beyond the AdamW bytes `step_time` charged
-    them: `fived.muon_load.stream_bytes` each, at HBM speed."""
+    them: `fived.layout.muon_load.stream_bytes` each, at HBM speed."""
     elements = stage_plan(m, L, dtype, chunks).stored_elements(0)
     per_element = stream_bytes(MOMENT_BYTES[dtype], PRECISION_SPECS[dtype].compute_bytes)
     return (per_element - 28) * elements / (hw.hbm_gbps * 1e9)

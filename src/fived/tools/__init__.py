@@ -1,0 +1,1 @@
+"""Tools over runs and plans: dry runs, diagnose, reports, explore pages, and generation."""

@@ -1,0 +1,419 @@
+"""`fived explore`: the planner's figures for every layout the page's toggles can reach, as one JSON
+document the page (`fived.tools.pages`) only looks values up in.
+
+The toggles span the values `fived plan` searches for this model and cluster (`toggle_options`: the
+tp, cp, pp and ep of its mesh shapes, folded ones included, its schedules and virtual stages, its micro-batch sizes), plus
+sp, etp (MoE parallel folding), the ZeRO stage, its HSDP (ZeRO shards inside a node, replicas across nodes) and activation
+checkpointing; dp is what the GPU count leaves (gpus / (tp*pp*cp)). Each reachable combination is
+either priced as the planner prices it (`fived.planner.search.evaluate` with the overlaps fived
+turns on: memory per GPU, step time, the collectives of `fived.planner.communication` with the
+links `fived.planner.timing` puts them on, the flags that run it) or refused with the runtime's own
+one-line reason (`fived.layout.rules.layout_errors`, then torch's schedule rules). The page opens on
+the planner's best layout and lists its ranking (`ranking`). The layer map's local shapes come from
+`fived.planner.layer_map`, the pipeline timeline from `fived.layout.schedule_sim`.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from typing import Any
+
+from fived.config import ConfigError, ModelConfig
+from fived.layout.layout import CHECKPOINTING, PP_SCHEDULES, Layout, stages_per_rank
+from fived.layout.schedule_sim import n_stages_of, pipeline_profile, schedule_timeline
+from fived.layout.stages import rank_chunks, rank_stages
+from fived.planner.communication import group_span, step_collectives
+from fived.planner.layer_map import activations, pipeline_ranks, replica_weights
+from fived.planner.runtimes import PLANNED_RUNTIMES, Runtime, with_overlap
+from fived.planner.search import (
+    MICRO_BATCH_TOKENS,
+    MICRO_BATCHES,
+    SCHEDULES,
+    fastest_fitting,
+    layout_refusal,
+    mesh_shapes,
+    node_replicas,
+    plan,
+    plan_of,
+    reduction_choices,
+)
+from fived.planner.timing import Cluster, in_node
+
+MESH_TOGGLES = ("tp", "sp", "cp", "pp", "pp_schedule", "pp_virtual", "ep", "etp")  # (etp: MoE parallel folding)
+TOGGLES = MESH_TOGGLES + ("zero", "hsdp", "micro_batch", "checkpointing")
+MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "buffers", "reserve", "total")
+TIME_PARTS = ("compute", "bubble", "tp", "cp", "ep", "pp", "dp", "optimizer", "overhead", "total")
+TIMELINE_MICROBATCHES = 4  # per pipeline rank drawn: enough to show fill, steady state and drain
+TIMELINE_MAX_PP = 16  # pipelines of more ranks: the bubble fraction, no timeline
+RANKED = 8  # the planner's best layouts listed on the page
+
+
+def toggle_options(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int) -> dict[str, list]:
+    """The values each toggle offers: what `fived plan` searches for this model on this cluster (every
+    tp, cp, pp and ep of its mesh shapes, folded ones included; a dense model has no ep or etp toggle:
+    one value)."""
+    meshes = list(mesh_shapes(model, cluster.gpus, cluster.gpus_per_node, seq_len, global_batch, folded=True))
+    of = lambda name: sorted({getattr(m, name) for m in meshes} | {1})  # noqa: E731  (1: no parallelism)
+    schedules = [s for s in PP_SCHEDULES if s in {name for name, _ in SCHEDULES}]
+    return {
+        "tp": of("tp"),
+        "sp": [False, True],
+        "cp": of("cp"),
+        "pp": of("pp"),
+        "pp_schedule": schedules,
+        "pp_virtual": sorted({v for _, v in SCHEDULES}),
+        "ep": of("ep"),
+        "etp": [0, 1] if any(m.etp == 1 for m in meshes) else [0],  # (MoE parallel folding: parallel.etp)
+        "zero": [0, 1, 2, 3],
+        "hsdp": [False, True],
+        "micro_batch": [m for m in MICRO_BATCHES if m == 1 or m * seq_len <= MICRO_BATCH_TOKENS],
+        "checkpointing": list(CHECKPOINTING),
+    }
+
+
+def layout_key(layout: Layout) -> str:
+    """The page's lookup key: the toggles' values in TOGGLES order (what the page's script builds)."""
+    values = {**{name: getattr(layout, name) for name in TOGGLES if name != "hsdp"}, "hsdp": layout.dp_replicate > 1}
+    return "|".join(str(values[name]).lower() for name in TOGGLES)
+
+
+def toggle_values(layout: Layout) -> dict:
+    """The toggles' values that show `layout` (for the page's ranking: click to load)."""
+    return dict(zip(TOGGLES, layout_key(layout).split("|")))
+
+
+def reachable_layouts(options: dict[str, list], cluster: Cluster):
+    """(toggle key, Layout or the reason it cannot be set) for every combination of the toggles whose
+    model-parallel size divides the GPU count (dp the rest); schedule and virtual stages only vary with
+    pp > 1; HSDP where the planner would weigh it (`node_replicas`), else its reason."""
+    gpus = cluster.gpus
+    for tp, sp, cp, pp in itertools.product(options["tp"], options["sp"], options["cp"], options["pp"]):
+        if gpus % (tp * cp * pp):
+            continue
+        schedules = itertools.product(options["pp_schedule"], options["pp_virtual"]) if pp > 1 else [("1f1b", 1)]
+        for (schedule, virtual), ep, etp, zero, hsdp, mbs, ac in itertools.product(
+            schedules,
+            options["ep"],
+            options["etp"],
+            options["zero"],
+            options["hsdp"],
+            options["micro_batch"],
+            options["checkpointing"],
+        ):
+            layout = Layout(
+                dp=gpus // (tp * cp * pp),
+                tp=tp,
+                sp=sp,
+                cp=cp,
+                pp=pp,
+                pp_schedule=schedule,
+                pp_virtual=virtual,
+                ep=ep,
+                etp=etp,
+                zero=zero,
+                micro_batch=mbs,
+                checkpointing=ac,
+            )
+            if etp == 1 and not layout.folded:  # (not priced twice: the same layout as etp 0)
+                yield layout_key(layout), "etp: folding the experts (etp 1) needs tp > 1 to change anything; e.g. etp 0"
+                continue
+            if not hsdp:
+                yield layout_key(layout), layout
+                continue
+            replicas = node_replicas(layout, zero, cluster.gpus_per_node)
+            if replicas is None:
+                key = layout_key(layout).split("|")
+                key[TOGGLES.index("hsdp")] = "true"
+                yield (
+                    "|".join(key),
+                    (
+                        f"hsdp: ZeRO shards inside a node (its {cluster.gpus_per_node // (tp * cp) or 1} "
+                        f"data-parallel ranks), replicated across nodes: needs ZeRO 1-3, ep 1 and "
+                        f"dp={layout.dp} a multiple of them beyond one node; e.g. hsdp false"
+                    ),
+                )
+            else:
+                yield layout_key(layout.with_(dp_replicate=replicas)), layout.with_(dp_replicate=replicas)
+
+
+def collectives(
+    model: ModelConfig, layout: Layout, cluster: Cluster, seq_len: int, global_batch: int, dtype: str
+) -> list[list]:
+    """[group, op, bytes per step, calls per step, link] of pipeline rank 0 (the planner's list)."""
+    chunks = rank_chunks(model, layout, 0)
+    merged: dict = {}
+    for c in step_collectives(model, layout, seq_len, global_batch, dtype, chunks, rank_stages(layout, 0)):
+        if not c.part or c.total == 0:
+            continue
+        total, calls = merged.get((c.group, c.op), (0.0, 0.0))
+        merged[(c.group, c.op)] = (total + c.total, calls + c.calls)
+    out = []
+    for (group, op), (total, calls) in merged.items():
+        size, stride = group_span(layout, group)
+        if size == 1:
+            continue
+        link = "NVLink" if in_node(cluster.gpus_per_node, stride, size) else "network"
+        members, others = replica_members(layout.with_(micro_batch=1, checkpointing="none", sp=False), group)
+        out.append([group, op, round(total), round(calls, 3), link, size, members, others])
+    return out
+
+
+@functools.lru_cache(maxsize=4096)
+def replica_members(layout: Layout, group: str) -> tuple[list[int], int]:
+    """(global ranks of rank 0's `group` inside the first model replica, how many lie outside it): the
+    replica is the pp x cp x tp ranks whose data-parallel index is 0 (`Layout.group_ranks`' mesh)."""
+    ranks = layout.group_ranks(group, 0)
+    inside = sorted(r for r in ranks if r // (layout.tp * layout.cp) % layout.dp == 0)
+    return inside, len(ranks) - len(inside)
+
+
+# the runtime the page prices, as `fived plan` (and `fived plan --layout`) does by default
+DEFAULT_RUNTIME = PLANNED_RUNTIMES["fived"]
+
+
+def price(
+    model: ModelConfig,
+    layout: Layout,
+    cluster: Cluster,
+    seq_len: int,
+    global_batch: int,
+    dtype: str = "bfloat16",
+    headroom_gib: float = 0.0,
+    runtime: Runtime = DEFAULT_RUNTIME,
+) -> dict:
+    """The page's entry for one layout: {"error": reason} or the planner's figures (as `fived plan`
+    prices it: with the overlaps fived turns on)."""
+    reason = layout_refusal(model, layout, seq_len, global_batch)
+    if reason:
+        return {"error": str(reason)}
+    if runtime.is_fived:  # with every overlap fived can use, as the planner's search weighs it
+        layout = with_overlap(layout, fp8=runtime.fp8)
+    # (fived's ZeRO-2 both ways, as the search weighs it: reducing every micro-batch where faster or it fits)
+    plan = fastest_fitting(
+        [
+            plan_of(model, x, cluster, seq_len, global_batch, dtype, runtime, headroom_gib)
+            for x in reduction_choices(layout, runtime)
+        ]
+    )
+    assert plan is not None  # (plan_of prices every layout it is given)
+    layout = plan.layout
+    gib, step = plan.memory.gib(), plan.time.to_dict()
+    micro = layout.microbatches(global_batch)
+    return {
+        "memory": [gib[k] for k in MEMORY_PARTS],
+        "time": [step[k] for k in TIME_PARTS],
+        "tokens_per_s_per_gpu": step["tokens_per_s_per_gpu"],
+        "mfu": step["mfu"],
+        "fits": plan.fits,
+        "flags": layout.flags(global_batch),
+        "describe": layout.describe(),
+        "microbatches": micro,
+        "bubble": pipeline_profile(layout.pp_schedule, layout.pp, layout.pp_virtual, micro)[0]
+        if layout.pp > 1
+        else 0.0,
+        "collectives": collectives(model, layout, cluster, seq_len, global_batch, dtype),
+        "map": map_keys(layout),
+        "timeline": timeline_key(layout, micro),
+    }
+
+
+def map_keys(layout: Layout) -> list[str]:
+    """Keys of the layer map's parts: weights, activations, pipeline ranks (each depends on fewer
+    toggles than the whole layout: stored once per distinct key)."""
+    L = layout
+    return [
+        f"{L.tp}|{L.ep}|{L.zero}|{L.cp}|{L.dp}|{L.dp_replicate}",
+        f"{L.tp}|{L.sp}|{L.cp}|{L.micro_batch}|{L.checkpointing}",
+        f"{L.pp}|{L.pp_schedule}|{L.pp_virtual}",
+    ]
+
+
+def timeline_key(layout: Layout, micro: int) -> str:
+    if layout.pp == 1 or layout.pp > TIMELINE_MAX_PP:  # (more pipeline ranks: too many rows to read)
+        return ""
+    return f"{layout.pp_schedule}|{layout.pp}|{layout.pp_virtual}|{timeline_microbatches(layout, micro)}"
+
+
+def timeline_microbatches(layout: Layout, micro: int) -> int:
+    return min(micro, TIMELINE_MICROBATCHES * layout.pp)
+
+
+def explore_data(
+    model: ModelConfig,
+    cluster: Cluster,
+    seq_len: int,
+    global_batch: int,
+    dtype: str = "bfloat16",
+    headroom_gib: float = 0.0,
+) -> dict:
+    """Everything the explore page shows, for every reachable layout (see the module docstring).
+    `entries` is a flat list indexed by the toggles' value positions (`slot`: mixed radix, TOGGLES
+    order): None where gpus is no multiple of tp*pp*cp, a reason's index, or the layout's figures,
+    whose flags and collectives' rank lists are indices into shared tables (they repeat)."""
+    options = toggle_options(model, cluster, seq_len, global_batch)
+    entries: list = [None] * math.prod(len(v) for v in options.values())
+    errors, flag_words, members = Interned(), Interned(), Interned()
+    maps: dict = {"weights": {}, "activations": {}, "ranks": {}}
+    timelines: dict = {}
+    for key, layout in reachable_layouts(options, cluster):
+        entry: dict[str, Any] = (
+            {"error": layout}
+            if isinstance(layout, str)
+            else price(model, layout, cluster, seq_len, global_batch, dtype, headroom_gib)
+        )
+        if "error" in entry:  # reasons repeat: stored once, referenced by index
+            entries[slot(options, key)] = errors.id(entry["error"])
+            continue
+        _draw_parts(model, layout, seq_len, entry, maps, timelines)
+        entry["flags"] = [flag_words.id(pair) for pair in flag_pairs(entry["flags"])]
+        for c in entry["collectives"]:
+            c[6] = members.id(tuple(c[6]))
+        entries[slot(options, key)] = entry
+    hw = cluster.hardware
+    ranked = ranking(model, cluster, seq_len, global_batch, dtype, headroom_gib)
+    return {
+        "model": model.name,
+        "gpus": cluster.gpus,
+        "gpus_per_node": cluster.gpus_per_node,
+        "gpu": hw.name,
+        "capacity_gib": hw.memory_gib - headroom_gib,
+        "device_gib": hw.memory_gib,
+        "seq_len": seq_len,
+        "global_batch": global_batch,
+        "dtype": dtype,
+        "is_moe": model.is_moe,
+        "n_experts": model.n_experts,
+        "options": options,
+        "memory_parts": MEMORY_PARTS,
+        "time_parts": TIME_PARTS,
+        "errors": errors.items,
+        "entries": entries,
+        "flag_words": flag_words.items,
+        "members": members.items,
+        "maps": maps,
+        "timelines": timelines,
+        "ranking": ranked,
+        "start": ranked[0]["values"] if ranked else least_memory(entries, options),
+        "baseline": baseline(model, cluster, seq_len, global_batch, dtype, headroom_gib),
+    }
+
+
+def _draw_parts(model: ModelConfig, layout: Layout, seq_len: int, entry: dict, maps: dict, timelines: dict) -> None:
+    """The layer map's parts and the pipeline timeline an entry refers to, computed once per key."""
+    for part, map_key in zip(("weights", "activations", "ranks"), entry["map"]):
+        if map_key not in maps[part]:
+            maps[part][map_key] = (
+                replica_weights(model, layout)
+                if part == "weights"
+                else activations(model, layout, seq_len)
+                if part == "activations"
+                else pipeline_ranks(model, layout)
+            )
+    if entry["timeline"] and entry["timeline"] not in timelines:
+        shown = timeline_microbatches(layout, entry["microbatches"])
+        timelines[entry["timeline"]] = {
+            "microbatches": shown,
+            "stages": n_stages_of(layout.pp_schedule, layout.pp, layout.pp_virtual),
+            "stages_per_rank": stages_per_rank(layout.pp_schedule, layout.pp_virtual),
+            "actions": schedule_timeline(layout.pp_schedule, layout.pp, layout.pp_virtual, shown),
+        }
+
+
+class Interned:
+    """Values stored once, referred to by index."""
+
+    def __init__(self):
+        self.items: list = []
+        self.index: dict = {}
+
+    def id(self, value) -> int:
+        if value not in self.index:
+            self.index[value] = len(self.items)
+            self.items.append(value)
+        return self.index[value]
+
+
+def slot(options: dict[str, list], key: str) -> int:
+    """The position of a toggle key in `entries`: the values' positions, mixed radix in TOGGLES order."""
+    position = 0
+    for values, value in zip(options.values(), key.split("|")):
+        position = position * len(values) + [str(v).lower() for v in values].index(value)
+    return position
+
+
+def flag_pairs(flags: str) -> list[str]:
+    """ "--parallel.tp 4 --parallel.sp true ..." as ["--parallel.tp 4", "--parallel.sp true", ...]."""
+    words = flags.split()
+    return [f"{flag} {value}" for flag, value in zip(words[::2], words[1::2])]
+
+
+def ranking(
+    model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int, dtype: str, headroom_gib: float
+) -> list[dict]:
+    """`fived plan`'s best layouts (the same search, runtime and headroom), fastest first, each with
+    the toggle values that show it."""
+    search = plan(model, cluster, seq_len, global_batch, dtype, DEFAULT_RUNTIME, headroom_gib)
+    return [
+        {
+            "values": toggle_values(p.layout),
+            "describe": p.layout.describe(),
+            "step_s": p.time.total,
+            "tokens_per_s_per_gpu": p.time.tokens_per_s_per_gpu,
+            "mfu": p.time.mfu,
+            "gib": p.memory.gib()["total"],
+        }
+        for p in search.plans[:RANKED]
+    ]
+
+
+def least_memory(entries: list, options: dict) -> dict:
+    """Where the page opens when no layout fits: the valid layout that needs the least memory."""
+    valid = [(entry["memory"][-1], i) for i, entry in enumerate(entries) if isinstance(entry, dict)]
+    position = min(valid)[1] if valid else 0
+    values = {}
+    for name, choices in reversed(list(options.items())):  # (slot's mixed radix, undone)
+        position, i = divmod(position, len(choices))
+        values[name] = str(choices[i]).lower()
+    return {name: values[name] for name in options}
+
+
+def baseline(
+    model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int, dtype: str, headroom_gib: float
+) -> list[float]:
+    """No parallelism: the whole model and one sequence's activations on one GPU (the planner's
+    memory for dp=1, every other dimension 1, ZeRO-0)."""
+    from fived.planner.memory import memory_per_gpu
+
+    gib = memory_per_gpu(model, Layout(), seq_len, 1, dtype, cluster.hardware.memory_gib).gib()
+    return [gib[k] for k in MEMORY_PARTS]
+
+
+def layout_from_flags(model: ModelConfig, flags: str, gpus: int, seq_len: int, global_batch: int) -> Layout:
+    """The layout `fived train`'s layout flags give ("--tp 4 --sp --zero 1", or "--parallel.tp 4
+    --train.microbatches 8 ..." as `Layout.flags` prints them), for `fived plan --layout`."""
+    import argparse
+    import shlex
+
+    from fived.launch.run_setup import LaunchRequest, add_config_flags, build_from_args, overrides_of
+
+    parser = argparse.ArgumentParser(
+        prog="fived plan --layout", add_help=False, allow_abbrev=False, exit_on_error=False
+    )
+    add_config_flags(parser)
+    example = "e.g. --layout '--tp 4 --sp --pp 2 --zero 1' (fived train's flags)"
+    try:
+        ns, unknown = parser.parse_known_args(shlex.split(flags))
+    except (argparse.ArgumentError, ValueError) as e:
+        raise ConfigError("--layout", flags, f"not fived train's flags ({e})", example) from None
+    if unknown:
+        raise ConfigError("--layout", flags, f"{unknown[0]} is not one of fived train's flags", example)
+    overrides = {"train.global_batch": global_batch, **overrides_of(ns), "train.seq_len": seq_len}
+    cfg = build_from_args(LaunchRequest(overrides=overrides, dp_shard=ns.dp_shard))
+    cfg.model = model
+    layout = Layout.from_config(cfg, gpus)
+    reason = layout_refusal(model, layout, seq_len, global_batch)
+    if reason:
+        raise reason
+    return layout

@@ -1,0 +1,191 @@
+"""`fived generate SOURCE --prompt TEXT`: continue a prompt with a trained model, in one process
+(CPU or one GPU). SOURCE is a run directory or checkpoint (its newest complete one; whatever layout
+wrote it), or a Hugging Face model directory.
+
+Greedy by default; --temperature T > 0 samples (after --top-p nucleus filtering) with --seed.
+Keys and values are cached: the prompt runs once, then each step runs only the new token. The cache
+is a replacement of each attention's core (the same seam context parallelism uses), so the model
+code knows nothing of generation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fived.config import ConfigError
+from fived.model.transformer import Transformer
+
+
+class KVCachedAttentionCore(nn.Module):
+    """Causal attention over every position seen so far, keeping the keys and values of earlier
+    calls in a cache allocated once, at the prompt, for `capacity` positions (the prompt and every
+    output token: what a serving engine reserves for a sequence). The first call (the prompt) is
+    causal attention; each later one brings one new position, which sees every key.
+
+    `key_mask` ([batch, capacity], True for a real token): left-padded prompts of a batch. A query
+    then sees the real keys up to it, and a padding query only itself (a row with no key would be NaN
+    and flow into the next layer's keys and the experts' routing)."""
+
+    def __init__(self, capacity: int, key_mask: torch.Tensor | None = None):
+        super().__init__()
+        self.capacity, self.key_mask = capacity, key_mask
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+        self.length = 0  # positions cached so far
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the cache holds (keys and values, the whole capacity)."""
+        return sum(t.untyped_storage().nbytes() for t in (self.keys, self.values) if t is not None)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents=None, positions=None
+    ) -> torch.Tensor:
+        """(`documents`, `positions`: a prompt is one document; the rotation already used its positions.)"""
+        start, s = self.length, q.shape[1]
+        if self.keys is None or self.values is None:
+            shape = (k.shape[0], self.capacity) + tuple(k.shape[2:])
+            self.keys, self.values = k.new_zeros(shape), v.new_zeros(shape)
+        elif s != 1:
+            raise ValueError("after the prompt, each call brings one new position")
+        keys, values = self.keys, self.values
+        if start + s > self.capacity:
+            raise ValueError(f"the cache holds {self.capacity} positions; position {start + s - 1} does not fit")
+        keys[:, start : start + s], values[:, start : start + s] = k, v
+        self.length = start + s
+        q, k, v = (t.transpose(1, 2) for t in (q, keys[:, : self.length], values[:, : self.length]))
+        gqa = q.shape[1] != k.shape[1]
+        if self.key_mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=start == 0, enable_gqa=gqa)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=self._mask(start, s), enable_gqa=gqa)
+        return out.transpose(1, 2)
+
+    def _mask(self, start: int, s: int) -> torch.Tensor:
+        """[batch, 1, queries, keys]: causal over real keys; a padding query sees itself."""
+        assert self.key_mask is not None  # (only a left-padded batch masks keys)
+        device = self.key_mask.device
+        query = torch.arange(start, start + s, device=device)[:, None]
+        key = torch.arange(self.length, device=device)[None, :]
+        real = self.key_mask[:, None, : self.length]
+        return ((key <= query) & real | (key == query))[:, None]
+
+
+@dataclass
+class Sampling:
+    max_new_tokens: int = 64
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    seed: int = 0
+
+
+def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> int:
+    """Greedy, or a draw from the smallest set of most likely tokens whose probability reaches top_p."""
+    if sampling.temperature <= 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.double() / sampling.temperature, dim=-1)
+    ordered, order = probs.sort(descending=True)
+    keep = (ordered.cumsum(0) - ordered) < sampling.top_p  # (the most likely token always stays)
+    kept = ordered * keep
+    choice = torch.multinomial((kept / kept.sum()).cpu(), 1, generator=generator)
+    return int(order[choice.to(order.device)])
+
+
+@torch.no_grad()
+def generate(
+    model: Transformer, prompt: list[int], sampling: Sampling, stop_ids: frozenset[int] | set[int] = frozenset()
+) -> list[int]:
+    """The ids generated after `prompt` (at most max_new_tokens; ends early at a stop id)."""
+    model.eval()
+    for block in model.blocks():
+        block.attention.core = KVCachedAttentionCore(len(prompt) + sampling.max_new_tokens)
+    device = next(model.parameters()).device
+    generator = torch.Generator().manual_seed(sampling.seed)
+    logits = model(torch.tensor([prompt], device=device), positions=torch.arange(len(prompt), device=device))
+    out: list[int] = []
+    while len(out) < sampling.max_new_tokens:
+        token = next_token(logits[0, -1], sampling, generator)
+        out.append(token)
+        if token in stop_ids:
+            break
+        position = torch.tensor([len(prompt) + len(out) - 1], device=device)
+        logits = model(torch.tensor([[token]], device=device), positions=position)
+    return out
+
+
+def describe_source(source: str):
+    """(model config, tokenizer name or path, stop ids) of a run, a checkpoint or a Hugging Face directory."""
+    from fived.hf.init import is_hf_directory
+
+    if is_hf_directory(source):
+        from fived.hf.config_map import model_config_from_hf, read_config, special_token_ids
+
+        cfg = model_config_from_hf(read_config(source), source)
+        tokenizer_file = Path(source) / "tokenizer.json"
+        tokenizer = str(tokenizer_file) if tokenizer_file.is_file() else "byte"
+        stop = special_token_ids(source).get("eos_token_id")
+    else:
+        from fived.hf.export import run_special_tokens
+
+        run = _saved_run(source)
+        cfg, tokenizer = run.model, run.data.tokenizer
+        stop = run_special_tokens(run).get("eos_token_id")
+    return cfg, tokenizer, frozenset(stop if isinstance(stop, list) else [] if stop is None else [stop])
+
+
+def load_model(source: str, dtype: torch.dtype, device: str):
+    """(model, tokenizer name or path, stop ids) from a run, a checkpoint or a Hugging Face directory."""
+    from fived.hf.init import is_hf_directory
+    from fived.model.transformer import build_model, materialize
+
+    cfg, tokenizer, stop_ids = describe_source(source)
+    if is_hf_directory(source):
+        from fived.hf.init import whole_state
+
+        state = whole_state(source, cfg, dtype)
+    else:
+        state = _checkpoint_state(source, cfg)
+    model = build_model(cfg, "meta", dtype)
+    materialize(model, device)
+    for _, buffer in model.named_buffers():
+        buffer.zero_()
+    missing, _ = model.load_state_dict(state, strict=False)
+    missing = [
+        m for m in missing if not m.endswith("router_bias") and not (cfg.tie_embeddings and m == "output.weight")
+    ]
+    if missing:
+        raise ConfigError("source", source, f"has no value for {missing[0]}", "give a complete model")
+    return model, tokenizer, stop_ids
+
+
+def _saved_run(source: str):
+    """The config a run or checkpoint was saved with."""
+    from fived.checkpoint.checkpointer import find_checkpoint, saved_config
+
+    checkpoint = find_checkpoint(source, "source") if Path(source).is_dir() else None
+    if checkpoint is None:
+        raise ConfigError(
+            "source",
+            source,
+            "is neither a fived run or checkpoint nor a Hugging Face model directory (config.json)",
+            "give one of those",
+        )
+    return saved_config(checkpoint, "source")[1]
+
+
+def _checkpoint_state(source: str, cfg) -> dict:
+    from fived.checkpoint import dcp_io
+    from fived.checkpoint.checkpointer import find_checkpoint
+    from fived.model.transformer import build_model, canonical_name
+
+    meta = build_model(cfg)
+    names = [canonical_name(n) for n, _ in [*meta.named_parameters(), *meta.named_buffers()]]
+    checkpoint = find_checkpoint(source, "source")
+    assert checkpoint is not None  # (describe_source found the run's checkpoint)
+    whole = dcp_io.read_whole(checkpoint, [f"model.{n}" for n in names])
+    return {n: whole[f"model.{n}"] for n in names}

@@ -1,0 +1,88 @@
+"""The packages' layering: each package of `fived` imports only the packages below it (imports inside
+functions count). Read top to bottom, this is the architecture (docs/architecture.md says more)."""
+
+import ast
+from pathlib import Path
+
+import fived
+
+ROOT = Path(fived.__file__).parent
+
+# Each entry may import itself and every entry it lists; what is not listed is refused.
+BASE = {"config", "config_docs", "version", "write_errors"}
+MAY_IMPORT = {
+    "config": set(),
+    "version": set(),
+    "write_errors": set(),
+    "config_docs": {"config"},
+    "layout": {"config"},  # the torch-free core: sharding spec, rules, stages, placements, Muon's plan
+    "planner": BASE | {"layout"},  # torch-free, never the runtime
+    "model": BASE | {"layout"},  # the model without parallel branches
+    "data": BASE,
+    "checkpoint": BASE | {"layout", "model"},
+    "optim": BASE | {"layout", "model"},
+    "parallel": BASE | {"layout", "model", "optim"},
+    "hf": BASE | {"layout", "model", "checkpoint"},
+    "training": BASE | {"layout", "planner", "model", "data", "checkpoint", "optim", "parallel", "hf"},
+    "launch": BASE | {"layout", "planner", "model", "data", "checkpoint", "optim", "parallel", "hf", "training"},
+}
+TOP = set(MAY_IMPORT) | {"launch"}
+MAY_IMPORT["tools"] = BASE | TOP
+MAY_IMPORT["cli"] = BASE | TOP | {"tools"}
+MAY_IMPORT["testing"] = BASE | TOP
+MAY_IMPORT["api"] = BASE | TOP | {"tools", "cli"}
+MAY_IMPORT["__init__"] = {"api", "config", "launch", "version"}
+MAY_IMPORT["__main__"] = {"cli"}
+
+
+def _entry(path: Path) -> str:
+    rel = path.relative_to(ROOT).parts
+    return rel[0].removesuffix(".py")
+
+
+def package_imports() -> dict[str, dict[str, set[str]]]:
+    """{importing entry: {imported entry: the files that import it}}."""
+    out: dict[str, dict[str, set[str]]] = {}
+    for path in ROOT.rglob("*.py"):
+        here = _entry(path)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            for name in names:
+                parts = name.split(".")
+                if parts[0] != "fived" or len(parts) < 2:
+                    continue
+                there = parts[1]
+                if there != here and ((ROOT / there).is_dir() or (ROOT / f"{there}.py").exists()):
+                    out.setdefault(here, {}).setdefault(there, set()).add(str(path.relative_to(ROOT)))
+    return out
+
+
+def refused(graph, allowed) -> list[str]:
+    return [
+        f"{src} imports {dst} ({', '.join(sorted(files))})"
+        for src, targets in graph.items()
+        for dst, files in targets.items()
+        if dst not in allowed.get(src, set())
+    ]
+
+
+def test_every_package_imports_only_the_layers_below_it():
+    entries = {p.removesuffix(".py") for p in (x.name for x in ROOT.iterdir()) if p.endswith(".py") or p in MAY_IMPORT}
+    entries.discard("assets")
+    assert entries <= set(MAY_IMPORT), f"not placed in a layer: {sorted(entries - set(MAY_IMPORT))}"
+    assert not refused(package_imports(), MAY_IMPORT)
+
+
+def test_the_layering_check_can_fail():
+    assert refused({"layout": {"parallel": {"layout/spec.py"}}}, MAY_IMPORT) == [
+        "layout imports parallel (layout/spec.py)"
+    ]
+
+
+def test_at_most_twelve_top_level_modules():
+    assert len([p for p in ROOT.glob("*.py")]) <= 12
