@@ -85,4 +85,4 @@ def test_the_layering_check_can_fail():
 
 
 def test_at_most_twelve_top_level_modules():
-    assert len([p for p in ROOT.glob("*.py")]) <= 12
+    assert len(list(ROOT.glob("*.py"))) <= 12
