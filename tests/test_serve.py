@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from docs_pages import docs_text
 
 from fived.cli.main import main
 from fived.config import model_preset
@@ -48,10 +49,10 @@ SERVE_70B = [
 
 
 def test_published_serving_benchmarks_are_predicted_with_the_readmes_error():
-    """Every row is predicted, and the README's `--validate` block states what a fresh run computes."""
+    """Every row is predicted, and the docs' `--validate` block states what a fresh run computes."""
     results, skipped = validation(str(PUBLISHED))
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    block = readme[readme.index("$ fived plan --serve --validate tests/data/published_serving.csv") :]
+    text = docs_text()  # (docs/serving.md states it)
+    block = text[text.index("$ fived plan --serve --validate tests/data/published_serving.csv") :]
     rows = int(re.search(r"predicted (\d+) of (\d+) rows", block).group(1))
     stated = float(re.search(r"median absolute error: ([\d.]+)%", block).group(1))
     assert skipped == [] and len(results) == rows == len(read_rows(str(PUBLISHED)))

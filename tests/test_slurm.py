@@ -1,5 +1,5 @@
-"""The README's Slurm recipe on a real Slurm: munged, slurmctld and slurmd brought up on localhost (one
-node, a slurm.conf of its own in a temp dir, its own ports and munge socket), the README's sbatch
+"""The Slurm recipe of docs/faults.md on a real Slurm: munged, slurmctld and slurmd brought up on localhost (one
+node, a slurm.conf of its own in a temp dir, its own ports and munge socket), the docs' sbatch
 script submitted (only the GPU request dropped and a tiny float64 CPU run put in its `fived train`),
 preempted mid-run the way its `--signal=TERM@120` does (SIGTERM to the job's steps, not to the batch
 shell): the first run saves and exits 75, the script requeues the job, Slurm starts it again, it
@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+from docs_pages import docs_text
 
 from fived.config import build_config
 from fived.testing import run_on_ranks
@@ -68,11 +69,11 @@ def _free_port() -> int:
 
 
 def readme_script(output_dir: Path) -> str:
-    """The sbatch script of the README's Slurm paragraph, adapted for this CPU-only machine: no
+    """The sbatch script of the Slurm paragraph (docs/faults.md), adapted for this CPU-only machine: no
     `--gpus-per-node`, and a tiny float64 run in place of `--config run.toml ... --nproc 8`."""
-    text = (ROOT / "README.md").read_text()
+    text = docs_text()  # (docs/faults.md has the recipe)
     block = re.search(r"\nSlurm \(one node.*?```bash\n(.*?)```", text, re.S)
-    assert block, "the README's Slurm recipe is gone"
+    assert block, "the Slurm recipe of docs/faults.md is gone"
     script = block.group(1)
     gpus, command = " --gpus-per-node=8", "fived train --config run.toml --resume auto --max-restarts 3 --nproc 8"
     assert gpus in script and command in script, script

@@ -199,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
         "every field with its description (fived train --config reads it)",
     )
     add_config_flags(config, nproc_help="(unused)")
-    config.add_argument("--markdown", action="store_true", help="print the table of every field (the README's) instead")
+    config.add_argument("--markdown", action="store_true", help="print docs/config.md's table of every field instead")
     config.set_defaults(func=cmd_config)
     prep = sub.add_parser(
         "prepare-data",
