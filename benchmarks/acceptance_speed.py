@@ -26,7 +26,7 @@ from fived.training.trainer import run_training
 LR = 3e-4  # (a 1B model at fived's default 3e-3 would diverge within the timed steps)
 # The planner's prediction against fived's measured eager run, on CUDA: the step time within 50%
 # (published runs are predicted to ~10% median error, but fived's GPU runtime has never been
-# measured, see README), the peak allocated memory within 25% of the predicted bytes less the
+# measured, see docs/planner.md), the peak allocated memory within 25% of the predicted bytes less the
 # planner's allocator reserve. On CPU the figures are printed only: the CPU constants are fitted on
 # 4 gloo ranks and the measured peak there is the process's resident set, not tensors.
 PLANNER_LIMITS = {"step_time": 0.50, "memory": 0.25}
