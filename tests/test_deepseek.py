@@ -55,3 +55,41 @@ def test_logits_equal_transformers(dtype, tmp_path):
         changed.load_state_dict(model.state_dict())
         with torch.no_grad():
             assert (changed(ids) - expected).abs().max().item() > 1e-3, change
+
+
+def test_fp8_block_scaled_weights_are_dequantised(tmp_path):
+    """A checkpoint written as the released ones are (2-d weights in float8 e4m3, one float32
+    `weight_scale_inv` per block; 16 x 16 blocks here so that edge blocks are partial): every box
+    fived reads equals weight x its block's scale, and the whole import is the dequantised model."""
+    from safetensors.torch import load_file, save_file
+
+    from fived.hf.reader import HfCheckpoint
+    from fived.hf.names import Source
+
+    save_hf_model("deepseek_v3", tmp_path)
+    tensors, expected = load_file(tmp_path / "model.safetensors"), {}
+    block = 16
+    for name in [n for n, t in tensors.items() if t.dim() == 2 and "embed" not in n and "lm_head" not in n]:
+        w = tensors[name]
+        blocks = torch.nn.functional.pad(w, (0, -w.shape[1] % block, 0, -w.shape[0] % block))
+        blocks = blocks.unflatten(0, (-1, block)).unflatten(2, (-1, block))  # [R, b, C, b]
+        scale = blocks.abs().amax(dim=(1, 3)) / 448.0  # e4m3's largest
+        per_element = scale.repeat_interleave(block, 0).repeat_interleave(block, 1)[: w.shape[0], : w.shape[1]]
+        tensors[name] = (w / per_element).to(torch.float8_e4m3fn)
+        tensors[name + "_scale_inv"] = scale
+        expected[name] = tensors[name].float() * per_element
+    save_file(tensors, tmp_path / "model.safetensors")
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [block, block]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+
+    checkpoint = HfCheckpoint(tmp_path)
+    name = "model.layers.1.self_attn.kv_b_proj.weight"  # [88, 16]: rows end inside a block
+    box = checkpoint.read_box(Source(name), (5, 3), (70, 11))
+    assert torch.equal(box, expected[name][5:75, 3:14])
+    cfg = model_config_from_hf(read_config(tmp_path), str(tmp_path))
+    check_hf_names(tmp_path, cfg, "deepseek_v3")  # (scales are no tensors of their own)
+    state = whole_state(tmp_path, cfg)
+    assert torch.equal(state["layers.1.attention.wo.weight"], expected["model.layers.1.self_attn.o_proj.weight"])
+    w1 = expected["model.layers.2.mlp.experts.3.gate_proj.weight"]
+    assert torch.equal(state["layers.2.feed_forward.experts.w1"][3], w1.t())
