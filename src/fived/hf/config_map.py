@@ -200,7 +200,11 @@ def hf_config_from_model(cfg: ModelConfig, dtype: str, extra: dict | None = None
             "high_freq_factor": cfg.rope_high_freq_factor,
             "original_max_position_embeddings": cfg.rope_original_max_len,
         }
-    if kind == "mixtral":
+    if kind == "deepseek_v3":
+        from fived.hf.deepseek import deepseek_hf_config
+
+        out.update(deepseek_hf_config(cfg))
+    elif kind == "mixtral":
         out.update(
             num_local_experts=cfg.n_experts,
             num_experts_per_tok=cfg.top_k,
@@ -227,7 +231,27 @@ def hf_config_from_model(cfg: ModelConfig, dtype: str, extra: dict | None = None
 
 def export_kind(cfg: ModelConfig) -> str:
     """The Hugging Face architecture that computes what `cfg` computes (Llama or Qwen3 when dense;
-    Mixtral or Qwen3-MoE with experts), or a ConfigError naming the field none of them has."""
+    Mixtral or Qwen3-MoE with experts; DeepSeek-V3 with latent attention), or a ConfigError naming
+    the field none of them has."""
+    if cfg.is_mla:
+        from fived.hf.deepseek import check_exportable
+
+        check_exportable(cfg)
+        return "deepseek_v3"
+    deepseek_only = [
+        ("model.rope_scaling", cfg.rope_scaling, cfg.rope_scaling == "yarn"),
+        ("model.router_score", cfg.router_score, cfg.router_score != "softmax"),
+        ("model.n_expert_groups", cfg.n_expert_groups, cfg.n_expert_groups > 1),
+        ("model.routed_scaling", cfg.routed_scaling, cfg.routed_scaling != 1.0),
+    ]
+    for field, value, used in deepseek_only:
+        if used:
+            raise ConfigError(
+                field,
+                value,
+                "only DeepSeek-V3 has it, and fived exports DeepSeek-V3 for latent-attention models only",
+                "export a model with --model.kv_lora_rank > 0 (e.g. tiny-deepseek-v3)",
+            )
     if cfg.rope_scaling != "none" and cfg.qk_norm:
         raise ConfigError(
             "model.rope_scaling",
