@@ -50,7 +50,12 @@ def test_logits_equal_transformers(dtype, tmp_path):
     assert torch.equal(logits[:, -1].argmax(-1), expected[:, -1].argmax(-1))
     assert all(b.abs().max() > 0 for n, b in model.named_buffers() if n.endswith("router_bias"))  # (imported)
     # each feature matters here: without it the logits differ (the comparison can fail)
-    for change in ({"rope_scaling": "none"}, {"routed_scaling": 1.0}, {"n_expert_groups": 1}, {"rope_mscale_all_dim": 0.0}):
+    for change in (
+        {"rope_scaling": "none"},
+        {"routed_scaling": 1.0},
+        {"n_expert_groups": 1},
+        {"rope_mscale_all_dim": 0.0},
+    ):
         changed = build_model(type(cfg)(**{**vars(cfg), **change}), "cpu", dtype)
         changed.load_state_dict(model.state_dict())
         with torch.no_grad():
@@ -63,8 +68,8 @@ def test_fp8_block_scaled_weights_are_dequantised(tmp_path):
     fived reads equals weight x its block's scale, and the whole import is the dequantised model."""
     from safetensors.torch import load_file, save_file
 
-    from fived.hf.reader import HfCheckpoint
     from fived.hf.names import Source
+    from fived.hf.reader import HfCheckpoint
 
     save_hf_model("deepseek_v3", tmp_path)
     tensors, expected = load_file(tmp_path / "model.safetensors"), {}

@@ -106,9 +106,7 @@ def deepseek_hf_config(cfg: ModelConfig) -> dict:
 def check_exportable(cfg: ModelConfig) -> None:
     """DeepSeek-V3's layout is fixed where fived's is free: refuse what transformers cannot build."""
     if not cfg.is_moe or cfg.router_score != "sigmoid" or not cfg.n_shared_experts:
-        field, value = (
-            ("model.router_score", cfg.router_score) if cfg.is_moe else ("model.n_experts", cfg.n_experts)
-        )
+        field, value = ("model.router_score", cfg.router_score) if cfg.is_moe else ("model.n_experts", cfg.n_experts)
         if cfg.is_moe and cfg.router_score == "sigmoid":
             field, value = "model.n_shared_experts", cfg.n_shared_experts
         raise ConfigError(

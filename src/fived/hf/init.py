@@ -111,7 +111,10 @@ def check_hf_names(directory: str | Path, cfg: ModelConfig, kind: str) -> None:
     checkpoint = HfCheckpoint(directory)
     expected = {}
     model = build_model(cfg)
-    for raw, param in [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if has_hf_source(n, kind))]:
+    for raw, param in [
+        *model.named_parameters(),
+        *((n, b) for n, b in model.named_buffers() if has_hf_source(n, kind)),
+    ]:
         source = hf_source(canonical_name(raw), kind)
         if source.name:
             expected[source.name] = tuple(param.shape)
@@ -129,7 +132,11 @@ def check_hf_names(directory: str | Path, cfg: ModelConfig, kind: str) -> None:
                 "give a complete model directory",
             )
     # DeepSeek-V3's multi-token-prediction layers follow the model's (transformers skips them too)
-    mtp = {n for n in have if kind == "deepseek_v3" and n.startswith("model.layers.") and int(n.split(".")[2]) >= cfg.n_layers}
+    mtp = {
+        n
+        for n in have
+        if kind == "deepseek_v3" and n.startswith("model.layers.") and int(n.split(".")[2]) >= cfg.n_layers
+    }
     extra = sorted(have - set(expected) - mtp - ({"lm_head.weight"} if cfg.tie_embeddings else set()))
     if extra:
         raise ConfigError(

@@ -124,7 +124,9 @@ def deinterleaved_rows(name: str, cfg: ModelConfig) -> tuple[int, ...] | None:
     pairs = [*range(0, rope, 2), *range(1, rope, 2)]
     if name.endswith(("attention.wq_b.weight", "attention.wq.weight")):
         head = nope + rope
-        return tuple(h * head + (r if r < nope else nope + pairs[r - nope]) for h in range(cfg.n_heads) for r in range(head))
+        return tuple(
+            h * head + (r if r < nope else nope + pairs[r - nope]) for h in range(cfg.n_heads) for r in range(head)
+        )
     if name.endswith("attention.wkv_a.weight"):
         return tuple(range(cfg.kv_lora_rank)) + tuple(cfg.kv_lora_rank + p for p in pairs)
     return None

@@ -71,4 +71,3 @@ def model_checks(m: ModelConfig) -> list[tuple]:
             ),
         ]
     return checks
-
