@@ -71,7 +71,7 @@ def deepseek_config(hf: dict, source: str, rope: dict) -> ModelConfig:
 
 def deepseek_hf_config(cfg: ModelConfig) -> dict:
     """The DeepSeek-V3 keys of a config.json for `cfg` (the common ones are the caller's)."""
-    out = {
+    out: dict[str, object] = {
         "q_lora_rank": cfg.q_lora_rank or None,
         "kv_lora_rank": cfg.kv_lora_rank,
         "qk_nope_head_dim": cfg.qk_nope_head_dim,

@@ -26,8 +26,8 @@ def yarn_frequencies(inv_freq: torch.Tensor, cfg: ModelConfig, dim: int) -> torc
     def correction(rotations: float) -> float:  # the dimension that turns `rotations` times
         return dim * math.log(cfg.rope_original_max_len / (rotations * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
 
-    low = max(math.floor(correction(cfg.rope_beta_fast)), 0)
-    high = min(math.ceil(correction(cfg.rope_beta_slow)), dim - 1)
+    low = float(max(math.floor(correction(cfg.rope_beta_fast)), 0))
+    high = float(min(math.ceil(correction(cfg.rope_beta_slow)), dim - 1))
     if low == high:
         high += 0.001  # (as the reference: no division by zero)
     ramp = ((torch.arange(dim // 2, dtype=torch.float64, device=inv_freq.device) - low) / (high - low)).clamp(0, 1)
