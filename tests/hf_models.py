@@ -66,6 +66,37 @@ def hf_config(kind: str, **extra):
             norm_topk_prob=False,
             **extra,
         )
+    if kind == "deepseek_v3":  # every feature of tiny-deepseek-v3, interleaved rotary weights as released
+        common.update(num_key_value_heads=4, intermediate_size=128, rms_norm_eps=1e-6, max_position_embeddings=64)
+        rope = {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 16,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.5,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        }
+        values = dict(
+            num_hidden_layers=3,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_group=4,
+            topk_group=2,
+            first_k_dense_replace=1,
+            q_lora_rank=24,
+            kv_lora_rank=16,
+            qk_nope_head_dim=12,
+            qk_rope_head_dim=8,
+            v_head_dim=10,
+            rope_parameters=rope,
+            rope_interleave=True,
+        )
+        values.update(extra)
+        common["num_hidden_layers"] = values.pop("num_hidden_layers")
+        return transformers.DeepseekV3Config(**common, **values)
     raise ValueError(kind)
 
 
@@ -81,6 +112,9 @@ def save_hf_model(kind: str, directory, seed: int = 0, dtype=torch.float32, **ex
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.copy_(1 + 0.1 * torch.randn_like(param) if "norm" in name else 0.2 * torch.randn_like(param))
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # (DeepSeek's routing bias: trained, so imported)
+                buffer.copy_(0.1 * torch.randn_like(buffer))
     model = model.to(dtype).eval()
     model.save_pretrained(directory)
     return model

@@ -47,7 +47,8 @@ CpBalance = Literal["work", "halves"]
 MuonScale = Literal["rms", "spectral", "none"]
 Device = Literal["auto", "cpu", "cuda"]
 OnSpike = Literal["stop", "rollback"]
-RopeScaling = Literal["none", "llama3"]
+RopeScaling = Literal["none", "llama3", "yarn"]
+RouterScore = Literal["softmax", "sigmoid"]
 ZeroStage = Literal[0, 1, 2, 3]
 
 
@@ -69,18 +70,38 @@ class ModelConfig:
     rope_theta: float = option(10000.0, "base of the rotary position embedding's frequencies")
     # Llama 3.1's rotary scaling: long wavelengths divided by rope_factor, a smooth ramp between
     # rope_original_max_len/rope_low_freq_factor and .../rope_high_freq_factor
-    rope_scaling: RopeScaling = option("none", "rotary scaling of long wavelengths (llama3: Llama 3.1's)")
-    rope_factor: float = option(8.0, "llama3 scaling: long wavelengths are divided by this")
+    rope_scaling: RopeScaling = option(
+        "none", "rotary scaling of long wavelengths (llama3: Llama 3.1's; yarn: DeepSeek-V3's)"
+    )
+    rope_factor: float = option(8.0, "llama3 and yarn scaling: long wavelengths are divided by this")
     rope_low_freq_factor: float = option(
         1.0, "llama3 scaling: wavelengths above rope_original_max_len / this are scaled"
     )
     rope_high_freq_factor: float = option(
         4.0, "llama3 scaling: wavelengths below rope_original_max_len / this are kept"
     )
-    rope_original_max_len: int = option(8192, "llama3 scaling: the context length the model was first trained at")
+    rope_original_max_len: int = option(
+        8192, "llama3 and yarn scaling: the context length the model was first trained at"
+    )
+    # YaRN (as DeepSeek-V3 and transformers' "yarn" rope): frequencies between the beta_fast and
+    # beta_slow rotations over rope_original_max_len ramp from kept to divided by rope_factor; the
+    # mscales set the cos/sin gain and the softmax scale's correction (fived.model.rope)
+    rope_beta_fast: float = option(32.0, "yarn scaling: frequencies above this many rotations are kept")
+    rope_beta_slow: float = option(1.0, "yarn scaling: frequencies below this many rotations are divided")
+    rope_mscale: float = option(0.0, "yarn scaling: mscale (0: absent; cos/sin gain 0.1 ln(factor) + 1)")
+    rope_mscale_all_dim: float = option(
+        0.0, "yarn scaling: mscale_all_dim (> 0: softmax scale times (0.1 x this x ln(factor) + 1)^2)"
+    )
     head_size: int = option(0, "features per attention head; 0: dim // n_heads (Qwen3 sets its own)")
     qk_norm: bool = option(False, "RMSNorm over each query and key head before the rotation (Qwen3)")
     norm_eps: float = option(1e-5, "RMSNorm's epsilon")
+    # Multi-head latent attention (DeepSeek-V2/V3, fived.model.latent_attention): keys and values are
+    # up-projected per head from a shared latent of kv_lora_rank, plus one rotary key all heads share
+    kv_lora_rank: int = option(0, "> 0: multi-head latent attention, keys and values from a latent of this rank")
+    q_lora_rank: int = option(0, "latent attention: rank of the query's low-rank projection; 0: one plain projection")
+    qk_nope_head_dim: int = option(128, "latent attention: features per query/key head without rotation")
+    qk_rope_head_dim: int = option(64, "latent attention: rotated features per head (the shared key's too)")
+    v_head_dim: int = option(128, "latent attention: features per value head")
     tie_embeddings: bool = option(False, "the output head shares the input embedding's weights")
     init_std: float = option(0.02, "standard deviation of the initial weights")
     n_experts: int = option(0, "routed experts per mixture-of-experts layer; 0: a dense model")
@@ -89,6 +110,12 @@ class ModelConfig:
     n_shared_experts: int = option(0, "experts every token goes through (hidden size moe_ffn_dim each)")
     n_dense_layers: int = option(0, "the first n layers keep a dense feed-forward (DeepSeek style)")
     route_norm: bool = option(True, "renormalise the top-k routing weights to sum to 1")
+    # DeepSeek-V3: sigmoid scores (normalised over the experts for the balancing statistics), experts
+    # chosen within the topk_expert_groups groups whose two best scores sum highest
+    router_score: RouterScore = option("softmax", "the router's scores: softmax over experts, or each's sigmoid")
+    n_expert_groups: int = option(1, "group-limited routing: the routed experts form this many equal groups")
+    topk_expert_groups: int = option(1, "group-limited routing: a token's experts come from this many groups")
+    routed_scaling: float = option(1.0, "the routed experts' output is multiplied by this (DeepSeek-V3: 2.5)")
     capacity_factor: float = option(
         0.0, "0: dropless; > 0: an expert drops tokens beyond this x tokens x top_k / n_experts"
     )
@@ -100,6 +127,15 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.head_size or self.dim // self.n_heads
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def rope_dim(self) -> int:
+        """Rotated features per head (latent attention rotates only part of each head)."""
+        return self.qk_rope_head_dim if self.is_mla else self.head_dim
 
     @property
     def is_moe(self) -> bool:
@@ -307,6 +343,37 @@ def choices(section: str, key: str) -> tuple | None:
 
 
 _TINY = dict(vocab_size=256, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128)
+_DEEPSEEK_V3 = dict(
+    vocab_size=129280,
+    dim=7168,
+    n_layers=61,
+    n_heads=128,
+    n_kv_heads=128,
+    ffn_dim=18432,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    rope_theta=10000.0,
+    rope_scaling="yarn",
+    rope_factor=40.0,
+    rope_original_max_len=4096,
+    rope_beta_fast=32.0,
+    rope_beta_slow=1.0,
+    rope_mscale=1.0,
+    rope_mscale_all_dim=1.0,
+    norm_eps=1e-6,
+    n_experts=256,
+    top_k=8,
+    moe_ffn_dim=2048,
+    n_shared_experts=1,
+    n_dense_layers=3,
+    router_score="sigmoid",
+    n_expert_groups=8,
+    topk_expert_groups=4,
+    routed_scaling=2.5,
+)
 # Real shapes follow the published model cards; they are built on the meta device for planning.
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(_TINY),
@@ -346,6 +413,36 @@ PRESETS: dict[str, dict[str, Any]] = {
         n_shared_experts=1,
         n_dense_layers=3,
         rope_theta=10000.0,
+    ),
+    # DeepSeek-V3 (671B) as its config.json gives it: multi-head latent attention, YaRN, sigmoid
+    # group-limited routing over 256 experts in 8 groups, 3 dense layers
+    "deepseek-v3": dict(_DEEPSEEK_V3),
+    # every DeepSeek-V3 feature on at CPU size (q low-rank, v_head_dim != qk head dim, YaRN with both
+    # mscales, 2 of 4 expert groups, a dense layer)
+    "tiny-deepseek-v3": dict(
+        _DEEPSEEK_V3,
+        vocab_size=256,
+        dim=64,
+        n_layers=3,
+        n_heads=4,
+        n_kv_heads=4,
+        ffn_dim=128,
+        q_lora_rank=24,
+        kv_lora_rank=16,
+        qk_nope_head_dim=12,
+        qk_rope_head_dim=8,
+        v_head_dim=10,
+        rope_factor=4.0,
+        rope_original_max_len=16,
+        rope_mscale=1.0,
+        rope_mscale_all_dim=0.5,
+        n_experts=8,
+        top_k=2,
+        moe_ffn_dim=32,
+        n_dense_layers=1,
+        n_expert_groups=4,
+        topk_expert_groups=2,
+        norm_eps=1e-6,
     ),
 }
 

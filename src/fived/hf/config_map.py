@@ -5,6 +5,8 @@ pre-norm, rotary attention with grouped kv heads, SwiGLU; routers take softmax o
 then the top k (renormalised to sum to 1 by Mixtral always, by Qwen3-MoE when norm_topk_prob).
 Anything else (biases, another activation, sliding windows, other rope variants, shared experts,
 MoE layers that are not a suffix of the stack) is refused, naming the key that differs.
+DeepSeek-V3 (fived.hf.deepseek): multi-head latent attention, YaRN, sigmoid group-limited routing;
+its multi-token-prediction layers (after num_hidden_layers) are not imported (transformers skips them).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 
 
@@ -30,7 +33,7 @@ class Unsupported(ConfigError):
             "--init-from",
             source,
             f"config.json {key}={value!r}: {rule}",
-            "fived imports Llama 2/3/3.1, Qwen3, Mixtral and Qwen3-MoE models",
+            "fived imports Llama 2/3/3.1, Qwen3, Mixtral, Qwen3-MoE and DeepSeek-V3 models",
         )
 
 
@@ -75,6 +78,10 @@ def model_config_from_hf(hf: dict, source: str) -> ModelConfig:
     if kind not in ARCHITECTURES:
         raise Unsupported(source, "model_type", kind, "fived expresses " + ", ".join(ARCHITECTURES))
     _refuse_differences(hf, source)
+    if kind == "deepseek_v3":
+        from fived.hf.deepseek import deepseek_config
+
+        return deepseek_config(hf, source, rope_parameters(hf))
     heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
     rope = rope_parameters(hf)
@@ -118,8 +125,8 @@ def _refuse_differences(hf: dict, source: str) -> None:
         (
             "rope_type",
             rope_parameters(hf)["rope_type"],
-            lambda v: v in ("default", "llama3"),
-            "fived's rotary embeddings are plain or Llama 3.1-scaled",
+            lambda v: v in ("default", "llama3") or (v == "yarn" and kind == "deepseek_v3"),
+            "fived's rotary embeddings are plain or Llama 3.1-scaled (YaRN: DeepSeek-V3's)",
         ),
         (
             "partial_rotary_factor",
@@ -193,7 +200,11 @@ def hf_config_from_model(cfg: ModelConfig, dtype: str, extra: dict | None = None
             "high_freq_factor": cfg.rope_high_freq_factor,
             "original_max_position_embeddings": cfg.rope_original_max_len,
         }
-    if kind == "mixtral":
+    if kind == "deepseek_v3":
+        from fived.hf.deepseek import deepseek_hf_config
+
+        out.update(deepseek_hf_config(cfg))
+    elif kind == "mixtral":
         out.update(
             num_local_experts=cfg.n_experts,
             num_experts_per_tok=cfg.top_k,
@@ -220,7 +231,27 @@ def hf_config_from_model(cfg: ModelConfig, dtype: str, extra: dict | None = None
 
 def export_kind(cfg: ModelConfig) -> str:
     """The Hugging Face architecture that computes what `cfg` computes (Llama or Qwen3 when dense;
-    Mixtral or Qwen3-MoE with experts), or a ConfigError naming the field none of them has."""
+    Mixtral or Qwen3-MoE with experts; DeepSeek-V3 with latent attention), or a ConfigError naming
+    the field none of them has."""
+    if cfg.is_mla:
+        from fived.hf.deepseek import check_exportable
+
+        check_exportable(cfg)
+        return "deepseek_v3"
+    deepseek_only = [
+        ("model.rope_scaling", cfg.rope_scaling, cfg.rope_scaling == "yarn"),
+        ("model.router_score", cfg.router_score, cfg.router_score != "softmax"),
+        ("model.n_expert_groups", cfg.n_expert_groups, cfg.n_expert_groups > 1),
+        ("model.routed_scaling", cfg.routed_scaling, cfg.routed_scaling != 1.0),
+    ]
+    for field, value, used in deepseek_only:
+        if used:
+            raise ConfigError(
+                field,
+                value,
+                "only DeepSeek-V3 has it, and fived exports DeepSeek-V3 for latent-attention models only",
+                "export a model with --model.kv_lora_rank > 0 (e.g. tiny-deepseek-v3)",
+            )
     if cfg.rope_scaling != "none" and cfg.qk_norm:
         raise ConfigError(
             "model.rope_scaling",

@@ -1,7 +1,7 @@
 """`fived export RUN_OR_CHECKPOINT --output DIR`: a Hugging Face model directory that
 `transformers.AutoModelForCausalLM.from_pretrained` loads as it is.
 
-Writes config.json (Llama, Qwen3, Mixtral or Qwen3-MoE: whichever computes what the run's model
+Writes config.json (Llama, Qwen3, Mixtral, Qwen3-MoE or DeepSeek-V3: whichever computes what the run's model
 computes), model.safetensors (or shards of at most `max_shard_bytes` with
 model.safetensors.index.json), generation_config.json and the tokenizer (the run's tokenizer.json,
 or one that reproduces fived's byte tokenizer). Streams: one whole tensor is read from the
@@ -19,7 +19,7 @@ import torch
 
 from fived.config import ConfigError
 from fived.hf.config_map import export_kind, hf_config_from_model
-from fived.hf.names import fived_to_hf, hf_source
+from fived.hf.names import fived_to_hf, has_hf_source, hf_source
 from fived.hf.safetensors_out import StreamingSafetensorsWriter
 
 SHARD_BYTES = 5 * 10**9  # transformers' own default shard size
@@ -90,7 +90,10 @@ def _write_model(checkpoint: Path, cfg, out: Path, max_shard_bytes: int) -> None
     kind = export_kind(cfg.model)
     dtype = torch.float64 if cfg.train.dtype == "float64" else torch.float32  # (bf16 checkpoints hold float32 masters)
     tensors = []
-    for raw, param in build_model(cfg.model).named_parameters():
+    model = build_model(cfg.model)
+    # (buffers a Hugging Face checkpoint holds too: DeepSeek-V3's routing biases)
+    held = [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if has_hf_source(n, kind))]
+    for raw, param in held:
         name = canonical_name(raw)
         tensors.append((name, _hf_entries(name, tuple(param.shape), cfg.model, kind), param.numel() * dtype.itemsize))
     shards = _shards(tensors, max_shard_bytes)

@@ -12,13 +12,14 @@ tensor; from a fived checkpoint DCP reads the model's entries by the same placem
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
 
 from fived.config import ConfigError, ModelConfig
 from fived.hf.config_map import model_config_from_hf, read_config
-from fived.hf.names import hf_source
+from fived.hf.names import deinterleaved_rows, has_hf_source, hf_source
 from fived.hf.reader import HfCheckpoint
 
 # Model fields that do not change what the imported weights compute: a run may still set them.
@@ -91,10 +92,16 @@ def fill_from_hf(directory: str | Path, kind: str, values: dict) -> None:
     """values: canonical name -> this rank's boxes of it (a `dcp_io.ShardedValue`: tp/ep slices,
     ZeRO-3 rows, ZeRO-1/2 flat ranges, padding left out); each box is read from the files."""
     checkpoint = HfCheckpoint(directory)
+    hf = read_config(directory)
+    interleaved = kind == "deepseek_v3" and hf.get("rope_interleave", True)
+    cfg = model_config_from_hf(hf, str(directory)) if interleaved else None
     for name, value in values.items():
+        source = hf_source(name, kind)
+        if cfg is not None:
+            source = dataclasses.replace(source, rows=deinterleaved_rows(name, cfg))
         for box, view in value.boxes:
             if view.numel():
-                view.copy_(checkpoint.read_box(hf_source(name, kind), box.offsets, box.sizes))
+                view.copy_(checkpoint.read_box(source, box.offsets, box.sizes))
 
 
 def check_hf_names(directory: str | Path, cfg: ModelConfig, kind: str) -> None:
@@ -103,7 +110,11 @@ def check_hf_names(directory: str | Path, cfg: ModelConfig, kind: str) -> None:
 
     checkpoint = HfCheckpoint(directory)
     expected = {}
-    for raw, param in build_model(cfg).named_parameters():
+    model = build_model(cfg)
+    for raw, param in [
+        *model.named_parameters(),
+        *((n, b) for n, b in model.named_buffers() if has_hf_source(n, kind)),
+    ]:
         source = hf_source(canonical_name(raw), kind)
         if source.name:
             expected[source.name] = tuple(param.shape)
@@ -120,7 +131,13 @@ def check_hf_names(directory: str | Path, cfg: ModelConfig, kind: str) -> None:
                 f"tensor {name} is {found}; config.json implies {list(shape)}",
                 "give a complete model directory",
             )
-    extra = sorted(have - set(expected) - ({"lm_head.weight"} if cfg.tie_embeddings else set()))
+    # DeepSeek-V3's multi-token-prediction layers follow the model's (transformers skips them too)
+    mtp = {
+        n
+        for n in have
+        if kind == "deepseek_v3" and n.startswith("model.layers.") and int(n.split(".")[2]) >= cfg.n_layers
+    }
+    extra = sorted(have - set(expected) - mtp - ({"lm_head.weight"} if cfg.tie_embeddings else set()))
     if extra:
         raise ConfigError(
             "--init-from",
@@ -135,8 +152,10 @@ def load_initial_weights(source: str, values: dict, buffers: set[str]) -> None:
     this rank holds, in bf16 runs their float32 masters, and the buffers, named in `buffers`) from
     `source`; every rank calls this once the optimizer exists."""
     if is_hf_directory(source):
-        params = {name: value for name, value in values.items() if name not in buffers}
-        fill_from_hf(source, read_config(source)["model_type"], params)
+        kind = read_config(source)["model_type"]
+        # (buffers a checkpoint holds: DeepSeek-V3's routing biases; others start at zero)
+        params = {name: value for name, value in values.items() if name not in buffers or has_hf_source(name, kind)}
+        fill_from_hf(source, kind, params)
         return
     from fived.checkpoint import dcp_io
     from fived.checkpoint.checkpointer import find_checkpoint
@@ -154,7 +173,9 @@ def whole_state(directory: str | Path, cfg: ModelConfig, dtype: torch.dtype = to
 
     kind = read_config(directory)["model_type"]
     out, values = {}, {}
-    for raw, param in build_model(cfg).named_parameters():
+    model = build_model(cfg)
+    held = [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if has_hf_source(n, kind))]
+    for raw, param in held:
         name = canonical_name(raw)
         out[name] = torch.empty(param.shape, dtype=dtype)
         values[name] = ShardedValue(

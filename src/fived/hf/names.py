@@ -26,6 +26,19 @@ LAYER = {
     "feed_forward.w3.weight": "mlp.up_proj.weight",
     "feed_forward.w2.weight": "mlp.down_proj.weight",
 }
+# DeepSeek-V3's multi-head latent attention, shared experts and routing bias (its own names first)
+DEEPSEEK_LAYER = {
+    "attention.wq_a.weight": "self_attn.q_a_proj.weight",
+    "attention.q_norm.weight": "self_attn.q_a_layernorm.weight",
+    "attention.wq_b.weight": "self_attn.q_b_proj.weight",
+    "attention.wkv_a.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "attention.kv_norm.weight": "self_attn.kv_a_layernorm.weight",
+    "attention.wkv_b.weight": "self_attn.kv_b_proj.weight",
+    "feed_forward.shared.w1.weight": "mlp.shared_experts.gate_proj.weight",
+    "feed_forward.shared.w3.weight": "mlp.shared_experts.up_proj.weight",
+    "feed_forward.shared.w2.weight": "mlp.shared_experts.down_proj.weight",
+    "feed_forward.router_bias": "mlp.gate.e_score_correction_bias",
+}
 TOP = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
     "norm.weight": "model.norm.weight",
@@ -39,6 +52,14 @@ MOE = {
             "w1": "block_sparse_moe.experts.{e}.w1.weight",
             "w3": "block_sparse_moe.experts.{e}.w3.weight",
             "w2": "block_sparse_moe.experts.{e}.w2.weight",
+        },
+    ),
+    "deepseek_v3": (
+        "mlp.gate.weight",
+        {
+            "w1": "mlp.experts.{e}.gate_proj.weight",
+            "w3": "mlp.experts.{e}.up_proj.weight",
+            "w2": "mlp.experts.{e}.down_proj.weight",
         },
     ),
     "qwen3_moe": (
@@ -59,6 +80,8 @@ class Source:
 
     name: str = ""
     per_expert: str = ""
+    # DeepSeek's interleaved rotary features (rope_interleave): fived row r is the file's row rows[r]
+    rows: tuple[int, ...] | None = None
 
     def expert_names(self, n_experts: int) -> list[str]:
         return [self.per_expert.format(e=e) for e in range(n_experts)]
@@ -70,6 +93,8 @@ def hf_source(name: str, kind: str) -> Source:
         return Source(TOP[name])
     _, layer, rest = name.split(".", 2)
     prefix = f"model.layers.{layer}."
+    if kind == "deepseek_v3" and rest in DEEPSEEK_LAYER:
+        return Source(prefix + DEEPSEEK_LAYER[rest])
     if rest in LAYER:
         return Source(prefix + LAYER[rest])
     router, experts = MOE[kind]
@@ -79,6 +104,32 @@ def hf_source(name: str, kind: str) -> Source:
     if rest.startswith("feed_forward.experts.") and leaf in experts:
         return Source(per_expert=prefix + experts[leaf])
     raise KeyError(f"fived parameter {name} has no Hugging Face counterpart in {kind}")
+
+
+def has_hf_source(name: str, kind: str) -> bool:
+    """Whether a checkpoint of architecture `kind` holds `name` (buffers: only DeepSeek's routing bias)."""
+    try:
+        hf_source(name, kind)
+    except (KeyError, ValueError):
+        return False
+    return True
+
+
+def deinterleaved_rows(name: str, cfg: ModelConfig) -> tuple[int, ...] | None:
+    """The rows of a checkpoint with interleaved rotary pairs (x0, x1), (x2, x3), ... that fived's
+    rotate-half layout [x0, x2, ... | x1, x3, ...] takes, for the tensors holding rotary features
+    (the queries' up-projection, the shared rotary key); None for the others. Both layouts rotate the
+    same pairs by the same angles, and queries and keys are permuted alike, so scores are unchanged."""
+    rope, nope = cfg.qk_rope_head_dim, cfg.qk_nope_head_dim
+    pairs = [*range(0, rope, 2), *range(1, rope, 2)]
+    if name.endswith(("attention.wq_b.weight", "attention.wq.weight")):
+        head = nope + rope
+        return tuple(
+            h * head + (r if r < nope else nope + pairs[r - nope]) for h in range(cfg.n_heads) for r in range(head)
+        )
+    if name.endswith("attention.wkv_a.weight"):
+        return tuple(range(cfg.kv_lora_rank)) + tuple(cfg.kv_lora_rank + p for p in pairs)
+    return None
 
 
 def fived_to_hf(name: str, tensor, cfg: ModelConfig, kind: str) -> list[tuple[str, Any]]:

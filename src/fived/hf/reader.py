@@ -4,6 +4,10 @@
 holds a quarter of a tensor reads about a quarter of it. A sharded checkpoint's
 `model.safetensors.index.json` says which file holds each tensor; without one every `*.safetensors`
 file in the directory is listed.
+
+DeepSeek-V3's released weights are FP8 (e4m3) with one float32 `<name>_scale_inv` per 128 x 128
+block (config.json's quantization_config.weight_block_size): a box is dequantised as it is read,
+weight x the scale of its block, in float32, from the blocks the box touches only.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from pathlib import Path
 import torch
 
 from fived.hf.names import Source
+
+SCALE_SUFFIX = "_scale_inv"  # (DeepSeek's FP8 checkpoints: "<...>.weight_scale_inv" per weight)
 
 
 class HfCheckpoint:
@@ -38,13 +44,32 @@ class HfCheckpoint:
         return self._headers[path]
 
     def names(self) -> set[str]:
-        return set(self.files)
+        """The tensors of the model (FP8 block scales are part of their weight, not tensors of their own)."""
+        return {name for name in self.files if not name.endswith(SCALE_SUFFIX)}
+
+    def _block(self) -> tuple[int, int]:
+        path = self.directory / "config.json"
+        quantization = (json.loads(path.read_text()) if path.is_file() else {}).get("quantization_config") or {}
+        rows, cols = quantization.get("weight_block_size") or (128, 128)
+        return int(rows), int(cols)
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._header(self.files[name]).get_slice(name).get_shape())
 
     def read(self, name: str, offsets, sizes) -> torch.Tensor:
-        """The box [offsets, offsets + sizes) of tensor `name`, copied out of the file's mapping."""
+        """The box [offsets, offsets + sizes) of tensor `name`, copied out of the file's mapping (and
+        dequantised when the file holds it in FP8 with block scales)."""
+        scale = name + SCALE_SUFFIX
+        if scale not in self.files:
+            return self._read(name, offsets, sizes)
+        (r0, c0), (rows, cols), (br, bc) = offsets, sizes, self._block()
+        first, last = (r0 // br, c0 // bc), ((r0 + rows - 1) // br, (c0 + cols - 1) // bc)
+        blocks = self._read(scale, first, (last[0] - first[0] + 1, last[1] - first[1] + 1))
+        per_element = blocks.repeat_interleave(br, 0).repeat_interleave(bc, 1)
+        inside = per_element[r0 - first[0] * br :][:rows, c0 - first[1] * bc :][:, :cols]
+        return self._read(name, offsets, sizes).to(torch.float32) * inside.to(torch.float32)
+
+    def _read(self, name: str, offsets, sizes) -> torch.Tensor:
         from safetensors import safe_open
 
         # A handle per read: the slice is a view of the mapped file, and the pages it touched stay
@@ -56,6 +81,11 @@ class HfCheckpoint:
     def read_box(self, source: Source, offsets, sizes) -> torch.Tensor:
         """The box of a fived tensor: read directly, or gathered from the per-expert tensors it stacks
         (fived's [E, a, b] is expert e's Hugging Face [b, a] transposed)."""
+        if source.name and source.rows is not None:  # (rows permuted within a head: read their span)
+            wanted = source.rows[offsets[0] : offsets[0] + sizes[0]]
+            lo = min(wanted)
+            span = self.read(source.name, (lo, *offsets[1:]), (max(wanted) + 1 - lo, *sizes[1:]))
+            return span[torch.tensor(wanted) - lo]
         if source.name:
             return self.read(source.name, offsets, sizes)
         first, count = offsets[0], sizes[0]

@@ -34,6 +34,13 @@ INTEGER_BOUNDS = (
     ("model.n_shared_experts", 0, 64, 1),
     ("model.n_dense_layers", 0, 4096, 0),
     ("model.rope_original_max_len", 1, 2**24, 8192),
+    ("model.kv_lora_rank", 0, 2**17, 0),
+    ("model.q_lora_rank", 0, 2**17, 0),
+    ("model.qk_nope_head_dim", 0, 4096, 128),
+    ("model.qk_rope_head_dim", 0, 4096, 64),
+    ("model.v_head_dim", 1, 4096, 128),
+    ("model.n_expert_groups", 1, 4096, 1),
+    ("model.topk_expert_groups", 1, 4096, 1),
     ("train.steps", 1, 10**12, 200),
     ("train.seq_len", 2, 2**24, 64),
     ("train.global_batch", 1, 2**24, 16),
@@ -75,6 +82,11 @@ FLOAT_RULES = (
     ("model.capacity_factor", "must be >= 0 (0: dropless)", lambda v: v >= 0, "0"),
     ("model.aux_loss_coef", "must be >= 0", lambda v: v >= 0, "0.01"),
     ("model.router_bias_rate", "must be >= 0", lambda v: v >= 0, "0"),
+    ("model.routed_scaling", "must be > 0", lambda v: v > 0, "1"),
+    ("model.rope_beta_fast", "must be > 0", lambda v: v > 0, "32"),
+    ("model.rope_beta_slow", "must be > 0", lambda v: v > 0, "1"),
+    ("model.rope_mscale", "must be >= 0 (0: absent)", lambda v: v >= 0, "0"),
+    ("model.rope_mscale_all_dim", "must be >= 0 (0: absent)", lambda v: v >= 0, "0"),
 )
 
 

@@ -11,6 +11,7 @@ import math
 from dataclasses import fields
 
 from fived.config import Config, ConfigError, TrainConfig
+from fived.layout import deepseek_rules
 from fived.layout.bounds import largest_divisor, number_errors
 from fived.layout.expert_rules import expert_rules
 from fived.layout.layout import (
@@ -342,14 +343,14 @@ def _model_errors(cfg: Config) -> list[ConfigError]:
             f"e.g. --model.dim {nearest_multiple(m.dim, 2 * m.n_heads)}",
         ),
         (
-            m.rope_scaling in ("none", "llama3"),
+            m.rope_scaling in ("none", "llama3", "yarn"),
             "model.rope_scaling",
             m.rope_scaling,
-            "must be none or llama3",
+            "must be none, llama3 or yarn",
             "e.g. --model.rope_scaling none",
         ),
         (
-            m.rope_scaling == "none" or m.rope_high_freq_factor > m.rope_low_freq_factor > 0,
+            m.rope_scaling != "llama3" or m.rope_high_freq_factor > m.rope_low_freq_factor > 0,
             "model.rope_high_freq_factor",
             m.rope_high_freq_factor,
             f"must exceed model.rope_low_freq_factor={m.rope_low_freq_factor} (> 0)",
@@ -369,6 +370,7 @@ def _model_errors(cfg: Config) -> list[ConfigError]:
             "must be one of " + ", ".join(PRECISION_SPECS),
             "e.g. --dtype bfloat16",
         ),
+        *deepseek_rules.model_checks(m),
         *_fp8_checks(t, cfg.parallel),
         *_muon_checks(t),
         (

@@ -127,13 +127,16 @@ def _layer_specs(m: ModelConfig, moe_id: int, tp: int, ep: int, sp: bool, etp: i
     def t(name, shape, cut=None, **kw):
         return TensorSpec(pre + name, tuple(shape), "layer", lid, cut, **kw)
 
-    out = [
-        t("attention_norm.weight", [d], tp_partial_grad=sp and tp > 1),
-        t("attention.wq.weight", [heads, d], _cut(0, tp)),
-        t("attention.wk.weight", [m.n_kv_heads * hd, d], _kv_cut(m, tp)),
-        t("attention.wv.weight", [m.n_kv_heads * hd, d], _kv_cut(m, tp)),
-        t("attention.wo.weight", [d, heads], _cut(1, tp)),
-    ]
+    out = [t("attention_norm.weight", [d], tp_partial_grad=sp and tp > 1)]
+    if m.is_mla:
+        out += _latent_attention(t, m, tp)
+    else:
+        out += [
+            t("attention.wq.weight", [heads, d], _cut(0, tp)),
+            t("attention.wk.weight", [m.n_kv_heads * hd, d], _kv_cut(m, tp)),
+            t("attention.wv.weight", [m.n_kv_heads * hd, d], _kv_cut(m, tp)),
+            t("attention.wo.weight", [d, heads], _cut(1, tp)),
+        ]
     if m.qk_norm:  # shared by heads: each rank's heads give it a part of the gradient
         out += [t(f"attention.{n}.weight", [hd], tp_partial_grad=tp > 1) for n in ("q_norm", "k_norm")]
     out.append(t("ffn_norm.weight", [d], tp_partial_grad=sp and tp > 1))
@@ -153,6 +156,28 @@ def _layer_specs(m: ModelConfig, moe_id: int, tp: int, ep: int, sp: bool, etp: i
         out += _mlp(t, "feed_forward.shared.", f * m.n_shared_experts, d, tp)
     out.append(t("feed_forward.router_bias", [e], buffer=True))
     return tuple(out)
+
+
+def _latent_attention(t, m: ModelConfig, tp: int) -> list[TensorSpec]:
+    """Multi-head latent attention (fived.model.latent_attention): the up-projections (wq_b or wq,
+    wkv_b) cut by heads, wo by its input; the down-projections and their norms whole on every tp rank,
+    each rank's heads giving them a part of their gradient (summed over tp, whether or not SP)."""
+    d, heads, qk = m.dim, m.n_heads, m.qk_nope_head_dim + m.qk_rope_head_dim
+    partial = {"tp_partial_grad": tp > 1}
+    if m.q_lora_rank:
+        query = [
+            t("attention.wq_a.weight", [m.q_lora_rank, d], **partial),
+            t("attention.q_norm.weight", [m.q_lora_rank], **partial),
+            t("attention.wq_b.weight", [heads * qk, m.q_lora_rank], _cut(0, tp)),
+        ]
+    else:
+        query = [t("attention.wq.weight", [heads * qk, d], _cut(0, tp))]
+    return query + [
+        t("attention.wkv_a.weight", [m.kv_lora_rank + m.qk_rope_head_dim, d], **partial),
+        t("attention.kv_norm.weight", [m.kv_lora_rank], **partial),
+        t("attention.wkv_b.weight", [heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank], _cut(0, tp)),
+        t("attention.wo.weight", [d, heads * m.v_head_dim], _cut(1, tp)),
+    ]
 
 
 def _mlp(t, pre: str, hidden: int, d: int, tp: int) -> list[TensorSpec]:

@@ -17,16 +17,21 @@ from torch import nn
 from fived.config import ModelConfig
 from fived.model.attention import document_attention
 from fived.model.grouped_gemm import grouped_swiglu
+from fived.model.routing import route
+from fived.model.yarn import rope_gain, yarn_frequencies
 
 
 def rope_frequencies(cfg: ModelConfig, device=None) -> torch.Tensor:
     """Rotary inverse frequencies (float64), with Llama 3.1's scaling when cfg.rope_scaling is "llama3":
     wavelengths longer than original/low_freq_factor are stretched by rope_factor, shorter than
-    original/high_freq_factor kept, and the band between interpolated linearly in 1/wavelength."""
-    head_dim = cfg.head_dim
+    original/high_freq_factor kept, and the band between interpolated linearly in 1/wavelength;
+    YaRN's when "yarn" (fived.model.yarn)."""
+    head_dim = cfg.rope_dim
     inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim)
     if cfg.rope_scaling == "none":
         return inv_freq
+    if cfg.rope_scaling == "yarn":
+        return yarn_frequencies(inv_freq, cfg, head_dim)
     wavelen = 2 * math.pi / inv_freq
     original, low, high = cfg.rope_original_max_len, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
     smooth = ((original / wavelen - low) / (high - low)).clamp(0.0, 1.0)
@@ -35,11 +40,12 @@ def rope_frequencies(cfg: ModelConfig, device=None) -> torch.Tensor:
 
 def rope_cos_sin(positions: torch.Tensor, cfg: ModelConfig, dtype: torch.dtype):
     """cos/sin tables for rotary embeddings at the given positions [s] (or per sequence, [b, s]),
-    shape [s, head_dim] (or [b, s, head_dim])."""
+    shape [s, rope_dim] (or [b, s, rope_dim]); YaRN multiplies both by its gain."""
     inv_freq = rope_frequencies(cfg, positions.device)
     angles = positions.to(torch.float64)[..., None] * inv_freq
     angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    gain = rope_gain(cfg)
+    return (angles.cos() * gain).to(dtype), (angles.sin() * gain).to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -177,8 +183,9 @@ class MoE(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        self.cfg = cfg
         self.n_experts, self.top_k = cfg.n_experts, cfg.top_k
-        self.route_norm, self.capacity_factor = cfg.route_norm, cfg.capacity_factor
+        self.capacity_factor = cfg.capacity_factor
         self.router = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
         # Aux-loss-free balancing: added to the scores only to choose experts, never to the weights;
         # the trainer moves it after each step from the global load (zero and fixed by default).
@@ -195,12 +202,9 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
-        probs = torch.softmax(self.router(x).to(torch.promote_types(x.dtype, torch.float32)), dim=-1)
-        experts = (probs + self.router_bias.to(probs.dtype)).topk(self.top_k, dim=-1).indices  # [b, s, k]
-        weights = probs.gather(-1, experts)
-        if self.route_norm:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(x.dtype)
+        logits = self.router(x).to(torch.promote_types(x.dtype, torch.float32))
+        routing = route(logits, self.router_bias, self.cfg)  # (fived.model.routing)
+        experts, probs, weights = routing.experts, routing.probs, routing.weights.to(x.dtype)  # [b, s, k]
 
         # Per-sequence load-balancing statistics: routing slots and router probability per expert.
         e = self.n_experts
@@ -251,7 +255,14 @@ class TransformerBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attention = Attention(cfg)
+        self.attention: nn.Module
+        if cfg.is_mla:
+            # (imported here: latent attention is built from this module's norm, core and rotation)
+            from fived.model.latent_attention import LatentAttention
+
+            self.attention = LatentAttention(cfg, RMSNorm, CausalAttentionCore(), apply_rope)
+        else:
+            self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         moe = cfg.is_moe and layer_id >= cfg.n_dense_layers
         self.feed_forward = MoE(cfg) if moe else FeedForward(cfg.dim, cfg.ffn_dim)

@@ -72,7 +72,7 @@ def activations(m: ModelConfig, layout: Layout, seq_len: int) -> list[dict]:
     kv_local = kv_width(m, L.tp) // hd
     lid = m.n_dense_layers if m.is_moe else 0  # a MoE layer's activations for a MoE model
     local = {_short_name(s.name): s.local_shape for s in layer_specs(m, lid, tp=L.tp, ep=L.ep)}
-    q_width = local["wq"][0]  # the local widths, from the sharding spec's cuts
+    q_width = local["wq" if "wq" in local else "wq_b"][0]  # the local widths, from the sharding spec's cuts
     ffn_width = local["experts.w1"][2] * m.top_k if m.is_moe else local["w1"][0]
     by_cp = "cp" if L.cp > 1 else ""
     by_tp = "+".join(x for x in (by_cp, "tp" if L.tp > 1 else "") if x)

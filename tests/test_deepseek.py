@@ -1,0 +1,160 @@
+"""DeepSeek-V3: a random tiny transformers `DeepseekV3ForCausalLM` (latent attention with a query
+rank, interleaved rotary weights, YaRN with both mscales, sigmoid group-limited routing with a
+routing bias, shared experts, a dense first layer) imported with fived's Hugging Face reader gives
+transformers' logits; FP8 block-scaled weights are dequantised at import."""
+
+import json
+
+import pytest
+import torch
+from hf_models import hf_logits, save_hf_model
+
+from fived.config import model_preset
+from fived.hf.config_map import model_config_from_hf, read_config
+from fived.hf.init import check_hf_names, whole_state
+from fived.model.transformer import build_model
+from fived.testing import EXACT, tiny_config
+
+pytest.importorskip("transformers")
+
+
+def _imported(directory, dtype):
+    cfg = model_config_from_hf(read_config(directory), str(directory))
+    check_hf_names(directory, cfg, "deepseek_v3")
+    model = build_model(cfg, "cpu", dtype)
+    missing, unexpected = model.load_state_dict(whole_state(directory, cfg, dtype), strict=True), None
+    assert not unexpected and not missing.missing_keys
+    return model.eval(), cfg
+
+
+def test_tiny_preset_is_the_test_model(tmp_path):
+    """The preset and the transformers model of these tests are one shape (so parity speaks for it)."""
+    save_hf_model("deepseek_v3", tmp_path)
+    cfg = model_config_from_hf(read_config(tmp_path), str(tmp_path))
+    preset = model_preset("tiny-deepseek-v3")
+    differ = {k for k, v in vars(preset).items() if k != "name" and getattr(cfg, k) != v}
+    assert differ <= {"init_std", "aux_loss_coef"}, differ
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+def test_logits_equal_transformers(dtype, tmp_path):
+    reference = save_hf_model("deepseek_v3", tmp_path, dtype=dtype)
+    model, cfg = _imported(tmp_path, dtype)
+    ids = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = model(ids)
+    expected = hf_logits(reference, ids)
+    tolerance = EXACT if dtype == torch.float64 else 1e-4
+    assert expected.abs().max().item() > 1.0
+    assert (logits - expected).abs().max().item() <= tolerance * expected.abs().max().item()
+    assert torch.equal(logits[:, -1].argmax(-1), expected[:, -1].argmax(-1))
+    assert all(b.abs().max() > 0 for n, b in model.named_buffers() if n.endswith("router_bias"))  # (imported)
+    # each feature matters here: without it the logits differ (the comparison can fail)
+    for change in (
+        {"rope_scaling": "none"},
+        {"routed_scaling": 1.0},
+        {"n_expert_groups": 1},
+        {"rope_mscale_all_dim": 0.0},
+    ):
+        changed = build_model(type(cfg)(**{**vars(cfg), **change}), "cpu", dtype)
+        changed.load_state_dict(model.state_dict())
+        with torch.no_grad():
+            assert (changed(ids) - expected).abs().max().item() > 1e-3, change
+
+
+def test_fp8_block_scaled_weights_are_dequantised(tmp_path):
+    """A checkpoint written as the released ones are (2-d weights in float8 e4m3, one float32
+    `weight_scale_inv` per block; 16 x 16 blocks here so that edge blocks are partial): every box
+    fived reads equals weight x its block's scale, and the whole import is the dequantised model."""
+    from safetensors.torch import load_file, save_file
+
+    from fived.hf.names import Source
+    from fived.hf.reader import HfCheckpoint
+
+    save_hf_model("deepseek_v3", tmp_path)
+    tensors, expected = load_file(tmp_path / "model.safetensors"), {}
+    block = 16
+    for name in [n for n, t in tensors.items() if t.dim() == 2 and "embed" not in n and "lm_head" not in n]:
+        w = tensors[name]
+        blocks = torch.nn.functional.pad(w, (0, -w.shape[1] % block, 0, -w.shape[0] % block))
+        blocks = blocks.unflatten(0, (-1, block)).unflatten(2, (-1, block))  # [R, b, C, b]
+        scale = blocks.abs().amax(dim=(1, 3)) / 448.0  # e4m3's largest
+        per_element = scale.repeat_interleave(block, 0).repeat_interleave(block, 1)[: w.shape[0], : w.shape[1]]
+        tensors[name] = (w / per_element).to(torch.float8_e4m3fn)
+        tensors[name + "_scale_inv"] = scale
+        expected[name] = tensors[name].float() * per_element
+    save_file(tensors, tmp_path / "model.safetensors")
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [block, block]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+
+    checkpoint = HfCheckpoint(tmp_path)
+    name = "model.layers.1.self_attn.kv_b_proj.weight"  # [88, 16]: rows end inside a block
+    box = checkpoint.read_box(Source(name), (5, 3), (70, 11))
+    assert torch.equal(box, expected[name][5:75, 3:14])
+    cfg = model_config_from_hf(read_config(tmp_path), str(tmp_path))
+    check_hf_names(tmp_path, cfg, "deepseek_v3")  # (scales are no tensors of their own)
+    state = whole_state(tmp_path, cfg)
+    assert torch.equal(state["layers.1.attention.wo.weight"], expected["model.layers.1.self_attn.o_proj.weight"])
+    w1 = expected["model.layers.2.mlp.experts.3.gate_proj.weight"]
+    assert torch.equal(state["layers.2.feed_forward.experts.w1"][3], w1.t())
+
+
+def test_import_train_export_round_trip(tmp_path, caplog):
+    """Imported, trained one step at a negligible learning rate on 2 ranks (ep2) and exported: the
+    same model to transformers (its logits), and fived's KV-cached greedy ids are transformers'."""
+    from test_hf_export import load_exported
+
+    from fived.cli.main import main
+    from fived.hf.init import configure_init_from
+    from fived.testing import run_on_ranks
+    from fived.training.trainer import run_training
+
+    reference = save_hf_model("deepseek_v3", tmp_path / "in", dtype=torch.float32)
+    cfg = tiny_config(
+        "tiny",
+        train__steps=1,
+        train__dtype="float32",
+        train__lr=1e-9,
+        train__init_from=str(tmp_path / "in"),
+        train__output_dir=str(tmp_path / "run"),
+        parallel__ep=2,
+        parallel__dp=2,
+    )
+    configure_init_from(cfg, {})
+    run_on_ranks(2, run_training, cfg, True, False)
+    assert main(["export", str(tmp_path / "run"), "--output", str(tmp_path / "out")]) == 0
+    exported = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert exported["model_type"] == "deepseek_v3" and exported["rope_interleave"] is False
+    model = load_exported(tmp_path / "out", caplog)
+    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(0))
+    assert (hf_logits(model, ids) - hf_logits(reference, ids)).abs().max().item() <= 1e-4
+
+
+def test_generate_greedy_equals_transformers(tmp_path, capsys):
+    """fived's KV-cached greedy decoding of an imported DeepSeek-V3 equals transformers' generate."""
+    from test_hf_export import _generate_json
+
+    model = save_hf_model("deepseek_v3", tmp_path)
+    got = _generate_json(capsys, tmp_path, "Hello, world", "--max-new-tokens", "12")
+    ids = torch.tensor([got["prompt_ids"]])
+    expected = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)[0, ids.shape[1] :].tolist()
+    assert got["generated_ids"] == expected and len(set(expected)) > 3
+
+
+def _verify(world, **layout):
+    from fived.tools.verification import run_verify
+
+    cfg = tiny_config("tiny-deepseek-v3", train__steps=2, **layout)
+    report = run_verify(cfg, world, printer=lambda *_: None)
+    assert report.max_relative_difference <= EXACT, report.max_rel
+
+
+def test_tp_sp_ring_ep_zero1_match_one_device():
+    """Heads split by tp (latent down-projections whole, their gradients summed over tp), sequence
+    parallel, the ring passing up-projected K/V, experts over ep, ZeRO-1: one device's run."""
+    _verify(4, parallel__tp=2, parallel__sp=True, parallel__cp=2, parallel__ep=2, parallel__zero=1)
+
+
+def test_pp_ulysses_match_one_device():
+    _verify(4, parallel__pp=2, parallel__cp=2, parallel__cp_mode="ulysses", train__microbatches=2)
