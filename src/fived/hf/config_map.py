@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 from fived.config import ConfigError, ModelConfig
+from fived.hf.unsupported import Unsupported
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -23,18 +24,6 @@ ARCHITECTURES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
 }
-
-
-class Unsupported(ConfigError):
-    """A model fived cannot reproduce exactly: one line naming the config.json key that differs."""
-
-    def __init__(self, source: str, key: str, value, rule: str):
-        super().__init__(
-            "--init-from",
-            source,
-            f"config.json {key}={value!r}: {rule}",
-            "fived imports Llama 2/3/3.1, Qwen3, Mixtral, Qwen3-MoE and DeepSeek-V3 models",
-        )
 
 
 def read_config(directory: str | Path) -> dict:

@@ -11,11 +11,10 @@ interleaved weights permutes their rows: fived.hf.names.deinterleaved_rows).
 from __future__ import annotations
 
 from fived.config import ConfigError, ModelConfig
+from fived.hf.unsupported import Unsupported
 
 
 def _refuse(source: str, key: str, value, rule: str):
-    from fived.hf.config_map import Unsupported
-
     return Unsupported(source, key, value, rule)
 
 
