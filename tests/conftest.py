@@ -7,7 +7,13 @@ import torch
 
 torch.set_num_threads(1)
 
-from fived.tools import verification  # noqa: E402  (after the thread count: it imports the trainer)
+# Imported here once rather than in every forked rank that first needs them (~0.3-0.9 s each, most of
+# the multi-rank tests have 4-16 ranks): the trainer, pipelining, and numpy.ma (np.unique in the data
+# loader imports it).
+import numpy.ma  # noqa: E402, F401
+import torch.distributed.pipelining  # noqa: E402
+
+from fived.tools import verification  # noqa: E402
 
 # One single-process reference per configuration for the whole session: the verifications share them.
 verification.REFERENCE_CACHE = {}
