@@ -93,15 +93,16 @@ def _cache_key(ref: Config) -> str | None:
 def reference_run(ref: Config) -> TrainResult:
     """The single-process run at `ref` (a reference_config), on one forked rank; from REFERENCE_CACHE
     when that is on and holds this configuration (a copy: callers may not share the cached tensors)."""
-    key = _cache_key(ref) if REFERENCE_CACHE is not None else None
-    if key is None or key not in REFERENCE_CACHE:
+    cache = REFERENCE_CACHE
+    key = _cache_key(ref) if cache is not None else None
+    if cache is None or key is None or key not in cache:
         result = run_ranks(
             1, partial(train_rank, ref, log=False, progress=False, return_state=True), device=ref.train.device
         )[0]
-        if key is None or REFERENCE_CACHE is None:
+        if cache is None or key is None:
             return result
-        REFERENCE_CACHE[key] = result
-    return copy.deepcopy(REFERENCE_CACHE[key])
+        cache[key] = result
+    return copy.deepcopy(cache[key])
 
 
 def compare(ref: TrainResult, lay: TrainResult) -> VerifyReport:
