@@ -1,21 +1,16 @@
 """`fived dryrun`: one rank of a real layout built here on a fake process group; its measured
 model-state bytes (the trainer's ledger, after a real optimizer step) equal the planner's exactly.
 
-Each layout runs in a subprocess (its memory is given back when it ends; the largest holds ~8 GB),
-initialised as training initialises it (each rank draws only its own pieces' tiles)."""
+Each layout runs in a forked child, as `fived dryrun` (its memory is given back when it ends; the
+largest holds ~8 GB), initialised as training initialises it (each rank draws only its own pieces' tiles)."""
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-import fived
 from fived.cli.main import main
+from fived.testing import run_forked
 
-SRC = str(Path(fived.__file__).parents[1])
 L70 = "--model llama3-70b --tp 8 --pp 8 --dp 8 --zero 1 --dtype bfloat16 --nproc 512 --global-batch 64"
 # (rank: pipeline rank = rank // 64: first, middle and last stage)
 LAYOUTS = {
@@ -39,10 +34,7 @@ VERDICT = re.compile(r"^rank (\d+) model-state bytes: measured (\d+), planner (\
 
 
 def dryrun(flags: str) -> str:
-    env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [sys.executable, "-m", "fived", "dryrun", *flags.split()], env=env, capture_output=True, text=True, timeout=300
-    )
+    done = run_forked(main, ["dryrun", *flags.split()], timeout_s=300)  # (a subprocess but for `import torch`)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fived.testing import EXACT, run_on_ranks, tiny_config
-from fived.tools.verification import compare, reference_config, run_verify
+from fived.tools.verification import compare, reference_config, reference_run, run_verify
 
 OVERLAP = dict(parallel__overlap_grad_reduce=True, train__steps=2)
 
@@ -50,7 +50,7 @@ def _launches(cfg):
 
 
 def _check_launches(cfg, world):
-    reference = run_on_ranks(1, run_training_state, reference_config(cfg))[0]
+    reference = reference_run(reference_config(cfg))
     for layers, launched, edp, result in run_on_ranks(world, _launches, cfg):
         report = compare(reference, result)
         assert report.max_relative_difference <= EXACT, report.max_rel

@@ -1,12 +1,14 @@
 """ZeRO stages 0-3 and HSDP on real gloo ranks: exact against the single-process reference, and the
 ledger's measured memory and communication against the formulas in fived.training.report."""
 
+import functools
+
 import pytest
 import torch
 
 from fived.model.transformer import build_model
 from fived.testing import EXACT, run_on_ranks, tiny_config
-from fived.tools.verification import compare, reference_config, run_verify
+from fived.tools.verification import compare, reference_config, reference_run, run_verify
 from fived.training.report import expected_comm_bytes, expected_state_bytes
 from fived.training.trainer import run_training
 
@@ -48,6 +50,11 @@ def test_hsdp_matches_reference(zero):
 
 
 def _ledger(zero, micro=1, dtype="float32", replicate=1, **extra):
+    return _ledger_run(zero, micro, dtype, replicate, tuple(sorted(extra.items())))
+
+
+@functools.cache  # (the float32 runs at micro=1 are both the memory and the communication tests' runs)
+def _ledger_run(zero, micro, dtype, replicate, extra):
     cfg = tiny_config(
         "tiny-moe",
         parallel__dp=4,
@@ -57,7 +64,7 @@ def _ledger(zero, micro=1, dtype="float32", replicate=1, **extra):
         train__steps=1,
         train__dtype=dtype,
         train__global_batch=16,
-        **extra,
+        **dict(extra),
     )
     return cfg, run_on_ranks(4, run_training, cfg, False, False)
 
@@ -243,7 +250,7 @@ def test_overlapped_gathers_are_waited_for_before_any_weight_is_read(over):
     reads its submodules' weights (tp_overlap's fused regions) and compiled blocks: exact even when
     each gather lands only at its wait."""
     cfg = tiny_config("tiny", train__steps=3, parallel__dp=2, parallel__zero=1, **OVERLAP, **over)
-    reference = run_on_ranks(1, run_training, reference_config(cfg), False, False, True)[0]
+    reference = reference_run(reference_config(cfg))
     for result in run_on_ranks(4 if cfg.parallel.tp > 1 else 2, _train_with_gathers_landing_at_wait, cfg):
         report = compare(reference, result)
         assert report.max_relative_difference <= EXACT, report.max_rel

@@ -4,6 +4,7 @@ collectives, no mocks) with a short timeout, so a hung collective fails the test
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fived.launch.ranks import run_ranks
@@ -20,6 +21,68 @@ def run_on_ranks(world: int, body: Callable[..., Any], *args: Any, timeout_s: fl
     # Always CPU + gloo + fork (also on a GPU host): test bodies may be closures, and tests rely on
     # ranks inheriting the parent's state.
     return run_ranks(world, body, *args, timeout_s=timeout_s, deadline_s=10 * timeout_s, device="cpu")
+
+
+@dataclass(frozen=True)
+class ForkedRun:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def run_forked(fn: Callable[..., int], *args: Any, timeout_s: float = 300.0) -> ForkedRun:
+    """fn(*args) (an exit code, e.g. fived.cli.main.main(argv)) in a forked child of this process, with
+    what it printed: a `python -m fived` subprocess without its seconds of `import torch` (the child
+    has this process's modules). Its memory is given back when it exits, as a subprocess's is; past
+    `timeout_s` it is killed and this raises TimeoutError."""
+    import os
+    import signal
+    import sys
+    import tempfile
+    import time
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory(prefix="fived-forked-") as d:
+        out, err = Path(d, "stdout"), Path(d, "stderr")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            _forked_child(fn, args, out, err)  # (never returns)
+        deadline = time.monotonic() + timeout_s
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0:
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                raise TimeoutError(f"{getattr(fn, '__name__', fn)}{args}: still running after {timeout_s:g} s")
+            time.sleep(0.05)
+        return ForkedRun(os.waitstatus_to_exitcode(done[1]), out.read_text(), err.read_text())
+
+
+def _forked_child(fn: Callable[..., int], args: tuple, out, err) -> None:
+    """The child's side of run_forked: stdout and stderr (the file descriptors, and Python's objects,
+    which pytest replaces) into the files, fn's exit code as the process's; it never returns into the
+    parent's code, whatever fn raises."""
+    import os
+    import sys
+    import traceback
+
+    code = 1
+    try:
+        for fd, path in ((1, out), (2, err)):
+            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), fd)
+        with open(1, "w", closefd=False) as stdout, open(2, "w", closefd=False) as stderr:
+            sys.stdout, sys.stderr = stdout, stderr
+            try:
+                code = fn(*args)
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else 1
+            except BaseException:
+                traceback.print_exc()
+            stdout.flush()
+            stderr.flush()
+    finally:
+        os._exit(code if isinstance(code, int) else 1)
 
 
 def tiny_config(model: str = "tiny", **overrides: Any):

@@ -87,6 +87,9 @@ class Mesh:
         self.flat: dict = {}
         self.expert_mesh: Any = None
         self.cp_mesh: Any = None  # hybrid context parallelism: cp cut into (cp_ring, cp_ulysses)
+        # Sub-meshes by name, each sliced once: DeviceMesh slicing builds a new mesh object every time
+        # (a few ms), and the data-parallel code asks for the same few hundreds of times per run.
+        self._sliced: dict[str, Any] = {}
 
     @classmethod
     def from_config(cls, cfg: Config, world: int) -> Mesh:
@@ -109,6 +112,7 @@ class Mesh:
         from torch.distributed.device_mesh import init_device_mesh
 
         self.device_type = device_type
+        self._sliced = {}
         override = _backend_override(device_type, timeout_s)
         dims: dict[int | str, Any] | None = dict.fromkeys(MESH_DIMS, override) if override else None
         self.device_mesh = init_device_mesh(
@@ -149,6 +153,11 @@ class Mesh:
         return self
 
     def __getitem__(self, name: str):
+        if name not in self._sliced:
+            self._sliced[name] = self._slice(name)
+        return self._sliced[name]
+
+    def _slice(self, name: str):
         if name in ("ep", "edp"):
             return self.expert_mesh[name]
         if name in ("cp_ring", "cp_ulysses"):

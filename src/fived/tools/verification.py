@@ -9,6 +9,7 @@ Relative difference: |a - b| / |b| for scalars (per step), ||a - b|| / ||b|| for
 from __future__ import annotations
 
 import copy
+import json
 import math
 import tempfile
 from dataclasses import dataclass, field
@@ -66,6 +67,44 @@ def reference_config(cfg: Config) -> Config:
     return ref
 
 
+# Reference results kept by reference_run, keyed by the reference run's whole configuration; None (the
+# default): every run_verify trains its own reference. The test suite turns this on (tests/conftest.py):
+# about 200 verifications there share a few dozen references, each a run of its own otherwise.
+REFERENCE_CACHE: dict[str, TrainResult] | None = None
+# Inputs read from outside the configuration (files, a run to start from) or written there: a reference
+# run with any of these set is never taken from the cache.
+_UNCACHED_IF_SET = (
+    ("train", "init_from"),
+    ("train", "trace"),
+    ("train", "profile"),
+    ("data", "path"),
+    ("data", "val_path"),
+)
+
+
+def _cache_key(ref: Config) -> str | None:
+    if ref.data.tokenizer != "byte" or any(getattr(getattr(ref, s), k) for s, k in _UNCACHED_IF_SET):
+        return None
+    described = ref.to_dict()
+    del described["train"]["output_dir"]  # (unused: the reference runs with log=False and writes nothing)
+    return json.dumps(described, sort_keys=True)
+
+
+def reference_run(ref: Config) -> TrainResult:
+    """The single-process run at `ref` (a reference_config), on one forked rank; from REFERENCE_CACHE
+    when that is on and holds this configuration (a copy: callers may not share the cached tensors)."""
+    cache = REFERENCE_CACHE
+    key = _cache_key(ref) if cache is not None else None
+    if cache is None or key is None or key not in cache:
+        result = run_ranks(
+            1, partial(train_rank, ref, log=False, progress=False, return_state=True), device=ref.train.device
+        )[0]
+        if cache is None or key is None:
+            return result
+        cache[key] = result
+    return copy.deepcopy(cache[key])
+
+
 def compare(ref: TrainResult, lay: TrainResult) -> VerifyReport:
     report = VerifyReport()
     keys = ["loss", "grad_norm"] + (["aux_loss"] if "aux_loss" in ref.metrics[0] else [])
@@ -119,11 +158,7 @@ def run_verify(cfg: Config, world: int, printer=print, reshard_from: tuple[Confi
     cfg.train.dtype = "float64"
     cfg.train.fp8 = "none"  # (FP8 rounding is no property of the layout, and float64 is what checks it)
     check_config(cfg, world)  # a clear error here rather than from every rank
-    ref = run_ranks(
-        1,
-        partial(train_rank, reference_config(cfg), log=False, progress=False, return_state=True),
-        device=cfg.train.device,
-    )[0]
+    ref = reference_run(reference_config(cfg))
     if reshard_from is not None:
         first = copy.deepcopy(reshard_from[0])
         first.train.dtype, first.train.fp8 = "float64", "none"
