@@ -31,9 +31,9 @@ MAY_IMPORT = {
 }
 TOP = set(MAY_IMPORT) | {"launch"}
 MAY_IMPORT["tools"] = BASE | TOP
-MAY_IMPORT["cli"] = BASE | TOP | {"tools"}
+MAY_IMPORT["api"] = BASE | TOP | {"tools"}  # the path: the CLI is a thin adapter over it, never the reverse
+MAY_IMPORT["cli"] = BASE | TOP | {"tools", "api"}
 MAY_IMPORT["testing"] = BASE | TOP
-MAY_IMPORT["api"] = BASE | TOP | {"tools", "cli"}
 MAY_IMPORT["__init__"] = {"api", "config", "launch", "version"}
 MAY_IMPORT["__main__"] = {"cli"}
 

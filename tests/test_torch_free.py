@@ -22,6 +22,10 @@ for schedule in ('zbv', 'dualpipev', 'interleaved-1f1b'):  # (priced by fived.la
                  '1048576', '--layout', f'--pp 4 --dp 4 --pp-schedule {schedule} --microbatches 8']) == 0
 assert main(['config', '--tp', '2', '--pp', '2']) == 0
 assert main(['config', '--tp', 'x']) == 2  # a bad value: the one-line error, still no torch
+try:
+    fived.plan('llama3-8b', gpus=0, seq_len=8192, global_batch_tokens=2**20)
+except fived.ConfigError as e:
+    assert str(e).startswith('--gpus=0: must be >= 1'), e
 print('no torch')
 """
 
