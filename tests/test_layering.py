@@ -9,28 +9,31 @@ import fived
 ROOT = Path(fived.__file__).parent
 
 # Each entry may import itself and every entry it lists; what is not listed is refused.
-BASE = {"config", "config_docs", "version", "write_errors"}
+BASE = {"errors", "config", "config_docs", "version", "write_errors"}
+TORCH = BASE | {"compat"}  # the private torch internals' one module: for the layers that run torch
 MAY_IMPORT = {
-    "config": set(),
+    "errors": {"write_errors"},  # torch-free: what the user is told
+    "config": {"errors"},
     "version": set(),
     "write_errors": set(),
-    "config_docs": {"config"},
-    "layout": {"config"},  # the torch-free core: sharding spec, rules, stages, placements, Muon's plan
+    "compat": set(),
+    "config_docs": {"config", "errors"},
+    "layout": {"config", "errors"},  # the torch-free core: sharding spec, rules, stages, placements, Muon's plan
     "planner": BASE | {"layout"},  # torch-free, never the runtime
-    "model": BASE | {"layout"},  # the model without parallel branches
+    "model": TORCH | {"layout"},  # the model without parallel branches
     "data": BASE,
-    "checkpoint": BASE | {"layout", "model"},
-    "optim": BASE | {"layout", "model"},
-    "parallel": BASE | {"layout", "model", "optim"},
-    "hf": BASE | {"layout", "model", "checkpoint"},
-    "training": BASE | {"layout", "planner", "model", "data", "checkpoint", "optim", "parallel", "hf"},
-    "launch": BASE | {"layout", "planner", "model", "data", "checkpoint", "optim", "parallel", "hf", "training"},
+    "checkpoint": TORCH | {"layout", "model"},
+    "optim": TORCH | {"layout", "model"},
+    "parallel": TORCH | {"layout", "model", "optim"},
+    "hf": TORCH | {"layout", "model", "checkpoint"},
+    "training": TORCH | {"layout", "planner", "model", "data", "checkpoint", "optim", "parallel", "hf"},
+    "launch": TORCH | {"layout", "planner", "model", "data", "checkpoint", "optim", "parallel", "hf", "training"},
 }
 TOP = set(MAY_IMPORT) | {"launch"}
 MAY_IMPORT["tools"] = BASE | TOP
-MAY_IMPORT["cli"] = BASE | TOP | {"tools"}
+MAY_IMPORT["api"] = BASE | TOP | {"tools"}  # the path: the CLI is a thin adapter over it, never the reverse
+MAY_IMPORT["cli"] = BASE | TOP | {"tools", "api"}
 MAY_IMPORT["testing"] = BASE | TOP
-MAY_IMPORT["api"] = BASE | TOP | {"tools", "cli"}
 MAY_IMPORT["__init__"] = {"api", "config", "launch", "version"}
 MAY_IMPORT["__main__"] = {"cli"}
 

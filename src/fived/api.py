@@ -60,7 +60,8 @@ def train(
     from fived.launch.run_setup import LaunchRequest, default_world_size, prepare_training
     from fived.launch.training_run import launch
 
-    request = LaunchRequest(overrides=_given(config, resume), nproc=nproc, resume=resume, layout=layout)
+    given = _given(config, resume)
+    request = LaunchRequest(overrides=given, nproc=nproc, resume=resume, layout=layout, base=config)
     run = prepare_training(request, default_world_size())
     outcome = launch(run, report=report, progress=progress)
     if outcome.code != 0:
@@ -80,7 +81,7 @@ def verify(
 
     given = _given(config, None)
     defaults = {"parallel.dp": 1} if nproc is None else {}  # (a tp=2 config means tp=2 alone, not tp=2 x dp)
-    cfg, world = load_run(LaunchRequest(overrides=given, nproc=nproc), 1, defaults)
+    cfg, world = load_run(LaunchRequest(overrides=given, nproc=nproc, base=config), 1, defaults)
     return run_verify(cfg, world, printer=printer or (lambda line: None))
 
 
@@ -99,7 +100,6 @@ def plan(
     GPUs of type `gpu` (a100, h100, h200, h800, b200, mi300x or a hardware .toml) with `memory_headroom_gib`
     left free, fastest first, as `fived plan` ranks them: each Plan's layout (`.layout.flags(global_batch)`
     runs it), its memory per GPU and predicted step time. runtime: plan for fived or, to compare, another."""
-    from fived.cli.plan import cluster_of
     from fived.planner.runtimes import PLANNED_RUNTIMES
     from fived.planner.search import plan as search
 
@@ -111,9 +111,54 @@ def plan(
     ).plans
 
 
+def cluster_of(model, gpus: int, gpus_per_node: int, gpu: str, seq: int, global_batch_tokens: int):
+    """(ModelConfig, Cluster, global batch in sequences), each value checked (one line per bad one):
+    `model` is a preset name, a TOML config's path or a ModelConfig."""
+    from fived.config import ModelConfig
+    from fived.planner.hardware import hardware
+    from fived.planner.timing import Cluster
+
+    for flag, value, example in (
+        ("--gpus", gpus, 64),
+        ("--gpus-per-node", gpus_per_node, 8),
+        ("--seq", seq, 8192),
+        ("--global-batch-tokens", global_batch_tokens, 4194304),
+    ):
+        if value < 1:
+            raise ConfigError(flag, value, "must be >= 1", f"e.g. {flag} {example}")
+    if global_batch_tokens % seq:
+        raise ConfigError(
+            "--global-batch-tokens",
+            global_batch_tokens,
+            f"must be a multiple of --seq {seq}",
+            f"e.g. {max(1, global_batch_tokens // seq) * seq}",
+        )
+    model_config = model if isinstance(model, ModelConfig) else plan_model(model)
+    return model_config, Cluster(hardware(gpu), gpus, min(gpus_per_node, gpus)), global_batch_tokens // seq
+
+
+def plan_model(name: str):
+    """A preset name, a TOML config's [model] table, or (what `fived plan --serve` also takes) a fived
+    run or checkpoint or a Hugging Face model directory."""
+    from pathlib import Path
+
+    from fived.config import model_preset
+
+    if name.endswith(".toml"):
+        return build_config(name).model
+    if Path(name).is_dir():
+        from fived.hf.init import source_model
+
+        try:
+            return source_model(name)[0]
+        except ConfigError as e:  # (the source is --model here, not training's --init-from)
+            raise ConfigError("--model" if e.field == "--init-from" else e.field, e.value, e.rule, e.hint) from None
+    return model_preset(name)
+
+
 def _given(config: Config | None, resume: str | None) -> dict[str, Any]:
-    """The fields `config` sets, as flags would give them ({"section.key": value}): those that differ
-    from the defaults with its model's preset, or, resuming a named run, from that run's config."""
+    """The fields `config` sets ({"section.key": value}): those that differ from the defaults with its
+    model's preset or, resuming a named run, from that run's config (which takes only these)."""
     if config is None:
         return {}
     if resume not in (None, "auto"):
@@ -126,5 +171,5 @@ def _given(config: Config | None, resume: str | None) -> dict[str, Any]:
     return {
         f"{f.section}.{f.key}": mine[f.section][f.key]
         for f in config_fields()
-        if mine[f.section][f.key] != theirs[f.section][f.key] or (f.section, f.key) == ("model", "name")
+        if mine[f.section][f.key] != theirs[f.section][f.key]
     }

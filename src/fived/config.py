@@ -23,15 +23,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-
-class ConfigError(ValueError):
-    """A configuration that cannot run. Its message is one line: field, value, rule, alternative."""
-
-    def __init__(self, field_name: str, value: Any, rule: str, hint: str = ""):
-        self.field, self.value, self.rule, self.hint = field_name, value, rule, hint
-        msg = f"{field_name}={value}: {rule}"
-        super().__init__(f"{msg}; {hint}" if hint else msg)
-
+from fived.errors import ConfigError  # (the one-line error; defined torch-free beside the others)
 
 # The choice fields' values (the layout's and the checks' names for them are these: fived.layout.layout)
 PPSchedule = Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev"]

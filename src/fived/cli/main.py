@@ -20,8 +20,8 @@ import sys
 
 from fived.cli.generate import add_generate_command
 from fived.cli.plan import add_plan_commands
-from fived.config import ConfigError, build_config
-from fived.launch.ranks import Stopped
+from fived.config import build_config
+from fived.errors import ConfigError, Stopped, user_error
 from fived.launch.run_setup import add_config_flags, load_run, prepare_training, reshard_layout
 
 
@@ -293,20 +293,10 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             _refuse_unknown(unknown, parser, ns.commands.get(ns.command))
         return ns.func(ns)
-    except ConfigError as e:
-        print(f"fived: error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:  # a write or read the machine refused (full disk, read-only, permissions)
-        from fived.write_errors import describe
-
-        print(f"fived: error: {describe(e)}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:  # (before or after the ranks; while they run, the launcher handles Ctrl-C)
-        print("fived: interrupted", file=sys.stderr)
-        return 130
-    except Stopped as stop:  # a signal while `fived verify` ran its ranks
-        print(f"\nfived: stopped by {stop.signal_name}; every rank was stopped", file=sys.stderr)
-        return 130 if stop.signal_name == "SIGINT" else 143
+    except (ConfigError, OSError, KeyboardInterrupt, Stopped) as e:  # one line, no traceback
+        code, line = user_error(e) or (1, str(e))
+        print(line, file=sys.stderr)
+        return code
 
 
 if __name__ == "__main__":

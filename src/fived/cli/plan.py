@@ -7,30 +7,12 @@ from __future__ import annotations
 import argparse
 import json
 
+from fived.api import cluster_of, plan_model
 from fived.cli.serve import add_serve_flags
-from fived.config import ConfigError, build_config
+from fived.config import ConfigError
 
 DEFAULT_HEADROOM_GIB = 3.0  # so that a winner is not packed to the last GiB of the planner's estimate
 RUNTIME_CHOICES = ("fived", "fived-fp8", "fived-eager", "megatron-core", "megatron-core-fp8", "fsdp", "fsdp-fp8")
-
-
-def plan_model(name: str):
-    """A preset name, a TOML config's [model] table, or (what `fived plan --serve` also takes) a fived
-    run or checkpoint or a Hugging Face model directory."""
-    from pathlib import Path
-
-    from fived.config import model_preset
-
-    if name.endswith(".toml"):
-        return build_config(name).model
-    if Path(name).is_dir():
-        from fived.hf.init import source_model
-
-        try:
-            return source_model(name)[0]
-        except ConfigError as e:  # (the source is --model here, not training's --init-from)
-            raise ConfigError("--model" if e.field == "--init-from" else e.field, e.value, e.rule, e.hint) from None
-    return model_preset(name)
 
 
 def cmd_plan(ns: argparse.Namespace) -> int:
@@ -110,32 +92,6 @@ def plan_cluster(ns: argparse.Namespace, command: str):
             + (" (or --validate FILE.csv)" if command == "plan" else ""),
         )
     return cluster_of(ns.model, ns.gpus, ns.gpus_per_node, ns.gpu, ns.seq, ns.global_batch_tokens)
-
-
-def cluster_of(model, gpus: int, gpus_per_node: int, gpu: str, seq: int, global_batch_tokens: int):
-    """(ModelConfig, Cluster, global batch in sequences), each value checked (one line per bad one):
-    `model` is a preset name, a TOML config's path or a ModelConfig."""
-    from fived.config import ModelConfig
-    from fived.planner.hardware import hardware
-    from fived.planner.timing import Cluster
-
-    for flag, value, example in (
-        ("--gpus", gpus, 64),
-        ("--gpus-per-node", gpus_per_node, 8),
-        ("--seq", seq, 8192),
-        ("--global-batch-tokens", global_batch_tokens, 4194304),
-    ):
-        if value < 1:
-            raise ConfigError(flag, value, "must be >= 1", f"e.g. {flag} {example}")
-    if global_batch_tokens % seq:
-        raise ConfigError(
-            "--global-batch-tokens",
-            global_batch_tokens,
-            f"must be a multiple of --seq {seq}",
-            f"e.g. {max(1, global_batch_tokens // seq) * seq}",
-        )
-    model_config = model if isinstance(model, ModelConfig) else plan_model(model)
-    return model_config, Cluster(hardware(gpu), gpus, min(gpus_per_node, gpus)), global_batch_tokens // seq
 
 
 def cmd_plan_layout(ns: argparse.Namespace) -> int:

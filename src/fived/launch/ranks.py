@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from fived.errors import Stopped
 from fived.parallel.process_group import device_type, init_distributed, shutdown_distributed
 from fived.write_errors import refused_write_summary
 
@@ -42,15 +43,6 @@ class RankFailed(RuntimeError):
         "write_failed": summaries with a "line"), or None if none did."""
         found = [s for s in self.summaries if s.get("kind") == kind]
         return "fived train: " + found[0]["line"] if found else None
-
-
-class Stopped(RuntimeError):
-    """The launcher was told to stop (SIGINT, or SIGTERM); `signal_name` says which, `results` holds
-    what ranks that finished their stop (a preemption save) returned."""
-
-    def __init__(self, signal_name: str, results: list | None = None):
-        super().__init__(signal_name)
-        self.signal_name, self.results = signal_name, results
 
 
 class PortTaken(RuntimeError):

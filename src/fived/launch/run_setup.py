@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fived.config import Config, ConfigError, build_config, config_fields
+from fived.config import Config, ConfigError, build_config, config_fields, model_preset, set_field
 from fived.config_docs import SECTION_DOCS, help_text, metavar
 from fived.optim.lr_schedule import decay_steps_of
 
@@ -78,7 +78,8 @@ def overrides_of(ns: argparse.Namespace) -> dict:
 @dataclass
 class LaunchRequest:
     """What a launch asks for, from `fived train`'s flags (an argparse namespace, see `as_request`) or
-    from the Python API (fived.api): the fields given, a TOML file, the ranks, a run to resume."""
+    from the Python API (fived.api, a whole Config): the fields given, a TOML file, the ranks, a run to
+    resume."""
 
     overrides: dict[str, Any] = field(default_factory=dict)  # {"section.key": value}: the fields given
     config: str | None = None  # a TOML file (read under the overrides)
@@ -86,6 +87,9 @@ class LaunchRequest:
     dp_shard: int | None = None  # HSDP: dp = dp_shard x parallel.dp_replicate
     resume: str | None = None  # a run or checkpoint directory, or "auto"
     layout: str | None = None  # "auto": the planner's best layout
+    # the API's Config, which a new run takes as it is (`overrides` then says which fields it sets:
+    # a token file's sidecar or `--layout auto` fills the others; a resumed run applies them to its own)
+    base: Config | None = None
 
 
 def as_request(given: LaunchRequest | argparse.Namespace) -> LaunchRequest:
@@ -114,7 +118,14 @@ def build_from_args(given: LaunchRequest | argparse.Namespace, extra: dict | Non
     """The config from file + flags; --dp-shard resolved against the final dp_replicate."""
     ns = as_request(given)
     over = {**(extra or {}), **ns.overrides}
-    cfg = build_config(ns.config, over)
+    if ns.base is not None:
+        cfg = checked_copy(ns.base)
+        for key, value in (extra or {}).items():  # (a command's defaults, for the fields it leaves alone)
+            if key not in ns.overrides:
+                section, _, name = key.partition(".")
+                set_field(cfg, section, name, value)
+    else:
+        cfg = build_config(ns.config, over)
     if "train.microbatches" not in over and not _in_file(ns.config, "train", "microbatches"):
         # a pipeline needs at least pp micro-batches: default to pp, as torchtitan does
         cfg.train.microbatches = max(cfg.train.microbatches, cfg.parallel.pp)
@@ -123,6 +134,17 @@ def build_from_args(given: LaunchRequest | argparse.Namespace, extra: dict | Non
             raise ConfigError("--dp-shard", ns.dp_shard, "must be >= 1")
         cfg.parallel.dp = ns.dp_shard * cfg.parallel.dp_replicate
     return cfg
+
+
+def checked_copy(cfg: Config) -> Config:
+    """A copy of the API's `cfg`, each field checked as a flag's value would be (one ConfigError line
+    for a bad one) and its model's name a preset's: the same refusals as `fived train`'s."""
+    model_preset(cfg.model.name)
+    values = cfg.to_dict()
+    copy = Config()
+    for f in config_fields():
+        set_field(copy, f.section, f.key, values[f.section][f.key])
+    return copy
 
 
 def default_world_size() -> int:

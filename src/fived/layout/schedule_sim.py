@@ -8,18 +8,19 @@ is 1/chunks (a rank holding v stages does 1/v of its work per action): F = 1, B 
 each divided by the number of stages per rank. The bubble is the idle fraction of the makespan,
 averaged over ranks: for GPipe and 1F1B exactly (p-1)/(m+p-1).
 
-Generated orders (`schedule_actions`) are the orders the runtime executes: for the multi-stage
-schedules they come from torch.distributed.pipelining's own per-rank order generators; for GPipe
-and 1F1B, whose runtime order is hard-coded in their `_step_microbatches`, from a few lines here.
+Generated orders (`schedule_actions`) are the orders the runtime executes, without torch: the
+multi-stage schedules' from fived.layout.schedule_orders (checked against torch's own generators);
+GPipe's and 1F1B's, whose runtime order is hard-coded in their `_step_microbatches`, from a few
+lines here.
 """
 
 from __future__ import annotations
 
 import functools
-import types
 from typing import Any
 
 from fived.layout.layout import SINGLE_STAGE, stages_per_rank
+from fived.layout.schedule_orders import multi_stage_order
 
 COST = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev")
@@ -139,7 +140,8 @@ def schedule_actions(schedule: str, pp: int, virtual: int, microbatches: int) ->
         return {r: [("F", r, i) for i in range(m)] + [("B", r, i) for i in range(m)] for r in range(pp)}
     if schedule == "1f1b":
         return {r: _one_f_one_b(r, pp, m) for r in range(pp)}
-    return _torch_order(schedule, pp, stages_per_rank(schedule, virtual), m)
+    local = stages_per_rank(schedule, virtual)
+    return {r: multi_stage_order(schedule, pp, local, m, r) for r in range(pp)}
 
 
 def _one_f_one_b(rank: int, pp: int, m: int) -> list[tuple[str, int, int]]:
@@ -152,49 +154,6 @@ def _one_f_one_b(rank: int, pp: int, m: int) -> list[tuple[str, int, int]]:
         out.append(("B", rank, i))
         if warmup + i < m:
             out.append(("F", rank, warmup + i))
-    return out
-
-
-_TORCH_CLASS = {
-    "interleaved-1f1b": "ScheduleInterleaved1F1B",
-    "zero-bubble": "ScheduleInterleavedZeroBubble",
-    "zbv": "ScheduleZBVZeroBubble",
-    "dualpipev": "ScheduleDualPipeV",
-}
-
-
-def _torch_order(schedule: str, pp: int, local_stages: int, m: int) -> Actions:
-    """The per-rank compute order from torch's own `_calculate_single_rank_operations`, called on a
-    stand-in `self` holding only the plain numbers those generators read. Constructing the schedule
-    would need real stages and a process group, and would also lower the order with comms, FSDP
-    unshard/reshard and REDUCE_GRAD (quadratic in the actions per rank); that lowering and
-    ZeroBubble's `_add_bubbles_to_actions` only add actions or idle slots, never reorder compute."""
-    from torch.distributed.pipelining import schedules as S
-
-    rounds = max(1, m // pp)
-    fake = types.SimpleNamespace(
-        pp_group_size=pp,
-        n_local_stages=local_stages,
-        _n_microbatches=m,
-        number_of_rounds=rounds,
-        microbatches_per_round=m // rounds,
-        num_stages=pp * local_stages,
-        _num_stages=pp * local_stages,
-    )
-    generate = getattr(S, _TORCH_CLASS[schedule])._calculate_single_rank_operations
-    # keyed by id: hashing torch's str-Enum members runs Python code, a third of the time here
-    kind_of = {id(S.FORWARD): "F", id(S.FULL_BACKWARD): "B", id(S.BACKWARD_INPUT): "I", id(S.BACKWARD_WEIGHT): "W"}
-    out: Actions = {}
-    for rank in range(pp):
-        actions = []
-        for a in generate(fake, rank):
-            if a is None:  # an idle slot of torch's lock-step picture
-                continue
-            for stage, ctype, mb, _ in a.sub_actions or (a,):  # OVERLAP_F_B runs its F then its B
-                kind = kind_of.get(id(ctype))
-                if kind is not None:
-                    actions.append((kind, stage, mb))
-        out[rank] = actions
     return out
 
 

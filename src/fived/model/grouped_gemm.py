@@ -27,6 +27,8 @@ import itertools
 import torch
 import torch.nn.functional as F
 
+from fived.compat import grouped_mm, has_grouped_mm
+
 
 def expert_loop(x: torch.Tensor, w1, w3, w2, counts: list[int]) -> torch.Tensor:
     """Reference: one SwiGLU per expert over its slice of slots (3 GEMMs per expert and pass)."""
@@ -37,11 +39,7 @@ def expert_loop(x: torch.Tensor, w1, w3, w2, counts: list[int]) -> torch.Tensor:
 def uses_grouped_mm(x: torch.Tensor, w1: torch.Tensor) -> bool:
     """torch's grouped GEMM: CUDA, bf16, and rows aligned to 16 bytes (as its kernels require)."""
     return (
-        x.is_cuda
-        and hasattr(torch, "_grouped_mm")
-        and x.dtype == torch.bfloat16
-        and w1.shape[1] % 16 == 0
-        and w1.shape[2] % 16 == 0
+        x.is_cuda and has_grouped_mm() and x.dtype == torch.bfloat16 and w1.shape[1] % 16 == 0 and w1.shape[2] % 16 == 0
     )
 
 
@@ -84,8 +82,8 @@ def _grouped_swiglu(
         return _forward_slices(x, w1, w3, w2, counts.tolist())
     if uses_grouped_mm(x, w1):
         offs = _group_ends(counts)
-        gate, up = torch._grouped_mm(x, w1, offs=offs), torch._grouped_mm(x, w3, offs=offs)
-        return torch._grouped_mm(F.silu(gate) * up, w2, offs=offs), gate, up
+        gate, up = grouped_mm(x, w1, offs=offs), grouped_mm(x, w3, offs=offs)
+        return grouped_mm(F.silu(gate) * up, w2, offs=offs), gate, up
     groups = _Groups(counts, x.shape[0])
     xp = groups.pad(x)
     gate, up = torch.bmm(xp, w1), torch.bmm(xp, w3)
@@ -140,13 +138,11 @@ def _grouped_swiglu_backward(
         return _backward_slices(grad_out, d_gate_in, d_up_in, x, w1, w3, w2, counts.tolist(), gate, up)
     if uses_grouped_mm(x, w1):
         offs = _group_ends(counts)
-        d_hidden = torch._grouped_mm(grad_out, w2.transpose(1, 2), offs=offs)
+        d_hidden = grouped_mm(grad_out, w2.transpose(1, 2), offs=offs)
         d_gate, d_up = _swiglu_grad(d_hidden, gate, up, d_gate_in, d_up_in)
-        dx = torch._grouped_mm(d_gate, w1.transpose(1, 2), offs=offs) + torch._grouped_mm(
-            d_up, w3.transpose(1, 2), offs=offs
-        )
-        dw1, dw3 = torch._grouped_mm(x.t(), d_gate, offs=offs), torch._grouped_mm(x.t(), d_up, offs=offs)
-        return dx, dw1, dw3, torch._grouped_mm((F.silu(gate) * up).t(), grad_out, offs=offs)
+        dx = grouped_mm(d_gate, w1.transpose(1, 2), offs=offs) + grouped_mm(d_up, w3.transpose(1, 2), offs=offs)
+        dw1, dw3 = grouped_mm(x.t(), d_gate, offs=offs), grouped_mm(x.t(), d_up, offs=offs)
+        return dx, dw1, dw3, grouped_mm((F.silu(gate) * up).t(), grad_out, offs=offs)
     groups = _Groups(counts, x.shape[0])
     # padded: every operand padded once; padding rows stay zero through the element-wise math.
     # (Transposed weights are made contiguous: CPU bmm is several times slower on the strided ones.)

@@ -182,9 +182,9 @@ def _own_placement(param: torch.Tensor, shape: tuple[int, ...]) -> Placement:
         if tuple(param.shape) != tuple(shape):
             raise ValueError(f"parameter of shape {tuple(param.shape)}, the model's is {tuple(shape)}")
         return Placement(tuple(shape), Box((0,) * len(shape), tuple(shape)))
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from fived.compat import dtensor_local_box
 
-    local_shape, offsets = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-    if tuple(local_shape) != tuple(param.to_local().shape):
+    local_shape, offsets = dtensor_local_box(param.shape, param.device_mesh, param.placements)
+    if local_shape != tuple(param.to_local().shape):
         raise ValueError(f"cannot locate a DTensor shard of shape {tuple(param.to_local().shape)}")
-    return Placement(tuple(shape), Box(tuple(offsets), tuple(local_shape)))
+    return Placement(tuple(shape), Box(offsets, local_shape))

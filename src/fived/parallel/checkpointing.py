@@ -8,9 +8,9 @@
 from __future__ import annotations
 
 import torch
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from fived.compat import checkpoint_wrapper
 from fived.model.attention import inside_blockwise
 from fived.model.grouped_gemm import GROUPED_SWIGLU_OP
 from fived.model.transformer import Transformer

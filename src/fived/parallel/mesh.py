@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from fived.compat import flatten_mesh, process_group_options
 from fived.config import Config
 from fived.layout.layout import (
     CHECKPOINTING,
@@ -142,14 +143,12 @@ class Mesh:
                 backend_override=dict.fromkeys(cp_dims, override) if override else None,
             )
         self.flat = {
-            "dp": mesh["dp_replicate", "dp_shard"]._flatten("dp", backend_override=override),
-            "dp_cp": mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp", backend_override=override),
-            "dp_shard_cp": mesh["dp_shard", "cp"]._flatten("dp_shard_cp", backend_override=override),
+            "dp": flatten_mesh(mesh["dp_replicate", "dp_shard"], "dp", override),
+            "dp_cp": flatten_mesh(mesh["dp_replicate", "dp_shard", "cp"], "dp_cp", override),
+            "dp_shard_cp": flatten_mesh(mesh["dp_shard", "cp"], "dp_shard_cp", override),
         }
         if self.layout.optimizer == "muon":  # (only Muon's exchange uses it: gloo connects a group eagerly)
-            self.flat["dp_cp_tp"] = mesh["dp_replicate", "dp_shard", "cp", "tp"]._flatten(
-                "dp_cp_tp", backend_override=override
-            )
+            self.flat["dp_cp_tp"] = flatten_mesh(mesh["dp_replicate", "dp_shard", "cp", "tp"], "dp_cp_tp", override)
         return self
 
     def __getitem__(self, name: str):
@@ -183,15 +182,4 @@ class Mesh:
 
 def _backend_override(device_type: str, timeout_s: float | None) -> Any:
     """(backend, options) carrying the collective timeout, for DeviceMesh's groups."""
-    if timeout_s is None:
-        return None
-    import datetime
-
-    import torch.distributed as dist
-
-    if device_type == "cuda":
-        backend, options = "nccl", dist.ProcessGroupNCCL.Options()
-    else:
-        backend, options = "gloo", dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # not in torch's stubs
-    options._timeout = datetime.timedelta(seconds=timeout_s)
-    return backend, options
+    return None if timeout_s is None else process_group_options(device_type, timeout_s)

@@ -41,9 +41,9 @@ STATE_KINDS = ("params", "grads", "optimizer")
 @contextlib.contextmanager
 def fake_process_group(*, rank: int, world: int):
     """The default group of `world` ranks, this process being `rank`; collectives are no-ops."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from fived.compat import fake_store
 
-    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+    dist.init_process_group("fake", rank=rank, world_size=world, store=fake_store())
     try:
         yield
     finally:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fived.compat import checkpointed_inner, in_backward
 from fived.parallel import comm
 
 COMPUTE = ("forward", "backward", "recompute")
@@ -113,13 +114,13 @@ class StepTimer:
         hook would not see its end.)"""
         for chunk in chunks if self.enabled else []:
             for block in chunk.layers.values():
-                inner = getattr(block, "_checkpoint_wrapped_module", None)
+                inner = checkpointed_inner(block)
                 if inner is not None:
                     inner.forward = self._timed_recompute(inner.forward)
 
     def _timed_recompute(self, forward):
         def forward_or_recompute(*args, **kwargs):
-            if torch._C._current_graph_task_id() == -1:  # a forward pass
+            if not in_backward():  # a forward pass
                 return forward(*args, **kwargs)
             with self.span("recompute"):  # inside backward: a recomputation
                 return forward(*args, **kwargs)

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from fived.checkpoint.checkpointer import Checkpointer
+from fived.compat import schedule_stages
 from fived.config import Config
 from fived.data.documents import RankBatches, split_micro_batches
 from fived.data.loader import GlobalBatchSampler, check_data, end_of_document_id, validation_sampler
@@ -95,7 +96,7 @@ class Trainer:
             schedule = self.pipeline.build_schedule(
                 modules, self._pipeline_loss, self.device, on_backward=self.dp.backward_of_stage
             )
-            self.activations.watch_stages(getattr(schedule, "_stages", None) or [schedule._stage])
+            self.activations.watch_stages(schedule_stages(schedule))
         self.scheduler = build_scheduler(self.optimizer, t)
         if t.init_from and not resume:  # (a resumed run's checkpoint holds the weights)
             self._init_from(chunks)
