@@ -109,12 +109,17 @@ def plan_cluster(ns: argparse.Namespace, command: str):
             "--gpu h100 --seq 8192 --global-batch-tokens 4194304"
             + (" (or --validate FILE.csv)" if command == "plan" else ""),
         )
-    return cluster_of(ns.model, ns.gpus, ns.gpus_per_node, ns.gpu, ns.seq, ns.global_batch_tokens)
+    return cluster_of(
+        ns.model, ns.gpus, ns.gpus_per_node, ns.gpu, ns.seq, ns.global_batch_tokens, machine=getattr(ns, "machine", None)
+    )
 
 
-def cluster_of(model, gpus: int, gpus_per_node: int, gpu: str, seq: int, global_batch_tokens: int):
+def cluster_of(
+    model, gpus: int, gpus_per_node: int, gpu: str, seq: int, global_batch_tokens: int, *, machine: str | None = None
+):
     """(ModelConfig, Cluster, global batch in sequences), each value checked (one line per bad one):
-    `model` is a preset name, a TOML config's path or a ModelConfig."""
+    `model` is a preset name, a TOML config's path or a ModelConfig; `machine` a machine profile
+    (`fived calibrate`) that prices the ranks instead of `gpu` (one machine: every rank in one node)."""
     from fived.config import ModelConfig
     from fived.planner.hardware import hardware
     from fived.planner.timing import Cluster
@@ -135,6 +140,10 @@ def cluster_of(model, gpus: int, gpus_per_node: int, gpu: str, seq: int, global_
             f"e.g. {max(1, global_batch_tokens // seq) * seq}",
         )
     model_config = model if isinstance(model, ModelConfig) else plan_model(model)
+    if machine:
+        from fived.planner.profile import profile_hardware, read_profile
+
+        return model_config, Cluster(profile_hardware(read_profile(machine), gpus), gpus, gpus), global_batch_tokens // seq
     return model_config, Cluster(hardware(gpu), gpus, min(gpus_per_node, gpus)), global_batch_tokens // seq
 
 
@@ -218,6 +227,11 @@ def add_cluster_flags(parser) -> None:
     parser.add_argument("--gpus", type=int, help="GPUs in the job")
     parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs sharing NVLink (default 8)")
     parser.add_argument("--gpu", default="h100", help="a100, h100, h200, h800, b200, mi300x or a hardware .toml")
+    parser.add_argument(
+        "--machine",
+        metavar="PROFILE.json",
+        help="price the ranks with this machine's measured profile (`fived calibrate`) instead of --gpu",
+    )
     parser.add_argument("--seq", type=int, help="sequence length")
     parser.add_argument("--global-batch-tokens", type=int, help="tokens per optimizer step")
     parser.add_argument(
