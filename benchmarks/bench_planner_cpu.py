@@ -286,7 +286,9 @@ def main() -> int:
         with open(args.save, "w") as f:
             json.dump({"layouts": layouts, "measured": measured, "components": components, "load": load}, f)
     hw = hardware_of(args)
-    print(f"priced with {'the machine profile ' + args.machine if args.machine else 'the CPU constants (hardware.CPU)'}")
+    print(
+        f"priced with {'the machine profile ' + args.machine if args.machine else 'the CPU constants (hardware.CPU)'}"
+    )
     if args.fit:
         loo = []
         for j in range(len(layouts)):

@@ -110,7 +110,13 @@ def plan_cluster(ns: argparse.Namespace, command: str):
             + (" (or --validate FILE.csv)" if command == "plan" else ""),
         )
     return cluster_of(
-        ns.model, ns.gpus, ns.gpus_per_node, ns.gpu, ns.seq, ns.global_batch_tokens, machine=getattr(ns, "machine", None)
+        ns.model,
+        ns.gpus,
+        ns.gpus_per_node,
+        ns.gpu,
+        ns.seq,
+        ns.global_batch_tokens,
+        machine=getattr(ns, "machine", None),
     )
 
 
@@ -143,7 +149,11 @@ def cluster_of(
     if machine:
         from fived.planner.profile import profile_hardware, read_profile
 
-        return model_config, Cluster(profile_hardware(read_profile(machine), gpus), gpus, gpus), global_batch_tokens // seq
+        return (
+            model_config,
+            Cluster(profile_hardware(read_profile(machine), gpus), gpus, gpus),
+            global_batch_tokens // seq,
+        )
     return model_config, Cluster(hardware(gpu), gpus, min(gpus_per_node, gpus)), global_batch_tokens // seq
 
 

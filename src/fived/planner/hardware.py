@@ -40,7 +40,6 @@ from __future__ import annotations
 import re
 from dataclasses import MISSING, dataclass, fields, replace
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 from fived.config import ConfigError, did_you_mean, tomllib

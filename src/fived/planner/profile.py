@@ -13,6 +13,8 @@ torch's version, the date, the raw measurements and the curves fitted to them:
   AdamW step's bandwidth at 28 bytes per parameter;
 - host: one op's dispatch (launch_s) and, from fived's own trainer at negligible shapes on one
   rank, the host time per layer and micro-batch and per step (the intercept);
+- rank_slowdown: how much slower a small GEMM + element-wise mix runs on each of nproc ranks running
+  it at once than in one process alone (ranks sharing cores, and whatever else the host runs);
 - collectives: seconds per call by op, group size and bytes (the ledger's convention: a
   reduce-scatter's input, an all-gather's output), measured with every rank of the calibration in
   a group of that size at once, as a layout's groups run.
@@ -102,6 +104,7 @@ class MachineProfile:
     launch_s: float
     layer_overhead_s: float
     step_overhead_s: float
+    rank_slowdown: float  # a rank's compute with `nproc` ranks computing at once, over one process's alone
     collectives: dict  # {op: {group size: Curve}}
     collective_scale: float = 1.0  # the measured times at the planned ranks' core sharing (profile_hardware)
 
@@ -117,11 +120,18 @@ class MachineProfile:
         return by_size[near](nbytes) * scale * self.collective_scale
 
 
+def slowdown(profile: MachineProfile, world: int) -> float:
+    """How much slower each of `world` ranks computes than one process alone: measured at the profile's
+    nproc, 1 for one rank, linear in the ranks between (and beyond)."""
+    return max(1.0, 1 + (profile.rank_slowdown - 1) * (world - 1) / (profile.nproc - 1))
+
+
 def profile_hardware(profile: MachineProfile, world: int) -> Hardware:
-    """The planner's hardware for `world` ranks priced by `profile`: the profile's measurements, each
-    host time scaled by how many ranks share a core (the collectives were measured at the profile's
-    own sharing), GEMM rates by each rank's share of a core."""
-    share = min(1.0, profile.cores / max(world, 1))
+    """The planner's hardware for `world` ranks priced by `profile`: the profile's measurements (of one
+    process alone), each compute rate and host time scaled by the measured slowdown of ranks computing
+    at once (`core_share` is its inverse); the collectives were measured with the profile's nproc ranks,
+    scaled from its slowdown to this one."""
+    share = 1 / slowdown(profile, world)
     peak = max(max(row) for plane in profile.gemm.values for row in plane)  # (MFU's denominator only)
     return replace(
         CPU,
@@ -135,7 +145,7 @@ def profile_hardware(profile: MachineProfile, world: int) -> Hardware:
         zero3_overhead_s=CPU.zero3_overhead_s / share,  # (fitted: not measured by calibrate)
         dispatch_s=CPU.dispatch_s / share,
         core_share=share,
-        profile=replace(profile, collective_scale=min(1.0, profile.cores / profile.nproc) / share),
+        profile=replace(profile, collective_scale=slowdown(profile, world) / slowdown(profile, profile.nproc)),
     )
 
 
@@ -144,7 +154,9 @@ def _need(doc: dict, path: str, where: str) -> Any:
     value: Any = doc
     for key in where.split("."):
         if not isinstance(value, dict) or key not in value:
-            raise ConfigError(f"{path}: {where}", "missing", "not a fived machine profile field", "rerun fived calibrate")
+            raise ConfigError(
+                f"{path}: {where}", "missing", "not a fived machine profile field", "rerun fived calibrate"
+            )
         value = value[key]
     return value
 
@@ -181,7 +193,9 @@ def _curve(path: str, doc: dict, where: str) -> Curve:
     nbytes = _axis(path, f"{where}.bytes", _need(doc, path, f"{where}.bytes"))
     seconds = _need(doc, path, f"{where}.seconds")
     if not isinstance(seconds, list) or len(seconds) != len(nbytes):
-        raise ConfigError(f"{path}: {where}.seconds", seconds, f"must be {len(nbytes)} numbers", "rerun fived calibrate")
+        raise ConfigError(
+            f"{path}: {where}.seconds", seconds, f"must be {len(nbytes)} numbers", "rerun fived calibrate"
+        )
     return Curve(
         nbytes,
         tuple(_positive(path, f"{where}.seconds[{i}]", s) for i, s in enumerate(seconds)),
@@ -203,20 +217,20 @@ def read_profile(path: str | os.PathLike) -> MachineProfile:
         raise ConfigError(f"{name}: format", doc.get("format") if isinstance(doc, dict) else doc, "not " + FORMAT, "")
     if doc.get("version") != VERSION:
         raise ConfigError(f"{name}: version", doc.get("version"), f"fived reads version {VERSION}", "rerun calibrate")
-    fitted = _need(doc, name, "fitted")
+    _need(doc, name, "fitted")
     collectives: dict[str, dict[int, Curve]] = {}
     for op in OPS:
-        by_size = _need(fitted, name, f"collectives.{op}")
+        by_size = _need(doc, name, f"fitted.collectives.{op}")
         if not isinstance(by_size, dict) or not by_size:
             raise ConfigError(f"{name}: fitted.collectives.{op}", by_size, "no group sizes", "rerun fived calibrate")
         collectives[op] = {}
         for size in by_size:
             if not size.isdigit() or int(size) < 2:
                 raise ConfigError(f"{name}: fitted.collectives.{op}", size, "group sizes are integers >= 2", "e.g. 2")
-            collectives[op][int(size)] = _curve(name, fitted, f"collectives.{op}.{size}")
+            collectives[op][int(size)] = _curve(name, doc, f"fitted.collectives.{op}.{size}")
 
     def scalar(where: str) -> float:
-        return _positive(name, f"fitted.{where}", _need(fitted, name, where))
+        return _positive(name, f"fitted.{where}", _need(doc, name, f"fitted.{where}"))
 
     return MachineProfile(
         path=name,
@@ -224,13 +238,14 @@ def read_profile(path: str | os.PathLike) -> MachineProfile:
         nproc=int(_positive(name, "nproc", _need(doc, name, "nproc"))),
         cores=int(_positive(name, "machine.cpu_count", _need(doc, name, "machine.cpu_count"))),
         memory_gib=_positive(name, "machine.memory_gib", _need(doc, name, "machine.memory_gib")),
-        gemm=_grid(name, fitted, "gemm", ("rows", "width", "depth")),
-        attention=_grid(name, fitted, "attention", ("seq", "head_dim")),
-        stream=_curve(name, fitted, "stream"),
+        gemm=_grid(name, doc, "fitted.gemm", ("rows", "width", "depth")),
+        attention=_grid(name, doc, "fitted.attention", ("seq", "head_dim")),
+        stream=_curve(name, doc, "fitted.stream"),
         optimizer_bytes_per_s=scalar("optimizer_bytes_per_s"),
         launch_s=scalar("launch_s"),
         layer_overhead_s=scalar("layer_overhead_s"),
         step_overhead_s=scalar("step_overhead_s"),
+        rank_slowdown=scalar("rank_slowdown"),
         collectives=collectives,
     )
 

@@ -13,6 +13,7 @@ ever add noise, and the median of many is what a training step meets.
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import platform
 import socket
@@ -65,7 +66,7 @@ QUICK = Sizes(  # tests and a first look: a few points per axis
     message_bytes=(2**10, 2**16),
 )
 # share of the budget each part gets (the rest: start-up, forks, the trainer's construction)
-SHARES = {"collectives": 0.4, "host": 0.15, "gemm": 0.2, "attention": 0.1, "stream": 0.05}
+SHARES = {"collectives": 0.4, "host": 0.15, "gemm": 0.2, "attention": 0.1, "stream": 0.05, "contention": 0.03}
 
 
 class Progress:
@@ -160,7 +161,7 @@ def measure_stream(sizes: Sizes, budget_s: float, device: torch.device) -> tuple
     raw = []
     for nbytes in sizes.stream_bytes:
         a, b, c = (torch.ones(nbytes // 4, device=device) for _ in range(3))
-        seconds = timed(lambda a=a, b=b, c=c: torch.add(a, b, out=c), slice_s, device)
+        seconds = timed(functools.partial(torch.add, a, b, out=c), slice_s, device)
         raw.append([3 * nbytes, seconds])
     moved = [m for m, _ in raw]
     left = [max(s - base, FLOOR * s) for m, s in raw]
@@ -212,7 +213,7 @@ def machine(device: torch.device) -> dict:
 def calibrate(output: str, *, nproc: int, minutes: float = DEFAULT_MINUTES, quick: bool = False) -> dict:
     """Measure this machine with `nproc` ranks within `minutes` and write the profile to `output`;
     returns the profile's contents."""
-    from fived.tools.calibrate_ranks import measure_collectives, measure_host
+    from fived.tools.calibrate_ranks import measure_collectives, measure_contention, measure_host
 
     if nproc < 2:
         raise ConfigError("--nproc", nproc, "collectives need 2 ranks at least", "e.g. --nproc 4")
@@ -225,6 +226,8 @@ def calibrate(output: str, *, nproc: int, minutes: float = DEFAULT_MINUTES, quic
     load_start, started = os.getloadavg(), datetime.datetime.now(datetime.timezone.utc)
     collectives_raw, collectives = measure_collectives(nproc, sizes.message_bytes, budget_s * SHARES["collectives"])
     progress(f"collectives on {nproc} ranks: {len(collectives_raw)} measurements")
+    contention = measure_contention(nproc, budget_s * SHARES["contention"] / 2)
+    progress(f"{nproc} ranks at once compute {contention['slowdown']:.2f}x slower than one alone")
     host = measure_host(budget_s * SHARES["host"])
     progress(f"host: {host['layer_overhead_s'] * 1e3:.2f} ms per layer, {host['step_overhead_s'] * 1e3:.2f} ms a step")
     threads = torch.get_num_threads()
@@ -253,6 +256,7 @@ def calibrate(output: str, *, nproc: int, minutes: float = DEFAULT_MINUTES, quic
             "stream": stream_raw,
             "collectives": collectives_raw,
             "host": host["raw"],
+            "contention": contention,
         },
         "fitted": {
             "gemm": gemm,
@@ -262,6 +266,7 @@ def calibrate(output: str, *, nproc: int, minutes: float = DEFAULT_MINUTES, quic
             "launch_s": launch,
             "layer_overhead_s": host["layer_overhead_s"],
             "step_overhead_s": host["step_overhead_s"],
+            "rank_slowdown": contention["slowdown"],
             "collectives": collectives,
         },
     }

@@ -168,3 +168,36 @@ def measure_host(budget_s: float) -> dict:
         "layer_overhead_s": layer,
         "step_overhead_s": max(got[1] - layer, 1e-6),
     }
+
+
+def probe(slice_s: float) -> float:
+    """Median seconds of a small training-like mix (a linear's three GEMMs, element-wise ops) on one thread."""
+    torch.set_num_threads(1)
+    x, w, dy = torch.randn(256, 64), torch.randn(64, 64), torch.randn(256, 64)
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < 20 or time.perf_counter() - start < slice_s:
+        begin = time.perf_counter()
+        y = torch.mm(x, w)
+        torch.mm(dy, w.t())
+        torch.mm(x.t(), dy)
+        torch.add(y, dy).mul_(0.5).relu_()
+        times.append(time.perf_counter() - begin)
+    return statistics.median(times)
+
+
+def _rank_probe(slice_s: float) -> float:
+    dist.barrier()  # (all ranks at once, as a layout's ranks run)
+    return probe(slice_s)
+
+
+def measure_contention(nproc: int, slice_s: float) -> dict:
+    """How much slower one rank computes while `nproc` ranks compute at once than a process alone, measured
+    (ranks sharing cores, and whatever else the host runs, decide it; the single measurements are alone)."""
+    threads = torch.get_num_threads()
+    try:
+        alone = probe(slice_s)
+    finally:
+        torch.set_num_threads(threads)
+    together = statistics.median(run_ranks(nproc, _rank_probe, slice_s, timeout_s=120.0))
+    return {"alone_s": alone, "together_s": together, "nproc": nproc, "slowdown": max(1.0, together / alone)}
