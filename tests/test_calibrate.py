@@ -21,8 +21,8 @@ def profile(tmp_path_factory):
     return path, doc
 
 
-def _step(path, world=2, **parallel):
-    cfg = build_config(overrides={"model.name": "tiny", "train.seq_len": 64, "train.global_batch": 8})
+def _step(path, world=2, model="tiny", **parallel):
+    cfg = build_config(overrides={"model.name": model, "train.seq_len": 64, "train.global_batch": 8})
     layout = Layout(**parallel).with_(dp=world // (parallel.get("tp", 1) * parallel.get("pp", 1)))
     hw = profile_hardware(read_profile(path), world)
     return step_time(cfg.model, layout, Cluster(hw, world, world), 64, 8, "float32")
@@ -63,6 +63,12 @@ def test_profile_written_read_back_and_priced(profile, tmp_path):
     assert slow.dp > 2 * base.dp and slow.compute == base.compute
     gemm = _step(_variant(tmp_path, doc, "gemm.json", slow_gemms), zero=0)
     assert gemm.compute > base.compute  # (the exposed reduction may shrink: more compute to hide under)
+
+    def slow_experts(fitted):  # the experts' loop 10x slower on the host
+        fitted["expert_overhead_s"] *= 10
+
+    moe = _step(path, model="tiny-moe", zero=0)
+    assert _step(_variant(tmp_path, doc, "experts.json", slow_experts), model="tiny-moe", zero=0).compute > moe.compute
 
 
 def test_bad_profile_is_one_line_naming_file_and_field(profile, tmp_path, capsys):

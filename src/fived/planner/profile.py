@@ -12,7 +12,8 @@ torch's version, the date, the raw measurements and the curves fitted to them:
 - stream: element-wise bandwidth (bytes read + written per second) by tensor size; optimizer: the
   AdamW step's bandwidth at 28 bytes per parameter;
 - host: one op's dispatch (launch_s) and, from fived's own trainer at negligible shapes on one
-  rank, the host time per layer and micro-batch and per step (the intercept);
+  rank, the host time per layer and micro-batch and per step (the intercept), per MoE layer besides
+  its experts' loop and per routed expert of the loop;
 - rank_slowdown: how much slower a small GEMM + element-wise mix runs on each of nproc ranks running
   it at once than in one process alone (ranks sharing cores, and whatever else the host runs);
 - collectives: seconds per call by op, group size and bytes (the ledger's convention: a
@@ -42,6 +43,7 @@ from fived.planner.hardware import CPU, Hardware
 
 FORMAT = "fived-machine-profile"
 VERSION = 1
+EXPERT_KERNELS = 9  # what fived.planner.timing counts per routed expert a loop runs (3 GEMMs x forward, 2 backward)
 OPS = ("all_reduce", "all_gather_single", "reduce_scatter_single", "all_to_all_single", "send")
 
 
@@ -104,6 +106,8 @@ class MachineProfile:
     launch_s: float
     layer_overhead_s: float
     step_overhead_s: float
+    moe_layer_overhead_s: float  # a MoE layer's host time besides its routed experts' loop
+    expert_overhead_s: float  # the loop's host time per routed expert (forward + backward)
     rank_slowdown: float  # a rank's compute with `nproc` ranks computing at once, over one process's alone
     collectives: dict  # {op: {group size: Curve}}
     collective_scale: float = 1.0  # the measured times at the planned ranks' core sharing (profile_hardware)
@@ -141,7 +145,7 @@ def profile_hardware(profile: MachineProfile, world: int) -> Hardware:
         hbm_gbps=profile.optimizer_bytes_per_s * share / 1e9,
         layer_overhead_s=profile.layer_overhead_s / share,
         step_overhead_s=profile.step_overhead_s / share,
-        launch_s=profile.launch_s / share,
+        launch_s=profile.expert_overhead_s / EXPERT_KERNELS / share,
         zero3_overhead_s=CPU.zero3_overhead_s / share,  # (fitted: not measured by calibrate)
         dispatch_s=CPU.dispatch_s / share,
         core_share=share,
@@ -245,6 +249,8 @@ def read_profile(path: str | os.PathLike) -> MachineProfile:
         launch_s=scalar("launch_s"),
         layer_overhead_s=scalar("layer_overhead_s"),
         step_overhead_s=scalar("step_overhead_s"),
+        moe_layer_overhead_s=scalar("moe_layer_overhead_s"),
+        expert_overhead_s=scalar("expert_overhead_s"),
         rank_slowdown=scalar("rank_slowdown"),
         collectives=collectives,
     )

@@ -340,6 +340,10 @@ def step_time(
     if L.optimizer == "muon" and runtime.is_fived:  # (its elements at its own bytes, not AdamW's 28)
         optimizer += muon_stream_s(m, L, dtype, chunks, hw) + orthogonalization_s(m, L, dtype, chunks, hw, c)
     layer_host = hw.layer_overhead_s * layers_here * micro * (1 + recompute)
+    if hw.profile and m.is_moe:  # a MoE layer's own host time (router, dispatch), measured apart from a dense one's
+        moe_here = layers_here * (m.n_layers - m.n_dense_layers) / m.n_layers
+        moe_layer = hw.profile.moe_layer_overhead_s / hw.core_share
+        layer_host += (moe_layer - hw.layer_overhead_s) * moe_here * micro * (1 + recompute)
     overhead = layer_host + hw.step_overhead_s + host
     return StepTime(
         compute,

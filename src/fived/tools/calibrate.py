@@ -80,6 +80,11 @@ class Progress:
         print(f"fived calibrate [{elapsed:5.0f}s / {self.budget_s:.0f}s] {message}", file=sys.stderr, flush=True)
 
 
+def matmul_dtype(device: torch.device) -> torch.dtype:
+    """The dtype the ranks compute in: float32 on CPU (fived's CPU runs), bfloat16 on a GPU."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -102,9 +107,9 @@ def timed(fn: Callable[[], object], budget_s: float, device: torch.device) -> fl
 
 def linear_seconds(rows: int, width: int, depth: int, slice_s: float, device: torch.device) -> float:
     """A linear layer's forward and backward GEMMs: y = x w (rows x depth @ depth x width), dx, dw."""
-    x = torch.randn(rows, depth, device=device)
-    w = torch.randn(depth, width, device=device)
-    dy = torch.randn(rows, width, device=device)
+    x = torch.randn(rows, depth, device=device, dtype=matmul_dtype(device))
+    w = torch.randn(depth, width, device=device, dtype=x.dtype)
+    dy = torch.randn(rows, width, device=device, dtype=x.dtype)
 
     def three():
         torch.mm(x, w)
@@ -129,8 +134,9 @@ def measure_gemm(sizes: Sizes, budget_s: float, device: torch.device) -> tuple[l
 
 
 def attention_seconds(seq: int, head_dim: int, heads: int, slice_s: float, device: torch.device) -> float:
-    q, k, v = (torch.randn(1, heads, seq, head_dim, device=device, requires_grad=True) for _ in range(3))
-    grad = torch.randn(1, heads, seq, head_dim, device=device)
+    shape, dtype = (1, heads, seq, head_dim), matmul_dtype(device)
+    q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    grad = torch.randn(shape, device=device, dtype=dtype)
 
     def forward_backward():
         F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
@@ -229,7 +235,10 @@ def calibrate(output: str, *, nproc: int, minutes: float = DEFAULT_MINUTES, quic
     contention = measure_contention(nproc, budget_s * SHARES["contention"] / 2)
     progress(f"{nproc} ranks at once compute {contention['slowdown']:.2f}x slower than one alone")
     host = measure_host(budget_s * SHARES["host"])
-    progress(f"host: {host['layer_overhead_s'] * 1e3:.2f} ms per layer, {host['step_overhead_s'] * 1e3:.2f} ms a step")
+    progress(
+        f"host: {host['layer_overhead_s'] * 1e3:.2f} ms per layer, {host['step_overhead_s'] * 1e3:.2f} ms a step, "
+        f"{host['moe_layer_overhead_s'] * 1e3:.2f} ms per MoE layer + {host['expert_overhead_s'] * 1e3:.2f} per expert"
+    )
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # (as each CPU rank runs: OMP_NUM_THREADS=1)
     try:
@@ -249,7 +258,7 @@ def calibrate(output: str, *, nproc: int, minutes: float = DEFAULT_MINUTES, quic
         "seconds": round(time.perf_counter() - progress.start, 1),
         "load": {"start": list(load_start), "end": list(os.getloadavg())},
         "nproc": nproc,
-        "dtype": "float32",
+        "dtype": str(matmul_dtype(device)).removeprefix("torch."),
         "measured": {
             "gemm": gemm_raw,
             "attention": attention_raw,
@@ -266,6 +275,8 @@ def calibrate(output: str, *, nproc: int, minutes: float = DEFAULT_MINUTES, quic
             "launch_s": launch,
             "layer_overhead_s": host["layer_overhead_s"],
             "step_overhead_s": host["step_overhead_s"],
+            "moe_layer_overhead_s": host["moe_layer_overhead_s"],
+            "expert_overhead_s": host["expert_overhead_s"],
             "rank_slowdown": contention["slowdown"],
             "collectives": collectives,
         },

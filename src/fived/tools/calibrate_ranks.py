@@ -123,50 +123,65 @@ def measure_collectives(nproc: int, message_bytes: tuple[int, ...], budget_s: fl
     return raw, fitted
 
 
-def _rank_host(budget_s: float) -> dict:
-    """fived's trainer on this one rank at negligible shapes with 1 and 3 layers, steps interleaved."""
+# fived's trainer at negligible shapes on one rank: (layers, routed experts); the differences give the host
+# time per dense layer, the step's own, per MoE layer without its experts' loop, per routed expert
+HOST_MODELS = ((1, 0), (3, 0), (1, 4), (1, 8))
+
+
+def _host_trainer(layers: int, experts: int):
     from fived.config import build_config
     from fived.training.trainer import Trainer
 
-    def trainer(layers: int) -> Trainer:
-        over = {
-            "model.name": "tiny",
-            "model.n_layers": layers,
-            "model.dim": 16,
-            "model.n_heads": 2,
-            "model.n_kv_heads": 1,
-            "model.ffn_dim": 16,
-            "model.vocab_size": 256,  # (the byte tokenizer's)
-            "train.seq_len": 8,
-            "train.global_batch": 1,
-            "train.dtype": "float32",
-            "train.device": "cpu" if not torch.cuda.is_available() else "cuda",
-            "train.log_every": 10**9,
-            "train.steps": 10**6,
-        }
-        return Trainer(build_config(overrides=over), log=False)
+    over = {
+        "model.name": "tiny",
+        "model.n_layers": layers,
+        "model.dim": 16,
+        "model.n_heads": 2,
+        "model.n_kv_heads": 1,
+        "model.ffn_dim": 16,
+        "model.vocab_size": 256,  # (the byte tokenizer's)
+        "model.n_experts": experts,
+        "train.seq_len": 32,  # (32 tokens x top-2: every one of 8 experts receives some)
+        "train.global_batch": 1,
+        "train.dtype": "float32",
+        "train.device": "cpu" if not torch.cuda.is_available() else "cuda",
+        "train.log_every": 10**9,
+        "train.steps": 10**6,
+    }
+    if experts:
+        over.update({"model.top_k": 2, "model.moe_ffn_dim": 16, "model.n_shared_experts": 1})
+    return Trainer(build_config(overrides=over), log=False)
 
-    trainers = {1: trainer(1), 3: trainer(3)}
-    times: dict[int, list[float]] = {1: [], 3: []}
+
+def _rank_host(budget_s: float) -> dict:
+    """Median step seconds of each of HOST_MODELS, their steps interleaved."""
+    trainers = [_host_trainer(layers, experts) for layers, experts in HOST_MODELS]
+    times: list[list[float]] = [[] for _ in trainers]
     start, step = time.perf_counter(), 0
     while step < 5 or (time.perf_counter() - start < budget_s and step < 400):
-        for layers, t in trainers.items():
+        for i, t in enumerate(trainers):
             begin = time.perf_counter()
             t.step(step)
             if step >= 2:  # (after warm-up)
-                times[layers].append(time.perf_counter() - begin)
+                times[i].append(time.perf_counter() - begin)
         step += 1
-    return {layers: statistics.median(ts) for layers, ts in times.items()} | {"steps": len(times[1])}
+    return {"step_s": [statistics.median(ts) for ts in times], "steps": len(times[0])}
 
 
 def measure_host(budget_s: float) -> dict:
-    """Host time per layer and micro-batch (the slope over layers) and per step (the rest), one rank."""
+    """Host time per dense layer and micro-batch (the slope over layers), per step (the rest), per MoE
+    layer besides its routed experts' loop and per routed expert (the slope over experts), one rank."""
     got = run_ranks(1, _rank_host, budget_s, timeout_s=120.0)[0]
-    layer = max((got[3] - got[1]) / 2, 1e-6)
+    dense1, dense3, moe4, moe8 = got["step_s"]
+    layer = max((dense3 - dense1) / 2, 1e-6)
+    step = max(dense1 - layer, 1e-6)
+    expert = max((moe8 - moe4) / 4, 1e-7)
     return {
-        "raw": {"layers": [1, 3], "step_s": [got[1], got[3]], "steps": got["steps"]},
+        "raw": {"models": [list(m) for m in HOST_MODELS], **got},
         "layer_overhead_s": layer,
-        "step_overhead_s": max(got[1] - layer, 1e-6),
+        "step_overhead_s": step,
+        "moe_layer_overhead_s": max(moe4 - step - 4 * expert, 1e-6),
+        "expert_overhead_s": expert,
     }
 
 
