@@ -6,8 +6,10 @@ forward + backward by sequence and head dim, element-wise and AdamW bandwidth, a
 Forked ranks (`fived.launch.ranks.run_ranks`: gloo on CPU, NCCL on CUDA) measure the collectives
 over every group size 2..N and fived's trainer at negligible shapes on one rank (the host time per
 layer and per step): `fived.tools.calibrate_ranks`. Each measurement repeats until its share of the
-time budget is spent (3 repetitions at least) and keeps the median: other processes on the host only
-ever add noise, and the median of many is what a training step meets.
+time budget is spent (3 repetitions at least) and keeps the mean: a training step spans many of the
+scheduler's slices, so it pays the host's other processes their share of the cores, and so does a
+mean over many calls; a median of short calls would measure only the calls that ran uninterrupted
+(on this project's loaded machine, 4-5x too fast).
 """
 
 from __future__ import annotations
@@ -91,7 +93,7 @@ def sync(device: torch.device) -> None:
 
 
 def timed(fn: Callable[[], object], budget_s: float, device: torch.device) -> float:
-    """Median seconds of fn() over repetitions filling `budget_s` (after one warm-up call)."""
+    """Mean seconds of fn() over repetitions filling `budget_s` (after one warm-up call)."""
     fn()
     sync(device)
     times: list[float] = []
@@ -102,7 +104,7 @@ def timed(fn: Callable[[], object], budget_s: float, device: torch.device) -> fl
         sync(device)
         times.append(time.perf_counter() - start)
         spent += times[-1]
-    return statistics.median(times)
+    return statistics.fmean(times)
 
 
 def linear_seconds(rows: int, width: int, depth: int, slice_s: float, device: torch.device) -> float:

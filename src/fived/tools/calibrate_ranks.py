@@ -3,7 +3,7 @@ host time of fived's trainer at negligible shapes.
 
 Collectives: for a group size g, the ranks split into groups of g consecutive ranks (what ranks are
 left over wait), and every group runs the same collective at once, as a layout's groups do. Every
-rank times each call; a point is the slowest rank's median. The repetitions are agreed on by all
+rank times each call; a point is the slowest rank's mean (fived.tools.calibrate says why the mean). The repetitions are agreed on by all
 ranks (an all-reduce of the warm-up's time) so that no rank waits on a collective another skipped.
 Send/recv: pairs exchange the tensor both ways; a send is half the round trip.
 """
@@ -51,7 +51,7 @@ def _calls(seconds: float, slice_s: float) -> int:
 
 
 def _point(op: str, group, size: int, nbytes: int, slice_s: float, device) -> float:
-    """This rank's median seconds per call (nan if it is in no group)."""
+    """This rank's mean seconds per call (nan if it is in no group)."""
     numel = max(size, nbytes // 4 // size * size)
     x, out = torch.ones(numel, device=device), torch.empty(numel, device=device)
     me = dist.get_group_rank(group, dist.get_rank()) if group is not None else -1
@@ -68,7 +68,7 @@ def _point(op: str, group, size: int, nbytes: int, slice_s: float, device) -> fl
     dist.barrier()
     if group is None:
         return float("nan")
-    return statistics.median(times) / (2 if op == "send" else 1)
+    return statistics.fmean(times) / (2 if op == "send" else 1)
 
 
 def _my_group(size: int):
@@ -154,7 +154,7 @@ def _host_trainer(layers: int, experts: int):
 
 
 def _rank_host(budget_s: float) -> dict:
-    """Median step seconds of each of HOST_MODELS, their steps interleaved."""
+    """Mean step seconds of each of HOST_MODELS, their steps interleaved."""
     trainers = [_host_trainer(layers, experts) for layers, experts in HOST_MODELS]
     times: list[list[float]] = [[] for _ in trainers]
     start, step = time.perf_counter(), 0
@@ -165,7 +165,7 @@ def _rank_host(budget_s: float) -> dict:
             if step >= 2:  # (after warm-up)
                 times[i].append(time.perf_counter() - begin)
         step += 1
-    return {"step_s": [statistics.median(ts) for ts in times], "steps": len(times[0])}
+    return {"step_s": [statistics.fmean(ts) for ts in times], "steps": len(times[0])}
 
 
 def measure_host(budget_s: float) -> dict:
@@ -186,7 +186,7 @@ def measure_host(budget_s: float) -> dict:
 
 
 def probe(slice_s: float) -> float:
-    """Median seconds of a small training-like mix (a linear's three GEMMs, element-wise ops) on one thread."""
+    """Mean seconds of a small training-like mix (a linear's three GEMMs, element-wise ops) on one thread."""
     torch.set_num_threads(1)
     x, w, dy = torch.randn(256, 64), torch.randn(64, 64), torch.randn(256, 64)
     times: list[float] = []
@@ -198,7 +198,7 @@ def probe(slice_s: float) -> float:
         torch.mm(x.t(), dy)
         torch.add(y, dy).mul_(0.5).relu_()
         times.append(time.perf_counter() - begin)
-    return statistics.median(times)
+    return statistics.fmean(times)
 
 
 def _rank_probe(slice_s: float) -> float:
