@@ -201,18 +201,22 @@ def probe(slice_s: float) -> float:
     return statistics.fmean(times)
 
 
-def _rank_probe(slice_s: float) -> float:
-    dist.barrier()  # (all ranks at once, as a layout's ranks run)
-    return probe(slice_s)
+def _rank_probe(slice_s: float, rounds: int) -> tuple[float, float]:
+    """(rank 0's mean alone while the others wait, this rank's mean with every rank at once), alternated
+    `rounds` times so that both see the same moments of the host's other load."""
+    alone, together = [], []
+    for _ in range(rounds):
+        dist.barrier()
+        if dist.get_rank() == 0:
+            alone.append(probe(slice_s))
+        dist.barrier()  # (all ranks at once, as a layout's ranks run)
+        together.append(probe(slice_s))
+    return (statistics.fmean(alone) if alone else float("nan")), statistics.fmean(together)
 
 
-def measure_contention(nproc: int, slice_s: float) -> dict:
-    """How much slower one rank computes while `nproc` ranks compute at once than a process alone, measured
-    (ranks sharing cores, and whatever else the host runs, decide it; the single measurements are alone)."""
-    threads = torch.get_num_threads()
-    try:
-        alone = probe(slice_s)
-    finally:
-        torch.set_num_threads(threads)
-    together = statistics.median(run_ranks(nproc, _rank_probe, slice_s, timeout_s=120.0))
+def measure_contention(nproc: int, slice_s: float, rounds: int = 4) -> dict:
+    """How much slower one rank computes while `nproc` ranks compute at once than one alone (ranks sharing
+    cores decide it, and the host's other load, which the single-process measurements already pay)."""
+    got = run_ranks(nproc, _rank_probe, slice_s / rounds, rounds, timeout_s=120.0)
+    alone, together = got[0][0], statistics.fmean(t for _, t in got)
     return {"alone_s": alone, "together_s": together, "nproc": nproc, "slowdown": max(1.0, together / alone)}
