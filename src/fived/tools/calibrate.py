@@ -6,7 +6,7 @@ forward + backward by sequence and head dim, element-wise and AdamW bandwidth, a
 Forked ranks (`fived.launch.ranks.run_ranks`: gloo on CPU, NCCL on CUDA) measure the collectives
 over every group size 2..N and fived's trainer at negligible shapes on one rank (the host time per
 layer and per step): `fived.tools.calibrate_ranks`. Each measurement repeats until its share of the
-time budget is spent (3 repetitions at least) and keeps the mean: a training step spans many of the
+time budget is spent (2 repetitions at least) and keeps the mean: a training step spans many of the
 scheduler's slices, so it pays the host's other processes their share of the cores, and so does a
 mean over many calls; a median of short calls would measure only the calls that ran uninterrupted
 (on this project's loaded machine, 4-5x too fast).
@@ -32,7 +32,6 @@ from fived.config import ConfigError
 from fived.planner.profile import check_output, write_profile
 
 DEFAULT_MINUTES = 3.0
-MAX_REPS = 200
 FLOOR = 0.1  # a shape's time less the dispatch never counts below this share of what was measured
 
 
@@ -50,7 +49,7 @@ class Sizes:
 
 
 FULL = Sizes(
-    rows=(16, 64, 256, 1024, 4096),
+    rows=(16, 64, 256, 1024, 2048),
     width=(8, 32, 128, 512, 1024),  # (wider and deeper are clamped to the edge: one thread's rate has flattened)
     depth=(32, 128, 512, 1024),
     seq=(16, 64, 256, 1024, 2048),
@@ -98,7 +97,7 @@ def timed(fn: Callable[[], object], budget_s: float, device: torch.device) -> fl
     sync(device)
     times: list[float] = []
     spent = 0.0
-    while len(times) < 3 or (spent < budget_s and len(times) < MAX_REPS):
+    while len(times) < 2 or spent < budget_s:  # (no cap on calls: the window, not a count, makes the mean fair)
         start = time.perf_counter()
         fn()
         sync(device)
