@@ -11,6 +11,12 @@ absolute error, and whether the auto choice is within 10% of the fastest measure
 
     python benchmarks/bench_planner_cpu.py                # 4 ranks, 20 timed steps per layout
     python benchmarks/bench_planner_cpu.py --fit          # refit the CPU constants on these times
+    python benchmarks/bench_planner_cpu.py --machine PROFILE.json   # priced by `fived calibrate`'s profile
+
+--machine prices every layout with a machine profile's measured curves (fived.planner.profile)
+instead of the fitted CPU constants: the profile is fitted on micro-benchmarks only, so these
+layouts are held out of it. Printed besides: Spearman's rank correlation of predicted and measured
+times, and the planner's top pick among the measured layouts against the fastest measured.
 
 --fit refits the CPU entry's gemm_efficiency and its per-layer, per-step and per-collective overheads and link
 speed by coordinate descent on the median absolute error, prints them (what hardware.CPU holds is
@@ -67,6 +73,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--fit", action="store_true", help="refit the CPU constants on the measured times")
     p.add_argument("--save", metavar="FILE.json", help="write the measured step times (median per layout) to FILE")
     p.add_argument("--load", metavar="FILE.json", help="use times saved by --save instead of measuring")
+    p.add_argument("--machine", metavar="PROFILE.json", help="price with this machine profile (fived calibrate)")
     return p.parse_args()
 
 
@@ -85,9 +92,20 @@ def config(model: str, fields: dict, micro: int, args: argparse.Namespace):
     return build_config(overrides=over)
 
 
-def auto_layout(args: argparse.Namespace):
-    """What `fived train --layout auto --nproc N` picks for the default tiny model: (config, Layout)."""
+def hardware_of(args: argparse.Namespace):
+    """The machine profile's hardware with --machine, else the CPU constants (local_hardware)."""
     from fived.planner.hardware import local_hardware
+
+    if not args.machine:
+        return local_hardware(args.world)
+    from fived.planner.profile import profile_hardware, read_profile
+
+    return profile_hardware(read_profile(args.machine), args.world)
+
+
+def auto_layout(args: argparse.Namespace):
+    """What `fived train --layout auto --nproc N` picks for the default tiny model (priced as --machine
+    says): (config, Layout)."""
     from fived.planner.search import plan
     from fived.planner.timing import Cluster
 
@@ -95,7 +113,7 @@ def auto_layout(args: argparse.Namespace):
     best = (
         plan(
             cfg.model,
-            Cluster(local_hardware(args.world), args.world, args.world),
+            Cluster(hardware_of(args), args.world, args.world),
             cfg.train.seq_len,
             cfg.train.global_batch,
             cfg.train.dtype,
@@ -169,6 +187,28 @@ def predict(layouts, args, hw) -> list[float]:
     return out
 
 
+def spearman(xs, ys) -> float:
+    """Spearman's rank correlation (ties take their mean rank)."""
+
+    def ranks(values):
+        order = sorted(range(len(values)), key=lambda i: values[i])
+        out = [0.0] * len(values)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2
+            i = j + 1
+        return out
+
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    return cov / (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+
+
 def median_error(measured, predicted) -> float:
     return statistics.median(abs(p / m - 1) for m, p in zip(measured, predicted)) * 100
 
@@ -206,9 +246,15 @@ def fit(layouts, measured, args, base_hw):
 def main() -> int:
     import torch
 
-    from fived.planner.hardware import local_hardware
-
     args = parse_args()
+    if args.machine:  # (a bad profile: one line, before any rank starts)
+        from fived.config import ConfigError
+
+        try:
+            hardware_of(args)
+        except ConfigError as e:
+            print(f"bench_planner_cpu: error: {e}", file=sys.stderr)
+            return 2
     load = os.getloadavg()[0]
     print(
         f"planner vs fived on CPU | torch {torch.__version__} | {args.world} ranks, gloo, OMP_NUM_THREADS=1 | "
@@ -239,7 +285,10 @@ def main() -> int:
     if args.save:
         with open(args.save, "w") as f:
             json.dump({"layouts": layouts, "measured": measured, "components": components, "load": load}, f)
-    hw = local_hardware(args.world)
+    hw = hardware_of(args)
+    print(
+        f"priced with {'the machine profile ' + args.machine if args.machine else 'the CPU constants (hardware.CPU)'}"
+    )
     if args.fit:
         loo = []
         for j in range(len(layouts)):
@@ -311,6 +360,11 @@ def report(layouts, measured, predicted, auto_index, chosen) -> int:
         f"\n--layout auto picks {chosen.describe()}: measured {measured[auto_index] * 1e3:.1f} ms, the fastest "
         f"measured layout (#{fastest + 1}) {measured[fastest] * 1e3:.1f} ms: {ratio:.3f}x "
         f"({'within' if ratio <= 1 + AUTO_TOLERANCE else 'NOT within'} {AUTO_TOLERANCE:.0%})"
+    )
+    pick = min(range(len(layouts)), key=lambda i: predicted[i])
+    print(
+        f"the planner's top pick among the measured layouts: #{pick + 1}, {measured[fastest] / measured[pick]:.3f} "
+        f"of the fastest measured's throughput; Spearman (predicted vs measured) {spearman(predicted, measured):.3f}"
     )
     print(f"median absolute error: {median_error(measured, predicted):.1f}%")
     return 0 if ratio <= 1 + AUTO_TOLERANCE else 1

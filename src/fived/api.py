@@ -111,9 +111,12 @@ def plan(
     ).plans
 
 
-def cluster_of(model, gpus: int, gpus_per_node: int, gpu: str, seq: int, global_batch_tokens: int):
+def cluster_of(
+    model, gpus: int, gpus_per_node: int, gpu: str, seq: int, global_batch_tokens: int, *, machine: str | None = None
+):
     """(ModelConfig, Cluster, global batch in sequences), each value checked (one line per bad one):
-    `model` is a preset name, a TOML config's path or a ModelConfig."""
+    `model` is a preset name, a TOML config's path or a ModelConfig; `machine` a machine profile
+    (`fived calibrate`) that prices the ranks instead of `gpu` (one machine: every rank in one node)."""
     from fived.config import ModelConfig
     from fived.planner.hardware import hardware
     from fived.planner.timing import Cluster
@@ -134,6 +137,14 @@ def cluster_of(model, gpus: int, gpus_per_node: int, gpu: str, seq: int, global_
             f"e.g. {max(1, global_batch_tokens // seq) * seq}",
         )
     model_config = model if isinstance(model, ModelConfig) else plan_model(model)
+    if machine:
+        from fived.planner.profile import profile_hardware, read_profile
+
+        return (
+            model_config,
+            Cluster(profile_hardware(read_profile(machine), gpus), gpus, gpus),
+            global_batch_tokens // seq,
+        )
     return model_config, Cluster(hardware(gpu), gpus, min(gpus_per_node, gpus)), global_batch_tokens // seq
 
 

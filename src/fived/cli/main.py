@@ -18,6 +18,7 @@ import argparse
 import re
 import sys
 
+from fived.cli.calibrate import add_calibrate_command
 from fived.cli.generate import add_generate_command
 from fived.cli.plan import add_plan_commands
 from fived.config import build_config
@@ -236,6 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--max-shard-gb", type=float, default=5.0, help="safetensors shard size limit (default 5)")
     exp.set_defaults(func=cmd_export)
     add_generate_command(sub)
+    add_calibrate_command(sub)
     parser.set_defaults(commands=sub.choices)  # (name -> its parser, for flag suggestions)
     return parser
 

@@ -91,7 +91,15 @@ def plan_cluster(ns: argparse.Namespace, command: str):
             "--gpu h100 --seq 8192 --global-batch-tokens 4194304"
             + (" (or --validate FILE.csv)" if command == "plan" else ""),
         )
-    return cluster_of(ns.model, ns.gpus, ns.gpus_per_node, ns.gpu, ns.seq, ns.global_batch_tokens)
+    return cluster_of(
+        ns.model,
+        ns.gpus,
+        ns.gpus_per_node,
+        ns.gpu,
+        ns.seq,
+        ns.global_batch_tokens,
+        machine=getattr(ns, "machine", None),
+    )
 
 
 def cmd_plan_layout(ns: argparse.Namespace) -> int:
@@ -174,6 +182,11 @@ def add_cluster_flags(parser) -> None:
     parser.add_argument("--gpus", type=int, help="GPUs in the job")
     parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs sharing NVLink (default 8)")
     parser.add_argument("--gpu", default="h100", help="a100, h100, h200, h800, b200, mi300x or a hardware .toml")
+    parser.add_argument(
+        "--machine",
+        metavar="PROFILE.json",
+        help="price the ranks with this machine's measured profile (`fived calibrate`) instead of --gpu",
+    )
     parser.add_argument("--seq", type=int, help="sequence length")
     parser.add_argument("--global-batch-tokens", type=int, help="tokens per optimizer step")
     parser.add_argument(

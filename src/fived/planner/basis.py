@@ -28,11 +28,14 @@ def basis(
 ) -> list[str]:
     """One line per part of the prediction: 'calibrated: ...' or 'extrapolated: ...'."""
     hw, covered, kinds = cluster.hardware, calibration.coverage, calibration.by_kind
-    if hw.calibration == "cpu":
+    if hw.profile:
+        lines = [f"measured: machine profile {hw.profile.path} ({hw.profile.machine.get('device')}; fived calibrate)"]
+    elif hw.calibration == "cpu":
         lines = [
             f"calibrated: fived's step times on CPU ranks (benchmarks/bench_planner_cpu.py, median error "
             f"{CPU_MEDIAN_ERROR:.0f}% over its layouts)"
         ]
+    if hw.calibration == "cpu":
         if model.dim > 4096 or seq_len > 4096:
             lines.append("extrapolated: a model or sequence far larger than the benchmark's tiny ones")
         return lines

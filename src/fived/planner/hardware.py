@@ -40,6 +40,7 @@ from __future__ import annotations
 import re
 from dataclasses import MISSING, dataclass, fields, replace
 from pathlib import Path
+from typing import Any
 
 from fived.config import ConfigError, did_you_mean, tomllib
 
@@ -72,6 +73,9 @@ class Hardware:
     dispatch_s: float = 0.0  # per operator a forward without autograd (serving) dispatches from Python: host
     #   time the device does not hide (0 on GPUs, whose serving engines replay decode steps as CUDA graphs;
     #   fitted for CPU ranks by benchmarks/bench_serve_cpu.py --fit)
+    profile: Any = None  # (a fived.planner.profile.MachineProfile: that module reads this one)
+    # a machine profile (`fived calibrate`): its measured curves price
+    #   GEMMs, attention, element-wise work and collectives instead of the rates above (fived.planner.profile)
 
 
 CATALOGUE: dict[str, Hardware] = {
@@ -100,7 +104,7 @@ def hardware(name_or_path: str, memory_gib: float | None = None) -> Hardware:
             )
         with path.open("rb") as f:
             values = tomllib.load(f)
-        known = {f.name for f in fields(Hardware)}
+        known = {f.name for f in fields(Hardware)} - {"profile"}  # (a profile is --machine's)
         for key in values:
             if key not in known:
                 raise ConfigError(

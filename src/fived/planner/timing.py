@@ -214,6 +214,8 @@ def collective_seconds(op: str, nbytes: float, link: Link, hw: Hardware, c: Cons
     latency per ring step across nodes; an all-to-all sends (k-1)/n of its bytes over NVLink and
     (n-k)/n over the rank's own NIC at once; a send its bytes once."""
     n = link.size
+    if hw.profile:  # measured on this machine (fived calibrate): its time for the op, group and bytes
+        return hw.profile.collective_s(op, n, nbytes)
     if op == "send":
         return nbytes / (link.network if link.crosses else link.nvlink) + link.latency + hw.peer_latency_s
     steps = _RING[op](n) * n  # ring steps: n-1, 2(n-1) for all-reduce
@@ -229,7 +231,10 @@ def collective_seconds(op: str, nbytes: float, link: Link, hw: Hardware, c: Cons
 def efficiency(width: float, rows: float, hw: Hardware, c: Constants, depth: float = float("inf")) -> float:
     """Share of peak a GEMM reaches with `rows` tokens, a per-GPU narrow side `width` (hidden/tp) and a
     full side `depth` (the hidden: the other dimension of every transformer GEMM), each factor
-    x / (x + its half-point). (CPU ranks: the share of the host's matmul rate, whatever the shape.)"""
+    x / (x + its half-point). (CPU ranks: the share of the host's matmul rate, whatever the shape; with a
+    machine profile: the rate measured at this shape, as a share of the profile's best.)"""
+    if hw.profile:
+        return hw.profile.gemm(rows, width, depth) * hw.core_share / (hw.peak_tflops * 1e12)
     if hw.gemm_efficiency:
         return hw.gemm_efficiency
     return (
@@ -335,6 +340,10 @@ def step_time(
     if L.optimizer == "muon" and runtime.is_fived:  # (its elements at its own bytes, not AdamW's 28)
         optimizer += muon_stream_s(m, L, dtype, chunks, hw) + orthogonalization_s(m, L, dtype, chunks, hw, c)
     layer_host = hw.layer_overhead_s * layers_here * micro * (1 + recompute)
+    if hw.profile and m.is_moe:  # a MoE layer's own host time (router, dispatch), measured apart from a dense one's
+        moe_here = layers_here * (m.n_layers - m.n_dense_layers) / m.n_layers
+        moe_layer = hw.profile.moe_layer_overhead_s / hw.core_share
+        layer_host += (moe_layer - hw.layer_overhead_s) * moe_here * micro * (1 + recompute)
     overhead = layer_host + hw.step_overhead_s + host
     return StepTime(
         compute,
@@ -427,13 +436,16 @@ def _compute(
     expert_rows = tokens_mb * m.top_k * L.ep / max(m.n_experts, 1) * L.tp / L.expert_tp
     # an expert GEMM's narrow side: the hidden or the expert's width (fine-grained experts), over etp
     expert_width = min(m.dim, m.expert_dim) / L.expert_tp
-    expert_eff = efficiency(expert_width, expert_rows, hw, c, m.dim) * c.expert_efficiency if routed else 1.0
+    expert_eff = efficiency(expert_width, expert_rows, hw, c, m.dim) if routed else 1.0
+    expert_eff *= 1.0 if hw.profile or not routed else c.expert_efficiency  # (a profile measured the shapes)
     gemm = flops_gpu * ((1 - routed - attn) / dense_eff + routed / expert_eff) / peak
     if fp8:
         gemm /= c.fp8_speedup
     if runtime.causal_skip and not hw.gemm_efficiency:  # a fused causal kernel computes half the blocks (GPUs;
         attn /= 2  # a CPU entry's efficiency was fitted on whole steps, attention priced whole)
     attention = flops_gpu * attn / dense_eff / peak
+    if hw.profile:  # measured fused causal attention at the rank's sequence (its skipped blocks in the rate)
+        attention = flops_gpu * attn / (hw.profile.attention(seq_len / L.cp, m.head_dim) * hw.core_share)
     local_tokens = micro * tokens_mb * recompute  # tokens this rank computes, times recomputation
     stream, inside, per_ffn = ELEMENTWISE_BYTES["fused" if runtime.fused else "eager"]
     stream += 2 * PYTHON_NORM_EXTRA_BYTES if runtime.python_norm else 0.0
@@ -450,6 +462,9 @@ def _compute(
         layer_params = (4 * m.dim * m.dim + 3 * m.dim * ffn) / L.tp
         elementwise += layers * micro * recompute * AUTOCAST_BYTES * layer_params
     memory_bound = elementwise / (hw.hbm_gbps * 1e9 * HBM_EFFICIENCY)
+    if hw.profile:  # at the bandwidth measured for tensors of a micro-batch's activations
+        tensor = tokens_mb * m.dim * PRECISION_SPECS[dtype].compute_bytes
+        memory_bound = elementwise / (hw.profile.stream_bytes_per_s(tensor) * hw.core_share)
     launches = 0.0
     if m.is_moe and not runtime.grouped_experts:  # a loop over the rank's experts: 3 GEMMs x (fwd, 2 bwd)
         launches = moe_layers * micro * recompute * 9 * (m.n_experts // L.ep) * hw.launch_s

@@ -1,0 +1,37 @@
+"""`fived calibrate`: measure this machine and write a machine profile for `fived plan --machine`."""
+
+from __future__ import annotations
+
+import argparse
+
+from fived.config import ConfigError
+from fived.planner.profile import DEFAULT_MINUTES
+
+DEFAULT_NPROC = 4
+
+
+def cmd_calibrate(ns: argparse.Namespace) -> int:
+    from fived.tools.calibrate import calibrate
+
+    if ns.nproc < 2:
+        raise ConfigError("--nproc", ns.nproc, "collectives need 2 ranks at least", f"e.g. --nproc {DEFAULT_NPROC}")
+    calibrate(ns.output, nproc=ns.nproc, minutes=ns.minutes, quick=ns.quick)
+    return 0
+
+
+def add_calibrate_command(sub) -> None:
+    cal = sub.add_parser(
+        "calibrate",
+        allow_abbrev=False,
+        help="measure this machine (GEMMs, attention, bandwidth, host overhead, collectives on N ranks) "
+        "and write a machine profile for `fived plan --machine`",
+    )
+    cal.add_argument("--output", required=True, metavar="PROFILE.json", help="the profile to write")
+    cal.add_argument(
+        "--nproc", type=int, default=DEFAULT_NPROC, help=f"ranks the collectives run on (default {DEFAULT_NPROC})"
+    )
+    cal.add_argument(
+        "--minutes", type=float, default=DEFAULT_MINUTES, help=f"time budget (default {DEFAULT_MINUTES:g})"
+    )
+    cal.add_argument("--quick", action="store_true", help="a few sizes per curve (a first look; tests)")
+    cal.set_defaults(func=cmd_calibrate)

@@ -1,0 +1,286 @@
+"""`fived calibrate`: measure the machine at hand and write a machine profile (fived.planner.profile).
+
+One process measures the compute the planner prices, on one thread as each CPU rank runs (on a GPU,
+on the device): a linear layer's three GEMMs over the shapes layouts produce, causal fused attention
+forward + backward by sequence and head dim, element-wise and AdamW bandwidth, and one op's dispatch.
+Forked ranks (`fived.launch.ranks.run_ranks`: gloo on CPU, NCCL on CUDA) measure the collectives
+over every group size 2..N and fived's trainer at negligible shapes on one rank (the host time per
+layer and per step): `fived.tools.calibrate_ranks`. Each measurement repeats until its share of the
+time budget is spent (2 repetitions at least) and keeps the mean: a training step spans many of the
+scheduler's slices, so it pays the host's other processes their share of the cores, and so does a
+mean over many calls; a median of short calls would measure only the calls that ran uninterrupted
+(on this project's loaded machine, 4-5x too fast).
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from fived.config import ConfigError
+from fived.planner.profile import DEFAULT_MINUTES, check_output, write_profile
+
+FLOOR = 0.1  # a shape's time less the dispatch never counts below this share of what was measured
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """What is measured: the axes of every curve."""
+
+    rows: tuple[int, ...]  # tokens of a micro-batch (or of an expert)
+    width: tuple[int, ...]  # a GEMM's narrow side: hidden / tp, an expert's width
+    depth: tuple[int, ...]  # its full side: the hidden
+    seq: tuple[int, ...]
+    head_dim: tuple[int, ...]
+    stream_bytes: tuple[int, ...]  # an element-wise op's tensor
+    message_bytes: tuple[int, ...]  # a collective's (the ledger's convention)
+
+
+FULL = Sizes(
+    rows=(16, 64, 256, 1024, 2048),
+    width=(8, 32, 128, 512, 1024),  # (wider and deeper are clamped to the edge: one thread's rate has flattened)
+    depth=(32, 128, 512, 1024),
+    seq=(16, 64, 256, 1024, 2048),
+    head_dim=(16, 64, 128),
+    stream_bytes=tuple(2**k for k in range(12, 27, 2)),
+    message_bytes=tuple(2**k for k in range(8, 23, 2)),
+)
+QUICK = Sizes(  # tests and a first look: a few points per axis
+    rows=(16, 256),
+    width=(16, 128),
+    depth=(64,),
+    seq=(64, 256),
+    head_dim=(16,),
+    stream_bytes=(2**14, 2**20),
+    message_bytes=(2**10, 2**16),
+)
+# share of the budget each part gets (the rest: start-up, forks, the trainer's construction)
+SHARES = {"collectives": 0.4, "host": 0.15, "gemm": 0.2, "attention": 0.1, "stream": 0.05, "contention": 0.03}
+
+
+class Progress:
+    """One line per finished part on stderr, with the time since the start and the budget."""
+
+    def __init__(self, budget_s: float):
+        self.start, self.budget_s = time.perf_counter(), budget_s
+
+    def __call__(self, message: str) -> None:
+        elapsed = time.perf_counter() - self.start
+        print(f"fived calibrate [{elapsed:5.0f}s / {self.budget_s:.0f}s] {message}", file=sys.stderr, flush=True)
+
+
+def matmul_dtype(device: torch.device) -> torch.dtype:
+    """The dtype the ranks compute in: float32 on CPU (fived's CPU runs), bfloat16 on a GPU."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], object], budget_s: float, device: torch.device) -> float:
+    """Mean seconds of fn() over repetitions filling `budget_s` (after one warm-up call)."""
+    fn()
+    sync(device)
+    times: list[float] = []
+    spent = 0.0
+    while len(times) < 2 or spent < budget_s:  # (no cap on calls: the window, not a count, makes the mean fair)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+        spent += times[-1]
+    return statistics.fmean(times)
+
+
+def linear_seconds(rows: int, width: int, depth: int, slice_s: float, device: torch.device) -> float:
+    """A linear layer's forward and backward GEMMs: y = x w (rows x depth @ depth x width), dx, dw."""
+    x = torch.randn(rows, depth, device=device, dtype=matmul_dtype(device))
+    w = torch.randn(depth, width, device=device, dtype=x.dtype)
+    dy = torch.randn(rows, width, device=device, dtype=x.dtype)
+
+    def three():
+        torch.mm(x, w)
+        torch.mm(dy, w.t())
+        torch.mm(x.t(), dy)
+
+    return timed(three, slice_s, device)
+
+
+def measure_gemm(sizes: Sizes, budget_s: float, device: torch.device) -> tuple[list, dict, float]:
+    """(raw [rows, width, depth, seconds], the FLOP/s grid, the dispatch of three tiny GEMMs)."""
+    shapes = [(r, w, d) for r in sizes.rows for w in sizes.width for d in sizes.depth]
+    slice_s = budget_s / (len(shapes) + 1)
+    base = linear_seconds(1, 1, 1, slice_s, device)
+    raw, rates = [], {}
+    for r, w, d in shapes:
+        seconds = linear_seconds(r, w, d, slice_s, device)
+        raw.append([r, w, d, seconds])
+        rates[r, w, d] = 3 * 2 * r * w * d / max(seconds - base, FLOOR * seconds)
+    grid = [[[rates[r, w, d] for d in sizes.depth] for w in sizes.width] for r in sizes.rows]
+    return raw, {"rows": list(sizes.rows), "width": list(sizes.width), "depth": list(sizes.depth), "values": grid}, base
+
+
+def attention_seconds(seq: int, head_dim: int, heads: int, slice_s: float, device: torch.device) -> float:
+    shape, dtype = (1, heads, seq, head_dim), matmul_dtype(device)
+    q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    grad = torch.randn(shape, device=device, dtype=dtype)
+
+    def forward_backward():
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+
+    return timed(forward_backward, slice_s, device)
+
+
+def measure_attention(sizes: Sizes, budget_s: float, device: torch.device) -> tuple[list, dict]:
+    """Causal attention forward + backward per head: FLOP/s of the full score matrix's count."""
+    heads = 4
+    points = [(s, d) for s in sizes.seq for d in sizes.head_dim]
+    slice_s = budget_s / (len(points) + 1)
+    base = attention_seconds(4, 8, 1, slice_s, device)
+    raw, rates = [], {}
+    for s, d in points:
+        seconds = attention_seconds(s, d, heads, slice_s, device)
+        raw.append([s, d, heads, seconds])
+        rates[s, d] = heads * 12 * d * s * s / max(seconds - base, FLOOR * seconds)
+    grid = [[rates[s, d] for d in sizes.head_dim] for s in sizes.seq]
+    return raw, {"seq": list(sizes.seq), "head_dim": list(sizes.head_dim), "values": grid}
+
+
+def measure_stream(sizes: Sizes, budget_s: float, device: torch.device) -> tuple[list, dict, float]:
+    """Element-wise c = a + b by size (bytes moved: 3 tensors), the dispatch taken out; and AdamW's step."""
+    slice_s = budget_s / (len(sizes.stream_bytes) + 2)
+    tiny = torch.ones(1, device=device)
+    base = timed(lambda: torch.add(tiny, tiny, out=tiny), slice_s, device)
+    raw = []
+    for nbytes in sizes.stream_bytes:
+        a, b, c = (torch.ones(nbytes // 4, device=device) for _ in range(3))
+        seconds = timed(functools.partial(torch.add, a, b, out=c), slice_s, device)
+        raw.append([3 * nbytes, seconds])
+    moved = [m for m, _ in raw]
+    left = [max(s - base, FLOOR * s) for m, s in raw]
+    curve = {"bytes": moved, "seconds": left, "latency_s": base, "bytes_per_s": moved[-1] / left[-1]}
+    return raw, curve, optimizer_bytes_per_s(max(sizes.stream_bytes) // 4, slice_s, device)
+
+
+def optimizer_bytes_per_s(params: int, slice_s: float, device: torch.device) -> float:
+    """AdamW (fived.optim.adamw) over `params` float32 parameters in 4 tensors: 28 bytes each per step."""
+    from fived.config import TrainConfig
+    from fived.optim.adamw import build_optimizer
+
+    weights = [torch.nn.Parameter(torch.randn(params // 4, 1, device=device)) for _ in range(4)]
+    for p in weights:
+        p.grad = torch.randn_like(p)
+    optimizer = build_optimizer(weights, TrainConfig())
+    seconds = timed(optimizer.step, slice_s, device)
+    return 28 * params / seconds
+
+
+def launch_seconds(budget_s: float, device: torch.device) -> float:
+    """One small op's dispatch (a loop's kernel launch): an 8 x 8 matmul."""
+    a = torch.randn(8, 8, device=device)
+    return timed(lambda: torch.mm(a, a), budget_s, device)
+
+
+def machine(device: torch.device) -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu
+    if device.type == "cuda":
+        memory = torch.cuda.get_device_properties(device).total_memory
+    else:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return {
+        "hostname": socket.gethostname(),
+        "cpu_count": len(os.sched_getaffinity(0)),
+        "cpu": cpu,
+        "device_type": device.type,
+        "device": name,
+        "memory_gib": memory / 2**30,
+    }
+
+
+def calibrate(output: str, *, nproc: int, minutes: float = DEFAULT_MINUTES, quick: bool = False) -> dict:
+    """Measure this machine with `nproc` ranks within `minutes` and write the profile to `output`;
+    returns the profile's contents."""
+    from fived.tools.calibrate_ranks import measure_collectives, measure_contention, measure_host
+
+    if nproc < 2:
+        raise ConfigError("--nproc", nproc, "collectives need 2 ranks at least", "e.g. --nproc 4")
+    if not minutes > 0:
+        raise ConfigError("--minutes", minutes, "must be > 0", f"e.g. --minutes {DEFAULT_MINUTES:g}")
+    check_output(output)  # refuse a file fived did not write before measuring anything
+    sizes, budget_s = (QUICK if quick else FULL), minutes * 60
+    progress = Progress(budget_s)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    load_start, started = os.getloadavg(), datetime.datetime.now(datetime.timezone.utc)
+    collectives_raw, collectives = measure_collectives(nproc, sizes.message_bytes, budget_s * SHARES["collectives"])
+    progress(f"collectives on {nproc} ranks: {len(collectives_raw)} measurements")
+    contention = measure_contention(nproc, budget_s * SHARES["contention"] / 2)
+    progress(f"{nproc} ranks at once compute {contention['slowdown']:.2f}x slower than one alone")
+    host = measure_host(budget_s * SHARES["host"])
+    progress(
+        f"host: {host['layer_overhead_s'] * 1e3:.2f} ms per layer, {host['step_overhead_s'] * 1e3:.2f} ms a step, "
+        f"{host['moe_layer_overhead_s'] * 1e3:.2f} ms per MoE layer + {host['expert_overhead_s'] * 1e3:.2f} per expert"
+    )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # (as each CPU rank runs: OMP_NUM_THREADS=1)
+    try:
+        gemm_raw, gemm, _ = measure_gemm(sizes, budget_s * SHARES["gemm"], device)
+        progress(f"gemm: {len(gemm_raw)} shapes")
+        attention_raw, attention = measure_attention(sizes, budget_s * SHARES["attention"], device)
+        progress(f"attention: {len(attention_raw)} shapes")
+        stream_raw, stream, optimizer = measure_stream(sizes, budget_s * SHARES["stream"], device)
+        launch = launch_seconds(1.0, device)
+        progress(f"stream, optimizer ({optimizer / 1e9:.1f} GB/s), dispatch ({launch * 1e6:.1f} us)")
+    finally:
+        torch.set_num_threads(threads)
+    doc = {
+        "machine": machine(device),
+        "torch": torch.__version__,
+        "date": started.isoformat(timespec="seconds"),
+        "seconds": round(time.perf_counter() - progress.start, 1),
+        "load": {"start": list(load_start), "end": list(os.getloadavg())},
+        "nproc": nproc,
+        "dtype": str(matmul_dtype(device)).removeprefix("torch."),
+        "measured": {
+            "gemm": gemm_raw,
+            "attention": attention_raw,
+            "stream": stream_raw,
+            "collectives": collectives_raw,
+            "host": host["raw"],
+            "contention": contention,
+        },
+        "fitted": {
+            "gemm": gemm,
+            "attention": attention,
+            "stream": stream,
+            "optimizer_bytes_per_s": optimizer,
+            "launch_s": launch,
+            "layer_overhead_s": host["layer_overhead_s"],
+            "step_overhead_s": host["step_overhead_s"],
+            "moe_layer_overhead_s": host["moe_layer_overhead_s"],
+            "expert_overhead_s": host["expert_overhead_s"],
+            "rank_slowdown": contention["slowdown"],
+            "collectives": collectives,
+        },
+    }
+    write_profile(output, doc)
+    progress(f"wrote {output}")
+    return doc

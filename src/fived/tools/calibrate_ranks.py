@@ -1,0 +1,222 @@
+"""`fived calibrate`'s measurements on forked ranks: the collectives over every group size, and the
+host time of fived's trainer at negligible shapes.
+
+Collectives: for a group size g, the ranks split into groups of g consecutive ranks (what ranks are
+left over wait), and every group runs the same collective at once, as a layout's groups do. Every
+rank times each call; a point is the slowest rank's mean (fived.tools.calibrate says why the mean). The repetitions are agreed on by all
+ranks (an all-reduce of the warm-up's time) so that no rank waits on a collective another skipped.
+Send/recv: pairs exchange the tensor both ways; a send is half the round trip.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from fived.launch.ranks import run_ranks
+
+OPS = ("all_reduce", "all_gather_single", "reduce_scatter_single", "all_to_all_single", "send")
+MAX_CALLS = 100
+
+
+def _call(op: str, group, size: int, x: torch.Tensor, out: torch.Tensor, rank_in_group: int):
+    """One collective call (the ledger's bytes: x for all-reduce, all-to-all, send and a reduce-scatter's
+    input; out, the same size, for an all-gather's output)."""
+    if op == "all_reduce":
+        dist.all_reduce(x, group=group)
+    elif op == "all_gather_single":
+        dist.all_gather_single(out, x[: x.numel() // size], group=group)
+    elif op == "reduce_scatter_single":
+        dist.reduce_scatter_single(out[: x.numel() // size], x, group=group)
+    elif op == "all_to_all_single":
+        dist.all_to_all_single(out, x, group=group)
+    else:  # send: there and back between the pair, timed as two sends
+        peer = dist.get_global_rank(group, 1 - rank_in_group)
+        if rank_in_group == 0:
+            dist.send(x, peer)
+            dist.recv(out, peer)
+        else:
+            dist.recv(out, peer)
+            dist.send(x, peer)
+
+
+def _calls(seconds: float, slice_s: float) -> int:
+    """Calls every rank makes: the warm-up's slowest time fills the slice (3 to MAX_CALLS)."""
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(min(MAX_CALLS, max(3, slice_s / max(t.item(), 1e-6))))
+
+
+def _point(op: str, group, size: int, nbytes: int, slice_s: float, device) -> float:
+    """This rank's mean seconds per call (nan if it is in no group)."""
+    numel = max(size, nbytes // 4 // size * size)
+    x, out = torch.ones(numel, device=device), torch.empty(numel, device=device)
+    me = dist.get_group_rank(group, dist.get_rank()) if group is not None else -1
+    start = time.perf_counter()
+    if group is not None:
+        _call(op, group, size, x, out, me)
+    calls = _calls(time.perf_counter() - start, slice_s)
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        if group is not None:
+            _call(op, group, size, x, out, me)
+        times.append(time.perf_counter() - start)
+    dist.barrier()
+    if group is None:
+        return float("nan")
+    return statistics.fmean(times) / (2 if op == "send" else 1)
+
+
+def _my_group(size: int):
+    """Every rank creates every group of `size` consecutive ranks (new_group is collective); returns
+    this rank's, or None for a rank left over."""
+    world, rank, mine = dist.get_world_size(), dist.get_rank(), None
+    for first in range(0, world - size + 1, size):
+        group = dist.new_group(list(range(first, first + size)))
+        if first <= rank < first + size:
+            mine = group
+    return mine
+
+
+def _rank_collectives(message_bytes: tuple[int, ...], slice_s: float) -> list:
+    """[op, group size, bytes, seconds] for every point (nan where this rank sat out)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    out = []
+    for size in range(2, dist.get_world_size() + 1):
+        group = _my_group(size)
+        for op in OPS:
+            if op == "send" and size != 2:  # (a send joins two ranks: the pairs of group size 2)
+                continue
+            for nbytes in message_bytes:
+                out.append([op, size, nbytes, _point(op, group, size, nbytes, slice_s, device)])
+    return out
+
+
+def fit_curve(points: list[tuple[int, float]]) -> dict:
+    """The measured seconds by bytes and the least-squares line latency + bytes / bandwidth through them."""
+    xs, ys = [float(b) for b, _ in points], [s for _, s in points]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
+    if slope <= 0:  # (flat within noise: the largest message's own rate)
+        slope = ys[-1] / xs[-1]
+    return {"bytes": xs, "seconds": ys, "latency_s": max(0.0, my - slope * mx), "bytes_per_s": 1 / slope}
+
+
+def measure_collectives(nproc: int, message_bytes: tuple[int, ...], budget_s: float) -> tuple[list, dict]:
+    """(raw [op, group size, bytes, seconds] rows, {op: {group size: curve}}) on `nproc` fresh ranks."""
+    points = sum(len(message_bytes) * (len(OPS) - 1 if g > 2 else len(OPS)) for g in range(2, nproc + 1))
+    per_rank = run_ranks(nproc, _rank_collectives, message_bytes, budget_s / points, timeout_s=120.0)
+    raw = []
+    for i, (op, size, nbytes, _) in enumerate(per_rank[0]):
+        seconds = max(r[i][3] for r in per_rank if r[i][3] == r[i][3])  # the slowest rank that took part
+        raw.append([op, size, nbytes, seconds])
+    fitted: dict[str, dict[str, dict]] = {}
+    for op in OPS:
+        for size in sorted({row[1] for row in raw if row[0] == op}):
+            rows = [(b, s) for o, g, b, s in raw if o == op and g == size]
+            fitted.setdefault(op, {})[str(size)] = fit_curve(rows)
+    return raw, fitted
+
+
+# fived's trainer at negligible shapes on one rank: (layers, routed experts); the differences give the host
+# time per dense layer, the step's own, per MoE layer without its experts' loop, per routed expert
+HOST_MODELS = ((1, 0), (3, 0), (1, 4), (1, 8))
+
+
+def _host_trainer(layers: int, experts: int):
+    from fived.config import build_config
+    from fived.training.trainer import Trainer
+
+    over = {
+        "model.name": "tiny",
+        "model.n_layers": layers,
+        "model.dim": 16,
+        "model.n_heads": 2,
+        "model.n_kv_heads": 1,
+        "model.ffn_dim": 16,
+        "model.vocab_size": 256,  # (the byte tokenizer's)
+        "model.n_experts": experts,
+        "train.seq_len": 32,  # (32 tokens x top-2: every one of 8 experts receives some)
+        "train.global_batch": 1,
+        "train.dtype": "float32",
+        "train.device": "cpu" if not torch.cuda.is_available() else "cuda",
+        "train.log_every": 10**9,
+        "train.steps": 10**6,
+    }
+    if experts:
+        over.update({"model.top_k": 2, "model.moe_ffn_dim": 16, "model.n_shared_experts": 1})
+    return Trainer(build_config(overrides=over), log=False)
+
+
+def _rank_host(budget_s: float) -> dict:
+    """Mean step seconds of each of HOST_MODELS, their steps interleaved."""
+    trainers = [_host_trainer(layers, experts) for layers, experts in HOST_MODELS]
+    times: list[list[float]] = [[] for _ in trainers]
+    start, step = time.perf_counter(), 0
+    while step < 5 or (time.perf_counter() - start < budget_s and step < 400):
+        for i, t in enumerate(trainers):
+            begin = time.perf_counter()
+            t.step(step)
+            if step >= 2:  # (after warm-up)
+                times[i].append(time.perf_counter() - begin)
+        step += 1
+    return {"step_s": [statistics.fmean(ts) for ts in times], "steps": len(times[0])}
+
+
+def measure_host(budget_s: float) -> dict:
+    """Host time per dense layer and micro-batch (the slope over layers), per step (the rest), per MoE
+    layer besides its routed experts' loop and per routed expert (the slope over experts), one rank."""
+    got = run_ranks(1, _rank_host, budget_s, timeout_s=120.0)[0]
+    dense1, dense3, moe4, moe8 = got["step_s"]
+    layer = max((dense3 - dense1) / 2, 1e-6)
+    step = max(dense1 - layer, 1e-6)
+    expert = max((moe8 - moe4) / 4, 1e-7)
+    return {
+        "raw": {"models": [list(m) for m in HOST_MODELS], **got},
+        "layer_overhead_s": layer,
+        "step_overhead_s": step,
+        "moe_layer_overhead_s": max(moe4 - step - 4 * expert, 1e-6),
+        "expert_overhead_s": expert,
+    }
+
+
+def probe(slice_s: float) -> float:
+    """Mean seconds of a small training-like mix (a linear's three GEMMs, element-wise ops) on one thread."""
+    torch.set_num_threads(1)
+    x, w, dy = torch.randn(256, 64), torch.randn(64, 64), torch.randn(256, 64)
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < 20 or time.perf_counter() - start < slice_s:
+        begin = time.perf_counter()
+        y = torch.mm(x, w)
+        torch.mm(dy, w.t())
+        torch.mm(x.t(), dy)
+        torch.add(y, dy).mul_(0.5).relu_()
+        times.append(time.perf_counter() - begin)
+    return statistics.fmean(times)
+
+
+def _rank_probe(slice_s: float, rounds: int) -> tuple[float, float]:
+    """(rank 0's mean alone while the others wait, this rank's mean with every rank at once), alternated
+    `rounds` times so that both see the same moments of the host's other load."""
+    alone, together = [], []
+    for _ in range(rounds):
+        dist.barrier()
+        if dist.get_rank() == 0:
+            alone.append(probe(slice_s))
+        dist.barrier()  # (all ranks at once, as a layout's ranks run)
+        together.append(probe(slice_s))
+    return (statistics.fmean(alone) if alone else float("nan")), statistics.fmean(together)
+
+
+def measure_contention(nproc: int, slice_s: float, rounds: int = 4) -> dict:
+    """How much slower one rank computes while `nproc` ranks compute at once than one alone (ranks sharing
+    cores decide it, and the host's other load, which the single-process measurements already pay)."""
+    got = run_ranks(nproc, _rank_probe, slice_s / rounds, rounds, timeout_s=120.0)
+    alone, together = got[0][0], statistics.fmean(t for _, t in got)
+    return {"alone_s": alone, "together_s": together, "nproc": nproc, "slowdown": max(1.0, together / alone)}

@@ -1,0 +1,101 @@
+"""`fived calibrate` writes a machine profile; the planner reads it back and prices with its numbers."""
+
+import copy
+import json
+
+import pytest
+
+from fived.cli.main import main
+from fived.config import build_config
+from fived.layout.layout import Layout
+from fived.planner.profile import profile_hardware, read_profile, write_profile
+from fived.planner.timing import Cluster, step_time
+from fived.tools.calibrate import calibrate
+
+
+@pytest.fixture(scope="module")
+def profile(tmp_path_factory):
+    """A quick calibration on 2 ranks: (its path, its contents)."""
+    path = tmp_path_factory.mktemp("calibrate") / "machine.json"
+    doc = calibrate(str(path), nproc=2, minutes=0.1, quick=True)
+    return path, doc
+
+
+def _step(path, world=2, model="tiny", **parallel):
+    cfg = build_config(overrides={"model.name": model, "train.seq_len": 64, "train.global_batch": 8})
+    layout = Layout(**parallel).with_(dp=world // (parallel.get("tp", 1) * parallel.get("pp", 1)))
+    hw = profile_hardware(read_profile(path), world)
+    return step_time(cfg.model, layout, Cluster(hw, world, world), 64, 8, "float32")
+
+
+def _variant(tmp_path, doc, name, change):
+    changed = copy.deepcopy(doc)
+    change(changed["fitted"])
+    return write_profile(tmp_path / name, {k: v for k, v in changed.items() if k not in ("format", "version")})
+
+
+def test_profile_written_read_back_and_priced(profile, tmp_path):
+    path, doc = profile
+    on_disk = json.loads(path.read_text())
+    assert on_disk["format"] == "fived-machine-profile" and on_disk["nproc"] == 2
+    assert {"hostname", "cpu_count", "device", "memory_gib"} <= set(on_disk["machine"]) and on_disk["torch"]
+    assert set(on_disk["fitted"]["collectives"]) == {
+        "all_reduce",
+        "all_gather_single",
+        "reduce_scatter_single",
+        "all_to_all_single",
+        "send",
+    }
+    assert all(s > 0 for op in on_disk["measured"]["collectives"] for s in op[3:])
+    base = _step(path, pp=2)  # (pipeline sends are never hidden: their time is the profile's, as it is)
+    assert base.pp > 0 and base.compute > 0
+
+    def slow_links(fitted):  # every collective 10x slower
+        for by_size in fitted["collectives"].values():
+            for curve in by_size.values():
+                curve["seconds"] = [s * 10 for s in curve["seconds"]]
+                curve["bytes_per_s"] /= 10
+
+    def slow_gemms(fitted):  # every GEMM rate halved
+        fitted["gemm"]["values"] = [[[v / 2 for v in row] for row in plane] for plane in fitted["gemm"]["values"]]
+
+    slow = _step(_variant(tmp_path, doc, "links.json", slow_links), pp=2)
+    assert slow.pp == pytest.approx(10 * base.pp) and slow.compute == base.compute
+    gemm = _step(_variant(tmp_path, doc, "gemm.json", slow_gemms), pp=2)
+    assert gemm.compute > base.compute  # (the exposed reduction may shrink: more compute to hide under)
+
+    def slow_experts(fitted):  # the experts' loop 10x slower on the host
+        fitted["expert_overhead_s"] *= 10
+
+    moe = _step(path, model="tiny-moe", zero=0)
+    assert _step(_variant(tmp_path, doc, "experts.json", slow_experts), model="tiny-moe", zero=0).compute > moe.compute
+
+
+def test_bad_profile_is_one_line_naming_file_and_field(profile, tmp_path, capsys):
+    path, doc = profile
+    broken = copy.deepcopy(json.loads(path.read_text()))
+    broken["fitted"]["collectives"]["all_reduce"]["2"]["seconds"][0] = -1.0
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(broken))
+    flags = ["plan", "--model", "tiny", "--gpus", "2", "--seq", "64", "--global-batch-tokens", "512"]
+    assert main([*flags, "--machine", str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(bad) in err[0] and "fitted.collectives.all_reduce.2.seconds[0]=-1.0" in err[0], err
+    broken["fitted"]["collectives"]["all_reduce"]["2"]["seconds"][0] = 1e-4
+    del broken["fitted"]["launch_s"]
+    bad.write_text(json.dumps(broken))
+    assert main([*flags, "--machine", str(bad)]) == 2
+    assert "fitted.launch_s" in capsys.readouterr().err
+    assert main([*flags, "--machine", str(path)]) == 0
+    assert f"machine profile {path}" in capsys.readouterr().out
+
+
+def test_calibrate_never_writes_over_a_users_file_or_a_symlink(tmp_path, capsys):
+    mine = tmp_path / "notes.json"
+    mine.write_text('{"mine": true}')
+    assert main(["calibrate", "--output", str(mine), "--nproc", "2", "--quick"]) == 2
+    assert "is not a fived machine profile" in capsys.readouterr().err and mine.read_text() == '{"mine": true}'
+    link = tmp_path / "link.json"
+    link.symlink_to(tmp_path / "elsewhere.json")
+    assert main(["calibrate", "--output", str(link), "--nproc", "2", "--quick"]) == 2
+    assert "symlink" in capsys.readouterr().err and not (tmp_path / "elsewhere.json").exists()
