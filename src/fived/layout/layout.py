@@ -100,6 +100,27 @@ PRECISION_SPECS = {
 }
 
 
+def masters_apart(dtype: str, zero: int) -> bool:
+    """Whether the optimizer keeps float32 master weights apart from the parameters: low-precision
+    parameters (`PrecisionSpec.master`) outside ZeRO-3; under ZeRO-3 FSDP2's float32 sharded
+    parameters are the masters themselves (gathered in the precision's weights dtype)."""
+    return PRECISION_SPECS[dtype].master and zero != 3
+
+
+def parameter_dtype(dtype: str, zero: int) -> str:
+    """The dtype the model's parameters are built and held in: the precision's weights, except under
+    ZeRO-3 in runs with masters, whose float32 masters are the (sharded) parameters."""
+    spec = PRECISION_SPECS[dtype]
+    return "float32" if spec.master and zero == 3 else spec.weights
+
+
+def keeps_flat_buffer(zero: int, pp: int, dp_cp_size: int) -> bool:
+    """Whether parameters live in the flat buffer (`fived.parallel.zero`): under ZeRO-1/2, and ZeRO-0
+    under a pipeline with more than one dp*cp rank; ZeRO-0 otherwise keeps them whole (DDP, or a
+    single data-parallel rank), ZeRO-3 as rows (FSDP2)."""
+    return zero in (1, 2) or (zero == 0 and pp > 1 and dp_cp_size > 1)
+
+
 def stages_per_rank(schedule: str, virtual: int) -> int:
     return 2 if schedule in V_SHAPED else (1 if schedule in SINGLE_STAGE else virtual)
 
@@ -172,6 +193,30 @@ class Layout:
         return self.dp // self.dp_replicate
 
     @property
+    def dp_cp(self) -> int:
+        """Ranks of the gradient reduction's group dp x cp (cp ranks see other tokens of the sequences)."""
+        return self.dp * self.cp
+
+    @property
+    def shards(self) -> int:
+        """The ZeRO shard group dp_shard x cp: what ZeRO-1/2's flat buffer and ZeRO-3's rows are cut over."""
+        return self.dp_shard * self.cp
+
+    @property
+    def stage_ranks(self) -> int:
+        """The ranks of one pipeline stage, dp x cp x tp."""
+        return self.dp * self.cp * self.tp
+
+    @property
+    def flat_buffer(self) -> bool:
+        """Whether the runtime keeps the non-expert parameters in a flat buffer (`keeps_flat_buffer`)."""
+        return keeps_flat_buffer(self.zero, self.pp, self.dp_cp)
+
+    def masters_apart(self, dtype: str) -> bool:
+        """Whether the optimizer keeps float32 masters apart from the parameters (`masters_apart`)."""
+        return masters_apart(dtype, self.zero)
+
+    @property
     def n_stages(self) -> int:
         return self.pp * stages_per_rank(self.pp_schedule, self.pp_virtual) if self.pp > 1 else 1
 
@@ -188,6 +233,12 @@ class Layout:
     def expert_ranks(self) -> int:
         """The ranks of a pipeline stage that ep x edp cut: dp*cp, or dp*cp*tp when folded."""
         return self.dp * self.cp * (self.tp if self.folded else 1)
+
+    @property
+    def edp(self) -> int:
+        """Ranks holding the same routed experts: a stage's ranks over ep x the experts' tp size, which
+        is `expert_ranks // ep` for fived's runtime (etp 0 or 1) and other runtimes' etp alike."""
+        return self.stage_ranks // (self.ep * self.expert_tp)
 
     def expert_index(self, dp_cp: int, tp: int) -> int:
         """A rank's index among `expert_ranks` from its dp*cp and tp indices (tp innermost when folded):

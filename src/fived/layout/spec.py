@@ -29,6 +29,7 @@ import math
 from dataclasses import dataclass
 
 from fived.config import ModelConfig
+from fived.layout.layout import keeps_flat_buffer
 
 
 @dataclass(frozen=True)
@@ -316,13 +317,6 @@ class Stored:
     flat: tuple[int, int] | None
     replica: int
     slot: int
-
-
-def keeps_flat_buffer(zero: int, pp: int, dp_cp_size: int) -> bool:
-    """Whether parameters live in the flat buffer (`fived.parallel.zero`): under ZeRO-1/2, and ZeRO-0
-    under a pipeline with more than one dp*cp rank; ZeRO-0 otherwise keeps them whole (DDP, or a
-    single data-parallel rank), ZeRO-3 as rows (FSDP2)."""
-    return zero in (1, 2) or (zero == 0 and pp > 1 and dp_cp_size > 1)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import torch
 
 from fived.config import Config
 from fived.layout.placement import Box, Placement
-from fived.layout.spec import TensorSpec, keeps_flat_buffer, tensor_specs
+from fived.layout.spec import TensorSpec, tensor_specs
 from fived.model.ledger import local_tensor
 from fived.model.transformer import Transformer, canonical_name
 from fived.parallel.checkpointing import apply_activation_checkpointing
@@ -159,14 +159,14 @@ def describe_placements(
 
 def make_data_parallel(mesh: Mesh, cfg: Config) -> DataParallel:
     """The strategy of the ZeRO stage (here, not in data_parallel.py: the stages build on its base)."""
-    stage = cfg.parallel.zero
-    if stage == 3:
+    layout = mesh.layout
+    if layout.zero == 3:
         return FullyShardedDataParallel(mesh, cfg)
     # ZeRO-1/2, and ZeRO-0 under a pipeline schedule (one all-reduce of a flat buffer per step,
     # after the schedule, instead of DDP hooks inside it)
-    if keeps_flat_buffer(stage, mesh.pp, mesh.dp * mesh.cp):
+    if layout.flat_buffer:
         return ShardedOptimizerDataParallel(mesh, cfg)
-    return DataParallel(mesh, cfg) if mesh.dp * mesh.cp == 1 else ReplicatedDataParallel(mesh, cfg)
+    return DataParallel(mesh, cfg) if layout.dp_cp == 1 else ReplicatedDataParallel(mesh, cfg)
 
 
 def apply_tensor_parallel(

@@ -102,10 +102,10 @@ class DataParallel:
 
     def with_masters(self, tensors) -> list[torch.Tensor]:
         """The tensors the optimizer updates in place of `tensors`: under train.dtype=bfloat16 a
-        float32 master copy of each bf16 one (ZeRO-3's parameters are float32 already)."""
+        float32 master copy of each bf16 one (not under ZeRO-3: `fived.layout.layout.masters_apart`)."""
         out = []
         for t in tensors:
-            if self.precision.master and t.requires_grad and t.dtype != torch.float32:
+            if self.mesh.layout.masters_apart(self.cfg.train.dtype) and t.requires_grad:
                 master = nn.Parameter(t.detach().float())
                 self.master_pairs.append((t, master))
                 self.master_of[t] = master
@@ -139,13 +139,14 @@ class DataParallel:
 
     def data_rank(self) -> DataRank:
         """This rank's place in data parallelism, from its mesh."""
-        m, many = self.mesh, self.mesh.dp * self.mesh.cp > 1
+        m, L = self.mesh, self.mesh.layout
+        many = L.dp_cp > 1
         return DataRank(
-            self.cfg.parallel.zero,
-            m.pp,
-            m.ep,
-            m.dp * m.cp,
-            m.dp_shard * m.cp,
+            L.zero,
+            L.pp,
+            L.ep,
+            L.dp_cp,
+            L.shards,
             m.rank("dp_shard_cp") if many else 0,
             m.rank("dp_replicate") if m.dp_replicate > 1 else 0,
             m.rank("dp_cp") if many else 0,

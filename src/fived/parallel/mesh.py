@@ -22,6 +22,7 @@ from fived.layout.layout import (
     SPLIT_BACKWARD,
     V_SHAPED,
     Layout,
+    parameter_dtype,
     resolve_dp,
     stages_per_rank,
 )
@@ -67,8 +68,7 @@ PRECISIONS = {name: Precision(DTYPES[s.weights], DTYPES[s.compute], s.master) fo
 def build_dtype(cfg: Config) -> torch.dtype:
     """The dtype the model's parameters are built in: the precision's weights, except that ZeRO-3
     (FSDP2) holds bf16 runs' float32 masters as its sharded parameters and gathers them in bf16."""
-    precision = PRECISIONS[cfg.train.dtype]
-    return torch.float32 if precision.master and cfg.parallel.zero == 3 else precision.weights
+    return DTYPES[parameter_dtype(cfg.train.dtype, cfg.parallel.zero)]
 
 
 class Mesh:
@@ -100,7 +100,7 @@ class Mesh:
     dp_replicate = property(lambda self: self.layout.dp_replicate)
     dp_shard = property(lambda self: self.layout.dp_shard)
     world_size = property(lambda self: self.layout.world)
-    edp = property(lambda self: self.layout.expert_ranks // self.layout.ep)  # ranks holding the same experts
+    edp = property(lambda self: self.layout.edp)  # ranks holding the same experts
 
     def build(self, device_type: str, timeout_s: float | None = None) -> Mesh:
         """Create every group; with `timeout_s`, a collective on any of them that does not complete in

@@ -62,7 +62,7 @@ class ShardedOptimizerDataParallel(DataParallel):
         if self.stage == 0:  # unsharded (under pipeline schedules): one all-reduce over dp
             self.shards, rank = 1, 0
         else:
-            self.shards = self.mesh.dp_shard * self.mesh.cp  # context-parallel ranks shard too
+            self.shards = self.mesh.layout.shards  # context-parallel ranks shard too
             rank = self.mesh.rank("dp_shard_cp")
         apart = {n for n, _ in self.expert_parameters()}
         named = [(n, p) for n, p in self.named_parameters() if p.requires_grad and n not in apart]

@@ -90,12 +90,12 @@ def group_span(layout: Layout, group: str) -> tuple[int, int]:
         "tp": (L.tp, 1),
         "cp": (L.cp, L.tp),
         "ep": (L.ep, etp),
-        "edp": (L.dp * L.cp * L.tp // (L.ep * etp), L.ep * etp),
+        "edp": (L.edp, L.ep * etp),
         "pp": (2, L.tp * L.cp * L.dp),
-        "dp_cp": (L.dp * L.cp, L.tp),
-        "dp_shard_cp": (L.dp_shard * L.cp, L.tp),
+        "dp_cp": (L.dp_cp, L.tp),
+        "dp_shard_cp": (L.shards, L.tp),
         "dp_replicate": (L.dp_replicate, L.tp * L.cp * L.dp_shard),
-        "dp_cp_tp": (L.dp * L.cp * L.tp, 1),
+        "dp_cp_tp": (L.stage_ranks, 1),
         "cp_ulysses": (L.ulysses, L.tp),
         "cp_ring": (L.cp // L.ulysses, L.tp * L.ulysses),
     }[group]
@@ -304,7 +304,7 @@ def _data_parallel(add, m: ModelConfig, L: Layout, chunks, micro: int, dtype: st
         ends += parameter_shapes(m, L.tp, L.ep, (), first, last, L.expert_tp)[0]
     n = sum(r * c * k for (r, c), k in dense)
     n_exp = sum(r * c * k for (r, c), k in expert)
-    shards = L.dp_shard * L.cp
+    shards = L.shards
     r = runtime.reduce_bytes or reduce_bytes(dtype, L.reduce_dtype)
     cap = L.bucket_elements(WEIGHT_BYTES[dtype])  # (None: one flat buffer, nothing overlapped)
     if L.zero == 0:  # DDP's buckets, or one flat buffer under pipelines (buckets with overlap)
@@ -342,8 +342,7 @@ def _data_parallel(add, m: ModelConfig, L: Layout, chunks, micro: int, dtype: st
         add("dp_shard_cp", "reduce_scatter_single", padded * r / modules, modules, "dp")
         add("dp_replicate", "all_reduce", padded // shards * r, 1, "dp")
         add("dp_shard_cp", "all_reduce", NORM, 1, "dp")
-        edp = group_span(L, "edp")[0]
-        experts = _padded(expert, edp)
+        experts = _padded(expert, L.edp)
         add("edp", "all_gather_single", experts * g, 1 if keep else 2 * micro, "dp_gather")
         add("edp", "reduce_scatter_single", experts * r, 1, "dp")
     if L.zero < 3 and n_exp:
@@ -361,8 +360,7 @@ def owned_parameters(m: ModelConfig, L: Layout, chunks) -> float:
         dn, ex = parameter_shapes(m, L.tp, L.ep, layers, first, last, L.expert_tp)
         n += sum(r * c * k for (r, c), k in dn)
         n_exp += sum(r * c * k for (r, c), k in ex)
-    edp = group_span(L, "edp")[0]
-    return (n / (L.dp_shard * L.cp) if L.zero else n) + n_exp / (edp if L.zero == 3 else 1)
+    return (n / L.shards if L.zero else n) + n_exp / (L.edp if L.zero == 3 else 1)
 
 
 def ledger_bytes(collectives: list[Collective], layout: Layout) -> dict[str, int]:

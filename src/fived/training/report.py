@@ -64,7 +64,7 @@ def expected_comm_bytes(cfg: Config, world: int, rank: int = 0) -> dict[str, int
     from fived.planner.communication import ledger_bytes, step_collectives
 
     layout = Layout.from_config(cfg, world)
-    pp_rank, member = divmod(rank, layout.dp * layout.cp * layout.tp)
+    pp_rank, member = divmod(rank, layout.stage_ranks)
     collectives = step_collectives(
         cfg.model,
         layout,
