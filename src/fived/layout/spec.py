@@ -84,6 +84,18 @@ class TensorSpec:
         return tp_rank if self.tp is None else tp_rank % self.tp.replicas
 
     @property
+    def tp_summed(self) -> int:
+        """Elements of this tensor's gradient summed over tp after backward, in one all-reduce
+        (`fived.parallel.tensor.TensorParallel.finish_gradients`): all of a replicated tensor each tp
+        rank holds part of the gradient of, every holder's slot of a kv head several tp ranks hold
+        (0: none)."""
+        if self.tp_partial_grad:
+            return math.prod(self.local_shape)
+        if self.tp is not None and self.tp.replicas > 1:
+            return self.tp.pieces * math.prod(self.local_shape)
+        return 0
+
+    @property
     def splits(self) -> str:
         """The mesh dimensions that cut it, as the pages show them ("ep+tp", "tp", "")."""
         return "+".join(d for d, cut in (("ep", self.ep), ("tp", self.tp)) if cut is not None and cut.pieces > 1)

@@ -64,7 +64,8 @@ def expected_comm_bytes(cfg: Config, world: int, rank: int = 0) -> dict[str, int
     from fived.planner.communication import ledger_bytes, step_collectives
 
     layout = Layout.from_config(cfg, world)
-    pp_rank, member = divmod(rank, layout.stage_ranks)
+    where = layout.coordinates(rank)
+    pp_rank, member = where["pp"], where["member"]
     collectives = step_collectives(
         cfg.model,
         layout,
