@@ -29,7 +29,7 @@ import math
 from dataclasses import dataclass
 
 from fived.config import ModelConfig
-from fived.layout.layout import keeps_flat_buffer
+from fived.layout.layout import Layout, keeps_flat_buffer
 
 
 @dataclass(frozen=True)
@@ -198,6 +198,11 @@ def padded_vocab(m: ModelConfig, tp: int) -> int:
 def local_vocab(m: ModelConfig, tp: int) -> int:
     """Rows of the embedding and head (columns of the logits) a tp rank holds, padding included."""
     return padded_vocab(m, tp) // tp
+
+
+def layout_specs(m: ModelConfig, layout: Layout) -> dict[str, TensorSpec]:
+    """`tensor_specs` of the model under `layout` (its tp, ep, sp and etp): the runtime's one call."""
+    return tensor_specs(m, tp=layout.tp, ep=layout.ep, sp=layout.sp, etp=layout.etp)
 
 
 def chunk_specs(
