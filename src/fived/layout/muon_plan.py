@@ -99,13 +99,18 @@ class Member:
 
     @classmethod
     def at(cls, layout: Layout, index: int) -> Member:
-        rest, tp = divmod(index, layout.tp)
-        rest, cp = divmod(rest, layout.cp)
-        replicate, shard = divmod(rest, layout.dp_shard)
-        dp_cp = (replicate * layout.dp_shard + shard) * layout.cp + cp
-        experts = layout.expert_index(dp_cp, tp)  # (its place on the expert mesh: ep innermost)
+        # (`index` among a stage's ranks: the global rank of the first stage's member, the mesh's order)
+        at, experts = layout.mesh_coordinates(index), layout.mesh_coordinates(index, "expert")
         return cls(
-            index, replicate, shard, cp, tp, dp_cp, shard * layout.cp + cp, experts % layout.ep, experts // layout.ep
+            index,
+            at["dp_replicate"],
+            at["dp_shard"],
+            at["cp"],
+            at["tp"],
+            layout.group_index("dp_cp", index),
+            layout.group_index("dp_shard_cp", index),
+            experts["ep"],
+            experts["edp"],
         )
 
     def data_rank(self, layout: Layout) -> DataRank:
