@@ -103,3 +103,24 @@ def test_tp_layer_traffic_per_layer():
         two_sp[0].comm["tp/reduce_scatter_single"]["bytes"] - one_sp[0].comm["tp/reduce_scatter_single"]["bytes"]
     )
     assert gathered == 6 * act and scattered == 4 * act  # 2 AG + 2 RS forward, 2 RS + 2 AG backward, 2 re-gathers
+
+
+@pytest.mark.parametrize(
+    "name, over",
+    [
+        ("tiny", {"model__qk_norm": True}),
+        ("tiny", {"parallel__tp": 4}),  # 4 > n_kv_heads=2: kv heads' gradients summed in slots
+        ("tiny", {"model__qk_norm": True, "parallel__sp": True, "model__tie_embeddings": True}),
+        ("tiny-moe", {"model__qk_norm": True, "parallel__sp": True, "parallel__etp": 1}),
+    ],
+    ids=["qk_norm", "kv-replicated", "qk_norm-sp-tied", "moe-shared-qk_norm-sp-folded"],
+)
+def test_communication_of_every_model_feature_is_the_planners(name, over):
+    """Every tensor kind whose gradient is summed over tp (norm gains under SP, q/k-norm weights, the
+    routers, whole experts folded over tp) and every model feature: the ledger's bytes are the
+    planner's, which reads them from the sharding spec (no hand list to leave one out)."""
+    cfg = tiny_config(name, **{"parallel__dp": 1, "parallel__tp": 2, "train__steps": 1, **over})
+    world = cfg.parallel.tp
+    results = run_on_ranks(world, run_training, cfg, False, False)
+    for rank, res in enumerate(results):
+        assert {k: v["bytes"] for k, v in res.comm.items()} == expected_comm_bytes(cfg, world, rank), rank

@@ -12,6 +12,7 @@ process groups of a layout.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields, replace
 from typing import get_args
 
@@ -59,6 +60,31 @@ GROUP_NAMES = (
     "cp_ulysses",
     "cp_ring",
 )
+# The meshes a layout's groups are cut from (`fived.parallel.mesh.Mesh` builds each from `Layout.rank_grid`),
+# outermost dimension first: all three number the ranks alike (tp, then cp, dp_shard, dp_replicate,
+# pp); the expert mesh cuts a stage's ranks into edp x ep x etp (etp 1 when folded: ep spans tp), the
+# hybrid context-parallel mesh cuts cp into rings across Ulysses groups of consecutive cp ranks.
+MESHES = {
+    "main": MESH_DIMS,
+    "expert": ("pp", "edp", "ep", "etp"),
+    "cp": ("pp", "dp_replicate", "dp_shard", "cp_ring", "cp_ulysses", "tp"),
+}
+# Each named group: its mesh and the dimensions it spans (flattened, the last innermost).
+GROUP_DIMS = {
+    "pp": ("main", ("pp",)),
+    "dp": ("main", ("dp_replicate", "dp_shard")),
+    "dp_replicate": ("main", ("dp_replicate",)),
+    "dp_shard": ("main", ("dp_shard",)),
+    "cp": ("main", ("cp",)),
+    "tp": ("main", ("tp",)),
+    "dp_cp": ("main", ("dp_replicate", "dp_shard", "cp")),
+    "dp_shard_cp": ("main", ("dp_shard", "cp")),
+    "dp_cp_tp": ("main", ("dp_replicate", "dp_shard", "cp", "tp")),
+    "ep": ("expert", ("ep",)),
+    "edp": ("expert", ("edp",)),
+    "cp_ulysses": ("cp", ("cp_ulysses",)),
+    "cp_ring": ("cp", ("cp_ring",)),
+}
 OPTIMIZERS = get_args(Optimizer)  # train.optimizer (fived.optim.adamw, fived.optim.muon)
 MUON_SCALES = get_args(MuonScale)  # train.muon_scale (fived.optim.muon.update_scale)
 CP_MODES = get_args(CpMode)  # parallel.cp_mode
@@ -98,6 +124,27 @@ PRECISION_SPECS = {
     "bfloat16-autocast": PrecisionSpec("float32", "bfloat16"),
     "float64": PrecisionSpec("float64", "float64"),
 }
+
+
+def masters_apart(dtype: str, zero: int) -> bool:
+    """Whether the optimizer keeps float32 master weights apart from the parameters: low-precision
+    parameters (`PrecisionSpec.master`) outside ZeRO-3; under ZeRO-3 FSDP2's float32 sharded
+    parameters are the masters themselves (gathered in the precision's weights dtype)."""
+    return PRECISION_SPECS[dtype].master and zero != 3
+
+
+def parameter_dtype(dtype: str, zero: int) -> str:
+    """The dtype the model's parameters are built and held in: the precision's weights, except under
+    ZeRO-3 in runs with masters, whose float32 masters are the (sharded) parameters."""
+    spec = PRECISION_SPECS[dtype]
+    return "float32" if spec.master and zero == 3 else spec.weights
+
+
+def keeps_flat_buffer(zero: int, pp: int, dp_cp_size: int) -> bool:
+    """Whether parameters live in the flat buffer (`fived.parallel.zero`): under ZeRO-1/2, and ZeRO-0
+    under a pipeline with more than one dp*cp rank; ZeRO-0 otherwise keeps them whole (DDP, or a
+    single data-parallel rank), ZeRO-3 as rows (FSDP2)."""
+    return zero in (1, 2) or (zero == 0 and pp > 1 and dp_cp_size > 1)
 
 
 def stages_per_rank(schedule: str, virtual: int) -> int:
@@ -172,6 +219,30 @@ class Layout:
         return self.dp // self.dp_replicate
 
     @property
+    def dp_cp(self) -> int:
+        """Ranks of the gradient reduction's group dp x cp (cp ranks see other tokens of the sequences)."""
+        return self.dp * self.cp
+
+    @property
+    def shards(self) -> int:
+        """The ZeRO shard group dp_shard x cp: what ZeRO-1/2's flat buffer and ZeRO-3's rows are cut over."""
+        return self.dp_shard * self.cp
+
+    @property
+    def stage_ranks(self) -> int:
+        """The ranks of one pipeline stage, dp x cp x tp."""
+        return self.dp * self.cp * self.tp
+
+    @property
+    def flat_buffer(self) -> bool:
+        """Whether the runtime keeps the non-expert parameters in a flat buffer (`keeps_flat_buffer`)."""
+        return keeps_flat_buffer(self.zero, self.pp, self.dp_cp)
+
+    def masters_apart(self, dtype: str) -> bool:
+        """Whether the optimizer keeps float32 masters apart from the parameters (`masters_apart`)."""
+        return masters_apart(dtype, self.zero)
+
+    @property
     def n_stages(self) -> int:
         return self.pp * stages_per_rank(self.pp_schedule, self.pp_virtual) if self.pp > 1 else 1
 
@@ -188,6 +259,12 @@ class Layout:
     def expert_ranks(self) -> int:
         """The ranks of a pipeline stage that ep x edp cut: dp*cp, or dp*cp*tp when folded."""
         return self.dp * self.cp * (self.tp if self.folded else 1)
+
+    @property
+    def edp(self) -> int:
+        """Ranks holding the same routed experts: a stage's ranks over ep x the experts' tp size, which
+        is `expert_ranks // ep` for fived's runtime (etp 0 or 1) and other runtimes' etp alike."""
+        return self.stage_ranks // (self.ep * self.expert_tp)
 
     def expert_index(self, dp_cp: int, tp: int) -> int:
         """A rank's index among `expert_ranks` from its dp*cp and tp indices (tp innermost when folded):
@@ -227,65 +304,71 @@ class Layout:
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(**{f.name: getattr(self, f.name) for f in fields(ParallelConfig)})
 
+    def dim_size(self, dim: str) -> int:
+        """The size of mesh dimension `dim` (of one of MESHES)."""
+        if dim in ("edp", "etp", "cp_ring", "cp_ulysses"):
+            return {"edp": self.edp, "etp": self.expert_tp, "cp_ring": self.cp // self.ulysses}.get(dim, self.ulysses)
+        return int(getattr(self, dim))
+
+    def strides(self, mesh: str) -> dict[str, int]:
+        """The rank distance between neighbours along each dimension of mesh `mesh` (MESHES: its last
+        dimension innermost, every mesh numbering the ranks in the same order)."""
+        out, step = {}, 1
+        for dim in reversed(MESHES[mesh]):
+            out[dim], step = step, step * self.dim_size(dim)
+        return out
+
+    def mesh_coordinates(self, rank: int, mesh: str = "main") -> dict[str, int]:
+        """Global `rank`'s index along each dimension of mesh `mesh`."""
+        return {dim: rank // stride % self.dim_size(dim) for dim, stride in self.strides(mesh).items()}
+
+    def rank_grid(self, mesh: str) -> list:
+        """The ranks of mesh `mesh` as nested lists, outermost dimension first (`Mesh.build`'s meshes)."""
+        strides = self.strides(mesh)
+
+        def grid(dims: tuple[str, ...], base: int) -> list | int:
+            if not dims:
+                return base
+            return [grid(dims[1:], base + i * strides[dims[0]]) for i in range(self.dim_size(dims[0]))]
+
+        out = grid(MESHES[mesh], 0)
+        assert isinstance(out, list)
+        return out
+
+    def span(self, group: str) -> tuple[int, int]:
+        """(ranks in group `group`, the rank distance between its neighbours)."""
+        mesh, dims = GROUP_DIMS[group]
+        return math.prod(self.dim_size(d) for d in dims), self.strides(mesh)[dims[-1]]
+
     def coordinates(self, rank: int) -> dict[str, int]:
-        """Where global `rank` sits on the mesh (MESH_DIMS order, tp innermost): its pipeline rank, its
-        index in the dp_shard x cp ZeRO group and in its expert-data group (dp x cp cut into ep groups
-        of consecutive ranks)."""
-        rest, tp_i = divmod(rank, self.tp)
-        rest, cp_i = divmod(rest, self.cp)
-        rest, dps_i = divmod(rest, self.dp_shard)
-        pp_i, dpr_i = divmod(rest, self.dp_replicate)
-        dp_cp = (dpr_i * self.dp_shard + dps_i) * self.cp + cp_i
-        return {"pp": pp_i, "shard": dps_i * self.cp + cp_i, "edp": self.expert_index(dp_cp, tp_i) // self.ep}
+        """Where global `rank` sits: its pipeline rank, its index among its stage's ranks (dp_cp_tp),
+        in the dp_shard x cp ZeRO group and in its expert-data group."""
+        return {
+            "pp": self.mesh_coordinates(rank)["pp"],
+            "member": self.group_index("dp_cp_tp", rank),
+            "shard": self.group_index("dp_shard_cp", rank),
+            "edp": self.mesh_coordinates(rank, "expert")["edp"],
+        }
+
+    def group_index(self, group: str, rank: int) -> int:
+        """`rank`'s index in its group `group` (the group's dimensions flattened, the last innermost)."""
+        mesh, dims = GROUP_DIMS[group]
+        where = self.mesh_coordinates(rank, mesh)
+        index = 0
+        for dim in dims:
+            index = index * self.dim_size(dim) + where[dim]
+        return index
 
     def group_ranks(self, name: str, rank: int = 0) -> frozenset[int]:
-        """The global ranks of `rank`'s group `name` (a GROUP_NAMES entry), as `Mesh.build` forms it."""
-        varied = {
-            "pp": "p",
-            "dp": "rs",
-            "dp_replicate": "r",
-            "dp_shard": "s",
-            "cp": "c",
-            "tp": "t",
-            "dp_cp": "rsc",
-            "dp_shard_cp": "sc",
-            "ep": "e",
-            "edp": "d",
-            "dp_cp_tp": "rsct",
-            "cp_ulysses": "u",
-            "cp_ring": "g",
-        }[name]
-        u = self.ulysses
-
-        def coords(r: int) -> dict[str, int]:
-            rest, t = divmod(r, self.tp)
-            rest, c = divmod(rest, self.cp)
-            rest, s = divmod(rest, self.dp_shard)
-            p, d = divmod(rest, self.dp_replicate)
-            flat = self.expert_index((d * self.dp_shard + s) * self.cp + c, t)  # the expert mesh cuts it into (edp, ep)
-            return {
-                "p": p,
-                "r": d,
-                "s": s,
-                "c": c,
-                "t": t,
-                "d": flat // self.ep,
-                "e": flat % self.ep,
-                "x": flat,
-                "u": c % u,
-                "g": c // u,
-            }
-
-        def key(r: int) -> tuple:
-            k = coords(r)
-            if name in ("ep", "edp"):  # the expert mesh's other coordinate is its own (tp's too, unless folded)
-                return k["p"], 0 if self.folded else k["t"], k["d" if name == "ep" else "e"]
-            if name in ("cp_ulysses", "cp_ring"):  # cp cut into Ulysses groups (consecutive) and rings across
-                return k["p"], k["r"], k["s"], k["t"], k["g" if name == "cp_ulysses" else "u"]
-            return tuple(v for dim, v in k.items() if dim in "prsct" and dim not in varied)
-
-        mine = key(rank)
-        return frozenset(r for r in range(self.world) if key(r) == mine)
+        """The global ranks of `rank`'s group `name` (a GROUP_NAMES entry), as `Mesh.build` forms it:
+        the ranks that differ from `rank` only along the group's dimensions of its mesh."""
+        mesh, dims = GROUP_DIMS[name]
+        strides, where = self.strides(mesh), self.mesh_coordinates(rank, mesh)
+        base = rank - sum(where[d] * strides[d] for d in dims)
+        offsets = [0]
+        for dim in dims:
+            offsets = [o + i * strides[dim] for o in offsets for i in range(self.dim_size(dim))]
+        return frozenset(base + o for o in offsets)
 
     def ledger_name(self, group: str) -> str:
         """The name the communication ledger gives `group` ('dp_cp' is 'dp' without context

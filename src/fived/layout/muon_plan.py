@@ -43,7 +43,7 @@ from functools import cached_property, lru_cache
 from fived.config import ModelConfig
 from fived.layout.layout import PRECISION_SPECS, Layout
 from fived.layout.placement import Box, Placement
-from fived.layout.spec import DataRank, FlatLayout, TensorSpec, chunk_specs, in_flat_buffer, keeps_flat_buffer
+from fived.layout.spec import DataRank, FlatLayout, TensorSpec, chunk_specs, in_flat_buffer
 from fived.layout.stages import model_key
 
 
@@ -99,13 +99,18 @@ class Member:
 
     @classmethod
     def at(cls, layout: Layout, index: int) -> Member:
-        rest, tp = divmod(index, layout.tp)
-        rest, cp = divmod(rest, layout.cp)
-        replicate, shard = divmod(rest, layout.dp_shard)
-        dp_cp = (replicate * layout.dp_shard + shard) * layout.cp + cp
-        experts = layout.expert_index(dp_cp, tp)  # (its place on the expert mesh: ep innermost)
+        # (`index` among a stage's ranks: the global rank of the first stage's member, the mesh's order)
+        at, experts = layout.mesh_coordinates(index), layout.mesh_coordinates(index, "expert")
         return cls(
-            index, replicate, shard, cp, tp, dp_cp, shard * layout.cp + cp, experts % layout.ep, experts // layout.ep
+            index,
+            at["dp_replicate"],
+            at["dp_shard"],
+            at["cp"],
+            at["tp"],
+            layout.group_index("dp_cp", index),
+            layout.group_index("dp_shard_cp", index),
+            experts["ep"],
+            experts["edp"],
         )
 
     def data_rank(self, layout: Layout) -> DataRank:
@@ -114,8 +119,8 @@ class Member:
             L.zero,
             L.pp,
             L.ep,
-            L.dp * L.cp,
-            L.dp_shard * L.cp,
+            L.dp_cp,
+            L.shards,
             self.shard_cp,
             self.replicate,
             self.dp_cp,
@@ -150,13 +155,13 @@ def bucket_ranges(sizes: list[int], cap: float) -> list[tuple[int, int]]:
 def flat_layout(specs: list[TensorSpec], layout: Layout, dtype: str) -> FlatLayout | None:
     """The stage's flat buffer as `fived.parallel.zero` lays it out (None: the layout keeps none)."""
     L = layout
-    if not keeps_flat_buffer(L.zero, L.pp, L.dp * L.cp):
+    if not L.flat_buffer:
         return None
     flat = [s for s in specs if in_flat_buffer(s, L.ep)]
     return FlatLayout(
         [s.name for s in flat],
         [math.prod(s.local_shape) for s in flat],
-        1 if L.zero == 0 else L.dp_shard * L.cp,
+        1 if L.zero == 0 else L.shards,
         L.bucket_elements(PRECISION_SPECS[dtype].weight_bytes),
     )
 
@@ -185,7 +190,7 @@ class StagePlan:
 
     def __init__(self, m: ModelConfig, layout: Layout, dtype: str, chunks):
         L = layout
-        self.layout, self.size = L, L.dp * L.cp * L.tp
+        self.layout, self.size = L, L.stage_ranks
         self.members = [Member.at(L, i) for i in range(self.size)]
         specs = [
             s for layers, first, last in chunks for s in chunk_specs(m, layers, first, last, tp=L.tp, ep=L.ep, sp=L.sp)
@@ -257,7 +262,7 @@ class StagePlan:
         cols = math.prod(spec.local_shape) // dim0
         row, rows = (0, dim0) if expert < 0 else (expert % dim0, 1)  # an expert: one row of [experts, in, out]
         if L.zero == 3:
-            shards = L.dp * L.cp // L.ep if spec.expert and L.ep > 1 else L.dp_shard * L.cp
+            shards = L.edp if spec.expert and L.ep > 1 else L.shards
             chunk = math.ceil(dim0 / shards)
             return [(row // chunk, min(chunk, rows) * cols)]
         if self.flat is None or (spec.expert and L.ep > 1):

@@ -29,6 +29,7 @@ import math
 from dataclasses import dataclass
 
 from fived.config import ModelConfig
+from fived.layout.layout import Layout, keeps_flat_buffer
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,18 @@ class TensorSpec:
         if self.folded:
             return 0
         return tp_rank if self.tp is None else tp_rank % self.tp.replicas
+
+    @property
+    def tp_summed(self) -> int:
+        """Elements of this tensor's gradient summed over tp after backward, in one all-reduce
+        (`fived.parallel.tensor.TensorParallel.finish_gradients`): all of a replicated tensor each tp
+        rank holds part of the gradient of, every holder's slot of a kv head several tp ranks hold
+        (0: none)."""
+        if self.tp_partial_grad:
+            return math.prod(self.local_shape)
+        if self.tp is not None and self.tp.replicas > 1:
+            return self.tp.pieces * math.prod(self.local_shape)
+        return 0
 
     @property
     def splits(self) -> str:
@@ -212,6 +225,11 @@ def local_vocab(m: ModelConfig, tp: int) -> int:
     return padded_vocab(m, tp) // tp
 
 
+def layout_specs(m: ModelConfig, layout: Layout) -> dict[str, TensorSpec]:
+    """`tensor_specs` of the model under `layout` (its tp, ep, sp and etp): the runtime's one call."""
+    return tensor_specs(m, tp=layout.tp, ep=layout.ep, sp=layout.sp, etp=layout.etp)
+
+
 def chunk_specs(
     m: ModelConfig, layers, first: bool, last: bool, *, tp: int = 1, ep: int = 1, sp: bool = False, etp: int = 0
 ) -> list[TensorSpec]:
@@ -341,13 +359,6 @@ class Stored:
     flat: tuple[int, int] | None
     replica: int
     slot: int
-
-
-def keeps_flat_buffer(zero: int, pp: int, dp_cp_size: int) -> bool:
-    """Whether parameters live in the flat buffer (`fived.parallel.zero`): under ZeRO-1/2, and ZeRO-0
-    under a pipeline with more than one dp*cp rank; ZeRO-0 otherwise keeps them whole (DDP, or a
-    single data-parallel rank), ZeRO-3 as rows (FSDP2)."""
-    return zero in (1, 2) or (zero == 0 and pp > 1 and dp_cp_size > 1)
 
 
 @dataclass(frozen=True)

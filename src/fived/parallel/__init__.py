@@ -16,7 +16,7 @@ import torch
 
 from fived.config import Config
 from fived.layout.placement import Box, Placement
-from fived.layout.spec import TensorSpec, keeps_flat_buffer, tensor_specs
+from fived.layout.spec import TensorSpec, layout_specs
 from fived.model.ledger import local_tensor
 from fived.model.transformer import Transformer, canonical_name
 from fived.parallel.checkpointing import apply_activation_checkpointing
@@ -110,20 +110,21 @@ class ParallelPlan:
 
 def parallelize(chunks: list[Transformer], mesh: Mesh, cfg: Config) -> ParallelPlan:
     """`chunks`: the whole model, or this rank's pipeline stages (already split, on meta)."""
-    specs = tensor_specs(cfg.model, tp=mesh.tp, ep=mesh.ep, sp=cfg.parallel.sp, etp=cfg.parallel.etp)
+    layout = mesh.layout  # (the runtime's one layout input; cfg for the model and training)
+    specs = layout_specs(cfg.model, layout)  # (once: the strategies and the placements read these)
     tensor_parallel = apply_tensor_parallel(chunks, mesh, cfg, specs)
     positions = None
     if mesh.cp > 1:
         positions = apply_context_parallel(chunks, mesh, cfg)
     if mesh.ep > 1:
-        apply_expert_parallel(chunks, mesh.group("ep"), mesh.ep, overlap=cfg.parallel.ep_overlap)
+        apply_expert_parallel(chunks, mesh.group("ep"), mesh.ep, overlap=layout.ep_overlap)
     # after the tp cut (Float8Linear adopts the cut weight) and before ZeRO/FSDP take the parameters
     apply_fp8(chunks, cfg.train.fp8, device_type=mesh.device_type)
     for chunk in chunks:
         apply_activation_checkpointing(chunk, cfg.train.activation_checkpointing)
         if cfg.train.compile:
             apply_compile(chunk, cfg.train.compile_backend)
-    data_parallel = make_data_parallel(mesh, cfg)
+    data_parallel = make_data_parallel(mesh, cfg, specs=specs)
     data_parallel.shard(chunks)
     tp_rank = mesh.rank("tp") if mesh.tp > 1 else 0
     ep_rank = mesh.rank("ep") if mesh.ep > 1 else 0
@@ -157,16 +158,16 @@ def describe_placements(
     return out
 
 
-def make_data_parallel(mesh: Mesh, cfg: Config) -> DataParallel:
+def make_data_parallel(mesh: Mesh, cfg: Config, *, specs: dict[str, TensorSpec] | None = None) -> DataParallel:
     """The strategy of the ZeRO stage (here, not in data_parallel.py: the stages build on its base)."""
-    stage = cfg.parallel.zero
-    if stage == 3:
-        return FullyShardedDataParallel(mesh, cfg)
+    layout = mesh.layout
+    if layout.zero == 3:
+        return FullyShardedDataParallel(mesh, cfg, specs=specs)
     # ZeRO-1/2, and ZeRO-0 under a pipeline schedule (one all-reduce of a flat buffer per step,
     # after the schedule, instead of DDP hooks inside it)
-    if keeps_flat_buffer(stage, mesh.pp, mesh.dp * mesh.cp):
-        return ShardedOptimizerDataParallel(mesh, cfg)
-    return DataParallel(mesh, cfg) if mesh.dp * mesh.cp == 1 else ReplicatedDataParallel(mesh, cfg)
+    if layout.flat_buffer:
+        return ShardedOptimizerDataParallel(mesh, cfg, specs=specs)
+    return (DataParallel if layout.dp_cp == 1 else ReplicatedDataParallel)(mesh, cfg, specs=specs)
 
 
 def apply_tensor_parallel(
@@ -177,11 +178,11 @@ def apply_tensor_parallel(
     tp = TensorParallel(
         chunks[0],
         mesh.group("tp"),
-        cfg.parallel.sp,
+        mesh.layout.sp,
         mesh.tp,
         mesh.rank("tp"),
         specs,
-        overlap=cfg.parallel.tp_overlap,
+        overlap=mesh.layout.tp_overlap,
         fold_experts=mesh.layout.folded,
     )
     for chunk in chunks:

@@ -277,7 +277,7 @@ def apply_context_parallel(chunks: list[Transformer], mesh, cfg) -> torch.Tensor
     ring), give RoPE the global positions (of the halves layout; document masking brings its own per
     batch), and make the MoE load-balancing statistics cover the whole sequence. Returns this rank's
     token positions in the halves layout."""
-    group, mode = mesh.group("cp"), cfg.parallel.cp_mode
+    group, mode = mesh.group("cp"), mesh.layout.cp_mode
     positions = local_positions(cfg.train.seq_len, mesh.cp, mesh.rank("cp"))
     for chunk in chunks:
         chunk.positions = positions

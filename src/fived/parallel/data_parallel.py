@@ -27,7 +27,7 @@ from torch import nn
 from fived.config import Config
 from fived.layout.muon_plan import is_muon_tensor
 from fived.layout.placement import Placement
-from fived.layout.spec import REDUCE_CHUNK_ELEMENTS, DataRank, Stored, TensorSpec, tensor_specs
+from fived.layout.spec import REDUCE_CHUNK_ELEMENTS, DataRank, Stored, TensorSpec, layout_specs
 from fived.model.ledger import local_tensor as _local
 from fived.model.transformer import Transformer, canonical_name
 from fived.optim.adamw import build_optimizer
@@ -40,14 +40,16 @@ from fived.parallel.mesh import DTYPES, PRECISIONS, Mesh
 class DataParallel:
     """One data-parallel rank (dp = 1), and the base of the other strategies."""
 
-    def __init__(self, mesh: Mesh, cfg: Config):
+    def __init__(self, mesh: Mesh, cfg: Config, *, specs: dict[str, TensorSpec] | None = None):
         self.mesh, self.cfg = mesh, cfg
+        # the sharding spec (`parallelize` computes it once; standalone, from the mesh's layout)
+        self.specs = specs if specs is not None else layout_specs(cfg.model, mesh.layout)
         self.chunks: list[Transformer] = []
         self.optimizer: torch.optim.Optimizer | None = None
         self.precision = PRECISIONS[cfg.train.dtype]
         # bf16 runs reduce gradients in float32 unless reduce_dtype=bfloat16 (half the bytes sent).
         bf16 = self.precision.compute == torch.bfloat16
-        self.reduce_dtype = DTYPES[cfg.parallel.reduce_dtype] if bf16 else self.precision.weights
+        self.reduce_dtype = DTYPES[mesh.layout.reduce_dtype] if bf16 else self.precision.weights
         # (model tensor, its float32 master) for what the optimizer updates in bf16 runs
         self.master_pairs: list[tuple[torch.Tensor, nn.Parameter]] = []
         self.master_of: dict[torch.Tensor, nn.Parameter] = {}
@@ -86,9 +88,7 @@ class DataParallel:
         from fived.parallel.muon_exchange import MatrixExchange
 
         exchange = MatrixExchange(self.mesh, self.cfg, placements)
-        specs = tensor_specs(
-            self.cfg.model, tp=self.mesh.tp, ep=self.mesh.ep, sp=self.cfg.parallel.sp, etp=self.cfg.parallel.etp
-        )
+        specs = self.specs
         matrices = [(n, p) for n, p in named if is_muon_tensor(specs[n]) and p.requires_grad]
         names, plan = {n for n, _ in matrices}, exchange.plan
         stored = {n for n in plan.names if exchange.mine.placements[n].boxes()}  # (ZeRO-1/2: no empty slices)
@@ -102,10 +102,10 @@ class DataParallel:
 
     def with_masters(self, tensors) -> list[torch.Tensor]:
         """The tensors the optimizer updates in place of `tensors`: under train.dtype=bfloat16 a
-        float32 master copy of each bf16 one (ZeRO-3's parameters are float32 already)."""
+        float32 master copy of each bf16 one (not under ZeRO-3: `fived.layout.layout.masters_apart`)."""
         out = []
         for t in tensors:
-            if self.precision.master and t.requires_grad and t.dtype != torch.float32:
+            if self.mesh.layout.masters_apart(self.cfg.train.dtype) and t.requires_grad:
                 master = nn.Parameter(t.detach().float())
                 self.master_pairs.append((t, master))
                 self.master_of[t] = master
@@ -139,13 +139,14 @@ class DataParallel:
 
     def data_rank(self) -> DataRank:
         """This rank's place in data parallelism, from its mesh."""
-        m, many = self.mesh, self.mesh.dp * self.mesh.cp > 1
+        m, L = self.mesh, self.mesh.layout
+        many = L.dp_cp > 1
         return DataRank(
-            self.cfg.parallel.zero,
-            m.pp,
-            m.ep,
-            m.dp * m.cp,
-            m.dp_shard * m.cp,
+            L.zero,
+            L.pp,
+            L.ep,
+            L.dp_cp,
+            L.shards,
             m.rank("dp_shard_cp") if many else 0,
             m.rank("dp_replicate") if m.dp_replicate > 1 else 0,
             m.rank("dp_cp") if many else 0,
@@ -206,7 +207,7 @@ class DataParallel:
         if not self._expert_reducing_built:
             self._expert_reducing_built = True
             experts = self.expert_parameters()
-            if self.cfg.parallel.overlap_grad_reduce and self.mesh.edp > 1 and experts:
+            if self.mesh.layout.overlap_grad_reduce and self.mesh.edp > 1 and experts:
                 self.expert_reducing = ExpertGradReductions(experts, self.mesh.group("edp"), self.reduce_dtype)
         return self.expert_reducing
 

@@ -50,7 +50,7 @@ class ReplicatedDataParallel(DataParallel):
         for p in reversed(params):
             group.append(p)
             size += p.numel() * p.element_size()
-            if size >= self.cfg.parallel.bucket_mb * 2**20:  # (DDP's bucket_cap_mb)
+            if size >= self.mesh.layout.bucket_mb * 2**20:  # (DDP's bucket_cap_mb)
                 self.buckets.append(self._bucket(group))
                 group, size = [], 0
         if group:

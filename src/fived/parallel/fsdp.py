@@ -40,7 +40,7 @@ class FullyShardedDataParallel(DataParallel):
             # master weights: 4 + 4 + 8 bytes per parameter, over S) gathered in bf16 to compute.
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=self.reduce_dtype)
         # Under a pipeline schedule the weights stay gathered through the micro-batches by default.
-        keep = self.cfg.parallel.zero3_keep_gathered or self.mesh.pp > 1
+        keep = self.mesh.layout.zero3_keep_gathered or self.mesh.pp > 1
         experts_mesh = self.mesh["edp"] if self.mesh.ep > 1 else None
         for model in chunks:
             for block in model.blocks():
@@ -103,5 +103,5 @@ class FullyShardedDataParallel(DataParallel):
         for model in self.chunks:
             sharded = cast("FSDPModule", model)  # (fully_shard made every chunk one)
             sharded.set_requires_gradient_sync(is_last)
-            if self.cfg.parallel.zero3_keep_gathered:
+            if self.mesh.layout.zero3_keep_gathered:
                 sharded.set_reshard_after_backward(is_last)

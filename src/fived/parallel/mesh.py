@@ -15,14 +15,17 @@ from fived.config import Config
 from fived.layout.layout import (
     CHECKPOINTING,
     COMPILE_BACKENDS,
+    GROUP_DIMS,
     GROUP_NAMES,
     MESH_DIMS,
+    MESHES,
     PP_SCHEDULES,
     PRECISION_SPECS,
     SINGLE_STAGE,
     SPLIT_BACKWARD,
     V_SHAPED,
     Layout,
+    parameter_dtype,
     resolve_dp,
     stages_per_rank,
 )
@@ -68,8 +71,7 @@ PRECISIONS = {name: Precision(DTYPES[s.weights], DTYPES[s.compute], s.master) fo
 def build_dtype(cfg: Config) -> torch.dtype:
     """The dtype the model's parameters are built in: the precision's weights, except that ZeRO-3
     (FSDP2) holds bf16 runs' float32 masters as its sharded parameters and gathers them in bf16."""
-    precision = PRECISIONS[cfg.train.dtype]
-    return torch.float32 if precision.master and cfg.parallel.zero == 3 else precision.weights
+    return DTYPES[parameter_dtype(cfg.train.dtype, cfg.parallel.zero)]
 
 
 class Mesh:
@@ -104,52 +106,41 @@ class Mesh:
     dp_replicate = property(lambda self: self.layout.dp_replicate)
     dp_shard = property(lambda self: self.layout.dp_shard)
     world_size = property(lambda self: self.layout.world)
-    edp = property(lambda self: self.layout.expert_ranks // self.layout.ep)  # ranks holding the same experts
+    edp = property(lambda self: self.layout.edp)  # ranks holding the same experts
 
     def build(self, device_type: str, timeout_s: float | None = None) -> Mesh:
         """Create every group; with `timeout_s`, a collective on any of them that does not complete in
         that time raises (torch's default for new groups would be 30 minutes, whatever the default
         group's timeout)."""
-        from torch.distributed.device_mesh import init_device_mesh
-
         self.device_type = device_type
         self._sliced = {}
         override = _backend_override(device_type, timeout_s)
-        dims: dict[int | str, Any] | None = dict.fromkeys(MESH_DIMS, override) if override else None
-        self.device_mesh = init_device_mesh(
-            device_type, tuple(getattr(self, d) for d in MESH_DIMS), mesh_dim_names=MESH_DIMS, backend_override=dims
-        )
+        # Every mesh from the layout's rank lists (`Layout.rank_grid`: the one mesh order).
+        self.device_mesh = self._device_mesh("main", override)
+        # Experts: a stage's ranks cut into edp x ep x etp: dp*cp into ep groups of consecutive ranks
+        # (ep innermost) and edp groups across, one such cut per tp rank; folded (parallel.etp=1),
+        # a stage's dp*cp*tp ranks cut alike, so an ep group may span tp ranks ("etp" then has size 1).
+        self.expert_mesh = self._device_mesh("expert", override)
+        if self.layout.cp_mode == "hybrid" and self.cp > 1:  # Ulysses groups of consecutive cp ranks, rings across
+            self.cp_mesh = self._device_mesh("cp", override)
         # Flattened views: "dp" picks the data (the batch split), "dp_cp" reduces gradients (cp ranks
         # see other tokens of the same sequences), "dp_shard_cp" holds the ZeRO shards.
         mesh = self.device_mesh
-        # Experts: dp*cp cut into ep groups of consecutive ranks (ep innermost) and edp groups across,
-        # one such cut per tp rank; folded (parallel.etp=1), a stage's dp*cp*tp ranks (consecutive,
-        # tp innermost) cut alike, so an ep group may span tp ranks ("etp" then has size 1).
-        expert_dims = ("pp", "edp", "ep", "etp")
-        etp = 1 if self.layout.folded else self.tp
-        self.expert_mesh = init_device_mesh(
-            device_type,
-            (self.pp, self.layout.expert_ranks // self.ep, self.ep, etp),
-            mesh_dim_names=expert_dims,
-            backend_override=dict.fromkeys(expert_dims, override) if override else None,
-        )
-        if self.layout.cp_mode == "hybrid" and self.cp > 1:  # Ulysses groups of consecutive cp ranks, rings across
-            u = self.layout.ulysses
-            cp_dims = ("pp", "dp_replicate", "dp_shard", "cp_ring", "cp_ulysses", "tp")
-            self.cp_mesh = init_device_mesh(
-                device_type,
-                (self.pp, self.dp_replicate, self.dp_shard, self.cp // u, u, self.tp),
-                mesh_dim_names=cp_dims,
-                backend_override=dict.fromkeys(cp_dims, override) if override else None,
-            )
-        self.flat = {
-            "dp": flatten_mesh(mesh["dp_replicate", "dp_shard"], "dp", override),
-            "dp_cp": flatten_mesh(mesh["dp_replicate", "dp_shard", "cp"], "dp_cp", override),
-            "dp_shard_cp": flatten_mesh(mesh["dp_shard", "cp"], "dp_shard_cp", override),
-        }
-        if self.layout.optimizer == "muon":  # (only Muon's exchange uses it: gloo connects a group eagerly)
-            self.flat["dp_cp_tp"] = flatten_mesh(mesh["dp_replicate", "dp_shard", "cp", "tp"], "dp_cp_tp", override)
+        flattened = ("dp", "dp_cp", "dp_shard_cp") + (("dp_cp_tp",) if self.layout.optimizer == "muon" else ())
+        # (dp_cp_tp: only Muon's exchange uses it, and gloo connects a group eagerly)
+        self.flat = {name: flatten_mesh(mesh[GROUP_DIMS[name][1]], name, override) for name in flattened}
         return self
+
+    def _device_mesh(self, name: str, override: Any) -> Any:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        dims = MESHES[name]
+        return DeviceMesh(
+            self.device_type,
+            self.layout.rank_grid(name),  # (DeviceMesh makes it a CPU tensor)
+            mesh_dim_names=dims,
+            backend_override=(override,) * len(dims) if override else None,
+        )
 
     def __getitem__(self, name: str):
         if name not in self._sliced:

@@ -40,7 +40,7 @@ class MatrixExchange:
 
     def __init__(self, mesh: Mesh, cfg: Config, placements: dict[str, Placement]):
         layout = mesh.layout
-        self.size = layout.dp * layout.cp * layout.tp
+        self.size = layout.stage_ranks
         pp_rank, self.me = divmod(dist.get_rank(), self.size)
         self.plan: StagePlan = stage_plan(cfg.model, layout, cfg.train.dtype, rank_chunks(cfg.model, layout, pp_rank))
         self.mine: MemberPlan = self.plan.member_plan(self.me)

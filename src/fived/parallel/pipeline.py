@@ -120,7 +120,7 @@ class Pipeline:
     """The stages of this pp rank and the schedule that runs them."""
 
     def __init__(self, cfg: Config, mesh):
-        p = cfg.parallel
+        p = mesh.layout
         self.cfg, self.mesh, self.schedule_name = cfg, mesh, p.pp_schedule
         self.n_stages = p.pp * stages_per_rank(p.pp_schedule, p.pp_virtual)
         self.layers = split_layers(cfg.model, self.n_stages, p.pp_layers)

@@ -58,18 +58,18 @@ class ShardedOptimizerDataParallel(DataParallel):
         """The flat layout, decided on the meta device: which parameters, their offsets, this rank's
         slice (so the placement table knows each parameter's flat range before anything exists)."""
         self.chunks = chunks
-        self.stage = self.cfg.parallel.zero
+        self.stage = self.mesh.layout.zero
         if self.stage == 0:  # unsharded (under pipeline schedules): one all-reduce over dp
             self.shards, rank = 1, 0
         else:
-            self.shards = self.mesh.dp_shard * self.mesh.cp  # context-parallel ranks shard too
+            self.shards = self.mesh.layout.shards  # context-parallel ranks shard too
             rank = self.mesh.rank("dp_shard_cp")
         apart = {n for n, _ in self.expert_parameters()}
         named = [(n, p) for n, p in self.named_parameters() if p.requires_grad and n not in apart]
         self.names = [n for n, _ in named]
         self.numels = [p.numel() for _, p in named]
         self.index = {n: i for i, n in enumerate(self.names)}
-        p = self.cfg.parallel
+        p = self.mesh.layout
         self.overlap_reduce, self.overlap_gather = p.overlap_grad_reduce, p.overlap_param_gather
         self.every_micro = p.zero2_reduce_every_microbatch  # (fived.parallel.zero_microbatch)
         layout_cap = self.mesh.layout.bucket_elements(self.precision.weights.itemsize)

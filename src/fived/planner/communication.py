@@ -21,8 +21,9 @@ collectives when full checkpointing recomputes the forward:
        gradient backward; all exits again when recomputed), their backward re-gather always; without SP
        their output's all-reduce goes in tp chunks of tokens. The embedding's
        exit and the head's entry are a region boundary each; the vocab-parallel loss all-reduces 3
-       values per token. Per step: partial gradients summed over tp (routers; norm gains with SP;
-       replicated kv heads) and the clipping norm's 8 bytes.
+       values per token. Per step: the gradients summed over tp, one all-reduce per tensor the
+       sharding spec marks (`TensorSpec.tp_summed`: routers, q/k-norm weights, norm gains with SP,
+       whole experts folded over tp, replicated kv heads' slots) and the clipping norm's 8 bytes.
   cp   per layer, the ring: forward cp-1 hops of K, V (and positions where blocks are masked:
        fived's int64 order keys with document masking), backward cp-1 hops of K, V, dK, dV (keys)
        and a last hop of dK, dV home (fived keeps dK, dV in at least float32). Ulysses (cp_mode
@@ -51,14 +52,16 @@ collectives when full checkpointing recomputes the forward:
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
+from functools import lru_cache
 
 from fived.config import ModelConfig
 from fived.layout.layout import EP_OVERLAP_CHUNKS, PRECISION_SPECS, Layout
 from fived.layout.muon_load import busiest_loads
 from fived.layout.muon_plan import Exchange, stage_plan
-from fived.layout.spec import flat_buckets, kv_replicated, kv_width
-from fived.layout.stages import stage_rank
+from fived.layout.spec import chunk_specs, flat_buckets, kv_width
+from fived.layout.stages import model_key, stage_rank
 from fived.planner.memory import ACTIVATION_BYTES, WEIGHT_BYTES, flat_numels, parameter_shapes
 from fived.planner.runtimes import FIVED, Runtime, reduces_every_microbatch
 
@@ -81,24 +84,10 @@ class Collective:
 
 
 def group_span(layout: Layout, group: str) -> tuple[int, int]:
-    """(ranks in the group, their distance on the mesh): tp innermost, then cp (hybrid: its Ulysses
-    groups inside, the ring across), dp_shard, dp_replicate, pp; experts fold over dp*cp*tp with etp
-    innermost, ep, then edp."""
-    L = layout
-    etp = L.expert_tp
-    return {
-        "tp": (L.tp, 1),
-        "cp": (L.cp, L.tp),
-        "ep": (L.ep, etp),
-        "edp": (L.dp * L.cp * L.tp // (L.ep * etp), L.ep * etp),
-        "pp": (2, L.tp * L.cp * L.dp),
-        "dp_cp": (L.dp * L.cp, L.tp),
-        "dp_shard_cp": (L.dp_shard * L.cp, L.tp),
-        "dp_replicate": (L.dp_replicate, L.tp * L.cp * L.dp_shard),
-        "dp_cp_tp": (L.dp * L.cp * L.tp, 1),
-        "cp_ulysses": (L.ulysses, L.tp),
-        "cp_ring": (L.cp // L.ulysses, L.tp * L.ulysses),
-    }[group]
+    """(ranks in the group, their distance on the mesh): `Layout.span`, the mesh's order; a pipeline
+    rank's point-to-point partners are 2 ranks a stage's ranks apart."""
+    size, stride = layout.span(group)
+    return (2, stride) if group == "pp" else (size, stride)
 
 
 def step_collectives(
@@ -140,6 +129,7 @@ def step_collectives(
             add,
             m,
             L,
+            chunks,
             tokens,
             e,
             w,
@@ -230,7 +220,9 @@ def _muon_exchange(m: ModelConfig, L: Layout, dtype: str, chunks, member: int | 
     return out
 
 
-def _tensor_parallel(add, m, L, tokens, e, w, grad_w, micro, fwd, layers, moe_layers, first, last, regather, overlap):
+def _tensor_parallel(
+    add, m, L, chunks, tokens, e, w, grad_w, micro, fwd, layers, moe_layers, first, last, regather, overlap
+):
     narrow, wide = tokens * m.dim * e, tokens * m.dim * w
     # folded (etp 1): a MoE block is no region, its shared experts (a dense MLP) are one of their own
     unfolded = 0 if L.folded else moe_layers
@@ -257,20 +249,36 @@ def _tensor_parallel(add, m, L, tokens, e, w, grad_w, micro, fwd, layers, moe_la
         for nbytes, calls in ((wide / L.tp, fwd * ring), (narrow / L.tp, fwd * ring + ring)):
             add("tp", "send", nbytes, hops * calls, "tp")
             add("tp", "recv", nbytes, hops * calls, "")
-        add("tp", "all_reduce", (2 * layers + last) * m.dim * grad_w, 1, "dp")  # norm gains saw other tokens
     else:
         add("tp", "all_reduce", narrow, micro * exits, "tp")
         add("tp", "all_reduce", narrow / L.tp, micro * fwd * ring * L.tp, "tp")  # in tp chunks of tokens
         add("tp", "all_reduce", wide, micro * (regions + ends), "tp")
     add("tp", "all_reduce", tokens * max(e, 4), micro * 3 * last, "tp")  # the loss: max, sum of exp, target
-    add("tp", "all_reduce", m.n_experts * m.dim * grad_w, moe_layers, "dp")  # routers
     if L.folded:  # each tp rank routed its own tokens: the per-sequence statistics [b, 2E+1] summed
         add("tp", "all_reduce", L.micro_batch * (2 * m.n_experts + 1) * max(e, 4), fwd * moe_layers * micro, "tp")
-        if L.ep == 1:  # whole experts on every tp rank, each with its own tokens' part of the gradient
-            add("tp", "all_reduce", 3 * m.n_experts * m.dim * m.expert_dim * grad_w, moe_layers, "dp")
-    if kv_replicated(m, L.tp):  # replicated kv heads: [kv heads, head_dim, dim] slots for k and v
-        add("tp", "all_reduce", 2 * m.n_kv_heads * m.head_dim * m.dim * grad_w, layers, "dp")
+    # per step, the gradients summed over tp, one all-reduce per tensor, as the sharding spec lists
+    # them (`TensorSpec.tp_summed`: norm gains under SP, q/k-norm weights, routers, folded whole
+    # experts, replicated kv heads' slots)
+    for elements, calls in tp_gradient_sums(m, L, chunks).items():
+        add("tp", "all_reduce", elements * grad_w, calls, "dp")
     add("tp", "all_reduce", NORM, 1, "dp")
+
+
+def tp_gradient_sums(m: ModelConfig, layout: Layout, chunks) -> dict[int, int]:
+    """{elements: all-reduces} of the gradients summed over tp on a rank holding `chunks`
+    [(layers, first, last)], read from the sharding spec (`TensorSpec.tp_summed`)."""
+    out: dict[int, int] = {}
+    L = layout
+    for layers, first, last in chunks:
+        for n, k in _tp_sums(model_key(m), L.tp, L.ep, L.sp, L.etp, tuple(layers), first, last):
+            out[n] = out.get(n, 0) + k
+    return out
+
+
+@lru_cache(maxsize=4096)
+def _tp_sums(key: tuple, tp: int, ep: int, sp: bool, etp: int, layers: tuple, first: bool, last: bool):
+    specs = chunk_specs(ModelConfig(**dict(key)), layers, first, last, tp=tp, ep=ep, sp=sp, etp=etp)
+    return tuple(Counter(s.tp_summed for s in specs if s.tp_summed and not s.buffer).items())
 
 
 def _pipeline(add, m, L, tokens, w, micro, stages) -> None:
@@ -304,7 +312,7 @@ def _data_parallel(add, m: ModelConfig, L: Layout, chunks, micro: int, dtype: st
         ends += parameter_shapes(m, L.tp, L.ep, (), first, last, L.expert_tp)[0]
     n = sum(r * c * k for (r, c), k in dense)
     n_exp = sum(r * c * k for (r, c), k in expert)
-    shards = L.dp_shard * L.cp
+    shards = L.shards
     r = runtime.reduce_bytes or reduce_bytes(dtype, L.reduce_dtype)
     cap = L.bucket_elements(WEIGHT_BYTES[dtype])  # (None: one flat buffer, nothing overlapped)
     if L.zero == 0:  # DDP's buckets, or one flat buffer under pipelines (buckets with overlap)
@@ -342,8 +350,7 @@ def _data_parallel(add, m: ModelConfig, L: Layout, chunks, micro: int, dtype: st
         add("dp_shard_cp", "reduce_scatter_single", padded * r / modules, modules, "dp")
         add("dp_replicate", "all_reduce", padded // shards * r, 1, "dp")
         add("dp_shard_cp", "all_reduce", NORM, 1, "dp")
-        edp = group_span(L, "edp")[0]
-        experts = _padded(expert, edp)
+        experts = _padded(expert, L.edp)
         add("edp", "all_gather_single", experts * g, 1 if keep else 2 * micro, "dp_gather")
         add("edp", "reduce_scatter_single", experts * r, 1, "dp")
     if L.zero < 3 and n_exp:
@@ -361,8 +368,7 @@ def owned_parameters(m: ModelConfig, L: Layout, chunks) -> float:
         dn, ex = parameter_shapes(m, L.tp, L.ep, layers, first, last, L.expert_tp)
         n += sum(r * c * k for (r, c), k in dn)
         n_exp += sum(r * c * k for (r, c), k in ex)
-    edp = group_span(L, "edp")[0]
-    return (n / (L.dp_shard * L.cp) if L.zero else n) + n_exp / (edp if L.zero == 3 else 1)
+    return (n / L.shards if L.zero else n) + n_exp / (L.edp if L.zero == 3 else 1)
 
 
 def ledger_bytes(collectives: list[Collective], layout: Layout) -> dict[str, int]:

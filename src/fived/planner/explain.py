@@ -60,7 +60,7 @@ def _link_notes(plan: Plan, cluster: Cluster) -> list[str]:
         notes.append(f"cp{L.cp} " + ("inside a node" if L.tp * L.cp <= g else "across nodes"))
     if L.ep > 1:
         notes.append(f"ep{L.ep} " + ("inside a node" if L.expert_tp * L.ep <= g else "across nodes"))
-    if L.dp * L.cp > 1:
+    if L.dp_cp > 1:
         notes.append("gradients reduced " + ("inside a node" if L.tp * L.cp * L.dp <= g else "across nodes"))
     return notes
 

@@ -54,8 +54,7 @@ def _short_name(name: str) -> str:
 
 def _zero(tensors: list[dict], layout: Layout) -> None:
     """ZeRO-3's stored rows (ceil(rows/S); experts over edp) and where optimizer state is sharded."""
-    shards = layout.dp_shard * layout.cp
-    edp = layout.dp * layout.cp // layout.ep
+    shards, edp = layout.shards, layout.edp
     for t in tensors:
         n = edp if t["name"].startswith("experts.") and layout.ep > 1 else shards
         if layout.zero == 3 and n > 1:

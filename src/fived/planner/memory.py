@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from fived.config import ModelConfig
-from fived.layout.layout import PRECISION_SPECS, Layout
+from fived.layout.layout import PRECISION_SPECS, Layout, masters_apart
 from fived.layout.muon_load import busiest_loads
 from fived.layout.muon_plan import stage_plan
 from fived.layout.schedule_sim import pipeline_profile
@@ -80,9 +80,11 @@ def state_element_bytes(dtype: str, zero: int, runtime: Runtime = FIVED) -> tupl
     optimized element a float32 master and two float32 moments (2, 2, 12); under ZeRO-3 the sharded
     float32 parameters are the masters themselves (4, 4, 8). Other runtimes: their own bytes."""
     b, moment = WEIGHT_BYTES[dtype], MOMENT_BYTES[dtype]
-    master = runtime.master_bytes or (4 if PRECISION_SPECS[dtype].master and runtime.is_fived else 0)
-    if master and zero == 3 and runtime.is_fived:
-        return 4, 4, 2 * moment
+    if not runtime.is_fived:
+        return runtime.param_bytes or b, runtime.grad_bytes or b, 2 * moment + runtime.master_bytes
+    if PRECISION_SPECS[dtype].master and not masters_apart(dtype, zero):
+        return 4, 4, 2 * moment  # (ZeRO-3: the float32 sharded parameters are the masters)
+    master = 4 if masters_apart(dtype, zero) else 0
     return runtime.param_bytes or b, runtime.grad_bytes or b, 2 * moment + master
 
 
@@ -189,10 +191,10 @@ def state_bytes(
         dn, ex = parameter_shapes(m, layout.tp, layout.ep, layers, first, last, layout.expert_tp)
         dense += dn
         expert += ex
-    shards = layout.dp_shard * layout.cp
+    shards = layout.shards
     n_exp = sum(r * c * k for (r, c), k in expert)
     if layout.zero == 3:
-        edp = layout.dp * layout.cp * layout.tp // (layout.ep * layout.expert_tp)
+        edp = layout.edp
         elems = sum(_rows(r, shards, shard_index) * c * k for (r, c), k in dense)
         elems += sum(_rows(r, edp, edp_index) * c * k for (r, c), k in expert)
         return {"params": elems * pb, "grads": elems * gb, "optimizer": elems * ob - saving}
@@ -405,7 +407,7 @@ def _static_buffers(
         out += _every_microbatch_buffers(m, layout, chunks, b, state["grads"] // b - (unsharded - dense))
     elif layout.zero == 2 and runtime.is_fived:
         out += dense * b  # the flat gradient buffer (not the experts) exists while backward runs
-    if PRECISION_SPECS[dtype].master and layout.zero < 3 and runtime.is_fived:  # the masters' float32 gradients
+    if layout.masters_apart(dtype) and runtime.is_fived:  # the masters' float32 gradients
         out += (state["optimizer"] + muon_saving(m, layout, dtype, chunks, runtime=runtime)) // optimizer_bytes * 4
     out += muon_buffers(m, layout, dtype, chunks, runtime)
     if layout.zero == 0 and layout.pp == 1 and layout.dp > 1:
@@ -431,7 +433,7 @@ def _every_microbatch_buffers(m: ModelConfig, layout: Layout, chunks, b: int, ow
     the gradients of the largest bucket and the one after it as autograd fills them, CAST_PIECES_IN_FLIGHT
     largest buckets packed in the reduction dtype with their reduced pieces, and in bf16 runs reducing
     in float32 the shard's float32 sum of the micro-batches."""
-    shards = layout.dp_shard * layout.cp
+    shards = layout.shards
     cut = flat_buckets(flat_numels(m, layout, chunks), shards, layout.bucket_elements(b))
     largest = max(bucket.piece for bucket in cut) * shards
     rb = 4 if b == 2 and layout.reduce_dtype == "float32" else b
@@ -446,14 +448,14 @@ def _reduction_pieces(layout: Layout, b: int, dense: int, experts: int, every_mi
     summed over edp) packed, then cast, a piece at a time (overlapped, `fived.parallel.expert_grads`:
     cast pieces only, CAST_PIECES_IN_FLIGHT at once; uncast, in place)."""
     cast = 4 if b == 2 and layout.reduce_dtype == "float32" else 0
-    flat_reduced = layout.zero in (1, 2) or (layout.zero == 0 and layout.pp > 1 and layout.dp * layout.cp > 1)
+    flat_reduced = layout.flat_buffer
     flat_reduced = flat_reduced and not (every_micro and layout.zero == 2)
     out = 0
     if flat_reduced and cast:
         piece = min(dense, REDUCE_CHUNK_ELEMENTS)
         in_flight = CAST_PIECES_IN_FLIGHT if layout.overlap_grad_reduce else 1
-        out += in_flight * cast * (piece + (piece // (layout.dp_shard * layout.cp) if layout.zero else 0))
-    if layout.zero < 3 and layout.ep > 1 and layout.expert_ranks // layout.ep > 1 and experts:
+        out += in_flight * cast * (piece + (piece // layout.shards if layout.zero else 0))
+    if layout.zero < 3 and layout.ep > 1 and layout.edp > 1 and experts:
         piece = min(experts, REDUCE_CHUNK_ELEMENTS)
         out += piece * (CAST_PIECES_IN_FLIGHT * cast if layout.overlap_grad_reduce else b + cast)
     return out

@@ -146,12 +146,11 @@ def with_overlap(layout, *, fp8: bool = False):
     which it cannot run yet), the bucketed ZeRO-1/2 reductions and gathers, each pipeline stage's dp
     reduction (ZeRO-0 under pp too; ZeRO-0 alone and ZeRO-3 overlap without a switch), the routed
     experts' edp reduction (ZeRO-0/1/2, edp > 1), the expert all-to-all in chunks."""
-    reduced_in_buckets = layout.zero in (1, 2) or (layout.zero == 0 and layout.pp > 1)
-    experts_apart = layout.zero < 3 and layout.ep > 1 and layout.expert_ranks // layout.ep > 1
+    experts_apart = layout.zero < 3 and layout.ep > 1 and layout.edp > 1
     return layout.with_(
         tp_overlap=layout.tp > 1 and not fp8,
-        overlap_grad_reduce=(layout.dp * layout.cp > 1 and reduced_in_buckets) or experts_apart,
-        overlap_param_gather=layout.zero in (1, 2) and layout.dp_shard * layout.cp > 1,
+        overlap_grad_reduce=(layout.dp_cp > 1 and layout.flat_buffer) or experts_apart,
+        overlap_param_gather=layout.zero in (1, 2) and layout.shards > 1,
         ep_overlap=layout.ep > 1,
     )
 

@@ -284,7 +284,7 @@ def step_time(
     chunks = rank_chunks_by_key(model_key(m), L.pp, placement(L.pp_schedule), L.n_stages, pp_rank, L.pp_layers)
     layers_here = sum(len(layers) for layers, _, _ in chunks)
     recompute = layer_fraction / 3 if L.checkpointing == "full" else 0.0
-    flops_gpu = model_flops * (1 + recompute) * share / (L.dp * L.cp * L.tp)
+    flops_gpu = model_flops * (1 + recompute) * share / L.stage_ranks
     compute, attention = _compute(m, L, hw, runtime, dtype, seq_len, micro, layers_here, flops_gpu, 1 + recompute, c)
 
     collectives = step_collectives(m, L, seq_len, global_batch, dtype, chunks, rank_stages(L, pp_rank), runtime)

@@ -64,7 +64,7 @@ def planner_state(cfg: Config, world: int, rank: int) -> dict:
     stages = [state_bytes(cfg.model, layout, cfg.train.dtype, [c], where["shard"], where["edp"]) for c in chunks]
     _, _, per_owned = state_element_bytes(cfg.train.dtype, layout.zero)
     # float32 masters: 4 of the optimizer's bytes per owned element where the optimizer keeps them
-    master = 4 if PRECISIONS[cfg.train.dtype].master and layout.zero < 3 else 0
+    master = 4 if layout.masters_apart(cfg.train.dtype) else 0
     return {
         **total,
         "masters": total["optimizer"] // per_owned * master,

@@ -23,7 +23,7 @@ from __future__ import annotations
 from fived.config import Config
 from fived.layout.activation_model import activation_bytes, layer_bytes
 from fived.layout.layout import stages_per_rank
-from fived.layout.spec import tensor_specs
+from fived.layout.spec import layout_specs
 from fived.layout.stages import rank_chunks, rank_stages
 from fived.model.transformer import build_model
 from fived.parallel.expert import apply_expert_parallel
@@ -50,8 +50,8 @@ def local_model(cfg: Config, world: int):
     model = build_model(cfg.model)
     mesh = Mesh.from_config(cfg, world)
     if mesh.tp > 1:
-        specs = tensor_specs(cfg.model, tp=mesh.tp, ep=mesh.ep, sp=cfg.parallel.sp, etp=cfg.parallel.etp)
-        TensorParallel(model, None, cfg.parallel.sp, mesh.tp, 0, specs, fold_experts=mesh.layout.folded).apply(model)
+        specs = layout_specs(cfg.model, mesh.layout)
+        TensorParallel(model, None, mesh.layout.sp, mesh.tp, 0, specs, fold_experts=mesh.layout.folded).apply(model)
     if mesh.ep > 1:
         apply_expert_parallel([model], None, mesh.ep)
     return model
@@ -64,7 +64,8 @@ def expected_comm_bytes(cfg: Config, world: int, rank: int = 0) -> dict[str, int
     from fived.planner.communication import ledger_bytes, step_collectives
 
     layout = Layout.from_config(cfg, world)
-    pp_rank, member = divmod(rank, layout.dp * layout.cp * layout.tp)
+    where = layout.coordinates(rank)
+    pp_rank, member = where["pp"], where["member"]
     collectives = step_collectives(
         cfg.model,
         layout,
