@@ -9,11 +9,12 @@ import fived
 ROOT = Path(fived.__file__).parent
 
 # Each entry may import itself and every entry it lists; what is not listed is refused.
-BASE = {"config", "config_docs", "version", "write_errors"}
+BASE = {"config", "config_docs", "files", "version", "write_errors"}
 MAY_IMPORT = {
     "config": set(),
     "version": set(),
     "write_errors": set(),
+    "files": {"config"},  # the one writer of a run directory
     "config_docs": {"config"},
     "layout": {"config"},  # the torch-free core: sharding spec, rules, stages, placements, Muon's plan
     "planner": BASE | {"layout"},  # torch-free, never the runtime

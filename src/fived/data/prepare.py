@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from fived.data.loader import EOT_TOKENS, TOKEN_FORMAT, ByteTokenizer, load_tokenizer, token_dtype, token_file_paths
+from fived.files import Refused, publish
 
 TEXT_BLOCK_CHARS = 1 << 20  # a .txt file is tokenized in blocks of whole lines of about this size
 ROWS_PER_BATCH = 1024  # Parquet / dataset rows read at a time
@@ -254,6 +255,11 @@ def prepare_data(
     }
     if tokenizer != "byte":  # a copy beside the tokens: the sidecar stays valid wherever they move
         meta["tokenizer_file"] = bin_path.with_suffix(".tokenizer.json").name
+    _refuse_existing(
+        [bin_path, json_path, *([val_bin, val_json] if val_fraction > 0 else [])]
+        + ([bin_path.parent / meta["tokenizer_file"]] if "tokenizer_file" in meta else []),
+        paths,
+    )
     moves: list[tuple[str, Path]] = []  # (temporary file, final path)
     try:
         fd, tmp_bin = tempfile.mkstemp(dir=bin_path.parent, prefix=bin_path.name + ".", suffix=".tmp")
@@ -271,13 +277,25 @@ def prepare_data(
         mode = _new_file_mode()
         for tmp, final in moves:
             os.chmod(tmp, mode)
-            os.replace(tmp, final)
+            publish(tmp, final, "name a new --output")  # (never over a file: not even one made since the check)
     except BaseException:
         for tmp, _ in moves:
             if os.path.exists(tmp):
                 os.remove(tmp)
         raise
     return bin_path
+
+
+def _refuse_existing(outputs: list[Path], inputs: list[Path]) -> None:
+    """Before anything is written: no output may exist already (an input, or anyone's file)."""
+    for out in outputs:
+        if os.path.lexists(out):
+            own = any(os.path.lexists(p) and os.path.samefile(p, out) for p in inputs if not out.is_symlink())
+            raise Refused(
+                out,
+                ("is one of the inputs" if own else "exists") + "; fived does not write over a file it did not create",
+                "name a new --output",
+            )
 
 
 def _split_validation(tmp_bin: str, meta: dict, fraction: float, val_bin: Path, val_json: Path, moves: list) -> int:

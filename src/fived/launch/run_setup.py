@@ -230,6 +230,9 @@ def check_environment(cfg) -> None:
             "no CUDA device is visible to this process (torch.cuda.is_available() is False)",
             "use --train.device cpu (or auto)",
         )
+    from fived.files import check_run_dir
+
+    check_run_dir(cfg.train.output_dir)  # (fived's own, or absent/empty: nothing else is written into)
     out = Path(cfg.train.output_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
