@@ -32,6 +32,7 @@ from fived.config import ConfigError
 
 MANIFEST = ".fived-run"
 LOCK = ".fived.lock"  # (fived.launch.run_lock)
+_UNLINK = "remove the link (the run directory holds only fived's files)"
 _HEADER = "# fived run directory: the files fived created here, one a line (fived writes only these)\n"
 
 
@@ -61,6 +62,9 @@ def check_run_dir(run_dir: str | os.PathLike, field: str = "train.output_dir") -
         raise ConfigError(field, '""', "names no directory", "e.g. --train.output_dir runs/default")
     if path.exists() and not path.is_dir():
         raise ConfigError(field, str(run_dir), "is a file, not a directory", "choose a new directory")
+    links = [p for p in path.iterdir() if p.is_symlink()] if is_fived_dir(path) else []
+    if links:
+        raise Refused(links[0], "is a symbolic link inside the run directory; fived never writes through one", _UNLINK)
     if path.is_dir() and not is_fived_dir(path) and any(path.iterdir()):
         example = sorted(p.name for p in path.iterdir())[0]
         raise ConfigError(
@@ -108,7 +112,7 @@ def target(run_dir: str | os.PathLike, name: str) -> Path:
                 raise Refused(
                     root / part,
                     "is a symbolic link inside the run directory; fived never writes through one",
-                    "remove the link (the run directory holds only fived's files)",
+                    _UNLINK,
                 )
     if os.path.lexists(path) and name not in _owned(root):
         raise Refused(path, "exists and fived did not write it", "move it away, or choose another directory")

@@ -48,9 +48,10 @@ class Stopped(RuntimeError):
     """The launcher was told to stop (SIGINT, or SIGTERM); `signal_name` says which, `results` holds
     what ranks that finished their stop (a preemption save) returned."""
 
-    def __init__(self, signal_name: str, results: list | None = None):
+    def __init__(self, signal_name: str, results: list | None = None, abandoned_save: bool = False):
         super().__init__(signal_name)
         self.signal_name, self.results = signal_name, results
+        self.abandoned_save = abandoned_save  # a second signal cut the preemption save short
 
 
 class PortTaken(RuntimeError):
@@ -128,6 +129,7 @@ class _Ranks:
         self.procs, self.grace_s = procs, grace_s
         self.stop_signal: str | None = None  # set by a signal handler
         self.stop_by = float("inf")  # when ranks still running are killed
+        self.abandoned_save = False  # a second signal came while the ranks saved for the first
 
     def on_signal(self, signum, frame) -> None:
         name = signal.Signals(signum).name
@@ -137,6 +139,7 @@ class _Ranks:
             self.signal_all(signal.SIGTERM)  # ranks save at the next step boundary, then exit
             self.stop_by = time.monotonic() + self.grace_s
         else:  # Ctrl-C, a second signal, or nothing to save: stop now
+            self.abandoned_save = self.abandoned_save or (not first and self.grace_s > 0)
             self.stop_by = 0.0
 
     def signal_all(self, signum: int) -> None:
@@ -214,7 +217,7 @@ def _launch(
         finally:
             ranks.kill_all()
             _restore_handlers(previous)
-        return _collect(procs, out_dir, ranks.stop_signal, getattr(ranks, "died", {}))
+        return _collect(procs, out_dir, ranks.stop_signal, getattr(ranks, "died", {}), ranks.abandoned_save)
 
 
 def _install_handlers(handler) -> dict:
@@ -228,7 +231,9 @@ def _restore_handlers(previous: dict) -> None:
         signal.signal(s, handler)
 
 
-def _collect(procs: list, out_dir: str, stop_signal: str | None, died: dict[int, float]) -> list[Any]:
+def _collect(
+    procs: list, out_dir: str, stop_signal: str | None, died: dict[int, float], abandoned_save: bool = False
+) -> list[Any]:
     results, errors = [], []  # errors: (killed by a signal first, when, rank, message, summary)
     for r, p in enumerate(procs):
         path = os.path.join(out_dir, f"rank{r}.pkl")
@@ -247,7 +252,7 @@ def _collect(procs: list, out_dir: str, stop_signal: str | None, died: dict[int,
             )
             errors.append((0 if p.exitcode < 0 else 1, died[r], r, f"rank {r} {how}, without a report", None))
     if stop_signal is not None:
-        raise Stopped(stop_signal, results if len(results) == len(procs) else None)
+        raise Stopped(stop_signal, results if len(results) == len(procs) else None, abandoned_save)
     if errors or len(results) != len(procs):
         if not errors:
             raise RankFailed("ranks killed after the timeout or another rank's failure")
