@@ -109,6 +109,8 @@ def test_torn_files_are_skipped_with_one_warning_and_the_next_line_starts_afresh
     assert main(["diagnose", str(run)]) == 2  # (no step breakdown in a torn run.json: one line)
     err = capsys.readouterr().err
     assert "run.json: torn" in err and err.count("fived: error") == 1 and "Traceback" not in err, err
+    assert main(["train", "--resume", str(run), "--steps", "3", "--train.output_dir", str(tmp_path / "b")]) == 2
+    assert "a resumed run stays in its own directory" in capsys.readouterr().err  # (it was ignored)
     assert main(["train", "--resume", str(run), "--steps", "3"]) == 0
     assert "torn" in capsys.readouterr().err
     assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
@@ -178,3 +180,23 @@ def test_no_sequence_of_commands_changes_a_byte_outside_fiveds_own_files(tmp_pat
         after = _snapshot(root)  # (every path of `before` is foreign: fived had not run yet)
         changed = [p for p, digest in before.items() if after.get(p) != digest]
         assert not changed, (sequence, changed)
+
+
+def test_settings_that_meant_nothing_are_refused(tmp_path):
+    """A sidecar edited to another dtype (it trained on garbage ids); a MoE model without an MoE layer."""
+    from fived.config import build_config
+    from fived.data.loader import load_tokens
+    from fived.data.prepare import prepare_data
+    from fived.layout.bounds import number_errors
+
+    (tmp_path / "t.txt").write_text("hello world. " * 50)
+    prepare_data([tmp_path / "t.txt"], tmp_path / "tok")
+    meta = json.loads((tmp_path / "tok.json").read_text())
+    assert len(load_tokens(tmp_path / "tok.bin")) == meta["num_tokens"]
+    (tmp_path / "tok.json").write_text(json.dumps({**meta, "dtype": "uint8"}))
+    with pytest.raises(ValueError, match="dtype uint8 is not the one prepare-data writes"):
+        load_tokens(tmp_path / "tok.bin")
+    cfg = build_config(overrides={"model.name": "tiny-moe", "model.n_dense_layers": 10})
+    assert [e.field for e in number_errors(cfg)] == ["model.n_dense_layers"]
+    cfg.model.n_dense_layers = cfg.model.n_layers - 1
+    assert number_errors(cfg) == []
