@@ -183,7 +183,8 @@ def test_no_sequence_of_commands_changes_a_byte_outside_fiveds_own_files(tmp_pat
 
 
 def test_settings_that_meant_nothing_are_refused(tmp_path):
-    """A sidecar edited to another dtype (it trained on garbage ids); a MoE model without an MoE layer."""
+    """A sidecar edited to another dtype (it trained on garbage ids); input that is not UTF-8 (the codec's
+    message without the file); a MoE model without an MoE layer."""
     from fived.config import build_config
     from fived.data.loader import load_tokens
     from fived.data.prepare import prepare_data
@@ -196,6 +197,10 @@ def test_settings_that_meant_nothing_are_refused(tmp_path):
     (tmp_path / "tok.json").write_text(json.dumps({**meta, "dtype": "uint8"}))
     with pytest.raises(ValueError, match="dtype uint8 is not the one prepare-data writes"):
         load_tokens(tmp_path / "tok.bin")
+    (tmp_path / "latin1.txt").write_bytes(b"caf\xe9")
+    with pytest.raises(ValueError, match="latin1.txt: not UTF-8 text .*convert it to UTF-8"):
+        prepare_data([tmp_path / "latin1.txt"], tmp_path / "latin1")
+    assert not list(tmp_path.glob("latin1.*[bn]"))  # (nothing written: no latin1.bin, no latin1.json)
     cfg = build_config(overrides={"model.name": "tiny-moe", "model.n_dense_layers": 10})
     assert [e.field for e in number_errors(cfg)] == ["model.n_dense_layers"]
     cfg.model.n_dense_layers = cfg.model.n_layers - 1

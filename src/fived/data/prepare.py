@@ -144,12 +144,23 @@ def pieces(path: Path, text_field: str = "text", split: str = "train"):
         yield text, True
 
 
+def _named_decoding(path: Path, rows):
+    """`rows`, with a file that is not UTF-8 refused naming it, the byte and the way out."""
+    try:
+        yield from rows
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start} of a block); "
+            "convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8), or leave it out"
+        ) from None
+
+
 def _batches(inputs: list[Path], text_field: str, split: str):
     """Lists of (piece, ends a document) of at most ROWS_PER_BATCH pieces or about TEXT_BLOCK_CHARS
     characters: enough to encode in parallel, little enough to bound memory."""
     batch, chars = [], 0
     for path in inputs:
-        for piece in pieces(path, text_field, split):
+        for piece in _named_decoding(path, pieces(path, text_field, split)):
             batch.append(piece)
             chars += len(piece[0])
             if len(batch) >= ROWS_PER_BATCH or chars >= TEXT_BLOCK_CHARS:
