@@ -51,6 +51,14 @@ def test_the_writer_refuses_links_and_foreign_files_and_ends_a_torn_line(tmp_pat
     assert [r["step"] for r in files.read_json_lines(run / "log.jsonl")] == [1, 3]
     with pytest.raises(ConfigError, match="holds files fived did not write"):
         files.claim_run_dir(tmp_path)  # (not fived's, not empty)
+    older = tmp_path / "older"  # a run of fived before the manifest: adopted, its files only
+    (older / "checkpoints").mkdir(parents=True)
+    for name in ("launches.jsonl", "config.toml", "notes.txt"):
+        (older / name).write_text("x\n")
+    files.claim_run_dir(older)
+    files.write_file(older, "config.toml", "y")
+    with pytest.raises(files.Refused, match="fived did not write it"):
+        files.write_file(older, "notes.txt", "y")
     new = tmp_path / "new.tmp"
     new.write_text("new")
     with pytest.raises(files.Refused, match="exists"):

@@ -65,7 +65,7 @@ def check_run_dir(run_dir: str | os.PathLike, field: str = "train.output_dir") -
     links = [p for p in path.iterdir() if p.is_symlink()] if is_fived_dir(path) else []
     if links:
         raise Refused(links[0], "is a symbolic link inside the run directory; fived never writes through one", _UNLINK)
-    if path.is_dir() and not is_fived_dir(path) and any(path.iterdir()):
+    if path.is_dir() and not is_fived_dir(path) and not _older_run(path) and any(path.iterdir()):
         example = sorted(p.name for p in path.iterdir())[0]
         raise ConfigError(
             field,
@@ -80,11 +80,34 @@ def claim_run_dir(run_dir: str | os.PathLike, field: str = "train.output_dir") -
     check_run_dir(run_dir, field)
     path = Path(run_dir)
     path.mkdir(parents=True, exist_ok=True)
+    adopted = [p.name for p in path.iterdir() if p.name in _OLDER_RUN_FILES] if _older_run(path) else []
     with contextlib.suppress(FileExistsError):  # (already fived's)
         fd = os.open(path / MANIFEST, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
         with os.fdopen(fd, "w") as f:
-            f.write(_HEADER)
+            f.write(_HEADER + "".join(f"{name}\n" for name in sorted(adopted)))
     return path
+
+
+# The files an older fived (before the manifest) wrote in a run directory, which it adopts: a directory
+# with launches.jsonl and checkpoints/ and no manifest is such a run (its own names; nothing else).
+_OLDER_RUN_FILES = (
+    LOCK,
+    "config.toml",
+    "launches.jsonl",
+    "metrics.jsonl",
+    "metrics.superseded.jsonl",
+    "rollbacks.jsonl",
+    "run.json",
+)
+
+
+def _older_run(path: Path) -> bool:
+    return (
+        not (path / MANIFEST).exists()
+        and (path / "launches.jsonl").is_file()
+        and (path / "checkpoints").is_dir()
+        and not any(p.is_symlink() for p in path.iterdir())
+    )
 
 
 def _owned(run_dir: Path) -> set[str]:
