@@ -73,12 +73,15 @@ def test_prepare_data_failure_leaves_nothing(tmp_path):
     with pytest.raises(ValueError, match="not found"):
         prepare_data([a, tmp_path / "missing.txt"], tmp_path / "toks")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt"]
-    # A failure mid-write (here: invalid UTF-8 in the second file) keeps the old output intact.
+    # A failure mid-write (here: invalid UTF-8 in the second file) leaves nothing; an existing output
+    # is never written over (issue 34), so it stays intact.
     prepare_data([a], tmp_path / "toks")
     bad = tmp_path / "bad.txt"
     bad.write_bytes(b"\xff\xfe not utf-8")
-    with pytest.raises(UnicodeDecodeError):
-        prepare_data([a, bad], tmp_path / "toks")
+    with pytest.raises(ValueError, match="bad.txt: not UTF-8 text"):
+        prepare_data([a, bad], tmp_path / "toks2")
+    with pytest.raises(ValueError, match="toks.bin: exists; fived does not write over"):
+        prepare_data([a], tmp_path / "toks")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "bad.txt", "toks.bin", "toks.json"]
     assert np.array_equal(load_tokens(tmp_path / "toks")[:-1], load_tokens(a))
 

@@ -25,14 +25,16 @@ STEPS, EVERY, POISONED = 12, 2, 6  # the gradients of step index 6 (logged as st
 
 
 def test_the_guard_flags_non_finite_values_and_spikes_over_the_window_median():
-    guard = LossGuard(factor=3.0, window=3)
+    guard = LossGuard(factor=3.0, window=3, vocab_size=256)
     assert "loss is nan" in guard.verdict(math.nan, 1.0)
     assert "gradient norm is inf" in guard.verdict(2.0, math.inf)
+    assert "uniform guess" in guard.verdict(16.7, 1.0)  # the first step: 3 x ln(256) = 16.6
+    assert guard.verdict(16.5, 1.0) is None
     for loss in (2.0, 1.0, 1.5):
-        assert guard.verdict(100.0, 1.0) is None or len(guard.recent) == 3  # no spike check before the window fills
+        assert "x" in guard.verdict(8e5, 1.0)  # (the window not yet full: ln(256), then the median so far)
         guard.accept(loss)
     assert guard.verdict(4.4, 1.0) is None
-    assert "median of the last 3" in guard.verdict(4.6, 1.0)  # 3 x median 1.5 = 4.5
+    assert "median of the last 3 steps" in guard.verdict(4.6, 1.0)  # 3 x median 1.5 = 4.5
     restored = LossGuard(factor=3.0, window=2)
     restored.load_state(guard.state())
     assert list(restored.recent) == [1.0, 1.5]  # (a smaller window keeps the newest)

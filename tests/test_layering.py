@@ -9,7 +9,7 @@ import fived
 ROOT = Path(fived.__file__).parent
 
 # Each entry may import itself and every entry it lists; what is not listed is refused.
-BASE = {"errors", "config", "config_docs", "version", "write_errors"}
+BASE = {"errors", "config", "config_docs", "files", "version", "write_errors"}
 TORCH = BASE | {"compat"}  # the private torch internals' one module: for the layers that run torch
 MAY_IMPORT = {
     "errors": {"write_errors"},  # torch-free: what the user is told
@@ -17,6 +17,7 @@ MAY_IMPORT = {
     "version": set(),
     "write_errors": set(),
     "compat": set(),
+    "files": {"config", "errors"},  # the one writer of a run directory
     "config_docs": {"config", "errors"},
     "layout": {"config", "errors"},  # the torch-free core: sharding spec, rules, stages, placements, Muon's plan
     "planner": BASE | {"layout"},  # torch-free, never the runtime

@@ -20,9 +20,10 @@ class Stopped(RuntimeError):
     """The launcher was told to stop (SIGINT, or SIGTERM); `signal_name` says which, `results` holds
     what ranks that finished their stop (a preemption save) returned."""
 
-    def __init__(self, signal_name: str, results: list | None = None):
+    def __init__(self, signal_name: str, results: list | None = None, abandoned_save: bool = False):
         super().__init__(signal_name)
         self.signal_name, self.results = signal_name, results
+        self.abandoned_save = abandoned_save  # a second signal cut the preemption save short
 
 
 def user_error(error: BaseException) -> tuple[int, str] | None:

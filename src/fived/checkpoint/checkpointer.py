@@ -189,6 +189,13 @@ def _discard(path: Path) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
+class FinalSaveSkipped(RuntimeError):
+    """A run ended without its final checkpoint (no room): the run must not end as a success."""
+
+    def summary(self) -> dict:
+        return {"kind": "write_failed", "line": str(self)}
+
+
 class Checkpointer:
     """Saves and loads the named components of a run (see fived.training.state) on every rank."""
 
@@ -237,14 +244,14 @@ class Checkpointer:
         self.wait()
         self.stager.stage(self.tensors())
 
-    def save(self, step: int, background: bool = False, replace: bool = False) -> None:
-        """Save the state after `step` completed steps (every rank calls this); skipped, with one
-        warning line, when the filesystem lacks room for it. An existing checkpoint of the same step
-        is set aside (kept), or with `replace` deleted once the new one is in place."""
+    def save(self, step: int, background: bool = False, replace: bool = False) -> bool:
+        """Save the state after `step` completed steps (every rank calls this); skipped (False), with
+        one warning line, when the filesystem lacks room for it. An existing checkpoint of the same
+        step is set aside (kept), or with `replace` deleted once the new one is in place."""
         self.wait()
         tensors = self.tensors()
         if not self._room_for(tensors, step):
-            return
+            return False
         manifest = {
             **self.manifest,
             "step": step,
@@ -263,11 +270,21 @@ class Checkpointer:
             except Exception as e:
                 self._refused_write(e, tmp, step)
                 raise
-            return
+            return True
         self.finalized.clear()
         self.pending = pending = dcp_io.save(tensors, tmp, self.group, stager=self.stager)
         # (on rank 0, DCP's coordinator, the future completes after every rank's data is written)
         pending.add_done_callback(lambda fut: self._finalize_after(fut, tmp, step, manifest))
+        return True
+
+    def final_save_skipped(self, step: int) -> FinalSaveSkipped:
+        """The error of a run whose final save found no room: the newest safe checkpoint, and how on."""
+        newest = newest_intact(self.root.parent)
+        return FinalSaveSkipped(
+            f"the final checkpoint (step {step}) could not be written (no room: the warning above); "
+            + (f"the newest safe checkpoint is {newest}" if newest else "no checkpoint of this run is saved")
+            + f"; free some space, then continue with: fived train --resume {self.root.parent}"
+        )
 
     def _room_for(self, tensors: dict, step: int) -> bool:
         """Whether every rank sees room for the whole save (all ranks' bytes, with 5% to spare) on

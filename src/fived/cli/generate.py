@@ -52,7 +52,8 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     from fived.tools.generate import Sampling, describe_source, generate, load_model
 
     for flag, value, ok, hint in (
-        ("--max-new-tokens", ns.max_new_tokens, ns.max_new_tokens >= 1, "e.g. 64"),
+        # (a KV cache is allocated for every position at once: 10^9 of them was a MemoryError traceback)
+        ("--max-new-tokens", ns.max_new_tokens, 1 <= ns.max_new_tokens <= 2**20, "e.g. 64 (at most 1048576)"),
         ("--temperature", ns.temperature, ns.temperature >= 0, "0 (greedy) or e.g. 0.8"),
         ("--top-p", ns.top_p, 0 < ns.top_p <= 1, "e.g. 0.9"),
         ("--nproc", ns.nproc, ns.nproc is None or ns.nproc >= 1, "e.g. 2"),

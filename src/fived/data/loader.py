@@ -134,6 +134,12 @@ def load_tokens(path: str | Path | None, tokenizer: str = "byte") -> np.ndarray:
         if meta.get("format") != TOKEN_FORMAT:
             raise ValueError(f"{json_path}: not a {TOKEN_FORMAT} sidecar")
         dtype, n = np.dtype(meta["dtype"]), int(meta["num_tokens"])
+        if dtype != np.dtype(token_dtype(int(meta["vocab_size"]))):  # (an edited sidecar: garbage ids)
+            raise ValueError(
+                f"{json_path}: dtype {meta['dtype']} is not the one prepare-data writes for vocab_size "
+                f"{meta['vocab_size']} ({np.dtype(token_dtype(int(meta['vocab_size']))).name}); restore the "
+                "sidecar, or run fived prepare-data again"
+            )
         if bin_path.stat().st_size != n * dtype.itemsize:
             raise ValueError(f"{bin_path}: size does not match num_tokens={n} in {json_path}")
         # Tokens made with another vocabulary would index past the model's embedding.

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from fived.data.loader import EOT_TOKENS, TOKEN_FORMAT, ByteTokenizer, load_tokenizer, token_dtype, token_file_paths
+from fived.files import Refused, publish
 
 TEXT_BLOCK_CHARS = 1 << 20  # a .txt file is tokenized in blocks of whole lines of about this size
 ROWS_PER_BATCH = 1024  # Parquet / dataset rows read at a time
@@ -143,12 +144,23 @@ def pieces(path: Path, text_field: str = "text", split: str = "train"):
         yield text, True
 
 
+def _named_decoding(path: Path, rows):
+    """`rows`, with a file that is not UTF-8 refused naming it, the byte and the way out."""
+    try:
+        yield from rows
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start} of a block); "
+            "convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8), or leave it out"
+        ) from None
+
+
 def _batches(inputs: list[Path], text_field: str, split: str):
     """Lists of (piece, ends a document) of at most ROWS_PER_BATCH pieces or about TEXT_BLOCK_CHARS
     characters: enough to encode in parallel, little enough to bound memory."""
     batch, chars = [], 0
     for path in inputs:
-        for piece in pieces(path, text_field, split):
+        for piece in _named_decoding(path, pieces(path, text_field, split)):
             batch.append(piece)
             chars += len(piece[0])
             if len(batch) >= ROWS_PER_BATCH or chars >= TEXT_BLOCK_CHARS:
@@ -254,6 +266,11 @@ def prepare_data(
     }
     if tokenizer != "byte":  # a copy beside the tokens: the sidecar stays valid wherever they move
         meta["tokenizer_file"] = bin_path.with_suffix(".tokenizer.json").name
+    _refuse_existing(
+        [bin_path, json_path, *([val_bin, val_json] if val_fraction > 0 else [])]
+        + ([bin_path.parent / meta["tokenizer_file"]] if "tokenizer_file" in meta else []),
+        paths,
+    )
     moves: list[tuple[str, Path]] = []  # (temporary file, final path)
     try:
         fd, tmp_bin = tempfile.mkstemp(dir=bin_path.parent, prefix=bin_path.name + ".", suffix=".tmp")
@@ -271,13 +288,25 @@ def prepare_data(
         mode = _new_file_mode()
         for tmp, final in moves:
             os.chmod(tmp, mode)
-            os.replace(tmp, final)
+            publish(tmp, final, "name a new --output")  # (never over a file: not even one made since the check)
     except BaseException:
         for tmp, _ in moves:
             if os.path.exists(tmp):
                 os.remove(tmp)
         raise
     return bin_path
+
+
+def _refuse_existing(outputs: list[Path], inputs: list[Path]) -> None:
+    """Before anything is written: no output may exist already (an input, or anyone's file)."""
+    for out in outputs:
+        if os.path.lexists(out):
+            own = any(os.path.lexists(p) and os.path.samefile(p, out) for p in inputs if not out.is_symlink())
+            raise Refused(
+                out,
+                ("is one of the inputs" if own else "exists") + "; fived does not write over a file it did not create",
+                "name a new --output",
+            )
 
 
 def _split_validation(tmp_bin: str, meta: dict, fraction: float, val_bin: Path, val_json: Path, moves: list) -> int:

@@ -120,6 +120,7 @@ class _Ranks:
         self.procs, self.grace_s = procs, grace_s
         self.stop_signal: str | None = None  # set by a signal handler
         self.stop_by = float("inf")  # when ranks still running are killed
+        self.abandoned_save = False  # a second signal came while the ranks saved for the first
 
     def on_signal(self, signum, frame) -> None:
         name = signal.Signals(signum).name
@@ -129,6 +130,7 @@ class _Ranks:
             self.signal_all(signal.SIGTERM)  # ranks save at the next step boundary, then exit
             self.stop_by = time.monotonic() + self.grace_s
         else:  # Ctrl-C, a second signal, or nothing to save: stop now
+            self.abandoned_save = self.abandoned_save or (not first and self.grace_s > 0)
             self.stop_by = 0.0
 
     def signal_all(self, signum: int) -> None:
@@ -206,7 +208,7 @@ def _launch(
         finally:
             ranks.kill_all()
             _restore_handlers(previous)
-        return _collect(procs, out_dir, ranks.stop_signal, getattr(ranks, "died", {}))
+        return _collect(procs, out_dir, ranks.stop_signal, getattr(ranks, "died", {}), ranks.abandoned_save)
 
 
 def _install_handlers(handler) -> dict:
@@ -220,7 +222,9 @@ def _restore_handlers(previous: dict) -> None:
         signal.signal(s, handler)
 
 
-def _collect(procs: list, out_dir: str, stop_signal: str | None, died: dict[int, float]) -> list[Any]:
+def _collect(
+    procs: list, out_dir: str, stop_signal: str | None, died: dict[int, float], abandoned_save: bool = False
+) -> list[Any]:
     results, errors = [], []  # errors: (killed by a signal first, when, rank, message, summary)
     for r, p in enumerate(procs):
         path = os.path.join(out_dir, f"rank{r}.pkl")
@@ -239,7 +243,7 @@ def _collect(procs: list, out_dir: str, stop_signal: str | None, died: dict[int,
             )
             errors.append((0 if p.exitcode < 0 else 1, died[r], r, f"rank {r} {how}, without a report", None))
     if stop_signal is not None:
-        raise Stopped(stop_signal, results if len(results) == len(procs) else None)
+        raise Stopped(stop_signal, results if len(results) == len(procs) else None, abandoned_save)
     if errors or len(results) != len(procs):
         if not errors:
             raise RankFailed("ranks killed after the timeout or another rank's failure")

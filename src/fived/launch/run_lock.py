@@ -25,8 +25,9 @@ import sys
 from pathlib import Path
 
 from fived.config import ConfigError
+from fived.files import LOCK as LOCK_NAME
+from fived.files import claim_run_dir, open_lock
 
-LOCK_NAME = ".fived.lock"
 NO_FLOCK = (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP)  # the filesystem cannot lock (not: it is locked)
 
 
@@ -40,8 +41,8 @@ class RunLock:
 
     def acquire(self) -> None:
         """Take the lock, or raise a one-line ConfigError naming the run that holds it."""
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        claim_run_dir(self.run_dir)  # (fived's own, or absent/empty: refused in one line otherwise)
+        fd = open_lock(self.run_dir, LOCK_NAME)  # (never through a link)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -252,6 +252,9 @@ def check_environment(cfg) -> None:
             "no CUDA device is visible to this process (torch.cuda.is_available() is False)",
             "use --train.device cpu (or auto)",
         )
+    from fived.files import check_run_dir
+
+    check_run_dir(cfg.train.output_dir)  # (fived's own, or absent/empty: nothing else is written into)
     out = Path(cfg.train.output_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -319,8 +322,19 @@ def load_resumed_run(request: LaunchRequest | argparse.Namespace, crc: bool = Tr
     assert ns.resume is not None  # (what makes it a resumed run)
     checkpoint, manifest, saved = _saved_run(ns.resume, crc)
     given = {**file_overrides(ns.config), **ns.overrides}
+    run_dir = Path(checkpoint).parent.parent
+    if (
+        "train.output_dir" in ns.overrides
+        and Path(str(ns.overrides["train.output_dir"])).resolve() != run_dir.resolve()
+    ):
+        raise ConfigError(
+            "train.output_dir",
+            ns.overrides["train.output_dir"],
+            f"a resumed run stays in its own directory ({run_dir})",
+            "drop the flag (--resume names the run), or start a new run there",
+        )
     cfg, layout_given = _resumed_config(saved, given, ns.dp_shard)
-    cfg.train.output_dir = str(Path(checkpoint).parent.parent)  # the same run directory
+    cfg.train.output_dir = str(run_dir)  # the same run directory
     default_world = int(os.environ.get("WORLD_SIZE", manifest["world_size"]))  # (torchrun's, if under it)
     world = world_size(cfg, ns.nproc, default_world) if layout_given else (ns.nproc or default_world)
     if ns.layout is not None:

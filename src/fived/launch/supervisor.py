@@ -16,7 +16,6 @@ terminated with nothing saved.
 from __future__ import annotations
 
 import json
-import os
 import platform
 import sys
 import time
@@ -28,6 +27,7 @@ import torch
 
 from fived.checkpoint.checkpointer import find_checkpoint
 from fived.config import Config
+from fived.files import append_line, read_json_lines, write_file
 from fived.launch.ranks import RankFailed, Stopped, run_ranks
 from fived.parallel.mesh import resolve_dp
 from fived.training.faults import INTERRUPTED_EXIT, PREEMPTED_EXIT, TERMINATED_EXIT, timeout_line
@@ -42,7 +42,9 @@ def describe_run_dir(cfg: Config, world: int, event: dict) -> str | None:
 
     run_dir = Path(cfg.train.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    previous = (run_dir / "config.toml").read_text() if (run_dir / "config.toml").is_file() else None
+    previous = (
+        (run_dir / "config.toml").read_text() if (run_dir / "config.toml").is_file() else None
+    )  # (fived's: the run directory is)
     write_config_toml(run_dir, commented_toml(cfg))  # (every field, with its description)
     p = cfg.parallel
     record = {
@@ -65,16 +67,14 @@ def describe_run_dir(cfg: Config, world: int, event: dict) -> str | None:
         **event,
         "config": cfg.to_dict(),
     }  # (config.toml is the latest; every launch's is kept here)
-    with writing(run_dir / "launches.jsonl"), open(run_dir / "launches.jsonl", "a") as f:
-        f.write(json.dumps(record) + "\n")
+    with writing(run_dir / "launches.jsonl"):
+        append_line(run_dir, "launches.jsonl", json.dumps(record))
     return previous
 
 
 def write_config_toml(run_dir: Path, text: str) -> None:
-    tmp = run_dir / "config.toml.tmp"
-    with writing(tmp):
-        tmp.write_text(text)
-    os.replace(tmp, run_dir / "config.toml")
+    with writing(run_dir / "config.toml"):
+        write_file(run_dir, "config.toml", text)
 
 
 def restore_config(run_dir: str | Path, previous: str | None) -> None:
@@ -87,8 +87,8 @@ def restore_config(run_dir: str | Path, previous: str | None) -> None:
 
 def last_logged_step(run_dir: str) -> int:
     path = Path(run_dir) / "metrics.jsonl"
-    lines = path.read_text().splitlines() if path.exists() else []
-    return json.loads(lines[-1])["step"] if lines else 0
+    records = [r for r in read_json_lines(path) if "step" in r] if path.exists() else []
+    return records[-1]["step"] if records else 0
 
 
 def _saves_on_sigterm(cfg: Config) -> bool:
@@ -168,4 +168,9 @@ def stop_line(stop: Stopped, cfg: Config) -> tuple[str, int]:
     newest = find_checkpoint(run_dir)
     then = f"; newest checkpoint {newest}, continue with: fived train --resume {run_dir}" if newest else ""
     code = INTERRUPTED_EXIT if stop.signal_name == "SIGINT" else TERMINATED_EXIT
+    if stop.abandoned_save and not (stop.results and stop.results[0].preempted):
+        return (
+            f"fived train: a second {stop.signal_name} came during the preemption save: the save was abandoned, every rank was stopped{then or '; no checkpoint of this run is saved'}",
+            code,
+        )
     return f"fived train: stopped by {stop.signal_name}: every rank was stopped{then}", code

@@ -121,6 +121,7 @@ class TorchrunRanks:
 
     def train(self, run: TrainingRun, progress: bool) -> tuple[list | None, int, str]:
         """(every rank's TrainResult on rank 0, exit code, what to say) of this rank's training."""
+        from fived.checkpoint.checkpointer import FinalSaveSkipped
         from fived.launch.supervisor import describe_run_dir, restore_config, stop_line
         from fived.training.divergence import DIVERGED_EXIT, Diverged
         from fived.training.faults import PREEMPTED_EXIT
@@ -137,7 +138,11 @@ class TorchrunRanks:
             )
         try:
             result = train_rank(cfg, progress=progress, resume=run.resume)
-        except (Diverged, WriteFailed) as stop:  # (a divergence: every rank at the same step; rank 0 says it)
+        except (
+            Diverged,
+            WriteFailed,
+            FinalSaveSkipped,
+        ) as stop:  # (a divergence: every rank at the same step; rank 0 says it)
             if isinstance(stop, Diverged) and self.rank == 0:
                 restore_config(cfg.train.output_dir, previous)
             self.speaks = self.speaks or isinstance(stop, WriteFailed)  # (a refused write: each rank its own)

@@ -141,6 +141,16 @@ def number_errors(cfg: Config) -> list[ConfigError]:
                     f"e.g. {_flag(f.section + '.' + f.key)} {f.default}",
                 )
             )
+    m = cfg.model
+    if m.is_moe and m.n_dense_layers >= m.n_layers:  # (no layer would have experts: a dense model by another name)
+        errs.append(
+            ConfigError(
+                "model.n_dense_layers",
+                m.n_dense_layers,
+                f"must be < model.n_layers={m.n_layers} in a mixture-of-experts model (else no layer has experts)",
+                f"e.g. --model.n_dense_layers {max(0, m.n_layers - 1)}",
+            )
+        )
     t = cfg.train
     if t.muon_ns_steps >= 1 and ns_coefficients(t.muon_ns_coefficients, t.muon_ns_steps) is None:
         errs.append(

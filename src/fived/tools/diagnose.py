@@ -25,11 +25,11 @@ The failure modes (thresholds: shares of the measured step time, the mean over r
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from fived.config import Config, ConfigError, config_from_dict
+from fived.files import read_json, read_json_lines
 from fived.layout.layout import Layout, stages_per_rank
 from fived.training.breakdown import COMPARED, compared
 
@@ -76,7 +76,7 @@ def read_run(run_dir: str) -> tuple[dict, Config]:
             "has no run.json (written when `fived train` ends)",
             "give a finished run's directory, e.g. runs/default",
         )
-    run = json.loads(path.read_text())
+    run = read_json(path) or {}  # (a torn run.json: one warning, then "no breakdown")
     if "breakdown" not in run or "config" not in run or not any(run["breakdown"]["ranks"]):
         raise ConfigError(
             "run_dir",
@@ -313,7 +313,7 @@ def cp_work_spread(run_dir: str) -> float | None:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         return None
-    values = [r["cp_work_spread"] for r in map(json.loads, path.read_text().splitlines()) if "cp_work_spread" in r]
+    values = [r["cp_work_spread"] for r in read_json_lines(path) if "cp_work_spread" in r]
     return statistics.median(values) if values else None
 
 

@@ -54,6 +54,11 @@ def write_page(path: str | Path, title: str, kind: str, data: dict) -> Path:
         ]
     )
     out = Path(path)
+    from fived.files import is_fived_dir, write_file
+
+    if is_fived_dir(out.parent):  # (a run's report.html: fived's own file, never a link or a user's)
+        write_file(out.parent, out.name, page)
+        return out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(page)
     return out

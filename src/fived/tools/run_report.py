@@ -9,17 +9,17 @@ restarted and at which layout (`segments`: marked on every chart).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from fived.config import ConfigError
+from fived.files import read_json, read_json_lines
 
 SERIES = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu")
 
 
 def read_metrics(run_dir: Path) -> dict[str, list]:
     """Per-step series of metrics.jsonl (and val_loss with its steps, where a record has one)."""
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    records = [r for r in read_json_lines(run_dir / "metrics.jsonl") if "step" in r]  # (torn lines: skipped)
     out: dict[str, list] = {"step": [r["step"] for r in records]}
     for key in SERIES:
         out[key] = [r.get(key) for r in records]
@@ -38,7 +38,7 @@ def report_data(run_dir: str) -> dict:
             "run_dir", run_dir, "has no metrics.jsonl", "give a `fived train` output directory (train.output_dir)"
         )
     metrics = read_metrics(path)
-    figures = json.loads((path / "run.json").read_text()) if (path / "run.json").is_file() else {}
+    figures = (read_json(path / "run.json") or {}) if (path / "run.json").is_file() else {}
     layout = figures.get("layout", {})
     last = metrics["step"][-1] if metrics["step"] else 0
     parts = segments(path, last)
@@ -83,7 +83,7 @@ def segments(run_dir: Path, last_step: int) -> list[dict]:
     earlier launches were superseded), its event and world size, its layout in the planner's words,
     and whether that layout differs from the previous stretch's."""
     path = run_dir / "launches.jsonl"
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    records = read_json_lines(path) if path.is_file() else []
     out: list[dict] = []
     for record in records:
         first = checkpoint_step(record.get("resume_from")) + 1

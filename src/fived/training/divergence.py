@@ -3,7 +3,10 @@
 After every step each rank checks the step's loss and gradient norm (the same all-reduced values on
 every rank, so every rank reaches the same verdict at the same step): a non-finite loss or gradient
 norm, or a loss above `train.spike_factor` x the median of the last `train.spike_window` losses,
-is a divergence. The diverged step is never logged or saved.
+is a divergence. The guard sees from the first step: before the window fills, the median of the
+losses so far (a resumed run's are the checkpoint's own, saved with it), and before any, ln(vocab
+size), the loss of a uniform guess, which no healthy step exceeds by the factor. The diverged step
+is never logged or saved.
 
 Which checkpoints are healthy: the checkpoint of step N holds the weights after N updates, and the
 loss of those weights is first seen at step N+1. So a checkpoint is known healthy once the step after
@@ -59,8 +62,9 @@ class LossGuard:
     """The recent losses and the verdict on each step. A checkpoint component ("guard"): its recent
     losses are saved, so a resumed run checks its first steps against the losses before the save."""
 
-    def __init__(self, factor: float, window: int):
+    def __init__(self, factor: float, window: int, *, vocab_size: int = 0):
         self.factor, self.window = factor, window
+        self.uniform = math.log(vocab_size) if vocab_size > 1 else 0.0  # the loss of a uniform guess
         self.recent: collections.deque[float] = collections.deque(maxlen=window)
         self.rollbacks = 0  # in this launch (not saved: a rollback must not restore its own count)
 
@@ -70,13 +74,14 @@ class LossGuard:
             return f"the loss is {loss}"
         if not math.isfinite(grad_norm):
             return f"the gradient norm is {grad_norm} (loss {loss:.4g})"
-        if self.factor > 0 and len(self.recent) == self.window:
-            median = statistics.median(self.recent)
-            if loss > self.factor * median:
-                return (
-                    f"loss {loss:.4g} > train.spike_factor={self.factor:g} x {median:.4g}, the median of "
-                    f"the last {self.window} steps"
-                )
+        if self.factor <= 0 or not (self.recent or self.uniform):
+            return None
+        if self.recent:
+            median, of = statistics.median(self.recent), f"the median of the last {len(self.recent)} steps"
+        else:  # (the first step of a run: no loss yet to compare with)
+            median, of = self.uniform, "ln(vocab size), the loss of a uniform guess"
+        if loss > self.factor * median:
+            return f"loss {loss:.4g} > train.spike_factor={self.factor:g} x {median:.4g}, {of}"
         return None
 
     def accept(self, loss: float) -> None:
@@ -122,8 +127,9 @@ def record_rollback(run_dir: str | Path, event: dict) -> None:
         file=sys.stderr,
         flush=True,
     )
-    with open(Path(run_dir) / "rollbacks.jsonl", "a") as f:
-        f.write(json.dumps({"time": time.time(), **event}) + "\n")
+    from fived.files import append_line
+
+    append_line(run_dir, "rollbacks.jsonl", json.dumps({"time": time.time(), **event}))
 
 
 def handle_divergence(trainer, done: int, reason: str) -> int:

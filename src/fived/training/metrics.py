@@ -6,12 +6,14 @@ The FLOP count is fived.layout.flops'.
 from __future__ import annotations
 
 import json
-import os
 import resource
 import sys
 from pathlib import Path
 
 import torch
+
+from fived.files import LOCK, MANIFEST, is_fived_dir, open_log, write_file
+from fived.write_errors import WriteFailed, writing
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -24,10 +26,12 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 def fresh_output_dir(path: str) -> Path:
-    """`path`, or `path-1`, `path-2`, ... if a previous run already logged there: never overwrite."""
+    """`path`, or `path-1`, `path-2`, ... if a previous run already wrote there (more than its
+    manifest and lock): never over another run. (A directory fived did not make is refused when it
+    is claimed, fived.files.claim_run_dir.)"""
     base = Path(path)
     candidate, n = base, 0
-    while (candidate / "metrics.jsonl").exists():
+    while is_fived_dir(candidate) and any(p.name not in (MANIFEST, LOCK) for p in candidate.iterdir()):
         n += 1
         candidate = base.with_name(f"{base.name}-{n}")
     return candidate
@@ -39,19 +43,28 @@ def keep_log_until(output_dir: str, step: int) -> None:
     path = Path(output_dir) / "metrics.jsonl"
     if not path.exists():
         return
-    lines = [line for line in path.read_text().splitlines(keepends=True) if line.strip()]
-    kept = [line for line in lines if json.loads(line).get("step", 0) <= step]
+    lines = [line for line in path.read_bytes().decode(errors="replace").splitlines() if line.strip()]
+    kept = [line for line in lines if _step_of(line) <= step]  # (a torn line: not kept, moved)
     if len(kept) == len(lines):
         return
-    from fived.write_errors import writing
+    torn = sum(_step_of(line) == float("inf") for line in lines)
+    if torn:
+        print(
+            f"fived: warning: {path}: {torn} torn line(s) (not a JSON record) moved to metrics.superseded.jsonl",
+            file=sys.stderr,
+        )
+    with writing(path.with_name("metrics.superseded.jsonl")), open_log(output_dir, "metrics.superseded.jsonl") as f:
+        f.writelines(line + "\n" for line in lines if _step_of(line) > step)
+    with writing(path):
+        write_file(output_dir, "metrics.jsonl", "".join(line + "\n" for line in kept))
 
-    superseded = path.with_name("metrics.superseded.jsonl")
-    with writing(superseded), open(superseded, "a") as f:
-        f.writelines(line for line in lines if json.loads(line).get("step", 0) > step)
-    tmp = path.with_name(path.name + ".tmp")
-    with writing(tmp):
-        tmp.write_text("".join(kept))
-    os.replace(tmp, path)
+
+def _step_of(line: str) -> float:
+    """A metrics line's step; a torn line's is infinite (never kept as one of the steps)."""
+    try:
+        return json.loads(line).get("step", 0)
+    except (ValueError, AttributeError):
+        return float("inf")
 
 
 class MetricsLog:
@@ -60,7 +73,8 @@ class MetricsLog:
     def __init__(self, output_dir: str, tensorboard: bool):
         self.dir = Path(output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.file = open(self.dir / "metrics.jsonl", "a")  # noqa: SIM115  (open for the run: close())
+        with writing(self.dir / "metrics.jsonl"):
+            self.file = open_log(self.dir, "metrics.jsonl")  # (whole lines; open for the run: close())
         self.tb = None
         if tensorboard:
             try:
@@ -77,8 +91,6 @@ class MetricsLog:
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()
         except OSError as e:  # (a full disk, a filesystem turned read-only): one line, not a traceback
-            from fived.write_errors import WriteFailed
-
             raise WriteFailed("writing the metrics log", e, self.dir / "metrics.jsonl") from None
         if self.tb is not None:
             for key, value in record.items():

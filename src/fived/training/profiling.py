@@ -8,15 +8,20 @@ and CUDA kernels on GPU). While the window is open fived labels its own work for
 "fived/comm/pp/send_f" ...), so they sit in the same trace as the kernels. `merge_traces` then writes
 profile/trace.json: every rank's events in one file, one process per rank ("rank R"), on one time
 axis (each trace's baseTimeNanoseconds: the host clocks, aligned only as well as the hosts' are).
+
+A launch never replaces an earlier launch's traces (a resumed run profiling the window again): the
+second launch's go to profile-2/, the third's to profile-3/, ... (fived.files writes them).
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
 
+from fived.files import install, write_file
 from fived.layout.rules import profile_window
 
 
@@ -25,7 +30,7 @@ class ProfileWindow:
 
     def __init__(self, spec: str, steps: int, output_dir: str, rank: int, device: torch.device, timer):
         self.window = profile_window(spec, steps) if spec else None
-        self.dir, self.rank, self.device, self.timer = Path(output_dir) / "profile", rank, device, timer
+        self.run_dir, self.rank, self.device, self.timer = Path(output_dir), rank, device, timer
         self.profiler: torch.profiler.profile | None = None
 
     def before_step(self, step: int) -> None:
@@ -45,19 +50,34 @@ class ProfileWindow:
             return
         self._label(False)
         self.profiler.__exit__(None, None, None)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.profiler.export_chrome_trace(str(self.dir / f"rank{self.rank}.json"))
-        self.profiler = None
+        folder = profile_folder(self.run_dir, self.rank, new=True)
+        tmp = self.run_dir / f".rank{self.rank}.trace.tmp-{os.getpid()}"
+        try:
+            self.profiler.export_chrome_trace(str(tmp))
+            install(self.run_dir, f"{folder}/rank{self.rank}.json", tmp)
+        finally:
+            self.profiler = None
+            tmp.unlink(missing_ok=True)
 
     def _label(self, on: bool) -> None:
         if self.timer is not None:
             self.timer.profiling = self.timer.recorder.profiling = on
 
 
+def profile_folder(run_dir: Path, rank: int, *, new: bool) -> str:
+    """The folder of this launch's traces: the first of profile, profile-2, ... without a trace of
+    `rank` (`new`: where it goes), or the last one with one (where it went)."""
+    names = ["profile", *(f"profile-{n}" for n in range(2, 10_000))]
+    taken = 0
+    while (run_dir / names[taken] / f"rank{rank}.json").is_file():
+        taken += 1
+    return names[taken] if new else names[max(taken - 1, 0)]
+
+
 def merge_traces(run_dir: str | Path, world: int) -> Path | None:
-    """profile/trace.json from the ranks' traces (those present): one process per rank, times in
-    microseconds from the earliest event of any rank."""
-    folder = Path(run_dir) / "profile"
+    """<profile folder>/trace.json from this launch's traces (those present): one process per rank,
+    times in microseconds from the earliest event of any rank."""
+    folder = Path(run_dir) / profile_folder(Path(run_dir), 0, new=False)
     traces = {
         r: json.loads((folder / f"rank{r}.json").read_text())
         for r in range(world)
@@ -82,6 +102,5 @@ def merge_traces(run_dir: str | Path, world: int) -> Path | None:
             if "ts" in moved:
                 moved["ts"] = moved["ts"] + bases[rank] - origin
             events.append(moved)
-    out = folder / "trace.json"
-    out.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
-    return out
+    name = f"{folder.name}/trace.json"
+    return write_file(run_dir, name, json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))

@@ -169,7 +169,9 @@ def write_run_json(
     import json
     from pathlib import Path
 
+    from fived.files import write_file
     from fived.training.breakdown import run_breakdown
+    from fived.write_errors import writing
 
     figures = report_figures(cfg, world, results)
     figures["bubble_line"] = _bubble_line(cfg, results)
@@ -179,8 +181,8 @@ def write_run_json(
     per_rank = breakdowns if breakdowns is not None else [r.breakdowns for r in results]
     if any(per_rank):
         figures["breakdown"] = run_breakdown(cfg, world, per_rank)
-    path = Path(cfg.train.output_dir) / "run.json"
-    path.write_text(json.dumps(figures))
+    with writing(Path(cfg.train.output_dir) / "run.json"):
+        write_file(cfg.train.output_dir, "run.json", json.dumps(figures))
 
 
 def _bubble_line(cfg: Config, results: list[TrainResult]) -> str:

@@ -109,7 +109,9 @@ class Trainer:
         self.state_bytes: dict[str, int] = {}
         self.peak_flops = device_peak_tflops(build_dtype(cfg), t.peak_tflops, self.device.type) * 1e12
         self.flops_per_step = flops_per_token(cfg.model, t.seq_len) * self.global_tokens
-        self.guard = LossGuard(t.spike_factor, t.spike_window)  # (a checkpoint component: before the load)
+        self.guard = LossGuard(
+            t.spike_factor, t.spike_window, vocab_size=cfg.model.vocab_size
+        )  # (a checkpoint component: before the load)
         self.checkpointer = self._open_checkpoints(chunks, log, resume)
         if log and self.rank == 0:
             keep_log_until(t.output_dir, self.sampler.step)  # a resumed run rewrites nothing twice
@@ -305,13 +307,15 @@ class Trainer:
         with timeouts_named(self.rank, self.cfg.train.collective_timeout_s, lambda: everyone):
             return self.preemption.agreed(self.device)
 
-    def _save(self, step: int, background: bool = False) -> None:
+    def _save(self, step: int, background: bool = False) -> bool:
         everyone = ("checkpoint save (DCP)", "checkpoint", tuple(range(self.world)))
         checkpointer = self.checkpointer
         assert checkpointer is not None  # (a run that saves owns a run directory or resumes)
         with timeouts_named(self.rank, checkpointer.timeout_s, lambda: everyone):
-            checkpointer.save(step, background)
-        self.saved_steps.append(step)
+            saved = checkpointer.save(step, background)
+        if saved:
+            self.saved_steps.append(step)
+        return saved
 
     def _step(self, step: int) -> dict:
         t = self.cfg.train
@@ -414,8 +418,8 @@ class Trainer:
         self.profile.after_step(last - 1, last=True)  # (a run stopped inside the window writes what it has)
         if self.checkpointer is not None:
             final = self.cfg.checkpoint.final or self.checkpointer.due(last) or self.preempted
-            if final and self.checkpointer.last_step != last:
-                self._save(last)
+            if final and self.checkpointer.last_step != last and not self._save(last) and not self.preempted:
+                raise self.checkpointer.final_save_skipped(last)  # (every rank: they agreed on the room)
             self.checkpointer.wait()
         if self.log is not None:
             self.log.close()

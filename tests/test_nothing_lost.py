@@ -1,0 +1,215 @@
+"""Nothing lost, round two (issue 34): fived writes only files it created (fived.files), never through
+a link, never reports success for a run it did not save, and reads back every file it wrote even
+when a crash tore it. Real processes: `fived` commands in this process (their ranks forked) or in a
+subprocess (signals)."""
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from fived import files
+from fived.cli.main import main
+from fived.config import ConfigError
+
+TRAIN = ["train", "--nproc", "1", "--train.warmup_steps", "1", "--train.breakdown", "false"]
+
+
+def _train(run_dir: Path, *extra: str, steps: int = 2) -> int:
+    return main([*TRAIN, "--steps", str(steps), "--train.output_dir", str(run_dir), *extra])
+
+
+def test_the_writer_refuses_links_and_foreign_files_and_ends_a_torn_line(tmp_path):
+    run = files.claim_run_dir(tmp_path / "run")
+    outside = tmp_path / "outside.txt"
+    outside.write_text("keep")
+    (run / "metrics.jsonl").symlink_to(outside)
+    with pytest.raises(files.Refused, match="symbolic link"):
+        files.append_line(run, "metrics.jsonl", "{}")
+    with pytest.raises(files.Refused, match="symbolic link"):
+        files.check_run_dir(run)  # (before any rank starts)
+    (run / "metrics.jsonl").unlink()
+    (run / "profile").symlink_to(tmp_path)  # a link to a directory on the way
+    with pytest.raises(files.Refused, match="symbolic link"):
+        files.write_file(run, "profile/trace.json", "{}")
+    (run / "profile").unlink()
+    (run / "config.toml").write_text("mine")  # a user's file in fived's directory
+    with pytest.raises(files.Refused, match="fived did not write it"):
+        files.write_file(run, "config.toml", "x")
+    files.append_line(run, "log.jsonl", '{"step": 1}')
+    with open(run / "log.jsonl", "a") as f:
+        f.write('{"step": 2, "lo')  # a crash mid-line
+    files.append_line(run, "log.jsonl", '{"step": 3}')
+    assert (run / "log.jsonl").read_text().splitlines() == ['{"step": 1}', '{"step": 2, "lo', '{"step": 3}']
+    assert [r["step"] for r in files.read_json_lines(run / "log.jsonl")] == [1, 3]
+    with pytest.raises(ConfigError, match="holds files fived did not write"):
+        files.claim_run_dir(tmp_path)  # (not fived's, not empty)
+    older = tmp_path / "older"  # a run of fived before the manifest: adopted, its files only
+    (older / "checkpoints").mkdir(parents=True)
+    for name in ("launches.jsonl", "config.toml", "notes.txt"):
+        (older / name).write_text("x\n")
+    files.claim_run_dir(older)
+    files.write_file(older, "config.toml", "y")
+    with pytest.raises(files.Refused, match="fived did not write it"):
+        files.write_file(older, "notes.txt", "y")
+    new = tmp_path / "new.tmp"
+    new.write_text("new")
+    with pytest.raises(files.Refused, match="exists"):
+        files.publish(new, outside)
+    assert outside.read_text() == "keep" and (run / "config.toml").read_text() == "mine"
+
+
+def test_a_run_whose_final_save_found_no_room_exits_non_zero_naming_the_newest_safe_step(tmp_path, monkeypatch, capsys):
+    real, calls = shutil.disk_usage, []
+
+    def usage(path):  # room for the first save (step 1), none for the final one (step 2)
+        calls.append(path)
+        return real(path) if len(calls) == 1 else real(path)._replace(free=0)
+
+    monkeypatch.setattr("fived.checkpoint.checkpointer.shutil.disk_usage", usage)
+    code = _train(tmp_path / "run", "--checkpoint.every", "1")
+    err = capsys.readouterr().err
+    line = err.strip().splitlines()[-1]
+    assert code == 1, err
+    assert "the final checkpoint (step 2) could not be written" in line and "checkpoints/step-1" in line, line
+    assert "Traceback" not in err
+
+
+def test_a_second_sigterm_during_the_preemption_save_says_the_save_was_abandoned(tmp_path, capfd):
+    run = tmp_path / "run"
+
+    def preempt_twice():  # (the launcher is this process: its handlers get the signals)
+        while not ((run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").stat().st_size):
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=preempt_twice, daemon=True).start()
+    code = _train(run, steps=100000)
+    err = capfd.readouterr().err
+    assert code == 143 and "the save was abandoned" in err.strip().splitlines()[-1], err
+    assert not list((run / "checkpoints").glob("step-*")) if (run / "checkpoints").is_dir() else True
+
+
+def test_torn_files_are_skipped_with_one_warning_and_the_next_line_starts_afresh(tmp_path, capfd):
+    capsys = capfd  # (the rank's warning: the forked process writes to the file descriptor)
+    run = tmp_path / "run"
+    assert _train(run, "--checkpoint.every", "1") == 0
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "lo')
+    with open(run / "launches.jsonl", "a") as f:
+        f.write('{"ti')
+    whole = (run / "run.json").read_bytes()
+    (run / "run.json").write_bytes(whole[: len(whole) // 2])
+    capsys.readouterr()
+    assert main(["report", str(run)]) == 0
+    err = capsys.readouterr().err
+    assert "metrics.jsonl: line 3 is torn" in err and "launches.jsonl: line 2 is torn" in err, err
+    assert "run.json: torn" in err and "Traceback" not in err
+    assert main(["diagnose", str(run)]) == 2  # (no step breakdown in a torn run.json: one line)
+    err = capsys.readouterr().err
+    assert "run.json: torn" in err and err.count("fived: error") == 1 and "Traceback" not in err, err
+    assert main(["train", "--resume", str(run), "--steps", "3", "--train.output_dir", str(tmp_path / "b")]) == 2
+    assert "a resumed run stays in its own directory" in capsys.readouterr().err  # (it was ignored)
+    assert main(["train", "--resume", str(run), "--steps", "3"]) == 0
+    assert "torn" in capsys.readouterr().err
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+    launches = (run / "launches.jsonl").read_text().splitlines()
+    assert launches[1] == '{"ti' and json.loads(launches[2])["event"] == "resume"
+
+
+def _snapshot(root: Path) -> dict[str, str]:
+    """Every path under `root` (links not followed): its bytes' hash, or where it links."""
+    out = {}
+    for folder, dirs, names in os.walk(root):
+        for name in dirs + names:
+            path = Path(folder, name)
+            rel = str(path.relative_to(root))
+            if path.is_symlink():
+                out[rel] = "-> " + os.readlink(path)
+            elif path.is_file():
+                out[rel] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return out
+
+
+def _tree(root: Path) -> None:
+    """Foreign files and links: a project with its own config, data, an unrelated sidecar, links out."""
+    (root / "myproj").mkdir(parents=True)
+    (root / "myproj" / "config.toml").write_text("[train]\nsteps = 7  # mine\n")
+    (root / "data").mkdir()
+    (root / "data" / "d.txt").write_text("hello world. " * 400)
+    (root / "data" / "settings.json").write_text('{"mine": true}\n')
+    (root / "secret.txt").write_text("outside the run\n")
+    (root / "link-out").symlink_to(root / "secret.txt")
+
+
+def _plant_link(root: Path) -> int:
+    """A hostile edit: the run's metrics.jsonl replaced by a link to a file outside the run."""
+    metrics = root / "runs" / "a" / "metrics.jsonl"
+    if metrics.parent.is_dir():
+        metrics.unlink(missing_ok=True)
+        metrics.symlink_to(root / "secret.txt")
+    return 0
+
+
+COMMANDS = {
+    "train": lambda root: _train(root / "runs" / "a"),
+    "train-foreign": lambda root: _train(root / "myproj"),
+    "resume": lambda root: main(["train", "--resume", str(root / "runs" / "a"), "--steps", "3"]),
+    "prepare": lambda root: main(["prepare-data", str(root / "data" / "d.txt"), "--output", str(root / "data" / "d")]),
+    "prepare-over": lambda root: main(
+        ["prepare-data", str(root / "data" / "d.txt"), "--output", str(root / "data" / "settings")]
+    ),
+    "report": lambda root: main(["report", str(root / "runs" / "a")]),
+    "diagnose": lambda root: main(["diagnose", str(root / "runs" / "a")]),
+    "link-in": _plant_link,
+}
+
+
+def test_no_sequence_of_commands_changes_a_byte_outside_fiveds_own_files(tmp_path, capsys):
+    rng = random.Random(34)
+    for case in range(3):
+        root = tmp_path / f"case{case}"
+        _tree(root)
+        before = _snapshot(root)
+        sequence = ["train", *rng.sample(sorted(COMMANDS), 4), "resume"]  # (a resume last: after any link-in)
+        for name in sequence:
+            code = COMMANDS[name](root)
+            err = capsys.readouterr().err
+            assert isinstance(code, int) and "Traceback" not in err, (sequence, name, err)
+        after = _snapshot(root)  # (every path of `before` is foreign: fived had not run yet)
+        changed = [p for p, digest in before.items() if after.get(p) != digest]
+        assert not changed, (sequence, changed)
+
+
+def test_settings_that_meant_nothing_are_refused(tmp_path):
+    """A sidecar edited to another dtype (it trained on garbage ids); input that is not UTF-8 (the codec's
+    message without the file); a MoE model without an MoE layer."""
+    from fived.config import build_config
+    from fived.data.loader import load_tokens
+    from fived.data.prepare import prepare_data
+    from fived.layout.bounds import number_errors
+
+    (tmp_path / "t.txt").write_text("hello world. " * 50)
+    prepare_data([tmp_path / "t.txt"], tmp_path / "tok")
+    meta = json.loads((tmp_path / "tok.json").read_text())
+    assert len(load_tokens(tmp_path / "tok.bin")) == meta["num_tokens"]
+    (tmp_path / "tok.json").write_text(json.dumps({**meta, "dtype": "uint8"}))
+    with pytest.raises(ValueError, match="dtype uint8 is not the one prepare-data writes"):
+        load_tokens(tmp_path / "tok.bin")
+    (tmp_path / "latin1.txt").write_bytes(b"caf\xe9")
+    with pytest.raises(ValueError, match="latin1.txt: not UTF-8 text .*convert it to UTF-8"):
+        prepare_data([tmp_path / "latin1.txt"], tmp_path / "latin1")
+    assert not list(tmp_path.glob("latin1.*[bn]"))  # (nothing written: no latin1.bin, no latin1.json)
+    cfg = build_config(overrides={"model.name": "tiny-moe", "model.n_dense_layers": 10})
+    assert [e.field for e in number_errors(cfg)] == ["model.n_dense_layers"]
+    cfg.model.n_dense_layers = cfg.model.n_layers - 1
+    assert number_errors(cfg) == []
