@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from fived.config import build_config
 from fived.launch.ranks import run_ranks
+from fived.planner.calibration import spearman
 
 # (model, parallel fields, micro-batches): every dimension and ZeRO stage of the tiny models
 LAYOUTS = [
@@ -185,28 +186,6 @@ def predict(layouts, args, hw) -> list[float]:
             ).total
         )
     return out
-
-
-def spearman(xs, ys) -> float:
-    """Spearman's rank correlation (ties take their mean rank)."""
-
-    def ranks(values):
-        order = sorted(range(len(values)), key=lambda i: values[i])
-        out = [0.0] * len(values)
-        i = 0
-        while i < len(order):
-            j = i
-            while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
-                j += 1
-            for k in range(i, j + 1):
-                out[order[k]] = (i + j) / 2
-            i = j + 1
-        return out
-
-    rx, ry = ranks(xs), ranks(ys)
-    mx, my = statistics.fmean(rx), statistics.fmean(ry)
-    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
-    return cov / (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
 
 
 def median_error(measured, predicted) -> float:
