@@ -57,9 +57,16 @@ from fived.config import ModelConfig
 from fived.layout.layout import EP_OVERLAP_CHUNKS, PRECISION_SPECS, Layout
 from fived.layout.muon_load import busiest_loads
 from fived.layout.muon_plan import Exchange, stage_plan
-from fived.layout.spec import flat_buckets, kv_replicated, kv_width
+from fived.layout.spec import kv_replicated, kv_width
 from fived.layout.stages import stage_rank
-from fived.planner.memory import ACTIVATION_BYTES, WEIGHT_BYTES, flat_numels, parameter_shapes
+from fived.planner.memory import (
+    ACTIVATION_BYTES,
+    WEIGHT_BYTES,
+    flat_cut,
+    flat_numels,
+    moe_layer_count,
+    parameter_shapes,
+)
 from fived.planner.runtimes import FIVED, Runtime, reduces_every_microbatch
 
 GROUPS = ("tp", "cp", "ep", "edp", "pp", "dp_cp", "dp_shard_cp", "dp_replicate", "dp_cp_tp", "cp_ulysses", "cp_ring")
@@ -130,7 +137,7 @@ def step_collectives(
     w = runtime.residual_bytes or WEIGHT_BYTES[dtype]
     fwd = 2 if L.checkpointing == "full" else 1
     layers = sum(len(c[0]) for c in chunks)
-    moe_layers = sum(1 for c in chunks for i in c[0] if m.is_moe and i >= m.n_dense_layers)
+    moe_layers = sum(moe_layer_count(m, c[0]) for c in chunks)
     first, last = any(c[1] for c in chunks), any(c[2] for c in chunks)
     grad_w = runtime.grad_bytes or WEIGHT_BYTES[dtype]
     if L.tp > 1:
@@ -309,12 +316,12 @@ def _data_parallel(add, m: ModelConfig, L: Layout, chunks, micro: int, dtype: st
     cap = L.bucket_elements(WEIGHT_BYTES[dtype])  # (None: one flat buffer, nothing overlapped)
     if L.zero == 0:  # DDP's buckets, or one flat buffer under pipelines (buckets with overlap)
         if L.pp > 1:
-            buckets = len(flat_buckets(flat_numels(m, L, chunks), 1, cap))
+            buckets = len(flat_cut(flat_numels(m, L, chunks), 1, cap))
         else:
             buckets = max(1, math.ceil(n * WEIGHT_BYTES[dtype] / (L.bucket_mb * 2**20)))
         add("dp_cp", "all_reduce", n * r / buckets, buckets, "dp")
     elif L.zero in (1, 2):
-        cut = flat_buckets(flat_numels(m, L, chunks), shards, cap) if cap else []
+        cut = flat_cut(flat_numels(m, L, chunks), shards, cap) if cap else ()
         padded = sum(b.piece for b in cut) * shards if cut else math.ceil(n / shards) * shards
         calls = max(1, len(cut))
         g = runtime.gather_bytes or WEIGHT_BYTES[dtype]

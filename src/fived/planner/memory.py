@@ -53,6 +53,7 @@ from fived.layout.schedule_sim import pipeline_profile
 from fived.layout.spec import (
     CAST_PIECES_IN_FLIGHT,
     REDUCE_CHUNK_ELEMENTS,
+    FlatBucket,
     chunk_specs,
     flat_buckets,
     flat_owned,
@@ -89,7 +90,7 @@ def state_element_bytes(dtype: str, zero: int, runtime: Runtime = FIVED) -> tupl
 def parameter_shapes(m: ModelConfig, tp: int, ep: int, layers, first: bool, last: bool, etp: int = 0):
     """(dense, expert): ((first dimension, elements per row), how many such parameters) for one
     rank's parameters; experts split over `etp` ranks (0: tp, as fived splits them)."""
-    n_moe = sum(1 for lid in layers if m.is_moe and lid >= m.n_dense_layers)
+    n_moe = moe_layer_count(m, layers)
     return _parameter_shapes(model_key(m), tp, ep, len(layers) - n_moe, n_moe, first, last, etp or tp)
 
 
@@ -115,14 +116,34 @@ def _parameter_shapes(key: tuple, tp: int, ep: int, n_dense: int, n_moe: int, fi
     return tuple((s, k) for s, k in dense.items() if k), tuple((s, k) for s, k in expert.items() if k)
 
 
-def flat_numels(m: ModelConfig, layout: Layout, chunks) -> list[int]:
+def moe_layer_count(m: ModelConfig, layers) -> int:
+    """How many of `layers` (layer ids) are MoE layers."""
+    return sum(1 for lid in layers if lid >= m.n_dense_layers) if m.is_moe else 0
+
+
+def flat_numels(m: ModelConfig, layout: Layout, chunks) -> tuple[int, ...]:
     """Elements of each parameter of ZeRO-0/1/2's flat buffer on a rank holding `chunks`, in the
     runtime's order (the sharding spec's): what `fived.layout.spec.flat_buckets` cuts into buckets."""
-    return [
-        n
-        for layers, first, last in chunks
-        for n in _flat_numels(model_key(m), layout.tp, layout.ep, tuple(layers), first, last, layout.expert_tp)
-    ]
+    chunks = tuple((tuple(layers), first, last) for layers, first, last in chunks)
+    return _rank_flat_numels(model_key(m), layout.tp, layout.ep, layout.expert_tp, chunks)
+
+
+@lru_cache(maxsize=16384)
+def _rank_flat_numels(key: tuple, tp: int, ep: int, etp: int, chunks: tuple) -> tuple[int, ...]:
+    return tuple(n for layers, first, last in chunks for n in _flat_numels(key, tp, ep, layers, first, last, etp))
+
+
+@lru_cache(maxsize=16384)
+def flat_cut(numels: tuple[int, ...], shards: int, cap: int | None) -> tuple[FlatBucket, ...]:
+    """`fived.layout.spec.flat_buckets`, memoised: the planner cuts the same buffer for every
+    micro-batch, sequence-parallel and checkpointing option of a layout."""
+    return tuple(flat_buckets(list(numels), shards, cap))
+
+
+@lru_cache(maxsize=65536)
+def flat_owned_elements(numels: tuple[int, ...], shards: int, index: int, cap: int | None) -> int:
+    """`fived.layout.spec.flat_owned`, memoised (as `flat_cut`)."""
+    return flat_owned(list(numels), shards, index, cap)
 
 
 @lru_cache(maxsize=4096)
@@ -201,7 +222,7 @@ def state_bytes(
     if layout.zero == 0:
         owned = n
     elif cap is not None:  # overlapped reductions: buckets, each padded and sharded on its own
-        owned = flat_owned(flat_numels(m, layout, chunks), shards, shard_index, cap)
+        owned = flat_owned_elements(flat_numels(m, layout, chunks), shards, shard_index, cap)
     else:
         a, b = flat_range(n, shards, shard_index)
         owned = b - a
@@ -373,10 +394,7 @@ def _rank_states(key, layout: Layout, dtype: str, runtime: Runtime):
     out, seen = [], {}
     for r in range(layout.pp):
         chunks = rank_chunks_by_key(key, layout.pp, placement(layout.pp_schedule), layout.n_stages, r, layout.pp_layers)
-        kinds = tuple(
-            (sum(1 for i in layers if m.is_moe and i >= m.n_dense_layers), len(layers), first, last)
-            for layers, first, last in chunks
-        )
+        kinds = tuple((moe_layer_count(m, layers), len(layers), first, last) for layers, first, last in chunks)
         if kinds not in seen:  # ranks with the same kinds of layers hold the same state
             state = state_bytes(m, layout, dtype, chunks, runtime=runtime)
             seen[kinds] = (state,) + _static_buffers(m, layout, dtype, chunks, state, runtime)
@@ -432,7 +450,7 @@ def _every_microbatch_buffers(m: ModelConfig, layout: Layout, chunks, b: int, ow
     largest buckets packed in the reduction dtype with their reduced pieces, and in bf16 runs reducing
     in float32 the shard's float32 sum of the micro-batches."""
     shards = layout.dp_shard * layout.cp
-    cut = flat_buckets(flat_numels(m, layout, chunks), shards, layout.bucket_elements(b))
+    cut = flat_cut(flat_numels(m, layout, chunks), shards, layout.bucket_elements(b))
     largest = max(bucket.piece for bucket in cut) * shards
     rb = 4 if b == 2 and layout.reduce_dtype == "float32" else b
     return 2 * largest * b + CAST_PIECES_IN_FLIGHT * rb * (largest + largest // shards) + (owned * rb if rb != b else 0)
