@@ -65,7 +65,7 @@ from fived.planner.memory import (
     flat_cut,
     flat_numels,
     moe_layer_count,
-    parameter_shapes,
+    rank_parameters,
 )
 from fived.planner.runtimes import FIVED, Runtime, reduces_every_microbatch
 
@@ -91,6 +91,11 @@ def group_span(layout: Layout, group: str) -> tuple[int, int]:
     """(ranks in the group, their distance on the mesh): tp innermost, then cp (hybrid: its Ulysses
     groups inside, the ring across), dp_shard, dp_replicate, pp; experts fold over dp*cp*tp with etp
     innermost, ep, then edp."""
+    return group_spans(layout)[group]
+
+
+def group_spans(layout: Layout) -> dict[str, tuple[int, int]]:
+    """`group_span` of every group in GROUPS at once."""
     L = layout
     etp = L.expert_tp
     return {
@@ -105,7 +110,7 @@ def group_span(layout: Layout, group: str) -> tuple[int, int]:
         "dp_cp_tp": (L.dp * L.cp * L.tp, 1),
         "cp_ulysses": (L.ulysses, L.tp),
         "cp_ring": (L.cp // L.ulysses, L.tp * L.ulysses),
-    }[group]
+    }
 
 
 def step_collectives(
@@ -124,7 +129,7 @@ def step_collectives(
     stages `stages` (their indices, to know which boundaries leave the rank) — at position `member`
     of its stage's dp*cp*tp ranks (only Muon's exchange differs between them; None: its busiest)."""
     out: list[Collective] = []
-    sizes = {g: group_span(layout, g)[0] for g in GROUPS}
+    sizes = {g: size for g, (size, _) in group_spans(layout).items()}
 
     def add(group, op, nbytes, calls, part):
         if sizes[group] > 1 and nbytes > 0 and calls > 0:
@@ -303,14 +308,9 @@ def _padded(shapes, shards: int) -> int:
 
 
 def _data_parallel(add, m: ModelConfig, L: Layout, chunks, micro: int, dtype: str, runtime: Runtime) -> None:
-    dense, expert, ends = [], [], []
-    for layers, first, last in chunks:
-        dn, ex = parameter_shapes(m, L.tp, L.ep, layers, first, last, L.expert_tp)
-        dense += dn
-        expert += ex
-        ends += parameter_shapes(m, L.tp, L.ep, (), first, last, L.expert_tp)[0]
-    n = sum(r * c * k for (r, c), k in dense)
-    n_exp = sum(r * c * k for (r, c), k in expert)
+    params = rank_parameters(m, L, chunks)
+    dense, expert, ends = params.dense, params.expert, params.ends
+    n, n_exp = params.dense_elements, params.expert_elements
     shards = L.dp_shard * L.cp
     r = runtime.reduce_bytes or reduce_bytes(dtype, L.reduce_dtype)
     cap = L.bucket_elements(WEIGHT_BYTES[dtype])  # (None: one flat buffer, nothing overlapped)
@@ -363,11 +363,8 @@ def _data_parallel(add, m: ModelConfig, L: Layout, chunks, micro: int, dtype: st
 
 def owned_parameters(m: ModelConfig, L: Layout, chunks) -> float:
     """Parameters this rank's optimizer steps (AdamW streams 28 bytes per one)."""
-    n = n_exp = 0
-    for layers, first, last in chunks:
-        dn, ex = parameter_shapes(m, L.tp, L.ep, layers, first, last, L.expert_tp)
-        n += sum(r * c * k for (r, c), k in dn)
-        n_exp += sum(r * c * k for (r, c), k in ex)
+    params = rank_parameters(m, L, chunks)
+    n, n_exp = params.dense_elements, params.expert_elements
     edp = group_span(L, "edp")[0]
     return (n / (L.dp_shard * L.cp) if L.zero else n) + n_exp / (edp if L.zero == 3 else 1)
 

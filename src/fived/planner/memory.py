@@ -116,6 +116,45 @@ def _parameter_shapes(key: tuple, tp: int, ep: int, n_dense: int, n_moe: int, fi
     return tuple((s, k) for s, k in dense.items() if k), tuple((s, k) for s, k in expert.items() if k)
 
 
+@dataclass(frozen=True)
+class RankParameters:
+    """A rank's parameters as `parameter_shapes` gives them, its chunks' one after another:
+    ((rows, elements per row), count) of the dense ones, of the routed experts (apart when ep > 1),
+    and of the chunks' ends (embedding, final norm, head), with their element counts."""
+
+    dense: tuple
+    expert: tuple
+    ends: tuple
+    dense_elements: int
+    expert_elements: int
+    ends_elements: int
+
+
+def rank_parameters(m: ModelConfig, layout: Layout, chunks) -> RankParameters:
+    """The parameters of a rank holding `chunks` [(layers, first, last)] (memoised: every option of a
+    layout that keeps its sizes holds the same)."""
+    chunks = tuple((tuple(layers), first, last) for layers, first, last in chunks)
+    return _rank_parameters(model_key(m), layout.tp, layout.ep, layout.expert_tp, chunks)
+
+
+@lru_cache(maxsize=16384)
+def _rank_parameters(key: tuple, tp: int, ep: int, etp: int, chunks: tuple) -> RankParameters:
+    m = ModelConfig(**dict(key))
+    dense: list = []
+    expert: list = []
+    ends: list = []
+    for layers, first, last in chunks:
+        dn, ex = parameter_shapes(m, tp, ep, layers, first, last, etp)
+        dense += dn
+        expert += ex
+        ends += parameter_shapes(m, tp, ep, (), first, last, etp)[0]
+
+    def elements(shapes) -> int:
+        return sum(r * c * k for (r, c), k in shapes)
+
+    return RankParameters(tuple(dense), tuple(expert), tuple(ends), elements(dense), elements(expert), elements(ends))
+
+
 def moe_layer_count(m: ModelConfig, layers) -> int:
     """How many of `layers` (layer ids) are MoE layers."""
     return sum(1 for lid in layers if lid >= m.n_dense_layers) if m.is_moe else 0
@@ -205,19 +244,16 @@ def state_bytes(
     at position `shard_index` of its dp_shard*cp group and `edp_index` of its expert-data group."""
     pb, gb, ob = state_element_bytes(dtype, layout.zero, runtime)  # ob: per owned (optimized) element
     saving = muon_saving(m, layout, dtype, chunks, shard_index, runtime)
-    dense, expert = [], []
-    for layers, first, last in chunks:
-        dn, ex = parameter_shapes(m, layout.tp, layout.ep, layers, first, last, layout.expert_tp)
-        dense += dn
-        expert += ex
+    params = rank_parameters(m, layout, chunks)
+    dense, expert = params.dense, params.expert
     shards = layout.dp_shard * layout.cp
-    n_exp = sum(r * c * k for (r, c), k in expert)
+    n_exp = params.expert_elements
     if layout.zero == 3:
         edp = layout.dp * layout.cp * layout.tp // (layout.ep * layout.expert_tp)
         elems = sum(_rows(r, shards, shard_index) * c * k for (r, c), k in dense)
         elems += sum(_rows(r, edp, edp_index) * c * k for (r, c), k in expert)
         return {"params": elems * pb, "grads": elems * gb, "optimizer": elems * ob - saving}
-    n = sum(r * c * k for (r, c), k in dense)
+    n = params.dense_elements
     cap = layout.bucket_elements(pb)
     if layout.zero == 0:
         owned = n
@@ -409,12 +445,9 @@ def _static_buffers(
     b = WEIGHT_BYTES[dtype]
     param_bytes, _, optimizer_bytes = state_element_bytes(dtype, layout.zero, runtime)
     params = state["params"] // param_bytes  # elements this rank holds
-    shapes = [
-        parameter_shapes(m, layout.tp, layout.ep, layers, first, last, layout.expert_tp)
-        for layers, first, last in chunks
-    ]
-    dense = sum(r * c * k for dn, _ in shapes for (r, c), k in dn)
-    unsharded = dense + sum(r * c * k for _, ex in shapes for (r, c), k in ex)
+    shapes = rank_parameters(m, layout, chunks)
+    dense = shapes.dense_elements
+    unsharded = dense + shapes.expert_elements
     out = 0
     if PRECISION_SPECS[dtype].autocast and layout.zero < 3 and runtime.autocast_copies:  # autocast's bf16 weight copies
         out += 2 * params
@@ -434,11 +467,7 @@ def _static_buffers(
     # gathered weights in the compute dtype: the whole stage under pipelines (kept); otherwise the
     # root (embedding, final norm, head: gathered for the whole step) and two blocks (in use, prefetched)
     gathered = runtime.gather_bytes or ACTIVATION_BYTES[dtype]  # (the compute dtype)
-    ends = sum(
-        rows * cols * k
-        for _, first, last in chunks
-        for (rows, cols), k in parameter_shapes(m, layout.tp, layout.ep, (), first, last, layout.expert_tp)[0]
-    )
+    ends = shapes.ends_elements
     per_layer = (unsharded - ends) / max(1, sum(len(c[0]) for c in chunks))
     out += int(unsharded if layout.pp > 1 else ends + 2 * per_layer) * gathered
     return out, unsharded * (runtime.grad_bytes or b)
