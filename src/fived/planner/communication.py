@@ -60,9 +60,16 @@ from fived.config import ModelConfig
 from fived.layout.layout import EP_OVERLAP_CHUNKS, PRECISION_SPECS, Layout
 from fived.layout.muon_load import busiest_loads
 from fived.layout.muon_plan import Exchange, stage_plan
-from fived.layout.spec import chunk_specs, flat_buckets, kv_width
+from fived.layout.spec import chunk_specs, kv_width
 from fived.layout.stages import model_key, stage_rank
-from fived.planner.memory import ACTIVATION_BYTES, WEIGHT_BYTES, flat_numels, parameter_shapes
+from fived.planner.memory import (
+    ACTIVATION_BYTES,
+    WEIGHT_BYTES,
+    flat_cut,
+    flat_numels,
+    moe_layer_count,
+    rank_parameters,
+)
 from fived.planner.runtimes import FIVED, Runtime, reduces_every_microbatch
 
 GROUPS = ("tp", "cp", "ep", "edp", "pp", "dp_cp", "dp_shard_cp", "dp_replicate", "dp_cp_tp", "cp_ulysses", "cp_ring")
@@ -90,6 +97,12 @@ def group_span(layout: Layout, group: str) -> tuple[int, int]:
     return (2, stride) if group == "pp" else (size, stride)
 
 
+@lru_cache(maxsize=65536)
+def group_spans(layout: Layout) -> dict[str, tuple[int, int]]:
+    """`group_span` of every group in GROUPS at once (cached: the search asks for each layout's)."""
+    return {group: group_span(layout, group) for group in GROUPS}
+
+
 def step_collectives(
     m: ModelConfig,
     layout: Layout,
@@ -106,7 +119,7 @@ def step_collectives(
     stages `stages` (their indices, to know which boundaries leave the rank) — at position `member`
     of its stage's dp*cp*tp ranks (only Muon's exchange differs between them; None: its busiest)."""
     out: list[Collective] = []
-    sizes = {g: group_span(layout, g)[0] for g in GROUPS}
+    sizes = {g: size for g, (size, _) in group_spans(layout).items()}
 
     def add(group, op, nbytes, calls, part):
         if sizes[group] > 1 and nbytes > 0 and calls > 0:
@@ -119,7 +132,7 @@ def step_collectives(
     w = runtime.residual_bytes or WEIGHT_BYTES[dtype]
     fwd = 2 if L.checkpointing == "full" else 1
     layers = sum(len(c[0]) for c in chunks)
-    moe_layers = sum(1 for c in chunks for i in c[0] if m.is_moe and i >= m.n_dense_layers)
+    moe_layers = sum(moe_layer_count(m, c[0]) for c in chunks)
     first, last = any(c[1] for c in chunks), any(c[2] for c in chunks)
     grad_w = runtime.grad_bytes or WEIGHT_BYTES[dtype]
     if L.tp > 1:
@@ -304,25 +317,20 @@ def _padded(shapes, shards: int) -> int:
 
 
 def _data_parallel(add, m: ModelConfig, L: Layout, chunks, micro: int, dtype: str, runtime: Runtime) -> None:
-    dense, expert, ends = [], [], []
-    for layers, first, last in chunks:
-        dn, ex = parameter_shapes(m, L.tp, L.ep, layers, first, last, L.expert_tp)
-        dense += dn
-        expert += ex
-        ends += parameter_shapes(m, L.tp, L.ep, (), first, last, L.expert_tp)[0]
-    n = sum(r * c * k for (r, c), k in dense)
-    n_exp = sum(r * c * k for (r, c), k in expert)
+    params = rank_parameters(m, L, chunks)
+    dense, expert, ends = params.dense, params.expert, params.ends
+    n, n_exp = params.dense_elements, params.expert_elements
     shards = L.shards
     r = runtime.reduce_bytes or reduce_bytes(dtype, L.reduce_dtype)
     cap = L.bucket_elements(WEIGHT_BYTES[dtype])  # (None: one flat buffer, nothing overlapped)
     if L.zero == 0:  # DDP's buckets, or one flat buffer under pipelines (buckets with overlap)
         if L.pp > 1:
-            buckets = len(flat_buckets(flat_numels(m, L, chunks), 1, cap))
+            buckets = len(flat_cut(flat_numels(m, L, chunks), 1, cap))
         else:
             buckets = max(1, math.ceil(n * WEIGHT_BYTES[dtype] / (L.bucket_mb * 2**20)))
         add("dp_cp", "all_reduce", n * r / buckets, buckets, "dp")
     elif L.zero in (1, 2):
-        cut = flat_buckets(flat_numels(m, L, chunks), shards, cap) if cap else []
+        cut = flat_cut(flat_numels(m, L, chunks), shards, cap) if cap else ()
         padded = sum(b.piece for b in cut) * shards if cut else math.ceil(n / shards) * shards
         calls = max(1, len(cut))
         g = runtime.gather_bytes or WEIGHT_BYTES[dtype]
@@ -363,11 +371,8 @@ def _data_parallel(add, m: ModelConfig, L: Layout, chunks, micro: int, dtype: st
 
 def owned_parameters(m: ModelConfig, L: Layout, chunks) -> float:
     """Parameters this rank's optimizer steps (AdamW streams 28 bytes per one)."""
-    n = n_exp = 0
-    for layers, first, last in chunks:
-        dn, ex = parameter_shapes(m, L.tp, L.ep, layers, first, last, L.expert_tp)
-        n += sum(r * c * k for (r, c), k in dn)
-        n_exp += sum(r * c * k for (r, c), k in ex)
+    params = rank_parameters(m, L, chunks)
+    n, n_exp = params.dense_elements, params.expert_elements
     return (n / L.shards if L.zero else n) + n_exp / (L.edp if L.zero == 3 else 1)
 
 

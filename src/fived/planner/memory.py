@@ -53,6 +53,7 @@ from fived.layout.schedule_sim import pipeline_profile
 from fived.layout.spec import (
     CAST_PIECES_IN_FLIGHT,
     REDUCE_CHUNK_ELEMENTS,
+    FlatBucket,
     chunk_specs,
     flat_buckets,
     flat_owned,
@@ -91,7 +92,7 @@ def state_element_bytes(dtype: str, zero: int, runtime: Runtime = FIVED) -> tupl
 def parameter_shapes(m: ModelConfig, tp: int, ep: int, layers, first: bool, last: bool, etp: int = 0):
     """(dense, expert): ((first dimension, elements per row), how many such parameters) for one
     rank's parameters; experts split over `etp` ranks (0: tp, as fived splits them)."""
-    n_moe = sum(1 for lid in layers if m.is_moe and lid >= m.n_dense_layers)
+    n_moe = moe_layer_count(m, layers)
     return _parameter_shapes(model_key(m), tp, ep, len(layers) - n_moe, n_moe, first, last, etp or tp)
 
 
@@ -117,14 +118,73 @@ def _parameter_shapes(key: tuple, tp: int, ep: int, n_dense: int, n_moe: int, fi
     return tuple((s, k) for s, k in dense.items() if k), tuple((s, k) for s, k in expert.items() if k)
 
 
-def flat_numels(m: ModelConfig, layout: Layout, chunks) -> list[int]:
+@dataclass(frozen=True)
+class RankParameters:
+    """A rank's parameters as `parameter_shapes` gives them, its chunks' one after another:
+    ((rows, elements per row), count) of the dense ones, of the routed experts (apart when ep > 1),
+    and of the chunks' ends (embedding, final norm, head), with their element counts."""
+
+    dense: tuple
+    expert: tuple
+    ends: tuple
+    dense_elements: int
+    expert_elements: int
+    ends_elements: int
+
+
+def rank_parameters(m: ModelConfig, layout: Layout, chunks) -> RankParameters:
+    """The parameters of a rank holding `chunks` [(layers, first, last)] (memoised: every option of a
+    layout that keeps its sizes holds the same)."""
+    chunks = tuple((tuple(layers), first, last) for layers, first, last in chunks)
+    return _rank_parameters(model_key(m), layout.tp, layout.ep, layout.expert_tp, chunks)
+
+
+@lru_cache(maxsize=16384)
+def _rank_parameters(key: tuple, tp: int, ep: int, etp: int, chunks: tuple) -> RankParameters:
+    m = ModelConfig(**dict(key))
+    dense: list = []
+    expert: list = []
+    ends: list = []
+    for layers, first, last in chunks:
+        dn, ex = parameter_shapes(m, tp, ep, layers, first, last, etp)
+        dense += dn
+        expert += ex
+        ends += parameter_shapes(m, tp, ep, (), first, last, etp)[0]
+
+    def elements(shapes) -> int:
+        return sum(r * c * k for (r, c), k in shapes)
+
+    return RankParameters(tuple(dense), tuple(expert), tuple(ends), elements(dense), elements(expert), elements(ends))
+
+
+def moe_layer_count(m: ModelConfig, layers) -> int:
+    """How many of `layers` (layer ids) are MoE layers."""
+    return sum(1 for lid in layers if lid >= m.n_dense_layers) if m.is_moe else 0
+
+
+def flat_numels(m: ModelConfig, layout: Layout, chunks) -> tuple[int, ...]:
     """Elements of each parameter of ZeRO-0/1/2's flat buffer on a rank holding `chunks`, in the
     runtime's order (the sharding spec's): what `fived.layout.spec.flat_buckets` cuts into buckets."""
-    return [
-        n
-        for layers, first, last in chunks
-        for n in _flat_numels(model_key(m), layout.tp, layout.ep, tuple(layers), first, last, layout.expert_tp)
-    ]
+    chunks = tuple((tuple(layers), first, last) for layers, first, last in chunks)
+    return _rank_flat_numels(model_key(m), layout.tp, layout.ep, layout.expert_tp, chunks)
+
+
+@lru_cache(maxsize=16384)
+def _rank_flat_numels(key: tuple, tp: int, ep: int, etp: int, chunks: tuple) -> tuple[int, ...]:
+    return tuple(n for layers, first, last in chunks for n in _flat_numels(key, tp, ep, layers, first, last, etp))
+
+
+@lru_cache(maxsize=16384)
+def flat_cut(numels: tuple[int, ...], shards: int, cap: int | None) -> tuple[FlatBucket, ...]:
+    """`fived.layout.spec.flat_buckets`, memoised: the planner cuts the same buffer for every
+    micro-batch, sequence-parallel and checkpointing option of a layout."""
+    return tuple(flat_buckets(list(numels), shards, cap))
+
+
+@lru_cache(maxsize=65536)
+def flat_owned_elements(numels: tuple[int, ...], shards: int, index: int, cap: int | None) -> int:
+    """`fived.layout.spec.flat_owned`, memoised (as `flat_cut`)."""
+    return flat_owned(list(numels), shards, index, cap)
 
 
 @lru_cache(maxsize=4096)
@@ -186,24 +246,21 @@ def state_bytes(
     at position `shard_index` of its dp_shard*cp group and `edp_index` of its expert-data group."""
     pb, gb, ob = state_element_bytes(dtype, layout.zero, runtime)  # ob: per owned (optimized) element
     saving = muon_saving(m, layout, dtype, chunks, shard_index, runtime)
-    dense, expert = [], []
-    for layers, first, last in chunks:
-        dn, ex = parameter_shapes(m, layout.tp, layout.ep, layers, first, last, layout.expert_tp)
-        dense += dn
-        expert += ex
+    params = rank_parameters(m, layout, chunks)
+    dense, expert = params.dense, params.expert
     shards = layout.shards
-    n_exp = sum(r * c * k for (r, c), k in expert)
+    n_exp = params.expert_elements
     if layout.zero == 3:
         edp = layout.edp
         elems = sum(_rows(r, shards, shard_index) * c * k for (r, c), k in dense)
         elems += sum(_rows(r, edp, edp_index) * c * k for (r, c), k in expert)
         return {"params": elems * pb, "grads": elems * gb, "optimizer": elems * ob - saving}
-    n = sum(r * c * k for (r, c), k in dense)
+    n = params.dense_elements
     cap = layout.bucket_elements(pb)
     if layout.zero == 0:
         owned = n
     elif cap is not None:  # overlapped reductions: buckets, each padded and sharded on its own
-        owned = flat_owned(flat_numels(m, layout, chunks), shards, shard_index, cap)
+        owned = flat_owned_elements(flat_numels(m, layout, chunks), shards, shard_index, cap)
     else:
         a, b = flat_range(n, shards, shard_index)
         owned = b - a
@@ -375,10 +432,7 @@ def _rank_states(key, layout: Layout, dtype: str, runtime: Runtime):
     out, seen = [], {}
     for r in range(layout.pp):
         chunks = rank_chunks_by_key(key, layout.pp, placement(layout.pp_schedule), layout.n_stages, r, layout.pp_layers)
-        kinds = tuple(
-            (sum(1 for i in layers if m.is_moe and i >= m.n_dense_layers), len(layers), first, last)
-            for layers, first, last in chunks
-        )
+        kinds = tuple((moe_layer_count(m, layers), len(layers), first, last) for layers, first, last in chunks)
         if kinds not in seen:  # ranks with the same kinds of layers hold the same state
             state = state_bytes(m, layout, dtype, chunks, runtime=runtime)
             seen[kinds] = (state,) + _static_buffers(m, layout, dtype, chunks, state, runtime)
@@ -393,12 +447,9 @@ def _static_buffers(
     b = WEIGHT_BYTES[dtype]
     param_bytes, _, optimizer_bytes = state_element_bytes(dtype, layout.zero, runtime)
     params = state["params"] // param_bytes  # elements this rank holds
-    shapes = [
-        parameter_shapes(m, layout.tp, layout.ep, layers, first, last, layout.expert_tp)
-        for layers, first, last in chunks
-    ]
-    dense = sum(r * c * k for dn, _ in shapes for (r, c), k in dn)
-    unsharded = dense + sum(r * c * k for _, ex in shapes for (r, c), k in ex)
+    shapes = rank_parameters(m, layout, chunks)
+    dense = shapes.dense_elements
+    unsharded = dense + shapes.expert_elements
     out = 0
     if PRECISION_SPECS[dtype].autocast and layout.zero < 3 and runtime.autocast_copies:  # autocast's bf16 weight copies
         out += 2 * params
@@ -418,11 +469,7 @@ def _static_buffers(
     # gathered weights in the compute dtype: the whole stage under pipelines (kept); otherwise the
     # root (embedding, final norm, head: gathered for the whole step) and two blocks (in use, prefetched)
     gathered = runtime.gather_bytes or ACTIVATION_BYTES[dtype]  # (the compute dtype)
-    ends = sum(
-        rows * cols * k
-        for _, first, last in chunks
-        for (rows, cols), k in parameter_shapes(m, layout.tp, layout.ep, (), first, last, layout.expert_tp)[0]
-    )
+    ends = shapes.ends_elements
     per_layer = (unsharded - ends) / max(1, sum(len(c[0]) for c in chunks))
     out += int(unsharded if layout.pp > 1 else ends + 2 * per_layer) * gathered
     return out, unsharded * (runtime.grad_bytes or b)
@@ -434,7 +481,7 @@ def _every_microbatch_buffers(m: ModelConfig, layout: Layout, chunks, b: int, ow
     largest buckets packed in the reduction dtype with their reduced pieces, and in bf16 runs reducing
     in float32 the shard's float32 sum of the micro-batches."""
     shards = layout.shards
-    cut = flat_buckets(flat_numels(m, layout, chunks), shards, layout.bucket_elements(b))
+    cut = flat_cut(flat_numels(m, layout, chunks), shards, layout.bucket_elements(b))
     largest = max(bucket.piece for bucket in cut) * shards
     rb = 4 if b == 2 and layout.reduce_dtype == "float32" else b
     return 2 * largest * b + CAST_PIECES_IN_FLIGHT * rb * (largest + largest // shards) + (owned * rb if rb != b else 0)

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 
 @dataclass(frozen=True)
@@ -120,16 +121,23 @@ def for_layout(runtime: Runtime, layout) -> Runtime:
     experts' edp reduction —, ep_overlap); another runtime's row states its own."""
     if not runtime.is_fived:
         return runtime
+    return _fived_switches(
+        runtime, layout.tp_overlap, layout.overlap_grad_reduce, layout.zero2_reduce_every_microbatch, layout.ep_overlap
+    )
+
+
+@lru_cache(maxsize=256)
+def _fived_switches(runtime: Runtime, tp_overlap: bool, grad_reduce: bool, every_micro: bool, ep: bool) -> Runtime:
     # fived's tp overlap (the same chunked all-gather/reduce-scatter under the GEMMs, the same bulk
     # overlap in backward) is priced as hiding Megatron-Core's calibrated share: never measured on a GPU
     return replace(
         runtime,
-        tp_overlap=layout.tp_overlap,
-        zero12_overlap=layout.overlap_grad_reduce,
-        pipeline_grad_overlap=layout.overlap_grad_reduce,
-        reduce_per_microbatch=layout.zero2_reduce_every_microbatch,
-        expert_grad_overlap=layout.overlap_grad_reduce,
-        ep_overlap=layout.ep_overlap,
+        tp_overlap=tp_overlap,
+        zero12_overlap=grad_reduce,
+        pipeline_grad_overlap=grad_reduce,
+        reduce_per_microbatch=every_micro,
+        expert_grad_overlap=grad_reduce,
+        ep_overlap=ep,
     )
 
 

@@ -248,16 +248,16 @@ def efficiency(width: float, rows: float, hw: Hardware, c: Constants, depth: flo
     )
 
 
-def expert_share(m: ModelConfig, seq_len: int) -> float:
-    """Share of the model FLOPs spent in routed experts."""
+def expert_share(m: ModelConfig, seq_len: int, *, per_token: float | None = None) -> float:
+    """Share of the model FLOPs spent in routed experts (`per_token`: flops_per_token, if known)."""
     if not m.is_moe:
         return 0.0
     n_moe = m.n_layers - m.n_dense_layers
-    return 6 * 3 * m.dim * m.expert_dim * m.top_k * n_moe / flops_per_token(m, seq_len)
+    return 6 * 3 * m.dim * m.expert_dim * m.top_k * n_moe / (per_token or flops_per_token(m, seq_len))
 
 
-def attention_share(m: ModelConfig, seq_len: int) -> float:
-    return 12 * m.n_layers * m.n_heads * m.head_dim * seq_len / flops_per_token(m, seq_len)
+def attention_share(m: ModelConfig, seq_len: int, *, per_token: float | None = None) -> float:
+    return 12 * m.n_layers * m.n_heads * m.head_dim * seq_len / (per_token or flops_per_token(m, seq_len))
 
 
 def step_time(
@@ -277,15 +277,17 @@ def step_time(
     runtime = for_layout(runtime, L)
     micro = L.microbatches(global_batch)
     tokens = global_batch * seq_len
-    model_flops = flops_per_token(m, seq_len) * tokens
-    share, pp_rank, layer_fraction = _busiest_rank(
-        model_key(m), L.pp, placement(L.pp_schedule), L.n_stages, L.pp_layers
-    )
-    chunks = rank_chunks_by_key(model_key(m), L.pp, placement(L.pp_schedule), L.n_stages, pp_rank, L.pp_layers)
+    key = model_key(m)
+    per_token = _flops_per_token(key, seq_len)
+    model_flops = per_token * tokens
+    share, pp_rank, layer_fraction = _busiest_rank(key, L.pp, placement(L.pp_schedule), L.n_stages, L.pp_layers)
+    chunks = rank_chunks_by_key(key, L.pp, placement(L.pp_schedule), L.n_stages, pp_rank, L.pp_layers)
     layers_here = sum(len(layers) for layers, _, _ in chunks)
     recompute = layer_fraction / 3 if L.checkpointing == "full" else 0.0
     flops_gpu = model_flops * (1 + recompute) * share / L.stage_ranks
-    compute, attention = _compute(m, L, hw, runtime, dtype, seq_len, micro, layers_here, flops_gpu, 1 + recompute, c)
+    compute, attention = _compute(
+        m, L, hw, runtime, dtype, seq_len, micro, layers_here, flops_gpu, 1 + recompute, c, per_token=per_token
+    )
 
     collectives = step_collectives(m, L, seq_len, global_batch, dtype, chunks, rank_stages(L, pp_rank), runtime)
     time: dict[str, float] = defaultdict(float)
@@ -311,7 +313,7 @@ def step_time(
     cp = max(0.0, time["cp"] - attention) + time["cp_a2a"]
     ep, pp = time["ep"], time["pp"]
     if runtime.ep_overlap:  # two chunks: one dispatch and one combine stay exposed, the rest under the experts
-        ep = max(ep / 2, ep - compute * expert_share(m, seq_len))
+        ep = max(ep / 2, ep - compute * expert_share(m, seq_len, per_token=per_token))
     experts = time["dp_expert"] if runtime.expert_grad_overlap else 0.0
     overlap = (runtime.grad_overlap and L.zero in (0, 3)) or (runtime.zero12_overlap and L.zero in (1, 2))
     if L.pp > 1:  # (FSDP2 under a schedule reduce-scatters during each stage's last backward, always)
@@ -426,13 +428,16 @@ def _compute(
     flops_gpu: float,
     recompute: float,
     c: Constants,
+    *,
+    per_token: float,
 ) -> tuple[float, float]:
     """(seconds of the rank's compute, seconds of its attention blocks) for one step."""
     peak = hw.peak_tflops * 1e12
     fp8 = runtime.fp8 and hw.fp8_tflops > 0
     tokens_mb = L.micro_batch * seq_len / L.cp
     dense_eff = efficiency(m.dim / L.tp, tokens_mb, hw, c, m.dim)
-    routed, attn = expert_share(m, seq_len), attention_share(m, seq_len)
+    routed = expert_share(m, seq_len, per_token=per_token)
+    attn = attention_share(m, seq_len, per_token=per_token)
     expert_rows = tokens_mb * m.top_k * L.ep / max(m.n_experts, 1) * L.tp / L.expert_tp
     # an expert GEMM's narrow side: the hidden or the expert's width (fine-grained experts), over etp
     expert_width = min(m.dim, m.expert_dim) / L.expert_tp
@@ -469,6 +474,11 @@ def _compute(
     if m.is_moe and not runtime.grouped_experts:  # a loop over the rank's experts: 3 GEMMs x (fwd, 2 bwd)
         launches = moe_layers * micro * recompute * 9 * (m.n_experts // L.ep) * hw.launch_s
     return gemm + attention + memory_bound + launches, attention
+
+
+@lru_cache(maxsize=1024)
+def _flops_per_token(key: tuple, seq_len: int) -> float:
+    return flops_per_token(ModelConfig(**dict(key)), seq_len)
 
 
 @lru_cache(maxsize=65536)
