@@ -166,6 +166,34 @@ def plan_of(
     )
 
 
+def _fastest_fitting_choice(
+    model: ModelConfig,
+    layout: Layout,
+    cluster: Cluster,
+    seq_len: int,
+    global_batch: int,
+    dtype: str,
+    runtime: Runtime,
+    headroom_gib: float,
+    capacity: int,
+) -> Plan | int | None:
+    """`fastest_fitting` over `reduction_choices` with memory priced first and step time only for the
+    choices that fit (most of a search's layouts do not): the plan, or the least memory a choice
+    needed when none fits, or None when none can run."""
+    hw = cluster.hardware
+    runs = [x for x in reduction_choices(layout, runtime) if is_valid(model, x, seq_len, global_batch)]
+    if not runs:
+        return None
+    memories = [memory_per_gpu(model, x, seq_len, global_batch, dtype, hw.memory_gib, runtime) for x in runs]
+    fits = [(x, mem) for x, mem in zip(runs, memories) if mem.total <= capacity]
+    if not fits:
+        return memories[0].total
+    plans = [
+        Plan(x, mem, step_time(model, x, cluster, seq_len, global_batch, dtype, runtime), capacity) for x, mem in fits
+    ]
+    return fastest_fitting(plans)
+
+
 def capacity_bytes(memory_gib: float, headroom_gib: float) -> int:
     return int((memory_gib - headroom_gib) * 2**30)
 
@@ -320,18 +348,17 @@ def plan(
                 state = with_overlap(state, fp8=runtime.fp8)
             for options in activation_choices(state, seq_len, global_batch):
                 for layout in options:
-                    result = fastest_fitting(
-                        [
-                            evaluate(model, x, cluster, seq_len, global_batch, dtype, runtime, headroom_gib)
-                            for x in reduction_choices(layout, runtime)
-                        ]
+                    result = _fastest_fitting_choice(
+                        model, layout, cluster, seq_len, global_batch, dtype, runtime, headroom_gib, capacity
                     )
                     if result is None:  # e.g. selective checkpointing under a split-backward schedule
                         continue
                     considered += 1
+                    if isinstance(result, int):  # nothing fits: the least memory a choice needed
+                        note(layout, result)
+                        continue
                     note(layout, result.memory.total)
-                    if result.fits:
-                        fitting.append(result)
-                        break
+                    fitting.append(result)
+                    break
     fitting.sort(key=lambda p: p.time.total)
     return Search(fitting, considered, smallest)
