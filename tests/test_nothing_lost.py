@@ -213,3 +213,17 @@ def test_settings_that_meant_nothing_are_refused(tmp_path):
     assert [e.field for e in number_errors(cfg)] == ["model.n_dense_layers"]
     cfg.model.n_dense_layers = cfg.model.n_layers - 1
     assert number_errors(cfg) == []
+
+
+def test_the_planner_refuses_a_model_or_a_cluster_that_cannot_exist(tmp_path, capsys):
+    """`fived plan` gets the model checks a training run gets (a TOML [model] with dim = -5 was priced,
+    MFU -1076%), and a cluster of whole nodes (8 GPUs at 3 per node was priced): one line, exit 2."""
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[model]\nname = "tiny"\ndim = -5\n')
+    cluster = ["--seq", "64", "--global-batch-tokens", "1024"]
+    assert main(["plan", "--model", str(bad), "--gpus", "8", *cluster]) == 2
+    assert capsys.readouterr().err.strip().startswith("fived: error: model.dim=-5:")
+    assert main(["plan", "--model", "tiny", "--gpus", "8", "--gpus-per-node", "3", *cluster]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("fived: error: --gpus-per-node=3: must divide --gpus 8") and "\n" not in err
+    assert main(["plan", "--model", "tiny", "--gpus", "8", "--gpus-per-node", "4", "--top", "1", *cluster]) == 0

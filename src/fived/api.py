@@ -118,6 +118,7 @@ def cluster_of(
     `model` is a preset name, a TOML config's path or a ModelConfig; `machine` a machine profile
     (`fived calibrate`) that prices the ranks instead of `gpu` (one machine: every rank in one node)."""
     from fived.config import ModelConfig
+    from fived.layout.rules import check_model
     from fived.planner.hardware import hardware
     from fived.planner.timing import Cluster
 
@@ -136,7 +137,17 @@ def cluster_of(
             f"must be a multiple of --seq {seq}",
             f"e.g. {max(1, global_batch_tokens // seq) * seq}",
         )
+    if gpus > gpus_per_node and gpus % gpus_per_node:
+        from fived.layout.bounds import largest_divisor
+
+        raise ConfigError(
+            "--gpus-per-node",
+            gpus_per_node,
+            f"must divide --gpus {gpus} (a cluster of whole nodes)",
+            f"e.g. --gpus-per-node {largest_divisor(gpus, gpus_per_node)}",
+        )
     model_config = model if isinstance(model, ModelConfig) else plan_model(model)
+    check_model(model_config)
     if machine:
         from fived.planner.profile import profile_hardware, read_profile
 

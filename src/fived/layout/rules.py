@@ -10,7 +10,7 @@ import itertools
 import math
 from dataclasses import fields
 
-from fived.config import Config, ConfigError, TrainConfig
+from fived.config import Config, ConfigError, ModelConfig, TrainConfig
 from fived.layout import deepseek_rules
 from fived.layout.bounds import largest_divisor, number_errors
 from fived.layout.expert_rules import expert_rules
@@ -539,6 +539,15 @@ def suggest_layouts(cfg: Config, world: int, limit: int = 3) -> list[str]:
                 dist = sum(abs(a - b) for a, b in zip((dp, tp, pp, cp, ep), want))
                 found.append((dist, f"--dp {dp} --tp {tp} --pp {pp} --cp {cp} --ep {ep}"))
     return [s for _, s in sorted(found)[:limit]]
+
+
+def check_model(m: ModelConfig) -> None:
+    """Raise the first ConfigError of a model on its own (what `fived plan` prices: a TOML file's
+    [model] table gets the checks a training run's model gets)."""
+    cfg = Config(model=m)
+    errs = _model_errors(cfg) or number_errors(cfg)
+    if errs:
+        raise errs[0]
 
 
 def check_config(cfg: Config, world: int | None) -> None:
