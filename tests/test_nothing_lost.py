@@ -227,3 +227,17 @@ def test_the_planner_refuses_a_model_or_a_cluster_that_cannot_exist(tmp_path, ca
     err = capsys.readouterr().err.strip()
     assert err.startswith("fived: error: --gpus-per-node=3: must divide --gpus 8") and "\n" not in err
     assert main(["plan", "--model", "tiny", "--gpus", "8", "--gpus-per-node", "4", "--top", "1", *cluster]) == 0
+
+
+def test_verify_writes_nothing_into_a_run_directory_it_does_not_use(tmp_path, monkeypatch, capsys):
+    """`fived verify` runs in temporary directories only: a train.output_dir holding files fived did not
+    write (here: the default runs/default of the working directory) is neither refused nor touched."""
+    monkeypatch.chdir(tmp_path)
+    foreign = tmp_path / "runs" / "default" / "checkpoints"
+    foreign.mkdir(parents=True)
+    (foreign.parent / "notes.txt").write_text("mine")
+    before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    assert main(["verify", "--dp", "2", "--nproc", "2", "--model", "tiny", "--steps", "2"]) == 0
+    assert capsys.readouterr().out.strip().endswith(tuple("0123456789"))  # the last line's figure
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before
+    assert (foreign.parent / "notes.txt").read_text() == "mine"

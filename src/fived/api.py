@@ -81,7 +81,7 @@ def verify(
 
     given = _given(config, None)
     defaults = {"parallel.dp": 1} if nproc is None else {}  # (a tp=2 config means tp=2 alone, not tp=2 x dp)
-    cfg, world = load_run(LaunchRequest(overrides=given, nproc=nproc, base=config), 1, defaults)
+    cfg, world = load_run(LaunchRequest(overrides=given, nproc=nproc, base=config), 1, defaults, run_dir=False)
     return run_verify(cfg, world, printer=printer or (lambda line: None))
 
 

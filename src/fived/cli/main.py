@@ -46,7 +46,7 @@ def cmd_verify(ns: argparse.Namespace) -> int:
     defaults = {"train.steps": 5}
     if ns.nproc is None:
         defaults["parallel.dp"] = 1  # `fived verify --tp 2` means tp=2 alone, not tp=2 x dp=...
-    cfg, world = load_run(ns, 1, defaults)
+    cfg, world = load_run(ns, 1, defaults, run_dir=False)
     reshard_from = reshard_layout(ns.reshard_from, cfg) if ns.reshard_from is not None else None
     report = run_verify(cfg, world, reshard_from=reshard_from)
     return 0 if report.ok else 1

@@ -198,8 +198,11 @@ def auto_layout(cfg, world: int) -> None:
     print("  basis: " + "; ".join(basis(cfg.model, cluster, runtime, best.layout, cfg.train.seq_len)), flush=True)
 
 
-def load_run(given: LaunchRequest | argparse.Namespace, default_world: int, defaults: dict | None = None):
-    """Config and world size, both checked (layout and data) before any rank starts."""
+def load_run(
+    given: LaunchRequest | argparse.Namespace, default_world: int, defaults: dict | None = None, *, run_dir: bool = True
+):
+    """Config and world size, both checked (layout and data) before any rank starts; `run_dir`: the
+    launch writes into train.output_dir (`fived verify` does not: it checks and creates nothing there)."""
     from fived.data.loader import adopt_token_metadata, check_data
     from fived.launch.memory_fit import check_fits
     from fived.layout.rules import check_config
@@ -234,13 +237,14 @@ def load_run(given: LaunchRequest | argparse.Namespace, default_world: int, defa
     cfg.train.decay_steps = decay_steps_of(cfg.train)  # (and the lr plan: kept when the run is extended)
     check_fits(cfg, world)
     check_data(cfg)
-    check_environment(cfg)
+    check_environment(cfg, run_dir=run_dir)
     return cfg, world
 
 
-def check_environment(cfg) -> None:
+def check_environment(cfg, *, run_dir: bool = True) -> None:
     """What the config asks of this machine and its files, checked before any rank starts: the
-    device, a writable run directory; and a warning for a warmup the run never finishes."""
+    device, a writable run directory (`run_dir`: the launch writes one); and a warning for a warmup
+    the run never finishes."""
     import sys
 
     import torch
@@ -252,22 +256,8 @@ def check_environment(cfg) -> None:
             "no CUDA device is visible to this process (torch.cuda.is_available() is False)",
             "use --train.device cpu (or auto)",
         )
-    from fived.files import check_run_dir
-
-    check_run_dir(cfg.train.output_dir)  # (fived's own, or absent/empty: nothing else is written into)
-    out = Path(cfg.train.output_dir)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".fived-write-test-{os.getpid()}"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
-        raise ConfigError(
-            "train.output_dir",
-            cfg.train.output_dir,
-            f"cannot be written ({e.strerror})",
-            "choose a directory you can write, e.g. --train.output_dir runs/default",
-        ) from None
+    if run_dir:
+        _check_run_dir(cfg.train.output_dir)
     t = cfg.train
     if t.warmup_steps > t.steps:
         print(
@@ -276,6 +266,26 @@ def check_environment(cfg) -> None:
             file=sys.stderr,
             flush=True,
         )
+
+
+def _check_run_dir(output_dir: str) -> None:
+    """fived's own directory, or an absent or empty one (nothing else is written into), writable."""
+    from fived.files import check_run_dir
+
+    check_run_dir(output_dir)
+    out = Path(output_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".fived-write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(
+            "train.output_dir",
+            output_dir,
+            f"cannot be written ({e.strerror})",
+            "choose a directory you can write, e.g. --train.output_dir runs/default",
+        ) from None
 
 
 def file_overrides(path: str | None) -> dict:
