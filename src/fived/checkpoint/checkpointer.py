@@ -37,6 +37,7 @@ import torch.distributed as dist
 from fived.checkpoint import dcp_io
 from fived.checkpoint.verify import FORMAT, MANIFEST, MARKER, cached_damage, file_digests
 from fived.config import CheckpointConfig, Config, ConfigError
+from fived.files import claim_run_dir
 from fived.version import __version__
 from fived.write_errors import WriteFailed, os_error_in
 
@@ -223,7 +224,8 @@ class Checkpointer:
         self.failure: BaseException | None = None
         self.last_step: int | None = None
         if self.rank == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
+            claim_run_dir(run_dir)  # (fived's run directory before anything is made in it)
+            self.root.mkdir(exist_ok=True)
             for stale in [*self.root.glob(".tmp-step-*"), *self.root.glob(".trash-*")]:  # crashed saves
                 shutil.rmtree(stale, ignore_errors=True)
         dist.barrier(group=self.group)
