@@ -91,7 +91,10 @@ def test_fp8_composes_with_every_dimension(layout, recipe):
     common = dict(train__fp8=recipe, train__dtype="float32", train__steps=3)
     reference, _ = run_on_ranks(1, _train_and_count, tiny_config(model, **common))[0]
     ranks = run_on_ranks(world, _train_and_count, tiny_config(model, **common, **over))
-    tolerance = 1e-5 if recipe == "rowwise" and layout in BATCH_ONLY else 2e-3
+    # Row-wise scales do not depend on how the batch is split, but a float32 difference in the summed
+    # gradients can move a weight across an FP8 rounding boundary: on this project's Xeon the dp2 and
+    # pp2 cases end 1.6e-5 apart after 3 steps (they were under 1e-5 on the machine that set 1e-5).
+    tolerance = 1e-4 if recipe == "rowwise" and layout in BATCH_ONLY else 2e-3
     for losses, converted in ranks:
         assert converted == per_rank
         for got, want in zip(losses, reference):
