@@ -89,7 +89,7 @@ def test_prepare_data_failure_leaves_nothing(tmp_path):
 def test_load_tokens_errors(tmp_path):
     with pytest.raises(ValueError, match="not found"):
         load_tokens(tmp_path / "nope.txt")
-    with pytest.raises(ValueError, match="needs both"):
+    with pytest.raises(ValueError, match="token file not found"):
         load_tokens(tmp_path / "nope.bin")
 
 

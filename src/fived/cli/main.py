@@ -82,8 +82,11 @@ def cmd_prepare_data(ns: argparse.Namespace) -> int:
 
     bin_path = token_file_paths(ns.output)[0]
     val_path = bin_path.with_name(bin_path.name[: -len(".bin")] + ".val.bin")
-    for path in (bin_path, val_path if ns.val_fraction > 0 else None):
-        if path is not None and path.exists():
+    written = [bin_path, *([val_path] if ns.val_fraction > 0 else [])]
+    if ns.format == "megatron":
+        written += [path.with_suffix(".idx") for path in written]
+    for path in written:
+        if path.exists():
             raise ConfigError(
                 "--output", ns.output, f"{path} exists; fived does not overwrite token files", "name a new output"
             )
@@ -108,7 +111,15 @@ def cmd_prepare_data(ns: argparse.Namespace) -> int:
             "use a tokenizer.json with one of " + ", ".join(EOT_TOKENS),
         )
     try:
-        out = prepare_data(ns.inputs, ns.output, ns.tokenizer, ns.text_field, ns.val_fraction, ns.split)
+        if ns.format == "megatron":
+            from fived.data.prepare_megatron import prepare_megatron
+
+            out = prepare_megatron(
+                ns.inputs, ns.output, tokenizer=ns.tokenizer, text_field=ns.text_field, val_fraction=ns.val_fraction,
+                split=ns.split,
+            )  # fmt: skip
+        else:
+            out = prepare_data(ns.inputs, ns.output, ns.tokenizer, ns.text_field, ns.val_fraction, ns.split)
     except MissingExtra as e:  # pyarrow / datasets for .parquet / saved datasets
         raise ConfigError(
             "inputs", e.input_path, f"reading it needs {e.module}, which is not installed", FORMAT_EXTRA
@@ -125,7 +136,8 @@ def cmd_prepare_data(ns: argparse.Namespace) -> int:
             f"failed: {describe(e)}",
             "free some space, or choose readable inputs and a writable --output",
         ) from None
-    print(f"wrote {out}" + (f" and {val_path}" if ns.val_fraction > 0 else ""))
+    pair = " (with its .idx)" if ns.format == "megatron" else ""
+    print(f"wrote {out}{pair}" + (f" and {val_path}{pair}" if ns.val_fraction > 0 else ""))
     return 0
 
 
@@ -140,6 +152,8 @@ def cmd_export(ns: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from fived.data.indexed import OUTPUT_FORMATS
+
     parser = argparse.ArgumentParser(
         prog="fived", description="5D-parallel training of Llama-style models.", allow_abbrev=False
     )
@@ -213,7 +227,17 @@ def build_parser() -> argparse.ArgumentParser:
         help=".txt (one document per file), .jsonl, .parquet files or directories "
         "of Dataset.save_to_disk, in order; every document ends with the end-of-document token",
     )
-    prep.add_argument("--output", required=True, help="output path (.bin; a .json sidecar is written beside it)")
+    prep.add_argument(
+        "--output",
+        required=True,
+        help="output path (.bin; a .json sidecar, or with --format megatron a .idx, beside it)",
+    )
+    prep.add_argument(
+        "--format",
+        choices=OUTPUT_FORMATS,
+        default="fived",
+        help="fived: a token file and its sidecar; megatron: Megatron-LM's indexed dataset (.bin + .idx)",
+    )
     prep.add_argument("--tokenizer", default="byte", help="'byte' or a Hugging Face tokenizer.json")
     prep.add_argument(
         "--text-field",

@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from fived.data.indexed import check_training_data, is_indexed, read_index
+
 TOKEN_FORMAT = "fived-tokens-v1"
 
 
@@ -119,17 +121,32 @@ def token_metadata(path: str | Path) -> dict | None:
     return meta if isinstance(meta, dict) and meta.get("format") == TOKEN_FORMAT else None
 
 
-def load_tokens(path: str | Path | None, tokenizer: str = "byte") -> np.ndarray:
-    """A 1-D integer token array: the bundled corpus, a prepared token file, or a text file.
+def is_megatron_pair(path: str | Path | None) -> bool:
+    """Whether `path` names Megatron-LM's .bin + .idx (the .bin or the prefix; a fived sidecar wins)."""
+    if not path or not is_indexed(path) or token_metadata(path) is not None:
+        return False
+    return str(path).endswith(".bin") or not Path(path).is_file()
 
-    Prepared files are memory-mapped read-only, so corpora larger than RAM work.
+
+def load_tokens(path: str | Path | None, tokenizer: str = "byte") -> np.ndarray:
+    """A 1-D integer token array: the bundled corpus, a prepared token file, Megatron-LM's .bin + .idx
+    (fived.data.indexed), or a text file.
+
+    Token files are memory-mapped read-only, so corpora larger than RAM work.
     """
     if path is None or str(path) == "":
         return _tokenize(_read_text(bundled_corpus_path()), tokenizer)
     bin_path, json_path = token_file_paths(path)
+    if is_megatron_pair(path):
+        return read_index(path).tokens()  # Megatron-LM's .bin + .idx (a .bin, or the pair's prefix)
     if str(path).endswith(".bin") or (json_path.is_file() and bin_path.is_file()):
-        if not bin_path.is_file() or not json_path.is_file():
-            raise ValueError(f"token file needs both {bin_path} and {json_path}")
+        if not bin_path.is_file():
+            raise ValueError(f"token file not found: {bin_path}")
+        if not json_path.is_file():
+            raise ValueError(
+                f"token file {bin_path} needs {json_path.name} (fived prepare-data) or "
+                f"{bin_path.with_suffix('.idx').name} (Megatron-LM) beside it"
+            )
         meta = json.loads(json_path.read_text())
         if meta.get("format") != TOKEN_FORMAT:
             raise ValueError(f"{json_path}: not a {TOKEN_FORMAT} sidecar")
@@ -263,12 +280,12 @@ def check_data(cfg) -> np.ndarray:
         raise ConfigError(
             "data.tokenizer", d.tokenizer, "file not found", "give the path of a Hugging Face tokenizer.json, or 'byte'"
         )
-    if d.path and not Path(d.path).exists():
+    if d.path and not Path(d.path).exists() and not is_indexed(d.path):
         raise ConfigError(
             "data.path",
             d.path,
             "file not found",
-            "give a .bin from `fived prepare-data`, a text file, or leave it empty for the bundled corpus",
+            "give a .bin from `fived prepare-data` or Megatron-LM, a text file, or leave it empty for the bundled corpus",
         )
     try:
         vocab = load_tokenizer(d.tokenizer).vocab_size
@@ -282,6 +299,8 @@ def check_data(cfg) -> np.ndarray:
             f"smaller than the tokenizer's vocabulary ({vocab})",
             f"set --model.vocab_size {vocab}",
         )
+    if is_megatron_pair(d.path):
+        check_training_data(d.path, tokens, end_of_document=end_of_document_id(cfg), document_mask=d.document_mask)
     largest = largest_token_id(d.path, tokens)
     if largest >= cfg.model.vocab_size:
         raise ConfigError(

@@ -21,7 +21,9 @@ import json
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -203,18 +205,27 @@ def _encode(tok, texts: list[str], dtype) -> list[np.ndarray]:
     return [np.asarray(ids, dtype=dtype) for ids in tok.encode_batch(texts)]
 
 
-def _count_tokens(inputs: list[Path], tok, dtype, out, text_field: str, split: str) -> tuple[int, int]:
+def count_tokens(
+    inputs: list[Path], tok, dtype, out, text_field: str, split: str, lengths: list | None = None
+) -> tuple[int, int]:
     """Tokenize every document of every input into the open file `out`, each followed by the end
-    token; returns (tokens, documents)."""
+    token; returns (tokens, documents). `lengths`, if given, receives each document's token count
+    (an array per batch: a Megatron index needs them)."""
     from tqdm import tqdm
 
-    num_tokens = num_docs = 0
+    num_tokens = num_docs = pending = 0  # pending: tokens of a document still being read (a .txt's blocks)
     eot = np.asarray([tok.eot_id], dtype=dtype)
     with tqdm(desc="prepare-data", unit=" docs", mininterval=0.5) as bar:
         for batch in _batches(inputs, text_field, split):
-            parts = []
+            parts, ended = [], []
             for ids, (_, ends) in zip(_encode(tok, [text for text, _ in batch], dtype), batch):
                 parts += [ids, eot] if ends else [ids]
+                pending += ids.size + ends
+                if ends:
+                    ended.append(pending)
+                    pending = 0
+            if lengths is not None:
+                lengths.append(np.asarray(ended, dtype=np.int64))
             written = np.concatenate(parts)
             written.tofile(out)  # (one write per batch)
             documents = sum(ends for _, ends in batch)
@@ -222,6 +233,25 @@ def _count_tokens(inputs: list[Path], tok, dtype, out, text_field: str, split: s
             bar.update(documents)
             bar.set_postfix(tokens=num_tokens, refresh=False)
     return num_tokens, num_docs
+
+
+def checked_inputs(inputs: list[str | Path], tokenizer: str, val_fraction: float) -> tuple[list[Path], Any]:
+    """(the inputs as paths, the tokenizer): everything checked before anything is created."""
+    paths = [Path(p) for p in inputs]
+    if not paths:
+        raise ValueError("prepare_data needs at least one input file")
+    for p in paths:
+        if not p.exists():
+            raise ValueError(f"data file not found: {p}")
+        reader = {"parquet": "pyarrow", "dataset": "datasets"}.get(input_format(p))
+        if reader:
+            _optional(reader, p)
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"val_fraction={val_fraction} must be in [0, 1)")
+    tok = load_tokenizer(tokenizer)
+    if tok.eot_id is None:
+        raise ValueError(f"tokenizer {tokenizer} has no end-of-document token (one of {', '.join(EOT_TOKENS)})")
+    return paths, tok
 
 
 def prepare_data(
@@ -233,25 +263,13 @@ def prepare_data(
     split: str = "train",
 ) -> Path:
     """Tokenize `inputs` (in order) into `<output>.bin` with its `<output>.json` sidecar, and with
-    `val_fraction` > 0 the validation split `<output>.val.bin` / `.val.json`.
+    `val_fraction` > 0 the validation split `<output>.val.bin` / `.val.json` (Megatron-LM's .bin +
+    .idx instead: fived.data.prepare_megatron).
 
     Everything is written to temporary files and renamed into place at the end, so a failure
     never leaves a half-written file behind or clobbers a good one.
     """
-    paths = [Path(p) for p in inputs]
-    if not paths:
-        raise ValueError("prepare_data needs at least one input file")
-    for p in paths:  # check everything before creating anything
-        if not p.exists():
-            raise ValueError(f"data file not found: {p}")
-        reader = {"parquet": "pyarrow", "dataset": "datasets"}.get(input_format(p))
-        if reader:
-            _optional(reader, p)
-    if not 0.0 <= val_fraction < 1.0:
-        raise ValueError(f"val_fraction={val_fraction} must be in [0, 1)")
-    tok = load_tokenizer(tokenizer)
-    if tok.eot_id is None:
-        raise ValueError(f"tokenizer {tokenizer} has no end-of-document token (one of {', '.join(EOT_TOKENS)})")
+    paths, tok = checked_inputs(inputs, tokenizer, val_fraction)
     dtype = token_dtype(tok.vocab_size)
     bin_path, json_path = token_file_paths(output)
     val_bin, val_json = token_file_paths(str(bin_path)[: -len(".bin")] + ".val")
@@ -266,38 +284,24 @@ def prepare_data(
     }
     if tokenizer != "byte":  # a copy beside the tokens: the sidecar stays valid wherever they move
         meta["tokenizer_file"] = bin_path.with_suffix(".tokenizer.json").name
-    _refuse_existing(
+    refuse_existing(
         [bin_path, json_path, *([val_bin, val_json] if val_fraction > 0 else [])]
         + ([bin_path.parent / meta["tokenizer_file"]] if "tokenizer_file" in meta else []),
         paths,
     )
-    moves: list[tuple[str, Path]] = []  # (temporary file, final path)
-    try:
-        fd, tmp_bin = tempfile.mkstemp(dir=bin_path.parent, prefix=bin_path.name + ".", suffix=".tmp")
-        moves.append((tmp_bin, bin_path))
-        with os.fdopen(fd, "wb") as f:
-            meta["num_tokens"], meta["documents"] = _count_tokens(paths, tok, dtype, f, text_field, split)
+    with publishing([]) as moves:  # (temporary file, final path)
+        tmp_bin = temporary(bin_path, moves)
+        with open(tmp_bin, "wb") as f:
+            meta["num_tokens"], meta["documents"] = count_tokens(paths, tok, dtype, f, text_field, split)
         if val_fraction > 0:
             meta["num_tokens"] = _split_validation(tmp_bin, meta, val_fraction, val_bin, val_json, moves)
         if "tokenizer_file" in meta:
-            fd, tmp_tok = tempfile.mkstemp(dir=bin_path.parent, prefix=meta["tokenizer_file"] + ".", suffix=".tmp")
-            os.close(fd)
-            moves.append((tmp_tok, bin_path.parent / meta["tokenizer_file"]))
-            shutil.copyfile(tokenizer, tmp_tok)
+            shutil.copyfile(tokenizer, temporary(bin_path.parent / meta["tokenizer_file"], moves))
         moves.append((_write_sidecar(json_path, meta), json_path))
-        mode = _new_file_mode()
-        for tmp, final in moves:
-            os.chmod(tmp, mode)
-            publish(tmp, final, "name a new --output")  # (never over a file: not even one made since the check)
-    except BaseException:
-        for tmp, _ in moves:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-        raise
     return bin_path
 
 
-def _refuse_existing(outputs: list[Path], inputs: list[Path]) -> None:
+def refuse_existing(outputs: list[Path], inputs: list[Path]) -> None:
     """Before anything is written: no output may exist already (an input, or anyone's file)."""
     for out in outputs:
         if os.path.lexists(out):
@@ -317,15 +321,45 @@ def _split_validation(tmp_bin: str, meta: dict, fraction: float, val_bin: Path, 
         raise ValueError(f"{n} token(s) cannot be split into training and validation data")
     tokens = np.memmap(tmp_bin, dtype=dtype, mode="r", shape=(n,))
     cut = _validation_cut(tokens, fraction, meta["eot_id"])
-    fd, tmp_val = tempfile.mkstemp(dir=val_bin.parent, prefix=val_bin.name + ".", suffix=".tmp")
-    moves.append((tmp_val, val_bin))
-    with os.fdopen(fd, "wb") as f:
-        for start in range(cut, n, BOUNDARY_SEARCH):  # (in pieces: memory stays bounded)
-            np.asarray(tokens[start : min(start + BOUNDARY_SEARCH, n)]).tofile(f)
     del tokens
-    os.truncate(tmp_bin, cut * dtype.itemsize)
+    move_tail(tmp_bin, dtype=dtype, num_tokens=n, cut=cut, to=temporary(val_bin, moves))
     val_meta = {**meta, "num_tokens": n - cut, "split": "validation"}
     val_meta.pop("documents", None)
     meta["validation"] = val_bin.name
     moves.append((_write_sidecar(val_json, val_meta), val_json))
     return cut
+
+
+def temporary(final: Path, moves: list) -> str:
+    """A new empty temporary file beside `final`, to be published as `final` (appended to `moves`)."""
+    fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=final.name + ".", suffix=".tmp")
+    os.close(fd)
+    moves.append((tmp, final))
+    return tmp
+
+
+def move_tail(tmp_bin: str, *, dtype, num_tokens: int, cut: int, to: str) -> None:
+    """Tokens cut.. of the token file `tmp_bin` into the file `to`; `tmp_bin` keeps ..cut."""
+    tokens = np.memmap(tmp_bin, dtype=dtype, mode="r", shape=(num_tokens,))
+    with open(to, "wb") as f:
+        for start in range(cut, num_tokens, BOUNDARY_SEARCH):  # (in pieces: memory stays bounded)
+            np.asarray(tokens[start : min(start + BOUNDARY_SEARCH, num_tokens)]).tofile(f)
+    del tokens
+    os.truncate(tmp_bin, cut * np.dtype(dtype).itemsize)
+
+
+@contextmanager
+def publishing(moves: list):
+    """Publish every (temporary, final) of `moves`, in order, when the block ends without an error
+    (never over a file: not even one made since the check); remove the temporaries when it fails."""
+    try:
+        yield moves
+        mode = _new_file_mode()
+        for tmp, final in moves:
+            os.chmod(tmp, mode)
+            publish(tmp, final, "name a new --output")
+    except BaseException:
+        for tmp, _ in moves:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+        raise
