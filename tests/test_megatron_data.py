@@ -56,6 +56,7 @@ def _documents(count=40, seed=0):
     return [np.append(rng.integers(1, 250, size=int(rng.integers(1, 90))), 0) for _ in range(count)]
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # (megatron-core's numpy.array(tensor, ...))
 def test_fived_reads_what_megatron_core_writes(tmp_path):
     mcore = _megatron_indexed()
     docs = _documents()
@@ -187,3 +188,13 @@ def test_prepare_data_megatron_never_writes_over_a_file(tmp_path, capsys):
     assert "out.idx exists" in capsys.readouterr().err
     assert (tmp_path / "out.idx").read_text() == "mine" and not (tmp_path / "out.bin").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "out.idx"]
+    (tmp_path / "out.idx").unlink()
+    assert main(argv) == 0
+    assert "wrote" in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "out.bin", "out.idx"]
+    np.testing.assert_array_equal(load_tokens(tmp_path / "out.bin"), [*b"hello world\n", 0])
+    broken = tmp_path / "b.jsonl"
+    broken.write_text('{"text": "one"}\nnot json\n')
+    with pytest.raises(ValueError, match="not JSON lines"):
+        prepare_megatron([broken], tmp_path / "half", val_fraction=0.5)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "b.jsonl", "out.bin", "out.idx"]  # no temporary
