@@ -28,6 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
+from fived.errors import ConfigError
+
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequences, document-index entries (34 bytes)
@@ -204,8 +206,6 @@ def check_training_data(path: str, tokens: np.ndarray, *, end_of_document: int |
     """What a Megatron pair must hold to train on, beyond fived's checks of any tokens (ids below the
     vocabulary: fived.data.loader.check_data): no negative id (a signed dtype can hold one), and with
     document masking every document ended by the end-of-document token. One-line ConfigErrors."""
-    from fived.errors import ConfigError
-
     if tokens.dtype.kind == "i" and len(tokens) and (smallest := int(tokens.min())) < 0:
         raise ConfigError("data.path", path, f"holds token id {smallest}, below 0", "re-tokenize the data")
     if not document_mask or end_of_document is None:
