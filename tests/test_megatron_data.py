@@ -151,7 +151,7 @@ def _train(tmp_path, path, *flags):
 
 def test_a_bad_pair_is_one_line_before_start(tmp_path, capsys):
     docs = _documents(count=200)
-    path = _pair(tmp_path, docs)
+    path = good_path = _pair(tmp_path, docs)
     idx = tmp_path / "corpus.idx"
     good = idx.read_bytes()
     idx.unlink()
@@ -174,6 +174,8 @@ def test_a_bad_pair_is_one_line_before_start(tmp_path, capsys):
     ended = [d[:-1] if i == 5 else d for i, d in enumerate(docs)]  # one document without its end token
     path = _pair(tmp_path, ended, name="open")
     _refused(capsys, _train(tmp_path, path, "--data.document_mask", "true"), "1 of the 200 documents", "--append-eod")
+    val = ["--data.val_path", str(path), "--train.eval_every", "1", "--data.document_mask", "true"]
+    _refused(capsys, _train(tmp_path, good_path, *val), "1 of the 200 documents")  # validation pairs too
     negative = _pair(tmp_path, [np.array([3, -1, 0])] * 400, name="neg", dtype=np.int32)
     _refused(capsys, _train(tmp_path, negative), "holds token id -1, below 0")
     assert HEADER.size == 34 and token_file_paths(path)[0] == path

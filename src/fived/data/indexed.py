@@ -202,12 +202,15 @@ def write_index(idx_path: str | Path, *, dtype, document_lengths: np.ndarray) ->
         f.write(np.arange(len(lengths) + 1, dtype="<i8").tobytes())
 
 
-def check_training_data(path: str, tokens: np.ndarray, *, end_of_document: int | None, document_mask: bool) -> None:
-    """What a Megatron pair must hold to train on, beyond fived's checks of any tokens (ids below the
-    vocabulary: fived.data.loader.check_data): no negative id (a signed dtype can hold one), and with
-    document masking every document ended by the end-of-document token. One-line ConfigErrors."""
+def check_training_data(
+    path: str, tokens: np.ndarray, *, end_of_document: int | None, document_mask: bool, field: str = "data.path"
+) -> None:
+    """What a Megatron pair (`field`: data.path or data.val_path) must hold to train or evaluate on,
+    beyond fived's checks of any tokens (ids below the vocabulary: fived.data.loader.check_data): no
+    negative id (a signed dtype can hold one), and with document masking every document ended by the
+    end-of-document token. One-line ConfigErrors."""
     if tokens.dtype.kind == "i" and len(tokens) and (smallest := int(tokens.min())) < 0:
-        raise ConfigError("data.path", path, f"holds token id {smallest}, below 0", "re-tokenize the data")
+        raise ConfigError(field, path, f"holds token id {smallest}, below 0", "re-tokenize the data")
     if not document_mask or end_of_document is None:
         return
     dataset = read_index(path)

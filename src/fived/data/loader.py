@@ -422,6 +422,14 @@ def validation_data(cfg) -> np.ndarray | None:
         raise ConfigError(
             "data.val_path", path, str(e).splitlines()[0], "give validation tokens made like data.path (same tokenizer)"
         ) from None
+    if is_megatron_pair(path):
+        check_training_data(
+            path,
+            tokens,
+            end_of_document=end_of_document_id(cfg),
+            document_mask=cfg.data.document_mask,
+            field="data.val_path",
+        )
     largest = largest_token_id(path, tokens)
     if largest >= cfg.model.vocab_size:
         raise ConfigError(
