@@ -3,6 +3,7 @@ what megatron-core's IndexedDatasetBuilder writes, token for token and document 
 megatron-core's IndexedDataset reads what `fived prepare-data --format megatron` writes; fived trains
 on a pair; a damaged or mismatched pair is one line before any rank starts."""
 
+import functools
 import importlib.util
 import json
 import struct
@@ -24,16 +25,25 @@ from fived.testing import run_forked
 DOCS = [f"Document {i}: {'the quick brown fox. ' * (i % 5 + 1)}caf\u00e9 {i}\n" for i in range(60)]
 
 
+@functools.cache
 def _megatron_indexed():
-    """megatron-core's own indexed_dataset module, without the package's __init__ (which imports its
-    whole training stack: 11 s on this machine, and nothing the reader and builder use): the parent
-    packages as bare namespaces, and megatron.core.utils as the one function the module takes from it
-    (log_single_rank, from megatron.core._rank_utils, where utils itself gets it). sys.modules is left
-    as it was found."""
+    """megatron-core's own indexed_dataset module (its IndexedDataset and IndexedDatasetBuilder),
+    imported without the package's __init__, which imports megatron-core's whole training stack (11 s
+    on this machine) and nothing the reader and builder use; the full import where that fails (a
+    later megatron-core laid out otherwise)."""
     spec = importlib.util.find_spec("megatron")
     if spec is None or not spec.submodule_search_locations:
         pytest.skip("megatron-core is not installed (pip install 'fived[megatron]')")
-    root = next(iter(spec.submodule_search_locations))
+    try:
+        return _import_alone(next(iter(spec.submodule_search_locations)))
+    except ImportError:
+        return importlib.import_module("megatron.core.datasets.indexed_dataset")
+
+
+def _import_alone(root: str):
+    """The parent packages as bare namespaces, and megatron.core.utils as the one function the module
+    takes from it (log_single_rank, from megatron.core._rank_utils, where utils gets it); sys.modules
+    is left as it was found."""
     saved = {name: module for name, module in sys.modules.items() if name.startswith("megatron")}
     try:
         for name, sub in (("megatron", ""), ("megatron.core", "/core"), ("megatron.core.datasets", "/core/datasets")):
