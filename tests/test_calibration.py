@@ -444,3 +444,27 @@ def test_validate_a_file_with_bad_rows_from_the_cli(tmp_path, capsys):
 def test_gpu_variants(name):
     hw = hardware(name)
     assert hw.memory_gib == {"H100 96GB HBM2e": 96, "A100-SXM4-40GB": 40}.get(name, 80)
+
+
+def test_validate_names_rows_twice_off_and_refuses_a_file_it_cannot_read(tmp_path, capsys):
+    """`fived plan --validate` lists the rows predicted 2x (or half) the reported throughput, and a file
+    that is not a runs CSV is one line and exit 2, never `nan%` and exit 0."""
+    from fived.cli.main import main
+
+    with CALIBRATION_FILE.open() as f:
+        first = next(r for r in csv.DictReader(f) if r["tokens_per_s_per_gpu"])
+    tripled = {**first, "tokens_per_s_per_gpu": str(3 * float(first["tokens_per_s_per_gpu"]))}
+    printed: list[str] = []
+    validate(_write(tmp_path / "one.csv", [tripled]), printer=printed.append)
+    line = next(x for x in printed if x.startswith("2x off or more in sample"))
+    assert line.startswith("2x off or more in sample: 1 of 1 rows (" + first["row_id"] + " -"), line
+    validate(_write(tmp_path / "same.csv", [first]), printer=printed.append)
+    assert "2x off or more in sample: 0 of 1 rows" in printed
+    (tmp_path / "bin.csv").write_bytes(b"\xff\xfe\x00garbage")
+    (tmp_path / "other.csv").write_text("a,b\n1,2\n")
+    (tmp_path / "header.csv").write_text(CALIBRATION_FILE.read_text().splitlines()[0] + "\n")
+    capsys.readouterr()
+    for name, words in (("bin", "not UTF-8 text"), ("other", "has no column model"), ("header", "holds no rows")):
+        assert main(["plan", "--validate", str(tmp_path / f"{name}.csv")]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and words in err, err

@@ -241,3 +241,23 @@ def test_verify_writes_nothing_into_a_run_directory_it_does_not_use(tmp_path, mo
     assert capsys.readouterr().out.strip().endswith(tuple("0123456789"))  # the last line's figure
     assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before
     assert (foreign.parent / "notes.txt").read_text() == "mine"
+
+
+def test_a_hand_edited_config_toml_is_refused_on_resume_and_left_as_edited(tmp_path, capsys):
+    """A resumed run takes its settings from the checkpoint and the flags: an edit to the run's
+    config.toml would be ignored and overwritten, so the resume is refused in one line naming the
+    change and its flag; with the file removed, the resume runs and writes it again."""
+    run = tmp_path / "run"
+    assert _train(run, "--checkpoint.every", "2") == 0
+    toml = run / "config.toml"
+    edited = toml.read_text().replace("\nlr = 0.003", "\nlr = 0.5", 1)
+    assert edited != toml.read_text()
+    toml.write_text(edited)
+    capsys.readouterr()
+    assert main([*TRAIN, "--resume", str(run), "--steps", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "was edited since fived wrote it (train.lr 0.003 -> 0.5)" in err, err
+    assert "--train.lr 0.5" in err and toml.read_text() == edited  # (not overwritten)
+    toml.unlink()
+    assert main([*TRAIN, "--resume", str(run), "--steps", "3"]) == 0
+    assert "\nlr = 0.003" in toml.read_text()

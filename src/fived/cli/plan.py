@@ -26,8 +26,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
 
         return cmd_plan_serve(ns, plan_model)
     if ns.validate:
-        calibration.validate(ns.validate)
-        return 0
+        return 0 if calibration.validate(ns.validate)["predicted"] else 1  # (no row priced: nothing validated)
     if ns.layout:
         return cmd_plan_layout(ns)
     if ns.memory_headroom < 0:

@@ -324,6 +324,7 @@ def load_resumed_run(request: LaunchRequest | argparse.Namespace, crc: bool = Tr
     from fived.checkpoint.checkpointer import check_model_shapes
     from fived.config import ParallelConfig
     from fived.data.loader import check_data
+    from fived.launch.config_file import check_config_unedited
     from fived.launch.memory_fit import check_fits
     from fived.layout.rules import check_config
     from fived.parallel.mesh import resolve_dp
@@ -343,6 +344,7 @@ def load_resumed_run(request: LaunchRequest | argparse.Namespace, crc: bool = Tr
             f"a resumed run stays in its own directory ({run_dir})",
             "drop the flag (--resume names the run), or start a new run there",
         )
+    check_config_unedited(run_dir)
     cfg, layout_given = _resumed_config(saved, given, ns.dp_shard)
     cfg.train.output_dir = str(run_dir)  # the same run directory
     default_world = int(os.environ.get("WORLD_SIZE", manifest["world_size"]))  # (torchrun's, if under it)

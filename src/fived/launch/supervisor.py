@@ -28,6 +28,7 @@ import torch
 from fived.checkpoint.checkpointer import find_checkpoint
 from fived.config import Config
 from fived.files import append_line, read_json_lines, write_file
+from fived.launch.config_file import DIGEST_KEY, digest
 from fived.launch.ranks import RankFailed, Stopped, run_ranks
 from fived.parallel.mesh import resolve_dp
 from fived.training.faults import INTERRUPTED_EXIT, PREEMPTED_EXIT, TERMINATED_EXIT, timeout_line
@@ -45,7 +46,8 @@ def describe_run_dir(cfg: Config, world: int, event: dict) -> str | None:
     previous = (
         (run_dir / "config.toml").read_text() if (run_dir / "config.toml").is_file() else None
     )  # (fived's: the run directory is)
-    write_config_toml(run_dir, commented_toml(cfg))  # (every field, with its description)
+    text = commented_toml(cfg)
+    write_config_toml(run_dir, text)  # (every field, with its description)
     p = cfg.parallel
     record = {
         "time": time.time(),
@@ -65,6 +67,7 @@ def describe_run_dir(cfg: Config, world: int, event: dict) -> str | None:
             "dp_replicate": p.dp_replicate,
         },
         **event,
+        DIGEST_KEY: digest(text),  # (a resume refuses a config.toml fived did not write: config_file)
         "config": cfg.to_dict(),
     }  # (config.toml is the latest; every launch's is kept here)
     with writing(run_dir / "launches.jsonl"):

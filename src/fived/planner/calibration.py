@@ -85,6 +85,13 @@ def _plan_notes(row: Row, plan) -> list[str]:
     return notes
 
 
+def _twice_off(label: str, errors: dict[str, float]) -> str:
+    """The rows whose prediction is 2x the reported figure or more, or half of it or less."""
+    off = [(row, e) for row, e in errors.items() if e >= 1.0 or e <= -0.5]
+    listed = ", ".join(f"{row} {e * 100:+.0f}%" for row, e in sorted(off, key=lambda x: -abs(x[1])))
+    return f"2x off or more {label}: {len(off)} of {len(errors)} rows" + (f" ({listed})" if off else "")
+
+
 def _print_rows(rows, plans, printer) -> None:
     printer(
         f"{'row':>4} {'source':<26} {'gpus':>5} {'layout (planner-chosen fields: see notes)':<54} {'reported':>9} "
@@ -148,6 +155,7 @@ def validate(
     for line in skipped:
         printer(line)
     errors = [p.time.tokens_per_s_per_gpu / r.reported - 1 for r, p in done]
+    printer(_twice_off("in sample", {r.row_id: e for r, e in zip(rows, errors)}))
     fits = sum(p.fits for p in plans)
     result: dict[str, Any] = {
         "rows": len(rows) + len(skipped),
@@ -176,6 +184,7 @@ def validate(
             for k in sorted({k for r in rows for k in row_kinds(r)})
         }
         result["loso"] = median_abs(held.values())
+        printer(_twice_off("out of sample", held))
         printer(
             "leave-one-source-out (constants fitted without the source): "
             + ", ".join(f"{s} {v:.1f}%" for s, v in result["loso_by_source"].items())

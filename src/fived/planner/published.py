@@ -131,8 +131,7 @@ def read_runs(path: str | Path) -> tuple[list[Row], list[str]]:
         raise ConfigError(
             "--validate", str(path), "file not found", "give a CSV in the columns of tests/data/published_runs.csv"
         )
-    with path.open(newline="", encoding="utf-8-sig") as f:
-        records = list(csv.DictReader(f))
+    records = _records(path)
     rows, skipped = [], []
     for i, r in enumerate(records, 1):
         label = text(r, "row_id") or str(i)
@@ -143,6 +142,32 @@ def read_runs(path: str | Path) -> tuple[list[Row], list[str]]:
         except (ConfigError, ValueError, ZeroDivisionError) as e:
             skipped.append(f"row {label} skipped: {e}")
     return rows, skipped
+
+
+# The columns no row can be priced without (the others are optional or have a stated fallback).
+REQUIRED_COLUMNS = ("model", "num_layers", "hidden", "heads", "seq_len", "gpu_type", "num_gpus")
+
+
+def _records(path: Path) -> list[dict]:
+    """The CSV's records, or one line: not text, no header with the required columns, or no rows."""
+    way_out = "give a CSV in the columns of tests/data/published_runs.csv"
+    try:
+        with path.open(newline="", encoding="utf-8-sig") as f:
+            reader = csv.DictReader(f)
+            records = list(reader)
+            columns = set(reader.fieldnames or ())
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            "--validate", str(path), f"not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start})", way_out
+        ) from None
+    except (OSError, csv.Error) as e:
+        raise ConfigError("--validate", str(path), f"cannot be read as CSV ({e})", way_out) from None
+    missing = [c for c in REQUIRED_COLUMNS if c not in columns]
+    if missing:
+        raise ConfigError("--validate", str(path), f"has no column {', '.join(missing)}", way_out)
+    if not records:
+        raise ConfigError("--validate", str(path), "holds no rows", way_out)
+    return records
 
 
 def _vocab(r: dict, notes: list) -> int:
