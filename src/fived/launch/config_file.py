@@ -9,10 +9,10 @@ them is refused, naming what changed and the flag that would change it."""
 from __future__ import annotations
 
 import hashlib
-import tomllib
 from pathlib import Path
 from typing import Any
 
+from fived.config import tomllib
 from fived.errors import ConfigError
 from fived.files import read_json_lines
 
