@@ -10,6 +10,7 @@ import pytest
 
 import fived
 from fived import ConfigError
+from fived.files import LOCK, MANIFEST
 from fived.testing import tiny_config
 from fived.training.tracker import BACKENDS, RUN_ID_FILE, Tracker, flat_numbers, open_tracker
 
@@ -26,6 +27,8 @@ def _train_and_resume(run_dir: Path, tracker: str) -> list[dict]:
     fived.train(cfg, nproc=1, progress=False)
     cfg.train.steps = 4
     fived.train(cfg, nproc=1, resume=str(run_dir), progress=False)
+    fiveds = {MANIFEST, LOCK, "checkpoints", *(run_dir / MANIFEST).read_text().splitlines()[1:]}
+    assert {p.name for p in run_dir.iterdir()} <= fiveds  # (the tracker wrote nothing else there)
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
