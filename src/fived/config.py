@@ -39,6 +39,7 @@ CpBalance = Literal["work", "halves"]
 MuonScale = Literal["rms", "spectral", "none"]
 Device = Literal["auto", "cpu", "cuda"]
 OnSpike = Literal["stop", "rollback"]
+TrackerName = Literal["none", "wandb", "mlflow"]
 RopeScaling = Literal["none", "llama3", "yarn"]
 RouterScore = Literal["softmax", "sigmoid"]
 ZeroStage = Literal[0, 1, 2, 3]
@@ -247,6 +248,11 @@ class TrainConfig:
     # traces in <output_dir>/profile/ (one per rank and a merged one with fived's spans)
     profile: str = option("", '"START:END": record steps START..END (1-based) with torch.profiler')
     tensorboard: bool = option(False, "also write TensorBoard scalars (pip install tensorboard)")
+    # fived.training.tracker: one tracked run per launch chain (its id in <output_dir>/tracker.json); the
+    # library's own settings (WANDB_MODE, WANDB_PROJECT, MLFLOW_TRACKING_URI, ...) are honoured
+    tracker: TrackerName = option(
+        "none", "log the config, layout, metrics.jsonl records and summary to W&B or MLflow (rank 0)"
+    )
     # Validation: the loss over a fixed set of validation batches (the same every time, whatever the
     # layout), logged as val_loss and val_ppl
     eval_every: int = option(0, "the validation loss every N steps and at the last step; 0: off")

@@ -249,6 +249,8 @@ def check_environment(cfg, *, run_dir: bool = True) -> None:
 
     import torch
 
+    from fived.training.tracker import check_tracker
+
     if cfg.train.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError(
             "train.device",
@@ -258,6 +260,7 @@ def check_environment(cfg, *, run_dir: bool = True) -> None:
         )
     if run_dir:
         _check_run_dir(cfg.train.output_dir)
+    check_tracker(cfg.train.tracker)
     t = cfg.train
     if t.warmup_steps > t.steps:
         print(

@@ -248,7 +248,21 @@ def finish(cfg, world: int, results: list, *, report: bool, wall_s: float) -> Ru
         print_profile(cfg, world)
     if report:
         print(format_report(cfg, world, results))
-    return summarise(results[0].metrics, cfg.train.output_dir, wall_s, results[0].checkpoints)
+    summary = summarise(results[0].metrics, cfg.train.output_dir, wall_s, results[0].checkpoints)
+    track_summary(cfg, world, summary)
+    return summary
+
+
+def track_summary(cfg, world: int, summary: RunSummary) -> None:
+    """The launch's summary into the tracked run rank 0 logged to (reopened here: under `--nproc` the
+    ranks were other processes)."""
+    from fived.training.tracker import open_tracker, saved_run_id
+
+    if cfg.train.tracker == "none" or saved_run_id(cfg.train.output_dir, cfg.train.tracker) is None:
+        return  # (no tracked run started: its warning was said)
+    tracker = open_tracker(cfg, world, config=False)
+    tracker.summary(summary.to_dict())
+    tracker.close()
 
 
 def print_profile(cfg, world: int) -> None:

@@ -165,7 +165,7 @@ def handle_divergence(trainer, done: int, reason: str) -> int:
     if trainer.log is not None:  # (the log's file is replaced: reopen it)
         trainer.log.close()
         keep_log_until(t.output_dir, step)
-        trainer.log = MetricsLog(t.output_dir, t.tensorboard)
+        trainer.log = MetricsLog(t.output_dir, t.tensorboard, trainer.tracker)
         record_rollback(
             t.output_dir,
             {

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from fived.files import LOCK, MANIFEST, is_fived_dir, open_log, write_file
+from fived.training.tracker import Tracker
 from fived.write_errors import WriteFailed, writing
 
 
@@ -68,10 +69,12 @@ def _step_of(line: str) -> float:
 
 
 class MetricsLog:
-    """JSON lines (one object per step) and, if asked and installed, TensorBoard scalars."""
+    """JSON lines (one object per step) and, if asked and installed, TensorBoard scalars and the
+    experiment tracker (`tracker`: its owner opens and closes it; every record written here reaches it)."""
 
-    def __init__(self, output_dir: str, tensorboard: bool):
+    def __init__(self, output_dir: str, tensorboard: bool, tracker: Tracker | None = None):
         self.dir = Path(output_dir)
+        self.tracker = tracker or Tracker()
         self.dir.mkdir(parents=True, exist_ok=True)
         with writing(self.dir / "metrics.jsonl"):
             self.file = open_log(self.dir, "metrics.jsonl")  # (whole lines; open for the run: close())
@@ -96,6 +99,7 @@ class MetricsLog:
             for key, value in record.items():
                 if isinstance(value, (int, float)) and key != "step":
                     self.tb.add_scalar(key, value, record["step"])
+        self.tracker.log(record)  # (never raises: a tracker's failure is a warning)
 
     def close(self) -> None:
         self.file.close()

@@ -36,6 +36,7 @@ from fived.training.metrics import MetricsLog, keep_log_until, peak_memory_mb
 from fived.training.profiling import ProfileWindow
 from fived.training.state import ModelState, OptimizerState, ProgressState, RNGState
 from fived.training.step_timer import StepTimer
+from fived.training.tracker import Tracker, open_tracker
 
 
 @dataclass
@@ -115,7 +116,8 @@ class Trainer:
         self.checkpointer = self._open_checkpoints(chunks, log, resume)
         if log and self.rank == 0:
             keep_log_until(t.output_dir, self.sampler.step)  # a resumed run rewrites nothing twice
-        self.log = MetricsLog(t.output_dir, t.tensorboard) if (log and self.rank == 0) else None
+        self.tracker = open_tracker(cfg, self.world) if (log and self.rank == 0) else Tracker()
+        self.log = MetricsLog(t.output_dir, t.tensorboard, self.tracker) if (log and self.rank == 0) else None
         self.preemption, self.preempted = preemption or PreemptionRequest(), False
         self.saved_steps: list[int] = []
 
@@ -423,6 +425,7 @@ class Trainer:
             self.checkpointer.wait()
         if self.log is not None:
             self.log.close()
+        self.tracker.close()
         return history
 
     def result(self, metrics: list[dict], *, return_state: bool = False) -> TrainResult:
@@ -481,7 +484,12 @@ def train_rank(
     preemption = PreemptionRequest()
     preemption.install()  # first: a SIGTERM while the model is built or loaded is acted on at step 1
     trainer = Trainer(cfg, log=log, resume=resume, preemption=preemption)
-    return trainer.result(trainer.fit(progress=progress, until=until), return_state=return_state)
+    try:
+        metrics = trainer.fit(progress=progress, until=until)
+    except BaseException:
+        trainer.tracker.close(failed=True)  # (marked failed; a restart or resume continues it)
+        raise
+    return trainer.result(metrics, return_state=return_state)
 
 
 def run_training(
