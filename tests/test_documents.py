@@ -100,7 +100,12 @@ def test_balanced_assignment():
 
 
 def test_document_mask_needs_an_end_of_document_token(tmp_path):
-    check_data(tiny_config(data__document_mask=True))  # the byte tokenizer's: NUL
+    check_data(
+        tiny_config(data__document_mask=True, data__path=write_documents(tmp_path / "docs.txt"))
+    )  # (NUL ends each)
+    with pytest.raises(ConfigError, match="holds no end-of-document token") as e:
+        check_data(tiny_config(data__document_mask=True))  # the bundled corpus: one document
+    assert "\n" not in str(e.value) and "masking would change nothing" in str(e.value)
     tokenizers = pytest.importorskip("tokenizers")
     from tokenizers import models, pre_tokenizers, trainers
 

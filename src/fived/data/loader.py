@@ -324,10 +324,24 @@ def check_data(cfg) -> np.ndarray:
             f"the tokenizer {d.tokenizer!r} has no end-of-document token to find documents by",
             "use a tokenizer with one (e.g. <|endoftext|>), or set it false",
         )
+    if d.document_mask and not _holds_token(tokens, end_of_document_id(cfg)):
+        raise ConfigError(
+            "data.document_mask",
+            True,
+            f"{d.path or 'the bundled corpus'} holds no end-of-document token ({end_of_document_id(cfg)}): "
+            "it is one document, and masking would change nothing",
+            "prepare the data with its documents ended (fived prepare-data of a JSON-lines or parquet file), "
+            "or set it false",
+        )
     validation_data(cfg)
     if t.trace and Path(t.trace).exists():
         raise ConfigError("train.trace", t.trace, "file exists; fived does not overwrite it", "name a new file")
     return tokens
+
+
+def _holds_token(tokens: np.ndarray, token: int | None, chunk: int = 1 << 24) -> bool:
+    """Whether `token` occurs (scanned in chunks: a memory-mapped corpus is not copied whole)."""
+    return token is not None and any(bool(np.any(tokens[i : i + chunk] == token)) for i in range(0, len(tokens), chunk))
 
 
 def end_of_document_id(cfg) -> int | None:
