@@ -55,7 +55,10 @@ def parse_blend(text: str, *, field: str = "data.blend") -> tuple[BlendSource, .
         key = str(Path(path).expanduser().resolve())
         if key in seen:
             raise ConfigError(
-                field, text, f"{path!r} is given twice (as {seen[key]!r} too)", "list each source once, its weights added"
+                field,
+                text,
+                f"{path!r} is given twice (as {seen[key]!r} too)",
+                "list each source once, its weights added",
             )
         seen[key] = path
     total = sum(weights)

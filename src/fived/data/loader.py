@@ -232,7 +232,7 @@ def blend_tokens(cfg, text: str, field: str, *, taken: str = "") -> BlendedToken
     from fived.config import ConfigError
 
     if taken:
-        raise ConfigError(field, text, f"given together with {taken}", f"give one of them: a blend lists every source")
+        raise ConfigError(field, text, f"given together with {taken}", "give one of them: a blend lists every source")
     sources = parse_blend(text, field=field)
     tokens = tuple(open_source(cfg, s.path, field) for s in sources)
     for source, source_tokens in zip(sources, tokens):
@@ -319,7 +319,7 @@ def validation_batches(cfg, num_windows: int) -> int:
     return min(cfg.train.eval_batches, whole) if cfg.train.eval_batches > 0 else whole
 
 
-def validation_data(cfg) -> np.ndarray | None:
+def validation_data(cfg) -> np.ndarray | BlendedTokens | None:
     """The validation tokens when train.eval_every > 0 (checked: one-line ConfigErrors), else None."""
     from fived.config import ConfigError
 

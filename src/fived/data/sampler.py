@@ -170,7 +170,7 @@ class GlobalBatchSampler:
             yield self.next_global_batch()
 
     def state_dict(self) -> dict:
-        state = {
+        state: dict = {
             "step": self.step,
             "seed": self.seed,
             "seq_len": self.seq_len,

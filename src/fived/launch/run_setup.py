@@ -388,7 +388,9 @@ def check_same_data(cfg, tokens, saved: dict) -> None:
         windows, weights = (len(tokens) - 1) // seq_len, None
     if weights != saved.get("weights"):
         was = "a blend of weights " + str(saved["weights"]) if saved.get("weights") else "one source"
-        raise ConfigError(field, value, f"the checkpoint's run trained on {was}: the data changed", "resume with its data")
+        raise ConfigError(
+            field, value, f"the checkpoint's run trained on {was}: the data changed", "resume with its data"
+        )
     if windows != saved["num_windows"]:
         raise ConfigError(
             field,
