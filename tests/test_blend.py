@@ -133,7 +133,10 @@ def _same_figures(reference, metrics):
             assert (value is None and expected is None) or abs(value - expected) <= 1e-9 * abs(expected), name
 
 
-LAYOUTS = {"dp4": (4, dict(parallel__dp=4)), "tp2-pp2": (4, dict(parallel__tp=2, parallel__pp=2, train__microbatches=2))}
+LAYOUTS = {
+    "dp4": (4, dict(parallel__dp=4)),
+    "tp2-pp2": (4, dict(parallel__tp=2, parallel__pp=2, train__microbatches=2)),
+}
 
 
 def _config(blend, **over):
@@ -181,7 +184,7 @@ def test_every_layout_trains_on_the_same_samples_with_the_same_source_losses(ble
     _same_figures(one_process[1], results[0][1])
 
 
-def test_a_resume_onto_another_layout_trains_on_the_same_samples(blend, one_process, tmp_path):
+def test_a_resume_onto_another_layout_trains_on_the_same_samples(blend, one_process, tmp_path, capsys):
     """Steps 1-2 at dp2, checkpointed; steps 3-4 resumed at tp2 x pp2: the rows and the per-source
     figures of steps 3-4 are the one-process run's."""
     first = _config(blend, parallel__dp=2)
@@ -196,6 +199,11 @@ def test_a_resume_onto_another_layout_trains_on_the_same_samples(blend, one_proc
     for step in got:
         assert np.array_equal(got[step], reference[step]), step
     _same_figures(one_process[1][STEPS // 2 :], results[0][1])
+    # `fived train --resume` keeps the checkpoint's blend: another one is refused in one line
+    other = blend.replace("0.5 ", "0.6 ", 1)
+    assert main(["train", "--resume", str(tmp_path), "--steps", "6", "--data.blend", other]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"fived: error: data.blend={other}: a resumed run keeps the checkpoint's") and "\n" not in err
 
 
 def test_a_resume_with_other_weights_is_refused(blend, tmp_path):

@@ -300,10 +300,12 @@ def file_overrides(path: str | None) -> dict:
 
 
 # What a resumed run takes from its checkpoint: changing it would make it another run.
-# (data.val_path is not here: validation data is read, never trained on, so a resumed run may add it)
+# (data.val_path and data.valid_blend are not here: validation data is read, never trained on, so a
+# resumed run may add it)
 FIXED_ON_RESUME = (
     "model.",
     "data.path",
+    "data.blend",
     "data.tokenizer",
     "train.seq_len",
     "train.global_batch",
