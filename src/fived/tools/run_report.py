@@ -17,11 +17,11 @@ from fived.files import read_json, read_json_lines
 SERIES = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu")
 
 
-def read_metrics(run_dir: Path) -> dict[str, list]:
+def read_metrics(run_dir: Path) -> dict[str, list | dict]:
     """Per-step series of metrics.jsonl (and val_loss with its steps, where a record has one; a
     blend's loss per source with its steps)."""
     records = [r for r in read_json_lines(run_dir / "metrics.jsonl") if "step" in r]  # (torn lines: skipped)
-    out: dict[str, list] = {"step": [r["step"] for r in records]}
+    out: dict[str, list | dict] = {"step": [r["step"] for r in records]}
     for key in SERIES:
         out[key] = [r.get(key) for r in records]
     validated = [r for r in records if "val_loss" in r]
