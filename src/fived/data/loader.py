@@ -9,9 +9,10 @@ from pathlib import Path
 import numpy as np
 
 from fived.data.blend import parse_blend
-from fived.data.sampler import BlendedTokens, GlobalBatchSampler
 
-__all__ = ["BlendedTokens", "GlobalBatchSampler"]  # (the sampler's home was this module: its importers)
+# (re-exported: the sampler's home was this module, and its importers still name it)
+from fived.data.sampler import BlendedTokens as BlendedTokens
+from fived.data.sampler import GlobalBatchSampler as GlobalBatchSampler
 
 TOKEN_FORMAT = "fived-tokens-v1"
 

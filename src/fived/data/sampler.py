@@ -103,7 +103,9 @@ class GlobalBatchSampler:
 
     @property
     def tokens(self):
-        """The single source's tokens (a blend's first source's)."""
+        """The tokens of a single-source sampler."""
+        if self.schedule is not None:
+            raise AttributeError("a blend has one token array per source: sampler.orders[i].tokens")
         return self.orders[0].tokens
 
     def _positions(self, first: int, count: int) -> np.ndarray:
