@@ -261,7 +261,7 @@ def test_dense_page_has_no_ep_toggle_draws_big_maps_compactly_and_memory_readabl
 @needs_chromium
 def test_report_of_a_running_run_shows_its_metrics(tmp_path, browser):
     """Before run.json exists (the run has not finished), the page has the metrics (validation loss
-    beside the loss where logged) and says why the tables are empty."""
+    beside the loss where logged, a blend's loss per source) and says why the tables are empty."""
     from fived.tools.run_report import report_data
 
     (tmp_path / "metrics.jsonl").write_text(
@@ -275,6 +275,8 @@ def test_report_of_a_running_run_shows_its_metrics(tmp_path, browser):
                     "tokens_per_s": 100.0,
                     "mfu": 0.01,
                     **({"val_loss": 4.5} if s == 2 else {}),
+                    "tokens_by_source": {"web.bin": 64, "code.bin": 0 if s == 2 else 32},
+                    "loss_by_source": {"web.bin": 5.0 - s / 2, "code.bin": None if s == 2 else 6.0 - s},
                 }
             )
             for s in (1, 2, 3)
@@ -283,11 +285,16 @@ def test_report_of_a_running_run_shows_its_metrics(tmp_path, browser):
     )
     data = report_data(str(tmp_path))
     assert data["metrics"]["loss"] == [4.0, 3.0, 2.0] and data["metrics"]["val_step"] == [2]
+    by_source = [["web.bin", [1, 2, 3], [4.5, 4.0, 3.5]], ["code.bin", [1, 2, 3], [5.0, None, 3.0]]]
     assert data["state"] == [] and "run.json not written yet" in data["summary"]
     assert main(["report", str(tmp_path)]) == 0
     page, errors = open_page(browser, tmp_path / "report.html")
     traces = page.evaluate("document.getElementById('loss-chart').data.map((t) => [t.name, t.x, t.y])")
     assert traces == [["loss", [1, 2, 3], [4.0, 3.0, 2.0]], ["val_loss", [2], [4.5]]]
+    # a blend's loss per source: one line each, a gap where a step drew none of the source's samples
+    assert page.evaluate("document.getElementById('loss-by-source-chart').data.map((t) => [t.name, t.x, t.y])") == (
+        by_source
+    )
     assert "run.json not written yet" in page.inner_text("#app") and errors == []
 
 

@@ -276,8 +276,11 @@ class TrainConfig:
 class DataConfig:
     path: str = option("", 'training tokens: "": the bundled corpus; a .bin from fived prepare-data; a text file')
     tokenizer: str = option("byte", '"byte" or the path of a Hugging Face tokenizer.json')
+    # Megatron-LM's weight-path list; sample n's source is a function of n alone (fived.data.blend)
+    blend: str = option("", 'weighted sources instead of data.path: "0.7 web.bin 0.3 code.bin" (weights normalised)')
     # Needed when train.eval_every > 0.
     val_path: str = option("", 'validation tokens (.bin or text); "": the split prepare-data --val-fraction wrote')
+    valid_blend: str = option("", "validation sources as a weighted blend, like data.blend (instead of data.val_path)")
     # block-diagonal causal attention over the documents a packed sequence holds (each ends with the
     # end-of-document token), rotary positions restarting at each document's first token
     document_mask: bool = option(False, "attention only within documents, positions restarting at each")

@@ -379,6 +379,10 @@ function reportPage(D) {
     lineChart(div, steps, [[key, M[key]]], ytitle, marks);
   }
   if (M.val_loss) Plotly.addTraces("loss-chart", { type: "scatter", mode: "lines+markers", name: "val_loss", x: M.val_step, y: M.val_loss });
+  if (M.loss_by_source) {
+    const s = section("chart-loss-by-source", "loss per blend source"); const div = el("div", "chart"); div.id = "loss-by-source-chart"; s.appendChild(div);
+    lineChart(div, M.source_step, Object.entries(M.loss_by_source), "loss of the source's tokens (mean cross-entropy)", marks);
+  }
   const mem = section("memory-table", "Model-state bytes per rank: measured | planner");
   mem.appendChild(tableOf("state-bytes", ["rank", "params measured", "params planner", "grads measured", "grads planner", "optimizer measured", "optimizer planner"],
     D.state.map((r) => [r.rank, r.measured.params, r.predicted.params, r.measured.grads, r.predicted.grads, r.measured.optimizer, r.predicted.optimizer])));

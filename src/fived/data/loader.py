@@ -1,10 +1,4 @@
-"""Tokenizers, token files and the deterministic global-batch sampler.
-
-The sampler is the piece the parallelism checks lean on: the batch for a step is
-a pure function of (tokens, seq_len, global_batch, seed, step), and a data-parallel
-rank's share is just a contiguous slice of it. So any DP/TP/PP layout sees exactly
-the same examples as a single device, and resuming only needs the step number.
-"""
+"""Tokenizers, token files, and the checks of a run's data (the sampler: fived.data.sampler)."""
 
 from __future__ import annotations
 
@@ -13,9 +7,14 @@ import os
 from pathlib import Path
 
 import numpy as np
-import torch
 
+from fived.data.blend import parse_blend
 from fived.data.indexed import check_training_data, is_indexed, read_index
+
+# (re-exported: the sampler's home was this module, and its importers still name it)
+from fived.data.sampler import BlendedTokens as BlendedTokens
+from fived.data.sampler import GlobalBatchSampler as GlobalBatchSampler
+from fived.errors import ConfigError
 
 TOKEN_FORMAT = "fived-tokens-v1"
 
@@ -53,7 +52,15 @@ class HFTokenizer:
         if not Path(path).is_file():
             raise ValueError(f"tokenizer file not found: {path}")
         self.path = str(path)
-        self._tok = tokenizers.Tokenizer.from_file(self.path)
+        try:
+            self._tok = tokenizers.Tokenizer.from_file(self.path)
+        except Exception as e:  # (tokenizers raises a bare Exception for a file it cannot parse)
+            raise ConfigError(
+                "data.tokenizer",
+                self.path,
+                f"not a Hugging Face tokenizer.json ({str(e).splitlines()[0] if str(e) else type(e).__name__})",
+                "give the tokenizer.json a model ships, or 'byte'",
+            ) from None
         self.vocab_size = self._tok.get_vocab_size()
         self.eot_id = next((self._tok.token_to_id(t) for t in EOT_TOKENS if self._tok.token_to_id(t) is not None), None)
 
@@ -171,127 +178,21 @@ def load_tokens(path: str | Path | None, tokenizer: str = "byte") -> np.ndarray:
     return _tokenize(_read_text(Path(path)), tokenizer)
 
 
-class GlobalBatchSampler:
-    """Deterministic, layout-independent batches of (seq_len + 1)-token windows.
-
-    Window i is tokens[i*seq_len : i*seq_len + seq_len + 1] (inputs = w[:-1], targets =
-    w[1:]), so neighbours share one token and every token is predicted once per epoch.
-    Windows are visited in a permutation drawn from default_rng([seed, epoch]); step t
-    takes positions t*B .. t*B+B-1 of the endless sequence of epoch permutations, so a
-    batch may straddle two epochs and any step can be computed without history.
-    """
-
-    def __init__(self, tokens, seq_len: int, global_batch: int, seed: int):
-        if seq_len < 1 or global_batch < 1:
-            raise ValueError(f"seq_len ({seq_len}) and global_batch ({global_batch}) must be >= 1")
-        self.tokens = tokens if isinstance(tokens, np.ndarray) else np.asarray(tokens)
-        if self.tokens.ndim != 1:
-            raise ValueError(f"tokens must be 1-D, got shape {self.tokens.shape}")
-        self.seq_len, self.global_batch, self.seed = int(seq_len), int(global_batch), int(seed)
-        self.num_windows = max(0, (len(self.tokens) - 1) // self.seq_len)
-        if self.num_windows < self.global_batch:
-            raise ValueError(
-                f"corpus of {len(self.tokens)} tokens has {self.num_windows} windows of "
-                f"{self.seq_len}+1 tokens, fewer than global_batch={self.global_batch}; "
-                "use more data, a shorter seq_len or a smaller batch"
-            )
-        self.step = 0  # the next step __iter__ / next_global_batch will return
-        # [step, count]: from `step` on, batches come `count` positions later (a divergence rollback
-        # skipped the data it diverged on; see fived.training.divergence)
-        self.skips: list[list[int]] = []
-        # Permutations are pure functions of (seed, epoch); keep the last two (a batch
-        # touches at most two epochs, since num_windows >= global_batch).
-        self._perms: dict[int, np.ndarray] = {}
-
-    def _perm(self, epoch: int) -> np.ndarray:
-        if epoch not in self._perms:
-            if len(self._perms) >= 2:
-                self._perms.pop(min(self._perms))
-            self._perms[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
-        return self._perms[epoch]
-
-    def _rows(self, first: int, count: int) -> torch.Tensor:
-        """Windows at positions first .. first+count-1 of the epoch-after-epoch order."""
-        pos = np.arange(first, first + count, dtype=np.int64)
-        epochs, idx = np.divmod(pos, self.num_windows)
-        windows = np.empty(count, dtype=np.int64)
-        for e in np.unique(epochs):
-            mask = epochs == e
-            windows[mask] = self._perm(int(e))[idx[mask]]
-        offsets = windows[:, None] * self.seq_len + np.arange(self.seq_len + 1)
-        return torch.from_numpy(np.asarray(self.tokens[offsets], dtype=np.int64))
-
-    def data_position(self, step: int) -> int:
-        """The batch position in the endless data order that `step` trains on (after skips)."""
-        return int(step) + sum(count for at, count in self.skips if step >= at)
-
-    def skip(self, at_step: int, count: int) -> None:
-        """From `at_step` on, train on the batches `count` positions later."""
-        self.skips.append([int(at_step), int(count)])
-
-    def global_batch_at(self, step: int) -> torch.Tensor:
-        """LongTensor [global_batch, seq_len + 1] for `step`."""
-        return self._rows(self.data_position(step) * self.global_batch, self.global_batch)
-
-    def local_batch_at(self, step: int, dp_rank: int, dp_size: int) -> torch.Tensor:
-        """Rows dp_rank*b .. (dp_rank+1)*b of the global batch, b = global_batch // dp_size."""
-        if dp_size < 1 or self.global_batch % dp_size != 0:
-            raise ValueError(f"global_batch ({self.global_batch}) must be divisible by dp_size ({dp_size})")
-        if not 0 <= dp_rank < dp_size:
-            raise ValueError(f"dp_rank {dp_rank} out of range for dp_size {dp_size}")
-        b = self.global_batch // dp_size
-        return self._rows(self.data_position(step) * self.global_batch + dp_rank * b, b)
-
-    def next_global_batch(self) -> torch.Tensor:
-        batch = self.global_batch_at(self.step)
-        self.step += 1
-        return batch
-
-    def __iter__(self):
-        while True:
-            yield self.next_global_batch()
-
-    def state_dict(self) -> dict:
-        state = {
-            "step": self.step,
-            "seed": self.seed,
-            "seq_len": self.seq_len,
-            "global_batch": self.global_batch,
-            "num_windows": self.num_windows,
-        }
-        return {**state, "skips": [list(s) for s in self.skips]} if self.skips else state
-
-    def load_state_dict(self, state: dict) -> None:
-        # Resuming with different settings would silently change the data order.
-        for key in ("seed", "seq_len", "global_batch", "num_windows"):
-            if key in state and state[key] != getattr(self, key):
-                raise ValueError(f"sampler state has {key}={state[key]}, this sampler has {getattr(self, key)}")
-        self.step = int(state["step"])
-        self.skips = [[int(at), int(count)] for at, count in state.get("skips", [])]
-
-
-def check_data(cfg) -> np.ndarray:
+def check_data(cfg) -> np.ndarray | BlendedTokens:
     """The data a run needs, checked before any rank starts (and by each rank as a guard); returns
-    the tokens. Errors are ConfigErrors: one line naming the field."""
-    from fived.config import ConfigError
+    the tokens (a blend's: BlendedTokens). Errors are ConfigErrors: one line naming the field."""
 
     d, t = cfg.data, cfg.train
     if d.tokenizer != "byte" and not Path(d.tokenizer).is_file():
         raise ConfigError(
             "data.tokenizer", d.tokenizer, "file not found", "give the path of a Hugging Face tokenizer.json, or 'byte'"
         )
-    if d.path and not Path(d.path).exists() and not is_indexed(d.path):
-        raise ConfigError(
-            "data.path",
-            d.path,
-            "file not found",
-            "give a .bin from `fived prepare-data` or Megatron-LM, a text file, or leave it empty for the bundled corpus",
-        )
     try:
         vocab = load_tokenizer(d.tokenizer).vocab_size
-        tokens = load_tokens(d.path, d.tokenizer)
+    except ConfigError:
+        raise
     except (ValueError, ImportError) as e:
-        raise ConfigError("data", d.path or "bundled corpus", str(e).splitlines()[0]) from None
+        raise ConfigError("data.tokenizer", d.tokenizer, str(e).splitlines()[0]) from None
     if vocab > cfg.model.vocab_size:
         raise ConfigError(
             "model.vocab_size",
@@ -299,24 +200,19 @@ def check_data(cfg) -> np.ndarray:
             f"smaller than the tokenizer's vocabulary ({vocab})",
             f"set --model.vocab_size {vocab}",
         )
-    if is_megatron_pair(d.path):
-        check_training_data(d.path, tokens, end_of_document=end_of_document_id(cfg), document_mask=d.document_mask)
-    largest = largest_token_id(d.path, tokens)
-    if largest >= cfg.model.vocab_size:
-        raise ConfigError(
-            "data.path",
-            d.path or "bundled corpus",
-            f"holds token id {largest}, beyond the model's vocabulary (model.vocab_size={cfg.model.vocab_size})",
-            f"set --model.vocab_size {largest + 1}, or re-tokenize the data with the model's tokenizer",
-        )
-    windows = max(0, (len(tokens) - 1) // t.seq_len)
-    if windows < t.global_batch:
-        raise ConfigError(
-            "train.global_batch",
-            t.global_batch,
-            f"the data holds only {windows} sequences of seq_len={t.seq_len}",
-            "use more data, a shorter seq_len or a smaller global batch",
-        )
+    tokens: np.ndarray | BlendedTokens
+    if d.blend:
+        tokens = blend_tokens(cfg, d.blend, "data.blend", taken="data.path" if d.path else "")
+    else:
+        tokens = open_source(cfg, d.path, "data.path")
+        windows = max(0, (len(tokens) - 1) // t.seq_len)
+        if windows < t.global_batch:
+            raise ConfigError(
+                "train.global_batch",
+                t.global_batch,
+                f"the data holds only {windows} sequences of seq_len={t.seq_len}",
+                "use more data, a shorter seq_len or a smaller global batch",
+            )
     if d.document_mask and end_of_document_id(cfg) is None:
         raise ConfigError(
             "data.document_mask",
@@ -324,11 +220,14 @@ def check_data(cfg) -> np.ndarray:
             f"the tokenizer {d.tokenizer!r} has no end-of-document token to find documents by",
             "use a tokenizer with one (e.g. <|endoftext|>), or set it false",
         )
-    if d.document_mask and not _holds_token(tokens, end_of_document_id(cfg)):
+    if d.document_mask and not all(
+        _holds_token(source, end_of_document_id(cfg))
+        for source in (tokens.tokens if isinstance(tokens, BlendedTokens) else (tokens,))
+    ):
         raise ConfigError(
             "data.document_mask",
             True,
-            f"{d.path or 'the bundled corpus'} holds no end-of-document token ({end_of_document_id(cfg)}): "
+            f"{d.path or d.blend or 'the bundled corpus'} holds no end-of-document token ({end_of_document_id(cfg)}): "
             "it is one document, and masking would change nothing",
             "prepare the data with its documents ended (fived prepare-data of a JSON-lines or parquet file), "
             "or set it false",
@@ -344,9 +243,67 @@ def _holds_token(tokens: np.ndarray, token: int | None, chunk: int = 1 << 24) ->
     return token is not None and any(bool(np.any(tokens[i : i + chunk] == token)) for i in range(0, len(tokens), chunk))
 
 
+def open_source(cfg, path: str, field: str) -> np.ndarray:
+    """One token source's tokens ("": the bundled corpus), checked: the file exists, loads (every
+    format fived reads plugs in at load_tokens) and holds no id beyond the model's vocabulary.
+    Errors are one-line ConfigErrors naming `field`."""
+
+    if path and not Path(path).exists() and not is_indexed(path):
+        raise ConfigError(
+            field,
+            path,
+            "file not found",
+            "give a .bin from `fived prepare-data` or Megatron-LM, a text file, or leave it empty for the bundled corpus",
+        )
+    try:
+        tokens = load_tokens(path, cfg.data.tokenizer)
+    except ConfigError:
+        raise
+    except (ValueError, ImportError) as e:
+        raise ConfigError(field, path or "bundled corpus", str(e).splitlines()[0]) from None
+    if is_megatron_pair(path):
+        eod = end_of_document_id(cfg)
+        check_training_data(path, tokens, end_of_document=eod, document_mask=cfg.data.document_mask, field=field)
+    largest = largest_token_id(path, tokens)
+    if largest >= cfg.model.vocab_size:
+        raise ConfigError(
+            field,
+            path or "bundled corpus",
+            f"holds token id {largest}, beyond the model's vocabulary (model.vocab_size={cfg.model.vocab_size})",
+            f"set --model.vocab_size {largest + 1}, or re-tokenize the data with the model's tokenizer",
+        )
+    return tokens
+
+
+def blend_tokens(cfg, text: str, field: str, *, taken: str = "") -> BlendedTokens:
+    """A blend's sources opened and checked (`taken`: the field that was also given, refused)."""
+
+    if taken:
+        raise ConfigError(field, text, f"given together with {taken}", "give one of them: a blend lists every source")
+    sources = parse_blend(text, field=field)
+    tokens = tuple(open_source(cfg, s.path, field) for s in sources)
+    for source, source_tokens in zip(sources, tokens):
+        if len(source_tokens) <= cfg.train.seq_len:
+            raise ConfigError(
+                field,
+                source.path,
+                f"holds {len(source_tokens)} tokens, not one sequence of seq_len={cfg.train.seq_len} (+1)",
+                "use more data or a shorter seq_len",
+            )
+    return BlendedTokens(sources, tokens)
+
+
+def first_source_path(cfg) -> str:
+    """data.path, or a blend's first source (whose sidecar names the tokenizer and end of document)."""
+    if cfg.data.blend and not cfg.data.path:
+        items = cfg.data.blend.split()
+        return items[1] if len(items) > 1 else ""
+    return cfg.data.path
+
+
 def end_of_document_id(cfg) -> int | None:
     """The token that ends each document: the token file's (its sidecar), else the tokenizer's."""
-    meta = token_metadata(cfg.data.path)
+    meta = token_metadata(first_source_path(cfg))
     if meta is not None and meta.get("eot_id") is not None:
         return int(meta["eot_id"])
     return load_tokenizer(cfg.data.tokenizer).eot_id
@@ -381,12 +338,13 @@ def adopt_token_metadata(cfg, given: set[str]) -> None:
     """Training on a token file from `fived prepare-data`: its tokenizer (the copy beside the tokens)
     and its vocabulary size, for whichever of data.tokenizer and model.vocab_size was not given.
     (A preset's larger vocabulary is kept: a model may have unused rows.)"""
-    meta = token_metadata(cfg.data.path)
+    path = first_source_path(cfg)
+    meta = token_metadata(path)
     if meta is None:
         return
     if "data.tokenizer" not in given and meta.get("tokenizer", "byte") != "byte":
         copy = meta.get("tokenizer_file")
-        cfg.data.tokenizer = str(token_file_paths(cfg.data.path)[1].parent / copy) if copy else meta["tokenizer"]
+        cfg.data.tokenizer = str(token_file_paths(path)[1].parent / copy) if copy else meta["tokenizer"]
     if "model.vocab_size" not in given and cfg.model.vocab_size < int(meta.get("vocab_size", 0)):
         cfg.model.vocab_size = int(meta["vocab_size"])
 
@@ -408,16 +366,19 @@ def validation_batches(cfg, num_windows: int) -> int:
     return min(cfg.train.eval_batches, whole) if cfg.train.eval_batches > 0 else whole
 
 
-def validation_data(cfg) -> np.ndarray | None:
+def validation_data(cfg) -> np.ndarray | BlendedTokens | None:
     """The validation tokens when train.eval_every > 0 (checked: one-line ConfigErrors), else None."""
-    from fived.config import ConfigError
 
     t = cfg.train
     for name, value in (("train.eval_every", t.eval_every), ("train.eval_batches", t.eval_batches)):
         if value < 0:
             raise ConfigError(name, value, "must be >= 0", "e.g. 100 (0: off / every whole batch)")
+    if cfg.data.valid_blend:
+        parse_blend(cfg.data.valid_blend, field="data.valid_blend")  # (its syntax, even with no evaluations)
     if t.eval_every == 0:
         return None
+    if cfg.data.valid_blend:
+        return validation_blend(cfg)
     path = validation_path(cfg)
     if not path:
         raise ConfigError(
@@ -432,6 +393,8 @@ def validation_data(cfg) -> np.ndarray | None:
         )
     try:
         tokens = load_tokens(path, cfg.data.tokenizer)
+    except ConfigError:
+        raise
     except (ValueError, ImportError) as e:
         raise ConfigError(
             "data.val_path", path, str(e).splitlines()[0], "give validation tokens made like data.path (same tokenizer)"
@@ -463,6 +426,22 @@ def validation_data(cfg) -> np.ndarray | None:
     return tokens
 
 
+def validation_blend(cfg) -> BlendedTokens:
+    """data.valid_blend's sources, checked: together at least one global batch of sequences."""
+
+    d, t = cfg.data, cfg.train
+    blend = blend_tokens(cfg, d.valid_blend, "data.valid_blend", taken="data.val_path" if d.val_path else "")
+    windows = sum(max(0, (len(tokens) - 1) // t.seq_len) for tokens in blend.tokens)
+    if windows < t.global_batch:
+        raise ConfigError(
+            "data.valid_blend",
+            d.valid_blend,
+            f"holds {windows} sequences of seq_len={t.seq_len}, fewer than one global batch ({t.global_batch})",
+            "give more validation data",
+        )
+    return blend
+
+
 def validation_sampler(cfg) -> tuple[GlobalBatchSampler | None, int]:
     """The validation data's own sampler and how many of its global batches an evaluation runs: the
     first ones, the same at every evaluation (its position never moves, so evaluating changes no
@@ -472,4 +451,9 @@ def validation_sampler(cfg) -> tuple[GlobalBatchSampler | None, int]:
     if tokens is None:
         return None, 0
     sampler = GlobalBatchSampler(tokens, t.seq_len, t.global_batch, t.seed)
-    return sampler, validation_batches(cfg, sampler.num_windows)
+    return sampler, validation_batches(cfg, total_windows(sampler.num_windows))
+
+
+def total_windows(num_windows: int | list[int]) -> int:
+    """A sampler's windows: its source's, or the sum of a blend's sources'."""
+    return sum(num_windows) if isinstance(num_windows, list) else num_windows

@@ -303,10 +303,12 @@ def file_overrides(path: str | None) -> dict:
 
 
 # What a resumed run takes from its checkpoint: changing it would make it another run.
-# (data.val_path is not here: validation data is read, never trained on, so a resumed run may add it)
+# (data.val_path and data.valid_blend are not here: validation data is read, never trained on, so a
+# resumed run may add it)
 FIXED_ON_RESUME = (
     "model.",
     "data.path",
+    "data.blend",
     "data.tokenizer",
     "train.seq_len",
     "train.global_batch",
@@ -372,21 +374,37 @@ def load_resumed_run(request: LaunchRequest | argparse.Namespace, crc: bool = Tr
     check_config(cfg, world)
     cfg.parallel.dp = resolve_dp(cfg, world)
     check_fits(cfg, world)
-    tokens = check_data(cfg)
-    windows, saved_windows = (
-        (len(tokens) - 1) // cfg.train.seq_len,
-        manifest["components"]["progress"]["sampler"]["num_windows"],
-    )
-    if windows != saved_windows:
-        raise ConfigError(
-            "data.path",
-            cfg.data.path or "bundled corpus",
-            f"holds {windows} sequences now, the checkpoint's run had {saved_windows}: the data changed",
-            "resume with the data it was trained on",
-        )
+    check_same_data(cfg, check_data(cfg), manifest["components"]["progress"]["sampler"])
     check_environment(cfg)
     check_model_shapes(cfg, checkpoint)
     return cfg, world, str(checkpoint), manifest
+
+
+def check_same_data(cfg, tokens, saved: dict) -> None:
+    """A resumed run's data holds the sequences (and a blend the weights) its checkpoint's run had:
+    otherwise the sample order would silently change. One-line ConfigErrors."""
+    from fived.data.loader import BlendedTokens
+
+    seq_len = cfg.train.seq_len
+    if isinstance(tokens, BlendedTokens):
+        field, value = "data.blend", cfg.data.blend
+        windows: int | list[int] = [(len(t) - 1) // seq_len for t in tokens.tokens]
+        weights: list[float] | None = [s.weight for s in tokens.sources]
+    else:
+        field, value = "data.path", cfg.data.path or "bundled corpus"
+        windows, weights = (len(tokens) - 1) // seq_len, None
+    if weights != saved.get("weights"):
+        was = "a blend of weights " + str(saved["weights"]) if saved.get("weights") else "one source"
+        raise ConfigError(
+            field, value, f"the checkpoint's run trained on {was}: the data changed", "resume with its data"
+        )
+    if windows != saved["num_windows"]:
+        raise ConfigError(
+            field,
+            value,
+            f"holds {windows} sequences now, the checkpoint's run had {saved['num_windows']}: the data changed",
+            "resume with the data it was trained on",
+        )
 
 
 def saved_run_config(resume: str):

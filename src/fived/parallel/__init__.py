@@ -73,6 +73,14 @@ class ParallelPlan:
     def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return self.tensor_parallel.loss_sum(logits, targets) if self.tensor_parallel else lm_loss_sum(logits, targets)
 
+    def token_losses(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Each token's cross-entropy (targets' shape): per-row sums for a blend's per-source losses."""
+        if self.tensor_parallel:
+            return self.tensor_parallel.token_losses(logits, targets)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        flat = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
+        return flat.view_as(targets)
+
     def finish_gradients(self) -> None:
         """After the last micro-batch's backward: tensor-parallel partial sums, then the dp reduction
         (the part of it that overlapped backward completes first: both act on the same gradients)."""

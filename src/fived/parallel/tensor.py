@@ -269,6 +269,10 @@ class TensorParallel:
     # loss ----------------------------------------------------------------------------------------
     def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Vocab-parallel cross-entropy, summed over tokens; logits are this rank's vocab slice."""
+        return self.token_losses(logits, targets).sum()
+
+    def token_losses(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Vocab-parallel cross-entropy of each token (targets' shape), the same on every tp rank."""
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         width = logits.shape[-1]
         lo = self.rank * width
@@ -283,7 +287,7 @@ class TensorParallel:
         local_t = (targets - lo).masked_fill(~mine, 0)
         picked = shifted.gather(-1, local_t[..., None]).squeeze(-1).masked_fill(~mine, 0.0)
         target_logit = ReduceFromTensorParallelRegion.apply(picked, self.group)
-        return (sum_exp.log() - target_logit).sum()
+        return sum_exp.log() - target_logit
 
     # gradients, norms, whole parameters ----------------------------------------------------------
     def finish_gradients(self, named_grads) -> None:

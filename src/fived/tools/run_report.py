@@ -17,16 +17,22 @@ from fived.files import read_json, read_json_lines
 SERIES = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu")
 
 
-def read_metrics(run_dir: Path) -> dict[str, list]:
-    """Per-step series of metrics.jsonl (and val_loss with its steps, where a record has one)."""
+def read_metrics(run_dir: Path) -> dict[str, list | dict]:
+    """Per-step series of metrics.jsonl (and val_loss with its steps, where a record has one; a
+    blend's loss per source with its steps)."""
     records = [r for r in read_json_lines(run_dir / "metrics.jsonl") if "step" in r]  # (torn lines: skipped)
-    out: dict[str, list] = {"step": [r["step"] for r in records]}
+    out: dict[str, list | dict] = {"step": [r["step"] for r in records]}
     for key in SERIES:
         out[key] = [r.get(key) for r in records]
     validated = [r for r in records if "val_loss" in r]
     if validated:
         out["val_step"] = [r["step"] for r in validated]
         out["val_loss"] = [r["val_loss"] for r in validated]
+    sourced = [r for r in records if isinstance(r.get("loss_by_source"), dict)]
+    if sourced:  # (a blend: each source's loss per step, None where a step drew none of its samples)
+        out["source_step"] = [r["step"] for r in sourced]
+        names = list(dict.fromkeys(name for r in sourced for name in r["loss_by_source"]))
+        out["loss_by_source"] = {name: [r["loss_by_source"].get(name) for r in sourced] for name in names}
     return out
 
 

@@ -79,6 +79,8 @@ _UNCACHED_IF_SET = (
     ("train", "profile"),
     ("data", "path"),
     ("data", "val_path"),
+    ("data", "blend"),
+    ("data", "valid_blend"),
 )
 
 
@@ -119,6 +121,8 @@ def compare(ref: TrainResult, lay: TrainResult) -> VerifyReport:
     evaluated = [(r["val_loss"], l["val_loss"]) for r, l in zip(ref.metrics, lay.metrics) if "val_loss" in r]
     if evaluated:  # (train.eval_every: the validation loss is layout-independent too)
         report.max_rel["val_loss"] = max(_rel(l, r) for r, l in evaluated)
+    if "loss_by_source" in ref.metrics[0]:  # (a blend: each source's loss is layout-independent too)
+        report.max_rel["loss_by_source"] = max(_source_rel(r, l) for r, l in zip(ref.metrics, lay.metrics))
     if set(ref.state) != set(lay.state):
         raise ValueError(f"parameter names differ: {sorted(set(ref.state) ^ set(lay.state))}")
     report.max_rel["params"] = 0.0
@@ -131,6 +135,19 @@ def compare(ref: TrainResult, lay: TrainResult) -> VerifyReport:
         if diff >= report.max_rel["params"]:
             report.max_rel["params"], report.worst_param = diff, name
     return report
+
+
+def _source_rel(ref: dict, lay: dict) -> float:
+    """The worst relative difference of a step's per-source losses (a source with no tokens in the
+    step has None in both, or the difference is infinite)."""
+    worst = 0.0
+    for name, expected in ref["loss_by_source"].items():
+        got = lay.get("loss_by_source", {}).get(name)
+        if expected is None or got is None:
+            worst = worst if expected is got else math.inf
+        else:
+            worst = max(worst, _rel(got, expected))
+    return worst
 
 
 def run_layout(cfg: Config, world: int, reshard_from: tuple[Config, int] | None = None) -> list[TrainResult]:

@@ -34,6 +34,7 @@ from fived.training.divergence import LossGuard, handle_divergence
 from fived.training.faults import PreemptionRequest, timeouts_named
 from fived.training.metrics import MetricsLog, keep_log_until, peak_memory_mb
 from fived.training.profiling import ProfileWindow
+from fived.training.source_losses import SourceLosses
 from fived.training.state import ModelState, OptimizerState, ProgressState, RNGState
 from fived.training.step_timer import StepTimer
 from fived.training.tracker import Tracker, open_tracker
@@ -103,6 +104,7 @@ class Trainer:
             self._init_from(chunks)
 
         self.sampler = GlobalBatchSampler(check_data(cfg), t.seq_len, t.global_batch, t.seed)
+        self.source_losses = SourceLosses(self.sampler.sources)  # (a blend's per-source losses)
         self.global_tokens = t.global_batch * t.seq_len
         self.val_sampler, self.val_batches = validation_sampler(cfg)
         self.loss_divisor = self.global_tokens  # what a pipeline micro-batch's loss is divided by (1 in eval)
@@ -192,7 +194,7 @@ class Trainer:
 
     def _pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         with self._autocast():
-            loss = self.plan.loss_sum(logits, targets) / self.loss_divisor
+            loss = self.source_losses.loss_sum(self.plan, logits, targets) / self.loss_divisor
         self.activations.leave()  # the head's part of this micro-batch ends with its loss
         return loss
 
@@ -216,7 +218,7 @@ class Trainer:
                 self.activations.start()
             with self.timer.span("forward", micro=i), self._autocast(), self.plan.forward_context(self.activations):
                 logits = self.model(micro, **micro_extra)
-                loss = self.plan.loss_sum(logits, micro_targets)
+                loss = self.source_losses.loss_sum(self.plan, logits, micro_targets)
                 self.activations.leave()
             if self.activations.recording:
                 self.activations.stop()
@@ -322,6 +324,7 @@ class Trainer:
     def _step(self, step: int) -> dict:
         t = self.cfg.train
         start = time.perf_counter()
+        self.source_losses.start()
         with self.timer.step(unrouted=self.dp.unrouted_collectives()):
             with self.timer.span("data"):
                 inputs, targets, extra = self.batches(
@@ -339,9 +342,13 @@ class Trainer:
                     self.state_bytes = model_state_bytes(self.dp.tensors())
                 self.dp.zero_grad()
             # Logged loss: the mean over every token of the global batch; pipeline stages other than the
-            # last contribute zero. (Not through fived.parallel.comm: 16 bytes of logging, not the step's traffic.)
+            # last contribute zero. (Not through fived.parallel.comm: 16 bytes of logging, not the step's
+            # traffic; a blend adds its per-source sums.)
             with self.timer.span("logging"):
-                totals = torch.stack([loss_sum, aux_sum])
+                by_source = self.source_losses.sums(
+                    self.sampler.local_sources_at(step, self.mesh.rank("dp"), self.mesh.dp), t.microbatches, self.device
+                )
+                totals = torch.cat([torch.stack([loss_sum, aux_sum]), by_source])
                 dist.all_reduce(totals, group=self.mesh.group("dp_cp"))
                 if self.pipeline:
                     dist.all_reduce(totals, group=self.mesh.group("pp"))
@@ -359,6 +366,7 @@ class Trainer:
             "peak_mem_mb": peak_memory_mb(self.device),
             "step_time_s": elapsed,
         }
+        record.update(self.source_losses.record(totals[2:], self.sampler.global_sources_at(step), t.seq_len))
         record.update(self.batches.work_spread())  # (document masking under cp: the assignment's balance)
         if self.timer.enabled:
             record["breakdown"] = self.timer.breakdown()
