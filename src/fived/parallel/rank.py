@@ -10,6 +10,7 @@ import torch
 
 from fived.config import Config
 from fived.model.init import InitStats, init_weights
+from fived.model.mtp import mtp_loss_scales
 from fived.model.transformer import MoE, build_model, keep_buffers_float32, materialize
 from fived.parallel import ParallelPlan, parallelize
 from fived.parallel.mesh import Mesh, build_dtype
@@ -47,6 +48,9 @@ def build_rank(cfg: Config, world: int, *, device: str, timeout_s: float | None,
     for moe in (m for c in chunks for m in c.modules() if isinstance(m, MoE)):
         # (before parallelize: tensor parallelism divides it by tp)
         moe.aux_loss_scale = cfg.model.aux_loss_coef / cfg.train.global_batch
+    for chunk in chunks:
+        if chunk.mtp is not None:
+            chunk.mtp.loss_scales = mtp_loss_scales(cfg.model, cfg.train.global_batch, cfg.train.seq_len)
     plan = parallelize(chunks, mesh, cfg)  # on the meta device: nothing allocated yet
     stats = InitStats()
     for chunk in chunks:

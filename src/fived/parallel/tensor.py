@@ -165,6 +165,8 @@ class TensorParallel:
                 # the auxiliary loss, computed identically on each rank, is seeded 1/tp per rank
                 moe.aux_loss_scale /= self.tp
         self._vocab_parallel(model)
+        if model.mtp is not None:
+            model.mtp.loss_sum = self.loss_sum
         if self.sp:
             model.sequence_shards = self.tp  # hidden states between pipeline stages are shards
 
@@ -267,8 +269,9 @@ class TensorParallel:
         return full.as_strided(shape, stride, offset)
 
     # loss ----------------------------------------------------------------------------------------
-    def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Vocab-parallel cross-entropy, summed over tokens; logits are this rank's vocab slice."""
+    def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """Vocab-parallel cross-entropy, summed over tokens (those `valid` marks, if given); logits are
+        this rank's vocab slice."""
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         width = logits.shape[-1]
         lo = self.rank * width
@@ -283,7 +286,8 @@ class TensorParallel:
         local_t = (targets - lo).masked_fill(~mine, 0)
         picked = shifted.gather(-1, local_t[..., None]).squeeze(-1).masked_fill(~mine, 0.0)
         target_logit = ReduceFromTensorParallelRegion.apply(picked, self.group)
-        return (sum_exp.log() - target_logit).sum()
+        each = sum_exp.log() - target_logit
+        return (each if valid is None else each * valid.to(each.dtype)).sum()
 
     # gradients, norms, whole parameters ----------------------------------------------------------
     def finish_gradients(self, named_grads) -> None:

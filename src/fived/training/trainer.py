@@ -81,6 +81,7 @@ class Trainer:
             cp_rank=self.mesh.rank("cp"),
             balance=cfg.parallel.cp_balance,
             fixed_positions=self.plan.positions,
+            mtp_depth=cfg.model.mtp_depth,
         )
         self.dp = self.plan.data_parallel
         self.init_stats = built.init_stats  # this rank's generator work: its share of the model (+ tile edges)
@@ -122,8 +123,9 @@ class Trainer:
     def _find_moe_layers(self, chunks) -> None:
         self.moe_layers = [m for c in chunks for m in c.modules() if isinstance(m, MoE)]
         self.moe_layer_ids = [
-            name for c in chunks for name, block in c.layers.items() if any(isinstance(m, MoE) for m in block.modules())
+            name for c in chunks for name, block in _named_blocks(c) if any(isinstance(m, MoE) for m in block.modules())
         ]  # (in moe_layers' order)
+        self.mtp_heads = [c.mtp for c in chunks if c.mtp is not None and c.output is not None]
         self.last_expert_load: torch.Tensor | None = None  # [local MoE layer, expert], the last step's
 
     def expert_load(self) -> dict[str, list[float]]:
@@ -271,6 +273,17 @@ class Trainer:
             moe.aux_losses.clear()
         return aux_sum, loads
 
+    def _read_mtp_losses(self) -> torch.Tensor:
+        """This rank's part of each MTP depth's mean cross-entropy this step (zero off the last stage)."""
+        m = self.cfg.model
+        out = torch.zeros(m.mtp_depth, dtype=torch.float64, device=self.device)
+        for mtp in self.mtp_heads:
+            for losses in mtp.losses[-self.cfg.train.microbatches :]:  # (as the aux loss: see above)
+                out += losses.double()
+            mtp.losses.clear()
+        counts = [self.cfg.train.global_batch * (self.cfg.train.seq_len - k) for k in range(1, m.mtp_depth + 1)]
+        return out / torch.tensor(counts, dtype=torch.float64, device=self.device)
+
     @torch.no_grad()
     def _balance_experts(self, loads: list[torch.Tensor]) -> float:
         """Global tokens per expert of each local MoE layer (summed over dp*cp, and tp when folded); with
@@ -339,7 +352,7 @@ class Trainer:
             # Logged loss: the mean over every token of the global batch; pipeline stages other than the
             # last contribute zero. (Not through fived.parallel.comm: 16 bytes of logging, not the step's traffic.)
             with self.timer.span("logging"):
-                totals = torch.stack([loss_sum, aux_sum])
+                totals = torch.cat([torch.stack([loss_sum, aux_sum]), self._read_mtp_losses()])
                 dist.all_reduce(totals, group=self.mesh.group("dp_cp"))
                 if self.pipeline:
                     dist.all_reduce(totals, group=self.mesh.group("pp"))
@@ -357,6 +370,8 @@ class Trainer:
             "peak_mem_mb": peak_memory_mb(self.device),
             "step_time_s": elapsed,
         }
+        if self.cfg.model.mtp_depth:  # the depths' mean cross-entropy (unweighted)
+            record["mtp_loss"] = totals[2:].mean().item()
         record.update(self.batches.work_spread())  # (document masking under cp: the assignment's balance)
         if self.timer.enabled:
             record["breakdown"] = self.timer.breakdown()
@@ -464,6 +479,12 @@ class Trainer:
             record["val_loss"], record["val_ppl"] = val_loss, math.exp(min(val_loss, 700.0))
             record["eval_s"] = time.perf_counter() - eval_start
             self.shown["val_loss"] = f"{val_loss:.4f}"
+
+
+def _named_blocks(chunk):
+    """(layer id, block) of a chunk's blocks; an MTP module's block is named "mtp.{k}"."""
+    mtp = [(f"mtp.{k}", m.block) for k, m in chunk.mtp.items()] if chunk.mtp is not None and chunk.output else []
+    return list(chunk.layers.items()) + mtp
 
 
 def train_rank(
