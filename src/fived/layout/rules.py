@@ -173,6 +173,13 @@ def _pipeline_rules(need, m, p, t) -> None:
         "set it false, or use --pp 1",
     )
     need(
+        p.pp == 1 or m.mtp_depth == 0,
+        "model.mtp_depth",
+        m.mtp_depth,
+        "multi-token prediction under pipeline parallelism is not built yet (its last stage needs the embedding)",
+        "set --model.mtp_depth 0, or use --pp 1",
+    )
+    need(
         p.pp_schedule in PP_SCHEDULES,
         "parallel.pp_schedule",
         p.pp_schedule,
@@ -371,6 +378,7 @@ def _model_errors(cfg: Config) -> list[ConfigError]:
             "e.g. --dtype bfloat16",
         ),
         *deepseek_rules.model_checks(m),
+        *deepseek_rules.mtp_checks(m, t.seq_len),
         *_fp8_checks(t, cfg.parallel),
         *_muon_checks(t),
         (

@@ -225,7 +225,9 @@ def mtp_specs(m: ModelConfig, *, tp: int = 1, ep: int = 1, sp: bool = False, etp
     out = []
     for k in range(m.mtp_depth):
         pre, lid, partial = f"mtp.{k}.", m.n_layers + k, sp and tp > 1
-        out += [TensorSpec(pre + n, (m.dim,), "head", -1, tp_partial_grad=partial) for n in ("enorm.weight", "hnorm.weight")]
+        out += [
+            TensorSpec(pre + n, (m.dim,), "head", -1, tp_partial_grad=partial) for n in ("enorm.weight", "hnorm.weight")
+        ]
         out.append(TensorSpec(pre + "eh_proj.weight", (m.dim, 2 * m.dim), "head", -1, tp_partial_grad=partial))
         block = layer_specs(m, lid, tp=tp, ep=ep, sp=sp, etp=etp)
         out += [dataclasses.replace(b, name=pre + "block." + b.name.removeprefix(f"layers.{lid}.")) for b in block]

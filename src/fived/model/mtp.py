@@ -28,6 +28,7 @@ from torch import nn
 
 from fived.config import ModelConfig
 
+
 def plain_loss_sum(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """Summed cross-entropy of the valid positions (tensor parallelism swaps in its vocab-parallel one)."""
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
