@@ -158,8 +158,15 @@ def test_tp_sp_ring_ep_zero1_match_one_device():
 
 
 def test_pp_ulysses_match_one_device():
-    # (multi-token prediction under pp is refused: its last stage would need the embedding)
-    _verify(4, parallel__pp=2, parallel__cp=2, parallel__cp_mode="ulysses", train__microbatches=2, model__mtp_depth=0)
+    """MTP on the last stage (1f1b), its copy of the embedding synced from the first stage and its
+    gradient added there; the future tokens cut by Ulysses' chunks."""
+    _verify(4, parallel__pp=2, parallel__cp=2, parallel__cp_mode="ulysses", train__microbatches=2)
+
+
+def test_pp_zbv_mtp_match_one_device():
+    """V-shaped: the first and last stages on one rank; the zero-bubble weight pass still reaches the
+    MTP embedding's gradient (without it: 8.7e-2 relative)."""
+    _verify(2, parallel__pp=2, parallel__pp_schedule="zbv", train__microbatches=2, model__n_layers=4)
 
 
 def test_mtp_loss_is_the_reference_and_enters_the_gradient():
@@ -211,3 +218,38 @@ def test_mtp_loss_is_the_reference_and_enters_the_gradient():
     added = grad(0.25 * reference)
     assert added.abs().max() > 1e-6
     assert (with_mtp - without - added).abs().max() <= EXACT * added.abs().max()
+
+
+def test_mtp_layers_export_and_import_as_released(tmp_path):
+    """A run with MTP exports module k as layer n_layers + k, named as the released checkpoints
+    (enorm, hnorm, eh_proj, shared_head with copies of the embedding and head, a decoder layer's
+    tensors); importing it gives back every MTP tensor (transformers itself builds no MTP)."""
+    from safetensors.torch import load_file
+
+    from fived.checkpoint import dcp_io
+    from fived.checkpoint.checkpointer import find_checkpoint
+    from fived.cli.main import main
+    from fived.testing import run_on_ranks
+    from fived.training.trainer import run_training
+
+    cfg = tiny_config(
+        "tiny-deepseek-v3", train__steps=1, train__dtype="float32", train__output_dir=str(tmp_path / "run")
+    )
+    run_on_ranks(1, run_training, cfg, True, False)
+    assert main(["export", str(tmp_path / "run"), "--output", str(tmp_path / "out")]) == 0
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    files = load_file(tmp_path / "out" / "model.safetensors")
+    layer = "model.layers.3."
+    for leaf in ("enorm", "hnorm", "eh_proj", "shared_head.norm", "self_attn.kv_a_proj_with_mqa", "mlp.gate"):
+        assert layer + leaf + ".weight" in files, leaf
+    assert torch.equal(files[layer + "embed_tokens.weight"], files["model.embed_tokens.weight"])
+    assert torch.equal(files[layer + "shared_head.head.weight"], files["lm_head.weight"])
+
+    imported = model_config_from_hf(read_config(tmp_path / "out"), str(tmp_path / "out"))
+    assert imported.mtp_depth == 1
+    check_hf_names(tmp_path / "out", imported, "deepseek_v3")
+    state = whole_state(tmp_path / "out", imported)
+    names = [n for n in state if n.startswith("mtp.")]
+    saved = dcp_io.read_whole(find_checkpoint(str(tmp_path / "run")), [f"model.{n}" for n in names])
+    assert len(names) == 21  # (20 parameters and the routing bias)
+    assert all(torch.equal(state[n], saved[f"model.{n}"].float()) for n in names)

@@ -190,15 +190,20 @@ class TensorParallel:
 
     def _vocab_parallel(self, model: Transformer) -> None:
         """Hooks of the vocab-parallel embedding and head (a pipeline stage may have one, or neither)."""
-        lo = self.specs["tok_embeddings.weight"].local_box(tp_rank=self.rank)[0][0]  # this rank's first row
         if model.tok_embeddings is not None:
-            model.tok_embeddings.register_forward_hook(self._embedding_hook(lo), with_kwargs=False)
-            model.tok_embeddings.register_forward_pre_hook(self._embedding_pre_hook(lo))
+            self.hook_embedding(model.tok_embeddings)
         if model.output is None:
             return
         if model.cfg.tie_embeddings and model.tok_embeddings is not None:
             model.output.weight = model.tok_embeddings.weight
         model.output.register_forward_pre_hook(lambda m, args: (self._enter(args[0]),))
+
+    def hook_embedding(self, embedding: nn.Module) -> None:
+        """Make `embedding` (this rank's rows of the vocabulary) vocab-parallel: the embedding, or the
+        last stage's copy of it (fived.parallel.mtp_embedding)."""
+        lo = self.specs["tok_embeddings.weight"].local_box(tp_rank=self.rank)[0][0]  # this rank's first row
+        embedding.register_forward_hook(self._embedding_hook(lo), with_kwargs=False)
+        embedding.register_forward_pre_hook(self._embedding_pre_hook(lo))
 
     # forward -------------------------------------------------------------------------------------
     def _enter(self, x: torch.Tensor) -> torch.Tensor:

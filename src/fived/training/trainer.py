@@ -203,6 +203,8 @@ class Trainer:
             self.dp.before_micro_batch(is_last=True)
             if not self.activations.per_layer:
                 self.activations.start()
+            if self.plan.mtp_link is not None:  # (the last stage's copy of the embedding: this step's weights)
+                self.plan.mtp_link.sync_weights()
             with self.timer.span("bubble"), self._autocast(), self.plan.forward_context(self.activations):
                 loss_sum = self.pipeline.step(inputs, targets, extra) * self.global_tokens
             if self.activations.recording:
