@@ -244,6 +244,10 @@ def test_mtp_layers_export_and_import_as_released(tmp_path):
         assert layer + leaf + ".weight" in files, leaf
     assert torch.equal(files[layer + "embed_tokens.weight"], files["model.embed_tokens.weight"])
     assert torch.equal(files[layer + "shared_head.head.weight"], files["lm_head.weight"])
+    import transformers
+
+    _, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert not info["missing_keys"] and all(k.startswith(layer) for k in info["unexpected_keys"]), info
 
     imported = model_config_from_hf(read_config(tmp_path / "out"), str(tmp_path / "out"))
     assert imported.mtp_depth == 1
