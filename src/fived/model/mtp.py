@@ -11,7 +11,7 @@ influence a position that has one.
 
 The objective adds lambda x the mean over depths of the depth-k cross-entropy (each a mean over its
 global target count, so the value does not depend on the layout). The MTP losses reach the gradient
-through `AddLossGrad` on the main logits, as the MoE auxiliary loss does: the main loss function,
+through `AddLossGrad` on the main model's output before its head, as the MoE auxiliary loss does: the main loss function,
 pipeline schedules and activation checkpointing stay as they are. MTP runs only in training; the
 tokens it needs (`mtp_tokens`, from `fived.data.documents.future_tokens`) are cut by context
 parallelism like the inputs, so a shift that crosses a chunk boundary still reads the right token.
@@ -36,10 +36,15 @@ def plain_loss_sum(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Ten
     return (each * valid.flatten().to(each.dtype)).sum()
 
 
+def mtp_target_counts(m: ModelConfig, global_batch: int, seq_len: int) -> list[int]:
+    """The global batch's depth-k targets, k = 1..D (depth k has none at a sequence's last k positions)."""
+    return [global_batch * (seq_len - k) for k in range(1, m.mtp_depth + 1)]
+
+
 def mtp_loss_scales(m: ModelConfig, global_batch: int, seq_len: int) -> list[float]:
     """What each depth's summed cross-entropy is multiplied by in the objective: lambda / D over its
-    global target count (depth k has no target at a sequence's last k positions)."""
-    return [m.mtp_loss_weight / m.mtp_depth / (global_batch * (seq_len - k)) for k in range(1, m.mtp_depth + 1)]
+    global target count."""
+    return [m.mtp_loss_weight / m.mtp_depth / n for n in mtp_target_counts(m, global_batch, seq_len)]
 
 
 class AddLossGrad(torch.autograd.Function):

@@ -302,8 +302,8 @@ class Transformer(nn.Module):
             self.mtp = MultiTokenPrediction(
                 cfg, lambda lid: TransformerBlock(cfg, lid), lambda: RMSNorm(cfg.dim, cfg.norm_eps)
             )
-        # a pipeline's last stage without the embedding keeps a copy for MTP (fived.parallel.pipeline)
-        self.mtp_embeddings: nn.Embedding | None = None
+        # a pipeline's last stage without the embedding reads a copy for MTP (fived.parallel.mtp_embedding)
+        self.mtp_embeddings: nn.Module | None = None
 
     def forward(
         self,

@@ -24,6 +24,7 @@ from fived.data.loader import GlobalBatchSampler, check_data, end_of_document_id
 from fived.layout.flops import flops_per_token
 from fived.layout.rules import check_config
 from fived.model.ledger import ActivationLedger, model_state_bytes
+from fived.model.mtp import mtp_target_counts
 from fived.model.transformer import MoE, canonical_name
 from fived.optim.adamw import build_scheduler
 from fived.parallel.mesh import PRECISIONS, build_dtype
@@ -283,7 +284,7 @@ class Trainer:
             for losses in mtp.losses[-self.cfg.train.microbatches :]:  # (as the aux loss: see above)
                 out += losses.double()
             mtp.losses.clear()
-        counts = [self.cfg.train.global_batch * (self.cfg.train.seq_len - k) for k in range(1, m.mtp_depth + 1)]
+        counts = mtp_target_counts(m, self.cfg.train.global_batch, self.cfg.train.seq_len)
         return out / torch.tensor(counts, dtype=torch.float64, device=self.device)
 
     @torch.no_grad()
