@@ -173,10 +173,10 @@ def _pipeline_rules(need, m, p, t) -> None:
         "set it false, or use --pp 1",
     )
     need(
-        p.pp == 1 or m.mtp_depth == 0 or (p.zero <= 1 and not p.overlap_grad_reduce and not p.overlap_param_gather),
+        p.pp == 1 or m.mtp_depth == 0 or (p.zero <= 2 and not p.overlap_grad_reduce and not p.overlap_param_gather),
         "model.mtp_depth",
         m.mtp_depth,
-        "multi-token prediction under pipeline parallelism runs with ZeRO-0/1 without overlapped reductions "
+        "multi-token prediction under pipeline parallelism runs with ZeRO-0/1/2 without overlapped reductions "
         "(the last stage's copy of the embedding adds its gradient before the dp reduction)",
         "e.g. --zero 1 --parallel.overlap_grad_reduce false --parallel.overlap_param_gather false",
     )

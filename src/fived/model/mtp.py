@@ -52,14 +52,18 @@ class AddLossGrad(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, losses: torch.Tensor, scales: torch.Tensor, sink: list):
-        ctx.sink = sink
+        ctx.sink, ctx.logged = sink, False
         ctx.save_for_backward(losses, scales)
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         losses, scales = ctx.saved_tensors
-        ctx.sink.append(losses.detach())  # (once per micro-batch's backward, as the aux loss)
+        # Logged once per micro-batch: a zero-bubble schedule's weight pass runs this node again (it is
+        # where the input pass stopped), and needs the seeds again for the MTP weights' gradients.
+        if not ctx.logged:
+            ctx.sink.append(losses.detach())
+            ctx.logged = True
         return grad, scales.to(losses.dtype), None, None
 
 

@@ -5,7 +5,7 @@ As Megatron-Core does for a tied embedding, the last stage holds a copy of the w
 parameter of its own (no optimizer state, no checkpoint entry, counted once in the gradient norm):
 before each step's forward the first stage sends its (tp-local) weights to it, and after backward
 the copy's gradient is added to the embedding's, before the data-parallel reduction (so with
-ZeRO-0/1, whose gradients are still per-parameter then; the layout rules refuse the rest). Under a
+ZeRO-0/1/2 not overlapped, whose gradients are still per-parameter then; the layout rules refuse the rest). Under a
 V-shaped schedule both stages are on pipeline rank 0: the copy reads the embedding's own weights and
 adds its gradient straight into the embedding's.
 
