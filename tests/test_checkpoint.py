@@ -47,6 +47,8 @@ LAYOUTS = {
     ),
     "cp2-ep2": ("tiny-moe", 4, dict(parallel__cp=2, parallel__dp=2, parallel__ep=2, model__router_bias_rate=0.01)),
     "ep2-zero3": ("tiny-moe", 2, dict(parallel__dp=2, parallel__ep=2, parallel__zero=3)),
+    # multi-token prediction on the last stage: its copy of the embedding is no checkpoint entry
+    "pp2-mtp": ("tiny-deepseek-v3", 2, dict(parallel__pp=2, train__microbatches=2)),
 }
 
 
@@ -201,6 +203,11 @@ RESHARD = [
         dict(parallel__dp=4, parallel__dp_replicate=2, parallel__zero=1),
         dict(parallel__tp=4),
         {"model__tie_embeddings": True},
+    ),
+    (
+        dict(parallel__pp=2, train__microbatches=2),
+        dict(parallel__tp=2, parallel__sp=True),
+        {"model__name": "tiny-deepseek-v3"},
     ),
 ]
 

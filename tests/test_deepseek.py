@@ -12,7 +12,7 @@ from hf_models import hf_logits, save_hf_model
 from fived.config import model_preset
 from fived.hf.config_map import model_config_from_hf, read_config
 from fived.hf.init import check_hf_names, whole_state
-from fived.model.transformer import build_model
+from fived.model.transformer import build_model, rope_cos_sin
 from fived.testing import EXACT, tiny_config
 
 pytest.importorskip("transformers")
@@ -33,7 +33,8 @@ def test_tiny_preset_is_the_test_model(tmp_path):
     cfg = model_config_from_hf(read_config(tmp_path), str(tmp_path))
     preset = model_preset("tiny-deepseek-v3")
     differ = {k for k, v in vars(preset).items() if k != "name" and getattr(cfg, k) != v}
-    assert differ <= {"init_std", "aux_loss_coef"}, differ
+    # (transformers builds no multi-token prediction: its config says num_nextn_predict_layers 0)
+    assert differ <= {"init_std", "aux_loss_coef", "mtp_depth"}, differ
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
@@ -157,4 +158,102 @@ def test_tp_sp_ring_ep_zero1_match_one_device():
 
 
 def test_pp_ulysses_match_one_device():
+    """MTP on the last stage (1f1b), its copy of the embedding synced from the first stage and its
+    gradient added there; the future tokens cut by Ulysses' chunks."""
     _verify(4, parallel__pp=2, parallel__cp=2, parallel__cp_mode="ulysses", train__microbatches=2)
+
+
+def test_pp_zbv_mtp_match_one_device():
+    """V-shaped: the first and last stages on one rank; the zero-bubble weight pass still reaches the
+    MTP embedding's gradient (without it: 8.7e-2 relative)."""
+    _verify(2, parallel__pp=2, parallel__pp_schedule="zbv", train__microbatches=2, model__n_layers=4)
+
+
+def test_mtp_loss_is_the_reference_and_enters_the_gradient():
+    """Depth 1 by hand (token t+1's embedding and the main model's normed output h_t -> block -> head
+    predicts token t+2; the last position has no target): the loss MTP logs, and the gradient it adds
+    to a main-model weight is exactly its weight x that loss's gradient (so it is not zero)."""
+    from fived.data.documents import future_tokens
+
+    cfg = model_preset("tiny-deepseek-v3")
+    model = build_model(cfg, "cpu", torch.float64).train()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(
+                1 + 0.1 * torch.randn(p.shape, generator=gen)
+                if "norm" in name
+                else 0.1 * torch.randn(p.shape, generator=gen)
+            )
+    batch = torch.randint(0, cfg.vocab_size, (2, 17), generator=gen)
+    inputs, targets, s = batch[:, :-1], batch[:, 1:], batch.shape[1] - 1
+    weight = model.layers["0"].attention.wo.weight
+
+    def grad(loss):
+        model.zero_grad()
+        loss.backward()
+        return weight.grad.clone()
+
+    def main_loss(**kw):
+        logits = model(inputs, **kw)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+
+    model.mtp.loss_scales = [0.25]
+    with_mtp = grad(main_loss(mtp_tokens=future_tokens(batch, 1)))
+    logged = model.mtp.losses.pop().item()
+    without = grad(main_loss())
+
+    seen = {}
+    hook = model.norm.register_forward_hook(lambda m, a, out: seen.update(h=out))
+    model(inputs)
+    hook.remove()
+    module, positions = model.mtp["0"], torch.arange(s - 1)
+    cos, sin = rope_cos_sin(positions, cfg, torch.float64)
+    x = module.eh_proj(
+        torch.cat([module.enorm(model.tok_embeddings(inputs[:, 1:])), module.hnorm(seen["h"][:, :-1])], -1)
+    )
+    logits = model.output(module.norm(module.block(x, cos, sin)))
+    reference = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 2:].flatten(), reduction="sum")
+    assert abs(logged - reference.item()) <= EXACT * reference.item()
+    added = grad(0.25 * reference)
+    assert added.abs().max() > 1e-6
+    assert (with_mtp - without - added).abs().max() <= EXACT * added.abs().max()
+
+
+def test_mtp_layers_export_and_import_as_released(tmp_path):
+    """A run with MTP exports module k as layer n_layers + k, named as the released checkpoints
+    (enorm, hnorm, eh_proj, shared_head with copies of the embedding and head, a decoder layer's
+    tensors); importing it gives back every MTP tensor (transformers itself builds no MTP)."""
+    from safetensors.torch import load_file
+
+    from fived.checkpoint import dcp_io
+    from fived.checkpoint.checkpointer import find_checkpoint
+    from fived.cli.main import main
+    from fived.testing import run_on_ranks
+    from fived.training.trainer import run_training
+
+    cfg = tiny_config(
+        "tiny-deepseek-v3", train__steps=1, train__dtype="float32", train__output_dir=str(tmp_path / "run")
+    )
+    run_on_ranks(1, run_training, cfg, True, False)
+    assert main(["export", str(tmp_path / "run"), "--output", str(tmp_path / "out")]) == 0
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    files = load_file(tmp_path / "out" / "model.safetensors")
+    layer = "model.layers.3."
+    for leaf in ("enorm", "hnorm", "eh_proj", "shared_head.norm", "self_attn.kv_a_proj_with_mqa", "mlp.gate"):
+        assert layer + leaf + ".weight" in files, leaf
+    assert torch.equal(files[layer + "embed_tokens.weight"], files["model.embed_tokens.weight"])
+    assert torch.equal(files[layer + "shared_head.head.weight"], files["lm_head.weight"])
+    import transformers
+
+    _, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert not info["missing_keys"] and all(k.startswith(layer) for k in info["unexpected_keys"]), info
+
+    imported = model_config_from_hf(read_config(tmp_path / "out"), str(tmp_path / "out"))
+    assert imported.mtp_depth == 1
+    check_hf_names(tmp_path / "out", imported, "deepseek_v3")
+    state = whole_state(tmp_path / "out", imported)
+    names = [n for n in state if n.startswith("mtp.")]
+    saved = dcp_io.read_whole(find_checkpoint(str(tmp_path / "run")), [f"model.{n}" for n in names])
+    assert len(names) == 21  # (20 parameters and the routing bias)
+    assert all(torch.equal(state[n], saved[f"model.{n}"].float()) for n in names)

@@ -165,7 +165,7 @@ def test_a_bad_pair_is_one_line_before_start(tmp_path, capsys):
     idx = tmp_path / "corpus.idx"
     good = idx.read_bytes()
     idx.unlink()
-    _refused(capsys, _train(tmp_path, path), "data=", "needs corpus.json", "or corpus.idx")
+    _refused(capsys, _train(tmp_path, path), "data.path=", "needs corpus.json", "or corpus.idx")
     idx.write_bytes(b"NOTANIDX" + good[8:])
     _refused(capsys, _train(tmp_path, path), "not a Megatron index")
     idx.write_bytes(good[:-8])

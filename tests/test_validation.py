@@ -70,6 +70,12 @@ CASES = [
         "model.tie_embeddings",
         "across pipeline stages",
     ),
+    (
+        ["verify", "--pp", "2", "--dp", "2", "--zero", "3", "--microbatches", "2", "--model", "tiny-deepseek-v3"],
+        "model.mtp_depth",
+        "runs with ZeRO-0/1",
+    ),
+    (["verify", "--model", "tiny-deepseek-v3", "--model.mtp_depth", "-1"], "model.mtp_depth", "must be in 0.."),
     (["train", "--data.path", "/nonexistent/tokens.bin"], "data.path", "not found"),
     (
         ["verify", "--pp", "2", "--pp-virtual", "2", "--microbatches", "2"],

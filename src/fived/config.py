@@ -116,6 +116,9 @@ class ModelConfig:
     router_bias_rate: float = option(
         0.0, "> 0: aux-loss-free balancing (DeepSeek-V3): each expert's bias steps by this"
     )
+    # DeepSeek-V3's multi-token prediction (fived.model.mtp): D sequential modules on the last stage
+    mtp_depth: int = option(0, "multi-token prediction modules (module k predicts token t+k+1); 0: off")
+    mtp_loss_weight: float = option(0.3, "multi-token prediction: lambda x the depths' mean cross-entropy is added")
 
     @property
     def head_dim(self) -> int:
@@ -374,6 +377,7 @@ _DEEPSEEK_V3 = dict(
     n_expert_groups=8,
     topk_expert_groups=4,
     routed_scaling=2.5,
+    mtp_depth=1,
 )
 # Real shapes follow the published model cards; they are built on the meta device for planning.
 PRESETS: dict[str, dict[str, Any]] = {

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 CHUNKS_PER_RANK = 8
+NO_TARGET = -100  # multi-token prediction: a future token past the sequence's end
 
 
 def document_structure(inputs: torch.Tensor, end_of_document: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,11 +90,20 @@ class RankBatches:
     tokens, and with document masking each token's document and in-document position."""
 
     def __init__(
-        self, *, end_of_document: int | None, cp: int, cp_rank: int, balance: str, fixed_positions: torch.Tensor | None
+        self,
+        *,
+        end_of_document: int | None,
+        cp: int,
+        cp_rank: int,
+        balance: str,
+        fixed_positions: torch.Tensor | None,
+        mtp_depth: int = 0,
     ):
         """`end_of_document`: None without document masking; `fixed_positions`: the halves layout's
-        positions of this cp rank (context parallelism without document masking), else None."""
+        positions of this cp rank (context parallelism without document masking), else None;
+        `mtp_depth` > 0: also each token's next tokens (`future_tokens`), cut like the inputs."""
         self.end_of_document, self.cp, self.cp_rank, self.balance = end_of_document, cp, cp_rank, balance
+        self.mtp_depth = mtp_depth
         self.fixed_positions = fixed_positions
         self.last_rank_work: list[int] = []  # attention work per cp rank of the last batch (document masking)
 
@@ -108,10 +118,13 @@ class RankBatches:
 
     def __call__(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
         inputs, targets = batch[:, :-1], batch[:, 1:]
+        # (computed on the whole sequence, then cut: a shift across a cp chunk's edge reads the right token)
+        future = {"mtp_tokens": future_tokens(batch, self.mtp_depth)} if self.mtp_depth else {}
         if self.end_of_document is None:
             if self.fixed_positions is not None:
                 inputs, targets = inputs[:, self.fixed_positions], targets[:, self.fixed_positions]
-            return inputs, targets, {}
+                future = {k: v[:, self.fixed_positions] for k, v in future.items()}
+            return inputs, targets, future
         documents, positions = document_structure(inputs, self.end_of_document)
         if self.cp > 1:
             assignment = chunk_assignment(positions, self.cp, self.balance)
@@ -120,7 +133,16 @@ class RankBatches:
             inputs, targets, documents, positions = (
                 t.gather(1, index) for t in (inputs, targets, documents, positions)
             )
-        return inputs, targets, {"documents": documents, "positions": positions}
+            future = {k: v.gather(1, index[..., None].expand(-1, -1, v.shape[-1])) for k, v in future.items()}
+        return inputs, targets, {"documents": documents, "positions": positions, **future}
+
+
+def future_tokens(batch: torch.Tensor, depth: int) -> torch.Tensor:
+    """[b, S, depth+1]: for each input position t of rows [b, S+1], the tokens t+1 .. t+depth+1 (column
+    0: the targets), NO_TARGET past the row's end (fived.model.mtp reads a negative id as no target)."""
+    s = batch.shape[1] - 1
+    padded = torch.cat([batch, batch.new_full((batch.shape[0], depth), NO_TARGET)], dim=1)
+    return torch.stack([padded[:, 1 + j : 1 + j + s] for j in range(depth + 1)], dim=-1)
 
 
 def split_micro_batches(inputs: torch.Tensor, targets: torch.Tensor, extra: dict, micro: int):

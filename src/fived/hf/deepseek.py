@@ -55,6 +55,7 @@ def deepseek_config(hf: dict, source: str, rope: dict) -> ModelConfig:
         n_expert_groups=hf.get("n_group") or 1,
         topk_expert_groups=hf.get("topk_group") or 1,
         routed_scaling=float(hf.get("routed_scaling_factor", 1.0)),
+        mtp_depth=_mtp_depth(hf, source),
     )
     if rope["rope_type"] == "yarn":
         original = int(rope["original_max_position_embeddings"])
@@ -66,6 +67,18 @@ def deepseek_config(hf: dict, source: str, rope: dict) -> ModelConfig:
         cfg.rope_mscale = float(rope.get("mscale") or 0.0)
         cfg.rope_mscale_all_dim = float(rope.get("mscale_all_dim") or 0.0)
     return cfg
+
+
+def _mtp_depth(hf: dict, source: str) -> int:
+    """num_nextn_predict_layers when the checkpoint holds those layers (the released ones do; a
+    transformers-saved model does not: transformers builds no multi-token prediction), else 0."""
+    depth = int(hf.get("num_nextn_predict_layers") or 0)
+    if not depth:
+        return 0
+    from fived.hf.reader import HfCheckpoint
+
+    names = HfCheckpoint(source).names()  # (none in a directory without weights)
+    return depth if f"model.layers.{hf['num_hidden_layers']}.eh_proj.weight" in names else 0
 
 
 def deepseek_hf_config(cfg: ModelConfig) -> dict:
@@ -87,7 +100,7 @@ def deepseek_hf_config(cfg: ModelConfig) -> dict:
         "topk_group": cfg.topk_expert_groups,
         "routed_scaling_factor": cfg.routed_scaling,
         "rope_interleave": False,
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": cfg.mtp_depth,
     }
     if cfg.rope_scaling == "yarn":
         out["rope_scaling"] = {

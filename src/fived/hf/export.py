@@ -19,16 +19,16 @@ import torch
 
 from fived.config import ConfigError
 from fived.hf.config_map import export_kind, hf_config_from_model
-from fived.hf.names import fived_to_hf, has_hf_source, hf_source
+from fived.hf.names import fived_to_hf, has_hf_source, hf_source, mtp_copies
 from fived.hf.safetensors_out import StreamingSafetensorsWriter
 
 SHARD_BYTES = 5 * 10**9  # transformers' own default shard size
 
 
 def _hf_entries(name: str, shape: tuple[int, ...], cfg, kind: str) -> list[tuple[str, tuple[int, ...]]]:
-    source = hf_source(name, kind)
+    source = hf_source(name, kind, cfg.n_layers)
     if source.name:
-        return [(source.name, shape)]
+        return [(hf, shape) for hf in [source.name, *mtp_copies(name, cfg, kind)]]
     return [(hf, (shape[2], shape[1])) for hf in source.expert_names(cfg.n_experts)]
 
 
@@ -88,11 +88,21 @@ def _write_model(checkpoint: Path, cfg, out: Path, max_shard_bytes: int) -> None
     from fived.model.transformer import build_model, canonical_name
 
     kind = export_kind(cfg.model)
+    if cfg.model.mtp_depth and kind != "deepseek_v3":
+        raise ConfigError(
+            "model.mtp_depth",
+            cfg.model.mtp_depth,
+            f"a {kind} checkpoint has no multi-token prediction layers (DeepSeek-V3's do)",
+            "export a run trained with --model.mtp_depth 0",
+        )
     dtype = torch.float64 if cfg.train.dtype == "float64" else torch.float32  # (bf16 checkpoints hold float32 masters)
     tensors = []
     model = build_model(cfg.model)
     # (buffers a Hugging Face checkpoint holds too: DeepSeek-V3's routing biases)
-    held = [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if has_hf_source(n, kind))]
+    held = [
+        *model.named_parameters(),
+        *((n, b) for n, b in model.named_buffers() if has_hf_source(canonical_name(n), kind, cfg.model.n_layers)),
+    ]
     for raw, param in held:
         name = canonical_name(raw)
         tensors.append((name, _hf_entries(name, tuple(param.shape), cfg.model, kind), param.numel() * dtype.itemsize))

@@ -94,9 +94,10 @@ def fill_from_hf(directory: str | Path, kind: str, values: dict) -> None:
     checkpoint = HfCheckpoint(directory)
     hf = read_config(directory)
     interleaved = kind == "deepseek_v3" and hf.get("rope_interleave", True)
+    n_layers = hf["num_hidden_layers"]
     cfg = model_config_from_hf(hf, str(directory)) if interleaved else None
     for name, value in values.items():
-        source = hf_source(name, kind)
+        source = hf_source(name, kind, n_layers)
         if cfg is not None:
             source = dataclasses.replace(source, rows=deinterleaved_rows(name, cfg))
         for box, view in value.boxes:
@@ -113,9 +114,9 @@ def check_hf_names(directory: str | Path, cfg: ModelConfig, kind: str) -> None:
     model = build_model(cfg)
     for raw, param in [
         *model.named_parameters(),
-        *((n, b) for n, b in model.named_buffers() if has_hf_source(n, kind)),
+        *((n, b) for n, b in model.named_buffers() if has_hf_source(canonical_name(n), kind, cfg.n_layers)),
     ]:
-        source = hf_source(canonical_name(raw), kind)
+        source = hf_source(canonical_name(raw), kind, cfg.n_layers)
         if source.name:
             expected[source.name] = tuple(param.shape)
         else:
@@ -152,9 +153,12 @@ def load_initial_weights(source: str, values: dict, buffers: set[str]) -> None:
     this rank holds, in bf16 runs their float32 masters, and the buffers, named in `buffers`) from
     `source`; every rank calls this once the optimizer exists."""
     if is_hf_directory(source):
-        kind = read_config(source)["model_type"]
+        hf = read_config(source)
+        kind, n_layers = hf["model_type"], hf["num_hidden_layers"]
         # (buffers a checkpoint holds: DeepSeek-V3's routing biases; others start at zero)
-        params = {name: value for name, value in values.items() if name not in buffers or has_hf_source(name, kind)}
+        params = {
+            name: value for name, value in values.items() if name not in buffers or has_hf_source(name, kind, n_layers)
+        }
         fill_from_hf(source, kind, params)
         return
     from fived.checkpoint import dcp_io
@@ -174,8 +178,8 @@ def whole_state(directory: str | Path, cfg: ModelConfig, dtype: torch.dtype = to
     kind = read_config(directory)["model_type"]
     out, values = {}, {}
     model = build_model(cfg)
-    held = [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if has_hf_source(n, kind))]
-    for raw, param in held:
+    buffers = [(n, b) for n, b in model.named_buffers() if has_hf_source(canonical_name(n), kind, cfg.n_layers)]
+    for raw, param in [*model.named_parameters(), *buffers]:
         name = canonical_name(raw)
         out[name] = torch.empty(param.shape, dtype=dtype)
         values[name] = ShardedValue(

@@ -39,6 +39,15 @@ DEEPSEEK_LAYER = {
     "feed_forward.shared.w2.weight": "mlp.shared_experts.down_proj.weight",
     "feed_forward.router_bias": "mlp.gate.e_score_correction_bias",
 }
+# DeepSeek-V3's multi-token prediction module k is layer n_layers + k of the released checkpoints:
+# a decoder layer's tensors plus these (and copies of the embedding and head, written on export)
+MTP = {
+    "enorm.weight": "enorm.weight",
+    "hnorm.weight": "hnorm.weight",
+    "eh_proj.weight": "eh_proj.weight",
+    "norm.weight": "shared_head.norm.weight",
+}
+MTP_COPIES = {"tok_embeddings.weight": "embed_tokens.weight", "output.weight": "shared_head.head.weight"}
 TOP = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
     "norm.weight": "model.norm.weight",
@@ -87,10 +96,16 @@ class Source:
         return [self.per_expert.format(e=e) for e in range(n_experts)]
 
 
-def hf_source(name: str, kind: str) -> Source:
-    """The Source of fived parameter `name` in a checkpoint of architecture `kind`."""
+def hf_source(name: str, kind: str, n_layers: int = 0) -> Source:
+    """The Source of fived parameter `name` in a checkpoint of architecture `kind` (`n_layers`: the
+    main model's, after which DeepSeek-V3's multi-token prediction layers come)."""
     if name in TOP:
         return Source(TOP[name])
+    if name.startswith("mtp.") and kind == "deepseek_v3":
+        _, k, rest = name.split(".", 2)
+        if rest in MTP:
+            return Source(f"model.layers.{n_layers + int(k)}.{MTP[rest]}")
+        name = f"layers.{n_layers + int(k)}.{rest.removeprefix('block.')}"
     _, layer, rest = name.split(".", 2)
     prefix = f"model.layers.{layer}."
     if kind == "deepseek_v3" and rest in DEEPSEEK_LAYER:
@@ -106,10 +121,10 @@ def hf_source(name: str, kind: str) -> Source:
     raise KeyError(f"fived parameter {name} has no Hugging Face counterpart in {kind}")
 
 
-def has_hf_source(name: str, kind: str) -> bool:
+def has_hf_source(name: str, kind: str, n_layers: int = 0) -> bool:
     """Whether a checkpoint of architecture `kind` holds `name` (buffers: only DeepSeek's routing bias)."""
     try:
-        hf_source(name, kind)
+        hf_source(name, kind, n_layers)
     except (KeyError, ValueError):
         return False
     return True
@@ -134,7 +149,15 @@ def deinterleaved_rows(name: str, cfg: ModelConfig) -> tuple[int, ...] | None:
 
 def fived_to_hf(name: str, tensor, cfg: ModelConfig, kind: str) -> list[tuple[str, Any]]:
     """One whole fived tensor as the Hugging Face tensors it becomes (contiguous)."""
-    source = hf_source(name, kind)
+    source = hf_source(name, kind, cfg.n_layers)
     if source.name:
-        return [(source.name, tensor.contiguous())]
+        return [(hf, tensor.contiguous()) for hf in [source.name, *mtp_copies(name, cfg, kind)]]
     return [(hf, tensor[e].t().contiguous()) for e, hf in enumerate(source.expert_names(cfg.n_experts))]
+
+
+def mtp_copies(name: str, cfg: ModelConfig, kind: str) -> list[str]:
+    """The released DeepSeek-V3 checkpoints' copies of the embedding and head in each multi-token
+    prediction layer (fived shares them: written on export, not read on import)."""
+    if kind != "deepseek_v3" or name not in MTP_COPIES:
+        return []
+    return [f"model.layers.{cfg.n_layers + k}.{MTP_COPIES[name]}" for k in range(cfg.mtp_depth)]

@@ -71,3 +71,23 @@ def model_checks(m: ModelConfig) -> list[tuple]:
             ),
         ]
     return checks
+
+
+def mtp_checks(m: ModelConfig, seq_len: int) -> list[tuple]:
+    """(ok, field, value, rule, hint) of multi-token prediction's fields (fived.model.mtp)."""
+    return [
+        (
+            0 <= m.mtp_depth < seq_len,
+            "model.mtp_depth",
+            m.mtp_depth,
+            f"must be in 0..seq_len-1={seq_len - 1} (depth k predicts token t+k+1)",
+            "e.g. --model.mtp_depth 1",
+        ),
+        (
+            m.mtp_loss_weight >= 0,
+            "model.mtp_loss_weight",
+            m.mtp_loss_weight,
+            "must be >= 0",
+            "e.g. --model.mtp_loss_weight 0.3",
+        ),
+    ]

@@ -173,6 +173,14 @@ def _pipeline_rules(need, m, p, t) -> None:
         "set it false, or use --pp 1",
     )
     need(
+        p.pp == 1 or m.mtp_depth == 0 or (p.zero <= 2 and not p.overlap_grad_reduce and not p.overlap_param_gather),
+        "model.mtp_depth",
+        m.mtp_depth,
+        "multi-token prediction under pipeline parallelism runs with ZeRO-0/1/2 without overlapped reductions "
+        "(the last stage's copy of the embedding adds its gradient before the dp reduction)",
+        "e.g. --zero 1 --parallel.overlap_grad_reduce false --parallel.overlap_param_gather false",
+    )
+    need(
         p.pp_schedule in PP_SCHEDULES,
         "parallel.pp_schedule",
         p.pp_schedule,
@@ -371,6 +379,7 @@ def _model_errors(cfg: Config) -> list[ConfigError]:
             "e.g. --dtype bfloat16",
         ),
         *deepseek_rules.model_checks(m),
+        *deepseek_rules.mtp_checks(m, t.seq_len),
         *_fp8_checks(t, cfg.parallel),
         *_muon_checks(t),
         (

@@ -25,6 +25,7 @@ memory model and layer map read local shapes from it. Plain Python: no torch.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -216,6 +217,24 @@ def end_specs(m: ModelConfig, *, first: bool, last: bool, tp: int = 1, sp: bool 
     return tuple(out)
 
 
+def mtp_specs(m: ModelConfig, *, tp: int = 1, ep: int = 1, sp: bool = False, etp: int = 0) -> list[TensorSpec]:
+    """Multi-token prediction's modules (fived.model.mtp), on the last stage after the head: module
+    k's norms and 2d -> d projection replicated over tp (under SP each rank's sequence shard gives
+    them a part of their gradient), and its block (layer n_layers + k: MoE in DeepSeek-V3) cut as a
+    layer is."""
+    out = []
+    for k in range(m.mtp_depth):
+        pre, lid, partial = f"mtp.{k}.", m.n_layers + k, sp and tp > 1
+        out += [
+            TensorSpec(pre + n, (m.dim,), "head", -1, tp_partial_grad=partial) for n in ("enorm.weight", "hnorm.weight")
+        ]
+        out.append(TensorSpec(pre + "eh_proj.weight", (m.dim, 2 * m.dim), "head", -1, tp_partial_grad=partial))
+        block = layer_specs(m, lid, tp=tp, ep=ep, sp=sp, etp=etp)
+        out += [dataclasses.replace(b, name=pre + "block." + b.name.removeprefix(f"layers.{lid}.")) for b in block]
+        out.append(TensorSpec(pre + "norm.weight", (m.dim,), "head", -1, tp_partial_grad=partial))
+    return out
+
+
 def padded_vocab(m: ModelConfig, tp: int) -> int:
     return math.ceil(m.vocab_size / tp) * tp
 
@@ -238,7 +257,7 @@ def chunk_specs(
     out = [s for s in ends if s.part == "embedding"]
     for lid in layers:
         out += layer_specs(m, lid, tp=tp, ep=ep, sp=sp, etp=etp)
-    return out + [s for s in ends if s.part == "head"]
+    return out + [s for s in ends if s.part == "head"] + (mtp_specs(m, tp=tp, ep=ep, sp=sp, etp=etp) if last else [])
 
 
 def tensor_specs(m: ModelConfig, *, tp: int = 1, ep: int = 1, sp: bool = False, etp: int = 0) -> dict[str, TensorSpec]:

@@ -25,13 +25,20 @@ def stage_rank(stage: int, pp: int, schedule: str) -> int:
 
 
 def layer_costs(cfg: ModelConfig) -> tuple[list[int], int]:
-    """FLOPs-proportional cost of each layer, and of the output head (on the last stage)."""
+    """FLOPs-proportional cost of each layer, and of the output head (on the last stage, with the
+    multi-token prediction modules: each a block, its 2d -> d projection and the head again)."""
     d = cfg.dim
     attn = d * cfg.head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
     dense = 3 * d * cfg.ffn_dim
     moe = 3 * d * cfg.expert_dim * (cfg.top_k + cfg.n_shared_experts) + d * cfg.n_experts
     costs = [attn + (moe if cfg.is_moe and i >= cfg.n_dense_layers else dense) for i in range(cfg.n_layers)]
-    return costs, d * cfg.vocab_size
+    mtp = [attn + (moe if cfg.is_moe and i >= cfg.n_dense_layers else dense) for i in mtp_layer_ids(cfg)]
+    return costs, d * cfg.vocab_size + sum(mtp) + cfg.mtp_depth * (2 * d * d + d * cfg.vocab_size)
+
+
+def mtp_layer_ids(cfg: ModelConfig) -> range:
+    """The layer ids of the multi-token prediction modules' blocks (after the main model's)."""
+    return range(cfg.n_layers, cfg.n_layers + cfg.mtp_depth)
 
 
 def split_layers(cfg: ModelConfig, n_stages: int, override: str = "") -> list[list[int]]:

@@ -17,6 +17,7 @@ from torch import nn
 from fived.config import ModelConfig
 from fived.model.attention import document_attention
 from fived.model.grouped_gemm import grouped_swiglu
+from fived.model.mtp import MultiTokenPrediction
 from fived.model.routing import route
 from fived.model.yarn import rope_gain, yarn_frequencies
 
@@ -295,13 +296,26 @@ class Transformer(nn.Module):
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        # multi-token prediction (fived.model.mtp): on the last stage, after the head
+        self.mtp: MultiTokenPrediction | None = None
+        if cfg.mtp_depth:
+            self.mtp = MultiTokenPrediction(
+                cfg, lambda lid: TransformerBlock(cfg, lid), lambda: RMSNorm(cfg.dim, cfg.norm_eps)
+            )
+        # a pipeline's last stage without the embedding reads a copy for MTP (fived.parallel.mtp_embedding)
+        self.mtp_embeddings: nn.Module | None = None
 
     def forward(
-        self, tokens: torch.Tensor, positions: torch.Tensor | None = None, documents: torch.Tensor | None = None
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        documents: torch.Tensor | None = None,
+        mtp_tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`positions`: the tokens' rotary positions ([s], or [b, s]); `documents`: with document
         masking, each token's document ([b, s]; `positions` then count from its document's start).
-        Both describe the whole (local) sequence, also when hidden states are SP shards."""
+        Both describe the whole (local) sequence, also when hidden states are SP shards.
+        `mtp_tokens` ([b, s, D+1], training only): the next D+1 tokens of each position."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if positions is None:
             positions = self.positions
@@ -314,12 +328,18 @@ class Transformer(nn.Module):
         for layer in self.layers.values():
             h = layer(h, cos, sin, *masked)
         h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
+        if self.output is None:
+            return h
+        if self.mtp is not None and mtp_tokens is not None and self.training and torch.is_grad_enabled():
+            embed = self.tok_embeddings if self.tok_embeddings is not None else self.mtp_embeddings
+            h = self.mtp(h, mtp_tokens, embed, self.output, (cos, sin, *masked))
+        return self.output(h)
 
     def blocks(self) -> list[TransformerBlock]:
-        """This model's (a stage's: its own) blocks, in order; a wrapped block (checkpointed, compiled,
-        sharded) still reads as its block."""
-        return cast("list[TransformerBlock]", list(self.layers.values()))
+        """This model's (a stage's: its own) blocks, in order, the MTP modules' last; a wrapped block
+        (checkpointed, compiled, sharded) still reads as its block."""
+        mtp = self.mtp.blocks() if self.mtp is not None and self.output is not None else []
+        return cast("list[TransformerBlock]", list(self.layers.values()) + mtp)
 
 
 # ---------------------------------------------------------------------------------------------

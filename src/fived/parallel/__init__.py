@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,6 +32,9 @@ from fived.parallel.mesh import Mesh
 from fived.parallel.tensor import TensorParallel
 from fived.parallel.zero import ShardedOptimizerDataParallel
 
+if TYPE_CHECKING:
+    from fived.parallel.mtp_embedding import MTPEmbeddingLink
+
 
 def lm_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Sum of token cross-entropies, computed in at least float32."""
@@ -47,6 +51,7 @@ class ParallelPlan:
     # canonical name -> where this rank's piece of the parameter (or buffer) sits in the whole
     placements: dict[str, Placement] = field(default_factory=dict)
     global_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # every parameter, whole
+    mtp_link: MTPEmbeddingLink | None = None  # the last stage's copy of the embedding (fived.parallel.mtp_embedding)
 
     def init_placement(self, name: str) -> Placement:
         """Where this rank's parameter storage sits when it is initialised: its ZeRO-3 rows, or the
@@ -85,6 +90,8 @@ class ParallelPlan:
         """After the last micro-batch's backward: tensor-parallel partial sums, then the dp reduction
         (the part of it that overlapped backward completes first: both act on the same gradients)."""
         self.data_parallel.finish_backward()
+        if self.mtp_link is not None:  # (before the dp reduction: the first stage's gradient is still whole)
+            self.mtp_link.add_gradient()
         if self.tensor_parallel is not None:
             self.tensor_parallel.finish_gradients(self.data_parallel.named_grads(model_grads=True))
         self.data_parallel.reduce_gradients()

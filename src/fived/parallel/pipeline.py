@@ -38,7 +38,7 @@ def build_stage(cfg: ModelConfig, layers: list[int], first: bool, last: bool, dt
     if not first:
         model.tok_embeddings = None
     if not last:
-        model.norm, model.output = None, None
+        model.norm, model.output, model.mtp = None, None, None
     return model
 
 

@@ -9,10 +9,14 @@ from dataclasses import dataclass
 import torch
 
 from fived.config import Config
+from fived.layout.spec import layout_specs
+from fived.layout.stages import stage_rank
 from fived.model.init import InitStats, init_weights
+from fived.model.mtp import mtp_loss_scales
 from fived.model.transformer import MoE, build_model, keep_buffers_float32, materialize
 from fived.parallel import ParallelPlan, parallelize
 from fived.parallel.mesh import Mesh, build_dtype
+from fived.parallel.mtp_embedding import link_mtp_embedding
 from fived.parallel.pipeline import Pipeline
 
 
@@ -47,6 +51,9 @@ def build_rank(cfg: Config, world: int, *, device: str, timeout_s: float | None,
     for moe in (m for c in chunks for m in c.modules() if isinstance(m, MoE)):
         # (before parallelize: tensor parallelism divides it by tp)
         moe.aux_loss_scale = cfg.model.aux_loss_coef / cfg.train.global_batch
+    for chunk in chunks:
+        if chunk.mtp is not None:
+            chunk.mtp.loss_scales = mtp_loss_scales(cfg.model, cfg.train.global_batch, cfg.train.seq_len)
     plan = parallelize(chunks, mesh, cfg)  # on the meta device: nothing allocated yet
     stats = InitStats()
     for chunk in chunks:
@@ -54,6 +61,21 @@ def build_rank(cfg: Config, world: int, *, device: str, timeout_s: float | None,
         if init:  # each rank draws only the tiles of its own pieces (fived.model.init)
             init_weights(chunk, cfg.train.seed, plan.init_placement, stats)
         keep_buffers_float32(chunk)  # router biases move by small steps: not in bf16
+    if pipeline is not None and cfg.model.mtp_depth:
+        plan.mtp_link = _link_mtp_embedding(cfg, mesh, pipeline, chunks, plan, where, param_dtype)
     modules = plan.data_parallel.wrap(chunks)
     optimizer = plan.data_parallel.build_optimizer(plan.placements)
     return RankModel(mesh, where, pipeline, chunks, plan, modules, optimizer, stats)
+
+
+def _link_mtp_embedding(cfg: Config, mesh: Mesh, pipeline: Pipeline, chunks, plan: ParallelPlan, where, dtype):
+    """The last stage's copy of the embedding for multi-token prediction (fived.parallel.mtp_embedding)."""
+    specs = layout_specs(cfg.model, mesh.layout)
+    shape = specs["tok_embeddings.weight"].local_box(tp_rank=mesh.rank("tp") if mesh.tp > 1 else 0)[1]
+    last_rank = stage_rank(pipeline.n_stages - 1, mesh.pp, mesh.layout.pp_schedule)
+    link = link_mtp_embedding(
+        chunks, mesh, has_first=0 in pipeline.stage_ids, last_rank=last_rank, shape=shape, device=where, dtype=dtype
+    )
+    if link is not None and link.copy is not None and plan.tensor_parallel is not None:
+        plan.tensor_parallel.hook_embedding(link.copy)
+    return link

@@ -165,6 +165,8 @@ class TensorParallel:
                 # the auxiliary loss, computed identically on each rank, is seeded 1/tp per rank
                 moe.aux_loss_scale /= self.tp
         self._vocab_parallel(model)
+        if model.mtp is not None:
+            model.mtp.loss_sum = self.loss_sum
         if self.sp:
             model.sequence_shards = self.tp  # hidden states between pipeline stages are shards
 
@@ -188,15 +190,20 @@ class TensorParallel:
 
     def _vocab_parallel(self, model: Transformer) -> None:
         """Hooks of the vocab-parallel embedding and head (a pipeline stage may have one, or neither)."""
-        lo = self.specs["tok_embeddings.weight"].local_box(tp_rank=self.rank)[0][0]  # this rank's first row
         if model.tok_embeddings is not None:
-            model.tok_embeddings.register_forward_hook(self._embedding_hook(lo), with_kwargs=False)
-            model.tok_embeddings.register_forward_pre_hook(self._embedding_pre_hook(lo))
+            self.hook_embedding(model.tok_embeddings)
         if model.output is None:
             return
         if model.cfg.tie_embeddings and model.tok_embeddings is not None:
             model.output.weight = model.tok_embeddings.weight
         model.output.register_forward_pre_hook(lambda m, args: (self._enter(args[0]),))
+
+    def hook_embedding(self, embedding: nn.Module) -> None:
+        """Make `embedding` (this rank's rows of the vocabulary) vocab-parallel: the embedding, or the
+        last stage's copy of it (fived.parallel.mtp_embedding)."""
+        lo = self.specs["tok_embeddings.weight"].local_box(tp_rank=self.rank)[0][0]  # this rank's first row
+        embedding.register_forward_hook(self._embedding_hook(lo), with_kwargs=False)
+        embedding.register_forward_pre_hook(self._embedding_pre_hook(lo))
 
     # forward -------------------------------------------------------------------------------------
     def _enter(self, x: torch.Tensor) -> torch.Tensor:
@@ -267,9 +274,11 @@ class TensorParallel:
         return full.as_strided(shape, stride, offset)
 
     # loss ----------------------------------------------------------------------------------------
-    def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Vocab-parallel cross-entropy, summed over tokens; logits are this rank's vocab slice."""
-        return self.token_losses(logits, targets).sum()
+    def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """Vocab-parallel cross-entropy, summed over tokens (those `valid` marks, if given); logits are
+        this rank's vocab slice."""
+        each = self.token_losses(logits, targets)
+        return (each if valid is None else each * valid.to(each.dtype)).sum()
 
     def token_losses(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Vocab-parallel cross-entropy of each token (targets' shape), the same on every tp rank."""

@@ -104,7 +104,8 @@ def _parameter_shapes(key: tuple, tp: int, ep: int, n_dense: int, n_moe: int, fi
     if m.is_moe and m.n_dense_layers == 0:
         one_dense = _shape_list(ModelConfig(**{**dict(key), "n_experts": 0}), tp, ep, [0], False, False, etp)[0]
     one_moe = _shape_list(m, tp, ep, [m.n_layers - 1], False, False, etp) if m.is_moe else ([], [])
-    ends = _shape_list(m, tp, ep, [], first, last, etp)[0]
+    # (the ends: embedding, final norm, head, and the multi-token prediction modules with their experts)
+    ends, ends_experts = _shape_list(m, tp, ep, [], first, last, etp)
     dense: dict = {}
     expert: dict = {}
     for shapes, times, box in (
@@ -112,6 +113,7 @@ def _parameter_shapes(key: tuple, tp: int, ep: int, n_dense: int, n_moe: int, fi
         (one_moe[0], n_moe, dense),
         (one_moe[1], n_moe, expert),
         (ends, 1, dense),
+        (ends_experts, 1, expert),
     ):
         for shape in shapes:
             box[shape] = box.get(shape, 0) + times
@@ -464,6 +466,7 @@ def _static_buffers(
     if layout.zero == 0 and layout.pp == 1 and layout.dp > 1:
         out += DDP_BUCKET_BYTES
     out += _reduction_pieces(layout, b, dense, unsharded - dense, every) if runtime.is_fived else 0
+    out += mtp_embedding_copy(m, layout, chunks, b)
     if layout.zero < 3:
         return out, 0
     # gathered weights in the compute dtype: the whole stage under pipelines (kept); otherwise the
@@ -473,6 +476,13 @@ def _static_buffers(
     per_layer = (unsharded - ends) / max(1, sum(len(c[0]) for c in chunks))
     out += int(unsharded if layout.pp > 1 else ends + 2 * per_layer) * gathered
     return out, unsharded * (runtime.grad_bytes or b)
+
+
+def mtp_embedding_copy(m: ModelConfig, layout: Layout, chunks, b: int) -> int:
+    """Multi-token prediction on a last stage without the embedding: its copy of the (tp-local)
+    embedding and the copy's gradient, in the weights' dtype (fived.parallel.mtp_embedding)."""
+    holds_last = any(last for _, _, last in chunks) and not any(first for _, first, _ in chunks)
+    return 2 * local_vocab(m, layout.tp) * m.dim * b if m.mtp_depth and holds_last else 0
 
 
 def _every_microbatch_buffers(m: ModelConfig, layout: Layout, chunks, b: int, owned: int) -> int:

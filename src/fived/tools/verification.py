@@ -30,7 +30,7 @@ TOLERANCE = 1e-9
 @dataclass
 class VerifyReport:
     rows: list[dict] = field(default_factory=list)  # per step: ref/layout loss, aux, grad norm
-    max_rel: dict[str, float] = field(default_factory=dict)  # loss, grad_norm, params (+ aux_loss)
+    max_rel: dict[str, float] = field(default_factory=dict)  # loss, grad_norm, params (+ aux_loss, mtp_loss)
     worst_param: str = ""
 
     @property
@@ -109,7 +109,7 @@ def reference_run(ref: Config) -> TrainResult:
 
 def compare(ref: TrainResult, lay: TrainResult) -> VerifyReport:
     report = VerifyReport()
-    keys = ["loss", "grad_norm"] + (["aux_loss"] if "aux_loss" in ref.metrics[0] else [])
+    keys = ["loss", "grad_norm"] + [k for k in ("aux_loss", "mtp_loss") if k in ref.metrics[0]]
     for key in keys:
         report.max_rel[key] = 0.0
     for r, l in zip(ref.metrics, lay.metrics, strict=True):

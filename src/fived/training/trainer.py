@@ -24,6 +24,7 @@ from fived.data.loader import GlobalBatchSampler, check_data, end_of_document_id
 from fived.layout.flops import flops_per_token
 from fived.layout.rules import check_config
 from fived.model.ledger import ActivationLedger, model_state_bytes
+from fived.model.mtp import mtp_target_counts
 from fived.model.transformer import MoE, canonical_name
 from fived.optim.adamw import build_scheduler
 from fived.parallel.mesh import PRECISIONS, build_dtype
@@ -83,6 +84,7 @@ class Trainer:
             cp_rank=self.mesh.rank("cp"),
             balance=cfg.parallel.cp_balance,
             fixed_positions=self.plan.positions,
+            mtp_depth=cfg.model.mtp_depth,
         )
         self.dp = self.plan.data_parallel
         self.init_stats = built.init_stats  # this rank's generator work: its share of the model (+ tile edges)
@@ -126,8 +128,9 @@ class Trainer:
     def _find_moe_layers(self, chunks) -> None:
         self.moe_layers = [m for c in chunks for m in c.modules() if isinstance(m, MoE)]
         self.moe_layer_ids = [
-            name for c in chunks for name, block in c.layers.items() if any(isinstance(m, MoE) for m in block.modules())
+            name for c in chunks for name, block in _named_blocks(c) if any(isinstance(m, MoE) for m in block.modules())
         ]  # (in moe_layers' order)
+        self.mtp_heads = [c.mtp for c in chunks if c.mtp is not None and c.output is not None]
         self.last_expert_load: torch.Tensor | None = None  # [local MoE layer, expert], the last step's
 
     def expert_load(self) -> dict[str, list[float]]:
@@ -205,6 +208,8 @@ class Trainer:
             self.dp.before_micro_batch(is_last=True)
             if not self.activations.per_layer:
                 self.activations.start()
+            if self.plan.mtp_link is not None:  # (the last stage's copy of the embedding: this step's weights)
+                self.plan.mtp_link.sync_weights()
             with self.timer.span("bubble"), self._autocast(), self.plan.forward_context(self.activations):
                 loss_sum = self.pipeline.step(inputs, targets, extra) * self.global_tokens
             if self.activations.recording:
@@ -274,6 +279,17 @@ class Trainer:
             loads.append(sum(load for _, load in entries))
             moe.aux_losses.clear()
         return aux_sum, loads
+
+    def _read_mtp_losses(self) -> torch.Tensor:
+        """This rank's part of each MTP depth's mean cross-entropy this step (zero off the last stage)."""
+        m = self.cfg.model
+        out = torch.zeros(m.mtp_depth, dtype=torch.float64, device=self.device)
+        for mtp in self.mtp_heads:
+            for losses in mtp.losses[-self.cfg.train.microbatches :]:  # (as the aux loss: see above)
+                out += losses.double()
+            mtp.losses.clear()
+        counts = mtp_target_counts(m, self.cfg.train.global_batch, self.cfg.train.seq_len)
+        return out / torch.tensor(counts, dtype=torch.float64, device=self.device)
 
     @torch.no_grad()
     def _balance_experts(self, loads: list[torch.Tensor]) -> float:
@@ -348,7 +364,7 @@ class Trainer:
                 by_source = self.source_losses.sums(
                     self.sampler.local_sources_at(step, self.mesh.rank("dp"), self.mesh.dp), t.microbatches, self.device
                 )
-                totals = torch.cat([torch.stack([loss_sum, aux_sum]), by_source])
+                totals = torch.cat([torch.stack([loss_sum, aux_sum]), self._read_mtp_losses(), by_source])
                 dist.all_reduce(totals, group=self.mesh.group("dp_cp"))
                 if self.pipeline:
                     dist.all_reduce(totals, group=self.mesh.group("pp"))
@@ -366,7 +382,10 @@ class Trainer:
             "peak_mem_mb": peak_memory_mb(self.device),
             "step_time_s": elapsed,
         }
-        record.update(self.source_losses.record(totals[2:], self.sampler.global_sources_at(step), t.seq_len))
+        depth = self.cfg.model.mtp_depth
+        if depth:  # the depths' mean cross-entropy (unweighted)
+            record["mtp_loss"] = totals[2 : 2 + depth].mean().item()
+        record.update(self.source_losses.record(totals[2 + depth :], self.sampler.global_sources_at(step), t.seq_len))
         record.update(self.batches.work_spread())  # (document masking under cp: the assignment's balance)
         if self.timer.enabled:
             record["breakdown"] = self.timer.breakdown()
@@ -475,6 +494,12 @@ class Trainer:
             record["val_loss"], record["val_ppl"] = val_loss, math.exp(min(val_loss, 700.0))
             record["eval_s"] = time.perf_counter() - eval_start
             self.shown["val_loss"] = f"{val_loss:.4f}"
+
+
+def _named_blocks(chunk):
+    """(layer id, block) of a chunk's blocks; an MTP module's block is named "mtp.{k}"."""
+    mtp = [(f"mtp.{k}", m.block) for k, m in chunk.mtp.items()] if chunk.mtp is not None and chunk.output else []
+    return list(chunk.layers.items()) + mtp
 
 
 def train_rank(
