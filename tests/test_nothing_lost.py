@@ -261,3 +261,26 @@ def test_a_hand_edited_config_toml_is_refused_on_resume_and_left_as_edited(tmp_p
     toml.unlink()
     assert main([*TRAIN, "--resume", str(run), "--steps", "3"]) == 0
     assert "\nlr = 0.003" in toml.read_text()
+
+
+def test_generate_names_a_tokenizer_left_behind_and_warns_past_the_trained_context(tmp_path, monkeypatch, capsys):
+    """A run records its tokenizer's path as given: from another directory `fived generate` says so in
+    one line (it was a traceback); a prompt longer than the trained context gets one warning line."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers, trainers
+
+    tok = tokenizers.Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(["the a of and to in"], trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
+    (tmp_path / "first").mkdir()
+    tok.save(str(tmp_path / "first" / "tokenizer.json"))
+    monkeypatch.chdir(tmp_path / "first")
+    assert _train(Path("run"), "--data.tokenizer", "tokenizer.json", "--model.vocab_size", "16") == 0
+    capsys.readouterr()
+    assert main(["generate", "run", "--prompt", "the " * 70, "--max-new-tokens", "2"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "reach 72 tokens, past the 64 the model was trained on" in err, err
+    monkeypatch.chdir(tmp_path)
+    assert main(["generate", "first/run", "--prompt", "the", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "was trained with the tokenizer 'tokenizer.json', not found from here" in err, err

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from fived.config import ConfigError
 
@@ -47,7 +48,6 @@ def add_generate_command(sub) -> None:
 def cmd_generate(ns: argparse.Namespace) -> int:
     import torch
 
-    from fived.data.loader import load_tokenizer
     from fived.parallel.process_group import device_type
     from fived.tools.generate import Sampling, describe_source, generate, load_model
 
@@ -70,10 +70,12 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     ranks = ns.nproc or ns.tp * ns.pp * ns.ep
     if ranks > 1 or len(ns.prompt) > 1 or ns.report:
         cfg, tokenizer_name, stop_ids = describe_source(ns.source)
-        tokenizer = load_tokenizer(tokenizer_name)
+        tokenizer = _tokenizer(ns.source, tokenizer_name)
+        _warn_past_context(ns, cfg, tokenizer)
         return _generate_on_ranks(ns, cfg, ranks, tokenizer, sampling, stop_ids, device)
     model, tokenizer_name, stop_ids = load_model(ns.source, getattr(torch, ns.dtype), device)
-    tokenizer = load_tokenizer(tokenizer_name)
+    tokenizer = _tokenizer(ns.source, tokenizer_name)
+    _warn_past_context(ns, None, tokenizer)
     prompt = _encoded(tokenizer, ns.prompt)[0]
     ids = generate(model, prompt, sampling, stop_ids)
     if ns.json:
@@ -81,6 +83,38 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     else:
         print(ns.prompt[0] + tokenizer.decode(ids))
     return 0
+
+
+def _tokenizer(source: str, name: str):
+    """The source's tokenizer, or one line: a run records the path it was given, which may be
+    relative to the directory it was started from."""
+    from pathlib import Path
+
+    from fived.data.loader import load_tokenizer
+
+    if name != "byte" and not Path(name).is_file():
+        where = "relative to the directory the run was started from" if not Path(name).is_absolute() else "moved"
+        raise ConfigError(
+            "source",
+            source,
+            f"was trained with the tokenizer {name!r}, not found from here ({where})",
+            "run fived generate from that directory, or put the tokenizer back at that path",
+        )
+    return load_tokenizer(name)
+
+
+def _warn_past_context(ns, model_cfg, tokenizer) -> None:
+    """One line when a prompt and its new tokens run past the positions the model was trained on."""
+    from fived.tools.generate import trained_context
+
+    context = trained_context(ns.source)
+    longest = max(len(tokenizer.encode(p)) for p in ns.prompt) + ns.max_new_tokens
+    if context and longest > context:
+        print(
+            f"fived generate: warning: the prompt and --max-new-tokens reach {longest} tokens, past the "
+            f"{context} the model was trained on; positions beyond it were never trained",
+            file=sys.stderr,
+        )
 
 
 def _encoded(tokenizer, prompts: list[str]) -> list[list[int]]:

@@ -138,6 +138,17 @@ def describe_source(source: str):
     return cfg, tokenizer, frozenset(stop if isinstance(stop, list) else [] if stop is None else [stop])
 
 
+def trained_context(source: str) -> int | None:
+    """The sequence length a run trained at, or a Hugging Face model's max_position_embeddings."""
+    from fived.hf.init import is_hf_directory
+
+    if is_hf_directory(source):
+        from fived.hf.config_map import read_config
+
+        return read_config(source).get("max_position_embeddings")
+    return _saved_run(source).train.seq_len
+
+
 def load_model(source: str, dtype: torch.dtype, device: str):
     """(model, tokenizer name or path, stop ids) from a run, a checkpoint or a Hugging Face directory."""
     from fived.hf.init import is_hf_directory
