@@ -105,11 +105,12 @@ def fill_from_hf(directory: str | Path, kind: str, values: dict) -> None:
                 view.copy_(checkpoint.read_box(source, box.offsets, box.sizes))
 
 
-def check_hf_names(directory: str | Path, cfg: ModelConfig, kind: str) -> None:
+def check_hf_names(directory: str | Path, cfg: ModelConfig, kind: str, field: str = "--init-from") -> None:
     """Every tensor the model needs is in the files with its shape, and nothing else is (one line)."""
     from fived.model.transformer import build_model, canonical_name
 
-    checkpoint = HfCheckpoint(directory)
+    checkpoint = HfCheckpoint(directory, field=field)
+    checkpoint.check_has_weights()
     expected = {}
     model = build_model(cfg)
     for raw, param in [
@@ -127,7 +128,7 @@ def check_hf_names(directory: str | Path, cfg: ModelConfig, kind: str) -> None:
         if name not in have or checkpoint.shape(name) != shape:
             found = "missing" if name not in have else f"of shape {list(checkpoint.shape(name))}"
             raise ConfigError(
-                "--init-from",
+                field,
                 str(directory),
                 f"tensor {name} is {found}; config.json implies {list(shape)}",
                 "give a complete model directory",
@@ -141,7 +142,7 @@ def check_hf_names(directory: str | Path, cfg: ModelConfig, kind: str) -> None:
     extra = sorted(have - set(expected) - mtp - ({"lm_head.weight"} if cfg.tie_embeddings else set()))
     if extra:
         raise ConfigError(
-            "--init-from",
+            field,
             str(directory),
             f"tensor {extra[0]} has no place in fived's model (an architecture difference)",
             "fived imports Llama, Qwen3, Mixtral and Qwen3-MoE",
@@ -176,6 +177,7 @@ def whole_state(directory: str | Path, cfg: ModelConfig, dtype: torch.dtype = to
     from fived.model.transformer import build_model, canonical_name
 
     kind = read_config(directory)["model_type"]
+    check_hf_names(directory, cfg, kind, field="source")
     out, values = {}, {}
     model = build_model(cfg)
     buffers = [(n, b) for n, b in model.named_buffers() if has_hf_source(canonical_name(n), kind, cfg.n_layers)]

@@ -17,14 +17,15 @@ from pathlib import Path
 
 import torch
 
+from fived.errors import ConfigError
 from fived.hf.names import Source
 
 SCALE_SUFFIX = "_scale_inv"  # (DeepSeek's FP8 checkpoints: "<...>.weight_scale_inv" per weight)
 
 
 class HfCheckpoint:
-    def __init__(self, directory: str | Path):
-        self.directory = Path(directory)
+    def __init__(self, directory: str | Path, *, field: str = "source"):
+        self.directory, self.field = Path(directory), field
         self._headers: dict[Path, object] = {}  # open handles, for names and shapes only (no data read)
         index = self.directory / "model.safetensors.index.json"
         if index.is_file():
@@ -40,8 +41,34 @@ class HfCheckpoint:
         from safetensors import safe_open
 
         if path not in self._headers:
-            self._headers[path] = safe_open(str(path), framework="pt")
+            try:
+                self._headers[path] = safe_open(str(path), framework="pt")
+            except Exception as e:  # (safetensors' SafetensorError: a truncated or foreign file)
+                raise ConfigError(
+                    self.field,
+                    str(path),
+                    f"not a readable safetensors file ({str(e).splitlines()[0] if str(e) else type(e).__name__})",
+                    "download or export the model again",
+                ) from None
         return self._headers[path]
+
+    def check_has_weights(self) -> None:
+        """One line for a directory whose weights fived cannot read: PyTorch pickles only, or none."""
+        if self.files:
+            return
+        pickles = sorted(p.name for p in self.directory.glob("*.bin")) + sorted(
+            p.name for p in self.directory.glob("*.pt*")
+        )
+        if pickles:
+            raise ConfigError(
+                self.field,
+                str(self.directory),
+                f"holds PyTorch pickle weights only ({pickles[0]}); fived reads safetensors and never unpickles",
+                "convert it with transformers: from_pretrained(dir).save_pretrained(new_dir) writes model.safetensors",
+            )
+        raise ConfigError(
+            self.field, str(self.directory), "holds no *.safetensors weights", "give a model directory with them"
+        )
 
     def names(self) -> set[str]:
         """The tensors of the model (FP8 block scales are part of their weight, not tensors of their own)."""
