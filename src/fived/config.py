@@ -94,6 +94,13 @@ class ModelConfig:
     qk_nope_head_dim: int = option(128, "latent attention: features per query/key head without rotation")
     qk_rope_head_dim: int = option(64, "latent attention: rotated features per head (the shared key's too)")
     v_head_dim: int = option(128, "latent attention: features per value head")
+    # Local attention (Mistral, Gemma 3, GPT-OSS): a windowed layer's query sees its own and the
+    # sliding_window - 1 tokens before it; window_pattern says which layers, cycled over the stack
+    # (w: windowed, g: global; "w": every layer, "wg": GPT-OSS's alternation, "wwwwwg": Gemma 3's)
+    sliding_window: int = option(0, "keys a windowed layer's query sees (itself included); 0: no windows")
+    window_pattern: str = option("w", "layers' kinds cycled over the stack: w windowed, g global (e.g. wg)")
+    attention_sinks: bool = option(False, "a learned logit per head joins every softmax with no value (GPT-OSS)")
+    attention_bias: bool = option(False, "biases on the query, key, value and output projections (GPT-OSS)")
     tie_embeddings: bool = option(False, "the output head shares the input embedding's weights")
     init_std: float = option(0.02, "standard deviation of the initial weights")
     n_experts: int = option(0, "routed experts per mixture-of-experts layer; 0: a dense model")
@@ -128,6 +135,11 @@ class ModelConfig:
     def rope_dim(self) -> int:
         """Rotated features per head (latent attention rotates only part of each head)."""
         return self.qk_rope_head_dim if self.is_mla else self.head_dim
+
+    def layer_window(self, layer_id: int) -> int:
+        """Keys a query of layer `layer_id` sees at most (itself included); 0: all before it."""
+        pattern = self.window_pattern or "w"
+        return self.sliding_window if pattern[layer_id % len(pattern)] == "w" else 0
 
     @property
     def is_moe(self) -> bool:
@@ -366,10 +378,50 @@ _DEEPSEEK_V3 = dict(
     topk_expert_groups=4,
     routed_scaling=2.5,
 )
+# GPT-OSS-120B's shapes (its config.json): 128 experts top-4, alternating windowed (128) and global
+# layers, per-head attention sinks and biases on every attention projection, YaRN x32 over 4096.
+# (Its experts' clamped SwiGLU with biases and its router's bias are not modelled: fived's experts.)
+_GPT_OSS = dict(
+    vocab_size=201088,
+    dim=2880,
+    n_layers=36,
+    n_heads=64,
+    n_kv_heads=8,
+    head_size=64,
+    ffn_dim=2880,
+    rope_theta=150000.0,
+    rope_scaling="yarn",
+    rope_factor=32.0,
+    rope_original_max_len=4096,
+    sliding_window=128,
+    window_pattern="wg",
+    attention_sinks=True,
+    attention_bias=True,
+    n_experts=128,
+    top_k=4,
+)
 # Real shapes follow the published model cards; they are built on the meta device for planning.
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(_TINY),
     "tiny-moe": dict(_TINY, n_experts=8, top_k=2, moe_ffn_dim=64, n_shared_experts=1),
+    "gpt-oss-120b": dict(_GPT_OSS),
+    # GPT-OSS's attention at CPU size: windows of 8 on layers 0 and 2, sinks, biases, 4 experts top-2
+    "tiny-gpt-oss": dict(
+        _GPT_OSS,
+        vocab_size=256,
+        dim=64,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        head_size=16,
+        ffn_dim=64,
+        rope_theta=10000.0,
+        rope_original_max_len=16,
+        rope_factor=4.0,
+        sliding_window=8,
+        n_experts=4,
+        top_k=2,
+    ),
     "llama3-8b": dict(
         vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, rope_theta=500000.0
     ),

@@ -11,7 +11,7 @@ import math
 from dataclasses import fields
 
 from fived.config import Config, ConfigError, ModelConfig, TrainConfig
-from fived.layout import deepseek_rules
+from fived.layout import deepseek_rules, window_rules
 from fived.layout.bounds import largest_divisor, number_errors
 from fived.layout.expert_rules import expert_rules
 from fived.layout.layout import (
@@ -371,6 +371,8 @@ def _model_errors(cfg: Config) -> list[ConfigError]:
             "e.g. --dtype bfloat16",
         ),
         *deepseek_rules.model_checks(m),
+        *window_rules.model_checks(m),
+        *window_rules.layout_checks(m, cfg.parallel),
         *_fp8_checks(t, cfg.parallel),
         *_muon_checks(t),
         (

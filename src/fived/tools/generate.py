@@ -102,6 +102,7 @@ def generate(
 ) -> list[int]:
     """The ids generated after `prompt` (at most max_new_tokens; ends early at a stop id)."""
     model.eval()
+    refuse_local_attention(model.cfg)
     for block in model.blocks():
         block.attention.core = KVCachedAttentionCore(len(prompt) + sampling.max_new_tokens)
     device = next(model.parameters()).device
@@ -135,7 +136,17 @@ def describe_source(source: str):
         run = _saved_run(source)
         cfg, tokenizer = run.model, run.data.tokenizer
         stop = run_special_tokens(run).get("eos_token_id")
+    refuse_local_attention(cfg)
     return cfg, tokenizer, frozenset(stop if isinstance(stop, list) else [] if stop is None else [stop])
+
+
+def refuse_local_attention(cfg) -> None:
+    """The one-line refusal of a model whose windows or sinks the KV cache would not apply."""
+    from fived.layout.window_rules import generation_error
+
+    error = generation_error(cfg)
+    if error is not None:
+        raise ConfigError(*error)
 
 
 def load_model(source: str, dtype: torch.dtype, device: str):

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from fived.config import Config, ConfigError, ModelConfig, build_config
 from fived.layout.rules import layout_errors
 from fived.parallel import comm
-from fived.tools.generate import KVCachedAttentionCore, Sampling, next_token
+from fived.tools.generate import KVCachedAttentionCore, Sampling, next_token, refuse_local_attention
 
 GENERATE_TIMEOUT_S = 300.0  # per collective
 
@@ -58,6 +58,7 @@ def generation_config(
 ) -> Config:
     """The config the generation ranks build from: training's layout rules checked, each refusal one
     line naming `fived generate`'s flag."""
+    refuse_local_attention(model)
     if world % (tp * pp):
         raise ConfigError("--nproc", world, f"must be a multiple of --tp x --pp = {tp * pp}", f"e.g. --nproc {tp * pp}")
     if model.is_moe and model.capacity_factor > 0:  # (dropless routing only: padding would take capacity)

@@ -1,0 +1,134 @@
+"""Sliding windows and attention sinks (fived.model.attention) against an explicit float64 reference
+written as transformers' eager GPT-OSS attention computes it: scores, the causal / window / document
+mask, each head's sink logit appended to the row, softmax, the sink's column dropped."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fived.config import model_preset
+from fived.model import attention
+from fived.model.init import init_weights
+from fived.model.transformer import build_model, materialize
+
+
+def reference(q, k, v, documents, window, sinks):
+    """[b, s, h, d] in and out."""
+    b, s, h, d = q.shape
+    groups = h // k.shape[2]
+    k, v = (t.repeat_interleave(groups, 2) for t in (k, v))
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * d**-0.5
+    pos = torch.arange(s)
+    allowed = pos[None, :] <= pos[:, None]
+    if window:
+        allowed = allowed & (pos[None, :] > pos[:, None] - window)
+    allowed = allowed[None, None] & (documents[:, None, :, None] == documents[:, None, None, :])
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, sinks[None, :, None, None].expand(b, h, s, 1)], dim=-1)
+    probs = torch.softmax(scores, dim=-1)[..., :s]
+    return torch.einsum("bhqk,bkhd->bqhd", probs, v)
+
+
+def _positions(documents):
+    """Each token's position within its document."""
+    starts = torch.zeros_like(documents)
+    for row in range(documents.shape[0]):
+        for i in range(1, documents.shape[1]):
+            same = documents[row, i] == documents[row, i - 1]
+            starts[row, i] = starts[row, i - 1] if same else i
+    return torch.arange(documents.shape[1])[None] - starts
+
+
+@pytest.mark.parametrize(
+    "window,sinks,docs", [(7, True, True), (7, False, False), (0, True, False), (5, True, False), (300, True, True)]
+)
+def test_window_and_sinks_match_the_reference(window, sinks, docs):
+    torch.manual_seed(0)
+    b, s, h, hkv, d = 2, 45, 4, 2, 8
+    q, k, v = (torch.randn(b, s, n, d, dtype=torch.float64, requires_grad=True) for n in (h, hkv, hkv))
+    sink = torch.randn(h, dtype=torch.float64, requires_grad=True) if sinks else None
+    if docs:
+        documents = torch.tensor([[0] * 20 + [1] * 3 + [2] * 22, [5] * 9 + [6] * 36])
+    else:
+        documents = torch.zeros(b, s, dtype=torch.long)
+    positions = _positions(documents) if docs else torch.arange(s)
+    got = attention.document_attention(q, k, v, documents if docs else None, positions, window=window, sinks=sink)
+    want = reference(q, k, v, documents, window, sink)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    grad = torch.randn_like(want)
+    inputs = [q, k, v] + ([sink] if sinks else [])
+    got_grads = torch.autograd.grad(got, inputs, grad)
+    want_grads = torch.autograd.grad(want, inputs, grad)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
+
+
+def test_windowed_tiles_compute_about_the_window():
+    """A windowed row's pieces hold at most `window` queries and fewer than 2 x window keys each, so
+    the work is bounded by the window, not the sequence."""
+    keys = torch.arange(1000)[None]
+    pieces = attention._pieces(keys, keys, 64)
+    assert all(q1 - q0 <= 64 and k1 - k0 < 128 for _, q0, q1, k0, k1, _ in pieces)
+    assert sum((q1 - q0) * (k1 - k0) for _, q0, q1, k0, k1, _ in pieces) < 1000 * 128
+
+
+def _model(name, **changes):
+    cfg = model_preset(name)
+    cfg = type(cfg)(**{**cfg.__dict__, **changes})
+    model = build_model(cfg, "meta", torch.float64)
+    materialize(model, "cpu")
+    init_weights(model, seed=3)
+    return model
+
+
+def test_tiny_gpt_oss_windows_sinks_and_biases_change_the_output():
+    """Each feature is on in the preset and changes the logits (a window wider than the sequence,
+    sinks at -inf and zero biases give the plain model's)."""
+    tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
+    full = _model("tiny-gpt-oss")
+    logits = full(tokens)
+    assert full.layers["0"].attention.core.window == 8 and full.layers["1"].attention.core.window == 0
+    plain = _model("tiny-gpt-oss", sliding_window=0)
+    assert not torch.allclose(logits, plain(tokens))
+    with torch.no_grad():
+        for block in full.blocks():
+            block.attention.sinks.fill_(float("-inf"))
+            for p in (block.attention.wq.bias, block.attention.wk.bias, block.attention.wv.bias):
+                p.zero_()
+            block.attention.wo_bias.zero_()
+    for block in full.blocks():
+        block.attention.core.window = 1000
+    reference_model = _model("tiny-gpt-oss", sliding_window=0, attention_sinks=False, attention_bias=False)
+    missing, unexpected = reference_model.load_state_dict(full.state_dict(), strict=False)
+    assert not missing and len(unexpected) == 4 * 5  # (4 biases and the sinks per layer)
+    torch.testing.assert_close(full(tokens), reference_model(tokens), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "overrides,field",
+    [
+        ({"parallel.cp": 2}, "parallel.cp"),
+        ({"parallel.tp": 2, "parallel.sp": True, "parallel.tp_overlap": True}, "parallel.tp_overlap"),
+        ({"model.window_pattern": "wx"}, "model.window_pattern"),
+        ({"model.sliding_window": -1}, "model.sliding_window"),
+    ],
+)
+def test_layouts_windows_do_not_run_yet_are_refused_in_one_line(overrides, field):
+    from fived.config import ConfigError, build_config
+    from fived.layout.rules import check_config
+
+    cfg = build_config(overrides={"model.name": "tiny-gpt-oss", **overrides})
+    with pytest.raises(ConfigError) as e:
+        check_config(cfg, 2)
+    assert e.value.field == field
+
+
+def test_generation_refuses_windows_and_sinks():
+    from fived.config import ConfigError
+    from fived.tools.generate import Sampling, generate
+
+    with pytest.raises(ConfigError) as e:
+        generate(_model("tiny-gpt-oss"), [1, 2, 3], Sampling(max_new_tokens=2))
+    assert e.value.field == "model.sliding_window"
