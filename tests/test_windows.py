@@ -110,7 +110,12 @@ def test_tiny_gpt_oss_windows_sinks_and_biases_change_the_output():
     "overrides,field",
     [
         ({"parallel.cp": 2}, "parallel.cp"),
-        ({"parallel.tp": 2, "parallel.sp": True, "parallel.tp_overlap": True}, "parallel.tp_overlap"),
+        (
+            {"parallel.tp": 2, "parallel.sp": True, "parallel.etp": 1, "parallel.tp_overlap": True},
+            "parallel.tp_overlap",
+        ),
+        ({"parallel.tp": 2, "parallel.sp": True}, "parallel.etp"),
+        ({"train.fp8": "rowwise"}, "train.fp8"),
         ({"model.window_pattern": "wx"}, "model.window_pattern"),
         ({"model.sliding_window": -1}, "model.sliding_window"),
     ],

@@ -41,6 +41,7 @@ Device = Literal["auto", "cpu", "cuda"]
 OnSpike = Literal["stop", "rollback"]
 RopeScaling = Literal["none", "llama3", "yarn"]
 RouterScore = Literal["softmax", "sigmoid"]
+ExpertKind = Literal["swiglu", "gpt-oss"]
 ZeroStage = Literal[0, 1, 2, 3]
 
 
@@ -80,6 +81,7 @@ class ModelConfig:
     # mscales set the cos/sin gain and the softmax scale's correction (fived.model.rope)
     rope_beta_fast: float = option(32.0, "yarn scaling: frequencies above this many rotations are kept")
     rope_beta_slow: float = option(1.0, "yarn scaling: frequencies below this many rotations are divided")
+    rope_truncate: bool = option(True, "yarn scaling: round the ramp's ends outwards (GPT-OSS: false)")
     rope_mscale: float = option(0.0, "yarn scaling: mscale (0: absent; cos/sin gain 0.1 ln(factor) + 1)")
     rope_mscale_all_dim: float = option(
         0.0, "yarn scaling: mscale_all_dim (> 0: softmax scale times (0.1 x this x ln(factor) + 1)^2)"
@@ -115,6 +117,11 @@ class ModelConfig:
     n_expert_groups: int = option(1, "group-limited routing: the routed experts form this many equal groups")
     topk_expert_groups: int = option(1, "group-limited routing: a token's experts come from this many groups")
     routed_scaling: float = option(1.0, "the routed experts' output is multiplied by this (DeepSeek-V3: 2.5)")
+    # GPT-OSS (fived.model.gpt_oss_experts): a router with a bias; experts with biases and a clamped
+    # SwiGLU, gate * sigmoid(swiglu_alpha * gate) * (up + 1), gate <= swiglu_limit, |up| <= swiglu_limit
+    expert_kind: ExpertKind = option("swiglu", "routed experts: swiglu, or gpt-oss (biases, clamped SwiGLU)")
+    swiglu_alpha: float = option(1.702, "gpt-oss experts: the sigmoid's gain on the gate")
+    swiglu_limit: float = option(7.0, "gpt-oss experts: the gate's upper clamp and the up projection's +-clamp")
     capacity_factor: float = option(
         0.0, "0: dropless; > 0: an expert drops tokens beyond this x tokens x top_k / n_experts"
     )
@@ -380,7 +387,6 @@ _DEEPSEEK_V3 = dict(
 )
 # GPT-OSS-120B's shapes (its config.json): 128 experts top-4, alternating windowed (128) and global
 # layers, per-head attention sinks and biases on every attention projection, YaRN x32 over 4096.
-# (Its experts' clamped SwiGLU with biases and its router's bias are not modelled: fived's experts.)
 _GPT_OSS = dict(
     vocab_size=201088,
     dim=2880,
@@ -399,13 +405,15 @@ _GPT_OSS = dict(
     attention_bias=True,
     n_experts=128,
     top_k=4,
+    expert_kind="gpt-oss",
+    rope_truncate=False,
 )
 # Real shapes follow the published model cards; they are built on the meta device for planning.
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(_TINY),
     "tiny-moe": dict(_TINY, n_experts=8, top_k=2, moe_ffn_dim=64, n_shared_experts=1),
     "gpt-oss-120b": dict(_GPT_OSS),
-    # GPT-OSS's attention at CPU size: windows of 8 on layers 0 and 2, sinks, biases, 4 experts top-2
+    # GPT-OSS at CPU size: windows of 8 on layers 0 and 2, sinks, biases, YaRN, 4 experts top-2
     "tiny-gpt-oss": dict(
         _GPT_OSS,
         vocab_size=256,

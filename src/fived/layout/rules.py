@@ -372,7 +372,7 @@ def _model_errors(cfg: Config) -> list[ConfigError]:
         ),
         *deepseek_rules.model_checks(m),
         *window_rules.model_checks(m),
-        *window_rules.layout_checks(m, cfg.parallel),
+        *window_rules.layout_checks(m, cfg.parallel, t.fp8),
         *_fp8_checks(t, cfg.parallel),
         *_muon_checks(t),
         (

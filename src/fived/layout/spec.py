@@ -166,6 +166,13 @@ def _layer_specs(m: ModelConfig, moe_id: int, tp: int, ep: int, sp: bool, etp: i
         t("feed_forward.experts.w3", [e, d, f], _cut(2, etp), ep=by_ep, expert=True, **fold),
         t("feed_forward.experts.w2", [e, f, d], _cut(1, etp), ep=by_ep, expert=True, **fold),
     ]
+    if m.expert_kind == "gpt-oss":  # (the layout rules keep these experts whole over tp)
+        out += [
+            t("feed_forward.router.bias", [e], tp_partial_grad=tp > 1),
+            t("feed_forward.experts.b1", [e, f], _cut(1, etp), ep=by_ep, expert=True, **fold),
+            t("feed_forward.experts.b3", [e, f], _cut(1, etp), ep=by_ep, expert=True, **fold),
+            t("feed_forward.experts.b2", [e, d], ep=by_ep, expert=True, **fold),
+        ]
     if m.n_shared_experts:
         out += _mlp(t, "feed_forward.shared.", f * m.n_shared_experts, d, tp)
     out.append(t("feed_forward.router_bias", [e], buffer=True))

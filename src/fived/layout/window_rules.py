@@ -1,10 +1,12 @@
 """The rules of sliding windows, attention sinks and attention biases (GPT-OSS, Gemma 3, Mistral),
-and of the layouts they are verified under; each a one-line ConfigError (field, value, rule, a valid
+GPT-OSS's experts, and of the layouts they are verified under; each a one-line ConfigError (field, value, rule, a valid
 value) before any process starts.
 
 Context parallelism swaps the attention core for a ring or Ulysses exchange that knows neither the
 window nor the sinks, and generation's KV cache knows neither: both are refused with them, never
-run unverified. Tensor parallelism's overlapped regions run their projections without biases.
+run unverified. Tensor parallelism's overlapped regions run their projections without biases; a
+GPT-OSS expert's output bias would be added once per tp rank if its hidden size were split (they run
+whole: parallel.etp 1), and FP8's expert GEMMs have no biases.
 """
 
 from __future__ import annotations
@@ -39,9 +41,24 @@ def model_checks(m: ModelConfig) -> list[tuple]:
     ]
 
 
-def layout_checks(m: ModelConfig, p: ParallelConfig) -> list[tuple]:
+def layout_checks(m: ModelConfig, p: ParallelConfig, fp8: str = "none") -> list[tuple]:
     """(ok, field, value, rule, hint) of the layouts windows, sinks and biases run under."""
+    gpt_oss = m.is_moe and m.expert_kind == "gpt-oss"
     return [
+        (
+            not gpt_oss or p.tp == 1 or p.etp == 1,
+            "parallel.etp",
+            p.etp,
+            "gpt-oss experts (model.expert_kind) run whole under tensor parallelism: their output bias is not split",
+            "e.g. --parallel.etp 1",
+        ),
+        (
+            not gpt_oss or fp8 == "none",
+            "train.fp8",
+            fp8,
+            "FP8's expert GEMMs have no biases (model.expert_kind gpt-oss)",
+            "e.g. --train.fp8 none",
+        ),
         (
             p.cp == 1 or not uses_local_attention(m),
             "parallel.cp",

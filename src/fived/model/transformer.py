@@ -16,6 +16,7 @@ from torch import nn
 
 from fived.config import ModelConfig
 from fived.model.attention import document_attention
+from fived.model.gpt_oss_experts import ClampedSwiglu, biased_experts
 from fived.model.grouped_gemm import grouped_swiglu
 from fived.model.routing import route
 from fived.model.yarn import rope_gain, yarn_frequencies
@@ -152,13 +153,22 @@ class GroupedExperts(nn.Module):
     forward takes tokens already sorted by expert and the count per expert (a tensor: on a GPU it
     stays there); all experts run in one grouped call (`fived.model.grouped_gemm`)."""
 
-    def __init__(self, n_experts: int, dim: int, hidden: int):
+    def __init__(self, n_experts: int, dim: int, hidden: int, *, clamped: ClampedSwiglu | None = None):
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(n_experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(n_experts, dim, hidden))
         self.w2 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        # GPT-OSS's experts (fived.model.gpt_oss_experts): biases and the clamped SwiGLU
+        self.clamped = clamped
+        if clamped is not None:
+            self.b1 = nn.Parameter(torch.empty(n_experts, hidden))
+            self.b3 = nn.Parameter(torch.empty(n_experts, hidden))
+            self.b2 = nn.Parameter(torch.empty(n_experts, dim))
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        if self.clamped is not None:
+            weights = (self.w1, self.b1, self.w3, self.b3, self.w2, self.b2)
+            return biased_experts(x, weights, counts, self.clamped)
         return grouped_swiglu(x, self.w1, self.w3, self.w2, counts)
 
 
@@ -199,11 +209,13 @@ class MoE(nn.Module):
         self.cfg = cfg
         self.n_experts, self.top_k = cfg.n_experts, cfg.top_k
         self.capacity_factor = cfg.capacity_factor
-        self.router = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
+        gpt_oss = cfg.expert_kind == "gpt-oss"
+        self.router = nn.Linear(cfg.dim, cfg.n_experts, bias=gpt_oss)
         # Aux-loss-free balancing: added to the scores only to choose experts, never to the weights;
         # the trainer moves it after each step from the global load (zero and fixed by default).
         self.register_buffer("router_bias", torch.zeros(cfg.n_experts))
-        self.experts = GroupedExperts(cfg.n_experts, cfg.dim, cfg.expert_dim)
+        clamped = ClampedSwiglu(cfg.swiglu_alpha, cfg.swiglu_limit) if gpt_oss else None
+        self.experts = GroupedExperts(cfg.n_experts, cfg.dim, cfg.expert_dim, clamped=clamped)
         self.shared = FeedForward(cfg.dim, cfg.expert_dim * cfg.n_shared_experts) if cfg.n_shared_experts else None
         self.aux_loss_scale = 0.0  # set by the trainer: coef / sequences in the global batch
         self.last_aux_loss: torch.Tensor | None = None  # detached per-sequence sum of the last forward
