@@ -137,3 +137,18 @@ def test_generation_refuses_windows_and_sinks():
     with pytest.raises(ConfigError) as e:
         generate(_model("tiny-gpt-oss"), [1, 2, 3], Sampling(max_new_tokens=2))
     assert e.value.field == "model.sliding_window"
+
+
+def _verify(world, **layout):
+    from fived.testing import tiny_config
+    from fived.tools.verification import run_verify
+
+    cfg = tiny_config("tiny-gpt-oss", train__steps=2, data__document_mask=True, **layout)
+    report = run_verify(cfg, world, printer=lambda *_: None)
+    assert report.ok, report.max_relative_difference
+
+
+def test_gpt_oss_tp_sp_ep_zero1_with_documents_match_one_device():
+    """Windows, sinks, biases and GPT-OSS's experts under tp2 + sp (experts whole: etp 1) x ep2 x
+    ZeRO-1 with document masks, float64, against one device (`fived verify`)."""
+    _verify(4, parallel__tp=2, parallel__sp=True, parallel__etp=1, parallel__ep=2, parallel__zero=1)
