@@ -109,7 +109,6 @@ def test_tiny_gpt_oss_windows_sinks_and_biases_change_the_output():
 @pytest.mark.parametrize(
     "overrides,field",
     [
-        ({"parallel.cp": 2}, "parallel.cp"),
         (
             {"parallel.tp": 2, "parallel.sp": True, "parallel.etp": 1, "parallel.tp_overlap": True},
             "parallel.tp_overlap",
@@ -139,11 +138,11 @@ def test_generation_refuses_windows_and_sinks():
     assert e.value.field == "model.sliding_window"
 
 
-def _verify(world, **layout):
+def _verify(world, documents=True, **layout):
     from fived.testing import tiny_config
     from fived.tools.verification import run_verify
 
-    cfg = tiny_config("tiny-gpt-oss", train__steps=2, data__document_mask=True, **layout)
+    cfg = tiny_config("tiny-gpt-oss", train__steps=2, data__document_mask=documents, **layout)
     report = run_verify(cfg, world, printer=lambda *_: None)
     assert report.ok, report.max_relative_difference
 
@@ -152,3 +151,18 @@ def test_gpt_oss_tp_sp_ep_zero1_with_documents_match_one_device():
     """Windows, sinks, biases and GPT-OSS's experts under tp2 + sp (experts whole: etp 1) x ep2 x
     ZeRO-1 with document masks, float64, against one device (`fived verify`)."""
     _verify(4, parallel__tp=2, parallel__sp=True, parallel__etp=1, parallel__ep=2, parallel__zero=1)
+
+
+@pytest.mark.parametrize(
+    "world,documents,layout",
+    [
+        (2, False, dict(parallel__cp=2)),
+        (2, True, dict(parallel__cp=2, parallel__cp_mode="ulysses")),
+        (4, True, dict(parallel__cp=4, parallel__cp_mode="hybrid", parallel__cp_ulysses=2)),
+    ],
+    ids=["ring", "ulysses-documents", "hybrid-documents"],
+)
+def test_gpt_oss_context_parallel_matches_one_device(world, documents, layout):
+    """Windowed layers and sinks on the masked ring (without documents: keys from the halves
+    layout's positions), on Ulysses (a u-th of the heads, of the sinks too) and on both."""
+    _verify(world, documents, **layout)

@@ -2,9 +2,8 @@
 GPT-OSS's experts, and of the layouts they are verified under; each a one-line ConfigError (field, value, rule, a valid
 value) before any process starts.
 
-Context parallelism swaps the attention core for a ring or Ulysses exchange that knows neither the
-window nor the sinks, and generation's KV cache knows neither: both are refused with them, never
-run unverified. Tensor parallelism's overlapped regions run their projections without biases; a
+Generation's KV cache knows neither windows nor sinks: it refuses them, never runs unverified
+(context parallelism's ring and Ulysses cores take both: fived.parallel.context). Tensor parallelism's overlapped regions run their projections without biases; a
 GPT-OSS expert's output bias would be added once per tp rank if its hidden size were split (they run
 whole: parallel.etp 1), and FP8's expert GEMMs have no biases.
 """
@@ -58,13 +57,6 @@ def layout_checks(m: ModelConfig, p: ParallelConfig, fp8: str = "none") -> list[
             fp8,
             "FP8's expert GEMMs have no biases (model.expert_kind gpt-oss)",
             "e.g. --train.fp8 none",
-        ),
-        (
-            p.cp == 1 or not uses_local_attention(m),
-            "parallel.cp",
-            p.cp,
-            "context parallelism does not yet run sliding windows or attention sinks",
-            "e.g. --cp 1",
         ),
         (
             not (p.tp_overlap and p.tp > 1 and m.attention_bias),
