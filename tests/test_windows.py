@@ -166,3 +166,19 @@ def test_gpt_oss_context_parallel_matches_one_device(world, documents, layout):
     """Windowed layers and sinks on the masked ring (without documents: keys from the halves
     layout's positions), on Ulysses (a u-th of the heads, of the sinks too) and on both."""
     _verify(world, documents, **layout)
+
+
+def test_windowed_layer_flops_are_the_pairs_its_band_computes():
+    """The planner's and MFU's attention FLOPs of a windowed layer, relative to a global one, are the
+    ratio of the (query, key) pairs the window allows to the causal ones (counted from the mask)."""
+    from fived.layout.flops import attention_flops_per_token, layer_keys
+
+    s, w = 256, 32
+    keys = torch.arange(s)
+    ratio = attention._visible(keys, keys, w).sum().item() / attention._visible(keys, keys).sum().item()
+    assert layer_keys(w, s) / s == pytest.approx(ratio, rel=0.01)
+    assert layer_keys(0, s) == layer_keys(s, s) == s
+    cfg = model_preset("tiny-gpt-oss")  # windows of 8 on half the layers
+    plain = type(cfg)(**{**cfg.__dict__, "sliding_window": 0})
+    got = attention_flops_per_token(cfg, s) / attention_flops_per_token(plain, s)
+    assert got == pytest.approx((1 + layer_keys(8, s) / s) / 2)
