@@ -49,3 +49,16 @@ def test_gpt_oss_export_is_refused_in_one_line(tmp_path):
     with pytest.raises(ConfigError) as e:
         export_kind(cfg)
     assert e.value.field == "model.sliding_window"
+
+
+def test_gpt_oss_generate_equals_transformers(tmp_path):
+    """fived's KV-cached greedy ids (past the window of 8) equal transformers' generate."""
+    from fived.tools.generate import Sampling, generate
+
+    reference = save_hf_model("gpt_oss", tmp_path, dtype=torch.float64)
+    model, _ = _fived(tmp_path, torch.float64)
+    prompt = list(range(3, 15))
+    got = generate(model, prompt, Sampling(max_new_tokens=10))
+    ids = torch.tensor([prompt])
+    expected = reference.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=0)[0, len(prompt) :]
+    assert got == expected.tolist() and len(set(got)) > 3

@@ -1,21 +1,16 @@
 """The rules of sliding windows, attention sinks and attention biases (GPT-OSS, Gemma 3, Mistral),
-GPT-OSS's experts, and of the layouts they are verified under; each a one-line ConfigError (field, value, rule, a valid
-value) before any process starts.
+and of GPT-OSS's experts, under the layouts they are verified under; each a one-line ConfigError
+(field, value, rule, a valid value) before any process starts.
 
-Generation's KV cache knows neither windows nor sinks: it refuses them, never runs unverified
-(context parallelism's ring and Ulysses cores take both: fived.parallel.context). Tensor parallelism's overlapped regions run their projections without biases; a
-GPT-OSS expert's output bias would be added once per tp rank if its hidden size were split (they run
-whole: parallel.etp 1), and FP8's expert GEMMs have no biases.
+Context parallelism's ring and Ulysses cores and generation's KV cache take windows and sinks
+(fived.parallel.context, fived.tools.generate). Tensor parallelism's overlapped regions run their
+projections without biases; a GPT-OSS expert's output bias would be added once per tp rank if its
+hidden size were split (they run whole: parallel.etp 1), and FP8's expert GEMMs have no biases.
 """
 
 from __future__ import annotations
 
 from fived.config import ModelConfig, ParallelConfig
-
-
-def uses_local_attention(m: ModelConfig) -> bool:
-    """Whether some layer is windowed or attention has sinks (what the ring and the cache lack)."""
-    return (m.sliding_window > 0 and "w" in m.window_pattern) or m.attention_sinks
 
 
 def model_checks(m: ModelConfig) -> list[tuple]:
@@ -66,15 +61,3 @@ def layout_checks(m: ModelConfig, p: ParallelConfig, fp8: str = "none") -> list[
             "e.g. --parallel.tp_overlap false",
         ),
     ]
-
-
-def generation_error(m: ModelConfig) -> tuple | None:
-    """(field, value, rule, hint) when generation's KV cache cannot run this model, else None."""
-    if not uses_local_attention(m):
-        return None
-    return (
-        "model.sliding_window" if m.sliding_window else "model.attention_sinks",
-        m.sliding_window or m.attention_sinks,
-        "generation's KV cache does not yet run sliding windows or attention sinks",
-        "train or verify this model; generate with a model without them",
-    )

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from fived.config import Config, ConfigError, ModelConfig, build_config
 from fived.layout.rules import layout_errors
 from fived.parallel import comm
-from fived.tools.generate import KVCachedAttentionCore, Sampling, next_token, refuse_local_attention
+from fived.tools.generate import KVCachedAttentionCore, Sampling, next_token
 
 GENERATE_TIMEOUT_S = 300.0  # per collective
 
@@ -58,7 +58,6 @@ def generation_config(
 ) -> Config:
     """The config the generation ranks build from: training's layout rules checked, each refusal one
     line naming `fived generate`'s flag."""
-    refuse_local_attention(model)
     if world % (tp * pp):
         raise ConfigError("--nproc", world, f"must be a multiple of --tp x --pp = {tp * pp}", f"e.g. --nproc {tp * pp}")
     if model.is_moe and model.capacity_factor > 0:  # (dropless routing only: padding would take capacity)
@@ -215,7 +214,8 @@ class GenerationRank:
         for i, prompt in enumerate(prompts):
             tokens[i, longest - len(prompt) :] = torch.tensor(prompt)
             real[i, longest - len(prompt) :] = True
-        caches = [KVCachedAttentionCore(positions, real) for _ in self.chunk.layers]
+        windows = [getattr(block.attention.core, "window", 0) for block in self.chunk.layers.values()]
+        caches = [KVCachedAttentionCore(positions, real, window=window) for window in windows]
         for block, cache in zip(self.chunk.layers.values(), caches):
             block.attention.core = cache
         generators = [torch.Generator().manual_seed(sampling.seed) for _ in prompts]
