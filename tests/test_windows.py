@@ -189,3 +189,15 @@ def test_windowed_layer_flops_are_the_pairs_its_band_computes():
     plain = type(cfg)(**{**cfg.__dict__, "sliding_window": 0})
     got = attention_flops_per_token(cfg, s) / attention_flops_per_token(plain, s)
     assert got == pytest.approx((1 + layer_keys(8, s) / s) / 2)
+
+
+def test_planned_gpt_oss_layouts_keep_its_experts_whole_under_tp():
+    """The planner searches only layouts `fived train` accepts: a GPT-OSS layout with tp > 1 has etp 1."""
+    from fived.config import Config
+    from fived.layout.rules import layout_errors
+
+    cfg = Config(model=model_preset("gpt-oss-120b"))
+    cfg.parallel.tp, cfg.parallel.sp, cfg.parallel.dp = 2, True, 1
+    assert [e.field for e in layout_errors(cfg, 2)] == ["parallel.etp"]
+    cfg.parallel.etp = 1
+    assert layout_errors(cfg, 2) == []

@@ -71,6 +71,8 @@ def layout_errors(cfg: Config, world: int | None) -> list[ConfigError]:
     _context_rules(need, m, p)
     _pipeline_rules(need, m, p, t)
     _data_rules(need, m, p, t, dp)
+    for check in window_rules.layout_checks(m, p, t.fp8):  # (the planner reads these rules too)
+        need(*check)
     return errs
 
 
@@ -372,7 +374,6 @@ def _model_errors(cfg: Config) -> list[ConfigError]:
         ),
         *deepseek_rules.model_checks(m),
         *window_rules.model_checks(m),
-        *window_rules.layout_checks(m, cfg.parallel, t.fp8),
         *_fp8_checks(t, cfg.parallel),
         *_muon_checks(t),
         (
