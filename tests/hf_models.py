@@ -66,6 +66,20 @@ def hf_config(kind: str, **extra):
             norm_topk_prob=False,
             **extra,
         )
+    if kind == "gpt_oss":  # every feature of tiny-gpt-oss: windows of 8 on even layers, YaRN untruncated
+        rope = {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 16,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+        }
+        common.update(max_position_embeddings=64)  # (= factor x original, as transformers expects)
+        values = dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8)
+        values.update(extra)
+        return transformers.GptOssConfig(**common, rope_parameters=rope, **values)
     if kind == "deepseek_v3":  # every feature of tiny-deepseek-v3, interleaved rotary weights as released
         common.update(num_key_value_heads=4, intermediate_size=128, rms_norm_eps=1e-6, max_position_embeddings=64)
         rope = {
@@ -107,7 +121,9 @@ def save_hf_model(kind: str, directory, seed: int = 0, dtype=torch.float32, **ex
 
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(
-        hf_config(kind, **extra), attn_implementation="sdpa", experts_implementation="eager"
+        hf_config(kind, **extra),
+        attn_implementation="eager" if kind == "gpt_oss" else "sdpa",  # (GPT-OSS's sinks: eager only)
+        experts_implementation="eager",
     )
     with torch.no_grad():
         for name, param in model.named_parameters():

@@ -42,6 +42,7 @@ OnSpike = Literal["stop", "rollback"]
 TrackerName = Literal["none", "wandb", "mlflow"]
 RopeScaling = Literal["none", "llama3", "yarn"]
 RouterScore = Literal["softmax", "sigmoid"]
+ExpertKind = Literal["swiglu", "gpt-oss"]
 ZeroStage = Literal[0, 1, 2, 3]
 
 
@@ -81,6 +82,7 @@ class ModelConfig:
     # mscales set the cos/sin gain and the softmax scale's correction (fived.model.rope)
     rope_beta_fast: float = option(32.0, "yarn scaling: frequencies above this many rotations are kept")
     rope_beta_slow: float = option(1.0, "yarn scaling: frequencies below this many rotations are divided")
+    rope_truncate: bool = option(True, "yarn scaling: round the ramp's ends outwards (GPT-OSS: false)")
     rope_mscale: float = option(0.0, "yarn scaling: mscale (0: absent; cos/sin gain 0.1 ln(factor) + 1)")
     rope_mscale_all_dim: float = option(
         0.0, "yarn scaling: mscale_all_dim (> 0: softmax scale times (0.1 x this x ln(factor) + 1)^2)"
@@ -95,6 +97,13 @@ class ModelConfig:
     qk_nope_head_dim: int = option(128, "latent attention: features per query/key head without rotation")
     qk_rope_head_dim: int = option(64, "latent attention: rotated features per head (the shared key's too)")
     v_head_dim: int = option(128, "latent attention: features per value head")
+    # Local attention (Mistral, Gemma 3, GPT-OSS): a windowed layer's query sees its own and the
+    # sliding_window - 1 tokens before it; window_pattern says which layers, cycled over the stack
+    # (w: windowed, g: global; "w": every layer, "wg": GPT-OSS's alternation, "wwwwwg": Gemma 3's)
+    sliding_window: int = option(0, "keys a windowed layer's query sees (itself included); 0: no windows")
+    window_pattern: str = option("w", "layers' kinds cycled over the stack: w windowed, g global (e.g. wg)")
+    attention_sinks: bool = option(False, "a learned logit per head joins every softmax with no value (GPT-OSS)")
+    attention_bias: bool = option(False, "biases on the query, key, value and output projections (GPT-OSS)")
     tie_embeddings: bool = option(False, "the output head shares the input embedding's weights")
     init_std: float = option(0.02, "standard deviation of the initial weights")
     n_experts: int = option(0, "routed experts per mixture-of-experts layer; 0: a dense model")
@@ -109,6 +118,11 @@ class ModelConfig:
     n_expert_groups: int = option(1, "group-limited routing: the routed experts form this many equal groups")
     topk_expert_groups: int = option(1, "group-limited routing: a token's experts come from this many groups")
     routed_scaling: float = option(1.0, "the routed experts' output is multiplied by this (DeepSeek-V3: 2.5)")
+    # GPT-OSS (fived.model.gpt_oss_experts): a router with a bias; experts with biases and a clamped
+    # SwiGLU, gate * sigmoid(swiglu_alpha * gate) * (up + 1), gate <= swiglu_limit, |up| <= swiglu_limit
+    expert_kind: ExpertKind = option("swiglu", "routed experts: swiglu, or gpt-oss (biases, clamped SwiGLU)")
+    swiglu_alpha: float = option(1.702, "gpt-oss experts: the sigmoid's gain on the gate")
+    swiglu_limit: float = option(7.0, "gpt-oss experts: the gate's upper clamp and the up projection's +-clamp")
     capacity_factor: float = option(
         0.0, "0: dropless; > 0: an expert drops tokens beyond this x tokens x top_k / n_experts"
     )
@@ -132,6 +146,11 @@ class ModelConfig:
     def rope_dim(self) -> int:
         """Rotated features per head (latent attention rotates only part of each head)."""
         return self.qk_rope_head_dim if self.is_mla else self.head_dim
+
+    def layer_window(self, layer_id: int) -> int:
+        """Keys a query of layer `layer_id` sees at most (itself included); 0: all before it."""
+        pattern = self.window_pattern or "w"
+        return self.sliding_window if pattern[layer_id % len(pattern)] == "w" else 0
 
     @property
     def is_moe(self) -> bool:
@@ -379,10 +398,51 @@ _DEEPSEEK_V3 = dict(
     routed_scaling=2.5,
     mtp_depth=1,
 )
+# GPT-OSS-120B's shapes (its config.json): 128 experts top-4, alternating windowed (128) and global
+# layers, per-head attention sinks and biases on every attention projection, YaRN x32 over 4096.
+_GPT_OSS = dict(
+    vocab_size=201088,
+    dim=2880,
+    n_layers=36,
+    n_heads=64,
+    n_kv_heads=8,
+    head_size=64,
+    ffn_dim=2880,
+    rope_theta=150000.0,
+    rope_scaling="yarn",
+    rope_factor=32.0,
+    rope_original_max_len=4096,
+    sliding_window=128,
+    window_pattern="wg",
+    attention_sinks=True,
+    attention_bias=True,
+    n_experts=128,
+    top_k=4,
+    expert_kind="gpt-oss",
+    rope_truncate=False,
+)
 # Real shapes follow the published model cards; they are built on the meta device for planning.
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(_TINY),
     "tiny-moe": dict(_TINY, n_experts=8, top_k=2, moe_ffn_dim=64, n_shared_experts=1),
+    "gpt-oss-120b": dict(_GPT_OSS),
+    # GPT-OSS at CPU size: windows of 8 on layers 0 and 2, sinks, biases, YaRN, 4 experts top-2
+    "tiny-gpt-oss": dict(
+        _GPT_OSS,
+        vocab_size=256,
+        dim=64,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        head_size=16,
+        ffn_dim=64,
+        rope_theta=10000.0,
+        rope_original_max_len=16,
+        rope_factor=4.0,
+        sliding_window=8,
+        n_experts=4,
+        top_k=2,
+    ),
     "llama3-8b": dict(
         vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, rope_theta=500000.0
     ),

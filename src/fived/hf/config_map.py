@@ -7,6 +7,7 @@ Anything else (biases, another activation, sliding windows, other rope variants,
 MoE layers that are not a suffix of the stack) is refused, naming the key that differs.
 DeepSeek-V3 (fived.hf.deepseek): multi-head latent attention, YaRN, sigmoid group-limited routing;
 its multi-token-prediction layers (after num_hidden_layers) are not imported (transformers skips them).
+GPT-OSS (fived.hf.gpt_oss): sliding windows, sinks, attention biases, its experts; import only.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ ARCHITECTURES = {
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 
 
@@ -66,6 +68,10 @@ def model_config_from_hf(hf: dict, source: str) -> ModelConfig:
     kind = hf.get("model_type")
     if kind not in ARCHITECTURES:
         raise Unsupported(source, "model_type", kind, "fived expresses " + ", ".join(ARCHITECTURES))
+    if kind == "gpt_oss":
+        from fived.hf.gpt_oss import gpt_oss_config
+
+        return gpt_oss_config(hf, source, rope_parameters(hf))
     _refuse_differences(hf, source)
     if kind == "deepseek_v3":
         from fived.hf.deepseek import deepseek_config
@@ -218,10 +224,30 @@ def hf_config_from_model(cfg: ModelConfig, dtype: str, extra: dict | None = None
     return out
 
 
+def _refuse_gpt_oss_export(cfg: ModelConfig) -> None:
+    """GPT-OSS's parts have no place in the architectures fived exports (one line naming the field)."""
+    local: list[tuple[str, object, bool]] = [
+        ("model.sliding_window", cfg.sliding_window, cfg.sliding_window > 0),
+        ("model.attention_sinks", cfg.attention_sinks, cfg.attention_sinks),
+        ("model.attention_bias", cfg.attention_bias, cfg.attention_bias),
+        ("model.expert_kind", cfg.expert_kind, cfg.is_moe and cfg.expert_kind != "swiglu"),
+        ("model.rope_truncate", cfg.rope_truncate, not cfg.rope_truncate),
+    ]
+    for key, setting, used in local:
+        if used:
+            raise ConfigError(
+                key,
+                setting,
+                "fived does not yet export GPT-OSS's windows, sinks, biases or experts",
+                "export a model without them (e.g. --model.name tiny)",
+            )
+
+
 def export_kind(cfg: ModelConfig) -> str:
     """The Hugging Face architecture that computes what `cfg` computes (Llama or Qwen3 when dense;
     Mixtral or Qwen3-MoE with experts; DeepSeek-V3 with latent attention), or a ConfigError naming
     the field none of them has."""
+    _refuse_gpt_oss_export(cfg)
     if cfg.is_mla:
         from fived.hf.deepseek import check_exportable
 

@@ -118,7 +118,9 @@ def check_hf_names(directory: str | Path, cfg: ModelConfig, kind: str, field: st
         *((n, b) for n, b in model.named_buffers() if has_hf_source(canonical_name(n), kind, cfg.n_layers)),
     ]:
         source = hf_source(canonical_name(raw), kind, cfg.n_layers)
-        if source.name:
+        if source.name and source.columns is not None:  # (GPT-OSS's gate and up, interleaved)
+            expected[source.name] = (*param.shape[:-1], param.shape[-1] * source.columns[1])
+        elif source.name:
             expected[source.name] = tuple(param.shape)
         else:
             for hf in source.expert_names(cfg.n_experts):

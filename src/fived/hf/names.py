@@ -48,6 +48,25 @@ MTP = {
     "norm.weight": "shared_head.norm.weight",
 }
 MTP_COPIES = {"tok_embeddings.weight": "embed_tokens.weight", "output.weight": "shared_head.head.weight"}
+
+# GPT-OSS: biases on q/k/v/o, sinks, a router with a bias; the experts stacked as whole tensors,
+# gate and up interleaved in the columns of gate_up_proj (GPT_OSS_COLUMNS: (offset, step))
+GPT_OSS_LAYER = {
+    "attention.wq.bias": "self_attn.q_proj.bias",
+    "attention.wk.bias": "self_attn.k_proj.bias",
+    "attention.wv.bias": "self_attn.v_proj.bias",
+    "attention.wo_bias": "self_attn.o_proj.bias",
+    "attention.sinks": "self_attn.sinks",
+    "feed_forward.router.weight": "mlp.router.weight",
+    "feed_forward.router.bias": "mlp.router.bias",
+    "feed_forward.experts.w1": "mlp.experts.gate_up_proj",
+    "feed_forward.experts.w3": "mlp.experts.gate_up_proj",
+    "feed_forward.experts.w2": "mlp.experts.down_proj",
+    "feed_forward.experts.b1": "mlp.experts.gate_up_proj_bias",
+    "feed_forward.experts.b3": "mlp.experts.gate_up_proj_bias",
+    "feed_forward.experts.b2": "mlp.experts.down_proj_bias",
+}
+GPT_OSS_COLUMNS = {"w1": (0, 2), "w3": (1, 2), "b1": (0, 2), "b3": (1, 2)}
 TOP = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
     "norm.weight": "model.norm.weight",
@@ -91,6 +110,8 @@ class Source:
     per_expert: str = ""
     # DeepSeek's interleaved rotary features (rope_interleave): fived row r is the file's row rows[r]
     rows: tuple[int, ...] | None = None
+    # GPT-OSS's interleaved gate/up: fived's column c of the last dim is the file's offset + step * c
+    columns: tuple[int, int] | None = None
 
     def expert_names(self, n_experts: int) -> list[str]:
         return [self.per_expert.format(e=e) for e in range(n_experts)]
@@ -110,6 +131,8 @@ def hf_source(name: str, kind: str, n_layers: int = 0) -> Source:
     prefix = f"model.layers.{layer}."
     if kind == "deepseek_v3" and rest in DEEPSEEK_LAYER:
         return Source(prefix + DEEPSEEK_LAYER[rest])
+    if kind == "gpt_oss" and rest in GPT_OSS_LAYER:
+        return Source(prefix + GPT_OSS_LAYER[rest], columns=GPT_OSS_COLUMNS.get(rest.rsplit(".", 1)[-1]))
     if rest in LAYER:
         return Source(prefix + LAYER[rest])
     router, experts = MOE[kind]

@@ -113,6 +113,11 @@ class HfCheckpoint:
             lo = min(wanted)
             span = self.read(source.name, (lo, *offsets[1:]), (max(wanted) + 1 - lo, *sizes[1:]))
             return span[torch.tensor(wanted) - lo]
+        if source.name and source.columns is not None:  # (every step-th column of the last dim)
+            offset, step = source.columns
+            first = offset + step * offsets[-1]
+            span = self.read(source.name, (*offsets[:-1], first), (*sizes[:-1], step * (sizes[-1] - 1) + 1))
+            return span[..., ::step].contiguous()
         if source.name:
             return self.read(source.name, offsets, sizes)
         first, count = offsets[0], sizes[0]

@@ -8,6 +8,11 @@ parameter except the input embedding (a lookup), with only top_k routed experts 
 2d -> d projection and the shared head again; they run in training). The first term is forward (2N) + backward (4N); the second is
 attention's QK^T and AV products, without discounting the causal mask. Activation recomputation is
 not counted (this is MFU, not HFU).
+
+A windowed layer (model.sliding_window, window w < seq s) computes the (query, key) pairs of its
+band, s w - w (w - 1) / 2 of the causal s (s + 1) / 2; in the formula's units (seq_len keys per
+query for a causal layer) that is 2 w - w^2 / s keys per query, which is s at w = s and about 2 w
+when s >> w (`attention_keys`): the same ratio to a global layer as the pairs a kernel computes.
 """
 
 from __future__ import annotations
@@ -25,6 +30,23 @@ def matmul_params_per_token(cfg: ModelConfig) -> int:
     return int(sum(costs)) + norms + head
 
 
+def layer_keys(window: int, seq_len: int) -> float:
+    """Keys per query of one layer in the formula's units: seq_len for a global (causal) layer."""
+    if not window or window >= seq_len:
+        return float(seq_len)
+    return 2.0 * window - window * window / seq_len
+
+
+def attention_keys(cfg: ModelConfig, seq_len: int) -> float:
+    """Keys per query summed over the layers ((n_layers + mtp_depth) x seq_len without windows: each
+    multi-token prediction module's block attends globally)."""
+    main = sum(layer_keys(cfg.layer_window(i), seq_len) for i in range(cfg.n_layers))
+    return main + cfg.mtp_depth * float(seq_len)
+
+
+def attention_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    return 12.0 * cfg.n_heads * cfg.head_dim * attention_keys(cfg, seq_len)
+
+
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    attention_layers = cfg.n_layers + cfg.mtp_depth
-    return 6.0 * matmul_params_per_token(cfg) + 12.0 * attention_layers * cfg.n_heads * cfg.head_dim * seq_len
+    return 6.0 * matmul_params_per_token(cfg) + attention_flops_per_token(cfg, seq_len)

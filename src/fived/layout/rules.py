@@ -11,7 +11,7 @@ import math
 from dataclasses import fields
 
 from fived.config import Config, ConfigError, ModelConfig, TrainConfig
-from fived.layout import deepseek_rules
+from fived.layout import deepseek_rules, window_rules
 from fived.layout.bounds import largest_divisor, number_errors
 from fived.layout.expert_rules import expert_rules
 from fived.layout.layout import (
@@ -71,6 +71,8 @@ def layout_errors(cfg: Config, world: int | None) -> list[ConfigError]:
     _context_rules(need, m, p)
     _pipeline_rules(need, m, p, t)
     _data_rules(need, m, p, t, dp)
+    for check in window_rules.layout_checks(m, p, t.fp8):  # (the planner reads these rules too)
+        need(*check)
     return errs
 
 
@@ -380,6 +382,7 @@ def _model_errors(cfg: Config) -> list[ConfigError]:
         ),
         *deepseek_rules.model_checks(m),
         *deepseek_rules.mtp_checks(m, t.seq_len),
+        *window_rules.model_checks(m),
         *_fp8_checks(t, cfg.parallel),
         *_muon_checks(t),
         (

@@ -151,6 +151,7 @@ def _layer_specs(m: ModelConfig, moe_id: int, tp: int, ep: int, sp: bool, etp: i
             t("attention.wv.weight", [m.n_kv_heads * hd, d], _kv_cut(m, tp)),
             t("attention.wo.weight", [d, heads], _cut(1, tp)),
         ]
+        out += _attention_extras(t, m, tp, sp)
     if m.qk_norm:  # shared by heads: each rank's heads give it a part of the gradient
         out += [t(f"attention.{n}.weight", [hd], tp_partial_grad=tp > 1) for n in ("q_norm", "k_norm")]
     out.append(t("ffn_norm.weight", [d], tp_partial_grad=sp and tp > 1))
@@ -166,10 +167,34 @@ def _layer_specs(m: ModelConfig, moe_id: int, tp: int, ep: int, sp: bool, etp: i
         t("feed_forward.experts.w3", [e, d, f], _cut(2, etp), ep=by_ep, expert=True, **fold),
         t("feed_forward.experts.w2", [e, f, d], _cut(1, etp), ep=by_ep, expert=True, **fold),
     ]
+    if m.expert_kind == "gpt-oss":  # (the layout rules keep these experts whole over tp)
+        out += [
+            t("feed_forward.router.bias", [e], tp_partial_grad=tp > 1),
+            t("feed_forward.experts.b1", [e, f], _cut(1, etp), ep=by_ep, expert=True, **fold),
+            t("feed_forward.experts.b3", [e, f], _cut(1, etp), ep=by_ep, expert=True, **fold),
+            t("feed_forward.experts.b2", [e, d], ep=by_ep, expert=True, **fold),
+        ]
     if m.n_shared_experts:
         out += _mlp(t, "feed_forward.shared.", f * m.n_shared_experts, d, tp)
     out.append(t("feed_forward.router_bias", [e], buffer=True))
     return tuple(out)
+
+
+def _attention_extras(t, m: ModelConfig, tp: int, sp: bool) -> list[TensorSpec]:
+    """GPT-OSS's projection biases (q/k/v cut as their rows; wo's added after the heads' reduction,
+    a partial gradient under SP as the norms) and per-head sink logits (cut as the heads)."""
+    out = []
+    if m.attention_bias:
+        kv = m.n_kv_heads * m.head_dim
+        out += [
+            t("attention.wq.bias", [m.n_heads * m.head_dim], _cut(0, tp)),
+            t("attention.wk.bias", [kv], _kv_cut(m, tp)),
+            t("attention.wv.bias", [kv], _kv_cut(m, tp)),
+            t("attention.wo_bias", [m.dim], tp_partial_grad=sp and tp > 1),
+        ]
+    if m.attention_sinks:
+        out.append(t("attention.sinks", [m.n_heads], _cut(0, tp)))
+    return out
 
 
 def _latent_attention(t, m: ModelConfig, tp: int) -> list[TensorSpec]:

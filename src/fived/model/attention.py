@@ -22,6 +22,16 @@ for the rest (`_pieces`); the explicit masks are thus about a tile square:
     below (explicit scores, any dtype). A fused CUDA kernel for document masks (flex attention's
     block masks, varlen flash) is not wired in: no GPU here to verify it against this reference.
 Rows that see no key in a block get output 0 and log-sum-exp -inf, so merging the block is a no-op.
+
+Sliding windows (Mistral, Gemma 3, GPT-OSS): a windowed query also needs key position > its own -
+window. The same pieces serve: a tile's keys start at max(its document's start, its first query -
+window + 1), tiles hold at most `window` queries (so a tile computes under 2 x window keys), and
+every windowed piece carries its mask.
+
+Attention sinks (GPT-OSS): a learned logit per head joins every row's softmax with a zero value, so
+out' = out * exp(lse - lse') with lse' = logaddexp(lse, sink); the blocks' backward given (out', lse')
+is exact for q, k, v (as a ring's blocks given the global output), and d sink = -sum exp(sink - lse')
+* rowsum(dout * out') (`with_sinks`, `sink_grad`).
 """
 
 from __future__ import annotations
@@ -153,24 +163,35 @@ def _query_tiles(bounds: list[int]) -> list[tuple[int, int]]:
     return tiles
 
 
-def _pieces(qkeys: torch.Tensor, kkeys: torch.Tensor) -> list[tuple[int, int, int, int, int, bool]]:
+def _split_tiles(tiles: list[tuple[int, int]], window: int) -> list[tuple[int, int]]:
+    """Tiles of at most `window` queries (0: as they are)."""
+    if not window:
+        return tiles
+    return [(t, min(t + window, z)) for a, z in tiles for t in range(a, z, window)]
+
+
+def _pieces(qkeys: torch.Tensor, kkeys: torch.Tensor, window: int = 0) -> list[tuple[int, int, int, int, int, bool]]:
     """(row, first query, end query, first key, end key, masked) of every kernel call: each query tile
     that sees some key, its keys running from its first query's document start to its last query. A
     tile inside one document splits in two: the keys at or before its first query's position, which
-    every query of the tile sees (no mask), and the rest (masked; about the tile's own length)."""
+    every query of the tile sees (no mask), and the rest (masked; about the tile's own length). With a
+    `window`, a tile's keys start `window` - 1 before its first query and every piece is masked."""
     out = []
     for row in range(qkeys.shape[0]):
         docs = qkeys[row] >> DOCUMENT_SHIFT
         bounds = [0] + (torch.nonzero(docs[1:] != docs[:-1]).flatten() + 1).tolist() + [qkeys.shape[1]]
-        tiles = _query_tiles(bounds)
+        tiles = _split_tiles(_query_tiles(bounds), window)
         first = torch.tensor([a for a, _ in tiles], device=qkeys.device)
         last = torch.tensor([z - 1 for _, z in tiles], device=qkeys.device)
-        lo = torch.searchsorted(kkeys[row], (qkeys[row, first] >> DOCUMENT_SHIFT) << DOCUMENT_SHIFT).tolist()
+        start = (qkeys[row, first] >> DOCUMENT_SHIFT) << DOCUMENT_SHIFT
+        if window:  # (same document: key differences are position differences)
+            start = torch.maximum(start, qkeys[row, first] - (window - 1))
+        lo = torch.searchsorted(kkeys[row], start).tolist()
         mid = torch.searchsorted(kkeys[row], qkeys[row, first], right=True).tolist()
         hi = torch.searchsorted(kkeys[row], qkeys[row, last], right=True).tolist()
         one_document = (docs[first] == docs[last]).tolist()
         for (a, z), k0, km, k1, whole in zip(tiles, lo, mid, hi, one_document):
-            km = min(max(km, k0), k1) if whole else k0
+            km = min(max(km, k0), k1) if whole and not window else k0
             if km > k0:
                 out.append((row, a, z, k0, km, False))
             if k1 > km:
@@ -178,10 +199,11 @@ def _pieces(qkeys: torch.Tensor, kkeys: torch.Tensor) -> list[tuple[int, int, in
     return out
 
 
-def _visible(qkeys: torch.Tensor, kkeys: torch.Tensor) -> torch.Tensor:
-    """[sq, sk]: same document, key position <= query position."""
+def _visible(qkeys: torch.Tensor, kkeys: torch.Tensor, window: int = 0) -> torch.Tensor:
+    """[sq, sk]: same document, key position <= query position (and > query position - window)."""
     same = (qkeys[:, None] >> DOCUMENT_SHIFT) == (kkeys[None, :] >> DOCUMENT_SHIFT)
-    return same & (kkeys[None, :] <= qkeys[:, None])
+    seen = same & (kkeys[None, :] <= qkeys[:, None])
+    return seen & (kkeys[None, :] > qkeys[:, None] - window) if window else seen
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -197,20 +219,21 @@ def _accumulate(out, lse, o, l) -> None:
     lse.copy_(new)
 
 
-def masked_block_forward(q, k, v, qkeys, kkeys, scale: float):
+def masked_block_forward(q, k, v, qkeys, kkeys, scale: float, window: int = 0):
     """(output in at least float32, log-sum-exp) of q [b, hq, sq, d] attending to k, v [b, hkv, sk, d]
-    under the document mask of the order keys qkeys [b, sq], kkeys [b, sk] (each increasing)."""
+    under the document mask of the order keys qkeys [b, sq], kkeys [b, sk] (each increasing), and
+    the sliding `window` (0: none)."""
     acc = torch.promote_types(q.dtype, torch.float32)
     b, h, s, d = q.shape
     # [b, s, h, d] storage, so the caller's transpose back and reshape for wo is a view
     out = torch.zeros((b, s, h, d), dtype=acc, device=q.device).transpose(1, 2)
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
-    for row, q0, q1, k0, k1, masked in _pieces(qkeys, kkeys):
+    for row, q0, q1, k0, k1, masked in _pieces(qkeys, kkeys, window):
         args = (q[row : row + 1, :, q0:q1], k[row : row + 1, :, k0:k1], v[row : row + 1, :, k0:k1])
         if not masked:
             o, l = block_forward(*args, False, scale)
         else:
-            allowed = _visible(qkeys[row, q0:q1], kkeys[row, k0:k1])
+            allowed = _visible(qkeys[row, q0:q1], kkeys[row, k0:k1], window)
             if q.device.type == "cpu":
                 o, l = aten._scaled_dot_product_flash_attention_for_cpu(
                     *args, 0.0, False, attn_mask=_additive(allowed, q.dtype), scale=scale
@@ -223,12 +246,12 @@ def masked_block_forward(q, k, v, qkeys, kkeys, scale: float):
     return out, lse
 
 
-def masked_block_backward(dout, q, k, v, out, lse, qkeys, kkeys, scale: float):
+def masked_block_backward(dout, q, k, v, out, lse, qkeys, kkeys, scale: float, window: int = 0):
     """(dq, dk, dv), in at least float32, of one document-masked block, given the global output and
     log-sum-exp of these queries."""
     acc = torch.promote_types(q.dtype, torch.float32)
     dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (q, k, v))
-    for row, q0, q1, k0, k1, masked in _pieces(qkeys, kkeys):
+    for row, q0, q1, k0, k1, masked in _pieces(qkeys, kkeys, window):
         rows, keys = (
             (slice(row, row + 1), slice(None), slice(q0, q1)),
             (slice(row, row + 1), slice(None), slice(k0, k1)),
@@ -237,7 +260,7 @@ def masked_block_backward(dout, q, k, v, out, lse, qkeys, kkeys, scale: float):
         if not masked:
             g = block_backward(*args, False, scale)
         else:
-            mask = _additive(_visible(qkeys[row, q0:q1], kkeys[row, k0:k1]), q.dtype)
+            mask = _additive(_visible(qkeys[row, q0:q1], kkeys[row, k0:k1], window), q.dtype)
             if q.device.type == "cpu":
                 g = aten._scaled_dot_product_flash_attention_for_cpu_backward(
                     *args, 0.0, False, attn_mask=mask, scale=scale
@@ -250,25 +273,41 @@ def masked_block_backward(dout, q, k, v, out, lse, qkeys, kkeys, scale: float):
     return dq, dk, dv
 
 
+def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor):
+    """(out', lse') once each row's softmax also holds its head's sink logit (`sinks` [h])."""
+    total = torch.logaddexp(lse, sinks.to(lse.dtype)[None, :, None])
+    return out * torch.exp(lse - total)[..., None], total
+
+
+def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """d loss / d sinks [h], given the output and log-sum-exp with the sinks (`with_sinks`)."""
+    share = torch.exp(sinks.to(lse.dtype)[None, :, None] - lse)  # [b, h, s]: the sink's probability
+    return -(share * (dout.to(out.dtype) * out).sum(-1)).sum((0, 2))
+
+
 class DocumentAttention(torch.autograd.Function):
-    """Document-masked attention of q [b, hq, s, d] over k, v [b, hkv, s, d] (one device); keys [b, s]."""
+    """Document-masked (and windowed, and sinked) attention of q [b, hq, s, d] over k, v [b, hkv, s, d]
+    (one device); keys [b, s]; `sinks` [hq] or None."""
 
     @staticmethod
-    def forward(ctx, q, k, v, keys):
-        scale = q.shape[-1] ** -0.5
+    def forward(ctx, q, k, v, keys, sinks=None, window: int = 0, scale: float | None = None):
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
         with blockwise():
-            out, lse = masked_block_forward(q, k, v, keys, keys, scale)
+            out, lse = masked_block_forward(q, k, v, keys, keys, scale, window)
+        if sinks is not None:
+            out, lse = with_sinks(out, lse, sinks)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse, keys)
+        ctx.window, ctx.scale = window, scale
+        ctx.save_for_backward(q, k, v, out, lse, keys, sinks)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, keys = ctx.saved_tensors
-        dq, dk, dv = masked_block_backward(
-            dout.to(q.dtype).contiguous(), q, k, v, out, lse, keys, keys, q.shape[-1] ** -0.5
-        )
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+        q, k, v, out, lse, keys, sinks = ctx.saved_tensors
+        dout = dout.to(q.dtype).contiguous()
+        dq, dk, dv = masked_block_backward(dout, q, k, v, out, lse, keys, keys, ctx.scale, ctx.window)
+        dsinks = None if sinks is None else sink_grad(dout, out, lse, sinks).to(sinks.dtype)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, dsinks, None, None
 
 
 def kernel_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.dtype:
@@ -280,9 +319,20 @@ def kernel_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.dty
     return torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
 
 
-def document_attention(q, k, v, documents: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """[b, s, h, d] in and out: attention within documents (see the module's docstring)."""
+def document_attention(
+    q,
+    k,
+    v,
+    documents: torch.Tensor | None,
+    positions: torch.Tensor,
+    *,
+    window: int = 0,
+    sinks: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """[b, s, h, d] in and out: attention within documents (None: one per row), within a sliding
+    `window` (0: none), with per-head `sinks` (see the module's docstring)."""
     dtype = kernel_dtype(q, k, v)
     keys = order_keys(documents, positions, q.shape[0])
     q, k, v = (t.transpose(1, 2).to(dtype) for t in (q, k, v))
-    return DocumentAttention.apply(q, k, v, keys).transpose(1, 2)
+    return DocumentAttention.apply(q, k, v, keys, sinks, window, scale).transpose(1, 2)

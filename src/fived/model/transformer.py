@@ -16,6 +16,7 @@ from torch import nn
 
 from fived.config import ModelConfig
 from fived.model.attention import document_attention
+from fived.model.gpt_oss_experts import ClampedSwiglu, biased_experts
 from fived.model.grouped_gemm import grouped_swiglu
 from fived.model.mtp import MultiTokenPrediction
 from fived.model.routing import route
@@ -71,7 +72,12 @@ class RMSNorm(nn.Module):
 class CausalAttentionCore(nn.Module):
     """softmax(QK^T/sqrt(d)) V with a causal mask, or with `documents` (per-token document ids, and
     the tokens' in-document `positions`) within documents only (fived.model.attention). A module of its own
-    so that context parallelism can replace it without touching `Attention`."""
+    so that context parallelism can replace it without touching `Attention`. `window` > 0: a query
+    sees only the window's keys (itself included); `sinks` [heads]: GPT-OSS's sink logits."""
+
+    def __init__(self, *, window: int = 0):
+        super().__init__()
+        self.window = window
 
     def forward(
         self,
@@ -80,10 +86,12 @@ class CausalAttentionCore(nn.Module):
         v: torch.Tensor,
         documents: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if documents is not None:
-            assert positions is not None  # (document masking hands the in-document positions too)
-            return document_attention(q, k, v, documents, positions)
+        if documents is not None or self.window or sinks is not None:  # (the blockwise kernels)
+            if positions is None:
+                positions = torch.arange(q.shape[1], device=q.device)
+            return document_attention(q, k, v, documents, positions, window=self.window, sinks=sinks)
         # [b, s, h, d] -> [b, h, s, d]; kv heads are shared by groups of query heads (GQA).
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
@@ -91,14 +99,19 @@ class CausalAttentionCore(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer_id: int = 0):
         super().__init__()
         self.head_dim = cfg.head_dim
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        bias = cfg.attention_bias
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=bias)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=bias)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
-        self.core: nn.Module = CausalAttentionCore()  # (context parallelism and generation swap it)
+        # wo's bias is added by the block, after tensor parallelism's reduction of the heads' sum
+        self.wo_bias = nn.Parameter(torch.empty(cfg.dim)) if bias else None
+        self.sinks = nn.Parameter(torch.empty(cfg.n_heads)) if cfg.attention_sinks else None
+        # (context parallelism and generation swap it)
+        self.core: nn.Module = CausalAttentionCore(window=cfg.layer_window(layer_id))
         # Qwen3: each query and key head normalised before the rotation (weights shared by heads)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
@@ -117,7 +130,8 @@ class Attention(nn.Module):
         v = self.wv(x).view(b, s, -1, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        out = self.core(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, documents, positions)
+        sinks = {"sinks": self.sinks} if self.sinks is not None else {}
+        out = self.core(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, documents, positions, **sinks)
         return self.wo(out.reshape(b, s, -1))
 
 
@@ -140,13 +154,22 @@ class GroupedExperts(nn.Module):
     forward takes tokens already sorted by expert and the count per expert (a tensor: on a GPU it
     stays there); all experts run in one grouped call (`fived.model.grouped_gemm`)."""
 
-    def __init__(self, n_experts: int, dim: int, hidden: int):
+    def __init__(self, n_experts: int, dim: int, hidden: int, *, clamped: ClampedSwiglu | None = None):
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(n_experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(n_experts, dim, hidden))
         self.w2 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        # GPT-OSS's experts (fived.model.gpt_oss_experts): biases and the clamped SwiGLU
+        self.clamped = clamped
+        if clamped is not None:
+            self.b1 = nn.Parameter(torch.empty(n_experts, hidden))
+            self.b3 = nn.Parameter(torch.empty(n_experts, hidden))
+            self.b2 = nn.Parameter(torch.empty(n_experts, dim))
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        if self.clamped is not None:
+            weights = (self.w1, self.b1, self.w3, self.b3, self.w2, self.b2)
+            return biased_experts(x, weights, counts, self.clamped)
         return grouped_swiglu(x, self.w1, self.w3, self.w2, counts)
 
 
@@ -187,11 +210,13 @@ class MoE(nn.Module):
         self.cfg = cfg
         self.n_experts, self.top_k = cfg.n_experts, cfg.top_k
         self.capacity_factor = cfg.capacity_factor
-        self.router = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
+        gpt_oss = cfg.expert_kind == "gpt-oss"
+        self.router = nn.Linear(cfg.dim, cfg.n_experts, bias=gpt_oss)
         # Aux-loss-free balancing: added to the scores only to choose experts, never to the weights;
         # the trainer moves it after each step from the global load (zero and fixed by default).
         self.register_buffer("router_bias", torch.zeros(cfg.n_experts))
-        self.experts = GroupedExperts(cfg.n_experts, cfg.dim, cfg.expert_dim)
+        clamped = ClampedSwiglu(cfg.swiglu_alpha, cfg.swiglu_limit) if gpt_oss else None
+        self.experts = GroupedExperts(cfg.n_experts, cfg.dim, cfg.expert_dim, clamped=clamped)
         self.shared = FeedForward(cfg.dim, cfg.expert_dim * cfg.n_shared_experts) if cfg.n_shared_experts else None
         self.aux_loss_scale = 0.0  # set by the trainer: coef / sequences in the global batch
         self.last_aux_loss: torch.Tensor | None = None  # detached per-sequence sum of the last forward
@@ -263,7 +288,7 @@ class TransformerBlock(nn.Module):
 
             self.attention = LatentAttention(cfg, RMSNorm, CausalAttentionCore(), apply_rope)
         else:
-            self.attention = Attention(cfg)
+            self.attention = Attention(cfg, layer_id)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         moe = cfg.is_moe and layer_id >= cfg.n_dense_layers
         self.feed_forward = MoE(cfg) if moe else FeedForward(cfg.dim, cfg.ffn_dim)
@@ -276,7 +301,9 @@ class TransformerBlock(nn.Module):
         documents: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin, documents, positions)
+        out = self.attention(self.attention_norm(x), cos, sin, documents, positions)
+        bias = getattr(self.attention, "wo_bias", None)
+        x = x + (out if bias is None else out + bias)
         return x + self.feed_forward(self.ffn_norm(x))
 
 

@@ -2,9 +2,10 @@
 
 Frequencies that turn more than beta_fast times over the original context are kept, those that turn
 fewer than beta_slow times are divided by the factor, and the dimensions between ramp linearly (the
-ramp's ends rounded outwards, as transformers' default `truncate`). Two gains come with it: cos and
-sin are multiplied by mscale(factor, mscale) / mscale(factor, mscale_all_dim) (or mscale(factor)
-when either is absent), and the softmax scale by mscale(factor, mscale_all_dim)^2.
+ramp's ends rounded outwards, as transformers' default `truncate`; GPT-OSS keeps them exact). Two
+gains come with it: cos and sin are multiplied by mscale(factor, mscale) / mscale(factor,
+mscale_all_dim) (or mscale(factor) when either is absent), and the softmax scale by
+mscale(factor, mscale_all_dim)^2.
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ def yarn_frequencies(inv_freq: torch.Tensor, cfg: ModelConfig, dim: int) -> torc
     def correction(rotations: float) -> float:  # the dimension that turns `rotations` times
         return dim * math.log(cfg.rope_original_max_len / (rotations * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
 
-    low = float(max(math.floor(correction(cfg.rope_beta_fast)), 0))
-    high = float(min(math.ceil(correction(cfg.rope_beta_slow)), dim - 1))
+    low, high = correction(cfg.rope_beta_fast), correction(cfg.rope_beta_slow)
+    if cfg.rope_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = float(max(low, 0)), float(min(high, dim - 1))
     if low == high:
         high += 0.001  # (as the reference: no division by zero)
     ramp = ((torch.arange(dim // 2, dtype=torch.float64, device=inv_freq.device) - low) / (high - low)).clamp(0, 1)

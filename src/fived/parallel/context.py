@@ -24,6 +24,12 @@ The masked ring (document masking, and hybrid's ring across Ulysses groups, whos
 halves layout): K/V travel with their tokens' order keys (document << 32 | position) and each block
 runs the document-masked kernel, which skips a block whose keys share no document with the queries.
 
+Sliding windows and attention sinks (GPT-OSS, Gemma 3): a windowed layer, or one with sinks, runs
+the masked ring (its tokens' order keys from the halves layout's positions when there are no
+documents); a block whose keys all lie outside every query's window is skipped like one outside its
+documents (no kernel call; its K/V still travel the ring), and the sinks join each row's softmax once
+all blocks are merged. Ulysses attends its u-th of the heads with that u-th of the sinks.
+
 Ulysses (`UlyssesAttention`, exchanges in `fived.parallel.ulysses`): q, k, v are traded for the
 group's tokens of a u-th of the heads, sorted into sequence order by their gathered order keys,
 attended (causal, document-masked, or hybrid's masked ring), and sent back.
@@ -44,6 +50,8 @@ from fived.model.attention import (
     masked_block_backward,
     masked_block_forward,
     order_keys,
+    sink_grad,
+    with_sinks,
 )
 from fived.model.transformer import Transformer
 from fived.parallel import comm
@@ -158,14 +166,14 @@ class MaskedRingFunction(torch.autograd.Function):
     document with the queries is skipped). Local tokens are in increasing key order."""
 
     @staticmethod
-    def forward(ctx, q, k, v, keys, group):
+    def forward(ctx, q, k, v, keys, group, window: int = 0, sinks=None):
         size = dist.get_world_size(group)
         scale = q.shape[-1] ** -0.5
         held = [k, v, keys]
         with blockwise():
             for step in range(size):
                 pending = _ring_exchange(held, group) if step < size - 1 else None
-                o, l = masked_block_forward(q, held[0], held[1], keys, held[2], scale)
+                o, l = masked_block_forward(q, held[0], held[1], keys, held[2], scale, window)
                 if step == 0:  # the rank's own block: every query sees itself, so lse is finite
                     out, lse = o, l
                 else:
@@ -173,22 +181,25 @@ class MaskedRingFunction(torch.autograd.Function):
                 if pending is not None:
                     held, request = pending
                     request.wait()
+        if sinks is not None:  # (every block merged: the sinks join each row's softmax once)
+            out, lse = with_sinks(out, lse, sinks)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, keys, out, lse)
-        ctx.group = group
+        ctx.save_for_backward(q, k, v, keys, out, lse, sinks)
+        ctx.group, ctx.window = group, window
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, keys, out, lse = ctx.saved_tensors
+        q, k, v, keys, out, lse, sinks = ctx.saved_tensors
         group = ctx.group
         size, scale = dist.get_world_size(group), q.shape[-1] ** -0.5
         dout = dout.to(q.dtype)
+        dsinks = None if sinks is None else sink_grad(dout, out, lse, sinks).to(sinks.dtype)
         dq = torch.zeros_like(q, dtype=lse.dtype)
         held = [k, v, keys, torch.zeros_like(k, dtype=lse.dtype), torch.zeros_like(v, dtype=lse.dtype)]
         for step in range(size):
             kb, vb, kkeys, dk_acc, dv_acc = held
-            dqb, dkb, dvb = masked_block_backward(dout, q, kb, vb, out, lse, keys, kkeys, scale)
+            dqb, dkb, dvb = masked_block_backward(dout, q, kb, vb, out, lse, keys, kkeys, scale, ctx.window)
             dq += dqb
             dk_acc += dkb
             dv_acc += dvb
@@ -197,24 +208,28 @@ class MaskedRingFunction(torch.autograd.Function):
             else:
                 held, request = _ring_exchange([dk_acc, dv_acc], group)
             request.wait()
-        return dq.to(q.dtype), held[-2].to(k.dtype), held[-1].to(v.dtype), None, None
+        return dq.to(q.dtype), held[-2].to(k.dtype), held[-1].to(v.dtype), None, None, None, dsinks
 
 
-def ring_attention(q, k, v, keys, group) -> torch.Tensor:
+def ring_attention(q, k, v, keys, group, *, window: int = 0, sinks=None) -> torch.Tensor:
     """q [b, hq, s, d], k/v [b, hkv, s, d] over the ring `group`: the halves ring without `keys`,
-    the masked ring with them ([b, s] order keys, increasing)."""
+    the masked ring with them ([b, s] order keys, increasing), which also takes a sliding `window`
+    and per-head `sinks` [hq]."""
     if keys is None:
+        assert not window and sinks is None  # (windows and sinks run on the masked ring)
         return RingAttentionFunction.apply(q, k, v, group)
-    return MaskedRingFunction.apply(q, k, v, keys, group)
+    return MaskedRingFunction.apply(q, k, v, keys, group, window, sinks)
 
 
 class RingAttention(nn.Module):
     """Drop-in for CausalAttentionCore ([b, s, h, d] in and out) over a cp group: the halves ring,
-    or with `documents` the document-masked ring. The kernels run in one dtype (`kernel_dtype`)."""
+    or with `documents` the document-masked ring. A windowed layer, or one with sinks, runs the
+    masked ring with its tokens' order keys (`positions`: the rank's tokens' positions in the
+    halves layout). The kernels run in one dtype (`kernel_dtype`)."""
 
-    def __init__(self, group):
+    def __init__(self, group, *, positions: torch.Tensor | None = None, window: int = 0):
         super().__init__()
-        self.group = group
+        self.group, self.positions, self.window = group, positions, window
 
     def forward(
         self,
@@ -223,14 +238,18 @@ class RingAttention(nn.Module):
         v: torch.Tensor,
         documents: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         dtype = kernel_dtype(q, k, v)
         keys = None
         if documents is not None:
             assert positions is not None  # (document masking hands the in-document positions too)
             keys = order_keys(documents, positions, q.shape[0])
+        elif self.window or sinks is not None:
+            assert self.positions is not None
+            keys = order_keys(None, self.positions.to(q.device), q.shape[0])
         q, k, v = (t.transpose(1, 2).to(dtype) for t in (q, k, v))
-        return ring_attention(q, k, v, keys, self.group).transpose(1, 2)
+        return ring_attention(q, k, v, keys, self.group, window=self.window, sinks=sinks).transpose(1, 2)
 
 
 class UlyssesAttention(nn.Module):
@@ -239,10 +258,11 @@ class UlyssesAttention(nn.Module):
     attended: causal, or document-masked, or — hybrid — by the masked ring across the groups in
     `ring` (each ring rank the same heads); the output goes back to its tokens."""
 
-    def __init__(self, group, positions: torch.Tensor, ring=None):
-        """`positions`: the rank's tokens' positions in the halves layout (without document masking)."""
+    def __init__(self, group, positions: torch.Tensor, ring=None, *, window: int = 0):
+        """`positions`: the rank's tokens' positions in the halves layout (without document masking);
+        `window`: the layer's sliding window (0: none)."""
         super().__init__()
-        self.group, self.ring, self.positions = group, ring, positions
+        self.group, self.ring, self.positions, self.window = group, ring, positions, window
 
     def forward(
         self,
@@ -251,8 +271,11 @@ class UlyssesAttention(nn.Module):
         v: torch.Tensor,
         documents: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         dtype, u = kernel_dtype(q, k, v), dist.get_world_size(self.group)
+        if sinks is not None:  # (this rank attends the group's tokens for its u-th of the heads)
+            sinks = sinks.view(u, -1)[dist.get_rank(self.group)]
         given = self.positions if documents is None else positions
         assert given is not None  # (document masking hands the in-document positions too)
         positions = given.to(q.device)
@@ -262,9 +285,9 @@ class UlyssesAttention(nn.Module):
         keys = keys.gather(1, order)
         q, k, v = (Reorder.apply(t, order).transpose(1, 2) for t in (q, k, v))
         if self.ring is not None:
-            out = ring_attention(q, k, v, keys, self.ring)
-        elif documents is not None:
-            out = DocumentAttention.apply(q, k, v, keys)
+            out = ring_attention(q, k, v, keys, self.ring, window=self.window, sinks=sinks)
+        elif documents is not None or self.window or sinks is not None:
+            out = DocumentAttention.apply(q, k, v, keys, sinks, self.window)
         else:
             out = torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1]
@@ -282,12 +305,14 @@ def apply_context_parallel(chunks: list[Transformer], mesh, cfg) -> torch.Tensor
     for chunk in chunks:
         chunk.positions = positions
         for block in chunk.blocks():
+            window = getattr(block.attention.core, "window", 0)  # (the layer's sliding window)
             if mode == "ring":
-                block.attention.core = RingAttention(group)
+                block.attention.core = RingAttention(group, positions=positions, window=window)
             elif mode == "ulysses":
-                block.attention.core = UlyssesAttention(group, positions)
+                block.attention.core = UlyssesAttention(group, positions, window=window)
             else:
-                block.attention.core = UlyssesAttention(mesh.group("cp_ulysses"), positions, ring=mesh.group("cp_ring"))
+                ulysses, ring = mesh.group("cp_ulysses"), mesh.group("cp_ring")
+                block.attention.core = UlyssesAttention(ulysses, positions, ring=ring, window=window)
             moe = block.feed_forward
             if hasattr(moe, "reduce_sequence_stats"):  # (after folding's sum over tp, if any)
                 moe.reduce_sequence_stats = lambda t, g=group, f=moe.reduce_sequence_stats: AllReduceSumForward.apply(

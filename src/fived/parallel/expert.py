@@ -45,8 +45,8 @@ class ExpertParallelExperts(GroupedExperts):
     `overlap_chunks` > 1: in that many chunks, each one's exchanges under another's GEMMs
     (`fived.parallel.expert_overlap`)."""
 
-    def __init__(self, n_experts: int, dim: int, hidden: int, group, ep: int, *, overlap_chunks: int = 1):
-        super().__init__(n_experts // ep, dim, hidden)
+    def __init__(self, n_experts: int, dim: int, hidden: int, group, ep: int, *, overlap_chunks: int = 1, clamped=None):
+        super().__init__(n_experts // ep, dim, hidden, clamped=clamped)
         self.group, self.ep, self.n_experts = group, ep, n_experts
         self.overlap_chunks = overlap_chunks
 
@@ -99,7 +99,7 @@ def apply_expert_parallel(chunks: list[Transformer], group, ep: int, *, overlap:
             dim, hidden = old.w1.shape[1], old.w1.shape[2]
             with torch.device(old.w1.device):
                 moe.experts = ExpertParallelExperts(
-                    moe.n_experts, dim, hidden, group, ep, overlap_chunks=overlap_chunks
+                    moe.n_experts, dim, hidden, group, ep, overlap_chunks=overlap_chunks, clamped=old.clamped
                 ).to(old.w1.dtype)
 
 

@@ -48,7 +48,7 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 
 from fived.config import ModelConfig
-from fived.layout.flops import flops_per_token
+from fived.layout.flops import attention_flops_per_token, flops_per_token
 from fived.layout.layout import PRECISION_SPECS, Layout
 from fived.layout.muon_load import stream_bytes
 from fived.layout.muon_plan import ns_flops, stage_plan
@@ -257,7 +257,7 @@ def expert_share(m: ModelConfig, seq_len: int, *, per_token: float | None = None
 
 
 def attention_share(m: ModelConfig, seq_len: int, *, per_token: float | None = None) -> float:
-    return 12 * m.n_layers * m.n_heads * m.head_dim * seq_len / (per_token or flops_per_token(m, seq_len))
+    return attention_flops_per_token(m, seq_len) / (per_token or flops_per_token(m, seq_len))
 
 
 def step_time(

@@ -29,11 +29,14 @@ class KVCachedAttentionCore(nn.Module):
 
     `key_mask` ([batch, capacity], True for a real token): left-padded prompts of a batch. A query
     then sees the real keys up to it, and a padding query only itself (a row with no key would be NaN
-    and flow into the next layer's keys and the experts' routing)."""
+    and flow into the next layer's keys and the experts' routing).
 
-    def __init__(self, capacity: int, key_mask: torch.Tensor | None = None):
+    `window` (a windowed layer's sliding window) and `sinks` (GPT-OSS's per-head logits) run on
+    explicit scores (`_local_attention`); the cache still holds every position (not rolling)."""
+
+    def __init__(self, capacity: int, key_mask: torch.Tensor | None = None, *, window: int = 0):
         super().__init__()
-        self.capacity, self.key_mask = capacity, key_mask
+        self.capacity, self.key_mask, self.window = capacity, key_mask, window
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
         self.length = 0  # positions cached so far
@@ -44,7 +47,7 @@ class KVCachedAttentionCore(nn.Module):
         return sum(t.untyped_storage().nbytes() for t in (self.keys, self.values) if t is not None)
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents=None, positions=None
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents=None, positions=None, sinks=None
     ) -> torch.Tensor:
         """(`documents`, `positions`: a prompt is one document; the rotation already used its positions.)"""
         start, s = self.length, q.shape[1]
@@ -60,7 +63,9 @@ class KVCachedAttentionCore(nn.Module):
         self.length = start + s
         q, k, v = (t.transpose(1, 2) for t in (q, keys[:, : self.length], values[:, : self.length]))
         gqa = q.shape[1] != k.shape[1]
-        if self.key_mask is None:
+        if self.window or sinks is not None:
+            out = _local_attention(q, k, v, self._allowed(start, s), sinks)
+        elif self.key_mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=start == 0, enable_gqa=gqa)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=self._mask(start, s), enable_gqa=gqa)
@@ -74,6 +79,28 @@ class KVCachedAttentionCore(nn.Module):
         key = torch.arange(self.length, device=device)[None, :]
         real = self.key_mask[:, None, : self.length]
         return ((key <= query) & real | (key == query))[:, None]
+
+    def _allowed(self, start: int, s: int) -> torch.Tensor:
+        """[batch or 1, 1, queries, keys]: `_mask` (or causal), within the window."""
+        device = self.keys.device if self.keys is not None else None
+        query = torch.arange(start, start + s, device=device)[:, None]
+        key = torch.arange(self.length, device=device)[None, :]
+        allowed = self._mask(start, s) if self.key_mask is not None else (key <= query)[None, None]
+        return allowed & (key > query - self.window) if self.window else allowed
+
+
+def _local_attention(q, k, v, allowed: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """[b, h, s, d] attention on explicit scores under `allowed`, with the sinks' column in each
+    row's softmax (dropped after it), as transformers' eager GPT-OSS attention."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        column = sinks.to(scores.dtype)[None, :, None, None].expand(*scores.shape[:-1], 1)
+        scores = torch.cat([scores, column], dim=-1)
+    probs = torch.softmax(scores, dim=-1)[..., : k.shape[2]]
+    return probs @ v
 
 
 @dataclass
@@ -103,7 +130,8 @@ def generate(
     """The ids generated after `prompt` (at most max_new_tokens; ends early at a stop id)."""
     model.eval()
     for block in model.blocks():
-        block.attention.core = KVCachedAttentionCore(len(prompt) + sampling.max_new_tokens)
+        window = getattr(block.attention.core, "window", 0)  # (the layer's sliding window)
+        block.attention.core = KVCachedAttentionCore(len(prompt) + sampling.max_new_tokens, window=window)
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(sampling.seed)
     logits = model(torch.tensor([prompt], device=device), positions=torch.arange(len(prompt), device=device))

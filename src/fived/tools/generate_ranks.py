@@ -214,7 +214,8 @@ class GenerationRank:
         for i, prompt in enumerate(prompts):
             tokens[i, longest - len(prompt) :] = torch.tensor(prompt)
             real[i, longest - len(prompt) :] = True
-        caches = [KVCachedAttentionCore(positions, real) for _ in self.chunk.layers]
+        windows = [getattr(block.attention.core, "window", 0) for block in self.chunk.layers.values()]
+        caches = [KVCachedAttentionCore(positions, real, window=window) for window in windows]
         for block, cache in zip(self.chunk.layers.values(), caches):
             block.attention.core = cache
         generators = [torch.Generator().manual_seed(sampling.seed) for _ in prompts]

@@ -1,0 +1,203 @@
+"""Sliding windows and attention sinks (fived.model.attention) against an explicit float64 reference
+written as transformers' eager GPT-OSS attention computes it: scores, the causal / window / document
+mask, each head's sink logit appended to the row, softmax, the sink's column dropped."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fived.config import model_preset
+from fived.model import attention
+from fived.model.init import init_weights
+from fived.model.transformer import build_model, materialize
+
+
+def reference(q, k, v, documents, window, sinks):
+    """[b, s, h, d] in and out."""
+    b, s, h, d = q.shape
+    groups = h // k.shape[2]
+    k, v = (t.repeat_interleave(groups, 2) for t in (k, v))
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * d**-0.5
+    pos = torch.arange(s)
+    allowed = pos[None, :] <= pos[:, None]
+    if window:
+        allowed = allowed & (pos[None, :] > pos[:, None] - window)
+    allowed = allowed[None, None] & (documents[:, None, :, None] == documents[:, None, None, :])
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, sinks[None, :, None, None].expand(b, h, s, 1)], dim=-1)
+    probs = torch.softmax(scores, dim=-1)[..., :s]
+    return torch.einsum("bhqk,bkhd->bqhd", probs, v)
+
+
+def _positions(documents):
+    """Each token's position within its document."""
+    starts = torch.zeros_like(documents)
+    for row in range(documents.shape[0]):
+        for i in range(1, documents.shape[1]):
+            same = documents[row, i] == documents[row, i - 1]
+            starts[row, i] = starts[row, i - 1] if same else i
+    return torch.arange(documents.shape[1])[None] - starts
+
+
+@pytest.mark.parametrize(
+    "window,sinks,docs", [(7, True, True), (7, False, False), (0, True, False), (5, True, False), (300, True, True)]
+)
+def test_window_and_sinks_match_the_reference(window, sinks, docs):
+    torch.manual_seed(0)
+    b, s, h, hkv, d = 2, 45, 4, 2, 8
+    q, k, v = (torch.randn(b, s, n, d, dtype=torch.float64, requires_grad=True) for n in (h, hkv, hkv))
+    sink = torch.randn(h, dtype=torch.float64, requires_grad=True) if sinks else None
+    if docs:
+        documents = torch.tensor([[0] * 20 + [1] * 3 + [2] * 22, [5] * 9 + [6] * 36])
+    else:
+        documents = torch.zeros(b, s, dtype=torch.long)
+    positions = _positions(documents) if docs else torch.arange(s)
+    got = attention.document_attention(q, k, v, documents if docs else None, positions, window=window, sinks=sink)
+    want = reference(q, k, v, documents, window, sink)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    grad = torch.randn_like(want)
+    inputs = [q, k, v] + ([sink] if sinks else [])
+    got_grads = torch.autograd.grad(got, inputs, grad)
+    want_grads = torch.autograd.grad(want, inputs, grad)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
+
+
+def test_windowed_tiles_compute_about_the_window():
+    """A windowed row's pieces hold at most `window` queries and fewer than 2 x window keys each, so
+    the work is bounded by the window, not the sequence."""
+    keys = torch.arange(1000)[None]
+    pieces = attention._pieces(keys, keys, 64)
+    assert all(q1 - q0 <= 64 and k1 - k0 < 128 for _, q0, q1, k0, k1, _ in pieces)
+    assert sum((q1 - q0) * (k1 - k0) for _, q0, q1, k0, k1, _ in pieces) < 1000 * 128
+
+
+def _model(name, **changes):
+    cfg = model_preset(name)
+    cfg = type(cfg)(**{**cfg.__dict__, **changes})
+    model = build_model(cfg, "meta", torch.float64)
+    materialize(model, "cpu")
+    init_weights(model, seed=3)
+    return model
+
+
+def test_tiny_gpt_oss_windows_sinks_and_biases_change_the_output():
+    """Each feature is on in the preset and changes the logits (a window wider than the sequence,
+    sinks at -inf and zero biases give the plain model's)."""
+    tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
+    full = _model("tiny-gpt-oss")
+    logits = full(tokens)
+    assert full.layers["0"].attention.core.window == 8 and full.layers["1"].attention.core.window == 0
+    plain = _model("tiny-gpt-oss", sliding_window=0)
+    assert not torch.allclose(logits, plain(tokens))
+    with torch.no_grad():
+        for block in full.blocks():
+            block.attention.sinks.fill_(float("-inf"))
+            for p in (block.attention.wq.bias, block.attention.wk.bias, block.attention.wv.bias):
+                p.zero_()
+            block.attention.wo_bias.zero_()
+    for block in full.blocks():
+        block.attention.core.window = 1000
+    reference_model = _model("tiny-gpt-oss", sliding_window=0, attention_sinks=False, attention_bias=False)
+    missing, unexpected = reference_model.load_state_dict(full.state_dict(), strict=False)
+    assert not missing and len(unexpected) == 4 * 5  # (4 biases and the sinks per layer)
+    torch.testing.assert_close(full(tokens), reference_model(tokens), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "overrides,field",
+    [
+        (
+            {"parallel.tp": 2, "parallel.sp": True, "parallel.etp": 1, "parallel.tp_overlap": True},
+            "parallel.tp_overlap",
+        ),
+        ({"parallel.tp": 2, "parallel.sp": True}, "parallel.etp"),
+        ({"train.fp8": "rowwise"}, "train.fp8"),
+        ({"model.window_pattern": "wx"}, "model.window_pattern"),
+        ({"model.sliding_window": -1}, "model.sliding_window"),
+    ],
+)
+def test_layouts_windows_do_not_run_yet_are_refused_in_one_line(overrides, field):
+    from fived.config import ConfigError, build_config
+    from fived.layout.rules import check_config
+
+    cfg = build_config(overrides={"model.name": "tiny-gpt-oss", **overrides})
+    with pytest.raises(ConfigError) as e:
+        check_config(cfg, 2)
+    assert e.value.field == field
+
+
+def test_generation_with_windows_and_sinks_equals_the_full_recompute():
+    """Greedy ids through the KV cache (windows past their length, sinks) equal those of running
+    the whole sequence again for every new token."""
+    from fived.tools.generate import Sampling, generate
+
+    model = _model("tiny-gpt-oss", init_std=0.3)  # (larger weights: logits far from flat)
+    prompt = list(range(1, 14))
+    got = generate(model, prompt, Sampling(max_new_tokens=12))
+    reference = _model("tiny-gpt-oss", init_std=0.3)
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(12):
+            ids.append(int(reference(torch.tensor([ids]))[0, -1].argmax()))
+    assert got == ids[len(prompt) :] and len(set(got)) > 2
+
+
+def _verify(world, documents=True, **layout):
+    from fived.testing import tiny_config
+    from fived.tools.verification import run_verify
+
+    cfg = tiny_config("tiny-gpt-oss", train__steps=2, data__document_mask=documents, **layout)
+    report = run_verify(cfg, world, printer=lambda *_: None)
+    assert report.ok, report.max_relative_difference
+
+
+def test_gpt_oss_tp_sp_ep_zero1_with_documents_match_one_device():
+    """Windows, sinks, biases and GPT-OSS's experts under tp2 + sp (experts whole: etp 1) x ep2 x
+    ZeRO-1 with document masks, float64, against one device (`fived verify`)."""
+    _verify(4, parallel__tp=2, parallel__sp=True, parallel__etp=1, parallel__ep=2, parallel__zero=1)
+
+
+@pytest.mark.parametrize(
+    "world,documents,layout",
+    [
+        (2, False, dict(parallel__cp=2)),
+        (2, True, dict(parallel__cp=2, parallel__cp_mode="ulysses")),
+        (4, True, dict(parallel__cp=4, parallel__cp_mode="hybrid", parallel__cp_ulysses=2)),
+    ],
+    ids=["ring", "ulysses-documents", "hybrid-documents"],
+)
+def test_gpt_oss_context_parallel_matches_one_device(world, documents, layout):
+    """Windowed layers and sinks on the masked ring (without documents: keys from the halves
+    layout's positions), on Ulysses (a u-th of the heads, of the sinks too) and on both."""
+    _verify(world, documents, **layout)
+
+
+def test_windowed_layer_flops_are_the_pairs_its_band_computes():
+    """The planner's and MFU's attention FLOPs of a windowed layer, relative to a global one, are the
+    ratio of the (query, key) pairs the window allows to the causal ones (counted from the mask)."""
+    from fived.layout.flops import attention_flops_per_token, layer_keys
+
+    s, w = 256, 32
+    keys = torch.arange(s)
+    ratio = attention._visible(keys, keys, w).sum().item() / attention._visible(keys, keys).sum().item()
+    assert layer_keys(w, s) / s == pytest.approx(ratio, rel=0.01)
+    assert layer_keys(0, s) == layer_keys(s, s) == s
+    cfg = model_preset("tiny-gpt-oss")  # windows of 8 on half the layers
+    plain = type(cfg)(**{**cfg.__dict__, "sliding_window": 0})
+    got = attention_flops_per_token(cfg, s) / attention_flops_per_token(plain, s)
+    assert got == pytest.approx((1 + layer_keys(8, s) / s) / 2)
+
+
+def test_planned_gpt_oss_layouts_keep_its_experts_whole_under_tp():
+    """The planner searches only layouts `fived train` accepts: a GPT-OSS layout with tp > 1 has etp 1."""
+    from fived.config import Config
+    from fived.layout.rules import layout_errors
+
+    cfg = Config(model=model_preset("gpt-oss-120b"))
+    cfg.parallel.tp, cfg.parallel.sp, cfg.parallel.dp = 2, True, 1
+    assert [e.field for e in layout_errors(cfg, 2)] == ["parallel.etp"]
+    cfg.parallel.etp = 1
+    assert layout_errors(cfg, 2) == []
