@@ -4,6 +4,8 @@ mask, each head's sink logit appended to the row, softmax, the sink's column dro
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -146,10 +148,13 @@ def test_generation_with_windows_and_sinks_equals_the_full_recompute():
 
 
 def _verify(world, documents=True, **layout):
-    from fived.testing import tiny_config
+    import tempfile
+
+    from fived.testing import tiny_config, write_documents
     from fived.tools.verification import run_verify
 
-    cfg = tiny_config("tiny-gpt-oss", train__steps=2, data__document_mask=documents, **layout)
+    data = {"data__path": write_documents(Path(tempfile.mkdtemp()) / "docs.txt")} if documents else {}
+    cfg = tiny_config("tiny-gpt-oss", train__steps=2, data__document_mask=documents, **data, **layout)
     report = run_verify(cfg, world, printer=lambda *_: None)
     assert report.ok, report.max_relative_difference
 
