@@ -11,13 +11,14 @@ from __future__ import annotations
 import math
 
 from fived.layout.bounds import largest_divisor
+from fived.layout.layout import Layout
 
 
 def expert_rules(need, m, p, t, dp: int) -> None:
     """`need(ok, field, value, rule, hint)` for every expert rule of `m` (model), `p` (parallel) and
     `t` (train) on `dp` data-parallel ranks."""
-    folded = p.etp == 1 and p.tp > 1
-    ranks = max(dp, 1) * p.cp * (p.tp if folded else 1)
+    layout = Layout(dp=max(dp, 1), tp=p.tp, cp=p.cp, ep=p.ep, etp=p.etp)  # (the expert mesh's one source)
+    folded, ranks = layout.folded, layout.expert_ranks
     over = "dp*cp*tp (parallel.etp=1)" if folded else "dp*cp"
     ep_ok = largest_divisor(math.gcd(m.n_experts, ranks) if m.is_moe else ranks, p.ep)
     need(

@@ -124,7 +124,7 @@ class Member:
             self.shard_cp,
             self.replicate,
             self.dp_cp,
-            L.expert_ranks,
+            L.edp,
             L.expert_index(self.dp_cp, self.tp),
         )
 

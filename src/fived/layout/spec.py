@@ -419,9 +419,9 @@ class DataRank:
     shard: int  # this rank's index in it
     replicate: int  # its index in dp_replicate
     dp_cp: int  # its index in dp * cp
-    # the expert mesh: ep x edp cut `expert_ranks` ranks (dp*cp, or dp*cp*tp folded, `Layout.expert_ranks`);
-    # this rank's index among them is ep rank expert_index % ep, edp rank expert_index // ep
-    expert_ranks: int
+    # the expert mesh: ep x edp cut `Layout.expert_ranks` ranks (dp*cp, or dp*cp*tp folded); `edp` is
+    # `Layout.edp`; this rank's index among them is ep rank expert_index % ep, edp rank expert_index // ep
+    edp: int
     expert_index: int
 
     @property
@@ -440,8 +440,7 @@ class DataRank:
         apart = spec.expert and self.ep > 1  # routed experts: data parallel over edp only
         if self.zero == 3:
             # FSDP2: rows over the shard group (experts: over edp), HSDP replicas across
-            edp_size, edp = self.expert_ranks // self.ep, self.expert_index // self.ep
-            shards, index = (edp_size, edp) if apart else (self.shards, self.shard)
+            shards, index = (self.edp, self.expert_index // self.ep) if apart else (self.shards, self.shard)
             return Stored(shard_rows(spec.local_shape[0], shards, index), None, self.replicate, index)
         if apart or not self.flat_buffer:
             return Stored(None, None, self.whole_replica(spec), 0)

@@ -150,7 +150,7 @@ class DataParallel:
             m.rank("dp_shard_cp") if many else 0,
             m.rank("dp_replicate") if m.dp_replicate > 1 else 0,
             m.rank("dp_cp") if many else 0,
-            m.layout.expert_ranks,
+            L.edp,
             m.layout.expert_index(m.rank("dp_cp") if many else 0, m.rank("tp") if m.tp > 1 else 0),
         )
 

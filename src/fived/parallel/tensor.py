@@ -139,7 +139,6 @@ class TensorParallel:
         self.cfg = model.cfg
         self.specs = specs
         self.shards: dict[str, Cut] = {}  # the parameters this plan cut, and how
-        self.partial_grads: set[str] = set()  # replicated over tp, but each rank holds a partial grad
         self.vocab = model.cfg.vocab_size
         self._regather: dict = {}  # storage of a gathered region input -> (sequence shard, weakref)
 
@@ -152,8 +151,6 @@ class TensorParallel:
                 continue
             if spec.tp is not None:
                 self._split(module, attr, name, spec.tp)
-            if spec.tp_partial_grad:
-                self.partial_grads.add(name)
         for block in model.blocks():
             self._region(block.attention)
             moe = block.feed_forward
@@ -303,14 +300,17 @@ class TensorParallel:
         """Sum partial gradients over tp: replicated parameters that saw different data (norms under
         SP, the MoE router) and kv heads that several ranks hold."""
         for name, grad in named_grads:
-            spec = self.shards.get(name)
-            if name in self.partial_grads:
+            spec = self.specs.get(name)
+            if spec is None or not spec.tp_summed:  # (the sharding spec says which, and how many elements)
+                continue
+            if spec.tp_partial_grad:
                 comm.all_reduce(grad, self.group)
-            elif spec is not None and spec.replicas > 1:
-                slots = grad.new_zeros((spec.pieces,) + tuple(grad.shape))
-                slots[spec.index(self.rank)] = grad
-                comm.all_reduce(slots, self.group)
-                grad.copy_(slots[spec.index(self.rank)])
+                continue
+            cut = self.shards[name]  # (kv heads several tp ranks hold: each holder's slot)
+            slots = grad.new_zeros((cut.pieces,) + tuple(grad.shape))
+            slots[cut.index(self.rank)] = grad
+            comm.all_reduce(slots, self.group)
+            grad.copy_(slots[cut.index(self.rank)])
 
     def norm_weight(self, name: str) -> float:
         """Weight of this rank's squared gradient norm when summed over tp: 1 for a split parameter,

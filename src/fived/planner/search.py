@@ -90,7 +90,7 @@ def layout_refusal(model: ModelConfig, layout: Layout, seq_len: int, global_batc
         and model.n_experts % layout.ep == 0
         and layout.tp % layout.etp == 0
         and model.expert_dim % layout.etp == 0
-        and (layout.dp * layout.cp * layout.tp) % (layout.ep * layout.etp) == 0
+        and layout.stage_ranks % (layout.ep * layout.expert_tp) == 0  # (ep x edp x etp: `Layout.edp`'s cut)
     ):
         return ConfigError("etp", layout.etp, "the folded expert layout breaks Megatron-Core's rules", "e.g. etp 0")
     if global_batch % (layout.dp * layout.micro_batch):  # (no flags express it: microbatches would round)
