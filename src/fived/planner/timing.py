@@ -54,7 +54,7 @@ from fived.layout.muon_load import stream_bytes
 from fived.layout.muon_plan import ns_flops, stage_plan
 from fived.layout.schedule_sim import pipeline_profile
 from fived.layout.stages import model_key, placement, rank_chunks_by_key, rank_stages
-from fived.planner.communication import group_span, owned_parameters, step_collectives
+from fived.planner.communication import group_spans, owned_parameters, step_collectives
 from fived.planner.constants import CALIBRATION, Constants
 from fived.planner.hardware import Hardware
 from fived.planner.memory import MOMENT_BYTES
@@ -284,6 +284,7 @@ def step_time(
     time: dict[str, float] = defaultdict(float)
     moved: dict[str, float] = defaultdict(float)
     links = {}
+    spans = group_spans(L)
     host = 0.0  # FSDP2's host work per gather / reduce-scatter (CPU ranks: not hidden)
     for call in collectives:
         if not call.part:
@@ -291,7 +292,7 @@ def step_time(
         if L.zero == 3 and call.group in ("dp_shard_cp", "edp") and call.op != "all_reduce":
             host += call.calls * hw.zero3_overhead_s
         if call.group not in links:
-            size, stride = group_span(L, call.group)
+            size, stride = spans[call.group]
             links[call.group] = group_link(cluster, stride, size, c)
         nbytes = call.nbytes
         if call.sent_only:  # (the rank's own share is not in them: priced as the n/(n-1) a collective passes)
