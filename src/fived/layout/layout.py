@@ -13,8 +13,8 @@ process groups of a layout.
 from __future__ import annotations
 
 import math
-from functools import lru_cache
 from dataclasses import asdict, dataclass, fields, replace
+from functools import lru_cache
 from typing import get_args
 
 from fived.config import (

@@ -384,9 +384,7 @@ def memory_per_gpu(
         key, activation_layout, L.pp, placement(L.pp_schedule), L.n_stages, L.pp_layers, seq_len, dtype, runtime
     )
     # checkpointing recomputes one block at a time in backward: its activations exist once more
-    recompute = (
-        _recompute_block(key, activation_layout, seq_len, dtype, runtime) if L.checkpointing != "none" else 0
-    )
+    recompute = _recompute_block(key, activation_layout, seq_len, dtype, runtime) if L.checkpointing != "none" else 0
     worst = None
     for pp_rank, ((state, static, accumulated, chunks), act) in enumerate(zip(states, acts)):
         buffers = static + recompute

@@ -247,9 +247,9 @@ class _Bound:
         keys = [(d, getattr(layout, d)) for d in DECISIONS]
         if memory is None and not all(k in smallest and min(needs) >= smallest[k] for k in keys):
             return None
-        floor = min(
-            compute_seconds(model, x, cluster, seq_len, global_batch, dtype, runtime) for x, _ in fits
-        ) / (1 + self.MARGIN)
+        floor = min(compute_seconds(model, x, cluster, seq_len, global_batch, dtype, runtime) for x, _ in fits) / (
+            1 + self.MARGIN
+        )
         if floor <= self.fastest[-1] or not all(floor > self.best.get(k, float("inf")) for k in keys):
             return None
         return Unpriced(memory)
@@ -416,7 +416,17 @@ def plan(
             for options in activation_choices(state, seq_len, global_batch):
                 for layout in options:
                     result = _fastest_fitting_choice(
-                        model, layout, cluster, seq_len, global_batch, dtype, runtime, headroom_gib, capacity, bound, smallest
+                        model,
+                        layout,
+                        cluster,
+                        seq_len,
+                        global_batch,
+                        dtype,
+                        runtime,
+                        headroom_gib,
+                        capacity,
+                        bound,
+                        smallest,
                     )
                     if result is None:  # e.g. selective checkpointing under a split-backward schedule
                         continue

@@ -388,7 +388,9 @@ def compute_seconds(
 ) -> float:
     """`step_time(...).compute`, without pricing the rest: a lower bound of `step_time(...).total`."""
     c = constants or CALIBRATION.constants
-    return _busiest_compute(model, layout, cluster, seq_len, global_batch, dtype, for_layout(runtime, layout), c).compute
+    return _busiest_compute(
+        model, layout, cluster, seq_len, global_batch, dtype, for_layout(runtime, layout), c
+    ).compute
 
 
 def _busiest_compute(
@@ -412,10 +414,22 @@ def _busiest_compute(
     recompute = layer_fraction / 3 if L.checkpointing == "full" else 0.0
     flops_gpu = model_flops * (1 + recompute) * share / L.stage_ranks
     compute, attention = _compute(
-        m, L, cluster.hardware, runtime, dtype, seq_len, micro, layers_here, flops_gpu, 1 + recompute, c,
+        m,
+        L,
+        cluster.hardware,
+        runtime,
+        dtype,
+        seq_len,
+        micro,
+        layers_here,
+        flops_gpu,
+        1 + recompute,
+        c,
         per_token=per_token,
     )
-    return BusiestCompute(micro, tokens, per_token, model_flops, pp_rank, chunks, layers_here, recompute, compute, attention)
+    return BusiestCompute(
+        micro, tokens, per_token, model_flops, pp_rank, chunks, layers_here, recompute, compute, attention
+    )
 
 
 def exposed_reduction(
