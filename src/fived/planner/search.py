@@ -185,9 +185,12 @@ def _fastest_fitting_choice(
     needed when none fits, or None when none can run; with `bound`, `Unpriced` for a fitting layout
     whose compute alone shows it cannot be one of the plans the search keeps."""
     hw = cluster.hardware
-    runs = [x for x in reduction_choices(layout, runtime) if is_valid(model, x, seq_len, global_batch)]
-    if not runs:
+    choices = reduction_choices(layout, runtime)
+    # (the choices differ in zero2_reduce_every_microbatch alone, whose one rule, zero 2 with
+    # overlap_grad_reduce, they meet by construction: one runs iff the other does)
+    if not is_valid(model, choices[0], seq_len, global_batch):
         return None
+    runs = choices
     memories = [memory_per_gpu(model, x, seq_len, global_batch, dtype, hw.memory_gib, runtime) for x in runs]
     fits = [(x, mem) for x, mem in zip(runs, memories) if mem.total <= capacity]
     if not fits:
