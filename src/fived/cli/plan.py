@@ -43,7 +43,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
             "a few GiB, e.g. 3",
         )
     # bf16 mixed precision, priced at the bf16 peak (FP8 GEMMs at the FP8 peak with a -fp8 runtime)
-    search = plan(model, cluster, ns.seq, global_batch, "bfloat16", runtime, ns.memory_headroom)
+    search = plan(model, cluster, ns.seq, global_batch, "bfloat16", runtime, ns.memory_headroom, keep=ns.top)
     if ns.json:
         print(
             json.dumps(

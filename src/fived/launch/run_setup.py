@@ -177,7 +177,7 @@ def auto_layout(cfg, world: int) -> None:
     hw = local_hardware(world)
     cluster = Cluster(hw, world, world)
     runtime = fived_runtime(cfg.train.fp8)
-    search = plan(cfg.model, cluster, cfg.train.seq_len, cfg.train.global_batch, cfg.train.dtype, runtime)
+    search = plan(cfg.model, cluster, cfg.train.seq_len, cfg.train.global_batch, cfg.train.dtype, runtime, keep=1)
     if not search.plans:
         raise ConfigError(
             "--layout",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields, replace
+from functools import lru_cache
 from typing import get_args
 
 from fived.config import (
@@ -34,6 +35,8 @@ from fived.config import (
 )
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+# The layout fields every mesh dimension's size (MESHES) is computed from (`Layout.mesh_key`)
+MESH_FIELDS = ("dp", "tp", "pp", "cp", "ep", "etp", "dp_replicate", "cp_mode", "cp_ulysses")
 PP_SCHEDULES = get_args(PPSchedule)
 CHECKPOINTING = get_args(Checkpointing)
 FP8_RECIPES = get_args(Fp8Recipe)  # train.fp8: torchao's float8 training recipes
@@ -337,8 +340,13 @@ class Layout:
 
     def span(self, group: str) -> tuple[int, int]:
         """(ranks in group `group`, the rank distance between its neighbours)."""
-        mesh, dims = GROUP_DIMS[group]
-        return math.prod(self.dim_size(d) for d in dims), self.strides(mesh)[dims[-1]]
+        return _span(self.mesh_key, group)
+
+    @property
+    def mesh_key(self) -> tuple:
+        """The fields the ranks' arrangement depends on (MESH_FIELDS' values): what caches of a
+        group's size and stride key on."""
+        return tuple(getattr(self, f) for f in MESH_FIELDS)
 
     def coordinates(self, rank: int) -> dict[str, int]:
         """Where global `rank` sits: its pipeline rank, its index among its stage's ranks (dp_cp_tp),
@@ -381,7 +389,14 @@ class Layout:
         return global_batch // (self.dp * self.micro_batch)
 
     def with_(self, **changes) -> Layout:
-        return replace(self, **changes)
+        """`dataclasses.replace`, without its per-field work (the planner derives ~10^5 layouts a search;
+        no field has an initialiser's check to rerun)."""
+        if not changes.keys() <= _FIELD_NAMES:
+            return replace(self, **changes)  # (its TypeError names the unknown field)
+        out = object.__new__(Layout)
+        out.__dict__.update(self.__dict__)
+        out.__dict__.update(changes)
+        return out
 
     def overrides(self, global_batch: int) -> dict:
         """The config overrides that run this layout (`fived train --section.field value ...`): the
@@ -437,3 +452,14 @@ class Layout:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+_FIELD_NAMES = frozenset(f.name for f in fields(Layout))
+
+
+@lru_cache(maxsize=16384)
+def _span(mesh_key: tuple, group: str) -> tuple[int, int]:
+    """`Layout.span`: it depends only on the mesh (memoised: a search asks for it per layout)."""
+    L = Layout(**dict(zip(MESH_FIELDS, mesh_key)))
+    mesh, dims = GROUP_DIMS[group]
+    return math.prod(L.dim_size(d) for d in dims), L.strides(mesh)[dims[-1]]

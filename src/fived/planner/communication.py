@@ -57,7 +57,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from fived.config import ModelConfig
-from fived.layout.layout import EP_OVERLAP_CHUNKS, PRECISION_SPECS, Layout
+from fived.layout.layout import EP_OVERLAP_CHUNKS, MESH_FIELDS, PRECISION_SPECS, Layout
 from fived.layout.muon_load import busiest_loads
 from fived.layout.muon_plan import Exchange, stage_plan
 from fived.layout.spec import chunk_specs, kv_width
@@ -97,9 +97,14 @@ def group_span(layout: Layout, group: str) -> tuple[int, int]:
     return (2, stride) if group == "pp" else (size, stride)
 
 
-@lru_cache(maxsize=65536)
 def group_spans(layout: Layout) -> dict[str, tuple[int, int]]:
-    """`group_span` of every group in GROUPS at once (cached: the search asks for each layout's)."""
+    """`group_span` of every group in GROUPS at once (cached by the mesh: the search asks for each layout's)."""
+    return _group_spans(layout.mesh_key)
+
+
+@lru_cache(maxsize=16384)
+def _group_spans(mesh_key: tuple) -> dict[str, tuple[int, int]]:
+    layout = Layout(**dict(zip(MESH_FIELDS, mesh_key)))
     return {group: group_span(layout, group) for group in GROUPS}
 
 

@@ -155,7 +155,7 @@ def report(
         f"{cluster.gpus} x {hw.name} ({cluster.gpus_per_node} per node, {hw.memory_gib:g} GiB each), "
         f"seq {seq_len}, global batch {global_batch} sequences ({global_batch * seq_len:,} tokens), "
         f"runtime {runtime.name}" + (" with FP8 GEMMs" if runtime.fp8 else ""),
-        f"{search.considered} valid layouts considered, {len(search.plans)} fit in memory"
+        f"{search.considered} valid layouts considered, {search.fitting} fit in memory"
         + (f" ({headroom_gib:g} GiB of each GPU left free)" if headroom_gib else ""),
     ]
     if not search.considered:
@@ -241,7 +241,7 @@ def to_json(
         "memory_headroom_gib": headroom_gib,
         "basis": basis(model, cluster, runtime, search.plans[0].layout, seq_len) if search.plans else [],
         "considered": search.considered,
-        "fitting": len(search.plans),
+        "fitting": search.fitting,
         "plans": [p.to_dict(global_batch) for p in search.plans[:top]],
         "runners_up": [
             {

@@ -271,9 +271,15 @@ def state_bytes(
 
 
 def state_layout(layout: Layout) -> Layout:
-    """What decides the model state and its buffers: the layout without its activation choices (the
-    caches below key on it, shared by every micro-batch / checkpointing / SP option)."""
-    return layout.with_(micro_batch=1, sp=False, checkpointing="none")
+    """What decides the model state and its buffers: the layout without its activation choices, its
+    schedule as the stages it places on each rank (the caches below key on it, shared by every
+    micro-batch / checkpointing / SP option and by the schedules that place stages alike)."""
+    schedule, virtual = "1f1b", 1
+    if layout.pp > 1 and placement(layout.pp_schedule) != "1f1b":  # V-shaped: two stages a rank
+        schedule = "zbv"
+    elif layout.pp > 1 and layout.n_stages > layout.pp:  # looped, several stages a rank
+        schedule, virtual = "interleaved-1f1b", layout.n_stages // layout.pp
+    return layout.with_(micro_batch=1, sp=False, checkpointing="none", pp_schedule=schedule, pp_virtual=virtual)
 
 
 def state_floor(m: ModelConfig, layout: Layout, dtype: str, runtime: Runtime = FIVED) -> int:
@@ -375,13 +381,12 @@ def memory_per_gpu(
     e = ACTIVATION_BYTES[dtype]
     tokens = L.micro_batch * seq_len // L.cp  # one micro-batch on one rank
     states = _rank_states(key, state_layout(L), dtype, runtime)
+    activation_layout = _activation_layout(L)
     acts = _rank_activations(
-        key, _activation_layout(L), L.pp, placement(L.pp_schedule), L.n_stages, L.pp_layers, seq_len, dtype, runtime
+        key, activation_layout, L.pp, placement(L.pp_schedule), L.n_stages, L.pp_layers, seq_len, dtype, runtime
     )
     # checkpointing recomputes one block at a time in backward: its activations exist once more
-    recompute = (
-        _recompute_block(key, _activation_layout(L), seq_len, dtype, runtime) if L.checkpointing != "none" else 0
-    )
+    recompute = _recompute_block(key, activation_layout, seq_len, dtype, runtime) if L.checkpointing != "none" else 0
     worst = None
     for pp_rank, ((state, static, accumulated, chunks), act) in enumerate(zip(states, acts)):
         buffers = static + recompute

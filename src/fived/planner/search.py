@@ -14,6 +14,7 @@ check (`fived.layout.rules.layout_errors`), so every planned layout is one `five
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from dataclasses import dataclass
 
@@ -24,7 +25,7 @@ from fived.layout.schedule_sim import check_schedule
 from fived.planner.constants import Constants
 from fived.planner.memory import MemoryEstimate, memory_per_gpu, reserve_bytes, state_floor
 from fived.planner.runtimes import FIVED, Runtime, with_overlap
-from fived.planner.timing import Cluster, StepTime, step_time
+from fived.planner.timing import Cluster, StepTime, compute_seconds, step_time
 
 SCHEDULES = (
     ("1f1b", 1),
@@ -176,22 +177,85 @@ def _fastest_fitting_choice(
     runtime: Runtime,
     headroom_gib: float,
     capacity: int,
-) -> Plan | int | None:
+    bound: _Bound | None = None,
+    smallest: dict | None = None,
+) -> Plan | int | Unpriced | None:
     """`fastest_fitting` over `reduction_choices` with memory priced first and step time only for the
     choices that fit (most of a search's layouts do not): the plan, or the least memory a choice
-    needed when none fits, or None when none can run."""
+    needed when none fits, or None when none can run; with `bound`, `Unpriced` for a fitting layout
+    whose compute alone shows it cannot be one of the plans the search keeps."""
     hw = cluster.hardware
-    runs = [x for x in reduction_choices(layout, runtime) if is_valid(model, x, seq_len, global_batch)]
-    if not runs:
+    choices = reduction_choices(layout, runtime)
+    # (the choices differ in zero2_reduce_every_microbatch alone, whose one rule, zero 2 with
+    # overlap_grad_reduce, they meet by construction: one runs iff the other does)
+    if not is_valid(model, choices[0], seq_len, global_batch):
         return None
+    runs = choices
     memories = [memory_per_gpu(model, x, seq_len, global_batch, dtype, hw.memory_gib, runtime) for x in runs]
     fits = [(x, mem) for x, mem in zip(runs, memories) if mem.total <= capacity]
     if not fits:
         return memories[0].total
+    if bound is not None:
+        unpriced = bound.unpriced(model, layout, fits, smallest or {}, cluster, seq_len, global_batch, dtype, runtime)
+        if unpriced is not None:
+            return unpriced
     plans = [
         Plan(x, mem, step_time(model, x, cluster, seq_len, global_batch, dtype, runtime), capacity) for x, mem in fits
     ]
     return fastest_fitting(plans)
+
+
+@dataclass(frozen=True)
+class Unpriced:
+    """A fitting layout the search did not price: its compute alone is slower than the plans it keeps.
+    `memory`: the peak to note in `Search.smallest` (None: no figure there changes, whichever of its
+    choices would have been kept)."""
+
+    memory: int | None
+
+
+class _Bound:
+    """Which fitting layouts a search that keeps `keep` plans need not price: a layout's compute
+    (`timing.compute_seconds`, the first term of its step; the others are >= 0) already slower than
+    the `keep` fastest plans so far and than the fastest so far with each of its decisions' values
+    can be neither among the `keep` fastest nor the fastest deciding anything its way (an equal time
+    comes later, so it loses the tie). Its memory still counts in `Search.smallest`; where choices of
+    different memory fit (which one is kept depends on their times), only if none of them would lower
+    a figure there."""
+
+    MARGIN = 1e-9  # (relative: the step's terms are summed in float; a bound must not win by rounding)
+
+    def __init__(self, keep: int) -> None:
+        self.keep = keep
+        self.fastest: list[float] = []  # the `keep` fastest totals so far, ascending
+        self.best: dict[tuple, float] = {}  # (decision, value) -> the fastest total with it so far
+
+    def add(self, p: Plan) -> None:
+        t = p.time.total
+        bisect.insort(self.fastest, t)
+        del self.fastest[self.keep :]
+        for d in DECISIONS:
+            k = (d, getattr(p.layout, d))
+            if t < self.best.get(k, float("inf")):
+                self.best[k] = t
+
+    def unpriced(
+        self, model, layout: Layout, fits: list, smallest: dict, cluster, seq_len, global_batch, dtype, runtime
+    ) -> Unpriced | None:
+        """`Unpriced` if `layout` (its fitting choices `fits`: (layout, memory)) need not be priced."""
+        if len(self.fastest) < self.keep:
+            return None
+        needs = {mem.total for _, mem in fits}
+        memory = next(iter(needs)) if len(needs) == 1 else None
+        keys = [(d, getattr(layout, d)) for d in DECISIONS]
+        if memory is None and not all(k in smallest and min(needs) >= smallest[k] for k in keys):
+            return None
+        floor = min(compute_seconds(model, x, cluster, seq_len, global_batch, dtype, runtime) for x, _ in fits) / (
+            1 + self.MARGIN
+        )
+        if floor <= self.fastest[-1] or not all(floor > self.best.get(k, float("inf")) for k in keys):
+            return None
+        return Unpriced(memory)
 
 
 def capacity_bytes(memory_gib: float, headroom_gib: float) -> int:
@@ -307,9 +371,10 @@ DECISIONS = (
 
 @dataclass
 class Search:
-    plans: list[Plan]  # every fitting plan, fastest first
+    plans: list[Plan]  # every fitting plan, fastest first (plan(keep=K): every one that can matter, see there)
     considered: int  # valid layouts looked at
     smallest: dict  # (decision, value) -> least memory (bytes) any layout with it needed
+    fitting: int  # fitting layouts (len(plans) unless plan(keep=K) left some unpriced)
 
 
 def plan(
@@ -320,16 +385,21 @@ def plan(
     dtype: str = "bfloat16",
     runtime: Runtime = FIVED,
     headroom_gib: float = 0.0,
+    *,
+    keep: int | None = None,
 ) -> Search:
     """Every fitting plan, fastest first: a plan fits when its peak stays `headroom_gib` below the
     device's memory. Layouts whose model state alone overflows are dropped before their activation
     options are costed; of the checkpointing options of one layout, the first that fits is kept (the
     others only recompute more). Every runtime considers MoE parallel folding (etp 1: experts whole,
-    ep over dp*cp*tp), which fived runs too."""
+    ep over dp*cp*tp), which fived runs too. With `keep`, a fitting layout is priced only if it can be
+    among the `keep` fastest or the fastest with one of its decisions' values (`_Bound`): the plans'
+    first `keep`, the runners-up and every figure `explain` prints are those of the whole search."""
     capacity = capacity_bytes(cluster.hardware.memory_gib, headroom_gib)
     reserve = reserve_bytes(cluster.hardware.memory_gib)
     fitting: list[Plan] = []
-    considered, smallest = 0, dict[tuple, int]()
+    considered, smallest, unpriced = 0, dict[tuple, int](), 0
+    bound = _Bound(keep) if keep else None
 
     def note(layout: Layout, need: int) -> None:
         for d in DECISIONS:
@@ -349,16 +419,33 @@ def plan(
             for options in activation_choices(state, seq_len, global_batch):
                 for layout in options:
                     result = _fastest_fitting_choice(
-                        model, layout, cluster, seq_len, global_batch, dtype, runtime, headroom_gib, capacity
+                        model,
+                        layout,
+                        cluster,
+                        seq_len,
+                        global_batch,
+                        dtype,
+                        runtime,
+                        headroom_gib,
+                        capacity,
+                        bound,
+                        smallest,
                     )
                     if result is None:  # e.g. selective checkpointing under a split-backward schedule
                         continue
                     considered += 1
+                    if isinstance(result, Unpriced):  # (it fits: the first checkpointing option that does)
+                        if result.memory is not None:
+                            note(layout, result.memory)
+                        unpriced += 1
+                        break
                     if isinstance(result, int):  # nothing fits: the least memory a choice needed
                         note(layout, result)
                         continue
                     note(layout, result.memory.total)
                     fitting.append(result)
+                    if bound is not None:
+                        bound.add(result)
                     break
     fitting.sort(key=lambda p: p.time.total)
-    return Search(fitting, considered, smallest)
+    return Search(fitting, considered, smallest, len(fitting) + unpriced)

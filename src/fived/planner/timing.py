@@ -54,7 +54,7 @@ from fived.layout.muon_load import stream_bytes
 from fived.layout.muon_plan import ns_flops, stage_plan
 from fived.layout.schedule_sim import pipeline_profile
 from fived.layout.stages import model_key, placement, rank_chunks_by_key, rank_stages
-from fived.planner.communication import group_span, owned_parameters, step_collectives
+from fived.planner.communication import group_spans, owned_parameters, step_collectives
 from fived.planner.constants import CALIBRATION, Constants
 from fived.planner.hardware import Hardware
 from fived.planner.memory import MOMENT_BYTES
@@ -275,24 +275,16 @@ def step_time(
     hw, L, m = cluster.hardware, layout, model
     c = constants or CALIBRATION.constants
     runtime = for_layout(runtime, L)
-    micro = L.microbatches(global_batch)
-    tokens = global_batch * seq_len
-    key = model_key(m)
-    per_token = _flops_per_token(key, seq_len)
-    model_flops = per_token * tokens
-    share, pp_rank, layer_fraction = _busiest_rank(key, L.pp, placement(L.pp_schedule), L.n_stages, L.pp_layers)
-    chunks = rank_chunks_by_key(key, L.pp, placement(L.pp_schedule), L.n_stages, pp_rank, L.pp_layers)
-    layers_here = sum(len(layers) for layers, _, _ in chunks)
-    recompute = layer_fraction / 3 if L.checkpointing == "full" else 0.0
-    flops_gpu = model_flops * (1 + recompute) * share / L.stage_ranks
-    compute, attention = _compute(
-        m, L, hw, runtime, dtype, seq_len, micro, layers_here, flops_gpu, 1 + recompute, c, per_token=per_token
-    )
+    busiest = _busiest_compute(m, L, cluster, seq_len, global_batch, dtype, runtime, c)
+    micro, tokens, per_token, model_flops = busiest.micro, busiest.tokens, busiest.per_token, busiest.model_flops
+    pp_rank, chunks, layers_here, recompute = busiest.pp_rank, busiest.chunks, busiest.layers, busiest.recompute
+    compute, attention = busiest.compute, busiest.attention
 
     collectives = step_collectives(m, L, seq_len, global_batch, dtype, chunks, rank_stages(L, pp_rank), runtime)
     time: dict[str, float] = defaultdict(float)
     moved: dict[str, float] = defaultdict(float)
     links = {}
+    spans = group_spans(L)
     host = 0.0  # FSDP2's host work per gather / reduce-scatter (CPU ranks: not hidden)
     for call in collectives:
         if not call.part:
@@ -300,7 +292,7 @@ def step_time(
         if L.zero == 3 and call.group in ("dp_shard_cp", "edp") and call.op != "all_reduce":
             host += call.calls * hw.zero3_overhead_s
         if call.group not in links:
-            size, stride = group_span(L, call.group)
+            size, stride = spans[call.group]
             links[call.group] = group_link(cluster, stride, size, c)
         nbytes = call.nbytes
         if call.sent_only:  # (the rank's own share is not in them: priced as the n/(n-1) a collective passes)
@@ -363,6 +355,80 @@ def step_time(
         dict(moved),
         overhead,
         layer_host,
+    )
+
+
+@dataclass(frozen=True)
+class BusiestCompute:
+    """The busiest pipeline rank's compute, the first term of `step_time` (every other term is >= 0, so
+    it is a lower bound of the step: the search prunes by it)."""
+
+    micro: int
+    tokens: int
+    per_token: float
+    model_flops: float
+    pp_rank: int
+    chunks: list
+    layers: int
+    recompute: float  # the extra forward share full checkpointing adds
+    compute: float
+    attention: float
+
+
+def compute_seconds(
+    model: ModelConfig,
+    layout: Layout,
+    cluster: Cluster,
+    seq_len: int,
+    global_batch: int,
+    dtype: str = "bfloat16",
+    runtime: Runtime = FIVED,
+    *,
+    constants: Constants | None = None,
+) -> float:
+    """`step_time(...).compute`, without pricing the rest: a lower bound of `step_time(...).total`."""
+    c = constants or CALIBRATION.constants
+    return _busiest_compute(
+        model, layout, cluster, seq_len, global_batch, dtype, for_layout(runtime, layout), c
+    ).compute
+
+
+def _busiest_compute(
+    m: ModelConfig,
+    L: Layout,
+    cluster: Cluster,
+    seq_len: int,
+    global_batch: int,
+    dtype: str,
+    runtime: Runtime,
+    c: Constants,
+) -> BusiestCompute:
+    micro = L.microbatches(global_batch)
+    tokens = global_batch * seq_len
+    key = model_key(m)
+    per_token = _flops_per_token(key, seq_len)
+    model_flops = per_token * tokens
+    share, pp_rank, layer_fraction = _busiest_rank(key, L.pp, placement(L.pp_schedule), L.n_stages, L.pp_layers)
+    chunks = rank_chunks_by_key(key, L.pp, placement(L.pp_schedule), L.n_stages, pp_rank, L.pp_layers)
+    layers_here = sum(len(layers) for layers, _, _ in chunks)
+    recompute = layer_fraction / 3 if L.checkpointing == "full" else 0.0
+    flops_gpu = model_flops * (1 + recompute) * share / L.stage_ranks
+    compute, attention = _compute(
+        m,
+        L,
+        cluster.hardware,
+        runtime,
+        dtype,
+        seq_len,
+        micro,
+        layers_here,
+        flops_gpu,
+        1 + recompute,
+        c,
+        per_token=per_token,
+    )
+    return BusiestCompute(
+        micro, tokens, per_token, model_flops, pp_rank, chunks, layers_here, recompute, compute, attention
     )
 
 

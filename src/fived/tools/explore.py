@@ -354,7 +354,7 @@ def ranking(
 ) -> list[dict]:
     """`fived plan`'s best layouts (the same search, runtime and headroom), fastest first, each with
     the toggle values that show it."""
-    search = plan(model, cluster, seq_len, global_batch, dtype, DEFAULT_RUNTIME, headroom_gib)
+    search = plan(model, cluster, seq_len, global_batch, dtype, DEFAULT_RUNTIME, headroom_gib, keep=RANKED)
     return [
         {
             "values": toggle_values(p.layout),
