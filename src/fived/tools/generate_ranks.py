@@ -26,7 +26,7 @@ import torch.distributed as dist
 from fived.config import Config, ConfigError, ModelConfig, build_config
 from fived.layout.rules import layout_errors
 from fived.parallel import comm
-from fived.tools.generate import KVCachedAttentionCore, Sampling, next_token
+from fived.tools.generate import Sampling, cache_core, next_token
 
 GENERATE_TIMEOUT_S = 300.0  # per collective
 
@@ -214,8 +214,7 @@ class GenerationRank:
         for i, prompt in enumerate(prompts):
             tokens[i, longest - len(prompt) :] = torch.tensor(prompt)
             real[i, longest - len(prompt) :] = True
-        windows = [getattr(block.attention.core, "window", 0) for block in self.chunk.layers.values()]
-        caches = [KVCachedAttentionCore(positions, real, window=window) for window in windows]
+        caches = [cache_core(block.attention, positions, real) for block in self.chunk.layers.values()]
         for block, cache in zip(self.chunk.layers.values(), caches):
             block.attention.core = cache
         generators = [torch.Generator().manual_seed(sampling.seed) for _ in prompts]
