@@ -271,11 +271,11 @@ def report(
     return "\n".join(lines)
 
 
-def _cached(m: ModelConfig, tp: int) -> str:
+def _cached(m: ModelConfig, tp: int, dtype: str) -> str:
     """What a GPU caches per token and layer, in words."""
     if m.is_mla:
-        return f"a kv latent of {m.kv_lora_rank} and a rope key of {m.qk_rope_head_dim}"
-    return f"{kv_width(m, tp) // m.head_dim} kv heads of {m.head_dim}, keys and values"
+        return f"a kv latent of {m.kv_lora_rank} and a rope key of {m.qk_rope_head_dim} in {dtype}"
+    return f"{kv_width(m, tp) // m.head_dim} kv heads of {m.head_dim} in {dtype}, keys and values"
 
 
 def _chosen(p: ServePlan, m: ModelConfig, w: Workload, source: str) -> list[str]:
@@ -286,7 +286,7 @@ def _chosen(p: ServePlan, m: ModelConfig, w: Workload, source: str) -> list[str]
         f"chosen: {L.describe()}" + _shortfall(p, w),
         f"  per GPU: weights {_gib(mem.weights)} + KV cache {_gib(mem.kv_cache)} + activations {_gib(mem.activations)}"
         f" + reserve {_gib(mem.reserve)} = {_gib(mem.total)} GiB",
-        f"  KV cache: {per_token} bytes per token and layer on a GPU ({_cached(m, L.tp)} in {w.kv_dtype}); "
+        f"  KV cache: {per_token} bytes per token and layer on a GPU ({_cached(m, L.tp, w.kv_dtype)}); "
         f"{p.fit} sequences of {w.positions} positions fit per replica "
         f"({p.fit * L.dp} in all)",
         f"  prefill of one prompt: {_ms(p.prefill.total)} ms = {_parts(p.prefill)}",

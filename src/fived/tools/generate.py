@@ -65,9 +65,7 @@ class KVCachedAttentionCore(nn.Module):
         if self.length and s != 1:
             raise ValueError("after the prompt, each call brings one new position")
         if self.length + s > self.capacity:
-            raise ValueError(
-                f"the cache holds {self.capacity} positions; position {self.length + s - 1} does not fit"
-            )
+            raise ValueError(f"the cache holds {self.capacity} positions; position {self.length + s - 1} does not fit")
         self.length += s
 
     def _attend(self, q, k, v, start: int, sinks) -> torch.Tensor:
