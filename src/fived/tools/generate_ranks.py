@@ -317,6 +317,7 @@ def format_report(reports: list[RankGeneration], cfg: Config) -> str:
 
     p = cfg.parallel
     lines = [f"generation on {len(reports)} ranks (dp{p.dp} tp{p.tp} pp{p.pp} ep{p.ep}, {cfg.train.dtype}):"]
+    cached = "kv latent and rope key" if cfg.model.is_mla else "keys and values"
     for r in reports:
         per = r.kv_formula // max(1, r.layers * r.sequences * r.positions)
         step = (
@@ -327,7 +328,7 @@ def format_report(reports: list[RankGeneration], cfg: Config) -> str:
         lines.append(
             f"  rank {r.rank} (dp {r.dp_rank}, pp {r.pp_rank}, tp {r.tp_rank}): KV cache {r.kv_bytes:,} bytes "
             f"measured | {r.kv_formula:,} formula ({r.layers} layers x {r.sequences} sequences x "
-            f"{r.positions} positions x {per} bytes of keys and values); prefill {r.prefill_s * 1e3:.2f} ms, "
+            f"{r.positions} positions x {per} bytes of {cached}); prefill {r.prefill_s * 1e3:.2f} ms, "
             f"{step}"
         )
     return "\n".join(lines)
