@@ -66,7 +66,7 @@ def planned_kv_bytes(capsys, model: str, world: int, tp: int, pp: int, ep: int, 
 
 @pytest.fixture(scope="module")
 def references():
-    return {name: one_process(name, torch.float64) for name in ("tiny", "tiny-moe")}
+    return {name: one_process(name, torch.float64) for name in ("tiny", "tiny-moe", "tiny-deepseek-v3")}
 
 
 @pytest.mark.parametrize(
@@ -78,6 +78,7 @@ def references():
         ("tiny", 2, 1, 2, 1),
         ("tiny-moe", 2, 1, 1, 2),
         ("tiny-moe", 4, 2, 1, 2),
+        ("tiny-deepseek-v3", 2, 2, 1, 1),  # the latent cache: whole on each tp rank, as the plan prices it
     ],
 )
 def test_generation_on_ranks_equals_one_process_and_the_planned_kv_cache(model, world, tp, pp, ep, references, capsys):

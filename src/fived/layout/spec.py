@@ -120,6 +120,13 @@ def kv_width(m: ModelConfig, tp: int) -> int:
     return whole if cut is None else cut.size(whole)
 
 
+def kv_cache_width(m: ModelConfig, tp: int) -> int:
+    """Elements a tp rank caches per token and layer when decoding: the keys and the values of its kv
+    heads, or for multi-head latent attention the normed kv latent and the shared rope key (whole on
+    every rank: wkv_a is not cut), which `fived generate` up-projects each step as the reference does."""
+    return m.kv_lora_rank + m.qk_rope_head_dim if m.is_mla else 2 * kv_width(m, tp)
+
+
 def kv_replicated(m: ModelConfig, tp: int) -> bool:
     """Whether several tp ranks hold the same kv head (their gradients are summed over tp)."""
     cut = _kv_cut(m, tp)

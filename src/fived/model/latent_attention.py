@@ -13,6 +13,10 @@ attention (so context parallelism's ring passes up-projected K/V, Ulysses splits
 with zeros to the query/key head size (the fused kernels need one head size; zero columns add nothing
 to the output and are sliced off), and YaRN's softmax correction and the padding's change of the
 default scale are folded into the queries.
+
+Generation caches the normed latent and the rotated rope key (kv_lora_rank + qk_rope_head_dim per token
+and layer, as the reference decodes) instead of per-head K/V: a core with `remember_latent` (fived
+generate's) stores them and hands back every cached position, which is up-projected again each step.
 """
 
 from __future__ import annotations
@@ -65,10 +69,15 @@ class LatentAttention(nn.Module):
         q = self.wq(x) if self.wq is not None else self.wq_b(self.q_norm(self.wq_a(x)))
         q_nope, q_rope = q.view(b, s, -1, self.nope + self.rope_dim).split([self.nope, self.rope_dim], dim=-1)
         latent, k_rope = self.wkv_a(x).split([self.kv_rank, self.rope_dim], dim=-1)
-        kv = self.wkv_b(self.kv_norm(latent)).view(b, s, -1, self.nope + self.v_dim)
+        latent, k_rope = self.kv_norm(latent), self.apply_rope(k_rope.view(b, s, 1, self.rope_dim), cos, sin)
+        remember = getattr(self.core, "remember_latent", None)
+        if remember is not None:  # generation's latent cache: the latent and rope key of every position so far
+            latent, k_rope = remember(latent, k_rope)
+        t = latent.shape[1]  # key positions (s, or every cached one)
+        kv = self.wkv_b(latent).view(b, t, -1, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         heads = kv.shape[2]  # (this tensor-parallel rank's)
-        k_rope = self.apply_rope(k_rope.view(b, s, 1, self.rope_dim), cos, sin).expand(b, s, heads, self.rope_dim)
+        k_rope = k_rope.expand(b, t, heads, self.rope_dim)
         q = torch.cat([q_nope, self.apply_rope(q_rope, cos, sin)], dim=-1)
         k = torch.cat([k_nope, k_rope], dim=-1)
         if self.q_gain != 1.0:

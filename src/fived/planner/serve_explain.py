@@ -9,7 +9,7 @@ from pathlib import Path
 
 from fived.config import ModelConfig
 from fived.layout.flops import matmul_params_per_token
-from fived.layout.spec import kv_width
+from fived.layout.spec import kv_cache_width, kv_width
 from fived.planner.search import Plan
 from fived.planner.serve import ServePlan, Workload, gpus_needed, in_flight
 from fived.planner.serve_model import ForwardTime
@@ -271,16 +271,23 @@ def report(
     return "\n".join(lines)
 
 
+def _cached(m: ModelConfig, tp: int, dtype: str) -> str:
+    """What a GPU caches per token and layer, in words."""
+    if m.is_mla:
+        return f"a kv latent of {m.kv_lora_rank} and a rope key of {m.qk_rope_head_dim} in {dtype}"
+    return f"{kv_width(m, tp) // m.head_dim} kv heads of {m.head_dim} in {dtype}, keys and values"
+
+
 def _chosen(p: ServePlan, m: ModelConfig, w: Workload, source: str) -> list[str]:
     L, mem = p.layout, p.memory
-    per_token = 2 * kv_width(m, L.tp) * w.kv_bytes
+    per_token = kv_cache_width(m, L.tp) * w.kv_bytes
     path, first = model_path(source, m.name)
     out = [
         f"chosen: {L.describe()}" + _shortfall(p, w),
         f"  per GPU: weights {_gib(mem.weights)} + KV cache {_gib(mem.kv_cache)} + activations {_gib(mem.activations)}"
         f" + reserve {_gib(mem.reserve)} = {_gib(mem.total)} GiB",
-        f"  KV cache: {per_token} bytes per token and layer on a GPU ({kv_width(m, L.tp) // m.head_dim} kv heads of "
-        f"{m.head_dim} in {w.kv_dtype}, keys and values); {p.fit} sequences of {w.positions} positions fit per replica "
+        f"  KV cache: {per_token} bytes per token and layer on a GPU ({_cached(m, L.tp, w.kv_dtype)}); "
+        f"{p.fit} sequences of {w.positions} positions fit per replica "
         f"({p.fit * L.dp} in all)",
         f"  prefill of one prompt: {_ms(p.prefill.total)} ms = {_parts(p.prefill)}",
         _decode_line(p),

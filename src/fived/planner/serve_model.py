@@ -9,7 +9,8 @@ Memory
   each; with fp8 weights the linear layers and experts take 1 byte (embedding, head, norms, router
   stay bf16, as vLLM's FP8 checkpoints keep them).
 - KV cache (`kv_cache_bytes`, the one formula `fived generate --report` measures against): per layer,
-  keys and values of every position of every sequence the GPU holds, in the kv heads a tp rank holds.
+  keys and values of every position of every sequence the GPU holds, in the kv heads a tp rank holds
+  (multi-head latent attention: the kv latent and the shared rope key, on every tp rank).
 - activations of one forward (the prefill's tokens, or the decode batch): the widest layer's working
   set (its input, q/k/v, attention output, the feed-forward's gate/up/product) and the float32
   logits, plus the reserve of the training planner (CUDA context, NCCL, fragmentation).
@@ -43,7 +44,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from fived.config import ModelConfig
-from fived.layout.spec import chunk_specs, kv_width, local_vocab
+from fived.layout.spec import chunk_specs, kv_cache_width, kv_width, local_vocab
 from fived.layout.stages import model_key, split_layers
 from fived.planner.constants import CALIBRATION
 from fived.planner.hardware import Hardware
@@ -96,10 +97,11 @@ class ServeLayout:
 def kv_cache_bytes(
     m: ModelConfig, *, tp: int, layers: int, sequences: float, positions: float, element_bytes: int
 ) -> float:
-    """Bytes of the key and value caches one GPU holds: for each of its `layers`, the keys and the
-    values of `positions` positions of `sequences` sequences, in the kv heads a tp rank holds
-    (`fived.layout.spec.kv_width`). `fived generate --report` measures its caches against this."""
-    return 2 * layers * sequences * positions * kv_width(m, tp) * element_bytes
+    """Bytes of the key and value caches one GPU holds: for each of its `layers`, what `positions`
+    positions of `sequences` sequences cache on a tp rank (`fived.layout.spec.kv_cache_width`: keys
+    and values of its kv heads, or the latent and rope key). `fived generate --report` measures its
+    caches against this."""
+    return layers * sequences * positions * kv_cache_width(m, tp) * element_bytes
 
 
 def stage_layers(m: ModelConfig, pp: int) -> list[list[int]]:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fived.config import ConfigError
+from fived.model.latent_attention import LatentAttention
 from fived.model.transformer import Transformer
 
 
@@ -54,17 +55,26 @@ class KVCachedAttentionCore(nn.Module):
         if self.keys is None or self.values is None:
             shape = (k.shape[0], self.capacity) + tuple(k.shape[2:])
             self.keys, self.values = k.new_zeros(shape), v.new_zeros(shape)
-        elif s != 1:
-            raise ValueError("after the prompt, each call brings one new position")
+        self._claim(s)
         keys, values = self.keys, self.values
-        if start + s > self.capacity:
-            raise ValueError(f"the cache holds {self.capacity} positions; position {start + s - 1} does not fit")
         keys[:, start : start + s], values[:, start : start + s] = k, v
-        self.length = start + s
-        q, k, v = (t.transpose(1, 2) for t in (q, keys[:, : self.length], values[:, : self.length]))
+        return self._attend(q, keys[:, : self.length], values[:, : self.length], start, sinks)
+
+    def _claim(self, s: int) -> None:
+        """Take the next `s` positions of the cache (the prompt, then one at a time)."""
+        if self.length and s != 1:
+            raise ValueError("after the prompt, each call brings one new position")
+        if self.length + s > self.capacity:
+            raise ValueError(f"the cache holds {self.capacity} positions; position {self.length + s - 1} does not fit")
+        self.length += s
+
+    def _attend(self, q, k, v, start: int, sinks) -> torch.Tensor:
+        """Queries of positions start.. over the keys and values of every position so far."""
+        s = q.shape[1]
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         gqa = q.shape[1] != k.shape[1]
         if self.window or sinks is not None:
-            out = _local_attention(q, k, v, self._allowed(start, s), sinks)
+            out = _local_attention(q, k, v, self._allowed(start, s, q.device), sinks)
         elif self.key_mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=start == 0, enable_gqa=gqa)
         else:
@@ -80,13 +90,54 @@ class KVCachedAttentionCore(nn.Module):
         real = self.key_mask[:, None, : self.length]
         return ((key <= query) & real | (key == query))[:, None]
 
-    def _allowed(self, start: int, s: int) -> torch.Tensor:
+    def _allowed(self, start: int, s: int, device: torch.device) -> torch.Tensor:
         """[batch or 1, 1, queries, keys]: `_mask` (or causal), within the window."""
-        device = self.keys.device if self.keys is not None else None
         query = torch.arange(start, start + s, device=device)[:, None]
         key = torch.arange(self.length, device=device)[None, :]
         allowed = self._mask(start, s) if self.key_mask is not None else (key <= query)[None, None]
         return allowed & (key > query - self.window) if self.window else allowed
+
+
+class LatentCachedAttentionCore(KVCachedAttentionCore):
+    """The cache of a multi-head latent attention (fived.model.latent_attention): per position the
+    normed kv latent and the rotated rope key all heads share (kv_lora_rank + qk_rope_head_dim
+    elements, whole on every tensor-parallel rank), not per-head keys and values. The attention hands
+    them to `remember_latent` and up-projects what it returns (every position so far) each step: the
+    same products as the uncached forward, so the same ids."""
+
+    def __init__(self, capacity: int, key_mask: torch.Tensor | None = None):
+        super().__init__(capacity, key_mask)
+        self.latent: torch.Tensor | None = None
+        self.rope_key: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the cache holds (latents and rope keys, the whole capacity)."""
+        return sum(t.untyped_storage().nbytes() for t in (self.latent, self.rope_key) if t is not None)
+
+    def remember_latent(self, latent: torch.Tensor, rope_key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cache the new positions' latent [b, s, rank] and rope key [b, s, 1, rope]; every position's so far."""
+        start, s = self.length, latent.shape[1]
+        if self.latent is None or self.rope_key is None:
+            self.latent = latent.new_zeros((latent.shape[0], self.capacity) + tuple(latent.shape[2:]))
+            self.rope_key = rope_key.new_zeros((rope_key.shape[0], self.capacity) + tuple(rope_key.shape[2:]))
+        self._claim(s)
+        self.latent[:, start : start + s], self.rope_key[:, start : start + s] = latent, rope_key
+        return self.latent[:, : self.length], self.rope_key[:, : self.length]
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents=None, positions=None, sinks=None
+    ) -> torch.Tensor:
+        """k, v: up-projected from `remember_latent`'s answer (every position); q: the new positions."""
+        return self._attend(q, k, v, self.length - q.shape[1], sinks)
+
+
+def cache_core(attention: nn.Module, capacity: int, key_mask: torch.Tensor | None = None) -> KVCachedAttentionCore:
+    """The generation cache replacing one attention's core: latent and rope key for a multi-head
+    latent attention, else keys and values (within the layer's sliding window, if any)."""
+    if isinstance(attention, LatentAttention):
+        return LatentCachedAttentionCore(capacity, key_mask)
+    return KVCachedAttentionCore(capacity, key_mask, window=getattr(attention.core, "window", 0))
 
 
 def _local_attention(q, k, v, allowed: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
@@ -130,8 +181,7 @@ def generate(
     """The ids generated after `prompt` (at most max_new_tokens; ends early at a stop id)."""
     model.eval()
     for block in model.blocks():
-        window = getattr(block.attention.core, "window", 0)  # (the layer's sliding window)
-        block.attention.core = KVCachedAttentionCore(len(prompt) + sampling.max_new_tokens, window=window)
+        block.attention.core = cache_core(block.attention, len(prompt) + sampling.max_new_tokens)
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(sampling.seed)
     logits = model(torch.tensor([prompt], device=device), positions=torch.arange(len(prompt), device=device))

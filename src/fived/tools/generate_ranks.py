@@ -26,7 +26,7 @@ import torch.distributed as dist
 from fived.config import Config, ConfigError, ModelConfig, build_config
 from fived.layout.rules import layout_errors
 from fived.parallel import comm
-from fived.tools.generate import KVCachedAttentionCore, Sampling, next_token
+from fived.tools.generate import Sampling, cache_core, next_token
 
 GENERATE_TIMEOUT_S = 300.0  # per collective
 
@@ -214,8 +214,7 @@ class GenerationRank:
         for i, prompt in enumerate(prompts):
             tokens[i, longest - len(prompt) :] = torch.tensor(prompt)
             real[i, longest - len(prompt) :] = True
-        windows = [getattr(block.attention.core, "window", 0) for block in self.chunk.layers.values()]
-        caches = [KVCachedAttentionCore(positions, real, window=window) for window in windows]
+        caches = [cache_core(block.attention, positions, real) for block in self.chunk.layers.values()]
         for block, cache in zip(self.chunk.layers.values(), caches):
             block.attention.core = cache
         generators = [torch.Generator().manual_seed(sampling.seed) for _ in prompts]
@@ -318,6 +317,7 @@ def format_report(reports: list[RankGeneration], cfg: Config) -> str:
 
     p = cfg.parallel
     lines = [f"generation on {len(reports)} ranks (dp{p.dp} tp{p.tp} pp{p.pp} ep{p.ep}, {cfg.train.dtype}):"]
+    cached = "kv latent and rope key" if cfg.model.is_mla else "keys and values"
     for r in reports:
         per = r.kv_formula // max(1, r.layers * r.sequences * r.positions)
         step = (
@@ -328,7 +328,7 @@ def format_report(reports: list[RankGeneration], cfg: Config) -> str:
         lines.append(
             f"  rank {r.rank} (dp {r.dp_rank}, pp {r.pp_rank}, tp {r.tp_rank}): KV cache {r.kv_bytes:,} bytes "
             f"measured | {r.kv_formula:,} formula ({r.layers} layers x {r.sequences} sequences x "
-            f"{r.positions} positions x {per} bytes of keys and values); prefill {r.prefill_s * 1e3:.2f} ms, "
+            f"{r.positions} positions x {per} bytes of {cached}); prefill {r.prefill_s * 1e3:.2f} ms, "
             f"{step}"
         )
     return "\n".join(lines)
