@@ -204,6 +204,9 @@ def test_a_resume_onto_another_layout_trains_on_the_same_samples(blend, one_proc
     assert main(["train", "--resume", str(tmp_path), "--steps", "6", "--data.blend", other]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"fived: error: data.blend={other}: a resumed run keeps the checkpoint's") and "\n" not in err
+    # the same blend in other words (weights 5:3:2 for 0.5:0.3:0.2) is the checkpoint's: it resumes
+    same = blend.replace("0.5 ", "5 ", 1).replace("0.3 ", "3 ", 1).replace("0.2 ", "2 ", 1)
+    assert main(["train", "--resume", str(tmp_path), "--steps", "5", "--data.blend", same]) == 0
 
 
 def test_a_resume_with_other_weights_is_refused(blend, tmp_path):

@@ -253,7 +253,8 @@ def open_source(cfg, path: str, field: str) -> np.ndarray:
             field,
             path,
             "file not found",
-            "give a .bin from `fived prepare-data` or Megatron-LM, a text file, or leave it empty for the bundled corpus",
+            "give a .bin from `fived prepare-data` or Megatron-LM (or its prefix), a text file"
+            + (", or leave it empty for the bundled corpus" if field == "data.path" else ""),
         )
     try:
         tokens = load_tokens(path, cfg.data.tokenizer)

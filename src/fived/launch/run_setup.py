@@ -434,6 +434,8 @@ def _resumed_config(saved, given: dict, dp_shard: int | None):
 
     from fived.config import ParallelConfig, set_field
 
+    if "data.blend" in given and _same_blend(str(given["data.blend"]), saved.data.blend):
+        given = {k: v for k, v in given.items() if k != "data.blend"}  # (the checkpoint's string stays)
     for key, value in given.items():
         if key.startswith(FIXED_ON_RESUME):
             section, _, name = key.partition(".")
@@ -462,6 +464,18 @@ def _resumed_config(saved, given: dict, dp_shard: int | None):
     # the lr plan: the checkpoint's (0 keeps it), unless --train.decay_steps N plans another on purpose
     cfg.train.decay_steps = cfg.train.decay_steps or saved.train.decay_steps
     return cfg, layout_given
+
+
+def _same_blend(given: str, saved: str) -> bool:
+    """Whether two blend strings name the same sources with the same normalised weights ("6 a 3 b"
+    is "0.6 a 0.3 b"); a bad string is not the same (the check that follows names it)."""
+    from fived.data.blend import parse_blend
+
+    try:
+        a, b = parse_blend(given), parse_blend(saved)
+    except ValueError:
+        return False
+    return len(a) == len(b) and all(x.path == y.path and abs(x.weight - y.weight) <= 1e-12 for x, y in zip(a, b))
 
 
 @dataclass

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import sys
 from dataclasses import dataclass, field
@@ -180,7 +181,11 @@ def _config(cfg: Config, world: int) -> dict:
 
 
 def _warn(name: str, what: str, error: Exception) -> None:
-    first = (str(error).strip().splitlines() or [""])[0][:300]
+    first = (str(error).strip().splitlines() or [""])[0]
+    if len(first) > 300:
+        first = first[:297] + "..."
+    if name == "mlflow" and "MLFLOW_ALLOW_FILE_STORE" not in os.environ and "file" in first.lower():
+        first += " — for a local file store set MLFLOW_ALLOW_FILE_STORE=true (see docs/training.md)"
     print(
         f"fived: warning: train.tracker={name}: {what} failed ({type(error).__name__}: {first}); training goes on",
         file=sys.stderr,
