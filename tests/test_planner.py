@@ -366,3 +366,21 @@ def test_every_planned_runtime_is_a_plan_choice():
     from fived.planner.runtimes import PLANNED_RUNTIMES
 
     assert set(RUNTIME_CHOICES) == set(PLANNED_RUNTIMES)
+
+
+def test_every_published_runtime_prices_its_context_parallel_blocks_as_fused_attention():
+    """Every runtime that runs context parallelism (Megatron-Core, torch's context_parallel under FSDP,
+    DeepSpeed-Ulysses, InternEvo...) attends with a fused kernel per block; pricing FSDP's ring as
+    matmuls with the score matrix in memory made its 128K-token runs ~20x slower than their FLOPs."""
+    from fived.planner.runtimes import PLANNED_RUNTIMES, framework_runtime
+
+    model, cluster = model_preset("llama3-8b"), Cluster(hardware("h100"), 64, 8)
+    layout = Layout(dp=8, cp=8, zero=3, checkpointing="full")
+    runtimes = [framework_runtime(name) for name in ("torchtitan (FSDP2)", "DeepSpeed ZeRO-3", "InternEvo")]
+    for runtime in (*runtimes, PLANNED_RUNTIMES["megatron-core"]):
+        assert runtime.flash_ring, runtime.name
+        plan = evaluate(model, layout, cluster, 131072, 8, "bfloat16", runtime)
+        assert plan is not None
+        step = plan.time
+        # fused blocks: the rank's compute is its FLOPs at a GEMM's efficiency, not the score matrix's traffic
+        assert step.compute < 2.5 * step.model_flops / step.world / step.peak_flops, runtime.name

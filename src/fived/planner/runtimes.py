@@ -40,6 +40,9 @@ documented defaults:
   precision says FP8.
 - PyTorch FSDP (FSDP1/FSDP2, torchtitan-style or HF): fp32 sharded parameters gathered in bf16
   (float8 all-gather with FP8), reductions overlapped, eager kernels unless compiled.
+- Context parallelism, in every runtime that has it (Megatron-Core, torch's context_parallel as
+  torchtitan runs it, DeepSpeed-Ulysses, InternEvo, ...): fused attention per block (`flash_ring`);
+  no published runtime runs a ring of plain matmuls with the score matrix in memory.
 - DeepSpeed ZeRO, InternEvo, PaddlePaddle and other ZeRO-style runtimes: bf16 weights and gradients,
   fp32 master and Adam sharded by stage, ZeRO-2 reducing every micro-batch's gradients; reductions
   overlapped (Paddle's sharding stages: not, before PaddleNLP added it in 2024); fused kernels unless
@@ -179,6 +182,7 @@ _MEGATRON = Runtime(
 )
 _FSDP = Runtime(
     name="fsdp",
+    flash_ring=True,
     grad_overlap=True,
     reduce_bytes=4,
     gather_bytes=2,
