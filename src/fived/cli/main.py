@@ -21,6 +21,7 @@ import sys
 from fived.cli.calibrate import add_calibrate_command
 from fived.cli.generate import add_generate_command
 from fived.cli.plan import add_plan_commands
+from fived.cli.tune import add_tune_command
 from fived.config import build_config
 from fived.errors import ConfigError, Stopped, user_error
 from fived.launch.run_setup import add_config_flags, load_run, prepare_training, reshard_layout
@@ -262,6 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     exp.set_defaults(func=cmd_export)
     add_generate_command(sub)
     add_calibrate_command(sub)
+    add_tune_command(sub)
     parser.set_defaults(commands=sub.choices)  # (name -> its parser, for flag suggestions)
     return parser
 

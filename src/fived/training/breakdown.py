@@ -95,6 +95,11 @@ def predicted(cfg: Config, world: int, hardware=None) -> tuple[dict[str, float],
     except Exception as e:  # (the run's own figures are written whatever the planner makes of it)
         print(f"fived: no planner prediction for this run's step ({type(e).__name__}: {e})", file=sys.stderr)
         return None
+    return planned_components(t), asdict(hw)
+
+
+def planned_components(t) -> dict[str, float]:
+    """The planner's `StepTime` on the measured components' terms (COMPARED)."""
     # the planner's pp (P2P transfer) is time the pipeline waits: measured within the bubble
     # the planner's per-layer host work runs inside the layers' forward and backward: measured as compute
     return {
@@ -106,7 +111,7 @@ def predicted(cfg: Config, world: int, hardware=None) -> tuple[dict[str, float],
         "bubble": t.bubble + t.pp,
         "optimizer": t.optimizer,
         "overhead": t.overhead - t.layer_host,
-    }, asdict(hw)
+    }
 
 
 def run_breakdown(cfg: Config, world: int, per_rank: list[list[dict]]) -> dict:
