@@ -300,3 +300,27 @@ def test_planner_prices_the_halo_as_the_ledger_measures_it():
     (windowed, planned_windowed), (ring, planned_ring) = ratios
     assert planned_windowed / planned_ring == pytest.approx(windowed / ring, rel=0.2)
     assert windowed / ring < 0.75  # (two of four layers windowed: their halo is 7 of 64 tokens)
+
+
+@pytest.mark.parametrize("seq,cp,window,ulysses", [(64, 4, 5, 1), (64, 4, 30, 1), (128, 8, 40, 2), (64, 4, 200, 1)])
+def test_halo_count_is_what_the_exchange_selects(seq, cp, window, ulysses):
+    """The planner's count of each ring member's halo (`fived.layout.cp_chunks.halo_tokens`: windows
+    shorter and longer than a chunk, hybrid's members holding their Ulysses group's chunks) equals
+    the tokens the runtime's rule (`window_needs`) selects from the members' positions."""
+    from fived.layout.cp_chunks import halo_tokens
+    from fived.parallel.context import local_positions
+    from fived.parallel.context_window import window_needs
+
+    held = [
+        torch.cat([local_positions(seq, cp, r) for r in range(m * ulysses, (m + 1) * ulysses)]).sort().values[None]
+        for m in range(cp // ulysses)
+    ]
+    others = [[j for j in range(len(held)) if j != m] for m in range(len(held))]
+    counts = [
+        (
+            sum(int(window_needs(held[m], held[j], window).sum()) for j in others[m]),
+            sum(int(window_needs(held[j], held[m], window).sum()) for j in others[m]),
+        )
+        for m in range(len(held))
+    ]
+    assert counts == list(halo_tokens(seq, cp, window, ulysses))

@@ -57,7 +57,17 @@ def halo_tokens(seq_len: int, cp: int, window: int, ulysses: int = 1) -> tuple[t
     return tuple((sum(moved[m]), sum(row[m] for row in moved)) for m in range(len(held)))
 
 
-def document_halo_bound(seq_len: int, cp: int, window: int, chunks_per_rank: int) -> int:
-    """Tokens a rank receives at most for one sequence with document masking: each of its chunks the
-    window - 1 tokens before it, no more than the other ranks hold."""
-    return min(chunks_per_rank * max(window - 1, 0), seq_len - seq_len // cp)
+def busiest_halo(
+    seq_len: int, cp: int, window: int, ulysses: int, chunks: int, kv: int, dkv: int, fwd: int
+) -> tuple[int, int]:
+    """(bytes sent, bytes received) per sequence by the ring member that sends the most: K, V of
+    the tokens its peers' windows reach, `fwd` times forward, and the received tokens' dK, dV home
+    (kv, dkv: bytes of one token's K or V, dK or dV). `chunks`: each cp rank's chunks with document
+    masking (a bound: each chunk receives the window - 1 tokens before it), 0 without."""
+    if chunks:
+        bound = min(chunks * ulysses * max(window - 1, 0), seq_len - seq_len * ulysses // cp)
+        members: tuple[tuple[int, int], ...] = ((bound, bound),)
+    else:
+        members = halo_tokens(seq_len, cp, window, ulysses)
+    sent, received = max(members, key=lambda t: fwd * t[0] * kv + t[1] * dkv)
+    return fwd * sent * 2 * kv + received * 2 * dkv, fwd * received * 2 * kv + sent * 2 * dkv

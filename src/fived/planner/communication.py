@@ -30,10 +30,8 @@ collectives when full checkpointing recomputes the forward:
        ulysses over cp, hybrid over cp_ulysses): per layer an all-to-all of each of q, k, v and the
        output forward, of their gradients backward (kv heads repeated up to u when fewer), and an
        all-gather of the tokens' order keys; hybrid then rings over cp_ring with u times the tokens
-       and a u-th of the heads. A windowed layer (fived) moves its halo instead of the ring: forward
-       K, V of the tokens another ring member's windows reach, backward their dK, dV home
-       (`fived.layout.cp_chunks`: counted from the halves layout on the member that sends the most,
-       a bound with document masking, whose order keys are all-gathered forward).
+       and a u-th of the heads. A windowed layer (fived) moves its halo instead of the ring
+       (`fived.layout.cp_chunks.busiest_halo`; its keys all-gathered with document masking).
        Per MoE layer the sequence's routing statistics summed over cp.
   ep   per MoE layer: the per-expert counts (int64), dispatch (w) and combine (e) forward, their
        gradients backward; B*top_k routing slots (dropless, balanced). With ep_overlap each of these
@@ -61,7 +59,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from fived.config import ModelConfig
-from fived.layout.cp_chunks import chunks_per_rank, document_halo_bound, halo_tokens
+from fived.layout.cp_chunks import busiest_halo, chunks_per_rank
 from fived.layout.layout import EP_OVERLAP_CHUNKS, MESH_FIELDS, PRECISION_SPECS, Layout
 from fived.layout.muon_load import busiest_loads
 from fived.layout.muon_plan import Exchange, stage_plan
@@ -215,24 +213,12 @@ def _context_parallel(add, m, L, seq_len, e, fwd, windows, micro, runtime) -> No
     group = "cp" if u == 1 else "cp_ring"
     add(group, "send", per_layer / hops, hops * (layers - len(halos)) * micro, "cp")
     add(group, "recv", per_layer / hops, hops * (layers - len(halos)) * micro, "")
-    for window, count in Counter(halos).items():
-        _window_halo(add, group, L, seq_len, window, kv // tokens, dkv // tokens, fwd, count * micro)
+    for window, count in Counter(halos).items():  # (the member sending the most; a bound with documents)
+        balance = chunks_per_rank(seq_len, L.cp, L.cp_balance) if L.document_mask else 0
+        sent, received = busiest_halo(seq_len, L.cp, window, u, balance, kv // tokens, dkv // tokens, fwd)
+        add(group, "send", L.micro_batch * sent / (fwd + 1), (fwd + 1) * count * micro, "cp")
+        add(group, "recv", L.micro_batch * received / (fwd + 1), (fwd + 1) * count * micro, "")
         add(group, "all_gather_single", ranks * keys * u, fwd * count * micro, "cp")  # (document masking)
-
-
-def _window_halo(add, group, L, seq_len, window, kv, dkv, fwd, calls) -> None:
-    """A windowed layer's halo (`fived.layout.cp_chunks`) on the ring member sending the most: K, V
-    of the tokens its peers' windows reach forward, the received tokens' dK, dV home backward (kv,
-    dkv: bytes of one token's K or V, dK or dV). With document masking, a bound."""
-    if L.document_mask:
-        per_rank = chunks_per_rank(seq_len, L.cp, L.cp_balance) * L.ulysses
-        bound = document_halo_bound(seq_len, L.cp // L.ulysses, window, per_rank)
-        members = [(bound, bound)]
-    else:
-        members = list(halo_tokens(seq_len, L.cp, window, L.ulysses))
-    sent, received = max(members, key=lambda t: fwd * t[0] * kv + t[1] * dkv)
-    add(group, "send", L.micro_batch * (fwd * sent * 2 * kv + received * 2 * dkv) / (fwd + 1), (fwd + 1) * calls, "cp")
-    add(group, "recv", L.micro_batch * (fwd * received * 2 * kv + sent * 2 * dkv) / (fwd + 1), (fwd + 1) * calls, "")
 
 
 def _muon_exchange(m: ModelConfig, L: Layout, dtype: str, chunks, member: int | None) -> list[Collective]:
