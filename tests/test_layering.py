@@ -22,7 +22,7 @@ MAY_IMPORT = {
     "layout": {"config", "errors"},  # the torch-free core: sharding spec, rules, stages, placements, Muon's plan
     "planner": BASE | {"layout"},  # torch-free, never the runtime
     "model": TORCH | {"layout"},  # the model without parallel branches
-    "data": BASE,
+    "data": BASE | {"layout"},  # (context parallelism's chunk layouts: fived.layout.cp_chunks)
     "checkpoint": TORCH | {"layout", "model"},
     "optim": TORCH | {"layout", "model"},
     "parallel": TORCH | {"layout", "model", "optim"},

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import torch
 
-CHUNKS_PER_RANK = 8
+from fived.layout.cp_chunks import CHUNKS_PER_RANK, chunks_per_rank, halves_chunks  # noqa: F401 (re-exported)
+
 NO_TARGET = -100  # multi-token prediction: a future token past the sequence's end
 
 
@@ -38,12 +39,6 @@ def document_structure(inputs: torch.Tensor, end_of_document: int) -> tuple[torc
     return documents, index - torch.cummax(starts, dim=1).values
 
 
-def chunks_per_rank(seq_len: int, cp: int, balance: str) -> int:
-    if balance == "halves":
-        return 2
-    return next(c for c in (CHUNKS_PER_RANK, 4, 2) if seq_len % (c * cp) == 0)
-
-
 def balanced_chunks(work: list[int], cp: int) -> list[list[int]]:
     """The chunks (indices) each of `cp` ranks holds, len(work)/cp each, attention work balanced
     (see the module's docstring); each rank's list in sequence order."""
@@ -55,10 +50,6 @@ def balanced_chunks(work: list[int], cp: int) -> list[list[int]]:
         held[rank].append(chunk)
         load[rank] += work[chunk]
     return [sorted(h) for h in held]
-
-
-def halves_chunks(cp: int) -> list[list[int]]:
-    return [[r, 2 * cp - 1 - r] for r in range(cp)]
 
 
 def chunk_assignment(positions: torch.Tensor, cp: int, balance: str) -> list[list[list[int]]]:

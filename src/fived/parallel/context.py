@@ -24,11 +24,14 @@ The masked ring (document masking, and hybrid's ring across Ulysses groups, whos
 halves layout): K/V travel with their tokens' order keys (document << 32 | position) and each block
 runs the document-masked kernel, which skips a block whose keys share no document with the queries.
 
-Sliding windows and attention sinks (GPT-OSS, Gemma 3): a windowed layer, or one with sinks, runs
-the masked ring (its tokens' order keys from the halves layout's positions when there are no
-documents); a block whose keys all lie outside every query's window is skipped like one outside its
-documents (no kernel call; its K/V still travel the ring), and the sinks join each row's softmax once
-all blocks are merged. Ulysses attends its u-th of the heads with that u-th of the sinks.
+Sliding windows and attention sinks (GPT-OSS, Gemma 3): a windowed layer exchanges only the K/V its
+queries' windows reach (`fived.parallel.context_window`: a halo instead of the ring; its tokens' order
+keys from the halves layout's positions when there are no documents); a global layer with sinks runs
+the masked ring. The sinks join each row's softmax once all blocks are merged. Ulysses attends its
+u-th of the heads with that u-th of the sinks; hybrid's ring across the Ulysses groups exchanges its
+windowed layers' halos the same way. `ring_attention(..., halo=False)` keeps the windowed layer on the
+masked ring (every block travels; those outside every window are skipped, not computed): the
+benchmark's comparison (benchmarks/bench_window_cp.py).
 
 Ulysses (`UlyssesAttention`, exchanges in `fived.parallel.ulysses`): q, k, v are traded for the
 group's tokens of a u-th of the heads, sorted into sequence order by their gathered order keys,
@@ -41,6 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fived.layout.cp_chunks import halves_chunks
 from fived.model.attention import (
     DocumentAttention,
     block_backward,
@@ -55,6 +59,7 @@ from fived.model.attention import (
 )
 from fived.model.transformer import Transformer
 from fived.parallel import comm
+from fived.parallel.context_window import WindowRingFunction, gathered_keys
 from fived.parallel.tensor import ReduceFromTensorParallelRegion as AllReduceSumForward
 from fived.parallel.ulysses import Reorder, gather_keys, kv_heads_for_groups, to_heads, to_sequence
 
@@ -62,9 +67,7 @@ from fived.parallel.ulysses import Reorder, gather_keys, kv_heads_for_groups, to
 def local_positions(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
     """Global positions of the tokens cp rank `rank` holds: chunks rank and 2*cp-1-rank."""
     chunk = seq_len // (2 * cp)
-    first = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
-    second = torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk, device=device)
-    return torch.cat([first, second])
+    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device) for c in halves_chunks(cp)[rank]])
 
 
 def _ring_exchange(tensors: list[torch.Tensor], group) -> tuple[list[torch.Tensor], comm.Pending]:
@@ -211,13 +214,19 @@ class MaskedRingFunction(torch.autograd.Function):
         return dq.to(q.dtype), held[-2].to(k.dtype), held[-1].to(v.dtype), None, None, None, dsinks
 
 
-def ring_attention(q, k, v, keys, group, *, window: int = 0, sinks=None) -> torch.Tensor:
+def ring_attention(
+    q, k, v, keys, group, *, window: int = 0, sinks=None, all_keys=None, halo: bool = True
+) -> torch.Tensor:
     """q [b, hq, s, d], k/v [b, hkv, s, d] over the ring `group`: the halves ring without `keys`,
-    the masked ring with them ([b, s] order keys, increasing), which also takes a sliding `window`
-    and per-head `sinks` [hq]."""
+    the masked ring with them ([b, s] order keys, increasing), which also takes per-head `sinks`
+    [hq]; a sliding `window` exchanges only the halo (every rank's keys `all_keys` [cp, b, s],
+    gathered when not given), or with `halo` False runs the masked ring."""
     if keys is None:
         assert not window and sinks is None  # (windows and sinks run on the masked ring)
         return RingAttentionFunction.apply(q, k, v, group)
+    if window and halo:
+        all_keys = gathered_keys(keys, group) if all_keys is None else all_keys
+        return WindowRingFunction.apply(q, k, v, keys, all_keys, group, window, sinks)
     return MaskedRingFunction.apply(q, k, v, keys, group, window, sinks)
 
 
@@ -241,15 +250,20 @@ class RingAttention(nn.Module):
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         dtype = kernel_dtype(q, k, v)
-        keys = None
+        keys = all_keys = None
         if documents is not None:
             assert positions is not None  # (document masking hands the in-document positions too)
             keys = order_keys(documents, positions, q.shape[0])
         elif self.window or sinks is not None:
             assert self.positions is not None
             keys = order_keys(None, self.positions.to(q.device), q.shape[0])
+            if self.window:  # every rank's keys are the halves layout's: no need to gather them
+                size = dist.get_world_size(self.group)
+                held = [local_positions(q.shape[1] * size, size, r, q.device) for r in range(size)]
+                all_keys = torch.stack([order_keys(None, p, q.shape[0]) for p in held])
         q, k, v = (t.transpose(1, 2).to(dtype) for t in (q, k, v))
-        return ring_attention(q, k, v, keys, self.group, window=self.window, sinks=sinks).transpose(1, 2)
+        out = ring_attention(q, k, v, keys, self.group, window=self.window, sinks=sinks, all_keys=all_keys)
+        return out.transpose(1, 2)
 
 
 class UlyssesAttention(nn.Module):

@@ -30,7 +30,9 @@ collectives when full checkpointing recomputes the forward:
        ulysses over cp, hybrid over cp_ulysses): per layer an all-to-all of each of q, k, v and the
        output forward, of their gradients backward (kv heads repeated up to u when fewer), and an
        all-gather of the tokens' order keys; hybrid then rings over cp_ring with u times the tokens
-       and a u-th of the heads. Per MoE layer the sequence's routing statistics summed over cp.
+       and a u-th of the heads. A windowed layer (fived) moves its halo instead of the ring
+       (`fived.layout.cp_chunks.busiest_halo`; its keys all-gathered with document masking).
+       Per MoE layer the sequence's routing statistics summed over cp.
   ep   per MoE layer: the per-expert counts (int64), dispatch (w) and combine (e) forward, their
        gradients backward; B*top_k routing slots (dropless, balanced). With ep_overlap each of these
        four exchanges runs as EP_OVERLAP_CHUNKS calls carrying a share each (same bytes, more calls).
@@ -57,6 +59,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from fived.config import ModelConfig
+from fived.layout.cp_chunks import busiest_halo, chunks_per_rank
 from fived.layout.layout import EP_OVERLAP_CHUNKS, MESH_FIELDS, PRECISION_SPECS, Layout
 from fived.layout.muon_load import busiest_loads
 from fived.layout.muon_plan import Exchange, stage_plan
@@ -168,7 +171,8 @@ def step_collectives(
         add("ep", "all_to_all_single", slots * m.dim * w / n, n * (fwd + 1) * moe_layers * micro, "ep")
         add("ep", "all_to_all_single", slots * m.dim * e / n, n * (fwd + 1) * moe_layers * micro, "ep")
     if L.cp > 1:
-        _context_parallel(add, m, L, seq_len, e, fwd, layers, micro, runtime)
+        windows = [m.layer_window(i) if i < m.n_layers else 0 for c in chunks for i in c[0]]
+        _context_parallel(add, m, L, seq_len, e, fwd, windows, micro, runtime)
         # MoE load-balancing statistics summed over the sequence's cp ranks: [b, 2E+1] per layer
         add("cp", "all_reduce", L.micro_batch * (2 * m.n_experts + 1) * max(e, 4), fwd * moe_layers * micro, "cp")
     if L.pp > 1:
@@ -179,10 +183,12 @@ def step_collectives(
     return out
 
 
-def _context_parallel(add, m, L, seq_len, e, fwd, layers, micro, runtime) -> None:
+def _context_parallel(add, m, L, seq_len, e, fwd, windows, micro, runtime) -> None:
     """Ulysses' all-to-alls inside groups of u = L.ulysses ranks, then the ring across cp/u of them
-    (ring mode: u = 1; ulysses: the whole cp group; hybrid: cp_ulysses ranks, cp_ring across)."""
-    u, tokens = L.ulysses, L.micro_batch * seq_len // L.cp
+    (ring mode: u = 1; ulysses: the whole cp group; hybrid: cp_ulysses ranks, cp_ring across);
+    fived's windowed layers exchange their halo instead of the ring (`windows`: each layer's)."""
+    u, tokens, layers = L.ulysses, L.micro_batch * seq_len // L.cp, len(windows)
+    halos = [w for w in windows if w and runtime.is_fived and L.cp > u]
     kv_heads = kv_width(m, L.tp) // m.head_dim
     # fived's order keys (document << 32 | position, int64) travel where blocks are masked
     keys = 8 * tokens if runtime.is_fived and (L.document_mask or u > 1) else 0
@@ -199,12 +205,20 @@ def _context_parallel(add, m, L, seq_len, e, fwd, layers, micro, runtime) -> Non
     ring = e if runtime.flash_ring else max(e, 4)
     kv = tokens * kv_heads * m.head_dim * ring
     dkv = kv * max(ring, 4) // ring if runtime.is_fived else kv  # fived accumulates dK, dV in >= fp32
-    positions = (keys * u) if runtime.flash_ring else 8 * seq_len // L.cp
+    # (a layer with sinks runs the masked ring too: keys travel)
+    ring_keys = keys or (8 * tokens if runtime.is_fived and m.attention_sinks else 0)
+    positions = (ring_keys * u) if runtime.flash_ring else 8 * seq_len // L.cp
     per_layer = fwd * (ranks - 1) * (2 * kv + positions) + (ranks - 1) * (2 * kv + 2 * dkv + positions) + 2 * dkv
     hops = fwd * (ranks - 1) + ranks
     group = "cp" if u == 1 else "cp_ring"
-    add(group, "send", per_layer / hops, hops * layers * micro, "cp")
-    add(group, "recv", per_layer / hops, hops * layers * micro, "")
+    add(group, "send", per_layer / hops, hops * (layers - len(halos)) * micro, "cp")
+    add(group, "recv", per_layer / hops, hops * (layers - len(halos)) * micro, "")
+    for window, count in Counter(halos).items():  # (the member sending the most; a bound with documents)
+        balance = chunks_per_rank(seq_len, L.cp, L.cp_balance) if L.document_mask else 0
+        sent, received = busiest_halo(seq_len, L.cp, window, u, balance, kv // tokens, dkv // tokens, fwd)
+        add(group, "send", L.micro_batch * sent / (fwd + 1), (fwd + 1) * count * micro, "cp")
+        add(group, "recv", L.micro_batch * received / (fwd + 1), (fwd + 1) * count * micro, "")
+        add(group, "all_gather_single", ranks * keys * u, fwd * count * micro, "cp")  # (document masking)
 
 
 def _muon_exchange(m: ModelConfig, L: Layout, dtype: str, chunks, member: int | None) -> list[Collective]:
