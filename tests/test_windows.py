@@ -132,19 +132,41 @@ def test_layouts_windows_do_not_run_yet_are_refused_in_one_line(overrides, field
 
 
 def test_generation_with_windows_and_sinks_equals_the_full_recompute():
-    """Greedy ids through the KV cache (windows past their length, sinks) equal those of running
-    the whole sequence again for every new token."""
+    """Greedy ids through the KV cache (a windowed layer's rolling cache of 8 positions wrapped four
+    times by 13 + 20, sinks) equal those of running the whole sequence again for every new token."""
     from fived.tools.generate import Sampling, generate
 
     model = _model("tiny-gpt-oss", init_std=0.3)  # (larger weights: logits far from flat)
-    prompt = list(range(1, 14))
-    got = generate(model, prompt, Sampling(max_new_tokens=12))
+    prompt, new = list(range(1, 14)), 20
+    got = generate(model, prompt, Sampling(max_new_tokens=new))
+    held = [block.attention.core.keys.shape[1] for block in model.blocks()]
+    assert held == [8, len(prompt) + new] * 2  # (windowed layers 0 and 2 hold their window only)
     reference = _model("tiny-gpt-oss", init_std=0.3)
     ids = list(prompt)
     with torch.no_grad():
-        for _ in range(12):
+        for _ in range(new):
             ids.append(int(reference(torch.tensor([ids]))[0, -1].argmax()))
     assert got == ids[len(prompt) :] and len(set(got)) > 2
+
+
+@torch.no_grad()
+def test_rolling_cache_logits_equal_the_full_forward_at_every_position():
+    """A prompt longer than the window (its first positions never reach the ring), then one position
+    at a time as the ring wraps: each position's logits are the full forward's (float64), so a slot
+    that holds the wrong position, or a mask that reads it wrongly, fails here."""
+    from fived.testing import EXACT
+    from fived.tools.generate import cache_core
+
+    model = _model("tiny-gpt-oss", init_std=0.3)
+    ids = torch.randint(0, 256, (2, 30), generator=torch.Generator().manual_seed(2))
+    full = model(ids)
+    for block in model.blocks():
+        block.attention.core = cache_core(block.attention, ids.shape[1])
+    prompt = 11
+    got = [model(ids[:, :prompt], positions=torch.arange(prompt))]
+    got += [model(ids[:, p : p + 1], positions=torch.tensor([p])) for p in range(prompt, ids.shape[1])]
+    scale = full.abs().max().item()
+    assert (torch.cat(got, dim=1) - full).abs().max().item() <= EXACT * scale
 
 
 def _verify(world, documents=True, **layout):
