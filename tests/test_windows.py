@@ -218,6 +218,20 @@ def test_windowed_layer_flops_are_the_pairs_its_band_computes():
     assert got == pytest.approx((1 + layer_keys(8, s) / s) / 2)
 
 
+@pytest.mark.parametrize(
+    "context,new", [(40, 40), (40, 1), (40, 35), (5, 5)], ids=["prefill", "decode", "mid", "short"]
+)
+def test_serving_attention_keys_are_the_pairs_the_window_allows(context, new):
+    """The serving planner's keys per new token of a windowed layer (window 8), and of a global one,
+    are the (query, key) pairs the mask allows to the last `new` of `context` positions."""
+    from fived.planner.serve_model import _mean_keys
+
+    keys = torch.arange(context)
+    for window in (8, 0):
+        pairs = attention._visible(keys[context - new :], keys, window).sum().item()
+        assert _mean_keys(window, context, new) * new == pytest.approx(pairs)
+
+
 def test_planned_gpt_oss_layouts_keep_its_experts_whole_under_tp():
     """The planner searches only layouts `fived train` accepts: a GPT-OSS layout with tp > 1 has etp 1."""
     from fived.config import Config
