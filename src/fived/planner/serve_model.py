@@ -18,9 +18,9 @@ Memory
 
 Time (hardware rates from `fived.planner.hardware`, efficiency from `fived.planner.timing`)
 - prefill (compute-bound): 2 FLOPs per matmul parameter and token on this GPU's share, plus causal
-  attention (a windowed layer's query over its window's keys only), at the GEMM efficiency the training planner fitted on published runs (`timing.efficiency`
-  for the per-GPU width and the prefill's rows), or the memory time of reading the weights if longer;
-  plus each collective.
+  attention (a windowed layer's query over its window's keys only), at the GEMM efficiency the
+  training planner fitted on published runs (`timing.efficiency` for the per-GPU width and the
+  prefill's rows), or the memory time of reading the weights if longer; plus each collective.
 - decode step (memory-bandwidth-bound): the weights this GPU reads (dense layers whole; of the experts,
   those the batch's tokens route to, in expectation) and the KV cache its sequences attend over, at
   HBM speed x `timing.HBM_EFFICIENCY`, or the step's FLOPs if longer; plus each collective: two tp
