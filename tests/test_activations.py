@@ -28,6 +28,12 @@ SINGLE = {
     "documents": ("tiny", {"data__document_mask": True}),
     "documents full checkpointing": ("tiny", {"data__document_mask": True, "train__activation_checkpointing": "full"}),
     "documents selective": ("tiny", {"data__document_mask": True, "train__activation_checkpointing": "selective"}),
+    # windowed layers (0 and 2) run the blockwise kernels: order keys kept, recomputed under selective
+    "windows": ("tiny", {"model__sliding_window": 8, "model__window_pattern": "wg"}),
+    "windows selective": (
+        "tiny",
+        {"model__sliding_window": 8, "model__window_pattern": "wg", "train__activation_checkpointing": "selective"},
+    ),
 }
 PAIR = {
     "tp2 sp": ("tiny", {"parallel__tp": 2, "parallel__sp": True}),
@@ -64,6 +70,17 @@ PAIR = {
             "parallel__dp": 1,
             "parallel__cp_mode": "ulysses",
             "data__document_mask": True,
+            "train__activation_checkpointing": "selective",
+        },
+    ),
+    "cp2 ulysses windows selective": (
+        "tiny",
+        {
+            "parallel__cp": 2,
+            "parallel__dp": 1,
+            "parallel__cp_mode": "ulysses",
+            "model__sliding_window": 8,
+            "model__window_pattern": "wg",
             "train__activation_checkpointing": "selective",
         },
     ),

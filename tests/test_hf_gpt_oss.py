@@ -52,13 +52,15 @@ def test_gpt_oss_export_is_refused_in_one_line(tmp_path):
 
 
 def test_gpt_oss_generate_equals_transformers(tmp_path):
-    """fived's KV-cached greedy ids (past the window of 8) equal transformers' generate."""
+    """fived's KV-cached greedy ids equal transformers' generate: 12 + 20 positions, so the windowed
+    layers' rolling caches of 8 positions wrap four times."""
     from fived.tools.generate import Sampling, generate
 
     reference = save_hf_model("gpt_oss", tmp_path, dtype=torch.float64)
     model, _ = _fived(tmp_path, torch.float64)
-    prompt = list(range(3, 15))
-    got = generate(model, prompt, Sampling(max_new_tokens=10))
+    prompt, new = list(range(3, 15)), 20
+    got = generate(model, prompt, Sampling(max_new_tokens=new))
+    assert [block.attention.core.keys.shape[1] for block in model.blocks()][:2] == [8, len(prompt) + new]
     ids = torch.tensor([prompt])
-    expected = reference.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=0)[0, len(prompt) :]
+    expected = reference.generate(ids, max_new_tokens=new, do_sample=False, pad_token_id=0)[0, len(prompt) :]
     assert got == expected.tolist() and len(set(got)) > 3

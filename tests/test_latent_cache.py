@@ -44,7 +44,7 @@ def test_latent_cache_decodes_the_uncached_ids_in_the_planned_bytes():
     positions = len(PROMPT) + NEW
     per_token_layer = (m.kv_lora_rank + m.qk_rope_head_dim) * 8  # float64: the latent and the rope key
     assert all(c.nbytes == positions * per_token_layer for c in caches)
-    planned = kv_cache_bytes(m, tp=1, layers=len(caches), sequences=1, positions=positions, element_bytes=8)
+    planned = kv_cache_bytes(m, tp=1, layers=range(len(caches)), sequences=1, positions=positions, element_bytes=8)
     assert sum(c.nbytes for c in caches) == planned
 
 

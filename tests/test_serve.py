@@ -65,11 +65,11 @@ def test_published_serving_benchmarks_are_predicted_with_the_readmes_error():
 
 def test_kv_cache_per_token_follows_the_attention_shape():
     m = model_preset("llama3-70b")  # 8 kv heads of 128
-    per_token = [kv_cache_bytes(m, tp=tp, layers=1, sequences=1, positions=1, element_bytes=2) for tp in (1, 8, 16)]
+    per_token = [kv_cache_bytes(m, tp=tp, layers=[0], sequences=1, positions=1, element_bytes=2) for tp in (1, 8, 16)]
     assert per_token == [2 * 8 * 128 * 2, 2 * 128 * 2, 2 * 128 * 2]  # tp16: each rank still holds one whole kv head
-    assert kv_cache_bytes(m, tp=8, layers=80, sequences=3, positions=100, element_bytes=1) == 80 * 3 * 100 * 256
+    assert kv_cache_bytes(m, tp=8, layers=range(80), sequences=3, positions=100, element_bytes=1) == 80 * 3 * 100 * 256
     mla = model_preset("deepseek-v3")  # the kv latent (512) and the rope key (64), whole on every tp rank
-    per_token = [kv_cache_bytes(mla, tp=tp, layers=1, sequences=1, positions=1, element_bytes=2) for tp in (1, 8)]
+    per_token = [kv_cache_bytes(mla, tp=tp, layers=[0], sequences=1, positions=1, element_bytes=2) for tp in (1, 8)]
     assert per_token == [(512 + 64) * 2] * 2
 
 

@@ -66,7 +66,7 @@ def planned_kv_bytes(capsys, model: str, world: int, tp: int, pp: int, ep: int, 
 
 @pytest.fixture(scope="module")
 def references():
-    return {name: one_process(name, torch.float64) for name in ("tiny", "tiny-moe", "tiny-deepseek-v3")}
+    return {name: one_process(name, torch.float64) for name in ("tiny", "tiny-moe", "tiny-deepseek-v3", "tiny-gpt-oss")}
 
 
 @pytest.mark.parametrize(
@@ -79,6 +79,7 @@ def references():
         ("tiny-moe", 2, 1, 1, 2),
         ("tiny-moe", 4, 2, 1, 2),
         ("tiny-deepseek-v3", 2, 2, 1, 1),  # the latent cache: whole on each tp rank, as the plan prices it
+        ("tiny-gpt-oss", 2, 1, 1, 2),  # windows of 8 on half the layers: rolling caches, wrapped by 13 positions
     ],
 )
 def test_generation_on_ranks_equals_one_process_and_the_planned_kv_cache(model, world, tp, pp, ep, references, capsys):
@@ -89,6 +90,7 @@ def test_generation_on_ranks_equals_one_process_and_the_planned_kv_cache(model, 
     planned = planned_kv_bytes(capsys, model, world, tp, pp, ep, "float64")
     for r in reports:
         assert r.positions == 7 + OUTPUT and r.kv_bytes == r.kv_formula, r
+        assert r.windowed == (r.layers // 2 if model_preset(model).sliding_window else 0)
     # the planner prices the busiest GPU: every rank here (one pipeline rank holds as many layers as the other)
     assert [r.kv_bytes for r in reports] == [planned] * world
 

@@ -133,19 +133,41 @@ def test_layouts_windows_do_not_run_yet_are_refused_in_one_line(overrides, field
 
 
 def test_generation_with_windows_and_sinks_equals_the_full_recompute():
-    """Greedy ids through the KV cache (windows past their length, sinks) equal those of running
-    the whole sequence again for every new token."""
+    """Greedy ids through the KV cache (a windowed layer's rolling cache of 8 positions wrapped four
+    times by 13 + 20, sinks) equal those of running the whole sequence again for every new token."""
     from fived.tools.generate import Sampling, generate
 
     model = _model("tiny-gpt-oss", init_std=0.3)  # (larger weights: logits far from flat)
-    prompt = list(range(1, 14))
-    got = generate(model, prompt, Sampling(max_new_tokens=12))
+    prompt, new = list(range(1, 14)), 20
+    got = generate(model, prompt, Sampling(max_new_tokens=new))
+    held = [block.attention.core.keys.shape[1] for block in model.blocks()]
+    assert held == [8, len(prompt) + new] * 2  # (windowed layers 0 and 2 hold their window only)
     reference = _model("tiny-gpt-oss", init_std=0.3)
     ids = list(prompt)
     with torch.no_grad():
-        for _ in range(12):
+        for _ in range(new):
             ids.append(int(reference(torch.tensor([ids]))[0, -1].argmax()))
     assert got == ids[len(prompt) :] and len(set(got)) > 2
+
+
+@torch.no_grad()
+def test_rolling_cache_logits_equal_the_full_forward_at_every_position():
+    """A prompt longer than the window (its first positions never reach the ring), then one position
+    at a time as the ring wraps: each position's logits are the full forward's (float64), so a slot
+    that holds the wrong position, or a mask that reads it wrongly, fails here."""
+    from fived.testing import EXACT
+    from fived.tools.generate import cache_core
+
+    model = _model("tiny-gpt-oss", init_std=0.3)
+    ids = torch.randint(0, 256, (2, 30), generator=torch.Generator().manual_seed(2))
+    full = model(ids)
+    for block in model.blocks():
+        block.attention.core = cache_core(block.attention, ids.shape[1])
+    prompt = 11
+    got = [model(ids[:, :prompt], positions=torch.arange(prompt))]
+    got += [model(ids[:, p : p + 1], positions=torch.tensor([p])) for p in range(prompt, ids.shape[1])]
+    scale = full.abs().max().item()
+    assert (torch.cat(got, dim=1) - full).abs().max().item() <= EXACT * scale
 
 
 def _verify(world, documents=True, **layout):
@@ -258,6 +280,20 @@ def test_windowed_layer_flops_are_the_pairs_its_band_computes():
     plain = type(cfg)(**{**cfg.__dict__, "sliding_window": 0})
     got = attention_flops_per_token(cfg, s) / attention_flops_per_token(plain, s)
     assert got == pytest.approx((1 + layer_keys(8, s) / s) / 2)
+
+
+@pytest.mark.parametrize(
+    "context,new", [(40, 40), (40, 1), (40, 35), (5, 5)], ids=["prefill", "decode", "mid", "short"]
+)
+def test_serving_attention_keys_are_the_pairs_the_window_allows(context, new):
+    """The serving planner's keys per new token of a windowed layer (window 8), and of a global one,
+    are the (query, key) pairs the mask allows to the last `new` of `context` positions."""
+    from fived.planner.serve_model import _mean_keys
+
+    keys = torch.arange(context)
+    for window in (8, 0):
+        pairs = attention._visible(keys[context - new :], keys, window).sum().item()
+        assert _mean_keys(window, context, new) * new == pytest.approx(pairs)
 
 
 def test_planned_gpt_oss_layouts_keep_its_experts_whole_under_tp():

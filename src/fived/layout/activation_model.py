@@ -43,6 +43,11 @@ Per part, in elements per token unless said (times x bytes unless said):
                    masked kernel keeps, 8 bytes per token it attends over (B; u*B under Ulysses;
                    also hybrid's ring without documents); full or selective checkpointing keeps the
                    block's documents and positions, 16 bytes * B
+        windows    a windowed layer (model.sliding_window), or one with attention sinks, runs the
+                   same blockwise kernels without documents: their order keys, 8 bytes per token
+                   it attends over, and under selective checkpointing no cached attention output
+                   or log-sum-exp. Nothing else: the kernels never hold the score matrix, so its
+                   activations are per token as a global layer's, not bounded by the window
     MoE layer, no checkpointing: norms, attention and RoPE as dense, and (every tp rank routes the
     region's whole B tokens):
         router     probabilities E, top-k ids (int64) 8k bytes, the gathered top-k weights k and
@@ -141,15 +146,22 @@ def activation_bytes(
     out: dict[str, int] = {}
     if first:
         out["embedding"] = g.embedding()
-    per_kind: dict[bool, int] = {}  # every dense layer saves the same, and every MoE layer
+    per_kind: dict[tuple[bool, bool], int] = {}  # (MoE, blockwise): every layer of a kind saves the same
     for lid in layers:
-        moe = model.is_moe and int(lid) >= model.n_dense_layers
-        if moe not in per_kind:
-            per_kind[moe] = g.layer(moe, checkpointing)
-        out[str(lid)] = per_kind[moe]
+        kind = (model.is_moe and int(lid) >= model.n_dense_layers, blockwise_layer(model, int(lid)))
+        if kind not in per_kind:
+            per_kind[kind] = g.layer(*kind, checkpointing=checkpointing)
+        out[str(lid)] = per_kind[kind]
     if last:
         out["head"] = g.head()
     return out
+
+
+def blockwise_layer(m, lid: int) -> bool:
+    """Whether layer `lid`'s attention runs the blockwise kernels without documents too (a sliding
+    window or sinks: `fived.model.transformer.CausalAttentionCore`), which keep the order keys and
+    are recomputed under selective checkpointing, as document-masked attention is."""
+    return bool(m.layer_window(lid)) or m.attention_sinks
 
 
 def layer_bytes(model, moe: bool = False, **layout) -> int:
@@ -167,7 +179,7 @@ def layer_bytes(model, moe: bool = False, **layout) -> int:
             if k in layout
         },
     )
-    return g.layer(moe, checkpointing)
+    return g.layer(moe, blockwise_layer(model, 0), checkpointing=checkpointing)
 
 
 class _Geometry:
@@ -221,7 +233,7 @@ class _Geometry:
                 total += V
         return round(total)
 
-    def layer(self, moe: bool, checkpointing: str) -> int:
+    def layer(self, moe: bool, blockwise: bool = False, *, checkpointing: str) -> int:
         # RoPE tables per sequence with document masking; its documents and positions (int64) are
         # the block's inputs, which checkpointing keeps
         rope = 2 * (self.B if self.documents else self.sl) * self.hd * self.r
@@ -229,12 +241,12 @@ class _Geometry:
         if checkpointing == "full":
             return round(self.Bs * self.h * self.r + rope + ids)
         if checkpointing == "selective":
-            return round(self._selective(moe) + rope + ids)
+            return round(self._selective(moe, blockwise) + rope + ids)
         ffn = self._moe() if moe else 4 * self.m.ffn_dim / self.tp * self.B * self.x
         consumers = (1 + (2 if self.m.n_shared_experts else 0)) if moe else 2  # router (+ shared w1, w3) or w1, w3
         return round(
             self._norm(self.Bs, self.B, consumers=3)
-            + self._attention()
+            + self._attention(blockwise)
             + self._norm(self.Bs, self.B, consumers)
             + ffn
             + rope
@@ -250,16 +262,17 @@ class _Geometry:
             return Bs * (3 * self.h + 1) * self.x
         return Bs * (2 * self.h + 1) * self.r + consumers * B * self.h * 2
 
-    def _attention(self) -> float:
+    def _attention(self, blockwise: bool) -> float:
         B, h, T, a, kv, u = self.B, self.h, self.tp, self.a, self.kv, self.u
+        keys = self.keys or blockwise
         if u == 1:  # SDPA or ring attention (same kernels, same dtype): q, k, v, output (= wo's input), lse
-            return B * ((2 * h / T + 2 * kv) * self.x + a * self.f32) + (8 * B if self.keys else 0)
+            return B * ((2 * h / T + 2 * kv) * self.x + a * self.f32) + (8 * B if keys else 0)
         # Ulysses: the group's tokens of a u-th of the heads, sorted (kv heads repeated up to u when
         # fewer), the output in that layout and again in the tokens' (wo's input), the sort order and
         # its inverse (int64), and the gathered order keys where the attention is masked
         if (kv // self.hd) % u:
             kv = u * self.hd
-        return B * ((3 * h / T + 2 * kv) * self.x + a * self.f32) + 16 * u * B + (8 * u * B if self.keys else 0)
+        return B * ((3 * h / T + 2 * kv) * self.x + a * self.f32) + 16 * u * B + (8 * u * B if keys else 0)
 
     def _routed(self) -> tuple[float, int]:
         """(tokens a MoE layer routes, the tp split of its experts): B and T, or folded Bs and 1."""
@@ -295,12 +308,12 @@ class _Geometry:
         aux = p + 8 * E
         return router + stats + ids + dispatched + experts + combine + shared + aux
 
-    def _selective(self, moe: bool) -> float:
+    def _selective(self, moe: bool, blockwise: bool) -> float:
         m, B, h, T, a, kv, x = self.m, self.B, self.h, self.tp, self.a, self.kv, self.x
         total = self.Bs * h * self.r  # the block's input
         total += B * (h / T + 2 * kv + h) * x  # q, k, v projections; wo's partial output
-        if (self.cp == 1 or self.u == self.cp) and not self.documents:
-            # SDPA's output and log-sum-exp (the ring's and the document-masked tiles': recomputed)
+        if (self.cp == 1 or self.u == self.cp) and not (self.documents or blockwise):
+            # SDPA's output and log-sum-exp (the ring's and the blockwise tiles': recomputed)
             total += B * (h / T * x + a * self.f32)
         if not moe:
             return total + B * (2 * m.ffn_dim / T + h) * x

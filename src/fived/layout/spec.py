@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import TypeVar
 
 from fived.config import ModelConfig
 from fived.layout.layout import Layout, keeps_flat_buffer
@@ -113,6 +114,9 @@ def _kv_cut(m: ModelConfig, tp: int) -> Cut | None:
     return _cut(0, m.n_kv_heads, replicas=tp // m.n_kv_heads)
 
 
+Count = TypeVar("Count", int, float)  # (positions: a whole cache's, or the planner's mean context)
+
+
 def kv_width(m: ModelConfig, tp: int) -> int:
     """Rows of wk (and of wv) a tp rank holds: its share of the kv heads times the head size, or the
     one head its query heads use when tp > n_kv_heads."""
@@ -125,6 +129,13 @@ def kv_cache_width(m: ModelConfig, tp: int) -> int:
     heads, or for multi-head latent attention the normed kv latent and the shared rope key (whole on
     every rank: wkv_a is not cut), which `fived generate` up-projects each step as the reference does."""
     return m.kv_lora_rank + m.qk_rope_head_dim if m.is_mla else 2 * kv_width(m, tp)
+
+
+def cached_positions(window: int, positions: Count) -> Count:
+    """Positions one layer's decoding cache holds for a sequence of `positions`: a windowed layer's
+    (`window` > 0, `ModelConfig.layer_window`) only its last `window`, since no query sees a key
+    further back (`fived generate`'s rolling cache); a global layer's every one."""
+    return min(window, positions) if window else positions
 
 
 def kv_replicated(m: ModelConfig, tp: int) -> bool:

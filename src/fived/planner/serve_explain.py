@@ -9,7 +9,7 @@ from pathlib import Path
 
 from fived.config import ModelConfig
 from fived.layout.flops import matmul_params_per_token
-from fived.layout.spec import kv_cache_width, kv_width
+from fived.layout.spec import cached_positions, kv_cache_width, kv_width
 from fived.planner.search import Plan
 from fived.planner.serve import ServePlan, Workload, gpus_needed, in_flight
 from fived.planner.serve_model import ForwardTime
@@ -278,6 +278,13 @@ def _cached(m: ModelConfig, tp: int, dtype: str) -> str:
     return f"{kv_width(m, tp) // m.head_dim} kv heads of {m.head_dim} in {dtype}, keys and values"
 
 
+def _rolling(m: ModelConfig, positions: int) -> str:
+    """What a windowed layer caches of a sequence, when its window is shorter (a rolling cache)."""
+    windowed = sum(1 for lid in range(m.n_layers) if m.layer_window(lid))
+    kept = cached_positions(m.sliding_window, positions)
+    return f" ({windowed} windowed layers cache their last {kept})" if windowed and kept < positions else ""
+
+
 def _chosen(p: ServePlan, m: ModelConfig, w: Workload, source: str) -> list[str]:
     L, mem = p.layout, p.memory
     per_token = kv_cache_width(m, L.tp) * w.kv_bytes
@@ -287,7 +294,7 @@ def _chosen(p: ServePlan, m: ModelConfig, w: Workload, source: str) -> list[str]
         f"  per GPU: weights {_gib(mem.weights)} + KV cache {_gib(mem.kv_cache)} + activations {_gib(mem.activations)}"
         f" + reserve {_gib(mem.reserve)} = {_gib(mem.total)} GiB",
         f"  KV cache: {per_token} bytes per token and layer on a GPU ({_cached(m, L.tp, w.kv_dtype)}); "
-        f"{p.fit} sequences of {w.positions} positions fit per replica "
+        f"{p.fit} sequences of {w.positions} positions{_rolling(m, w.positions)} fit per replica "
         f"({p.fit * L.dp} in all)",
         f"  prefill of one prompt: {_ms(p.prefill.total)} ms = {_parts(p.prefill)}",
         _decode_line(p),

@@ -9,17 +9,18 @@ Memory
   each; with fp8 weights the linear layers and experts take 1 byte (embedding, head, norms, router
   stay bf16, as vLLM's FP8 checkpoints keep them).
 - KV cache (`kv_cache_bytes`, the one formula `fived generate --report` measures against): per layer,
-  keys and values of every position of every sequence the GPU holds, in the kv heads a tp rank holds
-  (multi-head latent attention: the kv latent and the shared rope key, on every tp rank).
+  keys and values of every position of every sequence the GPU holds (a windowed layer's last
+  sliding_window positions only: a rolling cache), in the kv heads a tp rank holds (multi-head
+  latent attention: the kv latent and the shared rope key, on every tp rank).
 - activations of one forward (the prefill's tokens, or the decode batch): the widest layer's working
   set (its input, q/k/v, attention output, the feed-forward's gate/up/product) and the float32
   logits, plus the reserve of the training planner (CUDA context, NCCL, fragmentation).
 
 Time (hardware rates from `fived.planner.hardware`, efficiency from `fived.planner.timing`)
 - prefill (compute-bound): 2 FLOPs per matmul parameter and token on this GPU's share, plus causal
-  attention, at the GEMM efficiency the training planner fitted on published runs (`timing.efficiency`
-  for the per-GPU width and the prefill's rows), or the memory time of reading the weights if longer;
-  plus each collective.
+  attention (a windowed layer's query over its window's keys only), at the GEMM efficiency the
+  training planner fitted on published runs (`timing.efficiency` for the per-GPU width and the
+  prefill's rows), or the memory time of reading the weights if longer; plus each collective.
 - decode step (memory-bandwidth-bound): the weights this GPU reads (dense layers whole; of the experts,
   those the batch's tokens route to, in expectation) and the KV cache its sequences attend over, at
   HBM speed x `timing.HBM_EFFICIENCY`, or the step's FLOPs if longer; plus each collective: two tp
@@ -40,11 +41,12 @@ ep replicas tp*pp apart.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import lru_cache
 
 from fived.config import ModelConfig
-from fived.layout.spec import chunk_specs, kv_cache_width, kv_width, local_vocab
+from fived.layout.spec import cached_positions, chunk_specs, kv_cache_width, kv_width, local_vocab
 from fived.layout.stages import model_key, split_layers
 from fived.planner.constants import CALIBRATION
 from fived.planner.hardware import Hardware
@@ -95,13 +97,15 @@ class ServeLayout:
 
 
 def kv_cache_bytes(
-    m: ModelConfig, *, tp: int, layers: int, sequences: float, positions: float, element_bytes: int
+    m: ModelConfig, *, tp: int, layers: Iterable[int], sequences: float, positions: float, element_bytes: int
 ) -> float:
-    """Bytes of the key and value caches one GPU holds: for each of its `layers`, what `positions`
-    positions of `sequences` sequences cache on a tp rank (`fived.layout.spec.kv_cache_width`: keys
-    and values of its kv heads, or the latent and rope key). `fived generate --report` measures its
-    caches against this."""
-    return layers * sequences * positions * kv_cache_width(m, tp) * element_bytes
+    """Bytes of the key and value caches one GPU holds: for each of its `layers` (ids), what
+    `sequences` sequences of `positions` positions cache on a tp rank (`fived.layout.spec`:
+    `cached_positions` of them, a windowed layer's last window only; `kv_cache_width` per position,
+    keys and values of its kv heads, or the latent and rope key). `fived generate --report` measures
+    its caches against this."""
+    cached = sum(cached_positions(m.layer_window(lid), positions) for lid in layers)
+    return cached * sequences * kv_cache_width(m, tp) * element_bytes
 
 
 def stage_layers(m: ModelConfig, pp: int) -> list[list[int]]:
@@ -123,6 +127,7 @@ class StageWeights:
     layers: int
     first: bool
     last: bool
+    layer_ids: tuple[int, ...] = ()
 
     def bytes(self, weights: str) -> int:
         return (self.linear + self.experts) * WEIGHT_DTYPES[weights] + (self.other + self.embedding) * COMPUTE_BYTES[
@@ -162,7 +167,7 @@ def _stage_weights(key: tuple, tp: int, pp: int, ep: int, pp_rank: int) -> Stage
             other += n
     moe_layers = sum(1 for lid in layers if m.is_moe and lid >= m.n_dense_layers)
     local = m.n_experts // layout.ep if m.is_moe else 0
-    return StageWeights(linear, other, embedding, experts, moe_layers, local, len(layers), first, last)
+    return StageWeights(linear, other, embedding, experts, moe_layers, local, len(layers), first, last, tuple(layers))
 
 
 def activation_bytes(m: ModelConfig, tp: int, tokens: int, last: bool, element_bytes: int) -> int:
@@ -209,7 +214,7 @@ def rank_memory(
     return GpuMemory(
         w.bytes(layout.weights),
         kv_cache_bytes(
-            m, tp=layout.tp, layers=w.layers, sequences=sequences, positions=positions, element_bytes=kv_bytes
+            m, tp=layout.tp, layers=w.layer_ids, sequences=sequences, positions=positions, element_bytes=kv_bytes
         ),
         activation_bytes(m, layout.tp, forward_tokens, w.last, layout.element_bytes),
         reserve_bytes(hw.memory_gib),
@@ -239,7 +244,7 @@ def sequences_that_fit(
             m, layout, hw, r, sequences=0, positions=positions, forward_tokens=forward_tokens, kv_bytes=kv_bytes
         )
         per_sequence = kv_cache_bytes(
-            m, tp=layout.tp, layers=w.layers, sequences=1, positions=positions, element_bytes=kv_bytes
+            m, tp=layout.tp, layers=w.layer_ids, sequences=1, positions=positions, element_bytes=kv_bytes
         )
         fits.append(max(0, int((capacity - empty.total) // per_sequence)))
     return min(fits)
@@ -353,8 +358,8 @@ def _stage_compute(
     flops = 2 * tokens * (w.linear + w.other + w.experts * (m.top_k / max(m.n_experts, 1)) * layout.ep)
     heads = m.n_heads // layout.tp
     # causal attention: each new token attends over the positions before it (QK^T and AV)
-    mean_keys = context - (new_tokens - 1) / 2
-    flops += 4 * w.layers * heads * m.head_dim * tokens * mean_keys
+    keys = sum(_mean_keys(m.layer_window(lid), context, new_tokens) for lid in w.layer_ids)
+    flops += 4 * heads * m.head_dim * tokens * keys
     peak = hw.peak_tflops * 1e12
     if layout.weights == "fp8" and hw.fp8_tflops > 0:
         peak = hw.fp8_tflops * 1e12
@@ -362,9 +367,20 @@ def _stage_compute(
     read = w.bytes(layout.weights) - w.experts * WEIGHT_DTYPES[layout.weights] * (1 - touched)
     read -= w.embedding * layout.element_bytes
     read += kv_cache_bytes(
-        m, tp=layout.tp, layers=w.layers, sequences=sequences, positions=context, element_bytes=kv_bytes
+        m, tp=layout.tp, layers=w.layer_ids, sequences=sequences, positions=context, element_bytes=kv_bytes
     )
     return gemm, read / (hw.hbm_gbps * 1e9 * HBM_EFFICIENCY)
+
+
+def _mean_keys(window: int, context: float, new_tokens: int) -> float:
+    """Keys a new token sees, averaged over the `new_tokens` last of `context` positions: key counts
+    a + 1 .. context (a = context - new_tokens), each capped at a windowed layer's `window`."""
+    if not window or window >= context:
+        return context - (new_tokens - 1) / 2
+    first = context - new_tokens + 1
+    if window <= first:
+        return float(window)
+    return ((window * (window + 1) - first * (first - 1)) / 2 + (context - window) * window) / new_tokens
 
 
 def _experts_touched(m: ModelConfig, w: StageWeights, tokens: float) -> float:

@@ -18,33 +18,40 @@ import torch.nn.functional as F
 from torch import nn
 
 from fived.config import ConfigError
+from fived.layout.spec import cached_positions
 from fived.model.latent_attention import LatentAttention
 from fived.model.transformer import Transformer
 
 
 class KVCachedAttentionCore(nn.Module):
     """Causal attention over every position seen so far, keeping the keys and values of earlier
-    calls in a cache allocated once, at the prompt, for `capacity` positions (the prompt and every
-    output token: what a serving engine reserves for a sequence). The first call (the prompt) is
-    causal attention; each later one brings one new position, which sees every key.
+    calls in a cache allocated once, at the prompt, for a sequence of `capacity` positions (the
+    prompt and every output token: what a serving engine reserves for a sequence). The first call
+    (the prompt) is causal attention over its own keys; each later one brings one new position,
+    which sees every cached key.
+
+    A windowed layer (`window` > 0) caches only the last `window` positions
+    (`fived.layout.spec.cached_positions`, which `fived plan --serve` prices too): a ring whose slot
+    p % window holds position p, so a new position overwrites the one its query no longer sees.
+    The keys are cached after the rotation, so a slot's order does not matter; the masks read each
+    slot's position (`_key_positions`). `sinks` (GPT-OSS's per-head logits) join every row's
+    softmax (`_local_attention`).
 
     `key_mask` ([batch, capacity], True for a real token): left-padded prompts of a batch. A query
     then sees the real keys up to it, and a padding query only itself (a row with no key would be NaN
-    and flow into the next layer's keys and the experts' routing).
-
-    `window` (a windowed layer's sliding window) and `sinks` (GPT-OSS's per-head logits) run on
-    explicit scores (`_local_attention`); the cache still holds every position (not rolling)."""
+    and flow into the next layer's keys and the experts' routing)."""
 
     def __init__(self, capacity: int, key_mask: torch.Tensor | None = None, *, window: int = 0):
         super().__init__()
         self.capacity, self.key_mask, self.window = capacity, key_mask, window
+        self.slots = cached_positions(window, capacity)
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
-        self.length = 0  # positions cached so far
+        self.length = 0  # positions seen so far
 
     @property
     def nbytes(self) -> int:
-        """Bytes the cache holds (keys and values, the whole capacity)."""
+        """Bytes the cache holds (keys and values, every slot)."""
         return sum(t.untyped_storage().nbytes() for t in (self.keys, self.values) if t is not None)
 
     def forward(
@@ -53,15 +60,38 @@ class KVCachedAttentionCore(nn.Module):
         """(`documents`, `positions`: a prompt is one document; the rotation already used its positions.)"""
         start, s = self.length, q.shape[1]
         if self.keys is None or self.values is None:
-            shape = (k.shape[0], self.capacity) + tuple(k.shape[2:])
+            shape = (k.shape[0], self.slots) + tuple(k.shape[2:])
             self.keys, self.values = k.new_zeros(shape), v.new_zeros(shape)
         self._claim(s)
-        keys, values = self.keys, self.values
-        keys[:, start : start + s], values[:, start : start + s] = k, v
-        return self._attend(q, keys[:, : self.length], values[:, : self.length], start, sinks)
+        self._store(self.keys, k)
+        self._store(self.values, v)
+        if not start:  # (the prompt sees its own keys, the ones a ring already dropped included)
+            return self._attend(q, k, v, start, sinks)
+        held = min(self.length, self.slots)
+        return self._attend(q, self.keys[:, :held], self.values[:, :held], start, sinks)
+
+    def _store(self, cache: torch.Tensor, new: torch.Tensor) -> None:
+        """Write the new positions (the last `slots` of them) to their slots, p % slots: up to the
+        ring's end, the rest from its start (plain slices: a decode step's op count stays the same)."""
+        kept = min(new.shape[1], self.slots)
+        if kept < new.shape[1]:
+            new = new[:, -kept:]
+        first = (self.length - kept) % self.slots
+        head = min(kept, self.slots - first)
+        cache[:, first : first + head] = new[:, :head] if head < kept else new
+        if head < kept:
+            cache[:, : kept - head] = new[:, head:]
+
+    def _key_positions(self, start: int, device: torch.device) -> torch.Tensor:
+        """The position of each key `_attend` gets: the prompt's own, or each held slot's (the latest
+        p < length with p % slots == slot)."""
+        if not start or self.length <= self.slots:  # (the prompt, or a ring not yet wrapped)
+            return torch.arange(self.length, device=device)
+        slot = torch.arange(self.slots, device=device)
+        return slot + (self.length - 1 - slot) // self.slots * self.slots
 
     def _claim(self, s: int) -> None:
-        """Take the next `s` positions of the cache (the prompt, then one at a time)."""
+        """Take the next `s` positions of the sequence (the prompt, then one at a time)."""
         if self.length and s != 1:
             raise ValueError("after the prompt, each call brings one new position")
         if self.length + s > self.capacity:
@@ -69,32 +99,32 @@ class KVCachedAttentionCore(nn.Module):
         self.length += s
 
     def _attend(self, q, k, v, start: int, sinks) -> torch.Tensor:
-        """Queries of positions start.. over the keys and values of every position so far."""
+        """Queries of positions start.. over the keys and values `_key_positions` names."""
         s = q.shape[1]
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         gqa = q.shape[1] != k.shape[1]
         if self.window or sinks is not None:
-            out = _local_attention(q, k, v, self._allowed(start, s, q.device), sinks)
+            out = _local_attention(q, k, v, self._allowed(start, s, self._key_positions(start, q.device)), sinks)
         elif self.key_mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=start == 0, enable_gqa=gqa)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=self._mask(start, s), enable_gqa=gqa)
+            mask = self._mask(start, s, self._key_positions(start, q.device))
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return out.transpose(1, 2)
 
-    def _mask(self, start: int, s: int) -> torch.Tensor:
+    def _mask(self, start: int, s: int, key_positions: torch.Tensor) -> torch.Tensor:
         """[batch, 1, queries, keys]: causal over real keys; a padding query sees itself."""
         assert self.key_mask is not None  # (only a left-padded batch masks keys)
-        device = self.key_mask.device
-        query = torch.arange(start, start + s, device=device)[:, None]
-        key = torch.arange(self.length, device=device)[None, :]
-        real = self.key_mask[:, None, : self.length]
+        query = torch.arange(start, start + s, device=key_positions.device)[:, None]
+        key = key_positions[None, :]
+        real = self.key_mask[:, None, key_positions]
         return ((key <= query) & real | (key == query))[:, None]
 
-    def _allowed(self, start: int, s: int, device: torch.device) -> torch.Tensor:
+    def _allowed(self, start: int, s: int, key_positions: torch.Tensor) -> torch.Tensor:
         """[batch or 1, 1, queries, keys]: `_mask` (or causal), within the window."""
-        query = torch.arange(start, start + s, device=device)[:, None]
-        key = torch.arange(self.length, device=device)[None, :]
-        allowed = self._mask(start, s) if self.key_mask is not None else (key <= query)[None, None]
+        query = torch.arange(start, start + s, device=key_positions.device)[:, None]
+        key = key_positions[None, :]
+        allowed = self._mask(start, s, key_positions) if self.key_mask is not None else (key <= query)[None, None]
         return allowed & (key > query - self.window) if self.window else allowed
 
 
@@ -134,7 +164,7 @@ class LatentCachedAttentionCore(KVCachedAttentionCore):
 
 def cache_core(attention: nn.Module, capacity: int, key_mask: torch.Tensor | None = None) -> KVCachedAttentionCore:
     """The generation cache replacing one attention's core: latent and rope key for a multi-head
-    latent attention, else keys and values (within the layer's sliding window, if any)."""
+    latent attention, else keys and values (a rolling cache of the layer's sliding window, if any)."""
     if isinstance(attention, LatentAttention):
         return LatentCachedAttentionCore(capacity, key_mask)
     return KVCachedAttentionCore(capacity, key_mask, window=getattr(attention.core, "window", 0))

@@ -40,8 +40,9 @@ class RankGeneration:
     pp_rank: int
     tp_rank: int
     sequences: int
-    positions: int  # cached per sequence: the padded prompt and every output token
+    positions: int  # per sequence: the padded prompt and every output token (a global layer caches all)
     layers: int
+    windowed: int  # of the layers: windowed ones, whose rolling caches hold the window's last positions
     kv_bytes: int  # measured: the caches' storage
     kv_formula: float  # fived.planner.serve_model.kv_cache_bytes for the same shapes
     prefill_s: float
@@ -156,7 +157,7 @@ def generate_on_rank(
     formula = kv_cache_bytes(
         cfg.model,
         tp=cfg.parallel.tp,
-        layers=len(caches),
+        layers=[int(lid) for lid in ranked.chunk.layers],
         sequences=len(mine),
         positions=positions,
         element_bytes=ranked.element_bytes,
@@ -170,6 +171,7 @@ def generate_on_rank(
         len(mine),
         positions,
         len(caches),
+        sum(1 for c in caches if c.window),
         sum(c.nbytes for c in caches),
         formula,
         prefill_s,
@@ -315,11 +317,21 @@ def format_report(reports: list[RankGeneration], cfg: Config) -> str:
     output token (median of the decode steps), as the last pipeline stage measured them."""
     from statistics import median
 
+    from fived.layout.spec import cached_positions
+
     p = cfg.parallel
     lines = [f"generation on {len(reports)} ranks (dp{p.dp} tp{p.tp} pp{p.pp} ep{p.ep}, {cfg.train.dtype}):"]
     cached = "kv latent and rope key" if cfg.model.is_mla else "keys and values"
     for r in reports:
-        per = r.kv_formula // max(1, r.layers * r.sequences * r.positions)
+        window = cached_positions(cfg.model.sliding_window, r.positions)
+        kept = (r.layers - r.windowed) * r.positions + r.windowed * window
+        per = r.kv_formula // max(1, r.sequences * kept)
+        shape = f"{r.layers} layers x {r.sequences} sequences x {r.positions} positions"
+        if r.windowed:  # (a rolling cache keeps a windowed layer's last `window` positions)
+            shape = (
+                f"{r.sequences} sequences x ({r.layers - r.windowed} global layers x {r.positions} positions + "
+                f"{r.windowed} windowed x {window})"
+            )
         step = (
             f"{median(r.decode_s) * 1e3:.2f} ms per output token (median of {len(r.decode_s)} steps)"
             if r.decode_s
@@ -327,8 +339,8 @@ def format_report(reports: list[RankGeneration], cfg: Config) -> str:
         )
         lines.append(
             f"  rank {r.rank} (dp {r.dp_rank}, pp {r.pp_rank}, tp {r.tp_rank}): KV cache {r.kv_bytes:,} bytes "
-            f"measured | {r.kv_formula:,} formula ({r.layers} layers x {r.sequences} sequences x "
-            f"{r.positions} positions x {per} bytes of {cached}); prefill {r.prefill_s * 1e3:.2f} ms, "
+            f"measured | {r.kv_formula:,} formula ({shape} x {per} bytes of {cached}); "
+            f"prefill {r.prefill_s * 1e3:.2f} ms, "
             f"{step}"
         )
     return "\n".join(lines)
