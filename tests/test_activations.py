@@ -28,10 +28,14 @@ SINGLE = {
     "documents": ("tiny", {"data__document_mask": True}),
     "documents full checkpointing": ("tiny", {"data__document_mask": True, "train__activation_checkpointing": "full"}),
     "documents selective": ("tiny", {"data__document_mask": True, "train__activation_checkpointing": "selective"}),
+    # Gemma 3: head_size != dim / n_heads, q/k norms and post-norms scaling by 1 + weight, windowed
+    # layers' order keys, the final soft-capping's logits
+    "gemma3": ("tiny-gemma3", {}),
 }
 PAIR = {
     "tp2 sp": ("tiny", {"parallel__tp": 2, "parallel__sp": True}),
     "tp2": ("tiny", {"parallel__tp": 2}),
+    "gemma3 tp2 sp": ("tiny-gemma3", {"parallel__tp": 2, "parallel__sp": True}),
     "tp2 sp bfloat16-autocast": (
         "tiny",
         {"parallel__tp": 2, "parallel__sp": True, "train__dtype": "bfloat16-autocast"},
