@@ -5,8 +5,8 @@ Writes config.json (Llama, Qwen3, Mixtral, Qwen3-MoE, DeepSeek-V3, GPT-OSS or Ge
 what the run's model computes), model.safetensors (or shards of at most `max_shard_bytes` with
 model.safetensors.index.json), generation_config.json and the tokenizer (the run's tokenizer.json,
 or one that reproduces fived's byte tokenizer). Streams: one whole tensor is read from the
-checkpoint (whatever layout wrote it), converted and written before the next is read (GPT-OSS's
-gate and up, interleaved in one tensor: both, once).
+checkpoint (whatever layout wrote it; small ones together, up to the largest one's bytes), converted
+and written before the next is read (GPT-OSS's gate and up, interleaved in one tensor: both, once).
 """
 
 from __future__ import annotations
@@ -37,20 +37,23 @@ def _hf_entries(name: str, shape: tuple[int, ...], cfg, kind: str) -> list[tuple
     return [(hf, (shape[2], shape[1])) for hf in source.expert_names(cfg.n_experts)]
 
 
-def _hf_tensors(checkpoint: Path, name: str, cfg, kind: str, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
-    """The Hugging Face tensors fived tensor `name` becomes, read whole from the checkpoint (GPT-OSS's
-    gate with its up partner, interleaved in the columns: gate even, up odd)."""
-    from fived.checkpoint import dcp_io
+def _checkpoint_names(name: str, cfg, kind: str) -> list[str]:
+    """The fived tensors the Hugging Face tensors of `name` are made from (GPT-OSS's gate: with its up)."""
+    source = hf_source(name, kind, cfg.n_layers)
+    if source.columns is None:
+        return [name]
+    base, leaf = name.rsplit(".", 1)
+    return [name, f"{base}.{INTERLEAVED_PARTNER[leaf]}"]
 
-    def read(n: str) -> torch.Tensor:
-        return dcp_io.read_whole(checkpoint, [f"model.{n}"])[f"model.{n}"].to(dtype)
 
+def _hf_tensors(whole: dict[str, torch.Tensor], name: str, cfg, kind: str) -> list[tuple[str, torch.Tensor]]:
+    """The Hugging Face tensors fived tensor `name` becomes, from `whole` (fived name -> whole tensor;
+    GPT-OSS's gate with its up partner, interleaved in the columns: gate even, up odd)."""
     source = hf_source(name, kind, cfg.n_layers)
     if source.columns is not None:
-        base, leaf = name.rsplit(".", 1)
-        gate, up = read(name), read(f"{base}.{INTERLEAVED_PARTNER[leaf]}")
+        gate, up = (whole[n] for n in _checkpoint_names(name, cfg, kind))
         return [(source.name, torch.stack([gate, up], dim=-1).flatten(-2))]
-    return fived_to_hf(name, read(name), cfg, kind)
+    return fived_to_hf(name, whole[name], cfg, kind)
 
 
 def _shards(tensors: list[tuple[str, list, int]], max_bytes: int) -> list[list]:
@@ -104,7 +107,9 @@ def export(source: str, output: str, max_shard_bytes: int = SHARD_BYTES) -> Path
 
 
 def _write_model(checkpoint: Path, cfg, out: Path, max_shard_bytes: int) -> None:
-    """The safetensors shards (one tensor in memory at a time), tokenizer and configs into `out`."""
+    """The safetensors shards (in memory: a group of tensors up to the largest one's bytes), tokenizer
+    and configs into `out`."""
+    from fived.checkpoint import dcp_io
     from fived.model.transformer import build_model, canonical_name
 
     kind = export_kind(cfg.model)
@@ -135,10 +140,16 @@ def _write_model(checkpoint: Path, cfg, out: Path, max_shard_bytes: int) -> None
         writer = StreamingSafetensorsWriter(
             out / file, [(hf, shape, dtype) for _, entries, _ in shard for hf, shape in entries]
         )
-        for name, _, _ in shard:
-            for hf, tensor in _hf_tensors(checkpoint, name, cfg.model, kind, dtype):
-                writer.write(hf, tensor)
-                weight_map[hf] = file
+        # tensors read together up to the largest one's bytes (one read of the checkpoint's index each)
+        for group in _shards(shard, max(size for _, _, size in tensors)):
+            names = [n for name, _, _ in group for n in _checkpoint_names(name, cfg.model, kind)]
+            read = dcp_io.read_whole(checkpoint, [f"model.{n}" for n in names])
+            whole = {n: read.pop(f"model.{n}").to(dtype) for n in names}
+            for name, _, _ in group:
+                for hf, tensor in _hf_tensors(whole, name, cfg.model, kind):
+                    writer.write(hf, tensor)
+                    weight_map[hf] = file
+            del read, whole
         writer.close()
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(size for _, _, size in tensors)}, "weight_map": weight_map}
