@@ -84,7 +84,12 @@ LAYOUTS = {  # ZeRO shards over dp x cp: with cp2 and dp 1 it has two shards
     "tp2-sp-ring-zero3": dict(parallel__tp=2, parallel__sp=True, parallel__cp=2, parallel__zero=3),
     # (fived's pipelines do not tie the head to the embedding across stages)
     "pp2-ulysses-zero1": dict(
-        parallel__pp=2, parallel__cp=2, parallel__cp_mode="ulysses", parallel__zero=1, model__tie_embeddings=False
+        parallel__pp=2,
+        parallel__cp=2,
+        parallel__cp_mode="ulysses",
+        parallel__zero=1,
+        model__tie_embeddings=False,
+        train__microbatches=2,  # (one per stage)
     ),
 }
 
@@ -95,7 +100,6 @@ def test_tiny_gemma3_with_documents_matches_one_device(name):
     cfg = tiny_config(
         "tiny-gemma3",
         train__steps=2,
-        train__microbatches=2,
         data__document_mask=True,
         data__path=data,
         parallel__dp=1,
