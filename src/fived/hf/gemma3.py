@@ -143,4 +143,6 @@ def gemma3_hf_config(cfg: ModelConfig) -> dict:
         "final_logit_softcapping": cfg.final_softcap or None,
         "attn_logit_softcapping": None,
         "use_bidirectional_attention": False,
+        # (Gemma3TextConfig's defaults are Gemma's tokenizer's ids: a run's own, if any, replace these)
+        **dict.fromkeys(("bos_token_id", "eos_token_id", "pad_token_id")),
     }
