@@ -80,6 +80,22 @@ def hf_config(kind: str, **extra):
         values = dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8)
         values.update(extra)
         return transformers.GptOssConfig(**common, rope_parameters=rope, **values)
+    if kind == "gemma3_text":  # every feature of tiny-gemma3: 5 windowed layers of 8 to 1 global, rope x8 there
+        rope = {
+            "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        }
+        common.update(num_hidden_layers=6, rms_norm_eps=1e-6)
+        values = dict(
+            head_dim=32,
+            query_pre_attn_scalar=16,
+            sliding_window=8,
+            final_logit_softcapping=30.0,
+            tie_word_embeddings=True,
+            rope_parameters=rope,
+        )
+        values.update(extra)
+        return transformers.Gemma3TextConfig(**common, **values)
     if kind == "deepseek_v3":  # every feature of tiny-deepseek-v3, interleaved rotary weights as released
         common.update(num_key_value_heads=4, intermediate_size=128, rms_norm_eps=1e-6, max_position_embeddings=64)
         rope = {
@@ -122,7 +138,8 @@ def save_hf_model(kind: str, directory, seed: int = 0, dtype=torch.float32, **ex
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(
         hf_config(kind, **extra),
-        attn_implementation="eager" if kind == "gpt_oss" else "sdpa",  # (GPT-OSS's sinks: eager only)
+        # (GPT-OSS's sinks: eager only; Gemma 3: its reference path)
+        attn_implementation="eager" if kind in ("gpt_oss", "gemma3_text") else "sdpa",
         experts_implementation="eager",
     )
     with torch.no_grad():
@@ -150,6 +167,13 @@ def _recompute_rope(model) -> None:
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     for module in model.modules():
+        if isinstance(getattr(module, "rope_type", None), dict):  # (Gemma 3: one table per layer type)
+            for layer_type, rope_type in module.rope_type.items():
+                init = (
+                    module.compute_default_rope_parameters if rope_type == "default" else ROPE_INIT_FUNCTIONS[rope_type]
+                )
+                setattr(module, f"{layer_type}_inv_freq", init(module.config, layer_type=layer_type)[0])
+            continue
         if hasattr(module, "inv_freq") and hasattr(module, "rope_type"):
             init = (
                 module.compute_default_rope_parameters

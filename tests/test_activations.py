@@ -34,10 +34,14 @@ SINGLE = {
         "tiny",
         {"model__sliding_window": 8, "model__window_pattern": "wg", "train__activation_checkpointing": "selective"},
     ),
+    # Gemma 3: head_size != dim / n_heads, q/k norms and post-norms scaling by 1 + weight, windowed
+    # layers' order keys, the final soft-capping's logits
+    "gemma3": ("tiny-gemma3", {}),
 }
 PAIR = {
     "tp2 sp": ("tiny", {"parallel__tp": 2, "parallel__sp": True}),
     "tp2": ("tiny", {"parallel__tp": 2}),
+    "gemma3 tp2 sp": ("tiny-gemma3", {"parallel__tp": 2, "parallel__sp": True}),
     "tp2 sp bfloat16-autocast": (
         "tiny",
         {"parallel__tp": 2, "parallel__sp": True, "train__dtype": "bfloat16-autocast"},

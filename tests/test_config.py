@@ -51,6 +51,7 @@ def test_unknown_field_suggests_the_close_one():
         ("llama3-70b", 70.55, 0.01),
         ("llama3-405b", 405.85, 0.01),
         ("mixtral-8x7b", 46.70, 0.01),
+        ("gemma-3-27b", 27.0, 0.01),  # (the language model; the published 27.4B holds its 0.4B vision tower)
     ],
 )
 def test_real_presets_have_published_sizes(name, billions, tol):

@@ -95,8 +95,10 @@ def test_export_refuses_an_existing_directory_and_a_non_run(trained_run, tmp_pat
         ("qwen3_moe", {}, dict(parallel__ep=2, parallel__dp=2)),
         ("llama3.1", {}, dict(parallel__tp=2, parallel__dp=1)),
         ("llama", {"tie_word_embeddings": True}, dict(parallel__dp=2, parallel__zero=1)),
+        ("gpt_oss", {}, dict(parallel__ep=2, parallel__dp=2)),
+        ("gemma3_text", {}, dict(parallel__tp=2, parallel__dp=1)),
     ],
-    ids=["qwen3moe-ep2", "llama3.1-tp2", "llama-tied-zero1"],
+    ids=["qwen3moe-ep2", "llama3.1-tp2", "llama-tied-zero1", "gpt-oss-ep2", "gemma3-tp2"],
 )
 def test_import_train_export_round_trip(kind, changes, layout, tmp_path, caplog):
     """A model imported, trained one step at a negligible learning rate and exported again is the same
@@ -127,9 +129,39 @@ def test_import_train_export_round_trip(kind, changes, layout, tmp_path, caplog)
     assert exported["tie_word_embeddings"] == original["tie_word_embeddings"]
     assert special_token_ids(tmp_path / "out") == special_token_ids(tmp_path / "in")
     model = load_exported(tmp_path / "out", caplog)
-    assert model.config.rope_parameters["rope_type"] == reference.config.rope_parameters["rope_type"]
+    assert _rope_types(model.config) == _rope_types(reference.config)
     ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(0))
     assert (hf_logits(model, ids) - hf_logits(reference, ids)).abs().max().item() <= 1e-4
+
+
+def _rope_types(config) -> dict:
+    """{layer type: rope type} (Gemma 3 has one rotary per layer type; the others one for all)."""
+    params = config.rope_parameters
+    return {"all": params["rope_type"]} if "rope_type" in params else {k: v["rope_type"] for k, v in params.items()}
+
+
+@pytest.mark.parametrize(
+    "preset,change,field",
+    [
+        ("tiny-gpt-oss", {"attention_bias": False}, "model.attention_bias"),
+        ("tiny-gpt-oss", {"n_dense_layers": 1}, "model.n_dense_layers"),
+        ("tiny-gemma3", {"post_norms": False}, "model.post_norms"),
+        ("tiny-gemma3", {"rope_local_theta": 0.0}, "model.rope_local_theta"),
+        ("tiny", {"sliding_window": 16}, "model.sliding_window"),
+    ],
+)
+def test_parts_of_gpt_oss_or_gemma3_without_the_rest_are_refused(preset, change, field):
+    """GptOssForCausalLM and Gemma3ForCausalLM have all of their parts in every layer: a model with
+    some (or windows in an architecture without them) is refused, naming the field."""
+    import dataclasses
+
+    from fived.config import ConfigError, model_preset
+    from fived.hf.config_map import export_kind
+
+    assert export_kind(model_preset(preset)) in ("gpt_oss", "gemma3_text", "llama")
+    with pytest.raises(ConfigError) as e:
+        export_kind(dataclasses.replace(model_preset(preset), **change))
+    assert e.value.field == field and "\n" not in str(e.value)
 
 
 def _generate_json(capsys, source, prompt, *flags):

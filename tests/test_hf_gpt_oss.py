@@ -1,12 +1,12 @@
 """GPT-OSS from transformers: a tiny random GptOssForCausalLM (windows, sinks, biases, YaRN without
-truncation, its router and clamped experts) gives fived the same logits and greedy ids."""
+truncation, its router and clamped experts) gives fived the same logits and greedy ids (export:
+tests/test_hf_export.py's round trip)."""
 
 import pytest
 import torch
 from hf_models import hf_logits, save_hf_model
 
-from fived.config import ConfigError
-from fived.hf.config_map import export_kind, model_config_from_hf, read_config
+from fived.hf.config_map import model_config_from_hf, read_config
 from fived.hf.init import check_hf_names, whole_state
 from fived.model.transformer import build_model
 from fived.testing import EXACT
@@ -41,14 +41,6 @@ def test_gpt_oss_logits_and_greedy_ids_equal_transformers(dtype, tmp_path):
             block.attention.core.window = 0
         with torch.no_grad():
             assert (model(ids) - expected).abs().max().item() > 1e-3
-
-
-def test_gpt_oss_export_is_refused_in_one_line(tmp_path):
-    save_hf_model("gpt_oss", tmp_path)
-    cfg = model_config_from_hf(read_config(tmp_path), str(tmp_path))
-    with pytest.raises(ConfigError) as e:
-        export_kind(cfg)
-    assert e.value.field == "model.sliding_window"
 
 
 def test_gpt_oss_generate_equals_transformers(tmp_path):

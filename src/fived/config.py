@@ -40,7 +40,8 @@ MuonScale = Literal["rms", "spectral", "none"]
 Device = Literal["auto", "cpu", "cuda"]
 OnSpike = Literal["stop", "rollback"]
 TrackerName = Literal["none", "wandb", "mlflow"]
-RopeScaling = Literal["none", "llama3", "yarn"]
+RopeScaling = Literal["none", "llama3", "yarn", "linear"]
+FfnActivation = Literal["silu", "gelu-tanh"]
 RouterScore = Literal["softmax", "sigmoid"]
 ExpertKind = Literal["swiglu", "gpt-oss"]
 ZeroStage = Literal[0, 1, 2, 3]
@@ -65,9 +66,9 @@ class ModelConfig:
     # Llama 3.1's rotary scaling: long wavelengths divided by rope_factor, a smooth ramp between
     # rope_original_max_len/rope_low_freq_factor and .../rope_high_freq_factor
     rope_scaling: RopeScaling = option(
-        "none", "rotary scaling of long wavelengths (llama3: Llama 3.1's; yarn: DeepSeek-V3's)"
+        "none", "rotary scaling of long wavelengths (llama3: Llama 3.1's; yarn: DeepSeek-V3's; linear: Gemma 3's)"
     )
-    rope_factor: float = option(8.0, "llama3 and yarn scaling: long wavelengths are divided by this")
+    rope_factor: float = option(8.0, "rotary scaling's factor (llama3, yarn: long wavelengths'; linear: every one)")
     rope_low_freq_factor: float = option(
         1.0, "llama3 scaling: wavelengths above rope_original_max_len / this are scaled"
     )
@@ -104,6 +105,18 @@ class ModelConfig:
     window_pattern: str = option("w", "layers' kinds cycled over the stack: w windowed, g global (e.g. wg)")
     attention_sinks: bool = option(False, "a learned logit per head joins every softmax with no value (GPT-OSS)")
     attention_bias: bool = option(False, "biases on the query, key, value and output projections (GPT-OSS)")
+    # Gemma 3 (fived.hf.gemma3): its windowed layers rotate with their own base and no scaling, norms
+    # scale by 1 + weight, the attention's and feed-forward's outputs are normed before the residual
+    # add, the embedding is multiplied by sqrt(dim), GeGLU (tanh gelu) feed-forwards
+    rope_local_theta: float = option(0.0, "rotary base of the windowed layers, unscaled; 0: the global layers' rotary")
+    norm_offset: bool = option(False, "RMSNorm scales by 1 + weight (weights start at 0: Gemma)")
+    post_norms: bool = option(
+        False, "RMSNorm on the attention's and feed-forward's outputs too, before the residual add"
+    )
+    embed_scale: bool = option(False, "the embedding's output is multiplied by sqrt(dim) (Gemma)")
+    ffn_activation: FfnActivation = option("silu", "the dense feed-forward's gate: silu (SwiGLU) or gelu-tanh (GeGLU)")
+    attn_scale_dim: float = option(0.0, "scores are q.k / sqrt(this); 0: head_dim (Gemma 3's query_pre_attn_scalar)")
+    final_softcap: float = option(0.0, "logits become cap x tanh(logits / cap) (final_logit_softcapping); 0: none")
     tie_embeddings: bool = option(False, "the output head shares the input embedding's weights")
     init_std: float = option(0.02, "standard deviation of the initial weights")
     n_experts: int = option(0, "routed experts per mixture-of-experts layer; 0: a dense model")
@@ -421,6 +434,33 @@ _GPT_OSS = dict(
     expert_kind="gpt-oss",
     rope_truncate=False,
 )
+# Gemma 3 27B's language model (the text_config of its config.json, transformers' Gemma3TextConfig
+# defaults for what it leaves out): five windowed (1024) layers to one global, q/k norms, norms
+# scaling by 1 + weight and post-norms, the embedding times sqrt(dim), GeGLU, linear rope x8 on the
+# global layers (base 1e6), base 1e4 unscaled on the windowed ones, scores over sqrt(168), tied head.
+_GEMMA3 = dict(
+    vocab_size=262208,
+    dim=5376,
+    n_layers=62,
+    n_heads=32,
+    n_kv_heads=16,
+    head_size=128,
+    ffn_dim=21504,
+    rope_theta=1e6,
+    rope_scaling="linear",
+    rope_factor=8.0,
+    rope_local_theta=1e4,
+    sliding_window=1024,
+    window_pattern="wwwwwg",
+    qk_norm=True,
+    norm_eps=1e-6,
+    norm_offset=True,
+    post_norms=True,
+    embed_scale=True,
+    ffn_activation="gelu-tanh",
+    attn_scale_dim=168.0,
+    tie_embeddings=True,
+)
 # Real shapes follow the published model cards; they are built on the meta device for planning.
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(_TINY),
@@ -442,6 +482,23 @@ PRESETS: dict[str, dict[str, Any]] = {
         sliding_window=8,
         n_experts=4,
         top_k=2,
+    ),
+    "gemma-3-27b": dict(_GEMMA3),
+    # Gemma 3 at CPU size: windows of 8 on five layers of six, head_size != dim / n_heads, scores over
+    # sqrt(16) not sqrt(head_size); final soft-capping on (Gemma 3's checkpoints set none) so that the
+    # verifies cover it
+    "tiny-gemma3": dict(
+        _GEMMA3,
+        vocab_size=256,
+        dim=64,
+        n_layers=6,
+        n_heads=4,
+        n_kv_heads=2,
+        head_size=32,
+        ffn_dim=128,
+        sliding_window=8,
+        attn_scale_dim=16.0,
+        final_softcap=30.0,
     ),
     "llama3-8b": dict(
         vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, rope_theta=500000.0

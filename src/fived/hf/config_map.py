@@ -7,7 +7,8 @@ Anything else (biases, another activation, sliding windows, other rope variants,
 MoE layers that are not a suffix of the stack) is refused, naming the key that differs.
 DeepSeek-V3 (fived.hf.deepseek): multi-head latent attention, YaRN, sigmoid group-limited routing;
 its multi-token-prediction layers (after num_hidden_layers) are not imported (transformers skips them).
-GPT-OSS (fived.hf.gpt_oss): sliding windows, sinks, attention biases, its experts; import only.
+GPT-OSS (fived.hf.gpt_oss): sliding windows, sinks, attention biases, its experts. Gemma 3's text
+model (fived.hf.gemma3): windows with their own rotary, post-norms, norms scaling by 1 + weight, GeGLU.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ ARCHITECTURES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 
 
@@ -72,6 +74,10 @@ def model_config_from_hf(hf: dict, source: str) -> ModelConfig:
         from fived.hf.gpt_oss import gpt_oss_config
 
         return gpt_oss_config(hf, source, rope_parameters(hf))
+    if kind == "gemma3_text":
+        from fived.hf.gemma3 import gemma3_config
+
+        return gemma3_config(hf, source)
     _refuse_differences(hf, source)
     if kind == "deepseek_v3":
         from fived.hf.deepseek import deepseek_config
@@ -199,6 +205,14 @@ def hf_config_from_model(cfg: ModelConfig, dtype: str, extra: dict | None = None
         from fived.hf.deepseek import deepseek_hf_config
 
         out.update(deepseek_hf_config(cfg))
+    elif kind == "gemma3_text":
+        from fived.hf.gemma3 import gemma3_hf_config
+
+        out.update(gemma3_hf_config(cfg))
+    elif kind == "gpt_oss":
+        from fived.hf.gpt_oss import gpt_oss_hf_config
+
+        out.update(gpt_oss_hf_config(cfg))
     elif kind == "mixtral":
         out.update(
             num_local_experts=cfg.n_experts,
@@ -220,17 +234,19 @@ def hf_config_from_model(cfg: ModelConfig, dtype: str, extra: dict | None = None
             mlp_only_layers=list(range(cfg.n_dense_layers)),
             output_router_logits=False,
         )
+    if "rope_parameters" in out:  # (GPT-OSS, Gemma 3: transformers 5's form, theta inside)
+        del out["rope_theta"], out["rope_scaling"]
     out.update(extra or {})
     return out
 
 
-def _refuse_gpt_oss_export(cfg: ModelConfig) -> None:
-    """GPT-OSS's parts have no place in the architectures fived exports (one line naming the field)."""
+def _refuse_windowed_parts(cfg: ModelConfig) -> None:
+    """Windows, sinks and biases have no place in Llama, Qwen3, Mixtral, Qwen3-MoE or DeepSeek-V3 as
+    fived writes them (one line naming the field; GPT-OSS and Gemma 3 have their own routes)."""
     local: list[tuple[str, object, bool]] = [
         ("model.sliding_window", cfg.sliding_window, cfg.sliding_window > 0),
         ("model.attention_sinks", cfg.attention_sinks, cfg.attention_sinks),
         ("model.attention_bias", cfg.attention_bias, cfg.attention_bias),
-        ("model.expert_kind", cfg.expert_kind, cfg.is_moe and cfg.expert_kind != "swiglu"),
         ("model.rope_truncate", cfg.rope_truncate, not cfg.rope_truncate),
     ]
     for key, setting, used in local:
@@ -238,7 +254,8 @@ def _refuse_gpt_oss_export(cfg: ModelConfig) -> None:
             raise ConfigError(
                 key,
                 setting,
-                "fived does not yet export GPT-OSS's windows, sinks, biases or experts",
+                "only GPT-OSS (gpt-oss experts, sinks and biases together) and Gemma 3 export windows, "
+                "sinks or attention biases",
                 "export a model without them (e.g. --model.name tiny)",
             )
 
@@ -246,8 +263,21 @@ def _refuse_gpt_oss_export(cfg: ModelConfig) -> None:
 def export_kind(cfg: ModelConfig) -> str:
     """The Hugging Face architecture that computes what `cfg` computes (Llama or Qwen3 when dense;
     Mixtral or Qwen3-MoE with experts; DeepSeek-V3 with latent attention), or a ConfigError naming
-    the field none of them has."""
-    _refuse_gpt_oss_export(cfg)
+    the field none of them has; GPT-OSS or Gemma 3 when it has their parts."""
+    from fived.hf.gemma3 import is_gemma
+    from fived.hf.gpt_oss import is_gpt_oss
+
+    if is_gemma(cfg):
+        from fived.hf.gemma3 import check_exportable as check_gemma
+
+        check_gemma(cfg)
+        return "gemma3_text"
+    if is_gpt_oss(cfg):
+        from fived.hf.gpt_oss import check_exportable as check_gpt_oss
+
+        check_gpt_oss(cfg)
+        return "gpt_oss"
+    _refuse_windowed_parts(cfg)
     if cfg.is_mla:
         from fived.hf.deepseek import check_exportable
 

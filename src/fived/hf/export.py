@@ -1,16 +1,18 @@
 """`fived export RUN_OR_CHECKPOINT --output DIR`: a Hugging Face model directory that
 `transformers.AutoModelForCausalLM.from_pretrained` loads as it is.
 
-Writes config.json (Llama, Qwen3, Mixtral, Qwen3-MoE or DeepSeek-V3: whichever computes what the run's model
-computes), model.safetensors (or shards of at most `max_shard_bytes` with
+Writes config.json (Llama, Qwen3, Mixtral, Qwen3-MoE, DeepSeek-V3, GPT-OSS or Gemma 3: whichever computes
+what the run's model computes), model.safetensors (or shards of at most `max_shard_bytes` with
 model.safetensors.index.json), generation_config.json and the tokenizer (the run's tokenizer.json,
 or one that reproduces fived's byte tokenizer). Streams: one whole tensor is read from the
-checkpoint (whatever layout wrote it), converted and written before the next is read.
+checkpoint (whatever layout wrote it; small ones together, up to the largest one's bytes), converted
+and written before the next is read (GPT-OSS's gate and up, interleaved in one tensor: both, once).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -19,7 +21,7 @@ import torch
 
 from fived.config import ConfigError
 from fived.hf.config_map import export_kind, hf_config_from_model
-from fived.hf.names import fived_to_hf, has_hf_source, hf_source, mtp_copies
+from fived.hf.names import INTERLEAVED_PARTNER, fived_to_hf, has_hf_source, hf_source, mtp_copies
 from fived.hf.safetensors_out import StreamingSafetensorsWriter
 
 SHARD_BYTES = 5 * 10**9  # transformers' own default shard size
@@ -27,9 +29,31 @@ SHARD_BYTES = 5 * 10**9  # transformers' own default shard size
 
 def _hf_entries(name: str, shape: tuple[int, ...], cfg, kind: str) -> list[tuple[str, tuple[int, ...]]]:
     source = hf_source(name, kind, cfg.n_layers)
+    if source.columns is not None:  # (one tensor, written with the gate's: the up's has no entry)
+        offset, step = source.columns
+        return [] if offset else [(source.name, (*shape[:-1], shape[-1] * step))]
     if source.name:
         return [(hf, shape) for hf in [source.name, *mtp_copies(name, cfg, kind)]]
     return [(hf, (shape[2], shape[1])) for hf in source.expert_names(cfg.n_experts)]
+
+
+def _checkpoint_names(name: str, cfg, kind: str) -> list[str]:
+    """The fived tensors the Hugging Face tensors of `name` are made from (GPT-OSS's gate: with its up)."""
+    source = hf_source(name, kind, cfg.n_layers)
+    if source.columns is None:
+        return [name]
+    base, leaf = name.rsplit(".", 1)
+    return [name, f"{base}.{INTERLEAVED_PARTNER[leaf]}"]
+
+
+def _hf_tensors(whole: dict[str, torch.Tensor], name: str, cfg, kind: str) -> list[tuple[str, torch.Tensor]]:
+    """The Hugging Face tensors fived tensor `name` becomes, from `whole` (fived name -> whole tensor;
+    GPT-OSS's gate with its up partner, interleaved in the columns: gate even, up odd)."""
+    source = hf_source(name, kind, cfg.n_layers)
+    if source.columns is not None:
+        gate, up = (whole[n] for n in _checkpoint_names(name, cfg, kind))
+        return [(source.name, torch.stack([gate, up], dim=-1).flatten(-2))]
+    return fived_to_hf(name, whole[name], cfg, kind)
 
 
 def _shards(tensors: list[tuple[str, list, int]], max_bytes: int) -> list[list]:
@@ -83,7 +107,8 @@ def export(source: str, output: str, max_shard_bytes: int = SHARD_BYTES) -> Path
 
 
 def _write_model(checkpoint: Path, cfg, out: Path, max_shard_bytes: int) -> None:
-    """The safetensors shards (one tensor in memory at a time), tokenizer and configs into `out`."""
+    """The safetensors shards (in memory: a group of tensors up to the largest one's bytes), tokenizer
+    and configs into `out`."""
     from fived.checkpoint import dcp_io
     from fived.model.transformer import build_model, canonical_name
 
@@ -105,7 +130,9 @@ def _write_model(checkpoint: Path, cfg, out: Path, max_shard_bytes: int) -> None
     ]
     for raw, param in held:
         name = canonical_name(raw)
-        tensors.append((name, _hf_entries(name, tuple(param.shape), cfg.model, kind), param.numel() * dtype.itemsize))
+        entries = _hf_entries(name, tuple(param.shape), cfg.model, kind)
+        if entries:
+            tensors.append((name, entries, sum(math.prod(shape) for _, shape in entries) * dtype.itemsize))
     shards = _shards(tensors, max_shard_bytes)
     weight_map = {}
     for i, shard in enumerate(shards):
@@ -113,12 +140,16 @@ def _write_model(checkpoint: Path, cfg, out: Path, max_shard_bytes: int) -> None
         writer = StreamingSafetensorsWriter(
             out / file, [(hf, shape, dtype) for _, entries, _ in shard for hf, shape in entries]
         )
-        for name, _, _ in shard:
-            whole = dcp_io.read_whole(checkpoint, [f"model.{name}"])[f"model.{name}"].to(dtype)
-            for hf, tensor in fived_to_hf(name, whole, cfg.model, kind):
-                writer.write(hf, tensor)
-                weight_map[hf] = file
-            del whole
+        # tensors read together up to the largest one's bytes (one read of the checkpoint's index each)
+        for group in _shards(shard, max(size for _, _, size in tensors)):
+            names = [n for name, _, _ in group for n in _checkpoint_names(name, cfg.model, kind)]
+            read = dcp_io.read_whole(checkpoint, [f"model.{n}" for n in names])
+            whole = {n: read.pop(f"model.{n}").to(dtype) for n in names}
+            for name, _, _ in group:
+                for hf, tensor in _hf_tensors(whole, name, cfg.model, kind):
+                    writer.write(hf, tensor)
+                    weight_map[hf] = file
+            del read, whole
         writer.close()
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(size for _, _, size in tensors)}, "weight_map": weight_map}

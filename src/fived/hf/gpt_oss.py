@@ -6,12 +6,13 @@ its exact ramp ends (truncate false), the router's bias and softmax over the top
 softmax over all experts then top-k renormalised: the same weights), and the experts' biases and
 clamped SwiGLU. The experts' gate and up projections are stored interleaved in one tensor
 (gate_up_proj [E, dim, 2 x hidden], gate in the even columns): fived's w1 and w3 read every other
-column (fived.hf.names.Source.columns). Export is refused (fived.hf.config_map.export_kind).
+column (fived.hf.names.Source.columns); export writes them interleaved again (fived.hf.export). A model
+with GPT-OSS's experts or sinks exports as GptOssForCausalLM, which needs all of its parts.
 """
 
 from __future__ import annotations
 
-from fived.config import ModelConfig
+from fived.config import ConfigError, ModelConfig
 from fived.hf.unsupported import Unsupported
 
 LAYER_KIND = {"sliding_attention": "w", "full_attention": "g"}
@@ -72,3 +73,74 @@ def gpt_oss_config(hf: dict, source: str, rope: dict) -> ModelConfig:
         cfg.rope_beta_slow = float(rope.get("beta_slow") or 1.0)
         cfg.rope_truncate = bool(rope.get("truncate", True))
     return cfg
+
+
+def is_gpt_oss(cfg: ModelConfig) -> bool:
+    """Whether `cfg` uses a part only GPT-OSS has (its experts, sinks): it exports as GPT-OSS or not at all."""
+    return cfg.attention_sinks or (cfg.is_moe and cfg.expert_kind == "gpt-oss")
+
+
+def check_exportable(cfg: ModelConfig) -> None:
+    """GptOssForCausalLM has sinks, biases and its experts in every layer, softmax top-k routing, YaRN
+    or plain rotary: refuse a model that differs (one line naming the field)."""
+    needed = [
+        ("model.attention_sinks", cfg.attention_sinks, cfg.attention_sinks),
+        ("model.attention_bias", cfg.attention_bias, cfg.attention_bias),
+        ("model.expert_kind", cfg.expert_kind, cfg.is_moe and cfg.expert_kind == "gpt-oss"),
+        ("model.n_shared_experts", cfg.n_shared_experts, not cfg.n_shared_experts),
+        ("model.n_dense_layers", cfg.n_dense_layers, not cfg.n_dense_layers),
+        ("model.route_norm", cfg.route_norm, cfg.route_norm),
+        ("model.router_score", cfg.router_score, cfg.router_score == "softmax" and cfg.n_expert_groups == 1),
+        ("model.routed_scaling", cfg.routed_scaling, cfg.routed_scaling == 1.0),
+        ("model.router_bias_rate", cfg.router_bias_rate, not cfg.router_bias_rate),
+        ("model.qk_norm", cfg.qk_norm, not cfg.qk_norm),
+        ("model.kv_lora_rank", cfg.kv_lora_rank, not cfg.is_mla),
+        ("model.rope_scaling", cfg.rope_scaling, cfg.rope_scaling in ("none", "yarn")),
+        ("model.rope_mscale", cfg.rope_mscale, not (cfg.rope_mscale or cfg.rope_mscale_all_dim)),
+        ("model.mtp_depth", cfg.mtp_depth, not cfg.mtp_depth),
+    ]
+    for field, value, ok in needed:
+        if not ok:
+            raise ConfigError(
+                field,
+                value,
+                "a model with GPT-OSS's experts or sinks exports as GptOssForCausalLM, which has all of its parts "
+                "and no other",
+                "export a GPT-OSS-shaped model (e.g. --model.name tiny-gpt-oss)",
+            )
+
+
+def gpt_oss_hf_config(cfg: ModelConfig) -> dict:
+    """The GPT-OSS keys of a config.json for `cfg` (the common ones are the caller's)."""
+    rope: dict[str, object] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling == "yarn":
+        rope = {
+            "rope_type": "yarn",
+            "rope_theta": cfg.rope_theta,
+            "factor": cfg.rope_factor,
+            "original_max_position_embeddings": cfg.rope_original_max_len,
+            "beta_fast": cfg.rope_beta_fast,
+            "beta_slow": cfg.rope_beta_slow,
+            "truncate": cfg.rope_truncate,
+        }
+    kinds = [
+        next(k for k, v in LAYER_KIND.items() if v == ("w" if cfg.layer_window(i) else "g"))
+        for i in range(cfg.n_layers)
+    ]
+    return {
+        "intermediate_size": cfg.expert_dim,
+        "num_local_experts": cfg.n_experts,
+        "num_experts_per_tok": cfg.top_k,
+        "sliding_window": cfg.sliding_window or None,
+        "layer_types": kinds,
+        "attention_bias": True,
+        "swiglu_alpha": cfg.swiglu_alpha,
+        "swiglu_limit": cfg.swiglu_limit,
+        "router_aux_loss_coef": cfg.aux_loss_coef,
+        "output_router_logits": False,
+        "rope_parameters": rope,
+        # (transformers' YaRN expects the scaled context here)
+        "max_position_embeddings": int(cfg.rope_factor * cfg.rope_original_max_len)
+        if cfg.rope_scaling == "yarn"
+        else max(cfg.rope_original_max_len, 2048),
+    }

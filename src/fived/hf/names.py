@@ -67,6 +67,14 @@ GPT_OSS_LAYER = {
     "feed_forward.experts.b2": "mlp.experts.down_proj_bias",
 }
 GPT_OSS_COLUMNS = {"w1": (0, 2), "w3": (1, 2), "b1": (0, 2), "b3": (1, 2)}
+# export writes each interleaved tensor once, with the gate's: the gate's partner fills the odd columns
+INTERLEAVED_PARTNER = {"w1": "w3", "b1": "b3"}
+# Gemma 3: four norms a layer (fived's ffn_norm is its pre-feed-forward norm)
+GEMMA_LAYER = {
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffn_norm.weight": "post_feedforward_layernorm.weight",
+}
 TOP = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
     "norm.weight": "model.norm.weight",
@@ -131,6 +139,8 @@ def hf_source(name: str, kind: str, n_layers: int = 0) -> Source:
     prefix = f"model.layers.{layer}."
     if kind == "deepseek_v3" and rest in DEEPSEEK_LAYER:
         return Source(prefix + DEEPSEEK_LAYER[rest])
+    if kind == "gemma3_text" and rest in GEMMA_LAYER:
+        return Source(prefix + GEMMA_LAYER[rest])
     if kind == "gpt_oss" and rest in GPT_OSS_LAYER:
         return Source(prefix + GPT_OSS_LAYER[rest], columns=GPT_OSS_COLUMNS.get(rest.rsplit(".", 1)[-1]))
     if rest in LAYER:

@@ -14,5 +14,5 @@ class Unsupported(ConfigError):
             "--init-from",
             source,
             f"config.json {key}={value!r}: {rule}",
-            "fived imports Llama 2/3/3.1, Qwen3, Mixtral, Qwen3-MoE and DeepSeek-V3 models",
+            "fived imports Llama 2/3/3.1, Qwen3, Mixtral, Qwen3-MoE, DeepSeek-V3, GPT-OSS and Gemma 3 (text) models",
         )

@@ -64,6 +64,13 @@ Per part, in elements per token unless said (times x bytes unless said):
                    h*S (index_add)
         shared     shared experts' SwiGLU 4 fs/T * B
         aux loss   the loss (a scalar) and the tokens per expert (E float64): x + 8E bytes
+    Gemma 3's parts (float32/float64 runs; no checkpointing): q and the attention output are
+        n_heads*head_dim/T wide (not h/T when head_size is set); q/k norms keep their input, the
+        normalised input and 1/rms per head, 2 (q + k) + a + kv/hd; the post-norms their input, the
+        normalised input and 1/rms, 2 * (2h + 1) * Bs (their output only feeds the residual sum);
+        a norm scaling by 1 + weight keeps that sum, its width once; a windowed layer or one with
+        sinks on one cp rank keeps the blockwise kernel's order keys, 8 bytes * B; the final
+        soft-capping keeps the capped logits V*B
     full checkpointing, per layer (dense or MoE): the block's input h*Bs (a sequence shard with SP,
         the rank's chunk with cp) and the RoPE tables 2*sl*hd
     selective checkpointing (matmul and attention outputs cached), per layer:
@@ -205,6 +212,7 @@ class _Geometry:
         self.u, self.documents = ulysses, document_mask
         # the attention keeps its tokens' order keys: document-masked, or the ring across Ulysses groups
         self.keys = document_mask or 1 < ulysses < cp
+        self.q = m.n_heads * m.head_dim / tp  # q's (and the attention output's) width
         self.sl = seq_len // cp
         self.B = b * self.sl
         self.Bs = self.B / (tp if sp else 1)
@@ -225,6 +233,8 @@ class _Geometry:
     def head(self) -> int:
         B, Bs, V = self.B, self.Bs, self.V
         total = self._norm(Bs, B, consumers=1)
+        if self.m.final_softcap:
+            total += B * V * self.x  # (tanh's output)
         if self.tp == 1:
             total += B * V * self.f32 + 8 * B + self.f32
         else:
@@ -247,7 +257,9 @@ class _Geometry:
         return round(
             self._norm(self.Bs, self.B, consumers=3)
             + self._attention(blockwise)
+            + self._qk_norms()
             + self._norm(self.Bs, self.B, consumers)
+            + (2 * self._norm(self.Bs, self.B, consumers=0) if self.m.post_norms else 0)
             + ffn
             + rope
         )
@@ -256,23 +268,31 @@ class _Geometry:
     def _norm(self, Bs: float, B: float, consumers: int) -> float:
         """An RMSNorm and the linears that take its output: input, normalised input, 1/rms and the
         output (fp32/fp64), or under autocast a bf16 copy of the output per consuming linear."""
+        offset = self.h * self.r if self.m.norm_offset else 0  # (1 + weight, kept by the norm)
         if self.bf16_weights:  # rms_norm computes in float32: its input and normalised input, 1/rms
-            return Bs * ((2 * self.h + 1) * 4 + 2 * self.h)
+            return Bs * ((2 * self.h + 1) * 4 + (2 * self.h if consumers else 0)) + offset
         if not self.bf16:
-            return Bs * (3 * self.h + 1) * self.x
-        return Bs * (2 * self.h + 1) * self.r + consumers * B * self.h * 2
+            return Bs * (2 * self.h + 1 + (self.h if consumers else 0)) * self.x + offset
+        return Bs * (2 * self.h + 1) * self.r + consumers * B * self.h * 2 + offset
+
+    def _qk_norms(self) -> float:
+        """Per-head q and k norms (Qwen3, Gemma 3): input, normalised input, 1/rms per head."""
+        if not self.m.qk_norm:
+            return 0
+        offset = 2 * self.hd * self.r if self.m.norm_offset else 0
+        return self.B * (2 * (self.q + self.kv) + self.a + self.kv / self.hd) * self.x + offset
 
     def _attention(self, blockwise: bool) -> float:
-        B, h, T, a, kv, u = self.B, self.h, self.tp, self.a, self.kv, self.u
+        B, a, kv, u = self.B, self.a, self.kv, self.u
         keys = self.keys or blockwise
         if u == 1:  # SDPA or ring attention (same kernels, same dtype): q, k, v, output (= wo's input), lse
-            return B * ((2 * h / T + 2 * kv) * self.x + a * self.f32) + (8 * B if keys else 0)
+            return B * ((2 * self.q + 2 * kv) * self.x + a * self.f32) + (8 * B if keys else 0)
         # Ulysses: the group's tokens of a u-th of the heads, sorted (kv heads repeated up to u when
         # fewer), the output in that layout and again in the tokens' (wo's input), the sort order and
         # its inverse (int64), and the gathered order keys where the attention is masked
         if (kv // self.hd) % u:
             kv = u * self.hd
-        return B * ((3 * h / T + 2 * kv) * self.x + a * self.f32) + 16 * u * B + (8 * u * B if keys else 0)
+        return B * ((3 * self.q + 2 * kv) * self.x + a * self.f32) + 16 * u * B + (8 * u * B if keys else 0)
 
     def _routed(self) -> tuple[float, int]:
         """(tokens a MoE layer routes, the tp split of its experts): B and T, or folded Bs and 1."""
@@ -311,10 +331,10 @@ class _Geometry:
     def _selective(self, moe: bool, blockwise: bool) -> float:
         m, B, h, T, a, kv, x = self.m, self.B, self.h, self.tp, self.a, self.kv, self.x
         total = self.Bs * h * self.r  # the block's input
-        total += B * (h / T + 2 * kv + h) * x  # q, k, v projections; wo's partial output
+        total += B * (self.q + 2 * kv + h) * x  # q, k, v projections; wo's partial output
         if (self.cp == 1 or self.u == self.cp) and not (self.documents or blockwise):
             # SDPA's output and log-sum-exp (the ring's and the blockwise tiles': recomputed)
-            total += B * (h / T * x + a * self.f32)
+            total += B * (self.q * x + a * self.f32)
         if not moe:
             return total + B * (2 * m.ffn_dim / T + h) * x
         S, (routed, split) = self._slots(), self._routed()

@@ -10,7 +10,7 @@ import itertools
 import math
 from dataclasses import fields
 
-from fived.config import Config, ConfigError, ModelConfig, TrainConfig
+from fived.config import Config, ConfigError, ModelConfig, TrainConfig, choices
 from fived.layout import deepseek_rules, window_rules
 from fived.layout.bounds import largest_divisor, number_errors
 from fived.layout.expert_rules import expert_rules
@@ -353,10 +353,10 @@ def _model_errors(cfg: Config) -> list[ConfigError]:
             f"e.g. --model.dim {nearest_multiple(m.dim, 2 * m.n_heads)}",
         ),
         (
-            m.rope_scaling in ("none", "llama3", "yarn"),
+            m.rope_scaling in (choices("model", "rope_scaling") or ()),
             "model.rope_scaling",
             m.rope_scaling,
-            "must be none, llama3 or yarn",
+            "must be one of " + ", ".join(choices("model", "rope_scaling") or ()),
             "e.g. --model.rope_scaling none",
         ),
         (
@@ -383,6 +383,7 @@ def _model_errors(cfg: Config) -> list[ConfigError]:
         *deepseek_rules.model_checks(m),
         *deepseek_rules.mtp_checks(m, t.seq_len),
         *window_rules.model_checks(m),
+        *window_rules.gemma_checks(m),
         *_fp8_checks(t, cfg.parallel),
         *_muon_checks(t),
         (

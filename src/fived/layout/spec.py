@@ -172,10 +172,13 @@ def _layer_specs(m: ModelConfig, moe_id: int, tp: int, ep: int, sp: bool, etp: i
         out += _attention_extras(t, m, tp, sp)
     if m.qk_norm:  # shared by heads: each rank's heads give it a part of the gradient
         out += [t(f"attention.{n}.weight", [hd], tp_partial_grad=tp > 1) for n in ("q_norm", "k_norm")]
+    # Gemma's post-norms run after the region's reduction, on SP's sequence shards as the pre-norms
+    post = [t(f"{n}.weight", [d], tp_partial_grad=sp and tp > 1) for n in ("post_attention_norm", "post_ffn_norm")]
+    out += post[:1] if m.post_norms else []
     out.append(t("ffn_norm.weight", [d], tp_partial_grad=sp and tp > 1))
     if moe_id < 0:
         out += _mlp(t, "feed_forward.", m.ffn_dim, d, tp)
-        return tuple(out)
+        return tuple(out + (post[1:] if m.post_norms else []))
     e, f, by_ep = m.n_experts, m.expert_dim, _cut(0, ep)
     # folded (whole experts under tp > 1): each tp rank routes its own tokens through them
     fold = {"folded": ep > 1, "tp_partial_grad": ep == 1} if etp == 1 < tp else {}
@@ -195,7 +198,7 @@ def _layer_specs(m: ModelConfig, moe_id: int, tp: int, ep: int, sp: bool, etp: i
     if m.n_shared_experts:
         out += _mlp(t, "feed_forward.shared.", f * m.n_shared_experts, d, tp)
     out.append(t("feed_forward.router_bias", [e], buffer=True))
-    return tuple(out)
+    return tuple(out + (post[1:] if m.post_norms else []))
 
 
 def _attention_extras(t, m: ModelConfig, tp: int, sp: bool) -> list[TensorSpec]:

@@ -1,5 +1,5 @@
 """The rules of sliding windows, attention sinks and attention biases (GPT-OSS, Gemma 3, Mistral),
-and of GPT-OSS's experts, under the layouts they are verified under; each a one-line ConfigError
+of Gemma 3's parts (`gemma_checks`) and of GPT-OSS's experts, under the layouts they are verified under; each a one-line ConfigError
 (field, value, rule, a valid value) before any process starts.
 
 Context parallelism's ring and Ulysses cores and generation's KV cache take windows and sinks
@@ -31,6 +31,31 @@ def model_checks(m: ModelConfig) -> list[tuple]:
             m.sliding_window,
             "latent attention has no windows, sinks or attention biases",
             "e.g. --model.sliding_window 0",
+        ),
+    ]
+
+
+def gemma_checks(m: ModelConfig) -> list[tuple]:
+    """(ok, field, value, rule, hint) of Gemma 3's fields: multi-token prediction's embedding and head
+    have neither the embedding's scale nor the soft-capping, latent attention's norms no offset."""
+    return [
+        (m.rope_factor > 0, "model.rope_factor", m.rope_factor, "must be > 0", "e.g. 8"),
+        (m.rope_local_theta >= 0, "model.rope_local_theta", m.rope_local_theta, "must be >= 0 (0: off)", "e.g. 10000"),
+        (m.attn_scale_dim >= 0, "model.attn_scale_dim", m.attn_scale_dim, "must be >= 0 (0: head_dim)", "e.g. 168"),
+        (m.final_softcap >= 0, "model.final_softcap", m.final_softcap, "must be >= 0 (0: none)", "e.g. 30"),
+        (
+            not (m.mtp_depth and (m.embed_scale or m.final_softcap)),
+            "model.mtp_depth",
+            m.mtp_depth,
+            "multi-token prediction has no scaled embedding or soft-capped head (model.embed_scale, final_softcap)",
+            "e.g. --model.mtp_depth 0",
+        ),
+        (
+            not (m.is_mla and m.norm_offset),
+            "model.norm_offset",
+            m.norm_offset,
+            "latent attention's norms scale by their weight",
+            "e.g. --model.norm_offset false",
         ),
     ]
 

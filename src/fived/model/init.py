@@ -16,7 +16,7 @@ order, tiles in row-major order of their grid) and mapped to a seed by an odd mu
 of the run's seed: a bijection of 32-bit numbers, so no two tiles of one model share a seed. The
 numbering reads the model's parameter shapes (its config), which every rank knows.
 
-Std rules: norms 1, residual-branch outputs (attention.wo, w2, experts' w2) init_std / sqrt(2 L),
+Std rules: norms 1 (0 with model.norm_offset: they scale by 1 + weight), residual-branch outputs (attention.wo, w2, experts' w2) init_std / sqrt(2 L),
 everything else init_std; buffers (router biases) 0; padding (a vocabulary padded for tp) 0.
 """
 
@@ -78,13 +78,18 @@ class TileSeeds:
 
 
 def std_of(name: str, cfg) -> float | None:
-    """The normal's std for parameter `name`; None for a norm's weight (ones)."""
+    """The normal's std for parameter `name`; None for a norm's weight (a constant: `norm_start`)."""
     if "norm" in name:
         return None
     leaf = name.rsplit(".", 1)[-1]
     if name.endswith(("attention.wo.weight", "w2.weight")) or (".experts." in name and leaf == "w2"):
         return cfg.init_std / math.sqrt(2 * cfg.n_layers)  # residual-branch outputs, GPT-2 style
     return cfg.init_std
+
+
+def norm_start(cfg) -> float:
+    """A norm weight's initial value: the identity scale (1, or 0 where norms scale by 1 + weight)."""
+    return 0.0 if cfg.norm_offset else 1.0
 
 
 class TileFiller:
@@ -97,14 +102,21 @@ class TileFiller:
 
     @torch.no_grad()
     def fill(
-        self, name: str, shape: tuple[int, ...], std: float | None, pieces: list[tuple[Box, torch.Tensor]]
+        self,
+        name: str,
+        shape: tuple[int, ...],
+        std: float | None,
+        pieces: list[tuple[Box, torch.Tensor]],
+        *,
+        constant: float = 1.0,
     ) -> None:
         """Write parameter `name`'s initial values into `pieces` ((box of the whole tensor of `shape`,
-        view) pairs, e.g. `Placement.pieces(stored)`), drawing each touched tile once."""
+        view) pairs, e.g. `Placement.pieces(stored)`), drawing each touched tile once; std None:
+        `constant` everywhere."""
         shape = tuple(shape)
         if std is None:
             for box, view in pieces:
-                view.fill_(1.0)
+                view.fill_(constant)
                 self.stats.filled += box.numel
             return
         tile, grid = tile_shape(shape), _grid(shape)
@@ -146,7 +158,8 @@ def init_value(name: str, shape: torch.Size, cfg, seed: int) -> torch.Tensor:
         raise ValueError(f"{name}: shape {tuple(shape)}, the model's is {shapes[name]}")
     full = torch.empty(tuple(shape))
     whole = Placement(tuple(shape), Box((0,) * len(shape), tuple(shape)))
-    TileFiller(TileSeeds(shapes, seed)).fill(name, tuple(shape), std_of(name, cfg), whole.pieces(full))
+    filler = TileFiller(TileSeeds(shapes, seed))
+    filler.fill(name, tuple(shape), std_of(name, cfg), whole.pieces(full), constant=norm_start(cfg))
     return full
 
 
@@ -168,7 +181,7 @@ def init_weights(model: nn.Module, seed: int, placement_of=None, stats: InitStat
         pieces = placement.pieces(stored)
         if sum(box.numel for box, _ in pieces) < stored.numel():
             stored.zero_()  # padding (and any storage no piece covers) stays zero
-        filler.fill(name, shape, std_of(name, cfg), pieces)
+        filler.fill(name, shape, std_of(name, cfg), pieces, constant=norm_start(cfg))
     for _, buffer in model.named_buffers():  # (router biases start at zero)
         buffer.zero_()
     return filler.stats

@@ -7,7 +7,9 @@ tensors (e.g. the number of local heads), so a tensor-parallel shard runs the sa
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from typing import cast
 
 import torch
@@ -19,54 +21,25 @@ from fived.model.attention import document_attention
 from fived.model.gpt_oss_experts import ClampedSwiglu, biased_experts
 from fived.model.grouped_gemm import grouped_swiglu
 from fived.model.mtp import MultiTokenPrediction
+from fived.model.rope import apply_rope, rope_cos_sin, windowed_rope
 from fived.model.routing import route
-from fived.model.yarn import rope_gain, yarn_frequencies
-
-
-def rope_frequencies(cfg: ModelConfig, device=None) -> torch.Tensor:
-    """Rotary inverse frequencies (float64), with Llama 3.1's scaling when cfg.rope_scaling is "llama3":
-    wavelengths longer than original/low_freq_factor are stretched by rope_factor, shorter than
-    original/high_freq_factor kept, and the band between interpolated linearly in 1/wavelength;
-    YaRN's when "yarn" (fived.model.yarn)."""
-    head_dim = cfg.rope_dim
-    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim)
-    if cfg.rope_scaling == "none":
-        return inv_freq
-    if cfg.rope_scaling == "yarn":
-        return yarn_frequencies(inv_freq, cfg, head_dim)
-    wavelen = 2 * math.pi / inv_freq
-    original, low, high = cfg.rope_original_max_len, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
-    smooth = ((original / wavelen - low) / (high - low)).clamp(0.0, 1.0)
-    return (1 - smooth) * inv_freq / cfg.rope_factor + smooth * inv_freq
-
-
-def rope_cos_sin(positions: torch.Tensor, cfg: ModelConfig, dtype: torch.dtype):
-    """cos/sin tables for rotary embeddings at the given positions [s] (or per sequence, [b, s]),
-    shape [s, rope_dim] (or [b, s, rope_dim]); YaRN multiplies both by its gain."""
-    inv_freq = rope_frequencies(cfg, positions.device)
-    angles = positions.to(torch.float64)[..., None] * inv_freq
-    angles = torch.cat([angles, angles], dim=-1)
-    gain = rope_gain(cfg)
-    return (angles.cos() * gain).to(dtype), (angles.sin() * gain).to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half convention (as in Hugging Face Llama); x is [b, s, heads, head_dim], the tables
-    [s, head_dim] or [b, s, head_dim]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    cos, sin = (t[None] if t.dim() == 2 else t for t in (cos, sin))
-    return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """`offset`: the weight is stored centred at zero and scales by 1 + weight (Gemma's checkpoints)."""
+
+    def __init__(self, dim: int, eps: float, *, offset: bool = False):
         super().__init__()
-        self.eps = eps
+        self.eps, self.offset = eps, offset
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        return F.rms_norm(x, (x.shape[-1],), 1 + self.weight if self.offset else self.weight, self.eps)
+
+
+def model_norm(cfg: ModelConfig, dim: int) -> RMSNorm:
+    """An RMSNorm of the model's kind (epsilon, offset)."""
+    return RMSNorm(dim, cfg.norm_eps, offset=cfg.norm_offset)
 
 
 class CausalAttentionCore(nn.Module):
@@ -113,8 +86,11 @@ class Attention(nn.Module):
         # (context parallelism and generation swap it)
         self.core: nn.Module = CausalAttentionCore(window=cfg.layer_window(layer_id))
         # Qwen3: each query and key head normalised before the rotation (weights shared by heads)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.q_norm = model_norm(cfg, cfg.head_dim) if cfg.qk_norm else None
+        self.k_norm = model_norm(cfg, cfg.head_dim) if cfg.qk_norm else None
+        # Gemma 3 divides the scores by sqrt(attn_scale_dim): the queries carry the change from the
+        # cores' 1/sqrt(head_dim), so every core (rings, Ulysses, the KV cache) computes it unchanged
+        self.q_gain = math.sqrt(cfg.head_dim / cfg.attn_scale_dim) if cfg.attn_scale_dim else 1.0
 
     def forward(
         self,
@@ -131,21 +107,29 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         sinks = {"sinks": self.sinks} if self.sinks is not None else {}
-        out = self.core(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, documents, positions, **sinks)
+        q = apply_rope(q, cos, sin) if self.q_gain == 1.0 else apply_rope(q, cos, sin) * self.q_gain
+        out = self.core(q, apply_rope(k, cos, sin), v, documents, positions, **sinks)
         return self.wo(out.reshape(b, s, -1))
 
 
-class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu-tanh": functools.partial(F.gelu, approximate="tanh"),
+}
 
-    def __init__(self, dim: int, hidden: int):
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x); `activation` "gelu-tanh": GeGLU (Gemma)."""
+
+    def __init__(self, dim: int, hidden: int, *, activation: str = "silu"):
         super().__init__()
         self.w1 = nn.Linear(dim, hidden, bias=False)
         self.w3 = nn.Linear(dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.act = ACTIVATIONS[activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(self.act(self.w1(x)) * self.w3(x))
 
 
 class GroupedExperts(nn.Module):
@@ -278,9 +262,12 @@ def _identity(t: torch.Tensor) -> torch.Tensor:
 
 
 class TransformerBlock(nn.Module):
+    """Pre-norm attention and feed-forward, each added to the residual; with model.post_norms their
+    outputs are normed first (Gemma 3's four norms a layer)."""
+
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
-        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention_norm = model_norm(cfg, cfg.dim)
         self.attention: nn.Module
         if cfg.is_mla:
             # (imported here: latent attention is built from this module's norm, core and rotation)
@@ -289,9 +276,11 @@ class TransformerBlock(nn.Module):
             self.attention = LatentAttention(cfg, RMSNorm, CausalAttentionCore(), apply_rope)
         else:
             self.attention = Attention(cfg, layer_id)
-        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.post_attention_norm = model_norm(cfg, cfg.dim) if cfg.post_norms else None
+        self.ffn_norm = model_norm(cfg, cfg.dim)
         moe = cfg.is_moe and layer_id >= cfg.n_dense_layers
-        self.feed_forward = MoE(cfg) if moe else FeedForward(cfg.dim, cfg.ffn_dim)
+        self.feed_forward = MoE(cfg) if moe else FeedForward(cfg.dim, cfg.ffn_dim, activation=cfg.ffn_activation)
+        self.post_ffn_norm = model_norm(cfg, cfg.dim) if cfg.post_norms else None
 
     def forward(
         self,
@@ -303,8 +292,10 @@ class TransformerBlock(nn.Module):
     ) -> torch.Tensor:
         out = self.attention(self.attention_norm(x), cos, sin, documents, positions)
         bias = getattr(self.attention, "wo_bias", None)
-        x = x + (out if bias is None else out + bias)
-        return x + self.feed_forward(self.ffn_norm(x))
+        out = out if bias is None else out + bias
+        x = x + (out if self.post_attention_norm is None else self.post_attention_norm(out))
+        out = self.feed_forward(self.ffn_norm(x))
+        return x + (out if self.post_ffn_norm is None else self.post_ffn_norm(out))
 
 
 class Transformer(nn.Module):
@@ -319,7 +310,7 @@ class Transformer(nn.Module):
         # (a pipeline stage without the embedding, or the final norm and head, holds None instead)
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
-        self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.norm: RMSNorm | None = model_norm(cfg, cfg.dim)
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
@@ -327,7 +318,7 @@ class Transformer(nn.Module):
         self.mtp: MultiTokenPrediction | None = None
         if cfg.mtp_depth:
             self.mtp = MultiTokenPrediction(
-                cfg, lambda lid: TransformerBlock(cfg, lid), lambda: RMSNorm(cfg.dim, cfg.norm_eps)
+                cfg, lambda lid: TransformerBlock(cfg, lid), lambda: model_norm(cfg, cfg.dim)
             )
         # a pipeline's last stage without the embedding reads a copy for MTP (fived.parallel.mtp_embedding)
         self.mtp_embeddings: nn.Module | None = None
@@ -344,6 +335,9 @@ class Transformer(nn.Module):
         Both describe the whole (local) sequence, also when hidden states are SP shards.
         `mtp_tokens` ([b, s, D+1], training only): the next D+1 tokens of each position."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        if self.cfg.embed_scale and self.tok_embeddings is not None:
+            # (sqrt(dim) rounded to the activations' dtype first, as Gemma's reference does)
+            h = h * torch.tensor(self.cfg.dim**0.5, dtype=h.dtype, device=h.device)
         if positions is None:
             positions = self.positions
         if positions is None:  # tokens are whole sequences; hidden states may be sequence shards (SP)
@@ -351,16 +345,21 @@ class Transformer(nn.Module):
             positions = torch.arange(seq_len, device=h.device)
         positions = positions.to(h.device)
         cos, sin = rope_cos_sin(positions, self.cfg, h.dtype)
+        local = (cos, sin)  # (the windowed layers' tables: their own with model.rope_local_theta)
+        if self.cfg.rope_local_theta and self.cfg.sliding_window:
+            local = rope_cos_sin(positions, windowed_rope(self.cfg), h.dtype)
         masked = (documents, positions) if documents is not None else ()  # (the mask's data, when there is one)
-        for layer in self.layers.values():
-            h = layer(h, cos, sin, *masked)
+        for lid, layer in self.layers.items():
+            h = layer(h, *(local if self.cfg.layer_window(int(lid)) else (cos, sin)), *masked)
         h = self.norm(h) if self.norm is not None else h
         if self.output is None:
             return h
         if self.mtp is not None and mtp_tokens is not None and self.training and torch.is_grad_enabled():
             embed = self.tok_embeddings if self.tok_embeddings is not None else self.mtp_embeddings
             h = self.mtp(h, mtp_tokens, embed, self.output, (cos, sin, *masked))
-        return self.output(h)
+        logits = self.output(h)
+        cap = self.cfg.final_softcap
+        return logits if not cap else torch.tanh(logits / cap) * cap
 
     def blocks(self) -> list[TransformerBlock]:
         """This model's (a stage's: its own) blocks, in order, the MTP modules' last; a wrapped block
