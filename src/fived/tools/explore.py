@@ -104,6 +104,8 @@ def reachable_layouts(options: dict[str, list], cluster: Cluster):
         if gpus % (tp * cp * pp):
             continue
         base = i_tp * w["tp"] + i_sp * w["sp"] + i_cp * w["cp"] + i_pp * w["pp"]
+        # (each combination derived by with_: a dataclass __init__ per combination costs more)
+        mesh_layout = Layout(dp=gpus // (tp * cp * pp), tp=tp, sp=sp, cp=cp, pp=pp)
         schedules = itertools.product(options["pp_schedule"], options["pp_virtual"]) if pp > 1 else [("1f1b", 1)]
         for (schedule, virtual), (i_ep, ep), (i_etp, etp), (i_zero, zero) in itertools.product(
             schedules, enumerate(options["ep"]), enumerate(options["etp"]), enumerate(options["zero"])
@@ -114,12 +116,7 @@ def reachable_layouts(options: dict[str, list], cluster: Cluster):
                 enumerate(options["hsdp"]), enumerate(options["micro_batch"]), enumerate(options["checkpointing"])
             ):
                 position = head + i_hsdp * w["hsdp"] + i_mbs * w["micro_batch"] + i_ac * w["checkpointing"]
-                layout = Layout(
-                    dp=gpus // (tp * cp * pp),
-                    tp=tp,
-                    sp=sp,
-                    cp=cp,
-                    pp=pp,
+                layout = mesh_layout.with_(
                     pp_schedule=schedule,
                     pp_virtual=virtual,
                     ep=ep,
