@@ -223,6 +223,75 @@ def test_explore_offers_what_the_planner_searched_and_agrees_with_plan_on_7_gpus
     assert wide["cp"] == sorted({m.cp for m in mesh_shapes(model, 64, 8, 8192, 64)} | {1}) and len(wide["cp"]) > 2
 
 
+def flag_values(flags: str) -> dict[str, str]:
+    """{"parallel.tp": "4", ...} of `fived train` flags as `run_flags` writes them."""
+    words = flags.split()
+    return {flag.removeprefix("--"): value for flag, value in zip(words[::2], words[1::2])}
+
+
+# what a name leaves unsaid (and flags may leave out): the layout's defaults
+NAME_DEFAULTS = {"parallel.tp": "1", "parallel.sp": "false", "parallel.pp": "1", "parallel.cp": "1", "parallel.ep": "1"}
+NAME_DEFAULTS |= {"parallel.pp_virtual": "1", "parallel.dp_replicate": "1", "train.activation_checkpointing": "none"}
+
+
+def name_values(name: str, global_batch: int) -> dict[str, str]:
+    """The flags a layout's name (`Layout.describe`) states, read back from its words."""
+    out = dict(NAME_DEFAULTS)
+    patterns = {
+        r"^dp(\d+)": ("parallel.dp",),
+        r"\(=(\d+)x\d+ HSDP\)": ("parallel.dp_replicate",),
+        r"ZeRO-(\d)": ("parallel.zero",),
+        r" tp(\d+)(\+sp)?": ("parallel.tp", "parallel.sp"),
+        r" pp(\d+) (\S+)(?: v(\d+))?": ("parallel.pp", "parallel.pp_schedule", "parallel.pp_virtual"),
+        r" cp(\d+)": ("parallel.cp",),
+        r" ep(\d+)": ("parallel.ep",),
+        r" mbs(\d+)": ("mbs",),
+        r" ac=(\w+)": ("train.activation_checkpointing",),
+    }
+    for pattern, keys in patterns.items():
+        found = re.search(pattern, name)
+        for key, value in zip(keys, found.groups() if found else ()):
+            if value is not None:
+                out[key] = "true" if value == "+sp" else value
+    mbs = int(out.pop("mbs"))
+    out["train.microbatches"] = str(global_batch // int(out["parallel.dp"]) // mbs)
+    return out
+
+
+def test_the_plans_winner_its_name_its_command_and_the_pages_command_agree(capsys):
+    """One vocabulary: `fived plan`'s `run it` command is the explore page's command for the winner (the
+    words `run_flags` and `train_command` write, compiled blocks included), every name the page ranks
+    states its flags' values (zbv's pp_virtual 1 is no "v2"), and the command's flags run the winner."""
+    from fived.planner.hardware import hardware
+    from fived.planner.search import SCHEDULES
+    from fived.planner.timing import Cluster
+    from fived.tools.explore import TOGGLES, explore_data, layout_from_flags, slot
+
+    args = ["--model", "llama3-8b", "--gpus", "7", "--gpu", "h100", "--seq", "2048", "--global-batch-tokens", "28672"]
+    capsys.readouterr()
+    assert main(["plan", *args, "--top", "1"]) == 0
+    text = capsys.readouterr().out
+    name, command = re.search(r"^winner: (.*)\n  run it: (.*)$", text, re.M).groups()
+    model = model_preset("llama3-8b")
+    data = explore_data(model, Cluster(hardware("h100"), 7, 8), 2048, 14, "bfloat16", 3.0)
+    ranked = [
+        data["entries"][slot(data["options"], "|".join(r["values"][t] for t in TOGGLES))] for r in data["ranking"]
+    ]
+    shown = [data["command"] + " " + " ".join(data["flag_words"][i] for i in entry["flags"]) for entry in ranked]
+    assert ranked[0]["describe"] == name and shown[0] == command and "--train.compile true" in command
+    assert any(" pp7 " in entry["describe"] for entry in ranked)  # (a pipeline's words are checked too)
+    for entry, page_command in zip(ranked, shown):
+        flags = flag_values(page_command.split("--train.dtype bfloat16 ", 1)[1])
+        stated = name_values(entry["describe"], 14)
+        assert {k: flags.get(k, NAME_DEFAULTS.get(k)) for k in stated} == stated
+    winner = layout_from_flags(model, command.split("--train.dtype bfloat16 ", 1)[1], 7, 2048, 14)
+    assert winner.describe() == name
+    for schedule, virtual in SCHEDULES:  # every schedule the planner names, V-shaped ones included
+        layout = Layout(dp=1, pp=4, pp_schedule=schedule, pp_virtual=virtual)
+        flags, stated = flag_values(layout.flags(8)), name_values(layout.describe(), 8)
+        assert {k: flags.get(k, NAME_DEFAULTS.get(k)) for k in stated} == stated, layout.describe()
+
+
 @needs_chromium
 def test_dense_page_has_no_ep_toggle_draws_big_maps_compactly_and_memory_readably(tmp_path, browser):
     out = tmp_path / "llama.html"

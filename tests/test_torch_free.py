@@ -1,4 +1,5 @@
-"""The front needs no torch: importing fived (its API, CLI and planner), `fived plan --help`, a plan
+"""The front needs no torch: importing fived (its API, CLI, every module of the planner and explore's
+pricing), `fived plan --help`, a plan
 and `fived config` run with torch made unimportable; the runtime's commands import it when they run."""
 
 import subprocess
@@ -10,6 +11,10 @@ SRC = str(Path(__file__).parents[1] / "src")
 FRONT = """
 import sys; sys.modules['torch'] = None  # any `import torch` now raises ImportError
 import fived, fived.api, fived.cli, fived.cli.main, fived.planner, fived.errors
+import importlib, pkgutil
+for info in pkgutil.walk_packages(fived.planner.__path__, 'fived.planner.'):  # every planner module, imported
+    importlib.import_module(info.name)
+import fived.tools.explore  # (`fived explore` prices with the planner alone)
 from fived.cli.main import main
 try:
     main(['plan', '--help'])

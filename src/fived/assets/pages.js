@@ -243,7 +243,7 @@ function drawStep(D, entry) {
   $("throughput").textContent = `step ${total.toPrecision(4)} s · ${entry.tokens_per_s_per_gpu.toFixed(1)} tokens/s/GPU · MFU ${(entry.mfu * 100).toFixed(1)}%`;
   Plotly.react("time-chart", [{ type: "bar", orientation: "h", y: parts, x: entry.time.slice(0, -1), text: entry.time.slice(0, -1).map((s) => s.toPrecision(3) + " s") }],
     { height: 360, xaxis: { title: { text: "seconds per step (exposed)" } }, yaxis: { autorange: "reversed", title: { text: "component" } }, margin: { t: 20, l: 110 } }, PLOT);
-  $("flags").textContent = `fived train --model ${D.model} --train.seq_len ${D.seq_len} --train.dtype ${D.dtype} ` + entry.flags.map((i) => D.flag_words[i]).join(" ");
+  $("flags").textContent = `${D.command} ` + entry.flags.map((i) => D.flag_words[i]).join(" ");
 }
 
 function explorePage(D) {

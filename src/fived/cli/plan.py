@@ -120,7 +120,7 @@ def cmd_plan_layout(ns: argparse.Namespace) -> int:
         PLANNED_RUNTIMES[ns.runtime],
         headroom_gib=ns.memory_headroom,
     )
-    out = {**plan.to_dict(global_batch), "fits": plan.fits}
+    out = {**plan.to_dict(global_batch, PLANNED_RUNTIMES[ns.runtime]), "fits": plan.fits}
     if ns.json:
         print(json.dumps({"model": model.name, "gpus": cluster.gpus, "plans": [out]}, indent=1))
     else:
@@ -143,7 +143,9 @@ def cmd_explore(ns: argparse.Namespace) -> int:
 
     plotly_js()  # (the extra is installed, before the minute of pricing)
     model, cluster, global_batch = plan_cluster(ns, "explore")
-    data = explore_data(model, cluster, ns.seq, global_batch, "bfloat16", ns.memory_headroom)
+    data = explore_data(
+        model, cluster, ns.seq, global_batch, "bfloat16", ns.memory_headroom, progress=explore_progress()
+    )
     out = write_page(
         ns.output, f"fived explore: {model.name} on {cluster.gpus} x {cluster.hardware.name}", "explore", data
     )
@@ -152,6 +154,26 @@ def cmd_explore(ns: argparse.Namespace) -> int:
     best = f"; opens on the planner's best: {data['ranking'][0]['describe']}" if data["ranking"] else "; nothing fits"
     print(f"fived explore: {len(reachable)} layouts ({valid} valid){best} -> {out}")
     return 0
+
+
+def explore_progress():
+    """The pricing's progress on stderr (stdout keeps the one result line): a line redrawn in place on a
+    terminal, else one line per tenth."""
+    import sys
+    import time
+
+    start, tty, shown = time.perf_counter(), sys.stderr.isatty(), [-1]
+
+    def show(done: float) -> None:
+        tenth = int(done * 10)
+        if not tty and tenth == shown[0]:
+            return
+        shown[0] = tenth
+        bar = "#" * int(done * 30)
+        line = f"fived explore: pricing [{bar:<30}] {done:4.0%} {time.perf_counter() - start:5.0f} s"
+        print("\r" + line if tty else line, end="\n" if not tty or done >= 1 else "", file=sys.stderr, flush=True)
+
+    return show
 
 
 def cmd_report(ns: argparse.Namespace) -> int:

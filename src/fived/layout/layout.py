@@ -433,9 +433,8 @@ class Layout:
         parts.append(f"ZeRO-{self.zero}")
         if self.tp > 1:
             parts.append(f"tp{self.tp}" + ("+sp" if self.sp else ""))
-        if self.pp > 1:
-            v = stages_per_rank(self.pp_schedule, self.pp_virtual)
-            parts.append(f"pp{self.pp} {self.pp_schedule}" + (f" v{v}" if v > 1 else ""))
+        if self.pp > 1:  # (v: the flag's pp_virtual; zbv's and dualpipev's two stages a rank are the schedule's)
+            parts.append(f"pp{self.pp} {self.pp_schedule}" + (f" v{self.pp_virtual}" if self.pp_virtual > 1 else ""))
         if self.cp > 1:
             mode = {"ring": "", "ulysses": " ulysses", "hybrid": f" hybrid(ulysses{self.ulysses})"}.get(
                 self.cp_mode, ""

@@ -13,7 +13,7 @@ from fived.config import ModelConfig
 from fived.layout.flops import matmul_params_per_token
 from fived.planner.basis import basis
 from fived.planner.runtimes import FIVED, Runtime
-from fived.planner.search import DECISIONS, Plan, Search, cp_modes, evaluate
+from fived.planner.search import DECISIONS, Plan, Search, cp_modes, evaluate, run_flags, train_command
 from fived.planner.timing import Cluster
 
 PARTS = {
@@ -180,12 +180,8 @@ def report(
         )
     w = search.plans[0]
     run = (
-        (
-            f"fived train {model_arg or '--model ' + model.name} --train.seq_len {seq_len} --train.dtype {dtype} "
-            f"{w.layout.flags(global_batch)}"
-            + (" --train.compile true" if runtime.fused else "")
-            + (" --train.fp8 rowwise" if runtime.fp8 else "")
-        )
+        f"{train_command(model_arg or '--model ' + model.name, seq_len, dtype)} "
+        f"{run_flags(w.layout, global_batch, runtime)}"
         if w.layout.runnable and runtime.is_fived
         else f"planned for the {runtime.name} runtime; fived's own price of it: --runtime fived"
         if w.layout.runnable
@@ -242,7 +238,7 @@ def to_json(
         "basis": basis(model, cluster, runtime, search.plans[0].layout, seq_len) if search.plans else [],
         "considered": search.considered,
         "fitting": search.fitting,
-        "plans": [p.to_dict(global_batch) for p in search.plans[:top]],
+        "plans": [p.to_dict(global_batch, runtime) for p in search.plans[:top]],
         "runners_up": [
             {
                 "decision": d,
@@ -250,7 +246,7 @@ def to_json(
                 "fits": p is not None,
                 **(
                     {
-                        "plan": p.to_dict(global_batch),
+                        "plan": p.to_dict(global_batch, runtime),
                         "slower_pct": (p.time.total / search.plans[0].time.total - 1) * 100,
                     }
                     if p is not None

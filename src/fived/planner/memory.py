@@ -284,10 +284,7 @@ def state_layout(layout: Layout) -> Layout:
 
 def state_floor(m: ModelConfig, layout: Layout, dtype: str, runtime: Runtime = FIVED) -> int:
     """The largest model-state bytes of any pipeline rank: a lower bound of the peak, to prune early."""
-    return max(
-        sum(state.values()) + static
-        for state, static, _, _ in _rank_states(model_key(m), state_layout(layout), dtype, runtime)
-    )
+    return max(total + static for total, static, _, _ in _rank_sums(model_key(m), state_layout(layout), dtype, runtime))
 
 
 @dataclass
@@ -380,30 +377,48 @@ def memory_per_gpu(
     in_flight = pipeline_profile(L.pp_schedule, L.pp, L.pp_virtual, micro)[1] if L.pp > 1 else [1]
     e = ACTIVATION_BYTES[dtype]
     tokens = L.micro_batch * seq_len // L.cp  # one micro-batch on one rank
-    states = _rank_states(key, state_layout(L), dtype, runtime)
+    state_key = state_layout(L)
     activation_layout = _activation_layout(L)
     acts = _rank_activations(
         key, activation_layout, L.pp, placement(L.pp_schedule), L.n_stages, L.pp_layers, seq_len, dtype, runtime
     )
     # checkpointing recomputes one block at a time in backward: its activations exist once more
     recompute = _recompute_block(key, activation_layout, seq_len, dtype, runtime) if L.checkpointing != "none" else 0
+    micro_buffers = 2 * tokens * m.dim * e if L.tp > 1 else 0  # one region's gathered input and its partial output
+    logits = tokens * local_vocab(m, L.tp) * 4  # the loss's float32 logits of one micro-batch (last stage)
+    accumulates = micro > 1 or L.pp > 1  # FSDP2 accumulates unsharded gradients across micro-batches
     worst = None
-    for pp_rank, ((state, static, accumulated, chunks), act) in enumerate(zip(states, acts)):
+    for pp_rank, (state_total, static, accumulated, holds_last) in enumerate(
+        _rank_sums(key, state_key, dtype, runtime)
+    ):
         buffers = static + recompute
-        if micro > 1 or L.pp > 1:  # FSDP2 accumulates unsharded gradients across micro-batches
+        if accumulates:
             buffers += accumulated
-        if L.tp > 1:  # one region's gathered input and its partial output
-            buffers += 2 * tokens * m.dim * e
-        if any(last for _, _, last in chunks):  # the loss's float32 logits of one micro-batch
-            buffers += tokens * local_vocab(m, L.tp) * 4
+        buffers += micro_buffers
+        if holds_last:
+            buffers += logits
         # in-flight counts are whole-rank micro-batches (alive stage-micro-batches / stages per rank)
-        total = sum(state.values()) + buffers + act * in_flight[pp_rank]
+        total = state_total + buffers + acts[pp_rank] * in_flight[pp_rank]
         if worst is None or total > worst[0]:
-            worst = (total, state, round(act * in_flight[pp_rank]), buffers)
+            worst = (total, pp_rank, buffers)
     assert worst is not None  # (pp >= 1 ranks)
-    _, state, activations, buffers = worst
+    _, pp_rank, buffers = worst
+    state, activations = (
+        _rank_states(key, state_key, dtype, runtime)[pp_rank][0],
+        round(acts[pp_rank] * in_flight[pp_rank]),
+    )
     return MemoryEstimate(
         state["params"], state["grads"], state["optimizer"], activations, buffers, reserve_bytes(device_gib)
+    )
+
+
+@lru_cache(maxsize=65536)
+def _rank_sums(key, layout: Layout, dtype: str, runtime: Runtime) -> tuple:
+    """Per pipeline rank of `_rank_states`: (model-state bytes, static buffers, accumulated gradients,
+    whether it holds the last stage): what `memory_per_gpu` adds for every activation option alike."""
+    return tuple(
+        (sum(state.values()), static, accumulated, any(last for _, _, last in chunks))
+        for state, static, accumulated, chunks in _rank_states(key, layout, dtype, runtime)
     )
 
 

@@ -52,16 +52,31 @@ class Plan:
     def fits(self) -> bool:
         return self.memory.total <= self.capacity
 
-    def to_dict(self, global_batch: int) -> dict:
+    def to_dict(self, global_batch: int, runtime: Runtime = FIVED) -> dict:
         return {
             "layout": self.layout.to_dict(),
             "describe": self.layout.describe(),
-            "flags": self.layout.flags(global_batch),
+            "flags": run_flags(self.layout, global_batch, runtime),
             "memory_gib": self.memory.gib(),
             "capacity_gib": self.capacity / 2**30,
             "step": self.time.to_dict(),
             "runnable": self.layout.runnable,
         }
+
+
+def run_flags(layout: Layout, global_batch: int, runtime: Runtime) -> str:
+    """`fived train`'s flags that run `layout` as `runtime` prices it: the layout's own and, for fived,
+    the compiled blocks and FP8 the price assumed. The one source of `fived plan`'s `run it` command,
+    its --json flags and the explore page's command."""
+    extra = ""
+    if runtime.is_fived:
+        extra = (" --train.compile true" if runtime.fused else "") + (" --train.fp8 rowwise" if runtime.fp8 else "")
+    return layout.flags(global_batch) + extra
+
+
+def train_command(model_arg: str, seq_len: int, dtype: str) -> str:
+    """What precedes `run_flags` in a `fived train` command (`model_arg`: --model NAME or --config FILE)."""
+    return f"fived train {model_arg} --train.seq_len {seq_len} --train.dtype {dtype}"
 
 
 def is_valid(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int) -> bool:

@@ -257,7 +257,7 @@ def expert_share(m: ModelConfig, seq_len: int, *, per_token: float | None = None
 
 
 def attention_share(m: ModelConfig, seq_len: int, *, per_token: float | None = None) -> float:
-    return attention_flops_per_token(m, seq_len) / (per_token or flops_per_token(m, seq_len))
+    return _attention_flops(model_key(m), seq_len) / (per_token or flops_per_token(m, seq_len))
 
 
 def step_time(
@@ -545,6 +545,12 @@ def _compute(
 @lru_cache(maxsize=1024)
 def _flops_per_token(key: tuple, seq_len: int) -> float:
     return flops_per_token(ModelConfig(**dict(key)), seq_len)
+
+
+@lru_cache(maxsize=1024)
+def _attention_flops(key: tuple, seq_len: int) -> float:
+    """`attention_flops_per_token` (a sum over the layers: asked once per layout priced)."""
+    return attention_flops_per_token(ModelConfig(**dict(key)), seq_len)
 
 
 @lru_cache(maxsize=65536)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+from collections.abc import Callable
 from typing import Any
 
 from fived.config import ConfigError, ModelConfig
@@ -38,6 +39,8 @@ from fived.planner.search import (
     plan,
     plan_of,
     reduction_choices,
+    run_flags,
+    train_command,
 )
 from fived.planner.timing import Cluster, in_node
 
@@ -48,6 +51,7 @@ TIME_PARTS = ("compute", "bubble", "tp", "cp", "ep", "pp", "dp", "optimizer", "o
 TIMELINE_MICROBATCHES = 4  # per pipeline rank drawn: enough to show fill, steady state and drain
 TIMELINE_MAX_PP = 16  # pipelines of more ranks: the bubble fraction, no timeline
 RANKED = 8  # the planner's best layouts listed on the page
+PROGRESS_STEPS = 100  # progress reports over a page's combinations
 
 
 def toggle_options(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int) -> dict[str, list]:
@@ -85,57 +89,65 @@ def toggle_values(layout: Layout) -> dict:
 
 
 def reachable_layouts(options: dict[str, list], cluster: Cluster):
-    """(toggle key, Layout or the reason it cannot be set) for every combination of the toggles whose
+    """(slot, Layout or the reason it cannot be set) for every combination of the toggles whose
     model-parallel size divides the GPU count (dp the rest); schedule and virtual stages only vary with
-    pp > 1; HSDP where the planner would weigh it (`node_replicas`), else its reason."""
+    pp > 1; HSDP where the planner would weigh it (`node_replicas`), else its reason. `slot` is the
+    combination's position in `explore_data`'s entries (`slot` of its `layout_key`), computed from
+    the values' positions directly (a million keys' strings cost more than pricing the layouts)."""
     gpus = cluster.gpus
-    for tp, sp, cp, pp in itertools.product(options["tp"], options["sp"], options["cp"], options["pp"]):
+    radix = [len(options[name]) for name in TOGGLES]
+    weights = [math.prod(radix[i + 1 :]) for i in range(len(TOGGLES))]
+    w = dict(zip(TOGGLES, weights))
+    at = {name: {value: i for i, value in enumerate(options[name])} for name in TOGGLES}
+    mesh = itertools.product(*(enumerate(options[name]) for name in ("tp", "sp", "cp", "pp")))
+    for (i_tp, tp), (i_sp, sp), (i_cp, cp), (i_pp, pp) in mesh:
         if gpus % (tp * cp * pp):
             continue
+        base = i_tp * w["tp"] + i_sp * w["sp"] + i_cp * w["cp"] + i_pp * w["pp"]
+        # (each combination derived by with_: a dataclass __init__ per combination costs more)
+        mesh_layout = Layout(dp=gpus // (tp * cp * pp), tp=tp, sp=sp, cp=cp, pp=pp)
         schedules = itertools.product(options["pp_schedule"], options["pp_virtual"]) if pp > 1 else [("1f1b", 1)]
-        for (schedule, virtual), ep, etp, zero, hsdp, mbs, ac in itertools.product(
-            schedules,
-            options["ep"],
-            options["etp"],
-            options["zero"],
-            options["hsdp"],
-            options["micro_batch"],
-            options["checkpointing"],
+        for (schedule, virtual), (i_ep, ep), (i_etp, etp), (i_zero, zero) in itertools.product(
+            schedules, enumerate(options["ep"]), enumerate(options["etp"]), enumerate(options["zero"])
         ):
-            layout = Layout(
-                dp=gpus // (tp * cp * pp),
-                tp=tp,
-                sp=sp,
-                cp=cp,
-                pp=pp,
-                pp_schedule=schedule,
-                pp_virtual=virtual,
-                ep=ep,
-                etp=etp,
-                zero=zero,
-                micro_batch=mbs,
-                checkpointing=ac,
-            )
-            if etp == 1 and not layout.folded:  # (not priced twice: the same layout as etp 0)
-                yield layout_key(layout), "etp: folding the experts (etp 1) needs tp > 1 to change anything; e.g. etp 0"
-                continue
-            if not hsdp:
-                yield layout_key(layout), layout
-                continue
-            replicas = node_replicas(layout, zero, cluster.gpus_per_node)
-            if replicas is None:
-                key = layout_key(layout).split("|")
-                key[TOGGLES.index("hsdp")] = "true"
-                yield (
-                    "|".join(key),
-                    (
-                        f"hsdp: ZeRO shards inside a node (its {cluster.gpus_per_node // (tp * cp) or 1} "
-                        f"data-parallel ranks), replicated across nodes: needs ZeRO 1-3, ep 1 and "
-                        f"dp={layout.dp} a multiple of them beyond one node; e.g. hsdp false"
-                    ),
+            head = base + at["pp_schedule"][schedule] * w["pp_schedule"] + at["pp_virtual"][virtual] * w["pp_virtual"]
+            head += i_ep * w["ep"] + i_etp * w["etp"] + i_zero * w["zero"]
+            for (i_hsdp, hsdp), (i_mbs, mbs), (i_ac, ac) in itertools.product(
+                enumerate(options["hsdp"]), enumerate(options["micro_batch"]), enumerate(options["checkpointing"])
+            ):
+                position = head + i_hsdp * w["hsdp"] + i_mbs * w["micro_batch"] + i_ac * w["checkpointing"]
+                layout = mesh_layout.with_(
+                    pp_schedule=schedule,
+                    pp_virtual=virtual,
+                    ep=ep,
+                    etp=etp,
+                    zero=zero,
+                    micro_batch=mbs,
+                    checkpointing=ac,
                 )
-            else:
-                yield layout_key(layout.with_(dp_replicate=replicas)), layout.with_(dp_replicate=replicas)
+                reachable = _reachable(layout, hsdp, cluster)
+                if reachable is ETP_UNFOLDED:  # (its key is the layout's own: hsdp false)
+                    position -= i_hsdp * w["hsdp"]
+                yield position, reachable
+
+
+ETP_UNFOLDED = "etp: folding the experts (etp 1) needs tp > 1 to change anything; e.g. etp 0"
+
+
+def _reachable(layout: Layout, hsdp: bool, cluster: Cluster) -> Layout | str:
+    """The layout a combination sets (HSDP's replicas filled in), or why it cannot be set."""
+    if layout.etp == 1 and not layout.folded:  # (not priced twice: the same layout as etp 0)
+        return ETP_UNFOLDED
+    if not hsdp:
+        return layout
+    replicas = node_replicas(layout, layout.zero, cluster.gpus_per_node)
+    if replicas is None:
+        return (
+            f"hsdp: ZeRO shards inside a node (its {cluster.gpus_per_node // (layout.tp * layout.cp) or 1} "
+            f"data-parallel ranks), replicated across nodes: needs ZeRO 1-3, ep 1 and "
+            f"dp={layout.dp} a multiple of them beyond one node; e.g. hsdp false"
+        )
+    return layout.with_(dp_replicate=replicas)
 
 
 def collectives(
@@ -207,7 +219,7 @@ def price(
         "tokens_per_s_per_gpu": step["tokens_per_s_per_gpu"],
         "mfu": step["mfu"],
         "fits": plan.fits,
-        "flags": layout.flags(global_batch),
+        "flags": run_flags(layout, global_batch, runtime),
         "describe": layout.describe(),
         "microbatches": micro,
         "bubble": pipeline_profile(layout.pp_schedule, layout.pp, layout.pp_virtual, micro)[0]
@@ -247,8 +259,11 @@ def explore_data(
     global_batch: int,
     dtype: str = "bfloat16",
     headroom_gib: float = 0.0,
+    *,
+    progress: Callable[[float], None] | None = None,
 ) -> dict:
-    """Everything the explore page shows, for every reachable layout (see the module docstring).
+    """Everything the explore page shows, for every reachable layout (see the module docstring);
+    `progress` is told the share of the combinations done, PROGRESS_STEPS times.
     `entries` is a flat list indexed by the toggles' value positions (`slot`: mixed radix, TOGGLES
     order): None where gpus is no multiple of tp*pp*cp, a reason's index, or the layout's figures,
     whose flags and collectives' rank lists are indices into shared tables (they repeat)."""
@@ -257,20 +272,25 @@ def explore_data(
     errors, flag_words, members = Interned(), Interned(), Interned()
     maps: dict = {"weights": {}, "activations": {}, "ranks": {}}
     timelines: dict = {}
-    for key, layout in reachable_layouts(options, cluster):
+    every = max(1, len(entries) // PROGRESS_STEPS)
+    for position, layout in reachable_layouts(options, cluster):
+        if progress is not None and position // every != (position - 1) // every:
+            progress(position / len(entries))
         entry: dict[str, Any] = (
             {"error": layout}
             if isinstance(layout, str)
             else price(model, layout, cluster, seq_len, global_batch, dtype, headroom_gib)
         )
         if "error" in entry:  # reasons repeat: stored once, referenced by index
-            entries[slot(options, key)] = errors.id(entry["error"])
+            entries[position] = errors.id(entry["error"])
             continue
         _draw_parts(model, layout, seq_len, entry, maps, timelines)
         entry["flags"] = [flag_words.id(pair) for pair in flag_pairs(entry["flags"])]
         for c in entry["collectives"]:
             c[6] = members.id(tuple(c[6]))
-        entries[slot(options, key)] = entry
+        entries[position] = entry
+    if progress is not None:
+        progress(1.0)
     hw = cluster.hardware
     ranked = ranking(model, cluster, seq_len, global_batch, dtype, headroom_gib)
     return {
@@ -283,6 +303,7 @@ def explore_data(
         "seq_len": seq_len,
         "global_batch": global_batch,
         "dtype": dtype,
+        "command": train_command(f"--model {model.name}", seq_len, dtype),  # (the page adds the flags)
         "is_moe": model.is_moe,
         "n_experts": model.n_experts,
         "options": options,
