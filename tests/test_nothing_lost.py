@@ -171,11 +171,42 @@ COMMANDS = {
     "report": lambda root: main(["report", str(root / "runs" / "a")]),
     "diagnose": lambda root: main(["diagnose", str(root / "runs" / "a")]),
     "link-in": _plant_link,
+    "trace-over": lambda root: _train(root / "runs" / "b", "--train.trace", str(root / "secret.txt")),
+    "report-over": lambda root: main(["report", str(root / "runs" / "a"), "--output", str(root / "link-out")]),
+    "export": lambda root: main(["export", str(root / "runs" / "a"), "--output", str(root / "exported")]),
+    "export-over": lambda root: main(["export", str(root / "runs" / "a"), "--output", str(root / "data" / "d.txt")]),
 }
 
 
+def test_an_output_at_a_users_path_is_new_or_fiveds_own_and_never_a_link(tmp_path):
+    from fived.tools.pages import check_page
+
+    mine, link = tmp_path / "mine.html", tmp_path / "link.html"
+    mine.write_text("mine")
+    link.symlink_to(tmp_path / "target.html")
+    ours = files.starts_with(b"<fived>")
+    page = files.write_output(tmp_path / "page.html", "<fived>1", "--output", ours)
+    files.write_output(page, "<fived>2", "--output", ours)  # its own: replaced whole
+    assert page.read_text() == "<fived>2"
+    for path in (mine, link):
+        with pytest.raises(files.Refused, match="did not write it|symbolic link"):
+            files.write_output(path, "<fived>3", "--output", ours)
+        with pytest.raises(files.Refused, match=path.name):
+            check_page(path)  # (explore, report: before the work)
+    with pytest.raises(files.Refused, match="never writes over an earlier output"):
+        files.write_output(page, "{}", "train.trace", ours=None)  # (a trace: each launch's is kept)
+    with pytest.raises(ConfigError, match="is a file"), files.new_directory(mine, "--output"):
+        pass
+    with files.new_directory(tmp_path / "new", "--output") as building:
+        (building / "a").write_text("a")
+        assert not (tmp_path / "new").exists()
+    assert (tmp_path / "new" / "a").read_text() == "a"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.html", "mine.html", "new", "page.html"]
+    assert mine.read_text() == "mine" and not (tmp_path / "target.html").exists()
+
+
 def test_no_sequence_of_commands_changes_a_byte_outside_fiveds_own_files(tmp_path, capsys):
-    rng = random.Random(34)
+    rng = random.Random(60)  # (seeded: the 3 sequences include every kind of foreign write)
     for case in range(3):
         root = tmp_path / f"case{case}"
         _tree(root)

@@ -166,9 +166,10 @@ def cmd_plan_serve(ns: argparse.Namespace, plan_model) -> int:
 def cmd_explore_serve(ns: argparse.Namespace, plan_model) -> int:
     """`fived explore --serve`: the serving page (tp, pp, ep, weights, requests in flight)."""
     from fived.tools.explore_serve import serve_explore_data
-    from fived.tools.pages import plotly_js, write_page
+    from fived.tools.pages import check_page, plotly_js, write_page
 
     plotly_js()  # (the extra is installed, before the pricing)
+    check_page(ns.output)
     w = workload_from(ns)
     model, cluster = serve_cluster(ns, plan_model)
     data = serve_explore_data(
