@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from fived import files
 from fived.cli.main import main
@@ -315,3 +316,24 @@ def test_generate_names_a_tokenizer_left_behind_and_warns_past_the_trained_conte
     assert main(["generate", "first/run", "--prompt", "the", "--max-new-tokens", "2"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "was trained with the tokenizer 'tokenizer.json', not found from here" in err, err
+
+
+def test_a_multi_rank_generate_of_damaged_weights_is_one_line_before_any_rank(tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256, "hidden_size": 64}
+    config.update(intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    (hf / "config.json").write_text(json.dumps(config))
+    save_file({"model.embed_tokens.weight": torch.zeros(256, 64)}, str(hf / "model.safetensors"))
+    os.truncate(hf / "model.safetensors", 5000)  # (a download cut short)
+    generate = ["generate", str(hf), "--prompt", "a", "--prompt", "b", "--nproc", "2", "--max-new-tokens", "1"]
+    assert main(generate) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"fived: error: source={hf}/model.safetensors: not a readable safetensors file (Error while deserializing "
+        "header: incomplete metadata, file not fully covered); download or export the model again"
+    ]
+    (hf / "model.safetensors.index.json").write_text('{"weight_map": {"a"')  # (torn)
+    assert main(generate) == 2
+    assert "not a safetensors index" in capsys.readouterr().err
