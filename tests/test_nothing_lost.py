@@ -337,3 +337,20 @@ def test_a_multi_rank_generate_of_damaged_weights_is_one_line_before_any_rank(tm
     (hf / "model.safetensors.index.json").write_text('{"weight_map": {"a"')  # (torn)
     assert main(generate) == 2
     assert "not a safetensors index" in capsys.readouterr().err
+
+
+def test_hostile_values_and_paths_are_one_line_before_any_rank(tmp_path, capsys):
+    """Round three's cases that were tracebacks or said the wrong thing (docs/robustness.md 105..)."""
+    binary = tmp_path / "bin.toml"
+    binary.write_bytes(b"\xff\xdb\x00garbage")
+    cases = [
+        (["--model.n_heads", "0"], "model.n_heads=0: must be >= 1"),  # (a ZeroDivisionError)
+        (["--seq-len", "0"], "train.seq_len=0: must be >= 2"),  # (it named model.mtp_depth)
+        (["--config", str(binary)], "not UTF-8 text (byte 0xff at offset 0)"),  # (a UnicodeDecodeError)
+        (["--train.output_dir", str(tmp_path / ("b" * 300))], "cannot be written (File name too long)"),  # (exit 1)
+    ]
+    for flags, line in cases:
+        assert main([*TRAIN, "--train.output_dir", str(tmp_path / "run"), *flags]) == 2, flags
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and line in err[0], (flags, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bin.toml"]  # (nothing written)

@@ -279,9 +279,9 @@ def _check_run_dir(output_dir: str) -> None:
     """fived's own directory, or an absent or empty one (nothing else is written into), writable."""
     from fived.files import check_run_dir
 
-    check_run_dir(output_dir)
     out = Path(output_dir)
     try:
+        check_run_dir(output_dir)  # (an OSError here too: a name too long, a loop of links)
         out.mkdir(parents=True, exist_ok=True)
         probe = out / f".fived-write-test-{os.getpid()}"
         os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644))  # (never a link's target)
