@@ -343,14 +343,18 @@ def test_hostile_values_and_paths_are_one_line_before_any_rank(tmp_path, capsys)
     """Round three's cases that were tracebacks or said the wrong thing (docs/robustness.md 105..)."""
     binary = tmp_path / "bin.toml"
     binary.write_bytes(b"\xff\xdb\x00garbage")
+    train = [*TRAIN, "--train.output_dir", str(tmp_path / "run")]
     cases = [
-        (["--model.n_heads", "0"], "model.n_heads=0: must be >= 1"),  # (a ZeroDivisionError)
-        (["--seq-len", "0"], "train.seq_len=0: must be >= 2"),  # (it named model.mtp_depth)
-        (["--config", str(binary)], "not UTF-8 text (byte 0xff at offset 0)"),  # (a UnicodeDecodeError)
-        (["--train.output_dir", str(tmp_path / ("b" * 300))], "cannot be written (File name too long)"),  # (exit 1)
+        ([*train, "--model.n_heads", "0"], "model.n_heads=0: must be >= 1"),  # (a ZeroDivisionError)
+        ([*train, "--seq-len", "0"], "train.seq_len=0: must be >= 2"),  # (it named model.mtp_depth)
+        ([*train, "--config", str(binary)], "not UTF-8 text (byte 0xff at offset 0)"),  # (a UnicodeDecodeError)
+        ([*train, "--train.output_dir", str(tmp_path / ("b" * 300))], "cannot be written (File name too long)"),
+        (["export", str(tmp_path), "--output", str(tmp_path / "e"), "--max-shard-gb", "nan"], "must be > 0 and finite"),
+        (["prepare-data", str(binary), "--output", ""], "names no file"),  # (it wrote .bin, .json in the cwd)
+        (["config", "--train.lr", "nan"], "train.lr=nan: must be > 0 and finite"),  # (printed as a config)
     ]
-    for flags, line in cases:
-        assert main([*TRAIN, "--train.output_dir", str(tmp_path / "run"), *flags]) == 2, flags
+    for argv, line in cases:
+        assert main(argv) == 2, argv
         err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and line in err[0], (flags, err)
+        assert len(err) == 1 and line in err[0], (argv, err)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bin.toml"]  # (nothing written)

@@ -278,7 +278,7 @@ def check_output(path: str | os.PathLike, field: str, ours) -> Path:
     is done)."""
     out = Path(path)
     if str(path) == "":
-        raise ConfigError(field, '""', "names no file", "give a path, e.g. out/trace.json")
+        raise ConfigError(field, '""', "names no file", "give a file's path")
     if out.is_symlink():
         raise Refused(out, f"({field}) is a symbolic link; fived never writes through one", "name a new file")
     if out.exists() and ours is None:
@@ -341,6 +341,8 @@ def new_directory(path: str | os.PathLike, field: str):
     import tempfile
 
     out = Path(path)
+    if str(path) == "":
+        raise ConfigError(field, '""', "names no directory", "e.g. --output exported")
     if out.is_symlink():
         raise Refused(out, f"({field}) is a symbolic link; fived never writes through one", "name a new directory")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):

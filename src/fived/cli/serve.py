@@ -37,12 +37,14 @@ def add_serve_flags(parser) -> None:
 
 
 def workload_from(ns: argparse.Namespace):
+    from fived.layout.bounds import INTEGER_BOUNDS
     from fived.planner.serve import Workload
     from fived.planner.serve_model import KV_DTYPES
 
+    longest = next(high for name, _, high, _ in INTEGER_BOUNDS if name == "train.seq_len")  # (a context)
     for flag, value in (("--prompt-len", ns.prompt_len), ("--output-len", ns.output_len)):
-        if value is None or value < 1:
-            raise ConfigError(flag, value, "required with --serve, >= 1", f"e.g. {flag} 2048")
+        if value is None or not 1 <= value <= longest:
+            raise ConfigError(flag, value, f"required with --serve, in 1..{longest}", f"e.g. {flag} 2048")
     if ns.rate is not None and ns.concurrency is not None:
         raise ConfigError("--rate", ns.rate, "give --rate or --concurrency, not both", "drop one")
     for flag, value, example in (
