@@ -358,3 +358,7 @@ def test_hostile_values_and_paths_are_one_line_before_any_rank(tmp_path, capsys)
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and line in err[0], (argv, err)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bin.toml"]  # (nothing written)
+    run = files.claim_run_dir(tmp_path / "run")
+    (run / "metrics.jsonl").mkdir()  # (a rank's IsADirectoryError traceback on --resume)
+    with pytest.raises(files.Refused, match="metrics.jsonl: is a directory where fived keeps one of its files"):
+        files.check_run_dir(run)

@@ -65,6 +65,9 @@ def check_run_dir(run_dir: str | os.PathLike, field: str = "train.output_dir") -
     links = [p for p in path.iterdir() if p.is_symlink()] if is_fived_dir(path) else []
     if links:
         raise Refused(links[0], "is a symbolic link inside the run directory; fived never writes through one", _UNLINK)
+    folders = [path / name for name in _OLDER_RUN_FILES if (path / name).is_dir()] if is_fived_dir(path) else []
+    if folders:  # (a rank would fail on it in a traceback)
+        raise Refused(folders[0], "is a directory where fived keeps one of its files", "move it away")
     others = sorted(p.name for p in path.iterdir() if not p.name.startswith(".fived")) if path.is_dir() else []
     if others and not is_fived_dir(path) and not _older_run(path):  # (.fived*: a lock, or another rank's probe)
         example = others[0]
