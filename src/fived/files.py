@@ -318,9 +318,11 @@ def write_output(path: str | os.PathLike, data: str | bytes, field: str, ours) -
     file made meanwhile; an existing one only if fived wrote it)."""
     out = check_output(path, field, ours)  # (again: it may have changed during the work)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")  # (a new name: never a stale one)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # (mkstemp's 0600 would hide the output from the other users)
         with os.fdopen(fd, "wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)
             f.flush()
