@@ -54,13 +54,13 @@ def test_a_sidecar_that_cannot_be_updated_leaves_no_temporary_file(tmp_path, mon
     import errno
     import os
 
-    import fived.data.loader
+    import fived.files
 
     def refused(src, dst):
         raise OSError(errno.EXDEV, os.strerror(errno.EXDEV), str(src))
 
     path = _token_file(tmp_path, np.arange(100) % 50)
-    monkeypatch.setattr(fived.data.loader.os, "replace", refused)
+    monkeypatch.setattr(fived.files.os, "replace", refused)  # (the sidecar is fived's: replaced by fived.files)
     assert largest_token_id(str(path), np.memmap(path, dtype=np.uint16, mode="r")) == 49
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tokens.bin", "tokens.json"]
 

@@ -94,8 +94,8 @@ def test_calibrate_never_writes_over_a_users_file_or_a_symlink(tmp_path, capsys)
     mine = tmp_path / "notes.json"
     mine.write_text('{"mine": true}')
     assert main(["calibrate", "--output", str(mine), "--nproc", "2", "--quick"]) == 2
-    assert "is not a fived machine profile" in capsys.readouterr().err and mine.read_text() == '{"mine": true}'
+    assert "exists and fived did not write it" in capsys.readouterr().err and mine.read_text() == '{"mine": true}'
     link = tmp_path / "link.json"
     link.symlink_to(tmp_path / "elsewhere.json")
     assert main(["calibrate", "--output", str(link), "--nproc", "2", "--quick"]) == 2
-    assert "symlink" in capsys.readouterr().err and not (tmp_path / "elsewhere.json").exists()
+    assert "symbolic link" in capsys.readouterr().err and not (tmp_path / "elsewhere.json").exists()

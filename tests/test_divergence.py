@@ -82,9 +82,8 @@ def _poison(patch, at_step: int, *, times: int = 1, then_kill_at: int | None = N
 
 
 def _config(run_dir, **over):
-    return tiny_config(
-        "tiny", train__steps=STEPS, checkpoint__every=EVERY, checkpoint__keep=2, train__output_dir=str(run_dir), **over
-    )
+    over = {"train__steps": STEPS, "checkpoint__every": EVERY, "checkpoint__keep": 2, **over}
+    return tiny_config("tiny", train__output_dir=str(run_dir), **over)
 
 
 def _logged(run_dir) -> list[dict]:
@@ -125,6 +124,19 @@ def test_rollback_ends_as_the_run_that_skipped_the_window(tmp_path, monkeypatch)
     (event,) = [json.loads(line) for line in (tmp_path / "rollbacks.jsonl").read_text().splitlines()]
     assert event["from_step"] == 4 and event["skipped_steps"] == [5, 7] and event["rollback"] == 1
     assert [s for s, _ in complete_checkpoints(tmp_path)] == [8, 10, 12]
+
+
+def test_with_keep_1_the_guard_rolls_back_to_a_healthy_step_and_the_resumed_one_is_kept(tmp_path, monkeypatch):
+    """checkpoint.keep 1: pruning keeps the newest checkpoint the guard confirmed beside the newest, so
+    a divergence at step 7 rolls back to step-4; and the checkpoint a launch resumed from is never
+    pruned by it (a bad resumed setting can break the weights into a loss the guard passes)."""
+    run_on_ranks(1, run_training, _config(tmp_path, train__steps=4, checkpoint__keep=1), True, False, False)
+    cfg = _config(tmp_path, train__steps=10, checkpoint__keep=1, train__on_spike="rollback", train__max_rollbacks=1)
+    _poison(monkeypatch, POISONED)
+    run_on_ranks(1, run_training, cfg, True, False, False, str(tmp_path / "checkpoints" / "step-4"))
+    (event,) = [json.loads(line) for line in (tmp_path / "rollbacks.jsonl").read_text().splitlines()]
+    assert event["from_step"] == 4 and event["diverged_step"] == POISONED + 1
+    assert [s for s, _ in complete_checkpoints(tmp_path)] == [4, 8, 10]  # (keep 1 alone: [8, 10])
 
 
 def test_a_second_divergence_beyond_max_rollbacks_stops(tmp_path, monkeypatch):

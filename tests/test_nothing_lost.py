@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from fived import files
 from fived.cli.main import main
@@ -171,11 +172,42 @@ COMMANDS = {
     "report": lambda root: main(["report", str(root / "runs" / "a")]),
     "diagnose": lambda root: main(["diagnose", str(root / "runs" / "a")]),
     "link-in": _plant_link,
+    "trace-over": lambda root: _train(root / "runs" / "b", "--train.trace", str(root / "secret.txt")),
+    "report-over": lambda root: main(["report", str(root / "runs" / "a"), "--output", str(root / "link-out")]),
+    "export": lambda root: main(["export", str(root / "runs" / "a"), "--output", str(root / "exported")]),
+    "export-over": lambda root: main(["export", str(root / "runs" / "a"), "--output", str(root / "data" / "d.txt")]),
 }
 
 
+def test_an_output_at_a_users_path_is_new_or_fiveds_own_and_never_a_link(tmp_path):
+    from fived.tools.pages import check_page
+
+    mine, link = tmp_path / "mine.html", tmp_path / "link.html"
+    mine.write_text("mine")
+    link.symlink_to(tmp_path / "target.html")
+    ours = files.starts_with(b"<fived>")
+    page = files.write_output(tmp_path / "page.html", "<fived>1", "--output", ours)
+    files.write_output(page, "<fived>2", "--output", ours)  # its own: replaced whole
+    assert page.read_text() == "<fived>2"
+    for path in (mine, link):
+        with pytest.raises(files.Refused, match="did not write it|symbolic link"):
+            files.write_output(path, "<fived>3", "--output", ours)
+        with pytest.raises(files.Refused, match=path.name):
+            check_page(path)  # (explore, report: before the work)
+    with pytest.raises(files.Refused, match="never writes over an earlier output"):
+        files.write_output(page, "{}", "train.trace", ours=None)  # (a trace: each launch's is kept)
+    with pytest.raises(ConfigError, match="is a file"), files.new_directory(mine, "--output"):
+        pass
+    with files.new_directory(tmp_path / "new", "--output") as building:
+        (building / "a").write_text("a")
+        assert not (tmp_path / "new").exists()
+    assert (tmp_path / "new" / "a").read_text() == "a"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.html", "mine.html", "new", "page.html"]
+    assert mine.read_text() == "mine" and not (tmp_path / "target.html").exists()
+
+
 def test_no_sequence_of_commands_changes_a_byte_outside_fiveds_own_files(tmp_path, capsys):
-    rng = random.Random(34)
+    rng = random.Random(60)  # (seeded: the 3 sequences include every kind of foreign write)
     for case in range(3):
         root = tmp_path / f"case{case}"
         _tree(root)
@@ -284,3 +316,49 @@ def test_generate_names_a_tokenizer_left_behind_and_warns_past_the_trained_conte
     assert main(["generate", "first/run", "--prompt", "the", "--max-new-tokens", "2"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "was trained with the tokenizer 'tokenizer.json', not found from here" in err, err
+
+
+def test_a_multi_rank_generate_of_damaged_weights_is_one_line_before_any_rank(tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256, "hidden_size": 64}
+    config.update(intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    (hf / "config.json").write_text(json.dumps(config))
+    save_file({"model.embed_tokens.weight": torch.zeros(256, 64)}, str(hf / "model.safetensors"))
+    os.truncate(hf / "model.safetensors", 5000)  # (a download cut short)
+    generate = ["generate", str(hf), "--prompt", "a", "--prompt", "b", "--nproc", "2", "--max-new-tokens", "1"]
+    assert main(generate) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"fived: error: source={hf}/model.safetensors: not a readable safetensors file (Error while deserializing "
+        "header: incomplete metadata, file not fully covered); download or export the model again"
+    ]
+    (hf / "model.safetensors.index.json").write_text('{"weight_map": {"a"')  # (torn)
+    assert main(generate) == 2
+    assert "not a safetensors index" in capsys.readouterr().err
+
+
+def test_hostile_values_and_paths_are_one_line_before_any_rank(tmp_path, capsys):
+    """Round three's cases that were tracebacks or said the wrong thing (docs/robustness.md 105..)."""
+    binary = tmp_path / "bin.toml"
+    binary.write_bytes(b"\xff\xdb\x00garbage")
+    train = [*TRAIN, "--train.output_dir", str(tmp_path / "run")]
+    cases = [
+        ([*train, "--model.n_heads", "0"], "model.n_heads=0: must be >= 1"),  # (a ZeroDivisionError)
+        ([*train, "--seq-len", "0"], "train.seq_len=0: must be >= 2"),  # (it named model.mtp_depth)
+        ([*train, "--config", str(binary)], "not UTF-8 text (byte 0xff at offset 0)"),  # (a UnicodeDecodeError)
+        ([*train, "--train.output_dir", str(tmp_path / ("b" * 300))], "cannot be written (File name too long)"),
+        (["export", str(tmp_path), "--output", str(tmp_path / "e"), "--max-shard-gb", "nan"], "must be > 0 and finite"),
+        (["prepare-data", str(binary), "--output", ""], "names no file"),  # (it wrote .bin, .json in the cwd)
+        (["config", "--train.lr", "nan"], "train.lr=nan: must be > 0 and finite"),  # (printed as a config)
+    ]
+    for argv, line in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and line in err[0], (argv, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bin.toml"]  # (nothing written)
+    run = files.claim_run_dir(tmp_path / "run")
+    (run / "metrics.jsonl").mkdir()  # (a rank's IsADirectoryError traceback on --resume)
+    with pytest.raises(files.Refused, match="metrics.jsonl: is a directory where fived keeps one of its files"):
+        files.check_run_dir(run)

@@ -634,6 +634,10 @@ def build_config(toml_path: str | Path | None = None, overrides: dict[str, Any] 
                 file_values = tomllib.load(f)
             except tomllib.TOMLDecodeError as e:
                 raise ConfigError("--config", toml_path, f"not valid TOML ({e})") from None
+            except UnicodeDecodeError as e:  # (a binary file)
+                raise ConfigError(
+                    "--config", toml_path, f"not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start})"
+                ) from None
     merged: dict[str, dict[str, Any]] = {}
     for section, values in file_values.items():
         if section not in SECTION_TYPES or not isinstance(values, dict):

@@ -65,6 +65,9 @@ def check_run_dir(run_dir: str | os.PathLike, field: str = "train.output_dir") -
     links = [p for p in path.iterdir() if p.is_symlink()] if is_fived_dir(path) else []
     if links:
         raise Refused(links[0], "is a symbolic link inside the run directory; fived never writes through one", _UNLINK)
+    folders = [path / name for name in _OLDER_RUN_FILES if (path / name).is_dir()] if is_fived_dir(path) else []
+    if folders:  # (a rank would fail on it in a traceback)
+        raise Refused(folders[0], "is a directory where fived keeps one of its files", "move it away")
     others = sorted(p.name for p in path.iterdir() if not p.name.startswith(".fived")) if path.is_dir() else []
     if others and not is_fived_dir(path) and not _older_run(path):  # (.fived*: a lock, or another rank's probe)
         example = others[0]
@@ -195,6 +198,15 @@ def append_line(run_dir: str | os.PathLike, name: str, line: str) -> None:
         f.write(line.rstrip("\n") + "\n")
 
 
+def own_directory(run_dir: str | os.PathLike, name: str) -> Path:
+    """`run_dir/name`, a directory fived's own (made and recorded here; never a link or a user's) for a
+    writer that names its own new files in it (TensorBoard's event files)."""
+    path = target(run_dir, name)
+    path.mkdir(parents=True, exist_ok=True)
+    _record(Path(run_dir), name)
+    return path
+
+
 def open_lock(run_dir: str | os.PathLike, name: str) -> int:
     """A descriptor of the lock file `run_dir/name` (created if absent; never through a link)."""
     path = target(run_dir, name)
@@ -206,6 +218,11 @@ def open_lock(run_dir: str | os.PathLike, name: str) -> int:
 def publish(tmp: str | os.PathLike, final: str | os.PathLike, hint: str = "name a new output") -> None:
     """Move the finished temporary file `tmp` to `final`, which must not exist (a hard link fails
     rather than replace; where links are not supported, checked just before a rename)."""
+    fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        os.fsync(fd)  # (the bytes on disk before the name: a crash never leaves a named, empty file)
+    finally:
+        os.close(fd)
     try:
         os.link(tmp, final, follow_symlinks=False)
     except FileExistsError:
@@ -252,3 +269,101 @@ def read_json(path: str | os.PathLike) -> dict | None:
         print(f"fived: warning: {path}: torn (not JSON); ignored", file=sys.stderr)
         return None
     return value if isinstance(value, dict) else None
+
+
+# Files at a path the user names (a trace, a page, a profile, an export): not in a run directory, so
+# no manifest; fived recognises its own by a mark in the file (`ours`) and replaces only those.
+
+
+def check_output(path: str | os.PathLike, field: str, ours) -> Path:
+    """`path` if fived may write there: not a link, and absent or a regular file `ours(path)` says
+    fived wrote (`ours` None: absent only, an earlier output is kept); else one line (before any work
+    is done)."""
+    out = Path(path)
+    if str(path) == "":
+        raise ConfigError(field, '""', "names no file", "give a file's path")
+    if out.is_symlink():
+        raise Refused(out, f"({field}) is a symbolic link; fived never writes through one", "name a new file")
+    if out.exists() and ours is None:
+        raise Refused(out, f"({field}) exists; fived never writes over an earlier output", "name a new file")
+    if out.exists() and not (out.is_file() and _readable_mark(out, ours)):
+        raise Refused(
+            out,
+            f"({field}) exists and fived did not write it; fived does not write over a file it did not create",
+            "name a new file, or move that one away",
+        )
+    return out
+
+
+def _readable_mark(path: Path, ours) -> bool:
+    try:
+        return bool(ours(path))
+    except (OSError, ValueError):
+        return False
+
+
+def starts_with(mark: bytes):
+    """An `ours` test: the file's first bytes hold `mark`."""
+
+    def ours(path: Path) -> bool:
+        with open(path, "rb") as f:
+            return mark in f.read(len(mark) + 4096)
+
+    return ours
+
+
+def write_output(path: str | os.PathLike, data: str | bytes, field: str, ours) -> Path:
+    """Write the file `path` (the user named it) whole: a new temporary file beside it, fsynced, then
+    put in place (check_output's rules: a new path by a hard link, which fails rather than replace a
+    file made meanwhile; an existing one only if fived wrote it)."""
+    out = check_output(path, field, ours)  # (again: it may have changed during the work)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")  # (a new name: never a stale one)
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())  # (mkstemp's 0600 would hide the output from the other users)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        if os.path.lexists(out):
+            os.replace(tmp, check_output(out, field, ours))  # (fived's own file: replaced in one step)
+        else:
+            publish(tmp, out, "name a new file, or move that one away")
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+    return out
+
+
+@contextlib.contextmanager
+def new_directory(path: str | os.PathLike, field: str):
+    """A new directory at `path` (absent, or empty and not a link), built inside the block in a new
+    temporary sibling (yielded) and renamed into place when the block ends without an error; on an
+    error, or a kill, nothing is left at `path`."""
+    import shutil
+    import tempfile
+
+    out = Path(path)
+    if str(path) == "":
+        raise ConfigError(field, '""', "names no directory", "e.g. --output exported")
+    if out.is_symlink():
+        raise Refused(out, f"({field}) is a symbolic link; fived never writes through one", "name a new directory")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        what = "is a file" if not out.is_dir() else "exists and is not empty"
+        raise ConfigError(field, str(path), f"{what}; fived does not overwrite", "name a new directory")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))  # (new: never someone's)
+    try:
+        yield tmp
+        os.chmod(tmp, 0o777 & ~_umask())
+        os.replace(tmp, out)  # (fails over a non-empty directory or a file made meanwhile: never replaces one)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask

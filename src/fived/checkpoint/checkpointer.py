@@ -223,6 +223,7 @@ class Checkpointer:
         self.finalized = threading.Event()  # a background save's digests are sent (rank 0: it is in place)
         self.failure: BaseException | None = None
         self.last_step: int | None = None
+        self.origin: Path | None = None  # the checkpoint this launch resumed from (never pruned by it)
         if self.rank == 0:
             claim_run_dir(run_dir)  # (fived's run directory before anything is made in it)
             self.root.mkdir(exist_ok=True)
@@ -396,12 +397,16 @@ class Checkpointer:
     def _prune(self, newest: int) -> None:
         """Keep the newest `keep` checkpoints known healthy, and the one of step `newest`: a
         checkpoint is known healthy once the step after it passed the divergence guard (see
-        fived.training.divergence), so the one just written is not yet and counts as one more."""
+        fived.training.divergence), so the one just written is not yet and counts as one more. The
+        checkpoint this launch resumed from is kept too: a loss-based guard
+        passes weights a bad setting broke into a uniform guess (docs/robustness.md, case 55), and the
+        launch's starting point is then the newest checkpoint known to hold weights of a healthy run."""
         if self.settings.keep <= 0:
             return
         confirmed = [path for step, path in complete_checkpoints(self.root.parent) if step < newest]
         for path in confirmed[: -self.settings.keep]:
-            _discard(path)
+            if path.resolve() != self.origin:
+                _discard(path)
 
     def wait(self) -> None:
         """Block until a background save is written (and, on rank 0, finalised)."""

@@ -70,6 +70,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     ranks = ns.nproc or ns.tp * ns.pp * ns.ep
     if ranks > 1 or len(ns.prompt) > 1 or ns.report:
         cfg, tokenizer_name, stop_ids = describe_source(ns.source)
+        _check_weights(ns.source)
         tokenizer = _tokenizer(ns.source, tokenizer_name)
         _warn_past_context(ns, cfg, tokenizer)
         return _generate_on_ranks(ns, cfg, ranks, tokenizer, sampling, stop_ids, device)
@@ -83,6 +84,16 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     else:
         print(ns.prompt[0] + tokenizer.decode(ids))
     return 0
+
+
+def _check_weights(source: str) -> None:
+    """A Hugging Face directory's weights readable, in one line before any rank starts (a rank
+    would fail on them in its own traceback)."""
+    from fived.hf.init import is_hf_directory
+    from fived.hf.reader import HfCheckpoint
+
+    if is_hf_directory(source):
+        HfCheckpoint(source, field="source").check_readable()
 
 
 def _tokenizer(source: str, name: str):

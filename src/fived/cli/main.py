@@ -71,7 +71,15 @@ def cmd_config(ns: argparse.Namespace) -> int:
     from fived.config_docs import commented_toml, markdown_table
     from fived.launch.run_setup import build_from_args
 
-    print(markdown_table() if ns.markdown else commented_toml(build_from_args(ns)), end="" if not ns.markdown else "\n")
+    if ns.markdown:
+        print(markdown_table())
+        return 0
+    from fived.layout.bounds import number_errors
+
+    cfg = build_from_args(ns)
+    for err in number_errors(cfg)[:1]:  # (a value every command refuses: not printed as a config to use)
+        raise err
+    print(commented_toml(cfg), end="")
     return 0
 
 
@@ -81,6 +89,8 @@ def cmd_prepare_data(ns: argparse.Namespace) -> int:
     from fived.data.loader import EOT_TOKENS, load_tokenizer, token_file_paths
     from fived.data.prepare import FORMAT_EXTRA, MissingExtra, input_format, prepare_data
 
+    if Path(ns.output).name in ("", ".", ".."):  # ("" wrote .bin and .json, hidden, into the current directory)
+        raise ConfigError("--output", repr(ns.output), "names no file", "give the token file's path, e.g. data/tokens")
     bin_path = token_file_paths(ns.output)[0]
     val_path = bin_path.with_name(bin_path.name[: -len(".bin")] + ".val.bin")
     written = [bin_path, *([val_path] if ns.val_fraction > 0 else [])]
@@ -145,8 +155,8 @@ def cmd_prepare_data(ns: argparse.Namespace) -> int:
 def cmd_export(ns: argparse.Namespace) -> int:
     from fived.hf.export import export
 
-    if ns.max_shard_gb <= 0:
-        raise ConfigError("--max-shard-gb", ns.max_shard_gb, "must be > 0", "e.g. 5")
+    if not 0 < ns.max_shard_gb < 1e9:  # (also nan, inf: a traceback where the size became an integer)
+        raise ConfigError("--max-shard-gb", ns.max_shard_gb, "must be > 0 and finite", "e.g. 5")
     out = export(ns.source, ns.output, int(ns.max_shard_gb * 10**9))
     print(f"wrote a Hugging Face model directory: {out}")
     return 0

@@ -139,9 +139,10 @@ def cmd_explore(ns: argparse.Namespace) -> int:
         from fived.cli.serve import cmd_explore_serve
 
         return cmd_explore_serve(ns, plan_model)
-    from fived.tools.pages import plotly_js, write_page
+    from fived.tools.pages import check_page, plotly_js, write_page
 
     plotly_js()  # (the extra is installed, before the minute of pricing)
+    check_page(ns.output)
     model, cluster, global_batch = plan_cluster(ns, "explore")
     data = explore_data(
         model, cluster, ns.seq, global_batch, "bfloat16", ns.memory_headroom, progress=explore_progress()
@@ -177,12 +178,14 @@ def explore_progress():
 
 
 def cmd_report(ns: argparse.Namespace) -> int:
-    from fived.tools.pages import plotly_js, write_page
+    from fived.tools.pages import check_page, plotly_js, write_page
     from fived.tools.run_report import report_data
 
     plotly_js()
+    output = ns.output or f"{ns.run_dir}/report.html"
+    check_page(output)
     data = report_data(ns.run_dir)
-    out = write_page(ns.output or f"{ns.run_dir}/report.html", f"fived report: {ns.run_dir}", "report", data)
+    out = write_page(output, f"fived report: {ns.run_dir}", "report", data)
     print(f"fived report: {data['summary']} -> {out}")
     return 0
 

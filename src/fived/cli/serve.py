@@ -37,12 +37,14 @@ def add_serve_flags(parser) -> None:
 
 
 def workload_from(ns: argparse.Namespace):
+    from fived.layout.bounds import INTEGER_BOUNDS
     from fived.planner.serve import Workload
     from fived.planner.serve_model import KV_DTYPES
 
+    longest = next(high for name, _, high, _ in INTEGER_BOUNDS if name == "train.seq_len")  # (a context)
     for flag, value in (("--prompt-len", ns.prompt_len), ("--output-len", ns.output_len)):
-        if value is None or value < 1:
-            raise ConfigError(flag, value, "required with --serve, >= 1", f"e.g. {flag} 2048")
+        if value is None or not 1 <= value <= longest:
+            raise ConfigError(flag, value, f"required with --serve, in 1..{longest}", f"e.g. {flag} 2048")
     if ns.rate is not None and ns.concurrency is not None:
         raise ConfigError("--rate", ns.rate, "give --rate or --concurrency, not both", "drop one")
     for flag, value, example in (
@@ -166,9 +168,10 @@ def cmd_plan_serve(ns: argparse.Namespace, plan_model) -> int:
 def cmd_explore_serve(ns: argparse.Namespace, plan_model) -> int:
     """`fived explore --serve`: the serving page (tp, pp, ep, weights, requests in flight)."""
     from fived.tools.explore_serve import serve_explore_data
-    from fived.tools.pages import plotly_js, write_page
+    from fived.tools.pages import check_page, plotly_js, write_page
 
     plotly_js()  # (the extra is installed, before the pricing)
+    check_page(ns.output)
     w = workload_from(ns)
     model, cluster = serve_cluster(ns, plan_model)
     data = serve_explore_data(

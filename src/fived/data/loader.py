@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -233,8 +232,6 @@ def check_data(cfg) -> np.ndarray | BlendedTokens:
             "or set it false",
         )
     validation_data(cfg)
-    if t.trace and Path(t.trace).exists():
-        raise ConfigError("train.trace", t.trace, "file exists; fived does not overwrite it", "name a new file")
     return tokens
 
 
@@ -326,12 +323,13 @@ def largest_token_id(path: str, tokens: np.ndarray) -> int:
     if isinstance(cached, dict) and cached.get("of") == stamp and isinstance(cached.get("value"), int):
         return cached["value"]
     largest = int(tokens.max())
-    tmp = json_path.with_name(json_path.name + f".tmp-{os.getpid()}")
-    try:
-        tmp.write_text(json.dumps({**meta, "max_token_id": {"value": largest, "of": stamp}}, indent=1) + "\n")
-        os.replace(tmp, json_path)
-    except OSError:  # (a cache only: the value is returned all the same, and nothing is left behind)
-        tmp.unlink(missing_ok=True)
+    from fived.files import Refused, write_output
+
+    try:  # (prepare-data's sidecar, fived's: replaced whole; never a link, never a changed file)
+        text = json.dumps({**meta, "max_token_id": {"value": largest, "of": stamp}}, indent=1) + "\n"
+        write_output(json_path, text, "data.path", lambda path: json.loads(Path(path).read_text()) == meta)
+    except (OSError, Refused):  # (a cache only: the value is returned all the same, and nothing is left behind)
+        pass
     return largest
 
 

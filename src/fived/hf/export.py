@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 from pathlib import Path
 
@@ -80,30 +79,22 @@ def export(source: str, output: str, max_shard_bytes: int = SHARD_BYTES) -> Path
             "holds no complete fived checkpoint (checkpoints/step-<N>/COMPLETE)",
             "give a run directory or one of its checkpoints",
         )
-    out = Path(output)
-    if out.exists() and any(out.iterdir()):
-        raise ConfigError(
-            "--output", output, "exists and is not empty; fived does not overwrite", "name a new directory"
-        )
+    from fived.files import new_directory
+
     cfg = saved_config(checkpoint, "source")[1]
-    # Written into a temporary sibling and renamed at the end (as checkpoints): a failure or a kill
+    # Built in a new temporary sibling and renamed at the end (as checkpoints): a failure or a kill
     # leaves no partial output that a retry would then refuse.
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
     try:
-        tmp.mkdir(parents=True)
-        _write_model(checkpoint, cfg, tmp, max_shard_bytes)
-        os.replace(tmp, out)  # (in one step, also over an empty `out`: checked above)
+        with new_directory(output, "--output") as tmp:
+            _write_model(checkpoint, cfg, tmp, max_shard_bytes)
     except OSError as e:
         raise ConfigError(
             "--output",
             output,
-            f"cannot be written ({e.strerror or e}: {e.filename or tmp})",
+            f"cannot be written ({e.strerror or e}: {e.filename or output})",
             "free some space or choose a writable directory",
         ) from None
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return Path(output)
 
 
 def _write_model(checkpoint: Path, cfg, out: Path, max_shard_bytes: int) -> None:

@@ -29,8 +29,13 @@ class HfCheckpoint:
         self._headers: dict[Path, object] = {}  # open handles, for names and shapes only (no data read)
         index = self.directory / "model.safetensors.index.json"
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            self.files = {name: self.directory / file for name, file in weight_map.items()}
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+                self.files = {str(name): self.directory / file for name, file in weight_map.items()}
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise ConfigError(
+                    field, str(index), f"not a safetensors index ({type(e).__name__}: {e})", "download the model again"
+                ) from None
         else:
             self.files = {}
             for path in sorted(self.directory.glob("*.safetensors")):
@@ -51,6 +56,18 @@ class HfCheckpoint:
                     "download or export the model again",
                 ) from None
         return self._headers[path]
+
+    def check_readable(self) -> None:
+        """One line for a directory whose weights fived cannot read (no weights, pickles only, a
+        truncated or foreign file), before ranks start: each file's header is read and checked
+        against the file's size."""
+        self.check_has_weights()
+        for path in sorted(set(self.files.values())):
+            if not path.is_file():
+                raise ConfigError(
+                    self.field, str(path), "is named in the index but missing", "download the model again"
+                )
+            self._header(path)
 
     def check_has_weights(self) -> None:
         """One line for a directory whose weights fived cannot read: PyTorch pickles only, or none."""

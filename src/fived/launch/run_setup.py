@@ -258,6 +258,10 @@ def check_environment(cfg, *, run_dir: bool = True) -> None:
             "no CUDA device is visible to this process (torch.cuda.is_available() is False)",
             "use --train.device cpu (or auto)",
         )
+    if cfg.train.trace:  # (written at the end: refused now, not after the run)
+        from fived.files import check_output
+
+        check_output(cfg.train.trace, "train.trace", ours=None)
     if run_dir:
         _check_run_dir(cfg.train.output_dir)
     check_tracker(cfg.train.tracker)
@@ -275,12 +279,12 @@ def _check_run_dir(output_dir: str) -> None:
     """fived's own directory, or an absent or empty one (nothing else is written into), writable."""
     from fived.files import check_run_dir
 
-    check_run_dir(output_dir)
     out = Path(output_dir)
     try:
+        check_run_dir(output_dir)  # (an OSError here too: a name too long, a loop of links)
         out.mkdir(parents=True, exist_ok=True)
         probe = out / f".fived-write-test-{os.getpid()}"
-        probe.write_text("")
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644))  # (never a link's target)
         probe.unlink()
     except OSError as e:
         raise ConfigError(

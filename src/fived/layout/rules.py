@@ -566,7 +566,7 @@ def check_model(m: ModelConfig) -> None:
 def check_config(cfg: Config, world: int | None) -> None:
     """Raise the first ConfigError for `cfg` on `world` ranks, with the nearest valid layouts as hint.
     Called by the CLI before any process starts, and again by every rank as a guard."""
-    errs = _model_errors(cfg) or number_errors(cfg) or layout_errors(cfg, world)
+    errs = number_errors(cfg) or _model_errors(cfg) or layout_errors(cfg, world)  # (ranges first: relations divide)
     if not errs:
         return
     err = errs[0]

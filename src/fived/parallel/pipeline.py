@@ -229,8 +229,10 @@ def forward_only(actions: list) -> list:
 
 def write_chrome_trace(path: str, actions: list[Action]) -> None:
     """Chrome / Perfetto trace: one process per rank, one thread per stage, times in microseconds
-    from the earliest action."""
+    from the earliest action (fived.files: never over a file fived did not write, never through a link)."""
     import json
+
+    from fived.files import write_output
 
     t0 = min((a.start for a in actions), default=0.0)
     events = [
@@ -250,5 +252,5 @@ def write_chrome_trace(path: str, actions: list[Action]) -> None:
         {"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}}
         for r in sorted({a.rank for a in actions})
     ]
-    with open(path, "w") as f:
-        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+    trace = json.dumps({"traceEvents": events, "displayTimeUnit": "ms"})
+    write_output(path, trace, "train.trace", ours=None)  # (each launch's trace is kept, as its profile)

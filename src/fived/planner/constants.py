@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -136,13 +135,18 @@ def load_calibration(path: str | Path = DEFAULT_PATH) -> Calibration:
 
 
 def save_calibration(calibration: Calibration, path: str | Path) -> None:
-    """Write `calibration` to `path` atomically (a temporary file, then a rename)."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
+    """Write `calibration` to `path` atomically (fived.files: never over a file that is not a calibration)."""
+    from fived.files import write_output
+
     # one field a line (a refit's diff reads field by field)
     fields_ = calibration.to_json()
-    tmp.write_text("{\n" + ",\n".join(f" {json.dumps(k)}: {json.dumps(v)}" for k, v in fields_.items()) + "\n}\n")
-    os.replace(tmp, path)
+    text = "{\n" + ",\n".join(f" {json.dumps(k)}: {json.dumps(v)}" for k, v in fields_.items()) + "\n}\n"
+    write_output(path, text, "--out", _is_calibration)
+
+
+def _is_calibration(path: Path) -> bool:
+    data = json.loads(Path(path).read_text())  # (fived.files: a ValueError is "not ours")
+    return isinstance(data, dict) and "fitted_on" in data and "constants" in data
 
 
 CALIBRATION = load_calibration()

@@ -260,34 +260,22 @@ def read_profile(path: str | os.PathLike) -> MachineProfile:
     )
 
 
+def _is_profile(path: Path) -> bool:
+    data = json.loads(path.read_text())  # (fived.files: a ValueError is "not ours")
+    return isinstance(data, dict) and data.get("format") == FORMAT
+
+
 def check_output(path: str | os.PathLike) -> Path:
     """`path` if fived may write a profile there: not a symlink, not a file other than a fived machine
     profile (one line says why not)."""
-    out = Path(path)
-    if out.is_symlink():
-        raise ConfigError("--output", str(out), "is a symlink: fived does not write through one", "name a new file")
-    if out.exists():
-        try:
-            ours = json.loads(out.read_text()).get("format") == FORMAT
-        except (OSError, UnicodeDecodeError, ValueError, AttributeError):
-            ours = False
-        if not ours:
-            raise ConfigError("--output", str(out), "exists and is not a fived machine profile", "name a new file")
-    return out
+    from fived.files import check_output as check_path
+
+    return check_path(path, "--output", _is_profile)
 
 
 def write_profile(path: str | os.PathLike, doc: dict) -> Path:
     """Write `doc` (marked with FORMAT) to `path` atomically (check_output's rules)."""
-    out = check_output(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump({"format": FORMAT, "version": VERSION, **doc}, f, indent=1)
-            f.write("\n")
-        os.replace(tmp, out)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return out
+    from fived.files import write_output
+
+    text = json.dumps({"format": FORMAT, "version": VERSION, **doc}, indent=1) + "\n"
+    return write_output(path, text, "--output", _is_profile)

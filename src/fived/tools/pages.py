@@ -35,6 +35,20 @@ def inline_script(code: str) -> str:
     return "<script>" + code.replace("</script", "<\\/script") + "</script>"
 
 
+PAGE_MARK = '<meta name="generator" content="fived">'  # (fived replaces only a page that holds it)
+
+
+def check_page(path: str | Path) -> None:
+    """Refuse, before the work, a page write_page would refuse (a link, a file fived did not write)."""
+    from fived.files import check_output, is_fived_dir, starts_with, target
+
+    out = Path(path)
+    if is_fived_dir(out.parent):
+        target(out.parent, out.name)
+    else:
+        check_output(out, "--output", starts_with(PAGE_MARK.encode()))
+
+
 def write_page(path: str | Path, title: str, kind: str, data: dict) -> Path:
     """Write the page `kind` ("explore" or "report") showing `data` to `path`."""
     assets = files("fived.assets")
@@ -43,6 +57,7 @@ def write_page(path: str | Path, title: str, kind: str, data: dict) -> Path:
         [
             "<!doctype html>",
             '<html lang="en"><head><meta charset="utf-8">',
+            PAGE_MARK,
             f"<title>{html.escape(title)}</title>",
             f"<style>{assets.joinpath('pages.css').read_text()}</style>",
             inline_script(plotly_js()),
@@ -54,11 +69,9 @@ def write_page(path: str | Path, title: str, kind: str, data: dict) -> Path:
         ]
     )
     out = Path(path)
-    from fived.files import is_fived_dir, write_file
+    from fived.files import is_fived_dir, starts_with, write_file, write_output
 
     if is_fived_dir(out.parent):  # (a run's report.html: fived's own file, never a link or a user's)
         write_file(out.parent, out.name, page)
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(page)
-    return out
+    return write_output(out, page, "--output", starts_with(PAGE_MARK.encode()))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from fived.files import LOCK, MANIFEST, is_fived_dir, open_log, write_file
+from fived.files import LOCK, MANIFEST, is_fived_dir, open_log, own_directory, write_file
 from fived.training.tracker import Tracker
 from fived.write_errors import WriteFailed, writing
 
@@ -83,7 +83,7 @@ class MetricsLog:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self.tb = SummaryWriter(str(self.dir / "tensorboard"))
+                self.tb = SummaryWriter(str(own_directory(self.dir, "tensorboard")))  # (its event files: new names)
             except ImportError:
                 print(
                     "tensorboard is not installed (pip install tensorboard); logging JSON lines only", file=sys.stderr

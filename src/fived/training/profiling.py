@@ -53,6 +53,7 @@ class ProfileWindow:
         folder = profile_folder(self.run_dir, self.rank, new=True)
         tmp = self.run_dir / f".rank{self.rank}.trace.tmp-{os.getpid()}"
         try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644))  # (ours, not a link)
             self.profiler.export_chrome_trace(str(tmp))
             install(self.run_dir, f"{folder}/rank{self.rank}.json", tmp)
         finally:

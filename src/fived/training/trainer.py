@@ -12,6 +12,7 @@ import contextlib
 import math
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -149,6 +150,7 @@ class Trainer:
         )
         if resume:
             checkpointer.last_step = checkpointer.load(resume)["step"]
+            checkpointer.origin = Path(resume).resolve()
             if log and self.rank == 0:
                 checkpointer.supersede_after(checkpointer.last_step)
         return checkpointer
