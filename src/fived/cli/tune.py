@@ -61,7 +61,7 @@ def report(summary: dict, cfg, world: int, model: str) -> str:
         )
     lines.append(
         "refit, measured / predicted per component over the trials: "
-        + ", ".join(f"{k} {v:.2f}" for k, v in factors.items() if v != 1.0)
+        + ", ".join(f"{k} {v:.2f}" for k, v in factors.items() if any(t.predicted[k] for t in summary["trials"]))
     )
     lines.append(
         f"median |error| on the trials: {summary['error_before']:.1f}% as planned, {summary['error_after']:.1f}% "

@@ -12,8 +12,9 @@ machine itself, the planner refitted on what they measured, and the fastest meas
    median over its timed steps, with the trainer's measured breakdown (`fived.training.step_timer`).
 3. Refit: one factor per component of the planner's step (compute, each dimension's exposed
    communication, the bubble, the optimizer, the overhead: `fived.training.breakdown.COMPARED`), the
-   measured component over the predicted one summed over the trials; every searched layout is re-priced
-   with them and re-ranked. The factors are fitted on the trials, so the error after the refit is an
+   measured component over the predicted one summed over the trials, all scaled by the median ratio of
+   measured to refitted steps (what the slowest rank waits for, beyond the mean breakdown); every
+   searched layout is re-priced with them and re-ranked. The factors are fitted on the trials, so the error after the refit is an
    in-sample figure (how well the planner's structure describes this machine), printed as such.
 """
 
@@ -30,7 +31,7 @@ from fived.training.breakdown import COMPARED, planned_components
 
 WARMUP_STEPS = 2
 MIN_TIMED_STEPS = 3
-MAX_TIMED_STEPS = 40
+MAX_TIMED_STEPS = 200
 PLANNING_SHARE = 0.1  # of the budget kept for the search and the refit
 FIRST_TIMED_SHARE = 0.35  # of the first trial's share timed (the rest: its start-up, not yet measured)
 
@@ -121,13 +122,18 @@ def run_trial(trial: Trial, cfg: Config, world: int, seconds: float) -> None:
 
 def refit(trials: list[Trial]) -> dict[str, float]:
     """One factor per component: measured over predicted, summed over the measured trials (1 where the
-    planner predicts none of it)."""
+    planner predicts none of it); then all of them times the median over the trials of the measured
+    step over the step so refitted. (The ranks' mean breakdown leaves out what the slowest rank waits
+    for, which the measured step, the slowest rank's, includes.)"""
     done = [t for t in trials if t.measured_s is not None]
     factors = {}
     for k in COMPARED:
         want = sum(t.predicted[k] for t in done)
         got = sum(t.components.get(k, 0.0) for t in done)
         factors[k] = got / want if want > 1e-12 and got > 0 else 1.0
+    if done:
+        scale = statistics.median((t.measured_s or 0.0) / refitted_s(t.predicted, factors) for t in done)
+        factors = {k: v * scale for k, v in factors.items()}
     return factors
 
 
