@@ -360,3 +360,9 @@ def test_halo_count_is_what_the_exchange_selects(seq, cp, window, ulysses):
         for m in range(len(held))
     ]
     assert counts == list(halo_tokens(seq, cp, window, ulysses))
+
+
+def test_gpt_oss_pipeline_and_zero3_with_documents_match_one_device():
+    """tiny-gpt-oss (windows, sinks, biases, its experts) split into two pipeline stages over ZeRO-3
+    data parallelism, with document masks, against one device."""
+    _verify(4, parallel__pp=2, parallel__dp=2, parallel__zero=3, train__microbatches=2)
