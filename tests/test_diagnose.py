@@ -102,10 +102,21 @@ def test_too_much_tensor_parallelism(tmp_path, capsys):
 
 
 def test_pipeline_imbalance(tmp_path, capsys):
-    """Three of the four layers on the first stage."""
-    run = run_dir_of(tmp_path, 2, parallel__dp=1, parallel__pp=2, parallel__pp_layers="3,1", train__microbatches=4)
-    found = diagnose(run)
-    assert "pipeline-imbalance" in modes(run, capsys)
+    """Three of the four layers on the first stage (the measured stage times: up to three fresh runs,
+    as `measured_modes`)."""
+    for attempt in range(3):
+        run = run_dir_of(
+            tmp_path / f"attempt{attempt}",
+            2,
+            parallel__dp=1,
+            parallel__pp=2,
+            parallel__pp_layers="3,1",
+            train__microbatches=4,
+        )
+        found, named = diagnose(run), modes(run, capsys)
+        if "pipeline-imbalance" in named and found["pipeline_ranks"]["0"] > 1.25 * found["pipeline_ranks"]["1"]:
+            break
+    assert "pipeline-imbalance" in named
     assert found["pipeline_ranks"]["0"] > 1.25 * found["pipeline_ranks"]["1"]
 
 

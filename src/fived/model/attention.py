@@ -210,7 +210,7 @@ def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, float("-inf"))
 
 
-def _accumulate(out, lse, o, l) -> None:
+def merge_block(out, lse, o, l) -> None:
     """Fold a piece's (output, log-sum-exp) into the running ones, in place; rows that have seen no
     key yet carry -inf and output 0, and stay so when the piece shows them none either."""
     new = torch.logaddexp(lse, l)
@@ -242,7 +242,7 @@ def masked_block_forward(q, k, v, qkeys, kkeys, scale: float, window: int = 0):
                 o, l = reference_block_forward(*args, False, scale, _additive(allowed, q.dtype))
             seen = allowed.any(dim=-1)
             o, l = o.masked_fill(~seen[None, None, :, None], 0.0), l.masked_fill(~seen[None, None, :], float("-inf"))
-        _accumulate(out[row, :, q0:q1], lse[row, :, q0:q1], o[0], l[0])
+        merge_block(out[row, :, q0:q1], lse[row, :, q0:q1], o[0], l[0])
     return out, lse
 
 

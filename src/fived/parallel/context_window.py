@@ -26,10 +26,10 @@ import torch.distributed as dist
 
 from fived.model.attention import (
     DOCUMENT_SHIFT,
-    _accumulate,
     blockwise,
     masked_block_backward,
     masked_block_forward,
+    merge_block,
     sink_grad,
     with_sinks,
 )
@@ -124,7 +124,7 @@ class WindowRingFunction(torch.autograd.Function):
             remote_k, remote_v = remote_k.transpose(1, 2), remote_v.transpose(1, 2)
             if n:
                 o, l = masked_block_forward(q, remote_k, remote_v, keys, plan.remote_keys, scale, window)
-                _accumulate(out, lse, o, l)
+                merge_block(out, lse, o, l)
         if sinks is not None:  # (every block merged: the sinks join each row's softmax once)
             out, lse = with_sinks(out, lse, sinks)
         out = out.to(q.dtype)
