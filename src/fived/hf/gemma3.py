@@ -13,7 +13,7 @@ attention kernels have none), bidirectional attention, attention biases, other r
 from __future__ import annotations
 
 from fived.config import ConfigError, ModelConfig
-from fived.hf.gpt_oss import window_pattern
+from fived.hf.gpt_oss import hf_shape, window_pattern
 from fived.hf.unsupported import Unsupported
 
 ACTIVATION = "gelu_pytorch_tanh"
@@ -51,18 +51,12 @@ def gemma3_config(hf: dict, source: str) -> ModelConfig:
             raise Unsupported(source, key, value, rule)
     if kind(full) not in ("default", "linear"):
         raise Unsupported(source, "rope_type", kind(full), "fived reads Gemma 3's plain or linear rotary")
-    heads, n = hf["num_attention_heads"], hf["num_hidden_layers"]
+    n = hf["num_hidden_layers"]
     window = int(hf.get("sliding_window") or 0)
     cap = hf.get("final_logit_softcapping")
     cfg = ModelConfig(
         name="hf-gemma3_text",
-        vocab_size=hf["vocab_size"],
-        dim=hf["hidden_size"],
-        n_layers=n,
-        n_heads=heads,
-        n_kv_heads=hf.get("num_key_value_heads") or heads,
-        head_size=hf.get("head_dim") or hf["hidden_size"] // heads,
-        ffn_dim=hf["intermediate_size"],
+        **hf_shape(hf),
         rope_theta=float(full.get("rope_theta", 1e6)),
         rope_local_theta=float(local.get("rope_theta", 1e4)),
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),

@@ -29,22 +29,30 @@ def window_pattern(layer_types: list[str], source: str) -> str:
     return letters  # (unreachable: the whole string is its own cycle)
 
 
+def hf_shape(hf: dict) -> dict:
+    """The ModelConfig shape fields GPT-OSS's and Gemma 3's config.json state alike (head_dim given, or
+    hidden / heads)."""
+    heads = hf["num_attention_heads"]
+    return dict(
+        vocab_size=hf["vocab_size"],
+        dim=hf["hidden_size"],
+        n_layers=hf["num_hidden_layers"],
+        n_heads=heads,
+        n_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_size=hf.get("head_dim") or hf["hidden_size"] // heads,
+        ffn_dim=hf["intermediate_size"],
+    )
+
+
 def gpt_oss_config(hf: dict, source: str, rope: dict) -> ModelConfig:
     if rope["rope_type"] not in ("yarn", "default"):
         raise Unsupported(source, "rope_type", rope["rope_type"], "fived reads GPT-OSS's yarn or plain rotary")
     if rope.get("attention_factor") is not None or rope.get("mscale") or rope.get("mscale_all_dim"):
         raise Unsupported(source, "attention_factor", rope.get("attention_factor"), "fived derives YaRN's gain")
-    heads = hf["num_attention_heads"]
     n = hf["num_hidden_layers"]
     cfg = ModelConfig(
         name="hf-gpt_oss",
-        vocab_size=hf["vocab_size"],
-        dim=hf["hidden_size"],
-        n_layers=n,
-        n_heads=heads,
-        n_kv_heads=hf.get("num_key_value_heads") or heads,
-        head_size=hf.get("head_dim") or hf["hidden_size"] // heads,
-        ffn_dim=hf["intermediate_size"],
+        **hf_shape(hf),
         rope_theta=float(rope["rope_theta"]),
         norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
