@@ -3,6 +3,7 @@ a link, never reports success for a run it did not save, and reads back every fi
 when a crash tore it. Real processes: `fived` commands in this process (their ranks forked) or in a
 subprocess (signals)."""
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -245,7 +246,7 @@ def test_settings_that_meant_nothing_are_refused(tmp_path):
     assert not list(tmp_path.glob("latin1.*[bn]"))  # (nothing written: no latin1.bin, no latin1.json)
     cfg = build_config(overrides={"model.name": "tiny-moe", "model.n_dense_layers": 10})
     assert [e.field for e in number_errors(cfg)] == ["model.n_dense_layers"]
-    cfg.model.n_dense_layers = cfg.model.n_layers - 1
+    cfg.model = dataclasses.replace(cfg.model, n_dense_layers=cfg.model.n_layers - 1)
     assert number_errors(cfg) == []
 
 

@@ -1,6 +1,7 @@
 """Pipeline parallelism on real gloo ranks: every schedule exact against the single-process
 reference, composed with DP/ZeRO and TP; bubbles simulated from the executed action lists; traces."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -116,12 +117,11 @@ def test_simulator_on_a_hand_written_gpipe():
 
 
 def test_split_is_balanced_by_cost_and_can_be_overridden():
-    cfg = model_preset("tiny")
-    cfg.n_layers, cfg.vocab_size = 8, 1152  # the output head costs two layers: the last stage gets one
+    cfg = dataclasses.replace(model_preset("tiny"), n_layers=8, vocab_size=1152)  # (a head of two layers' cost)
     split = split_layers(cfg, 4)
     assert [layer for stage in split for layer in stage] == list(range(8))
     assert len(split[-1]) == 1 and sorted(len(s) for s in split[:-1]) == [2, 2, 3]
-    cfg.vocab_size = 64  # a negligible head: even split
+    cfg = dataclasses.replace(cfg, vocab_size=64)  # a negligible head: even split
     assert [len(s) for s in split_layers(cfg, 4)] == [2, 2, 2, 2]
     assert split_layers(cfg, 2, "5,3") == [[0, 1, 2, 3, 4], [5, 6, 7]]
 

@@ -14,7 +14,7 @@ import difflib
 import functools
 import sys
 import typing
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -53,7 +53,7 @@ def option(default: Any, doc: str, *, key: str | None = None) -> Any:
     return field(default=default, metadata={"doc": doc, **({"key": key} if key else {})})
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     name: str = option("tiny", "the preset the model's shape starts from (the fields below override it)")
     vocab_size: int = option(256, "tokens in the vocabulary (rows of the embedding and the output head)")
@@ -660,7 +660,11 @@ def build_config(toml_path: str | Path | None = None, overrides: dict[str, Any] 
 def set_field(cfg: Config, section: str, key: str, value: Any) -> None:
     """Set `section.key` (a TOML/flag key) to `value`, converted to the field's type."""
     value = coerce(section, key, value)
-    setattr(getattr(cfg, section), _fields_by_key(section)[key].name, value)
+    name = _fields_by_key(section)[key].name
+    if section == "model":  # (frozen: hashed by the planner's caches; a new value, never an edit)
+        cfg.model = replace(cfg.model, **{name: value})
+    else:
+        setattr(getattr(cfg, section), name, value)
 
 
 def config_from_dict(values: dict[str, dict[str, Any]]) -> Config:
