@@ -37,13 +37,14 @@ is exact for q, k, v (as a ring's blocks given the global output), and d sink = 
 from __future__ import annotations
 
 import contextlib
-import itertools
 
 import torch
 
+from fived.layout.attention_tiles import PACKED_TILE, QUERY_TILE, query_tiles, split_tiles
+
 aten = torch.ops.aten
-QUERY_TILE = 512
-PACKED_TILE = 128  # short documents' queries share a tile up to this many
+# QUERY_TILE, PACKED_TILE: the tiles' sizes live with the planner's count of them (layout.attention_tiles);
+# `_pieces` reads this module's names at each call, so a test may set them here
 DOCUMENT_SHIFT = 32  # order key = document << 32 | position (positions < 2^32)
 
 _blockwise_depth = [0]  # > 0 while blockwise attention runs (selective checkpointing recomputes its blocks)
@@ -143,33 +144,6 @@ def order_keys(documents: torch.Tensor | None, positions: torch.Tensor, batch: i
     return positions if documents is None else (documents.long() << DOCUMENT_SHIFT) | positions
 
 
-def _query_tiles(bounds: list[int]) -> list[tuple[int, int]]:
-    """[first, end) of each query tile of one row: a long document's queries in tiles of QUERY_TILE,
-    consecutive short documents packed while the tile stays within PACKED_TILE (a packed tile computes
-    every (query, key) pair of its span, so its waste is bounded by its length)."""
-    tiles, open_at = [], 0
-    for start, end in itertools.pairwise(bounds):
-        if end - open_at <= PACKED_TILE:
-            continue  # (the open tile grows to `end`)
-        if start > open_at:
-            tiles.append((open_at, start))
-        if end - start <= PACKED_TILE:
-            open_at = start
-            continue
-        tiles += [(t, min(t + QUERY_TILE, end)) for t in range(start, end, QUERY_TILE)]
-        open_at = end
-    if open_at < bounds[-1]:
-        tiles.append((open_at, bounds[-1]))
-    return tiles
-
-
-def _split_tiles(tiles: list[tuple[int, int]], window: int) -> list[tuple[int, int]]:
-    """Tiles of at most `window` queries (0: as they are)."""
-    if not window:
-        return tiles
-    return [(t, min(t + window, z)) for a, z in tiles for t in range(a, z, window)]
-
-
 def _pieces(qkeys: torch.Tensor, kkeys: torch.Tensor, window: int = 0) -> list[tuple[int, int, int, int, int, bool]]:
     """(row, first query, end query, first key, end key, masked) of every kernel call: each query tile
     that sees some key, its keys running from its first query's document start to its last query. A
@@ -180,7 +154,7 @@ def _pieces(qkeys: torch.Tensor, kkeys: torch.Tensor, window: int = 0) -> list[t
     for row in range(qkeys.shape[0]):
         docs = qkeys[row] >> DOCUMENT_SHIFT
         bounds = [0] + (torch.nonzero(docs[1:] != docs[:-1]).flatten() + 1).tolist() + [qkeys.shape[1]]
-        tiles = _split_tiles(_query_tiles(bounds), window)
+        tiles = split_tiles(query_tiles(bounds, QUERY_TILE, PACKED_TILE), window)
         first = torch.tensor([a for a, _ in tiles], device=qkeys.device)
         last = torch.tensor([z - 1 for _, z in tiles], device=qkeys.device)
         start = (qkeys[row, first] >> DOCUMENT_SHIFT) << DOCUMENT_SHIFT
