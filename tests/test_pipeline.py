@@ -3,17 +3,15 @@ reference, composed with DP/ZeRO and TP; bubbles simulated from the executed act
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
+from fived.cli.main import main
 from fived.config import model_preset
 from fived.layout.layout import stages_per_rank
 from fived.layout.schedule_sim import bubble_of, simulate
 from fived.layout.stages import split_layers
-from fived.testing import EXACT, run_on_ranks, tiny_config
+from fived.testing import EXACT, run_forked, run_on_ranks, tiny_config
 from fived.tools.verification import run_verify
 from fived.training.trainer import run_training
 
@@ -128,11 +126,9 @@ def test_split_is_balanced_by_cost_and_can_be_overridden():
 
 def test_trace_of_an_8_rank_run_is_chrome_json(tmp_path):
     trace = tmp_path / "trace.json"
-    res = subprocess.run(
+    res = run_forked(
+        main,
         [
-            sys.executable,
-            "-m",
-            "fived",
             "train",
             "--nproc",
             "8",
@@ -155,10 +151,6 @@ def test_trace_of_an_8_rank_run_is_chrome_json(tmp_path):
             "--train.output_dir",
             str(tmp_path / "run"),
         ],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        timeout=300,
     )
     assert res.returncode == 0, res.stderr[-3000:]
     events = json.loads(trace.read_text())["traceEvents"]

@@ -2,13 +2,11 @@
 exact, activations within 10%), its step-time model against the published runs, and the CLI."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from fived.cli.main import main
 from fived.config import build_config, model_preset
 from fived.layout.schedule_sim import analyse, pipeline_profile
 from fived.layout.stages import rank_chunks
@@ -19,12 +17,11 @@ from fived.planner.hardware import CATALOGUE, hardware
 from fived.planner.memory import activation_bytes_per_microbatch, parameter_shapes, state_bytes
 from fived.planner.search import evaluate, plan
 from fived.planner.timing import Cluster
-from fived.testing import run_on_ranks, tiny_config
+from fived.testing import run_forked, run_on_ranks, tiny_config
 from fived.training.report import expected_comm_bytes, local_model
 from fived.training.trainer import run_training
 
 CALIBRATION_FILE = Path(__file__).parent / "data" / "published_runs.csv"
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 # ZeRO-2 reduce-scattering each micro-batch's gradients (parallel.zero2_reduce_every_microbatch)
 EVERY_MICRO = dict(overlap_grad_reduce=True, zero2_reduce_every_microbatch=True)
@@ -213,10 +210,8 @@ def test_hardware_catalogue_and_toml(tmp_path):
         hardware(str(path))
 
 
-def _fived(*args, timeout=300):
-    return subprocess.run(
-        [sys.executable, "-m", "fived", *args], capture_output=True, text=True, env=ENV, timeout=timeout
-    )
+def _fived(*args):
+    return run_forked(main, list(args))  # (`python -m fived` but for its seconds of `import torch`)
 
 
 def test_cli_plan_json_and_errors():
