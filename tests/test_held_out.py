@@ -80,6 +80,15 @@ def test_validate_reports_the_held_out_rows_apart(small, tmp_path):
     assert result["median"] == pytest.approx(fitted.in_sample, abs=1e-3)
     assert result["loso"] == pytest.approx(fitted.out_of_sample, abs=1e-3)
     assert set(result["loso_by_source"]) == {"Narayanan2021-SC21", "InternLM-7B-2023"}
+    with path.open(newline="") as f:  # a file of held-out rows only: no in-sample figure, never nan
+        held_only = [r for r in csv.DictReader(f) if r["split"] == "test"]
+    (tmp_path / "held.csv").write_text(",".join(held_only[0]) + "\n")
+    with (tmp_path / "held.csv").open("a", newline="") as f:
+        csv.DictWriter(f, fieldnames=list(held_only[0])).writerows(held_only)
+    lines = []
+    validate(tmp_path / "held.csv", printer=lines.append, calibration=fitted)
+    assert lines[-1] == "median absolute error: no row to fit (every row predicted is held out)"
+    assert not any("in sample" in x or "nan" in x for x in lines)
 
 
 def test_the_shipped_calibration_holds_the_test_split_out():

@@ -165,7 +165,8 @@ def validate(
         printer(line)
     errors = {r.row_id: p.time.tokens_per_s_per_gpu / r.reported - 1 for r, p in done}
     fitting = [i for i, r in enumerate(rows) if not r.held_out]  # the rows a fit may read
-    printer(_twice_off("in sample", {rows[i].row_id: errors[rows[i].row_id] for i in fitting}))
+    if fitting:
+        printer(_twice_off("in sample", {rows[i].row_id: errors[rows[i].row_id] for i in fitting}))
     fits = sum(p.fits for p in plans)
     result: dict[str, Any] = {
         "rows": len(rows) + len(skipped),
@@ -197,7 +198,11 @@ def validate(
     if loso:
         result.update(_print_loso([rows[i] for i in fitting], loso, printer))
     printer(f"predicted {len(rows)} of {result['rows']} rows")
-    printer(f"median absolute error: {result['median']:.1f}%")
+    printer(
+        f"median absolute error: {result['median']:.1f}%"
+        if fitting
+        else "median absolute error: no row to fit (every row predicted is held out)"
+    )
     return result
 
 
