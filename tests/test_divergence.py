@@ -170,7 +170,9 @@ def test_a_diverging_resumed_run_exits_in_one_line_and_loses_no_checkpoint(tmp_p
     assert first.returncode == 0, first.stderr
     before = [s for s, _ in complete_checkpoints(run)]
     assert before == [4, 6]
-    diverging = run_forked(main, ["train", "--resume", str(run), "--train.lr", "1e3", "--steps", "40"])
+    # --steps 12 extends the run (6) past the step lr 1e3 spikes at (8, with this seed), and keeps the
+    # hint's follow-up launch to the 6 steps after the last checkpoint
+    diverging = run_forked(main, ["train", "--resume", str(run), "--train.lr", "1e3", "--steps", "12"])
     assert diverging.returncode == DIVERGED_EXIT, diverging.stderr
     lines = [line for line in diverging.stderr.splitlines() if "fived train:" in line]
     assert len(lines) == 1 and "diverged at step" in lines[0] and "Traceback" not in diverging.stderr, diverging.stderr
@@ -178,7 +180,7 @@ def test_a_diverging_resumed_run_exits_in_one_line_and_loses_no_checkpoint(tmp_p
     assert torch.isfinite(torch.tensor([r["loss"] for r in _logged(run)])).all()
     # The hint is a command that works: the launch's --steps (it extended the run) and the lr to go under
     hint = re.search(
-        r"continue with: (fived train --resume \S+ --steps 40) and a lower --train.lr than 1000 ", lines[0]
+        r"continue with: (fived train --resume \S+ --steps 12) and a lower --train.lr than 1000 ", lines[0]
     )
     assert hint, lines[0]
     assert "lr = 1000.0" not in (run / "config.toml").read_text()  # (the diverging launch's config: not kept)
