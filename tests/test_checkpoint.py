@@ -2,6 +2,7 @@
 bit (every dimension, every ZeRO stage, dense and MoE); a checkpoint written by one layout continues
 at any other exactly like one device; background saves load exactly."""
 
+import copy
 import json
 
 import pytest
@@ -15,11 +16,22 @@ from fived.training.trainer import run_training
 STEPS = 4
 
 
+def _whole_then_checkpointed(cfg, output_dir: str, until: int | None = STEPS // 2):
+    """On one rank: the run straight through (writing nothing), then the same run from its start,
+    writing checkpoints into output_dir, stopped after `until` steps. Both in one launch: starting
+    the ranks costs more than the steps, and each run_training builds its own model, groups and data
+    from the config."""
+    whole = run_training(cfg, False, False, True)
+    cfg = copy.deepcopy(cfg)
+    cfg.train.output_dir = output_dir
+    return whole, run_training(cfg, True, False, False, None, until)
+
+
 def _uninterrupted_and_resumed(world: int, cfg, tmp_path):
-    """The run straight through, and the same run stopped after half the steps and resumed."""
-    whole = run_on_ranks(world, run_training, cfg, False, False, True)
+    """The run straight through, and the same run stopped after half the steps and resumed (the
+    resumed half in fresh processes, as a real resume is)."""
+    whole, first = zip(*run_on_ranks(world, _whole_then_checkpointed, cfg, str(tmp_path)))
     cfg.train.output_dir = str(tmp_path)
-    first = run_on_ranks(world, run_training, cfg, True, False, False, None, STEPS // 2)
     second = run_on_ranks(world, run_training, cfg, True, False, True, str(find_checkpoint(tmp_path)))
     return whole, first, second
 
@@ -149,11 +161,17 @@ def test_bf16_masters_reshard_exactly(tmp_path):
     saved = run_on_ranks(4, run_training, cfg, True, False, True, None, STEPS // 2)[0].state
     assert any(not torch.equal(v, v.bfloat16().float()) for v in saved.values())  # masters hold more than bf16
     checkpoint = str(find_checkpoint(tmp_path))
-    for world, over in ((2, dict(parallel__dp=2, parallel__zero=3)), (2, dict(parallel__tp=2))):
-        other = tiny_config("tiny", train__steps=STEPS, train__dtype="bfloat16", **over)
-        loaded = run_on_ranks(world, run_training, other, False, False, True, checkpoint, STEPS // 2)[0].state
+    layouts = (dict(parallel__dp=2, parallel__zero=3), dict(parallel__tp=2))  # (both on 2 ranks: one launch)
+    others = [tiny_config("tiny", train__steps=STEPS, train__dtype="bfloat16", **over) for over in layouts]
+    each_loaded = run_on_ranks(2, _each_loaded, others, checkpoint)[0]
+    for over, loaded in zip(layouts, each_loaded, strict=True):
         for name, value in saved.items():
             assert torch.equal(value, loaded[name]), (over, name)
+
+
+def _each_loaded(configs, checkpoint: str) -> list[dict]:
+    """On one rank: each configuration's state just after loading `checkpoint` (no step taken)."""
+    return [run_training(cfg, False, False, True, checkpoint, STEPS // 2).state for cfg in configs]
 
 
 # (first half's layout, second half's layout, model): together they change every dimension and every
@@ -294,9 +312,8 @@ def test_background_save_loads_exactly(tmp_path):
     cfg = tiny_config(
         "tiny-moe", train__steps=6, parallel__dp=2, parallel__zero=2, checkpoint__every=2, checkpoint__async=True
     )
-    whole = run_on_ranks(2, run_training, cfg, False, False, True)[0]
+    whole, saved = run_on_ranks(2, _whole_then_checkpointed, cfg, str(tmp_path), None)[0]
     cfg.train.output_dir = str(tmp_path)
-    saved = run_on_ranks(2, run_training, cfg, True, False, False)[0]
     assert "checkpoint_s" in saved.metrics[2] and "checkpoint_s" in saved.metrics[4]  # (with the step after)
     assert "checkpoint_prepare_s" in saved.metrics[0]  # staging copies allocated after the first step
     assert [s for s, _ in complete_checkpoints(tmp_path)] == [2, 4, 6]  # (keep 3)
