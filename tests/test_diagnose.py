@@ -13,7 +13,7 @@ import pytest
 
 from fived.cli.main import main
 from fived.config import build_config
-from fived.testing import run_on_ranks
+from fived.testing import run_forked, run_on_ranks
 from fived.tools.diagnose import RECOMPUTE_SHARE, Measured, _recompute, _uneven_micro, diagnose
 from fived.training.report import write_run_json
 from fived.training.trainer import Trainer
@@ -234,18 +234,11 @@ def test_diagnose_refuses_a_directory_without_a_run(tmp_path, capsys):
 
 def _profiled_run(tmp_path, *flags: str) -> dict:
     """`fived train --train.profile 2:3` on 4 ranks; the merged trace's events per rank."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
     run_dir = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src"), "OMP_NUM_THREADS": "1"}
-    train = subprocess.run(
+    # (forked from this process: no `python -m fived` paying its import of torch again)
+    train = run_forked(
+        main,
         [
-            sys.executable,
-            "-m",
-            "fived",
             "train",
             "--nproc",
             "4",
@@ -261,10 +254,6 @@ def _profiled_run(tmp_path, *flags: str) -> dict:
             str(run_dir),
             *flags,
         ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
     )
     assert train.returncode == 0, train.stderr
     assert "merged -> " in train.stdout
