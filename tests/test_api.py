@@ -13,6 +13,7 @@ import pytest
 
 import fived
 from fived import Config, ConfigError, TrainingFailed
+from fived.testing import run_forked
 
 README = Path(__file__).parents[1] / "README.md"
 ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src"), "OMP_NUM_THREADS": "1"}
@@ -61,9 +62,8 @@ def test_the_readme_example_runs(tmp_path):
     code = re.search(r"<!-- api example: run by tests/test_api.py -->\n```python\n(.*?)```", README.read_text(), re.S)
     assert code, "the README's API example is missing"
     assert len(code.group(1).strip().splitlines()) <= 12
-    out = subprocess.run(
-        [sys.executable, "-c", code.group(1)], capture_output=True, text=True, env=ENV, cwd=tmp_path, timeout=600
-    )
+    # (a forked child of this process, as a new script's own namespace: no second import of torch)
+    out = run_forked(_run_as_a_script, code.group(1), tmp_path, timeout_s=600)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
     assert re.fullmatch(r"loss 5\.\d\d -> \d\.\d\d at [\d,]+ tokens/s", lines[-2]), lines[-2]
@@ -75,6 +75,13 @@ def test_the_readme_example_runs(tmp_path):
     assert records[28]["lr"] > floor and [r["lr"] for r in records[30:]] == [pytest.approx(floor, rel=1e-12)] * 15
     resumed = [json.loads(line) for line in (run / "launches.jsonl").read_text().splitlines()][-1]
     assert resumed["event"] == "resume" and resumed["config"]["train"]["decay_steps"] == 30
+
+
+def _run_as_a_script(code: str, cwd: Path) -> int:
+    """`code` as `python -c` runs it from `cwd`: a fresh __main__ namespace (its imports its own)."""
+    os.chdir(cwd)
+    exec(compile(code, "<README api example>", "exec"), {"__name__": "__main__"})
+    return 0
 
 
 def test_a_diverging_run_raises_with_the_clis_exit_code(tmp_path):
