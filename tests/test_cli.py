@@ -25,19 +25,20 @@ def _losses(run_dir):
 
 def test_train_learns_logs_and_never_overwrites(tmp_path):
     out = str(tmp_path / "run")
-    args = ["train", "--steps", "60", "--train.warmup_steps", "10", "--train.output_dir", out, "--report"]
+    args = ["train", "--steps", "30", "--train.warmup_steps", "10", "--train.output_dir", out, "--report"]
     first = fived(*args)
     assert first.returncode == 0, first.stderr
     records = _losses(out)
-    assert len(records) == 60
-    assert records[-1]["loss"] < records[0]["loss"] - 1.0  # 5.56 -> ~3: clearly learning
+    assert len(records) == 30
+    # clearly learning: 5.57 -> 3.34 in 30 steps (3.07 in 60), a drop over twice the 1.0 asked for
+    assert records[-1]["loss"] < records[0]["loss"] - 1.0
     for key in ("loss", "grad_norm", "lr", "tokens_per_s", "mfu", "peak_mem_mb"):
         assert key in records[0]
     assert "2 local rank(s)" in first.stdout and "dp/all_reduce" in first.stdout
     # a second run with the same output_dir goes next to it; the first run's log is untouched
     second = fived(*args[:2], "5", *args[3:])
     assert second.returncode == 0, second.stderr
-    assert len(_losses(out)) == 60 and len(_losses(out + "-1")) == 5
+    assert len(_losses(out)) == 30 and len(_losses(out + "-1")) == 5
 
 
 def test_prepare_data_then_train_on_it(tmp_path):
