@@ -5,7 +5,6 @@ result needs no tokenizer or vocabulary flags."""
 
 import json
 import os
-import subprocess
 import sys
 import tracemalloc
 
@@ -17,11 +16,11 @@ from fived.cli.main import main
 from fived.config import tomllib
 from fived.data.loader import load_tokenizer, load_tokens
 from fived.data.prepare import MissingExtra, prepare_data
+from fived.testing import run_forked
 
 DOCS = [
     f"Document {i}: {'the quick brown fox jumps over the lazy dog. ' * (i % 4 + 1)}caf\u00e9 {i}\n" for i in range(40)
 ]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def _expected(tokenizer="byte", docs=DOCS):
@@ -175,10 +174,10 @@ def test_training_needs_no_tokenizer_or_vocab_flags(tmp_path):
     text = tmp_path / "corpus.jsonl"
     words = [f"w{i}" for i in range(400)]
     text.write_text("".join(json.dumps({"text": " ".join(words[j:] + words[:j])}) + "\n" for j in range(0, 400, 7)))
-    fived = [sys.executable, "-m", "fived"]
-    prep = subprocess.run(
-        fived
-        + [
+    # (fived.testing.run_forked: `python -m fived` without its second import of torch)
+    prep = run_forked(
+        main,
+        [
             "prepare-data",
             str(text),
             "--output",
@@ -188,17 +187,13 @@ def test_training_needs_no_tokenizer_or_vocab_flags(tmp_path):
             "--val-fraction",
             "0.1",
         ],
-        capture_output=True,
-        text=True,
-        env=ENV,
-        timeout=120,
     )
     assert prep.returncode == 0, prep.stderr
     os.rename(tmp_path / "made", tmp_path / "moved")  # the tokenizer copy moves with the tokens
     os.remove(tok)
-    run = subprocess.run(
-        fived
-        + [
+    run = run_forked(
+        main,
+        [
             "train",
             "--nproc",
             "1",
@@ -215,10 +210,6 @@ def test_training_needs_no_tokenizer_or_vocab_flags(tmp_path):
             "--train.output_dir",
             str(tmp_path / "run"),
         ],
-        capture_output=True,
-        text=True,
-        env=ENV,
-        timeout=300,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
