@@ -53,6 +53,9 @@ def option(default: Any, doc: str, *, key: str | None = None) -> Any:
     return field(default=default, metadata={"doc": doc, **({"key": key} if key else {})})
 
 
+MODEL_KEY_ATTR = "_model_key"  # (not a field: where `model_key` keeps a model's key)
+
+
 @dataclass
 class ModelConfig:
     name: str = option("tiny", "the preset the model's shape starts from (the fields below override it)")
@@ -146,6 +149,11 @@ class ModelConfig:
     # DeepSeek-V3's multi-token prediction (fived.model.mtp): D sequential modules on the last stage
     mtp_depth: int = option(0, "multi-token prediction modules (module k predicts token t+k+1); 0: off")
     mtp_loss_weight: float = option(0.3, "multi-token prediction: lambda x the depths' mean cross-entropy is added")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # a changed field drops the hashable key the planner's caches cached (`fived.layout.stages.model_key`)
+        self.__dict__.pop(MODEL_KEY_ATTR, None)
+        object.__setattr__(self, name, value)
 
     @property
     def head_dim(self) -> int:

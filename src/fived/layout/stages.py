@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from fived.config import ModelConfig
+from fived.config import MODEL_KEY_ATTR, ModelConfig
 from fived.layout.layout import V_SHAPED, Layout
 
 Chunk = tuple[tuple[int, ...], bool, bool]  # (layer ids, holds the embedding, holds the head)
@@ -74,15 +74,40 @@ def split_layers(cfg: ModelConfig, n_stages: int, override: str = "") -> list[li
     return out
 
 
+class _Key(tuple):
+    """`model_key`'s tuple, its hash computed once: the caches that key on it hash it at every lookup."""
+
+    def __hash__(self) -> int:
+        h = self.__dict__.get("hash")
+        if h is None:
+            h = self.__dict__["hash"] = tuple.__hash__(self)
+        return h
+
+    def __reduce__(self):  # (pickled as a plain tuple: string hashes differ between processes)
+        return tuple, (tuple(self),)
+
+
 def model_key(m: ModelConfig) -> tuple:
     """A hashable form of a model config (the caches of the layout core and the planner key on it): its
-    fields in their order (not sorted: the planner asks for it ~10^5 times a search)."""
-    return tuple(vars(m).items())
+    fields in their order, built once per model (kept on it until a field changes: `ModelConfig.__setattr__`;
+    the planner asks for it ~10^5 times a search)."""
+    key = m.__dict__.get(MODEL_KEY_ATTR)
+    if key is None:
+        key = _Key((k, v) for k, v in vars(m).items() if k != MODEL_KEY_ATTR)
+        m.__dict__[MODEL_KEY_ATTR] = key
+    return key
+
+
+@lru_cache(maxsize=64)
+def model_of(key: tuple) -> ModelConfig:
+    """The model config of a `model_key`, built once per key (the caches keyed on it ask on every miss;
+    it is shared: read it, never change it)."""
+    return ModelConfig(**dict(key))
 
 
 @lru_cache(maxsize=4096)
 def _split(key: tuple, n_stages: int, pp_layers: str) -> tuple[tuple[int, ...], ...]:
-    return tuple(tuple(s) for s in split_layers(ModelConfig(**dict(key)), n_stages, pp_layers))
+    return tuple(tuple(s) for s in split_layers(model_of(key), n_stages, pp_layers))
 
 
 def rank_chunks(m: ModelConfig, layout: Layout, pp_rank: int) -> list[Chunk]:
