@@ -125,3 +125,15 @@ def test_replicated_kv_heads_and_the_padded_vocabulary():
     assert padded_vocab(small, 4) == 252
     emb = tensor_specs(small, tp=4)["tok_embeddings.weight"]
     assert emb.local_box(tp_rank=3) == ((189, 0), (63, small.dim))
+
+
+def test_a_models_key_is_kept_until_a_field_changes():
+    """`model_key` is built once per model (the planner's caches ask ~10^5 times a search); a changed
+    field (the data loader sets vocab_size) must give the new key, never the kept one."""
+    from fived.layout.stages import model_key, model_of
+
+    m = model_preset("tiny")
+    key = model_key(m)
+    assert model_key(m) is key and model_of(key) == m and hash(key) == hash(tuple(key))
+    m.vocab_size += 64
+    assert model_key(m) != key and dict(model_key(m))["vocab_size"] == m.vocab_size

@@ -451,15 +451,30 @@ def _rank_states(key, layout: Layout, dtype: str, runtime: Runtime):
     """Per pipeline rank: (model-state bytes, transient buffers that do not depend on the micro-batch,
     ZeRO-3's unsharded gradient bytes while micro-batches accumulate, chunks)."""
     m = model_of(key)
-    out, seen = [], {}
-    for r in range(layout.pp):
-        chunks = rank_chunks_by_key(key, layout.pp, placement(layout.pp_schedule), layout.n_stages, r, layout.pp_layers)
+    kinds, ranks = _rank_kinds(key, layout.pp, placement(layout.pp_schedule), layout.n_stages, layout.pp_layers)
+    seen = []
+    for chunks in kinds:  # ranks with the same kinds of layers hold the same state
+        state = state_bytes(m, layout, dtype, chunks, runtime=runtime)
+        seen.append((state,) + _static_buffers(m, layout, dtype, chunks, state, runtime))
+    return [seen[kind] + (chunks,) for kind, chunks in ranks]
+
+
+@lru_cache(maxsize=4096)
+def _rank_kinds(key, pp: int, schedule: str, n_stages: int, pp_layers: str) -> tuple:
+    """(the chunks of the first rank of each kind, per pipeline rank (its kind, its chunks)): a kind is
+    the ranks whose chunks hold as many MoE layers and layers, and the embedding and head alike (what
+    their state depends on; every state of a search with these stages asks it)."""
+    m = model_of(key)
+    index: dict[tuple, int] = {}
+    firsts, ranks = [], []
+    for r in range(pp):
+        chunks = rank_chunks_by_key(key, pp, schedule, n_stages, r, pp_layers)
         kinds = tuple((moe_layer_count(m, layers), len(layers), first, last) for layers, first, last in chunks)
-        if kinds not in seen:  # ranks with the same kinds of layers hold the same state
-            state = state_bytes(m, layout, dtype, chunks, runtime=runtime)
-            seen[kinds] = (state,) + _static_buffers(m, layout, dtype, chunks, state, runtime)
-        out.append(seen[kinds] + (chunks,))
-    return out
+        if kinds not in index:
+            index[kinds] = len(firsts)
+            firsts.append(chunks)
+        ranks.append((index[kinds], chunks))
+    return tuple(firsts), tuple(ranks)
 
 
 def _static_buffers(
