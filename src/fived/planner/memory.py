@@ -466,7 +466,8 @@ def _rank_kinds(key, pp: int, schedule: str, n_stages: int, pp_layers: str) -> t
     their state depends on; every state of a search with these stages asks it)."""
     m = model_of(key)
     index: dict[tuple, int] = {}
-    firsts, ranks = [], []
+    firsts: list[list[Chunk]] = []
+    ranks: list[tuple[int, list[Chunk]]] = []
     for r in range(pp):
         chunks = rank_chunks_by_key(key, pp, schedule, n_stages, r, pp_layers)
         kinds = tuple((moe_layer_count(m, layers), len(layers), first, last) for layers, first, last in chunks)
