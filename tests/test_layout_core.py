@@ -137,3 +137,4 @@ def test_a_models_key_is_kept_until_a_field_changes():
     assert model_key(m) is key and model_of(key) == m and hash(key) == hash(tuple(key))
     m.vocab_size += 64
     assert model_key(m) != key and dict(model_key(m))["vocab_size"] == m.vocab_size
+    assert type(m)(**vars(m)) == m  # (the key is kept outside the model: its __dict__ is its fields)

@@ -53,7 +53,9 @@ def option(default: Any, doc: str, *, key: str | None = None) -> Any:
     return field(default=default, metadata={"doc": doc, **({"key": key} if key else {})})
 
 
-MODEL_KEY_ATTR = "_model_key"  # (not a field: where `model_key` keeps a model's key)
+# id(model) -> (a weak reference to it, its key): `fived.layout.stages.model_key`'s keys, kept outside the
+# models (their __dict__ stays their fields) and dropped when a field changes (`ModelConfig.__setattr__`)
+MODEL_KEYS: dict[int, tuple] = {}
 
 
 @dataclass
@@ -152,7 +154,7 @@ class ModelConfig:
 
     def __setattr__(self, name: str, value: Any) -> None:
         # a changed field drops the hashable key the planner's caches cached (`fived.layout.stages.model_key`)
-        self.__dict__.pop(MODEL_KEY_ATTR, None)
+        MODEL_KEYS.pop(id(self), None)
         object.__setattr__(self, name, value)
 
     @property

@@ -10,9 +10,10 @@ rules the runtime builds its stages by and the planner prices them by (plain Pyt
 
 from __future__ import annotations
 
+import weakref
 from functools import lru_cache
 
-from fived.config import MODEL_KEY_ATTR, ModelConfig
+from fived.config import MODEL_KEYS, ModelConfig
 from fived.layout.layout import V_SHAPED, Layout
 
 Chunk = tuple[tuple[int, ...], bool, bool]  # (layer ids, holds the embedding, holds the head)
@@ -89,13 +90,25 @@ class _Key(tuple):
 
 def model_key(m: ModelConfig) -> tuple:
     """A hashable form of a model config (the caches of the layout core and the planner key on it): its
-    fields in their order, built once per model (kept on it until a field changes: `ModelConfig.__setattr__`;
+    fields in their order, built once per model (kept until a field changes: `ModelConfig.__setattr__`;
     the planner asks for it ~10^5 times a search)."""
-    key = m.__dict__.get(MODEL_KEY_ATTR)
-    if key is None:
-        key = _Key((k, v) for k, v in vars(m).items() if k != MODEL_KEY_ATTR)
-        m.__dict__[MODEL_KEY_ATTR] = key
+    kept = MODEL_KEYS.get(id(m))
+    if kept is not None and kept[0]() is m:  # (not a dead model's whose id was reused)
+        return kept[1]
+    key = _Key(vars(m).items())
+    MODEL_KEYS[id(m)] = (weakref.ref(m, _forget(id(m))), key)
     return key
+
+
+def _forget(model_id: int):
+    """The callback that drops a dead model's key (unless its id already holds another model's)."""
+
+    def forget(ref) -> None:
+        kept = MODEL_KEYS.get(model_id)
+        if kept is not None and kept[0] is ref:
+            del MODEL_KEYS[model_id]
+
+    return forget
 
 
 @lru_cache(maxsize=64)
