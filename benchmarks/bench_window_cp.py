@@ -11,11 +11,16 @@ communication layer, the busiest rank's), the attention compute per step (the ra
 forward + backward, `time.thread_time`: waits and the machine's other load do not count; the
 slowest rank's median) and the wall time (slowest rank, median). The ways run interleaved, order
 reversed every other round, each after a barrier. The last lines hold the ratios halo / full ring
-next to the planner's: its bytes (`fived.planner.communication.step_collectives` for a one-layer
-model, windowed against global) and its attention FLOPs (`fived.layout.flops.layer_keys`).
+next to the planner's, for a one-layer model windowed against global: its bytes
+(`fived.planner.communication.step_collectives`), its attention time (`fived.planner.timing.
+attention_seconds` on this host's CPU entry: the FLOPs of the kernel calls fived makes, counted from
+its tiles by `fived.layout.attention_tiles.window_pairs`) and the band's model FLOPs (MFU's count,
+`fived.layout.flops.layer_keys`). `--heads`, `--kv-heads`, `--head-dim` change the layer's shape
+(e.g. 8, 1, 64: a gpt-oss-120b attention layer's on one of tp 8 ranks).
 
     python benchmarks/bench_window_cp.py                              # cp 2, seq 16384, window 1024
     python benchmarks/bench_window_cp.py --seq 4096 --window 256      # quicker
+    python benchmarks/bench_window_cp.py --heads 8 --kv-heads 1 --head-dim 64 --steps 3
 """
 
 from __future__ import annotations
@@ -45,7 +50,16 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--model", default="tiny-gpt-oss")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--heads", type=int, default=0, help="query heads (0: the model's)")
+    p.add_argument("--kv-heads", type=int, default=0, help="key/value heads (0: the model's)")
+    p.add_argument("--head-dim", type=int, default=0, help="head size (0: the model's)")
     return p.parse_args()
+
+
+def model_overrides(args) -> dict:
+    """The model and the shape options given (build_config's overrides)."""
+    shape = {"model.n_heads": args.heads, "model.n_kv_heads": args.kv_heads, "model.head_size": args.head_dim}
+    return {"model.name": args.model, **{k: v for k, v in shape.items() if v}}
 
 
 def _layer(args):
@@ -53,7 +67,7 @@ def _layer(args):
     from fived.model.attention import order_keys
     from fived.parallel.context import local_positions, ring_attention
 
-    m = build_config(overrides={"model.name": args.model}).model
+    m = build_config(overrides=model_overrides(args)).model
     cp, rank, group = dist.get_world_size(), dist.get_rank(), dist.group.WORLD
     g = torch.Generator().manual_seed(rank)
     s = args.seq // cp
@@ -96,16 +110,18 @@ def rank_main(args) -> dict:
     return {w: (statistics.median(cpu[w]), statistics.median(wall[w]), sent[w]) for w in WAYS}
 
 
-def planned(args) -> tuple[float, float]:
-    """The planner's (bytes, attention FLOPs) ratios of the windowed layer to a global one."""
+def planned(args) -> tuple[float, float, float]:
+    """The planner's ratios of the windowed layer to a global one: (bytes, attention seconds, band FLOPs)."""
     from fived.layout.flops import layer_keys
     from fived.layout.layout import Layout
     from fived.planner.communication import step_collectives
+    from fived.planner.hardware import local_hardware
+    from fived.planner.timing import Cluster, attention_seconds
 
-    def sends(window: int) -> float:
+    def priced(window: int) -> tuple[float, float]:
         cfg = build_config(
             overrides={
-                "model.name": args.model,
+                **model_overrides(args),
                 "model.n_layers": 1,
                 "model.sliding_window": window,
                 "model.window_pattern": "w",
@@ -117,9 +133,12 @@ def planned(args) -> tuple[float, float]:
         cfg.model = dataclasses.replace(cfg.model, attention_sinks=False)
         layout = Layout.from_config(cfg, args.cp)
         calls = step_collectives(cfg.model, layout, args.seq, 1, "float32", [((0,), True, True)])
-        return sum(c.nbytes * c.calls for c in calls if c.group == "cp" and c.op != "recv" and c.op != "all_reduce")
+        sent = sum(c.nbytes * c.calls for c in calls if c.group == "cp" and c.op != "recv" and c.op != "all_reduce")
+        cluster = Cluster(local_hardware(args.cp), args.cp, args.cp)
+        return sent, attention_seconds(cfg.model, layout, cluster, args.seq, 1, "float32")
 
-    return sends(args.window) / sends(0), layer_keys(args.window, args.seq) / args.seq
+    (halo_sent, halo_s), (ring_sent, ring_s) = priced(args.window), priced(0)
+    return halo_sent / ring_sent, halo_s / ring_s, layer_keys(args.window, args.seq) / args.seq
 
 
 def main() -> None:
@@ -134,10 +153,13 @@ def main() -> None:
     print(f"{'way':<12} {'MB sent/step':>12} {'attention CPU s':>16} {'wall s':>8}")
     for way, (cpu, wall, sent) in rows.items():
         print(f"{way:<12} {sent / 1e6:>12.3f} {cpu:>16.3f} {wall:>8.3f}")
-    bytes_ratio, flops_ratio = planned(args)
+    bytes_ratio, time_ratio, band_ratio = planned(args)
     halo, ring = rows["halo"], rows["full ring"]
     print(f"halo / full ring: bytes {halo[2] / ring[2]:.4f} (planner {bytes_ratio:.4f}), ", end="")
-    print(f"attention CPU {halo[0] / ring[0]:.3f} (planner's FLOPs {flops_ratio:.3f}), wall {halo[1] / ring[1]:.3f}")
+    print(
+        f"attention CPU {halo[0] / ring[0]:.3f} (planner {time_ratio:.3f}; the band's FLOPs {band_ratio:.3f}), ", end=""
+    )
+    print(f"wall {halo[1] / ring[1]:.3f}")
     print(f"load {os.getloadavg()[0]:.2f} at the end")
 
 

@@ -15,9 +15,15 @@ import pytest  # noqa: E402
 import torch.distributed.pipelining  # noqa: E402
 
 from fived.tools import verification  # noqa: E402
+from fived.training import trainer  # noqa: E402
 
 # One single-process reference per configuration for the whole session: the verifications share them.
 verification.REFERENCE_CACHE = {}
+
+# The host's matmul rate (the MFU's denominator) read once here, so that no forked rank of the session
+# spends its own reading (about 1 s per rank in bfloat16, 0.1 s in float64).
+for _dtype in (torch.float64, torch.float32, torch.bfloat16):
+    trainer.host_peak_tflops(_dtype, 0.0, "cpu")
 
 
 @pytest.fixture(autouse=True)

@@ -37,6 +37,9 @@ SINGLE = {
     # Gemma 3: head_size != dim / n_heads, q/k norms and post-norms scaling by 1 + weight, windowed
     # layers' order keys, the final soft-capping's logits
     "gemma3": ("tiny-gemma3", {}),
+    # GPT-OSS: its experts' clamped SwiGLU (seven saved tensors a slot), biases, sinks, windows
+    "gpt-oss": ("tiny-gpt-oss", {}),
+    "gpt-oss selective checkpointing": ("tiny-gpt-oss", {"train__activation_checkpointing": "selective"}),
 }
 PAIR = {
     "tp2 sp": ("tiny", {"parallel__tp": 2, "parallel__sp": True}),

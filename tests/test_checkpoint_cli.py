@@ -2,25 +2,19 @@
 one line, and `fived verify --reshard-from`."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 from fived.checkpoint.checkpointer import check_model_shapes, complete_checkpoints, read_manifest
 from fived.cli.main import main
 from fived.config import ConfigError
-from fived.testing import tiny_config
+from fived.testing import run_forked, tiny_config
 
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 SMALL = ["--seq-len", "32", "--global-batch", "8", "--train.warmup_steps", "2"]
 
 
-def fived(*args, timeout=300):
-    return subprocess.run(
-        [sys.executable, "-m", "fived", *args], capture_output=True, text=True, env=ENV, timeout=timeout
-    )
+def fived(*args):
+    return run_forked(main, list(args))  # (`python -m fived` but for its seconds of `import torch`)
 
 
 @pytest.fixture(scope="module")

@@ -7,13 +7,15 @@ import sys
 
 import pytest
 
+from fived.cli.main import main
+from fived.testing import run_forked
+
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def fived(*args, cwd=None, timeout=300):
-    return subprocess.run(
-        [sys.executable, "-m", "fived", *args], capture_output=True, text=True, env=ENV, cwd=cwd, timeout=timeout
-    )
+def fived(*args):
+    """`python -m fived *args` in a real process, forked from this one: without its seconds of `import torch`."""
+    return run_forked(main, list(args))
 
 
 def _losses(run_dir):

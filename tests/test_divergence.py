@@ -4,23 +4,20 @@ before launch."""
 
 import json
 import math
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from fived.checkpoint.checkpointer import complete_checkpoints
+from fived.cli.main import main
 from fived.config import ConfigError, build_config
 from fived.launch.ranks import RankFailed
 from fived.layout.rules import check_config
-from fived.testing import run_on_ranks, tiny_config
+from fived.testing import run_forked, run_on_ranks, tiny_config
 from fived.training.divergence import DIVERGED_EXIT, LossGuard, healthy_checkpoint
 from fived.training.trainer import Trainer, run_training
 
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 STEPS, EVERY, POISONED = 12, 2, 6  # the gradients of step index 6 (logged as step 7) are NaN
 
 
@@ -165,37 +162,15 @@ def test_a_diverging_resumed_run_exits_in_one_line_and_loses_no_checkpoint(tmp_p
     at the first spiking step with exit code 65, and every checkpoint it had is still there."""
     run = tmp_path / "run"
     small = ["--nproc", "1", "--seq-len", "32", "--global-batch", "8", "--train.spike_window", "4"]
-    first = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "fived",
-            "train",
-            "--steps",
-            "6",
-            "--checkpoint.every",
-            "2",
-            "--checkpoint.keep",
-            "1",
-            "--train.output_dir",
-            str(run),
-            *small,
-        ],
-        capture_output=True,
-        text=True,
-        env=ENV,
-        timeout=300,
+    first = run_forked(
+        main,
+        ["train", "--steps", "6", "--checkpoint.every", "2", "--checkpoint.keep", "1", "--train.output_dir", str(run)]
+        + small,
     )
     assert first.returncode == 0, first.stderr
     before = [s for s, _ in complete_checkpoints(run)]
     assert before == [4, 6]
-    diverging = subprocess.run(
-        [sys.executable, "-m", "fived", "train", "--resume", str(run), "--train.lr", "1e3", "--steps", "40"],
-        capture_output=True,
-        text=True,
-        env=ENV,
-        timeout=300,
-    )
+    diverging = run_forked(main, ["train", "--resume", str(run), "--train.lr", "1e3", "--steps", "40"])
     assert diverging.returncode == DIVERGED_EXIT, diverging.stderr
     lines = [line for line in diverging.stderr.splitlines() if "fived train:" in line]
     assert len(lines) == 1 and "diverged at step" in lines[0] and "Traceback" not in diverging.stderr, diverging.stderr
@@ -208,13 +183,7 @@ def test_a_diverging_resumed_run_exits_in_one_line_and_loses_no_checkpoint(tmp_p
     assert hint, lines[0]
     assert "lr = 1000.0" not in (run / "config.toml").read_text()  # (the diverging launch's config: not kept)
     assert json.loads((run / "launches.jsonl").read_text().splitlines()[-1])["config"]["train"]["lr"] == 1e3
-    followed = subprocess.run(
-        [sys.executable, "-m", *hint.group(1).split(), "--train.lr", "1e-3"],
-        capture_output=True,
-        text=True,
-        env=ENV,
-        timeout=300,
-    )
+    followed = run_forked(main, [*hint.group(1).split()[1:], "--train.lr", "1e-3"])  # (after "fived")
     assert followed.returncode == 0, followed.stderr
 
 

@@ -52,16 +52,27 @@ def test_gemma3_logits_and_greedy_ids_equal_transformers(dtype, tmp_path):
 
 
 def test_gemma3_generate_equals_transformers(tmp_path):
-    """fived's KV-cached greedy ids (past the window of 8) equal transformers' generate."""
+    """fived's KV-cached greedy ids equal transformers' generate and the full recompute (the whole
+    sequence run again for every new token), past the window of 8: the five windowed layers' rolling
+    caches (their own rotary base) hold 8 positions and wrap four times over 12 + 20, the global
+    layer's holds all 32."""
     from fived.tools.generate import Sampling, generate
 
     reference = save_hf_model("gemma3_text", tmp_path, dtype=torch.float64)
-    model, _ = _fived(tmp_path, torch.float64)
-    prompt = list(range(3, 15))
-    got = generate(model, prompt, Sampling(max_new_tokens=10))
+    model, cfg = _fived(tmp_path, torch.float64)
+    prompt, new = list(range(3, 15)), 20
+    got = generate(model, prompt, Sampling(max_new_tokens=new))
+    held = [block.attention.core.keys.shape[1] for block in model.blocks()]
+    assert held == [cfg.sliding_window] * 5 + [len(prompt) + new]
     ids = torch.tensor([prompt])
-    expected = reference.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=0)[0, len(prompt) :]
+    expected = reference.generate(ids, max_new_tokens=new, do_sample=False, pad_token_id=0)[0, len(prompt) :]
     assert got == expected.tolist() and len(set(got)) > 3
+    recomputed, _ = _fived(tmp_path, torch.float64)
+    tokens = list(prompt)
+    with torch.no_grad():
+        for _ in range(new):
+            tokens.append(int(recomputed(torch.tensor([tokens]))[0, -1].argmax()))
+    assert got == tokens[len(prompt) :]
 
 
 @pytest.mark.parametrize(

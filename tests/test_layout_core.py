@@ -127,14 +127,21 @@ def test_replicated_kv_heads_and_the_padded_vocabulary():
     assert emb.local_box(tp_rank=3) == ((189, 0), (63, small.dim))
 
 
-def test_a_models_key_is_kept_until_a_field_changes():
-    """`model_key` is built once per model (the planner's caches ask ~10^5 times a search); a changed
-    field (the data loader sets vocab_size) must give the new key, never the kept one."""
+def test_a_models_key_is_built_once_and_follows_its_fields():
+    """`model_key` is built once per model (the planner's caches ask ~10^5 times a search); another
+    model, even at a dead one's id, gets its own fields' key."""
+    import dataclasses
+
     from fived.layout.stages import model_key, model_of
 
     m = model_preset("tiny")
     key = model_key(m)
     assert model_key(m) is key and model_of(key) == m and hash(key) == hash(tuple(key))
-    m.vocab_size += 64
-    assert model_key(m) != key and dict(model_key(m))["vocab_size"] == m.vocab_size
+    other = dataclasses.replace(m, vocab_size=m.vocab_size + 64)
+    assert model_key(other) != key and dict(model_key(other))["vocab_size"] == other.vocab_size
     assert type(m)(**vars(m)) == m  # (the key is kept outside the model: its __dict__ is its fields)
+    for _ in range(50):  # (ids of dead models are reused: never their keys)
+        n = model_preset("tiny")
+        n_key = model_key(n)
+        assert model_key(dataclasses.replace(n, dim=n.dim * 2)) != n_key
+        del n

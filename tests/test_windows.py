@@ -77,6 +77,26 @@ def test_windowed_tiles_compute_about_the_window():
     assert sum((q1 - q0) * (k1 - k0) for _, q0, q1, k0, k1, _ in pieces) < 1000 * 128
 
 
+@pytest.mark.parametrize("window", [0, 5])
+def test_a_piece_mask_is_its_visible_pairs_and_a_band_is_built_once(window):
+    """Every masked piece's additive mask allows exactly `_visible`'s pairs and names the rows that
+    see nothing, whether it comes from the band cache (consecutive positions of one document: the
+    same tensor again for the same band, also at other positions) or is built (documents change
+    inside it, or its keys skip positions)."""
+    documents = torch.tensor([0] * 12 + [1] * 12)
+    keys = attention.order_keys(documents, _positions(documents[None])[0], 1)[0]
+    cases = [(keys[14:20], keys[9:20]), (keys[2:8], keys[0:8]), (keys[6:8], keys[:2]), (keys[8:16], keys[4:16])]
+    cases += [(keys[14:20], torch.cat([keys[12:14], keys[15:18]]))]
+    for qkeys, kkeys in cases:
+        mask, seen = attention.piece_mask(qkeys, kkeys, window, torch.float64)
+        allowed = attention._visible(qkeys, kkeys, window)
+        assert torch.equal(mask == 0, allowed) and bool((mask[~allowed] == float("-inf")).all())
+        assert torch.equal(allowed.any(-1), torch.ones(len(qkeys), dtype=torch.bool) if seen is None else seen)
+    band = attention.piece_mask(keys[2:8], keys[0:8], window, torch.float64)
+    assert attention.piece_mask(keys[3:9], keys[1:9], window, torch.float64)[0] is band[0]
+    assert attention.piece_mask(keys[14:20], keys[12:20], window, torch.float64)[0] is band[0]
+
+
 def _model(name, **changes):
     cfg = model_preset(name)
     cfg = type(cfg)(**{**cfg.__dict__, **changes})

@@ -14,7 +14,7 @@ import difflib
 import functools
 import sys
 import typing
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -53,12 +53,7 @@ def option(default: Any, doc: str, *, key: str | None = None) -> Any:
     return field(default=default, metadata={"doc": doc, **({"key": key} if key else {})})
 
 
-# id(model) -> (a weak reference to it, its key): `fived.layout.stages.model_key`'s keys, kept outside the
-# models (their __dict__ stays their fields) and dropped when a field changes (`ModelConfig.__setattr__`)
-MODEL_KEYS: dict[int, tuple] = {}
-
-
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     name: str = option("tiny", "the preset the model's shape starts from (the fields below override it)")
     vocab_size: int = option(256, "tokens in the vocabulary (rows of the embedding and the output head)")
@@ -151,11 +146,6 @@ class ModelConfig:
     # DeepSeek-V3's multi-token prediction (fived.model.mtp): D sequential modules on the last stage
     mtp_depth: int = option(0, "multi-token prediction modules (module k predicts token t+k+1); 0: off")
     mtp_loss_weight: float = option(0.3, "multi-token prediction: lambda x the depths' mean cross-entropy is added")
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        # a changed field drops the hashable key the planner's caches cached (`fived.layout.stages.model_key`)
-        MODEL_KEYS.pop(id(self), None)
-        object.__setattr__(self, name, value)
 
     @property
     def head_dim(self) -> int:
@@ -670,7 +660,11 @@ def build_config(toml_path: str | Path | None = None, overrides: dict[str, Any] 
 def set_field(cfg: Config, section: str, key: str, value: Any) -> None:
     """Set `section.key` (a TOML/flag key) to `value`, converted to the field's type."""
     value = coerce(section, key, value)
-    setattr(getattr(cfg, section), _fields_by_key(section)[key].name, value)
+    name = _fields_by_key(section)[key].name
+    if section == "model":  # (frozen: hashed by the planner's caches; a new value, never an edit)
+        cfg.model = replace(cfg.model, **{name: value})
+    else:
+        setattr(getattr(cfg, section), name, value)
 
 
 def config_from_dict(values: dict[str, dict[str, Any]]) -> Config:

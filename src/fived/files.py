@@ -237,9 +237,9 @@ def publish(tmp: str | os.PathLike, final: str | os.PathLike, hint: str = "name 
     os.unlink(tmp)
 
 
-def read_json_lines(path: str | os.PathLike) -> list[dict]:
+def read_json_lines(path: str | os.PathLike, *, warn: bool = True) -> list[dict]:
     """The records of a JSON-lines file fived wrote; a torn line (a crash, a full disk) is skipped,
-    with one warning for the file."""
+    with one warning for the file (`warn=False`: a second reader of a file already read and warned of)."""
     records, torn = [], []
     with open(path, "rb") as f:
         for number, raw in enumerate(f, 1):
@@ -254,7 +254,7 @@ def read_json_lines(path: str | os.PathLike) -> list[dict]:
                 records.append(record)
             else:
                 torn.append(number)
-    if torn:
+    if torn and warn:
         lines = ", ".join(map(str, torn[:3])) + (" ..." if len(torn) > 3 else "")
         print(f"fived: warning: {path}: line {lines} is torn (not a JSON record); skipped", file=sys.stderr)
     return records

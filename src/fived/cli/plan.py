@@ -233,7 +233,8 @@ def add_plan_commands(sub) -> None:
     planp.add_argument(
         "--validate",
         metavar="FILE.csv",
-        help="predict published runs and print the error per row, in sample and leave-one-source-out",
+        help="predict published runs and print the error per row, in sample, on held-out rows (split test) "
+        "and leave-one-source-out",
     )
     planp.add_argument(
         "--runtime",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -345,7 +346,7 @@ def adopt_token_metadata(cfg, given: set[str]) -> None:
         copy = meta.get("tokenizer_file")
         cfg.data.tokenizer = str(token_file_paths(path)[1].parent / copy) if copy else meta["tokenizer"]
     if "model.vocab_size" not in given and cfg.model.vocab_size < int(meta.get("vocab_size", 0)):
-        cfg.model.vocab_size = int(meta["vocab_size"])
+        cfg.model = replace(cfg.model, vocab_size=int(meta["vocab_size"]))
 
 
 def validation_path(cfg) -> str:

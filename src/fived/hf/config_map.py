@@ -14,6 +14,7 @@ model (fived.hf.gemma3): windows with their own rotary, post-norms, norms scalin
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from fived.config import ConfigError, ModelConfig
@@ -101,19 +102,31 @@ def model_config_from_hf(hf: dict, source: str) -> ModelConfig:
         qk_norm=kind.startswith("qwen3"),
     )
     if rope["rope_type"] == "llama3":
-        cfg.rope_scaling = "llama3"
-        cfg.rope_factor = float(rope["factor"])
-        cfg.rope_low_freq_factor = float(rope["low_freq_factor"])
-        cfg.rope_high_freq_factor = float(rope["high_freq_factor"])
-        cfg.rope_original_max_len = int(rope["original_max_position_embeddings"])
+        cfg = replace(
+            cfg,
+            rope_scaling="llama3",
+            rope_factor=float(rope["factor"]),
+            rope_low_freq_factor=float(rope["low_freq_factor"]),
+            rope_high_freq_factor=float(rope["high_freq_factor"]),
+            rope_original_max_len=int(rope["original_max_position_embeddings"]),
+        )
     if kind == "mixtral":
-        cfg.n_experts, cfg.top_k = hf["num_local_experts"], hf["num_experts_per_tok"]
-        cfg.moe_ffn_dim, cfg.route_norm = hf["intermediate_size"], True
+        cfg = replace(
+            cfg,
+            n_experts=hf["num_local_experts"],
+            top_k=hf["num_experts_per_tok"],
+            moe_ffn_dim=hf["intermediate_size"],
+            route_norm=True,
+        )
     elif kind == "qwen3_moe":
-        cfg.n_experts = hf.get("num_experts") or hf["num_local_experts"]
-        cfg.top_k, cfg.moe_ffn_dim = hf["num_experts_per_tok"], hf["moe_intermediate_size"]
-        cfg.route_norm = bool(hf.get("norm_topk_prob", False))
-        cfg.n_dense_layers = len(hf.get("mlp_only_layers") or [])
+        cfg = replace(
+            cfg,
+            n_experts=hf.get("num_experts") or hf["num_local_experts"],
+            top_k=hf["num_experts_per_tok"],
+            moe_ffn_dim=hf["moe_intermediate_size"],
+            route_norm=bool(hf.get("norm_topk_prob", False)),
+            n_dense_layers=len(hf.get("mlp_only_layers") or []),
+        )
     return cfg
 
 

@@ -10,6 +10,8 @@ interleaved weights permutes their rows: fived.hf.names.deinterleaved_rows).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from fived.config import ConfigError, ModelConfig
 from fived.hf.unsupported import Unsupported
 
@@ -59,13 +61,16 @@ def deepseek_config(hf: dict, source: str, rope: dict) -> ModelConfig:
     )
     if rope["rope_type"] == "yarn":
         original = int(rope["original_max_position_embeddings"])
-        cfg.rope_scaling = "yarn"
-        cfg.rope_factor = float(rope.get("factor") or hf["max_position_embeddings"] / original)
-        cfg.rope_original_max_len = original
-        cfg.rope_beta_fast = float(rope.get("beta_fast") or 32)
-        cfg.rope_beta_slow = float(rope.get("beta_slow") or 1)
-        cfg.rope_mscale = float(rope.get("mscale") or 0.0)
-        cfg.rope_mscale_all_dim = float(rope.get("mscale_all_dim") or 0.0)
+        cfg = replace(
+            cfg,
+            rope_scaling="yarn",
+            rope_factor=float(rope.get("factor") or hf["max_position_embeddings"] / original),
+            rope_original_max_len=original,
+            rope_beta_fast=float(rope.get("beta_fast") or 32),
+            rope_beta_slow=float(rope.get("beta_slow") or 1),
+            rope_mscale=float(rope.get("mscale") or 0.0),
+            rope_mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0),
+        )
     return cfg
 
 

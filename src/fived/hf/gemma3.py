@@ -12,6 +12,8 @@ attention kernels have none), bidirectional attention, attention biases, other r
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from fived.config import ConfigError, ModelConfig
 from fived.hf.gpt_oss import hf_shape, window_pattern
 from fived.hf.unsupported import Unsupported
@@ -72,7 +74,7 @@ def gemma3_config(hf: dict, source: str) -> ModelConfig:
         final_softcap=float(cap or 0.0),
     )
     if kind(full) == "linear":
-        cfg.rope_scaling, cfg.rope_factor = "linear", float(full["factor"])
+        cfg = replace(cfg, rope_scaling="linear", rope_factor=float(full["factor"]))
     return cfg
 
 

@@ -12,6 +12,8 @@ with GPT-OSS's experts or sinks exports as GptOssForCausalLM, which needs all of
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from fived.config import ConfigError, ModelConfig
 from fived.hf.unsupported import Unsupported
 
@@ -74,12 +76,15 @@ def gpt_oss_config(hf: dict, source: str, rope: dict) -> ModelConfig:
     if not cfg.attention_bias:
         raise Unsupported(source, "attention_bias", False, "fived's GPT-OSS attention has biases")
     if rope["rope_type"] == "yarn":
-        cfg.rope_scaling = "yarn"
-        cfg.rope_factor = float(rope["factor"])
-        cfg.rope_original_max_len = int(rope["original_max_position_embeddings"])
-        cfg.rope_beta_fast = float(rope.get("beta_fast") or 32.0)
-        cfg.rope_beta_slow = float(rope.get("beta_slow") or 1.0)
-        cfg.rope_truncate = bool(rope.get("truncate", True))
+        cfg = replace(
+            cfg,
+            rope_scaling="yarn",
+            rope_factor=float(rope["factor"]),
+            rope_original_max_len=int(rope["original_max_position_embeddings"]),
+            rope_beta_fast=float(rope.get("beta_fast") or 32.0),
+            rope_beta_slow=float(rope.get("beta_slow") or 1.0),
+            rope_truncate=bool(rope.get("truncate", True)),
+        )
     return cfg
 
 

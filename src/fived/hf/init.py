@@ -13,6 +13,7 @@ tensor; from a fived checkpoint DCP reads the model's entries by the same placem
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -65,9 +66,7 @@ def configure_init_from(cfg, given: dict) -> None:
             raise ConfigError(
                 field, value, f"the model comes from --init-from {source} ({name}={mine})", "drop the flag"
             )
-    for name in TRAINING_ONLY:
-        setattr(model, name, getattr(cfg.model, name))
-    cfg.model = model
+    cfg.model = replace(model, **{name: getattr(cfg.model, name) for name in TRAINING_ONLY})
     if is_hf_directory(source):
         check_hf_names(source, model, read_config(source)["model_type"])
     else:

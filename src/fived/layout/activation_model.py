@@ -59,7 +59,11 @@ Per part, in elements per token unless said (times x bytes unless said):
                    cf > 0 also the kept slots' ids 8 bytes * S); the dispatched tokens h*S; with
                    ep the receiving side's reorder ids + 8 bytes * S
         experts    the grouped op keeps gate and up 2 fe/T * S (silu and the product are
-                   recomputed in its backward) and the slots per local expert 8 bytes * E/ep
+                   recomputed in its backward) and the slots per local expert 8 bytes * E/ep;
+                   GPT-OSS's experts (model.expert_kind gpt-oss: plain autograd per expert, its
+                   counts read once) keep 7 fe/T * S: the clamps' inputs (gate, up), the sigmoid's
+                   output, the clamped gate, gate * sigmoid, up + 1 and their product (w2's input);
+                   their biases keep nothing
         combine    expert outputs h*S and their weights 1*S (the multiply), the weighted outputs
                    h*S (index_add)
         shared     shared experts' SwiGLU 4 fs/T * B
@@ -112,6 +116,9 @@ import math
 
 from fived.layout.layout import CHECKPOINTING
 from fived.layout.spec import kv_width, local_vocab
+
+# tensors of an expert's width GPT-OSS's experts keep per slot (the module docstring lists them)
+GPT_OSS_EXPERT_SAVES = 7
 
 
 def activation_bytes(
@@ -323,7 +330,10 @@ class _Geometry:
         else:
             dispatched = S * h * self.x
             combine = (2 * S * h + S) * self.x
-        experts = 2 * m.expert_dim / T * S * self.x + 8 * E // self.ep
+        if m.expert_kind == "gpt-oss":  # (fived.model.gpt_oss_experts: the clamped SwiGLU's saved tensors)
+            experts = GPT_OSS_EXPERT_SAVES * m.expert_dim / T * S * self.x
+        else:
+            experts = 2 * m.expert_dim / T * S * self.x + 8 * E // self.ep
         shared = 4 * m.expert_dim * m.n_shared_experts / self.tp * self.B * self.x  # (a tp region: B tokens)
         aux = p + 8 * E
         return router + stats + ids + dispatched + experts + combine + shared + aux

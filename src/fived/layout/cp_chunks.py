@@ -28,7 +28,13 @@ def halves_chunks(cp: int) -> list[list[int]]:
     return [[r, 2 * cp - 1 - r] for r in range(cp)]
 
 
-def _needed(held: list[int], chunk: int, window: int) -> list[tuple[int, int]]:
+def member_chunks(cp: int, ulysses: int = 1) -> list[list[int]]:
+    """The chunks (of 2*cp) each ring member holds: a Ulysses group's u consecutive cp ranks'."""
+    halves = halves_chunks(cp)
+    return [[c for r in range(m * ulysses, (m + 1) * ulysses) for c in halves[r]] for m in range(cp // ulysses)]
+
+
+def needed_spans(held: list[int], chunk: int, window: int) -> list[tuple[int, int]]:
     """[start, end) ranges, merged, of the positions before the chunks in `held` their windows reach."""
     spans = sorted((max(0, c * chunk - window + 1), c * chunk) for c in held)
     merged: list[tuple[int, int]] = []
@@ -45,12 +51,11 @@ def halo_tokens(seq_len: int, cp: int, window: int, ulysses: int = 1) -> tuple[t
     """(sent, received) tokens of each ring member (cp / ulysses of them) for one sequence of a
     windowed layer in the halves layout; window 0: no halo."""
     chunk = seq_len // (2 * cp)
-    halves = halves_chunks(cp)
-    held = [[c for r in range(m * ulysses, (m + 1) * ulysses) for c in halves[r]] for m in range(cp // ulysses)]
+    held = member_chunks(cp, ulysses)
     # moved[j][m]: tokens member j holds that member m's windows reach
     moved = [[0] * len(held) for _ in held]
     for m, chunks in enumerate(held):
-        for a, z in _needed(chunks, chunk, window) if window else []:
+        for a, z in needed_spans(chunks, chunk, window) if window else []:
             for j, theirs in enumerate(held):
                 if j != m:
                     moved[j][m] += sum(max(0, min(z, (c + 1) * chunk) - max(a, c * chunk)) for c in theirs)

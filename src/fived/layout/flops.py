@@ -13,11 +13,18 @@ A windowed layer (model.sliding_window, window w < seq s) computes the (query, k
 band, s w - w (w - 1) / 2 of the causal s (s + 1) / 2; in the formula's units (seq_len keys per
 query for a causal layer) that is 2 w - w^2 / s keys per query, which is s at w = s and about 2 w
 when s >> w (`attention_keys`): the same ratio to a global layer as the pairs a kernel computes.
+
+What fived's kernels compute for a windowed layer is more (`kernel_keys`, what the planner's time
+prices): each query tile's keys from its first query - w + 1 to its last, every piece masked, none
+skipped (`fived.layout.attention_tiles.window_pairs`): about 2 w pairs per query where the band has
+w, and a causal kernel skips half of its square. In the formula's units (a causal kernel's) that is
+twice the pairs per query, about 4 w.
 """
 
 from __future__ import annotations
 
 from fived.config import ModelConfig
+from fived.layout.attention_tiles import window_pairs
 from fived.layout.stages import layer_costs
 
 
@@ -41,6 +48,22 @@ def attention_keys(cfg: ModelConfig, seq_len: int) -> float:
     """Keys per query summed over the layers ((n_layers + mtp_depth) x seq_len without windows: each
     multi-token prediction module's block attends globally)."""
     main = sum(layer_keys(cfg.layer_window(i), seq_len) for i in range(cfg.n_layers))
+    return main + cfg.mtp_depth * float(seq_len)
+
+
+def kernel_keys(window: int, seq_len: int, cp: int = 1, ulysses: int = 1) -> float:
+    """Keys per query, in the formula's units, that fived's kernel calls compute for one layer on the
+    busiest ring member (cp / ulysses of them) of the halves layout: a global layer's seq_len (its
+    causal kernel computes half of them), a windowed one's twice its calls' pairs per query (masked
+    calls skip nothing)."""
+    if not window:
+        return float(seq_len)
+    return 2.0 * max(window_pairs(seq_len, cp, window, ulysses)) * (cp // ulysses) / seq_len
+
+
+def kernel_attention_keys(cfg: ModelConfig, seq_len: int, cp: int = 1, ulysses: int = 1) -> float:
+    """`attention_keys` as fived's kernels compute them (`kernel_keys`), summed over the layers."""
+    main = sum(kernel_keys(cfg.layer_window(i), seq_len, cp, ulysses) for i in range(cfg.n_layers))
     return main + cfg.mtp_depth * float(seq_len)
 
 

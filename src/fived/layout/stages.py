@@ -13,7 +13,7 @@ from __future__ import annotations
 import weakref
 from functools import lru_cache
 
-from fived.config import MODEL_KEYS, ModelConfig
+from fived.config import ModelConfig
 from fived.layout.layout import V_SHAPED, Layout
 
 Chunk = tuple[tuple[int, ...], bool, bool]  # (layer ids, holds the embedding, holds the head)
@@ -88,10 +88,15 @@ class _Key(tuple):
         return tuple, (tuple(self),)
 
 
+# id(model) -> (a weak reference to it, its key): `model_key`'s keys, kept outside the models (frozen:
+# a model's key never changes; dropped when the model dies, `_forget`)
+MODEL_KEYS: dict[int, tuple] = {}
+
+
 def model_key(m: ModelConfig) -> tuple:
     """A hashable form of a model config (the caches of the layout core and the planner key on it): its
-    fields in their order, built once per model (kept until a field changes: `ModelConfig.__setattr__`;
-    the planner asks for it ~10^5 times a search)."""
+    fields in their order, built once per model (a frozen dataclass; the planner asks for it ~10^5
+    times a search)."""
     kept = MODEL_KEYS.get(id(m))
     if kept is not None and kept[0]() is m:  # (not a dead model's whose id was reused)
         return kept[1]

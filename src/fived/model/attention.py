@@ -15,9 +15,10 @@ PACKED_TILE), so the computed pairs stay close to the pairs the mask allows. A t
 document sees the keys up to its first query whole (one unmasked fused call) and needs a mask only
 for the rest (`_pieces`); the explicit masks are thus about a tile square:
   - CPU: SDPA's CPU flash kernel, unmasked or with an additive mask of its piece's size (never the
-    whole score matrix; recomputed in backward, never kept). Work follows the documents: a tile whose
-    range is empty is skipped, so is a whole block (a ring step) whose keys share no document with
-    its queries.
+    whole score matrix, never saved for backward; a band of consecutive positions of one document
+    comes from a small cache, `piece_mask`, any other is rebuilt in backward). Work follows the
+    documents: a tile whose range is empty is skipped, so is a whole block (a ring step) whose keys
+    share no document with its queries.
   - CUDA: the unmasked pieces on `block_forward`'s kernels, the masked ones on the reference path
     below (explicit scores, any dtype). A fused CUDA kernel for document masks (flex attention's
     block masks, varlen flash) is not wired in: no GPU here to verify it against this reference.
@@ -37,13 +38,15 @@ is exact for q, k, v (as a ring's blocks given the global output), and d sink = 
 from __future__ import annotations
 
 import contextlib
-import itertools
+from collections import OrderedDict
 
 import torch
 
+from fived.layout.attention_tiles import PACKED_TILE, QUERY_TILE, query_tiles, split_tiles
+
 aten = torch.ops.aten
-QUERY_TILE = 512
-PACKED_TILE = 128  # short documents' queries share a tile up to this many
+# QUERY_TILE, PACKED_TILE: the tiles' sizes live with the planner's count of them (layout.attention_tiles);
+# `_pieces` reads this module's names at each call, so a test may set them here
 DOCUMENT_SHIFT = 32  # order key = document << 32 | position (positions < 2^32)
 
 _blockwise_depth = [0]  # > 0 while blockwise attention runs (selective checkpointing recomputes its blocks)
@@ -143,33 +146,6 @@ def order_keys(documents: torch.Tensor | None, positions: torch.Tensor, batch: i
     return positions if documents is None else (documents.long() << DOCUMENT_SHIFT) | positions
 
 
-def _query_tiles(bounds: list[int]) -> list[tuple[int, int]]:
-    """[first, end) of each query tile of one row: a long document's queries in tiles of QUERY_TILE,
-    consecutive short documents packed while the tile stays within PACKED_TILE (a packed tile computes
-    every (query, key) pair of its span, so its waste is bounded by its length)."""
-    tiles, open_at = [], 0
-    for start, end in itertools.pairwise(bounds):
-        if end - open_at <= PACKED_TILE:
-            continue  # (the open tile grows to `end`)
-        if start > open_at:
-            tiles.append((open_at, start))
-        if end - start <= PACKED_TILE:
-            open_at = start
-            continue
-        tiles += [(t, min(t + QUERY_TILE, end)) for t in range(start, end, QUERY_TILE)]
-        open_at = end
-    if open_at < bounds[-1]:
-        tiles.append((open_at, bounds[-1]))
-    return tiles
-
-
-def _split_tiles(tiles: list[tuple[int, int]], window: int) -> list[tuple[int, int]]:
-    """Tiles of at most `window` queries (0: as they are)."""
-    if not window:
-        return tiles
-    return [(t, min(t + window, z)) for a, z in tiles for t in range(a, z, window)]
-
-
 def _pieces(qkeys: torch.Tensor, kkeys: torch.Tensor, window: int = 0) -> list[tuple[int, int, int, int, int, bool]]:
     """(row, first query, end query, first key, end key, masked) of every kernel call: each query tile
     that sees some key, its keys running from its first query's document start to its last query. A
@@ -180,7 +156,7 @@ def _pieces(qkeys: torch.Tensor, kkeys: torch.Tensor, window: int = 0) -> list[t
     for row in range(qkeys.shape[0]):
         docs = qkeys[row] >> DOCUMENT_SHIFT
         bounds = [0] + (torch.nonzero(docs[1:] != docs[:-1]).flatten() + 1).tolist() + [qkeys.shape[1]]
-        tiles = _split_tiles(_query_tiles(bounds), window)
+        tiles = split_tiles(query_tiles(bounds, QUERY_TILE, PACKED_TILE), window)
         first = torch.tensor([a for a, _ in tiles], device=qkeys.device)
         last = torch.tensor([z - 1 for _, z in tiles], device=qkeys.device)
         start = (qkeys[row, first] >> DOCUMENT_SHIFT) << DOCUMENT_SHIFT
@@ -207,7 +183,45 @@ def _visible(qkeys: torch.Tensor, kkeys: torch.Tensor, window: int = 0) -> torch
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, float("-inf"))
+    return torch.full(allowed.shape, float("-inf"), dtype=dtype, device=allowed.device).masked_fill_(allowed, 0.0)
+
+
+# A piece whose queries and keys are each consecutive positions of one document (every windowed
+# piece without documents, every masked piece inside one document) has a mask that depends only on
+# its shape, the queries' offset from its keys, the window and the dtype: built once, reused by every
+# such piece of every layer, step and backward. Least recently used first out past MASK_CACHE_BYTES.
+MASK_CACHE_BYTES = 64 << 20
+_mask_cache: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor | None]] = OrderedDict()
+
+
+def _band_mask(sq: int, sk: int, offset: int, window: int, dtype: torch.dtype, device: torch.device):
+    """(additive mask, which rows see a key or None: all) of queries at offset + i and keys at j."""
+    gap = torch.arange(offset, offset + sq, device=device)[:, None] - torch.arange(sk, device=device)[None, :]
+    allowed = gap >= 0
+    if window:
+        allowed &= gap < window
+    seen = allowed.any(dim=-1)
+    return _additive(allowed, dtype), None if bool(seen.all()) else seen
+
+
+def piece_mask(qkeys: torch.Tensor, kkeys: torch.Tensor, window: int, dtype: torch.dtype):
+    """(additive mask [sq, sk], rows that see some key [sq] or None: all) of a masked piece's order
+    keys; the band of consecutive positions of one document from the cache."""
+    sq, sk = len(qkeys), len(kkeys)
+    q0, q1, k0, k1 = torch.stack([qkeys[0], qkeys[-1], kkeys[0], kkeys[-1]]).tolist()
+    one_document = q0 >> DOCUMENT_SHIFT == q1 >> DOCUMENT_SHIFT == k0 >> DOCUMENT_SHIFT == k1 >> DOCUMENT_SHIFT
+    if not (one_document and q1 - q0 == sq - 1 and k1 - k0 == sk - 1):
+        allowed = _visible(qkeys, kkeys, window)
+        return _additive(allowed, dtype), allowed.any(dim=-1)
+    key = (sq, sk, q0 - k0, window, dtype, qkeys.device)
+    if key in _mask_cache:
+        _mask_cache.move_to_end(key)
+        return _mask_cache[key]
+    found = _mask_cache[key] = _band_mask(sq, sk, q0 - k0, window, dtype, qkeys.device)
+    held = sum(mask.nbytes for mask, _ in _mask_cache.values())
+    while held > MASK_CACHE_BYTES and len(_mask_cache) > 1:
+        held -= _mask_cache.popitem(last=False)[1][0].nbytes
+    return found
 
 
 def merge_block(out, lse, o, l) -> None:
@@ -233,15 +247,14 @@ def masked_block_forward(q, k, v, qkeys, kkeys, scale: float, window: int = 0):
         if not masked:
             o, l = block_forward(*args, False, scale)
         else:
-            allowed = _visible(qkeys[row, q0:q1], kkeys[row, k0:k1], window)
+            mask, seen = piece_mask(qkeys[row, q0:q1], kkeys[row, k0:k1], window, q.dtype)
             if q.device.type == "cpu":
-                o, l = aten._scaled_dot_product_flash_attention_for_cpu(
-                    *args, 0.0, False, attn_mask=_additive(allowed, q.dtype), scale=scale
-                )
+                o, l = aten._scaled_dot_product_flash_attention_for_cpu(*args, 0.0, False, attn_mask=mask, scale=scale)
             else:
-                o, l = reference_block_forward(*args, False, scale, _additive(allowed, q.dtype))
-            seen = allowed.any(dim=-1)
-            o, l = o.masked_fill(~seen[None, None, :, None], 0.0), l.masked_fill(~seen[None, None, :], float("-inf"))
+                o, l = reference_block_forward(*args, False, scale, mask)
+            if seen is not None:
+                o = o.masked_fill(~seen[None, None, :, None], 0.0)
+                l = l.masked_fill(~seen[None, None, :], float("-inf"))
         merge_block(out[row, :, q0:q1], lse[row, :, q0:q1], o[0], l[0])
     return out, lse
 
@@ -260,7 +273,7 @@ def masked_block_backward(dout, q, k, v, out, lse, qkeys, kkeys, scale: float, w
         if not masked:
             g = block_backward(*args, False, scale)
         else:
-            mask = _additive(_visible(qkeys[row, q0:q1], kkeys[row, k0:k1], window), q.dtype)
+            mask = piece_mask(qkeys[row, q0:q1], kkeys[row, k0:k1], window, q.dtype)[0]
             if q.device.type == "cpu":
                 g = aten._scaled_dot_product_flash_attention_for_cpu_backward(
                     *args, 0.0, False, attn_mask=mask, scale=scale

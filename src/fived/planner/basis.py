@@ -3,8 +3,8 @@ such predictions typically are out of sample), and which are extrapolated — an
 
 Every figure quoted comes from a `fived.planner.constants.Calibration` (the shipped one unless one is
 passed): what its calibration set covers and its leave-one-source-out errors, overall and for MoE and
-FP8 runs; fived's own CPU step times are benchmarks/bench_planner_cpu.py's
-(`fived.planner.hardware.CPU_MEDIAN_ERROR`).
+FP8 runs, and its error on the sources held out of its fit; fived's own CPU step times are
+benchmarks/bench_planner_cpu.py's (`fived.planner.hardware.CPU_MEDIAN_ERROR`).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def basis(
         lines = [
             f"calibrated: GEMM efficiency and link speeds fitted on {covered['rows']} published runs "
             f"({runs} on {hw.calibration} GPUs); typical out-of-sample error {calibration.out_of_sample:.0f}% "
-            "(leave-one-source-out, `fived plan --validate`)"
+            f"(leave-one-source-out{_held_out(calibration)}, `fived plan --validate`)"
         ]
     else:
         lines = [f"extrapolated: no published run on {hw.name} (it takes the {hw.calibration} constants)"]
@@ -96,6 +96,16 @@ def basis(
             "(fived runs etp 0: split like the attention, or etp 1: folded, whole)"
         )
     return lines
+
+
+def _held_out(calibration: Calibration) -> str:
+    """The held-out rows' median error, where the calibration held rows out of its fit."""
+    if not calibration.held_out:
+        return ""
+    return (
+        f"; {calibration.held_out_median:.0f}% on {len(calibration.held_out)} runs of "
+        f"{len(calibration.held_out_by_source)} sources held out of the fit"
+    )
 
 
 def _error(by_kind, kind: str) -> str:

@@ -7,8 +7,11 @@ Then: how many runs the memory model says fit; **sweeps** — every group of row
 the same model, GPU type and count, sequence length and precision that ran several layouts — each
 with the Spearman correlation of predicted vs measured throughput and the measured throughput of
 the planner's top-ranked row as a share of the best measured one (the choice a user would make);
-the **leave-one-source-out** error (constants refitted without a source predict it) per source, per
-kind of run (dense, MoE, FP8) and over all rows; last the in-sample median.
+the **held-out** rows (split "test": rows no fit reads, priced with the calibration's constants)
+per source and over all of them; the **leave-one-source-out** error of the fitting split (constants
+refitted without a source predict it) per source, per kind of run (dense, MoE, FP8) and over all its
+rows; last the in-sample median of the fitting split. Every row 2x off (or half) is named, in
+sample, held out and out of sample.
 
 Out of sample: for the file the shipped calibration was fitted on (same SHA-256), its stored
 leave-one-source-out errors (`fived.planner.constants.CALIBRATION`; the tests recompute them);
@@ -85,9 +88,14 @@ def _plan_notes(row: Row, plan) -> list[str]:
     return notes
 
 
+def twice_off(errors: dict[str, float]) -> list[str]:
+    """The row ids whose prediction is 2x the reported figure or more, or half of it or less."""
+    return [row for row, e in errors.items() if e >= 1.0 or e <= -0.5]
+
+
 def _twice_off(label: str, errors: dict[str, float]) -> str:
-    """The rows whose prediction is 2x the reported figure or more, or half of it or less."""
-    off = [(row, e) for row, e in errors.items() if e >= 1.0 or e <= -0.5]
+    """One line: how many rows are 2x off, each with its error, the worst first."""
+    off = [(row, errors[row]) for row in twice_off(errors)]
     listed = ", ".join(f"{row} {e * 100:+.0f}%" for row, e in sorted(off, key=lambda x: -abs(x[1])))
     return f"2x off or more {label}: {len(off)} of {len(errors)} rows" + (f" ({listed})" if off else "")
 
@@ -98,7 +106,7 @@ def _print_rows(rows, plans, printer) -> None:
         f"{'predicted':>9} {'error':>7}  notes"
     )
     for row, plan in zip(rows, plans):
-        notes = row.notes + _plan_notes(row, plan)
+        notes = (["held out"] if row.held_out else []) + row.notes + _plan_notes(row, plan)
         err = plan.time.tokens_per_s_per_gpu / row.reported - 1
         printer(
             f"{row.row_id:>4} {row.source[:26]:<26} {row.cluster.gpus:>5} {plan.layout.describe()[:54]:<54} "
@@ -138,9 +146,10 @@ def validate(
     refit: bool = False,
 ) -> dict:
     """Print predicted vs reported per row, the skipped rows, the memory model's fit, the sweeps'
-    ranking, the leave-one-source-out error per source and kind and over all rows, the coverage and,
-    last, the in-sample median absolute error. Returns the figures printed. `refit`: recompute the
-    out-of-sample errors even for the file `calibration` was fitted on."""
+    ranking, the held-out rows' errors, the leave-one-source-out error of the fitting split per
+    source and kind and over all its rows and, last, the in-sample median absolute error of the
+    fitting split. Returns the figures printed. `refit`: recompute the out-of-sample errors even for
+    the file `calibration` was fitted on."""
     rows, skipped = read_runs(path)
     planned = [(row, predict(row, calibration.constants)) for row in rows]
     for row, plan in planned:
@@ -154,50 +163,97 @@ def validate(
     _print_rows(rows, plans, printer)
     for line in skipped:
         printer(line)
-    errors = [p.time.tokens_per_s_per_gpu / r.reported - 1 for r, p in done]
-    printer(_twice_off("in sample", {r.row_id: e for r, e in zip(rows, errors)}))
+    errors = {r.row_id: p.time.tokens_per_s_per_gpu / r.reported - 1 for r, p in done}
+    fitting = [i for i, r in enumerate(rows) if not r.held_out]  # the rows a fit may read
+    if fitting:
+        printer(_twice_off("in sample", {rows[i].row_id: errors[rows[i].row_id] for i in fitting}))
     fits = sum(p.fits for p in plans)
     result: dict[str, Any] = {
         "rows": len(rows) + len(skipped),
         "predicted": len(rows),
         "fits": fits,
-        "median": median_abs(errors),
+        "median": median_abs(errors[rows[i].row_id] for i in fitting),
     }
     printer(
         f"memory: {fits} of {len(rows)} published runs fit in the planner's memory model "
         f"({fits / max(len(rows), 1):.0%})"
     )
-    held = (
-        _out_of_sample(path, rows, [p.layout for p in plans], calibration, printer, refit)
-        if out_of_sample and len({r.source for r in rows}) > 1
+    loso = (
+        _out_of_sample(
+            path, [rows[i] for i in fitting], [plans[i].layout for i in fitting], calibration, printer, refit
+        )
+        if out_of_sample and len({rows[i].source for i in fitting}) > 1
         else {}
     )
+    held = {r.row_id: errors[r.row_id] for r in rows if r.held_out}
     result["sweeps"] = _print_sweeps(
-        rows, [p.layout for p in plans], [p.time.tokens_per_s_per_gpu for p in plans], held, printer
+        rows,
+        [p.layout for p in plans],
+        [p.time.tokens_per_s_per_gpu for p in plans],
+        {**loso, **held} if loso else {},
+        printer,
     )
     if held:
-        result["loso_by_source"] = {
-            s: median_abs(held[r.row_id] for r in rows if r.source == s) for s in sorted({r.source for r in rows})
-        }
-        result["loso_by_kind"] = {
-            k: median_abs(held[r.row_id] for r in rows if k in row_kinds(r))
-            for k in sorted({k for r in rows for k in row_kinds(r)})
-        }
-        result["loso"] = median_abs(held.values())
-        printer(_twice_off("out of sample", held))
-        printer(
-            "leave-one-source-out (constants fitted without the source): "
-            + ", ".join(f"{s} {v:.1f}%" for s, v in result["loso_by_source"].items())
-        )
-        printer(
-            "leave-one-source-out by kind: "
-            + ", ".join(
-                f"{k} {v:.1f}% ({sum(k in row_kinds(r) for r in rows)} rows)" for k, v in result["loso_by_kind"].items()
-            )
-        )
-        printer(f"leave-one-source-out median absolute error: {result['loso']:.1f}%")
+        result.update(_print_held_out([r for r in rows if r.held_out], held, printer))
+    if loso:
+        result.update(_print_loso([rows[i] for i in fitting], loso, printer))
     printer(f"predicted {len(rows)} of {result['rows']} rows")
-    printer(f"median absolute error: {result['median']:.1f}%")
+    printer(
+        f"median absolute error: {result['median']:.1f}%"
+        if fitting
+        else "median absolute error: no row to fit (every row predicted is held out)"
+    )
+    return result
+
+
+def _print_held_out(rows: list[Row], errors: dict[str, float], printer) -> dict:
+    """The held-out rows (split "test": no fit reads them), priced with the calibration's constants:
+    every row 2x off, the median per source and over all of them."""
+    by_source = {
+        s: median_abs(errors[r.row_id] for r in rows if r.source == s) for s in sorted({r.source for r in rows})
+    }
+    printer(_twice_off("held out", errors))
+    printer(
+        "held out (split test: sources no fit reads, priced with the calibration's constants): "
+        + ", ".join(f"{s} {v:.1f}%" for s, v in by_source.items())
+    )
+    median = median_abs(errors.values())
+    printer(
+        f"held out: median {median:.1f}%, {len(rows)} rows of {len(by_source)} sources, "
+        f"{len(twice_off(errors))} rows 2x off or more"
+    )
+    return {
+        "held_out": median,
+        "held_out_rows": len(rows),
+        "held_out_by_source": by_source,
+        "held_out_twice_off": twice_off(errors),
+    }
+
+
+def _print_loso(rows: list[Row], loso: dict[str, float], printer) -> dict:
+    """Leave-one-source-out over the fitting split: every row 2x off, per source, per kind, overall."""
+    result: dict[str, Any] = {
+        "loso_by_source": {
+            s: median_abs(loso[r.row_id] for r in rows if r.source == s) for s in sorted({r.source for r in rows})
+        },
+        "loso_by_kind": {
+            k: median_abs(loso[r.row_id] for r in rows if k in row_kinds(r))
+            for k in sorted({k for r in rows for k in row_kinds(r)})
+        },
+        "loso": median_abs(loso.values()),
+    }
+    printer(_twice_off("out of sample", loso))
+    printer(
+        "leave-one-source-out (constants fitted without the source): "
+        + ", ".join(f"{s} {v:.1f}%" for s, v in result["loso_by_source"].items())
+    )
+    printer(
+        "leave-one-source-out by kind: "
+        + ", ".join(
+            f"{k} {v:.1f}% ({sum(k in row_kinds(r) for r in rows)} rows)" for k, v in result["loso_by_kind"].items()
+        )
+    )
+    printer(f"leave-one-source-out median absolute error: {result['loso']:.1f}%")
     return result
 
 

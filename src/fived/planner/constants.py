@@ -3,8 +3,9 @@ with the provenance of the fit that chose them.
 
 `Calibration` is one frozen object: the `Constants`, the file and rows they were fitted on (with
 the file's SHA-256, so a stale calibration is detectable), the fit's in-sample and
-leave-one-source-out errors (over all rows, per source, per kind of row, per row) and
-what the calibration set covers. `fived.planner.fitting` writes it (atomically) as JSON;
+leave-one-source-out errors (over all rows, per source, per kind of row, per row), what the
+calibration set covers, and the errors of the file's held-out rows (its `split` "test" rows: never
+fitted on, predicted with the final constants only to report them). `fived.planner.fitting` writes it (atomically) as JSON;
 `load_calibration` reads it back (plain JSON, never a pickle) and refuses a file with unknown or
 missing fields in one line. `CALIBRATION` is the file shipped next to this module
 (src/fived/planner/calibration.json): the planner prices with its constants and quotes its errors
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import statistics
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -69,6 +71,15 @@ class Calibration:
     coverage: Mapping[str, Any] = field(default_factory=dict)  # rows per GPU generation, MoE, FP8, CP...
     row_errors: Mapping[str, float] = field(default_factory=dict)  # row id -> leave-one-source-out
     #   predicted/reported - 1 (what validation ranks sweeps by, out of sample)
+    held_out: Mapping[str, float] = field(default_factory=dict)  # held-out row id -> predicted/reported - 1
+    #   with these constants (rows the fit never read)
+    held_out_by_source: Mapping[str, float] = field(default_factory=dict)  # their median per source, %
+
+    @property
+    def held_out_median(self) -> float:
+        """Median absolute error of the held-out rows, % (nan without any)."""
+        errors = [abs(e) for e in self.held_out.values()]
+        return statistics.median(errors) * 100 if errors else float("nan")
 
     def to_json(self) -> dict:
         return {
@@ -83,6 +94,8 @@ class Calibration:
             "by_kind": {k: round(v, 4) for k, v in self.by_kind.items()},
             "coverage": dict(self.coverage),
             "row_errors": {k: round(v, 6) for k, v in self.row_errors.items()},
+            "held_out": {k: round(v, 6) for k, v in self.held_out.items()},
+            "held_out_by_source": {k: round(v, 4) for k, v in self.held_out_by_source.items()},
         }
 
 
@@ -129,6 +142,10 @@ def load_calibration(path: str | Path = DEFAULT_PATH) -> Calibration:
             by_kind=MappingProxyType({str(k): float(v) for k, v in data.get("by_kind", {}).items()}),
             coverage=MappingProxyType(dict(data.get("coverage", {}))),
             row_errors=MappingProxyType({str(k): float(v) for k, v in data.get("row_errors", {}).items()}),
+            held_out=MappingProxyType({str(k): float(v) for k, v in data.get("held_out", {}).items()}),
+            held_out_by_source=MappingProxyType(
+                {str(k): float(v) for k, v in data.get("held_out_by_source", {}).items()}
+            ),
         )
     except (KeyError, TypeError, ValueError) as e:
         raise ConfigError("calibration", str(path), f"malformed ({e})", "refit it") from None

@@ -16,9 +16,13 @@ with the priors, then again with the fitted constants, and the fit repeated once
 measured on the layouts the final constants choose, as `fived plan --validate` prices them): a fit
 costs one step time per row and grid value. A constant no row depends on (FP8 without FP8 rows) keeps its prior.
 
+Held out: rows whose `split` is "test" (`fived.planner.published`) are dropped before anything
+else — no fit, no choice of layouts, no leave-one-source-out refit reads them; once the constants
+are final they are predicted with them, their errors only reported (`Calibration.held_out`).
+
 Out of sample: leave-one-source-out refits the constants, from the priors, without each source's
-rows and predicts that source with them; the median absolute error over all rows so predicted is the
-figure to expect for a run unlike the calibration set's. `calibrate` returns both, with the file
+rows (of the fitting split) and predicts that source with them; the median absolute error over all
+rows so predicted is the figure to expect for a run unlike the calibration set's. `calibrate` returns both, with the file
 they came from, as one `fived.planner.constants.Calibration`; `fived plan` quotes its figures.
 """
 
@@ -206,8 +210,10 @@ def choose_layouts(rows: list[Row], constants: Constants) -> tuple[list[Row], li
 
 
 def calibrate(path: str | Path, name: str | None = None, verbose: bool = False) -> Calibration:
-    """Fit the constants on every row of `path` and measure the fit in and out of sample."""
+    """Fit the constants on the rows of `path` its split lets a fit read, measure the fit in and out
+    of sample, and only then predict the held-out rows (split "test") with the final constants."""
     rows, _ = read_runs(path)
+    held, rows = [r for r in rows if r.held_out], [r for r in rows if not r.held_out]
     rows, chosen = choose_layouts(rows, PRIORS)
     constants = fit(rows, chosen)
     rows, chosen = choose_layouts(rows, constants)  # the open fields again, with the fitted constants
@@ -217,6 +223,8 @@ def calibrate(path: str | Path, name: str | None = None, verbose: bool = False) 
     by_source = {s: median_abs(loso[r.row_id] for r in rows if r.source == s) for s in sorted({r.source for r in rows})}
     kinds = sorted({k for r in rows for k in row_kinds(r)})
     by_kind = {k: median_abs(loso[r.row_id] for r in rows if k in row_kinds(r)) for k in kinds}
+    held, held_layouts = choose_layouts(held, constants)
+    held_errors = {r.row_id: signed_error(r, layout, constants) for r, layout in zip(held, held_layouts)}
     return Calibration(
         constants=constants,
         fitted_on=str(name or path),
@@ -228,6 +236,11 @@ def calibrate(path: str | Path, name: str | None = None, verbose: bool = False) 
         by_kind=by_kind,
         coverage=coverage(rows),
         row_errors={r.row_id: loso[r.row_id] for r in rows},
+        held_out=held_errors,
+        held_out_by_source={
+            s: median_abs(held_errors[r.row_id] for r in held if r.source == s)
+            for s in sorted({r.source for r in held})
+        },
     )
 
 
@@ -238,9 +251,14 @@ def main(argv: list[str] | None = None) -> int:
     ns = p.parse_args(argv)
     calibration = calibrate(ns.csv, verbose=True)
     save_calibration(calibration, ns.out)
+    held = (
+        f"; held out {calibration.held_out_median:.1f}% ({len(calibration.held_out)} rows, never fitted on)"
+        if calibration.held_out
+        else ""
+    )
     print(
         f"in sample {calibration.in_sample:.1f}%, leave-one-source-out {calibration.out_of_sample:.1f}% "
-        f"({', '.join(f'{k} {v:.1f}%' for k, v in calibration.by_kind.items())}); wrote {ns.out}"
+        f"({', '.join(f'{k} {v:.1f}%' for k, v in calibration.by_kind.items())}){held}; wrote {ns.out}"
     )
     return 0
 

@@ -29,6 +29,9 @@ rows it read and "row N skipped: <reason>" lines. Reading rules (each documented
   the planner's size); unstated, the global batch per data-parallel rank of a row of the same source
   and model that states one; else, without a pipeline, one micro-batch per rank of the planner's
   size; with one, 4*pp micro-batches per rank.
+- Split: a `split` column says which rows the fit may read: "fit" (or empty) or "test", a row held
+  out of every fit (`fived.planner.fitting`) and only reported (`fived plan --validate`); any other
+  value skips the row (a typo must not put a held-out row into the fit).
 - Throughput, tokens/s per GPU: tokens_per_s_per_gpu, derived_tokens_per_s_per_gpu, or converted
   from step_time_s, tflops_per_gpu or mfu_pct with the papers' model-FLOP count (6 x matmul
   parameters + attention, no recomputation: `metrics.flops_per_token`).
@@ -85,6 +88,7 @@ class Row:
     open: dict  # layout fields it leaves to the planner: name -> candidate values
     reported: float  # tokens/s per GPU
     notes: list = field(default_factory=list)  # what the reading derived or assumed, shown per row
+    held_out: bool = False  # split "test": never read by a fit, only reported
 
 
 def row_kinds(row: Row) -> tuple[str, ...]:
@@ -244,8 +248,14 @@ def _cluster(r: dict) -> Cluster:
     return Cluster(hw, gpus, min(per_node, gpus))
 
 
+SPLITS = {"": False, "fit": False, "test": True}  # the `split` column's values: held out?
+
+
 def _row(r: dict, label: str, records: list[dict]) -> Row:
     notes: list[str] = []
+    split = text(r, "split").lower()
+    if split not in SPLITS:
+        raise Skip(f"split={text(r, 'split')!r}: fit or test")
     model, cluster = _model(r, notes), _cluster(r)
     seq = integer(r, "seq_len", True)
     framework, remarks = text(r, "framework"), text(r, "notes")
@@ -276,6 +286,7 @@ def _row(r: dict, label: str, records: list[dict]) -> Row:
         open_,
         _reported(r, model, seq, global_batch, cluster),
         notes,
+        SPLITS[split],
     )
 
 

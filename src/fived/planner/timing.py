@@ -48,7 +48,7 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 
 from fived.config import ModelConfig
-from fived.layout.flops import attention_flops_per_token, flops_per_token
+from fived.layout.flops import attention_flops_per_token, attention_keys, flops_per_token, kernel_attention_keys
 from fived.layout.layout import PRECISION_SPECS, Layout
 from fived.layout.muon_load import stream_bytes
 from fived.layout.muon_plan import ns_flops, stage_plan
@@ -393,6 +393,23 @@ def compute_seconds(
     ).compute
 
 
+def attention_seconds(
+    model: ModelConfig,
+    layout: Layout,
+    cluster: Cluster,
+    seq_len: int,
+    global_batch: int,
+    dtype: str = "bfloat16",
+    runtime: Runtime = FIVED,
+) -> float:
+    """The busiest rank's attention kernels' seconds in `step_time(...).compute` (the kernels the
+    runtime calls: what benchmarks/bench_window_cp.py compares with a measurement)."""
+    c = CALIBRATION.constants
+    return _busiest_compute(
+        model, layout, cluster, seq_len, global_batch, dtype, for_layout(runtime, layout), c
+    ).attention
+
+
 def step_floor(
     model: ModelConfig,
     layout: Layout,
@@ -422,6 +439,8 @@ def compute_key(layout: Layout) -> tuple:
         L.tp,
         L.pp,
         L.cp,
+        L.cp_mode,
+        L.cp_ulysses,
         L.ep,
         L.etp,
         L.sp,
@@ -552,11 +571,14 @@ def _compute(
     gemm = flops_gpu * ((1 - routed - attn) / dense_eff + routed / expert_eff) / peak
     if fp8:
         gemm /= c.fp8_speedup
+    kernel = attn  # (the model's attention FLOPs as the kernels compute them: fived's windowed tiles, more)
+    if runtime.is_fived and m.sliding_window:
+        kernel *= _kernel_attention_scale(model_key(m), seq_len, L.cp, L.ulysses)
     if runtime.causal_skip and not hw.gemm_efficiency:  # a fused causal kernel computes half the blocks (GPUs;
-        attn /= 2  # a CPU entry's efficiency was fitted on whole steps, attention priced whole)
-    attention = flops_gpu * attn / dense_eff / peak
+        kernel /= 2  # a CPU entry's efficiency was fitted on whole steps, attention priced whole)
+    attention = flops_gpu * kernel / dense_eff / peak
     if hw.profile:  # measured fused causal attention at the rank's sequence (its skipped blocks in the rate)
-        attention = flops_gpu * attn / (hw.profile.attention(seq_len / L.cp, m.head_dim) * hw.core_share)
+        attention = flops_gpu * kernel / (hw.profile.attention(seq_len / L.cp, m.head_dim) * hw.core_share)
     local_tokens = micro * tokens_mb * recompute  # tokens this rank computes, times recomputation
     stream, inside, per_ffn = ELEMENTWISE_BYTES["fused" if runtime.fused else "eager"]
     stream += 2 * PYTHON_NORM_EXTRA_BYTES if runtime.python_norm else 0.0
@@ -591,6 +613,13 @@ def _flops_per_token(key: tuple, seq_len: int) -> float:
 def _attention_flops(key: tuple, seq_len: int) -> float:
     """`attention_flops_per_token` (a sum over the layers: asked once per layout priced)."""
     return attention_flops_per_token(ModelConfig(**dict(key)), seq_len)
+
+
+@lru_cache(maxsize=1024)
+def _kernel_attention_scale(key: tuple, seq_len: int, cp: int, ulysses: int) -> float:
+    """fived's kernels' attention keys over the model's (`fived.layout.flops.kernel_attention_keys`)."""
+    cfg = ModelConfig(**dict(key))
+    return kernel_attention_keys(cfg, seq_len, cp, ulysses) / attention_keys(cfg, seq_len)
 
 
 @lru_cache(maxsize=65536)

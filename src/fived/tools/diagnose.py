@@ -306,14 +306,14 @@ def _cp_imbalance(m: Measured, cfg, run) -> Finding | None:
     )
 
 
-def cp_work_spread(run_dir: str) -> float | None:
+def cp_work_spread(run_dir: str, *, warn_torn: bool = True) -> float | None:
     """The median over metrics.jsonl's steps of the cp work spread (None without one)."""
     import statistics
 
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         return None
-    values = [r["cp_work_spread"] for r in read_json_lines(path) if "cp_work_spread" in r]
+    values = [r["cp_work_spread"] for r in read_json_lines(path, warn=warn_torn) if "cp_work_spread" in r]
     return statistics.median(values) if values else None
 
 
@@ -396,10 +396,11 @@ def _tokens_per_ep_rank(loads: dict[str, list[float]], ep: int) -> dict[str, lis
     return out
 
 
-def diagnose(run_dir: str) -> dict:
-    """Everything `fived diagnose` says, as data (`--json`)."""
+def diagnose(run_dir: str, *, warn_torn: bool = True) -> dict:
+    """Everything `fived diagnose` says, as data (`--json`). `warn_torn=False`: the caller (the report
+    page) has read metrics.jsonl already and warned of its torn lines."""
     run, cfg = read_run(run_dir)
-    run["cp_work_spread"] = cp_work_spread(run_dir)
+    run["cp_work_spread"] = cp_work_spread(run_dir, warn_torn=warn_torn)
     world = run["world"]
     m = measure(run, cfg, world)
     predicted = run["breakdown"].get("predicted", {})

@@ -43,6 +43,8 @@ def report_data(run_dir: str) -> dict:
         raise ConfigError(
             "run_dir", run_dir, "has no metrics.jsonl", "give a `fived train` output directory (train.output_dir)"
         )
+    if (path / "run.json").exists() and not (path / "run.json").is_file():
+        raise ConfigError("run_dir", run_dir, "its run.json is not a file", "give a `fived train` output directory")
     metrics = read_metrics(path)
     figures = (read_json(path / "run.json") or {}) if (path / "run.json").is_file() else {}
     layout = figures.get("layout", {})
@@ -64,7 +66,7 @@ def report_data(run_dir: str) -> dict:
         from fived.tools.diagnose import diagnose, format_diagnosis
 
         try:
-            diagnosis = diagnose(run_dir)
+            diagnosis = diagnose(run_dir, warn_torn=False)  # (metrics.jsonl read above: one warning)
             diagnosis["text"] = format_diagnosis(diagnosis)
         except (ConfigError, KeyError, ValueError) as e:  # (a run.json the page can still draw without it)
             diagnosis = None

@@ -9,6 +9,7 @@ clip by the global norm, step AdamW and the schedule, and log.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -40,6 +41,10 @@ from fived.training.source_losses import SourceLosses
 from fived.training.state import ModelState, OptimizerState, ProgressState, RNGState
 from fived.training.step_timer import StepTimer
 from fived.training.tracker import Tracker, open_tracker
+
+# The host's measured matmul rate, once per process and dtype (about a second in bf16 on a CPU): later
+# runs in the process, and ranks forked from it after it was read, share the reading.
+host_peak_tflops = functools.cache(device_peak_tflops)
 
 
 @dataclass
@@ -113,7 +118,7 @@ class Trainer:
         self.loss_divisor = self.global_tokens  # what a pipeline micro-batch's loss is divided by (1 in eval)
         self.profile = ProfileWindow(t.profile, t.steps, t.output_dir, self.rank, self.device, self.timer)
         self.state_bytes: dict[str, int] = {}
-        self.peak_flops = device_peak_tflops(build_dtype(cfg), t.peak_tflops, self.device.type) * 1e12
+        self.peak_flops = host_peak_tflops(build_dtype(cfg), t.peak_tflops, self.device.type) * 1e12
         self.flops_per_step = flops_per_token(cfg.model, t.seq_len) * self.global_tokens
         self.guard = LossGuard(
             t.spike_factor, t.spike_window, vocab_size=cfg.model.vocab_size
