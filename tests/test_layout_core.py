@@ -125,3 +125,23 @@ def test_replicated_kv_heads_and_the_padded_vocabulary():
     assert padded_vocab(small, 4) == 252
     emb = tensor_specs(small, tp=4)["tok_embeddings.weight"]
     assert emb.local_box(tp_rank=3) == ((189, 0), (63, small.dim))
+
+
+def test_a_models_key_is_built_once_and_follows_its_fields():
+    """`model_key` is built once per model (the planner's caches ask ~10^5 times a search); another
+    model, even at a dead one's id, gets its own fields' key."""
+    import dataclasses
+
+    from fived.layout.stages import model_key, model_of
+
+    m = model_preset("tiny")
+    key = model_key(m)
+    assert model_key(m) is key and model_of(key) == m and hash(key) == hash(tuple(key))
+    other = dataclasses.replace(m, vocab_size=m.vocab_size + 64)
+    assert model_key(other) != key and dict(model_key(other))["vocab_size"] == other.vocab_size
+    assert type(m)(**vars(m)) == m  # (the key is kept outside the model: its __dict__ is its fields)
+    for _ in range(50):  # (ids of dead models are reused: never their keys)
+        n = model_preset("tiny")
+        n_key = model_key(n)
+        assert model_key(dataclasses.replace(n, dim=n.dim * 2)) != n_key
+        del n

@@ -1,6 +1,7 @@
-"""The planner's pruned search (`plan(keep=K)`, what `fived plan` runs): a fitting layout whose compute
-alone is slower than what the search keeps is not priced. Run both ways on small cases, it must print
-the same plans: the K fastest, every runner-up, the least memory per decision, the counts."""
+"""The planner's pruned search (`plan(keep=K)`, what `fived plan` runs): a fitting layout whose step
+floor (`timing.step_floor`) is already slower than what it could be printed as is not priced
+(`fived.planner.pricing`). Run both ways on small cases, it must print the same plans: the K fastest,
+every runner-up, the least memory per decision, the counts."""
 
 import pytest
 

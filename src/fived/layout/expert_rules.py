@@ -15,33 +15,40 @@ from fived.layout.layout import Layout
 
 
 def expert_rules(need, m, p, t, dp: int) -> None:
-    """`need(ok, field, value, rule, hint)` for every expert rule of `m` (model), `p` (parallel) and
+    """`need(ok, lambda: (field, value, rule, hint))` for every expert rule of `m` (model), `p` (parallel) and
     `t` (train) on `dp` data-parallel ranks."""
     layout = Layout(dp=max(dp, 1), tp=p.tp, cp=p.cp, ep=p.ep, etp=p.etp)  # (the expert mesh's one source)
     folded, ranks = layout.folded, layout.expert_ranks
     over = "dp*cp*tp (parallel.etp=1)" if folded else "dp*cp"
-    ep_ok = largest_divisor(math.gcd(m.n_experts, ranks) if m.is_moe else ranks, p.ep)
+
+    def ep_ok() -> int:
+        return largest_divisor(math.gcd(m.n_experts, ranks) if m.is_moe else ranks, p.ep)
+
     need(
         not m.is_moe or m.n_experts % p.ep == 0,
-        "parallel.ep",
-        p.ep,
-        f"must divide model.n_experts={m.n_experts}",
-        f"e.g. --ep {ep_ok}",
+        lambda: ("parallel.ep", p.ep, f"must divide model.n_experts={m.n_experts}", f"e.g. --ep {ep_ok()}"),
     )
-    need(dp >= 1 and ranks % p.ep == 0, "parallel.ep", p.ep, f"must divide {over}={ranks}", f"e.g. --ep {ep_ok}")
+    need(
+        dp >= 1 and ranks % p.ep == 0,
+        lambda: ("parallel.ep", p.ep, f"must divide {over}={ranks}", f"e.g. --ep {ep_ok()}"),
+    )
     need(
         p.ep == 1 or p.dp_replicate == 1,
-        "parallel.ep",
-        p.ep,
-        "expert parallelism with HSDP replicas is not supported yet",
-        "use --ep 1, or --dp-replicate 1",
+        lambda: (
+            "parallel.ep",
+            p.ep,
+            "expert parallelism with HSDP replicas is not supported yet",
+            "use --ep 1, or --dp-replicate 1",
+        ),
     )
     need(
         p.etp in (0, 1),
-        "parallel.etp",
-        p.etp,
-        "must be 0 (experts split over tp like the attention) or 1 (folded: whole experts, ep over dp*cp*tp)",
-        "e.g. --parallel.etp 1",
+        lambda: (
+            "parallel.etp",
+            p.etp,
+            "must be 0 (experts split over tp like the attention) or 1 (folded: whole experts, ep over dp*cp*tp)",
+            "e.g. --parallel.etp 1",
+        ),
     )
     if folded:
         _folding_rules(need, m, p, t)
@@ -50,23 +57,29 @@ def expert_rules(need, m, p, t, dp: int) -> None:
 def _folding_rules(need, m, p, t) -> None:
     need(
         m.is_moe,
-        "parallel.etp",
-        p.etp,
-        f"folds routed experts: it needs a mixture-of-experts model (model.name={m.name} is dense)",
-        "drop --parallel.etp, or use a MoE model such as --model tiny-moe",
+        lambda: (
+            "parallel.etp",
+            p.etp,
+            f"folds routed experts: it needs a mixture-of-experts model (model.name={m.name} is dense)",
+            "drop --parallel.etp, or use a MoE model such as --model tiny-moe",
+        ),
     )
     need(
         p.sp,
-        "parallel.etp",
-        p.etp,
-        "folded experts route each tp rank's own sequence shard: it needs sequence parallelism",
-        "add --sp, or use --parallel.etp 0",
+        lambda: (
+            "parallel.etp",
+            p.etp,
+            "folded experts route each tp rank's own sequence shard: it needs sequence parallelism",
+            "add --sp, or use --parallel.etp 0",
+        ),
     )
     # Muon's exchange places a routed expert's pieces by (ep, edp) over dp*cp only (fived.layout.muon_plan)
     need(
         t.optimizer != "muon",
-        "parallel.etp",
-        p.etp,
-        "cannot run with train.optimizer=muon yet (Muon's plan places experts over dp*cp, not dp*cp*tp)",
-        "use --train.optimizer adamw, or --parallel.etp 0",
+        lambda: (
+            "parallel.etp",
+            p.etp,
+            "cannot run with train.optimizer=muon yet (Muon's plan places experts over dp*cp, not dp*cp*tp)",
+            "use --train.optimizer adamw, or --parallel.etp 0",
+        ),
     )

@@ -305,7 +305,7 @@ class Layout:
         )
 
     def parallel_config(self) -> ParallelConfig:
-        return ParallelConfig(**{f.name: getattr(self, f.name) for f in fields(ParallelConfig)})
+        return ParallelConfig(**{name: getattr(self, name) for name in _PARALLEL_FIELDS})
 
     def dim_size(self, dim: str) -> int:
         """The size of mesh dimension `dim` (of one of MESHES)."""
@@ -454,6 +454,7 @@ class Layout:
 
 
 _FIELD_NAMES = frozenset(f.name for f in fields(Layout))
+_PARALLEL_FIELDS = tuple(f.name for f in fields(ParallelConfig))  # (`dataclasses.fields` is slow: asked per layout)
 
 
 @lru_cache(maxsize=16384)

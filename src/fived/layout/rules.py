@@ -42,30 +42,39 @@ def layout_errors(cfg: Config, world: int | None) -> list[ConfigError]:
     dp = resolve_dp(cfg, world)
     errs: list[ConfigError] = []
 
-    def need(ok: bool, field: str, value, rule: str, hint: str = ""):
+    def need(ok: bool, *error) -> None:
+        """`error`: ConfigError's (field, value, rule, hint), or a function giving them (the rules pass
+        one: their messages are built only for a broken rule, the planner asks ~10^4 layouts)."""
         if not ok:
-            errs.append(ConfigError(field, value, rule, hint))
+            errs.append(ConfigError(*(error[0]() if callable(error[0]) else error)))
 
     for name in ("tp", "pp", "cp", "ep"):
         need(getattr(p, name) >= 1, f"parallel.{name}", getattr(p, name), "must be >= 1", f"e.g. --{name} 1")
-    need(p.dp >= 1 or p.dp == -1, "parallel.dp", p.dp, "must be >= 1 (or -1 to fill the world size)", "e.g. --dp 1")
+    need(
+        p.dp >= 1 or p.dp == -1,
+        lambda: ("parallel.dp", p.dp, "must be >= 1 (or -1 to fill the world size)", "e.g. --dp 1"),
+    )
     if errs:
         return errs
     model_parallel = p.tp * p.pp * p.cp
     if world is not None and dp == -1:
         need(
             False,
-            "parallel",
-            f"tp{p.tp}xpp{p.pp}xcp{p.cp}",
-            f"tp*pp*cp={model_parallel} must divide the number of ranks ({world})",
+            lambda: (
+                "parallel",
+                f"tp{p.tp}xpp{p.pp}xcp{p.cp}",
+                f"tp*pp*cp={model_parallel} must divide the number of ranks ({world})",
+            ),
         )
         return errs
     if world is not None:
         need(
             dp * model_parallel == world,
-            "parallel",
-            f"dp{dp}xtp{p.tp}xpp{p.pp}xcp{p.cp}",
-            f"dp*tp*pp*cp must equal the number of ranks ({world})",
+            lambda: (
+                "parallel",
+                f"dp{dp}xtp{p.tp}xpp{p.pp}xcp{p.cp}",
+                f"dp*tp*pp*cp must equal the number of ranks ({world})",
+            ),
         )
     _tensor_rules(need, m, p)
     _context_rules(need, m, p)
@@ -79,40 +88,50 @@ def layout_errors(cfg: Config, world: int | None) -> list[ConfigError]:
 def _tensor_rules(need, m, p) -> None:
     need(
         m.n_heads % p.tp == 0,
-        "parallel.tp",
-        p.tp,
-        f"must divide model.n_heads={m.n_heads}",
-        f"e.g. --tp {largest_divisor(m.n_heads, p.tp)}",
+        lambda: (
+            "parallel.tp",
+            p.tp,
+            f"must divide model.n_heads={m.n_heads}",
+            f"e.g. --tp {largest_divisor(m.n_heads, p.tp)}",
+        ),
     )
     for name in ("ffn_dim", "moe_ffn_dim"):
         value = getattr(m, name)
         need(
             value % p.tp == 0,
-            f"model.{name}",
-            value,
-            f"must be divisible by tp={p.tp}",
-            f"e.g. --model.{name} {nearest_multiple(value, p.tp)}",
+            lambda name=name, value=value: (
+                f"model.{name}",
+                value,
+                f"must be divisible by tp={p.tp}",
+                f"e.g. --model.{name} {nearest_multiple(value, p.tp)}",
+            ),
         )
     need(
         m.n_kv_heads % p.tp == 0 or p.tp % m.n_kv_heads == 0,
-        "parallel.tp",
-        p.tp,
-        f"must divide model.n_kv_heads={m.n_kv_heads} or be a multiple of it (kv heads are then replicated)",
-        f"e.g. --tp {largest_divisor(m.n_kv_heads, p.tp)}",
+        lambda: (
+            "parallel.tp",
+            p.tp,
+            f"must divide model.n_kv_heads={m.n_kv_heads} or be a multiple of it (kv heads are then replicated)",
+            f"e.g. --tp {largest_divisor(m.n_kv_heads, p.tp)}",
+        ),
     )
     need(
         not p.sp or p.tp > 1,
-        "parallel.sp",
-        p.sp,
-        "sequence parallelism splits over tp ranks: it needs tp > 1",
-        "add --tp 2, or drop --sp",
+        lambda: (
+            "parallel.sp",
+            p.sp,
+            "sequence parallelism splits over tp ranks: it needs tp > 1",
+            "add --tp 2, or drop --sp",
+        ),
     )
     need(
         p.ep == 1 or m.is_moe,
-        "parallel.ep",
-        p.ep,
-        f"needs a mixture-of-experts model (model.name={m.name} is dense)",
-        "use --ep 1, or a MoE model such as --model tiny-moe",
+        lambda: (
+            "parallel.ep",
+            p.ep,
+            f"needs a mixture-of-experts model (model.name={m.name} is dense)",
+            "use --ep 1, or a MoE model such as --model tiny-moe",
+        ),
     )
 
 
@@ -120,27 +139,33 @@ def _context_rules(need, m, p) -> None:
     """Context parallelism's modes: Ulysses gives each rank of a group of u a u-th of the heads."""
     need(
         p.cp_mode in CP_MODES,
-        "parallel.cp_mode",
-        p.cp_mode,
-        "must be one of " + ", ".join(CP_MODES),
-        "e.g. --parallel.cp_mode ring",
+        lambda: (
+            "parallel.cp_mode",
+            p.cp_mode,
+            "must be one of " + ", ".join(CP_MODES),
+            "e.g. --parallel.cp_mode ring",
+        ),
     )
     need(
         p.cp_balance in CP_BALANCES,
-        "parallel.cp_balance",
-        p.cp_balance,
-        "must be one of " + ", ".join(CP_BALANCES),
-        "e.g. --parallel.cp_balance work",
+        lambda: (
+            "parallel.cp_balance",
+            p.cp_balance,
+            "must be one of " + ", ".join(CP_BALANCES),
+            "e.g. --parallel.cp_balance work",
+        ),
     )
     if p.cp_mode == "hybrid" and p.cp > 1:
         need(
             1 < p.cp_ulysses < p.cp and p.cp % p.cp_ulysses == 0,
-            "parallel.cp_ulysses",
-            p.cp_ulysses,
-            f"hybrid context parallelism needs Ulysses groups of 2..cp/2 ranks dividing cp={p.cp}",
-            f"e.g. --parallel.cp_ulysses {largest_divisor(p.cp, max(2, min(p.cp_ulysses, p.cp // 2)))}"
-            if p.cp >= 4
-            else "use --parallel.cp_mode ulysses (or ring) for cp=2",
+            lambda: (
+                "parallel.cp_ulysses",
+                p.cp_ulysses,
+                f"hybrid context parallelism needs Ulysses groups of 2..cp/2 ranks dividing cp={p.cp}",
+                f"e.g. --parallel.cp_ulysses {largest_divisor(p.cp, max(2, min(p.cp_ulysses, p.cp // 2)))}"
+                if p.cp >= 4
+                else "use --parallel.cp_mode ulysses (or ring) for cp=2",
+            ),
         )
     if p.cp == 1 or p.cp_mode not in ("ulysses", "hybrid") or m.n_heads % p.tp:
         return
@@ -148,66 +173,80 @@ def _context_rules(need, m, p) -> None:
     heads, kv = m.n_heads // p.tp, max(m.n_kv_heads // p.tp, 1)
     need(
         heads % u == 0,
-        "parallel.cp",
-        p.cp,
-        f"{p.cp_mode} context parallelism splits the {heads} query heads of a "
-        f"tp rank over {u} ranks: {u} must divide them",
-        "use --parallel.cp_mode ring, or a smaller cp"
-        if p.cp_mode == "ulysses"
-        else f"e.g. --parallel.cp_ulysses {largest_divisor(heads, u)}",
+        lambda: (
+            "parallel.cp",
+            p.cp,
+            f"{p.cp_mode} context parallelism splits the {heads} query heads of a "
+            f"tp rank over {u} ranks: {u} must divide them",
+            "use --parallel.cp_mode ring, or a smaller cp"
+            if p.cp_mode == "ulysses"
+            else f"e.g. --parallel.cp_ulysses {largest_divisor(heads, u)}",
+        ),
     )
     need(
         kv % u == 0 or u % kv == 0,
-        "parallel.cp",
-        p.cp,
-        f"{u} Ulysses ranks must divide the {kv} kv heads of a tp "
-        f"rank, or be a multiple of them (kv heads are then repeated)",
-        "use --parallel.cp_mode ring",
+        lambda: (
+            "parallel.cp",
+            p.cp,
+            f"{u} Ulysses ranks must divide the {kv} kv heads of a tp "
+            f"rank, or be a multiple of them (kv heads are then repeated)",
+            "use --parallel.cp_mode ring",
+        ),
     )
 
 
 def _pipeline_rules(need, m, p, t) -> None:
     need(
         p.pp == 1 or not m.tie_embeddings,
-        "model.tie_embeddings",
-        m.tie_embeddings,
-        "tied embeddings across pipeline stages are not supported yet",
-        "set it false, or use --pp 1",
+        lambda: (
+            "model.tie_embeddings",
+            m.tie_embeddings,
+            "tied embeddings across pipeline stages are not supported yet",
+            "set it false, or use --pp 1",
+        ),
     )
     need(
         p.pp == 1 or m.mtp_depth == 0 or (p.zero <= 2 and not p.overlap_grad_reduce and not p.overlap_param_gather),
-        "model.mtp_depth",
-        m.mtp_depth,
-        "multi-token prediction under pipeline parallelism runs with ZeRO-0/1/2 without overlapped reductions "
-        "(the last stage's copy of the embedding adds its gradient before the dp reduction)",
-        "e.g. --zero 1 --parallel.overlap_grad_reduce false --parallel.overlap_param_gather false",
+        lambda: (
+            "model.mtp_depth",
+            m.mtp_depth,
+            "multi-token prediction under pipeline parallelism runs with ZeRO-0/1/2 without overlapped reductions "
+            "(the last stage's copy of the embedding adds its gradient before the dp reduction)",
+            "e.g. --zero 1 --parallel.overlap_grad_reduce false --parallel.overlap_param_gather false",
+        ),
     )
     need(
         p.pp_schedule in PP_SCHEDULES,
-        "parallel.pp_schedule",
-        p.pp_schedule,
-        "must be one of " + ", ".join(PP_SCHEDULES),
-        "e.g. --pp-schedule 1f1b",
+        lambda: (
+            "parallel.pp_schedule",
+            p.pp_schedule,
+            "must be one of " + ", ".join(PP_SCHEDULES),
+            "e.g. --pp-schedule 1f1b",
+        ),
     )
     if p.pp_schedule not in PP_SCHEDULES:
         return
-    need(p.pp_virtual >= 1, "parallel.pp_virtual", p.pp_virtual, "must be >= 1", "e.g. --pp-virtual 2")
+    need(p.pp_virtual >= 1, lambda: ("parallel.pp_virtual", p.pp_virtual, "must be >= 1", "e.g. --pp-virtual 2"))
     need(
         p.pp_virtual == 1 or p.pp_schedule in ("interleaved-1f1b", "zero-bubble"),
-        "parallel.pp_virtual",
-        p.pp_virtual,
-        f"only interleaved-1f1b and zero-bubble take virtual stages ({p.pp_schedule} uses "
-        f"{stages_per_rank(p.pp_schedule, 1)} per rank)",
-        "use --pp-virtual 1, or --pp-schedule interleaved-1f1b",
+        lambda: (
+            "parallel.pp_virtual",
+            p.pp_virtual,
+            f"only interleaved-1f1b and zero-bubble take virtual stages ({p.pp_schedule} uses "
+            f"{stages_per_rank(p.pp_schedule, 1)} per rank)",
+            "use --pp-virtual 1, or --pp-schedule interleaved-1f1b",
+        ),
     )
     per_rank = stages_per_rank(p.pp_schedule, max(p.pp_virtual, 1))
     stages = p.pp * per_rank if p.pp > 1 else 1
     need(
         m.n_layers >= stages,
-        "parallel.pp",
-        p.pp,
-        f"{stages} pipeline stages need at least as many layers (model.n_layers={m.n_layers})",
-        f"e.g. --pp {max(1, m.n_layers // per_rank)}",
+        lambda: (
+            "parallel.pp",
+            p.pp,
+            f"{stages} pipeline stages need at least as many layers (model.n_layers={m.n_layers})",
+            f"e.g. --pp {max(1, m.n_layers // per_rank)}",
+        ),
     )
     if p.pp_layers:
         try:
@@ -217,32 +256,35 @@ def _pipeline_rules(need, m, p, t) -> None:
         even = [m.n_layers // stages + (1 if i < m.n_layers % stages else 0) for i in range(stages)]
         need(
             len(counts) == stages and all(c >= 1 for c in counts) and sum(counts) == m.n_layers,
-            "parallel.pp_layers",
-            p.pp_layers,
-            f"must list {stages} positive layer counts summing to model.n_layers={m.n_layers}",
-            f"e.g. --pp-layers {','.join(map(str, even))}" if m.n_layers >= stages else "",
+            lambda: (
+                "parallel.pp_layers",
+                p.pp_layers,
+                f"must list {stages} positive layer counts summing to model.n_layers={m.n_layers}",
+                f"e.g. --pp-layers {','.join(map(str, even))}" if m.n_layers >= stages else "",
+            ),
         )
     need(
         p.pp_schedule != "dualpipev" or p.pp == 1 or t.microbatches >= 2 * p.pp,
-        "train.microbatches",
-        t.microbatches,
-        f"dualpipev needs at least as many micro-batches as stages (2*pp={2 * p.pp})",
-        f"e.g. --microbatches {2 * p.pp}",
+        lambda: (
+            "train.microbatches",
+            t.microbatches,
+            f"dualpipev needs at least as many micro-batches as stages (2*pp={2 * p.pp})",
+            f"e.g. --microbatches {2 * p.pp}",
+        ),
     )
     need(
         p.pp == 1 or t.microbatches >= p.pp,
-        "train.microbatches",
-        t.microbatches,
-        f"must be >= pp={p.pp}",
-        f"e.g. --microbatches {p.pp}",
+        lambda: ("train.microbatches", t.microbatches, f"must be >= pp={p.pp}", f"e.g. --microbatches {p.pp}"),
     )
     need(
         p.pp == 1 or p.pp_schedule not in SPLIT_BACKWARD or t.activation_checkpointing != "selective",
-        "train.activation_checkpointing",
-        t.activation_checkpointing,
-        f"selective checkpointing cannot run under {p.pp_schedule}: its split backward (input, then weight "
-        f"gradients) would replay the cached ops twice, which torch refuses",
-        "use --train.activation_checkpointing full, or --pp-schedule 1f1b/interleaved-1f1b",
+        lambda: (
+            "train.activation_checkpointing",
+            t.activation_checkpointing,
+            f"selective checkpointing cannot run under {p.pp_schedule}: its split backward (input, then weight "
+            f"gradients) would replay the cached ops twice, which torch refuses",
+            "use --train.activation_checkpointing full, or --pp-schedule 1f1b/interleaved-1f1b",
+        ),
     )
 
 
@@ -250,81 +292,97 @@ def _data_rules(need, m, p, t, dp: int) -> None:
     expert_rules(need, m, p, t, dp)
     need(
         not p.sp or t.seq_len % (p.tp * p.cp) == 0,
-        "train.seq_len",
-        t.seq_len,
-        f"must be divisible by tp*cp={p.tp * p.cp} with --sp",
-        f"e.g. --seq-len {nearest_multiple(t.seq_len, p.tp * p.cp)}",
+        lambda: (
+            "train.seq_len",
+            t.seq_len,
+            f"must be divisible by tp*cp={p.tp * p.cp} with --sp",
+            f"e.g. --seq-len {nearest_multiple(t.seq_len, p.tp * p.cp)}",
+        ),
     )
     need(
         t.seq_len % (2 * p.cp) == 0 or p.cp == 1,
-        "train.seq_len",
-        t.seq_len,
-        f"must be divisible by 2*cp={2 * p.cp} (load-balanced context-parallel chunks)",
-        f"e.g. --seq-len {nearest_multiple(t.seq_len, 2 * p.cp)}",
+        lambda: (
+            "train.seq_len",
+            t.seq_len,
+            f"must be divisible by 2*cp={2 * p.cp} (load-balanced context-parallel chunks)",
+            f"e.g. --seq-len {nearest_multiple(t.seq_len, 2 * p.cp)}",
+        ),
     )
-    need(p.zero in (0, 1, 2, 3), "parallel.zero", p.zero, "must be 0, 1, 2 or 3", "e.g. --zero 1")
+    need(p.zero in (0, 1, 2, 3), lambda: ("parallel.zero", p.zero, "must be 0, 1, 2 or 3", "e.g. --zero 1"))
     need(
         p.dp_replicate >= 1 and dp >= 1 and dp % p.dp_replicate == 0,
-        "parallel.dp_replicate",
-        p.dp_replicate,
-        f"must be >= 1 and divide dp={dp} (dp = dp_replicate x dp_shard)",
-        f"e.g. --dp-replicate {largest_divisor(max(dp, 1), max(p.dp_replicate, 1))}",
+        lambda: (
+            "parallel.dp_replicate",
+            p.dp_replicate,
+            f"must be >= 1 and divide dp={dp} (dp = dp_replicate x dp_shard)",
+            f"e.g. --dp-replicate {largest_divisor(max(dp, 1), max(p.dp_replicate, 1))}",
+        ),
     )
     need(
         p.dp_replicate == 1 or p.zero >= 1,
-        "parallel.dp_replicate",
-        p.dp_replicate,
-        "replica groups (HSDP) need a sharded stage",
-        "add --zero 1 (or 2, 3)",
+        lambda: (
+            "parallel.dp_replicate",
+            p.dp_replicate,
+            "replica groups (HSDP) need a sharded stage",
+            "add --zero 1 (or 2, 3)",
+        ),
     )
     need(
         p.reduce_dtype in ("float32", "bfloat16"),
-        "parallel.reduce_dtype",
-        p.reduce_dtype,
-        "must be float32 or bfloat16",
-        "e.g. --parallel.reduce_dtype float32",
+        lambda: (
+            "parallel.reduce_dtype",
+            p.reduce_dtype,
+            "must be float32 or bfloat16",
+            "e.g. --parallel.reduce_dtype float32",
+        ),
     )
-    need(t.microbatches >= 1, "train.microbatches", t.microbatches, "must be >= 1", "e.g. --microbatches 1")
+    need(t.microbatches >= 1, lambda: ("train.microbatches", t.microbatches, "must be >= 1", "e.g. --microbatches 1"))
     need(
         p.bucket_mb > 0 and math.isfinite(p.bucket_mb),
-        "parallel.bucket_mb",
-        p.bucket_mb,
-        "must be > 0 and finite",
-        "e.g. --parallel.bucket_mb 25",
+        lambda: ("parallel.bucket_mb", p.bucket_mb, "must be > 0 and finite", "e.g. --parallel.bucket_mb 25"),
     )
     need(
         not p.overlap_param_gather or p.zero in (1, 2),
-        "parallel.overlap_param_gather",
-        p.overlap_param_gather,
-        f"gathers the parameters of ZeRO-1/2 (zero={p.zero} has no separate gather; ZeRO-3 prefetches already)",
-        "add --zero 1, or set it false",
+        lambda: (
+            "parallel.overlap_param_gather",
+            p.overlap_param_gather,
+            f"gathers the parameters of ZeRO-1/2 (zero={p.zero} has no separate gather; ZeRO-3 prefetches already)",
+            "add --zero 1, or set it false",
+        ),
     )
     need(
         not p.zero2_reduce_every_microbatch or (p.zero == 2 and p.overlap_grad_reduce),
-        "parallel.zero2_reduce_every_microbatch",
-        p.zero2_reduce_every_microbatch,
-        f"needs zero=2 with overlap_grad_reduce (its buckets; here zero={p.zero}, "
-        f"overlap_grad_reduce={str(p.overlap_grad_reduce).lower()})",
-        "add --zero 2 --parallel.overlap_grad_reduce true, or set it false",
+        lambda: (
+            "parallel.zero2_reduce_every_microbatch",
+            p.zero2_reduce_every_microbatch,
+            f"needs zero=2 with overlap_grad_reduce (its buckets; here zero={p.zero}, "
+            f"overlap_grad_reduce={str(p.overlap_grad_reduce).lower()})",
+            "add --zero 2 --parallel.overlap_grad_reduce true, or set it false",
+        ),
     )
     need(
-        t.fp8 in FP8_RECIPES, "train.fp8", t.fp8, "must be one of " + ", ".join(FP8_RECIPES), "e.g. --train.fp8 rowwise"
+        t.fp8 in FP8_RECIPES,
+        lambda: ("train.fp8", t.fp8, "must be one of " + ", ".join(FP8_RECIPES), "e.g. --train.fp8 rowwise"),
     )
     need(
         dp >= 1 and t.global_batch % dp == 0,
-        "train.global_batch",
-        t.global_batch,
-        f"must be divisible by dp={dp}",
-        f"e.g. --global-batch {nearest_multiple(t.global_batch, max(dp, 1))}",
+        lambda: (
+            "train.global_batch",
+            t.global_batch,
+            f"must be divisible by dp={dp}",
+            f"e.g. --global-batch {nearest_multiple(t.global_batch, max(dp, 1))}",
+        ),
     )
     if dp >= 1 and t.global_batch % dp == 0 and t.microbatches >= 1:
         local = t.global_batch // dp
         need(
             local % t.microbatches == 0,
-            "train.microbatches",
-            t.microbatches,
-            f"must divide the per-rank batch global_batch/dp={local}",
-            f"e.g. --microbatches {largest_divisor(local, t.microbatches)}",
+            lambda: (
+                "train.microbatches",
+                t.microbatches,
+                f"must divide the per-rank batch global_batch/dp={local}",
+                f"e.g. --microbatches {largest_divisor(local, t.microbatches)}",
+            ),
         )
 
 

@@ -10,6 +10,7 @@ rules the runtime builds its stages by and the planner prices them by (plain Pyt
 
 from __future__ import annotations
 
+import weakref
 from functools import lru_cache
 
 from fived.config import ModelConfig
@@ -74,15 +75,57 @@ def split_layers(cfg: ModelConfig, n_stages: int, override: str = "") -> list[li
     return out
 
 
+class _Key(tuple):
+    """`model_key`'s tuple, its hash computed once: the caches that key on it hash it at every lookup."""
+
+    def __hash__(self) -> int:
+        h = self.__dict__.get("hash")
+        if h is None:
+            h = self.__dict__["hash"] = tuple.__hash__(self)
+        return h
+
+    def __reduce__(self):  # (pickled as a plain tuple: string hashes differ between processes)
+        return tuple, (tuple(self),)
+
+
+# id(model) -> (a weak reference to it, its key): `model_key`'s keys, kept outside the models (frozen:
+# a model's key never changes; dropped when the model dies, `_forget`)
+MODEL_KEYS: dict[int, tuple] = {}
+
+
 def model_key(m: ModelConfig) -> tuple:
     """A hashable form of a model config (the caches of the layout core and the planner key on it): its
-    fields in their order (not sorted: the planner asks for it ~10^5 times a search)."""
-    return tuple(vars(m).items())
+    fields in their order, built once per model (a frozen dataclass; the planner asks for it ~10^5
+    times a search)."""
+    kept = MODEL_KEYS.get(id(m))
+    if kept is not None and kept[0]() is m:  # (not a dead model's whose id was reused)
+        return kept[1]
+    key = _Key(vars(m).items())
+    MODEL_KEYS[id(m)] = (weakref.ref(m, _forget(id(m))), key)
+    return key
+
+
+def _forget(model_id: int):
+    """The callback that drops a dead model's key (unless its id already holds another model's)."""
+
+    def forget(ref) -> None:
+        kept = MODEL_KEYS.get(model_id)
+        if kept is not None and kept[0] is ref:
+            del MODEL_KEYS[model_id]
+
+    return forget
+
+
+@lru_cache(maxsize=64)
+def model_of(key: tuple) -> ModelConfig:
+    """The model config of a `model_key`, built once per key (the caches keyed on it ask on every miss;
+    it is shared: read it, never change it)."""
+    return ModelConfig(**dict(key))
 
 
 @lru_cache(maxsize=4096)
 def _split(key: tuple, n_stages: int, pp_layers: str) -> tuple[tuple[int, ...], ...]:
-    return tuple(tuple(s) for s in split_layers(ModelConfig(**dict(key)), n_stages, pp_layers))
+    return tuple(tuple(s) for s in split_layers(model_of(key), n_stages, pp_layers))
 
 
 def rank_chunks(m: ModelConfig, layout: Layout, pp_rank: int) -> list[Chunk]:

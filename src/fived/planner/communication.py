@@ -64,7 +64,7 @@ from fived.layout.layout import EP_OVERLAP_CHUNKS, MESH_FIELDS, PRECISION_SPECS,
 from fived.layout.muon_load import busiest_loads
 from fived.layout.muon_plan import Exchange, stage_plan
 from fived.layout.spec import chunk_specs, kv_width
-from fived.layout.stages import model_key, stage_rank
+from fived.layout.stages import model_key, model_of, stage_rank
 from fived.planner.memory import (
     ACTIVATION_BYTES,
     WEIGHT_BYTES,
@@ -309,7 +309,7 @@ def tp_gradient_sums(m: ModelConfig, layout: Layout, chunks) -> dict[int, int]:
 
 @lru_cache(maxsize=4096)
 def _tp_sums(key: tuple, tp: int, ep: int, sp: bool, etp: int, layers: tuple, first: bool, last: bool):
-    specs = chunk_specs(ModelConfig(**dict(key)), layers, first, last, tp=tp, ep=ep, sp=sp, etp=etp)
+    specs = chunk_specs(model_of(key), layers, first, last, tp=tp, ep=ep, sp=sp, etp=etp)
     return tuple(Counter(s.tp_summed for s in specs if s.tp_summed and not s.buffer).items())
 
 

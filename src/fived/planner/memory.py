@@ -62,7 +62,7 @@ from fived.layout.spec import (
     local_vocab,
     shard_rows,
 )
-from fived.layout.stages import Chunk, model_key, placement, rank_chunks_by_key
+from fived.layout.stages import Chunk, model_key, model_of, placement, rank_chunks_by_key
 from fived.planner.runtimes import FIVED, Runtime, framework_activations, reduces_every_microbatch
 
 RESERVE_GIB = 2.0  # CUDA context, NCCL communicators and workspaces
@@ -99,7 +99,7 @@ def parameter_shapes(m: ModelConfig, tp: int, ep: int, layers, first: bool, last
 @lru_cache(maxsize=65536)
 def _parameter_shapes(key: tuple, tp: int, ep: int, n_dense: int, n_moe: int, first: bool, last: bool, etp: int):
     """Aggregated by layer kind: ((rows, cols), count) pairs, so sums over hundreds of layers stay short."""
-    m = ModelConfig(**dict(key))
+    m = model_of(key)
     one_dense, _ = _shape_list(m, tp, ep, [m.n_layers - 1] if not m.is_moe else [0], False, False, etp)
     if m.is_moe and m.n_dense_layers == 0:
         one_dense = _shape_list(ModelConfig(**{**dict(key), "n_experts": 0}), tp, ep, [0], False, False, etp)[0]
@@ -143,7 +143,7 @@ def rank_parameters(m: ModelConfig, layout: Layout, chunks) -> RankParameters:
 
 @lru_cache(maxsize=16384)
 def _rank_parameters(key: tuple, tp: int, ep: int, etp: int, chunks: tuple) -> RankParameters:
-    m = ModelConfig(**dict(key))
+    m = model_of(key)
     dense: list = []
     expert: list = []
     ends: list = []
@@ -191,7 +191,7 @@ def flat_owned_elements(numels: tuple[int, ...], shards: int, index: int, cap: i
 
 @lru_cache(maxsize=4096)
 def _flat_numels(key: tuple, tp: int, ep: int, layers: tuple, first: bool, last: bool, etp: int) -> tuple:
-    specs = chunk_specs(ModelConfig(**dict(key)), layers, first, last, tp=tp, ep=ep, etp=etp)
+    specs = chunk_specs(model_of(key), layers, first, last, tp=tp, ep=ep, etp=etp)
     return tuple(math.prod(s.local_shape) for s in specs if in_flat_buffer(s, ep))
 
 
@@ -335,7 +335,7 @@ def _activation_layout(layout: Layout) -> Layout:
 def _activations(
     key: tuple, layout: Layout, seq_len: int, dtype: str, layers: tuple, first: bool, last: bool, runtime: Runtime
 ) -> int:
-    m = ModelConfig(**dict(key))
+    m = model_of(key)
     if runtime.activations == "megatron":  # (fived's compiled blocks too: see runtimes.fived_runtime)
         return framework_activations(m, layout, seq_len, layers, first, last)
     from fived.layout.activation_model import activation_bytes
@@ -424,7 +424,7 @@ def _rank_sums(key, layout: Layout, dtype: str, runtime: Runtime) -> tuple:
 
 @lru_cache(maxsize=65536)
 def _recompute_block(key, layout: Layout, seq_len: int, dtype: str, runtime: Runtime) -> int:
-    m = ModelConfig(**dict(key))
+    m = model_of(key)
     full = layout.with_(checkpointing="none")
     kinds = {i for i in range(m.n_layers) if i in (0, m.n_layers - 1)}  # a dense and a MoE layer, if any
     return max(_activations(key, full, seq_len, dtype, (i,), False, False, runtime) for i in kinds)
@@ -450,16 +450,32 @@ def reserve_bytes(device_gib: float) -> int:
 def _rank_states(key, layout: Layout, dtype: str, runtime: Runtime):
     """Per pipeline rank: (model-state bytes, transient buffers that do not depend on the micro-batch,
     ZeRO-3's unsharded gradient bytes while micro-batches accumulate, chunks)."""
-    m = ModelConfig(**dict(key))
-    out, seen = [], {}
-    for r in range(layout.pp):
-        chunks = rank_chunks_by_key(key, layout.pp, placement(layout.pp_schedule), layout.n_stages, r, layout.pp_layers)
+    m = model_of(key)
+    kinds, ranks = _rank_kinds(key, layout.pp, placement(layout.pp_schedule), layout.n_stages, layout.pp_layers)
+    seen = []
+    for chunks in kinds:  # ranks with the same kinds of layers hold the same state
+        state = state_bytes(m, layout, dtype, chunks, runtime=runtime)
+        seen.append((state,) + _static_buffers(m, layout, dtype, chunks, state, runtime))
+    return [seen[kind] + (chunks,) for kind, chunks in ranks]
+
+
+@lru_cache(maxsize=4096)
+def _rank_kinds(key, pp: int, schedule: str, n_stages: int, pp_layers: str) -> tuple:
+    """(the chunks of the first rank of each kind, per pipeline rank (its kind, its chunks)): a kind is
+    the ranks whose chunks hold as many MoE layers and layers, and the embedding and head alike (what
+    their state depends on; every state of a search with these stages asks it)."""
+    m = model_of(key)
+    index: dict[tuple, int] = {}
+    firsts: list[list[Chunk]] = []
+    ranks: list[tuple[int, list[Chunk]]] = []
+    for r in range(pp):
+        chunks = rank_chunks_by_key(key, pp, schedule, n_stages, r, pp_layers)
         kinds = tuple((moe_layer_count(m, layers), len(layers), first, last) for layers, first, last in chunks)
-        if kinds not in seen:  # ranks with the same kinds of layers hold the same state
-            state = state_bytes(m, layout, dtype, chunks, runtime=runtime)
-            seen[kinds] = (state,) + _static_buffers(m, layout, dtype, chunks, state, runtime)
-        out.append(seen[kinds] + (chunks,))
-    return out
+        if kinds not in index:
+            index[kinds] = len(firsts)
+            firsts.append(chunks)
+        ranks.append((index[kinds], chunks))
+    return tuple(firsts), tuple(ranks)
 
 
 def _static_buffers(

@@ -14,7 +14,6 @@ check (`fived.layout.rules.layout_errors`), so every planned layout is one `five
 
 from __future__ import annotations
 
-import bisect
 import itertools
 from dataclasses import dataclass
 
@@ -24,8 +23,9 @@ from fived.layout.rules import layout_errors
 from fived.layout.schedule_sim import check_schedule
 from fived.planner.constants import Constants
 from fived.planner.memory import MemoryEstimate, memory_per_gpu, reserve_bytes, state_floor
+from fived.planner.pricing import Candidate, price
 from fived.planner.runtimes import FIVED, Runtime, with_overlap
-from fived.planner.timing import Cluster, StepTime, compute_seconds, step_time
+from fived.planner.timing import Cluster, StepTime, step_time
 
 SCHEDULES = (
     ("1f1b", 1),
@@ -182,95 +182,26 @@ def plan_of(
     )
 
 
-def _fastest_fitting_choice(
+def _fitting_choices(
     model: ModelConfig,
     layout: Layout,
-    cluster: Cluster,
     seq_len: int,
     global_batch: int,
     dtype: str,
     runtime: Runtime,
-    headroom_gib: float,
+    device_gib: float,
     capacity: int,
-    bound: _Bound | None = None,
-    smallest: dict | None = None,
-) -> Plan | int | Unpriced | None:
-    """`fastest_fitting` over `reduction_choices` with memory priced first and step time only for the
-    choices that fit (most of a search's layouts do not): the plan, or the least memory a choice
-    needed when none fits, or None when none can run; with `bound`, `Unpriced` for a fitting layout
-    whose compute alone shows it cannot be one of the plans the search keeps."""
-    hw = cluster.hardware
+) -> list[tuple[Layout, MemoryEstimate]] | int | None:
+    """The first pass's look at one layout, by memory alone: its `reduction_choices` that fit with
+    their memory, or the least memory a choice needed when none fits, or None when none can run."""
     choices = reduction_choices(layout, runtime)
     # (the choices differ in zero2_reduce_every_microbatch alone, whose one rule, zero 2 with
     # overlap_grad_reduce, they meet by construction: one runs iff the other does)
     if not is_valid(model, choices[0], seq_len, global_batch):
         return None
-    runs = choices
-    memories = [memory_per_gpu(model, x, seq_len, global_batch, dtype, hw.memory_gib, runtime) for x in runs]
-    fits = [(x, mem) for x, mem in zip(runs, memories) if mem.total <= capacity]
-    if not fits:
-        return memories[0].total
-    if bound is not None:
-        unpriced = bound.unpriced(model, layout, fits, smallest or {}, cluster, seq_len, global_batch, dtype, runtime)
-        if unpriced is not None:
-            return unpriced
-    plans = [
-        Plan(x, mem, step_time(model, x, cluster, seq_len, global_batch, dtype, runtime), capacity) for x, mem in fits
-    ]
-    return fastest_fitting(plans)
-
-
-@dataclass(frozen=True)
-class Unpriced:
-    """A fitting layout the search did not price: its compute alone is slower than the plans it keeps.
-    `memory`: the peak to note in `Search.smallest` (None: no figure there changes, whichever of its
-    choices would have been kept)."""
-
-    memory: int | None
-
-
-class _Bound:
-    """Which fitting layouts a search that keeps `keep` plans need not price: a layout's compute
-    (`timing.compute_seconds`, the first term of its step; the others are >= 0) already slower than
-    the `keep` fastest plans so far and than the fastest so far with each of its decisions' values
-    can be neither among the `keep` fastest nor the fastest deciding anything its way (an equal time
-    comes later, so it loses the tie). Its memory still counts in `Search.smallest`; where choices of
-    different memory fit (which one is kept depends on their times), only if none of them would lower
-    a figure there."""
-
-    MARGIN = 1e-9  # (relative: the step's terms are summed in float; a bound must not win by rounding)
-
-    def __init__(self, keep: int) -> None:
-        self.keep = keep
-        self.fastest: list[float] = []  # the `keep` fastest totals so far, ascending
-        self.best: dict[tuple, float] = {}  # (decision, value) -> the fastest total with it so far
-
-    def add(self, p: Plan) -> None:
-        t = p.time.total
-        bisect.insort(self.fastest, t)
-        del self.fastest[self.keep :]
-        for d in DECISIONS:
-            k = (d, getattr(p.layout, d))
-            if t < self.best.get(k, float("inf")):
-                self.best[k] = t
-
-    def unpriced(
-        self, model, layout: Layout, fits: list, smallest: dict, cluster, seq_len, global_batch, dtype, runtime
-    ) -> Unpriced | None:
-        """`Unpriced` if `layout` (its fitting choices `fits`: (layout, memory)) need not be priced."""
-        if len(self.fastest) < self.keep:
-            return None
-        needs = {mem.total for _, mem in fits}
-        memory = next(iter(needs)) if len(needs) == 1 else None
-        keys = [(d, getattr(layout, d)) for d in DECISIONS]
-        if memory is None and not all(k in smallest and min(needs) >= smallest[k] for k in keys):
-            return None
-        floor = min(compute_seconds(model, x, cluster, seq_len, global_batch, dtype, runtime) for x, _ in fits) / (
-            1 + self.MARGIN
-        )
-        if floor <= self.fastest[-1] or not all(floor > self.best.get(k, float("inf")) for k in keys):
-            return None
-        return Unpriced(memory)
+    memories = [memory_per_gpu(model, x, seq_len, global_batch, dtype, device_gib, runtime) for x in choices]
+    fits = [(x, mem) for x, mem in zip(choices, memories) if mem.total <= capacity]
+    return fits or memories[0].total
 
 
 def capacity_bytes(memory_gib: float, headroom_gib: float) -> int:
@@ -408,19 +339,19 @@ def plan(
     options are costed; of the checkpointing options of one layout, the first that fits is kept (the
     others only recompute more). Every runtime considers MoE parallel folding (etp 1: experts whole,
     ep over dp*cp*tp), which fived runs too. With `keep`, a fitting layout is priced only if it can be
-    among the `keep` fastest or the fastest with one of its decisions' values (`_Bound`): the plans'
+    among the `keep` fastest or the fastest with one of its decisions' values (`fived.planner.pricing`): the plans'
     first `keep`, the runners-up and every figure `explain` prints are those of the whole search."""
     capacity = capacity_bytes(cluster.hardware.memory_gib, headroom_gib)
     reserve = reserve_bytes(cluster.hardware.memory_gib)
-    fitting: list[Plan] = []
-    considered, smallest, unpriced = 0, dict[tuple, int](), 0
-    bound = _Bound(keep) if keep else None
+    candidates: list[Candidate] = []
+    considered, smallest = 0, dict[tuple, int]()
 
     def note(layout: Layout, need: int) -> None:
         for d in DECISIONS:
             k = (d, getattr(layout, d))
             smallest[k] = min(smallest.get(k, need), need)
 
+    # first pass, memory alone: what is valid, what fits (the first checkpointing option that does)
     for mesh in mesh_shapes(model, cluster.gpus, cluster.gpus_per_node, seq_len, global_batch, folded=True):
         for state in state_choices(model, mesh, cluster.gpus_per_node):
             floor = state_floor(model, state, dtype, runtime) + reserve
@@ -433,34 +364,33 @@ def plan(
                 state = with_overlap(state, fp8=runtime.fp8)
             for options in activation_choices(state, seq_len, global_batch):
                 for layout in options:
-                    result = _fastest_fitting_choice(
-                        model,
-                        layout,
-                        cluster,
-                        seq_len,
-                        global_batch,
-                        dtype,
-                        runtime,
-                        headroom_gib,
-                        capacity,
-                        bound,
-                        smallest,
+                    result = _fitting_choices(
+                        model, layout, seq_len, global_batch, dtype, runtime, cluster.hardware.memory_gib, capacity
                     )
                     if result is None:  # e.g. selective checkpointing under a split-backward schedule
                         continue
                     considered += 1
-                    if isinstance(result, Unpriced):  # (it fits: the first checkpointing option that does)
-                        if result.memory is not None:
-                            note(layout, result.memory)
-                        unpriced += 1
-                        break
                     if isinstance(result, int):  # nothing fits: the least memory a choice needed
                         note(layout, result)
                         continue
-                    note(layout, result.memory.total)
-                    fitting.append(result)
-                    if bound is not None:
-                        bound.add(result)
+                    c = Candidate(len(candidates), layout, result, needs=frozenset(m.total for _, m in result))
+                    if c.one_memory is not None:  # (else noted once priced: which choice is kept decides)
+                        note(layout, c.one_memory)
+                    candidates.append(c)
                     break
-    fitting.sort(key=lambda p: p.time.total)
-    return Search(fitting, considered, smallest, len(fitting) + unpriced)
+    # second pass: step times, of every fitting layout or (keep) of those that can matter
+    plans = price(
+        candidates,
+        model,
+        cluster,
+        seq_len,
+        global_batch,
+        dtype,
+        runtime,
+        capacity,
+        keep=keep,
+        decisions=DECISIONS,
+        smallest=smallest,
+        note=note,
+    )
+    return Search(plans, considered, smallest, len(candidates))

@@ -410,6 +410,48 @@ def attention_seconds(
     ).attention
 
 
+def step_floor(
+    model: ModelConfig,
+    layout: Layout,
+    cluster: Cluster,
+    seq_len: int,
+    global_batch: int,
+    dtype: str = "bfloat16",
+    runtime: Runtime = FIVED,
+) -> float:
+    """A lower bound of `step_time(...).total`: the compute and the pipeline bubble on it alone (the
+    bubble grows with the terms it multiplies; every other term is >= 0). It reads only `compute_key`."""
+    L = layout
+    compute = compute_seconds(model, L, cluster, seq_len, global_batch, dtype, runtime)
+    if L.pp == 1:
+        return compute
+    frac = pipeline_profile(L.pp_schedule, L.pp, L.pp_virtual, L.microbatches(global_batch))[0]
+    return compute + compute * max(0.0, cluster.hardware.core_share / (1 - frac) - 1)
+
+
+def compute_key(layout: Layout) -> tuple:
+    """The layout fields `compute_seconds` and `step_floor` read (`_busiest_compute`, `_compute`): layouts alike in
+    them compute alike (the search prices each distinct compute once). The runtime switches that
+    `for_layout` sets from a layout (overlaps, the ZeRO-2 reduction's timing) are not read there."""
+    L = layout
+    return (
+        L.dp,
+        L.tp,
+        L.pp,
+        L.cp,
+        L.cp_mode,
+        L.cp_ulysses,
+        L.ep,
+        L.etp,
+        L.sp,
+        L.pp_schedule,
+        L.pp_virtual,
+        L.pp_layers,
+        L.micro_batch,
+        L.checkpointing,
+    )
+
+
 def _busiest_compute(
     m: ModelConfig,
     L: Layout,
