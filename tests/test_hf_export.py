@@ -100,9 +100,10 @@ def test_export_refuses_an_existing_directory_and_a_non_run(trained_run, tmp_pat
     ],
     ids=["qwen3moe-ep2", "llama3.1-tp2", "llama-tied-zero1", "gpt-oss-ep2", "gemma3-tp2"],
 )
-def test_import_train_export_round_trip(kind, changes, layout, tmp_path, caplog):
+def test_import_train_export_round_trip(kind, changes, layout, tmp_path, caplog, capsys):
     """A model imported, trained one step at a negligible learning rate and exported again is the same
-    model to transformers: same architecture, rope scaling and tying, the original's logits."""
+    model to transformers: same architecture, rope scaling and tying, the original's logits and greedy
+    ids (and fived's own KV-cached generate from the export gives them too)."""
     from hf_models import hf_logits, save_hf_model
 
     from fived.hf.config_map import special_token_ids
@@ -132,6 +133,13 @@ def test_import_train_export_round_trip(kind, changes, layout, tmp_path, caplog)
     assert _rope_types(model.config) == _rope_types(reference.config)
     ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(0))
     assert (hf_logits(model, ids) - hf_logits(reference, ids)).abs().max().item() <= 1e-4
+    got = _generate_json(capsys, tmp_path / "out", "Hello, world", "--max-new-tokens", "12")
+    prompt = torch.tensor([got["prompt_ids"]])
+    greedy = [
+        m.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)[0, prompt.shape[1] :].tolist()
+        for m in (model, reference)
+    ]
+    assert got["generated_ids"] == greedy[0] == greedy[1] and len(set(greedy[0])) > 1, (got, greedy)
 
 
 def _rope_types(config) -> dict:
@@ -185,7 +193,7 @@ def test_generate_greedy_equals_transformers(trained_run, tmp_path, capsys):
     assert len(set(expected)) > 1
 
 
-@pytest.mark.parametrize("kind", ["llama3.1", "mixtral"])
+@pytest.mark.parametrize("kind", ["llama3.1", "mixtral", "qwen3_moe"])
 def test_generate_from_a_transformers_directory(kind, tmp_path, capsys):
     """A random model (varied output, unlike 20 steps of training, which mostly predicts spaces):
     fived's KV-cached greedy ids equal transformers' generate(do_sample=False)."""
