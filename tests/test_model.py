@@ -1,4 +1,5 @@
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -12,9 +13,7 @@ F64 = torch.float64
 
 
 def _model(name="tiny", seed=0, **changes):
-    cfg = model_preset(name)
-    for k, v in changes.items():
-        setattr(cfg, k, v)
+    cfg = dataclasses.replace(model_preset(name), **changes)
     model = build_model(cfg, device="cpu", dtype=torch.float64)
     init_weights(model, seed)
     return model

@@ -17,13 +17,15 @@ nothing.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from fived.config import ModelConfig
 from fived.layout.layout import Layout
 from fived.planner.memory import MemoryEstimate
 from fived.planner.runtimes import Runtime
-from fived.planner.timing import Cluster, compute_key, step_floor, step_time
+from fived.planner.timing import Cluster, compute_key, step_floor
 
 
 @dataclass
@@ -119,7 +121,7 @@ def price(
     global_batch: int,
     dtype: str,
     runtime: Runtime,
-    capacity: int,
+    plan_of: Callable[[Candidate], Any],
     *,
     keep: int | None,
     decisions: tuple[str, ...],
@@ -127,18 +129,11 @@ def price(
     note,
 ) -> list:
     """The plans of `candidates` (`search.Plan`, fastest first, ties in enumeration order): every one
-    (`keep` None), or those that can matter (`_Bound`). A skipped candidate whose choices need
+    (`keep` None), or those that can matter (`_Bound`); `plan_of(candidate)`: its fastest fitting plan
+    (the search's, passed in: pricing does not import the search). A skipped candidate whose choices need
     different memory is priced after all when the memory it would note might lower a figure of
     `smallest` (which choice is kept, and so its memory, depends on their times); `note(layout,
     bytes)` notes the memory of those priced here."""
-    from fived.planner.search import Plan, fastest_fitting
-
-    def plan_of(c: Candidate):
-        plans = [
-            Plan(x, m, step_time(model, x, cluster, seq_len, global_batch, dtype, runtime), capacity) for x, m in c.fits
-        ]
-        return fastest_fitting(plans)
-
     order = candidates
     if keep:
         compute_floors(candidates, model, cluster, seq_len, global_batch, dtype, runtime)

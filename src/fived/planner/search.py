@@ -378,7 +378,14 @@ def plan(
                         note(layout, c.one_memory)
                     candidates.append(c)
                     break
+
     # second pass: step times, of every fitting layout or (keep) of those that can matter
+    def plan_of(c: Candidate) -> Plan | None:
+        timed = (
+            Plan(x, m, step_time(model, x, cluster, seq_len, global_batch, dtype, runtime), capacity) for x, m in c.fits
+        )
+        return fastest_fitting(list(timed))
+
     plans = price(
         candidates,
         model,
@@ -387,7 +394,7 @@ def plan(
         global_batch,
         dtype,
         runtime,
-        capacity,
+        plan_of,
         keep=keep,
         decisions=DECISIONS,
         smallest=smallest,
