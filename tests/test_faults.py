@@ -16,10 +16,11 @@ import torch.distributed as dist
 
 from fived.checkpoint.checkpointer import complete_checkpoints, find_checkpoint
 from fived.checkpoint.dcp_io import read_whole
+from fived.cli.main import main
 from fived.config import build_config
 from fived.launch.ranks import RankFailed
 from fived.launch.supervisor import failure_line, run_with_restarts
-from fived.testing import run_on_ranks
+from fived.testing import run_forked, run_on_ranks
 from fived.training.faults import PREEMPTED_EXIT
 from fived.training.trainer import run_training
 
@@ -108,13 +109,8 @@ def test_sigterm_saves_the_current_step_and_resume_is_exact(target, tmp_path):
     step = _logged_losses(run_dir)[-1][0]
     assert [s for s, _ in complete_checkpoints(run_dir)] == [step]  # saved at the step it stopped after
     assert f"stopped after step {step}" in err.strip().splitlines()[-1]
-    resumed = subprocess.run(
-        [sys.executable, "-m", "fived", "train", "--resume", str(run_dir)],
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    # (the resume is an ordinary `fived train --resume`: a forked child, without a new `import torch`)
+    resumed = run_forked(main, ["train", "--resume", str(run_dir)], timeout_s=300)
     assert resumed.returncode == 0, resumed.stderr
     whole = _uninterrupted(4, layout)
     assert _logged_losses(run_dir) == [(m["step"], m["loss"]) for m in whole.metrics]
