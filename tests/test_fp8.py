@@ -52,13 +52,16 @@ def test_the_swap_converts_every_block_linear_and_skips_the_head_and_router():
     assert apply_fp8([odd], "tensorwise", device_type="cpu") == 0  # 24 is no multiple of 16
 
 
+# 100 steps cover the whole schedule (20 of warmup, then the cosine decay to its end) while the loss
+# falls 5.58 -> 3.15; a recipe that learns slower shows a wider gap here, where the curve is steeper,
+# than after 200 steps, which cost twice the CPU seconds (the figures: docs/parallelism.md, FP8).
 def _final_losses(fp8: str) -> float:
-    cfg = tiny_config("tiny", train__fp8=fp8, train__dtype="bfloat16", train__steps=200, train__warmup_steps=20)
+    cfg = tiny_config("tiny", train__fp8=fp8, train__dtype="bfloat16", train__steps=100, train__warmup_steps=20)
     losses = [m["loss"] for m in run_on_ranks(1, run_training, cfg, False, False)[0].metrics]
     return sum(losses[-20:]) / 20
 
 
-def test_fp8_tracks_bf16_over_200_steps():
+def test_fp8_tracks_bf16_over_100_steps():
     """The mean of the last 20 losses within 3% of bf16's (bf16 itself is 1-1.5% from float32 here)."""
     bf16 = _final_losses("none")
     for recipe in ("tensorwise", "rowwise"):
