@@ -52,33 +52,18 @@ def _config(model: str, fields: dict):
 
 
 def _measure(configs):
-    """Every layout on the same 4 forked ranks, one after another: its ledgers (model state,
-    activations, the last step's collectives)."""
-    return [
-        (r.memory, r.activations, r.comm) for r in (run_training(cfg, log=False, progress=False) for cfg in configs)
-    ]
+    """Every layout on the same 4 forked ranks, one after another: (model-state, activations)."""
+    return [(r.memory, r.activations) for r in (run_training(cfg, log=False, progress=False) for cfg in configs)]
 
 
-def _key(model: str, fields: dict) -> tuple:
-    return model, tuple(sorted(fields.items()))
-
-
-@pytest.fixture(scope="module")
-def ledgers():
-    """The ledgers of every layout of LAYOUTS and COMM_LAYOUTS, in one launch of 4 ranks (a layout both
-    tables hold runs once): (model, fields) -> per rank (model state, activations, collectives)."""
-    keys = list(dict.fromkeys(_key(model, fields) for model, fields in LAYOUTS + COMM_LAYOUTS))
-    per_rank = run_on_ranks(4, _measure, [_config(model, dict(fields)) for model, fields in keys], timeout_s=240)
-    return {key: [per_rank[rank][i] for rank in range(4)] for i, key in enumerate(keys)}
-
-
-def test_memory_model_equals_the_ledger(ledgers):
+def test_memory_model_equals_the_ledger():
     configs = [_config(model, fields) for model, fields in LAYOUTS]
+    per_rank = run_on_ranks(4, _measure, configs, timeout_s=240)
     worst = 0.0
     for i, cfg in enumerate(configs):
         layout = Layout.from_config(cfg, 4)
         for rank in range(4):
-            state, acts, _ = ledgers[_key(*LAYOUTS[i])][rank]
+            state, acts = per_rank[rank][i]
             where = layout.coordinates(rank)
             chunks = rank_chunks(cfg.model, layout, where["pp"])
             want = state_bytes(cfg.model, layout, cfg.train.dtype, chunks, where["shard"], where["edp"])
@@ -335,17 +320,21 @@ COMM_LAYOUTS = [
 ]
 
 
-def test_communication_model_equals_the_ledger(ledgers):
+def _comm(configs):
+    return [run_training(cfg, log=False, progress=False).comm for cfg in configs]
+
+
+def test_communication_model_equals_the_ledger():
     """Every collective's bytes, per rank and ledger key, equal the one communication model's (the
     bytes `--report` prints and the step time prices); the all-to-all of routed tokens, which
     follows the routing, equals it on average over the ranks."""
     configs = [_config(model, fields) for model, fields in COMM_LAYOUTS]
+    per_rank = run_on_ranks(4, _comm, configs, timeout_s=240)
     for i, cfg in enumerate(configs):
         routed_measured = routed_formula = 0
         for rank in range(4):
-            comm = ledgers[_key(*COMM_LAYOUTS[i])][rank][2]
             # (a collective on a group of one rank moves nothing: FSDP2's norm over a dp_shard of 1)
-            measured = {k: v["bytes"] for k, v in comm.items() if k.split("/")[0] != f"ranks{rank}"}
+            measured = {k: v["bytes"] for k, v in per_rank[rank][i].items() if k.split("/")[0] != f"ranks{rank}"}
             want = expected_comm_bytes(cfg, 4, rank)
             assert set(measured) == set(want), (COMM_LAYOUTS[i], rank, measured, want)
             for key, got in measured.items():
