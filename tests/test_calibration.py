@@ -14,7 +14,7 @@ from fived.layout.layout import Layout
 from fived.planner.basis import basis
 from fived.planner.calibration import spearman, validate
 from fived.planner.constants import CALIBRATION, Constants, file_sha256, load_calibration, save_calibration
-from fived.planner.fitting import calibrate, coverage, predict
+from fived.planner.fitting import GRIDS, ThroughputMemo, batch, calibrate, coverage, predict
 from fived.planner.hardware import CPU, hardware
 from fived.planner.published import read_runs
 from fived.planner.runtimes import FIVED, PLANNED_RUNTIMES, zero_stage
@@ -341,6 +341,33 @@ def test_a_refit_is_a_new_calibration_and_the_quoted_figures_follow_it(tmp_path)
     assert any(line.startswith("out of sample: as fitted on this file") for line in printed)
     after = plan(m, cluster, 8192, 512).plans[0]
     assert after.time.total == before.time.total and load_calibration() == CALIBRATION
+
+
+def test_the_fits_memo_returns_what_the_step_time_model_prices():
+    """The fit's memo (a figure kept by the constants it read) returns, for every constant moved to
+    every other grid value, the step-time model's own figure (a read it missed would return a stale
+    one), and does hit: an Ampere row never reads the Hopper efficiency, a dense one the experts'."""
+    rows = {r.row_id: r for r in read_runs(CALIBRATION_FILE)[0]}
+    ampere = next(r for r in rows.values() if r.cluster.hardware.calibration == "ampere" and not r.model.is_moe)
+    chosen = [ampere, next(r for r in rows.values() if r.model.is_moe), next(r for r in rows.values() if r.runtime.fp8)]
+    memo = ThroughputMemo()
+    for row in chosen:
+        layout = predict(row).layout
+        for name, grid in GRIDS.items():
+            for value in grid[:: max(1, len(grid) // 3)]:
+                c = replace(Constants(), **{name: value})
+                want = step_time(
+                    row.model, layout, row.cluster, row.seq_len, batch(row, layout), runtime=row.runtime, constants=c
+                )
+                assert memo.tokens_per_s_per_gpu(row, layout, c) == want.tokens_per_s_per_gpu, (row.row_id, name, value)
+    assert memo.size < sum(len(g[:: max(1, len(g) // 3)]) for g in GRIDS.values()) * len(chosen)
+    layout = predict(ampere).layout
+    memo.size = 0
+    for value in GRIDS["efficiency_hopper"] + GRIDS["expert_efficiency"]:
+        memo.tokens_per_s_per_gpu(
+            ampere, layout, replace(Constants(), efficiency_hopper=value, expert_efficiency=value)
+        )
+    assert memo.size == 0
 
 
 def test_a_bad_calibration_file_is_refused_in_one_line(tmp_path):

@@ -14,7 +14,8 @@ the mean absolute error (every row pulls on the constants; the median, which val
 would leave a constant only a few rows depend on undetermined). The layouts' open fields are chosen
 with the priors, then again with the fitted constants, and the fit repeated once (the errors are
 measured on the layouts the final constants choose, as `fived plan --validate` prices them): a fit
-costs one step time per row and grid value. A constant no row depends on (FP8 without FP8 rows) keeps its prior.
+costs one step time per row and grid value, less those `ThroughputMemo` already holds. A constant no
+row depends on (FP8 without FP8 rows) keeps its prior.
 
 Held out: rows whose `split` is "test" (`fived.planner.published`) are dropped before anything
 else — no fit, no choice of layouts, no leave-one-source-out refit reads them; once the constants
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 from fived.layout.layout import Layout
@@ -127,10 +128,72 @@ def costable(row: Row, layout: Layout) -> bool:
 
 def signed_error(row: Row, layout: Layout, constants: Constants) -> float:
     """predicted / reported - 1 for `row` run as `layout`, priced with `constants`."""
-    t = step_time(
-        row.model, layout, row.cluster, row.seq_len, batch(row, layout), "bfloat16", row.runtime, constants=constants
-    )
-    return t.tokens_per_s_per_gpu / row.reported - 1
+    return THROUGHPUT.tokens_per_s_per_gpu(row, layout, constants) / row.reported - 1
+
+
+class _ReadConstants(Constants):
+    """Constants that note which of their fields are read (its methods read through it too: a
+    `gemm_efficiency` call notes the generation's efficiency)."""
+
+    def __getattribute__(self, name: str):
+        if name in _FIELD_NAMES:
+            object.__getattribute__(self, "__dict__").setdefault("_read", []).append(name)
+        return object.__getattribute__(self, name)
+
+
+_FIELD_NAMES = frozenset(f.name for f in fields(Constants))
+
+
+class ThroughputMemo:
+    """The step-time model's tokens/s per GPU of a row run as a layout, remembered by the values of
+    only the constants it read. A fit prices every row at every grid value of every constant, and
+    most rows read few of them (a Hopper row never reads the Ampere efficiency, a dense one never the
+    experts'): the same figure again. Exact: a deterministic computation that reads the same values
+    takes the same path to the same result, so a new `Constants` equal on the fields a stored result
+    read has that result. (One memo per process: fits on the same rows, in one `calibrate` or in
+    several, share it; bounded by `limit` entries. A row is never changed once read: its objects are
+    keys.)"""
+
+    def __init__(self, *, limit: int = 200_000) -> None:
+        self.limit = limit
+        self.entries: dict[tuple, dict[tuple[str, ...], dict[tuple, float]]] = {}
+        # (id(row), id(layout)) -> (row, layout, its batch, its entry): a fit asks for the same objects
+        # again and again, and hashing a model and a layout per call costs a third of a hit
+        self.by_identity: dict[tuple[int, int], tuple[Row, Layout, int, dict]] = {}
+        self.size = 0
+
+    def _entry(self, row: Row, layout: Layout) -> tuple[int, dict[tuple[str, ...], dict[tuple, float]]]:
+        known = self.by_identity.get((id(row), id(layout)))
+        if known is not None and known[0] is row and known[1] is layout:  # (held here: ids not reused)
+            return known[2], known[3]
+        priced_batch = batch(row, layout)
+        key = (row.model, row.cluster, row.runtime, row.seq_len, priced_batch, layout)
+        by_read = self.entries.setdefault(key, {})
+        self.by_identity[id(row), id(layout)] = (row, layout, priced_batch, by_read)
+        return priced_batch, by_read
+
+    def tokens_per_s_per_gpu(self, row: Row, layout: Layout, constants: Constants) -> float:
+        priced_batch, by_read = self._entry(row, layout)
+        for names, results in by_read.items():
+            hit = results.get(tuple(getattr(constants, n) for n in names))
+            if hit is not None:
+                return hit
+        reading = _ReadConstants(**{n: getattr(constants, n) for n in _FIELD_NAMES})
+        t = step_time(
+            row.model, layout, row.cluster, row.seq_len, priced_batch, "bfloat16", row.runtime, constants=reading
+        )
+        names = tuple(sorted(set(reading.__dict__.get("_read", ()))))
+        if self.size >= self.limit:  # (forget all: fits that share figures run one after another)
+            self.entries.clear()
+            self.by_identity.clear()
+            self.size = 0
+            priced_batch, by_read = self._entry(row, layout)
+        by_read.setdefault(names, {})[tuple(getattr(constants, n) for n in names)] = t.tokens_per_s_per_gpu
+        self.size += 1
+        return t.tokens_per_s_per_gpu
+
+
+THROUGHPUT = ThroughputMemo()
 
 
 def fit(rows: list[Row], chosen: list[Layout], verbose: bool = False, sweeps: int = 6) -> Constants:
