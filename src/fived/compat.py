@@ -77,12 +77,15 @@ def gloo_groups_on_one_device(hostname: str) -> None:
     CPU (kernel time: epoll waits and task switches). Here that name is a subclass passing one device
     in `_Options._devices` (gloo connects the pairs of any number of groups through one device)."""
     import datetime
+    import os
 
     import torch.distributed.distributed_c10d as c10d
 
-    torchs = c10d.ProcessGroupGloo
-    if getattr(torchs, "on_one_device", False):
+    if getattr(c10d.ProcessGroupGloo, "device_pid", None) == os.getpid():
         return
+    # (torch's class; a process forked from one that set this up needs a device of its own: the
+    # parent's event-loop thread does not exist in it)
+    torchs = getattr(c10d.ProcessGroupGloo, "torchs", c10d.ProcessGroupGloo)
     device = torchs.create_device(hostname=hostname)
 
     class _AlsoTorchs(type(torchs)):  # type: ignore[misc]  # (pybind11's metaclass)
@@ -90,7 +93,7 @@ def gloo_groups_on_one_device(hostname: str) -> None:
             return isinstance(obj, torchs)  # (groups torch hands back as its own class still count)
 
     class OneDeviceGloo(torchs, metaclass=_AlsoTorchs):  # type: ignore[misc, valid-type]
-        on_one_device = True
+        device_pid = os.getpid()
 
         def __init__(self, store, rank, size, timeout=datetime.timedelta(minutes=30)):
             options = torchs._Options()
@@ -99,6 +102,7 @@ def gloo_groups_on_one_device(hostname: str) -> None:
             options._threads = 2  # (torch's own count per device)
             super().__init__(store, rank, size, options)
 
+    OneDeviceGloo.torchs = torchs
     c10d.ProcessGroupGloo = OneDeviceGloo  # type: ignore[misc]
 
 
