@@ -112,3 +112,32 @@ def test_grouped_mm_is_one_gemm_per_group():
     starts = [0, *ends[:-1]]
     want = torch.cat([x[s:e].float() @ w[g].float() for g, (s, e) in enumerate(zip(starts, ends))])
     torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-1)
+
+
+def _groups_and_event_loops():
+    import os
+    from pathlib import Path
+
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    groups = [dist.new_group([0, 1]) for _ in range(3)]
+    sums = []
+    for group in groups:
+        value = torch.full((2,), float(dist.get_rank() + 1))
+        dist.all_reduce(value, group=group)
+        sums.append(value.tolist())
+    threads = [Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task")]
+    backend = groups[0]._get_backend(torch.device("cpu"))
+    return sums, threads.count("gloo_tcp_loop"), isinstance(backend, c10d.ProcessGroupGloo)
+
+
+def test_gloo_groups_share_one_device():
+    """gloo_groups_on_one_device (the launcher's CPU ranks have it): four groups (the default and
+    three new ones) sum correctly through one event-loop thread, not four, and torch's isinstance
+    checks still recognise its groups."""
+    from fived.testing import run_on_ranks
+
+    for sums, loops, recognised in run_on_ranks(2, _groups_and_event_loops):
+        assert sums == [[3.0, 3.0]] * 3 and loops == 1 and recognised

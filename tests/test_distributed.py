@@ -125,3 +125,14 @@ def test_a_rendezvous_port_taken_before_it_is_bound_is_tried_again(monkeypatch):
 
         assert run_on_ranks(2, body, timeout_s=30) == [0, 1]
         assert not ports  # (the taken port was handed out first)
+
+
+def test_ranks_leave_the_objects_they_inherit_to_the_parent():
+    """The launcher forks ranks with this process's objects frozen (gc.freeze): a rank's garbage
+    collections walk (and so copy-on-write) only the objects it makes; the parent collects its own
+    again as before once the ranks exist."""
+    import gc
+
+    frozen_in_rank = run_on_ranks(1, gc.get_freeze_count)[0]
+    assert frozen_in_rank > 10_000  # (a pytest session with torch imported holds ~300,000)
+    assert gc.get_freeze_count() == 0

@@ -1,10 +1,12 @@
 """The test suite's reference cache (verification.REFERENCE_CACHE, on in conftest.py): keyed by the
-reference run's whole configuration, never for runs that read files, handing out copies, and off in
+reference run's whole configuration (data files by their contents), handing out copies, and off in
 tests that patch code. No rank is started here."""
+
+from pathlib import Path
 
 import torch
 
-from fived.testing import tiny_config
+from fived.testing import tiny_config, write_documents
 from fived.tools import verification
 from fived.tools.verification import reference_config, reference_run
 from fived.training.trainer import TrainResult
@@ -21,6 +23,23 @@ def test_the_key_is_the_reference_runs_configuration():
     assert _key(model__qk_norm=True) != _key()
     assert _key(train__seed=1) != _key()
     assert _key(data__path="tokens.bin") is None and _key(train__init_from="run") is None
+
+
+def test_data_files_are_keyed_by_what_they_hold(tmp_path):
+    """Each test writes its documents at a path of its own: the same bytes share a reference, other
+    bytes (or another file beside it, e.g. a token file's sidecar) do not."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first, second = (write_documents(tmp_path / d / "docs.txt") for d in ("a", "b"))
+    assert _key(data__path=first, data__document_mask=True) == _key(data__path=second, data__document_mask=True)
+    assert _key(data__path=first, data__val_path=second) == _key(data__path=second, data__val_path=first)
+    assert _key(data__path=first) != _key()
+    (tmp_path / "b" / "docs.json").write_text("{}")
+    assert _key(data__path=first) != _key(data__path=second)
+    Path(second).write_text(Path(first).read_text()[1:])
+    (tmp_path / "b" / "docs.json").unlink()
+    assert _key(data__path=first) != _key(data__path=second)
+    assert _key(data__path=str(tmp_path / "missing.bin")) is None and _key(data__path=str(tmp_path)) is None
 
 
 def test_a_cached_reference_is_handed_out_as_a_copy():

@@ -68,6 +68,44 @@ def process_group_options(device_type: str, timeout_s: float):
     return backend, options
 
 
+def gloo_groups_on_one_device(hostname: str) -> None:
+    """Every gloo process group this process creates from now on shares one transport device on
+    `hostname`: torch's new_group (and init_process_group) build each group as
+    `distributed_c10d.ProcessGroupGloo(store, rank, size, timeout=...)`, a device of its own per group,
+    and each device runs an event-loop thread that wakes about 100 times a second, idle or not; with
+    the dozen groups of a 5-D mesh on every rank of a 2-core machine that is a measurable share of the
+    CPU (kernel time: epoll waits and task switches). Here that name is a subclass passing one device
+    in `_Options._devices` (gloo connects the pairs of any number of groups through one device)."""
+    import datetime
+    import os
+
+    import torch.distributed.distributed_c10d as c10d
+
+    if getattr(c10d.ProcessGroupGloo, "device_pid", None) == os.getpid():
+        return
+    # (torch's class; a process forked from one that set this up needs a device of its own: the
+    # parent's event-loop thread does not exist in it)
+    torchs = getattr(c10d.ProcessGroupGloo, "torchs", c10d.ProcessGroupGloo)
+    device = torchs.create_device(hostname=hostname)
+
+    class _AlsoTorchs(type(torchs)):  # type: ignore[misc]  # (pybind11's metaclass)
+        def __instancecheck__(cls, obj) -> bool:
+            return isinstance(obj, torchs)  # (groups torch hands back as its own class still count)
+
+    class OneDeviceGloo(torchs, metaclass=_AlsoTorchs):  # type: ignore[misc, valid-type]
+        device_pid = os.getpid()
+
+        def __init__(self, store, rank, size, timeout=datetime.timedelta(minutes=30)):
+            options = torchs._Options()
+            options._devices = [device]
+            options._timeout = timeout
+            options._threads = 2  # (torch's own count per device)
+            super().__init__(store, rank, size, options)
+
+    OneDeviceGloo.torchs = torchs
+    c10d.ProcessGroupGloo = OneDeviceGloo  # type: ignore[misc]
+
+
 def in_backward() -> bool:
     """Whether autograd is running a backward pass on this thread (`torch._C._current_graph_task_id`)."""
     import torch

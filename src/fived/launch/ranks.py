@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import multiprocessing as mp
 import os
 import pickle
@@ -25,6 +26,7 @@ from typing import Any
 
 import torch
 
+from fived.compat import gloo_groups_on_one_device
 from fived.errors import Stopped
 from fived.parallel.process_group import device_type, init_distributed, shutdown_distributed
 from fived.write_errors import refused_write_summary
@@ -85,6 +87,8 @@ def _rank_main(
     )
     code = 0
     try:
+        if device_type(device) == "cpu":  # (every rank on this machine, at MASTER_ADDR)
+            gloo_groups_on_one_device("127.0.0.1")
         try:
             init_distributed(timeout_s, device)
         except RuntimeError as e:  # (torch's DistNetworkError)
@@ -200,8 +204,9 @@ def _launch(
         ranks = _Ranks(procs, grace_s)
         previous = _install_handlers(ranks.on_signal)
         try:
-            for p in procs:
-                p.start()
+            with _frozen_heap(ctx.get_start_method() == "fork"):
+                for p in procs:
+                    p.start()
             if ranks.stop_signal == "SIGTERM" and ranks.stop_by > 0:  # (it came while ranks were starting)
                 ranks.signal_all(signal.SIGTERM)
             ranks.wait(time.monotonic() + deadline_s if deadline_s else float("inf"))
@@ -209,6 +214,23 @@ def _launch(
             ranks.kill_all()
             _restore_handlers(previous)
         return _collect(procs, out_dir, ranks.stop_signal, getattr(ranks, "died", {}), ranks.abandoned_save)
+
+
+@contextlib.contextmanager
+def _frozen_heap(forking: bool):
+    """This process's objects out of the garbage collector's sight while ranks are forked from it:
+    a rank's collections then walk only the objects it made. Otherwise every full collection in
+    every rank reads and writes the header of each object it inherited (a pytest session holds
+    hundreds of thousands), and each page so touched is copied for that rank (copy-on-write): CPU
+    time, most of it the kernel's. The parent collects them again as before once the ranks exist."""
+    frozen_before = gc.get_freeze_count()
+    if forking:
+        gc.freeze()
+    try:
+        yield
+    finally:
+        if forking and frozen_before == 0:  # (a caller's own freeze stays)
+            gc.unfreeze()
 
 
 def _install_handlers(handler) -> dict:

@@ -9,11 +9,14 @@ Relative difference: |a - b| / |b| for scalars (per step), ||a - b|| / ||b|| for
 from __future__ import annotations
 
 import copy
+import glob
+import hashlib
 import json
 import math
 import tempfile
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 
 import torch
 
@@ -71,17 +74,17 @@ def reference_config(cfg: Config) -> Config:
 # default): every run_verify trains its own reference. The test suite turns this on (tests/conftest.py):
 # about 200 verifications there share a few dozen references, each a run of its own otherwise.
 REFERENCE_CACHE: dict[str, TrainResult] | None = None
-# Inputs read from outside the configuration (files, a run to start from) or written there: a reference
-# run with any of these set is never taken from the cache.
+# Inputs read from outside the configuration (a run to start from, blends of files) or written there: a
+# reference run with any of these set is never taken from the cache.
 _UNCACHED_IF_SET = (
     ("train", "init_from"),
     ("train", "trace"),
     ("train", "profile"),
-    ("data", "path"),
-    ("data", "val_path"),
     ("data", "blend"),
     ("data", "valid_blend"),
 )
+# Data files: keyed by what they hold, not where (each test writes its documents at a path of its own).
+_KEYED_BY_CONTENT = (("data", "path"), ("data", "val_path"))
 
 
 def _cache_key(ref: Config) -> str | None:
@@ -89,7 +92,30 @@ def _cache_key(ref: Config) -> str | None:
         return None
     described = ref.to_dict()
     del described["train"]["output_dir"]  # (unused: the reference runs with log=False and writes nothing)
+    for section, key in _KEYED_BY_CONTENT:
+        if described[section][key]:
+            described[section][key] = _content_digest(described[section][key])
+            if described[section][key] is None:
+                return None
     return json.dumps(described, sort_keys=True)
+
+
+def _content_digest(path: str) -> str | None:
+    """A digest of every file the loader may read for `path`: the files beside it named like it
+    (`x` or `x.*`: a token file's .bin, its sidecar .json, a Megatron .idx, a prepared validation
+    split), names and bytes; None where there is none."""
+    given = Path(path)
+    stem = given.name.split(".")[0]
+    if not stem or given.is_dir():
+        return None
+    named = (given.parent / stem, *given.parent.glob(glob.escape(stem) + ".*"))
+    files = sorted(f for f in named if f.is_file())
+    if not files:
+        return None
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(f.name.encode() + b"\0" + f.read_bytes())
+    return "sha256:" + digest.hexdigest()
 
 
 def reference_run(ref: Config) -> TrainResult:
