@@ -43,49 +43,61 @@ def simulate(actions_per_rank: Actions, n_stages: int, record: list | None = Non
     cost_of = {k: c / per_rank_stages for k, c in COST.items()}
     mbs = 1 + max((mb for acts in actions_per_rank.values() for _, _, mb in acts), default=0)
     # finish times of F, I and G: the input gradient a stage sends back, from its B or its I
-    finish: dict[str, list[float | None]] = {k: [None] * (n_stages * mbs) for k in "FIG"}
+    done_f: list[float | None] = [None] * (n_stages * mbs)
+    done_i: list[float | None] = [None] * (n_stages * mbs)
+    done_g: list[float | None] = [None] * (n_stages * mbs)
+    finish: dict[str, list[float | None]] = {"F": done_f, "I": done_i, "G": done_g}
+    # table -> index -> ranks blocked on it (the dependencies spelled out per kind: the hot loop)
+    waiting: dict[str, dict[int, list[int]]] = {k: {} for k in "FIG"}
     free = dict.fromkeys(ranks, 0.0)
     busy = dict.fromkeys(ranks, 0.0)
     cursor = dict.fromkeys(ranks, 0)
-    waiting: dict[tuple[str, int], list[int]] = {}  # (table, index) -> ranks blocked on it
+    last = n_stages - 1
     runnable = list(reversed(ranks))
     while runnable:
         r = runnable.pop()
-        queue, i, ready_at = actions_per_rank[r], cursor[r], free[r]
+        queue, i, ready_at, spent = actions_per_rank[r], cursor[r], free[r], busy[r]
         while i < len(queue):
             kind, stage, mb = queue[i]
             x = stage * mbs + mb
-            deps: tuple[tuple[str, int], ...]
+            start = ready_at
             if kind == "F":  # the previous stage's output
-                deps = (("F", x - mbs),) if stage > 0 else ()
+                if stage > 0:
+                    t = done_f[x - mbs]
+                    if t is None:
+                        waiting["F"].setdefault(x - mbs, []).append(r)
+                        break
+                    start = max(start, t)
             elif kind == "W":  # after its own I
-                deps = (("I", x),)
-            elif stage < n_stages - 1:  # B or I: own forward and the next stage's input gradient
-                deps = (("F", x), ("G", x + mbs))
-            else:
-                deps = (("F", x),)
-            start, blocked = ready_at, False
-            for table, j in deps:
-                t = finish[table][j]
+                t = done_i[x]
                 if t is None:
-                    waiting.setdefault((table, j), []).append(r)
-                    blocked = True
+                    waiting["I"].setdefault(x, []).append(r)
                     break
                 start = max(start, t)
-            if blocked:
-                break
+            else:  # B or I: own forward and (but on the last stage) the next stage's input gradient
+                t = done_f[x]
+                if t is None:
+                    waiting["F"].setdefault(x, []).append(r)
+                    break
+                start = max(start, t)
+                if stage < last:
+                    t = done_g[x + mbs]
+                    if t is None:
+                        waiting["G"].setdefault(x + mbs, []).append(r)
+                        break
+                    start = max(start, t)
             cost = cost_of[kind]
             if record is not None:
                 record.append((r, kind, stage, mb, start, cost))
             ready_at = start + cost
-            busy[r] += cost
+            spent += cost
             i += 1
             for table in _PRODUCES[kind]:
                 # should a malformed list hold both, the B's gradient wins over the I's (as it always has)
-                if table != "G" or kind == "B" or finish["G"][x] is None:
+                if table != "G" or kind == "B" or done_g[x] is None:
                     finish[table][x] = ready_at
-                runnable.extend(waiting.pop((table, x), ()))
-        cursor[r], free[r] = i, ready_at
+                runnable.extend(waiting[table].pop(x, ()))
+        cursor[r], free[r], busy[r] = i, ready_at, spent
     if any(cursor[r] < len(actions_per_rank[r]) for r in ranks):
         raise ValueError("the action lists deadlock: some dependency is never produced")
     makespan = max(free.values())

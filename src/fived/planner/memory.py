@@ -63,6 +63,7 @@ from fived.layout.spec import (
     shard_rows,
 )
 from fived.layout.stages import Chunk, model_key, model_of, placement, rank_chunks_by_key
+from fived.planner.layout_cache import layout_memo
 from fived.planner.runtimes import FIVED, Runtime, framework_activations, reduces_every_microbatch
 
 RESERVE_GIB = 2.0  # CUDA context, NCCL communicators and workspaces
@@ -137,8 +138,16 @@ class RankParameters:
 def rank_parameters(m: ModelConfig, layout: Layout, chunks) -> RankParameters:
     """The parameters of a rank holding `chunks` [(layers, first, last)] (memoised: every option of a
     layout that keeps its sizes holds the same)."""
-    chunks = tuple((tuple(layers), first, last) for layers, first, last in chunks)
-    return _rank_parameters(model_key(m), layout.tp, layout.ep, layout.expert_tp, chunks)
+    return _rank_parameters(model_key(m), layout.tp, layout.ep, layout.expert_tp, hashable_chunks(chunks))
+
+
+def hashable_chunks(chunks) -> tuple:
+    """`chunks` [(layers, first, last)] as a tuple of tuples (the stages' own chunks already hold
+    tuples of layers: one `tuple` call; a caller's lists of layers are converted)."""
+    out = tuple(chunks)
+    if all(type(c) is tuple and type(c[0]) is tuple for c in out):
+        return out
+    return tuple((tuple(layers), first, last) for layers, first, last in out)
 
 
 @lru_cache(maxsize=16384)
@@ -167,8 +176,7 @@ def moe_layer_count(m: ModelConfig, layers) -> int:
 def flat_numels(m: ModelConfig, layout: Layout, chunks) -> tuple[int, ...]:
     """Elements of each parameter of ZeRO-0/1/2's flat buffer on a rank holding `chunks`, in the
     runtime's order (the sharding spec's): what `fived.layout.spec.flat_buckets` cuts into buckets."""
-    chunks = tuple((tuple(layers), first, last) for layers, first, last in chunks)
-    return _rank_flat_numels(model_key(m), layout.tp, layout.ep, layout.expert_tp, chunks)
+    return _rank_flat_numels(model_key(m), layout.tp, layout.ep, layout.expert_tp, hashable_chunks(chunks))
 
 
 @lru_cache(maxsize=16384)
@@ -245,7 +253,29 @@ def state_bytes(
     runtime: Runtime = FIVED,
 ) -> dict[str, int]:
     """Parameter, gradient and optimizer bytes of one rank holding `chunks` [(layers, first, last)],
-    at position `shard_index` of its dp_shard*cp group and `edp_index` of its expert-data group."""
+    at position `shard_index` of its dp_shard*cp group and `edp_index` of its expert-data group.
+    Memoised on what they depend on (a search's ~10^4 states share ~10^3 of them); Muon's saving reads
+    the whole layout: not memoised."""
+    if layout.optimizer == "muon":
+        return _state_bytes(m, layout, dtype, chunks, shard_index, edp_index, runtime)
+    L = layout
+    overlapped = L.overlap_grad_reduce or L.overlap_param_gather  # (`Layout.bucket_elements` reads these)
+    sizes = (L.zero, L.shards, L.edp, overlapped, L.bucket_mb, L.tp, L.ep, L.expert_tp)
+    key = (model_key(m), *sizes, dtype, runtime, hashable_chunks(chunks), shard_index, edp_index)
+    found = _STATE_BYTES.get(key)
+    if found is None:
+        if len(_STATE_BYTES) >= 65536:
+            _STATE_BYTES.clear()
+        found = _STATE_BYTES[key] = _state_bytes(m, layout, dtype, chunks, shard_index, edp_index, runtime)
+    return dict(found)  # (a copy: the caller's to change)
+
+
+_STATE_BYTES: dict[tuple, dict[str, int]] = {}
+
+
+def _state_bytes(
+    m: ModelConfig, layout: Layout, dtype: str, chunks, shard_index: int, edp_index: int, runtime: Runtime
+) -> dict[str, int]:
     pb, gb, ob = state_element_bytes(dtype, layout.zero, runtime)  # ob: per owned (optimized) element
     saving = muon_saving(m, layout, dtype, chunks, shard_index, runtime)
     params = rank_parameters(m, layout, chunks)
@@ -272,14 +302,27 @@ def state_bytes(
 
 def state_layout(layout: Layout) -> Layout:
     """What decides the model state and its buffers: the layout without its activation choices, its
-    schedule as the stages it places on each rank (the caches below key on it, shared by every
-    micro-batch / checkpointing / SP option and by the schedules that place stages alike)."""
+    schedule as the stages it places on each rank, its cp mode and tp/ep overlaps (the caches below
+    key on it, shared by every micro-batch / checkpointing / SP option, by the schedules that place
+    stages alike and by the cp modes)."""
     schedule, virtual = "1f1b", 1
     if layout.pp > 1 and placement(layout.pp_schedule) != "1f1b":  # V-shaped: two stages a rank
         schedule = "zbv"
     elif layout.pp > 1 and layout.n_stages > layout.pp:  # looped, several stages a rank
         schedule, virtual = "interleaved-1f1b", layout.n_stages // layout.pp
-    return layout.with_(micro_batch=1, sp=False, checkpointing="none", pp_schedule=schedule, pp_virtual=virtual)
+    return layout.with_(
+        micro_batch=1,
+        sp=False,
+        checkpointing="none",
+        pp_schedule=schedule,
+        pp_virtual=virtual,
+        # (what neither the state nor its buffers read: the cp mode's layouts, the overlaps of tp and ep,
+        # share one state, a third of a search's distinct ones)
+        cp_mode="ring",
+        cp_ulysses=Layout.cp_ulysses,
+        tp_overlap=False,
+        ep_overlap=False,
+    )
 
 
 def state_floor(m: ModelConfig, layout: Layout, dtype: str, runtime: Runtime = FIVED) -> int:
@@ -331,7 +374,7 @@ def _activation_layout(layout: Layout) -> Layout:
     )
 
 
-@lru_cache(maxsize=262144)
+@layout_memo(maxsize=262144)
 def _activations(
     key: tuple, layout: Layout, seq_len: int, dtype: str, layers: tuple, first: bool, last: bool, runtime: Runtime
 ) -> int:
@@ -412,7 +455,7 @@ def memory_per_gpu(
     )
 
 
-@lru_cache(maxsize=65536)
+@layout_memo(maxsize=65536)
 def _rank_sums(key, layout: Layout, dtype: str, runtime: Runtime) -> tuple:
     """Per pipeline rank of `_rank_states`: (model-state bytes, static buffers, accumulated gradients,
     whether it holds the last stage): what `memory_per_gpu` adds for every activation option alike."""
@@ -422,7 +465,7 @@ def _rank_sums(key, layout: Layout, dtype: str, runtime: Runtime) -> tuple:
     )
 
 
-@lru_cache(maxsize=65536)
+@layout_memo(maxsize=65536)
 def _recompute_block(key, layout: Layout, seq_len: int, dtype: str, runtime: Runtime) -> int:
     m = model_of(key)
     full = layout.with_(checkpointing="none")
@@ -430,7 +473,7 @@ def _recompute_block(key, layout: Layout, seq_len: int, dtype: str, runtime: Run
     return max(_activations(key, full, seq_len, dtype, (i,), False, False, runtime) for i in kinds)
 
 
-@lru_cache(maxsize=65536)
+@layout_memo(maxsize=65536)
 def _rank_activations(key, layout: Layout, pp, schedule, n_stages, pp_layers, seq_len, dtype, runtime):
     """Per pipeline rank: bytes one micro-batch saves for backward over all the rank's chunks."""
     return [
@@ -446,7 +489,7 @@ def reserve_bytes(device_gib: float) -> int:
     return int(RESERVE_GIB * 2**30 + RESERVE_FRACTION * device_gib * 2**30)
 
 
-@lru_cache(maxsize=65536)
+@layout_memo(maxsize=65536)
 def _rank_states(key, layout: Layout, dtype: str, runtime: Runtime):
     """Per pipeline rank: (model-state bytes, transient buffers that do not depend on the micro-batch,
     ZeRO-3's unsharded gradient bytes while micro-batches accumulate, chunks)."""

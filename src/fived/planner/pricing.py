@@ -62,17 +62,23 @@ class _Bound:
     def add(self, c: Candidate, total: float) -> None:
         bisect.insort(self.fastest, total)
         del self.fastest[self.keep :]
-        if self.winner is None or (total, c.index) < self.winner[:2]:
+        new_winner = self.winner is None or (total, c.index) < self.winner[:2]
+        if new_winner or self.winner is None:
             self.winner = (total, c.index, c.layout)
         for d in self.decisions:
             k = (d, getattr(c.layout, d))
             if total < self.best.get(k, float("inf")):
                 self.best[k] = total
         w = self.winner[2]
-        self.other = {
-            d: min((t for (dd, v), t in self.best.items() if dd == d and v != getattr(w, d)), default=float("inf"))
-            for d in self.decisions
-        }
+        if new_winner:  # (each decision's values unlike the new winner's: looked at afresh)
+            self.other = {
+                d: min((t for (dd, v), t in self.best.items() if dd == d and v != getattr(w, d)), default=float("inf"))
+                for d in self.decisions
+            }
+            return
+        for d in self.decisions:  # (the same winner: only `c`'s values can lower a figure)
+            if getattr(c.layout, d) != getattr(w, d) and total < self.other[d]:
+                self.other[d] = total
 
     def beaten(self, c: Candidate) -> bool:
         """Whether `c` can be none of what `fived plan` prints: neither among the `keep` fastest nor

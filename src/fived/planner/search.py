@@ -14,10 +14,12 @@ check (`fived.layout.rules.layout_errors`), so every planned layout is one `five
 
 from __future__ import annotations
 
+import functools
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from operator import attrgetter
 
-from fived.config import Config, ConfigError, CpMode, ModelConfig, TrainConfig
+from fived.config import Checkpointing, Config, ConfigError, CpMode, ModelConfig, ParallelConfig, TrainConfig
 from fived.layout.layout import Layout
 from fived.layout.rules import layout_errors
 from fived.layout.schedule_sim import check_schedule
@@ -91,14 +93,11 @@ def layout_refusal(model: ModelConfig, layout: Layout, seq_len: int, global_batc
     expert tensor parallelism that fived does not run (planner-only) by Megatron-Core's rules instead
     for its experts (ep*etp ranks divide dp*cp*tp, etp divides tp and the expert width); then the micro-batch size
     and torch's schedule rules."""
-    t = TrainConfig(
-        seq_len=seq_len,
-        global_batch=global_batch,
-        microbatches=layout.microbatches(global_batch),
-        activation_checkpointing=layout.checkpointing,
-    )
+    t = _train_config(seq_len, global_batch, layout.microbatches(global_batch), layout.checkpointing)
     checked = layout if layout.runnable else layout.with_(ep=1, etp=0)
-    errors = layout_errors(Config(model=model, parallel=checked.parallel_config(), train=t), layout.world)
+    errors = layout_errors(
+        Config(model=model, parallel=_parallel_config(_parallel_values(checked)), train=t), layout.world
+    )
     if errors:
         return errors[0]
     if not layout.runnable and not (
@@ -121,6 +120,22 @@ def layout_refusal(model: ModelConfig, layout: Layout, seq_len: int, global_batc
     except ValueError as e:
         return ConfigError("parallel.pp_schedule", layout.pp_schedule, str(e), "e.g. --pp-schedule 1f1b")
     return None
+
+
+# (the rules only read these configs: one object per distinct value, not one per layout asked)
+_parallel_values = attrgetter(*(f.name for f in fields(ParallelConfig)))
+
+
+@functools.lru_cache(maxsize=65536)
+def _parallel_config(values: tuple) -> ParallelConfig:
+    return ParallelConfig(**dict(zip((f.name for f in fields(ParallelConfig)), values)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _train_config(seq_len: int, global_batch: int, microbatches: int, checkpointing: Checkpointing) -> TrainConfig:
+    return TrainConfig(
+        seq_len=seq_len, global_batch=global_batch, microbatches=microbatches, activation_checkpointing=checkpointing
+    )
 
 
 def reduction_choices(layout: Layout, runtime: Runtime) -> list[Layout]:
@@ -315,6 +330,9 @@ DECISIONS = (
 )
 
 
+_decision_values = attrgetter(*DECISIONS)
+
+
 @dataclass
 class Search:
     plans: list[Plan]  # every fitting plan, fastest first (plan(keep=K): every one that can matter, see there)
@@ -347,9 +365,10 @@ def plan(
     considered, smallest = 0, dict[tuple, int]()
 
     def note(layout: Layout, need: int) -> None:
-        for d in DECISIONS:
-            k = (d, getattr(layout, d))
-            smallest[k] = min(smallest.get(k, need), need)
+        for k in zip(DECISIONS, _decision_values(layout)):
+            found = smallest.get(k)
+            if found is None or need < found:
+                smallest[k] = need
 
     # first pass, memory alone: what is valid, what fits (the first checkpointing option that does)
     for mesh in mesh_shapes(model, cluster.gpus, cluster.gpus_per_node, seq_len, global_batch, folded=True):

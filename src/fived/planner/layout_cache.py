@@ -1,0 +1,47 @@
+"""A memo for the planner's functions of a layout: keyed on the layout's field values, not on the
+`Layout` itself.
+
+A search asks the same parts of ~10^4 layouts' figures again and again, each time with a new but equal
+`Layout` object (`Layout.with_`). `functools.lru_cache` keyed on one compares the found key with the
+dataclass's generated `__eq__` and `__hash__` (a tuple of its 29 fields built in Python, on every
+look-up: most of a warm `memory_per_gpu`'s cost). A tuple of the values, read by one
+`operator.attrgetter`, hashes and compares in C; equal values are equal layouts (the same fields, in
+the same order), so the memo returns what the function would.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import fields
+from operator import attrgetter
+from typing import Any, TypeVar
+
+from fived.layout.layout import Layout
+
+layout_values = attrgetter(*(f.name for f in fields(Layout)))  # a layout's field values, as a tuple
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def layout_memo(maxsize: int) -> Callable[[F], F]:
+    """Memoise `f(key, layout, *rest)` (`rest` hashable) on (key, `layout_values(layout)`, *rest),
+    keeping the `maxsize` latest entries (the oldest go first: a search's layouts come in order)."""
+
+    def wrap(f: F) -> F:
+        table: dict = {}
+
+        @functools.wraps(f)
+        def memo(key, layout: Layout, *rest):
+            k = (key, layout_values(layout), *rest)
+            found = table.get(k, table)  # (`table` itself: not there; a result may be None)
+            if found is not table:
+                return found
+            out = table[k] = f(key, layout, *rest)
+            if len(table) > maxsize:
+                del table[next(iter(table))]
+            return out
+
+        return memo  # type: ignore[return-value]
+
+    return wrap

@@ -1,0 +1,101 @@
+"""The planner's memos (issue 33 item 5: a search asks the same parts of ~10^4 layouts' memory): each
+returns what the function it memoises computes, whatever field of the layout changes. A memo keyed on
+less than its function reads would hand one layout another's figures; these tests change every
+`Layout` field in turn (a field added later must be given a changed value here) after warming the
+memo with the unchanged layout."""
+
+from dataclasses import fields, replace
+
+import pytest
+
+from fived.config import model_preset
+from fived.layout.layout import Layout
+from fived.layout.stages import model_key, rank_chunks
+from fived.planner import memory
+from fived.planner.layout_cache import layout_memo
+from fived.planner.runtimes import FIVED
+
+BASE = Layout(dp=4, tp=2, pp=2, cp=2, ep=2, zero=1, overlap_grad_reduce=True)
+CHANGED = {  # one other value of every field (the base layout's mixtral-8x7b on 32 ranks)
+    "dp": 8,
+    "tp": 4,
+    "pp": 4,
+    "cp": 4,
+    "ep": 4,
+    "zero": 2,
+    "dp_replicate": 2,
+    "reduce_dtype": "bfloat16",
+    "zero3_keep_gathered": True,
+    "sp": True,
+    "pp_schedule": "zbv",
+    "pp_virtual": 2,
+    "pp_layers": "20,12",
+    "tp_overlap": True,
+    "overlap_grad_reduce": False,
+    "overlap_param_gather": True,
+    "zero2_reduce_every_microbatch": True,
+    "bucket_mb": 1.0,
+    "ep_overlap": True,
+    "etp": 1,
+    "cp_mode": "ulysses",
+    "cp_ulysses": 2,
+    "cp_balance": "halves",
+    "micro_batch": 2,
+    "checkpointing": "full",
+    "optimizer": "muon",
+    "muon_bucket_mb": 1.0,
+    "muon_ns_steps": 3,
+    "document_mask": True,
+}
+
+
+def test_every_layout_field_has_a_changed_value():
+    assert set(CHANGED) == {f.name for f in fields(Layout)}
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_state_bytes_memo_answers_what_it_computes_for_every_field_changed(zero):
+    model = model_preset("mixtral-8x7b")
+    base = BASE.with_(zero=zero)
+    for name, value in CHANGED.items():
+        for layout in (base, base.with_(**{name: value})):  # (the base first: the memo is warm)
+            for pp_rank in range(layout.pp):
+                chunks = rank_chunks(model, layout, pp_rank)
+                for shard in (0, 1):
+                    got = memory.state_bytes(model, layout, "bfloat16", chunks, shard, shard, FIVED)
+                    want = memory._state_bytes(model, layout, "bfloat16", chunks, shard, shard, FIVED)
+                    assert got == want, (zero, name)
+
+
+@pytest.mark.parametrize("zero", [0, 2, 3])
+def test_state_layout_drops_only_what_the_state_and_its_buffers_do_not_read(zero):
+    """Layouts sharing a `state_layout` have the same per-rank state and buffers, computed uncached
+    (`__wrapped__`) on each: the cp modes, the tp and ep overlaps, the activation choices."""
+    model = model_preset("mixtral-8x7b")
+    key = model_key(model)
+    base = BASE.with_(zero=zero, cp=4)
+    shared = {"cp_mode": "hybrid", "tp_overlap": True, "ep_overlap": True, "sp": True, "micro_batch": 2}
+    for name, value in [*shared.items(), ("cp_mode", "ulysses")]:
+        layout = base.with_(**{name: value}, **({"cp_ulysses": 2} if value == "hybrid" else {}))
+        assert memory.state_layout(layout) == memory.state_layout(base)
+        ranks = memory._rank_states.__wrapped__(key, layout, "bfloat16", FIVED)
+        assert ranks == memory._rank_states.__wrapped__(key, base, "bfloat16", FIVED), name
+
+
+def test_layout_memo_keys_on_the_values_and_keeps_the_latest():
+    calls = []
+
+    @layout_memo(maxsize=2)
+    def tp_of(key, layout, extra):
+        calls.append((layout.tp, extra))
+        return layout.tp * extra
+
+    a, b = Layout(tp=2), Layout(tp=4)
+    assert tp_of(0, a, 3) == tp_of(0, Layout(tp=2), 3) == 6 and calls == [(2, 3)]  # (an equal layout: a hit)
+    assert tp_of(0, b, 3) == 12 and tp_of(0, a, 1) == 2 and len(calls) == 3
+    assert tp_of(0, a, 3) == 6 and len(calls) == 4  # (the oldest entry was dropped)
+
+
+def test_a_runtimes_kept_hash_is_its_values():
+    twin = replace(FIVED, fp8=False)
+    assert hash(twin) == hash(FIVED) and twin == FIVED and hash(replace(FIVED, fp8=True)) != hash(FIVED)
