@@ -8,10 +8,11 @@ from dataclasses import fields, replace
 
 import pytest
 
-from fived.config import model_preset
+from fived.config import Config, ParallelConfig, model_preset
 from fived.layout.layout import Layout
+from fived.layout.rules import core_layout_errors, layout_errors, per_layout_errors
 from fived.layout.stages import model_key, rank_chunks
-from fived.planner import memory
+from fived.planner import memory, validity
 from fived.planner.layout_cache import layout_memo
 from fived.planner.runtimes import FIVED
 
@@ -99,3 +100,29 @@ def test_layout_memo_keys_on_the_values_and_keeps_the_latest():
 def test_a_runtimes_kept_hash_is_its_values():
     twin = replace(FIVED, fp8=False)
     assert hash(twin) == hash(FIVED) and twin == FIVED and hash(replace(FIVED, fp8=True)) != hash(FIVED)
+
+
+def test_the_first_rule_error_asks_a_cores_rules_once_and_reports_the_rules_first_error():
+    """`validity.first_rule_error` (the rules of a layout core memoised) is `layout_errors`' first error,
+    uncached, for every field changed in turn after the base warmed the memo; the bases and their changes
+    break no rule, only core rules, only per-layout rules (`per_layout_errors`; two of them, whose order
+    counts) and both."""
+    model = model_preset("mixtral-8x7b")
+    seq_len, global_batch = 4096, 64
+    split_backward = BASE.with_(pp_schedule="zbv", checkpointing="selective")
+    bases = (BASE, BASE.with_(sp=True, etp=1), split_backward, split_backward.with_(tp=1, sp=True))  # (the last: two)
+    kinds = set()
+    for base in bases:
+        for name, value in CHANGED.items():
+            for layout in (base, base.with_(**{name: value})):
+                mbs = layout.microbatches(global_batch)
+                train = validity._train_config(seq_len, global_batch, mbs, layout.checkpointing)
+                parallel = ParallelConfig(**{f.name: getattr(layout, f.name) for f in fields(ParallelConfig)})
+                cfg = Config(model=model, parallel=parallel, train=train)
+                want = layout_errors(cfg, layout.world)
+                got = validity.first_rule_error(model, layout, train)
+                assert str(got) == str(want[0] if want else None), (name, value, base)
+                kinds.add(
+                    (bool(core_layout_errors(cfg, layout.world)), bool(per_layout_errors(parallel, train, layout.dp)))
+                )
+    assert kinds == {(False, False), (True, False), (False, True), (True, True)}

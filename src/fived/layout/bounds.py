@@ -19,6 +19,12 @@ def largest_divisor(n: int, at_most: int) -> int:
     return next((d for d in range(max(at_most, 1), 0, -1) if n % d == 0), 1)
 
 
+def nearest_multiple(value: int, base: int) -> int:
+    """The multiple of `base` nearest to `value` (at least `base`; ties go up)."""
+    base = max(base, 1)
+    return max(base, round(value / base + 1e-9) * base) if value % base else value
+
+
 # (field, lowest, highest, a valid example): inclusive integer ranges.
 INTEGER_BOUNDS = (
     ("model.vocab_size", 2, 2**24, 32000),

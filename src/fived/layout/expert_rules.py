@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import math
 
+from fived.layout import batch_rules
 from fived.layout.bounds import largest_divisor
 from fived.layout.layout import Layout
 
 
 def expert_rules(need, m, p, t, dp: int) -> None:
-    """`need(ok, lambda: (field, value, rule, hint))` for every expert rule of `m` (model), `p` (parallel) and
+    """`need(ok, lambda: (field, value, rule, hint))` (`need.per_layout`: with `fived.layout.batch_rules`'
+    rules) for every expert rule of `m` (model), `p` (parallel) and
     `t` (train) on `dp` data-parallel ranks."""
     layout = Layout(dp=max(dp, 1), tp=p.tp, cp=p.cp, ep=p.ep, etp=p.etp)  # (the expert mesh's one source)
     folded, ranks = layout.folded, layout.expert_ranks
@@ -64,15 +66,8 @@ def _folding_rules(need, m, p, t) -> None:
             "drop --parallel.etp, or use a MoE model such as --model tiny-moe",
         ),
     )
-    need(
-        p.sp,
-        lambda: (
-            "parallel.etp",
-            p.etp,
-            "folded experts route each tp rank's own sequence shard: it needs sequence parallelism",
-            "add --sp, or use --parallel.etp 0",
-        ),
-    )
+    if need.per_layout:
+        batch_rules.folded_sp(need, p)
     # Muon's exchange places a routed expert's pieces by (ep, edp) over dp*cp only (fived.layout.muon_plan)
     need(
         t.optimizer != "muon",

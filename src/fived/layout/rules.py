@@ -11,8 +11,8 @@ import math
 from dataclasses import fields
 
 from fived.config import Config, ConfigError, ModelConfig, TrainConfig, choices
-from fived.layout import deepseek_rules, window_rules
-from fived.layout.bounds import largest_divisor, number_errors
+from fived.layout import batch_rules, deepseek_rules, window_rules
+from fived.layout.bounds import largest_divisor, nearest_multiple, number_errors
 from fived.layout.expert_rules import expert_rules
 from fived.layout.layout import (
     CHECKPOINTING,
@@ -24,29 +24,52 @@ from fived.layout.layout import (
     OPTIMIZERS,
     PP_SCHEDULES,
     PRECISION_SPECS,
-    SPLIT_BACKWARD,
     resolve_dp,
     stages_per_rank,
 )
 
 
-def nearest_multiple(value: int, base: int) -> int:
-    """The multiple of `base` nearest to `value` (at least `base`; ties go up)."""
-    base = max(base, 1)
-    return max(base, round(value / base + 1e-9) * base) if value % base else value
+class _Broken:
+    """`need(ok, *error)`: the rules' checks, collecting the broken ones' errors in order; with
+    `per_layout` false, the rules of `fived.layout.batch_rules` are left out (see `core_layout_errors`)."""
+
+    def __init__(self, *, per_layout: bool) -> None:
+        self.errors: list[ConfigError] = []
+        self.per_layout = per_layout
+
+    def __call__(self, ok: bool, *error) -> None:
+        """`error`: ConfigError's (field, value, rule, hint), or a function giving them (the rules pass
+        one: their messages are built only for a broken rule, the planner asks ~10^4 layouts)."""
+        if not ok:
+            self.errors.append(ConfigError(*(error[0]() if callable(error[0]) else error)))
 
 
 def layout_errors(cfg: Config, world: int | None) -> list[ConfigError]:
     """Every rule a layout must meet, each with a concrete way out; the first error is reported."""
+    return _layout_errors(cfg, world, per_layout=True)
+
+
+def core_layout_errors(cfg: Config, world: int | None) -> list[ConfigError]:
+    """`layout_errors` but for the rules that read the micro-batches, sp or checkpointing
+    (`per_layout_errors`'): the same for every layout of one core, so the planner asks once per core.
+    A layout breaks a rule iff it breaks one of either list; when only one list is empty, the other
+    is `layout_errors`, in its order (the rules' conditions and early returns read the core alone)."""
+    return _layout_errors(cfg, world, per_layout=False)
+
+
+def per_layout_errors(parallel, train: TrainConfig, dp: int) -> list[ConfigError]:
+    """The errors of `fived.layout.batch_rules`' rules alone, in `layout_errors`'s order, of a config's
+    `parallel` (or a `Layout`: the same names) and `train` on `dp` data-parallel ranks (`resolve_dp`)."""
+    need = _Broken(per_layout=True)
+    batch_rules.per_layout_rules(need, parallel, train, dp)
+    return need.errors
+
+
+def _layout_errors(cfg: Config, world: int | None, *, per_layout: bool) -> list[ConfigError]:
     m, p, t = cfg.model, cfg.parallel, cfg.train
     dp = resolve_dp(cfg, world)
-    errs: list[ConfigError] = []
-
-    def need(ok: bool, *error) -> None:
-        """`error`: ConfigError's (field, value, rule, hint), or a function giving them (the rules pass
-        one: their messages are built only for a broken rule, the planner asks ~10^4 layouts)."""
-        if not ok:
-            errs.append(ConfigError(*(error[0]() if callable(error[0]) else error)))
+    need = _Broken(per_layout=per_layout)
+    errs = need.errors
 
     for name in ("tp", "pp", "cp", "ep"):
         need(getattr(p, name) >= 1, f"parallel.{name}", getattr(p, name), "must be >= 1", f"e.g. --{name} 1")
@@ -115,15 +138,8 @@ def _tensor_rules(need, m, p) -> None:
             f"e.g. --tp {largest_divisor(m.n_kv_heads, p.tp)}",
         ),
     )
-    need(
-        not p.sp or p.tp > 1,
-        lambda: (
-            "parallel.sp",
-            p.sp,
-            "sequence parallelism splits over tp ranks: it needs tp > 1",
-            "add --tp 2, or drop --sp",
-        ),
-    )
+    if need.per_layout:
+        batch_rules.sp_needs_tp(need, p)
     need(
         p.ep == 1 or m.is_moe,
         lambda: (
@@ -263,42 +279,14 @@ def _pipeline_rules(need, m, p, t) -> None:
                 f"e.g. --pp-layers {','.join(map(str, even))}" if m.n_layers >= stages else "",
             ),
         )
-    need(
-        p.pp_schedule != "dualpipev" or p.pp == 1 or t.microbatches >= 2 * p.pp,
-        lambda: (
-            "train.microbatches",
-            t.microbatches,
-            f"dualpipev needs at least as many micro-batches as stages (2*pp={2 * p.pp})",
-            f"e.g. --microbatches {2 * p.pp}",
-        ),
-    )
-    need(
-        p.pp == 1 or t.microbatches >= p.pp,
-        lambda: ("train.microbatches", t.microbatches, f"must be >= pp={p.pp}", f"e.g. --microbatches {p.pp}"),
-    )
-    need(
-        p.pp == 1 or p.pp_schedule not in SPLIT_BACKWARD or t.activation_checkpointing != "selective",
-        lambda: (
-            "train.activation_checkpointing",
-            t.activation_checkpointing,
-            f"selective checkpointing cannot run under {p.pp_schedule}: its split backward (input, then weight "
-            f"gradients) would replay the cached ops twice, which torch refuses",
-            "use --train.activation_checkpointing full, or --pp-schedule 1f1b/interleaved-1f1b",
-        ),
-    )
+    if need.per_layout:
+        batch_rules.pipeline_microbatches(need, p, t)
 
 
 def _data_rules(need, m, p, t, dp: int) -> None:
     expert_rules(need, m, p, t, dp)
-    need(
-        not p.sp or t.seq_len % (p.tp * p.cp) == 0,
-        lambda: (
-            "train.seq_len",
-            t.seq_len,
-            f"must be divisible by tp*cp={p.tp * p.cp} with --sp",
-            f"e.g. --seq-len {nearest_multiple(t.seq_len, p.tp * p.cp)}",
-        ),
-    )
+    if need.per_layout:
+        batch_rules.sp_seq_len(need, p, t)
     need(
         t.seq_len % (2 * p.cp) == 0 or p.cp == 1,
         lambda: (
@@ -336,7 +324,8 @@ def _data_rules(need, m, p, t, dp: int) -> None:
             "e.g. --parallel.reduce_dtype float32",
         ),
     )
-    need(t.microbatches >= 1, lambda: ("train.microbatches", t.microbatches, "must be >= 1", "e.g. --microbatches 1"))
+    if need.per_layout:
+        batch_rules.microbatches_positive(need, t)
     need(
         p.bucket_mb > 0 and math.isfinite(p.bucket_mb),
         lambda: ("parallel.bucket_mb", p.bucket_mb, "must be > 0 and finite", "e.g. --parallel.bucket_mb 25"),
@@ -373,17 +362,8 @@ def _data_rules(need, m, p, t, dp: int) -> None:
             f"e.g. --global-batch {nearest_multiple(t.global_batch, max(dp, 1))}",
         ),
     )
-    if dp >= 1 and t.global_batch % dp == 0 and t.microbatches >= 1:
-        local = t.global_batch // dp
-        need(
-            local % t.microbatches == 0,
-            lambda: (
-                "train.microbatches",
-                t.microbatches,
-                f"must divide the per-rank batch global_batch/dp={local}",
-                f"e.g. --microbatches {largest_divisor(local, t.microbatches)}",
-            ),
-        )
+    if need.per_layout:
+        batch_rules.local_microbatches(need, t, dp)
 
 
 def _model_errors(cfg: Config) -> list[ConfigError]:

@@ -29,7 +29,7 @@ from fived.layout.layout import Layout
 from fived.planner.constants import CALIBRATION, Calibration, file_sha256
 from fived.planner.fitting import batch, leave_one_source_out, median_abs, predict
 from fived.planner.published import Row, read_runs, row_kinds
-from fived.planner.search import layout_refusal
+from fived.planner.validity import layout_refusal
 
 
 def ranks(values: list[float]) -> list[float]:

@@ -24,16 +24,17 @@ layout_values = attrgetter(*(f.name for f in fields(Layout)))  # a layout's fiel
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def layout_memo(maxsize: int) -> Callable[[F], F]:
-    """Memoise `f(key, layout, *rest)` (`rest` hashable) on (key, `layout_values(layout)`, *rest),
-    keeping the `maxsize` latest entries (the oldest go first: a search's layouts come in order)."""
+def layout_memo(maxsize: int, *, values: Callable[[Layout], tuple] = layout_values) -> Callable[[F], F]:
+    """Memoise `f(key, layout, *rest)` (`rest` hashable) on (key, `values(layout)`, *rest), keeping the
+    `maxsize` latest entries (the oldest go first: a search's layouts come in order). `values`: the
+    fields `f` reads (default all; fewer: layouts equal in them share an entry)."""
 
     def wrap(f: F) -> F:
         table: dict = {}
 
         @functools.wraps(f)
         def memo(key, layout: Layout, *rest):
-            k = (key, layout_values(layout), *rest)
+            k = (key, values(layout), *rest)
             found = table.get(k, table)  # (`table` itself: not there; a result may be None)
             if found is not table:
                 return found

@@ -9,25 +9,23 @@ MICRO_BATCH_TOKENS tokens, and HSDP only as "shard inside a node, replicate acro
 
 Order of decisions (the background notes' recipe): fit memory first, then reach the global batch
 (micro-batch size x micro-batches x dp), then maximise throughput. Validity is the runtime's own
-check (`fived.layout.rules.layout_errors`), so every planned layout is one `fived train` accepts.
+check (`fived.layout.rules.layout_errors`, asked by `fived.planner.validity`), so every planned layout is one `fived train` accepts.
 """
 
 from __future__ import annotations
 
-import functools
 import itertools
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from operator import attrgetter
 
-from fived.config import Checkpointing, Config, ConfigError, CpMode, ModelConfig, ParallelConfig, TrainConfig
+from fived.config import CpMode, ModelConfig
 from fived.layout.layout import Layout
-from fived.layout.rules import layout_errors
-from fived.layout.schedule_sim import check_schedule
 from fived.planner.constants import Constants
 from fived.planner.memory import MemoryEstimate, memory_per_gpu, reserve_bytes, state_floor
 from fived.planner.pricing import Candidate, price
 from fived.planner.runtimes import FIVED, Runtime, with_overlap
 from fived.planner.timing import Cluster, StepTime, step_time
+from fived.planner.validity import is_valid
 
 SCHEDULES = (
     ("1f1b", 1),
@@ -79,63 +77,6 @@ def run_flags(layout: Layout, global_batch: int, runtime: Runtime) -> str:
 def train_command(model_arg: str, seq_len: int, dtype: str) -> str:
     """What precedes `run_flags` in a `fived train` command (`model_arg`: --model NAME or --config FILE)."""
     return f"fived train {model_arg} --train.seq_len {seq_len} --train.dtype {dtype}"
-
-
-def is_valid(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int) -> bool:
-    if global_batch % (layout.dp * layout.micro_batch):  # (the cheapest refusal, first)
-        return False
-    return layout_refusal(model, layout, seq_len, global_batch) is None
-
-
-def layout_refusal(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int) -> ConfigError | None:
-    """Why `layout` cannot run (None if it can): the runtime's own checks and their one-line reason
-    first (MoE parallel folding, etp 1, is the runtime's: its rules are fived's); another runtime's
-    expert tensor parallelism that fived does not run (planner-only) by Megatron-Core's rules instead
-    for its experts (ep*etp ranks divide dp*cp*tp, etp divides tp and the expert width); then the micro-batch size
-    and torch's schedule rules."""
-    t = _train_config(seq_len, global_batch, layout.microbatches(global_batch), layout.checkpointing)
-    checked = layout if layout.runnable else layout.with_(ep=1, etp=0)
-    errors = layout_errors(
-        Config(model=model, parallel=_parallel_config(_parallel_values(checked)), train=t), layout.world
-    )
-    if errors:
-        return errors[0]
-    if not layout.runnable and not (
-        model.is_moe
-        and model.n_experts % layout.ep == 0
-        and layout.tp % layout.etp == 0
-        and model.expert_dim % layout.etp == 0
-        and layout.stage_ranks % (layout.ep * layout.expert_tp) == 0  # (ep x edp x etp: `Layout.edp`'s cut)
-    ):
-        return ConfigError("etp", layout.etp, "the folded expert layout breaks Megatron-Core's rules", "e.g. etp 0")
-    if global_batch % (layout.dp * layout.micro_batch):  # (no flags express it: microbatches would round)
-        return ConfigError(
-            "micro_batch",
-            layout.micro_batch,
-            f"must divide the per-rank batch global_batch/dp={global_batch // layout.dp}",
-            "e.g. micro_batch 1",
-        )
-    try:  # what torch's schedule constructors refuse (micro-batch rounds)
-        check_schedule(layout.pp_schedule, layout.pp, layout.pp_virtual, t.microbatches)
-    except ValueError as e:
-        return ConfigError("parallel.pp_schedule", layout.pp_schedule, str(e), "e.g. --pp-schedule 1f1b")
-    return None
-
-
-# (the rules only read these configs: one object per distinct value, not one per layout asked)
-_parallel_values = attrgetter(*(f.name for f in fields(ParallelConfig)))
-
-
-@functools.lru_cache(maxsize=65536)
-def _parallel_config(values: tuple) -> ParallelConfig:
-    return ParallelConfig(**dict(zip((f.name for f in fields(ParallelConfig)), values)))
-
-
-@functools.lru_cache(maxsize=4096)
-def _train_config(seq_len: int, global_batch: int, microbatches: int, checkpointing: Checkpointing) -> TrainConfig:
-    return TrainConfig(
-        seq_len=seq_len, global_batch=global_batch, microbatches=microbatches, activation_checkpointing=checkpointing
-    )
 
 
 def reduction_choices(layout: Layout, runtime: Runtime) -> list[Layout]:

@@ -33,7 +33,6 @@ from fived.planner.search import (
     MICRO_BATCHES,
     SCHEDULES,
     fastest_fitting,
-    layout_refusal,
     mesh_shapes,
     node_replicas,
     plan,
@@ -43,6 +42,7 @@ from fived.planner.search import (
     train_command,
 )
 from fived.planner.timing import Cluster, in_node
+from fived.planner.validity import layout_refusal
 
 MESH_TOGGLES = ("tp", "sp", "cp", "pp", "pp_schedule", "pp_virtual", "ep", "etp")  # (etp: MoE parallel folding)
 TOGGLES = MESH_TOGGLES + ("zero", "hsdp", "micro_batch", "checkpointing")

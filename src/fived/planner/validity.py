@@ -1,0 +1,97 @@
+"""Whether the planner's layouts can run, and why not (`layout_refusal`): the runtime's own rules
+(`fived.layout.rules`), asked ~3x10^4 times a search. The rules that read only a layout's core (all but
+`fived.layout.batch_rules.LAYOUT_FIELDS`, which the search varies over each core) are asked once per
+core; the refusal reported is the rules' first, as `layout_errors` orders them.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import fields
+from operator import attrgetter
+
+from fived.config import Checkpointing, Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig
+from fived.layout import batch_rules
+from fived.layout.layout import Layout
+from fived.layout.rules import core_layout_errors, layout_errors, per_layout_errors
+from fived.layout.schedule_sim import check_schedule
+from fived.layout.stages import model_key, model_of
+from fived.planner.layout_cache import layout_memo
+
+
+def is_valid(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int) -> bool:
+    if global_batch % (layout.dp * layout.micro_batch):  # (the cheapest refusal, first)
+        return False
+    return layout_refusal(model, layout, seq_len, global_batch) is None
+
+
+def layout_refusal(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int) -> ConfigError | None:
+    """Why `layout` cannot run (None if it can): the runtime's own checks and their one-line reason
+    first (MoE parallel folding, etp 1, is the runtime's: its rules are fived's); another runtime's
+    expert tensor parallelism that fived does not run (planner-only) by Megatron-Core's rules instead
+    for its experts (ep*etp ranks divide dp*cp*tp, etp divides tp and the expert width); then the micro-batch size
+    and torch's schedule rules."""
+    t = _train_config(seq_len, global_batch, layout.microbatches(global_batch), layout.checkpointing)
+    error = first_rule_error(model, layout if layout.runnable else layout.with_(ep=1, etp=0), t)
+    if error is not None:
+        return error
+    if not layout.runnable and not (
+        model.is_moe
+        and model.n_experts % layout.ep == 0
+        and layout.tp % layout.etp == 0
+        and model.expert_dim % layout.etp == 0
+        and layout.stage_ranks % (layout.ep * layout.expert_tp) == 0  # (ep x edp x etp: `Layout.edp`'s cut)
+    ):
+        return ConfigError("etp", layout.etp, "the folded expert layout breaks Megatron-Core's rules", "e.g. etp 0")
+    if global_batch % (layout.dp * layout.micro_batch):  # (no flags express it: microbatches would round)
+        return ConfigError(
+            "micro_batch",
+            layout.micro_batch,
+            f"must divide the per-rank batch global_batch/dp={global_batch // layout.dp}",
+            "e.g. micro_batch 1",
+        )
+    try:  # what torch's schedule constructors refuse (micro-batch rounds)
+        check_schedule(layout.pp_schedule, layout.pp, layout.pp_virtual, t.microbatches)
+    except ValueError as e:
+        return ConfigError("parallel.pp_schedule", layout.pp_schedule, str(e), "e.g. --pp-schedule 1f1b")
+    return None
+
+
+def first_rule_error(model: ModelConfig, layout: Layout, train: TrainConfig) -> ConfigError | None:
+    """`layout_errors`' first error of `layout` with `train` (`_train_config`'s), its core's rules asked
+    once per core."""
+    core = _core_errors(model_key(model), layout, train.seq_len, train.global_batch)
+    rest = per_layout_errors(layout, train, layout.dp)
+    if core and rest:  # (which one the rules ask first: their order decides)
+        cfg = Config(model=model, parallel=_parallel_config(_parallel_values(layout)), train=train)
+        return layout_errors(cfg, layout.world)[0]
+    either = core or rest  # (either alone is `layout_errors`: see `core_layout_errors`)
+    return either[0] if either else None
+
+
+# the layout fields the rules but `per_layout_errors`' read (a core: the planner varies the others over it)
+_core_values = attrgetter(*(f.name for f in fields(Layout) if f.name not in batch_rules.LAYOUT_FIELDS))
+
+
+@layout_memo(maxsize=65536, values=_core_values)
+def _core_errors(key: tuple, layout: Layout, seq_len: int, global_batch: int) -> list[ConfigError]:
+    """`core_layout_errors` of `layout` (runnable: see `layout_refusal`), once per core."""
+    t = _train_config(seq_len, global_batch, layout.microbatches(global_batch), layout.checkpointing)
+    cfg = Config(model=model_of(key), parallel=_parallel_config(_parallel_values(layout)), train=t)
+    return core_layout_errors(cfg, layout.world)
+
+
+# (the rules only read these configs: one object per distinct value, not one per layout asked)
+_parallel_values = attrgetter(*(f.name for f in fields(ParallelConfig)))
+
+
+@functools.lru_cache(maxsize=65536)
+def _parallel_config(values: tuple) -> ParallelConfig:
+    return ParallelConfig(**dict(zip((f.name for f in fields(ParallelConfig)), values)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _train_config(seq_len: int, global_batch: int, microbatches: int, checkpointing: Checkpointing) -> TrainConfig:
+    return TrainConfig(
+        seq_len=seq_len, global_batch=global_batch, microbatches=microbatches, activation_checkpointing=checkpointing
+    )
