@@ -82,12 +82,13 @@ def _core_errors(key: tuple, layout: Layout, seq_len: int, global_batch: int) ->
 
 
 # (the rules only read these configs: one object per distinct value, not one per layout asked)
-_parallel_values = attrgetter(*(f.name for f in fields(ParallelConfig)))
+_PARALLEL_NAMES = tuple(f.name for f in fields(ParallelConfig))
+_parallel_values = attrgetter(*_PARALLEL_NAMES)
 
 
 @functools.lru_cache(maxsize=65536)
 def _parallel_config(values: tuple) -> ParallelConfig:
-    return ParallelConfig(**dict(zip((f.name for f in fields(ParallelConfig)), values)))
+    return ParallelConfig(**dict(zip(_PARALLEL_NAMES, values)))
 
 
 @functools.lru_cache(maxsize=4096)
