@@ -141,3 +141,34 @@ def test_gloo_groups_share_one_device():
 
     for sums, loops, recognised in run_on_ranks(2, _groups_and_event_loops):
         assert sums == [[3.0, 3.0]] * 3 and loops == 1 and recognised
+
+
+def _mesh_outlives_its_run():
+    import gc
+    import weakref
+
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from fived.compat import forget_dtensor_meshes
+
+    mesh = init_device_mesh("cpu", (2,))
+    x = distribute_tensor(torch.arange(16.0).reshape(4, 4), mesh, [Shard(0)])
+    total = (x * 2).redistribute(mesh, [Replicate()]).to_local().sum().item()
+    held = weakref.ref(mesh)
+    del mesh, x
+    gc.collect()
+    kept = held() is not None
+    forget_dtensor_meshes()
+    gc.collect()
+    return total, kept, held() is not None
+
+
+def test_forget_dtensor_meshes():
+    """forget_dtensor_meshes: DTensor's caches keep a mesh (and its groups) after its last use; once
+    they are emptied, nothing does."""
+    from fived.testing import run_on_ranks
+
+    for total, kept, still in run_on_ranks(2, _mesh_outlives_its_run):
+        assert total == 240.0 and kept and not still

@@ -106,6 +106,26 @@ def gloo_groups_on_one_device(hostname: str) -> None:
     c10d.ProcessGroupGloo = OneDeviceGloo  # type: ignore[misc]
 
 
+def forget_dtensor_meshes() -> None:
+    """Empty DTensor's caches keyed by device meshes: sharding propagation (this thread's Python cache,
+    `torch.distributed.tensor.debug._clear_sharding_prop_cache`, and the C++ fast path's), the tensor
+    metadata of its ops, redistribution plans and planners (`_redistribute._gen_transform_infos`,
+    `_redistribute.clear_redistribute_planner_cache`) and mesh topologies
+    (`MeshTopoInfo.build_from_mesh`). Their entries hold the meshes of every run this process
+    trained, and each mesh its process groups, alive; and DeviceMesh equality ignores the groups, so a
+    later mesh over the same ranks would be handed specs of a destroyed one."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._collective_utils import MeshTopoInfo
+    from torch.distributed.tensor._redistribute import _gen_transform_infos, clear_redistribute_planner_cache
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    DTensor._op_dispatcher.sharding_propagator._propagate_tensor_meta_cached.cache_clear()
+    _gen_transform_infos.cache_clear()
+    clear_redistribute_planner_cache()
+    MeshTopoInfo.build_from_mesh.cache_clear()
+
+
 def in_backward() -> bool:
     """Whether autograd is running a backward pass on this thread (`torch._C._current_graph_task_id`)."""
     import torch

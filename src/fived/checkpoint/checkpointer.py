@@ -422,6 +422,13 @@ class Checkpointer:
             self._refused_write(failure, self.root / f".tmp-step-{self.last_step}", self.last_step or 0)
             raise RuntimeError(f"checkpoint save failed: {failure}") from failure
 
+    def close(self) -> None:
+        """Destroy the checkpoint group (the run is over). A background save still writing keeps it
+        (its thread uses it; a run that failed mid-save must not wait out the group's timeout)."""
+        if self.group is not None and (self.pending is None or self.pending.done()):
+            group, self.group = self.group, None
+            dist.destroy_process_group(group)
+
     def load(self, checkpoint: str | Path) -> dict:
         """Fill every component from `checkpoint` (written by any layout); returns its manifest."""
         manifest = read_manifest(checkpoint)

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from fived.compat import flatten_mesh, process_group_options
+from fived.compat import flatten_mesh, forget_dtensor_meshes, process_group_options
 from fived.config import Config
 from fived.layout.layout import (
     CHECKPOINTING,
@@ -159,6 +159,23 @@ class Mesh:
 
     def rank(self, name: str) -> int:
         return self[name].get_local_rank()
+
+    def close(self) -> None:
+        """Destroy every process group this mesh created, so that a process training run after run
+        (the test suite, a notebook calling fived.api.train) holds only the live run's groups. A
+        gloo group keeps its sockets and worker threads until its object is freed: DTensor's caches
+        would hold it (emptied here); the caller frees what else refers to the mesh. The default
+        group is the launcher's (DeviceMesh hands it out for a dimension spanning the world): never
+        destroyed here. Idempotent; the mesh is unbuilt afterwards."""
+        import torch.distributed as dist
+
+        meshes = [m for m in (self.device_mesh, self.expert_mesh, self.cp_mesh, *self.flat.values()) if m is not None]
+        created = {id(g): g for m in meshes for g in m.get_all_groups() if g is not dist.group.WORLD}
+        self.device_mesh = self.expert_mesh = self.cp_mesh = None
+        self.flat, self._sliced = {}, {}
+        for group in created.values():
+            dist.destroy_process_group(group)
+        forget_dtensor_meshes()
 
     def group_names(self) -> dict:
         """ProcessGroup -> dimension name, for the communication ledger. When two dimensions have the

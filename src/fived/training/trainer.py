@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import math
 import time
 from dataclasses import dataclass, field
@@ -78,7 +79,17 @@ class Trainer:
         built = build_rank(
             cfg, self.world, device=device_type(cfg.train.device), timeout_s=cfg.train.collective_timeout_s
         )
-        self.mesh, self.device, self.pipeline, self.plan = built.mesh, built.device, built.pipeline, built.plan
+        self.mesh = built.mesh
+        self.checkpointer: Checkpointer | None = None
+        try:
+            self._set_up(built, log, resume, preemption)
+        except BaseException:
+            self.close()  # (a run that fails to start gives back its groups too)
+            raise
+
+    def _set_up(self, built, log: bool, resume: str | None, preemption: PreemptionRequest | None) -> None:
+        cfg = self.cfg
+        self.device, self.pipeline, self.plan = built.device, built.pipeline, built.plan
         chunks, modules, self.optimizer = built.chunks, built.modules, built.optimizer
         t = cfg.train
         self.precision = PRECISIONS[t.dtype]
@@ -130,6 +141,13 @@ class Trainer:
         self.log = MetricsLog(t.output_dir, t.tensorboard, self.tracker) if (log and self.rank == 0) else None
         self.preemption, self.preempted = preemption or PreemptionRequest(), False
         self.saved_steps: list[int] = []
+
+    def close(self) -> None:
+        """Give back the process groups this run created (its mesh's, its checkpointer's); the default
+        group is the launcher's. Every rank calls it as its run ends, however it ends."""
+        if self.checkpointer is not None:
+            self.checkpointer.close()
+        self.mesh.close()
 
     def _find_moe_layers(self, chunks) -> None:
         self.moe_layers = [m for c in chunks for m in c.modules() if isinstance(m, MoE)]
@@ -526,10 +544,16 @@ def train_rank(
     trainer = Trainer(cfg, log=log, resume=resume, preemption=preemption)
     try:
         metrics = trainer.fit(progress=progress, until=until)
+        return trainer.result(metrics, return_state=return_state)
     except BaseException:
         trainer.tracker.close(failed=True)  # (marked failed; a restart or resume continues it)
         raise
-    return trainer.result(metrics, return_state=return_state)
+    finally:
+        trainer.close()
+        # A destroyed group's threads and sockets go with its object, which the model's DTensors
+        # and data-parallel state hold in reference cycles: free them now, not at some later run.
+        del trainer
+        gc.collect()
 
 
 def run_training(
