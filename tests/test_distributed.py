@@ -108,6 +108,7 @@ def test_a_failing_rank_fails_fast():
 def test_a_rendezvous_port_taken_before_it_is_bound_is_tried_again(monkeypatch):
     """Another process may take the chosen port before rank 0 binds it (many runs on one machine):
     nothing has run yet, so the launcher tries another port instead of failing."""
+    import contextlib
     import socket
 
     from fived.launch import ranks as launch
@@ -116,8 +117,17 @@ def test_a_rendezvous_port_taken_before_it_is_bound_is_tried_again(monkeypatch):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         ports = [taken.getsockname()[1]]
-        free = launch._free_port
-        monkeypatch.setattr(launch, "_free_port", lambda: ports.pop() if ports else free())
+        reserved = launch._reserved_port
+
+        @contextlib.contextmanager
+        def taken_first():
+            if ports:
+                yield ports.pop()
+            else:
+                with reserved() as port:
+                    yield port
+
+        monkeypatch.setattr(launch, "_reserved_port", taken_first)
 
         def body():
             dist.barrier()
@@ -136,3 +146,28 @@ def test_ranks_leave_the_objects_they_inherit_to_the_parent():
     frozen_in_rank = run_on_ranks(1, gc.get_freeze_count)[0]
     assert frozen_in_rank > 10_000  # (a pytest session with torch imported holds ~300,000)
     assert gc.get_freeze_count() == 0
+
+
+def test_the_rendezvous_port_is_held_until_rank_0s_store_listens_on_it():
+    """Between choosing the port and rank 0 binding it, no other process can get it (a second
+    launcher's ranks would join this run's store): the launcher holds it bound, and the store can
+    still listen on it."""
+    import datetime
+    import errno
+    import socket
+
+    from fived.launch import ranks as launch
+
+    with launch._reserved_port() as port:
+        with socket.socket() as other, pytest.raises(OSError) as taken:
+            other.bind(("127.0.0.1", port))
+        assert taken.value.errno == errno.EADDRINUSE
+        handed_out = set()
+        for _ in range(2000):
+            with socket.socket() as other:
+                other.bind(("127.0.0.1", 0))
+                handed_out.add(other.getsockname()[1])
+        assert port not in handed_out
+        store = dist.TCPStore("127.0.0.1", port, 1, True, timeout=datetime.timedelta(seconds=10))
+        store.set("k", "v")
+        assert store.get("k") == b"v"

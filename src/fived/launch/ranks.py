@@ -21,7 +21,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -48,8 +48,9 @@ class RankFailed(RuntimeError):
 
 
 class PortTaken(RuntimeError):
-    """The rendezvous port was taken by another process between being chosen and bound: nothing ran
-    yet, so the launcher tries again on another port."""
+    """The rendezvous port was taken by another process before rank 0 bound it (`_reserved_port` holds
+    it, but a process binding that port by number with SO_REUSEADDR still can): nothing ran yet, so
+    the launcher tries again on another port."""
 
     def summary(self) -> dict:
         return {"kind": "port_taken", "line": str(self).splitlines()[0]}
@@ -58,10 +59,17 @@ class PortTaken(RuntimeError):
 PORT_ATTEMPTS = 3
 
 
-def _free_port() -> int:
+@contextlib.contextmanager
+def _reserved_port() -> Iterator[int]:
+    """A port for rank 0's store, held bound (SO_REUSEADDR, not listening) until the ranks are done.
+    A port merely found free could go to another launcher in the moment before rank 0 binds it, whose
+    ranks would then join this run's store (gloo's "connectFullMesh failed" with two test workers);
+    held, no other bind(0) or outgoing connection gets it, while rank 0's store (SO_REUSEADDR too)
+    can still bind and listen on it."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        yield s.getsockname()[1]
 
 
 def _die_with_parent() -> None:
@@ -195,8 +203,7 @@ def _launch(
     world: int, fn: Callable, args: tuple, timeout_s: float, deadline_s: float | None, device: str, grace_s: float
 ) -> list[Any]:
     ctx = mp.get_context("spawn") if device_type(device) == "cuda" else mp.get_context("fork")
-    port = _free_port()
-    with tempfile.TemporaryDirectory(prefix="fived-ranks-") as out_dir:
+    with _reserved_port() as port, tempfile.TemporaryDirectory(prefix="fived-ranks-") as out_dir:
         procs = [
             ctx.Process(target=_rank_main, args=(r, world, port, out_dir, timeout_s, device, fn, args), daemon=False)
             for r in range(world)

@@ -44,7 +44,7 @@ dimension on the link its group actually uses, the overlap the runtime allows, a
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from functools import lru_cache
 
 from fived.config import ModelConfig
@@ -141,12 +141,12 @@ class StepTime:
         return self.model_flops / self.total / self.world / self.peak_flops
 
     def to_dict(self) -> dict:
-        out = {
-            k: v
-            for k, v in asdict(self).items()
-            if k not in ("tokens", "world", "model_flops", "peak_flops", "comm_bytes", "layer_host")
-        }
+        # (the fields read directly: asdict deep-copies comm_bytes, which the dict leaves out)
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _NOT_IN_DICT}
         return {**out, "total": self.total, "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, "mfu": self.mfu}
+
+
+_NOT_IN_DICT = frozenset(("tokens", "world", "model_flops", "peak_flops", "comm_bytes", "layer_host"))
 
 
 def in_node(gpus_per_node: int, stride: int, size: int) -> bool:

@@ -25,7 +25,7 @@ from fived.config import ConfigError, ModelConfig
 from fived.layout.layout import CHECKPOINTING, PP_SCHEDULES, Layout, stages_per_rank
 from fived.layout.schedule_sim import n_stages_of, pipeline_profile, schedule_timeline
 from fived.layout.stages import rank_chunks, rank_stages
-from fived.planner.communication import group_span, step_collectives
+from fived.planner.communication import group_spans, step_collectives
 from fived.planner.layer_map import activations, pipeline_ranks, replica_weights
 from fived.planner.runtimes import PLANNED_RUNTIMES, Runtime, with_overlap
 from fived.planner.search import (
@@ -162,12 +162,14 @@ def collectives(
         total, calls = merged.get((c.group, c.op), (0.0, 0.0))
         merged[(c.group, c.op)] = (total + c.total, calls + c.calls)
     out = []
+    spans = group_spans(layout)
+    mesh = layout.with_(micro_batch=1, checkpointing="none", sp=False)  # (what replica_members reads)
     for (group, op), (total, calls) in merged.items():
-        size, stride = group_span(layout, group)
+        size, stride = spans[group]
         if size == 1:
             continue
         link = "NVLink" if in_node(cluster.gpus_per_node, stride, size) else "network"
-        members, others = replica_members(layout.with_(micro_batch=1, checkpointing="none", sp=False), group)
+        members, others = replica_members(mesh, group)
         out.append([group, op, round(total), round(calls, 3), link, size, members, others])
     return out
 
