@@ -47,11 +47,14 @@ LONGEST_FIRST = (
     "test_gpu_acceptance.py",
     "test_slurm.py",
 )
-MAX_WORKERS = 8  # (each worker forks up to 16 ranks, each holding a copy-on-write share of it)
+MAX_WORKERS = 8
+GIB_PER_WORKER = 6  # (room to spare: tests/test_dryrun.py's 70B stage alone peaks at 8.3 GB in one process)
 
 
 def pytest_xdist_auto_num_workers(config):
-    return max(1, min(len(os.sched_getaffinity(0)), MAX_WORKERS))
+    """`-n auto`: one worker per core, at most MAX_WORKERS and one per GIB_PER_WORKER of memory."""
+    memory_gib = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
+    return max(1, min(len(os.sched_getaffinity(0)), MAX_WORKERS, int(memory_gib // GIB_PER_WORKER)))
 
 
 def pytest_collection_modifyitems(config, items):
