@@ -1,4 +1,7 @@
+import hashlib
 import os
+import pickle
+from pathlib import Path
 
 # One thread per rank; must be set before torch is imported (forked ranks inherit it).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -17,7 +20,8 @@ import torch.distributed.pipelining  # noqa: E402
 from fived.tools import verification  # noqa: E402
 from fived.training import trainer  # noqa: E402
 
-# One single-process reference per configuration for the whole session: the verifications share them.
+# One single-process reference per configuration for the whole session: the verifications share them
+# (and the test workers, `_references_shared_by_the_workers`).
 verification.REFERENCE_CACHE = {}
 
 # The host's matmul rate (the MFU's denominator) read once here, so that no forked rank of the session
@@ -60,6 +64,52 @@ def pytest_xdist_auto_num_workers(config):
 def pytest_collection_modifyitems(config, items):
     first = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: first.get(item.path.name, len(first)))  # (stable: the rest keep their order)
+
+
+class SharedReferences(dict):
+    """The session's references, in this worker's memory and as files in one directory every worker
+    of the session reads (its pytest temporary root, removed with it): a reference one worker made is
+    not made again by another. A file is written under a temporary name, then renamed: a reader sees
+    a whole file or none (two workers making the same reference write the same thing)."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__()
+        self.root = root
+
+    def _path(self, key: str) -> Path:
+        return self.root / (hashlib.sha256(key.encode()).hexdigest() + ".pkl")
+
+    def __contains__(self, key) -> bool:
+        if super().__contains__(key):
+            return True
+        try:
+            with open(self._path(key), "rb") as f:
+                super().__setitem__(key, pickle.load(f))
+        except FileNotFoundError:
+            return False
+        return True
+
+    def __setitem__(self, key, value) -> None:
+        super().__setitem__(key, value)
+        path = self._path(key)
+        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+        with open(partial, "wb") as f:
+            pickle.dump(value, f)
+        os.replace(partial, path)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _references_shared_by_the_workers(tmp_path_factory, worker_id):
+    if worker_id == "master":  # (one process: its memory is the whole session)
+        yield
+        return
+    root = tmp_path_factory.getbasetemp().parent / "references"  # (the workers' common temporary root)
+    root.mkdir(exist_ok=True)
+    own, verification.REFERENCE_CACHE = verification.REFERENCE_CACHE, SharedReferences(root)
+    try:
+        yield
+    finally:
+        verification.REFERENCE_CACHE = own
 
 
 @pytest.fixture(autouse=True)
