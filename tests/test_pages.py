@@ -571,3 +571,16 @@ def test_plan_layout_takes_fived_trains_short_flags(capsys):
     assert short == long and short["layout"]["tp"] == 8 and short["layout"]["sp"] is True
     assert main(["plan", "--model", "llama3-70b", *EXPLORE, "--layout", "--tp 8 --bogus 3"]) == 2
     assert "--bogus is not one of fived train's flags" in capsys.readouterr().err
+
+
+def test_the_same_data_writes_the_same_page(tmp_path, monkeypatch):
+    """A page is a function of its data: written again later, the file is the same, byte for byte."""
+    import time
+
+    from fived.tools.pages import write_page
+
+    data = {"model": "tiny", "entries": [1, 2, 3]}
+    first = write_page(tmp_path / "a.html", "t", "explore", data).read_bytes()
+    later = time.time() + 3600
+    monkeypatch.setattr(time, "time", lambda: later)
+    assert write_page(tmp_path / "b.html", "t", "explore", data).read_bytes() == first

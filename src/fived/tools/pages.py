@@ -52,7 +52,9 @@ def check_page(path: str | Path) -> None:
 def write_page(path: str | Path, title: str, kind: str, data: dict) -> Path:
     """Write the page `kind` ("explore" or "report") showing `data` to `path`."""
     assets = files("fived.assets")
-    payload = base64.b64encode(gzip.compress(json.dumps(data, separators=(",", ":")).encode(), 6)).decode()
+    # (mtime 0: the same data gives the same page, byte for byte; gzip stamps the time otherwise)
+    packed = gzip.compress(json.dumps(data, separators=(",", ":")).encode(), 6, mtime=0)
+    payload = base64.b64encode(packed).decode()
     page = "\n".join(
         [
             "<!doctype html>",
