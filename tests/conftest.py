@@ -68,8 +68,8 @@ def pytest_collection_modifyitems(config, items):
 
 class SharedReferences(dict):
     """The session's references, in this worker's memory and as files in one directory every worker
-    of the session reads (its pytest temporary root, removed with it): a reference one worker made is
-    not made again by another. A file is written under a temporary name, then renamed: a reader sees
+    of the session reads (in its pytest temporary root, which pytest prunes to the last three
+    sessions'): a reference one worker made is not made again by another. A file is written under a temporary name, then renamed: a reader sees
     a whole file or none (two workers making the same reference write the same thing)."""
 
     def __init__(self, root: Path) -> None:

@@ -64,3 +64,17 @@ def test_on_in_the_suite():
 
 def test_off_where_a_test_patches(monkeypatch):
     assert verification.REFERENCE_CACHE is None
+
+
+def test_a_reference_one_worker_made_is_read_by_another(tmp_path):
+    """The test workers' shared cache (conftest.SharedReferences): what one worker's cache stores,
+    another's over the same directory finds, whole; a key never stored is not found."""
+    from conftest import SharedReferences
+
+    made, other = SharedReferences(tmp_path), SharedReferences(tmp_path)
+    result = TrainResult(metrics=[{"step": 1, "loss": 2.0}], state={"w": torch.arange(3, dtype=torch.float64)})
+    made["key"] = result
+    assert "key" in other and other["key"].metrics == result.metrics
+    assert torch.equal(other["key"].state["w"], result.state["w"])
+    assert "another key" not in other
+    assert [p.suffix for p in tmp_path.iterdir()] == [".pkl"]  # (no partial file left behind)
