@@ -126,3 +126,58 @@ def test_the_first_rule_error_asks_a_cores_rules_once_and_reports_the_rules_firs
                     (bool(core_layout_errors(cfg, layout.world)), bool(per_layout_errors(parallel, train, layout.dp)))
                 )
     assert kinds == {(False, False), (True, False), (False, True), (True, True)}
+
+
+@pytest.mark.parametrize("zero", [0, 1, 3])
+def test_model_parallel_memos_answer_what_the_whole_list_prices_for_every_field_changed(zero):
+    """The step time's memo of the model-parallel collectives' seconds (`timing._model_parallel_seconds`,
+    keyed on every field but DATA_PARALLEL_FIELDS and computed with those at their defaults) plus the
+    data-parallel ones priced after it is, bit for bit, the whole `step_collectives` list priced in
+    order; explore's memo of rank 0's model-parallel table, merged with the data-parallel rows, is that
+    list merged; for every field changed in turn after the base warmed both memos."""
+    from collections import defaultdict
+
+    from fived.layout.stages import rank_stages
+    from fived.planner import timing
+    from fived.planner.communication import (
+        data_parallel_collectives,
+        model_parallel_runtime,
+        step_collectives,
+    )
+    from fived.planner.constants import CALIBRATION
+    from fived.planner.hardware import hardware
+    from fived.planner.runtimes import for_layout
+    from fived.tools import explore
+
+    model, cluster, c = model_preset("mixtral-8x7b"), timing.Cluster(hardware("h100"), 64, 8), CALIBRATION.constants
+    seq_len, global_batch, dtype = 4096, 256, "bfloat16"
+    base = BASE.with_(zero=zero)
+    for name, value in CHANGED.items():
+        for layout in (base, base.with_(**{name: value})):  # (the base first: the memos are warm)
+            runtime = for_layout(FIVED, layout)
+            for pp_rank in range(layout.pp):
+                chunks, stages = rank_chunks(model, layout, pp_rank), rank_stages(layout, pp_rank)
+                whole = step_collectives(model, layout, seq_len, global_batch, dtype, chunks, stages, runtime)
+                want: tuple = (defaultdict(float), defaultdict(float))
+                timing._price_collectives(whole, layout, cluster, c, *want)
+                mp = timing._model_parallel_seconds(
+                    model_key(model),
+                    layout,
+                    cluster,
+                    seq_len,
+                    global_batch,
+                    dtype,
+                    model_parallel_runtime(runtime),
+                    c,
+                    pp_rank,
+                )
+                got = (defaultdict(float, mp[0]), defaultdict(float, mp[1]))
+                dp = data_parallel_collectives(model, layout, global_batch, dtype, chunks, runtime)
+                timing._price_collectives(dp, layout, cluster, c, *got)
+                assert got == want, (zero, name, pp_rank)
+            chunks, stages = rank_chunks(model, layout, 0), rank_stages(layout, 0)
+            merged = explore._merge(step_collectives(model, layout, seq_len, global_batch, dtype, chunks, stages), {})
+            rows = explore.collectives(model, layout, cluster, seq_len, global_batch, dtype)
+            assert [(g, op, n, k) for g, op, n, k, *_ in rows] == [
+                (g, op, round(n), round(k, 3)) for (g, op), (n, k) in merged.items() if layout.span(g)[0] > 1
+            ], (zero, name)

@@ -55,8 +55,10 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import fields, replace
 from functools import lru_cache
+from operator import attrgetter
+from typing import Any, NamedTuple
 
 from fived.config import ModelConfig
 from fived.layout.cp_chunks import busiest_halo, chunks_per_rank
@@ -79,8 +81,7 @@ GROUPS = ("tp", "cp", "ep", "edp", "pp", "dp_cp", "dp_shard_cp", "dp_replicate",
 NORM = 8  # the clipping norm: one float64 per group
 
 
-@dataclass(frozen=True)
-class Collective:
+class Collective(NamedTuple):  # (a tuple: a planner's search builds ~10^6 of them)
     group: str  # one of GROUPS
     op: str  # the ledger's name: all_reduce, all_gather_single, reduce_scatter_single, all_to_all_single, send, recv
     nbytes: float  # per call
@@ -111,6 +112,55 @@ def _group_spans(mesh_key: tuple) -> dict[str, tuple[int, int]]:
     return {group: group_span(layout, group) for group in GROUPS}
 
 
+# The layout fields only the data-parallel collectives (and Muon's exchange) read: ZeRO, HSDP, the
+# buckets, the optimizer. Layouts equal in every other field issue the same model-parallel collectives
+# (`model_parallel_collectives`), which the planner's caches key on (`model_parallel_values`).
+DATA_PARALLEL_FIELDS = frozenset(
+    {
+        "zero",
+        "dp_replicate",
+        "reduce_dtype",
+        "zero3_keep_gathered",
+        "overlap_grad_reduce",
+        "overlap_param_gather",
+        "zero2_reduce_every_microbatch",
+        "bucket_mb",
+        "optimizer",
+        "muon_bucket_mb",
+        "muon_ns_steps",
+    }
+)
+model_parallel_values = attrgetter(*(f.name for f in fields(Layout) if f.name not in DATA_PARALLEL_FIELDS))
+_DATA_PARALLEL_DEFAULTS = {f.name: f.default for f in fields(Layout) if f.name in DATA_PARALLEL_FIELDS}
+# the runtime's switches only its data-parallel reductions read (and the bytes they move)
+DATA_PARALLEL_RUNTIME: dict[str, Any] = {
+    f.name: f.default
+    for f in fields(Runtime)
+    if f.name
+    in (
+        "grad_overlap",
+        "zero12_overlap",
+        "pipeline_grad_overlap",
+        "reduce_per_microbatch",
+        "expert_grad_overlap",
+        "reduce_bytes",
+        "gather_bytes",
+    )
+}
+
+
+def model_parallel_layout(layout: Layout) -> Layout:
+    """`layout` with DATA_PARALLEL_FIELDS at their defaults: what a cache of model-parallel figures
+    keyed on `model_parallel_values` computes from (so an entry is a function of its key)."""
+    return layout.with_(**_DATA_PARALLEL_DEFAULTS)
+
+
+@lru_cache(maxsize=256)
+def model_parallel_runtime(runtime: Runtime) -> Runtime:
+    """`runtime` with DATA_PARALLEL_RUNTIME's switches at their defaults (see `model_parallel_layout`)."""
+    return replace(runtime, **DATA_PARALLEL_RUNTIME)
+
+
 def step_collectives(
     m: ModelConfig,
     layout: Layout,
@@ -125,14 +175,37 @@ def step_collectives(
 ) -> list[Collective]:
     """The collectives of one step on a rank holding `chunks` [(layers, first, last)] — pipeline
     stages `stages` (their indices, to know which boundaries leave the rank) — at position `member`
-    of its stage's dp*cp*tp ranks (only Muon's exchange differs between them; None: its busiest)."""
-    out: list[Collective] = []
+    of its stage's dp*cp*tp ranks (only Muon's exchange differs between them; None: its busiest):
+    the model-parallel ones, then the data-parallel ones."""
+    return model_parallel_collectives(m, layout, seq_len, global_batch, dtype, chunks, stages, runtime) + (
+        data_parallel_collectives(m, layout, global_batch, dtype, chunks, runtime, member=member)
+    )
+
+
+def _adder(out: list, layout: Layout):
+    """add(group, op, bytes, calls, part): a Collective appended to `out` if it moves anything."""
     sizes = {g: size for g, (size, _) in group_spans(layout).items()}
 
     def add(group, op, nbytes, calls, part):
         if sizes[group] > 1 and nbytes > 0 and calls > 0:
             out.append(Collective(group, op, nbytes, calls, part))
 
+    return add, sizes
+
+
+def model_parallel_collectives(
+    m: ModelConfig,
+    layout: Layout,
+    seq_len: int,
+    global_batch: int,
+    dtype: str,
+    chunks,
+    stages=(),
+    runtime: Runtime = FIVED,
+) -> list[Collective]:
+    """`step_collectives`' tp, ep, cp and pp collectives: they read no field in DATA_PARALLEL_FIELDS."""
+    out: list[Collective] = []
+    add, _ = _adder(out, layout)
     L = layout
     micro = L.microbatches(global_batch)
     tokens = L.micro_batch * seq_len // L.cp
@@ -177,9 +250,25 @@ def step_collectives(
         add("cp", "all_reduce", L.micro_batch * (2 * m.n_experts + 1) * max(e, 4), fwd * moe_layers * micro, "cp")
     if L.pp > 1:
         _pipeline(add, m, L, tokens, w, micro, stages)
-    _data_parallel(add, m, L, chunks, micro, dtype, runtime)
-    if L.optimizer == "muon" and runtime.is_fived and sizes["dp_cp_tp"] > 1:
-        out += _muon_exchange(m, L, dtype, chunks, member)
+    return out
+
+
+def data_parallel_collectives(
+    m: ModelConfig,
+    layout: Layout,
+    global_batch: int,
+    dtype: str,
+    chunks,
+    runtime: Runtime = FIVED,
+    *,
+    member: int | None = None,
+) -> list[Collective]:
+    """`step_collectives`' gradient reductions and parameter gathers, and Muon's exchange."""
+    out: list[Collective] = []
+    add, sizes = _adder(out, layout)
+    _data_parallel(add, m, layout, chunks, layout.microbatches(global_batch), dtype, runtime)
+    if layout.optimizer == "muon" and runtime.is_fived and sizes["dp_cp_tp"] > 1:
+        out += _muon_exchange(m, layout, dtype, chunks, member)
     return out
 
 

@@ -53,10 +53,19 @@ from fived.layout.layout import PRECISION_SPECS, Layout
 from fived.layout.muon_load import stream_bytes
 from fived.layout.muon_plan import ns_flops, stage_plan
 from fived.layout.schedule_sim import pipeline_profile
-from fived.layout.stages import model_key, placement, rank_chunks_by_key, rank_stages
-from fived.planner.communication import group_spans, owned_parameters, step_collectives
+from fived.layout.stages import model_key, model_of, placement, rank_chunks_by_key, rank_stages
+from fived.planner.communication import (
+    data_parallel_collectives,
+    group_spans,
+    model_parallel_collectives,
+    model_parallel_layout,
+    model_parallel_runtime,
+    model_parallel_values,
+    owned_parameters,
+)
 from fived.planner.constants import CALIBRATION, Constants
 from fived.planner.hardware import Hardware
+from fived.planner.layout_cache import layout_memo
 from fived.planner.memory import MOMENT_BYTES
 from fived.planner.runtimes import FIVED, Runtime, for_layout, reduces_every_microbatch
 
@@ -280,25 +289,19 @@ def step_time(
     pp_rank, chunks, layers_here, recompute = busiest.pp_rank, busiest.chunks, busiest.layers, busiest.recompute
     compute, attention = busiest.compute, busiest.attention
 
-    collectives = step_collectives(m, L, seq_len, global_batch, dtype, chunks, rank_stages(L, pp_rank), runtime)
-    time: dict[str, float] = defaultdict(float)
-    moved: dict[str, float] = defaultdict(float)
-    links = {}
-    spans = group_spans(L)
+    # the model-parallel collectives' seconds (shared by layouts differing only in their data
+    # parallelism), then the data-parallel ones added in the same order `step_collectives` lists them
+    mp_time, mp_moved = _model_parallel_seconds(
+        model_key(m), L, cluster, seq_len, global_batch, dtype, model_parallel_runtime(runtime), c, pp_rank
+    )
+    time, moved = defaultdict(float, mp_time), defaultdict(float, mp_moved)
+    reductions = data_parallel_collectives(m, L, global_batch, dtype, chunks, runtime)
+    _price_collectives(reductions, L, cluster, c, time, moved)
     host = 0.0  # FSDP2's host work per gather / reduce-scatter (CPU ranks: not hidden)
-    for call in collectives:
-        if not call.part:
-            continue
-        if L.zero == 3 and call.group in ("dp_shard_cp", "edp") and call.op != "all_reduce":
-            host += call.calls * hw.zero3_overhead_s
-        if call.group not in links:
-            size, stride = spans[call.group]
-            links[call.group] = group_link(cluster, stride, size, c)
-        nbytes = call.nbytes
-        if call.sent_only:  # (the rank's own share is not in them: priced as the n/(n-1) a collective passes)
-            nbytes *= links[call.group].size / (links[call.group].size - 1)
-        time[call.part] += call.calls * collective_seconds(call.op, nbytes, links[call.group], hw, c)
-        moved[call.group] += call.total
+    if L.zero == 3:
+        for call in reductions:
+            if call.part and call.group in ("dp_shard_cp", "edp") and call.op != "all_reduce":
+                host += call.calls * hw.zero3_overhead_s
     # overlapped tp communication hides under the region's GEMMs, never more than they last
     tp = time["tp"] - min(time["tp"] * (c.tp_overlap if runtime.tp_overlap else 0.0), compute - attention)
     # the ring hides behind the attention blocks; Ulysses' all-to-alls stand between the projections and them
@@ -489,6 +492,47 @@ def _busiest_compute(
     return BusiestCompute(
         micro, tokens, per_token, model_flops, pp_rank, chunks, layers_here, recompute, compute, attention
     )
+
+
+@layout_memo(maxsize=65536, values=model_parallel_values)
+def _model_parallel_seconds(
+    key: tuple,
+    L: Layout,
+    cluster: Cluster,
+    seq_len: int,
+    global_batch: int,
+    dtype: str,
+    runtime: Runtime,
+    c: Constants,
+    pp_rank: int,
+) -> tuple[dict[str, float], dict[str, float]]:
+    """({part: seconds}, {group: bytes}) of pipeline rank `pp_rank`'s model-parallel collectives: the
+    same for every layout equal in all but DATA_PARALLEL_FIELDS (memoised on the others: a search
+    prices each mesh under every ZeRO stage and HSDP; computed from the layout and runtime with their
+    data-parallel settings at the defaults, so that an entry is a function of its key)."""
+    m, L = model_of(key), model_parallel_layout(L)
+    chunks = rank_chunks_by_key(key, L.pp, placement(L.pp_schedule), L.n_stages, pp_rank, L.pp_layers)
+    calls = model_parallel_collectives(m, L, seq_len, global_batch, dtype, chunks, rank_stages(L, pp_rank), runtime)
+    time: dict[str, float] = defaultdict(float)
+    moved: dict[str, float] = defaultdict(float)
+    _price_collectives(calls, L, cluster, c, time, moved)
+    return dict(time), dict(moved)
+
+
+def _price_collectives(calls, L: Layout, cluster: Cluster, c: Constants, time: dict, moved: dict) -> None:
+    """Add each collective's seconds on its group's link to `time` (by part) and bytes to `moved`."""
+    hw, spans, links = cluster.hardware, group_spans(L), {}
+    for call in calls:
+        if not call.part:
+            continue
+        if call.group not in links:
+            size, stride = spans[call.group]
+            links[call.group] = group_link(cluster, stride, size, c)
+        nbytes = call.nbytes
+        if call.sent_only:  # (the rank's own share is not in them: priced as the n/(n-1) a collective passes)
+            nbytes *= links[call.group].size / (links[call.group].size - 1)
+        time[call.part] += call.calls * collective_seconds(call.op, nbytes, links[call.group], hw, c)
+        moved[call.group] += call.total
 
 
 def exposed_reduction(

@@ -19,14 +19,19 @@ import functools
 import itertools
 import math
 from collections.abc import Callable
-from typing import Any
 
 from fived.config import ConfigError, ModelConfig
-from fived.layout.layout import CHECKPOINTING, PP_SCHEDULES, Layout, stages_per_rank
+from fived.layout.layout import CHECKPOINTING, MESH_FIELDS, PP_SCHEDULES, Layout, stages_per_rank
 from fived.layout.schedule_sim import n_stages_of, pipeline_profile, schedule_timeline
-from fived.layout.stages import rank_chunks, rank_stages
-from fived.planner.communication import group_spans, step_collectives
+from fived.layout.stages import model_key, model_of, rank_chunks, rank_stages
+from fived.planner.communication import (
+    data_parallel_collectives,
+    group_spans,
+    model_parallel_collectives,
+    model_parallel_values,
+)
 from fived.planner.layer_map import activations, pipeline_ranks, replica_weights
+from fived.planner.layout_cache import layout_memo, layout_values
 from fived.planner.runtimes import PLANNED_RUNTIMES, Runtime, with_overlap
 from fived.planner.search import (
     MICRO_BATCH_TOKENS,
@@ -43,6 +48,7 @@ from fived.planner.search import (
 )
 from fived.planner.timing import Cluster, in_node
 from fived.planner.validity import layout_refusal
+from fived.tools.workers import Workers
 
 MESH_TOGGLES = ("tp", "sp", "cp", "pp", "pp_schedule", "pp_virtual", "ep", "etp")  # (etp: MoE parallel folding)
 TOGGLES = MESH_TOGGLES + ("zero", "hsdp", "micro_batch", "checkpointing")
@@ -94,41 +100,51 @@ def reachable_layouts(options: dict[str, list], cluster: Cluster):
     pp > 1; HSDP where the planner would weigh it (`node_replicas`), else its reason. `slot` is the
     combination's position in `explore_data`'s entries (`slot` of its `layout_key`), computed from
     the values' positions directly (a million keys' strings cost more than pricing the layouts)."""
+    for mesh in mesh_choices(options, cluster.gpus):
+        yield from mesh_layouts(options, cluster, mesh)
+
+
+def mesh_choices(options: dict[str, list], gpus: int) -> list[tuple]:
+    """The toggles' ((index, tp), (index, sp), (index, cp), (index, pp)) whose tp*cp*pp divides `gpus`,
+    in slot order."""
+    mesh = itertools.product(*(enumerate(options[name]) for name in ("tp", "sp", "cp", "pp")))
+    return [m for m in mesh if gpus % (m[0][1] * m[2][1] * m[3][1]) == 0]
+
+
+def mesh_layouts(options: dict[str, list], cluster: Cluster, mesh: tuple):
+    """`reachable_layouts`' combinations of one of `mesh_choices`."""
     gpus = cluster.gpus
     radix = [len(options[name]) for name in TOGGLES]
     weights = [math.prod(radix[i + 1 :]) for i in range(len(TOGGLES))]
     w = dict(zip(TOGGLES, weights))
     at = {name: {value: i for i, value in enumerate(options[name])} for name in TOGGLES}
-    mesh = itertools.product(*(enumerate(options[name]) for name in ("tp", "sp", "cp", "pp")))
-    for (i_tp, tp), (i_sp, sp), (i_cp, cp), (i_pp, pp) in mesh:
-        if gpus % (tp * cp * pp):
-            continue
-        base = i_tp * w["tp"] + i_sp * w["sp"] + i_cp * w["cp"] + i_pp * w["pp"]
-        # (each combination derived by with_: a dataclass __init__ per combination costs more)
-        mesh_layout = Layout(dp=gpus // (tp * cp * pp), tp=tp, sp=sp, cp=cp, pp=pp)
-        schedules = itertools.product(options["pp_schedule"], options["pp_virtual"]) if pp > 1 else [("1f1b", 1)]
-        for (schedule, virtual), (i_ep, ep), (i_etp, etp), (i_zero, zero) in itertools.product(
-            schedules, enumerate(options["ep"]), enumerate(options["etp"]), enumerate(options["zero"])
+    (i_tp, tp), (i_sp, sp), (i_cp, cp), (i_pp, pp) = mesh
+    base = i_tp * w["tp"] + i_sp * w["sp"] + i_cp * w["cp"] + i_pp * w["pp"]
+    # (each combination derived by with_: a dataclass __init__ per combination costs more)
+    mesh_layout = Layout(dp=gpus // (tp * cp * pp), tp=tp, sp=sp, cp=cp, pp=pp)
+    schedules = itertools.product(options["pp_schedule"], options["pp_virtual"]) if pp > 1 else [("1f1b", 1)]
+    for (schedule, virtual), (i_ep, ep), (i_etp, etp), (i_zero, zero) in itertools.product(
+        schedules, enumerate(options["ep"]), enumerate(options["etp"]), enumerate(options["zero"])
+    ):
+        head = base + at["pp_schedule"][schedule] * w["pp_schedule"] + at["pp_virtual"][virtual] * w["pp_virtual"]
+        head += i_ep * w["ep"] + i_etp * w["etp"] + i_zero * w["zero"]
+        for (i_hsdp, hsdp), (i_mbs, mbs), (i_ac, ac) in itertools.product(
+            enumerate(options["hsdp"]), enumerate(options["micro_batch"]), enumerate(options["checkpointing"])
         ):
-            head = base + at["pp_schedule"][schedule] * w["pp_schedule"] + at["pp_virtual"][virtual] * w["pp_virtual"]
-            head += i_ep * w["ep"] + i_etp * w["etp"] + i_zero * w["zero"]
-            for (i_hsdp, hsdp), (i_mbs, mbs), (i_ac, ac) in itertools.product(
-                enumerate(options["hsdp"]), enumerate(options["micro_batch"]), enumerate(options["checkpointing"])
-            ):
-                position = head + i_hsdp * w["hsdp"] + i_mbs * w["micro_batch"] + i_ac * w["checkpointing"]
-                layout = mesh_layout.with_(
-                    pp_schedule=schedule,
-                    pp_virtual=virtual,
-                    ep=ep,
-                    etp=etp,
-                    zero=zero,
-                    micro_batch=mbs,
-                    checkpointing=ac,
-                )
-                reachable = _reachable(layout, hsdp, cluster)
-                if reachable is ETP_UNFOLDED:  # (its key is the layout's own: hsdp false)
-                    position -= i_hsdp * w["hsdp"]
-                yield position, reachable
+            position = head + i_hsdp * w["hsdp"] + i_mbs * w["micro_batch"] + i_ac * w["checkpointing"]
+            layout = mesh_layout.with_(
+                pp_schedule=schedule,
+                pp_virtual=virtual,
+                ep=ep,
+                etp=etp,
+                zero=zero,
+                micro_batch=mbs,
+                checkpointing=ac,
+            )
+            reachable = _reachable(layout, hsdp, cluster)
+            if reachable is ETP_UNFOLDED:  # (its key is the layout's own: hsdp false)
+                position -= i_hsdp * w["hsdp"]
+            yield position, reachable
 
 
 ETP_UNFOLDED = "etp: folding the experts (etp 1) needs tp > 1 to change anything; e.g. etp 0"
@@ -154,30 +170,47 @@ def collectives(
     model: ModelConfig, layout: Layout, cluster: Cluster, seq_len: int, global_batch: int, dtype: str
 ) -> list[list]:
     """[group, op, bytes per step, calls per step, link] of pipeline rank 0 (the planner's list)."""
-    chunks = rank_chunks(model, layout, 0)
-    merged: dict = {}
-    for c in step_collectives(model, layout, seq_len, global_batch, dtype, chunks, rank_stages(layout, 0)):
-        if not c.part or c.total == 0:
-            continue
-        total, calls = merged.get((c.group, c.op), (0.0, 0.0))
-        merged[(c.group, c.op)] = (total + c.total, calls + c.calls)
+    merged = dict(_merged_model_parallel(model_key(model), layout, seq_len, global_batch, dtype))
+    _merge(data_parallel_collectives(model, layout, global_batch, dtype, rank_chunks(model, layout, 0)), merged)
     out = []
     spans = group_spans(layout)
-    mesh = layout.with_(micro_batch=1, checkpointing="none", sp=False)  # (what replica_members reads)
     for (group, op), (total, calls) in merged.items():
         size, stride = spans[group]
         if size == 1:
             continue
         link = "NVLink" if in_node(cluster.gpus_per_node, stride, size) else "network"
-        members, others = replica_members(mesh, group)
+        members, others = replica_members(layout.mesh_key, group)
         out.append([group, op, round(total), round(calls, 3), link, size, members, others])
     return out
 
 
+@layout_memo(maxsize=16384, values=model_parallel_values)
+def _merged_model_parallel(key: tuple, layout: Layout, seq_len: int, global_batch: int, dtype: str) -> dict:
+    """{(group, op): (bytes, calls)} of pipeline rank 0's model-parallel collectives (shared by the
+    layouts that differ only in their data parallelism: ZeRO stage, HSDP)."""
+    m = model_of(key)
+    chunks = rank_chunks(m, layout, 0)
+    return _merge(
+        model_parallel_collectives(m, layout, seq_len, global_batch, dtype, chunks, rank_stages(layout, 0)), {}
+    )
+
+
+def _merge(calls, merged: dict) -> dict:
+    """Each priced collective's bytes and calls added to `merged`'s (group, op) entry."""
+    for c in calls:
+        if not c.part or c.total == 0:
+            continue
+        total, n = merged.get((c.group, c.op), (0.0, 0.0))
+        merged[(c.group, c.op)] = (total + c.total, n + c.calls)
+    return merged
+
+
 @functools.lru_cache(maxsize=4096)
-def replica_members(layout: Layout, group: str) -> tuple[list[int], int]:
-    """(global ranks of rank 0's `group` inside the first model replica, how many lie outside it): the
-    replica is the pp x cp x tp ranks whose data-parallel index is 0 (`Layout.group_ranks`' mesh)."""
+def replica_members(mesh_key: tuple, group: str) -> tuple[list[int], int]:
+    """(global ranks of rank 0's `group` inside the first model replica, how many lie outside it), on
+    the mesh of `mesh_key` (`Layout.mesh_key`: the fields a group's ranks depend on): the replica is
+    the pp x cp x tp ranks whose data-parallel index is 0 (`Layout.group_ranks`' mesh)."""
+    layout = Layout(**dict(zip(MESH_FIELDS, mesh_key)))
     ranks = layout.group_ranks(group, 0)
     inside = sorted(r for r in ranks if r // (layout.tp * layout.cp) % layout.dp == 0)
     return inside, len(ranks) - len(inside)
@@ -263,9 +296,11 @@ def explore_data(
     headroom_gib: float = 0.0,
     *,
     progress: Callable[[float], None] | None = None,
+    workers: int | None = None,
 ) -> dict:
     """Everything the explore page shows, for every reachable layout (see the module docstring);
-    `progress` is told the share of the combinations done, PROGRESS_STEPS times.
+    `progress` is told the share of the combinations done, PROGRESS_STEPS times; `workers` processes
+    price them (default: one per usable core, `fived.tools.workers`), the figures the same whatever it is.
     `entries` is a flat list indexed by the toggles' value positions (`slot`: mixed radix, TOGGLES
     order): None where gpus is no multiple of tp*pp*cp, a reason's index, or the layout's figures,
     whose flags and collectives' rank lists are indices into shared tables (they repeat)."""
@@ -275,26 +310,25 @@ def explore_data(
     maps: dict = {"weights": {}, "activations": {}, "ranks": {}}
     timelines: dict = {}
     every = max(1, len(entries) // PROGRESS_STEPS)
-    for position, layout in reachable_layouts(options, cluster):
-        if progress is not None and position // every != (position - 1) // every:
-            progress(position / len(entries))
-        entry: dict[str, Any] = (
-            {"error": layout}
-            if isinstance(layout, str)
-            else price(model, layout, cluster, seq_len, global_batch, dtype, headroom_gib)
-        )
-        if "error" in entry:  # reasons repeat: stored once, referenced by index
-            entries[position] = errors.id(entry["error"])
-            continue
-        _draw_parts(model, layout, seq_len, entry, maps, timelines)
-        entry["flags"] = [flag_words.id(pair) for pair in flag_pairs(entry["flags"])]
-        for c in entry["collectives"]:
-            c[6] = members.id(tuple(c[6]))
-        entries[position] = entry
+    job = (model, cluster, seq_len, global_batch, dtype, headroom_gib, options)
+    with Workers(workers) as pool:  # (each mesh priced in a worker; their figures merged here, in order)
+        pending_ranking = pool.submit(ranking, model, cluster, seq_len, global_batch, dtype, headroom_gib)
+        for priced in pool.map(priced_mesh, job, mesh_choices(options, cluster.gpus)):
+            for position, values, entry in priced:
+                if progress is not None and position // every != (position - 1) // every:
+                    progress(position / len(entries))
+                if "error" in entry:  # reasons repeat: stored once, referenced by index
+                    entries[position] = errors.id(entry["error"])
+                    continue
+                _draw_parts(model, values, seq_len, entry, maps, timelines)
+                entry["flags"] = [flag_words.id(pair) for pair in entry["flags"]]
+                for c in entry["collectives"]:
+                    c[6] = members.id(tuple(c[6]))
+                entries[position] = entry
+        ranked = pending_ranking()
     if progress is not None:
         progress(1.0)
     hw = cluster.hardware
-    ranked = ranking(model, cluster, seq_len, global_batch, dtype, headroom_gib)
     return {
         "model": model.name,
         "gpus": cluster.gpus,
@@ -323,10 +357,31 @@ def explore_data(
     }
 
 
-def _draw_parts(model: ModelConfig, layout: Layout, seq_len: int, entry: dict, maps: dict, timelines: dict) -> None:
-    """The layer map's parts and the pipeline timeline an entry refers to, computed once per key."""
+def priced_mesh(job: tuple, mesh: tuple) -> list[tuple[int, tuple, dict]]:
+    """(slot, the layout's field values, its page entry: figures, its flags as pairs, or {"error":
+    reason}) of every combination of one of `mesh_choices` (`job`: model, cluster, seq_len,
+    global_batch, dtype, headroom_gib, options). (Values, not the Layout: they pickle in a tenth of
+    the time.)"""
+    model, cluster, seq_len, global_batch, dtype, headroom_gib, options = job
+    out = []
+    for position, layout in mesh_layouts(options, cluster, mesh):
+        if isinstance(layout, str):
+            out.append((position, (), {"error": layout}))
+            continue
+        entry = price(model, layout, cluster, seq_len, global_batch, dtype, headroom_gib)
+        if "flags" in entry:
+            entry["flags"] = flag_pairs(entry["flags"])
+        out.append((position, layout_values(layout), entry))
+    return out
+
+
+def _draw_parts(model: ModelConfig, values: tuple, seq_len: int, entry: dict, maps: dict, timelines: dict) -> None:
+    """The layer map's parts and the pipeline timeline an entry refers to, computed once per key (from
+    the layout of field values `values`)."""
+    layout = None
     for part, map_key in zip(("weights", "activations", "ranks"), entry["map"]):
         if map_key not in maps[part]:
+            layout = layout or Layout(*values)
             maps[part][map_key] = (
                 replica_weights(model, layout)
                 if part == "weights"
@@ -335,6 +390,7 @@ def _draw_parts(model: ModelConfig, layout: Layout, seq_len: int, entry: dict, m
                 else pipeline_ranks(model, layout)
             )
     if entry["timeline"] and entry["timeline"] not in timelines:
+        layout = layout or Layout(*values)
         shown = timeline_microbatches(layout, entry["microbatches"])
         timelines[entry["timeline"]] = {
             "microbatches": shown,
