@@ -129,18 +129,20 @@ def test_the_first_rule_error_asks_a_cores_rules_once_and_reports_the_rules_firs
 
 
 @pytest.mark.parametrize("zero", [0, 1, 3])
-def test_model_parallel_memos_answer_what_the_whole_list_prices_for_every_field_changed(zero):
+@pytest.mark.parametrize("interleaved", [False, True])  # (pp_virtual changes nothing under 1f1b)
+def test_model_parallel_memos_answer_what_the_whole_list_prices_for_every_field_changed(zero, interleaved):
     """The step time's memo of the model-parallel collectives' seconds (`timing._model_parallel_seconds`,
-    keyed on every field but DATA_PARALLEL_FIELDS and computed with those at their defaults) plus the
-    data-parallel ones priced after it is, bit for bit, the whole `step_collectives` list priced in
-    order; explore's memo of rank 0's model-parallel table, merged with the data-parallel rows, is that
+    keyed on every field but DATA_PARALLEL_FIELDS and computed with those at their defaults) plus its
+    memo of the data-parallel ones' (`timing._data_parallel_seconds`, alike without
+    MODEL_PARALLEL_FIELDS; Muon's unmemoised) added in order is, bit for bit, the whole
+    `step_collectives` list priced in order; explore's memo of rank 0's model-parallel table, merged with the data-parallel rows, is that
     list merged; for every field changed in turn after the base warmed both memos."""
     from collections import defaultdict
 
     from fived.layout.stages import rank_stages
     from fived.planner import timing
     from fived.planner.communication import (
-        data_parallel_collectives,
+        group_spans,
         model_parallel_runtime,
         step_collectives,
     )
@@ -149,10 +151,14 @@ def test_model_parallel_memos_answer_what_the_whole_list_prices_for_every_field_
     from fived.planner.runtimes import for_layout
     from fived.tools import explore
 
-    model, cluster, c = model_preset("mixtral-8x7b"), timing.Cluster(hardware("h100"), 64, 8), CALIBRATION.constants
+    model, cluster, c = (
+        model_preset("mixtral-8x7b"),
+        timing.Cluster(replace(hardware("h100"), zero3_overhead_s=1e-4), 64, 8),
+        CALIBRATION.constants,
+    )
     seq_len, global_batch, dtype = 4096, 256, "bfloat16"
-    base = BASE.with_(zero=zero)
-    for name, value in CHANGED.items():
+    base = BASE.with_(zero=zero, **({"pp_schedule": "interleaved-1f1b", "pp_virtual": 2} if interleaved else {}))
+    for name, value in {**CHANGED, **({"pp_virtual": 4, "pp_layers": "10,6,8,8"} if interleaved else {})}.items():
         for layout in (base, base.with_(**{name: value})):  # (the base first: the memos are warm)
             runtime = for_layout(FIVED, layout)
             for pp_rank in range(layout.pp):
@@ -172,12 +178,37 @@ def test_model_parallel_memos_answer_what_the_whole_list_prices_for_every_field_
                     pp_rank,
                 )
                 got = (defaultdict(float, mp[0]), defaultdict(float, mp[1]))
-                dp = data_parallel_collectives(model, layout, global_batch, dtype, chunks, runtime)
-                timing._price_collectives(dp, layout, cluster, c, *got)
+                memo = timing._data_parallel_seconds if layout.optimizer != "muon" else timing._data_parallel_priced
+                priced, host = memo(model_key(model), layout, cluster, global_batch, dtype, runtime, c, pp_rank)
+                for part, seconds, group, nbytes in priced:
+                    got[0][part] += seconds
+                    got[1][group] += nbytes
                 assert got == want, (zero, name, pp_rank)
+                want_host = 0.0
+                for x in whole if layout.zero == 3 else ():
+                    if x.part and x.group in ("dp_shard_cp", "edp") and x.op != "all_reduce":
+                        want_host += x.calls * cluster.hardware.zero3_overhead_s
+                assert host == want_host and (want_host > 0) == (layout.zero == 3), (zero, name, pp_rank)
             chunks, stages = rank_chunks(model, layout, 0), rank_stages(layout, 0)
             merged = explore._merge(step_collectives(model, layout, seq_len, global_batch, dtype, chunks, stages), {})
             rows = explore.collectives(model, layout, cluster, seq_len, global_batch, dtype)
-            assert [(g, op, n, k) for g, op, n, k, *_ in rows] == [
-                (g, op, round(n), round(k, 3)) for (g, op), (n, k) in merged.items() if layout.span(g)[0] > 1
+            assert rows == [
+                [g, op, round(n), round(k, 3), link(layout, g), group_spans(layout)[g][0], *members(layout, g)]
+                for (g, op), (n, k) in merged.items()
+                if group_spans(layout)[g][0] > 1
             ], (zero, name)
+
+
+def link(layout, group):
+    from fived.planner.communication import group_spans
+    from fived.planner.timing import in_node
+
+    size, stride = group_spans(layout)[group]
+    return "NVLink" if in_node(8, stride, size) else "network"
+
+
+def members(layout, group):
+    """(the ranks of rank 0's group in the first model replica, how many are outside it), by hand."""
+    ranks = layout.group_ranks(group, 0)
+    inside = sorted(r for r in ranks if r // (layout.tp * layout.cp) % layout.dp == 0)
+    return inside, len(ranks) - len(inside)

@@ -149,6 +149,21 @@ DATA_PARALLEL_RUNTIME: dict[str, Any] = {
 }
 
 
+# The layout fields only the model-parallel collectives read (sequence parallelism, recomputation, the
+# tp and ep overlaps, how cp splits): layouts equal in every other field issue the same data-parallel
+# collectives (`data_parallel_collectives` but Muon's exchange), which the step time's cache keys on.
+MODEL_PARALLEL_FIELDS = frozenset(
+    {"sp", "checkpointing", "tp_overlap", "ep_overlap", "cp_mode", "cp_ulysses", "cp_balance", "document_mask"}
+)
+data_parallel_values = attrgetter(*(f.name for f in fields(Layout) if f.name not in MODEL_PARALLEL_FIELDS))
+_MODEL_PARALLEL_DEFAULTS = {f.name: f.default for f in fields(Layout) if f.name in MODEL_PARALLEL_FIELDS}
+
+
+def data_parallel_layout(layout: Layout) -> Layout:
+    """`layout` with MODEL_PARALLEL_FIELDS at their defaults (as `model_parallel_layout`)."""
+    return layout.with_(**_MODEL_PARALLEL_DEFAULTS)
+
+
 def model_parallel_layout(layout: Layout) -> Layout:
     """`layout` with DATA_PARALLEL_FIELDS at their defaults: what a cache of model-parallel figures
     keyed on `model_parallel_values` computes from (so an entry is a function of its key)."""

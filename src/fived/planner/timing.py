@@ -56,6 +56,8 @@ from fived.layout.schedule_sim import pipeline_profile
 from fived.layout.stages import model_key, model_of, placement, rank_chunks_by_key, rank_stages
 from fived.planner.communication import (
     data_parallel_collectives,
+    data_parallel_layout,
+    data_parallel_values,
     group_spans,
     model_parallel_collectives,
     model_parallel_layout,
@@ -295,13 +297,11 @@ def step_time(
         model_key(m), L, cluster, seq_len, global_batch, dtype, model_parallel_runtime(runtime), c, pp_rank
     )
     time, moved = defaultdict(float, mp_time), defaultdict(float, mp_moved)
-    reductions = data_parallel_collectives(m, L, global_batch, dtype, chunks, runtime)
-    _price_collectives(reductions, L, cluster, c, time, moved)
-    host = 0.0  # FSDP2's host work per gather / reduce-scatter (CPU ranks: not hidden)
-    if L.zero == 3:
-        for call in reductions:
-            if call.part and call.group in ("dp_shard_cp", "edp") and call.op != "all_reduce":
-                host += call.calls * hw.zero3_overhead_s
+    reductions = _data_parallel_seconds if L.optimizer != "muon" else _data_parallel_priced
+    priced, host = reductions(model_key(m), L, cluster, global_batch, dtype, runtime, c, pp_rank)
+    for part, seconds, group, nbytes in priced:
+        time[part] += seconds
+        moved[group] += nbytes
     # overlapped tp communication hides under the region's GEMMs, never more than they last
     tp = time["tp"] - min(time["tp"] * (c.tp_overlap if runtime.tp_overlap else 0.0), compute - attention)
     # the ring hides behind the attention blocks; Ulysses' all-to-alls stand between the projections and them
@@ -519,9 +519,47 @@ def _model_parallel_seconds(
     return dict(time), dict(moved)
 
 
+@layout_memo(maxsize=65536, values=data_parallel_values)
+def _data_parallel_seconds(key: tuple, L: Layout, *rest) -> tuple[list[tuple[str, float, str, float]], float]:
+    """`_data_parallel_priced`, the same for every layout equal in all but MODEL_PARALLEL_FIELDS:
+    memoised on the others, computed with those at their defaults (not for Muon, whose exchange's
+    plan reads more: `step_time` asks it unmemoised)."""
+    return _data_parallel_priced(key, data_parallel_layout(L), *rest)
+
+
+def _data_parallel_priced(
+    key: tuple,
+    L: Layout,
+    cluster: Cluster,
+    global_batch: int,
+    dtype: str,
+    runtime: Runtime,
+    c: Constants,
+    pp_rank: int,
+) -> tuple[list[tuple[str, float, str, float]], float]:
+    """([(part, seconds, group, bytes)] of pipeline rank `pp_rank`'s data-parallel collectives in order,
+    FSDP2's host seconds for them)."""
+    m = model_of(key)
+    chunks = rank_chunks_by_key(key, L.pp, placement(L.pp_schedule), L.n_stages, pp_rank, L.pp_layers)
+    calls = data_parallel_collectives(m, L, global_batch, dtype, chunks, runtime)
+    host = 0.0  # (per gather / reduce-scatter: CPU ranks do not hide it)
+    if L.zero == 3:
+        for call in calls:
+            if call.part and call.group in ("dp_shard_cp", "edp") and call.op != "all_reduce":
+                host += call.calls * cluster.hardware.zero3_overhead_s
+    return _priced(calls, L, cluster, c), host
+
+
 def _price_collectives(calls, L: Layout, cluster: Cluster, c: Constants, time: dict, moved: dict) -> None:
     """Add each collective's seconds on its group's link to `time` (by part) and bytes to `moved`."""
-    hw, spans, links = cluster.hardware, group_spans(L), {}
+    for part, seconds, group, nbytes in _priced(calls, L, cluster, c):
+        time[part] += seconds
+        moved[group] += nbytes
+
+
+def _priced(calls, L: Layout, cluster: Cluster, c: Constants) -> list[tuple[str, float, str, float]]:
+    """(part, seconds on its group's link, group, bytes) of each collective that a part prices."""
+    hw, spans, links, out = cluster.hardware, group_spans(L), {}, []
     for call in calls:
         if not call.part:
             continue
@@ -531,8 +569,15 @@ def _price_collectives(calls, L: Layout, cluster: Cluster, c: Constants, time: d
         nbytes = call.nbytes
         if call.sent_only:  # (the rank's own share is not in them: priced as the n/(n-1) a collective passes)
             nbytes *= links[call.group].size / (links[call.group].size - 1)
-        time[call.part] += call.calls * collective_seconds(call.op, nbytes, links[call.group], hw, c)
-        moved[call.group] += call.total
+        out.append(
+            (
+                call.part,
+                call.calls * collective_seconds(call.op, nbytes, links[call.group], hw, c),
+                call.group,
+                call.total,
+            )
+        )
+    return out
 
 
 def exposed_reduction(

@@ -26,8 +26,11 @@ from fived.layout.schedule_sim import n_stages_of, pipeline_profile, schedule_ti
 from fived.layout.stages import model_key, model_of, rank_chunks, rank_stages
 from fived.planner.communication import (
     data_parallel_collectives,
+    data_parallel_layout,
+    data_parallel_values,
     group_spans,
     model_parallel_collectives,
+    model_parallel_layout,
     model_parallel_values,
 )
 from fived.planner.layer_map import activations, pipeline_ranks, replica_weights
@@ -169,30 +172,47 @@ def _reachable(layout: Layout, hsdp: bool, cluster: Cluster) -> Layout | str:
 def collectives(
     model: ModelConfig, layout: Layout, cluster: Cluster, seq_len: int, global_batch: int, dtype: str
 ) -> list[list]:
-    """[group, op, bytes per step, calls per step, link] of pipeline rank 0 (the planner's list)."""
-    merged = dict(_merged_model_parallel(model_key(model), layout, seq_len, global_batch, dtype))
-    _merge(data_parallel_collectives(model, layout, global_batch, dtype, rank_chunks(model, layout, 0)), merged)
-    out = []
-    spans = group_spans(layout)
-    for (group, op), (total, calls) in merged.items():
-        size, stride = spans[group]
-        if size == 1:
-            continue
-        link = "NVLink" if in_node(cluster.gpus_per_node, stride, size) else "network"
-        members, others = replica_members(layout.mesh_key, group)
-        out.append([group, op, round(total), round(calls, 3), link, size, members, others])
-    return out
+    """[group, op, bytes per step, calls per step, link, size, members, others] of pipeline rank 0's
+    collectives (the planner's list, summed by group and op): the model-parallel ones, then the
+    data-parallel ones, each memoised on the fields it reads (`fived.planner.communication`)."""
+    key, per_node = model_key(model), cluster.gpus_per_node
+    reductions = _data_parallel_rows if layout.optimizer != "muon" else _rows_of_data_parallel
+    rows = (
+        *_model_parallel_rows(key, layout, per_node, seq_len, global_batch, dtype),
+        *reductions(key, layout, per_node, global_batch, dtype),
+    )
+    return [list(row) for row in rows]  # (copies: explore_data puts an index in place of the members)
 
 
 @layout_memo(maxsize=16384, values=model_parallel_values)
-def _merged_model_parallel(key: tuple, layout: Layout, seq_len: int, global_batch: int, dtype: str) -> dict:
-    """{(group, op): (bytes, calls)} of pipeline rank 0's model-parallel collectives (shared by the
-    layouts that differ only in their data parallelism: ZeRO stage, HSDP)."""
+def _model_parallel_rows(key: tuple, layout: Layout, per_node: int, seq_len: int, global_batch: int, dtype: str):
+    m, layout = model_of(key), model_parallel_layout(layout)  # (an entry: a function of its key)
+    chunks, stages = rank_chunks(m, layout, 0), rank_stages(layout, 0)
+    return _rows(model_parallel_collectives(m, layout, seq_len, global_batch, dtype, chunks, stages), layout, per_node)
+
+
+@layout_memo(maxsize=16384, values=data_parallel_values)
+def _data_parallel_rows(key: tuple, layout: Layout, per_node: int, global_batch: int, dtype: str):
+    return _rows_of_data_parallel(key, data_parallel_layout(layout), per_node, global_batch, dtype)
+
+
+def _rows_of_data_parallel(key: tuple, layout: Layout, per_node: int, global_batch: int, dtype: str):
     m = model_of(key)
-    chunks = rank_chunks(m, layout, 0)
-    return _merge(
-        model_parallel_collectives(m, layout, seq_len, global_batch, dtype, chunks, rank_stages(layout, 0)), {}
-    )
+    return _rows(data_parallel_collectives(m, layout, global_batch, dtype, rank_chunks(m, layout, 0)), layout, per_node)
+
+
+def _rows(calls, layout: Layout, per_node: int) -> list[tuple]:
+    """`collectives`' rows of `calls` on `layout`'s mesh (`per_node` GPUs in a node)."""
+    out = []
+    spans = group_spans(layout)
+    for (group, op), (total, n) in _merge(calls, {}).items():
+        size, stride = spans[group]
+        if size == 1:
+            continue
+        link = "NVLink" if in_node(per_node, stride, size) else "network"
+        members, others = replica_members(layout.mesh_key, group)
+        out.append((group, op, round(total), round(n, 3), link, size, members, others))
+    return out
 
 
 def _merge(calls, merged: dict) -> dict:
