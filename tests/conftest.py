@@ -16,6 +16,7 @@ torch.set_num_threads(1)
 import numpy.ma  # noqa: E402, F401
 import pytest  # noqa: E402
 import torch.distributed.pipelining  # noqa: E402
+import torch.distributed.tensor.debug  # noqa: E402  (fived.compat.forget_dtensor_meshes: at every rank's close)
 
 from fived.tools import verification  # noqa: E402
 from fived.training import trainer  # noqa: E402

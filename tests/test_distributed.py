@@ -171,3 +171,21 @@ def test_the_rendezvous_port_is_held_until_rank_0s_store_listens_on_it():
         store = dist.TCPStore("127.0.0.1", port, 1, True, timeout=datetime.timedelta(seconds=10))
         store.set("k", "v")
         assert store.get("k") == b"v"
+
+
+def _peak_on_a_rank():
+    import torch.distributed as dist
+
+    from fived.training import trainer
+
+    trainer.host_peak_tflops.cache_clear()  # (the session's reading, inherited: gone, so a rank must time)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    peak = trainer.shared_peak_tflops(torch.float64, 0.0, torch.device("cpu"), rank, world)
+    return peak, trainer.host_peak_tflops.cache_info().misses
+
+
+def test_cpu_ranks_time_the_matmul_once_and_share_its_peak():
+    """MFU's peak on CPU ranks: rank 0 times the host's matmul, every rank gets its figure."""
+    results = run_on_ranks(3, _peak_on_a_rank)
+    assert [misses for _, misses in results] == [1, 0, 0]
+    assert results[0][0] > 0 and len({peak for peak, _ in results}) == 1

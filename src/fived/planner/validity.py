@@ -63,10 +63,26 @@ def first_rule_error(model: ModelConfig, layout: Layout, train: TrainConfig) -> 
     core = _core_errors(model_key(model), layout, train.seq_len, train.global_batch)
     rest = per_layout_errors(layout, train, layout.dp)
     if core and rest:  # (which one the rules ask first: their order decides)
-        cfg = Config(model=model, parallel=_parallel_config(_parallel_values(layout)), train=train)
-        return layout_errors(cfg, layout.world)[0]
+        return _first_of_both(model, layout, train, rest[0])
     either = core or rest  # (either alone is `layout_errors`: see `core_layout_errors`)
     return either[0] if either else None
+
+
+_FIRST_OF_BOTH: dict = {}
+
+
+def _first_of_both(model: ModelConfig, layout: Layout, train: TrainConfig, first_rest: ConfigError) -> ConfigError:
+    """`layout_errors`' first error where the core's rules and `per_layout_errors` both have one: the
+    core's first (one per core) or `first_rest`, whichever rule the rules ask first; so the same for
+    every layout of the core whose per-layout rules break first with `first_rest` (asked once)."""
+    k = (model_key(model), _core_values(layout), train.seq_len, train.global_batch, str(first_rest))
+    found = _FIRST_OF_BOTH.get(k)
+    if found is None:
+        if len(_FIRST_OF_BOTH) >= 65536:
+            _FIRST_OF_BOTH.clear()
+        cfg = Config(model=model, parallel=_parallel_config(_parallel_values(layout)), train=train)
+        found = _FIRST_OF_BOTH[k] = layout_errors(cfg, layout.world)[0]
+    return found
 
 
 # the layout fields the rules but `per_layout_errors`' read (a core: the planner varies the others over it)

@@ -48,6 +48,16 @@ from fived.training.tracker import Tracker, open_tracker
 host_peak_tflops = functools.cache(device_peak_tflops)
 
 
+def shared_peak_tflops(dtype: torch.dtype, configured: float, device: torch.device, rank: int, world: int) -> float:
+    """`host_peak_tflops` for MFU, the same on every rank: CPU ranks share a host, so rank 0 times the
+    matmul (a second of one core per rank otherwise, while the others time theirs) and broadcasts it."""
+    if device.type != "cpu" or world == 1 or configured > 0 or not dist.is_initialized():
+        return host_peak_tflops(dtype, configured, device.type)
+    value = torch.tensor([host_peak_tflops(dtype, configured, "cpu") if rank == 0 else 0.0], dtype=torch.float64)
+    dist.broadcast(value, src=0)
+    return float(value.item())
+
+
 @dataclass
 class TrainResult:
     metrics: list[dict]
@@ -129,7 +139,7 @@ class Trainer:
         self.loss_divisor = self.global_tokens  # what a pipeline micro-batch's loss is divided by (1 in eval)
         self.profile = ProfileWindow(t.profile, t.steps, t.output_dir, self.rank, self.device, self.timer)
         self.state_bytes: dict[str, int] = {}
-        self.peak_flops = host_peak_tflops(build_dtype(cfg), t.peak_tflops, self.device.type) * 1e12
+        self.peak_flops = shared_peak_tflops(build_dtype(cfg), t.peak_tflops, self.device, self.rank, self.world) * 1e12
         self.flops_per_step = flops_per_token(cfg.model, t.seq_len) * self.global_tokens
         self.guard = LossGuard(
             t.spike_factor, t.spike_window, vocab_size=cfg.model.vocab_size
