@@ -55,10 +55,10 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import fields, replace
+from dataclasses import dataclass, fields, replace
 from functools import lru_cache
 from operator import attrgetter
-from typing import Any, NamedTuple
+from typing import Any
 
 from fived.config import ModelConfig
 from fived.layout.cp_chunks import busiest_halo, chunks_per_rank
@@ -81,7 +81,8 @@ GROUPS = ("tp", "cp", "ep", "edp", "pp", "dp_cp", "dp_shard_cp", "dp_replicate",
 NORM = 8  # the clipping norm: one float64 per group
 
 
-class Collective(NamedTuple):  # (a tuple: a planner's search builds ~10^6 of them)
+@dataclass(frozen=True)
+class Collective:
     group: str  # one of GROUPS
     op: str  # the ledger's name: all_reduce, all_gather_single, reduce_scatter_single, all_to_all_single, send, recv
     nbytes: float  # per call

@@ -53,7 +53,7 @@ from fived.layout.layout import PRECISION_SPECS, Layout
 from fived.layout.muon_load import stream_bytes
 from fived.layout.muon_plan import ns_flops, stage_plan
 from fived.layout.schedule_sim import pipeline_profile
-from fived.layout.stages import model_key, model_of, placement, rank_chunks_by_key, rank_stages
+from fived.layout.stages import model_key, model_of, placement, rank_chunks, rank_chunks_by_key, rank_stages
 from fived.planner.communication import (
     data_parallel_collectives,
     data_parallel_layout,
@@ -293,12 +293,17 @@ def step_time(
 
     # the model-parallel collectives' seconds (shared by layouts differing only in their data
     # parallelism), then the data-parallel ones added in the same order `step_collectives` lists them
-    mp_time, mp_moved = _model_parallel_seconds(
-        model_key(m), L, cluster, seq_len, global_batch, dtype, model_parallel_runtime(runtime), c, pp_rank
-    )
-    time, moved = defaultdict(float, mp_time), defaultdict(float, mp_moved)
-    reductions = _data_parallel_seconds if L.optimizer != "muon" else _data_parallel_priced
-    priced, host = reductions(model_key(m), L, cluster, global_batch, dtype, runtime, c, pp_rank)
+    # (not with a fit's constants, which record the fields a figure read: no memo may hide a read)
+    key, memoised = model_key(m), constants is None
+    if memoised:
+        mp = _model_parallel_seconds(
+            key, L, cluster, seq_len, global_batch, dtype, model_parallel_runtime(runtime), c, pp_rank
+        )
+    else:
+        mp = _model_parallel_priced(key, L, cluster, seq_len, global_batch, dtype, runtime, c, pp_rank)
+    time, moved = defaultdict(float, mp[0]), defaultdict(float, mp[1])
+    reductions = _data_parallel_seconds if memoised and L.optimizer != "muon" else _data_parallel_priced
+    priced, host = reductions(key, L, cluster, global_batch, dtype, runtime, c, pp_rank)
     for part, seconds, group, nbytes in priced:
         time[part] += seconds
         moved[group] += nbytes
@@ -495,7 +500,14 @@ def _busiest_compute(
 
 
 @layout_memo(maxsize=65536, values=model_parallel_values)
-def _model_parallel_seconds(
+def _model_parallel_seconds(key: tuple, L: Layout, *rest) -> tuple[dict[str, float], dict[str, float]]:
+    """`_model_parallel_priced`, the same for every layout equal in all but DATA_PARALLEL_FIELDS: memoised
+    on the others (a search prices each mesh under every ZeRO stage and HSDP), computed with those at
+    their defaults (and the runtime's: `model_parallel_runtime`), so that an entry is a function of its key."""
+    return _model_parallel_priced(key, model_parallel_layout(L), *rest)
+
+
+def _model_parallel_priced(
     key: tuple,
     L: Layout,
     cluster: Cluster,
@@ -506,13 +518,10 @@ def _model_parallel_seconds(
     c: Constants,
     pp_rank: int,
 ) -> tuple[dict[str, float], dict[str, float]]:
-    """({part: seconds}, {group: bytes}) of pipeline rank `pp_rank`'s model-parallel collectives: the
-    same for every layout equal in all but DATA_PARALLEL_FIELDS (memoised on the others: a search
-    prices each mesh under every ZeRO stage and HSDP; computed from the layout and runtime with their
-    data-parallel settings at the defaults, so that an entry is a function of its key)."""
-    m, L = model_of(key), model_parallel_layout(L)
-    chunks = rank_chunks_by_key(key, L.pp, placement(L.pp_schedule), L.n_stages, pp_rank, L.pp_layers)
-    calls = model_parallel_collectives(m, L, seq_len, global_batch, dtype, chunks, rank_stages(L, pp_rank), runtime)
+    """({part: seconds}, {group: bytes}) of pipeline rank `pp_rank`'s model-parallel collectives."""
+    m = model_of(key)
+    chunks, stages = rank_chunks(m, L, pp_rank), rank_stages(L, pp_rank)
+    calls = model_parallel_collectives(m, L, seq_len, global_batch, dtype, chunks, stages, runtime)
     time: dict[str, float] = defaultdict(float)
     moved: dict[str, float] = defaultdict(float)
     _price_collectives(calls, L, cluster, c, time, moved)
@@ -540,8 +549,7 @@ def _data_parallel_priced(
     """([(part, seconds, group, bytes)] of pipeline rank `pp_rank`'s data-parallel collectives in order,
     FSDP2's host seconds for them)."""
     m = model_of(key)
-    chunks = rank_chunks_by_key(key, L.pp, placement(L.pp_schedule), L.n_stages, pp_rank, L.pp_layers)
-    calls = data_parallel_collectives(m, L, global_batch, dtype, chunks, runtime)
+    calls = data_parallel_collectives(m, L, global_batch, dtype, rank_chunks(m, L, pp_rank), runtime)
     host = 0.0  # (per gather / reduce-scatter: CPU ranks do not hide it)
     if L.zero == 3:
         for call in calls:

@@ -333,12 +333,12 @@ def explore_data(
     job = (model, cluster, seq_len, global_batch, dtype, headroom_gib, options)
     with Workers(workers) as pool:  # (each mesh priced in a worker; their figures merged here, in order)
         pending_ranking = pool.submit(ranking, model, cluster, seq_len, global_batch, dtype, headroom_gib)
-        for priced in pool.map(priced_mesh, job, mesh_choices(options, cluster.gpus)):
+        for reasons, priced in pool.map(priced_mesh, job, mesh_choices(options, cluster.gpus)):
             for position, values, entry in priced:
                 if progress is not None and position // every != (position - 1) // every:
                     progress(position / len(entries))
-                if "error" in entry:  # reasons repeat: stored once, referenced by index
-                    entries[position] = errors.id(entry["error"])
+                if isinstance(entry, int):  # reasons repeat: stored once, referenced by index
+                    entries[position] = errors.id(reasons[entry])
                     continue
                 _draw_parts(model, values, seq_len, entry, maps, timelines)
                 entry["flags"] = [flag_words.id(pair) for pair in entry["flags"]]
@@ -377,22 +377,25 @@ def explore_data(
     }
 
 
-def priced_mesh(job: tuple, mesh: tuple) -> list[tuple[int, tuple, dict]]:
-    """(slot, the layout's field values, its page entry: figures, its flags as pairs, or {"error":
-    reason}) of every combination of one of `mesh_choices` (`job`: model, cluster, seq_len,
-    global_batch, dtype, headroom_gib, options). (Values, not the Layout: they pickle in a tenth of
-    the time.)"""
+def priced_mesh(job: tuple, mesh: tuple) -> tuple[list[str], list[tuple[int, tuple, dict | int]]]:
+    """(the reasons, [(slot, the layout's field values, its page entry: figures with its flags as pairs,
+    or the index of the reason it cannot run)]) of every combination of one of `mesh_choices` (`job`:
+    model, cluster, seq_len, global_batch, dtype, headroom_gib, options). (Values, not the Layout, and
+    each reason once: they pickle in a fraction of the time.)"""
     model, cluster, seq_len, global_batch, dtype, headroom_gib, options = job
-    out = []
+    reasons = Interned()
+    out: list[tuple[int, tuple, dict | int]] = []
     for position, layout in mesh_layouts(options, cluster, mesh):
         if isinstance(layout, str):
-            out.append((position, (), {"error": layout}))
+            out.append((position, (), reasons.id(layout)))
             continue
         entry = price(model, layout, cluster, seq_len, global_batch, dtype, headroom_gib)
-        if "flags" in entry:
-            entry["flags"] = flag_pairs(entry["flags"])
+        if "error" in entry:
+            out.append((position, (), reasons.id(entry["error"])))
+            continue
+        entry["flags"] = flag_pairs(entry["flags"])
         out.append((position, layout_values(layout), entry))
-    return out
+    return reasons.items, out
 
 
 def _draw_parts(model: ModelConfig, values: tuple, seq_len: int, entry: dict, maps: dict, timelines: dict) -> None:
