@@ -131,16 +131,16 @@ def test_the_first_rule_error_asks_a_cores_rules_once_and_reports_the_rules_firs
 @pytest.mark.parametrize("zero", [0, 1, 3])
 @pytest.mark.parametrize("interleaved", [False, True])  # (pp_virtual changes nothing under 1f1b)
 def test_model_parallel_memos_answer_what_the_whole_list_prices_for_every_field_changed(zero, interleaved):
-    """The step time's memo of the model-parallel collectives' seconds (`timing._model_parallel_seconds`,
+    """The step time's memo of the model-parallel collectives' seconds (`links.model_parallel_seconds`,
     keyed on every field but DATA_PARALLEL_FIELDS and computed with those at their defaults) plus its
-    memo of the data-parallel ones' (`timing._data_parallel_seconds`, alike without
+    memo of the data-parallel ones' (`links.data_parallel_seconds`, alike without
     MODEL_PARALLEL_FIELDS; Muon's unmemoised) added in order is, bit for bit, the whole
     `step_collectives` list priced in order; explore's memo of rank 0's model-parallel table, merged with the data-parallel rows, is that
     list merged; for every field changed in turn after the base warmed both memos."""
     from collections import defaultdict
 
     from fived.layout.stages import rank_stages
-    from fived.planner import timing
+    from fived.planner import links, timing
     from fived.planner.communication import (
         group_spans,
         model_parallel_runtime,
@@ -165,8 +165,8 @@ def test_model_parallel_memos_answer_what_the_whole_list_prices_for_every_field_
                 chunks, stages = rank_chunks(model, layout, pp_rank), rank_stages(layout, pp_rank)
                 whole = step_collectives(model, layout, seq_len, global_batch, dtype, chunks, stages, runtime)
                 want: tuple = (defaultdict(float), defaultdict(float))
-                timing._price_collectives(whole, layout, cluster, c, *want)
-                mp = timing._model_parallel_seconds(
+                links.price_collectives(whole, layout, cluster, c, *want)
+                mp = links.model_parallel_seconds(
                     model_key(model),
                     layout,
                     cluster,
@@ -178,7 +178,7 @@ def test_model_parallel_memos_answer_what_the_whole_list_prices_for_every_field_
                     pp_rank,
                 )
                 got = (defaultdict(float, mp[0]), defaultdict(float, mp[1]))
-                memo = timing._data_parallel_seconds if layout.optimizer != "muon" else timing._data_parallel_priced
+                memo = links.data_parallel_seconds if layout.optimizer != "muon" else links.data_parallel_priced
                 priced, host = memo(model_key(model), layout, cluster, global_batch, dtype, runtime, c, pp_rank)
                 for part, seconds, group, nbytes in priced:
                     got[0][part] += seconds
@@ -201,7 +201,7 @@ def test_model_parallel_memos_answer_what_the_whole_list_prices_for_every_field_
 
 def link(layout, group):
     from fived.planner.communication import group_spans
-    from fived.planner.timing import in_node
+    from fived.planner.links import in_node
 
     size, stride = group_spans(layout)[group]
     return "NVLink" if in_node(8, stride, size) else "network"

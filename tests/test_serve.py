@@ -84,7 +84,7 @@ def test_fp8_weights_take_one_byte_for_the_linear_layers_only():
 def test_the_element_size_follows_the_weights_dtype():
     """float32 (what fived generate's CPU ranks run): every weight, activation and tp payload in 4 bytes."""
     from fived.layout.spec import local_vocab
-    from fived.planner.timing import collective_seconds, group_link
+    from fived.planner.links import collective_seconds, group_link
 
     m = model_preset("llama3-8b")
     hw = replace(hardware("h100"), link_latency_s=0.0, peer_latency_s=0.0)

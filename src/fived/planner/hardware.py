@@ -78,6 +78,15 @@ class Hardware:
     #   GEMMs, attention, element-wise work and collectives instead of the rates above (fived.planner.profile)
 
 
+@dataclass(frozen=True)
+class Cluster:
+    """The GPUs a plan is for: `gpus` of `hardware`, `gpus_per_node` in each node."""
+
+    hardware: Hardware
+    gpus: int
+    gpus_per_node: int
+
+
 CATALOGUE: dict[str, Hardware] = {
     h.name: h
     for h in (

@@ -27,7 +27,7 @@ Time (hardware rates from `fived.planner.hardware`, efficiency from `fived.plann
   all-reduces per layer and the logits' gather, three expert all-to-alls per MoE layer (the counts,
   the dispatch, the combine), a pipeline send per stage boundary and the tokens back to the first,
   each on the link its group spans (NVLink inside a node, else the network), priced by the training
-  planner's `timing.group_link` and `timing.collective_seconds`; plus the host's dispatch of each operator the forward calls from
+  planner's `links.group_link` and `links.collective_seconds`; plus the host's dispatch of each operator the forward calls from
   Python (`Hardware.dispatch_s`: 0 on GPUs, whose serving engines replay decode steps as CUDA graphs;
   fitted for CPU ranks, which run fived's eager model).
 A forward's latency is its pipeline ranks one after another; each rank's share (its work and its send
@@ -50,8 +50,9 @@ from fived.layout.spec import cached_positions, chunk_specs, kv_cache_width, kv_
 from fived.layout.stages import model_key, split_layers
 from fived.planner.constants import CALIBRATION
 from fived.planner.hardware import Hardware
+from fived.planner.links import collective_seconds, group_link
 from fived.planner.memory import reserve_bytes
-from fived.planner.timing import HBM_EFFICIENCY, Cluster, collective_seconds, efficiency, group_link
+from fived.planner.timing import HBM_EFFICIENCY, Cluster, efficiency
 
 # Weight formats: bytes per weight of the linear layers and experts, and of everything else — the
 # embedding, head, norms and router, the activations and the collectives' payloads (fp8 checkpoints

@@ -35,6 +35,7 @@ from fived.planner.communication import (
 )
 from fived.planner.layer_map import activations, pipeline_ranks, replica_weights
 from fived.planner.layout_cache import layout_memo, layout_values
+from fived.planner.links import in_node
 from fived.planner.runtimes import PLANNED_RUNTIMES, Runtime, with_overlap
 from fived.planner.search import (
     MICRO_BATCH_TOKENS,
@@ -49,7 +50,7 @@ from fived.planner.search import (
     run_flags,
     train_command,
 )
-from fived.planner.timing import Cluster, in_node
+from fived.planner.timing import Cluster
 from fived.planner.validity import layout_refusal
 from fived.tools.workers import Workers
 
