@@ -47,3 +47,16 @@ def test_cpu_smoke_run_writes_the_reports(tmp_path):
     fp8 = next(c for c in report["checks"] if c["name"] == "fp8 vs bf16 (torchao)")
     assert "emulated; not a speed figure" in fp8["note"] and not fp8["figures"]["real_fp8"]
     assert "| ring attention blocks vs reference | **PASS** |" in markdown
+
+
+@pytest.mark.parametrize("theirs", [None, "0"])
+def test_importing_fived_keeps_cudas_availability_check_from_poisoning_fork(theirs):
+    """CPU ranks fork from the launcher; torch.cuda.is_available() initialised CUDA's driver there (on an
+    H200 the forked ranks then failed at their optimizer step) unless NVML answers it. A user's own
+    setting stands."""
+    env = {k: v for k, v in ENV.items() if k != "PYTORCH_NVML_BASED_CUDA_CHECK"}
+    if theirs is not None:
+        env["PYTORCH_NVML_BASED_CUDA_CHECK"] = theirs
+    code = "import os, fived; print(os.environ.get('PYTORCH_NVML_BASED_CUDA_CHECK'))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.stdout.strip() == (theirs or "1"), done.stderr
