@@ -4,10 +4,14 @@ import copy
 import json
 
 import pytest
+import torch
 
 from fived.cli.main import main
-from fived.config import build_config
+from fived.config import ConfigError, build_config
 from fived.layout.layout import Layout
+from fived.planner.constants import CALIBRATION
+from fived.planner.hardware import hardware
+from fived.planner.links import collective_seconds, group_link
 from fived.planner.profile import profile_hardware, read_profile, write_profile
 from fived.planner.timing import Cluster, step_time
 from fived.tools.calibrate import calibrate
@@ -99,3 +103,72 @@ def test_calibrate_never_writes_over_a_users_file_or_a_symlink(tmp_path, capsys)
     link.symlink_to(tmp_path / "elsewhere.json")
     assert main(["calibrate", "--output", str(link), "--nproc", "2", "--quick"]) == 2
     assert "symbolic link" in capsys.readouterr().err and not (tmp_path / "elsewhere.json").exists()
+
+
+def _one_gpu(doc: dict, **fitted) -> dict:
+    """`doc` as one H200's calibration would write it: one rank, no collectives measured."""
+    gpu = copy.deepcopy(doc)
+    gpu["machine"].update(device_type="cuda", device="NVIDIA H200", memory_gib=139.8)
+    gpu["nproc"] = 1
+    gpu["fitted"].update(collectives={}, rank_slowdown=1.0, **fitted)
+    return gpu
+
+
+def test_one_gpus_profile_prices_its_compute_and_the_catalogues_links(profile, tmp_path):
+    """One GPU measures no collective: a plan of 8 prices its links as the catalogue's H200 does, and
+    the compute from the profile."""
+    _, doc = profile
+    path = write_profile(
+        tmp_path / "h200.json", {k: v for k, v in _one_gpu(doc).items() if k not in ("format", "version")}
+    )
+    read = read_profile(path)
+    assert read.collectives == {} and read.on_gpu and read.nproc == 1
+    hw = profile_hardware(read, 8)
+    assert hw.nvlink_gbps == hardware("h200").nvlink_gbps and hw.memory_gib == 139.8
+    c = CALIBRATION.constants
+    for op in ("all_reduce", "reduce_scatter_single", "all_to_all_single", "send"):
+        for cluster in (Cluster(hw, 8, 8), Cluster(hw, 16, 8)):  # (inside a node, across two)
+            link = group_link(cluster, 1, cluster.gpus, c)
+            got = collective_seconds(op, 2**24, link, hw, c)
+            assert got == collective_seconds(op, 2**24, link, hardware("h200"), c) and got > 0
+    cfg = build_config(overrides={"model.name": "tiny", "train.seq_len": 64, "train.global_batch": 8})
+    mine = step_time(cfg.model, Layout(), Cluster(hw, 1, 8), 64, 8, "bfloat16")
+    catalogue = step_time(cfg.model, Layout(), Cluster(hardware("h200"), 1, 8), 64, 8, "bfloat16")
+    assert mine.compute != pytest.approx(catalogue.compute)  # (the profile's measured rates)
+
+
+def test_a_gpus_host_dispatch_costs_only_what_outlasts_the_devices_work(profile, tmp_path):
+    """Kernels launch asynchronously: on a GPU's profile the step pays the host's time beyond the
+    device's; on CPU ranks (synchronous) all of it."""
+    _, doc = profile
+    cfg = build_config(overrides={"model.name": "tiny", "train.seq_len": 64, "train.global_batch": 8})
+
+    def priced(name: str, changed: dict):
+        path = write_profile(tmp_path / name, {k: v for k, v in changed.items() if k not in ("format", "version")})
+        return step_time(cfg.model, Layout(), Cluster(profile_hardware(read_profile(path), 1), 1, 1), 64, 8, "float32")
+
+    cpu = copy.deepcopy(doc)
+    cpu["fitted"].update(layer_overhead_s=1e-3, step_overhead_s=1e-3)
+    on_cpu = priced("cpu.json", cpu)
+    assert on_cpu.overhead == pytest.approx(on_cpu.layer_host + 1e-3) and on_cpu.overhead > 0
+    hidden = priced("gpu.json", _one_gpu(doc, layer_overhead_s=1e-9, step_overhead_s=1e-9))
+    assert hidden.overhead == 0.0 and hidden.layer_host == 0.0
+    host_bound = priced("slow.json", _one_gpu(doc, layer_overhead_s=1.0, step_overhead_s=1.0))
+    device = host_bound.compute + host_bound.tp + host_bound.cp + host_bound.ep + host_bound.pp
+    cpu["fitted"].update(layer_overhead_s=1.0, step_overhead_s=1.0)
+    host = priced("cpu-slow.json", cpu).overhead  # (the same host times, paid whole on CPU)
+    assert host_bound.overhead == pytest.approx(host - device) and 0 < host_bound.overhead < host
+
+
+def test_ranks_one_per_gpu_two_at_least_on_cpu(monkeypatch):
+    from fived.tools.calibrate import check_ranks
+
+    cpu = torch.device("cpu")
+    assert check_ranks(None, cpu) == 4 and check_ranks(3, cpu) == 3
+    with pytest.raises(ConfigError, match="collectives need 2 ranks at least"):
+        check_ranks(1, cpu)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # (a count, not torch.distributed)
+    gpu = torch.device("cuda")
+    assert check_ranks(None, gpu) == 1 and check_ranks(1, gpu) == 1
+    with pytest.raises(ConfigError, match="one rank per GPU: this machine has 1"):
+        check_ranks(2, gpu)

@@ -5,16 +5,14 @@ from __future__ import annotations
 import argparse
 
 from fived.config import ConfigError
-from fived.planner.profile import DEFAULT_MINUTES
-
-DEFAULT_NPROC = 4
+from fived.planner.profile import DEFAULT_MINUTES, DEFAULT_NPROC
 
 
 def cmd_calibrate(ns: argparse.Namespace) -> int:
+    if ns.nproc is not None and ns.nproc < 1:  # (the rest of the rule needs torch: fived.tools.calibrate)
+        raise ConfigError("--nproc", ns.nproc, "ranks are counted from 1", f"e.g. --nproc {DEFAULT_NPROC}")
     from fived.tools.calibrate import calibrate
 
-    if ns.nproc < 2:
-        raise ConfigError("--nproc", ns.nproc, "collectives need 2 ranks at least", f"e.g. --nproc {DEFAULT_NPROC}")
     calibrate(ns.output, nproc=ns.nproc, minutes=ns.minutes, quick=ns.quick)
     return 0
 
@@ -28,7 +26,11 @@ def add_calibrate_command(sub) -> None:
     )
     cal.add_argument("--output", required=True, metavar="PROFILE.json", help="the profile to write")
     cal.add_argument(
-        "--nproc", type=int, default=DEFAULT_NPROC, help=f"ranks the collectives run on (default {DEFAULT_NPROC})"
+        "--nproc",
+        type=int,
+        default=None,
+        help=f"ranks the collectives run on (default {DEFAULT_NPROC} on CPU; on CUDA one per GPU, at most "
+        f"{DEFAULT_NPROC}: one GPU measures its compute only)",
     )
     cal.add_argument(
         "--minutes", type=float, default=DEFAULT_MINUTES, help=f"time budget (default {DEFAULT_MINUTES:g})"

@@ -94,7 +94,7 @@ def collective_seconds(op: str, nbytes: float, link: Link, hw: Hardware, c: Cons
     latency per ring step across nodes; an all-to-all sends (k-1)/n of its bytes over NVLink and
     (n-k)/n over the rank's own NIC at once; a send its bytes once."""
     n = link.size
-    if hw.profile:  # measured on this machine (fived calibrate): its time for the op, group and bytes
+    if hw.profile and hw.profile.collectives:  # measured here (fived calibrate): the op's time at this group and size
         return hw.profile.collective_s(op, n, nbytes)
     if op == "send":
         return nbytes / (link.network if link.crosses else link.nvlink) + link.latency + hw.peer_latency_s

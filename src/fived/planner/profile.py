@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from fived.config import ConfigError
-from fived.planner.hardware import CPU, Hardware
+from fived.planner.hardware import CPU, Hardware, hardware
 
 FORMAT = "fived-machine-profile"
 VERSION = 1
@@ -58,8 +58,9 @@ def _interp(xs: tuple[float, ...], ys: tuple[float, ...], x: float) -> float:
     return ys[i - 1] + t * (ys[i] - ys[i - 1])
 
 
-# `fived calibrate`'s default time budget in minutes (its parser and its measuring code read this)
+# `fived calibrate`'s default time budget in minutes and ranks on CPU (its parser and its measuring code read these)
 DEFAULT_MINUTES = 3.0
+DEFAULT_NPROC = 4
 
 
 @dataclass(frozen=True)
@@ -113,8 +114,14 @@ class MachineProfile:
     moe_layer_overhead_s: float  # a MoE layer's host time besides its routed experts' loop
     expert_overhead_s: float  # the loop's host time per routed expert (forward + backward)
     rank_slowdown: float  # a rank's compute with `nproc` ranks computing at once, over one process's alone
-    collectives: dict  # {op: {group size: Curve}}
+    collectives: dict  # {op: {group size: Curve}}; empty where one rank was measured (links: base_hardware's)
     collective_scale: float = 1.0  # the measured times at the planned ranks' core sharing (profile_hardware)
+
+    @property
+    def on_gpu(self) -> bool:
+        """Measured on a GPU: its kernels launch asynchronously, so the host's dispatch runs ahead of
+        the device and costs a step only where it is longer than the device's work."""
+        return self.machine.get("device_type") == "cuda"
 
     def stream_bytes_per_s(self, tensor_bytes: float) -> float:
         return tensor_bytes / self.stream(tensor_bytes)
@@ -130,8 +137,21 @@ class MachineProfile:
 
 def slowdown(profile: MachineProfile, world: int) -> float:
     """How much slower each of `world` ranks computes than one process alone: measured at the profile's
-    nproc, 1 for one rank, linear in the ranks between (and beyond)."""
+    nproc, 1 for one rank, linear in the ranks between (and beyond); 1 where one rank was measured."""
+    if profile.nproc < 2:
+        return 1.0
     return max(1.0, 1 + (profile.rank_slowdown - 1) * (world - 1) / (profile.nproc - 1))
+
+
+def base_hardware(profile: MachineProfile) -> Hardware:
+    """What a profile does not measure comes from here: the catalogue's entry for a profiled GPU (its
+    links, where one GPU measured no collective), the CPU ranks' description otherwise."""
+    if profile.on_gpu:
+        try:
+            return hardware(str(profile.machine.get("device", "")))
+        except ConfigError:  # (a GPU the catalogue lacks: its links are unknown, its compute is measured)
+            pass
+    return CPU
 
 
 def profile_hardware(profile: MachineProfile, world: int) -> Hardware:
@@ -141,8 +161,9 @@ def profile_hardware(profile: MachineProfile, world: int) -> Hardware:
     scaled from its slowdown to this one."""
     share = 1 / slowdown(profile, world)
     peak = max(max(row) for plane in profile.gemm.values for row in plane)  # (MFU's denominator only)
+    base = base_hardware(profile)
     return replace(
-        CPU,
+        base,
         name=f"profile:{Path(profile.path).name}",
         peak_tflops=peak * share / 1e12,
         memory_gib=profile.memory_gib / (max(world, 1) if profile.machine.get("device_type") == "cpu" else 1),
@@ -150,8 +171,8 @@ def profile_hardware(profile: MachineProfile, world: int) -> Hardware:
         layer_overhead_s=profile.layer_overhead_s / share,
         step_overhead_s=profile.step_overhead_s / share,
         launch_s=profile.expert_overhead_s / EXPERT_KERNELS / share,
-        zero3_overhead_s=CPU.zero3_overhead_s / share,  # (fitted: not measured by calibrate)
-        dispatch_s=CPU.dispatch_s / share,
+        zero3_overhead_s=base.zero3_overhead_s / share,  # (fitted: not measured by calibrate)
+        dispatch_s=base.dispatch_s / share,
         core_share=share,
         profile=replace(profile, collective_scale=slowdown(profile, world) / slowdown(profile, profile.nproc)),
     )
@@ -227,7 +248,8 @@ def read_profile(path: str | os.PathLike) -> MachineProfile:
         raise ConfigError(f"{name}: version", doc.get("version"), f"fived reads version {VERSION}", "rerun calibrate")
     _need(doc, name, "fitted")
     collectives: dict[str, dict[int, Curve]] = {}
-    for op in OPS:
+    nproc = int(_positive(name, "nproc", _need(doc, name, "nproc")))
+    for op in OPS if nproc > 1 else ():  # (one rank measured no collective: one GPU's profile)
         by_size = _need(doc, name, f"fitted.collectives.{op}")
         if not isinstance(by_size, dict) or not by_size:
             raise ConfigError(f"{name}: fitted.collectives.{op}", by_size, "no group sizes", "rerun fived calibrate")
@@ -243,7 +265,7 @@ def read_profile(path: str | os.PathLike) -> MachineProfile:
     return MachineProfile(
         path=name,
         machine=_need(doc, name, "machine"),
-        nproc=int(_positive(name, "nproc", _need(doc, name, "nproc"))),
+        nproc=nproc,
         cores=int(_positive(name, "machine.cpu_count", _need(doc, name, "machine.cpu_count"))),
         memory_gib=_positive(name, "machine.memory_gib", _need(doc, name, "machine.memory_gib")),
         gemm=_grid(name, doc, "fitted.gemm", ("rows", "width", "depth")),

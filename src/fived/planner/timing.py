@@ -256,6 +256,9 @@ def step_time(
         moe_layer = hw.profile.moe_layer_overhead_s / hw.core_share
         layer_host += (moe_layer - hw.layer_overhead_s) * moe_here * micro * (1 + recompute)
     overhead = layer_host + hw.step_overhead_s + host
+    if hw.profile and hw.profile.on_gpu:  # (launches are asynchronous: the host runs ahead of the device's work)
+        overhead = max(0.0, overhead - (compute + tp + cp + ep + pp))
+        layer_host = min(layer_host, overhead)
     return StepTime(
         compute,
         bubble,

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from fived.config import ConfigError
-from fived.planner.profile import DEFAULT_MINUTES, check_output, write_profile
+from fived.planner.profile import DEFAULT_MINUTES, DEFAULT_NPROC, check_output, write_profile
 
 FLOOR = 0.1  # a shape's time less the dispatch never counts below this share of what was measured
 
@@ -55,6 +55,15 @@ FULL = Sizes(
     head_dim=(16, 64, 128),
     stream_bytes=tuple(2**k for k in range(12, 27, 2)),
     message_bytes=tuple(2**k for k in range(8, 23, 2)),
+)
+GPU_FULL = Sizes(  # a GPU's kernels fill the device only at real shapes: a layer's GEMMs at 1B-70B widths
+    rows=(512, 2048, 8192, 32768),
+    width=(256, 1024, 4096, 16384),
+    depth=(1024, 2048, 4096, 8192),
+    seq=(512, 1024, 2048, 4096, 8192, 16384),
+    head_dim=(64, 128),
+    stream_bytes=tuple(2**k for k in range(16, 31, 2)),
+    message_bytes=tuple(2**k for k in range(12, 29, 2)),
 )
 QUICK = Sizes(  # tests and a first look: a few points per axis
     rows=(16, 256),
@@ -94,6 +103,8 @@ def timed(fn: Callable[[], object], budget_s: float, device: torch.device) -> fl
     """Mean seconds of fn() over repetitions filling `budget_s` (after one warm-up call)."""
     fn()
     sync(device)
+    if device.type == "cuda":
+        return queued_seconds(fn, budget_s, device)
     times: list[float] = []
     spent = 0.0
     while len(times) < 2 or spent < budget_s:  # (no cap on calls: the window, not a count, makes the mean fair)
@@ -103,6 +114,24 @@ def timed(fn: Callable[[], object], budget_s: float, device: torch.device) -> fl
         times.append(time.perf_counter() - start)
         spent += times[-1]
     return statistics.fmean(times)
+
+
+def queued_seconds(fn: Callable[[], object], budget_s: float, device: torch.device) -> float:
+    """A GPU's seconds per fn(): calls queued back to back and one synchronisation per batch of them, as
+    training queues its kernels (a synchronisation per call would time the launch, not the device)."""
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    batch = max(1, min(1000, int(0.2 * budget_s / max(time.perf_counter() - start, 1e-6))))
+    calls, spent = 0, 0.0
+    while calls < 2 * batch or spent < budget_s:
+        start = time.perf_counter()
+        for _ in range(batch):
+            fn()
+        sync(device)
+        spent += time.perf_counter() - start
+        calls += batch
+    return spent / calls
 
 
 def linear_seconds(rows: int, width: int, depth: int, slice_s: float, device: torch.device) -> float:
@@ -123,7 +152,8 @@ def measure_gemm(sizes: Sizes, budget_s: float, device: torch.device) -> tuple[l
     """(raw [rows, width, depth, seconds], the FLOP/s grid, the dispatch of three tiny GEMMs)."""
     shapes = [(r, w, d) for r in sizes.rows for w in sizes.width for d in sizes.depth]
     slice_s = budget_s / (len(shapes) + 1)
-    base = linear_seconds(1, 1, 1, slice_s, device)
+    # the host's dispatch of three tiny GEMMs, taken out on CPU; a GPU's queued launches overlap its work
+    base = linear_seconds(1, 1, 1, slice_s, device) if device.type == "cpu" else 0.0
     raw, rates = [], {}
     for r, w, d in shapes:
         seconds = linear_seconds(r, w, d, slice_s, device)
@@ -131,6 +161,16 @@ def measure_gemm(sizes: Sizes, budget_s: float, device: torch.device) -> tuple[l
         rates[r, w, d] = 3 * 2 * r * w * d / max(seconds - base, FLOOR * seconds)
     grid = [[[rates[r, w, d] for d in sizes.depth] for w in sizes.width] for r in sizes.rows]
     return raw, {"rows": list(sizes.rows), "width": list(sizes.width), "depth": list(sizes.depth), "values": grid}, base
+
+
+def measured_sizes(device: torch.device, quick: bool) -> Sizes:
+    return QUICK if quick else GPU_FULL if device.type == "cuda" else FULL
+
+
+def attention_heads(device: torch.device) -> int:
+    """Heads per attention call: a CPU rank's few; on a GPU a layer's (a 1B-8B model's 16-32 heads per
+    tensor-parallel rank), since a GPU's rate depends on the blocks in flight."""
+    return 16 if device.type == "cuda" else 4
 
 
 def attention_seconds(seq: int, head_dim: int, heads: int, slice_s: float, device: torch.device) -> float:
@@ -146,10 +186,10 @@ def attention_seconds(seq: int, head_dim: int, heads: int, slice_s: float, devic
 
 def measure_attention(sizes: Sizes, budget_s: float, device: torch.device) -> tuple[list, dict]:
     """Causal attention forward + backward per head: FLOP/s of the full score matrix's count."""
-    heads = 4
+    heads = attention_heads(device)
     points = [(s, d) for s in sizes.seq for d in sizes.head_dim]
     slice_s = budget_s / (len(points) + 1)
-    base = attention_seconds(4, 8, 1, slice_s, device)
+    base = attention_seconds(4, 8, 1, slice_s, device) if device.type == "cpu" else 0.0  # (as measure_gemm's)
     raw, rates = [], {}
     for s, d in points:
         seconds = attention_seconds(s, d, heads, slice_s, device)
@@ -216,24 +256,44 @@ def machine(device: torch.device) -> dict:
     }
 
 
-def calibrate(output: str, *, nproc: int, minutes: float = DEFAULT_MINUTES, quick: bool = False) -> dict:
+def check_ranks(nproc: int | None, device: torch.device) -> int:
+    """The ranks the collectives run on: on CPU 2 at least (default DEFAULT_NPROC); on CUDA one per GPU
+    (default every GPU, at most DEFAULT_NPROC): one GPU measures no collective."""
+    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    if nproc is None:
+        return min(gpus, DEFAULT_NPROC) if gpus else DEFAULT_NPROC
+    if gpus and not 1 <= nproc <= gpus:
+        raise ConfigError("--nproc", nproc, f"one rank per GPU: this machine has {gpus}", f"e.g. --nproc {gpus}")
+    if not gpus and nproc < 2:
+        raise ConfigError("--nproc", nproc, "collectives need 2 ranks at least", f"e.g. --nproc {DEFAULT_NPROC}")
+    return nproc
+
+
+def calibrate(output: str, *, nproc: int | None = None, minutes: float = DEFAULT_MINUTES, quick: bool = False) -> dict:
     """Measure this machine with `nproc` ranks within `minutes` and write the profile to `output`;
     returns the profile's contents."""
     from fived.tools.calibrate_ranks import measure_collectives, measure_contention, measure_host
 
-    if nproc < 2:
-        raise ConfigError("--nproc", nproc, "collectives need 2 ranks at least", "e.g. --nproc 4")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    nproc = check_ranks(nproc, device)
     if not minutes > 0:
         raise ConfigError("--minutes", minutes, "must be > 0", f"e.g. --minutes {DEFAULT_MINUTES:g}")
     check_output(output)  # refuse a file fived did not write before measuring anything
-    sizes, budget_s = (QUICK if quick else FULL), minutes * 60
+    sizes, budget_s = measured_sizes(device, quick), minutes * 60
     progress = Progress(budget_s)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     load_start, started = os.getloadavg(), datetime.datetime.now(datetime.timezone.utc)
-    collectives_raw, collectives = measure_collectives(nproc, sizes.message_bytes, budget_s * SHARES["collectives"])
-    progress(f"collectives on {nproc} ranks: {len(collectives_raw)} measurements")
-    contention = measure_contention(nproc, budget_s * SHARES["contention"] / 2)
-    progress(f"{nproc} ranks at once compute {contention['slowdown']:.2f}x slower than one alone")
+    collectives_raw: list = []
+    collectives: dict = {}
+    if nproc > 1:
+        collectives_raw, collectives = measure_collectives(nproc, sizes.message_bytes, budget_s * SHARES["collectives"])
+        progress(f"collectives on {nproc} ranks: {len(collectives_raw)} measurements")
+    else:
+        progress("collectives: none measured (one GPU); plans of several GPUs price the catalogue's links")
+    if device.type == "cpu":
+        contention = measure_contention(nproc, budget_s * SHARES["contention"] / 2)
+        progress(f"{nproc} ranks at once compute {contention['slowdown']:.2f}x slower than one alone")
+    else:  # (each rank computes on its own GPU)
+        contention = {"slowdown": 1.0, "note": "one GPU per rank: not measured"}
     host = measure_host(budget_s * SHARES["host"])
     progress(
         f"host: {host['layer_overhead_s'] * 1e3:.2f} ms per layer, {host['step_overhead_s'] * 1e3:.2f} ms a step, "
