@@ -22,6 +22,7 @@ with what needs CUDA marked SKIP, so that the script itself is tested where ther
     python benchmarks/gpu_acceptance.py               # one CUDA GPU
     python benchmarks/gpu_acceptance.py --out reports/
     python benchmarks/gpu_acceptance.py --device cpu  # smoke run on CPU
+    python benchmarks/gpu_acceptance.py --skip compiled   # (--only/--skip: checks whose name contains it)
 """
 
 from __future__ import annotations
@@ -144,12 +145,26 @@ def run_guarded(name: str, check) -> dict:
     return result
 
 
-def run_all(p: Profile) -> list[dict]:
+def chosen(name: str, only: list[str], skip: list[str]) -> bool:
+    """--only / --skip: a check runs if its name contains one of `only` (or `only` is empty) and none of `skip`."""
+    return (not only or any(o in name for o in only)) and not any(s in name for s in skip)
+
+
+def run_all(p: Profile, *, only: list[str] = (), skip: list[str] = ()) -> list[dict]:
     results: dict[str, dict] = {}
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="fived-acceptance-") as run_dir:
         for name, check in plan_checks(p, run_dir, results):
-            results[name] = run_guarded(name, check)
+            if chosen(name, list(only), list(skip)):
+                results[name] = run_guarded(name, check)
+            else:
+                results[name] = {
+                    "name": name,
+                    "status": checks.SKIP,
+                    "figures": {},
+                    "note": "--only/--skip",
+                    "seconds": 0.0,
+                }
     total = time.perf_counter() - start
     budget = {
         "name": "whole run within 20 minutes",
@@ -247,6 +262,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--out", default=".", help="directory of the reports (default: the current one)")
     parser.add_argument("--name", default="gpu_acceptance", help="the reports' file name without suffix")
+    parser.add_argument("--only", action="append", default=[], help="run the checks whose name contains this")
+    parser.add_argument("--skip", action="append", default=[], help="skip the checks whose name contains this")
     return parser.parse_args(argv)
 
 
@@ -258,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 0
     profile = GPU if args.device == "cuda" else SMOKE
-    results = run_all(profile)
+    results = run_all(profile, only=args.only, skip=args.skip)
     json_path, md_path = write_reports(results, profile, Path(args.out), args.name)
     print(f"reports: {json_path} {md_path}")
     print(summary_line(results, profile))

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# What a session with one lent GPU runs first (docs/development.md, "When a GPU is lent"), in one call:
+# `fived calibrate` on the GPU, the acceptance checks (compiled runs last), and the planner against
+# fived's measured steps for one-GPU layouts of a 1B model, priced by the catalogue and by the profile.
+# Everything lands in $OUT (default ./gpu-out): gpu.json (the profile), session.log, and each
+# script's .json/.md. BUDGET_S bounds the whole run (default 540 s): the compiled checks get what is left.
+# Runs from a source tree without installing fived (PYTHONPATH), as on a machine with no package index.
+set -u
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD/src:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+exec > >(tee "$OUT/session.log") 2>&1
+start=$SECONDS
+left() { echo $(( ${BUDGET_S:-540} - (SECONDS - start) )); }
+nvidia-smi -L
+python3 -c "import torch, fived; print('torch', torch.__version__, torch.cuda.get_device_name(), 'fived', fived.__file__)" || exit 1
+echo "== fived calibrate ($(left) s left)"
+timeout 150 python3 -m fived calibrate --output "$OUT/gpu.json" --minutes "${CAL_MIN:-2}"
+echo "== gpu_acceptance, compiled runs skipped ($(left) s left)"
+timeout 200 python3 benchmarks/gpu_acceptance.py --out "$OUT" --skip compiled
+echo "== gpu_layouts ($(left) s left)"
+machine=()
+[ -f "$OUT/gpu.json" ] && machine=(--machine "$OUT/gpu.json")
+timeout 180 python3 benchmarks/gpu_layouts.py "${machine[@]}" --out "$OUT"
+echo "== gpu_acceptance, compiled runs ($(left) s left)"
+[ "$(left)" -gt 60 ] && timeout "$(left)" python3 benchmarks/gpu_acceptance.py --out "$OUT" --only compiled \
+  --name gpu_acceptance_compiled
+echo "== done in $((SECONDS - start)) s"
