@@ -18,7 +18,7 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -27,8 +27,9 @@ from gpu_acceptance import GPU, SMOKE
 
 from fived.launch.ranks import run_ranks
 from fived.layout.layout import Layout
-from fived.planner.hardware import local_hardware
+from fived.planner.hardware import hardware, local_hardware
 from fived.planner.profile import profile_hardware, read_profile
+from fived.planner.runtimes import fived_runtime
 from fived.planner.search import evaluate
 from fived.planner.timing import Cluster
 from fived.training.trainer import run_training
@@ -77,9 +78,9 @@ def measure(trial: Trial, p, warmup: int, steps: int) -> dict:
 
 def predict(trial: Trial, p, hardware) -> dict:
     cfg = trial_config(trial, p, 1)
-    plan = evaluate(
-        p.speed_model, Layout.from_config(cfg, 1), Cluster(hardware, 1, 1), p.seq_len, trial.batch, p.speed_dtype
-    )
+    layout, cluster = Layout.from_config(cfg, 1), Cluster(hardware, 1, 1)
+    runtime = fived_runtime(compiled=trial.compiled)  # (what `fived train` prices its own run with)
+    plan = evaluate(p.speed_model, layout, cluster, p.seq_len, trial.batch, p.speed_dtype, runtime)
     if plan is None:
         return {"refused": True}
     memory = plan.memory.gib()
@@ -128,7 +129,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=".")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument(
+        "--priced-from",
+        metavar="GPU_LAYOUTS.json",
+        help="price again the measurements an earlier run wrote (no GPU needed: the planner's side only)",
+    )
     args = parser.parse_args(argv)
+    if args.priced_from:
+        return reprice(args)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_layouts: CUDA is absent on this machine; nothing was measured")
         return 0
@@ -150,7 +158,31 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[gpu_layouts] {trial.name}: {json.dumps(row, default=str)}", file=sys.stderr, flush=True)
     device = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     head = f"{p.speed_model.name} seq {p.seq_len} {p.speed_dtype} on {device}, torch {torch.__version__}"
-    out = Path(args.out)
+    return write(rows, head, Path(args.out))
+
+
+def reprice(args) -> int:
+    """The planner's predictions for an earlier run's measured rows, with the planner at hand: the
+    catalogue entry that run used (its GPU's memory) and --machine's profile."""
+    earlier = json.loads(Path(args.priced_from).read_text())
+    rows = []
+    for row in earlier["rows"]:
+        trial = Trial(row["name"], row["batch"], row["microbatches"], row["checkpointing"], row.get("compiled", False))
+        board = hardware(row["catalogue"]["hardware"])
+        profile = read_profile(args.machine) if args.machine else None
+        if profile:
+            board = replace(board, memory_gib=profile.memory_gib)
+        rows.append(
+            {
+                **row,
+                "catalogue": predict(trial, GPU, board),
+                "profile": predict(trial, GPU, profile_hardware(profile, 1)) if profile else None,
+            }
+        )
+    return write(rows, earlier["head"] + " (priced again)", Path(args.out))
+
+
+def write(rows: list[dict], head: str, out: Path) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_layouts.json").write_text(json.dumps({"head": head, "rows": rows}, indent=1, default=str) + "\n")
     text = "\n".join([f"# Planner vs measured: {head}", "", *table(rows), ""])
