@@ -55,7 +55,8 @@ def basis(
             else "its eager element-wise kernels priced at HBM speed"
         )
         lines.append(
-            "extrapolated: fived's own runtime on a GPU was never measured (no GPU was available): "
+            "extrapolated: fived's own runtime was measured on one GPU only (an H200, a 1B model: docs/gpu.md), "
+            "never across GPUs: "
             f"{kernels}, its GEMMs at the published runs' efficiency, its tp overlap (parallel.tp_overlap) "
             "as hiding what Megatron-Core's --tp-comm-overlap hides"
         )

@@ -5,7 +5,8 @@ torch's version, the date, the raw measurements and the curves fitted to them:
 
 - gemm: a linear layer's forward + backward (its three GEMMs) in FLOP/s on a grid of
   (rows: tokens, width: the narrow output side, hidden/tp; depth: the full side, the hidden),
-  with the host's per-op dispatch taken out (the host curve prices it);
+  with the host's per-op dispatch taken out on CPU (the host curve prices it; a GPU's kernels are
+  timed queued, their launches overlapped);
 - attention: causal fused attention forward + backward in FLOP/s (the full score matrix's count,
   12 * head_dim * seq^2 per head, so a causal kernel's skipped blocks are in the rate) by sequence
   length and head dim;
