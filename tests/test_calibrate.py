@@ -2,6 +2,7 @@
 
 import copy
 import json
+import time
 
 import pytest
 import torch
@@ -172,3 +173,18 @@ def test_ranks_one_per_gpu_two_at_least_on_cpu(monkeypatch):
     assert check_ranks(None, gpu) == 1 and check_ranks(1, gpu) == 1
     with pytest.raises(ConfigError, match="one rank per GPU: this machine has 1"):
         check_ranks(2, gpu)
+
+
+def test_queued_timing_divides_by_the_calls_it_made():
+    """A GPU's kernels are timed queued, in batches with one synchronisation each: the figure is
+    seconds per call (here a 2 ms sleep, timed on the CPU's no-op synchronisation)."""
+    from fived.tools.calibrate import queued_seconds
+
+    calls = []
+
+    def sleep():
+        calls.append(time.perf_counter())
+        time.sleep(0.002)
+
+    seconds = queued_seconds(sleep, 0.05, torch.device("cpu"))
+    assert 0.002 <= seconds < 0.004 and len(calls) >= 2 * 5
