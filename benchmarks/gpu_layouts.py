@@ -82,7 +82,7 @@ def predict(trial: Trial, p, hardware) -> dict:
     runtime = fived_runtime(compiled=trial.compiled)  # (what `fived train` prices its own run with)
     plan = evaluate(p.speed_model, layout, cluster, p.seq_len, trial.batch, p.speed_dtype, runtime)
     if plan is None:
-        return {"refused": True}
+        return {"hardware": hardware.name, "refused": True}
     memory = plan.memory.gib()
     t = plan.time
     return {

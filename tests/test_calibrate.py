@@ -2,19 +2,23 @@
 
 import copy
 import json
-import time
+import re
 
 import pytest
 import torch
 
+from fived.api import cluster_of
 from fived.cli.main import main
 from fived.config import ConfigError, build_config
+from fived.layout.flops import attention_flops_per_token
 from fived.layout.layout import Layout
+from fived.planner.basis import basis
 from fived.planner.constants import CALIBRATION
 from fived.planner.hardware import hardware
 from fived.planner.links import collective_seconds, group_link
 from fived.planner.profile import profile_hardware, read_profile, write_profile
-from fived.planner.timing import Cluster, step_time
+from fived.planner.runtimes import FIVED, PLANNED_RUNTIMES
+from fived.planner.timing import Cluster, attention_seconds, step_time
 from fived.tools.calibrate import calibrate
 
 
@@ -106,47 +110,88 @@ def test_calibrate_never_writes_over_a_users_file_or_a_symlink(tmp_path, capsys)
     assert "symbolic link" in capsys.readouterr().err and not (tmp_path / "elsewhere.json").exists()
 
 
-def _one_gpu(doc: dict, **fitted) -> dict:
-    """`doc` as one H200's calibration would write it: one rank, no collectives measured."""
+def _one_gpu(doc: dict, device: str = "NVIDIA H200", **fitted) -> dict:
+    """`doc` as one GPU's calibration would write it: one rank, no collectives, kernels timed queued."""
     gpu = copy.deepcopy(doc)
-    gpu["machine"].update(device_type="cuda", device="NVIDIA H200", memory_gib=139.8)
-    gpu["nproc"] = 1
+    gpu["machine"].update(device_type="cuda", device=device, memory_gib=139.8)
+    gpu.update(nproc=1, timing="queued")
     gpu["fitted"].update(collectives={}, rank_slowdown=1.0, **fitted)
     return gpu
 
 
+def _written(tmp_path, name: str, doc: dict):
+    return write_profile(tmp_path / name, {k: v for k, v in doc.items() if k not in ("format", "version")})
+
+
 def test_one_gpus_profile_prices_its_compute_and_the_catalogues_links(profile, tmp_path):
-    """One GPU measures no collective: a plan of 8 prices its links as the catalogue's H200 does, and
-    the compute from the profile."""
+    """One GPU measures no collective: a plan of 8 or 16 prices its links as the catalogue's H200 does
+    (across nodes too: --gpus-per-node holds), its attention at the measured rate of the whole score
+    matrix (nothing halved: the rate counts the blocks a causal kernel skips), MFU against the GPU's
+    rated peak, and its basis says what is measured."""
     _, doc = profile
-    path = write_profile(
-        tmp_path / "h200.json", {k: v for k, v in _one_gpu(doc).items() if k not in ("format", "version")}
-    )
+    rate = 1e14
+    gpu = _one_gpu(doc)
+    gpu["fitted"]["attention"]["values"] = [[rate for _ in row] for row in gpu["fitted"]["attention"]["values"]]
+    path = _written(tmp_path, "h200.json", gpu)
     read = read_profile(path)
     assert read.collectives == {} and read.on_gpu and read.nproc == 1
     hw = profile_hardware(read, 8)
     assert hw.nvlink_gbps == hardware("h200").nvlink_gbps and hw.memory_gib == 139.8
+    assert hw.peak_tflops == hardware("h200").peak_tflops
     c = CALIBRATION.constants
     for op in ("all_reduce", "reduce_scatter_single", "all_to_all_single", "send"):
         for cluster in (Cluster(hw, 8, 8), Cluster(hw, 16, 8)):  # (inside a node, across two)
             link = group_link(cluster, 1, cluster.gpus, c)
             got = collective_seconds(op, 2**24, link, hw, c)
             assert got == collective_seconds(op, 2**24, link, hardware("h200"), c) and got > 0
+    assert cluster_of("tiny", 16, 8, "h100", 64, 1024, machine=str(path))[1].gpus_per_node == 8
     cfg = build_config(overrides={"model.name": "tiny", "train.seq_len": 64, "train.global_batch": 8})
-    mine = step_time(cfg.model, Layout(), Cluster(hw, 1, 8), 64, 8, "bfloat16")
-    catalogue = step_time(cfg.model, Layout(), Cluster(hardware("h200"), 1, 8), 64, 8, "bfloat16")
-    assert mine.compute != pytest.approx(catalogue.compute)  # (the profile's measured rates)
+    for runtime in (FIVED, PLANNED_RUNTIMES["fived"]):
+        got = attention_seconds(
+            cfg.model, Layout(), Cluster(profile_hardware(read, 1), 1, 1), 64, 8, "bfloat16", runtime
+        )
+        assert got == pytest.approx(8 * 64 * attention_flops_per_token(cfg.model, 64) / rate, rel=1e-12), runtime
+    lines = basis(cfg.model, Cluster(hw, 16, 8), FIVED, Layout().with_(dp=16), 64)
+    assert lines[0].startswith(f"measured: machine profile {path}") and "links are the catalogue's" in lines[1]
+    assert not any("published runs" in line for line in lines), lines
+
+
+def test_a_gpu_the_catalogue_lacks_plans_one_gpu_only(profile, tmp_path):
+    _, doc = profile
+    read = read_profile(_written(tmp_path, "l40s.json", _one_gpu(doc, device="NVIDIA L40S")))
+    assert profile_hardware(read, 1).memory_gib == 139.8
+    with pytest.raises(ConfigError, match=r"catalogue lacks this GPU \(NVIDIA L40S\) and one GPU measured no link"):
+        profile_hardware(read, 2)
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        (lambda d: d.pop("timing"), "timing=None"),  # (a GPU profile that timed launches: before 2026-11-29)
+        (lambda d: d.update(nproc=1.5), "nproc=1.5"),
+        (lambda d: d["machine"].update(device_type="cpu"), "nproc=1.0"),  # (a CPU profile measures 2 ranks)
+        (lambda d: d["fitted"].update(collectives={"send": {}}), "fitted.collectives=send"),
+    ],
+)
+def test_a_gpu_profile_that_cannot_be_right_is_one_line(profile, tmp_path, change, field):
+    _, doc = profile
+    bad = _one_gpu(doc)
+    change(bad)
+    path = _written(tmp_path, "bad.json", bad)
+    with pytest.raises(ConfigError, match=re.escape(field)):
+        read_profile(path)
 
 
 def test_a_gpus_host_dispatch_costs_only_what_outlasts_the_devices_work(profile, tmp_path):
     """Kernels launch asynchronously: on a GPU's profile the step pays the host's time beyond the
-    device's; on CPU ranks (synchronous) all of it."""
+    device's; on CPU ranks (synchronous) all of it; on a GPU too for a MoE model (fived reads its
+    experts' token counts on the host in every MoE layer: the host cannot run ahead)."""
     _, doc = profile
-    cfg = build_config(overrides={"model.name": "tiny", "train.seq_len": 64, "train.global_batch": 8})
 
-    def priced(name: str, changed: dict):
-        path = write_profile(tmp_path / name, {k: v for k, v in changed.items() if k not in ("format", "version")})
-        return step_time(cfg.model, Layout(), Cluster(profile_hardware(read_profile(path), 1), 1, 1), 64, 8, "float32")
+    def priced(name: str, changed: dict, model: str = "tiny"):
+        cfg = build_config(overrides={"model.name": model, "train.seq_len": 64, "train.global_batch": 8})
+        hw = profile_hardware(read_profile(_written(tmp_path, name, changed)), 1)
+        return step_time(cfg.model, Layout(zero=0), Cluster(hw, 1, 1), 64, 8, "float32")
 
     cpu = copy.deepcopy(doc)
     cpu["fitted"].update(layer_overhead_s=1e-3, step_overhead_s=1e-3)
@@ -159,32 +204,37 @@ def test_a_gpus_host_dispatch_costs_only_what_outlasts_the_devices_work(profile,
     cpu["fitted"].update(layer_overhead_s=1.0, step_overhead_s=1.0)
     host = priced("cpu-slow.json", cpu).overhead  # (the same host times, paid whole on CPU)
     assert host_bound.overhead == pytest.approx(host - device) and 0 < host_bound.overhead < host
+    moe_cpu = priced("moe-cpu.json", cpu, "tiny-moe")
+    moe_gpu = priced("moe-gpu.json", _one_gpu(doc, layer_overhead_s=1.0, step_overhead_s=1.0), "tiny-moe")
+    assert moe_gpu.overhead == pytest.approx(moe_cpu.overhead) and moe_gpu.overhead > 0
 
 
-def test_ranks_one_per_gpu_two_at_least_on_cpu(monkeypatch):
+def test_ranks_two_at_least_on_cpu_one_on_a_gpu(monkeypatch):
     from fived.tools.calibrate import check_ranks
 
     cpu = torch.device("cpu")
     assert check_ranks(None, cpu) == 4 and check_ranks(3, cpu) == 3
-    with pytest.raises(ConfigError, match="collectives need 2 ranks at least"):
-        check_ranks(1, cpu)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # (a count, not torch.distributed)
+    for nproc in (1, 0):
+        with pytest.raises(ConfigError, match="collectives need 2 ranks at least"):
+            check_ranks(nproc, cpu)
     gpu = torch.device("cuda")
     assert check_ranks(None, gpu) == 1 and check_ranks(1, gpu) == 1
-    with pytest.raises(ConfigError, match="one rank per GPU: this machine has 1"):
+    with pytest.raises(ConfigError, match="no collectives yet"):
         check_ranks(2, gpu)
 
 
 def test_queued_timing_divides_by_the_calls_it_made():
-    """A GPU's kernels are timed queued, in batches with one synchronisation each: the figure is
-    seconds per call (here a 2 ms sleep, timed on the CPU's no-op synchronisation)."""
-    from fived.tools.calibrate import queued_seconds
+    """A GPU's kernels are timed queued, in batches with one synchronisation each: the figure is the
+    time spent over the calls made (a sleep that records its calls, on the CPU's no-op synchronisation)."""
+    from fived.tools import calibrate as cal
 
-    calls = []
-
-    def sleep():
-        calls.append(time.perf_counter())
-        time.sleep(0.002)
-
-    seconds = queued_seconds(sleep, 0.05, torch.device("cpu"))
-    assert 0.002 <= seconds < 0.004 and len(calls) >= 2 * 5
+    calls: list[float] = []
+    clock = iter(range(10**6))
+    real = cal.time.perf_counter
+    cal.time.perf_counter = lambda: float(next(clock))  # (each reading one "second" after the last)
+    try:
+        seconds = cal.queued_seconds(lambda: calls.append(1), 30.0, torch.device("cpu"))
+    finally:
+        cal.time.perf_counter = real
+    # the probe (1 s) sets batches of int(0.2 * 30 / 1) = 6 calls, each batch timed as 1 s, until 30 s are spent
+    assert len(calls) == 1 + 30 * 6 and seconds == pytest.approx(1 / 6)

@@ -116,7 +116,7 @@ def cluster_of(
 ):
     """(ModelConfig, Cluster, global batch in sequences), each value checked (one line per bad one):
     `model` is a preset name, a TOML config's path or a ModelConfig; `machine` a machine profile
-    (`fived calibrate`) that prices the ranks instead of `gpu` (one machine: every rank in one node)."""
+    (`fived calibrate`) that prices the ranks instead of `gpu` (CPU ranks: every rank in one machine)."""
     from fived.config import ModelConfig
     from fived.layout.rules import check_model
     from fived.planner.hardware import hardware
@@ -151,11 +151,9 @@ def cluster_of(
     if machine:
         from fived.planner.profile import profile_hardware, read_profile
 
-        return (
-            model_config,
-            Cluster(profile_hardware(read_profile(machine), gpus), gpus, gpus),
-            global_batch_tokens // seq,
-        )
+        profile = read_profile(machine)
+        per_node = min(gpus_per_node, gpus) if profile.on_gpu else gpus  # (CPU ranks: one host)
+        return model_config, Cluster(profile_hardware(profile, gpus), gpus, per_node), global_batch_tokens // seq
     return model_config, Cluster(hardware(gpu), gpus, min(gpus_per_node, gpus)), global_batch_tokens // seq
 
 

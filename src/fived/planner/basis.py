@@ -39,6 +39,14 @@ def basis(
         if model.dim > 4096 or seq_len > 4096:
             lines.append("extrapolated: a model or sequence far larger than the benchmark's tiny ones")
         return lines
+    if hw.profile:  # a GPU's profile: its compute measured; its links measured or the catalogue's
+        if cluster.gpus > 1 and not hw.profile.collectives:
+            lines.append("extrapolated: links are the catalogue's for this GPU (one GPU measured no collective)")
+        lines.append(
+            "extrapolated: fived's runtime priced by this GPU's measured GEMM, attention and element-wise "
+            "rates, composed by the step-time model (docs/gpu.md: its error on one H200)"
+        )
+        return lines
     runs = covered.get(hw.calibration, 0)
     if runs and hw.name.split("-")[0] in covered["gpus"]:
         lines = [

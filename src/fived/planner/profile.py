@@ -25,7 +25,8 @@ The planner prices with them through `profile_hardware` (a `Hardware` carrying t
 `fived.planner.timing` asks the profile for GEMM and attention rates, element-wise bandwidth and
 collective times, interpolated log-linearly between the measured points (clamped at the grid's
 edges; collectives extrapolated along their fitted latency + bytes/bandwidth line). Constants that
-remain fitted, not measured: FSDP2's host work per gather (`CPU.zero3_overhead_s`) and the
+remain fitted, not measured: FSDP2's host work per gather (`CPU.zero3_overhead_s`; a GPU's: its
+catalogue entry's) and the
 planner's GPU constants (link efficiency is 1 with a profile: the times are measured).
 """
 
@@ -45,6 +46,7 @@ from fived.planner.hardware import CPU, Hardware, hardware
 FORMAT = "fived-machine-profile"
 VERSION = 1
 EXPERT_KERNELS = 9  # what fived.planner.timing counts per routed expert a loop runs (3 GEMMs x forward, 2 backward)
+TIMING_QUEUED = "queued"  # a GPU profile's "timing": kernels queued, one synchronisation per batch (calibrate's TIMING)
 OPS = ("all_reduce", "all_gather_single", "reduce_scatter_single", "all_to_all_single", "send")
 
 
@@ -144,15 +146,24 @@ def slowdown(profile: MachineProfile, world: int) -> float:
     return max(1.0, 1 + (profile.rank_slowdown - 1) * (world - 1) / (profile.nproc - 1))
 
 
-def base_hardware(profile: MachineProfile) -> Hardware:
+def base_hardware(profile: MachineProfile, world: int) -> Hardware:
     """What a profile does not measure comes from here: the catalogue's entry for a profiled GPU (its
-    links, where one GPU measured no collective), the CPU ranks' description otherwise."""
-    if profile.on_gpu:
-        try:
-            return hardware(str(profile.machine.get("device", "")))
-        except ConfigError:  # (a GPU the catalogue lacks: its links are unknown, its compute is measured)
-            pass
-    return CPU
+    links, where one GPU measured no collective; its rated peak, MFU's denominator as fived train's),
+    the CPU ranks' description otherwise."""
+    if not profile.on_gpu:
+        return CPU
+    device = str(profile.machine.get("device", ""))
+    try:
+        return hardware(device)
+    except ConfigError:
+        if world > 1 and not profile.collectives:
+            raise ConfigError(
+                "--machine",
+                profile.path,
+                f"the planner's catalogue lacks this GPU ({device}) and one GPU measured no link",
+                "plan --gpus 1 with it, or several GPUs with --gpu my-gpu.toml (its links)",
+            ) from None
+        return replace(CPU, calibration="gpu")  # (one GPU alone: no link is priced)
 
 
 def profile_hardware(profile: MachineProfile, world: int) -> Hardware:
@@ -161,12 +172,12 @@ def profile_hardware(profile: MachineProfile, world: int) -> Hardware:
     at once (`core_share` is its inverse); the collectives were measured with the profile's nproc ranks,
     scaled from its slowdown to this one."""
     share = 1 / slowdown(profile, world)
-    peak = max(max(row) for plane in profile.gemm.values for row in plane)  # (MFU's denominator only)
-    base = base_hardware(profile)
+    base = base_hardware(profile, world)
+    measured = max(max(row) for plane in profile.gemm.values for row in plane) * share / 1e12
     return replace(
         base,
         name=f"profile:{Path(profile.path).name}",
-        peak_tflops=peak * share / 1e12,
+        peak_tflops=base.peak_tflops if base.calibration not in ("cpu", "gpu") else measured,  # (MFU's denominator)
         memory_gib=profile.memory_gib / (max(world, 1) if profile.machine.get("device_type") == "cpu" else 1),
         hbm_gbps=profile.optimizer_bytes_per_s * share / 1e9,
         layer_overhead_s=profile.layer_overhead_s / share,
@@ -249,7 +260,16 @@ def read_profile(path: str | os.PathLike) -> MachineProfile:
         raise ConfigError(f"{name}: version", doc.get("version"), f"fived reads version {VERSION}", "rerun calibrate")
     _need(doc, name, "fitted")
     collectives: dict[str, dict[int, Curve]] = {}
-    nproc = int(_positive(name, "nproc", _need(doc, name, "nproc")))
+    nproc, machine = _positive(name, "nproc", _need(doc, name, "nproc")), _need(doc, name, "machine")
+    on_gpu = isinstance(machine, dict) and machine.get("device_type") == "cuda"
+    if nproc != int(nproc) or (nproc == 1 and not on_gpu):
+        raise ConfigError(f"{name}: nproc", nproc, "a whole number, 2 at least on CPU (1: one GPU)", "rerun calibrate")
+    if on_gpu and doc.get("timing") != TIMING_QUEUED:  # (fived calibrate timed a GPU's launches before 2026-11-29)
+        raise ConfigError(f"{name}: timing", doc.get("timing"), "a GPU's kernels timed queued", "rerun fived calibrate")
+    if nproc == 1 and _need(doc, name, "fitted.collectives"):
+        ops = ",".join(_need(doc, name, "fitted.collectives"))
+        raise ConfigError(f"{name}: fitted.collectives", ops, "none with nproc 1 (one GPU)", "{}")
+    nproc = int(nproc)
     for op in OPS if nproc > 1 else ():  # (one rank measured no collective: one GPU's profile)
         by_size = _need(doc, name, f"fitted.collectives.{op}")
         if not isinstance(by_size, dict) or not by_size:

@@ -38,7 +38,8 @@ dimension on the link its group actually uses, the overlap the runtime allows, a
   and adds its exchange's all-to-alls (`fived.planner.communication`, part "optimizer": bytes without
   the rank's own share, priced as the n/(n-1) times them an all-to-all passes) and each bucket's
   busiest owner's Newton-Schulz GEMMs.
-- overhead: host work the device does not hide (CPU ranks: per layer and micro-batch, per step).
+- overhead: host work the device does not hide (CPU ranks: per layer and micro-batch, per step; a GPU's
+  profile: the host time beyond the device's work, all of it for MoE layers).
 """
 
 from __future__ import annotations
@@ -152,7 +153,7 @@ def efficiency(width: float, rows: float, hw: Hardware, c: Constants, depth: flo
     """Share of peak a GEMM reaches with `rows` tokens, a per-GPU narrow side `width` (hidden/tp) and a
     full side `depth` (the hidden: the other dimension of every transformer GEMM), each factor
     x / (x + its half-point). (CPU ranks: the share of the host's matmul rate, whatever the shape; with a
-    machine profile: the rate measured at this shape, as a share of the profile's best.)"""
+    machine profile: the rate measured at this shape, as a share of the hardware's peak.)"""
     if hw.profile:
         return hw.profile.gemm(rows, width, depth) * hw.core_share / (hw.peak_tflops * 1e12)
     if hw.gemm_efficiency:
@@ -256,7 +257,8 @@ def step_time(
         moe_layer = hw.profile.moe_layer_overhead_s / hw.core_share
         layer_host += (moe_layer - hw.layer_overhead_s) * moe_here * micro * (1 + recompute)
     overhead = layer_host + hw.step_overhead_s + host
-    if hw.profile and hw.profile.on_gpu:  # (launches are asynchronous: the host runs ahead of the device's work)
+    if hw.profile and hw.profile.on_gpu and not m.is_moe:  # launches are asynchronous: the host runs ahead of
+        # the device's work (not past a MoE layer: fived reads its experts' token counts on the host each layer)
         overhead = max(0.0, overhead - (compute + tp + cp + ep + pp))
         layer_host = min(layer_host, overhead)
     return StepTime(
@@ -494,8 +496,9 @@ def _compute(
     kernel = attn  # (the model's attention FLOPs as the kernels compute them: fived's windowed tiles, more)
     if runtime.is_fived and m.sliding_window:
         kernel *= _kernel_attention_scale(model_key(m), seq_len, L.cp, L.ulysses)
-    if runtime.causal_skip and not hw.gemm_efficiency:  # a fused causal kernel computes half the blocks (GPUs;
-        kernel /= 2  # a CPU entry's efficiency was fitted on whole steps, attention priced whole)
+    if runtime.causal_skip and not hw.gemm_efficiency and not hw.profile:  # a fused causal kernel computes half
+        kernel /= 2  # the blocks (GPUs; a CPU entry's efficiency was fitted on whole steps, attention priced
+        # whole; a profile's measured rate counts the whole score matrix: its skipped blocks are in the rate)
     attention = flops_gpu * kernel / dense_eff / peak
     if hw.profile:  # measured fused causal attention at the rank's sequence (its skipped blocks in the rate)
         attention = flops_gpu * kernel / (hw.profile.attention(seq_len / L.cp, m.head_dim) * hw.core_share)

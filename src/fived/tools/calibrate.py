@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from fived.config import ConfigError
-from fived.planner.profile import DEFAULT_MINUTES, DEFAULT_NPROC, check_output, write_profile
+from fived.planner.profile import DEFAULT_MINUTES, DEFAULT_NPROC, TIMING_QUEUED, check_output, write_profile
 
 FLOOR = 0.1  # a shape's time less the dispatch never counts below this share of what was measured
 
@@ -116,6 +116,11 @@ def timed(fn: Callable[[], object], budget_s: float, device: torch.device) -> fl
     return statistics.fmean(times)
 
 
+# how kernels were timed, written into the profile (a GPU profile timed a sync per call, before 2026-11-29,
+# measured launches: read_profile refuses one without this marker)
+TIMING = {"cpu": "per call", "cuda": TIMING_QUEUED}
+
+
 def queued_seconds(fn: Callable[[], object], budget_s: float, device: torch.device) -> float:
     """A GPU's seconds per fn(): calls queued back to back and one synchronisation per batch of them, as
     training queues its kernels (a synchronisation per call would time the launch, not the device)."""
@@ -200,19 +205,24 @@ def measure_attention(sizes: Sizes, budget_s: float, device: torch.device) -> tu
 
 
 def measure_stream(sizes: Sizes, budget_s: float, device: torch.device) -> tuple[list, dict, float]:
-    """Element-wise c = a + b by size (bytes moved: 3 tensors), the dispatch taken out; and AdamW's step."""
+    """Element-wise c = a + b by size (bytes moved: 3 tensors), the dispatch taken out on CPU; and AdamW's step."""
     slice_s = budget_s / (len(sizes.stream_bytes) + 2)
     tiny = torch.ones(1, device=device)
-    base = timed(lambda: torch.add(tiny, tiny, out=tiny), slice_s, device)
+    base = timed(lambda: torch.add(tiny, tiny, out=tiny), slice_s, device) if device.type == "cpu" else 0.0
     raw = []
     for nbytes in sizes.stream_bytes:
         a, b, c = (torch.ones(nbytes // 4, device=device) for _ in range(3))
         seconds = timed(functools.partial(torch.add, a, b, out=c), slice_s, device)
         raw.append([3 * nbytes, seconds])
+    return raw, stream_curve(raw, base), optimizer_bytes_per_s(max(sizes.stream_bytes) // 4, slice_s, device)
+
+
+def stream_curve(raw: list, base: float) -> dict:
+    """The element-wise curve of [bytes moved, seconds] points, `base` (one op's dispatch) taken out:
+    on a GPU nothing (queued launches overlap the device's work)."""
     moved = [m for m, _ in raw]
     left = [max(s - base, FLOOR * s) for m, s in raw]
-    curve = {"bytes": moved, "seconds": left, "latency_s": base, "bytes_per_s": moved[-1] / left[-1]}
-    return raw, curve, optimizer_bytes_per_s(max(sizes.stream_bytes) // 4, slice_s, device)
+    return {"bytes": moved, "seconds": left, "latency_s": base, "bytes_per_s": moved[-1] / left[-1]}
 
 
 def optimizer_bytes_per_s(params: int, slice_s: float, device: torch.device) -> float:
@@ -257,14 +267,18 @@ def machine(device: torch.device) -> dict:
 
 
 def check_ranks(nproc: int | None, device: torch.device) -> int:
-    """The ranks the collectives run on: on CPU 2 at least (default DEFAULT_NPROC); on CUDA one per GPU
-    (default every GPU, at most DEFAULT_NPROC): one GPU measures no collective."""
-    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    """The ranks the collectives run on: on CPU 2 at least (default DEFAULT_NPROC); on CUDA one, which
+    measures no collective (calibrate_ranks times gloo's blocking calls: NCCL's need their own timing,
+    not written yet), so that a GPU's profile prices links by the catalogue's entry for it."""
+    if device.type == "cuda":
+        if nproc not in (None, 1):
+            raise ConfigError(
+                "--nproc", nproc, "on GPUs fived calibrate measures one (no collectives yet)", "--nproc 1"
+            )
+        return 1
     if nproc is None:
-        return min(gpus, DEFAULT_NPROC) if gpus else DEFAULT_NPROC
-    if gpus and not 1 <= nproc <= gpus:
-        raise ConfigError("--nproc", nproc, f"one rank per GPU: this machine has {gpus}", f"e.g. --nproc {gpus}")
-    if not gpus and nproc < 2:
+        return DEFAULT_NPROC
+    if nproc < 2:
         raise ConfigError("--nproc", nproc, "collectives need 2 ranks at least", f"e.g. --nproc {DEFAULT_NPROC}")
     return nproc
 
@@ -319,6 +333,7 @@ def calibrate(output: str, *, nproc: int | None = None, minutes: float = DEFAULT
         "load": {"start": list(load_start), "end": list(os.getloadavg())},
         "nproc": nproc,
         "dtype": str(matmul_dtype(device)).removeprefix("torch."),
+        "timing": TIMING[device.type],
         "measured": {
             "gemm": gemm_raw,
             "attention": attention_raw,
