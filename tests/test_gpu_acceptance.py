@@ -60,3 +60,37 @@ def test_importing_fived_keeps_cudas_availability_check_from_poisoning_fork(thei
     code = "import os, fived; print(os.environ.get('PYTORCH_NVML_BASED_CUDA_CHECK'))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert done.stdout.strip() == (theirs or "1"), done.stderr
+
+
+def test_layouts_priced_again_from_recorded_measurements_without_a_gpu(tmp_path):
+    """gpu_layouts.py --priced-from: the H200's recorded measurements (benchmarks/results/) priced by
+    today's planner, the catalogue's and the stored profile's, one row per trial, the measurements kept."""
+    results = SCRIPT.parent / "results" / "h200-2026-11-29"
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT.parent / "gpu_layouts.py"), "--priced-from", str(results / "gpu_layouts.json")]
+        + ["--machine", str(results / "h200-profile.json"), "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    recorded = json.loads((results / "gpu_layouts.json").read_text())["rows"]
+    rows = json.loads((tmp_path / "gpu_layouts.json").read_text())["rows"]
+    assert [r["measured"] for r in rows] == [r["measured"] for r in recorded] and len(rows) == 5
+    for row in rows:
+        assert row["catalogue"]["hardware"] == "h200" and row["profile"]["hardware"] == "profile:h200-profile.json"
+        assert row["catalogue"]["step_s"] > 0 and row["profile"]["step_s"] > 0
+    table = (tmp_path / "gpu_layouts.md").read_text()
+    assert all(f"| {r['name']} | {r['measured']['step_s']:.4f} |" in table for r in rows)
+
+
+def test_only_and_skip_choose_checks_by_name():
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        from gpu_acceptance import chosen
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    name = "speed: fived compiled (llama-1b, seq 4096)"
+    assert chosen(name, [], []) and chosen(name, ["compiled"], []) and not chosen(name, [], ["compiled"])
+    assert not chosen(name, ["train tiny"], []) and not chosen(name, ["compiled"], ["fived"])
