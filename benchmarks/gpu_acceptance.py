@@ -42,7 +42,8 @@ import acceptance_speed as speed
 import bench_fp8_gemm as fp8
 import torch
 
-from fived.config import PRESETS, ModelConfig
+from fived.config import PRESETS, ConfigError, ModelConfig
+from fived.files import check_output, starts_with, write_output
 
 TIME_BUDGET_S = 20 * 60
 # Llama 3.2 1B's shapes (1.24B parameters, tied embeddings; its rope scaling left out: no cost).
@@ -245,11 +246,22 @@ def write_reports(results: list[dict], p: Profile, out: Path, stem: str) -> tupl
         "summary": summary_line(results, p),
     }
     profile = {k: str(v) if isinstance(v, torch.dtype) else v for k, v in asdict(p).items()}
-    out.mkdir(parents=True, exist_ok=True)
-    json_path, md_path = out / f"{stem}.json", out / f"{stem}.md"
-    json_path.write_text(json.dumps({**header, "profile": profile, "checks": results}, indent=1, default=str) + "\n")
-    md_path.write_text(markdown(results, p, header))
+    json_path, md_path = report_paths(out, stem)
+    doc = {"report": "gpu_acceptance", **header, "profile": profile, "checks": results}
+    write_output(json_path, json.dumps(doc, indent=1, default=str) + "\n", "--out", OURS[".json"])
+    write_output(md_path, markdown(results, p, header), "--out", OURS[".md"])
     return json_path, md_path
+
+
+# how each report is known as this script's (fived.files replaces only those)
+OURS = {".json": starts_with(b'"report": "gpu_acceptance"'), ".md": starts_with(b"# GPU acceptance:")}
+
+
+def report_paths(out: Path, stem: str) -> tuple[Path, Path]:
+    """The two reports' paths, each checked before anything runs: never over a file this did not write."""
+    return check_output(out / f"{stem}.json", "--out", OURS[".json"]), check_output(
+        out / f"{stem}.md", "--out", OURS[".md"]
+    )
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -275,6 +287,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 0
     profile = GPU if args.device == "cuda" else SMOKE
+    try:
+        report_paths(Path(args.out), args.name)
+    except ConfigError as e:  # (one line, nothing run)
+        print(f"gpu_acceptance: {e}", file=sys.stderr)
+        return 2
     results = run_all(profile, only=args.only, skip=args.skip)
     json_path, md_path = write_reports(results, profile, Path(args.out), args.name)
     print(f"reports: {json_path} {md_path}")

@@ -25,6 +25,8 @@ import torch
 from acceptance_speed import speed_config
 from gpu_acceptance import GPU, SMOKE
 
+from fived.config import ConfigError
+from fived.files import check_output, starts_with, write_output
 from fived.launch.ranks import run_ranks
 from fived.layout.layout import Layout
 from fived.planner.hardware import hardware, local_hardware
@@ -135,6 +137,11 @@ def main(argv: list[str] | None = None) -> int:
         help="price again the measurements an earlier run wrote (no GPU needed: the planner's side only)",
     )
     args = parser.parse_args(argv)
+    try:
+        check_reports(Path(args.out))
+    except ConfigError as e:  # (one line, nothing measured)
+        print(f"gpu_layouts: {e}", file=sys.stderr)
+        return 2
     if args.priced_from:
         return reprice(args)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -161,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     return write(rows, head, Path(args.out))
 
 
+AGAIN = " (priced again)"
+
+
 def reprice(args) -> int:
     """The planner's predictions for an earlier run's measured rows, with the planner at hand: the
     catalogue entry that run used (its GPU's memory) and --machine's profile."""
@@ -179,14 +189,27 @@ def reprice(args) -> int:
                 "profile": predict(trial, GPU, profile_hardware(profile, 1)) if profile else None,
             }
         )
-    return write(rows, earlier["head"] + " (priced again)", Path(args.out))
+    head = earlier["head"].split(AGAIN)[0]  # (the run's own head, however often it was priced since)
+    return write(rows, head + AGAIN, Path(args.out))
+
+
+# the reports in --out and how each is known as this script's (fived.files: only these are replaced)
+REPORTS = {"gpu_layouts.json": starts_with(b'"report": "gpu_layouts"'), "gpu_layouts.md": starts_with(b"# Planner vs")}
+
+
+def check_reports(out: Path) -> None:
+    """Before anything is measured: neither report would replace a file this script did not write."""
+    for name, ours in REPORTS.items():
+        check_output(out / name, "--out", ours)
 
 
 def write(rows: list[dict], head: str, out: Path) -> int:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_layouts.json").write_text(json.dumps({"head": head, "rows": rows}, indent=1, default=str) + "\n")
+    doc = {"report": "gpu_layouts", "head": head, "rows": rows}
+    write_output(
+        out / "gpu_layouts.json", json.dumps(doc, indent=1, default=str) + "\n", "--out", REPORTS["gpu_layouts.json"]
+    )
     text = "\n".join([f"# Planner vs measured: {head}", "", *table(rows), ""])
-    (out / "gpu_layouts.md").write_text(text)
+    write_output(out / "gpu_layouts.md", text, "--out", REPORTS["gpu_layouts.md"])
     print(text)
     return 0 if all(r["measured"] for r in rows) else 1
 

@@ -66,15 +66,28 @@ def test_layouts_priced_again_from_recorded_measurements_without_a_gpu(tmp_path)
     """gpu_layouts.py --priced-from: the H200's recorded measurements (benchmarks/results/) priced by
     today's planner, the catalogue's and the stored profile's, one row per trial, the measurements kept."""
     results = SCRIPT.parent / "results" / "h200-2026-11-29"
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT.parent / "gpu_layouts.py"), "--priced-from", str(results / "gpu_layouts.json")]
-        + ["--machine", str(results / "h200-profile.json"), "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        env=ENV,
-        timeout=300,
+
+    def priced(out: Path) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, str(SCRIPT.parent / "gpu_layouts.py"), "--priced-from", str(results / "gpu_layouts.json")]
+            + ["--machine", str(results / "h200-profile.json"), "--out", str(out)],
+            capture_output=True,
+            text=True,
+            env=ENV,
+            timeout=300,
+        )
+
+    for _ in range(2):  # (the second run replaces the first's reports: its own)
+        done = priced(tmp_path)
+        assert done.returncode == 0, done.stderr[-3000:]
+    mine = tmp_path / "user" / "gpu_layouts.md"
+    mine.parent.mkdir()
+    mine.write_text("my notes")
+    refused = priced(mine.parent)
+    assert (
+        refused.returncode == 2 and "fived did not write it" in refused.stderr and len(refused.stderr.splitlines()) == 1
     )
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert mine.read_text() == "my notes" and not (mine.parent / "gpu_layouts.json").exists()
     recorded = json.loads((results / "gpu_layouts.json").read_text())["rows"]
     rows = json.loads((tmp_path / "gpu_layouts.json").read_text())["rows"]
     assert [r["measured"] for r in rows] == [r["measured"] for r in recorded] and len(rows) == 5
