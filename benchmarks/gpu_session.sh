@@ -8,6 +8,11 @@
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
+# (the scripts below refuse to write over reports they did not write; the log is checked here)
+if [ -e "$OUT/session.log" ] || [ -L "$OUT/session.log" ]; then
+  echo "gpu_session: $OUT/session.log exists; name a new OUT" >&2
+  exit 2
+fi
 export PYTHONPATH="$PWD/src:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 exec > >(tee "$OUT/session.log") 2>&1
 start=$SECONDS
