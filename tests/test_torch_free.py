@@ -47,3 +47,17 @@ def test_the_api_cli_and_planner_run_without_torch():
     # (the check can fail: a command that needs torch does not run)
     blocked = _run("import sys; sys.modules['torch'] = None\nfrom fived.cli.main import main\nmain(['--version'])")
     assert blocked.returncode != 0 and "torch" in blocked.stderr
+
+
+def test_plan_loads_no_numpy_either():
+    """`fived plan` (its parser and its search) imports neither torch nor numpy (each ~0.1-0.5 s of a
+    plan's start: the parser once read prepare-data's formats from the numpy reader of indexed datasets)."""
+    code = (
+        "import sys; sys.modules['torch'] = None; sys.modules['numpy'] = None\n"
+        "from fived.cli.main import main\n"
+        "assert main(['plan', '--model', 'llama3-8b', '--gpus', '8', '--seq', '4096',"
+        " '--global-batch-tokens', '1048576', '--top', '1']) == 0\n"
+        "print('no numpy')"
+    )
+    out = _run(code)
+    assert out.returncode == 0 and out.stdout.strip().endswith("no numpy"), out.stderr[-3000:]

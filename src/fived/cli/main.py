@@ -163,7 +163,7 @@ def cmd_export(ns: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from fived.data.indexed import OUTPUT_FORMATS
+    from fived.data import OUTPUT_FORMATS
 
     parser = argparse.ArgumentParser(
         prog="fived", description="5D-parallel training of Llama-style models.", allow_abbrev=False

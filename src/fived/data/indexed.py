@@ -43,9 +43,6 @@ DTYPE_CODES = {
     7: np.float32,
     8: np.uint16,
 }
-# `fived prepare-data --format`: a token file with its .json sidecar, or Megatron-LM's .bin + .idx
-# (here, torch-free, for the command line's parser)
-OUTPUT_FORMATS = ("fived", "megatron")
 CHECK_BLOCK = 1 << 22  # sequences checked at a time (memory stays bounded for any index)
 
 
