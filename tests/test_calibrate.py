@@ -56,10 +56,14 @@ def test_profile_written_read_back_and_priced(profile, tmp_path):
         "send",
     }
     assert all(s > 0 for op in on_disk["measured"]["collectives"] for s in op[3:])
-    base = _step(path, pp=2)  # (pipeline sends are never hidden: their time is the profile's, as it is)
+    def links_alone(fitted):  # (what fived's trainer measured each dimension adding does not scale with them)
+        fitted.pop("dimension_s")
+
+    base = _step(_variant(tmp_path, doc, "base.json", links_alone), pp=2)  # (pipeline sends are never hidden)
     assert base.pp > 0 and base.compute > 0
 
     def slow_links(fitted):  # every collective 10x slower
+        links_alone(fitted)
         for by_size in fitted["collectives"].values():
             for curve in by_size.values():
                 curve["seconds"] = [s * 10 for s in curve["seconds"]]
@@ -238,3 +242,67 @@ def test_queued_timing_divides_by_the_calls_it_made():
         cal.time.perf_counter = real
     # the probe (1 s) sets batches of int(0.2 * 30 / 1) = 6 calls, each batch timed as 1 s, until 30 s are spent
     assert len(calls) == 1 + 30 * 6 and seconds == pytest.approx(1 / 6)
+
+
+def test_what_fiveds_layers_add_per_dimension_is_measured_and_priced(profile, tmp_path):
+    """calibrate times fived's trainer at negligible shapes on 2 ranks, tp, cp and ep at 2 against data
+    parallelism, with 1 and 3 layers, and pp 2 with 2 and 4 micro-batches; what each dimension adds beyond
+    what the planner prices for it is in the profile, and the planner adds exactly that to the dimension's
+    time (per layer and micro-batch, pp per micro-batch, at the ranks' share of a core; ep on MoE layers
+    only), nothing to a layout without it."""
+    path, doc = profile
+    on_disk = json.loads(path.read_text())
+    assert set(on_disk["fitted"]["dimension_s"]) == {"tp", "cp", "ep", "pp"}
+    assert all(v >= 0 for v in on_disk["fitted"]["dimension_s"].values())
+    runs = on_disk["measured"]["dimensions"]["step_s"]
+    assert set(runs) == {"tp", "cp", "ep", "dense base", "moe base", "pp"} and all(
+        s > 0 for v in runs.values() for s in v
+    )
+
+    def extra(fitted):
+        fitted["dimension_s"] = {"tp": 1e-3, "cp": 2e-3, "ep": 4e-3, "pp": 8e-3}
+
+    def none(fitted):
+        fitted["dimension_s"] = {}
+
+    with_, without = _variant(tmp_path, doc, "dims.json", extra), _variant(tmp_path, doc, "none.json", none)
+    share = profile_hardware(read_profile(with_), 4).core_share
+
+    def step(path, model, **parallel):
+        cfg = build_config(overrides={"model.name": model, "train.seq_len": 64, "train.global_batch": 8})
+        hw = profile_hardware(read_profile(path), 4)
+        return cfg.model, step_time(cfg.model, Layout(**parallel), Cluster(hw, 4, 4), 64, 8, "float32")
+
+    for model, parallel, part, seconds in (
+        ("tiny", dict(dp=2, tp=2), "tp", 1e-3),
+        ("tiny", dict(dp=2, cp=2), "cp", 2e-3),
+        ("tiny-moe", dict(dp=4, ep=2), "ep", 4e-3),
+    ):
+        m, got = step(with_, model, **parallel)
+        _, base = step(without, model, **parallel)
+        layers = m.n_layers - m.n_dense_layers if part == "ep" else m.n_layers
+        micro = 8 // parallel["dp"]
+        assert getattr(got, part) - getattr(base, part) == pytest.approx(seconds * layers * micro / share)
+        assert got.total - base.total == pytest.approx(getattr(got, part) - getattr(base, part))
+    m, got = step(with_, "tiny", dp=2, pp=2)  # pp: per micro-batch (its bubble grows with the rank's work)
+    _, base = step(without, "tiny", dp=2, pp=2)
+    assert got.pp - base.pp == pytest.approx(8e-3 * 4 / share) and got.bubble >= base.bubble
+    for model in ("tiny", "tiny-moe"):  # (data parallelism alone: nothing added)
+        assert step(with_, model, dp=4)[1].total == step(without, model, dp=4)[1].total
+
+
+@pytest.mark.parametrize(
+    "value, field",
+    [({"tp": -1.0}, "fitted.dimension_s.tp=-1.0"), ({"dp": 1.0}, "fitted.dimension_s={'dp': 1.0}")],
+)
+def test_a_bad_dimension_figure_is_one_line(profile, tmp_path, capsys, value, field):
+    path, doc = profile
+
+    def bad(fitted):
+        fitted["dimension_s"] = value
+
+    broken = _variant(tmp_path, doc, "bad.json", bad)
+    flags = ["plan", "--model", "tiny", "--gpus", "2", "--seq", "64", "--global-batch-tokens", "512"]
+    assert main([*flags, "--machine", str(broken)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and field in err[0], err

@@ -15,6 +15,11 @@ torch's version, the date, the raw measurements and the curves fitted to them:
 - host: one op's dispatch (launch_s) and, from fived's own trainer at negligible shapes on one
   rank, the host time per layer and micro-batch and per step (the intercept), per MoE layer besides
   its experts' loop and per routed expert of the loop;
+- dimension_s: what each dimension adds in fived's trainer at negligible shapes on 2 ranks beyond what
+  the planner, priced by the rest of the profile, puts between the same runs: tp, cp and ep per layer
+  and micro-batch (each at 2 against data parallelism at 2, 1 and 3 layers), pp per micro-batch (2
+  stages, 2 and 4 micro-batches): the host work and waits of the dimension's communication as fived
+  issues it; at a whole core (optional: profiles written before 2026-11-30 lack it);
 - rank_slowdown: how much slower a small GEMM + element-wise mix runs on each of nproc ranks running
   it at once than in one process alone (ranks sharing cores, and whatever else the host runs);
 - collectives: seconds per call by op, group size and bytes (the ledger's convention: a
@@ -36,7 +41,7 @@ import bisect
 import json
 import math
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -119,6 +124,10 @@ class MachineProfile:
     rank_slowdown: float  # a rank's compute with `nproc` ranks computing at once, over one process's alone
     collectives: dict  # {op: {group size: Curve}}; empty where one rank was measured (links: base_hardware's)
     collective_scale: float = 1.0  # the measured times at the planned ranks' core sharing (profile_hardware)
+    # what fived adds for tp, cp or ep per layer and micro-batch (ep: per MoE layer), for pp per micro-batch,
+    # beyond what the op-level model prices for them, at a whole core (measured: fived.tools.calibrate.
+    # unpriced_dimensions); empty in profiles written before 2026-11-30 and where one rank was measured
+    dimension_s: dict = field(default_factory=dict)
 
     @property
     def on_gpu(self) -> bool:
@@ -254,6 +263,11 @@ def read_profile(path: str | os.PathLike) -> MachineProfile:
         raise ConfigError("--machine", name, "file not found", "write one with fived calibrate --output FILE") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ConfigError("--machine", name, f"not readable as JSON ({e})", "rerun fived calibrate") from None
+    return profile_of(doc, name)
+
+
+def profile_of(doc: Any, name: str) -> MachineProfile:
+    """The profile a document holds (`read_profile`'s checks; `name` names it in errors)."""
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise ConfigError(f"{name}: format", doc.get("format") if isinstance(doc, dict) else doc, "not " + FORMAT, "")
     if doc.get("version") != VERSION:
@@ -300,7 +314,20 @@ def read_profile(path: str | os.PathLike) -> MachineProfile:
         expert_overhead_s=scalar("expert_overhead_s"),
         rank_slowdown=scalar("rank_slowdown"),
         collectives=collectives,
+        dimension_s=_dimension_s(doc, name),
     )
+
+
+def _dimension_s(doc: dict, name: str) -> dict[str, float]:
+    """`fitted.dimension_s` ({tp, cp, ep, pp: seconds >= 0}), or {} where the profile has none."""
+    found = doc["fitted"].get("dimension_s", {})
+    where = f"{name}: fitted.dimension_s"
+    if not isinstance(found, dict) or not set(found) <= {"tp", "cp", "ep", "pp"}:
+        raise ConfigError(where, found, "seconds of tp, cp, ep and pp", "rerun fived calibrate")
+    for dim, seconds in found.items():
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < math.inf:
+            raise ConfigError(f"{where}.{dim}", seconds, "a number of seconds >= 0", "rerun fived calibrate")
+    return {dim: float(seconds) for dim, seconds in found.items()}
 
 
 def _is_profile(path: Path) -> bool:

@@ -224,6 +224,10 @@ def step_time(
     ep, pp = time["ep"], time["pp"]
     if runtime.ep_overlap:  # two chunks: one dispatch and one combine stay exposed, the rest under the experts
         ep = max(ep / 2, ep - compute * expert_share(m, seq_len, per_token=per_token))
+    if hw.profile and hw.profile.dimension_s:  # what fived adds for a dimension (measured)
+        tp, cp, ep = _unpriced_dimensions(hw, m, L, layers_here * micro * (1 + recompute), (tp, cp, ep))
+        if L.pp > 1:  # (per micro-batch: its sends and receives, the schedule's host work and waits)
+            pp += hw.profile.dimension_s.get("pp", 0.0) * micro / hw.core_share
     experts = time["dp_expert"] if runtime.expert_grad_overlap else 0.0
     overlap = (runtime.grad_overlap and L.zero in (0, 3)) or (runtime.zero12_overlap and L.zero in (1, 2))
     if L.pp > 1:  # (FSDP2 under a schedule reduce-scatters during each stage's last backward, always)
@@ -278,6 +282,22 @@ def step_time(
         overhead,
         layer_host,
     )
+
+
+def _unpriced_dimensions(hw: Hardware, m: ModelConfig, L: Layout, layer_passes: float, times: tuple) -> tuple:
+    """(tp, cp, ep) seconds with what a machine profile measured fived's layers adding per layer and
+    micro-batch for each dimension in use beyond its priced collectives (ep: MoE layers only), at the
+    ranks' share of a core (`layer_passes`: the busiest rank's layers x micro-batches x recomputation)."""
+    assert hw.profile is not None
+    extra, (tp, cp, ep) = hw.profile.dimension_s, times
+    passes = layer_passes / hw.core_share
+    if L.tp > 1:
+        tp += extra.get("tp", 0.0) * passes
+    if L.cp > 1:
+        cp += extra.get("cp", 0.0) * passes
+    if L.ep > 1 and m.is_moe:
+        ep += extra.get("ep", 0.0) * passes * (m.n_layers - m.n_dense_layers) / m.n_layers
+    return tp, cp, ep
 
 
 @dataclass(frozen=True)

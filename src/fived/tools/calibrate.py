@@ -75,7 +75,15 @@ QUICK = Sizes(  # tests and a first look: a few points per axis
     message_bytes=(2**10, 2**16),
 )
 # share of the budget each part gets (the rest: start-up, forks, the trainer's construction)
-SHARES = {"collectives": 0.4, "host": 0.15, "gemm": 0.2, "attention": 0.1, "stream": 0.05, "contention": 0.03}
+SHARES = {
+    "collectives": 0.3,
+    "dimensions": 0.1,
+    "host": 0.15,
+    "gemm": 0.2,
+    "attention": 0.1,
+    "stream": 0.05,
+    "contention": 0.03,
+}
 
 
 class Progress:
@@ -286,7 +294,7 @@ def check_ranks(nproc: int | None, device: torch.device) -> int:
 def calibrate(output: str, *, nproc: int | None = None, minutes: float = DEFAULT_MINUTES, quick: bool = False) -> dict:
     """Measure this machine with `nproc` ranks within `minutes` and write the profile to `output`;
     returns the profile's contents."""
-    from fived.tools.calibrate_ranks import measure_collectives, measure_contention, measure_host
+    from fived.tools.calibrate_ranks import measure_collectives, measure_contention, measure_dimensions, measure_host
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     nproc = check_ranks(nproc, device)
@@ -313,6 +321,10 @@ def calibrate(output: str, *, nproc: int | None = None, minutes: float = DEFAULT
         f"host: {host['layer_overhead_s'] * 1e3:.2f} ms per layer, {host['step_overhead_s'] * 1e3:.2f} ms a step, "
         f"{host['moe_layer_overhead_s'] * 1e3:.2f} ms per MoE layer + {host['expert_overhead_s'] * 1e3:.2f} per expert"
     )
+    dimensions = measure_dimensions(budget_s * SHARES["dimensions"]) if device.type == "cpu" else {}
+    if dimensions:
+        added = ", ".join(f"{k} {v * 1e3:.2f}" for k, v in dimensions["added_s"].items())
+        progress(f"on 2 ranks each dimension adds (ms; per layer, pp per micro-batch): {added}")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # (as each CPU rank runs: OMP_NUM_THREADS=1)
     try:
@@ -325,6 +337,19 @@ def calibrate(output: str, *, nproc: int | None = None, minutes: float = DEFAULT
         progress(f"stream, optimizer ({optimizer / 1e9:.1f} GB/s), dispatch ({launch * 1e6:.1f} us)")
     finally:
         torch.set_num_threads(threads)
+    fitted: dict = {
+        "gemm": gemm,
+        "attention": attention,
+        "stream": stream,
+        "optimizer_bytes_per_s": optimizer,
+        "launch_s": launch,
+        "layer_overhead_s": host["layer_overhead_s"],
+        "step_overhead_s": host["step_overhead_s"],
+        "moe_layer_overhead_s": host["moe_layer_overhead_s"],
+        "expert_overhead_s": host["expert_overhead_s"],
+        "rank_slowdown": contention["slowdown"],
+        "collectives": collectives,
+    }
     doc = {
         "machine": machine(device),
         "torch": torch.__version__,
@@ -341,21 +366,44 @@ def calibrate(output: str, *, nproc: int | None = None, minutes: float = DEFAULT
             "collectives": collectives_raw,
             "host": host["raw"],
             "contention": contention,
+            "dimensions": dimensions,
         },
-        "fitted": {
-            "gemm": gemm,
-            "attention": attention,
-            "stream": stream,
-            "optimizer_bytes_per_s": optimizer,
-            "launch_s": launch,
-            "layer_overhead_s": host["layer_overhead_s"],
-            "step_overhead_s": host["step_overhead_s"],
-            "moe_layer_overhead_s": host["moe_layer_overhead_s"],
-            "expert_overhead_s": host["expert_overhead_s"],
-            "rank_slowdown": contention["slowdown"],
-            "collectives": collectives,
-        },
+        "fitted": fitted,
     }
+    if dimensions:  # (priced by a profile of the rest: what the planner misses per layer of each dimension)
+        fitted["dimension_s"] = unpriced_dimensions(doc, output, dimensions["added_s"])
     write_profile(output, doc)
     progress(f"wrote {output}")
     return doc
+
+
+def unpriced_dimensions(doc: dict, name: str, measured: dict[str, float]) -> dict[str, float]:
+    """What fived's trainer measured each dimension adding on 2 ranks (`measured`: tp, cp, ep per layer and
+    micro-batch, pp per micro-batch; calibrate_ranks.measure_dimensions) beyond what the planner, priced by
+    this profile, puts between the same runs; at a whole core (the 2 ranks' slowdown taken out), never
+    below 0."""
+    from fived.layout.layout import Layout
+    from fived.planner.profile import FORMAT, VERSION, profile_hardware, profile_of, slowdown
+    from fived.planner.timing import Cluster, step_time
+    from fived.tools import calibrate_ranks as runs
+
+    profile = profile_of({"format": FORMAT, "version": VERSION, **doc}, name)
+    cluster = Cluster(profile_hardware(profile, 2), 2, 2)
+
+    def priced(parallel: dict, experts: int, layers: int, micro: int) -> float:
+        cfg = runs.host_config(layers, experts, parallel, micro)
+        t = cfg.train
+        return step_time(cfg.model, Layout.from_config(cfg, 2), cluster, t.seq_len, t.global_batch, t.dtype).total
+
+    def layer_steps(run: str) -> list[float]:
+        _, parallel, experts = next(r for r in runs.DIMENSION_RUNS if r[0] == run)
+        return [priced(parallel, experts, layers, 1) for layers in runs.DIMENSION_LAYERS]
+
+    predicted = {
+        dim: runs.per_layer(layer_steps(dim)) - runs.per_layer(layer_steps(base))
+        for dim, base in runs.DIMENSION_BASES.items()
+    }
+    pipeline = [priced(runs.PIPELINE, 0, runs.PIPELINE_LAYERS, micro) for micro in runs.PIPELINE_MICROBATCHES]
+    predicted["pp"] = runs.per_microbatch(pipeline)
+    at_a_core = 1 / slowdown(profile, 2)
+    return {dim: max(0.0, measured[dim] - predicted[dim]) * at_a_core for dim in predicted}

@@ -128,10 +128,18 @@ def measure_collectives(nproc: int, message_bytes: tuple[int, ...], budget_s: fl
 HOST_MODELS = ((1, 0), (3, 0), (1, 4), (1, 8))
 
 
-def _host_trainer(layers: int, experts: int):
-    from fived.config import build_config
+def _host_trainer(layers: int, experts: int, parallel: dict | None = None, microbatches: int = 1):
     from fived.training.trainer import Trainer
 
+    return Trainer(host_config(layers, experts, parallel, microbatches), log=False)
+
+
+def host_config(layers: int, experts: int, parallel: dict | None = None, microbatches: int = 1):
+    """The config of a negligible model (`layers` layers, `experts` routed experts) on `parallel`'s layout,
+    one sequence per micro-batch."""
+    from fived.config import build_config
+
+    parallel = parallel or {}
     over = {
         "model.name": "tiny",
         "model.n_layers": layers,
@@ -142,7 +150,8 @@ def _host_trainer(layers: int, experts: int):
         "model.vocab_size": 256,  # (the byte tokenizer's)
         "model.n_experts": experts,
         "train.seq_len": 32,  # (32 tokens x top-2: every one of 8 experts receives some)
-        "train.global_batch": 1,
+        "train.global_batch": parallel.get("dp", 1) * microbatches,
+        "train.microbatches": microbatches,
         "train.dtype": "float32",
         "train.device": "cpu" if not torch.cuda.is_available() else "cuda",
         "train.log_every": 10**9,
@@ -150,7 +159,9 @@ def _host_trainer(layers: int, experts: int):
     }
     if experts:
         over.update({"model.top_k": 2, "model.moe_ffn_dim": 16, "model.n_shared_experts": 1})
-    return Trainer(build_config(overrides=over), log=False)
+    if parallel:  # (a kv head per tp rank)
+        over.update({"model.n_kv_heads": 2, **{f"parallel.{k}": v for k, v in parallel.items()}})
+    return build_config(overrides=over)
 
 
 def _rank_host(budget_s: float) -> dict:
@@ -220,3 +231,77 @@ def measure_contention(nproc: int, slice_s: float, rounds: int = 4) -> dict:
     got = run_ranks(nproc, _rank_probe, slice_s / rounds, rounds, timeout_s=120.0)
     alone, together = got[0][0], statistics.fmean(t for _, t in got)
     return {"alone_s": alone, "together_s": together, "nproc": nproc, "slowdown": max(1.0, together / alone)}
+
+
+# fived's trainer at negligible shapes on 2 ranks: each dimension at 2 and its base (data parallelism at 2,
+# the same model), with 1 and 3 layers. Per layer, a dimension's run less its base's is what the dimension
+# adds: its collectives as fived's layers issue them (autograd, DTensor, waits) and their host work, with
+# bytes too small to matter. (name, parallel fields, routed experts)
+DIMENSION_RUNS = (
+    ("tp", {"tp": 2}, 0),
+    ("cp", {"cp": 2}, 0),
+    ("dense base", {"dp": 2}, 0),
+    ("ep", {"dp": 2, "ep": 2}, 8),
+    ("moe base", {"dp": 2}, 8),
+)
+DIMENSION_BASES = {"tp": "dense base", "cp": "dense base", "ep": "moe base"}
+DIMENSION_LAYERS = (1, 3)
+# and a pipeline of 2 stages (a layer each) with 2 and 4 micro-batches: per micro-batch, what pp adds
+PIPELINE = {"pp": 2}
+PIPELINE_LAYERS = 2
+PIPELINE_MICROBATCHES = (2, 4)
+
+
+def dimension_runs() -> list[tuple[dict, int, int, int]]:
+    """(parallel fields, routed experts, layers, micro-batches) of every trainer measure_dimensions times:
+    DIMENSION_RUNS x DIMENSION_LAYERS, then the pipeline's."""
+    runs = [(parallel, experts, layers, 1) for _, parallel, experts in DIMENSION_RUNS for layers in DIMENSION_LAYERS]
+    return runs + [(PIPELINE, 0, PIPELINE_LAYERS, micro) for micro in PIPELINE_MICROBATCHES]
+
+
+def _rank_dimensions(budget_s: float) -> list[float]:
+    """Mean step seconds of each of `dimension_runs` (that order), steps interleaved, each after a barrier
+    (a step's time is its slowest rank's: see measure_dimensions)."""
+    trainers = [
+        _host_trainer(layers, experts, parallel, micro) for parallel, experts, layers, micro in dimension_runs()
+    ]
+    times: list[list[float]] = [[] for _ in trainers]
+    start, step = time.perf_counter(), 0
+    while step < 5 or (time.perf_counter() - start < budget_s and step < 400):
+        for i, t in enumerate(trainers):
+            dist.barrier()
+            begin = time.perf_counter()
+            t.step(step)
+            if step >= 2:  # (after warm-up)
+                times[i].append(time.perf_counter() - begin)
+        step += 1
+    return [statistics.fmean(ts) for ts in times]
+
+
+def measure_dimensions(budget_s: float) -> dict:
+    """{"step_s": {run name: [mean step seconds at each of DIMENSION_LAYERS, or the pipeline's at each of
+    PIPELINE_MICROBATCHES]}, "added_s": {tp, cp, ep: what the dimension adds per layer and micro-batch;
+    pp: per micro-batch}} on 2 fresh ranks (the slower rank's mean)."""
+    got = run_ranks(2, _rank_dimensions, budget_s, timeout_s=300.0)
+    steps = [max(r[i] for r in got) for i in range(len(got[0]))]
+    k = len(DIMENSION_LAYERS)
+    step_s = {name: steps[i * k : (i + 1) * k] for i, (name, _, _) in enumerate(DIMENSION_RUNS)}
+    step_s["pp"] = steps[len(DIMENSION_RUNS) * k :]
+    added_s = {dim: per_layer(step_s[dim]) - per_layer(step_s[base]) for dim, base in DIMENSION_BASES.items()}
+    added_s["pp"] = per_microbatch(step_s["pp"])
+    return {
+        "step_s": step_s,
+        "layers": list(DIMENSION_LAYERS),
+        "microbatches": list(PIPELINE_MICROBATCHES),
+        "added_s": added_s,
+    }
+
+
+def per_layer(steps: list[float]) -> float:
+    """Seconds per layer between the DIMENSION_LAYERS runs' steps."""
+    return (steps[-1] - steps[0]) / (DIMENSION_LAYERS[-1] - DIMENSION_LAYERS[0])
+
+
+def per_microbatch(steps: list[float]) -> float:
+    """Seconds per micro-batch between the pipeline's PIPELINE_MICROBATCHES runs' steps."""
+    return (steps[-1] - steps[0]) / (PIPELINE_MICROBATCHES[-1] - PIPELINE_MICROBATCHES[0])
