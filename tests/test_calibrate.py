@@ -56,6 +56,7 @@ def test_profile_written_read_back_and_priced(profile, tmp_path):
         "send",
     }
     assert all(s > 0 for op in on_disk["measured"]["collectives"] for s in op[3:])
+
     def links_alone(fitted):  # (what fived's trainer measured each dimension adding does not scale with them)
         fitted.pop("dimension_s")
 
