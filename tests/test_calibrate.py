@@ -246,7 +246,7 @@ def test_queued_timing_divides_by_the_calls_it_made():
 
 
 def test_what_fiveds_layers_add_per_dimension_is_measured_and_priced(profile, tmp_path):
-    """calibrate times fived's trainer at negligible shapes on 2 ranks, tp, cp and ep at 2 against data
+    """calibrate times fived's trainer at negligible shapes on its ranks, tp, cp and ep at 2 against data
     parallelism, with 1 and 3 layers, and pp 2 with 2 and 4 micro-batches; what each dimension adds beyond
     what the planner prices for it is in the profile, and the planner adds exactly that to the dimension's
     time (per layer and micro-batch, pp per micro-batch, at the ranks' share of a core; ep on MoE layers

@@ -15,9 +15,9 @@ torch's version, the date, the raw measurements and the curves fitted to them:
 - host: one op's dispatch (launch_s) and, from fived's own trainer at negligible shapes on one
   rank, the host time per layer and micro-batch and per step (the intercept), per MoE layer besides
   its experts' loop and per routed expert of the loop;
-- dimension_s: what each dimension adds in fived's trainer at negligible shapes on 2 ranks beyond what
+- dimension_s: what each dimension adds in fived's trainer at negligible shapes on the calibration's ranks beyond what
   the planner, priced by the rest of the profile, puts between the same runs: tp, cp and ep per layer
-  and micro-batch (each at 2 against data parallelism at 2, 1 and 3 layers), pp per micro-batch (2
+  and micro-batch (each at 2 against data parallelism alone, 1 and 3 layers), pp per micro-batch (2
   stages, 2 and 4 micro-batches): the host work and waits of the dimension's communication as fived
   issues it; at a whole core (optional: profiles written before 2026-11-30 lack it);
 - rank_slowdown: how much slower a small GEMM + element-wise mix runs on each of nproc ranks running

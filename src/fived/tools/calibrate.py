@@ -321,10 +321,11 @@ def calibrate(output: str, *, nproc: int | None = None, minutes: float = DEFAULT
         f"host: {host['layer_overhead_s'] * 1e3:.2f} ms per layer, {host['step_overhead_s'] * 1e3:.2f} ms a step, "
         f"{host['moe_layer_overhead_s'] * 1e3:.2f} ms per MoE layer + {host['expert_overhead_s'] * 1e3:.2f} per expert"
     )
-    dimensions = measure_dimensions(budget_s * SHARES["dimensions"]) if device.type == "cpu" else {}
-    if dimensions:
+    dimensions: dict = {}
+    if device.type == "cpu" and nproc % 2 == 0:  # (each dimension at 2: an even number of ranks)
+        dimensions = measure_dimensions(nproc, budget_s * SHARES["dimensions"])
         added = ", ".join(f"{k} {v * 1e3:.2f}" for k, v in dimensions["added_s"].items())
-        progress(f"on 2 ranks each dimension adds (ms; per layer, pp per micro-batch): {added}")
+        progress(f"on {nproc} ranks each dimension adds (ms; per layer, pp per micro-batch): {added}")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # (as each CPU rank runs: OMP_NUM_THREADS=1)
     try:
@@ -378,32 +379,33 @@ def calibrate(output: str, *, nproc: int | None = None, minutes: float = DEFAULT
 
 
 def unpriced_dimensions(doc: dict, name: str, measured: dict[str, float]) -> dict[str, float]:
-    """What fived's trainer measured each dimension adding on 2 ranks (`measured`: tp, cp, ep per layer and
-    micro-batch, pp per micro-batch; calibrate_ranks.measure_dimensions) beyond what the planner, priced by
-    this profile, puts between the same runs; at a whole core (the 2 ranks' slowdown taken out), never
-    below 0."""
+    """What fived's trainer measured each dimension adding on the calibration's ranks (`measured`: tp, cp,
+    ep per layer and micro-batch, pp per micro-batch; calibrate_ranks.measure_dimensions) beyond what the
+    planner, priced by this profile, puts between the same runs; at a whole core (the ranks' slowdown
+    taken out), never below 0."""
     from fived.layout.layout import Layout
     from fived.planner.profile import FORMAT, VERSION, profile_hardware, profile_of, slowdown
     from fived.planner.timing import Cluster, step_time
     from fived.tools import calibrate_ranks as runs
 
     profile = profile_of({"format": FORMAT, "version": VERSION, **doc}, name)
-    cluster = Cluster(profile_hardware(profile, 2), 2, 2)
+    n = profile.nproc
+    cluster = Cluster(profile_hardware(profile, n), n, n)
 
     def priced(parallel: dict, experts: int, layers: int, micro: int) -> float:
         cfg = runs.host_config(layers, experts, parallel, micro)
         t = cfg.train
-        return step_time(cfg.model, Layout.from_config(cfg, 2), cluster, t.seq_len, t.global_batch, t.dtype).total
+        return step_time(cfg.model, Layout.from_config(cfg, n), cluster, t.seq_len, t.global_batch, t.dtype).total
 
-    def layer_steps(run: str) -> list[float]:
-        _, parallel, experts = next(r for r in runs.DIMENSION_RUNS if r[0] == run)
-        return [priced(parallel, experts, layers, 1) for layers in runs.DIMENSION_LAYERS]
+    layouts = {run: (parallel, experts) for run, parallel, experts in runs.dimension_layouts(n)}
 
-    predicted = {
-        dim: runs.per_layer(layer_steps(dim)) - runs.per_layer(layer_steps(base))
-        for dim, base in runs.DIMENSION_BASES.items()
-    }
-    pipeline = [priced(runs.PIPELINE, 0, runs.PIPELINE_LAYERS, micro) for micro in runs.PIPELINE_MICROBATCHES]
-    predicted["pp"] = runs.per_microbatch(pipeline)
-    at_a_core = 1 / slowdown(profile, 2)
+    def per_layer(run: str) -> float:
+        return runs.per_layer([priced(*layouts[run], layers, 1) for layers in runs.DIMENSION_LAYERS])
+
+    predicted = {dim: per_layer(dim) - per_layer(base) for dim, base in runs.DIMENSION_BASES.items()}
+    pipeline = runs.pipeline_layout(n)
+    predicted["pp"] = runs.per_microbatch(
+        [priced(pipeline, 0, runs.PIPELINE_LAYERS, micro) for micro in runs.PIPELINE_MICROBATCHES]
+    )
+    at_a_core = 1 / slowdown(profile, n)
     return {dim: max(0.0, measured[dim] - predicted[dim]) * at_a_core for dim in predicted}

@@ -233,38 +233,45 @@ def measure_contention(nproc: int, slice_s: float, rounds: int = 4) -> dict:
     return {"alone_s": alone, "together_s": together, "nproc": nproc, "slowdown": max(1.0, together / alone)}
 
 
-# fived's trainer at negligible shapes on 2 ranks: each dimension at 2 and its base (data parallelism at 2,
+# fived's trainer at negligible shapes on the calibration's ranks (n, even), sharing the cores as a layout's
+# ranks do: each dimension at 2 (data parallelism over the rest) and its base (data parallelism over all n,
 # the same model), with 1 and 3 layers. Per layer, a dimension's run less its base's is what the dimension
 # adds: its collectives as fived's layers issue them (autograd, DTensor, waits) and their host work, with
-# bytes too small to matter. (name, parallel fields, routed experts)
-DIMENSION_RUNS = (
-    ("tp", {"tp": 2}, 0),
-    ("cp", {"cp": 2}, 0),
-    ("dense base", {"dp": 2}, 0),
-    ("ep", {"dp": 2, "ep": 2}, 8),
-    ("moe base", {"dp": 2}, 8),
-)
+# bytes too small to matter. And a pipeline of 2 stages (a layer each) with 2 and 4 micro-batches: per
+# micro-batch, what pp adds.
 DIMENSION_BASES = {"tp": "dense base", "cp": "dense base", "ep": "moe base"}
 DIMENSION_LAYERS = (1, 3)
-# and a pipeline of 2 stages (a layer each) with 2 and 4 micro-batches: per micro-batch, what pp adds
-PIPELINE = {"pp": 2}
 PIPELINE_LAYERS = 2
 PIPELINE_MICROBATCHES = (2, 4)
 
 
-def dimension_runs() -> list[tuple[dict, int, int, int]]:
-    """(parallel fields, routed experts, layers, micro-batches) of every trainer measure_dimensions times:
-    DIMENSION_RUNS x DIMENSION_LAYERS, then the pipeline's."""
-    runs = [(parallel, experts, layers, 1) for _, parallel, experts in DIMENSION_RUNS for layers in DIMENSION_LAYERS]
-    return runs + [(PIPELINE, 0, PIPELINE_LAYERS, micro) for micro in PIPELINE_MICROBATCHES]
+def dimension_layouts(n: int) -> tuple[tuple[str, dict, int], ...]:
+    """(name, parallel fields on n ranks, routed experts) of each dimension's runs and their bases."""
+    return (
+        ("tp", {"tp": 2, "dp": n // 2}, 0),
+        ("cp", {"cp": 2, "dp": n // 2}, 0),
+        ("dense base", {"dp": n}, 0),
+        ("ep", {"dp": n, "ep": 2}, 8),
+        ("moe base", {"dp": n}, 8),
+    )
+
+
+def pipeline_layout(n: int) -> dict:
+    return {"pp": 2, "dp": n // 2}
+
+
+def dimension_runs(n: int) -> list[tuple[dict, int, int, int]]:
+    """(parallel fields, routed experts, layers, micro-batches) of every trainer measure_dimensions times on
+    n ranks: dimension_layouts x DIMENSION_LAYERS, then the pipeline's."""
+    runs = [(par, experts, layers, 1) for _, par, experts in dimension_layouts(n) for layers in DIMENSION_LAYERS]
+    return runs + [(pipeline_layout(n), 0, PIPELINE_LAYERS, micro) for micro in PIPELINE_MICROBATCHES]
 
 
 def _rank_dimensions(budget_s: float) -> list[float]:
     """Mean step seconds of each of `dimension_runs` (that order), steps interleaved, each after a barrier
     (a step's time is its slowest rank's: see measure_dimensions)."""
-    trainers = [
-        _host_trainer(layers, experts, parallel, micro) for parallel, experts, layers, micro in dimension_runs()
-    ]
+    runs = dimension_runs(dist.get_world_size())
+    trainers = [_host_trainer(layers, experts, parallel, micro) for parallel, experts, layers, micro in runs]
     times: list[list[float]] = [[] for _ in trainers]
     start, step = time.perf_counter(), 0
     while step < 5 or (time.perf_counter() - start < budget_s and step < 400):
@@ -278,18 +285,19 @@ def _rank_dimensions(budget_s: float) -> list[float]:
     return [statistics.fmean(ts) for ts in times]
 
 
-def measure_dimensions(budget_s: float) -> dict:
+def measure_dimensions(nproc: int, budget_s: float) -> dict:
     """{"step_s": {run name: [mean step seconds at each of DIMENSION_LAYERS, or the pipeline's at each of
     PIPELINE_MICROBATCHES]}, "added_s": {tp, cp, ep: what the dimension adds per layer and micro-batch;
-    pp: per micro-batch}} on 2 fresh ranks (the slower rank's mean)."""
-    got = run_ranks(2, _rank_dimensions, budget_s, timeout_s=300.0)
+    pp: per micro-batch}} on `nproc` fresh ranks (even; the slowest rank's mean)."""
+    got = run_ranks(nproc, _rank_dimensions, budget_s, timeout_s=300.0)
     steps = [max(r[i] for r in got) for i in range(len(got[0]))]
-    k = len(DIMENSION_LAYERS)
-    step_s = {name: steps[i * k : (i + 1) * k] for i, (name, _, _) in enumerate(DIMENSION_RUNS)}
-    step_s["pp"] = steps[len(DIMENSION_RUNS) * k :]
+    k, named = len(DIMENSION_LAYERS), dimension_layouts(nproc)
+    step_s = {name: steps[i * k : (i + 1) * k] for i, (name, _, _) in enumerate(named)}
+    step_s["pp"] = steps[len(named) * k :]
     added_s = {dim: per_layer(step_s[dim]) - per_layer(step_s[base]) for dim, base in DIMENSION_BASES.items()}
     added_s["pp"] = per_microbatch(step_s["pp"])
     return {
+        "nproc": nproc,
         "step_s": step_s,
         "layers": list(DIMENSION_LAYERS),
         "microbatches": list(PIPELINE_MICROBATCHES),
