@@ -307,3 +307,37 @@ def test_a_bad_dimension_figure_is_one_line(profile, tmp_path, capsys, value, fi
     assert main([*flags, "--machine", str(broken)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and field in err[0], err
+
+
+def test_the_dimension_figures_price_back_what_was_measured(profile):
+    """`unpriced_dimensions`' figures, written into the profile, make the planner put between the
+    calibration's own runs (at its ranks) exactly the slopes that were measured: the sign, the bases
+    and the core share of the fit (a figure clamped at 0 aside: these are far above what is priced)."""
+    from fived.planner.profile import profile_of
+    from fived.tools import calibrate_ranks as ranks
+    from fived.tools.calibrate import unpriced_dimensions
+
+    path, _ = profile
+    doc = json.loads(path.read_text())
+    doc["fitted"].pop("dimension_s")
+    doc["fitted"]["rank_slowdown"] = 2.0  # (ranks sharing cores: the fit's core share matters)
+    measured = {"tp": 0.05, "cp": 0.06, "ep": 0.07, "pp": 0.08}
+    doc["fitted"]["dimension_s"] = unpriced_dimensions(doc, str(path), measured)
+    fitted = profile_of(doc, str(path))
+    n = fitted.nproc
+    cluster = Cluster(profile_hardware(fitted, n), n, n)
+
+    def priced(parallel, experts, layers, micro):
+        cfg = ranks.host_config(layers, experts, parallel, micro)
+        t = cfg.train
+        return step_time(cfg.model, Layout.from_config(cfg, n), cluster, t.seq_len, t.global_batch, t.dtype).total
+
+    layouts = {name: (parallel, experts) for name, parallel, experts in ranks.dimension_layouts(n)}
+
+    def slope(run):
+        return ranks.per_layer([priced(*layouts[run], layers, 1) for layers in ranks.DIMENSION_LAYERS])
+
+    for dim, base in ranks.DIMENSION_BASES.items():
+        assert slope(dim) - slope(base) == pytest.approx(measured[dim], rel=1e-9), dim
+    pipeline = [priced(ranks.pipeline_layout(n), 0, ranks.PIPELINE_LAYERS, m) for m in ranks.PIPELINE_MICROBATCHES]
+    assert ranks.per_microbatch(pipeline) == pytest.approx(measured["pp"], rel=1e-9)

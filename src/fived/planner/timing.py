@@ -226,8 +226,6 @@ def step_time(
         ep = max(ep / 2, ep - compute * expert_share(m, seq_len, per_token=per_token))
     if hw.profile and hw.profile.dimension_s:  # what fived adds for a dimension (measured)
         tp, cp, ep = _unpriced_dimensions(hw, m, L, layers_here * micro * (1 + recompute), (tp, cp, ep))
-        if L.pp > 1:  # (per micro-batch: its sends and receives, the schedule's host work and waits)
-            pp += hw.profile.dimension_s.get("pp", 0.0) * micro / hw.core_share
     experts = time["dp_expert"] if runtime.expert_grad_overlap else 0.0
     overlap = (runtime.grad_overlap and L.zero in (0, 3)) or (runtime.zero12_overlap and L.zero in (1, 2))
     if L.pp > 1:  # (FSDP2 under a schedule reduce-scatters during each stage's last backward, always)
@@ -252,6 +250,8 @@ def step_time(
         # a rank idles frac of the step; ranks sharing cores run in each other's idle time: the step is
         # the busiest rank's work, or its critical path at a whole core if that is longer
         bubble = (compute + tp + cp + ep + pp) * max(0.0, hw.core_share / (1 - frac) - 1)
+        if hw.profile and hw.profile.dimension_s:  # what fived adds per micro-batch for pp (measured, its waits
+            pp += hw.profile.dimension_s.get("pp", 0.0) * micro / hw.core_share  # included: not in the bubble)
     optimizer = 28 * owned_parameters(m, L, chunks) / (hw.hbm_gbps * 1e9) + time["optimizer"]
     if L.optimizer == "muon" and runtime.is_fived:  # (its elements at its own bytes, not AdamW's 28)
         optimizer += muon_stream_s(m, L, dtype, chunks, hw) + orthogonalization_s(m, L, dtype, chunks, hw, c)
@@ -290,13 +290,13 @@ def _unpriced_dimensions(hw: Hardware, m: ModelConfig, L: Layout, layer_passes: 
     ranks' share of a core (`layer_passes`: the busiest rank's layers x micro-batches x recomputation)."""
     assert hw.profile is not None
     extra, (tp, cp, ep) = hw.profile.dimension_s, times
-    passes = layer_passes / hw.core_share
+    passes_at_share = layer_passes / hw.core_share
     if L.tp > 1:
-        tp += extra.get("tp", 0.0) * passes
+        tp += extra.get("tp", 0.0) * passes_at_share
     if L.cp > 1:
-        cp += extra.get("cp", 0.0) * passes
+        cp += extra.get("cp", 0.0) * passes_at_share
     if L.ep > 1 and m.is_moe:
-        ep += extra.get("ep", 0.0) * passes * (m.n_layers - m.n_dense_layers) / m.n_layers
+        ep += extra.get("ep", 0.0) * passes_at_share * (m.n_layers - m.n_dense_layers) / m.n_layers
     return tp, cp, ep
 
 

@@ -326,6 +326,8 @@ def calibrate(output: str, *, nproc: int | None = None, minutes: float = DEFAULT
         dimensions = measure_dimensions(nproc, budget_s * SHARES["dimensions"])
         added = ", ".join(f"{k} {v * 1e3:.2f}" for k, v in dimensions["added_s"].items())
         progress(f"on {nproc} ranks each dimension adds (ms; per layer, pp per micro-batch): {added}")
+    elif device.type == "cpu":
+        progress(f"what each dimension adds: not measured on an odd number of ranks ({nproc}; each runs at 2)")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # (as each CPU rank runs: OMP_NUM_THREADS=1)
     try:
@@ -386,26 +388,26 @@ def unpriced_dimensions(doc: dict, name: str, measured: dict[str, float]) -> dic
     from fived.layout.layout import Layout
     from fived.planner.profile import FORMAT, VERSION, profile_hardware, profile_of, slowdown
     from fived.planner.timing import Cluster, step_time
-    from fived.tools import calibrate_ranks as runs
+    from fived.tools import calibrate_ranks as ranks
 
     profile = profile_of({"format": FORMAT, "version": VERSION, **doc}, name)
     n = profile.nproc
     cluster = Cluster(profile_hardware(profile, n), n, n)
 
     def priced(parallel: dict, experts: int, layers: int, micro: int) -> float:
-        cfg = runs.host_config(layers, experts, parallel, micro)
+        cfg = ranks.host_config(layers, experts, parallel, micro)
         t = cfg.train
         return step_time(cfg.model, Layout.from_config(cfg, n), cluster, t.seq_len, t.global_batch, t.dtype).total
 
-    layouts = {run: (parallel, experts) for run, parallel, experts in runs.dimension_layouts(n)}
+    layouts = {run: (parallel, experts) for run, parallel, experts in ranks.dimension_layouts(n)}
 
-    def per_layer(run: str) -> float:
-        return runs.per_layer([priced(*layouts[run], layers, 1) for layers in runs.DIMENSION_LAYERS])
+    def priced_per_layer(run: str) -> float:
+        return ranks.per_layer([priced(*layouts[run], layers, 1) for layers in ranks.DIMENSION_LAYERS])
 
-    predicted = {dim: per_layer(dim) - per_layer(base) for dim, base in runs.DIMENSION_BASES.items()}
-    pipeline = runs.pipeline_layout(n)
-    predicted["pp"] = runs.per_microbatch(
-        [priced(pipeline, 0, runs.PIPELINE_LAYERS, micro) for micro in runs.PIPELINE_MICROBATCHES]
+    predicted = {dim: priced_per_layer(dim) - priced_per_layer(base) for dim, base in ranks.DIMENSION_BASES.items()}
+    pipeline = ranks.pipeline_layout(n)
+    predicted["pp"] = ranks.per_microbatch(
+        [priced(pipeline, 0, ranks.PIPELINE_LAYERS, micro) for micro in ranks.PIPELINE_MICROBATCHES]
     )
     at_a_core = 1 / slowdown(profile, n)
     return {dim: max(0.0, measured[dim] - predicted[dim]) * at_a_core for dim in predicted}

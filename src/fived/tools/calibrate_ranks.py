@@ -273,8 +273,8 @@ def _rank_dimensions(budget_s: float) -> list[float]:
     runs = dimension_runs(dist.get_world_size())
     trainers = [_host_trainer(layers, experts, parallel, micro) for parallel, experts, layers, micro in runs]
     times: list[list[float]] = [[] for _ in trainers]
-    start, step = time.perf_counter(), 0
-    while step < 5 or (time.perf_counter() - start < budget_s and step < 400):
+    start, step, more = time.perf_counter(), 0, True
+    while more:
         for i, t in enumerate(trainers):
             dist.barrier()
             begin = time.perf_counter()
@@ -282,6 +282,11 @@ def _rank_dimensions(budget_s: float) -> list[float]:
             if step >= 2:  # (after warm-up)
                 times[i].append(time.perf_counter() - begin)
         step += 1
+        # the ranks agree to stop (each on its own clock, one could leave the others at the barrier)
+        done = step >= 5 and (time.perf_counter() - start >= budget_s or step >= 400)
+        flag = torch.tensor([float(done)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        more = flag.item() == 0
     return [statistics.fmean(ts) for ts in times]
 
 
