@@ -341,3 +341,32 @@ def test_the_dimension_figures_price_back_what_was_measured(profile):
         assert slope(dim) - slope(base) == pytest.approx(measured[dim], rel=1e-9), dim
     pipeline = [priced(ranks.pipeline_layout(n), 0, ranks.PIPELINE_LAYERS, m) for m in ranks.PIPELINE_MICROBATCHES]
     assert ranks.per_microbatch(pipeline) == pytest.approx(measured["pp"], rel=1e-9)
+
+
+def test_on_cpu_ranks_no_collective_hides_under_compute(profile):
+    """gloo's collectives are the work of the CPU the ranks compute on (copies, sums, the socket loop):
+    under a CPU profile an overlapped collective is priced whole (bench_planner_cpu measured ZeRO-0's
+    overlapped reduction exposed: docs/planner.md); the same figures on a device hide part of it."""
+    from dataclasses import replace
+
+    path, _ = profile
+    cpu = profile_hardware(read_profile(path), 4)
+    device = replace(cpu, profile=replace(cpu.profile, machine={**cpu.profile.machine, "device_type": "cuda"}))
+    cases = [  # (model, the part, an overlapped layout, its sequential twin (its runtime))
+        ("tiny", "tp", Layout(dp=2, tp=2, tp_overlap=True), None),
+        ("tiny", "dp", Layout(dp=4), (Layout(dp=4), replace(FIVED, grad_overlap=False))),
+        ("tiny", "dp", Layout(dp=4, zero=2, overlap_grad_reduce=True), (Layout(dp=4, zero=2), FIVED)),
+        ("tiny", "cp", Layout(dp=2, cp=2), None),
+        ("tiny-moe", "ep", Layout(dp=2, ep=2, ep_overlap=True), None),
+    ]
+    for name, part, overlapped, twin in cases:
+        cfg = build_config(overrides={"model.name": name, "train.seq_len": 64, "train.global_batch": 8})
+        priced = {
+            kind: getattr(step_time(cfg.model, overlapped, Cluster(hw, 4, 4), 64, 8, "float32"), part)
+            for kind, hw in (("cpu", cpu), ("device", device))
+        }
+        assert 0 < priced["device"] < priced["cpu"], (name, part, priced)
+        if twin is not None:  # (tp's and ep's overlaps run other collectives (chunks), the ring has no twin)
+            layout, runtime = twin
+            whole = getattr(step_time(cfg.model, layout, Cluster(cpu, 4, 4), 64, 8, "float32", runtime), part)
+            assert priced["cpu"] == pytest.approx(whole, rel=1e-12), (name, part)

@@ -217,12 +217,16 @@ def step_time(
     for part, seconds, group, nbytes in priced:
         time[part] += seconds
         moved[group] += nbytes
+    # CPU ranks (gloo): a collective is the CPU's own work (copies, sums, the socket loop) on cores the
+    # ranks' compute already fills; it hides under nothing. Devices compute while their links move data.
+    hides = not (hw.profile and not hw.profile.on_gpu)
     # overlapped tp communication hides under the region's GEMMs, never more than they last
-    tp = time["tp"] - min(time["tp"] * (c.tp_overlap if runtime.tp_overlap else 0.0), compute - attention)
+    tp_hidden = c.tp_overlap if runtime.tp_overlap and hides else 0.0
+    tp = time["tp"] - min(time["tp"] * tp_hidden, compute - attention)
     # the ring hides behind the attention blocks; Ulysses' all-to-alls stand between the projections and them
-    cp = max(0.0, time["cp"] - attention) + time["cp_a2a"]
+    cp = (max(0.0, time["cp"] - attention) if hides else time["cp"]) + time["cp_a2a"]
     ep, pp = time["ep"], time["pp"]
-    if runtime.ep_overlap:  # two chunks: one dispatch and one combine stay exposed, the rest under the experts
+    if runtime.ep_overlap and hides:  # two chunks: a dispatch and a combine stay exposed, the rest under the experts
         ep = max(ep / 2, ep - compute * expert_share(m, seq_len, per_token=per_token))
     if hw.profile and hw.profile.dimension_s:  # what fived adds for a dimension (measured)
         tp, cp, ep = _unpriced_dimensions(hw, m, L, layers_here * micro * (1 + recompute), (tp, cp, ep))
@@ -230,7 +234,7 @@ def step_time(
     overlap = (runtime.grad_overlap and L.zero in (0, 3)) or (runtime.zero12_overlap and L.zero in (1, 2))
     if L.pp > 1:  # (FSDP2 under a schedule reduce-scatters during each stage's last backward, always)
         overlap = runtime.pipeline_grad_overlap or (runtime.grad_overlap and L.zero == 3)
-    if overlap:
+    if overlap and hides:
         dp = exposed_reduction(
             time["dp"],
             experts,
