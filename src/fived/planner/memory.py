@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from fived.config import ModelConfig
+from fived.layout.activation_model import blockwise_layer
 from fived.layout.layout import PRECISION_SPECS, Layout, masters_apart
 from fived.layout.muon_load import busiest_loads
 from fived.layout.muon_plan import stage_plan
@@ -374,8 +375,31 @@ def _activation_layout(layout: Layout) -> Layout:
     )
 
 
-@layout_memo(maxsize=262144)
 def _activations(
+    key: tuple, layout: Layout, seq_len: int, dtype: str, layers: tuple, first: bool, last: bool, runtime: Runtime
+) -> int:
+    """The bytes a chunk of `layers` saves per micro-batch: every layer of a kind saves the same (both
+    activation models read a layer's kind alone), so chunks whose layers' kinds agree, in order,
+    share one entry (a 70B plan's chunks of n layers: one, not one per place in the model)."""
+    return _chunk_activations(key, layout, seq_len, dtype, _same_kinds(key, tuple(layers)), first, last, runtime)
+
+
+_FIRST_OF_KINDS: dict[tuple, tuple] = {}  # (model key, the layers' kinds in order) -> the first such chunk
+
+
+@lru_cache(maxsize=65536)
+def _same_kinds(key: tuple, layers: tuple) -> tuple:
+    """The first chunk seen whose layers are of `layers`' kinds in order: (MoE, blockwise attention),
+    what `activation_bytes` and `framework_activations` read of a layer."""
+    m = model_of(key)
+    kinds = (key, tuple((m.is_moe and i >= m.n_dense_layers, blockwise_layer(m, i)) for i in layers))
+    if len(_FIRST_OF_KINDS) >= 65536:
+        _FIRST_OF_KINDS.clear()
+    return _FIRST_OF_KINDS.setdefault(kinds, layers)
+
+
+@layout_memo(maxsize=262144)
+def _chunk_activations(
     key: tuple, layout: Layout, seq_len: int, dtype: str, layers: tuple, first: bool, last: bool, runtime: Runtime
 ) -> int:
     m = model_of(key)

@@ -23,9 +23,9 @@ from fived.layout.layout import Layout
 from fived.planner.constants import Constants
 from fived.planner.memory import MemoryEstimate, memory_per_gpu, reserve_bytes, state_floor
 from fived.planner.pricing import Candidate, price
-from fived.planner.runtimes import FIVED, Runtime, with_overlap
+from fived.planner.runtimes import FIVED, Runtime
 from fived.planner.timing import Cluster, StepTime, step_time
-from fived.planner.validity import is_valid
+from fived.planner.validity import is_valid, with_usable_overlap
 
 SCHEDULES = (
     ("1f1b", 1),
@@ -314,14 +314,14 @@ def plan(
     # first pass, memory alone: what is valid, what fits (the first checkpointing option that does)
     for mesh in mesh_shapes(model, cluster.gpus, cluster.gpus_per_node, seq_len, global_batch, folded=True):
         for state in state_choices(model, mesh, cluster.gpus_per_node):
+            if runtime.is_fived:  # fived's candidates run with every overlap they can use
+                state = with_usable_overlap(model, state, seq_len, global_batch, fp8=runtime.fp8)
             floor = state_floor(model, state, dtype, runtime) + reserve
             if floor > capacity:
                 if is_valid(model, state, seq_len, global_batch):
                     considered += 1
                     note(state, floor)
                 continue
-            if runtime.is_fived:  # fived's candidates run with every overlap they can use
-                state = with_overlap(state, fp8=runtime.fp8)
             for options in activation_choices(state, seq_len, global_batch):
                 for layout in options:
                     result = _fitting_choices(

@@ -17,12 +17,27 @@ from fived.layout.rules import core_layout_errors, layout_errors, per_layout_err
 from fived.layout.schedule_sim import check_schedule
 from fived.layout.stages import model_key, model_of
 from fived.planner.layout_cache import layout_memo
+from fived.planner.runtimes import with_overlap
 
 
 def is_valid(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int) -> bool:
     if global_batch % (layout.dp * layout.micro_batch):  # (the cheapest refusal, first)
         return False
     return layout_refusal(model, layout, seq_len, global_batch) is None
+
+
+def with_usable_overlap(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int, *, fp8: bool) -> Layout:
+    """`layout` with every overlap fived has for it (`with_overlap`) that the runtime's rules accept: all
+    of them, else all but the overlapped data-parallel reductions and gathers (multi-token prediction
+    under a pipeline refuses those), else none. The overlaps are switches of one core (`_core_errors`:
+    asked once per core, and the search asks the chosen one's again)."""
+    key, full = model_key(model), with_overlap(layout, fp8=fp8)
+    if not _core_errors(key, full, seq_len, global_batch):
+        return full
+    reductions_apart = full.with_(overlap_grad_reduce=False, overlap_param_gather=False)
+    if not _core_errors(key, reductions_apart, seq_len, global_batch):
+        return reductions_apart
+    return layout
 
 
 def layout_refusal(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int) -> ConfigError | None:

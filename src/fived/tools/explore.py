@@ -36,7 +36,7 @@ from fived.planner.communication import (
 from fived.planner.layer_map import activations, pipeline_ranks, replica_weights
 from fived.planner.layout_cache import layout_memo, layout_values
 from fived.planner.links import in_node
-from fived.planner.runtimes import PLANNED_RUNTIMES, Runtime, with_overlap
+from fived.planner.runtimes import PLANNED_RUNTIMES, Runtime
 from fived.planner.search import (
     MICRO_BATCH_TOKENS,
     MICRO_BATCHES,
@@ -51,7 +51,7 @@ from fived.planner.search import (
     train_command,
 )
 from fived.planner.timing import Cluster
-from fived.planner.validity import layout_refusal
+from fived.planner.validity import layout_refusal, with_usable_overlap
 from fived.tools.workers import Workers
 
 MESH_TOGGLES = ("tp", "sp", "cp", "pp", "pp_schedule", "pp_virtual", "ep", "etp")  # (etp: MoE parallel folding)
@@ -257,7 +257,7 @@ def price(
     if reason:
         return {"error": str(reason)}
     if runtime.is_fived:  # with every overlap fived can use, as the planner's search weighs it
-        layout = with_overlap(layout, fp8=runtime.fp8)
+        layout = with_usable_overlap(model, layout, seq_len, global_batch, fp8=runtime.fp8)
     # (fived's ZeRO-2 both ways, as the search weighs it: reducing every micro-batch where faster or it fits)
     plan = fastest_fitting(
         [
