@@ -365,7 +365,7 @@ def test_on_cpu_ranks_no_collective_hides_under_compute(profile):
             kind: getattr(step_time(cfg.model, overlapped, Cluster(hw, 4, 4), 64, 8, "float32"), part)
             for kind, hw in (("cpu", cpu), ("device", device))
         }
-        assert 0 < priced["device"] < priced["cpu"], (name, part, priced)
+        assert 0 <= priced["device"] < priced["cpu"], (name, part, priced)  # (the ring may hide whole)
         if twin is not None:  # (tp's and ep's overlaps run other collectives (chunks), the ring has no twin)
             layout, runtime = twin
             whole = getattr(step_time(cfg.model, layout, Cluster(cpu, 4, 4), 64, 8, "float32", runtime), part)

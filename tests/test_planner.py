@@ -450,3 +450,17 @@ def test_multi_token_prediction_keeps_its_pipelines():
         t = TrainConfig(seq_len=2048, global_batch=16, microbatches=p.layout.microbatches(16))
         t = t.__class__(**{**vars(t), "activation_checkpointing": p.layout.checkpointing})
         assert layout_errors(Config(model=model, parallel=p.layout.parallel_config(), train=t), 4) == [], p.layout
+
+
+def test_attention_biases_keep_every_overlap_but_tps():
+    """tp's overlap refuses attention biases (GPT-OSS): the planner's layout keeps the overlaps the rules
+    allow (ep's, the dp reductions'), not none, and the runtime accepts it."""
+    from fived.config import Config, TrainConfig
+    from fived.layout.rules import layout_errors
+    from fived.planner.validity import with_usable_overlap
+
+    model = model_preset("tiny-gpt-oss")
+    layout = with_usable_overlap(model, Layout(dp=2, tp=2, sp=True, ep=2, etp=1, zero=1), 256, 8, fp8=False)
+    assert not layout.tp_overlap and layout.ep_overlap and layout.overlap_grad_reduce
+    train = TrainConfig(seq_len=256, global_batch=8, microbatches=layout.microbatches(8))
+    assert layout_errors(Config(model=model, parallel=layout.parallel_config(), train=train), 4) == []

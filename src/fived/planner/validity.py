@@ -28,16 +28,21 @@ def is_valid(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int
 
 def with_usable_overlap(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int, *, fp8: bool) -> Layout:
     """`layout` with every overlap fived has for it (`with_overlap`) that the runtime's rules accept: all
-    of them, else all but the overlapped data-parallel reductions and gathers (multi-token prediction
-    under a pipeline refuses those), else none. The overlaps are switches of one core (`_core_errors`:
-    asked once per core, and the search asks the chosen one's again)."""
+    of them, else without the switches a rule refuses, in `_REFUSABLE`'s groups (tp's overlap: attention
+    biases under tp; the overlapped data-parallel reductions and gathers: multi-token prediction under a
+    pipeline), else none. The switches are a core's (`_core_errors`: asked once per core; the search
+    asks the chosen one's again)."""
     key, full = model_key(model), with_overlap(layout, fp8=fp8)
-    if not _core_errors(key, full, seq_len, global_batch):
-        return full
-    reductions_apart = full.with_(overlap_grad_reduce=False, overlap_param_gather=False)
-    if not _core_errors(key, reductions_apart, seq_len, global_batch):
-        return reductions_apart
+    for dropped in _REFUSABLE:
+        candidate = full.with_(**dropped)
+        if not _core_errors(key, candidate, seq_len, global_batch):
+            return candidate
     return layout
+
+
+_TP_OFF = {"tp_overlap": False}
+_DP_OFF = {"overlap_grad_reduce": False, "overlap_param_gather": False}
+_REFUSABLE = ({}, _TP_OFF, _DP_OFF, {**_TP_OFF, **_DP_OFF})  # (what to drop, fewest first)
 
 
 def layout_refusal(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int) -> ConfigError | None:
