@@ -28,13 +28,18 @@ def is_valid(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int
 
 def with_usable_overlap(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int, *, fp8: bool) -> Layout:
     """`layout` with every overlap fived has for it (`with_overlap`) that the runtime's rules accept: all
-    of them, else without the switches a rule refuses, in `_REFUSABLE`'s groups (tp's overlap: attention
-    biases under tp; the overlapped data-parallel reductions and gathers: multi-token prediction under a
-    pipeline), else none. The switches are a core's (`_core_errors`: asked once per core; the search
-    asks the chosen one's again)."""
+    of them, else without the switches a rule refuses (the overlapped data-parallel reductions and
+    gathers: multi-token prediction under a pipeline; tp's overlap: attention biases under tp; or
+    both), else none. The switches are a core's (`_core_errors`: asked once per core; the search asks
+    the chosen one's again). (The order asks the fewest cores of a search: a layout refused whatever
+    its overlaps is known after three.)"""
     key, full = model_key(model), with_overlap(layout, fp8=fp8)
-    for dropped in _REFUSABLE:
-        candidate = full.with_(**dropped)
+    for candidate in (full, full.with_(**_DP_OFF)):
+        if not _core_errors(key, candidate, seq_len, global_batch):
+            return candidate
+    if _core_errors(key, layout, seq_len, global_batch):  # (refused whatever its overlaps: its own reason)
+        return layout
+    for candidate in (full.with_(**_TP_OFF), full.with_(**_TP_OFF, **_DP_OFF)):
         if not _core_errors(key, candidate, seq_len, global_batch):
             return candidate
     return layout
@@ -42,7 +47,6 @@ def with_usable_overlap(model: ModelConfig, layout: Layout, seq_len: int, global
 
 _TP_OFF = {"tp_overlap": False}
 _DP_OFF = {"overlap_grad_reduce": False, "overlap_param_gather": False}
-_REFUSABLE = ({}, _TP_OFF, _DP_OFF, {**_TP_OFF, **_DP_OFF})  # (what to drop, fewest first)
 
 
 def layout_refusal(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int) -> ConfigError | None:
