@@ -122,3 +122,16 @@ def test_config_error_is_one_line_and_starts_nothing(tmp_path):
     assert res.returncode == 2
     assert res.stderr.strip().count("\n") == 0 and "parallel=" in res.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_a_multi_token_prediction_preset_trains_and_reports(tmp_path):
+    """tiny-deepseek-v3 as a user runs it, pipelined as `fived plan` proposes (pp2 x dp2): its MTP
+    block's MoE has an expert load of its own ("mtp.0"), which the run's figures once sorted as a
+    layer index (a traceback and exit 1 after every step had run)."""
+    out = str(tmp_path / "run")
+    args = ["--model", "tiny-deepseek-v3", "--nproc", "4", "--dp", "2", "--pp", "2", "--steps", "2"]
+    res = fived("train", *args, "--train.warmup_steps", "1", "--train.output_dir", out)
+    assert res.returncode == 0, res.stderr
+    with open(os.path.join(out, "run.json")) as f:
+        loads = list(json.load(f)["expert_load"])
+    assert loads[-1] == "mtp.0" and loads[:-1] == sorted(loads[:-1], key=int) and len(loads) > 1

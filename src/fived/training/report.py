@@ -156,8 +156,15 @@ def report_figures(cfg: Config, world: int, results: list[TrainResult]) -> dict:
         "state": state,
         "comm": comm_rows,
         "timeline": timeline,
-        "expert_load": dict(sorted(loads.items(), key=lambda kv: int(kv[0]))),
+        "expert_load": dict(sorted(loads.items(), key=lambda kv: block_order(kv[0]))),
     }
+
+
+def block_order(name: str) -> tuple[str, int]:
+    """A block's place among a model's blocks: the layers by index ("12"), then the multi-token
+    prediction blocks ("mtp.0", whose MoE has an expert load too) by theirs."""
+    head, _, index = name.rpartition(".")
+    return head, int(index)
 
 
 def write_run_json(
