@@ -447,8 +447,8 @@ def test_multi_token_prediction_keeps_its_pipelines():
     pipelined = [p.layout for p in search.plans if p.layout.pp > 1 and p.layout.dp > 1]  # (dp 1: nothing to overlap)
     assert pipelined and any(layout.ep_overlap or layout.tp_overlap for layout in pipelined)
     for p in search.plans:
-        t = TrainConfig(seq_len=2048, global_batch=16, microbatches=p.layout.microbatches(16))
-        t = t.__class__(**{**vars(t), "activation_checkpointing": p.layout.checkpointing})
+        micro, ac = p.layout.microbatches(16), p.layout.checkpointing
+        t = TrainConfig(seq_len=2048, global_batch=16, microbatches=micro, activation_checkpointing=ac)
         assert layout_errors(Config(model=model, parallel=p.layout.parallel_config(), train=t), 4) == [], p.layout
 
 
