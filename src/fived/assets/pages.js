@@ -125,8 +125,9 @@ function drawLayerMap(D, entry) {
   const compact = tp * cp * ranks.length > COMPACT_GPUS;
   box.classList.toggle("compact", compact);
   const tensors = weights.concat(acts);
+  const collectives = entry.collectives.map((i) => D.collectives[i]);  // (rows stored once, by index)
   const joined = {};  // global rank -> collectives it takes part in
-  entry.collectives.forEach((c, i) => D.members[c[6]].forEach((r) => (joined[r] = joined[r] || []).push(i)));
+  collectives.forEach((c, i) => D.members[c[6]].forEach((r) => (joined[r] = joined[r] || []).push(i)));
   ranks.forEach((rank, p) => {
     const row = el("div", "stage");
     const held = rank.layers ? "layers " + rank.stages.map((s) => s[0] + "-" + s[1]).join(", ") + ` (${rank.layers})` : "no layers";
@@ -140,14 +141,14 @@ function drawLayerMap(D, entry) {
       gpu.appendChild(el("div", "gpu-label", compact ? `GPU ${g}` : `GPU ${g} (tp ${t}, cp ${c})`));
       gpu.title = `GPU ${g}: tp rank ${t}, cp rank ${c}, pp rank ${p}`;
       if (!compact) gpu.appendChild(tensorList(tensors, rank, null));
-      for (const i of joined[g] || []) gpu.appendChild(el("span", "badge c" + (i % 8), compact ? "" : entry.collectives[i][0] + " " + entry.collectives[i][1]));
+      for (const i of joined[g] || []) gpu.appendChild(el("span", "badge c" + (i % 8), compact ? "" : collectives[i][0] + " " + collectives[i][1]));
       gpus.appendChild(gpu);
     }
     row.appendChild(gpus); box.appendChild(row);
   });
   const list = el("table", "collectives");
   list.appendChild(rowOf("th", ["collective", "mesh dimension", "bytes / step", "calls / step", "link", "group size", "joins GPUs (this replica)"]));
-  entry.collectives.forEach((c, i) => {
+  collectives.forEach((c, i) => {
     const members = D.members[c[6]];
     const tr = rowOf("td", [c[1], c[0], BYTES(c[2]), String(c[3]), c[4], String(c[5]), members.join(", ") + (c[7] ? ` + ${c[7]} in other replicas` : "")]);
     tr.className = "c" + (i % 8);
@@ -155,9 +156,9 @@ function drawLayerMap(D, entry) {
     tr.addEventListener("mouseleave", () => document.querySelectorAll(".gpu.lit").forEach((g) => g.classList.remove("lit")));
     list.appendChild(tr);
   });
-  if (!entry.collectives.length) list.appendChild(rowOf("td", ["(none: one GPU)"]));
+  if (!collectives.length) list.appendChild(rowOf("td", ["(none: one GPU)"]));
   box.appendChild(list);
-  if (!compact) drawLinks(box, entry.collectives.map((c) => [D.members[c[6]], c[7]]));
+  if (!compact) drawLinks(box, collectives.map((c) => [D.members[c[6]], c[7]]));
 }
 
 function tensorList(tensors, rank, cls) {

@@ -499,14 +499,33 @@ def _recompute_block(key, layout: Layout, seq_len: int, dtype: str, runtime: Run
 
 @layout_memo(maxsize=65536)
 def _rank_activations(key, layout: Layout, pp, schedule, n_stages, pp_layers, seq_len, dtype, runtime):
-    """Per pipeline rank: bytes one micro-batch saves for backward over all the rank's chunks."""
-    return [
-        sum(
-            _activations(key, layout, seq_len, dtype, *c, runtime)
-            for c in rank_chunks_by_key(key, pp, schedule, n_stages, r, pp_layers)
-        )
-        for r in range(pp)
+    """Per pipeline rank: bytes one micro-batch saves for backward over all the rank's chunks (summed
+    once per kind of rank: `_activation_kinds`)."""
+    kinds, of_rank = _activation_kinds(key, pp, schedule, n_stages, pp_layers)
+    sums = [
+        sum(_chunk_activations(key, layout, seq_len, dtype, *c, runtime) for c in chunks) for chunks in kinds
     ]
+    return [sums[kind] for kind in of_rank]
+
+
+@lru_cache(maxsize=4096)
+def _activation_kinds(key, pp: int, schedule: str, n_stages: int, pp_layers: str) -> tuple:
+    """(each kind of pipeline rank's chunks, as `_chunk_activations` takes them: the first chunk of the
+    same layer kinds (`_same_kinds`), first, last; per rank, its kind): ranks whose chunks agree in
+    these save the same bytes (a 70B plan's 8 ranks: 3 kinds, the first, the middle and the last)."""
+    index: dict[tuple, int] = {}
+    kinds: list[tuple] = []
+    of_rank = []
+    for r in range(pp):
+        chunks = tuple(
+            (_same_kinds(key, tuple(layers)), first, last)
+            for layers, first, last in rank_chunks_by_key(key, pp, schedule, n_stages, r, pp_layers)
+        )
+        if chunks not in index:
+            index[chunks] = len(kinds)
+            kinds.append(chunks)
+        of_rank.append(index[chunks])
+    return tuple(kinds), tuple(of_rank)
 
 
 def reserve_bytes(device_gib: float) -> int:

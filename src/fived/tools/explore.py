@@ -172,17 +172,18 @@ def _reachable(layout: Layout, hsdp: bool, cluster: Cluster) -> Layout | str:
 
 def collectives(
     model: ModelConfig, layout: Layout, cluster: Cluster, seq_len: int, global_batch: int, dtype: str
-) -> list[list]:
-    """[group, op, bytes per step, calls per step, link, size, members, others] of pipeline rank 0's
+) -> tuple[tuple, ...]:
+    """(group, op, bytes per step, calls per step, link, size, members, others) of pipeline rank 0's
     collectives (the planner's list, summed by group and op): the model-parallel ones, then the
-    data-parallel ones, each memoised on the fields it reads (`fived.planner.communication`)."""
+    data-parallel ones, each memoised on the fields it reads (`fived.planner.communication`). The
+    rows are the memos' own objects, shared by every layout they price alike: a worker's message
+    pickles each once, and `explore_data` interns each once (a page's 1.4M rows are ~7k distinct)."""
     key, per_node = model_key(model), cluster.gpus_per_node
     reductions = _data_parallel_rows if layout.optimizer != "muon" else _rows_of_data_parallel
-    rows = (
+    return (
         *_model_parallel_rows(key, layout, per_node, seq_len, global_batch, dtype),
         *reductions(key, layout, per_node, global_batch, dtype),
     )
-    return [list(row) for row in rows]  # (copies: explore_data puts an index in place of the members)
 
 
 @layout_memo(maxsize=16384, values=model_parallel_values)
@@ -213,7 +214,7 @@ def _rows(calls, layout: Layout, per_node: int) -> list[tuple]:
         link = "NVLink" if in_node(per_node, stride, size) else "network"
         members, others = replica_members(layout.mesh_key, group)
         out.append((group, op, round(total), round(n, 3), link, size, members, others))
-    return out
+    return tuple(out)
 
 
 def _merge(calls, merged: dict) -> dict:
@@ -227,13 +228,13 @@ def _merge(calls, merged: dict) -> dict:
 
 
 @functools.lru_cache(maxsize=4096)
-def replica_members(mesh_key: tuple, group: str) -> tuple[list[int], int]:
+def replica_members(mesh_key: tuple, group: str) -> tuple[tuple[int, ...], int]:
     """(global ranks of rank 0's `group` inside the first model replica, how many lie outside it), on
     the mesh of `mesh_key` (`Layout.mesh_key`: the fields a group's ranks depend on): the replica is
     the pp x cp x tp ranks whose data-parallel index is 0 (`Layout.group_ranks`' mesh)."""
     layout = Layout(**dict(zip(MESH_FIELDS, mesh_key)))
     ranks = layout.group_ranks(group, 0)
-    inside = sorted(r for r in ranks if r // (layout.tp * layout.cp) % layout.dp == 0)
+    inside = tuple(sorted(r for r in ranks if r // (layout.tp * layout.cp) % layout.dp == 0))
     return inside, len(ranks) - len(inside)
 
 
@@ -324,10 +325,11 @@ def explore_data(
     price them (default: one per usable core, `fived.tools.workers`), the figures the same whatever it is.
     `entries` is a flat list indexed by the toggles' value positions (`slot`: mixed radix, TOGGLES
     order): None where gpus is no multiple of tp*pp*cp, a reason's index, or the layout's figures,
-    whose flags and collectives' rank lists are indices into shared tables (they repeat)."""
+    whose flags and collectives are indices into shared tables (they repeat: `flag_words`,
+    `collectives`, whose rank lists index `members`)."""
     options = toggle_options(model, cluster, seq_len, global_batch)
     entries: list = [None] * math.prod(len(v) for v in options.values())
-    errors, flag_words, members = Interned(), Interned(), Interned()
+    errors, flag_words, rows = Interned(), Interned(), Interned()
     maps: dict = {"weights": {}, "activations": {}, "ranks": {}}
     timelines: dict = {}
     every = max(1, len(entries) // PROGRESS_STEPS)
@@ -335,6 +337,7 @@ def explore_data(
     with Workers(workers) as pool:  # (each mesh priced in a worker; their figures merged here, in order)
         pending_ranking = pool.submit(ranking, model, cluster, seq_len, global_batch, dtype, headroom_gib)
         for reasons, priced in pool.map(priced_mesh, job, mesh_choices(options, cluster.gpus)):
+            seen: dict[int, int] = {}  # id(row) -> its index: a message's rows arrive shared (pickle's memo)
             for position, values, entry in priced:
                 if progress is not None and position // every != (position - 1) // every:
                     progress(position / len(entries))
@@ -343,8 +346,7 @@ def explore_data(
                     continue
                 _draw_parts(model, values, seq_len, entry, maps, timelines)
                 entry["flags"] = [flag_words.id(pair) for pair in entry["flags"]]
-                for c in entry["collectives"]:
-                    c[6] = members.id(tuple(c[6]))
+                entry["collectives"] = [_row_id(row, rows, seen) for row in entry["collectives"]]
                 entries[position] = entry
         ranked = pending_ranking()
     if progress is not None:
@@ -369,7 +371,7 @@ def explore_data(
         "errors": errors.items,
         "entries": entries,
         "flag_words": flag_words.items,
-        "members": members.items,
+        **_collective_tables(rows.items),
         "maps": maps,
         "timelines": timelines,
         "ranking": ranked,
@@ -397,6 +399,22 @@ def priced_mesh(job: tuple, mesh: tuple) -> tuple[list[str], list[tuple[int, tup
         entry["flags"] = flag_pairs(entry["flags"])
         out.append((position, layout_values(layout), entry))
     return reasons.items, out
+
+
+def _row_id(row: tuple, rows: Interned, seen: dict[int, int]) -> int:
+    """The index of a collective's row in `rows`, found by the row object's identity where this message
+    has sent it before (hashing the row's rank list for each of 1.4M rows cost seconds)."""
+    found = seen.get(id(row))
+    if found is None:
+        found = seen[id(row)] = rows.id(row)
+    return found
+
+
+def _collective_tables(rows: list[tuple]) -> dict:
+    """The page's `collectives` rows, each's rank list an index into `members` (rank lists repeat)."""
+    members = Interned()
+    table = [[*row[:6], members.id(row[6]), row[7]] for row in rows]
+    return {"collectives": table, "members": [list(m) for m in members.items]}
 
 
 def _draw_parts(model: ModelConfig, values: tuple, seq_len: int, entry: dict, maps: dict, timelines: dict) -> None:
