@@ -11,7 +11,7 @@ import pytest
 from fived.config import Config, ParallelConfig, model_preset
 from fived.layout.layout import Layout
 from fived.layout.rules import core_layout_errors, layout_errors, per_layout_errors
-from fived.layout.stages import model_key, rank_chunks
+from fived.layout.stages import model_key, placement, rank_chunks
 from fived.planner import memory, validity
 from fived.planner.layout_cache import layout_memo
 from fived.planner.runtimes import FIVED
@@ -81,6 +81,30 @@ def test_state_layout_drops_only_what_the_state_and_its_buffers_do_not_read(zero
         assert memory.state_layout(layout) == memory.state_layout(base)
         ranks = memory._rank_states.__wrapped__(key, layout, "bfloat16", FIVED)
         assert ranks == memory._rank_states.__wrapped__(key, base, "bfloat16", FIVED), name
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_memory_per_gpu_memos_key_on_every_field_they_read(zero):
+    """`memory_per_gpu`'s memos keyed on a layout's values in short (its state's: `_state_ranks`; its
+    activations': `_layout_activations`, `_layout_recompute`) answer what their functions compute on the
+    state and activation layouts, uncached, for every field changed in turn after the base warmed them."""
+    model, seq_len = model_preset("mixtral-8x7b"), 4096
+    key = model_key(model)
+    base = BASE.with_(zero=zero, checkpointing="selective")
+    for name, value in CHANGED.items():
+        for layout in (base, base.with_(**{name: value})):
+            state = memory.state_layout(layout)
+            want = (
+                memory._rank_sums.__wrapped__(key, state, "bfloat16", FIVED),
+                memory._rank_states.__wrapped__(key, state, "bfloat16", FIVED),
+            )
+            assert memory._state_ranks(key, layout, "bfloat16", FIVED) == want, name
+            acts = memory._activation_layout(layout)
+            stages = (layout.pp, placement(layout.pp_schedule), layout.n_stages, layout.pp_layers)
+            want_acts = memory._rank_activations.__wrapped__(key, acts, *stages, seq_len, "bfloat16", FIVED)
+            assert memory._layout_activations(key, layout, seq_len, "bfloat16", FIVED) == want_acts, name
+            want_block = memory._recompute_block.__wrapped__(key, acts, seq_len, "bfloat16", FIVED)
+            assert memory._layout_recompute(key, layout, seq_len, "bfloat16", FIVED) == want_block, name
 
 
 def test_layout_memo_keys_on_the_values_and_keeps_the_latest():
@@ -192,11 +216,11 @@ def test_model_parallel_memos_answer_what_the_whole_list_prices_for_every_field_
             chunks, stages = rank_chunks(model, layout, 0), rank_stages(layout, 0)
             merged = explore._merge(step_collectives(model, layout, seq_len, global_batch, dtype, chunks, stages), {})
             rows = explore.collectives(model, layout, cluster, seq_len, global_batch, dtype)
-            assert rows == [
-                [g, op, round(n), round(k, 3), link(layout, g), group_spans(layout)[g][0], *members(layout, g)]
+            assert rows == tuple(
+                (g, op, round(n), round(k, 3), link(layout, g), group_spans(layout)[g][0], *members(layout, g))
                 for (g, op), (n, k) in merged.items()
                 if group_spans(layout)[g][0] > 1
-            ], (zero, name)
+            ), (zero, name)
 
 
 def link(layout, group):
@@ -210,5 +234,5 @@ def link(layout, group):
 def members(layout, group):
     """(the ranks of rank 0's group in the first model replica, how many are outside it), by hand."""
     ranks = layout.group_ranks(group, 0)
-    inside = sorted(r for r in ranks if r // (layout.tp * layout.cp) % layout.dp == 0)
+    inside = tuple(sorted(r for r in ranks if r // (layout.tp * layout.cp) % layout.dp == 0))
     return inside, len(ranks) - len(inside)

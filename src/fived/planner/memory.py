@@ -42,8 +42,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import lru_cache
+from operator import attrgetter
 
 from fived.config import ModelConfig
 from fived.layout.activation_model import blockwise_layer
@@ -306,11 +307,7 @@ def state_layout(layout: Layout) -> Layout:
     schedule as the stages it places on each rank, its cp mode and tp/ep overlaps (the caches below
     key on it, shared by every micro-batch / checkpointing / SP option, by the schedules that place
     stages alike and by the cp modes)."""
-    schedule, virtual = "1f1b", 1
-    if layout.pp > 1 and placement(layout.pp_schedule) != "1f1b":  # V-shaped: two stages a rank
-        schedule = "zbv"
-    elif layout.pp > 1 and layout.n_stages > layout.pp:  # looped, several stages a rank
-        schedule, virtual = "interleaved-1f1b", layout.n_stages // layout.pp
+    schedule, virtual = _placed_schedule(layout)
     return layout.with_(
         micro_batch=1,
         sp=False,
@@ -326,9 +323,52 @@ def state_layout(layout: Layout) -> Layout:
     )
 
 
+def _placed_schedule(layout: Layout) -> tuple[str, int]:
+    """The schedule and virtual stages that place `layout`'s stages on its ranks alike (`state_layout`)."""
+    if layout.pp > 1 and placement(layout.pp_schedule) != "1f1b":  # V-shaped: two stages a rank
+        return "zbv", 1
+    if layout.pp > 1 and layout.n_stages > layout.pp:  # looped, several stages a rank
+        return "interleaved-1f1b", layout.n_stages // layout.pp
+    return "1f1b", 1
+
+
+# the fields `state_layout` keeps as they are (it sets the others to one value, but the schedule's)
+_STATE_KEPT = attrgetter(
+    *(
+        f.name
+        for f in fields(Layout)
+        if f.name
+        not in (
+            "micro_batch",
+            "sp",
+            "checkpointing",
+            "pp_schedule",
+            "pp_virtual",
+            "cp_mode",
+            "cp_ulysses",
+            "tp_overlap",
+            "ep_overlap",
+        )
+    )
+)
+
+
+def _state_values(layout: Layout) -> tuple:
+    """`state_layout(layout)`'s field values in short: equal for two layouts iff their state layouts are
+    (the memos below key on it: building the state layout per look-up cost more than the look-up)."""
+    return (_STATE_KEPT(layout), _placed_schedule(layout))
+
+
+@layout_memo(maxsize=65536, values=_state_values)
+def _state_ranks(key, layout: Layout, dtype: str, runtime: Runtime) -> tuple:
+    """(`_rank_sums`, `_rank_states`) of `layout`'s `state_layout`."""
+    state = state_layout(layout)
+    return _rank_sums(key, state, dtype, runtime), _rank_states(key, state, dtype, runtime)
+
+
 def state_floor(m: ModelConfig, layout: Layout, dtype: str, runtime: Runtime = FIVED) -> int:
     """The largest model-state bytes of any pipeline rank: a lower bound of the peak, to prune early."""
-    return max(total + static for total, static, _, _ in _rank_sums(model_key(m), state_layout(layout), dtype, runtime))
+    return max(total + static for total, static, _, _ in _state_ranks(model_key(m), layout, dtype, runtime)[0])
 
 
 @dataclass
@@ -359,20 +399,35 @@ def activation_bytes_per_microbatch(
     ]
 
 
+_ACTIVATION_FIELDS = (
+    "tp",
+    "cp",
+    "ep",
+    "etp",
+    "sp",
+    "micro_batch",
+    "checkpointing",
+    "cp_mode",
+    "cp_ulysses",
+    "document_mask",
+)
+
+
+@layout_memo(maxsize=65536, values=attrgetter(*_ACTIVATION_FIELDS, "pp", "pp_schedule", "pp_virtual", "pp_layers"))
+def _layout_activations(key, L: Layout, seq_len: int, dtype: str, runtime: Runtime) -> list[int]:
+    """`_rank_activations` of `L`'s activation layout and stages, keyed on the fields they read."""
+    stages = (L.pp, placement(L.pp_schedule), L.n_stages, L.pp_layers)
+    return _rank_activations(key, _activation_layout(L), *stages, seq_len, dtype, runtime)
+
+
+@layout_memo(maxsize=65536, values=attrgetter(*_ACTIVATION_FIELDS))
+def _layout_recompute(key, L: Layout, seq_len: int, dtype: str, runtime: Runtime) -> int:
+    return _recompute_block(key, _activation_layout(L), seq_len, dtype, runtime)
+
+
 def _activation_layout(layout: Layout) -> Layout:
     """What decides the activation bytes of a chunk: the sizes, micro-batch, SP, checkpointing."""
-    return Layout(
-        tp=layout.tp,
-        cp=layout.cp,
-        ep=layout.ep,
-        etp=layout.etp,
-        sp=layout.sp,
-        micro_batch=layout.micro_batch,
-        checkpointing=layout.checkpointing,
-        cp_mode=layout.cp_mode,
-        cp_ulysses=layout.cp_ulysses,
-        document_mask=layout.document_mask,
-    )
+    return Layout(**{name: getattr(layout, name) for name in _ACTIVATION_FIELDS})
 
 
 def _activations(
@@ -444,20 +499,15 @@ def memory_per_gpu(
     in_flight = pipeline_profile(L.pp_schedule, L.pp, L.pp_virtual, micro)[1] if L.pp > 1 else [1]
     e = ACTIVATION_BYTES[dtype]
     tokens = L.micro_batch * seq_len // L.cp  # one micro-batch on one rank
-    state_key = state_layout(L)
-    activation_layout = _activation_layout(L)
-    acts = _rank_activations(
-        key, activation_layout, L.pp, placement(L.pp_schedule), L.n_stages, L.pp_layers, seq_len, dtype, runtime
-    )
+    sums, states = _state_ranks(key, L, dtype, runtime)
+    acts = _layout_activations(key, L, seq_len, dtype, runtime)
     # checkpointing recomputes one block at a time in backward: its activations exist once more
-    recompute = _recompute_block(key, activation_layout, seq_len, dtype, runtime) if L.checkpointing != "none" else 0
+    recompute = _layout_recompute(key, L, seq_len, dtype, runtime) if L.checkpointing != "none" else 0
     micro_buffers = 2 * tokens * m.dim * e if L.tp > 1 else 0  # one region's gathered input and its partial output
     logits = tokens * local_vocab(m, L.tp) * 4  # the loss's float32 logits of one micro-batch (last stage)
     accumulates = micro > 1 or L.pp > 1  # FSDP2 accumulates unsharded gradients across micro-batches
     worst = None
-    for pp_rank, (state_total, static, accumulated, holds_last) in enumerate(
-        _rank_sums(key, state_key, dtype, runtime)
-    ):
+    for pp_rank, (state_total, static, accumulated, holds_last) in enumerate(sums):
         buffers = static + recompute
         if accumulates:
             buffers += accumulated
@@ -470,10 +520,7 @@ def memory_per_gpu(
             worst = (total, pp_rank, buffers)
     assert worst is not None  # (pp >= 1 ranks)
     _, pp_rank, buffers = worst
-    state, activations = (
-        _rank_states(key, state_key, dtype, runtime)[pp_rank][0],
-        round(acts[pp_rank] * in_flight[pp_rank]),
-    )
+    state, activations = states[pp_rank][0], round(acts[pp_rank] * in_flight[pp_rank])
     return MemoryEstimate(
         state["params"], state["grads"], state["optimizer"], activations, buffers, reserve_bytes(device_gib)
     )
@@ -503,7 +550,11 @@ def _rank_activations(key, layout: Layout, pp, schedule, n_stages, pp_layers, se
     once per kind of rank: `_activation_kinds`)."""
     kinds, of_rank = _activation_kinds(key, pp, schedule, n_stages, pp_layers)
     sums = [
-        sum(_chunk_activations(key, layout, seq_len, dtype, *c, runtime) for c in chunks) for chunks in kinds
+        sum(
+            _chunk_activations(key, layout, seq_len, dtype, layers, first, last, runtime)
+            for layers, first, last in chunks
+        )
+        for chunks in kinds
     ]
     return [sums[kind] for kind in of_rank]
 

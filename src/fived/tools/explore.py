@@ -203,7 +203,7 @@ def _rows_of_data_parallel(key: tuple, layout: Layout, per_node: int, global_bat
     return _rows(data_parallel_collectives(m, layout, global_batch, dtype, rank_chunks(m, layout, 0)), layout, per_node)
 
 
-def _rows(calls, layout: Layout, per_node: int) -> list[tuple]:
+def _rows(calls, layout: Layout, per_node: int) -> tuple[tuple, ...]:
     """`collectives`' rows of `calls` on `layout`'s mesh (`per_node` GPUs in a node)."""
     out = []
     spans = group_spans(layout)
