@@ -403,7 +403,10 @@ def priced_mesh(job: tuple, mesh: tuple) -> tuple[list[str], list[tuple[int, tup
 
 def _row_id(row: tuple, rows: Interned, seen: dict[int, int]) -> int:
     """The index of a collective's row in `rows`, found by the row object's identity where this message
-    has sent it before (hashing the row's rank list for each of 1.4M rows cost seconds)."""
+    has sent it before (hashing the row's rank list for each of 1.4M rows cost seconds). Sound because
+    `seen` lives for one message, fully unpickled before it is read: its rows were all alive at once,
+    so no two share an id (a row freed meanwhile is never asked again). A message read lazily, or a
+    `seen` kept across messages, would break this."""
     found = seen.get(id(row))
     if found is None:
         found = seen[id(row)] = rows.id(row)
