@@ -302,25 +302,27 @@ def _state_bytes(
     return {"params": (n + n_exp) * pb, "grads": (grads + n_exp) * gb, "optimizer": (owned + n_exp) * ob - saving}
 
 
+# What `state_layout` sets to one value: what neither the state nor its buffers read (the activation
+# choices; the cp mode's layouts and the overlaps of tp and ep share one state, a third of a search's
+# distinct ones). The schedule it sets to the one that places the stages alike (`_placed_schedule`).
+_STATE_UNREAD = {
+    "micro_batch": 1,
+    "sp": False,
+    "checkpointing": "none",
+    "cp_mode": "ring",
+    "cp_ulysses": Layout.cp_ulysses,
+    "tp_overlap": False,
+    "ep_overlap": False,
+}
+
+
 def state_layout(layout: Layout) -> Layout:
     """What decides the model state and its buffers: the layout without its activation choices, its
     schedule as the stages it places on each rank, its cp mode and tp/ep overlaps (the caches below
     key on it, shared by every micro-batch / checkpointing / SP option, by the schedules that place
     stages alike and by the cp modes)."""
     schedule, virtual = _placed_schedule(layout)
-    return layout.with_(
-        micro_batch=1,
-        sp=False,
-        checkpointing="none",
-        pp_schedule=schedule,
-        pp_virtual=virtual,
-        # (what neither the state nor its buffers read: the cp mode's layouts, the overlaps of tp and ep,
-        # share one state, a third of a search's distinct ones)
-        cp_mode="ring",
-        cp_ulysses=Layout.cp_ulysses,
-        tp_overlap=False,
-        ep_overlap=False,
-    )
+    return layout.with_(**_STATE_UNREAD, pp_schedule=schedule, pp_virtual=virtual)
 
 
 def _placed_schedule(layout: Layout) -> tuple[str, int]:
@@ -332,24 +334,9 @@ def _placed_schedule(layout: Layout) -> tuple[str, int]:
     return "1f1b", 1
 
 
-# the fields `state_layout` keeps as they are (it sets the others to one value, but the schedule's)
+# the fields `state_layout` keeps as they are
 _STATE_KEPT = attrgetter(
-    *(
-        f.name
-        for f in fields(Layout)
-        if f.name
-        not in (
-            "micro_batch",
-            "sp",
-            "checkpointing",
-            "pp_schedule",
-            "pp_virtual",
-            "cp_mode",
-            "cp_ulysses",
-            "tp_overlap",
-            "ep_overlap",
-        )
-    )
+    *(f.name for f in fields(Layout) if f.name not in {*_STATE_UNREAD, "pp_schedule", "pp_virtual"})
 )
 
 
