@@ -245,6 +245,23 @@ def test_queued_timing_divides_by_the_calls_it_made():
     assert len(calls) == 1 + 30 * 6 and seconds == pytest.approx(1 / 6)
 
 
+def test_compute_is_measured_on_operands_that_rotate_through_more_memory_than_a_cache():
+    """A training step's GEMMs and element-wise ops read tensors written long before and write where no
+    recent op did: calibrate's operands rotate through ROTATION_BYTES (one set reused would stay in a
+    core's caches, and an element-wise op would measure 4-9x too fast here). Every set is visited in
+    turn, no set twice before the others."""
+    from fived.tools.calibrate import MAX_SETS, ROTATION_BYTES, rotation
+
+    made: list[torch.Tensor] = []
+    take = rotation(lambda: made.append(torch.empty(0)) or (made[-1],), 2**20)
+    assert len(made) * 2**20 >= ROTATION_BYTES and len(made) <= MAX_SETS
+    order = [id(take()[0]) for _ in range(2 * len(made))]
+    assert order[: len(made)] == [id(t) for t in made] and order[len(made) :] == order[: len(made)]
+    small: list[int] = []
+    rotation(lambda: small.append(1) or (), 1)
+    assert len(small) == MAX_SETS  # (a shape of a few bytes: its dispatch is its time)
+
+
 def test_what_fiveds_layers_add_per_dimension_is_measured_and_priced(profile, tmp_path):
     """calibrate times fived's trainer at negligible shapes on its ranks, tp, cp and ep at 2 against data
     parallelism, with 1 and 3 layers, and pp 2 with 2 and 4 micro-batches; what each dimension adds beyond

@@ -15,7 +15,8 @@ mean over many calls; a median of short calls would measure only the calls that 
 from __future__ import annotations
 
 import datetime
-import functools
+import itertools
+import math
 import os
 import platform
 import socket
@@ -31,6 +32,10 @@ import torch.nn.functional as F
 from fived.config import ConfigError
 from fived.planner.profile import DEFAULT_MINUTES, DEFAULT_NPROC, TIMING_QUEUED, check_output, write_profile
 
+# what the compute measurements' operands rotate through (`rotation`): more than a CPU core's caches hold
+# (this project's 2-core VM: 4 MiB L2 a core), about a tiny model's step of activations on a CPU rank
+ROTATION_BYTES = 64 * 2**20
+MAX_SETS = 1024  # (the smallest shapes' time is their dispatch, wherever their bytes lie)
 FLOOR = 0.1  # a shape's time less the dispatch never counts below this share of what was measured
 
 
@@ -147,13 +152,32 @@ def queued_seconds(fn: Callable[[], object], budget_s: float, device: torch.devi
     return spent / calls
 
 
+def rotation(make: Callable[[], tuple], nbytes: int) -> Callable[[], tuple]:
+    """A function giving the next of enough sets of tensors `make()` builds (`nbytes` each) to span
+    ROTATION_BYTES: each call's operands and output are memory no recent call touched, as in a training
+    step, whose element-wise ops and GEMMs read tensors written long before (the forward's, read back
+    by the backward) and write where no recent op did. (One set, reused, stays in a core's caches: on
+    this project's CPU an element-wise op then streams 4-9x faster than from memory, a GEMM 1.5x.)"""
+    sets = [make() for _ in range(min(MAX_SETS, max(2, -(-ROTATION_BYTES // max(nbytes, 1)))))]
+    turn = itertools.cycle(sets)
+    return lambda: next(turn)
+
+
 def linear_seconds(rows: int, width: int, depth: int, slice_s: float, device: torch.device) -> float:
-    """A linear layer's forward and backward GEMMs: y = x w (rows x depth @ depth x width), dx, dw."""
-    x = torch.randn(rows, depth, device=device, dtype=matmul_dtype(device))
-    w = torch.randn(depth, width, device=device, dtype=x.dtype)
-    dy = torch.randn(rows, width, device=device, dtype=x.dtype)
+    """A linear layer's forward and backward GEMMs: y = x w (rows x depth @ depth x width), dx, dw; the
+    activations (x, dy) rotate through memory (`rotation`), the weight stays."""
+    dtype = matmul_dtype(device)
+    w = torch.randn(depth, width, device=device, dtype=dtype)
+    activations = rotation(
+        lambda: (
+            torch.ones(rows, depth, device=device, dtype=dtype),
+            torch.ones(rows, width, device=device, dtype=dtype),
+        ),
+        (rows * (depth + width)) * w.element_size(),
+    )
 
     def three():
+        x, dy = activations()
         torch.mm(x, w)
         torch.mm(dy, w.t())
         torch.mm(x.t(), dy)
@@ -188,10 +212,15 @@ def attention_heads(device: torch.device) -> int:
 
 def attention_seconds(seq: int, head_dim: int, heads: int, slice_s: float, device: torch.device) -> float:
     shape, dtype = (1, heads, seq, head_dim), matmul_dtype(device)
-    q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
-    grad = torch.randn(shape, device=device, dtype=dtype)
+
+    def make() -> tuple:
+        q, k, v = (torch.ones(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+        return q, k, v, torch.ones(shape, device=device, dtype=dtype)  # (values do not change the time)
+
+    operands = rotation(make, 4 * math.prod(shape) * torch.finfo(dtype).bits // 8)
 
     def forward_backward():
+        q, k, v, grad = operands()
         F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
 
     return timed(forward_backward, slice_s, device)
@@ -213,15 +242,20 @@ def measure_attention(sizes: Sizes, budget_s: float, device: torch.device) -> tu
 
 
 def measure_stream(sizes: Sizes, budget_s: float, device: torch.device) -> tuple[list, dict, float]:
-    """Element-wise c = a + b by size (bytes moved: 3 tensors), the dispatch taken out on CPU; and AdamW's step."""
+    """Element-wise c = a + b by size (bytes moved: 3 tensors; `rotation`'s), the dispatch taken out on CPU; and
+    AdamW's step."""
     slice_s = budget_s / (len(sizes.stream_bytes) + 2)
     tiny = torch.ones(1, device=device)
     base = timed(lambda: torch.add(tiny, tiny, out=tiny), slice_s, device) if device.type == "cpu" else 0.0
     raw = []
     for nbytes in sizes.stream_bytes:
-        a, b, c = (torch.ones(nbytes // 4, device=device) for _ in range(3))
-        seconds = timed(functools.partial(torch.add, a, b, out=c), slice_s, device)
-        raw.append([3 * nbytes, seconds])
+        operands = rotation(lambda n=nbytes: tuple(torch.ones(n // 4, device=device) for _ in range(3)), 3 * nbytes)
+
+        def add(operands=operands):
+            a, b, c = operands()
+            torch.add(a, b, out=c)
+
+        raw.append([3 * nbytes, timed(add, slice_s, device)])
     return raw, stream_curve(raw, base), optimizer_bytes_per_s(max(sizes.stream_bytes) // 4, slice_s, device)
 
 
