@@ -253,12 +253,12 @@ def test_compute_is_measured_on_operands_that_rotate_through_more_memory_than_a_
     from fived.tools.calibrate import MAX_SETS, ROTATION_BYTES, rotation
 
     made: list[torch.Tensor] = []
-    take = rotation(lambda: made.append(torch.empty(0)) or (made[-1],), 2**20)
-    assert len(made) * 2**20 >= ROTATION_BYTES and len(made) <= MAX_SETS
+    take = rotation(lambda: made.append(torch.empty(0)) or (made[-1],), 2**20, torch.device("cpu"))
+    assert len(made) * 2**20 >= ROTATION_BYTES["cpu"] and len(made) <= MAX_SETS
     order = [id(take()[0]) for _ in range(2 * len(made))]
     assert order[: len(made)] == [id(t) for t in made] and order[len(made) :] == order[: len(made)]
     small: list[int] = []
-    rotation(lambda: small.append(1) or (), 1)
+    rotation(lambda: small.append(1) or (), 1, torch.device("cpu"))
     assert len(small) == MAX_SETS  # (a shape of a few bytes: its dispatch is its time)
 
 

@@ -32,9 +32,10 @@ import torch.nn.functional as F
 from fived.config import ConfigError
 from fived.planner.profile import DEFAULT_MINUTES, DEFAULT_NPROC, TIMING_QUEUED, check_output, write_profile
 
-# what the compute measurements' operands rotate through (`rotation`): more than a CPU core's caches hold
-# (this project's 2-core VM: 4 MiB L2 a core), about a tiny model's step of activations on a CPU rank
-ROTATION_BYTES = 64 * 2**20
+# what the compute measurements' operands rotate through (`rotation`), by device: more than a CPU core's
+# caches hold (this project's 2-core VM: 4 MiB L2 a core; 64 MiB is about a tiny model's step of
+# activations on a CPU rank), more than any GPU's L2 (H100/H200: 50 MB, B200: 126 MB)
+ROTATION_BYTES = {"cpu": 64 * 2**20, "cuda": 512 * 2**20}
 MAX_SETS = 1024  # (the smallest shapes' time is their dispatch, wherever their bytes lie)
 FLOOR = 0.1  # a shape's time less the dispatch never counts below this share of what was measured
 
@@ -152,13 +153,14 @@ def queued_seconds(fn: Callable[[], object], budget_s: float, device: torch.devi
     return spent / calls
 
 
-def rotation(make: Callable[[], tuple], nbytes: int) -> Callable[[], tuple]:
+def rotation(make: Callable[[], tuple], nbytes: int, device: torch.device) -> Callable[[], tuple]:
     """A function giving the next of enough sets of tensors `make()` builds (`nbytes` each) to span
-    ROTATION_BYTES: each call's operands and output are memory no recent call touched, as in a training
+    `device`'s ROTATION_BYTES: each call's operands and output are memory no recent call touched, as in a training
     step, whose element-wise ops and GEMMs read tensors written long before (the forward's, read back
     by the backward) and write where no recent op did. (One set, reused, stays in a core's caches: on
     this project's CPU an element-wise op then streams 4-9x faster than from memory, a GEMM 1.5x.)"""
-    sets = [make() for _ in range(min(MAX_SETS, max(2, -(-ROTATION_BYTES // max(nbytes, 1)))))]
+    span = ROTATION_BYTES["cuda" if device.type == "cuda" else "cpu"]
+    sets = [make() for _ in range(min(MAX_SETS, max(2, -(-span // max(nbytes, 1)))))]
     turn = itertools.cycle(sets)
     return lambda: next(turn)
 
@@ -174,6 +176,7 @@ def linear_seconds(rows: int, width: int, depth: int, slice_s: float, device: to
             torch.ones(rows, width, device=device, dtype=dtype),
         ),
         (rows * (depth + width)) * w.element_size(),
+        device,
     )
 
     def three():
@@ -217,7 +220,7 @@ def attention_seconds(seq: int, head_dim: int, heads: int, slice_s: float, devic
         q, k, v = (torch.ones(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
         return q, k, v, torch.ones(shape, device=device, dtype=dtype)  # (values do not change the time)
 
-    operands = rotation(make, 4 * math.prod(shape) * torch.finfo(dtype).bits // 8)
+    operands = rotation(make, 4 * math.prod(shape) * torch.finfo(dtype).bits // 8, device)
 
     def forward_backward():
         q, k, v, grad = operands()
@@ -249,7 +252,9 @@ def measure_stream(sizes: Sizes, budget_s: float, device: torch.device) -> tuple
     base = timed(lambda: torch.add(tiny, tiny, out=tiny), slice_s, device) if device.type == "cpu" else 0.0
     raw = []
     for nbytes in sizes.stream_bytes:
-        operands = rotation(lambda n=nbytes: tuple(torch.ones(n // 4, device=device) for _ in range(3)), 3 * nbytes)
+        operands = rotation(
+            lambda n=nbytes: tuple(torch.ones(n // 4, device=device) for _ in range(3)), 3 * nbytes, device
+        )
 
         def add(operands=operands):
             a, b, c = operands()
