@@ -245,21 +245,43 @@ def test_queued_timing_divides_by_the_calls_it_made():
     assert len(calls) == 1 + 30 * 6 and seconds == pytest.approx(1 / 6)
 
 
-def test_compute_is_measured_on_operands_that_rotate_through_more_memory_than_a_cache():
+def test_compute_is_measured_on_operands_that_rotate_through_more_memory_than_a_cache(monkeypatch):
     """A training step's GEMMs and element-wise ops read tensors written long before and write where no
-    recent op did: calibrate's operands rotate through ROTATION_BYTES (one set reused would stay in a
-    core's caches, and an element-wise op would measure 4-9x too fast here). Every set is visited in
-    turn, no set twice before the others."""
-    from fived.tools.calibrate import MAX_SETS, ROTATION_BYTES, rotation
+    recent op did: calibrate's sets of operands span ROTATION_BYTES, are handed out in turn, and every
+    timed call of the GEMMs', attention's and element-wise measurements (their dispatch bases too)
+    takes the next set (one set reused stays in cache: docs/planner.md has the figures)."""
+    from fived.tools import calibrate as cal
 
     made: list[torch.Tensor] = []
-    take = rotation(lambda: made.append(torch.empty(0)) or (made[-1],), 2**20, torch.device("cpu"))
-    assert len(made) * 2**20 >= ROTATION_BYTES["cpu"] and len(made) <= MAX_SETS
+    take = cal.rotation(lambda: made.append(torch.empty(0)) or (made[-1],), 2**20, torch.device("cpu"))
+    assert len(made) == cal.ROTATION_BYTES["cpu"] // 2**20  # (64 sets of 1 MiB)
     order = [id(take()[0]) for _ in range(2 * len(made))]
     assert order[: len(made)] == [id(t) for t in made] and order[len(made) :] == order[: len(made)]
     small: list[int] = []
-    rotation(lambda: small.append(1) or (), 1, torch.device("cpu"))
-    assert len(small) == MAX_SETS  # (a shape of a few bytes: its dispatch is its time)
+    cal.rotation(lambda: small.append(1) or (), 1, torch.device("cpu"))
+    assert len(small) == cal.MAX_SETS  # (a shape of a few bytes: its dispatch is its time)
+
+    draws: list[list[int]] = []  # per rotation made, the id of the set each call took
+    real = cal.rotation
+
+    def counted(make, nbytes, device):
+        take, mine = real(make, nbytes, device), []
+        draws.append(mine)
+        return lambda: mine.append(id(got := take())) or got
+
+    def three_calls(fn, budget_s, device):  # (each measurement's timed calls, without timing them)
+        for _ in range(3):
+            fn()
+        return 1.0
+
+    monkeypatch.setattr(cal, "rotation", counted)
+    monkeypatch.setattr(cal, "timed", three_calls)
+    cpu = torch.device("cpu")
+    cal.linear_seconds(16, 8, 32, 0.0, cpu)
+    cal.attention_seconds(16, 8, 2, 0.0, cpu)
+    cal.measure_stream(cal.QUICK, 0.0, cpu)
+    assert len(draws) == 2 + 1 + len(cal.QUICK.stream_bytes)  # (the stream's dispatch base rotates too)
+    assert all(len(d) == 3 and d[0] != d[1] != d[2] != d[0] for d in draws), draws
 
 
 def test_what_fiveds_layers_add_per_dimension_is_measured_and_priced(profile, tmp_path):

@@ -15,6 +15,7 @@ mean over many calls; a median of short calls would measure only the calls that 
 from __future__ import annotations
 
 import datetime
+import functools
 import itertools
 import math
 import os
@@ -32,9 +33,10 @@ import torch.nn.functional as F
 from fived.config import ConfigError
 from fived.planner.profile import DEFAULT_MINUTES, DEFAULT_NPROC, TIMING_QUEUED, check_output, write_profile
 
-# what the compute measurements' operands rotate through (`rotation`), by device: more than a CPU core's
-# caches hold (this project's 2-core VM: 4 MiB L2 a core; 64 MiB is about a tiny model's step of
-# activations on a CPU rank), more than any GPU's L2 (H100/H200: 50 MB, B200: 126 MB)
+# what the compute measurements' operands rotate through (`rotation`), by device: on CPU about a tiny
+# model's step of activations on a CPU rank (16x this project's VM's 4 MiB L2 a core; its shared L3, 480
+# MiB as the VM reports it, is not this process's alone), on a GPU more than any GPU's L2 (H100/H200
+# 50 MB, B200 126 MB)
 ROTATION_BYTES = {"cpu": 64 * 2**20, "cuda": 512 * 2**20}
 MAX_SETS = 1024  # (the smallest shapes' time is their dispatch, wherever their bytes lie)
 FLOOR = 0.1  # a shape's time less the dispatch never counts below this share of what was measured
@@ -154,36 +156,36 @@ def queued_seconds(fn: Callable[[], object], budget_s: float, device: torch.devi
 
 
 def rotation(make: Callable[[], tuple], nbytes: int, device: torch.device) -> Callable[[], tuple]:
-    """A function giving the next of enough sets of tensors `make()` builds (`nbytes` each) to span
-    `device`'s ROTATION_BYTES: each call's operands and output are memory no recent call touched, as in a training
-    step, whose element-wise ops and GEMMs read tensors written long before (the forward's, read back
-    by the backward) and write where no recent op did. (One set, reused, stays in a core's caches: on
-    this project's CPU an element-wise op then streams 4-9x faster than from memory, a GEMM 1.5x.)"""
+    """A function giving, call after call, the next of enough sets of tensors `make()` builds (`nbytes`
+    each) to span `device`'s ROTATION_BYTES (2 sets at least, MAX_SETS at most): each timed call reads
+    and writes memory no recent call touched, as a training step's ops do (the backward reads what the
+    forward wrote long before). One set reused stays in cache and times too fast (docs/planner.md,
+    "Machine profiles", has the figures)."""
     span = ROTATION_BYTES["cuda" if device.type == "cuda" else "cpu"]
     sets = [make() for _ in range(min(MAX_SETS, max(2, -(-span // max(nbytes, 1)))))]
     turn = itertools.cycle(sets)
     return lambda: next(turn)
 
 
+def _ones(shapes: tuple, device: torch.device, dtype: torch.dtype) -> tuple:
+    return tuple(torch.ones(shape, device=device, dtype=dtype) for shape in shapes)  # (values do not change the time)
+
+
 def linear_seconds(rows: int, width: int, depth: int, slice_s: float, device: torch.device) -> float:
-    """A linear layer's forward and backward GEMMs: y = x w (rows x depth @ depth x width), dx, dw; the
-    activations (x, dy) rotate through memory (`rotation`), the weight stays."""
+    """A linear layer's forward and backward GEMMs: y = x w (rows x depth @ depth x width), dx = dy w^T,
+    dw = x^T dy; every input and output rotates (`rotation`: a step reads each layer's weight once per
+    micro-batch too, long after the last)."""
     dtype = matmul_dtype(device)
-    w = torch.randn(depth, width, device=device, dtype=dtype)
-    activations = rotation(
-        lambda: (
-            torch.ones(rows, depth, device=device, dtype=dtype),
-            torch.ones(rows, width, device=device, dtype=dtype),
-        ),
-        (rows * (depth + width)) * w.element_size(),
-        device,
+    shapes = ((rows, depth), (depth, width), (rows, width), (rows, width), (rows, depth), (depth, width))
+    tensors = rotation(
+        functools.partial(_ones, shapes, device, dtype), sum(math.prod(s) for s in shapes) * dtype.itemsize, device
     )
 
     def three():
-        x, dy = activations()
-        torch.mm(x, w)
-        torch.mm(dy, w.t())
-        torch.mm(x.t(), dy)
+        x, w, dy, y, dx, dw = tensors()
+        torch.mm(x, w, out=y)
+        torch.mm(dy, w.t(), out=dx)
+        torch.mm(x.t(), dy, out=dw)
 
     return timed(three, slice_s, device)
 
@@ -214,17 +216,20 @@ def attention_heads(device: torch.device) -> int:
 
 
 def attention_seconds(seq: int, head_dim: int, heads: int, slice_s: float, device: torch.device) -> float:
+    """Causal fused attention's forward and backward on rotating q, k, v and output gradient; its
+    outputs come from the allocator, as a step's do."""
     shape, dtype = (1, heads, seq, head_dim), matmul_dtype(device)
 
     def make() -> tuple:
-        q, k, v = (torch.ones(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
-        return q, k, v, torch.ones(shape, device=device, dtype=dtype)  # (values do not change the time)
+        q, k, v, grad = _ones((shape,) * 4, device, dtype)
+        return q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), grad
 
-    operands = rotation(make, 4 * math.prod(shape) * torch.finfo(dtype).bits // 8, device)
+    operands = rotation(make, 4 * math.prod(shape) * dtype.itemsize, device)
 
     def forward_backward():
         q, k, v, grad = operands()
-        F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+        # (the gradients returned, not added into leaves' .grad: a step's q, k and v are no leaves)
+        torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v), grad)
 
     return timed(forward_backward, slice_s, device)
 
@@ -245,23 +250,23 @@ def measure_attention(sizes: Sizes, budget_s: float, device: torch.device) -> tu
 
 
 def measure_stream(sizes: Sizes, budget_s: float, device: torch.device) -> tuple[list, dict, float]:
-    """Element-wise c = a + b by size (bytes moved: 3 tensors; `rotation`'s), the dispatch taken out on CPU; and
-    AdamW's step."""
+    """Element-wise c = a + b by size (bytes moved: 3 tensors; `rotation`'s), the dispatch (a rotated
+    1-element add: the same path) taken out on CPU; and AdamW's step."""
     slice_s = budget_s / (len(sizes.stream_bytes) + 2)
-    tiny = torch.ones(1, device=device)
-    base = timed(lambda: torch.add(tiny, tiny, out=tiny), slice_s, device) if device.type == "cpu" else 0.0
-    raw = []
-    for nbytes in sizes.stream_bytes:
-        operands = rotation(
-            lambda n=nbytes: tuple(torch.ones(n // 4, device=device) for _ in range(3)), 3 * nbytes, device
-        )
+    float32 = torch.float32
 
-        def add(operands=operands):
-            a, b, c = operands()
-            torch.add(a, b, out=c)
+    def seconds(numel: int) -> float:
+        operands = rotation(functools.partial(_ones, ((numel,),) * 3, device, float32), 3 * 4 * numel, device)
+        return timed(functools.partial(_add, operands), slice_s, device)
 
-        raw.append([3 * nbytes, timed(add, slice_s, device)])
+    base = seconds(1) if device.type == "cpu" else 0.0
+    raw = [[3 * nbytes, seconds(nbytes // 4)] for nbytes in sizes.stream_bytes]
     return raw, stream_curve(raw, base), optimizer_bytes_per_s(max(sizes.stream_bytes) // 4, slice_s, device)
+
+
+def _add(operands: Callable[[], tuple]) -> None:
+    a, b, c = operands()
+    torch.add(a, b, out=c)
 
 
 def stream_curve(raw: list, base: float) -> dict:
