@@ -2,7 +2,8 @@
 
 One process measures the compute the planner prices, on one thread as each CPU rank runs (on a GPU,
 on the device): a linear layer's three GEMMs over the shapes layouts produce, causal fused attention
-forward + backward by sequence and head dim, element-wise and AdamW bandwidth, and one op's dispatch.
+forward + backward by sequence and head dim, element-wise and AdamW bandwidth, and one op's dispatch;
+each timed call on operands no recent call touched, as a step's ops run (`rotation`).
 Forked ranks (`fived.launch.ranks.run_ranks`: gloo on CPU, NCCL on CUDA) measure the collectives
 over every group size 2..N and fived's trainer at negligible shapes on one rank (the host time per
 layer and per step): `fived.tools.calibrate_ranks`. Each measurement repeats until its share of the
