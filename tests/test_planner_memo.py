@@ -236,3 +236,24 @@ def members(layout, group):
     ranks = layout.group_ranks(group, 0)
     inside = tuple(sorted(r for r in ranks if r // (layout.tp * layout.cp) % layout.dp == 0))
     return inside, len(ranks) - len(inside)
+
+
+def test_a_search_pauses_the_cyclic_collector_and_hands_it_back_as_it_found_it():
+    """`collector_paused`: off inside (what a search allocates holds no cycle), on again after, even when
+    the search raises; left off where the caller had turned it off."""
+    import gc
+
+    from fived.planner.layout_cache import collector_paused
+
+    assert gc.isenabled()
+    with pytest.raises(ZeroDivisionError), collector_paused():
+        assert not gc.isenabled()
+        _ = 1 / 0
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with collector_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -21,6 +21,7 @@ from operator import attrgetter
 from fived.config import CpMode, ModelConfig
 from fived.layout.layout import Layout
 from fived.planner.constants import Constants
+from fived.planner.layout_cache import collector_paused
 from fived.planner.memory import MemoryEstimate, memory_per_gpu, reserve_bytes, state_floor
 from fived.planner.pricing import Candidate, price
 from fived.planner.runtimes import FIVED, Runtime
@@ -282,6 +283,7 @@ class Search:
     fitting: int  # fitting layouts (len(plans) unless plan(keep=K) left some unpriced)
 
 
+@collector_paused()
 def plan(
     model: ModelConfig,
     cluster: Cluster,

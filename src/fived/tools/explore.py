@@ -34,7 +34,7 @@ from fived.planner.communication import (
     model_parallel_values,
 )
 from fived.planner.layer_map import activations, pipeline_ranks, replica_weights
-from fived.planner.layout_cache import layout_memo, layout_values
+from fived.planner.layout_cache import collector_paused, layout_memo, layout_values
 from fived.planner.links import in_node
 from fived.planner.runtimes import PLANNED_RUNTIMES, Runtime
 from fived.planner.search import (
@@ -309,6 +309,7 @@ def timeline_microbatches(layout: Layout, micro: int) -> int:
     return min(micro, TIMELINE_MICROBATCHES * layout.pp)
 
 
+@collector_paused()
 def explore_data(
     model: ModelConfig,
     cluster: Cluster,
