@@ -8,6 +8,7 @@ Megatron-Core requires of MoE under tp).
 
 from __future__ import annotations
 
+import functools
 import math
 
 from fived.layout import batch_rules
@@ -19,8 +20,7 @@ def expert_rules(need, m, p, t, dp: int) -> None:
     """`need(ok, lambda: (field, value, rule, hint))` (`need.per_layout`: with `fived.layout.batch_rules`'
     rules) for every expert rule of `m` (model), `p` (parallel) and
     `t` (train) on `dp` data-parallel ranks."""
-    layout = Layout(dp=max(dp, 1), tp=p.tp, cp=p.cp, ep=p.ep, etp=p.etp)  # (the expert mesh's one source)
-    folded, ranks = layout.folded, layout.expert_ranks
+    folded, ranks = _expert_mesh(max(dp, 1), p.tp, p.cp, p.ep, p.etp)
     over = "dp*cp*tp (parallel.etp=1)" if folded else "dp*cp"
 
     def ep_ok() -> int:
@@ -54,6 +54,14 @@ def expert_rules(need, m, p, t, dp: int) -> None:
     )
     if folded:
         _folding_rules(need, m, p, t)
+
+
+@functools.lru_cache(maxsize=4096)
+def _expert_mesh(dp: int, tp: int, cp: int, ep: int, etp: int) -> tuple[bool, int]:
+    """(folded, the ranks ep spans) of these sizes, read from `Layout` (the expert mesh's one source;
+    built once per sizes: the planner asks the rules of ~10^4 layouts)."""
+    layout = Layout(dp=dp, tp=tp, cp=cp, ep=ep, etp=etp)
+    return layout.folded, layout.expert_ranks
 
 
 def _folding_rules(need, m, p, t) -> None:

@@ -26,12 +26,14 @@ memory model and layer map read local shapes from it. Plain Python: no torch.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from typing import TypeVar
 
 from fived.config import ModelConfig
 from fived.layout.layout import Layout, keeps_flat_buffer
+from fived.layout.stages import model_key, model_of
 
 
 @dataclass(frozen=True)
@@ -149,7 +151,15 @@ def layer_specs(
 ) -> tuple[TensorSpec, ...]:
     """Transformer layer `lid`'s tensors. `etp`: the tensor-parallel size of the routed experts (0:
     tp, as fived runs them; the planner prices other runtimes' expert tensor parallelism)."""
-    return _layer_specs(m, lid if m.is_moe and lid >= m.n_dense_layers else -1, tp, ep, sp, etp or tp, lid)
+    return _memoised_layer_specs(model_key(m), lid, tp, ep, sp, etp)
+
+
+@functools.lru_cache(maxsize=16384)
+def _memoised_layer_specs(key: tuple, lid: int, tp: int, ep: int, sp: bool, etp: int) -> tuple[TensorSpec, ...]:
+    """`layer_specs`, built once per model, layer and sizes (the planner asks each layer's tensors of
+    ~10^4 layouts' chunks; the specs are frozen, so one tuple serves every caller)."""
+    m = model_of(key)
+    return tuple(_layer_specs(m, lid if m.is_moe and lid >= m.n_dense_layers else -1, tp, ep, sp, etp or tp, lid))
 
 
 def _layer_specs(m: ModelConfig, moe_id: int, tp: int, ep: int, sp: bool, etp: int, lid: int):
