@@ -493,21 +493,19 @@ def memory_per_gpu(
     micro_buffers = 2 * tokens * m.dim * e if L.tp > 1 else 0  # one region's gathered input and its partial output
     logits = tokens * local_vocab(m, L.tp) * 4  # the loss's float32 logits of one micro-batch (last stage)
     accumulates = micro > 1 or L.pp > 1  # FSDP2 accumulates unsharded gradients across micro-batches
-    worst = None
-    for pp_rank, (state_total, static, accumulated, holds_last) in enumerate(sums):
-        buffers = static + recompute
-        if accumulates:
-            buffers += accumulated
-        buffers += micro_buffers
-        if holds_last:
-            buffers += logits
-        # in-flight counts are whole-rank micro-batches (alive stage-micro-batches / stages per rank)
-        total = state_total + buffers + acts[pp_rank] * in_flight[pp_rank]
-        if worst is None or total > worst[0]:
-            worst = (total, pp_rank, buffers)
-    assert worst is not None  # (pp >= 1 ranks)
-    _, pp_rank, buffers = worst
+
+    every = recompute + micro_buffers  # (the buffers every rank has; the bools below count 0 or 1 times)
+    # each rank's state + buffers + activations (the integers summed first, exactly): in-flight counts
+    # are whole-rank micro-batches (alive stage-micro-batches / stages per rank); the busiest is the
+    # first rank with the largest (one list and C's max: a 70B plan asks ~3x10^4 layouts of <= 64 ranks)
+    totals = [
+        total + static + every + accumulated * accumulates + logits * last + a * f
+        for (total, static, accumulated, last), a, f in zip(sums, acts, in_flight)
+    ]
+    pp_rank = totals.index(max(totals))
+    _, static, accumulated, holds_last = sums[pp_rank]
     state, activations = states[pp_rank][0], round(acts[pp_rank] * in_flight[pp_rank])
+    buffers = static + every + accumulated * accumulates + logits * holds_last
     return MemoryEstimate(
         state["params"], state["grads"], state["optimizer"], activations, buffers, reserve_bytes(device_gib)
     )
