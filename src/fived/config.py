@@ -369,7 +369,14 @@ def _fields_by_key(section: str) -> dict[str, dataclasses.Field]:
 @functools.cache
 def field_type(section: str, key: str) -> Any:
     """The annotation of `section.key`, resolved (str, int, float, bool or a Literal of choices)."""
-    return typing.get_type_hints(SECTION_TYPES[section])[_fields_by_key(section)[key].name]
+    return _section_hints(section)[_fields_by_key(section)[key].name]
+
+
+@functools.cache
+def _section_hints(section: str) -> dict[str, Any]:
+    """A section's resolved annotations, once (resolving them all is the cost; every command's parser
+    asks each field's)."""
+    return typing.get_type_hints(SECTION_TYPES[section])
 
 
 def choices(section: str, key: str) -> tuple | None:

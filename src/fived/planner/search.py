@@ -250,10 +250,11 @@ def node_replicas(mesh: Layout, zero: int, gpus_per_node: int) -> int | None:
 
 def activation_choices(layout: Layout, seq_len: int, global_batch: int):
     """Micro-batch size, sequence parallelism, checkpointing: what decides the activation bytes.
-    Checkpointing last, cheapest first: more of it only ever costs time."""
+    Checkpointing last, cheapest first: more of it only ever costs time. (Each option's layouts are
+    built as they are asked for: the search stops at the first that fits, most often the first.)"""
     for mbs, sp in itertools.product(MICRO_BATCHES, (False, True) if layout.tp > 1 else (False,)):
         if (global_batch // layout.dp) % mbs == 0 and (mbs == 1 or mbs * seq_len <= MICRO_BATCH_TOKENS):
-            yield [layout.with_(micro_batch=mbs, sp=sp, checkpointing=ac) for ac in ("none", "selective", "full")]
+            yield (layout.with_(micro_batch=mbs, sp=sp, checkpointing=ac) for ac in ("none", "selective", "full"))
 
 
 DECISIONS = (
