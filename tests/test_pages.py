@@ -205,7 +205,16 @@ def test_explore_offers_what_the_planner_searched_and_agrees_with_plan_on_7_gpus
     from fived.planner.runtimes import PLANNED_RUNTIMES
     from fived.planner.search import SCHEDULES, mesh_shapes, plan
     from fived.planner.timing import Cluster
-    from fived.tools.explore import TOGGLES, explore_data, slot
+    from fived.tools.explore import (
+        MEMORY_PARTS,
+        TIME_PARTS,
+        TOGGLES,
+        entry_of,
+        explore_data,
+        map_keys,
+        slot,
+        timeline_key,
+    )
 
     model, cluster = model_preset("llama3-8b"), Cluster(hardware("h100"), 7, 8)
     data = explore_data(model, cluster, 2048, 14, "bfloat16", 3.0)
@@ -215,9 +224,14 @@ def test_explore_offers_what_the_planner_searched_and_agrees_with_plan_on_7_gpus
     best = plan(model, cluster, 2048, 14, "bfloat16", PLANNED_RUNTIMES["fived"], 3.0).plans  # (fived plan's defaults)
     assert best and len(data["ranking"]) == min(len(best), 8)
     for ranked, planned_ in zip(data["ranking"], best):
-        entry = data["entries"][slot(data["options"], "|".join(ranked["values"][t] for t in TOGGLES))]
+        entry = entry_of(data, slot(data["options"], "|".join(ranked["values"][t] for t in TOGGLES)))
         assert isinstance(entry, dict) and entry["describe"] == planned_.layout.describe()
         assert entry["memory"][-1] == planned_.memory.gib()["total"] and entry["time"][-1] == planned_.time.total
+        # (stored packed: memory in bytes, keys as indices; read back, every figure is the planner's double)
+        assert entry["memory"] == [planned_.memory.gib()[k] for k in MEMORY_PARTS]
+        assert entry["time"] == [planned_.time.to_dict()[k] for k in TIME_PARTS]
+        assert entry["map"] == map_keys(planned_.layout)
+        assert entry["timeline"] == timeline_key(planned_.layout, entry["microbatches"])
     assert data["start"] == data["ranking"][0]["values"]
     wide = explore_data(model, Cluster(hardware("h100"), 64, 8), 8192, 64, "bfloat16", 3.0)["options"]
     assert wide["cp"] == sorted({m.cp for m in mesh_shapes(model, 64, 8, 8192, 64)} | {1}) and len(wide["cp"]) > 2
@@ -265,7 +279,7 @@ def test_the_plans_winner_its_name_its_command_and_the_pages_command_agree(capsy
     from fived.planner.hardware import hardware
     from fived.planner.search import SCHEDULES
     from fived.planner.timing import Cluster
-    from fived.tools.explore import TOGGLES, explore_data, layout_from_flags, slot
+    from fived.tools.explore import TOGGLES, entry_of, explore_data, layout_from_flags, slot
 
     args = ["--model", "llama3-8b", "--gpus", "7", "--gpu", "h100", "--seq", "2048", "--global-batch-tokens", "28672"]
     capsys.readouterr()
@@ -274,9 +288,7 @@ def test_the_plans_winner_its_name_its_command_and_the_pages_command_agree(capsy
     name, command = re.search(r"^winner: (.*)\n  run it: (.*)$", text, re.M).groups()
     model = model_preset("llama3-8b")
     data = explore_data(model, Cluster(hardware("h100"), 7, 8), 2048, 14, "bfloat16", 3.0)
-    ranked = [
-        data["entries"][slot(data["options"], "|".join(r["values"][t] for t in TOGGLES))] for r in data["ranking"]
-    ]
+    ranked = [entry_of(data, slot(data["options"], "|".join(r["values"][t] for t in TOGGLES))) for r in data["ranking"]]
     shown = [data["command"] + " " + " ".join(data["flag_words"][i] for i in entry["flags"]) for entry in ranked]
     assert ranked[0]["describe"] == name and shown[0] == command and "--train.compile true" in command
     assert any(" pp7 " in entry["describe"] for entry in ranked)  # (a pipeline's words are checked too)

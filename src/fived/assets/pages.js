@@ -44,6 +44,21 @@ function slotOf(D, values) {
   return slot;
 }
 
+function entryAt(D, slot) {
+  // the entry at this slot as the drawing reads it: a valid one is stored as an array in
+  // D.entry_fields' order (fived.tools.explore.ENTRY_FIELDS: names once, not per entry), its memory in
+  // bytes (/ 2^30: the GiB the planner printed, the same double) and its layer-map and timeline keys as
+  // indices into D.map_keys and D.timeline_keys; a reason's index or null is returned as it is
+  const stored = D.entries[slot];
+  if (!Array.isArray(stored)) return stored;
+  const entry = {};
+  D.entry_fields.forEach((name, i) => (entry[name] = stored[i]));
+  entry.memory = entry.memory_bytes.map((b) => b / 2 ** 30);
+  entry.map = entry.map.map((k, part) => D.map_keys[part][k]);
+  entry.timeline = D.timeline_keys[entry.timeline];
+  return entry;
+}
+
 function buildControls(D) {
   const box = el("div"); box.id = "controls";
   for (const [name, values] of Object.entries(D.options)) {
@@ -95,7 +110,7 @@ function markRanking(D, values) {
 
 function renderExplore(D, changed) {
   const values = currentValues(D);
-  const entry = D.entries[slotOf(D, values)];
+  const entry = entryAt(D, slotOf(D, values));
   const status = $("status");
   markRanking(D, values);
   document.querySelectorAll("#controls select").forEach((s) => s.classList.remove("invalid"));

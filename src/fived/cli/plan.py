@@ -151,7 +151,7 @@ def cmd_explore(ns: argparse.Namespace) -> int:
         ns.output, f"fived explore: {model.name} on {cluster.gpus} x {cluster.hardware.name}", "explore", data
     )
     reachable = [e for e in data["entries"] if e is not None]
-    valid = sum(1 for e in reachable if isinstance(e, dict))
+    valid = sum(1 for e in reachable if isinstance(e, list))  # (a reason is its index: an int)
     best = f"; opens on the planner's best: {data['ranking'][0]['describe']}" if data["ranking"] else "; nothing fits"
     print(f"fived explore: {len(reachable)} layouts ({valid} valid){best} -> {out}")
     return 0

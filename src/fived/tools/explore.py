@@ -62,6 +62,26 @@ TIMELINE_MICROBATCHES = 4  # per pipeline rank drawn: enough to show fill, stead
 TIMELINE_MAX_PP = 16  # pipelines of more ranks: the bubble fraction, no timeline
 RANKED = 8  # the planner's best layouts listed on the page
 PROGRESS_STEPS = 100  # progress reports over a page's combinations
+# a valid entry as the page stores it: an array of these fields' values, in this order (the names once,
+# in the data's `entry_fields`, not in each of a page's ~10^5 entries); `entry_of` (and the page's
+# script, `entryAt`) turns one back into `price`'s figures. Memory is in bytes (an integer: fewer
+# digits than its GiB, and GiB * 2**30 / 2**30 is the same double); `map` and `timeline` are indices
+# into `map_keys` (one table per MAP_PARTS) and `timeline_keys`.
+ENTRY_FIELDS = (
+    "memory_bytes",
+    "time",
+    "tokens_per_s_per_gpu",
+    "mfu",
+    "fits",
+    "flags",
+    "describe",
+    "microbatches",
+    "bubble",
+    "collectives",
+    "map",
+    "timeline",
+)
+MAP_PARTS = ("weights", "activations", "ranks")  # the layer map's parts, in `map_keys`' order
 
 
 def toggle_options(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int) -> dict[str, list]:
@@ -325,13 +345,13 @@ def explore_data(
     `progress` is told the share of the combinations done, PROGRESS_STEPS times; `workers` processes
     price them (default: one per usable core, `fived.tools.workers`), the figures the same whatever it is.
     `entries` is a flat list indexed by the toggles' value positions (`slot`: mixed radix, TOGGLES
-    order): None where gpus is no multiple of tp*pp*cp, a reason's index, or the layout's figures,
-    whose flags and collectives are indices into shared tables (they repeat: `flag_words`,
-    `collectives`, whose rank lists index `members`)."""
+    order): None where gpus is no multiple of tp*pp*cp, a reason's index (into `errors`), or the
+    layout's figures as an array in ENTRY_FIELDS order (`entry_of` reads one), whose flags,
+    collectives, map and timeline keys are indices into shared tables (`EntryTables`)."""
     options = toggle_options(model, cluster, seq_len, global_batch)
     entries: list = [None] * math.prod(len(v) for v in options.values())
-    errors, flag_words, rows = Interned(), Interned(), Interned()
-    maps: dict = {"weights": {}, "activations": {}, "ranks": {}}
+    tables = EntryTables()
+    maps: dict = {part: {} for part in MAP_PARTS}
     timelines: dict = {}
     every = max(1, len(entries) // PROGRESS_STEPS)
     job = (model, cluster, seq_len, global_batch, dtype, headroom_gib, options)
@@ -343,12 +363,10 @@ def explore_data(
                 if progress is not None and position // every != (position - 1) // every:
                     progress(position / len(entries))
                 if isinstance(entry, int):  # reasons repeat: stored once, referenced by index
-                    entries[position] = errors.id(reasons[entry])
+                    entries[position] = tables.errors.id(reasons[entry])
                     continue
                 _draw_parts(model, values, seq_len, entry, maps, timelines)
-                entry["flags"] = [flag_words.id(pair) for pair in entry["flags"]]
-                entry["collectives"] = [_row_id(row, rows, seen) for row in entry["collectives"]]
-                entries[position] = entry
+                entries[position] = tables.packed(entry, seen)
         ranked = pending_ranking()
     if progress is not None:
         progress(1.0)
@@ -369,10 +387,8 @@ def explore_data(
         "options": options,
         "memory_parts": MEMORY_PARTS,
         "time_parts": TIME_PARTS,
-        "errors": errors.items,
         "entries": entries,
-        "flag_words": flag_words.items,
-        **_collective_tables(rows.items),
+        **tables.data(),
         "maps": maps,
         "timelines": timelines,
         "ranking": ranked,
@@ -425,7 +441,7 @@ def _draw_parts(model: ModelConfig, values: tuple, seq_len: int, entry: dict, ma
     """The layer map's parts and the pipeline timeline an entry refers to, computed once per key (from
     the layout of field values `values`)."""
     layout = None
-    for part, map_key in zip(("weights", "activations", "ranks"), entry["map"]):
+    for part, map_key in zip(MAP_PARTS, entry["map"]):
         if map_key not in maps[part]:
             layout = layout or Layout(*values)
             maps[part][map_key] = (
@@ -444,6 +460,55 @@ def _draw_parts(model: ModelConfig, values: tuple, seq_len: int, entry: dict, ma
             "stages_per_rank": stages_per_rank(layout.pp_schedule, layout.pp_virtual),
             "actions": schedule_timeline(layout.pp_schedule, layout.pp, layout.pp_virtual, shown),
         }
+
+
+class EntryTables:
+    """The tables a page's entries refer to by index (values that repeat across entries, stored once:
+    reasons, flag words, collective rows, layer-map and timeline keys), and an entry's packing."""
+
+    def __init__(self) -> None:
+        self.errors, self.flag_words, self.rows, self.timeline_keys = Interned(), Interned(), Interned(), Interned()
+        self.map_keys = tuple(Interned() for _ in MAP_PARTS)
+
+    def packed(self, entry: dict, seen: dict[int, int]) -> list:
+        """`priced_mesh`'s entry as the page stores it (ENTRY_FIELDS); `seen`: `_row_id`'s, this message's."""
+        entry["memory_bytes"] = [_bytes(gib) for gib in entry["memory"]]
+        entry["flags"] = [self.flag_words.id(pair) for pair in entry["flags"]]
+        entry["collectives"] = [_row_id(row, self.rows, seen) for row in entry["collectives"]]
+        entry["map"] = [keys.id(key) for keys, key in zip(self.map_keys, entry["map"])]
+        entry["timeline"] = self.timeline_keys.id(entry["timeline"])
+        return [entry[name] for name in ENTRY_FIELDS]
+
+    def data(self) -> dict:
+        """The tables, as the page's data names them (beside `entry_fields`, which `entry_of` reads)."""
+        return {
+            "entry_fields": ENTRY_FIELDS,
+            "errors": self.errors.items,
+            "flag_words": self.flag_words.items,
+            **_collective_tables(self.rows.items),
+            "map_keys": [keys.items for keys in self.map_keys],
+            "timeline_keys": self.timeline_keys.items,
+        }
+
+
+def _bytes(gib: float) -> int | float:
+    """GiB as bytes, exactly (a power of two's product): the integer where it is one (all the planner's
+    are; 11 digits where the GiB took 17), so that bytes / 2**30, here or in the page, is `gib` again."""
+    found = gib * 2**30
+    return int(found) if found.is_integer() else found
+
+
+def entry_of(data: dict, position: int) -> dict | int | None:
+    """`explore_data`'s entry at `position` as the page's script reads it (pages.js `entryAt`): the
+    figures `price` returned (memory in GiB, the map's and timeline's keys), a reason's index, or None."""
+    stored = data["entries"][position]
+    if not isinstance(stored, list):
+        return stored
+    entry = dict(zip(data["entry_fields"], stored))
+    entry["memory"] = [b / 2**30 for b in entry.pop("memory_bytes")]
+    entry["map"] = [keys[i] for keys, i in zip(data["map_keys"], entry["map"])]
+    entry["timeline"] = data["timeline_keys"][entry["timeline"]]
+    return entry
 
 
 class Interned:
@@ -495,7 +560,8 @@ def ranking(
 
 def least_memory(entries: list, options: dict) -> dict:
     """Where the page opens when no layout fits: the valid layout that needs the least memory."""
-    valid = [(entry["memory"][-1], i) for i, entry in enumerate(entries) if isinstance(entry, dict)]
+    total = ENTRY_FIELDS.index("memory_bytes")  # (bytes: GiB's order, the same double divided)
+    valid = [(entry[total][-1], i) for i, entry in enumerate(entries) if isinstance(entry, list)]
     position = min(valid)[1] if valid else 0
     values = {}
     for name, choices in reversed(list(options.items())):  # (slot's mixed radix, undone)
