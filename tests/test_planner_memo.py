@@ -257,3 +257,21 @@ def test_a_search_pauses_the_cyclic_collector_and_hands_it_back_as_it_found_it()
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("zero", [0, 2])
+def test_busiest_compute_memo_keys_on_every_field_the_compute_reads(zero):
+    """`timing.busiest_compute` (memoised on `compute_key`, with the runtime before `for_layout`) answers
+    what `_busiest_compute` computes uncached on the layout's own runtime, for every field changed in
+    turn after the base warmed it: a field the compute reads missing from `compute_key` fails here."""
+    from fived.planner.hardware import Cluster, hardware
+    from fived.planner.runtimes import for_layout
+    from fived.planner.timing import CALIBRATION, _busiest_compute, busiest_compute
+
+    model, cluster, c = model_preset("mixtral-8x7b"), Cluster(hardware("h100"), 32, 8), CALIBRATION.constants
+    base = BASE.with_(zero=zero, checkpointing="selective")
+    for name, value in CHANGED.items():
+        for layout in (base, base.with_(**{name: value})):
+            got = busiest_compute(model, layout, cluster, 4096, 64, "bfloat16", FIVED, c)
+            want = _busiest_compute(model, layout, cluster, 4096, 64, "bfloat16", for_layout(FIVED, layout), c)
+            assert got == want, name

@@ -195,8 +195,11 @@ def step_time(
     """The step of `layout` in `runtime`, priced with `constants` (default: the shipped calibration's)."""
     hw, L, m = cluster.hardware, layout, model
     c = constants or CALIBRATION.constants
-    runtime = for_layout(runtime, L)
-    busiest = _busiest_compute(m, L, cluster, seq_len, global_batch, dtype, runtime, c)
+    runtime, base = for_layout(runtime, L), runtime
+    if constants is None:  # (not with a fit's constants, which record the fields a figure read: see below)
+        busiest = busiest_compute(m, L, cluster, seq_len, global_batch, dtype, base, c)
+    else:
+        busiest = _busiest_compute(m, L, cluster, seq_len, global_batch, dtype, runtime, c)
     micro, tokens, per_token, model_flops = busiest.micro, busiest.tokens, busiest.per_token, busiest.model_flops
     pp_rank, chunks, layers_here, recompute = busiest.pp_rank, busiest.chunks, busiest.layers, busiest.recompute
     compute, attention = busiest.compute, busiest.attention
@@ -333,10 +336,12 @@ def compute_seconds(
     constants: Constants | None = None,
 ) -> float:
     """`step_time(...).compute`, without pricing the rest: a lower bound of `step_time(...).total`."""
-    c = constants or CALIBRATION.constants
-    return _busiest_compute(
-        model, layout, cluster, seq_len, global_batch, dtype, for_layout(runtime, layout), c
-    ).compute
+    if constants is not None:  # (a fit's constants record what they are asked: no memo)
+        return _busiest_compute(
+            model, layout, cluster, seq_len, global_batch, dtype, for_layout(runtime, layout), constants
+        ).compute
+    c = CALIBRATION.constants
+    return busiest_compute(model, layout, cluster, seq_len, global_batch, dtype, runtime, c).compute
 
 
 def attention_seconds(
@@ -396,6 +401,33 @@ def compute_key(layout: Layout) -> tuple:
         L.micro_batch,
         L.checkpointing,
     )
+
+
+_BUSIEST: dict[tuple, tuple] = {}
+
+
+def busiest_compute(
+    m: ModelConfig,
+    L: Layout,
+    cluster: Cluster,
+    seq_len: int,
+    global_batch: int,
+    dtype: str,
+    runtime: Runtime,
+    c: Constants,
+) -> BusiestCompute:
+    """`_busiest_compute` of `L` in `runtime` (before `for_layout`: it reads none of the switches that
+    sets), once per model, `compute_key` and pricing inputs: a search's layouts that differ in ZeRO,
+    HSDP or overlaps share it. The cluster and constants are keyed by identity and kept in the entry
+    (alive, so no other object takes their id while it is there)."""
+    k = (model_key(m), compute_key(L), id(cluster), seq_len, global_batch, dtype, runtime, id(c))
+    found = _BUSIEST.get(k)
+    if found is None:
+        if len(_BUSIEST) >= 65536:
+            _BUSIEST.clear()
+        result = _busiest_compute(m, L, cluster, seq_len, global_batch, dtype, for_layout(runtime, L), c)
+        found = _BUSIEST[k] = (cluster, c, result)
+    return found[2]
 
 
 def _busiest_compute(
