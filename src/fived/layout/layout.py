@@ -403,14 +403,12 @@ class Layout:
     def overrides(self, global_batch: int) -> dict:
         """The config overrides that run this layout (`fived train --section.field value ...`): the
         sizes always, other parallel fields where they differ from the defaults."""
-        always = ("dp", "tp", "pp", "cp", "ep", "zero", "dp_replicate", "sp")
-        out = {
-            f"parallel.{f.name}": getattr(self, f.name)
-            for f in fields(ParallelConfig)
-            if f.name in always
-            or (self.pp > 1 and f.name in ("pp_schedule", "pp_virtual"))
-            or getattr(self, f.name) != f.default
-        }
+        always = _ALWAYS_FLAGS | (_PIPELINE_FLAGS if self.pp > 1 else frozenset())
+        out = {}
+        for name, default in _PARALLEL_DEFAULTS:
+            value = getattr(self, name)
+            if name in always or value != default:
+                out[f"parallel.{name}"] = value
         out["train.microbatches"] = self.microbatches(global_batch)
         out["train.global_batch"] = global_batch
         out["train.activation_checkpointing"] = self.checkpointing
@@ -456,6 +454,11 @@ class Layout:
 
 
 _FIELD_NAMES = frozenset(f.name for f in fields(Layout))
+# `Layout.overrides`' flags: the parallel fields in the config's order with their defaults (read once),
+# those always written, and those written under a pipeline
+_PARALLEL_DEFAULTS = tuple((f.name, f.default) for f in fields(ParallelConfig))
+_ALWAYS_FLAGS = frozenset(("dp", "tp", "pp", "cp", "ep", "zero", "dp_replicate", "sp"))
+_PIPELINE_FLAGS = frozenset(("pp_schedule", "pp_virtual"))
 _PARALLEL_FIELDS = tuple(f.name for f in fields(ParallelConfig))  # (`dataclasses.fields` is slow: asked per layout)
 
 
