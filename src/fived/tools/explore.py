@@ -357,8 +357,9 @@ def explore_data(
     job = (model, cluster, seq_len, global_batch, dtype, headroom_gib, options)
     with Workers(workers) as pool:  # (each mesh priced in a worker; their figures merged here, in order)
         pending_ranking = pool.submit(ranking, model, cluster, seq_len, global_batch, dtype, headroom_gib)
-        for reasons, priced in pool.map(priced_mesh, job, mesh_choices(options, cluster.gpus)):
+        for reasons, words, priced in pool.map(priced_mesh, job, mesh_choices(options, cluster.gpus)):
             seen: dict[int, int] = {}  # id(row) -> its index: a message's rows arrive shared (pickle's memo)
+            word_ids = [tables.flag_words.id(word) for word in words]  # (this message's words -> the page's)
             for position, values, entry in priced:
                 if progress is not None and position // every != (position - 1) // every:
                     progress(position / len(entries))
@@ -366,7 +367,7 @@ def explore_data(
                     entries[position] = tables.errors.id(reasons[entry])
                     continue
                 _draw_parts(model, values, seq_len, entry, maps, timelines)
-                entries[position] = tables.packed(entry, seen)
+                entries[position] = tables.packed(entry, seen, word_ids)
         ranked = pending_ranking()
     if progress is not None:
         progress(1.0)
@@ -397,13 +398,14 @@ def explore_data(
     }
 
 
-def priced_mesh(job: tuple, mesh: tuple) -> tuple[list[str], list[tuple[int, tuple, dict | int]]]:
-    """(the reasons, [(slot, the layout's field values, its page entry: figures with its flags as pairs,
-    or the index of the reason it cannot run)]) of every combination of one of `mesh_choices` (`job`:
-    model, cluster, seq_len, global_batch, dtype, headroom_gib, options). (Values, not the Layout, and
-    each reason once: they pickle in a fraction of the time.)"""
+def priced_mesh(job: tuple, mesh: tuple) -> tuple[list[str], list[str], list[tuple[int, tuple, dict | int]]]:
+    """(the reasons, the flag words, [(slot, the layout's field values, its page entry: figures with its
+    flags as indices of the words, or the index of the reason it cannot run)]) of every combination of
+    one of `mesh_choices` (`job`: model, cluster, seq_len, global_batch, dtype, headroom_gib, options).
+    (Values, not the Layout, and each reason and flag word once: they pickle in a fraction of the
+    time, and the parent hashes each word once per message, not ~12 per layout.)"""
     model, cluster, seq_len, global_batch, dtype, headroom_gib, options = job
-    reasons = Interned()
+    reasons, words = Interned(), Interned()
     out: list[tuple[int, tuple, dict | int]] = []
     for position, layout in mesh_layouts(options, cluster, mesh):
         if isinstance(layout, str):
@@ -413,9 +415,9 @@ def priced_mesh(job: tuple, mesh: tuple) -> tuple[list[str], list[tuple[int, tup
         if "error" in entry:
             out.append((position, (), reasons.id(entry["error"])))
             continue
-        entry["flags"] = flag_pairs(entry["flags"])
+        entry["flags"] = [words.id(pair) for pair in flag_pairs(entry["flags"])]
         out.append((position, layout_values(layout), entry))
-    return reasons.items, out
+    return reasons.items, words.items, out
 
 
 def _row_id(row: tuple, rows: Interned, seen: dict[int, int]) -> int:
@@ -470,10 +472,11 @@ class EntryTables:
         self.errors, self.flag_words, self.rows, self.timeline_keys = Interned(), Interned(), Interned(), Interned()
         self.map_keys = tuple(Interned() for _ in MAP_PARTS)
 
-    def packed(self, entry: dict, seen: dict[int, int]) -> list:
-        """`priced_mesh`'s entry as the page stores it (ENTRY_FIELDS); `seen`: `_row_id`'s, this message's."""
+    def packed(self, entry: dict, seen: dict[int, int], word_ids: list[int]) -> list:
+        """`priced_mesh`'s entry as the page stores it (ENTRY_FIELDS); `seen`: `_row_id`'s, this message's;
+        `word_ids`: its flag words' indices in `flag_words`."""
         entry["memory_bytes"] = [_bytes(gib) for gib in entry["memory"]]
-        entry["flags"] = [self.flag_words.id(pair) for pair in entry["flags"]]
+        entry["flags"] = [word_ids[i] for i in entry["flags"]]
         entry["collectives"] = [_row_id(row, self.rows, seen) for row in entry["collectives"]]
         entry["map"] = [keys.id(key) for keys, key in zip(self.map_keys, entry["map"])]
         entry["timeline"] = self.timeline_keys.id(entry["timeline"])
@@ -519,10 +522,11 @@ class Interned:
         self.index: dict = {}
 
     def id(self, value) -> int:
-        if value not in self.index:
-            self.index[value] = len(self.items)
+        found = self.index.get(value)
+        if found is None:
+            found = self.index[value] = len(self.items)
             self.items.append(value)
-        return self.index[value]
+        return found
 
 
 def slot(options: dict[str, list], key: str) -> int:
