@@ -1,11 +1,11 @@
 """The search's second pass (`fived.planner.search.plan`): price the fitting layouts the first pass
-found, each at most once, cheapest compute first, and with `keep` skip every one that provably cannot
+found, each at most once, lowest floor first, and with `keep` skip every one that provably cannot
 change what `fived plan` prints.
 
 The first pass already decided, by memory alone, which layouts fit (and so every count and memory
 figure printed). What is left is step times, and a layout's step is at least `timing.step_floor`
-(its compute and the bubble on it; the other terms are >= 0). Priced in ascending order of that
-floor, the plans `fived plan` prints are found early: the `keep` fastest, and so the winner; for each
+(its compute, its model-parallel collectives left exposed and the bubble on them; the other terms
+are >= 0). Priced in ascending order of that floor, the plans `fived plan` prints are found early: the `keep` fastest, and so the winner; for each
 decision, the fastest plan deciding it unlike the winner (its runner-up); one plan with each value
 (a value without one reads "nothing fits"). A layout whose floor already exceeds the `keep` fastest
 and, for each decision it decides unlike the winner, a plan deciding it so, and whose values all have
@@ -80,13 +80,16 @@ class _Bound:
             if getattr(c.layout, d) != getattr(w, d) and total < self.other[d]:
                 self.other[d] = total
 
-    def beaten(self, c: Candidate) -> bool:
-        """Whether `c` can be none of what `fived plan` prints: neither among the `keep` fastest nor
-        the winner (`c`'s floor above the `keep` fastest: as floors ascend, no layout left can beat
-        the winner so far, which is therefore the search's), nor the best plan deciding anything
-        unlike the winner (for each decision it decides unlike the winner, a plan deciding it so is
-        faster than its floor), nor the only plan with one of its decisions' values (each seen)."""
-        floor = c.floor / (1 + self.MARGIN)
+    def beaten(self, c: Candidate, floor: float) -> bool:
+        """Whether `c`, whose step is at least `floor`, can be none of what `fived plan` prints: neither
+        among the `keep` fastest nor the winner (its floor above the `keep` fastest, which only get
+        faster), nor the best plan deciding anything unlike the winner (for each decision it decides
+        unlike the winner, a plan deciding it so is faster than its floor: should the winner change
+        later, to a plan faster still, a decision it decides unlike the old winner has the old
+        winner, faster than `c`, as a plan deciding it so; one it decides as the old winner, the same
+        plans as now), nor the only plan with one of its decisions' values (each seen). None of this
+        depends on the order `c` comes in."""
+        floor /= 1 + self.MARGIN
         if self.winner is None or len(self.fastest) < self.keep or floor <= self.fastest[-1]:
             return False
         w = self.winner[2]
@@ -119,6 +122,23 @@ def compute_floors(
         c.floor = min(seconds)
 
 
+def collectives_floor(
+    c: Candidate,
+    model: ModelConfig,
+    cluster: Cluster,
+    seq_len: int,
+    global_batch: int,
+    dtype: str,
+    runtime: Runtime,
+) -> float:
+    """A tighter floor of `c` than `compute_floors`': its fitting choices' least `step_floor` with the
+    model-parallel collectives (asked only of a candidate the compute's floor could not skip: most
+    of what it reads, the model-parallel collectives' memo, pricing would read next)."""
+    return min(
+        step_floor(model, x, cluster, seq_len, global_batch, dtype, runtime, collectives=True) for x, _ in c.fits
+    )
+
+
 def price(
     candidates: list[Candidate],
     model: ModelConfig,
@@ -147,8 +167,12 @@ def price(
     bound = _Bound(keep, decisions) if keep else None
     priced: list[tuple[float, int, object]] = []
     skipped: list[Candidate] = []
-    for c in order:
-        if bound is not None and bound.beaten(c):
+    for c in order:  # (a floor skips a layout whatever the order: see `_Bound.beaten`; the order finds
+        # the fast plans, and so the bounds, early)
+        if bound is not None and (
+            bound.beaten(c, c.floor)
+            or bound.beaten(c, collectives_floor(c, model, cluster, seq_len, global_batch, dtype, runtime))
+        ):
             skipped.append(c)
             continue
         p = plan_of(c)

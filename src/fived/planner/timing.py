@@ -200,9 +200,8 @@ def step_time(
         busiest = busiest_compute(m, L, cluster, seq_len, global_batch, dtype, base, c)
     else:
         busiest = _busiest_compute(m, L, cluster, seq_len, global_batch, dtype, runtime, c)
-    micro, tokens, per_token, model_flops = busiest.micro, busiest.tokens, busiest.per_token, busiest.model_flops
+    micro, tokens, model_flops, compute = busiest.micro, busiest.tokens, busiest.model_flops, busiest.compute
     pp_rank, chunks, layers_here, recompute = busiest.pp_rank, busiest.chunks, busiest.layers, busiest.recompute
-    compute, attention = busiest.compute, busiest.attention
 
     # the model-parallel collectives' seconds (shared by layouts differing only in their data
     # parallelism), then the data-parallel ones added in the same order `step_collectives` lists them
@@ -220,19 +219,8 @@ def step_time(
     for part, seconds, group, nbytes in priced:
         time[part] += seconds
         moved[group] += nbytes
-    # CPU ranks (gloo): a collective is the CPU's own work (copies, sums, the socket loop) on cores the
-    # ranks' compute already fills; it hides under nothing. Devices compute while their links move data.
-    hides = not (hw.profile and not hw.profile.on_gpu)
-    # overlapped tp communication hides under the region's GEMMs, never more than they last
-    tp_hidden = c.tp_overlap if runtime.tp_overlap and hides else 0.0
-    tp = time["tp"] - min(time["tp"] * tp_hidden, compute - attention)
-    # the ring hides behind the attention blocks; Ulysses' all-to-alls stand between the projections and them
-    cp = (max(0.0, time["cp"] - attention) if hides else time["cp"]) + time["cp_a2a"]
-    ep, pp = time["ep"], time["pp"]
-    if runtime.ep_overlap and hides:  # two chunks: a dispatch and a combine stay exposed, the rest under the experts
-        ep = max(ep / 2, ep - compute * expert_share(m, seq_len, per_token=per_token))
-    if hw.profile and hw.profile.dimension_s:  # what fived adds for a dimension (measured)
-        tp, cp, ep = _unpriced_dimensions(hw, m, L, layers_here * micro * (1 + recompute), (tp, cp, ep))
+    hides = _hides(hw)
+    tp, cp, ep, pp, bubble = _model_parallel_exposed(m, L, hw, runtime, c, busiest, time, seq_len)
     experts = time["dp_expert"] if runtime.expert_grad_overlap else 0.0
     overlap = (runtime.grad_overlap and L.zero in (0, 3)) or (runtime.zero12_overlap and L.zero in (1, 2))
     if L.pp > 1:  # (FSDP2 under a schedule reduce-scatters during each stage's last backward, always)
@@ -251,14 +239,6 @@ def step_time(
         dp = time["dp"] + experts + time["dp_gather"]
     if not runtime.expert_grad_overlap:  # (reduced after backward: nothing to hide under)
         dp += time["dp_expert"]
-    bubble = 0.0
-    if L.pp > 1:
-        frac = pipeline_profile(L.pp_schedule, L.pp, L.pp_virtual, micro)[0]
-        # a rank idles frac of the step; ranks sharing cores run in each other's idle time: the step is
-        # the busiest rank's work, or its critical path at a whole core if that is longer
-        bubble = (compute + tp + cp + ep + pp) * max(0.0, hw.core_share / (1 - frac) - 1)
-        if hw.profile and hw.profile.dimension_s:  # what fived adds per micro-batch for pp (measured, its waits
-            pp += hw.profile.dimension_s.get("pp", 0.0) * micro / hw.core_share  # included: not in the bubble)
     optimizer = 28 * owned_parameters(m, L, chunks) / (hw.hbm_gbps * 1e9) + time["optimizer"]
     if L.optimizer == "muon" and runtime.is_fived:  # (its elements at its own bytes, not AdamW's 28)
         optimizer += muon_stream_s(m, L, dtype, chunks, hw) + orthogonalization_s(m, L, dtype, chunks, hw, c)
@@ -289,6 +269,51 @@ def step_time(
         overhead,
         layer_host,
     )
+
+
+def _hides(hw: Hardware) -> bool:
+    """Whether communication can hide under compute. CPU ranks (gloo): a collective is the CPU's own
+    work (copies, sums, the socket loop) on cores the ranks' compute already fills; it hides under
+    nothing. Devices compute while their links move data."""
+    return not (hw.profile and not hw.profile.on_gpu)
+
+
+def _model_parallel_exposed(
+    m: ModelConfig,
+    L: Layout,
+    hw: Hardware,
+    runtime: Runtime,
+    c: Constants,
+    busiest: BusiestCompute,
+    time: dict,
+    seq_len: int,
+) -> tuple[float, float, float, float, float]:
+    """(tp, cp, ep, pp, bubble) seconds of `step_time`: the model-parallel collectives' seconds in `time`
+    (by part; a defaultdict) left exposed beside `busiest`'s compute in `runtime` (after `for_layout`),
+    and the pipeline bubble on them. Each grows with the seconds in `time`: priced on the
+    model-parallel collectives alone, they are a lower bound of the step's (`step_floor`)."""
+    compute, attention, micro = busiest.compute, busiest.attention, busiest.micro
+    hides = _hides(hw)
+    # overlapped tp communication hides under the region's GEMMs, never more than they last
+    tp_hidden = c.tp_overlap if runtime.tp_overlap and hides else 0.0
+    tp = time["tp"] - min(time["tp"] * tp_hidden, compute - attention)
+    # the ring hides behind the attention blocks; Ulysses' all-to-alls stand between the projections and them
+    cp = (max(0.0, time["cp"] - attention) if hides else time["cp"]) + time["cp_a2a"]
+    ep, pp = time["ep"], time["pp"]
+    if runtime.ep_overlap and hides:  # two chunks: a dispatch and a combine stay exposed, the rest under the experts
+        ep = max(ep / 2, ep - compute * expert_share(m, seq_len, per_token=busiest.per_token))
+    if hw.profile and hw.profile.dimension_s:  # what fived adds for a dimension (measured)
+        passes = busiest.layers * micro * (1 + busiest.recompute)
+        tp, cp, ep = _unpriced_dimensions(hw, m, L, passes, (tp, cp, ep))
+    bubble = 0.0
+    if L.pp > 1:
+        frac = pipeline_profile(L.pp_schedule, L.pp, L.pp_virtual, micro)[0]
+        # a rank idles frac of the step; ranks sharing cores run in each other's idle time: the step is
+        # the busiest rank's work, or its critical path at a whole core if that is longer
+        bubble = (compute + tp + cp + ep + pp) * max(0.0, hw.core_share / (1 - frac) - 1)
+        if hw.profile and hw.profile.dimension_s:  # what fived adds per micro-batch for pp (measured, its waits
+            pp += hw.profile.dimension_s.get("pp", 0.0) * micro / hw.core_share  # included: not in the bubble)
+    return tp, cp, ep, pp, bubble
 
 
 def _unpriced_dimensions(hw: Hardware, m: ModelConfig, L: Layout, layer_passes: float, times: tuple) -> tuple:
@@ -369,15 +394,26 @@ def step_floor(
     global_batch: int,
     dtype: str = "bfloat16",
     runtime: Runtime = FIVED,
+    *,
+    collectives: bool = False,
 ) -> float:
-    """A lower bound of `step_time(...).total`: the compute and the pipeline bubble on it alone (the
-    bubble grows with the terms it multiplies; every other term is >= 0). It reads only `compute_key`."""
-    L = layout
-    compute = compute_seconds(model, L, cluster, seq_len, global_batch, dtype, runtime)
-    if L.pp == 1:
-        return compute
-    frac = pipeline_profile(L.pp_schedule, L.pp, L.pp_virtual, L.microbatches(global_batch))[0]
-    return compute + compute * max(0.0, cluster.hardware.core_share / (1 - frac) - 1)
+    """A lower bound of `step_time(...).total`: the compute and the pipeline bubble on it, as
+    `step_time` prices them (`_model_parallel_exposed`), without the data-parallel collectives,
+    optimizer and host terms (each >= 0). It reads only `compute_key`; with `collectives`, also the
+    model-parallel collectives left exposed beside the compute (and the bubble on them; the
+    data-parallel collectives would only add to these parts, each of which grows with them): a
+    tighter bound that reads `model_parallel_values` too (the switches `for_layout` sets are there)."""
+    c, L = CALIBRATION.constants, layout
+    busiest = busiest_compute(model, L, cluster, seq_len, global_batch, dtype, runtime, c)
+    runtime = for_layout(runtime, L)
+    time: dict = defaultdict(float)
+    if collectives:
+        key, mp_runtime = model_key(model), model_parallel_runtime(runtime)
+        time.update(
+            model_parallel_seconds(key, L, cluster, seq_len, global_batch, dtype, mp_runtime, c, busiest.pp_rank)[0]
+        )
+    tp, cp, ep, pp, bubble = _model_parallel_exposed(model, L, cluster.hardware, runtime, c, busiest, time, seq_len)
+    return busiest.compute + tp + cp + ep + pp + bubble
 
 
 def compute_key(layout: Layout) -> tuple:
