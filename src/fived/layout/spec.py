@@ -151,7 +151,7 @@ def layer_specs(
 ) -> tuple[TensorSpec, ...]:
     """Transformer layer `lid`'s tensors. `etp`: the tensor-parallel size of the routed experts (0:
     tp, as fived runs them; the planner prices other runtimes' expert tensor parallelism)."""
-    return _memoised_layer_specs(model_key(m), lid, tp, ep, sp, etp)
+    return _memoised_layer_specs(model_key(m), lid, tp, ep, bool(sp), etp)  # (sp 0 and False: one entry)
 
 
 @functools.lru_cache(maxsize=16384)

@@ -172,10 +172,8 @@ def model_parallel_layout(layout: Layout) -> Layout:
 
 
 @lru_cache(maxsize=256)
-@lru_cache(maxsize=256)
 def model_parallel_runtime(runtime: Runtime) -> Runtime:
-    """`runtime` with DATA_PARALLEL_RUNTIME's switches at their defaults (see `model_parallel_layout`);
-    one object per runtime (its hash is computed once, and the memos that key on it ask per layout)."""
+    """`runtime` with DATA_PARALLEL_RUNTIME's switches at their defaults (see `model_parallel_layout`)."""
     return replace(runtime, **DATA_PARALLEL_RUNTIME)
 
 

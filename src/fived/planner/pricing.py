@@ -80,6 +80,10 @@ class _Bound:
             if getattr(c.layout, d) != getattr(w, d) and total < self.other[d]:
                 self.other[d] = total
 
+    def full(self) -> bool:
+        """Whether the `keep` fastest are known (until then no floor skips anything)."""
+        return self.winner is not None and len(self.fastest) >= self.keep
+
     def beaten(self, c: Candidate, floor: float) -> bool:
         """Whether `c`, whose step is at least `floor`, can be none of what `fived plan` prints: neither
         among the `keep` fastest nor the winner (its floor above the `keep` fastest, which only get
@@ -171,7 +175,10 @@ def price(
         # the fast plans, and so the bounds, early)
         if bound is not None and (
             bound.beaten(c, c.floor)
-            or bound.beaten(c, collectives_floor(c, model, cluster, seq_len, global_batch, dtype, runtime))
+            or (
+                bound.full()
+                and bound.beaten(c, collectives_floor(c, model, cluster, seq_len, global_batch, dtype, runtime))
+            )
         ):
             skipped.append(c)
             continue

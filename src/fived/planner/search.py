@@ -254,7 +254,12 @@ def activation_choices(layout: Layout, seq_len: int, global_batch: int):
     built as they are asked for: the search stops at the first that fits, most often the first.)"""
     for mbs, sp in itertools.product(MICRO_BATCHES, (False, True) if layout.tp > 1 else (False,)):
         if (global_batch // layout.dp) % mbs == 0 and (mbs == 1 or mbs * seq_len <= MICRO_BATCH_TOKENS):
-            yield (layout.with_(micro_batch=mbs, sp=sp, checkpointing=ac) for ac in ("none", "selective", "full"))
+            yield _checkpointing_options(layout, mbs, sp)
+
+
+def _checkpointing_options(layout: Layout, mbs: int, sp: bool):
+    for ac in ("none", "selective", "full"):
+        yield layout.with_(micro_batch=mbs, sp=sp, checkpointing=ac)
 
 
 DECISIONS = (

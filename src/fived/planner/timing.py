@@ -417,8 +417,8 @@ def step_floor(
 
 
 def compute_key(layout: Layout) -> tuple:
-    """The layout fields `compute_seconds` and `step_floor` read (`_busiest_compute`, `_compute`): layouts alike in
-    them compute alike (the search prices each distinct compute once). The runtime switches that
+    """The layout fields `compute_seconds` and `step_floor` (without collectives) read (`_busiest_compute`,
+    `_compute`): layouts alike in them compute alike (the search prices each distinct compute once). The runtime switches that
     `for_layout` sets from a layout (overlaps, the ZeRO-2 reduction's timing) are not read there."""
     L = layout
     return (

@@ -174,10 +174,11 @@ def tune(cfg: Config, world: int, *, minutes: float, top: int, hardware=None, ou
     started = time.monotonic()
     budget = minutes * 60
     hw = hardware or local_hardware(world)
+    # every fitting layout priced (no `keep`): the refit re-ranks them all, not what a pruned search kept
+    cluster = Cluster(hw, world, world)
     search = plan(
-        cfg.model, Cluster(hw, world, world), cfg.train.seq_len, cfg.train.global_batch, cfg.train.dtype,
-        fived_runtime(cfg.train.fp8), keep=max(top, 64),
-    )  # fmt: skip
+        cfg.model, cluster, cfg.train.seq_len, cfg.train.global_batch, cfg.train.dtype, fived_runtime(cfg.train.fp8)
+    )
     ranked = [p for p in search.plans if p.fits]
     trials = [Trial(p.layout, planned_components(p.time)) for p in distinct(ranked)[:top]]
     print(
