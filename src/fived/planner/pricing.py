@@ -4,14 +4,15 @@ change what `fived plan` prints.
 
 The first pass already decided, by memory alone, which layouts fit (and so every count and memory
 figure printed). What is left is step times, and a layout's step is at least `timing.step_floor`
-(its compute, its model-parallel collectives left exposed and the bubble on them; the other terms
-are >= 0). Priced in ascending order of that floor, the plans `fived plan` prints are found early: the `keep` fastest, and so the winner; for each
-decision, the fastest plan deciding it unlike the winner (its runner-up); one plan with each value
-(a value without one reads "nothing fits"). A layout whose floor already exceeds the `keep` fastest
-and, for each decision it decides unlike the winner, a plan deciding it so, and whose values all have
-a plan, can change none of them: it is not priced. Ties keep the first pass's order
-(`Candidate.index`), as the whole search's stable sort does, so pricing in another order changes
-nothing.
+(its compute and the bubble on it; the other terms are >= 0), and at least the tighter
+`step_floor(collectives=True)` (its model-parallel collectives left exposed besides: asked only of a
+layout the first could not skip). Priced in ascending order of the first, the plans `fived plan`
+prints are found early: the `keep` fastest, and so the winner; for each decision, the fastest plan
+deciding it unlike the winner (its runner-up); one plan with each value (a value without one reads
+"nothing fits"). A layout whose floor already exceeds the `keep` fastest and, for each decision it
+decides unlike the winner, a plan deciding it so, and whose values all have a plan, can change none
+of them: it is not priced. Ties keep the first pass's order (`Candidate.index`), as the whole
+search's stable sort does, so pricing in another order changes nothing.
 """
 
 from __future__ import annotations
