@@ -19,6 +19,7 @@ import functools
 import itertools
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 from fived.config import ConfigError, ModelConfig
 from fived.layout.layout import CHECKPOINTING, MESH_FIELDS, PP_SCHEDULES, Layout, stages_per_rank
@@ -152,42 +153,38 @@ def mesh_layouts(options: dict[str, list], cluster: Cluster, mesh: tuple):
     ):
         head = base + at["pp_schedule"][schedule] * w["pp_schedule"] + at["pp_virtual"][virtual] * w["pp_virtual"]
         head += i_ep * w["ep"] + i_etp * w["etp"] + i_zero * w["zero"]
+        core = mesh_layout.with_(pp_schedule=schedule, pp_virtual=virtual, ep=ep, etp=etp, zero=zero)
+        settable = _settable(core, cluster)  # (per hsdp value: the layout to complete, or why it cannot be set)
         for (i_hsdp, hsdp), (i_mbs, mbs), (i_ac, ac) in itertools.product(
             enumerate(options["hsdp"]), enumerate(options["micro_batch"]), enumerate(options["checkpointing"])
         ):
             position = head + i_hsdp * w["hsdp"] + i_mbs * w["micro_batch"] + i_ac * w["checkpointing"]
-            layout = mesh_layout.with_(
-                pp_schedule=schedule,
-                pp_virtual=virtual,
-                ep=ep,
-                etp=etp,
-                zero=zero,
-                micro_batch=mbs,
-                checkpointing=ac,
-            )
-            reachable = _reachable(layout, hsdp, cluster)
-            if reachable is ETP_UNFOLDED:  # (its key is the layout's own: hsdp false)
-                position -= i_hsdp * w["hsdp"]
-            yield position, reachable
+            found = settable[hsdp]
+            if isinstance(found, Layout):
+                yield position, found.with_(micro_batch=mbs, checkpointing=ac)
+            elif found is ETP_UNFOLDED:  # (its key is the layout's own: hsdp false)
+                yield position - i_hsdp * w["hsdp"], found
+            else:
+                yield position, found
 
 
 ETP_UNFOLDED = "etp: folding the experts (etp 1) needs tp > 1 to change anything; e.g. etp 0"
 
 
-def _reachable(layout: Layout, hsdp: bool, cluster: Cluster) -> Layout | str:
-    """The layout a combination sets (HSDP's replicas filled in), or why it cannot be set."""
-    if layout.etp == 1 and not layout.folded:  # (not priced twice: the same layout as etp 0)
-        return ETP_UNFOLDED
-    if not hsdp:
-        return layout
-    replicas = node_replicas(layout, layout.zero, cluster.gpus_per_node)
+def _settable(core: Layout, cluster: Cluster) -> dict[bool, Layout | str]:
+    """Per hsdp toggle value, the layout its combinations with `core` (a layout but its micro-batch
+    and checkpointing) complete (HSDP's replicas filled in), or why none of them can be set."""
+    if core.etp == 1 and not core.folded:  # (not priced twice: the same layouts as etp 0)
+        return {False: ETP_UNFOLDED, True: ETP_UNFOLDED}
+    replicas = node_replicas(core, core.zero, cluster.gpus_per_node)
     if replicas is None:
-        return (
-            f"hsdp: ZeRO shards inside a node (its {cluster.gpus_per_node // (layout.tp * layout.cp) or 1} "
+        return {
+            False: core,
+            True: f"hsdp: ZeRO shards inside a node (its {cluster.gpus_per_node // (core.tp * core.cp) or 1} "
             f"data-parallel ranks), replicated across nodes: needs ZeRO 1-3, ep 1 and "
-            f"dp={layout.dp} a multiple of them beyond one node; e.g. hsdp false"
-        )
-    return layout.with_(dp_replicate=replicas)
+            f"dp={core.dp} a multiple of them beyond one node; e.g. hsdp false",
+        }
+    return {False: core, True: core.with_(dp_replicate=replicas)}
 
 
 def collectives(
@@ -351,23 +348,22 @@ def explore_data(
     options = toggle_options(model, cluster, seq_len, global_batch)
     entries: list = [None] * math.prod(len(v) for v in options.values())
     tables = EntryTables()
-    maps: dict = {part: {} for part in MAP_PARTS}
-    timelines: dict = {}
+    drawings: dict = {part: {} for part in (*MAP_PARTS, "timeline")}  # (`EntryTables.merge`'s)
     every = max(1, len(entries) // PROGRESS_STEPS)
     job = (model, cluster, seq_len, global_batch, dtype, headroom_gib, options)
     with Workers(workers) as pool:  # (each mesh priced in a worker; their figures merged here, in order)
         pending_ranking = pool.submit(ranking, model, cluster, seq_len, global_batch, dtype, headroom_gib)
-        for reasons, words, priced in pool.map(priced_mesh, job, mesh_choices(options, cluster.gpus)):
-            seen: dict[int, int] = {}  # id(row) -> its index: a message's rows arrive shared (pickle's memo)
-            word_ids = [tables.flag_words.id(word) for word in words]  # (this message's words -> the page's)
-            for position, values, entry in priced:
+        for message, priced in pool.map(priced_mesh, job, mesh_choices(options, cluster.gpus)):
+            reasons, flags, rows, maps_of, timeline_of = tables.merge(message, model, seq_len, drawings)
+            for position, entry in priced:
                 if progress is not None and position // every != (position - 1) // every:
                     progress(position / len(entries))
                 if isinstance(entry, int):  # reasons repeat: stored once, referenced by index
-                    entries[position] = tables.errors.id(reasons[entry])
+                    entries[position] = reasons[entry]
                     continue
-                _draw_parts(model, values, seq_len, entry, maps, timelines)
-                entries[position] = tables.packed(entry, seen, word_ids)
+                entry[_FLAGS], entry[_COLLECTIVES] = flags[entry[_FLAGS]], rows[entry[_COLLECTIVES]]
+                entry[_MAP], entry[_TIMELINE] = maps_of[entry[_MAP]], timeline_of[entry[_TIMELINE]]
+                entries[position] = entry
         ranked = pending_ranking()
     if progress is not None:
         progress(1.0)
@@ -390,46 +386,101 @@ def explore_data(
         "time_parts": TIME_PARTS,
         "entries": entries,
         **tables.data(),
-        "maps": maps,
-        "timelines": timelines,
+        "maps": {part: drawings[part] for part in MAP_PARTS},
+        "timelines": drawings["timeline"],
         "ranking": ranked,
         "start": ranked[0]["values"] if ranked else least_memory(entries, options),
         "baseline": baseline(model, cluster, seq_len, global_batch, dtype, headroom_gib),
     }
 
 
-def priced_mesh(job: tuple, mesh: tuple) -> tuple[list[str], list[str], list[tuple[int, tuple, dict | int]]]:
-    """(the reasons, the flag words, [(slot, the layout's field values, its page entry: figures with its
-    flags as indices of the words, or the index of the reason it cannot run)]) of every combination of
-    one of `mesh_choices` (`job`: model, cluster, seq_len, global_batch, dtype, headroom_gib, options).
-    (Values, not the Layout, and each reason and flag word once: they pickle in a fraction of the
-    time, and the parent hashes each word once per message, not ~12 per layout.)"""
+def priced_mesh(job: tuple, mesh: tuple) -> tuple[Message, list[tuple[int, list | int]]]:
+    """(the message's tables, [(slot, the page's entry of the layout: its ENTRY_FIELDS array, flags,
+    collectives, map and timeline as indices into the message's tables; or the index of the reason it
+    cannot run)]) of every combination of one of `mesh_choices` (`job`: model, cluster, seq_len,
+    global_batch, dtype, headroom_gib, options). Each value that repeats is sent once and its entries
+    point to it: they pickle in a fraction of the time, and the parent (`EntryTables.merge`) maps each
+    distinct value once per message, not once per layout."""
     model, cluster, seq_len, global_batch, dtype, headroom_gib, options = job
-    reasons, words = Interned(), Interned()
-    out: list[tuple[int, tuple, dict | int]] = []
+    tables = MessageTables()
+    out: list[tuple[int, list | int]] = []
     for position, layout in mesh_layouts(options, cluster, mesh):
         if isinstance(layout, str):
-            out.append((position, (), reasons.id(layout)))
+            out.append((position, tables.reasons.id(layout)))
             continue
         entry = price(model, layout, cluster, seq_len, global_batch, dtype, headroom_gib)
         if "error" in entry:
-            out.append((position, (), reasons.id(entry["error"])))
+            out.append((position, tables.reasons.id(entry["error"])))
             continue
-        entry["flags"] = [words.id(pair) for pair in flag_pairs(entry["flags"])]
-        out.append((position, layout_values(layout), entry))
-    return reasons.items, words.items, out
+        out.append((position, tables.packed(entry, layout)))
+    return tables.message(), out
 
 
-def _row_id(row: tuple, rows: Interned, seen: dict[int, int]) -> int:
-    """The index of a collective's row in `rows`, found by the row object's identity where this message
-    has sent it before (hashing the row's rank list for each of 1.4M rows cost seconds). Sound because
-    `seen` lives for one message, fully unpickled before it is read: its rows were all alive at once,
-    so no two share an id (a row freed meanwhile is never asked again). A message read lazily, or a
-    `seen` kept across messages, would break this."""
-    found = seen.get(id(row))
-    if found is None:
-        found = seen[id(row)] = rows.id(row)
-    return found
+# where an ENTRY_FIELDS array holds what is stored by index
+_FLAGS, _COLLECTIVES, _MAP, _TIMELINE = (ENTRY_FIELDS.index(f) for f in ("flags", "collectives", "map", "timeline"))
+
+
+class Message(NamedTuple):
+    """What `priced_mesh` sends with its entries: the values they refer to by index, each once."""
+
+    reasons: list[str]
+    words: list[str]  # flag words ("--parallel.tp 4")
+    flag_sets: list[tuple[int, ...]]  # an entry's flags: indices into words
+    rows: list[tuple]  # collective rows (`collectives`)
+    row_sets: list[tuple[int, ...]]  # an entry's collectives: indices into rows
+    map_sets: list[tuple[int, ...]]  # an entry's layer-map keys: per MAP_PARTS, an index into keys[part]
+    keys: list[list[str]]  # per MAP_PARTS, then the timeline: its keys
+    first: list[list[tuple]]  # per keys' part and key: (its first layout's field values, micro-batches)
+
+
+class MessageTables:
+    """The tables of one `priced_mesh` message, as its entries are packed."""
+
+    def __init__(self) -> None:
+        self.reasons, self.words, self.flag_sets = Interned(), Interned(), Interned()
+        self.rows, self.row_sets, self.map_sets = Interned(), Interned(), Interned()
+        self.keys = tuple(Interned() for _ in (*MAP_PARTS, "timeline"))
+        self.first: list[list[tuple]] = [[] for _ in self.keys]
+        self.seen_rows: dict[int, int] = {}  # id(row) -> its index in rows (see `row_index`)
+
+    def packed(self, entry: dict, layout: Layout) -> list:
+        """`price`'s entry as an ENTRY_FIELDS array, what repeats as indices into these tables."""
+        entry["memory_bytes"] = [_bytes(gib) for gib in entry["memory"]]
+        entry["flags"] = self.flag_sets.id(tuple(self.words.id(pair) for pair in flag_pairs(entry["flags"])))
+        entry["collectives"] = self.row_sets.id(tuple(self.row_index(row) for row in entry["collectives"]))
+        keys = (*entry["map"], entry["timeline"])
+        ids = tuple(self._key_id(part, key, layout, entry["microbatches"]) for part, key in enumerate(keys))
+        entry["map"], entry["timeline"] = self.map_sets.id(ids[:-1]), ids[-1]
+        return [entry[name] for name in ENTRY_FIELDS]
+
+    def _key_id(self, part: int, key: str, layout: Layout, micro: int) -> int:
+        keys = self.keys[part]
+        found = keys.index.get(key)
+        if found is None:
+            found = keys.id(key)
+            self.first[part].append((layout_values(layout), micro))
+        return found
+
+    def row_index(self, row: tuple) -> int:
+        """The index of a collective's row, found by the row object's identity where it was seen before
+        (hashing a row's rank list for each of a page's 1.4M rows cost seconds). Sound because `rows`
+        holds every row it indexes: no two rows alive at once share an id, and none indexed dies."""
+        found = self.seen_rows.get(id(row))
+        if found is None:
+            found = self.seen_rows[id(row)] = self.rows.id(row)
+        return found
+
+    def message(self) -> Message:
+        return Message(
+            self.reasons.items,
+            self.words.items,
+            self.flag_sets.items,
+            self.rows.items,
+            self.row_sets.items,
+            self.map_sets.items,
+            [keys.items for keys in self.keys],
+            self.first,
+        )
 
 
 def _collective_tables(rows: list[tuple]) -> dict:
@@ -439,48 +490,56 @@ def _collective_tables(rows: list[tuple]) -> dict:
     return {"collectives": table, "members": [list(m) for m in members.items]}
 
 
-def _draw_parts(model: ModelConfig, values: tuple, seq_len: int, entry: dict, maps: dict, timelines: dict) -> None:
-    """The layer map's parts and the pipeline timeline an entry refers to, computed once per key (from
-    the layout of field values `values`)."""
-    layout = None
-    for part, map_key in zip(MAP_PARTS, entry["map"]):
-        if map_key not in maps[part]:
-            layout = layout or Layout(*values)
-            maps[part][map_key] = (
-                replica_weights(model, layout)
-                if part == "weights"
-                else activations(model, layout, seq_len)
-                if part == "activations"
-                else pipeline_ranks(model, layout)
-            )
-    if entry["timeline"] and entry["timeline"] not in timelines:
-        layout = layout or Layout(*values)
-        shown = timeline_microbatches(layout, entry["microbatches"])
-        timelines[entry["timeline"]] = {
-            "microbatches": shown,
-            "stages": n_stages_of(layout.pp_schedule, layout.pp, layout.pp_virtual),
-            "stages_per_rank": stages_per_rank(layout.pp_schedule, layout.pp_virtual),
-            "actions": schedule_timeline(layout.pp_schedule, layout.pp, layout.pp_virtual, shown),
-        }
+def _drawn(model: ModelConfig, part: str, values: tuple, micro: int, seq_len: int):
+    """What the page draws for a key of `part` (MAP_PARTS, or "timeline"), from a layout that has it:
+    the layout of field values `values`, `micro` micro-batches a step."""
+    layout = Layout(*values)
+    if part == "weights":
+        return replica_weights(model, layout)
+    if part == "activations":
+        return activations(model, layout, seq_len)
+    if part == "ranks":
+        return pipeline_ranks(model, layout)
+    shown = timeline_microbatches(layout, micro)
+    return {
+        "microbatches": shown,
+        "stages": n_stages_of(layout.pp_schedule, layout.pp, layout.pp_virtual),
+        "stages_per_rank": stages_per_rank(layout.pp_schedule, layout.pp_virtual),
+        "actions": schedule_timeline(layout.pp_schedule, layout.pp, layout.pp_virtual, shown),
+    }
 
 
 class EntryTables:
     """The tables a page's entries refer to by index (values that repeat across entries, stored once:
-    reasons, flag words, collective rows, layer-map and timeline keys), and an entry's packing."""
+    reasons, flag words, collective rows, layer-map and timeline keys), and the messages' merge."""
 
     def __init__(self) -> None:
         self.errors, self.flag_words, self.rows, self.timeline_keys = Interned(), Interned(), Interned(), Interned()
         self.map_keys = tuple(Interned() for _ in MAP_PARTS)
 
-    def packed(self, entry: dict, seen: dict[int, int], word_ids: list[int]) -> list:
-        """`priced_mesh`'s entry as the page stores it (ENTRY_FIELDS); `seen`: `_row_id`'s, this message's;
-        `word_ids`: its flag words' indices in `flag_words`."""
-        entry["memory_bytes"] = [_bytes(gib) for gib in entry["memory"]]
-        entry["flags"] = [word_ids[i] for i in entry["flags"]]
-        entry["collectives"] = [_row_id(row, self.rows, seen) for row in entry["collectives"]]
-        entry["map"] = [keys.id(key) for keys, key in zip(self.map_keys, entry["map"])]
-        entry["timeline"] = self.timeline_keys.id(entry["timeline"])
-        return [entry[name] for name in ENTRY_FIELDS]
+    def merge(self, message: Message, model: ModelConfig, seq_len: int, drawings: dict) -> tuple:
+        """A message's values in these tables, each distinct one once: (per its reasons, the page's
+        index; per its flag sets, the page's list of flag-word indices; the same of its collectives'
+        row sets and layer-map key sets; per its timeline keys, the page's index). A key new to the
+        page is drawn into `drawings` (per MAP_PARTS, then "timeline": key -> what the page draws)."""
+        reasons = [self.errors.id(reason) for reason in message.reasons]
+        words = [self.flag_words.id(word) for word in message.words]
+        row_ids = [self.rows.id(row) for row in message.rows]
+        key_ids = []
+        for part, table, keys, firsts in zip(
+            (*MAP_PARTS, "timeline"), (*self.map_keys, self.timeline_keys), message.keys, message.first
+        ):
+            key_ids.append([table.id(key) for key in keys])
+            for key, (values, micro) in zip(keys, firsts):
+                if key and key not in drawings[part]:  # ("": no timeline drawn)
+                    drawings[part][key] = _drawn(model, part, values, micro, seq_len)
+        return (
+            reasons,
+            [[words[i] for i in s] for s in message.flag_sets],
+            [[row_ids[i] for i in s] for s in message.row_sets],
+            [[key_ids[part][i] for part, i in enumerate(s)] for s in message.map_sets],
+            key_ids[-1],
+        )
 
     def data(self) -> dict:
         """The tables, as the page's data names them (beside `entry_fields`, which `entry_of` reads)."""
