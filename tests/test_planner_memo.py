@@ -152,6 +152,39 @@ def test_the_first_rule_error_asks_a_cores_rules_once_and_reports_the_rules_firs
     assert kinds == {(False, False), (True, False), (False, True), (True, True)}
 
 
+def test_the_per_layout_rules_read_only_what_their_memo_keys_on():
+    """`validity._per_layout_errors` keys on `batch_rules.PARALLEL_READ`, `TRAIN_READ` and dp: the rules,
+    and the messages of those they find broken, read nothing else (every field changed in turn on the
+    bases of the test above, whose layouts break every kind of rule)."""
+    from fived.layout import batch_rules
+    from fived.layout.rules import _Broken
+
+    read: dict[str, set] = {"parallel": set(), "train": set()}
+
+    class Recording:
+        def __init__(self, of, kind):
+            self._of, self._kind = of, kind
+
+        def __getattr__(self, name):
+            read[self._kind].add(name)
+            return getattr(self._of, name)
+
+    split_backward = BASE.with_(pp_schedule="zbv", checkpointing="selective", pp=4)
+    broken = 0
+    for base in (BASE, BASE.with_(sp=True, etp=1), BASE.with_(etp=1), split_backward, BASE.with_(tp=1, sp=True)):
+        for name, value in CHANGED.items():
+            for global_batch in (64, 6):
+                layout = base.with_(**{name: value})
+                mbs = max(1, layout.microbatches(global_batch))
+                train = validity._train_config(4090, global_batch, mbs, layout.checkpointing)
+                need = _Broken(per_layout=True)
+                batch_rules.per_layout_rules(need, Recording(layout, "parallel"), Recording(train, "train"), layout.dp)
+                broken += len(need.errors)
+    assert broken > 100  # (the messages were built)
+    assert read["parallel"] == set(batch_rules.PARALLEL_READ)
+    assert read["train"] == set(batch_rules.TRAIN_READ)
+
+
 @pytest.mark.parametrize("zero", [0, 1, 3])
 @pytest.mark.parametrize("interleaved", [False, True])  # (pp_virtual changes nothing under 1f1b)
 def test_model_parallel_memos_answer_what_the_whole_list_prices_for_every_field_changed(zero, interleaved):

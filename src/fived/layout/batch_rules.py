@@ -12,6 +12,9 @@ from fived.layout.layout import PP_SCHEDULES, SPLIT_BACKWARD
 
 # the `Layout` fields only these rules read (micro_batch: through train.microbatches)
 LAYOUT_FIELDS = ("micro_batch", "sp", "checkpointing")
+# everything `per_layout_rules` reads: of the layout (or parallel config), of the train config, and dp
+PARALLEL_READ = ("sp", "tp", "pp_schedule", "pp", "etp", "cp")
+TRAIN_READ = ("seq_len", "global_batch", "microbatches", "activation_checkpointing")
 
 
 def sp_needs_tp(need, p) -> None:

@@ -85,11 +85,27 @@ def first_rule_error(model: ModelConfig, layout: Layout, train: TrainConfig) -> 
     """`layout_errors`' first error of `layout` with `train` (`_train_config`'s), its core's rules asked
     once per core."""
     core = _core_errors(model_key(model), layout, train.seq_len, train.global_batch)
-    rest = per_layout_errors(layout, train, layout.dp)
+    rest = _per_layout_errors(layout, train)
     if core and rest:  # (which one the rules ask first: their order decides)
         return _first_of_both(model, layout, train, rest[0])
     either = core or rest  # (either alone is `layout_errors`: see `core_layout_errors`)
     return either[0] if either else None
+
+
+_PER_LAYOUT: dict = {}
+_parallel_read, _train_read = attrgetter(*batch_rules.PARALLEL_READ), attrgetter(*batch_rules.TRAIN_READ)
+
+
+def _per_layout_errors(layout: Layout, train: TrainConfig) -> list[ConfigError]:
+    """`per_layout_errors` of `layout` with `train`, once per value of what its rules read (a plan asks
+    ~10^5 layouts, each rule's arguments from a handful of values). The list is shared: not to be changed."""
+    k = (_parallel_read(layout), _train_read(train), layout.dp)
+    found = _PER_LAYOUT.get(k)
+    if found is None:
+        if len(_PER_LAYOUT) >= 65536:
+            _PER_LAYOUT.clear()
+        found = _PER_LAYOUT[k] = per_layout_errors(layout, train, layout.dp)
+    return found
 
 
 _FIRST_OF_BOTH: dict = {}
