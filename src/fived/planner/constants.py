@@ -28,6 +28,7 @@ from types import MappingProxyType
 from typing import Any
 
 from fived.config import ConfigError
+from fived.planner.layout_cache import kept_hash
 
 FORMAT = 1
 DEFAULT_PATH = Path(__file__).with_name("calibration.json")
@@ -52,6 +53,8 @@ class Constants:
     expert_efficiency: float = 0.6  # routed experts' share of a dense GEMM's efficiency at the same shapes
     #   (prior: the figure fived shipped before this calibration; routing's memory traffic is priced apart,
     #   timing.DISPATCH_BYTES)
+
+    __hash__ = kept_hash
 
     def gemm_efficiency(self, generation: str) -> float:
         """The wide-GEMM share of peak for a GPU generation ("ampere", "hopper")."""

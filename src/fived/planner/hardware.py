@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from fived.config import ConfigError, did_you_mean, tomllib
+from fived.planner.layout_cache import kept_hash
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,8 @@ class Cluster:
     hardware: Hardware
     gpus: int
     gpus_per_node: int
+
+    __hash__ = kept_hash
 
 
 CATALOGUE: dict[str, Hardware] = {

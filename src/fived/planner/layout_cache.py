@@ -29,6 +29,16 @@ layout_values = attrgetter(*(f.name for f in fields(Layout)))  # a layout's fiel
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+def kept_hash(obj: Any) -> int:
+    """A frozen dataclass's generated hash (of its fields' values), computed once and kept: the memos
+    key on runtimes, clusters and constants, and hash them at every look-up (`__hash__ = kept_hash`)."""
+    found = obj.__dict__.get("_hash")
+    if found is None:
+        found = hash(tuple(getattr(obj, f.name) for f in fields(obj)))
+        object.__setattr__(obj, "_hash", found)
+    return found
+
+
 @contextlib.contextmanager
 def collector_paused():
     """Python's cyclic garbage collector off for a search (on again after, if it was): measured on a

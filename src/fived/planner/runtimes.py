@@ -52,8 +52,10 @@ documented defaults:
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from functools import lru_cache
+
+from fived.planner.layout_cache import kept_hash
 
 
 @dataclass(frozen=True)
@@ -103,13 +105,7 @@ class Runtime:
     def is_fived(self) -> bool:
         return self.name == "fived"
 
-    def __hash__(self) -> int:
-        """The generated hash's value, computed once (the planner's memos ask it on every look-up)."""
-        found = self.__dict__.get("_hash")
-        if found is None:
-            found = hash(tuple(getattr(self, f.name) for f in fields(self)))
-            object.__setattr__(self, "_hash", found)
-        return found
+    __hash__ = kept_hash
 
 
 FIVED = Runtime(flash_ring=True, expert_grad_overlap=False)
