@@ -421,10 +421,14 @@ class Layout:
             out["data.document_mask"] = True
         return out
 
-    def flags(self, global_batch: int) -> str:
-        return " ".join(
+    def flag_pairs(self, global_batch: int) -> list[str]:
+        """`flags`' "--name value" pairs, in order."""
+        return [
             f"--{k} {str(v).lower() if isinstance(v, bool) else v}" for k, v in self.overrides(global_batch).items()
-        )
+        ]
+
+    def flags(self, global_batch: int) -> str:
+        return " ".join(self.flag_pairs(global_batch))
 
     def describe(self) -> str:
         parts = [f"dp{self.dp}"]

@@ -68,11 +68,18 @@ class Plan:
 def run_flags(layout: Layout, global_batch: int, runtime: Runtime) -> str:
     """`fived train`'s flags that run `layout` as `runtime` prices it: the layout's own and, for fived,
     the compiled blocks and FP8 the price assumed. The one source of `fived plan`'s `run it` command,
-    its --json flags and the explore page's command."""
-    extra = ""
-    if runtime.is_fived:
-        extra = (" --train.compile true" if runtime.fused else "") + (" --train.fp8 rowwise" if runtime.fp8 else "")
-    return layout.flags(global_batch) + extra
+    its --json flags and the explore page's command (`run_flag_pairs`' pairs, joined)."""
+    return " ".join(run_flag_pairs(layout, global_batch, runtime))
+
+
+def run_flag_pairs(layout: Layout, global_batch: int, runtime: Runtime) -> list[str]:
+    """`run_flags` as its "--name value" pairs."""
+    pairs = layout.flag_pairs(global_batch)
+    if runtime.is_fived and runtime.fused:
+        pairs.append("--train.compile true")
+    if runtime.is_fived and runtime.fp8:
+        pairs.append("--train.fp8 rowwise")
+    return pairs
 
 
 def train_command(model_arg: str, seq_len: int, dtype: str) -> str:

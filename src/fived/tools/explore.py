@@ -48,7 +48,7 @@ from fived.planner.search import (
     plan,
     plan_of,
     reduction_choices,
-    run_flags,
+    run_flag_pairs,
     train_command,
 )
 from fived.planner.timing import Cluster
@@ -293,7 +293,7 @@ def price(
         "tokens_per_s_per_gpu": step["tokens_per_s_per_gpu"],
         "mfu": step["mfu"],
         "fits": plan.fits,
-        "flags": run_flags(layout, global_batch, runtime),
+        "flags": run_flag_pairs(layout, global_batch, runtime),  # ("--name value" each: `run_flags` joins them)
         "describe": layout.describe(),
         "microbatches": micro,
         "bubble": pipeline_profile(layout.pp_schedule, layout.pp, layout.pp_virtual, micro)[0]
@@ -446,7 +446,7 @@ class MessageTables:
     def packed(self, entry: dict, layout: Layout) -> list:
         """`price`'s entry as an ENTRY_FIELDS array, what repeats as indices into these tables."""
         entry["memory_bytes"] = [_bytes(gib) for gib in entry["memory"]]
-        entry["flags"] = self.flag_sets.id(tuple(self.words.id(pair) for pair in flag_pairs(entry["flags"])))
+        entry["flags"] = self.flag_sets.id(tuple(self.words.id(pair) for pair in entry["flags"]))
         entry["collectives"] = self.row_sets.id(tuple(self.row_index(row) for row in entry["collectives"]))
         keys = (*entry["map"], entry["timeline"])
         ids = tuple(self._key_id(part, key, layout, entry["microbatches"]) for part, key in enumerate(keys))
@@ -594,12 +594,6 @@ def slot(options: dict[str, list], key: str) -> int:
     for values, value in zip(options.values(), key.split("|")):
         position = position * len(values) + [str(v).lower() for v in values].index(value)
     return position
-
-
-def flag_pairs(flags: str) -> list[str]:
-    """ "--parallel.tp 4 --parallel.sp true ..." as ["--parallel.tp 4", "--parallel.sp true", ...]."""
-    words = flags.split()
-    return [f"{flag} {value}" for flag, value in zip(words[::2], words[1::2])]
 
 
 def ranking(
