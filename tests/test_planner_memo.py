@@ -152,6 +152,47 @@ def test_the_first_rule_error_asks_a_cores_rules_once_and_reports_the_rules_firs
     assert kinds == {(False, False), (True, False), (False, True), (True, True)}
 
 
+def test_the_usable_overlaps_memo_answers_the_rules_for_every_field_changed():
+    """`validity.with_usable_overlap` (its choice memoised per core) is the first of `with_overlap`'s
+    layout, it without the data-parallel switches, (refused whatever its overlaps: the layout
+    itself), without tp's, without both, that the core rules accept, asked uncached, for every field
+    changed in turn after the base warmed the memo; on bases that keep every switch, lose tp's (an
+    attention bias under tp) and lose the data-parallel ones (multi-token prediction under pp)."""
+    from fived.planner.runtimes import with_overlap
+
+    def accepted(model, layout, seq_len, global_batch):
+        train = validity._train_config(seq_len, global_batch, layout.microbatches(global_batch), layout.checkpointing)
+        parallel = ParallelConfig(**{f.name: getattr(layout, f.name) for f in fields(ParallelConfig)})
+        return not core_layout_errors(Config(model=model, parallel=parallel, train=train), layout.world)
+
+    seq_len, global_batch, kept = 4096, 64, set()
+    for name, base in (
+        ("mixtral-8x7b", BASE),
+        ("gpt-oss-120b", BASE),
+        ("deepseek-v3", BASE),
+    ):
+        model = model_preset(name)
+        for field, value in CHANGED.items():
+            for layout in (base, base.with_(**{field: value})):
+                for fp8 in (False, True):
+                    full = with_overlap(layout, fp8=fp8)
+                    candidates = [full, full.with_(**validity._DP_OFF)]
+                    if accepted(model, layout, seq_len, global_batch):
+                        candidates += [
+                            full.with_(**validity._TP_OFF),
+                            full.with_(**validity._TP_OFF, **validity._DP_OFF),
+                        ]
+                    want = next((c for c in candidates if accepted(model, c, seq_len, global_batch)), layout)
+                    got = validity.with_usable_overlap(model, layout, seq_len, global_batch, fp8=fp8)
+                    assert got == want, (name, field, value, fp8)
+                    kept.add(
+                        (name, got.tp_overlap == full.tp_overlap, got.overlap_grad_reduce == full.overlap_grad_reduce)
+                    )
+    # (every switch kept; tp's dropped, the data-parallel ones, both; or the layout refused)
+    assert kept >= {("mixtral-8x7b", True, True), ("gpt-oss-120b", False, True), ("deepseek-v3", True, False)}
+    assert ("gpt-oss-120b", False, False) in kept
+
+
 def test_the_per_layout_rules_read_only_what_their_memo_keys_on():
     """`validity._per_layout_errors` keys on `batch_rules.PARALLEL_READ`, `TRAIN_READ` and dp: the rules,
     and the messages of those they find broken, read nothing else (every field changed in turn on the

@@ -155,6 +155,9 @@ def reduces_every_microbatch(runtime: Runtime, layout) -> bool:
     return layout.zero == 2 and every
 
 
+OVERLAP_SWITCHES = ("tp_overlap", "overlap_grad_reduce", "overlap_param_gather", "ep_overlap")  # (what it sets)
+
+
 def with_overlap(layout, *, fp8: bool = False):
     """`layout` with every overlap switch fived has that applies to it turned on (the planner's
     recommendation, as Megatron-Core's recipes turn theirs on): tp overlap (not with FP8 linears,

@@ -17,7 +17,7 @@ from fived.layout.rules import core_layout_errors, layout_errors, per_layout_err
 from fived.layout.schedule_sim import check_schedule
 from fived.layout.stages import model_key, model_of
 from fived.planner.layout_cache import layout_memo
-from fived.planner.runtimes import with_overlap
+from fived.planner.runtimes import OVERLAP_SWITCHES, with_overlap
 
 
 def is_valid(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int) -> bool:
@@ -30,19 +30,13 @@ def with_usable_overlap(model: ModelConfig, layout: Layout, seq_len: int, global
     """`layout` with every overlap fived has for it (`with_overlap`) that the runtime's rules accept: all
     of them, else without the switches a rule refuses (the overlapped data-parallel reductions and
     gathers: multi-token prediction under a pipeline; tp's overlap: attention biases under tp; or
-    both), else none. The switches are a core's (`_core_errors`: asked once per core; the search asks
-    the chosen one's again). (The order asks the fewest cores of a search: a layout refused whatever
-    its overlaps is known after three.)"""
-    key, full = model_key(model), with_overlap(layout, fp8=fp8)
-    for candidate in (full, full.with_(**_DP_OFF)):
-        if not _core_errors(key, candidate, seq_len, global_batch):
-            return candidate
-    if _core_errors(key, layout, seq_len, global_batch):  # (refused whatever its overlaps: its own reason)
-        return layout
-    for candidate in (full.with_(**_TP_OFF), full.with_(**_TP_OFF, **_DP_OFF)):
-        if not _core_errors(key, candidate, seq_len, global_batch):
-            return candidate
-    return layout
+    both), else none. The switches are a core's (`_core_errors`), so is the choice: asked once per core
+    (`_usable_switches`; explore asks every micro-batch size and checkpointing of each)."""
+    switches = _usable_switches(model_key(model), layout, seq_len, global_batch, fp8)
+    return layout.with_(**dict(zip(OVERLAP_SWITCHES, switches)))
+
+
+_switch_values = attrgetter(*OVERLAP_SWITCHES)
 
 
 _TP_OFF = {"tp_overlap": False}
@@ -135,6 +129,22 @@ def _core_errors(key: tuple, layout: Layout, seq_len: int, global_batch: int) ->
     t = _train_config(seq_len, global_batch, layout.microbatches(global_batch), layout.checkpointing)
     cfg = Config(model=model_of(key), parallel=_parallel_config(_parallel_values(layout)), train=t)
     return core_layout_errors(cfg, layout.world)
+
+
+@layout_memo(maxsize=65536, values=_core_values)
+def _usable_switches(key: tuple, layout: Layout, seq_len: int, global_batch: int, fp8: bool) -> tuple:
+    """`with_usable_overlap`'s switch values for `layout`'s core (the order asks the fewest cores of a
+    search: a layout refused whatever its overlaps is known after three)."""
+    full = with_overlap(layout, fp8=fp8)
+    for candidate in (full, full.with_(**_DP_OFF)):
+        if not _core_errors(key, candidate, seq_len, global_batch):
+            return _switch_values(candidate)
+    if _core_errors(key, layout, seq_len, global_batch):  # (refused whatever its overlaps: its own reason)
+        return _switch_values(layout)
+    for candidate in (full.with_(**_TP_OFF), full.with_(**_TP_OFF, **_DP_OFF)):
+        if not _core_errors(key, candidate, seq_len, global_batch):
+            return _switch_values(candidate)
+    return _switch_values(layout)
 
 
 # (the rules only read these configs: one object per distinct value, not one per layout asked)
