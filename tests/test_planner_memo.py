@@ -121,9 +121,26 @@ def test_layout_memo_keys_on_the_values_and_keeps_the_latest():
     assert tp_of(0, a, 3) == 6 and len(calls) == 4  # (the oldest entry was dropped)
 
 
-def test_a_runtimes_kept_hash_is_its_values():
-    twin = replace(FIVED, fp8=False)
-    assert hash(twin) == hash(FIVED) and twin == FIVED and hash(replace(FIVED, fp8=True)) != hash(FIVED)
+def test_a_kept_hash_is_its_values_and_never_pickled():
+    """Runtimes, clusters and constants keep their hash (`layout_cache.kept_hash`): equal objects hash
+    alike, another value otherwise; a pickled copy carries none (string hashes differ between
+    processes) and hashes again."""
+    import pickle
+
+    from fived.planner.constants import Constants
+    from fived.planner.hardware import Cluster, hardware
+
+    cluster = Cluster(hardware("h100"), 16, 8)
+    for obj, other in (
+        (FIVED, replace(FIVED, fp8=True)),
+        (cluster, Cluster(hardware("h100"), 32, 8)),
+        (Constants(), Constants(tp_overlap=0.25)),
+    ):
+        twin = replace(obj)
+        assert hash(twin) == hash(obj) and twin == obj and hash(other) != hash(obj)
+        copy = pickle.loads(pickle.dumps(obj))
+        assert "_hash" in vars(obj) and "_hash" not in vars(copy)
+        assert copy == obj and hash(copy) == hash(obj)
 
 
 def test_the_first_rule_error_asks_a_cores_rules_once_and_reports_the_rules_first_error():

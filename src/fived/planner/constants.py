@@ -28,7 +28,7 @@ from types import MappingProxyType
 from typing import Any
 
 from fived.config import ConfigError
-from fived.planner.layout_cache import kept_hash
+from fived.planner.layout_cache import kept_hash, state_without_kept_hash
 
 FORMAT = 1
 DEFAULT_PATH = Path(__file__).with_name("calibration.json")
@@ -55,6 +55,7 @@ class Constants:
     #   timing.DISPATCH_BYTES)
 
     __hash__ = kept_hash
+    __getstate__ = state_without_kept_hash
 
     def gemm_efficiency(self, generation: str) -> float:
         """The wide-GEMM share of peak for a GPU generation ("ampere", "hopper")."""

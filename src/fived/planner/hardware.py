@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from fived.config import ConfigError, did_you_mean, tomllib
-from fived.planner.layout_cache import kept_hash
+from fived.planner.layout_cache import kept_hash, state_without_kept_hash
 
 
 @dataclass(frozen=True)
@@ -88,6 +88,7 @@ class Cluster:
     gpus_per_node: int
 
     __hash__ = kept_hash
+    __getstate__ = state_without_kept_hash
 
 
 CATALOGUE: dict[str, Hardware] = {

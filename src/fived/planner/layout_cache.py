@@ -31,12 +31,19 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def kept_hash(obj: Any) -> int:
     """A frozen dataclass's generated hash (of its fields' values), computed once and kept: the memos
-    key on runtimes, clusters and constants, and hash them at every look-up (`__hash__ = kept_hash`)."""
+    key on runtimes, clusters and constants, and hash them at every look-up (`__hash__ = kept_hash`,
+    with `__getstate__ = state_without_kept_hash`)."""
     found = obj.__dict__.get("_hash")
     if found is None:
         found = hash(tuple(getattr(obj, f.name) for f in fields(obj)))
         object.__setattr__(obj, "_hash", found)
     return found
+
+
+def state_without_kept_hash(obj: Any) -> dict:
+    """What a kept-hash object pickles: its fields, not the hash (a string's hash differs between
+    processes: an unpickled copy in another would keep a hash its equal objects there do not have)."""
+    return {name: value for name, value in obj.__dict__.items() if name != "_hash"}
 
 
 @contextlib.contextmanager

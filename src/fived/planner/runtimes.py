@@ -55,7 +55,7 @@ import re
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from fived.planner.layout_cache import kept_hash
+from fived.planner.layout_cache import kept_hash, state_without_kept_hash
 
 
 @dataclass(frozen=True)
@@ -106,6 +106,7 @@ class Runtime:
         return self.name == "fived"
 
     __hash__ = kept_hash
+    __getstate__ = state_without_kept_hash
 
 
 FIVED = Runtime(flash_ring=True, expert_grad_overlap=False)

@@ -270,7 +270,7 @@ def price(
     runtime: Runtime = DEFAULT_RUNTIME,
 ) -> dict:
     """The page's entry for one layout: {"error": reason} or the planner's figures (as `fived plan`
-    prices it: with the overlaps fived turns on)."""
+    prices it: with the overlaps fived turns on), its flags as `run_flag_pairs`' pairs."""
     reason = layout_refusal(model, layout, seq_len, global_batch)
     if reason:
         return {"error": str(reason)}
@@ -441,7 +441,7 @@ class MessageTables:
         self.rows, self.row_sets, self.map_sets = Interned(), Interned(), Interned()
         self.keys = tuple(Interned() for _ in (*MAP_PARTS, "timeline"))
         self.first: list[list[tuple]] = [[] for _ in self.keys]
-        self.seen_rows: dict[int, int] = {}  # id(row) -> its index in rows (see `row_index`)
+        self.seen_rows: dict[int, tuple[tuple, int]] = {}  # id(row) -> (the row, its index in rows): `row_index`
 
     def packed(self, entry: dict, layout: Layout) -> list:
         """`price`'s entry as an ENTRY_FIELDS array, what repeats as indices into these tables."""
@@ -463,12 +463,14 @@ class MessageTables:
 
     def row_index(self, row: tuple) -> int:
         """The index of a collective's row, found by the row object's identity where it was seen before
-        (hashing a row's rank list for each of a page's 1.4M rows cost seconds). Sound because `rows`
-        holds every row it indexes: no two rows alive at once share an id, and none indexed dies."""
+        (hashing a row's rank list for each of a page's 1.4M rows cost seconds). Sound because
+        `seen_rows` holds every row object it saw: none dies while the message is built, so no other
+        row can take its id (the memos that made a row may drop it meanwhile; `rows` keeps only the
+        first of equal rows)."""
         found = self.seen_rows.get(id(row))
         if found is None:
-            found = self.seen_rows[id(row)] = self.rows.id(row)
-        return found
+            found = self.seen_rows[id(row)] = (row, self.rows.id(row))
+        return found[1]
 
     def message(self) -> Message:
         return Message(
@@ -521,7 +523,8 @@ class EntryTables:
         """A message's values in these tables, each distinct one once: (per its reasons, the page's
         index; per its flag sets, the page's list of flag-word indices; the same of its collectives'
         row sets and layer-map key sets; per its timeline keys, the page's index). A key new to the
-        page is drawn into `drawings` (per MAP_PARTS, then "timeline": key -> what the page draws)."""
+        page is drawn into `drawings` (per MAP_PARTS, then "timeline": key -> what the page draws).
+        The lists are shared by the entries that refer to them: read, never changed."""
         reasons = [self.errors.id(reason) for reason in message.reasons]
         words = [self.flag_words.id(word) for word in message.words]
         row_ids = [self.rows.id(row) for row in message.rows]

@@ -9,12 +9,11 @@ plotly is an optional extra: `pip install 'fived[pages]'`.
 from __future__ import annotations
 
 import base64
-import gzip
 import html
-import io
 import json
 import queue
 import threading
+import zlib
 from importlib.resources import files
 from pathlib import Path
 
@@ -59,19 +58,24 @@ PIECE_ITEMS = 8192  # a long list's items encoded at a time (a piece is compress
 
 
 def packed_json(data: dict) -> bytes:
-    """`data` as gzip-compressed JSON: `json.dumps(data, separators=(",", ":"))`'s bytes, encoded a
-    top-level value (a long list: PIECE_ITEMS items) at a time, each piece compressed in a thread
-    while the next is encoded (zlib lets go of the interpreter while it works: the compression of an
-    explore page's 79 MB of JSON, 0.7 s, runs beside its encoding, 1.9 s, on another core). mtime 0:
-    the same data gives the same bytes (gzip stamps the time otherwise); check_circular off: the data
-    is a tree fived built, and tracking an explore page's ~10^6 containers costs ~7% of the dump."""
-    out = io.BytesIO()
+    """`data` as gzip-compressed JSON: `gzip.compress(json.dumps(data, separators=(",", ":")).encode(),
+    GZIP_LEVEL, mtime=0)`'s bytes, encoded a top-level value (a long list: PIECE_ITEMS items) at a time,
+    each piece compressed in a thread while the next is encoded (zlib lets go of the interpreter while
+    it works: the compression of an explore page's 79 MB of JSON, 0.7 s, runs beside its encoding,
+    1.9 s, on another core). mtime 0: the same data gives the same bytes. check_circular off: the
+    data is a tree fived built, and tracking an explore page's ~10^6 containers costs ~7% of the dump."""
+    compressor = zlib.compressobj(GZIP_LEVEL, zlib.DEFLATED, 31)  # (31: gzip's header, mtime 0, and trailer)
+    packed: list[bytes] = []
+    failed: list[BaseException] = []
     pieces: queue.Queue = queue.Queue(maxsize=4)
 
     def compress() -> None:
-        with gzip.GzipFile(fileobj=out, mode="wb", compresslevel=GZIP_LEVEL, mtime=0) as packed:
-            while (piece := pieces.get()) is not None:
-                packed.write(piece)
+        while (piece := pieces.get()) is not None:
+            if not failed:  # (after a failure, drained: the encoder never waits on a full queue)
+                try:
+                    packed.append(compressor.compress(piece))
+                except BaseException as e:
+                    failed.append(e)
 
     worker = threading.Thread(target=compress, name="fived-page-gzip", daemon=True)
     worker.start()
@@ -81,7 +85,9 @@ def packed_json(data: dict) -> bytes:
     finally:
         pieces.put(None)
         worker.join()
-    return out.getvalue()
+    if failed:
+        raise failed[0]
+    return b"".join(packed) + compressor.flush()
 
 
 def _json_pieces(data: dict):
@@ -90,6 +96,8 @@ def _json_pieces(data: dict):
     dump = json.JSONEncoder(separators=(",", ":"), check_circular=False).encode
     yield "{"
     for i, (name, value) in enumerate(data.items()):
+        if not isinstance(name, str):  # (json.dumps writes other keys as strings: not asked of the pages)
+            raise TypeError(f"a page's data keys are strings, not {name!r}")
         yield ("," if i else "") + dump(name) + ":"
         if isinstance(value, list) and len(value) > PIECE_ITEMS:
             yield "["
