@@ -205,16 +205,8 @@ def test_explore_offers_what_the_planner_searched_and_agrees_with_plan_on_7_gpus
     from fived.planner.runtimes import PLANNED_RUNTIMES
     from fived.planner.search import SCHEDULES, mesh_shapes, plan
     from fived.planner.timing import Cluster
-    from fived.tools.explore import (
-        MEMORY_PARTS,
-        TIME_PARTS,
-        TOGGLES,
-        entry_of,
-        explore_data,
-        map_keys,
-        slot,
-        timeline_key,
-    )
+    from fived.tools.explore import MEMORY_PARTS, TIME_PARTS, TOGGLES, explore_data, map_keys, slot, timeline_key
+    from fived.tools.explore_tables import entry_of
 
     model, cluster = model_preset("llama3-8b"), Cluster(hardware("h100"), 7, 8)
     data = explore_data(model, cluster, 2048, 14, "bfloat16", 3.0)
@@ -279,7 +271,8 @@ def test_the_plans_winner_its_name_its_command_and_the_pages_command_agree(capsy
     from fived.planner.hardware import hardware
     from fived.planner.search import SCHEDULES
     from fived.planner.timing import Cluster
-    from fived.tools.explore import TOGGLES, entry_of, explore_data, layout_from_flags, slot
+    from fived.tools.explore import TOGGLES, explore_data, layout_from_flags, slot
+    from fived.tools.explore_tables import entry_of
 
     args = ["--model", "llama3-8b", "--gpus", "7", "--gpu", "h100", "--seq", "2048", "--global-batch-tokens", "28672"]
     capsys.readouterr()

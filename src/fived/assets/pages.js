@@ -46,7 +46,7 @@ function slotOf(D, values) {
 
 function entryAt(D, slot) {
   // the entry at this slot as the drawing reads it: a valid one is stored as an array in
-  // D.entry_fields' order (fived.tools.explore.ENTRY_FIELDS: names once, not per entry), its memory in
+  // D.entry_fields' order (fived.tools.explore_tables.ENTRY_FIELDS: names once, not per entry), its memory in
   // bytes (/ 2^30: the GiB the planner printed, the same double) and its layer-map and timeline keys as
   // indices into D.map_keys and D.timeline_keys; a reason's index or null is returned as it is
   const stored = D.entries[slot];

@@ -19,7 +19,6 @@ import functools
 import itertools
 import math
 from collections.abc import Callable
-from typing import NamedTuple
 
 from fived.config import ConfigError, ModelConfig
 from fived.layout.layout import CHECKPOINTING, MESH_FIELDS, PP_SCHEDULES, Layout, stages_per_rank
@@ -35,7 +34,7 @@ from fived.planner.communication import (
     model_parallel_values,
 )
 from fived.planner.layer_map import activations, pipeline_ranks, replica_weights
-from fived.planner.layout_cache import collector_paused, layout_memo, layout_values
+from fived.planner.layout_cache import collector_paused, layout_memo
 from fived.planner.links import in_node
 from fived.planner.runtimes import PLANNED_RUNTIMES, Runtime
 from fived.planner.search import (
@@ -53,6 +52,13 @@ from fived.planner.search import (
 )
 from fived.planner.timing import Cluster
 from fived.planner.validity import layout_refusal, with_usable_overlap
+from fived.tools.explore_tables import (
+    ENTRY_FIELDS,
+    MAP_PARTS,
+    EntryTables,
+    Message,
+    MessageTables,
+)
 from fived.tools.workers import Workers
 
 MESH_TOGGLES = ("tp", "sp", "cp", "pp", "pp_schedule", "pp_virtual", "ep", "etp")  # (etp: MoE parallel folding)
@@ -63,26 +69,6 @@ TIMELINE_MICROBATCHES = 4  # per pipeline rank drawn: enough to show fill, stead
 TIMELINE_MAX_PP = 16  # pipelines of more ranks: the bubble fraction, no timeline
 RANKED = 8  # the planner's best layouts listed on the page
 PROGRESS_STEPS = 100  # progress reports over a page's combinations
-# a valid entry as the page stores it: an array of these fields' values, in this order (the names once,
-# in the data's `entry_fields`, not in each of a page's ~10^5 entries); `entry_of` (and the page's
-# script, `entryAt`) turns one back into `price`'s figures. Memory is in bytes (an integer: fewer
-# digits than its GiB, and GiB * 2**30 / 2**30 is the same double); `map` and `timeline` are indices
-# into `map_keys` (one table per MAP_PARTS) and `timeline_keys`.
-ENTRY_FIELDS = (
-    "memory_bytes",
-    "time",
-    "tokens_per_s_per_gpu",
-    "mfu",
-    "fits",
-    "flags",
-    "describe",
-    "microbatches",
-    "bubble",
-    "collectives",
-    "map",
-    "timeline",
-)
-MAP_PARTS = ("weights", "activations", "ranks")  # the layer map's parts, in `map_keys`' order
 
 
 def toggle_options(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int) -> dict[str, list]:
@@ -349,21 +335,20 @@ def explore_data(
     entries: list = [None] * math.prod(len(v) for v in options.values())
     tables = EntryTables()
     drawings: dict = {part: {} for part in (*MAP_PARTS, "timeline")}  # (`EntryTables.merge`'s)
+    draw = functools.partial(_drawn, model, seq_len)
     every = max(1, len(entries) // PROGRESS_STEPS)
     job = (model, cluster, seq_len, global_batch, dtype, headroom_gib, options)
     with Workers(workers) as pool:  # (each mesh priced in a worker; their figures merged here, in order)
         pending_ranking = pool.submit(ranking, model, cluster, seq_len, global_batch, dtype, headroom_gib)
         for message, priced in pool.map(priced_mesh, job, mesh_choices(options, cluster.gpus)):
-            reasons, flags, rows, maps_of, timeline_of = tables.merge(message, model, seq_len, drawings)
+            reasons, placed = tables.merge(message, drawings, draw)
             for position, entry in priced:
                 if progress is not None and position // every != (position - 1) // every:
                     progress(position / len(entries))
                 if isinstance(entry, int):  # reasons repeat: stored once, referenced by index
                     entries[position] = reasons[entry]
                     continue
-                entry[_FLAGS], entry[_COLLECTIVES] = flags[entry[_FLAGS]], rows[entry[_COLLECTIVES]]
-                entry[_MAP], entry[_TIMELINE] = maps_of[entry[_MAP]], timeline_of[entry[_TIMELINE]]
-                entries[position] = entry
+                entries[position] = placed(entry)
         ranked = pending_ranking()
     if progress is not None:
         progress(1.0)
@@ -416,83 +401,7 @@ def priced_mesh(job: tuple, mesh: tuple) -> tuple[Message, list[tuple[int, list 
     return tables.message(), out
 
 
-# where an ENTRY_FIELDS array holds what is stored by index
-_FLAGS, _COLLECTIVES, _MAP, _TIMELINE = (ENTRY_FIELDS.index(f) for f in ("flags", "collectives", "map", "timeline"))
-
-
-class Message(NamedTuple):
-    """What `priced_mesh` sends with its entries: the values they refer to by index, each once."""
-
-    reasons: list[str]
-    words: list[str]  # flag words ("--parallel.tp 4")
-    flag_sets: list[tuple[int, ...]]  # an entry's flags: indices into words
-    rows: list[tuple]  # collective rows (`collectives`)
-    row_sets: list[tuple[int, ...]]  # an entry's collectives: indices into rows
-    map_sets: list[tuple[int, ...]]  # an entry's layer-map keys: per MAP_PARTS, an index into keys[part]
-    keys: list[list[str]]  # per MAP_PARTS, then the timeline: its keys
-    first: list[list[tuple]]  # per keys' part and key: (its first layout's field values, micro-batches)
-
-
-class MessageTables:
-    """The tables of one `priced_mesh` message, as its entries are packed."""
-
-    def __init__(self) -> None:
-        self.reasons, self.words, self.flag_sets = Interned(), Interned(), Interned()
-        self.rows, self.row_sets, self.map_sets = Interned(), Interned(), Interned()
-        self.keys = tuple(Interned() for _ in (*MAP_PARTS, "timeline"))
-        self.first: list[list[tuple]] = [[] for _ in self.keys]
-        self.seen_rows: dict[int, tuple[tuple, int]] = {}  # id(row) -> (the row, its index in rows): `row_index`
-
-    def packed(self, entry: dict, layout: Layout) -> list:
-        """`price`'s entry as an ENTRY_FIELDS array, what repeats as indices into these tables."""
-        entry["memory_bytes"] = [_bytes(gib) for gib in entry["memory"]]
-        entry["flags"] = self.flag_sets.id(tuple(self.words.id(pair) for pair in entry["flags"]))
-        entry["collectives"] = self.row_sets.id(tuple(self.row_index(row) for row in entry["collectives"]))
-        keys = (*entry["map"], entry["timeline"])
-        ids = tuple(self._key_id(part, key, layout, entry["microbatches"]) for part, key in enumerate(keys))
-        entry["map"], entry["timeline"] = self.map_sets.id(ids[:-1]), ids[-1]
-        return [entry[name] for name in ENTRY_FIELDS]
-
-    def _key_id(self, part: int, key: str, layout: Layout, micro: int) -> int:
-        keys = self.keys[part]
-        found = keys.index.get(key)
-        if found is None:
-            found = keys.id(key)
-            self.first[part].append((layout_values(layout), micro))
-        return found
-
-    def row_index(self, row: tuple) -> int:
-        """The index of a collective's row, found by the row object's identity where it was seen before
-        (hashing a row's rank list for each of a page's 1.4M rows cost seconds). Sound because
-        `seen_rows` holds every row object it saw: none dies while the message is built, so no other
-        row can take its id (the memos that made a row may drop it meanwhile; `rows` keeps only the
-        first of equal rows)."""
-        found = self.seen_rows.get(id(row))
-        if found is None:
-            found = self.seen_rows[id(row)] = (row, self.rows.id(row))
-        return found[1]
-
-    def message(self) -> Message:
-        return Message(
-            self.reasons.items,
-            self.words.items,
-            self.flag_sets.items,
-            self.rows.items,
-            self.row_sets.items,
-            self.map_sets.items,
-            [keys.items for keys in self.keys],
-            self.first,
-        )
-
-
-def _collective_tables(rows: list[tuple]) -> dict:
-    """The page's `collectives` rows, each's rank list an index into `members` (rank lists repeat)."""
-    members = Interned()
-    table = [[*row[:6], members.id(row[6]), row[7]] for row in rows]
-    return {"collectives": table, "members": [list(m) for m in members.items]}
-
-
-def _drawn(model: ModelConfig, part: str, values: tuple, micro: int, seq_len: int):
+def _drawn(model: ModelConfig, seq_len: int, part: str, values: tuple, micro: int):
     """What the page draws for a key of `part` (MAP_PARTS, or "timeline"), from a layout that has it:
     the layout of field values `values`, `micro` micro-batches a step."""
     layout = Layout(*values)
@@ -509,86 +418,6 @@ def _drawn(model: ModelConfig, part: str, values: tuple, micro: int, seq_len: in
         "stages_per_rank": stages_per_rank(layout.pp_schedule, layout.pp_virtual),
         "actions": schedule_timeline(layout.pp_schedule, layout.pp, layout.pp_virtual, shown),
     }
-
-
-class EntryTables:
-    """The tables a page's entries refer to by index (values that repeat across entries, stored once:
-    reasons, flag words, collective rows, layer-map and timeline keys), and the messages' merge."""
-
-    def __init__(self) -> None:
-        self.errors, self.flag_words, self.rows, self.timeline_keys = Interned(), Interned(), Interned(), Interned()
-        self.map_keys = tuple(Interned() for _ in MAP_PARTS)
-
-    def merge(self, message: Message, model: ModelConfig, seq_len: int, drawings: dict) -> tuple:
-        """A message's values in these tables, each distinct one once: (per its reasons, the page's
-        index; per its flag sets, the page's list of flag-word indices; the same of its collectives'
-        row sets and layer-map key sets; per its timeline keys, the page's index). A key new to the
-        page is drawn into `drawings` (per MAP_PARTS, then "timeline": key -> what the page draws).
-        The lists are shared by the entries that refer to them: read, never changed."""
-        reasons = [self.errors.id(reason) for reason in message.reasons]
-        words = [self.flag_words.id(word) for word in message.words]
-        row_ids = [self.rows.id(row) for row in message.rows]
-        key_ids = []
-        for part, table, keys, firsts in zip(
-            (*MAP_PARTS, "timeline"), (*self.map_keys, self.timeline_keys), message.keys, message.first
-        ):
-            key_ids.append([table.id(key) for key in keys])
-            for key, (values, micro) in zip(keys, firsts):
-                if key and key not in drawings[part]:  # ("": no timeline drawn)
-                    drawings[part][key] = _drawn(model, part, values, micro, seq_len)
-        return (
-            reasons,
-            [[words[i] for i in s] for s in message.flag_sets],
-            [[row_ids[i] for i in s] for s in message.row_sets],
-            [[key_ids[part][i] for part, i in enumerate(s)] for s in message.map_sets],
-            key_ids[-1],
-        )
-
-    def data(self) -> dict:
-        """The tables, as the page's data names them (beside `entry_fields`, which `entry_of` reads)."""
-        return {
-            "entry_fields": ENTRY_FIELDS,
-            "errors": self.errors.items,
-            "flag_words": self.flag_words.items,
-            **_collective_tables(self.rows.items),
-            "map_keys": [keys.items for keys in self.map_keys],
-            "timeline_keys": self.timeline_keys.items,
-        }
-
-
-def _bytes(gib: float) -> int | float:
-    """GiB as bytes, exactly (a power of two's product): the integer where it is one (all the planner's
-    are; 11 digits where the GiB took 17), so that bytes / 2**30, here or in the page, is `gib` again."""
-    found = gib * 2**30
-    return int(found) if found.is_integer() else found
-
-
-def entry_of(data: dict, position: int) -> dict | int | None:
-    """`explore_data`'s entry at `position` as the page's script reads it (pages.js `entryAt`): the
-    figures `price` returned (memory in GiB, the map's and timeline's keys), a reason's index, or None."""
-    stored = data["entries"][position]
-    if not isinstance(stored, list):
-        return stored
-    entry = dict(zip(data["entry_fields"], stored))
-    entry["memory"] = [b / 2**30 for b in entry.pop("memory_bytes")]
-    entry["map"] = [keys[i] for keys, i in zip(data["map_keys"], entry["map"])]
-    entry["timeline"] = data["timeline_keys"][entry["timeline"]]
-    return entry
-
-
-class Interned:
-    """Values stored once, referred to by index."""
-
-    def __init__(self):
-        self.items: list = []
-        self.index: dict = {}
-
-    def id(self, value) -> int:
-        found = self.index.get(value)
-        if found is None:
-            found = self.index[value] = len(self.items)
-            self.items.append(value)
-        return found
 
 
 def slot(options: dict[str, list], key: str) -> int:
