@@ -366,3 +366,19 @@ def test_busiest_compute_memo_keys_on_every_field_the_compute_reads(zero):
             got = busiest_compute(model, layout, cluster, 4096, 64, "bfloat16", FIVED, c)
             want = _busiest_compute(model, layout, cluster, 4096, 64, "bfloat16", for_layout(FIVED, layout), c)
             assert got == want, name
+
+
+def test_an_explore_messages_row_index_keeps_every_row_it_saw():
+    """`MessageTables.row_index` finds a collective's row by the object's identity: a row equal to one
+    seen before but another object (the memos make such), then dropped by its maker, must not lend
+    its id to a new row (a fresh tuple of its size takes a freed one's address)."""
+    from fived.tools.explore_tables import MessageTables
+
+    tables = MessageTables()
+    first = ("tp", "all_reduce", 100, 1.0, "NVLink", 2, (0, 1), 0)
+    twin = first[:4] + first[4:]  # (equal, another object)
+    assert twin is not first and tables.row_index(first) == tables.row_index(twin) == 0
+    del twin
+    for k in range(50):
+        other = ("dp", "reduce_scatter", 999 + k, 2.0, "network", 8, (0, 8), 7)
+        assert tables.rows.items[tables.row_index(other)] == other
