@@ -188,11 +188,24 @@ def in_flight_microbatches(schedule: str, pp: int, virtual: int, microbatches: i
 @functools.lru_cache(maxsize=4096)
 def analyse(schedule: str, pp: int, virtual: int, microbatches: int) -> tuple[float, tuple[float, ...]]:
     """Bubble and in-flight counts from one generation of the action lists (the planner asks for
-    both; the lists themselves are too big to keep: 786k actions at pp=64, m=2048)."""
+    both; the lists themselves are too big to keep: 786k actions at pp=64, m=2048). GPipe's and
+    1F1B's in closed form (`_single_stage_profile`)."""
+    if pp > 1 and schedule in ("gpipe", "1f1b"):
+        check_schedule(schedule, pp, virtual, microbatches)
+        return _single_stage_profile(schedule, pp, microbatches)
     actions = schedule_actions(schedule, pp, virtual, microbatches)
     n_stages = n_stages_of(schedule, pp, virtual)
     in_flight = tuple(peak_alive(actions[rank]) / (n_stages // pp) for rank in sorted(actions))
     return simulate(actions, n_stages)["bubble"], in_flight
+
+
+def _single_stage_profile(schedule: str, pp: int, m: int) -> tuple[float, tuple[float, ...]]:
+    """`analyse` of GPipe or 1F1B (m >= pp) without simulating: every rank busy 3m (F = 1, B = 2), the
+    last backward ending at 3(m + pp - 1); in flight, GPipe's m and 1F1B's warm-up min(m, pp - rank).
+    Summed as `simulate` sums, so the same floats (tests/test_schedule_sim.py, against the simulation)."""
+    makespan, busy = 3.0 * (m + pp - 1), 3.0 * m
+    bubble = sum(1 - busy / makespan for _ in range(pp)) / pp
+    return bubble, tuple(float(m if schedule == "gpipe" else min(m, pp - r)) for r in range(pp))
 
 
 def schedule_timeline(schedule: str, pp: int, virtual: int, microbatches: int) -> list[tuple]:
