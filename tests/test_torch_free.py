@@ -61,3 +61,27 @@ def test_plan_loads_no_numpy_either():
     )
     out = _run(code)
     assert out.returncode == 0 and out.stdout.strip().endswith("no numpy"), out.stderr[-3000:]
+
+
+def test_the_executable_s_quick_exit_keeps_the_output_and_the_exit_code(capsys):
+    """`python -m fived plan` (the executable's `console`) ends without tearing its objects down
+    (`os._exit`): what it printed still arrives whole through a pipe (block-buffered: a few KB that
+    only the flush before the exit writes), the exit code is the command's, and an error is the one
+    line with its code. A command that is not quick exits as before."""
+    from fived.cli.main import main
+
+    env = {"PYTHONPATH": SRC, "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}  # (no PYTHONUNBUFFERED)
+    plan = ["plan", "--model", "llama3-8b", "--gpus", "16", "--seq", "8192", "--global-batch-tokens", "1048576"]
+
+    def fived(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "fived", *args], capture_output=True, text=True, env=env, timeout=300
+        )
+
+    out = fived(*plan, "--top", "1")
+    assert main([*plan, "--top", "1"]) == 0
+    assert (out.returncode, out.stdout) == (0, capsys.readouterr().out) and len(out.stdout) > 1000, out.stderr[-2000:]
+    bad = fived(*plan, "--top", "0")
+    assert (bad.returncode, bad.stdout, bad.stderr) == (2, "", "fived: error: --top=0: must be >= 1; e.g. 5\n")
+    config = fived("config", "--tp", "x")
+    assert config.returncode == 2 and config.stderr.count("\n") == 1

@@ -1,5 +1,3 @@
-import sys
+from fived.cli.main import console
 
-from fived.cli.main import main
-
-sys.exit(main())
+console()

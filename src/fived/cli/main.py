@@ -15,6 +15,7 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse
+import gc
 import re
 import sys
 
@@ -315,6 +316,28 @@ def join_negative_values(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    return _run(argv)[0]
+
+
+def console() -> None:
+    """The `fived` executable: `main`, then the process's exit. A command that leaves nothing to tear
+    down (`quick_exit` in its parser's defaults: `fived plan`) ends without freeing its objects one by
+    one: a llama3-70b plan for 512 GPUs holds ~10^5 memo entries, 0.27 s of CPU to free at exit."""
+    code, quick = _run(None, console=True)
+    if quick:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except OSError:  # (a closed pipe: Python's own exit reports it)
+            sys.exit(code)
+        os._exit(code)
+    sys.exit(code)
+
+
+def _run(argv: list[str] | None, *, console: bool = False) -> tuple[int, bool]:
+    """(the exit code, whether the command asked for `console`'s quick exit). Such a command run by
+    `console` runs without Python's cyclic garbage collector: its garbage dies with the process, and a
+    full collection walks every object the planner's memos hold (a llama3-70b plan for 512 GPUs: 0.1 s)."""
     parser = build_parser()
     ns, unknown = parser.parse_known_args(join_negative_values(sys.argv[1:] if argv is None else list(argv)))
     if ns.version:
@@ -323,19 +346,22 @@ def main(argv: list[str] | None = None) -> int:
         from fived.version import __version__
 
         print(f"fived {__version__} (torch {torch.__version__})")
-        return 0
+        return 0, False
     if ns.command is None:
         parser.print_help()
-        return 2
+        return 2, False
     try:
         if unknown:
             _refuse_unknown(unknown, parser, ns.commands.get(ns.command))
-        return ns.func(ns)
+        quick = getattr(ns, "quick_exit", False)
+        if quick and console:
+            gc.disable()
+        return ns.func(ns), quick
     except (ConfigError, OSError, KeyboardInterrupt, Stopped) as e:  # one line, no traceback
         code, line = user_error(e) or (1, str(e))
         print(line, file=sys.stderr)
-        return code
+        return code, False
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    console()

@@ -250,7 +250,7 @@ def add_plan_commands(sub) -> None:
         "'--parallel.tp 4 --parallel.zero 3'), fitting or not, instead of searching",
     )
     add_serve_flags(planp)
-    planp.set_defaults(func=cmd_plan)
+    planp.set_defaults(func=cmd_plan, quick_exit=True)  # (it writes nothing: `main.console`)
     explore = sub.add_parser(
         "explore",
         allow_abbrev=False,
