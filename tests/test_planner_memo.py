@@ -382,3 +382,18 @@ def test_an_explore_messages_row_index_keeps_every_row_it_saw():
     for k in range(50):
         other = ("dp", "reduce_scatter", 999 + k, 2.0, "network", 8, (0, 8), 7)
         assert tables.rows.items[tables.row_index(other)] == other
+
+
+def test_a_state_s_memory_is_each_activation_option_s_own():
+    """The search prices a state's activation options (micro-batch size, sp, checkpointing) with one
+    `StateMemory` of the state: each option's figures are those of a `StateMemory` of its own (what
+    `memory_per_gpu` builds), so what the state's object looked up once depends on none of them."""
+    from itertools import product
+
+    model, seq, gb = model_preset("mixtral-8x7b"), 4096, 64
+    for state in (BASE, BASE.with_(zero=3, pp_schedule="zbv"), BASE.with_(pp=1, zero=2, dp=8, tp_overlap=True)):
+        shared = memory.StateMemory(model, state, seq, "bfloat16", 80.0, FIVED)
+        for mbs, sp, ac in product((1, 2), (False, True), ("none", "selective", "full")):
+            option = state.with_(micro_batch=mbs, sp=sp, checkpointing=ac)
+            own = memory.memory_per_gpu(model, option, seq, gb, "bfloat16", 80.0, FIVED)
+            assert shared.of(option, gb) == own, option

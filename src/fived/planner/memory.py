@@ -481,34 +481,52 @@ def memory_per_gpu(
     runtime: Runtime = FIVED,
 ) -> MemoryEstimate:
     """Peak bytes on the most loaded GPU: the pipeline rank whose state + activations are largest."""
-    L, key = layout, model_key(m)
-    micro = L.microbatches(global_batch)
-    in_flight = pipeline_profile(L.pp_schedule, L.pp, L.pp_virtual, micro)[1] if L.pp > 1 else [1]
-    e = ACTIVATION_BYTES[dtype]
-    tokens = L.micro_batch * seq_len // L.cp  # one micro-batch on one rank
-    sums, states = _state_ranks(key, L, dtype, runtime)
-    acts = _layout_activations(key, L, seq_len, dtype, runtime)
-    # checkpointing recomputes one block at a time in backward: its activations exist once more
-    recompute = _layout_recompute(key, L, seq_len, dtype, runtime) if L.checkpointing != "none" else 0
-    micro_buffers = 2 * tokens * m.dim * e if L.tp > 1 else 0  # one region's gathered input and its partial output
-    logits = tokens * local_vocab(m, L.tp) * 4  # the loss's float32 logits of one micro-batch (last stage)
-    accumulates = micro > 1 or L.pp > 1  # FSDP2 accumulates unsharded gradients across micro-batches
+    return StateMemory(m, layout, seq_len, dtype, device_gib, runtime).of(layout, global_batch)
 
-    every = recompute + micro_buffers  # (the buffers every rank has; the bools below count 0 or 1 times)
-    # each rank's state + buffers + activations (the integers summed first, exactly): in-flight counts
-    # are whole-rank micro-batches (alive stage-micro-batches / stages per rank); the busiest is the
-    # first rank with the largest (one list and C's max: a 70B plan asks ~3x10^4 layouts of <= 64 ranks)
-    totals = [
-        total + static + every + accumulated * accumulates + logits * last + a * f
-        for (total, static, accumulated, last), a, f in zip(sums, acts, in_flight)
-    ]
-    pp_rank = totals.index(max(totals))
-    _, static, accumulated, holds_last = sums[pp_rank]
-    state, activations = states[pp_rank][0], round(acts[pp_rank] * in_flight[pp_rank])
-    buffers = static + every + accumulated * accumulates + logits * holds_last
-    return MemoryEstimate(
-        state["params"], state["grads"], state["optimizer"], activations, buffers, reserve_bytes(device_gib)
-    )
+
+class StateMemory:
+    """`memory_per_gpu` of the layouts that share `state`'s model state (`state_layout`: they differ in
+    micro-batch size, sp and checkpointing alone, as a search's activation options of one state do),
+    what they share looked up once (a 70B plan asks ~3x10^4 layouts of ~10^4 states)."""
+
+    __slots__ = ("dim", "dtype", "key", "reserve", "runtime", "seq_len", "states", "sums", "tp", "vocab")
+
+    def __init__(
+        self, m: ModelConfig, state: Layout, seq_len: int, dtype: str, device_gib: float, runtime: Runtime = FIVED
+    ) -> None:
+        self.key, self.dim, self.tp = model_key(m), m.dim, state.tp
+        self.vocab = local_vocab(m, state.tp)
+        self.sums, self.states = _state_ranks(self.key, state, dtype, runtime)
+        self.seq_len, self.dtype, self.runtime = seq_len, dtype, runtime
+        self.reserve = reserve_bytes(device_gib)
+
+    def of(self, layout: Layout, global_batch: int) -> MemoryEstimate:
+        """`memory_per_gpu` of `layout` (its state this one's)."""
+        L, seq_len, dtype, runtime = layout, self.seq_len, self.dtype, self.runtime
+        micro = global_batch // (L.dp * L.micro_batch)  # (`Layout.microbatches`)
+        in_flight = pipeline_profile(L.pp_schedule, L.pp, L.pp_virtual, micro)[1] if L.pp > 1 else [1]
+        e = ACTIVATION_BYTES[dtype]
+        tokens = L.micro_batch * seq_len // L.cp  # one micro-batch on one rank
+        acts = _layout_activations(self.key, L, seq_len, dtype, runtime)
+        # checkpointing recomputes one block at a time in backward: its activations exist once more
+        recompute = _layout_recompute(self.key, L, seq_len, dtype, runtime) if L.checkpointing != "none" else 0
+        micro_buffers = 2 * tokens * self.dim * e if self.tp > 1 else 0  # one region's gathered input, partial output
+        logits = tokens * self.vocab * 4  # the loss's float32 logits of one micro-batch (last stage)
+        accumulates = micro > 1 or L.pp > 1  # FSDP2 accumulates unsharded gradients across micro-batches
+
+        every = recompute + micro_buffers  # (the buffers every rank has; the bools below count 0 or 1 times)
+        # each rank's state + buffers + activations (the integers summed first, exactly): in-flight counts
+        # are whole-rank micro-batches (alive stage-micro-batches / stages per rank); the busiest is the
+        # first rank with the largest (one list and C's max: a 70B plan asks ~3x10^4 layouts of <= 64 ranks)
+        totals = [
+            total + static + every + accumulated * accumulates + logits * last + a * f
+            for (total, static, accumulated, last), a, f in zip(self.sums, acts, in_flight)
+        ]
+        pp_rank = totals.index(max(totals))
+        _, static, accumulated, holds_last = self.sums[pp_rank]
+        state, activations = self.states[pp_rank][0], round(acts[pp_rank] * in_flight[pp_rank])
+        buffers = static + every + accumulated * accumulates + logits * holds_last
+        return MemoryEstimate(state["params"], state["grads"], state["optimizer"], activations, buffers, self.reserve)
 
 
 @layout_memo(maxsize=65536)

@@ -22,7 +22,7 @@ from fived.config import CpMode, ModelConfig
 from fived.layout.layout import Layout
 from fived.planner.constants import Constants
 from fived.planner.layout_cache import collector_paused
-from fived.planner.memory import MemoryEstimate, memory_per_gpu, reserve_bytes, state_floor
+from fived.planner.memory import MemoryEstimate, StateMemory, memory_per_gpu, reserve_bytes, state_floor
 from fived.planner.pricing import Candidate, price
 from fived.planner.runtimes import FIVED, Runtime
 from fived.planner.timing import Cluster, StepTime, step_time
@@ -151,21 +151,21 @@ def _fitting_choices(
     layout: Layout,
     seq_len: int,
     global_batch: int,
-    dtype: str,
     runtime: Runtime,
-    device_gib: float,
+    memories: list[StateMemory],
     capacity: int,
 ) -> list[tuple[Layout, MemoryEstimate]] | int | None:
     """The first pass's look at one layout, by memory alone: its `reduction_choices` that fit with
-    their memory, or the least memory a choice needed when none fits, or None when none can run."""
+    their memory, or the least memory a choice needed when none fits, or None when none can run.
+    `memories`: each choice's state's `StateMemory`, in `reduction_choices`' order."""
     choices = reduction_choices(layout, runtime)
     # (the choices differ in zero2_reduce_every_microbatch alone, whose one rule, zero 2 with
     # overlap_grad_reduce, they meet by construction: one runs iff the other does)
     if not is_valid(model, choices[0], seq_len, global_batch):
         return None
-    memories = [memory_per_gpu(model, x, seq_len, global_batch, dtype, device_gib, runtime) for x in choices]
-    fits = [(x, mem) for x, mem in zip(choices, memories) if mem.total <= capacity]
-    return fits or memories[0].total
+    estimates = [memory.of(x, global_batch) for memory, x in zip(memories, choices)]
+    fits = [(x, mem) for x, mem in zip(choices, estimates) if mem.total <= capacity]
+    return fits or estimates[0].total
 
 
 def capacity_bytes(memory_gib: float, headroom_gib: float) -> int:
@@ -337,11 +337,11 @@ def plan(
                     considered += 1
                     note(state, floor)
                 continue
+            gib = cluster.hardware.memory_gib  # (the activation options share their state's: one per choice)
+            memories = [StateMemory(model, x, seq_len, dtype, gib, runtime) for x in reduction_choices(state, runtime)]
             for options in activation_choices(state, seq_len, global_batch):
                 for layout in options:
-                    result = _fitting_choices(
-                        model, layout, seq_len, global_batch, dtype, runtime, cluster.hardware.memory_gib, capacity
-                    )
+                    result = _fitting_choices(model, layout, seq_len, global_batch, runtime, memories, capacity)
                     if result is None:  # e.g. selective checkpointing under a split-backward schedule
                         continue
                     considered += 1
