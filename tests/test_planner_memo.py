@@ -397,3 +397,19 @@ def test_a_state_s_memory_is_each_activation_option_s_own():
             option = state.with_(micro_batch=mbs, sp=sp, checkpointing=ac)
             own = memory.memory_per_gpu(model, option, seq, gb, "bfloat16", 80.0, FIVED)
             assert shared.of(option, gb) == own, option
+
+
+def test_the_search_s_memory_of_every_plan_is_its_own():
+    """Through the search (ZeRO-2 with overlapped buckets has two reduction choices, each with its own
+    state's `StateMemory`): every fitting plan's memory is `memory_per_gpu` of its layout; handing a
+    choice the other's state would price its gradient buffers wrong."""
+    from fived.planner.hardware import hardware
+    from fived.planner.search import plan
+    from fived.planner.timing import Cluster
+
+    model, seq, gb = model_preset("llama3-8b"), 8192, 128
+    plans = plan(model, Cluster(hardware("h100"), 16, 8), seq, gb, "bfloat16", FIVED, 3.0).plans
+    both = [p for p in plans if p.layout.zero == 2 and p.layout.overlap_grad_reduce]
+    assert {p.layout.zero2_reduce_every_microbatch for p in both} == {False, True}  # (both choices kept somewhere)
+    for p in plans:
+        assert p.memory == memory.memory_per_gpu(model, p.layout, seq, gb, "bfloat16", 80.0, FIVED), p.layout

@@ -66,22 +66,35 @@ def test_plan_loads_no_numpy_either():
 def test_the_executable_s_quick_exit_keeps_the_output_and_the_exit_code(capsys):
     """`python -m fived plan` (the executable's `console`) ends without tearing its objects down
     (`os._exit`): what it printed still arrives whole through a pipe (block-buffered: a few KB that
-    only the flush before the exit writes), the exit code is the command's, and an error is the one
-    line with its code. A command that is not quick exits as before."""
+    only the flush before the exit writes), the exit code is the command's (1: nothing fits), an error
+    is the one line with its code, output the machine refuses (a full disk) is said and exits 1, a
+    closed stdout is no error. A command that is not quick exits as before."""
+    import os
+
     from fived.cli.main import main
 
     env = {"PYTHONPATH": SRC, "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}  # (no PYTHONUNBUFFERED)
     plan = ["plan", "--model", "llama3-8b", "--gpus", "16", "--seq", "8192", "--global-batch-tokens", "1048576"]
+    no_fit = ["plan", "--model", "llama3-70b", "--gpus", "8", "--seq", "131072", "--global-batch-tokens", "1048576"]
 
-    def fived(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [sys.executable, "-m", "fived", *args], capture_output=True, text=True, env=env, timeout=300
-        )
+    def fived(*args: str, **how) -> subprocess.CompletedProcess:
+        how.setdefault("stdout", subprocess.PIPE)
+        command = [sys.executable, "-m", "fived", *args]
+        return subprocess.run(command, stderr=subprocess.PIPE, text=True, env=env, timeout=300, **how)
 
-    out = fived(*plan, "--top", "1")
-    assert main([*plan, "--top", "1"]) == 0
-    assert (out.returncode, out.stdout) == (0, capsys.readouterr().out) and len(out.stdout) > 1000, out.stderr[-2000:]
+    for args, code in (([*plan, "--top", "1"], 0), (no_fit, 1)):
+        out = fived(*args)
+        assert main(args) == code
+        assert (out.returncode, out.stdout) == (code, capsys.readouterr().out) and len(out.stdout) > 300, out.stderr
     bad = fived(*plan, "--top", "0")
     assert (bad.returncode, bad.stdout, bad.stderr) == (2, "", "fived: error: --top=0: must be >= 1; e.g. 5\n")
+    with open("/dev/full", "w") as full:
+        refused = fived(*plan, stdout=full)
+    assert (refused.returncode, refused.stderr) == (
+        1,
+        "fived: error: the standard output: no space left on the device\n",
+    )
+    closed = fived(*plan, stdout=None, preexec_fn=lambda: os.close(1))
+    assert (closed.returncode, closed.stderr) == (0, "")
     config = fived("config", "--tp", "x")
     assert config.returncode == 2 and config.stderr.count("\n") == 1

@@ -15,6 +15,7 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse
+import contextlib
 import gc
 import re
 import sys
@@ -323,21 +324,27 @@ def console() -> None:
     """The `fived` executable: `main`, then the process's exit. A command that leaves nothing to tear
     down (`quick_exit` in its parser's defaults: `fived plan`) ends without freeing its objects one by
     one: a llama3-70b plan for 512 GPUs holds ~10^5 memo entries, 0.27 s of CPU to free at exit."""
-    code, quick = _run(None, console=True)
-    if quick:
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        except OSError:  # (a closed pipe: Python's own exit reports it)
-            sys.exit(code)
-        os._exit(code)
-    sys.exit(code)
+    code, quick = _run(None, quick_ok=True)
+    if not quick:
+        sys.exit(code)
+    try:  # (what Python's exit would flush: lost by os._exit; a stream closed at the start is None)
+        for stream in (sys.stdout, sys.stderr):
+            if stream is not None:
+                stream.flush()
+    except OSError as e:  # a reader gone, a full disk: the output is lost, which the exit says
+        e.filename = e.filename or "the standard output"
+        failed, line = user_error(e) or (1, str(e))
+        code = code or failed
+        with contextlib.suppress(OSError, AttributeError):
+            print(line, file=sys.stderr, flush=True)
+    os._exit(code)
 
 
-def _run(argv: list[str] | None, *, console: bool = False) -> tuple[int, bool]:
+def _run(argv: list[str] | None, *, quick_ok: bool = False) -> tuple[int, bool]:
     """(the exit code, whether the command asked for `console`'s quick exit). Such a command run by
-    `console` runs without Python's cyclic garbage collector: its garbage dies with the process, and a
-    full collection walks every object the planner's memos hold (a llama3-70b plan for 512 GPUs: 0.1 s)."""
+    `console` (`quick_ok`) runs without Python's cyclic garbage collector: its garbage dies with the
+    process, and a full collection walks every object the planner's memos hold (a llama3-70b plan for
+    512 GPUs: 0.1 s)."""
     parser = build_parser()
     ns, unknown = parser.parse_known_args(join_negative_values(sys.argv[1:] if argv is None else list(argv)))
     if ns.version:
@@ -354,7 +361,7 @@ def _run(argv: list[str] | None, *, console: bool = False) -> tuple[int, bool]:
         if unknown:
             _refuse_unknown(unknown, parser, ns.commands.get(ns.command))
         quick = getattr(ns, "quick_exit", False)
-        if quick and console:
+        if quick and quick_ok:
             gc.disable()
         return ns.func(ns), quick
     except (ConfigError, OSError, KeyboardInterrupt, Stopped) as e:  # one line, no traceback

@@ -190,7 +190,7 @@ def analyse(schedule: str, pp: int, virtual: int, microbatches: int) -> tuple[fl
     """Bubble and in-flight counts from one generation of the action lists (the planner asks for
     both; the lists themselves are too big to keep: 786k actions at pp=64, m=2048). GPipe's and
     1F1B's in closed form (`_single_stage_profile`)."""
-    if pp > 1 and schedule in ("gpipe", "1f1b"):
+    if pp > 1 and schedule in SINGLE_STAGE:
         check_schedule(schedule, pp, virtual, microbatches)
         return _single_stage_profile(schedule, pp, microbatches)
     actions = schedule_actions(schedule, pp, virtual, microbatches)

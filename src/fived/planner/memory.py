@@ -503,7 +503,7 @@ class StateMemory:
     def of(self, layout: Layout, global_batch: int) -> MemoryEstimate:
         """`memory_per_gpu` of `layout` (its state this one's)."""
         L, seq_len, dtype, runtime = layout, self.seq_len, self.dtype, self.runtime
-        micro = global_batch // (L.dp * L.micro_batch)  # (`Layout.microbatches`)
+        micro = L.microbatches(global_batch)
         in_flight = pipeline_profile(L.pp_schedule, L.pp, L.pp_virtual, micro)[1] if L.pp > 1 else [1]
         e = ACTIVATION_BYTES[dtype]
         tokens = L.micro_batch * seq_len // L.cp  # one micro-batch on one rank
