@@ -64,6 +64,8 @@ def split_layers(cfg: ModelConfig, n_stages: int, override: str = "") -> list[li
         for i in range(n - 1, -1, -1):
             for j in range(i + 1, n - (n_stages - k - 1) + 1):
                 stage = prefix[j] - prefix[i] + (head if k == n_stages - 1 else 0.0)
+                if stage > best[k][i][0]:  # (costs >= 0: a later cut's stage is larger still, its max worse)
+                    break
                 rest = best[k + 1][j]
                 value = (max(stage, rest[0]), stage * stage + rest[1])
                 if value < best[k][i]:
