@@ -129,26 +129,24 @@ def test_split_is_the_exhaustive_optimum():
     best split found) reaches the least (most expensive stage, sum of squared stage costs) of every
     contiguous split, found by trying them all: uneven layer costs (MoE layers after dense ones) and
     heads from negligible to several layers' cost."""
-    from itertools import combinations
+    from itertools import combinations, pairwise
 
     from fived.layout.stages import layer_costs
+
+    def value(costs, head, cuts):  # (the most expensive stage, the sum of squared stage costs)
+        stages = [sum(costs[a:b]) for a, b in pairwise([0, *cuts, len(costs)])]
+        stages[-1] += head
+        return max(stages), sum(c * c for c in stages)
 
     for vocab, name in ((64, "tiny"), (1152, "tiny"), (4096, "tiny"), (512, "tiny-moe"), (8192, "tiny-moe")):
         cfg = dataclasses.replace(model_preset(name), n_layers=9, vocab_size=vocab)
         costs, head = layer_costs(cfg)
-
-        def value(cuts):
-            bounds = [0, *cuts, len(costs)]
-            stages = [sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])]
-            stages[-1] += head
-            return max(stages), sum(c * c for c in stages)
-
         for n_stages in range(1, 10):
             split = split_layers(cfg, n_stages)
             assert [layer for stage in split for layer in stage] == list(range(9)) and all(split)
             cuts = [sum(len(s) for s in split[:k]) for k in range(1, n_stages)]
-            best = min(value(c) for c in combinations(range(1, 9), n_stages - 1))
-            assert value(cuts) == pytest.approx(best, rel=1e-12), (name, vocab, n_stages)
+            best = min(value(costs, head, c) for c in combinations(range(1, 9), n_stages - 1))
+            assert value(costs, head, cuts) == pytest.approx(best, rel=1e-12), (name, vocab, n_stages)
 
 
 def test_trace_of_an_8_rank_run_is_chrome_json(tmp_path):
