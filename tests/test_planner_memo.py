@@ -413,3 +413,31 @@ def test_the_search_s_memory_of_every_plan_is_its_own():
     assert {p.layout.zero2_reduce_every_microbatch for p in both} == {False, True}  # (both choices kept somewhere)
     for p in plans:
         assert p.memory == memory.memory_per_gpu(model, p.layout, seq, gb, "bfloat16", 80.0, FIVED), p.layout
+
+
+def test_a_core_s_validity_is_each_layout_s_refusal():
+    """The search asks a state's core once (`validity.CoreValidity`) and each activation option its own
+    rules: it accepts an option iff `layout_refusal` finds nothing against it, as `is_valid` does, for
+    options that break per-layout rules (sp without tp, selective checkpointing under split-backward
+    schedules), the batch (micro-batches that do not divide it), the schedule's micro-batch rules, the
+    core's rules, and another runtime's expert tensor parallelism (etp 2: Megatron-Core's rules)."""
+    from collections import Counter
+    from itertools import product
+
+    from fived.planner.search import mesh_shapes, state_choices
+
+    model, seq, global_batch = model_preset("mixtral-8x7b"), 4096, 12  # (12: micro-batches that do not divide it)
+    seen: Counter = Counter()
+    meshes = list(mesh_shapes(model, 16, 8, seq, global_batch, folded=True))
+    meshes += [m.with_(etp=etp) for m in meshes for etp in (2, 4) if m.tp >= 2 and m.etp == 0]
+    for mesh in meshes:
+        for state in state_choices(model, mesh, 8):
+            core = validity.CoreValidity(model, state, seq, global_batch)
+            for mbs, sp, ac in product((1, 4), (False, True), ("none", "selective", "full")):
+                option = state.with_(micro_batch=mbs, sp=sp, checkpointing=ac)
+                refusal = validity.layout_refusal(model, option, seq, global_batch)
+                accepted = core.accepts(option)
+                assert accepted == (refusal is None) == validity.is_valid(model, option, seq, global_batch)
+                seen[refusal.field if refusal else f"valid etp{option.etp}"] += 1
+    assert min(seen[f"valid etp{etp}"] for etp in (0, 1, 2, 4)) > 0 and seen["etp"] > 0, seen  # (Megatron-Core's)
+    assert {"parallel.sp", "train.microbatches", "train.activation_checkpointing", "micro_batch"} < set(seen), seen

@@ -26,7 +26,7 @@ from fived.planner.memory import MemoryEstimate, StateMemory, memory_per_gpu, re
 from fived.planner.pricing import Candidate, price
 from fived.planner.runtimes import FIVED, Runtime
 from fived.planner.timing import Cluster, StepTime, step_time
-from fived.planner.validity import is_valid, with_usable_overlap
+from fived.planner.validity import CoreValidity, is_valid, with_usable_overlap
 
 SCHEDULES = (
     ("1f1b", 1),
@@ -152,16 +152,17 @@ def _fitting_choices(
     seq_len: int,
     global_batch: int,
     runtime: Runtime,
+    valid: CoreValidity,
     memories: list[StateMemory],
     capacity: int,
 ) -> list[tuple[Layout, MemoryEstimate]] | int | None:
     """The first pass's look at one layout, by memory alone: its `reduction_choices` that fit with
     their memory, or the least memory a choice needed when none fits, or None when none can run.
-    `memories`: each choice's state's `StateMemory`, in `reduction_choices`' order."""
+    `valid`: its core's `CoreValidity`; `memories`: each choice's state's `StateMemory`, in `reduction_choices`' order."""
     choices = reduction_choices(layout, runtime)
     # (the choices differ in zero2_reduce_every_microbatch alone, whose one rule, zero 2 with
     # overlap_grad_reduce, they meet by construction: one runs iff the other does)
-    if not is_valid(model, choices[0], seq_len, global_batch):
+    if not valid.accepts(choices[0]):
         return None
     estimates = [memory.of(x, global_batch) for memory, x in zip(memories, choices)]
     fits = [(x, mem) for x, mem in zip(choices, estimates) if mem.total <= capacity]
@@ -337,11 +338,13 @@ def plan(
                     considered += 1
                     note(state, floor)
                 continue
-            gib = cluster.hardware.memory_gib  # (the activation options share their state's: one per choice)
+            # (the activation options share their state's core and model state: one of each per choice)
+            valid = CoreValidity(model, state, seq_len, global_batch)
+            gib = cluster.hardware.memory_gib
             memories = [StateMemory(model, x, seq_len, dtype, gib, runtime) for x in reduction_choices(state, runtime)]
             for options in activation_choices(state, seq_len, global_batch):
                 for layout in options:
-                    result = _fitting_choices(model, layout, seq_len, global_batch, runtime, memories, capacity)
+                    result = _fitting_choices(model, layout, seq_len, global_batch, runtime, valid, memories, capacity)
                     if result is None:  # e.g. selective checkpointing under a split-backward schedule
                         continue
                     considered += 1

@@ -21,9 +21,54 @@ from fived.planner.runtimes import OVERLAP_SWITCHES, with_overlap
 
 
 def is_valid(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int) -> bool:
-    if global_batch % (layout.dp * layout.micro_batch):  # (the cheapest refusal, first)
-        return False
-    return layout_refusal(model, layout, seq_len, global_batch) is None
+    """Whether `layout_refusal` has nothing against `layout`."""
+    return CoreValidity(model, layout, seq_len, global_batch).accepts(layout)
+
+
+class CoreValidity:
+    """`is_valid` of the layouts that share one core (they differ in `batch_rules.LAYOUT_FIELDS` alone,
+    as a search's activation options of one state do): the core's rules and the folded experts' asked
+    once, each layout's own (the per-layout rules, its micro-batches' and its schedule's) per layout.
+    A layout is valid iff `layout_refusal`'s checks find nothing, in whatever order they are asked."""
+
+    __slots__ = ("core_ok", "global_batch", "seq_len")
+
+    def __init__(self, model: ModelConfig, core: Layout, seq_len: int, global_batch: int) -> None:
+        self.seq_len, self.global_batch = seq_len, global_batch
+        key = model_key(model)
+        self.core_ok = _folded_ok(model, core) and not _core_errors(key, _runnable(core), seq_len, global_batch)
+
+    def accepts(self, layout: Layout) -> bool:
+        """Whether `layout` (of this core) can run."""
+        global_batch = self.global_batch
+        if not self.core_ok or global_batch % (layout.dp * layout.micro_batch):
+            return False
+        t = _train_config(self.seq_len, global_batch, layout.microbatches(global_batch), layout.checkpointing)
+        if _per_layout_errors(_runnable(layout), t):
+            return False
+        try:
+            check_schedule(layout.pp_schedule, layout.pp, layout.pp_virtual, t.microbatches)
+        except ValueError:
+            return False
+        return True
+
+
+def _runnable(layout: Layout) -> Layout:
+    """The layout whose rules fived's checks ask: another runtime's expert tensor parallelism (etp > 1,
+    which fived does not run) checked by `_folded_ok` instead, its experts as ep 1 here."""
+    return layout if layout.runnable else layout.with_(ep=1, etp=0)
+
+
+def _folded_ok(model: ModelConfig, layout: Layout) -> bool:
+    """Megatron-Core's rules for another runtime's expert tensor parallelism: ep*etp ranks divide
+    dp*cp*tp, etp divides tp and the expert width (fived's own layouts, etp 0 or 1: nothing to check)."""
+    return layout.runnable or (
+        model.is_moe
+        and model.n_experts % layout.ep == 0
+        and layout.tp % layout.etp == 0
+        and model.expert_dim % layout.etp == 0
+        and layout.stage_ranks % (layout.ep * layout.expert_tp) == 0  # (ep x edp x etp: `Layout.edp`'s cut)
+    )
 
 
 def with_usable_overlap(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int, *, fp8: bool) -> Layout:
@@ -50,16 +95,10 @@ def layout_refusal(model: ModelConfig, layout: Layout, seq_len: int, global_batc
     for its experts (ep*etp ranks divide dp*cp*tp, etp divides tp and the expert width); then the micro-batch size
     and torch's schedule rules."""
     t = _train_config(seq_len, global_batch, layout.microbatches(global_batch), layout.checkpointing)
-    error = first_rule_error(model, layout if layout.runnable else layout.with_(ep=1, etp=0), t)
+    error = first_rule_error(model, _runnable(layout), t)
     if error is not None:
         return error
-    if not layout.runnable and not (
-        model.is_moe
-        and model.n_experts % layout.ep == 0
-        and layout.tp % layout.etp == 0
-        and model.expert_dim % layout.etp == 0
-        and layout.stage_ranks % (layout.ep * layout.expert_tp) == 0  # (ep x edp x etp: `Layout.edp`'s cut)
-    ):
+    if not _folded_ok(model, layout):
         return ConfigError("etp", layout.etp, "the folded expert layout breaks Megatron-Core's rules", "e.g. etp 0")
     if global_batch % (layout.dp * layout.micro_batch):  # (no flags express it: microbatches would round)
         return ConfigError(
