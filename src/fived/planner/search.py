@@ -147,9 +147,7 @@ def plan_of(
 
 
 def _fitting_choices(
-    model: ModelConfig,
     layout: Layout,
-    seq_len: int,
     global_batch: int,
     runtime: Runtime,
     valid: CoreValidity,
@@ -158,7 +156,8 @@ def _fitting_choices(
 ) -> list[tuple[Layout, MemoryEstimate]] | int | None:
     """The first pass's look at one layout, by memory alone: its `reduction_choices` that fit with
     their memory, or the least memory a choice needed when none fits, or None when none can run.
-    `valid`: its core's `CoreValidity`; `memories`: each choice's state's `StateMemory`, in `reduction_choices`' order."""
+    `valid`: its core's `CoreValidity`; `memories`: each choice's state's `StateMemory`, in
+    `reduction_choices`' order."""
     choices = reduction_choices(layout, runtime)
     # (the choices differ in zero2_reduce_every_microbatch alone, whose one rule, zero 2 with
     # overlap_grad_reduce, they meet by construction: one runs iff the other does)
@@ -344,7 +343,7 @@ def plan(
             memories = [StateMemory(model, x, seq_len, dtype, gib, runtime) for x in reduction_choices(state, runtime)]
             for options in activation_choices(state, seq_len, global_batch):
                 for layout in options:
-                    result = _fitting_choices(model, layout, seq_len, global_batch, runtime, valid, memories, capacity)
+                    result = _fitting_choices(layout, global_batch, runtime, valid, memories, capacity)
                     if result is None:  # e.g. selective checkpointing under a split-backward schedule
                         continue
                     considered += 1
