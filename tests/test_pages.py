@@ -146,9 +146,10 @@ def assert_every_axis_labelled(page) -> None:
 @needs_chromium
 def test_explore_opens_on_the_planners_best_layout_and_toggles_show_its_figures(tmp_path, capsys, browser):
     out = tmp_path / "mixtral.html"
+    # (`fived plan` first: explore's workers, forked after it, start with its memos, e.g. its ranking's search)
+    ranked = plan_json(capsys, "mixtral-8x7b")["plans"]
     assert main(["explore", "--model", "mixtral-8x7b", *EXPLORE, "--output", str(out)]) == 0
     page, errors = open_page(browser, out)
-    ranked = plan_json(capsys, "mixtral-8x7b")["plans"]
     # it opens on `fived plan`'s best layout, with its figures, and lists the planner's ranking
     assert page.get_attribute("body", "data-valid") == "true"
     assert page.inner_text("#status").split(" — ")[0].split(": ", 1)[1] == ranked[0]["describe"]
