@@ -2,12 +2,13 @@
 one line, and `fived verify --reshard-from`."""
 
 import json
+import re
 
 import pytest
 
-from fived.checkpoint.checkpointer import check_model_shapes, complete_checkpoints, read_manifest
+from fived.checkpoint.checkpointer import check_model_shapes, complete_checkpoints, find_checkpoint, read_manifest
 from fived.cli.main import main
-from fived.config import ConfigError
+from fived.config import ConfigError, tomllib
 from fived.testing import run_forked, tiny_config
 
 SMALL = ["--seq-len", "32", "--global-batch", "8", "--train.warmup_steps", "2"]
@@ -152,6 +153,11 @@ def test_resume_may_add_validation(saved_run):
 def test_resume_auto_of_a_finished_run_does_nothing(saved_run, capsys):
     assert main(["train", "--resume", "auto", "--train.output_dir", str(saved_run), "--steps", "6", *SMALL]) == 0
     assert "already reached train.steps=6" in capsys.readouterr().out  # (it is at step 6 or 8)
+    # without --steps: the run's own train.steps (its saved config's), not this command's default (200)
+    assert main(["train", "--resume", "auto", "--train.output_dir", str(saved_run), *SMALL]) == 0
+    said = re.search(r"already reached train.steps=(\d+) \(its checkpoint: step (\d+)\)", capsys.readouterr().out)
+    assert said and int(said[1]) == tomllib.loads((saved_run / "config.toml").read_text())["train"]["steps"]
+    assert int(said[1]) <= int(said[2]) == read_manifest(find_checkpoint(saved_run))["step"]
 
 
 def test_resume_refuses_data_that_changed(tmp_path, capsys):

@@ -324,7 +324,12 @@ LAYOUT_FIELDS = ("dp", "tp", "pp", "cp", "ep", "zero", "dp_replicate", "sp", "pp
 
 
 class NothingToTrain(ConfigError):
-    """A resumed run whose checkpoint is already at train.steps."""
+    """A resumed run whose checkpoint is already at train.steps (`value`: the resumed config's;
+    `step`: the checkpoint's)."""
+
+    def __init__(self, steps: int, step: int, hint: str) -> None:
+        super().__init__("train.steps", steps, f"the checkpoint is at step {step}: nothing left to train", hint)
+        self.step = step
 
 
 def load_resumed_run(request: LaunchRequest | argparse.Namespace, crc: bool = True):
@@ -370,10 +375,7 @@ def load_resumed_run(request: LaunchRequest | argparse.Namespace, crc: bool = Tr
         auto_layout(cfg, world)
     if cfg.train.steps <= manifest["step"]:
         raise NothingToTrain(
-            "train.steps",
-            cfg.train.steps,
-            f"the checkpoint is at step {manifest['step']}: nothing left to train",
-            f"extend the run, e.g. --steps {manifest['step'] + saved.train.steps}",
+            cfg.train.steps, manifest["step"], f"extend the run, e.g. --steps {manifest['step'] + saved.train.steps}"
         )
     check_config(cfg, world)
     cfg.parallel.dp = resolve_dp(cfg, world)
@@ -514,8 +516,9 @@ def prepare_training(request: LaunchRequest | argparse.Namespace, default_world:
         ns = dataclasses.replace(ns, resume=cfg.train.output_dir)
         try:
             cfg, world, checkpoint, manifest = load_resumed_run(ns, crc)
-        except NothingToTrain:  # (a restarted job that had already finished)
-            return TrainingRun(cfg, world, finished=True)
+        except NothingToTrain as done:  # (a restarted job that had already finished: the resumed run's
+            cfg.train.steps = done.value  # train.steps, not this command's default, is what it reached)
+            return TrainingRun(cfg, world, resumed_step=done.step, finished=True)
         return TrainingRun(cfg, world, checkpoint, manifest["step"], fresh_dir=False)
     if ns.resume:
         cfg, world, checkpoint, manifest = load_resumed_run(ns, crc)

@@ -205,7 +205,10 @@ def _launch(ranks, run: TrainingRun, report: bool, progress: bool) -> LaunchOutc
     cfg = run.cfg
     say = partial(print, flush=True) if ranks.speaks else (lambda *a, **k: None)
     if run.finished:
-        say(f"fived train: {cfg.train.output_dir} already reached train.steps={cfg.train.steps}; nothing to do")
+        say(
+            f"fived train: {cfg.train.output_dir} already reached train.steps={cfg.train.steps} (its checkpoint: "
+            f"step {run.resumed_step}); nothing to do"
+        )
         return LaunchOutcome(0)
     try:
         with ranks.run_directory(run):
