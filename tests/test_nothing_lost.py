@@ -240,6 +240,10 @@ def test_settings_that_meant_nothing_are_refused(tmp_path):
     (tmp_path / "tok.json").write_text(json.dumps({**meta, "dtype": "uint8"}))
     with pytest.raises(ValueError, match="dtype uint8 is not the one prepare-data writes"):
         load_tokens(tmp_path / "tok.bin")
+    for damaged in ("{'format': 1}", "[1, 2]"):  # not JSON; JSON but not a sidecar: the file named, a way out
+        (tmp_path / "tok.json").write_text(damaged)
+        with pytest.raises(ValueError, match=r"tok\.json: not (valid JSON|a .* sidecar).*; restore the sidecar, or"):
+            load_tokens(tmp_path / "tok.bin")
     (tmp_path / "latin1.txt").write_bytes(b"caf\xe9")
     with pytest.raises(ValueError, match="latin1.txt: not UTF-8 text .*convert it to UTF-8"):
         prepare_data([tmp_path / "latin1.txt"], tmp_path / "latin1")

@@ -128,6 +128,18 @@ def token_metadata(path: str | Path) -> dict | None:
     return meta if isinstance(meta, dict) and meta.get("format") == TOKEN_FORMAT else None
 
 
+def _sidecar(json_path: Path) -> dict:
+    """A token file's sidecar, read; a damaged one refused naming the file and the way out."""
+    redo = "restore the sidecar, or run fived prepare-data again"
+    try:
+        meta = json.loads(json_path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{json_path}: not valid JSON ({e}); {redo}") from None
+    if not isinstance(meta, dict) or meta.get("format") != TOKEN_FORMAT:
+        raise ValueError(f"{json_path}: not a {TOKEN_FORMAT} sidecar; {redo}")
+    return meta
+
+
 def is_megatron_pair(path: str | Path | None) -> bool:
     """Whether `path` names Megatron-LM's .bin + .idx (the .bin or the prefix; a fived sidecar wins)."""
     if not path or not is_indexed(path) or token_metadata(path) is not None:
@@ -154,9 +166,7 @@ def load_tokens(path: str | Path | None, tokenizer: str = "byte") -> np.ndarray:
                 f"token file {bin_path} needs {json_path.name} (fived prepare-data) or "
                 f"{bin_path.with_suffix('.idx').name} (Megatron-LM) beside it"
             )
-        meta = json.loads(json_path.read_text())
-        if meta.get("format") != TOKEN_FORMAT:
-            raise ValueError(f"{json_path}: not a {TOKEN_FORMAT} sidecar")
+        meta = _sidecar(json_path)
         dtype, n = np.dtype(meta["dtype"]), int(meta["num_tokens"])
         if dtype != np.dtype(token_dtype(int(meta["vocab_size"]))):  # (an edited sidecar: garbage ids)
             raise ValueError(
