@@ -91,6 +91,10 @@ def test_breakdown_components_add_up_to_the_step_time(tmp_path):
         assert named >= 0.95 * b["total_s"], b
         assert b["total_s"] == pytest.approx(record["step_time_s"], rel=0.05)
         assert {"forward", "backward", "bubble", "optimizer", "data"} <= set(b["components"])
+        # the clipping norm's all-reduce over pp is a gradient reduction, as the planner prices it (dp > 0
+        # there at dp 1): timed as dp's, not pp's
+        assert b["components"].get("comm_dp", 0) > 0 and "comm_pp" not in b["components"], b
+    assert run_json["breakdown"]["predicted"]["dp"] > 0
     assert diagnose(run)["step_s"] > 0
 
 

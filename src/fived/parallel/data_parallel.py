@@ -237,7 +237,8 @@ class DataParallel:
     def clip_gradients(self, max_norm: float, weight=lambda name: 1.0, extra_groups=()) -> float:
         """Global L2 norm over every piece of every gradient, then clip (as torch's clip_grad_norm_:
         coefficient max_norm / (norm + 1e-6), at most 1). `weight(name)` counts pieces that other
-        ranks also hold (tensor-parallel replicas) once."""
+        ranks also hold (tensor-parallel replicas) once. The norm's all-reduces, over whatever group,
+        are timed as the gradient reductions' ("dp", role), as the planner prices them."""
         grads = list(self.named_grads())
         sq = torch.zeros((), dtype=torch.float64, device=grads[0][1].device)
         for name, g in grads:
@@ -245,7 +246,7 @@ class DataParallel:
         experts = [(n, p.grad) for n, p in self.expert_parameters() if p.grad is not None]
         if experts:  # disjoint over ep, equal over edp: summed over ep, then counted once below
             expert_sq = sum(weight(n) * g.double().square().sum() for n, g in experts)
-            comm.all_reduce(expert_sq, self.mesh.group("ep"))
+            comm.all_reduce(expert_sq, self.mesh.group("ep"), role="dp")
             # (folded, parallel.etp=1: ep spans tp ranks too, which the sum over tp below repeats)
             repeated = self.norm_groups() + ([self.mesh.group("tp")] if self.mesh.layout.folded else [])
             for group in repeated:
@@ -253,7 +254,7 @@ class DataParallel:
             sq += expert_sq
             grads += experts
         for group in self.norm_groups() + list(extra_groups):
-            comm.all_reduce(sq, group)
+            comm.all_reduce(sq, group, role="dp")
         norm = sq.sqrt().item()
         if max_norm > 0:
             coef = min(max_norm / (norm + 1e-6), 1.0)

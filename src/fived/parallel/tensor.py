@@ -298,18 +298,19 @@ class TensorParallel:
     # gradients, norms, whole parameters ----------------------------------------------------------
     def finish_gradients(self, named_grads) -> None:
         """Sum partial gradients over tp: replicated parameters that saw different data (norms under
-        SP, the MoE router) and kv heads that several ranks hold."""
+        SP, the MoE router) and kv heads that several ranks hold. Their time is the gradient
+        reductions' ("dp", role): after backward, once a step, as the planner prices them."""
         for name, grad in named_grads:
             spec = self.specs.get(name)
             if spec is None or not spec.tp_summed:  # (the sharding spec says which, and how many elements)
                 continue
             if spec.tp_partial_grad:
-                comm.all_reduce(grad, self.group)
+                comm.all_reduce(grad, self.group, role="dp")
                 continue
             cut = self.shards[name]  # (kv heads several tp ranks hold: each holder's slot)
             slots = grad.new_zeros((cut.pieces,) + tuple(grad.shape))
             slots[cut.index(self.rank)] = grad
-            comm.all_reduce(slots, self.group)
+            comm.all_reduce(slots, self.group, role="dp")
             grad.copy_(slots[cut.index(self.rank)])
 
     def norm_weight(self, name: str) -> float:
