@@ -110,3 +110,16 @@ def test_a_choice_set_in_python_is_checked_before_launch():
         r"e.g. --train.lr_schedule cosine$",
     ):
         check_config(cfg, 2)
+
+
+def test_the_pages_short_flags_and_presets_are_the_codes():
+    """docs/config.md's list of short flags is the parser's (`SHORT_FLAGS`, --sp, --dp-shard) and its
+    presets bullet names every preset (`PRESETS`): a flag or a model added without its line fails here."""
+    from fived.config import PRESETS
+    from fived.launch.run_setup import SHORT_FLAGS
+
+    page = TABLE.read_text()
+    listed = re.search(r"common ones have short forms: `([^`]+)`", page, re.DOTALL)
+    assert listed and set(listed[1].split()) == set(SHORT_FLAGS) | {"--sp", "--dp-shard"}
+    presets = page[page.index("- Presets:") : page.index("- A bad configuration")]
+    assert [name for name in PRESETS if f"`{name}`" not in presets] == []

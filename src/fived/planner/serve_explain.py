@@ -227,7 +227,7 @@ def report(
     )
     lines = [
         f"fived plan --serve: {m.name} ({matmul_params_per_token(m) / 1e9:.1f}B matmul params per token) on "
-        f"{cluster.gpus} x {hw.name} ({cluster.gpus_per_node} per node, {hw.memory_gib:g} GiB each)",
+        f"{cluster.gpus} x {hw.name} ({cluster.gpus_per_node} per node, {hw.memory_gib:.4g} GiB each)",
         f"workload: prompts of {w.prompt_len} tokens, {w.output_len} output tokens, {load}"
         + (f"; targets {targets}" if targets else "")
         + f"; KV cache in {w.kv_dtype}",
