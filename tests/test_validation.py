@@ -167,6 +167,16 @@ def test_refused_before_any_rank(argv, field, rule, no_ranks, capsys):
     assert ";" in err and "use a value that meets the rule" not in err, err
 
 
+@pytest.mark.parametrize("argv", [["train", "--steps"], ["plan", "--gpus", "eight"], ["trian"]])
+def test_argparses_refusals_are_one_line_too(argv, no_ranks, capsys):
+    """A flag without its value, a value of the wrong type, an unknown command: one line, exit 2."""
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    err = capsys.readouterr().err.strip()
+    assert exited.value.code == 2 and "\n" not in err, err
+    assert err.startswith("fived") and ": error: " in err and err.endswith(" --help"), err
+
+
 def test_world_size_errors_suggest_valid_layouts(no_ranks, capsys):
     main(["train", "--nproc", "4", "--dp", "3"])
     err = capsys.readouterr().err

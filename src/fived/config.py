@@ -593,9 +593,8 @@ def coerce(section: str, key: str, value: Any) -> Any:
     try:
         converted = _convert(value, kind)
     except (ValueError, TypeError):
-        example = {"bool": "true or false", "int": "2", "float": "0.5", "str": "a word"}[kind]
         what = {"bool": "true or false", "int": "a whole number", "float": "a number", "str": "a string"}[kind]
-        raise ConfigError(f"{section}.{key}", value, f"must be {what}", f"e.g. {example}") from None
+        raise ConfigError(f"{section}.{key}", value, f"must be {what}", _example(section, key, kind)) from None
     if allowed is not None and converted not in allowed:
         close = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
         raise ConfigError(
@@ -605,6 +604,14 @@ def coerce(section: str, key: str, value: Any) -> Any:
             f"did you mean '{close[0]}'?" if close else f"e.g. --{section}.{key} {by_key[key].default}",
         )
     return converted
+
+
+def _example(section: str, key: str, kind: str) -> str:
+    """A valid value of a field as its flag: the field's default where it has one of its type."""
+    default = _fields_by_key(section)[key].default
+    if type(default).__name__ != kind or default == "":
+        return "e.g. " + {"bool": "true or false", "int": "2", "float": "0.5", "str": "a word"}[kind]
+    return f"e.g. --{section}.{key} {str(default).lower() if kind == 'bool' else default}"
 
 
 def _convert(value: Any, kind: str) -> Any:

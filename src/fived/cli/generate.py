@@ -51,16 +51,16 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     from fived.parallel.process_group import device_type
     from fived.tools.generate import Sampling, describe_source, generate, load_model
 
-    for flag, value, ok, hint in (
+    for flag, value, ok, rule, example in (
         # (a KV cache is allocated for every position at once: 10^9 of them was a MemoryError traceback)
-        ("--max-new-tokens", ns.max_new_tokens, 1 <= ns.max_new_tokens <= 2**20, "e.g. 64 (at most 1048576)"),
-        ("--temperature", ns.temperature, ns.temperature >= 0, "0 (greedy) or e.g. 0.8"),
-        ("--top-p", ns.top_p, 0 < ns.top_p <= 1, "e.g. 0.9"),
-        ("--nproc", ns.nproc, ns.nproc is None or ns.nproc >= 1, "e.g. 2"),
-        *((f"--{d}", getattr(ns, d), getattr(ns, d) >= 1, "e.g. 2") for d in ("tp", "pp", "ep")),
+        ("--max-new-tokens", ns.max_new_tokens, 1 <= ns.max_new_tokens <= 2**20, "must be in 1..1048576", "64"),
+        ("--temperature", ns.temperature, ns.temperature >= 0, "must be >= 0 (0: greedy)", "0.8"),
+        ("--top-p", ns.top_p, 0 < ns.top_p <= 1, "must be in (0, 1]", "0.9"),
+        ("--nproc", ns.nproc, ns.nproc is None or ns.nproc >= 1, "must be >= 1", "2"),
+        *((f"--{d}", getattr(ns, d), getattr(ns, d) >= 1, "must be >= 1", "2") for d in ("tp", "pp", "ep")),
     ):
         if not ok:
-            raise ConfigError(flag, value, "out of range", hint)
+            raise ConfigError(flag, value, rule, f"e.g. {flag} {example}")
     if ns.dtype not in ("float32", "float64", "bfloat16"):
         raise ConfigError("--dtype", ns.dtype, "must be float32, float64 or bfloat16", "e.g. float32")
     if ns.device not in ("auto", "cpu", "cuda") or (ns.device == "cuda" and not torch.cuda.is_available()):

@@ -19,6 +19,7 @@ import contextlib
 import gc
 import re
 import sys
+from typing import NoReturn
 
 from fived.cli.calibrate import add_calibrate_command
 from fived.cli.generate import add_generate_command
@@ -46,7 +47,9 @@ def cmd_train(ns: argparse.Namespace) -> int:
 def cmd_verify(ns: argparse.Namespace) -> int:
     from fived.tools.verification import run_verify
 
-    defaults = {"train.steps": 5}
+    # (5 steps, the learning rate's warmup within them: training's 20-step warmup would draw the warning
+    # of a run that never reaches its lr on every default verify; the comparison holds at any schedule)
+    defaults = {"train.steps": 5, "train.warmup_steps": 1}
     if ns.nproc is None:
         defaults["parallel.dp"] = 1  # `fived verify --tp 2` means tp=2 alone, not tp=2 x dp=...
     cfg, world = load_run(ns, 1, defaults, run_dir=False)
@@ -164,12 +167,19 @@ def cmd_export(ns: argparse.Namespace) -> int:
     return 0
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's own refusals (a flag without its value, a value of the wrong type, an unknown
+    command) as fived's: one line and exit 2, the command's --help named instead of its usage block
+    (its subcommands' parsers are of this class too: `add_subparsers`)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from fived.data import OUTPUT_FORMATS
 
-    parser = argparse.ArgumentParser(
-        prog="fived", description="5D-parallel training of Llama-style models.", allow_abbrev=False
-    )
+    parser = OneLineParser(prog="fived", description="5D-parallel training of Llama-style models.", allow_abbrev=False)
     parser.add_argument("--version", action="store_true", help="print fived's and torch's versions")
     sub = parser.add_subparsers(dest="command")
     train = sub.add_parser(

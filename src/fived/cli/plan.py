@@ -84,7 +84,7 @@ def plan_cluster(ns: argparse.Namespace, command: str):
     if missing:
         raise ConfigError(
             missing[0],
-            None,
+            "(not given)",
             "required",
             f"fived {command} --model llama3-8b --gpus 64 --gpus-per-node 8 "
             "--gpu h100 --seq 8192 --global-batch-tokens 4194304"

@@ -76,7 +76,7 @@ def serve_cluster(ns: argparse.Namespace, plan_model):
     if ns.model is None or ns.gpus is None:
         raise ConfigError(
             "--model" if ns.model is None else "--gpus",
-            None,
+            "(not given)",
             "required",
             "fived plan --serve --model llama3-70b --gpus 8 --gpu h100 --prompt-len 2048 --output-len 256",
         )
