@@ -33,6 +33,8 @@ def test_tune_measures_the_top_layouts_skips_a_failing_one_and_names_the_fastest
     took = float(re.search(r"tune took (\d+) s", out).group(1))
     assert took <= 0.4 * 60 + 10, out  # (its budget, and one trial's start-up past it at most)
     assert "median |error| on the trials:" in out and "after the refit" in out
+    # (a median over a few trials hides one far off: the worst is printed beside it)
+    assert re.search(r"after the refit \(the worst trial \d+\.\d%; fitted on these trials", out), out
 
 
 def test_tune_refuses_layout_flags_and_an_empty_budget(capsys):

@@ -65,7 +65,7 @@ def report(summary: dict, cfg, world: int, model: str) -> str:
     )
     lines.append(
         f"median |error| on the trials: {summary['error_before']:.1f}% as planned, {summary['error_after']:.1f}% "
-        "after the refit (fitted on these trials: in sample)"
+        f"after the refit (the worst trial {summary['worst_after']:.1f}%; fitted on these trials: in sample)"
     )
     winner = summary["winner"]
     if winner is None:

@@ -141,11 +141,15 @@ def refitted_s(predicted: dict[str, float], factors: dict[str, float]) -> float:
     return sum(factors[k] * v for k, v in predicted.items())
 
 
-def median_error(trials: list[Trial], factors: dict[str, float] | None = None) -> float:
-    done = [t for t in trials if t.measured_s is not None]
+def errors(trials: list[Trial], factors: dict[str, float] | None = None) -> list[float]:
+    """Each measured trial's |predicted / measured - 1|, in percent (priced with `factors`, else as planned)."""
     ones = dict.fromkeys(COMPARED, 1.0)
-    errors = [abs(refitted_s(t.predicted, factors or ones) / t.measured_s - 1) for t in done if t.measured_s]
-    return statistics.median(errors) * 100 if errors else float("nan")
+    return [abs(refitted_s(t.predicted, factors or ones) / t.measured_s - 1) * 100 for t in trials if t.measured_s]
+
+
+def median_error(trials: list[Trial], factors: dict[str, float] | None = None) -> float:
+    found = errors(trials, factors)
+    return statistics.median(found) if found else float("nan")
 
 
 SHAPE_FIELDS = ("tp", "sp", "pp", "pp_schedule", "pp_virtual", "cp", "cp_mode", "ep", "micro_batch", "checkpointing")
@@ -210,6 +214,7 @@ def tune(cfg: Config, world: int, *, minutes: float, top: int, hardware=None, ou
         "factors": factors,
         "error_before": median_error(trials),
         "error_after": median_error(trials, factors),
+        "worst_after": max(errors(trials, factors), default=float("nan")),
         "refit_pick": rescored[0].layout if rescored else None,
         "seconds": time.monotonic() - started,
     }
