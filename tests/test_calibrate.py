@@ -104,6 +104,20 @@ def test_bad_profile_is_one_line_naming_file_and_field(profile, tmp_path, capsys
     assert f"machine profile {path}" in capsys.readouterr().out
 
 
+def test_a_cpu_profiles_plan_prices_and_runs_what_it_measured(profile, capsys):
+    """CPU ranks measured float32 GEMMs: the plan prices float32 and its command trains in it (it
+    priced bf16 with float32's rates and printed `--train.dtype bfloat16`)."""
+    path, _ = profile
+    flags = ["plan", "--model", "tiny", "--gpus", "2", "--seq", "64", "--global-batch-tokens", "512"]
+    assert main([*flags, "--machine", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["dtype"] == "float32"
+    assert main([*flags, "--machine", str(path)]) == 0
+    run = next(line for line in capsys.readouterr().out.splitlines() if "run it:" in line)
+    assert "--train.dtype float32" in run, run
+    assert main([*flags, "--gpu", "h100", "--json"]) == 0  # (a GPU's catalogue entry: bf16 mixed precision)
+    assert json.loads(capsys.readouterr().out)["dtype"] == "bfloat16"
+
+
 def test_calibrate_never_writes_over_a_users_file_or_a_symlink(tmp_path, capsys):
     mine = tmp_path / "notes.json"
     mine.write_text('{"mine": true}')

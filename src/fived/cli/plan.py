@@ -10,6 +10,7 @@ import json
 from fived.api import cluster_of, plan_model
 from fived.cli.serve import add_serve_flags
 from fived.config import ConfigError
+from fived.planner.profile import planned_dtype
 
 DEFAULT_HEADROOM_GIB = 3.0  # so that a winner is not packed to the last GiB of the planner's estimate
 RUNTIME_CHOICES = ("fived", "fived-fp8", "fived-eager", "megatron-core", "megatron-core-fp8", "fsdp", "fsdp-fp8")
@@ -42,15 +43,13 @@ def cmd_plan(ns: argparse.Namespace) -> int:
             f"leaves nothing of {cluster.hardware.memory_gib:g} GiB per GPU",
             "a few GiB, e.g. 3",
         )
-    # bf16 mixed precision, priced at the bf16 peak (FP8 GEMMs at the FP8 peak with a -fp8 runtime)
-    search = plan(model, cluster, ns.seq, global_batch, "bfloat16", runtime, ns.memory_headroom, keep=ns.top)
+    # bf16 mixed precision, priced at the bf16 peak (FP8 GEMMs at the FP8 peak with a -fp8 runtime); a
+    # machine profile's own dtype (CPU ranks: float32)
+    dtype = planned_dtype(cluster.hardware)
+    search = plan(model, cluster, ns.seq, global_batch, dtype, runtime, ns.memory_headroom, keep=ns.top)
     if ns.json:
-        print(
-            json.dumps(
-                explain.to_json(search, model, cluster, ns.seq, global_batch, ns.top, runtime, ns.memory_headroom),
-                indent=1,
-            )
-        )
+        found = explain.to_json(search, model, cluster, ns.seq, global_batch, ns.top, runtime, ns.memory_headroom)
+        print(json.dumps({**found, "dtype": dtype}, indent=1))
     else:
         model_arg = f"--config {ns.model}" if ns.model.endswith(".toml") else f"--model {ns.model}"
         print(
@@ -62,6 +61,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
                 global_batch,
                 ns.top,
                 model_arg,
+                dtype,
                 runtime=runtime,
                 headroom_gib=ns.memory_headroom,
             )
@@ -116,7 +116,7 @@ def cmd_plan_layout(ns: argparse.Namespace) -> int:
         cluster,
         ns.seq,
         global_batch,
-        "bfloat16",
+        planned_dtype(cluster.hardware),
         PLANNED_RUNTIMES[ns.runtime],
         headroom_gib=ns.memory_headroom,
     )
@@ -144,9 +144,8 @@ def cmd_explore(ns: argparse.Namespace) -> int:
     plotly_js()  # (the extra is installed, before the minute of pricing)
     check_page(ns.output)
     model, cluster, global_batch = plan_cluster(ns, "explore")
-    data = explore_data(
-        model, cluster, ns.seq, global_batch, "bfloat16", ns.memory_headroom, progress=explore_progress()
-    )
+    dtype = planned_dtype(cluster.hardware)
+    data = explore_data(model, cluster, ns.seq, global_batch, dtype, ns.memory_headroom, progress=explore_progress())
     out = write_page(
         ns.output, f"fived explore: {model.name} on {cluster.gpus} x {cluster.hardware.name}", "explore", data
     )

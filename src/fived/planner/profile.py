@@ -128,6 +128,7 @@ class MachineProfile:
     # beyond what the op-level model prices for them, at a whole core (measured: fived.tools.calibrate.
     # unpriced_dimensions); empty in profiles written before 2026-11-30 and where one rank was measured
     dimension_s: dict = field(default_factory=dict)
+    dtype: str = "float32"  # what its GEMMs and attention computed in: what its ranks run (calibrate's `dtype`)
 
     @property
     def on_gpu(self) -> bool:
@@ -315,7 +316,27 @@ def profile_of(doc: Any, name: str) -> MachineProfile:
         rank_slowdown=scalar("rank_slowdown"),
         collectives=collectives,
         dimension_s=_dimension_s(doc, name),
+        dtype=_dtype(doc, name),
     )
+
+
+def _dtype(doc: dict, name: str) -> str:
+    """The dtype the profile measured in (`dtype`; one written before it was read: its device's,
+    float32 on CPU ranks, bfloat16 on a GPU, as calibrate measures)."""
+    found = doc.get("dtype")
+    if found is None:
+        return "bfloat16" if doc["machine"].get("device_type") == "cuda" else "float32"
+    if found not in ("float32", "bfloat16"):
+        raise ConfigError(
+            f"{name}: dtype", found, "float32 or bfloat16 (what calibrate measures in)", "rerun calibrate"
+        )
+    return found
+
+
+def planned_dtype(hw) -> str:
+    """The dtype a plan prices and its `fived train` command runs: a machine profile's (float32 on CPU
+    ranks, which measured their rates in it), else bf16 mixed precision (a GPU's catalogue entry)."""
+    return hw.profile.dtype if hw.profile is not None else "bfloat16"
 
 
 def _dimension_s(doc: dict, name: str) -> dict[str, float]:
