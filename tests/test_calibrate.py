@@ -116,6 +116,12 @@ def test_a_cpu_profiles_plan_prices_and_runs_what_it_measured(profile, capsys):
     assert "--train.dtype float32" in run, run
     assert main([*flags, "--gpu", "h100", "--json"]) == 0  # (a GPU's catalogue entry: bf16 mixed precision)
     assert json.loads(capsys.readouterr().out)["dtype"] == "bfloat16"
+    # measured on 2 ranks, priced for 4: the basis says so (and not where it prices what it measured)
+    wider = ["--gpus", "4", "--global-batch-tokens", "1024"]
+    assert main([*flags[:3], *wider, "--seq", "64", "--machine", str(path), "--json"]) == 0
+    assert any(line.startswith("extrapolated: collectives") for line in json.loads(capsys.readouterr().out)["basis"])
+    assert main([*flags, "--machine", str(path), "--json"]) == 0
+    assert not any("extrapolated: collectives" in line for line in json.loads(capsys.readouterr().out)["basis"])
 
 
 def test_calibrate_never_writes_over_a_users_file_or_a_symlink(tmp_path, capsys):

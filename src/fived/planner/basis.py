@@ -30,6 +30,11 @@ def basis(
     hw, covered, kinds = cluster.hardware, calibration.coverage, calibration.by_kind
     if hw.profile:
         lines = [f"measured: machine profile {hw.profile.path} ({hw.profile.machine.get('device')}; fived calibrate)"]
+        if hw.profile.collectives and cluster.gpus > hw.profile.nproc:
+            lines.append(
+                f"extrapolated: collectives and the ranks' sharing of the cores measured on {hw.profile.nproc} "
+                f"ranks (fived calibrate --nproc {hw.profile.nproc}), priced here for {cluster.gpus}"
+            )
     elif hw.calibration == "cpu":
         lines = [
             f"calibrated: fived's step times on CPU ranks (benchmarks/bench_planner_cpu.py, median error "
