@@ -69,6 +69,14 @@ def test_parse_blend_normalises_the_weights():
     sources = parse_blend("6 web.bin 3 code.bin 1 math.bin")
     assert [s.path for s in sources] == ["web.bin", "code.bin", "math.bin"]
     assert [s.weight for s in sources] == [0.6, 0.3, 0.1]
+    # the same blend in other words draws the same samples (0.6 + 0.3 + 0.1 is 0.9999999999999999 in
+    # floats: normalised by it, the weights moved and broke the assignment's ties otherwise)
+    for other in ("0.6 web.bin 0.3 code.bin 0.1 math.bin", "60 web.bin 30 code.bin 10 math.bin"):
+        assert [s.weight for s in parse_blend(other)] == [0.6, 0.3, 0.1], other
+    schedules = [
+        BlendSchedule([s.weight for s in parse_blend(f"{a} x {b} y {c} z")]) for a, b, c in ((6, 3, 1), (0.6, 0.3, 0.1))
+    ]
+    assert np.array_equal(schedules[0].source, schedules[1].source)
 
 
 @pytest.mark.parametrize(

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -61,8 +62,19 @@ def parse_blend(text: str, *, field: str = "data.blend") -> tuple[BlendSource, .
                 "list each source once, its weights added",
             )
         seen[key] = path
-    total = sum(weights)
-    return tuple(BlendSource(path, w / total) for (_, path), w in zip(pairs, weights))
+    # normalised exactly (the decimals as written: 0.6 + 0.3 + 0.1 is 1, not float's 0.9999999999999999),
+    # so that weights in other words (6 3 1, 60 30 10) are the same floats and draw the same samples
+    exact = [_exact(given, weight) for (given, _), weight in zip(pairs, weights)]
+    total = sum(exact)
+    return tuple(BlendSource(path, float(w / total)) for (_, path), w in zip(pairs, exact))
+
+
+def _exact(given: str, weight: float) -> Fraction:
+    """The weight as written, exactly (a decimal string); else the float it parsed to."""
+    try:
+        return Fraction(given)
+    except ValueError:  # (what float() reads and Fraction does not, e.g. digits with underscores)
+        return Fraction(weight)
 
 
 @functools.lru_cache(maxsize=4)  # (a run builds its blend's once per sampler; a period is ~0.2 s)
