@@ -242,6 +242,23 @@ def test_a_saturated_plan_without_targets_says_so(capsys):
     assert "decode step at its full batch of" in chosen and "  the most it sustains: " in chosen
 
 
+def test_a_model_no_layout_holds_gets_no_serve_command_and_exit_1(capsys):
+    """llama3-405b on one H100: no layout holds one sequence. The closest is the one needing the least
+    memory (fp8 weights), no vLLM command is printed for it (it printed one), the exit is 1; with
+    --concurrency the queueing line is the closed loop's, not the Poisson arrivals'."""
+    flags = ["plan", "--serve", "--model", "llama3-405b", "--gpus", "1", "--gpu", "h100"]
+    flags += ["--prompt-len", "2048", "--output-len", "256"]
+    assert main([*flags, "--rate", "2", "--ttft-ms", "100"]) == 1
+    out = capsys.readouterr().out
+    assert out.split("chosen: ")[1].startswith("tp1 fp8") and "vllm serve" not in out
+    assert "serve it: not on these GPUs: no layout holds one sequence; e.g. more GPUs" in out
+    assert main([*flags, "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["vllm"] == ""
+    assert main([*flags, "--concurrency", "8"]) == 1
+    queueing = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("queueing:"))
+    assert "closed loop: 8 requests in flight" in queueing and "Poisson" not in queueing
+
+
 def test_the_vllm_command_runs_the_layout_as_priced():
     """vLLM's --enable-expert-parallel puts whole experts on tp x dp GPUs and its --data-parallel-size cuts
     an MoE model's experts over them: a command only for the layouts it runs as fived prices them."""

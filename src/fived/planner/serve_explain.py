@@ -69,11 +69,12 @@ def vllm_mismatch(m: ModelConfig, layout) -> str:
 
 
 def vllm_command(plan: ServePlan, w: Workload, path: str, m: ModelConfig) -> str:
-    """The command that serves the layout with vLLM as priced ("" when vLLM cannot: `vllm_mismatch`).
-    One engine per ep group (dp/ep such engines behind a load balancer); an MoE model without ep runs
-    dp separate engines, since vLLM's --data-parallel-size would cut its experts over tp x dp GPUs."""
+    """The command that serves the layout with vLLM as priced ("" when vLLM cannot: `vllm_mismatch`;
+    or when the layout holds no sequence: nothing to serve with). One engine per ep group (dp/ep such
+    engines behind a load balancer); an MoE model without ep runs dp separate engines, since vLLM's
+    --data-parallel-size would cut its experts over tp x dp GPUs."""
     L = plan.layout
-    if vllm_mismatch(m, L):
+    if vllm_mismatch(m, L) or not plan.fit:
         return ""
     words = [f"vllm serve {path}", f"--tensor-parallel-size {L.tp}"]
     if L.pp > 1:
@@ -231,9 +232,7 @@ def report(
         f"workload: prompts of {w.prompt_len} tokens, {w.output_len} output tokens, {load}"
         + (f"; targets {targets}" if targets else "")
         + f"; KV cache in {w.kv_dtype}",
-        "queueing: continuous batching with prefill priority, pp batches in flight through a pipeline; M/D/1 "
-        "prefill queue (p99 wait: exponential tail, Pollaczek-Khinchine mean); decode batch by Little's law; "
-        "TPOT slowed by the prefills of arrivals (Poisson count, its 99th percentile for p99)",
+        _queueing(w),
     ]
     if not plans:
         return "\n".join(
@@ -312,10 +311,38 @@ def _chosen(p: ServePlan, m: ModelConfig, w: Workload, source: str) -> list[str]
     if needed:
         out.append(f"  GPUs this layout needs for {w.rate:g} requests/s{within}: {needed}")
     command = vllm_command(p, w, path, m)
-    out.append(f"  serve it: {command}" if command else f"  serve it: {vllm_mismatch(m, L)}")
+    if not p.fit:
+        out.append(f"  serve it: not on these GPUs: no layout holds one sequence; {_more_room(p, w)}")
+    else:
+        out.append(f"  serve it: {command}" if command else f"  serve it: {vllm_mismatch(m, L)}")
     if first and command:
         out.append(f"    first: {first}")
     return out
+
+
+def _queueing(w: Workload) -> str:
+    """How the workload's requests queue (`fived.planner.serve`'s model): open loop, or closed with
+    --concurrency."""
+    batching = "queueing: continuous batching with prefill priority, pp batches in flight through a pipeline; "
+    if w.concurrency:
+        return batching + (
+            f"closed loop: {w.concurrency} requests in flight, each sent when the previous ends; the sequences "
+            "the KV cache holds decode together, the rest wait for a slot; the replica never idle (its prefills "
+            "and decode steps fill its time), latencies the open loop's at the rate this sustains"
+        )
+    return batching + (
+        "M/D/1 prefill queue (p99 wait: exponential tail, Pollaczek-Khinchine mean); decode batch by Little's "
+        "law; TPOT slowed by the prefills of arrivals (Poisson count, its 99th percentile for p99)"
+    )
+
+
+def _more_room(p: ServePlan, w: Workload) -> str:
+    """The way out when the closest layout holds no sequence: more GPUs (its weights split further),
+    fp8 weights, or a shorter sequence."""
+    ways = [f"more GPUs to split its {_gib(p.memory.weights)} GiB of weights per GPU"]
+    if p.layout.weights != "fp8":
+        ways.append("--weights fp8")
+    return "e.g. " + ", ".join(ways) + f" or shorter sequences than {w.positions} positions"
 
 
 def _shortfall(p: ServePlan, w: Workload) -> str:
