@@ -31,6 +31,19 @@ def test_warmup_then_each_schedule_to_its_floor():
     assert linear[55] == pytest.approx(0.55)
 
 
+def test_a_decay_that_ends_within_the_warmup_leaves_the_floor_after_it():
+    """A 6-step run with the default 20-step warmup, extended to 30: steps 7-20 still warm up (its
+    plan), then the floor; not one step at the full lr first, and the header line says so (it said
+    "steps after 6 at 0.0003" of steps still warming up)."""
+    for schedule in ("cosine", "linear", "wsd"):
+        t = TrainConfig(steps=30, decay_steps=6, warmup_steps=20, lr_schedule=schedule, lr=3e-3, min_lr_ratio=0.1)
+        lrs = [lr_multiplier(s, t) for s in range(30)]
+        assert lrs[:20] == [(s + 1) / 20 for s in range(20)] and lrs[20:] == [0.1] * 10, schedule
+        assert describe_schedule(t).endswith(
+            f"warmup 20, past the {schedule} decay's end at step 6: 0.0003 from step 21)"
+        )
+
+
 def test_wsd_is_stable_until_its_decay_fraction():
     t = TrainConfig(steps=100, warmup_steps=10, lr_schedule="wsd", decay_fraction=0.2, min_lr_ratio=0.0)
     assert wsd_decay_start(t) == 80

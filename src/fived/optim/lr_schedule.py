@@ -38,6 +38,8 @@ def lr_multiplier(step: int, t: TrainConfig) -> float:
     if t.lr_schedule == "constant":
         return 1.0
     floor = t.min_lr_ratio
+    if decay_steps_of(t) <= t.warmup_steps:  # the decay ended within the warmup (a run shorter than it,
+        return floor  # extended): its floor, not one step at the full lr first
     if t.lr_schedule == "wsd":
         start = wsd_decay_start(t)
         progress = min(max(step - start, 0) / max(decay_steps_of(t) - start, 1), 1.0)
@@ -54,9 +56,12 @@ def describe_schedule(t: TrainConfig) -> str:
     warmup = f"warmup {t.warmup_steps}, " if t.warmup_steps else ""
     if t.lr_schedule == "constant":
         return f"lr {t.lr:g} constant ({warmup.rstrip(', ') or 'no warmup'})"
+    floor = f"{t.lr * t.min_lr_ratio:.3g}"
+    if end <= t.warmup_steps:  # (what lr_multiplier does then: warmup, then the floor)
+        return f"lr {t.lr:g} ({warmup}past the {t.lr_schedule} decay's end at step {end}: {floor} from step {t.warmup_steps + 1})"
     if t.lr_schedule == "wsd":
         shape = f"wsd: stable to step {wsd_decay_start(t)}, decay over steps {wsd_decay_start(t) + 1}-{end}"
     else:
         shape = f"{t.lr_schedule} decay to step {end}"
-    after = f"; steps after {end} at {t.lr * t.min_lr_ratio:.3g}" if end < t.steps else ""
-    return f"lr {t.lr:g} ({warmup}{shape}, to {t.lr * t.min_lr_ratio:.3g}{after})"
+    after = f"; steps after {end} at {floor}" if end < t.steps else ""
+    return f"lr {t.lr:g} ({warmup}{shape}, to {floor}{after})"
