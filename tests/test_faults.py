@@ -158,6 +158,7 @@ def test_a_killed_rank_is_restarted_and_the_run_ends_as_without_it(launcher, tmp
         restart = [rec for rec in launches if rec["event"] == "restart"]
         assert len(restart) == 1 and restart[0]["failed_rank"] == 1 and "SIGKILL" in restart[0]["why"], restart
         assert restart[0]["resume_from"] and restart[0]["failed_step"] > 20
+        assert f"(in step {restart[0]['failed_step']}); restart 1 of 2 from step-" in err, err  # (printed, too)
     else:
         assert [rec["event"] for rec in launches] == ["start", "resume"]
     whole = _uninterrupted(2, layout)

@@ -122,7 +122,7 @@ def run_with_restarts(cfg: Config, world: int, resume: str | None, train: Callab
             restarts += 1
             checkpoint = find_checkpoint(cfg.train.output_dir)
             resume = str(checkpoint) if checkpoint is not None else None
-            why = failure_line(failure)
+            why, failed_step = failure_line(failure), last_logged_step(cfg.train.output_dir) + 1
             describe_run_dir(
                 cfg,
                 world,
@@ -130,13 +130,13 @@ def run_with_restarts(cfg: Config, world: int, resume: str | None, train: Callab
                     "event": "restart",
                     "restart": restarts,
                     "failed_rank": failure.rank,
-                    "failed_step": last_logged_step(cfg.train.output_dir) + 1,
+                    "failed_step": failed_step,
                     "why": why,
                     "resume_from": resume,
                 },
             )
             print(
-                f"fived train: {why}; restart {restarts} of {cfg.train.max_restarts} from "
+                f"fived train: {why} (in step {failed_step}); restart {restarts} of {cfg.train.max_restarts} from "
                 f"{Path(resume).name if resume else 'the start'}",
                 file=sys.stderr,
                 flush=True,
