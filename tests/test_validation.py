@@ -77,6 +77,8 @@ CASES = [
     ),
     (["verify", "--model", "tiny-deepseek-v3", "--model.mtp_depth", "-1"], "model.mtp_depth", "must be in 0.."),
     (["train", "--data.path", "/nonexistent/tokens.bin"], "data.path", "not found"),
+    (["train", "--resume", "/nonexistent/run"], "--resume", "no such directory"),
+    (["verify", "--dp", "2", "--nproc", "2", "--reshard-from", ""], "--reshard-from", "no layout flags"),
     (
         ["verify", "--pp", "2", "--pp-virtual", "2", "--microbatches", "2"],
         "parallel.pp_virtual",
@@ -175,6 +177,16 @@ def test_argparses_refusals_are_one_line_too(argv, no_ranks, capsys):
     err = capsys.readouterr().err.strip()
     assert exited.value.code == 2 and "\n" not in err, err
     assert err.startswith("fived") and ": error: " in err and err.endswith(" --help"), err
+
+
+def test_a_jsonl_without_the_text_field_names_the_fields_it_has(tmp_path, no_ranks, capsys):
+    (tmp_path / "docs.jsonl").write_text('{"text": "hello", "id": 1}\n')
+    assert (
+        main(["prepare-data", str(tmp_path / "docs.jsonl"), "--output", str(tmp_path / "x"), "--text-field", "body"])
+        == 2
+    )
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "no field 'body' (its fields: 'text', 'id'); give the text's field" in err, err
 
 
 def test_world_size_errors_suggest_valid_layouts(no_ranks, capsys):

@@ -86,8 +86,13 @@ def _jsonl_documents(path: Path, field: str):
                 row = json.loads(line)
             except json.JSONDecodeError:
                 raise ValueError(f"{path}:{number}: not JSON lines (one JSON object per line)") from None
-            if not isinstance(row, dict) or field not in row:
-                raise ValueError(f"{path}:{number}: no field {field!r} (give the text's field with --text-field)")
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{number}: not a JSON object (one object per line, its text in a field)")
+            if field not in row:
+                have = ", ".join(repr(k) for k in list(row)[:10]) or "none"
+                raise ValueError(
+                    f"{path}:{number}: no field {field!r} (its fields: {have}); give the text's field with --text-field"
+                )
             yield row[field]
 
 
@@ -215,7 +220,9 @@ def count_tokens(
 
     num_tokens = num_docs = pending = 0  # pending: tokens of a document still being read (a .txt's blocks)
     eot = np.asarray([tok.eot_id], dtype=dtype)
-    with tqdm(desc="prepare-data", unit=" docs", mininterval=0.5) as bar:
+    # (shown after its first second only: a quick job, or an input refused at its first lines, prints
+    # no progress before its result or its one-line error)
+    with tqdm(desc="prepare-data", unit=" docs", mininterval=0.5, delay=1.0) as bar:
         for batch in _batches(inputs, text_field, split):
             parts, ended = [], []
             for ids, (_, ends) in zip(_encode(tok, [text for text, _ in batch], dtype), batch):

@@ -422,6 +422,8 @@ def _saved_run(resume: str, crc: bool = True):
     """(checkpoint directory, manifest, saved config) of `--resume DIR`, or a one-line refusal."""
     from fived.checkpoint.checkpointer import find_checkpoint, no_intact_checkpoint, saved_config
 
+    if not Path(resume).is_dir():
+        raise ConfigError("--resume", resume, "no such directory", "give the output directory of an earlier run")
     checkpoint = find_checkpoint(resume, "--resume", crc)
     if checkpoint is None:
         raise no_intact_checkpoint(resume, "--resume", resume, crc) or ConfigError(
@@ -549,6 +551,8 @@ def reshard_layout(flags: str, cfg):
     from fived.config import ParallelConfig, set_field
     from fived.layout.rules import check_config
 
+    if not flags.strip():  # (an empty value would verify the run without any reshard, silently)
+        raise ConfigError("--reshard-from", repr(flags), "no layout flags", 'e.g. --reshard-from "--dp 4 --zero 1"')
     parser = argparse.ArgumentParser(prog="fived verify --reshard-from", add_help=False, allow_abbrev=False)
     add_config_flags(parser)
     example = '--reshard-from "--dp 4 --zero 1"'
