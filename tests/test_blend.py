@@ -235,6 +235,37 @@ def test_a_resume_with_other_weights_is_refused(blend, tmp_path):
         GlobalBatchSampler(check_data(other), SEQ, 8, 0).load_state_dict(saved)
 
 
+def test_a_checkpoint_of_float_normalised_weights_resumes_in_its_own_order(blend):
+    """A checkpoint written before the weights were normalised exactly holds 0.6 0.3 0.1 as
+    0.6000000000000001, ...: the same blend, accepted on resume, continuing the checkpoint's own
+    sample order (its floats, not today's), not refused as changed data."""
+    import dataclasses
+
+    from fived.data.blend import BlendSource
+    from fived.data.sampler import GlobalBatchSampler
+    from fived.launch.run_setup import check_same_data
+
+    cfg = tiny_config(
+        train__steps=STEPS, train__seq_len=SEQ, data__blend=blend.replace("0.5 ", "0.6 ").replace("0.2 ", "0.1 ")
+    )
+    tokens = check_data(cfg)
+    assert [s.weight for s in tokens.sources] == [0.6, 0.3, 0.1]
+    old_floats = [0.6 / 0.9999999999999999, 0.3 / 0.9999999999999999, 0.1 / 0.9999999999999999]
+    old_tokens = dataclasses.replace(
+        tokens, sources=tuple(BlendSource(s.path, w) for s, w in zip(tokens.sources, old_floats))
+    )
+    before = GlobalBatchSampler(old_tokens, SEQ, 8, 0)
+    for _ in range(3):
+        before.next_global_batch()
+    saved = before.state_dict()
+    assert saved["weights"] == old_floats != [0.6, 0.3, 0.1]
+    check_same_data(cfg, tokens, saved)  # (accepted: the same blend)
+    after = GlobalBatchSampler(tokens, SEQ, 8, 0)
+    after.load_state_dict(saved)
+    for _ in range(200):  # (the old floats' order, which today's would leave within these steps)
+        assert np.array_equal(after.next_global_batch(), before.next_global_batch())
+
+
 def test_verify_a_blend_across_a_reshard(blend, capsys):
     """`fived verify` with a blend: steps 1-2 at dp2, resumed at tp2 x pp2, against one process,
     the per-source losses included, within 1e-9."""

@@ -96,6 +96,10 @@ def test_verify_reshard_from_the_command_line(capsys):
 def test_reshard_from_takes_only_layout_flags(capsys):
     assert main(["verify", "--tp", "2", "--nproc", "2", "--reshard-from", "--dp 2 --steps 3"]) == 2
     assert "only layout flags may differ" in capsys.readouterr().err
+    # a flag without its value inside it: one line (argparse's usage block and its own error were printed first)
+    assert main(["verify", "--tp", "2", "--nproc", "2", "--reshard-from=--dp"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("fived: error: --reshard-from=--dp: not a list of layout flags") and "\n" not in err, err
 
 
 def test_reshard_from_accepts_a_flag_that_repeats_the_runs_value():

@@ -42,6 +42,8 @@ def test_a_decay_that_ends_within_the_warmup_leaves_the_floor_after_it():
         assert describe_schedule(t).endswith(
             f"warmup 20, past the {schedule} decay's end at step 6: 0.0003 from step 21)"
         )
+    # (a run that ends within its warmup, not extended, never reaches the floor: not announced)
+    assert "from step 21" not in describe_schedule(TrainConfig(steps=20, warmup_steps=20))
 
 
 def test_wsd_is_stable_until_its_decay_fraction():

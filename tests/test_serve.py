@@ -251,12 +251,25 @@ def test_a_model_no_layout_holds_gets_no_serve_command_and_exit_1(capsys):
     assert main([*flags, "--rate", "2", "--ttft-ms", "100"]) == 1
     out = capsys.readouterr().out
     assert out.split("chosen: ")[1].startswith("tp1 fp8") and "vllm serve" not in out
-    assert "serve it: not on these GPUs: no layout holds one sequence; e.g. more GPUs" in out
+    assert "serve it: not as priced: no layout priced holds one sequence; e.g. more GPUs" in out
     assert main([*flags, "--json"]) == 1
     assert json.loads(capsys.readouterr().out)["vllm"] == ""
     assert main([*flags, "--concurrency", "8"]) == 1
     queueing = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("queueing:"))
     assert "closed loop: 8 requests in flight" in queueing and "Poisson" not in queueing
+    # where none meets the workload and all tie (saturated: no goodput, p99 TTFT inf), a layout holding
+    # no sequence (its memory without a KV cache can be the least) never ranks before one holding some
+    from types import SimpleNamespace
+
+    from fived.planner.serve import rank_plans
+
+    def tied(fit: int, gib: float):
+        at = SimpleNamespace(p99_ttft_s=math.inf)
+        return SimpleNamespace(meets=False, fit=fit, goodput=0.0, at=at, memory=SimpleNamespace(total=gib * 2**30))
+
+    holds_none, holds_one, holds_two = tied(0, 79.5), tied(1, 79.9), tied(2, 79.8)
+    workload = Workload(prompt_len=2048, output_len=256, rate=0.0)
+    assert rank_plans([holds_none, holds_one, holds_two], workload) == [holds_two, holds_one, holds_none]
 
 
 def test_the_vllm_command_runs_the_layout_as_priced():

@@ -78,6 +78,7 @@ CASES = [
     (["verify", "--model", "tiny-deepseek-v3", "--model.mtp_depth", "-1"], "model.mtp_depth", "must be in 0.."),
     (["train", "--data.path", "/nonexistent/tokens.bin"], "data.path", "not found"),
     (["train", "--resume", "/nonexistent/run"], "--resume", "no such directory"),
+    (["train", "--resume", "/etc/hostname"], "--resume", "not a directory"),
     (["verify", "--dp", "2", "--nproc", "2", "--reshard-from", ""], "--reshard-from", "no layout flags"),
     (
         ["verify", "--pp", "2", "--pp-virtual", "2", "--microbatches", "2"],
@@ -169,7 +170,7 @@ def test_refused_before_any_rank(argv, field, rule, no_ranks, capsys):
     assert ";" in err and "use a value that meets the rule" not in err, err
 
 
-@pytest.mark.parametrize("argv", [["train", "--steps"], ["plan", "--gpus", "eight"], ["trian"]])
+@pytest.mark.parametrize("argv", [["train", "--steps"], ["plan", "--gpus", "eight"], ["trian"], ["plan", "-zzzzzzzz"]])
 def test_argparses_refusals_are_one_line_too(argv, no_ranks, capsys):
     """A flag without its value, a value of the wrong type, an unknown command: one line, exit 2."""
     with pytest.raises(SystemExit) as exited:
@@ -177,6 +178,7 @@ def test_argparses_refusals_are_one_line_too(argv, no_ranks, capsys):
     err = capsys.readouterr().err.strip()
     assert exited.value.code == 2 and "\n" not in err, err
     assert err.startswith("fived") and ": error: " in err and err.endswith(" --help"), err
+    assert argv[0] == "trian" or err.endswith(f"see fived {argv[0]} --help"), err  # (its command's help)
 
 
 def test_a_jsonl_without_the_text_field_names_the_fields_it_has(tmp_path, no_ranks, capsys):

@@ -308,7 +308,7 @@ def _refuse_unknown(unknown: list[str], parser: argparse.ArgumentParser, command
         match = difflib.get_close_matches(flag, flags, n=1, cutoff=0.6)
         if match:
             raise ConfigError(flag, " ".join(unknown[1:2]) or "(flag)", "unknown flag", f"did you mean {match[0]}?")
-    parser.error("unrecognized arguments: " + " ".join(unknown))
+    (command or parser).error("unrecognized arguments: " + " ".join(unknown))  # (its command's --help named)
 
 
 NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|nan)$", re.IGNORECASE)

@@ -122,11 +122,12 @@ def cmd_plan_layout(ns: argparse.Namespace) -> int:
     )
     out = {**plan.to_dict(global_batch, PLANNED_RUNTIMES[ns.runtime]), "fits": plan.fits}
     if ns.json:
-        print(json.dumps({"model": model.name, "gpus": cluster.gpus, "plans": [out]}, indent=1))
+        dtype = planned_dtype(cluster.hardware)
+        print(json.dumps({"model": model.name, "gpus": cluster.gpus, "dtype": dtype, "plans": [out]}, indent=1))
     else:
         print(
             f"{layout.describe()}: {out['memory_gib']['total']:.2f} GiB per GPU "
-            f"({'fits' if plan.fits else 'does not fit'} in {out['capacity_gib']:g}), step {plan.time.total:.3g} s, "
+            f"({'fits' if plan.fits else 'does not fit'} in {out['capacity_gib']:.4g}), step {plan.time.total:.3g} s, "
             f"{plan.time.tokens_per_s_per_gpu:.1f} tokens/s/GPU, MFU {plan.time.mfu:.1%}"
         )
     return 0

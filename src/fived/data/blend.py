@@ -69,6 +69,15 @@ def parse_blend(text: str, *, field: str = "data.blend") -> tuple[BlendSource, .
     return tuple(BlendSource(path, float(w / total)) for (_, path), w in zip(pairs, exact))
 
 
+def same_weights(a, b) -> bool:
+    """Whether two blends' normalised weights are the same blend (None: no blend): equal to 1e-12, as
+    one blend in other words, or one normalised in floats by fived before 2026-11-30 (0.6 0.3 0.1
+    was then 0.6000000000000001, 0.30000000000000004, 0.10000000000000002)."""
+    if a is None or b is None:
+        return a is None and b is None
+    return len(a) == len(b) and all(abs(x - y) <= 1e-12 for x, y in zip(a, b))
+
+
 def _exact(given: str, weight: float) -> Fraction:
     """The weight as written, exactly (a decimal string); else the float it parsed to."""
     try:

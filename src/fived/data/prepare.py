@@ -89,7 +89,7 @@ def _jsonl_documents(path: Path, field: str):
             if not isinstance(row, dict):
                 raise ValueError(f"{path}:{number}: not a JSON object (one object per line, its text in a field)")
             if field not in row:
-                have = ", ".join(repr(k) for k in list(row)[:10]) or "none"
+                have = ", ".join(repr(k) for k in list(row)[:10]) + (", ..." if len(row) > 10 else "") or "none"
                 raise ValueError(
                     f"{path}:{number}: no field {field!r} (its fields: {have}); give the text's field with --text-field"
                 )

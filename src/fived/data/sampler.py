@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fived.data.blend import BlendSchedule, BlendSource
+from fived.data.blend import BlendSchedule, BlendSource, same_weights
 
 
 @dataclass(frozen=True)
@@ -186,9 +186,17 @@ class GlobalBatchSampler:
     def load_state_dict(self, state: dict) -> None:
         # Resuming with different settings would silently change the data order.
         mine = self.state_dict()
-        for key in ("seed", "seq_len", "global_batch", "num_windows", "weights"):
-            # (weights: a blend's, absent without one; either side lacking them is a change too)
-            if (key in state or key == "weights") and state.get(key) != mine.get(key):
+        for key in ("seed", "seq_len", "global_batch", "num_windows"):
+            if key in state and state[key] != mine.get(key):
                 raise ValueError(f"sampler state has {key}={state.get(key)}, this sampler has {mine.get(key)}")
+        # a blend's weights, absent without one (either side lacking them is a change too); the same blend
+        # in other floats (`same_weights`) continues the checkpoint's order: its own weights, exactly
+        if not same_weights(state.get("weights"), mine.get("weights")):
+            raise ValueError(
+                f"sampler state has weights={state.get('weights')}, this sampler has {mine.get('weights')}"
+            )
+        if state.get("weights") is not None and state["weights"] != self.weights:
+            self.weights = [float(w) for w in state["weights"]]
+            self.schedule = BlendSchedule(self.weights)
         self.step = int(state["step"])
         self.skips = [[int(at), int(count)] for at, count in state.get("skips", [])]

@@ -10,7 +10,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from fived.config import Config, ConfigError, build_config, config_fields, model_preset, set_field
 from fived.config_docs import SECTION_DOCS, help_text, metavar
@@ -389,6 +389,7 @@ def load_resumed_run(request: LaunchRequest | argparse.Namespace, crc: bool = Tr
 def check_same_data(cfg, tokens, saved: dict) -> None:
     """A resumed run's data holds the sequences (and a blend the weights) its checkpoint's run had:
     otherwise the sample order would silently change. One-line ConfigErrors."""
+    from fived.data.blend import same_weights
     from fived.data.loader import BlendedTokens
 
     seq_len = cfg.train.seq_len
@@ -399,7 +400,7 @@ def check_same_data(cfg, tokens, saved: dict) -> None:
     else:
         field, value = "data.path", cfg.data.path or "bundled corpus"
         windows, weights = (len(tokens) - 1) // seq_len, None
-    if weights != saved.get("weights"):
+    if not same_weights(weights, saved.get("weights")):
         was = "a blend of weights " + str(saved["weights"]) if saved.get("weights") else "one source"
         raise ConfigError(
             field, value, f"the checkpoint's run trained on {was}: the data changed", "resume with its data"
@@ -423,7 +424,8 @@ def _saved_run(resume: str, crc: bool = True):
     from fived.checkpoint.checkpointer import find_checkpoint, no_intact_checkpoint, saved_config
 
     if not Path(resume).is_dir():
-        raise ConfigError("--resume", resume, "no such directory", "give the output directory of an earlier run")
+        rule = "not a directory" if Path(resume).exists() else "no such directory"
+        raise ConfigError("--resume", resume, rule, "give the output directory of an earlier run")
     checkpoint = find_checkpoint(resume, "--resume", crc)
     if checkpoint is None:
         raise no_intact_checkpoint(resume, "--resume", resume, crc) or ConfigError(
@@ -477,13 +479,13 @@ def _resumed_config(saved, given: dict, dp_shard: int | None):
 def _same_blend(given: str, saved: str) -> bool:
     """Whether two blend strings name the same sources with the same normalised weights ("6 a 3 b"
     is "0.6 a 0.3 b"); a bad string is not the same (the check that follows names it)."""
-    from fived.data.blend import parse_blend
+    from fived.data.blend import parse_blend, same_weights
 
     try:
         a, b = parse_blend(given), parse_blend(saved)
     except ValueError:
         return False
-    return len(a) == len(b) and all(x.path == y.path and abs(x.weight - y.weight) <= 1e-12 for x, y in zip(a, b))
+    return [x.path for x in a] == [y.path for y in b] and same_weights([x.weight for x in a], [y.weight for y in b])
 
 
 @dataclass
@@ -543,6 +545,14 @@ def _same_value(cfg, dotted: str, value) -> bool:
         return False
 
 
+class RaisingParser(argparse.ArgumentParser):
+    """A parser of flags inside a flag's value: its refusals raise ValueError (the caller's one line
+    names the flag), never argparse's usage block and exit."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ValueError(message)
+
+
 def reshard_layout(flags: str, cfg):
     """`--reshard-from "<layout flags>"`: the first half's config and world size (only the layout differs)."""
     import copy
@@ -553,12 +563,12 @@ def reshard_layout(flags: str, cfg):
 
     if not flags.strip():  # (an empty value would verify the run without any reshard, silently)
         raise ConfigError("--reshard-from", repr(flags), "no layout flags", 'e.g. --reshard-from "--dp 4 --zero 1"')
-    parser = argparse.ArgumentParser(prog="fived verify --reshard-from", add_help=False, allow_abbrev=False)
+    parser = RaisingParser(prog="fived verify --reshard-from", add_help=False, allow_abbrev=False)
     add_config_flags(parser)
-    example = '--reshard-from "--dp 4 --zero 1"'
+    example = 'e.g. --reshard-from "--dp 4 --zero 1"'
     try:
         ns, unknown = parser.parse_known_args(shlex.split(flags))
-    except (SystemExit, ValueError):
+    except ValueError:
         raise ConfigError("--reshard-from", flags, "not a list of layout flags", example) from None
     given = overrides_of(ns)
     differs = [k for k, v in given.items() if not k.startswith(LAYOUT_KEYS) and not _same_value(cfg, k, v)]

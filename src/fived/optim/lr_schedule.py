@@ -57,7 +57,7 @@ def describe_schedule(t: TrainConfig) -> str:
     if t.lr_schedule == "constant":
         return f"lr {t.lr:g} constant ({warmup.rstrip(', ') or 'no warmup'})"
     floor = f"{t.lr * t.min_lr_ratio:.3g}"
-    if end <= t.warmup_steps:  # (what lr_multiplier does then: warmup, then the floor)
+    if end <= t.warmup_steps < t.steps:  # (what lr_multiplier does then: warmup, then the floor)
         return f"lr {t.lr:g} ({warmup}past the {t.lr_schedule} decay's end at step {end}: {floor} from step {t.warmup_steps + 1})"
     if t.lr_schedule == "wsd":
         shape = f"wsd: stable to step {wsd_decay_start(t)}, decay over steps {wsd_decay_start(t) + 1}-{end}"

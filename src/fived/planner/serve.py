@@ -382,11 +382,11 @@ def serving_refusal(m: ModelConfig, layout: ServeLayout):
 
 
 def rank_plans(plans: list[ServePlan], w: Workload) -> list[ServePlan]:
-    """Layouts meeting the workload first; then by output tokens/s (at the workload with
-    --concurrency, else the goodput), then the lower p99 TTFT, then the less memory per GPU (where
-    none holds a sequence, the closest to holding one)."""
+    """Layouts meeting the workload first, then those holding at least one sequence; then by output
+    tokens/s (at the workload with --concurrency, else the goodput), then the lower p99 TTFT, then the
+    less memory per GPU (among layouts holding no sequence: the closest to holding one)."""
     score = (lambda p: p.throughput) if w.concurrency else (lambda p: p.goodput)
-    return sorted(plans, key=lambda p: (not p.meets, -score(p), p.at.p99_ttft_s, p.memory.total))
+    return sorted(plans, key=lambda p: (not p.meets, p.fit == 0, -score(p), p.at.p99_ttft_s, p.memory.total))
 
 
 def plan_serving(

@@ -312,7 +312,7 @@ def _chosen(p: ServePlan, m: ModelConfig, w: Workload, source: str) -> list[str]
         out.append(f"  GPUs this layout needs for {w.rate:g} requests/s{within}: {needed}")
     command = vllm_command(p, w, path, m)
     if not p.fit:
-        out.append(f"  serve it: not on these GPUs: no layout holds one sequence; {_more_room(p, w)}")
+        out.append(f"  serve it: not as priced: no layout priced holds one sequence; {_more_room(p, w)}")
     else:
         out.append(f"  serve it: {command}" if command else f"  serve it: {vllm_mismatch(m, L)}")
     if first and command:
@@ -339,7 +339,7 @@ def _queueing(w: Workload) -> str:
 def _more_room(p: ServePlan, w: Workload) -> str:
     """The way out when the closest layout holds no sequence: more GPUs (its weights split further),
     fp8 weights, or a shorter sequence."""
-    ways = [f"more GPUs to split its {_gib(p.memory.weights)} GiB of weights per GPU"]
+    ways = [f"more GPUs (or a larger --tp/--pp) to split its {_gib(p.memory.weights)} GiB of weights per GPU"]
     if p.layout.weights != "fp8":
         ways.append("--weights fp8")
     return "e.g. " + ", ".join(ways) + f" or shorter sequences than {w.positions} positions"

@@ -4,7 +4,8 @@ Each rank writes <output_dir>/profile/rank<R>.json (torch's Chrome/Perfetto trac
 and CUDA kernels on GPU). While the window is open fived labels its own work for the profiler
 (`fived.training.step_timer` spans: "fived/forward stage0 mb1", "fived/backward ...", "fived/recompute",
 "fived/bubble", "fived/optimizer", "fived/data", ...; every collective of `fived.parallel.comm` as
-"fived/comm/<mesh dimension>/<collective>", and the pipeline's point-to-point ops as they are posted,
+"fived/comm/<role>/<collective>" (the mesh dimension it works for: its group's, but dp for the
+gradient reductions over any group, as the step breakdown counts them), and the pipeline's point-to-point ops as they are posted,
 "fived/comm/pp/send_f" ...), so they sit in the same trace as the kernels. `merge_traces` then writes
 profile/trace.json: every rank's events in one file, one process per rank ("rank R"), on one time
 axis (each trace's baseTimeNanoseconds: the host clocks, aligned only as well as the hosts' are).
