@@ -298,6 +298,11 @@ def test_the_vllm_command_runs_the_layout_as_priced():
         (["--layout", "--tp 3"], "parallel.tp=3: must divide model.n_heads=64; e.g. --tp 2"),
         (["--weights", "int4"], "--weights=int4: must list bf16 and/or fp8; e.g. --weights bf16,fp8"),
         (
+            ["--machine", "m.json"],
+            "--machine=m.json: not read by --serve: a serving plan prices the catalogue's GPU (--gpu); a machine "
+            "profile prices training plans; drop --machine",
+        ),
+        (
             ["--model", "/"],
             "--model=/: is neither a Hugging Face model directory (config.json) nor a fived run or "
             "checkpoint (checkpoints/step-<N>/COMPLETE); give one of those",

@@ -73,6 +73,14 @@ def serve_cluster(ns: argparse.Namespace, plan_model):
     from fived.planner.hardware import hardware
     from fived.planner.timing import Cluster
 
+    if getattr(ns, "machine", None):  # (accepted by `fived plan`'s parser, read by its training plans only)
+        raise ConfigError(
+            "--machine",
+            ns.machine,
+            "not read by --serve: a serving plan prices the catalogue's GPU (--gpu); a machine profile prices "
+            "training plans",
+            "drop --machine",
+        )
     if ns.model is None or ns.gpus is None:
         raise ConfigError(
             "--model" if ns.model is None else "--gpus",
