@@ -601,7 +601,7 @@ def coerce(section: str, key: str, value: Any) -> Any:
             f"{section}.{key}",
             value,
             "must be one of " + ", ".join(str(a) for a in allowed),
-            f"did you mean '{close[0]}'?" if close else f"e.g. --{section}.{key} {by_key[key].default}",
+            f"did you mean '{close[0]}'?" if close else _example(section, key, kind),
         )
     return converted
 

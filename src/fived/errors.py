@@ -16,6 +16,9 @@ class ConfigError(ValueError):
         super().__init__(f"{msg}; {hint}" if hint else msg)
 
 
+NOT_GIVEN = "(not given)"  # the value a ConfigError names for a required flag that was left out
+
+
 class Stopped(RuntimeError):
     """The launcher was told to stop (SIGINT, or SIGTERM); `signal_name` says which, `results` holds
     what ranks that finished their stop (a preemption save) returned."""

@@ -10,6 +10,7 @@ import json
 from fived.api import cluster_of, plan_model
 from fived.cli.serve import add_serve_flags
 from fived.config import ConfigError
+from fived.errors import NOT_GIVEN
 from fived.planner.profile import planned_dtype
 
 DEFAULT_HEADROOM_GIB = 3.0  # so that a winner is not packed to the last GiB of the planner's estimate
@@ -84,7 +85,7 @@ def plan_cluster(ns: argparse.Namespace, command: str):
     if missing:
         raise ConfigError(
             missing[0],
-            "(not given)",
+            NOT_GIVEN,
             "required",
             f"fived {command} --model llama3-8b --gpus 64 --gpus-per-node 8 "
             "--gpu h100 --seq 8192 --global-batch-tokens 4194304"

@@ -9,6 +9,7 @@ import math
 import shlex
 
 from fived.config import ConfigError
+from fived.errors import NOT_GIVEN
 
 TRAINING_BATCH_TOKENS = 4 * 2**20  # the training comparison's default batch: Llama 3's initial 4M tokens
 TRAINING_MIN_SEQ = 4096  # and at least its initial sequence length (the serving context, rounded up, if longer)
@@ -84,7 +85,7 @@ def serve_cluster(ns: argparse.Namespace, plan_model):
     if ns.model is None or ns.gpus is None:
         raise ConfigError(
             "--model" if ns.model is None else "--gpus",
-            "(not given)",
+            NOT_GIVEN,
             "required",
             "fived plan --serve --model llama3-70b --gpus 8 --gpu h100 --prompt-len 2048 --output-len 256",
         )
