@@ -26,7 +26,7 @@ timeout 200 python3 benchmarks/gpu_acceptance.py --out "$OUT" --skip compiled
 echo "== gpu_layouts ($(left) s left)"
 machine=()
 [ -f "$OUT/gpu.json" ] && machine=(--machine "$OUT/gpu.json")
-timeout 180 python3 benchmarks/gpu_layouts.py "${machine[@]}" --out "$OUT"
+timeout 300 python3 benchmarks/gpu_layouts.py "${machine[@]}" --out "$OUT"
 echo "== gpu_acceptance, compiled runs ($(left) s left)"
 [ "$(left)" -gt 60 ] && timeout "$(left)" python3 benchmarks/gpu_acceptance.py --out "$OUT" --only compiled \
   --name gpu_acceptance_compiled
