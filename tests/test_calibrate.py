@@ -282,12 +282,13 @@ def test_compute_is_measured_on_operands_that_rotate_through_more_memory_than_a_
     assert len(small) == cal.MAX_SETS  # (a shape of a few bytes: its dispatch is its time)
 
     draws: list[list[int]] = []  # per rotation made, the id of the set each call took
+    sets: list[tuple] = []  # the sets the timed calls took
     real = cal.rotation
 
     def counted(make, nbytes, device):
         take, mine = real(make, nbytes, device), []
         draws.append(mine)
-        return lambda: mine.append(id(got := take())) or got
+        return lambda: mine.append(id(got := take())) or sets.append(got) or got
 
     def three_calls(fn, budget_s, device):  # (each measurement's timed calls, without timing them)
         for _ in range(3):
@@ -302,6 +303,12 @@ def test_compute_is_measured_on_operands_that_rotate_through_more_memory_than_a_
     cal.measure_stream(cal.QUICK, 0.0, cpu)
     assert len(draws) == 2 + 1 + len(cal.QUICK.stream_bytes)  # (the stream's dispatch base rotates too)
     assert all(len(d) == 3 and d[0] != d[1] != d[2] != d[0] for d in draws), draws
+    # the GEMMs' and attention's operands hold random values, as a step's do (a GPU's tensor cores run
+    # faster on constant ones: docs/gpu.md)
+    for fn in (lambda: cal.linear_seconds(16, 8, 32, 0.0, cpu), lambda: cal.attention_seconds(16, 8, 2, 0.0, cpu)):
+        sets.clear()
+        fn()
+        assert sets and all(t.float().std() > 0.5 for got in sets for t in got), [t.flatten()[:4] for t in sets[0]]
 
 
 def test_what_fiveds_layers_add_per_dimension_is_measured_and_priced(profile, tmp_path):

@@ -169,7 +169,15 @@ def rotation(make: Callable[[], tuple], nbytes: int, device: torch.device) -> Ca
 
 
 def _ones(shapes: tuple, device: torch.device, dtype: torch.dtype) -> tuple:
-    return tuple(torch.ones(shape, device=device, dtype=dtype) for shape in shapes)  # (values do not change the time)
+    """Element-wise operands: a memory-bound op's time does not depend on the values it moves."""
+    return tuple(torch.ones(shape, device=device, dtype=dtype) for shape in shapes)
+
+
+def _random(shapes: tuple, device: torch.device, dtype: torch.dtype) -> tuple:
+    """GEMM and attention operands: random values, as a step's are. A GPU's tensor cores run faster on
+    constant operands (fewer bits toggle, less power, higher clocks): an H200's profile on ones priced
+    every layout of docs/gpu.md's 1B model too fast (2026-12-01). On CPU the values make no difference."""
+    return tuple(torch.randn(shape, device=device, dtype=dtype) for shape in shapes)
 
 
 def linear_seconds(rows: int, width: int, depth: int, slice_s: float, device: torch.device) -> float:
@@ -179,7 +187,7 @@ def linear_seconds(rows: int, width: int, depth: int, slice_s: float, device: to
     dtype = matmul_dtype(device)
     shapes = ((rows, depth), (depth, width), (rows, width), (rows, width), (rows, depth), (depth, width))
     tensors = rotation(
-        functools.partial(_ones, shapes, device, dtype), sum(math.prod(s) for s in shapes) * dtype.itemsize, device
+        functools.partial(_random, shapes, device, dtype), sum(math.prod(s) for s in shapes) * dtype.itemsize, device
     )
 
     def three():
@@ -222,7 +230,7 @@ def attention_seconds(seq: int, head_dim: int, heads: int, slice_s: float, devic
     shape, dtype = (1, heads, seq, head_dim), matmul_dtype(device)
 
     def make() -> tuple:
-        q, k, v, grad = _ones((shape,) * 4, device, dtype)
+        q, k, v, grad = _random((shape,) * 4, device, dtype)
         return q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), grad
 
     operands = rotation(make, 4 * math.prod(shape) * dtype.itemsize, device)

@@ -1,0 +1,68 @@
+"""Do operand values change what `fived calibrate` measures? A linear layer's three GEMMs and causal
+attention's forward + backward, timed as calibrate times them (rotating operand sets, queued calls),
+on all-ones operands and on random ones, side by side in one process, alternating, at shapes a 1B-8B
+model's layers produce. On a GPU, constant operands let the tensor cores draw less power and hold
+higher clocks; docs/gpu.md has the figures (2026-12-01, one H200).
+
+    python benchmarks/gpu_operands.py            # one CUDA GPU; ~20 s
+    python benchmarks/gpu_operands.py --device cpu --seconds 0.2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from fived.tools import calibrate as cal
+
+GEMMS = ((8192, 2048, 2048), (8192, 8192, 2048), (32768, 4096, 8192))  # (rows, width, depth)
+ATTENTION = ((4096, 128), (16384, 128))  # (seq, head_dim)
+
+
+def rates(values: str, device: torch.device, seconds: float) -> dict:
+    """TFLOP/s of each shape with calibrate's operands made by `values` ('ones' or 'random')."""
+    make = cal._ones if values == "ones" else cal._random
+    real, cal._random = cal._random, make  # (calibrate's GEMMs and attention draw their operands here)
+    try:
+        out = {}
+        for r, w, d in GEMMS:
+            out[f"gemm {r}x{w}x{d}"] = 6 * r * w * d / cal.linear_seconds(r, w, d, seconds, device) / 1e12
+        heads = cal.attention_heads(device)
+        for seq, hd in ATTENTION:
+            flops = 4 * 3.5 * heads * seq * seq * hd / 2  # (forward 2 GEMMs, backward 5; causal half)
+            out[f"attention seq {seq} hd {hd}"] = flops / cal.attention_seconds(seq, hd, heads, seconds, device) / 1e12
+        return out
+    finally:
+        cal._random = real
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--seconds", type=float, default=1.5, help="per shape and kind of operand, per round")
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("gpu_operands: CUDA is absent on this machine; nothing was measured")
+        return 0
+    device = torch.device(args.device)
+    runs: dict[str, list[dict]] = {"ones": [], "random": []}
+    for _ in range(args.rounds):  # (alternating, so that a drift in the clocks falls on both)
+        for values in runs:
+            runs[values].append(rates(values, device, args.seconds))
+    print(f"| shape | ones TFLOP/s | random TFLOP/s | ones / random |  ({args.rounds} rounds, mean)")
+    print("|---|---|---|---|")
+    result = {}
+    for shape in runs["ones"][0]:
+        ones, rand = (sum(r[shape] for r in runs[v]) / args.rounds for v in ("ones", "random"))
+        result[shape] = {"ones": ones, "random": rand}
+        print(f"| {shape} | {ones:.1f} | {rand:.1f} | {ones / rand:.3f} |")
+    print(json.dumps({"report": "gpu_operands", "rates": result, "runs": runs}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
