@@ -64,10 +64,13 @@ def test_prepare_data_then_train_on_it(tmp_path):
     assert records[-1]["loss"] < 1.0  # a repeated sentence is easy to learn (the bundled corpus: ~3)
 
 
-def test_verify_cli_last_line_and_exit_code():
-    res = fived("verify", "--dp", "2", "--model", "tiny", "--steps", "2")
+def test_verify_cli_last_line_and_exit_code(tmp_path):
+    (tmp_path / "run.toml").write_text("[train]\nsteps = 2\n")  # (a file's value sits above verify's 5 steps)
+    res = fived("verify", "--dp", "2", "--model", "tiny", "--config", str(tmp_path / "run.toml"))
     assert res.returncode == 0, res.stderr
     assert "warning" not in res.stderr, res.stderr  # (its own defaults draw none: verify's warmup fits its steps)
+    steps = [line.split()[0] for line in res.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert steps == ["1", "2"], res.stdout
     last = res.stdout.strip().splitlines()[-1]
     assert last.startswith("max relative difference: ") and float(last.split(": ")[1]) <= 1e-9
 

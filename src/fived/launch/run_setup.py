@@ -115,9 +115,11 @@ def _in_file(path: str | None, section: str, key: str) -> bool:
 
 
 def build_from_args(given: LaunchRequest | argparse.Namespace, extra: dict | None = None):
-    """The config from file + flags; --dp-shard resolved against the final dp_replicate."""
+    """The config from file + flags; --dp-shard resolved against the final dp_replicate. `extra`: a
+    command's defaults (`fived verify`'s 5 steps), below the flags and the TOML file's values."""
     ns = as_request(given)
-    over = {**(extra or {}), **ns.overrides}
+    defaults = {key: value for key, value in (extra or {}).items() if not _in_file(ns.config, *key.split(".", 1))}
+    over = {**defaults, **ns.overrides}
     if ns.base is not None:
         cfg = checked_copy(ns.base)
         for key, value in (extra or {}).items():  # (a command's defaults, for the fields it leaves alone)
