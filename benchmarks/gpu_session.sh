@@ -17,16 +17,17 @@ export PYTHONPATH="$PWD/src:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}" PYTHONUN
 exec > >(tee "$OUT/session.log") 2>&1
 start=$SECONDS
 left() { echo $(( ${BUDGET_S:-540} - (SECONDS - start) )); }
+upto() { local t; t=$(left); echo $(( t < $1 ? (t > 1 ? t : 1) : $1 )); }  # a step's cap, within what is left
 nvidia-smi -L
 python3 -c "import torch, fived; print('torch', torch.__version__, torch.cuda.get_device_name(), 'fived', fived.__file__)" || exit 1
 echo "== fived calibrate ($(left) s left)"
-timeout 150 python3 -m fived calibrate --output "$OUT/gpu.json" --minutes "${CAL_MIN:-2}"
+timeout "$(upto 150)" python3 -m fived calibrate --output "$OUT/gpu.json" --minutes "${CAL_MIN:-2}"
 echo "== gpu_acceptance, compiled runs skipped ($(left) s left)"
-timeout 200 python3 benchmarks/gpu_acceptance.py --out "$OUT" --skip compiled
+timeout "$(upto 200)" python3 benchmarks/gpu_acceptance.py --out "$OUT" --skip compiled
 echo "== gpu_layouts ($(left) s left)"
 machine=()
 [ -f "$OUT/gpu.json" ] && machine=(--machine "$OUT/gpu.json")
-timeout 300 python3 benchmarks/gpu_layouts.py "${machine[@]}" --out "$OUT"
+timeout "$(upto 300)" python3 benchmarks/gpu_layouts.py "${machine[@]}" --out "$OUT"
 echo "== gpu_acceptance, compiled runs ($(left) s left)"
 [ "$(left)" -gt 60 ] && timeout "$(left)" python3 benchmarks/gpu_acceptance.py --out "$OUT" --only compiled \
   --name gpu_acceptance_compiled

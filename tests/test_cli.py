@@ -75,6 +75,20 @@ def test_verify_cli_last_line_and_exit_code(tmp_path):
     assert last.startswith("max relative difference: ") and float(last.split(": ")[1]) <= 1e-9
 
 
+def test_a_commands_defaults_read_a_bad_config_file_only_after_refusing_it_in_one_line(tmp_path):
+    """`fived verify --config F` (a command with defaults of its own): F's values are read to keep them
+    above the defaults, after F was checked (a malformed file: the one-line refusal, no traceback)."""
+    from fived.config import ConfigError
+    from fived.launch.run_setup import LaunchRequest, build_from_args
+
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        build_from_args(LaunchRequest(config=str(bad)), {"train.steps": 5})
+    with pytest.raises(ConfigError, match="file not found"):
+        build_from_args(LaunchRequest(config=str(tmp_path / "absent.toml")), {"train.steps": 5})
+
+
 def test_under_torchrun(tmp_path):
     """The same entry point joins the ranks torchrun started instead of starting its own."""
     res = subprocess.run(

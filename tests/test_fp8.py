@@ -153,6 +153,22 @@ def test_fp8_rules(monkeypatch):
     check_config(tiny_config("tiny", **tp_fp8), 2)
 
 
+def test_fp8_on_a_gpu_without_compiled_blocks_is_warned_of():
+    """torchao's eager float8 casts made an H200's FP8 run 0.49x bf16's (docs/gpu.md): a CUDA run with
+    train.fp8 and no train.compile is warned of before it starts; compiled, on CPU or without FP8: not."""
+    from fived.launch.run_setup import eager_fp8_warning
+
+    def warned(**over) -> str | None:
+        return eager_fp8_warning(tiny_config("tiny", train__dtype="bfloat16", **over).train)
+
+    line = warned(train__fp8="rowwise", train__device="cuda")
+    assert line and line.startswith("fived: warning: train.fp8=rowwise without train.compile")
+    assert line.endswith("e.g. --train.compile true") and "\n" not in line
+    assert warned(train__fp8="rowwise", train__device="cuda", train__compile=True) is None
+    assert warned(train__fp8="rowwise", train__device="cpu") is None
+    assert warned(train__device="cuda") is None
+
+
 def test_the_planner_recommends_no_tp_overlap_with_fp8():
     from fived.config import model_preset
     from fived.planner.hardware import hardware

@@ -118,7 +118,8 @@ def build_from_args(given: LaunchRequest | argparse.Namespace, extra: dict | Non
     """The config from file + flags; --dp-shard resolved against the final dp_replicate. `extra`: a
     command's defaults (`fived verify`'s 5 steps), below the flags and the TOML file's values."""
     ns = as_request(given)
-    defaults = {key: value for key, value in (extra or {}).items() if not _in_file(ns.config, *key.split(".", 1))}
+    in_file = file_overrides(ns.config) if extra else {}  # (a bad file refused in one line first)
+    defaults = {key: value for key, value in (extra or {}).items() if key not in in_file}
     over = {**defaults, **ns.overrides}
     if ns.base is not None:
         cfg = checked_copy(ns.base)
@@ -275,6 +276,21 @@ def check_environment(cfg, *, run_dir: bool = True) -> None:
             file=sys.stderr,
             flush=True,
         )
+    if line := eager_fp8_warning(t):
+        print(line, file=sys.stderr, flush=True)
+
+
+def eager_fp8_warning(train) -> str | None:
+    """FP8 linears on a GPU without compiled blocks: torchao's float8 casts and scales then run as
+    separate kernels, slower than the FP8 GEMMs save (on CPU FP8 is emulated: no speed is promised)."""
+    from fived.parallel.process_group import device_type
+
+    if train.fp8 == "none" or train.compile or device_type(train.device) != "cuda":
+        return None
+    return (
+        f"fived: warning: train.fp8={train.fp8} without train.compile: torchao's float8 casts run unfused, "
+        "and such a run trained at 0.49x bf16's tokens/s on an H200 (docs/gpu.md); e.g. --train.compile true"
+    )
 
 
 def _check_run_dir(output_dir: str) -> None:

@@ -174,10 +174,18 @@ def _ones(shapes: tuple, device: torch.device, dtype: torch.dtype) -> tuple:
 
 
 def _random(shapes: tuple, device: torch.device, dtype: torch.dtype) -> tuple:
-    """GEMM and attention operands: random values, as a step's are. A GPU's tensor cores run faster on
-    constant operands (fewer bits toggle, less power, higher clocks): an H200's profile on ones priced
-    every layout of docs/gpu.md's 1B model too fast (2026-12-01). On CPU the values make no difference."""
+    """GEMM and attention operands: random values, as a step's are. A GPU's tensor cores ran constant
+    operands 1.06-1.20x faster (likely fewer bits toggling, less power): an H200's profile on ones
+    priced every layout of docs/gpu.md's 1B model too fast (2026-12-01). On CPU the values made no
+    difference."""
     return tuple(torch.randn(shape, device=device, dtype=dtype) for shape in shapes)
+
+
+def _copies(make: Callable[[], tuple]) -> Callable[[], tuple]:
+    """`make()`'s values once, then copies of them in new memory: a rotation's sets need their own
+    memory, not their own values (a copy is ~5x cheaper than drawing random numbers on CPU)."""
+    first = make()
+    return lambda: tuple(t.clone() for t in first)
 
 
 def linear_seconds(rows: int, width: int, depth: int, slice_s: float, device: torch.device) -> float:
@@ -187,7 +195,9 @@ def linear_seconds(rows: int, width: int, depth: int, slice_s: float, device: to
     dtype = matmul_dtype(device)
     shapes = ((rows, depth), (depth, width), (rows, width), (rows, width), (rows, depth), (depth, width))
     tensors = rotation(
-        functools.partial(_random, shapes, device, dtype), sum(math.prod(s) for s in shapes) * dtype.itemsize, device
+        _copies(functools.partial(_random, shapes, device, dtype)),
+        sum(math.prod(s) for s in shapes) * dtype.itemsize,
+        device,
     )
 
     def three():
@@ -229,8 +239,10 @@ def attention_seconds(seq: int, head_dim: int, heads: int, slice_s: float, devic
     outputs come from the allocator, as a step's do."""
     shape, dtype = (1, heads, seq, head_dim), matmul_dtype(device)
 
+    copy = _copies(functools.partial(_random, (shape,) * 4, device, dtype))
+
     def make() -> tuple:
-        q, k, v, grad = _random((shape,) * 4, device, dtype)
+        q, k, v, grad = copy()
         return q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), grad
 
     operands = rotation(make, 4 * math.prod(shape) * dtype.itemsize, device)
