@@ -15,6 +15,13 @@ def test_defaults_presets_toml_and_cli_precedence(tmp_path):
     assert cfg.train.seed == 0  # untouched default
 
 
+def test_a_files_section_written_as_a_value_is_refused_in_one_line(tmp_path):
+    toml = tmp_path / "run.toml"
+    toml.write_text("train = 5\n")  # (a table's name used as a key: it once suggested 'train' for 'train')
+    with pytest.raises(ConfigError, match=r": train=5: is a section, not a value; write \[train\], then its keys$"):
+        build_config(toml)
+
+
 def test_cli_model_choice_beats_file(tmp_path):
     toml = tmp_path / "run.toml"
     toml.write_text('[model]\nname = "tiny-moe"\n')

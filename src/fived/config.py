@@ -654,8 +654,12 @@ def build_config(toml_path: str | Path | None = None, overrides: dict[str, Any] 
                 ) from None
     merged: dict[str, dict[str, Any]] = {}
     for section, values in file_values.items():
-        if section not in SECTION_TYPES or not isinstance(values, dict):
+        if section not in SECTION_TYPES:
             raise ConfigError(section, "...", "unknown section", did_you_mean(section, SECTION_TYPES))
+        if not isinstance(values, dict):  # (`train = 5` at the top: a key where a table belongs)
+            raise ConfigError(
+                f"{toml_path}: {section}", values, "is a section, not a value", f"write [{section}], then its keys"
+            )
         merged.setdefault(section, {}).update(values)
     for dotted, value in (overrides or {}).items():
         section, _, key = dotted.partition(".")
