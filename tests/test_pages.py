@@ -28,7 +28,7 @@ needs_chromium = pytest.mark.skipif(
     reason="no /usr/bin/chromium (CI installs it and never skips)",
 )
 EXPLORE = ["--gpus", "128", "--gpu", "h100", "--seq", "4096", "--global-batch-tokens", str(4096 * 256)]
-# (the MoE page on half the GPUs: its ~4x more layouts than a dense model's priced in 2/3 of the time)
+# (the MoE page on 64 GPUs, the same checks: its layouts priced in about 2/3 of 128 GPUs' time)
 MOE_EXPLORE = ["--gpus", "64", *EXPLORE[2:]]
 
 
