@@ -28,8 +28,8 @@ needs_chromium = pytest.mark.skipif(
     reason="no /usr/bin/chromium (CI installs it and never skips)",
 )
 EXPLORE = ["--gpus", "128", "--gpu", "h100", "--seq", "4096", "--global-batch-tokens", str(4096 * 256)]
-# (the MoE page on 64 GPUs, the same checks: its layouts priced in about 2/3 of 128 GPUs' time)
-MOE_EXPLORE = ["--gpus", "64", *EXPLORE[2:]]
+# (the pages' browser tests on 64 GPUs, the same checks: their layouts priced in about 2/3 of 128 GPUs' time)
+EXPLORE_64 = ["--gpus", "64", *EXPLORE[2:]]
 
 
 @pytest.fixture(scope="module")
@@ -149,8 +149,8 @@ def assert_every_axis_labelled(page) -> None:
 def test_explore_opens_on_the_planners_best_layout_and_toggles_show_its_figures(tmp_path, capsys, browser):
     out = tmp_path / "mixtral.html"
     # (`fived plan` first: explore's workers, forked after it, start with its memos, e.g. its ranking's search)
-    ranked = plan_json(capsys, "mixtral-8x7b", cluster=MOE_EXPLORE)["plans"]
-    assert main(["explore", "--model", "mixtral-8x7b", *MOE_EXPLORE, "--output", str(out)]) == 0
+    ranked = plan_json(capsys, "mixtral-8x7b", cluster=EXPLORE_64)["plans"]
+    assert main(["explore", "--model", "mixtral-8x7b", *EXPLORE_64, "--output", str(out)]) == 0
     page, errors = open_page(browser, out)
     # it opens on `fived plan`'s best layout, with its figures, and lists the planner's ranking
     assert page.get_attribute("body", "data-valid") == "true"
@@ -171,7 +171,7 @@ def test_explore_opens_on_the_planners_best_layout_and_toggles_show_its_figures(
         assert page.get_attribute("body", "data-valid") == "true", page.inner_text("#status")
         gib = float(page.get_attribute("#memory-total", "data-gib"))
         flags = page_flags(page)
-        plan = planned(capsys, "mixtral-8x7b", flags, MOE_EXPLORE)
+        plan = planned(capsys, "mixtral-8x7b", flags, EXPLORE_64)
         assert gib == plan["memory_gib"]["total"], (control, value)  # exactly the planner's figure
         assert f"{gib:.2f} GiB" in page.inner_text("#memory-total")
         assert f"--parallel.{control} {value}" in flags
@@ -303,7 +303,7 @@ def test_the_plans_winner_its_name_its_command_and_the_pages_command_agree(capsy
 @needs_chromium
 def test_dense_page_has_no_ep_toggle_draws_big_maps_compactly_and_memory_readably(tmp_path, browser):
     out = tmp_path / "llama.html"
-    assert main(["explore", "--model", "llama3-70b", *EXPLORE, "--output", str(out)]) == 0
+    assert main(["explore", "--model", "llama3-70b", *EXPLORE_64, "--output", str(out)]) == 0
     page, errors = open_page(browser, out)
     assert page.locator("#ctl-ep").count() == 0 and page.locator("#ctl-etp").count() == 0
     assert page.locator("#ctl-cp option").count() > 2
