@@ -164,7 +164,10 @@ def test_the_first_rule_error_asks_a_cores_rules_once_and_reports_the_rules_firs
                 got = validity.first_rule_error(model, layout, train)
                 assert str(got) == str(want[0] if want else None), (name, value, base)
                 kinds.add(
-                    (bool(core_layout_errors(cfg, layout.world)), bool(per_layout_errors(parallel, train, layout.dp)))
+                    (
+                        bool(core_layout_errors(cfg.model, cfg.parallel, cfg.train, layout.world)),
+                        bool(per_layout_errors(parallel, train, layout.dp)),
+                    )
                 )
     assert kinds == {(False, False), (True, False), (False, True), (True, True)}
 
@@ -180,7 +183,7 @@ def test_the_usable_overlaps_memo_answers_the_rules_for_every_field_changed():
     def accepted(model, layout, seq_len, global_batch):
         train = validity._train_config(seq_len, global_batch, layout.microbatches(global_batch), layout.checkpointing)
         parallel = ParallelConfig(**{f.name: getattr(layout, f.name) for f in fields(ParallelConfig)})
-        return not core_layout_errors(Config(model=model, parallel=parallel, train=train), layout.world)
+        return not core_layout_errors(model, parallel, train, layout.world)
 
     seq_len, global_batch, kept = 4096, 64, set()
     for name, base in (

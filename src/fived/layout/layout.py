@@ -158,7 +158,11 @@ def stages_per_rank(schedule: str, virtual: int) -> int:
 
 def resolve_dp(cfg: Config, world: int | None) -> int:
     """dp=-1 means 'the rest of the world': world / (tp*pp*cp)."""
-    p = cfg.parallel
+    return parallel_dp(cfg.parallel, world)
+
+
+def parallel_dp(p: ParallelConfig | Layout, world: int | None) -> int:
+    """`resolve_dp` of a config's `parallel` section (or a `Layout`: the same fields)."""
     if p.dp != -1:
         return p.dp
     model_parallel = max(p.tp, 1) * max(p.pp, 1) * max(p.cp, 1)

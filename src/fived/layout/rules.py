@@ -10,7 +10,7 @@ import itertools
 import math
 from dataclasses import fields
 
-from fived.config import Config, ConfigError, ModelConfig, TrainConfig, choices
+from fived.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, choices
 from fived.layout import batch_rules, deepseek_rules, window_rules
 from fived.layout.bounds import largest_divisor, nearest_multiple, number_errors
 from fived.layout.expert_rules import expert_rules
@@ -24,6 +24,8 @@ from fived.layout.layout import (
     OPTIMIZERS,
     PP_SCHEDULES,
     PRECISION_SPECS,
+    Layout,
+    parallel_dp,
     resolve_dp,
     stages_per_rank,
 )
@@ -46,15 +48,18 @@ class _Broken:
 
 def layout_errors(cfg: Config, world: int | None) -> list[ConfigError]:
     """Every rule a layout must meet, each with a concrete way out; the first error is reported."""
-    return _layout_errors(cfg, world, per_layout=True)
+    return _layout_errors(cfg.model, cfg.parallel, cfg.train, world, per_layout=True)
 
 
-def core_layout_errors(cfg: Config, world: int | None) -> list[ConfigError]:
-    """`layout_errors` but for the rules that read the micro-batches, sp or checkpointing
+def core_layout_errors(
+    model: ModelConfig, parallel: ParallelConfig | Layout, train: TrainConfig, world: int | None
+) -> list[ConfigError]:
+    """`layout_errors` of a config of these sections (`parallel`: or a `Layout`, whose fields are the
+    section's) but for the rules that read the micro-batches, sp or checkpointing
     (`per_layout_errors`'): the same for every layout of one core, so the planner asks once per core.
     A layout breaks a rule iff it breaks one of either list; when only one list is empty, the other
     is `layout_errors`, in its order (the rules' conditions and early returns read the core alone)."""
-    return _layout_errors(cfg, world, per_layout=False)
+    return _layout_errors(model, parallel, train, world, per_layout=False)
 
 
 def per_layout_errors(parallel, train: TrainConfig, dp: int) -> list[ConfigError]:
@@ -65,9 +70,8 @@ def per_layout_errors(parallel, train: TrainConfig, dp: int) -> list[ConfigError
     return need.errors
 
 
-def _layout_errors(cfg: Config, world: int | None, *, per_layout: bool) -> list[ConfigError]:
-    m, p, t = cfg.model, cfg.parallel, cfg.train
-    dp = resolve_dp(cfg, world)
+def _layout_errors(m: ModelConfig, p, t: TrainConfig, world: int | None, *, per_layout: bool) -> list[ConfigError]:
+    dp = parallel_dp(p, world)
     need = _Broken(per_layout=per_layout)
     errs = need.errors
 

@@ -25,7 +25,6 @@ from fived.layout.schedule_orders import multi_stage_order
 COST = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev")
 Actions = dict[int, list[tuple[str, int, int]]]
-_PRODUCES = {"F": "F", "B": "G", "I": "IG", "W": ""}  # the finish-time tables an action fills
 
 
 def simulate(actions_per_rank: Actions, n_stages: int, record: list | None = None) -> dict[str, Any]:
@@ -46,9 +45,10 @@ def simulate(actions_per_rank: Actions, n_stages: int, record: list | None = Non
     done_f: list[float | None] = [None] * (n_stages * mbs)
     done_i: list[float | None] = [None] * (n_stages * mbs)
     done_g: list[float | None] = [None] * (n_stages * mbs)
-    finish: dict[str, list[float | None]] = {"F": done_f, "I": done_i, "G": done_g}
-    # table -> index -> ranks blocked on it (the dependencies spelled out per kind: the hot loop)
-    waiting: dict[str, dict[int, list[int]]] = {k: {} for k in "FIG"}
+    # index -> ranks blocked on it, per table (the dependencies spelled out per kind: the hot loop)
+    wait_f: dict[int, list[int]] = {}
+    wait_i: dict[int, list[int]] = {}
+    wait_g: dict[int, list[int]] = {}
     free = dict.fromkeys(ranks, 0.0)
     busy = dict.fromkeys(ranks, 0.0)
     cursor = dict.fromkeys(ranks, 0)
@@ -57,7 +57,8 @@ def simulate(actions_per_rank: Actions, n_stages: int, record: list | None = Non
     while runnable:
         r = runnable.pop()
         queue, i, ready_at, spent = actions_per_rank[r], cursor[r], free[r], busy[r]
-        while i < len(queue):
+        n = len(queue)
+        while i < n:
             kind, stage, mb = queue[i]
             x = stage * mbs + mb
             start = ready_at
@@ -65,38 +66,50 @@ def simulate(actions_per_rank: Actions, n_stages: int, record: list | None = Non
                 if stage > 0:
                     t = done_f[x - mbs]
                     if t is None:
-                        waiting["F"].setdefault(x - mbs, []).append(r)
+                        wait_f.setdefault(x - mbs, []).append(r)
                         break
-                    start = max(start, t)
+                    if t > start:
+                        start = t
             elif kind == "W":  # after its own I
                 t = done_i[x]
                 if t is None:
-                    waiting["I"].setdefault(x, []).append(r)
+                    wait_i.setdefault(x, []).append(r)
                     break
-                start = max(start, t)
+                if t > start:
+                    start = t
             else:  # B or I: own forward and (but on the last stage) the next stage's input gradient
                 t = done_f[x]
                 if t is None:
-                    waiting["F"].setdefault(x, []).append(r)
+                    wait_f.setdefault(x, []).append(r)
                     break
-                start = max(start, t)
+                if t > start:
+                    start = t
                 if stage < last:
                     t = done_g[x + mbs]
                     if t is None:
-                        waiting["G"].setdefault(x + mbs, []).append(r)
+                        wait_g.setdefault(x + mbs, []).append(r)
                         break
-                    start = max(start, t)
+                    if t > start:
+                        start = t
             cost = cost_of[kind]
             if record is not None:
                 record.append((r, kind, stage, mb, start, cost))
             ready_at = start + cost
             spent += cost
             i += 1
-            for table in _PRODUCES[kind]:
-                # should a malformed list hold both, the B's gradient wins over the I's (as it always has)
-                if table != "G" or kind == "B" or done_g[x] is None:
-                    finish[table][x] = ready_at
-                runnable.extend(waiting[table].pop(x, ()))
+            if kind == "F":
+                done_f[x] = ready_at
+                if x in wait_f:
+                    runnable.extend(wait_f.pop(x))
+            elif kind != "W":  # B fills G; I fills I, and G unless a B has (a malformed list's: B wins)
+                if kind == "I":
+                    done_i[x] = ready_at
+                    if x in wait_i:
+                        runnable.extend(wait_i.pop(x))
+                if kind == "B" or done_g[x] is None:
+                    done_g[x] = ready_at
+                if x in wait_g:
+                    runnable.extend(wait_g.pop(x))
         cursor[r], free[r], busy[r] = i, ready_at, spent
     if any(cursor[r] < len(actions_per_rank[r]) for r in ranks):
         raise ValueError("the action lists deadlock: some dependency is never produced")

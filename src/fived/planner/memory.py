@@ -355,7 +355,11 @@ def _state_ranks(key, layout: Layout, dtype: str, runtime: Runtime) -> tuple:
 
 def state_floor(m: ModelConfig, layout: Layout, dtype: str, runtime: Runtime = FIVED) -> int:
     """The largest model-state bytes of any pipeline rank: a lower bound of the peak, to prune early."""
-    return max(total + static for total, static, _, _ in _state_ranks(model_key(m), layout, dtype, runtime)[0])
+    return _floor(_state_ranks(model_key(m), layout, dtype, runtime)[0])
+
+
+def _floor(sums: tuple) -> int:
+    return max(total + static for total, static, _, _ in sums)
 
 
 @dataclass
@@ -412,9 +416,20 @@ def _layout_recompute(key, L: Layout, seq_len: int, dtype: str, runtime: Runtime
     return _recompute_block(key, _activation_layout(L), seq_len, dtype, runtime)
 
 
+_activation_values = attrgetter(*_ACTIVATION_FIELDS)
+_ACTIVATION_LAYOUTS: dict[tuple, Layout] = {}
+
+
 def _activation_layout(layout: Layout) -> Layout:
-    """What decides the activation bytes of a chunk: the sizes, micro-batch, SP, checkpointing."""
-    return Layout(**{name: getattr(layout, name) for name in _ACTIVATION_FIELDS})
+    """What decides the activation bytes of a chunk: the sizes, micro-batch, SP, checkpointing (one
+    `Layout` per value: a frozen dataclass's `__init__` costs more than the look-up)."""
+    values = _activation_values(layout)
+    found = _ACTIVATION_LAYOUTS.get(values)
+    if found is None:
+        if len(_ACTIVATION_LAYOUTS) >= 65536:
+            _ACTIVATION_LAYOUTS.clear()
+        found = _ACTIVATION_LAYOUTS[values] = Layout(**dict(zip(_ACTIVATION_FIELDS, values)))
+    return found
 
 
 def _activations(
@@ -489,32 +504,25 @@ class StateMemory:
     micro-batch size, sp and checkpointing alone, as a search's activation options of one state do),
     what they share looked up once (a 70B plan asks ~3x10^4 layouts of ~10^4 states)."""
 
-    __slots__ = ("dim", "dtype", "key", "reserve", "runtime", "seq_len", "states", "sums", "tp", "vocab")
+    __slots__ = ("dtype", "key", "reserve", "runtime", "seq_len", "states", "sums")
 
     def __init__(
         self, m: ModelConfig, state: Layout, seq_len: int, dtype: str, device_gib: float, runtime: Runtime = FIVED
     ) -> None:
-        self.key, self.dim, self.tp = model_key(m), m.dim, state.tp
-        self.vocab = local_vocab(m, state.tp)
+        self.key = model_key(m)
         self.sums, self.states = _state_ranks(self.key, state, dtype, runtime)
         self.seq_len, self.dtype, self.runtime = seq_len, dtype, runtime
         self.reserve = reserve_bytes(device_gib)
 
+    def state_floor(self) -> int:
+        """`state_floor` of the state."""
+        return _floor(self.sums)
+
     def of(self, layout: Layout, global_batch: int) -> MemoryEstimate:
         """`memory_per_gpu` of `layout` (its state this one's)."""
-        L, seq_len, dtype, runtime = layout, self.seq_len, self.dtype, self.runtime
-        micro = L.microbatches(global_batch)
-        in_flight = pipeline_profile(L.pp_schedule, L.pp, L.pp_virtual, micro)[1] if L.pp > 1 else [1]
-        e = ACTIVATION_BYTES[dtype]
-        tokens = L.micro_batch * seq_len // L.cp  # one micro-batch on one rank
-        acts = _layout_activations(self.key, L, seq_len, dtype, runtime)
-        # checkpointing recomputes one block at a time in backward: its activations exist once more
-        recompute = _layout_recompute(self.key, L, seq_len, dtype, runtime) if L.checkpointing != "none" else 0
-        micro_buffers = 2 * tokens * self.dim * e if self.tp > 1 else 0  # one region's gathered input, partial output
-        logits = tokens * self.vocab * 4  # the loss's float32 logits of one micro-batch (last stage)
-        accumulates = micro > 1 or L.pp > 1  # FSDP2 accumulates unsharded gradients across micro-batches
-
-        every = recompute + micro_buffers  # (the buffers every rank has; the bools below count 0 or 1 times)
+        in_flight, acts, every, logits, accumulates = _option_parts(
+            self.key, layout, self.seq_len, self.dtype, self.runtime, global_batch
+        )
         # each rank's state + buffers + activations (the integers summed first, exactly): in-flight counts
         # are whole-rank micro-batches (alive stage-micro-batches / stages per rank); the busiest is the
         # first rank with the largest (one list and C's max: a 70B plan asks ~3x10^4 layouts of <= 64 ranks)
@@ -527,6 +535,28 @@ class StateMemory:
         state, activations = self.states[pp_rank][0], round(acts[pp_rank] * in_flight[pp_rank])
         buffers = static + every + accumulated * accumulates + logits * holds_last
         return MemoryEstimate(state["params"], state["grads"], state["optimizer"], activations, buffers, self.reserve)
+
+
+@layout_memo(
+    maxsize=65536, values=attrgetter(*_ACTIVATION_FIELDS, "pp", "pp_schedule", "pp_virtual", "pp_layers", "dp")
+)
+def _option_parts(key, L: Layout, seq_len: int, dtype: str, runtime: Runtime, global_batch: int) -> tuple:
+    """What `StateMemory.of` adds to each rank's state for `L`'s activation option, whatever its state:
+    (in-flight micro-batches per rank, one micro-batch's activation bytes per rank, the buffers every
+    rank has, the last stage's logits, whether gradients accumulate), keyed on the fields they read
+    (one look-up a layout: ~3x10^4 a 70B plan, for ~7x10^3 options)."""
+    micro = L.microbatches(global_batch)
+    in_flight = pipeline_profile(L.pp_schedule, L.pp, L.pp_virtual, micro)[1] if L.pp > 1 else [1]
+    e = ACTIVATION_BYTES[dtype]
+    tokens = L.micro_batch * seq_len // L.cp  # one micro-batch on one rank
+    acts = _layout_activations(key, L, seq_len, dtype, runtime)
+    # checkpointing recomputes one block at a time in backward: its activations exist once more
+    recompute = _layout_recompute(key, L, seq_len, dtype, runtime) if L.checkpointing != "none" else 0
+    m = model_of(key)
+    micro_buffers = 2 * tokens * m.dim * e if L.tp > 1 else 0  # one region's gathered input, partial output
+    logits = tokens * local_vocab(m, L.tp) * 4  # the loss's float32 logits of one micro-batch (last stage)
+    accumulates = micro > 1 or L.pp > 1  # FSDP2 accumulates unsharded gradients across micro-batches
+    return in_flight, acts, recompute + micro_buffers, logits, accumulates
 
 
 @layout_memo(maxsize=65536)

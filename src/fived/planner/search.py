@@ -22,7 +22,7 @@ from fived.config import CpMode, ModelConfig
 from fived.layout.layout import Layout
 from fived.planner.constants import Constants
 from fived.planner.layout_cache import collector_paused
-from fived.planner.memory import MemoryEstimate, StateMemory, memory_per_gpu, reserve_bytes, state_floor
+from fived.planner.memory import MemoryEstimate, StateMemory, memory_per_gpu, reserve_bytes
 from fived.planner.pricing import Candidate, price
 from fived.planner.runtimes import FIVED, Runtime
 from fived.planner.timing import Cluster, StepTime, step_time
@@ -286,6 +286,9 @@ DECISIONS = (
 
 
 _decision_values = attrgetter(*DECISIONS)
+OPTION_DECISIONS = ("sp", "micro_batch", "checkpointing")  # what a state's activation options vary
+CORE_DECISIONS = tuple(d for d in DECISIONS if d not in OPTION_DECISIONS)
+_option_decision_values, _core_decision_values = attrgetter(*OPTION_DECISIONS), attrgetter(*CORE_DECISIONS)
 
 
 @dataclass
@@ -317,11 +320,12 @@ def plan(
     first `keep`, the runners-up and every figure `explain` prints are those of the whole search."""
     capacity = capacity_bytes(cluster.hardware.memory_gib, headroom_gib)
     reserve = reserve_bytes(cluster.hardware.memory_gib)
+    gib = cluster.hardware.memory_gib
     candidates: list[Candidate] = []
     considered, smallest = 0, dict[tuple, int]()
 
-    def note(layout: Layout, need: int) -> None:
-        for k in zip(DECISIONS, _decision_values(layout)):
+    def note(layout: Layout, need: int, decisions=DECISIONS, values=_decision_values) -> None:
+        for k in zip(decisions, values(layout)):
             found = smallest.get(k)
             if found is None or need < found:
                 smallest[k] = need
@@ -331,16 +335,18 @@ def plan(
         for state in state_choices(model, mesh, cluster.gpus_per_node):
             if runtime.is_fived:  # fived's candidates run with every overlap they can use
                 state = with_usable_overlap(model, state, seq_len, global_batch, fp8=runtime.fp8)
-            floor = state_floor(model, state, dtype, runtime) + reserve
+            # (the activation options share their state's core and model state: one of each per choice)
+            choices = reduction_choices(state, runtime)  # (the state itself first)
+            memories = [StateMemory(model, state, seq_len, dtype, gib, runtime)]
+            floor = memories[0].state_floor() + reserve
             if floor > capacity:
                 if is_valid(model, state, seq_len, global_batch):
                     considered += 1
                     note(state, floor)
                 continue
-            # (the activation options share their state's core and model state: one of each per choice)
             valid = CoreValidity(model, state, seq_len, global_batch)
-            gib = cluster.hardware.memory_gib
-            memories = [StateMemory(model, x, seq_len, dtype, gib, runtime) for x in reduction_choices(state, runtime)]
+            memories += [StateMemory(model, x, seq_len, dtype, gib, runtime) for x in choices[1:]]
+            least = None  # the least memory noted of the state's options: their core decisions' (noted once)
             for options in activation_choices(state, seq_len, global_batch):
                 for layout in options:
                     result = _fitting_choices(layout, global_batch, runtime, valid, memories, capacity)
@@ -348,13 +354,18 @@ def plan(
                         continue
                     considered += 1
                     if isinstance(result, int):  # nothing fits: the least memory a choice needed
-                        note(layout, result)
+                        note(layout, result, OPTION_DECISIONS, _option_decision_values)
+                        least = result if least is None or result < least else least
                         continue
                     c = Candidate(len(candidates), layout, result, needs=frozenset(m.total for _, m in result))
-                    if c.one_memory is not None:  # (else noted once priced: which choice is kept decides)
-                        note(layout, c.one_memory)
+                    need = c.one_memory
+                    if need is not None:  # (else noted once priced: which choice is kept decides)
+                        note(layout, need, OPTION_DECISIONS, _option_decision_values)
+                        least = need if least is None or need < least else least
                     candidates.append(c)
                     break
+            if least is not None:  # (its options share every other decision's value)
+                note(state, least, CORE_DECISIONS, _core_decision_values)
 
     # second pass: step times, of every fitting layout or (keep) of those that can matter
     def plan_of(c: Candidate) -> Plan | None:

@@ -166,8 +166,7 @@ _core_values = attrgetter(*(f.name for f in fields(Layout) if f.name not in batc
 def _core_errors(key: tuple, layout: Layout, seq_len: int, global_batch: int) -> list[ConfigError]:
     """`core_layout_errors` of `layout` (runnable: see `layout_refusal`), once per core."""
     t = _train_config(seq_len, global_batch, layout.microbatches(global_batch), layout.checkpointing)
-    cfg = Config(model=model_of(key), parallel=_parallel_config(_parallel_values(layout)), train=t)
-    return core_layout_errors(cfg, layout.world)
+    return core_layout_errors(model_of(key), layout, t, layout.world)  # (the layout: its ParallelConfig's fields)
 
 
 @layout_memo(maxsize=65536, values=_core_values)
