@@ -173,13 +173,13 @@ def auto_layout(cfg, world: int) -> None:
     from fived.config import set_field
     from fived.planner.basis import basis
     from fived.planner.hardware import local_hardware
-    from fived.planner.runtimes import fived_runtime
+    from fived.planner.runtimes import train_runtime
     from fived.planner.search import plan
     from fived.planner.timing import Cluster
 
     hw = local_hardware(world)
     cluster = Cluster(hw, world, world)
-    runtime = fived_runtime(cfg.train.fp8)
+    runtime = train_runtime(cfg.train)
     search = plan(cfg.model, cluster, cfg.train.seq_len, cfg.train.global_batch, cfg.train.dtype, runtime, keep=1)
     if not search.plans:
         raise ConfigError(

@@ -88,6 +88,12 @@ def basis(
         lines.append(
             f"{'calibrated' if covered['fp8'] else 'extrapolated'}: FP8 GEMMs ({covered['fp8']} FP8 runs"
             f"{_error(kinds, 'fp8')})"
+            + (
+                "; eager (no train.compile): priced at the compute dtype's rate, and fived measured 0.49x"
+                " bf16's tokens/s there (one H200)"
+                if runtime.is_fived and not runtime.fused
+                else ""
+            )
         )
     if layout.cp > 1:
         ring = (

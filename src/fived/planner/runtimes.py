@@ -54,8 +54,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 from fived.planner.layout_cache import kept_hash, state_without_kept_hash
+
+if TYPE_CHECKING:
+    from fived.config import TrainConfig
 
 
 @dataclass(frozen=True)
@@ -121,6 +125,12 @@ def fived_runtime(fp8: str = "none", *, compiled: bool = False) -> Runtime:
     if not compiled:
         return replace(FIVED, fp8=fp8 != "none")
     return replace(FIVED, fp8=fp8 != "none", fused=True, activations="megatron")
+
+
+def train_runtime(train: TrainConfig) -> Runtime:
+    """The runtime a `fived train` run of `train` runs, to price it with: its `fp8`, and its blocks'
+    kernels fused where they compile with inductor (`aot_eager` traces and generates no code)."""
+    return fived_runtime(train.fp8, compiled=train.compile and train.compile_backend == "inductor")
 
 
 def for_layout(runtime: Runtime, layout) -> Runtime:

@@ -10,7 +10,8 @@ dimension on the link its group actually uses, the overlap the runtime allows, a
       width / (width + width_half) and for short ones by rows / (rows + rows_half): rows are a
       micro-batch's tokens, and for routed experts the tokens each expert receives (top_k/E of
       them, times ep: expert parallelism gathers an expert's tokens from ep ranks). FP8 GEMMs (a
-      runtime with FP8 on a GPU with FP8 tensor cores) take 1/fp8_speedup of the time (fitted).
+      runtime with FP8 on a GPU with FP8 tensor cores; fived's only compiled) take 1/fp8_speedup of the
+      time (fitted).
       Experts run as a loop (fived; Megatron-Core without --moe-grouped-gemm) pay a kernel launch per
       expert GEMM (the hardware's launch_s).
     attention (QK^T, AV): at the GEMM efficiency with a fused kernel, which with the causal mask computes
@@ -573,7 +574,9 @@ def _compute(
 ) -> tuple[float, float]:
     """(seconds of the rank's compute, seconds of its attention blocks) for one step."""
     peak = hw.peak_tflops * 1e12
-    fp8 = runtime.fp8 and hw.fp8_tflops > 0
+    # (fived's FP8 linears are torchao's, whose casts fuse only under compile: eager, fived's trainer measured
+    # 0.49x bf16's tokens/s on one H200, docs/gpu.md; its GEMMs then priced at the compute dtype's rate, a bound)
+    fp8 = runtime.fp8 and hw.fp8_tflops > 0 and (runtime.fused or not runtime.is_fived)
     tokens_mb = L.micro_batch * seq_len / L.cp
     dense_eff = efficiency(m.dim / L.tp, tokens_mb, hw, c, m.dim)
     routed = expert_share(m, seq_len, per_token=per_token)

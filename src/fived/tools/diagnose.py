@@ -355,7 +355,7 @@ def suggestions(cfg, world: int, run: dict, run_dir: str, limit: int = 3) -> lis
     the layout's flags)."""
     from fived.layout.layout import Layout
     from fived.planner.hardware import Hardware
-    from fived.planner.runtimes import fived_runtime
+    from fived.planner.runtimes import train_runtime
     from fived.planner.search import plan
     from fived.planner.timing import Cluster
 
@@ -368,7 +368,7 @@ def suggestions(cfg, world: int, run: dict, run_dir: str, limit: int = 3) -> lis
     here = sum(predicted.values())
     out = []
     for candidate in plan(
-        cfg.model, cluster, cfg.train.seq_len, cfg.train.global_batch, cfg.train.dtype, fived_runtime(cfg.train.fp8)
+        cfg.model, cluster, cfg.train.seq_len, cfg.train.global_batch, cfg.train.dtype, train_runtime(cfg.train)
     ).plans:
         if candidate.layout == current or not candidate.layout.runnable:
             continue

@@ -171,7 +171,7 @@ def distinct(plans: list) -> list:
 def tune(cfg: Config, world: int, *, minutes: float, top: int, hardware=None, out=sys.stdout) -> dict:
     """Search, measure, refit (see the module docstring); prints as it goes and returns the summary."""
     from fived.planner.hardware import local_hardware
-    from fived.planner.runtimes import fived_runtime
+    from fived.planner.runtimes import train_runtime
     from fived.planner.search import plan
     from fived.planner.timing import Cluster
 
@@ -181,7 +181,7 @@ def tune(cfg: Config, world: int, *, minutes: float, top: int, hardware=None, ou
     # every fitting layout priced (no `keep`): the refit re-ranks them all, not what a pruned search kept
     cluster = Cluster(hw, world, world)
     search = plan(
-        cfg.model, cluster, cfg.train.seq_len, cfg.train.global_batch, cfg.train.dtype, fived_runtime(cfg.train.fp8)
+        cfg.model, cluster, cfg.train.seq_len, cfg.train.global_batch, cfg.train.dtype, train_runtime(cfg.train)
     )
     ranked = [p for p in search.plans if p.fits]
     trials = [Trial(p.layout, planned_components(p.time)) for p in distinct(ranked)[:top]]

@@ -74,7 +74,7 @@ def predicted(cfg: Config, world: int, hardware=None) -> tuple[dict[str, float],
     from fived.config import ConfigError
     from fived.layout.layout import Layout
     from fived.planner.hardware import local_hardware
-    from fived.planner.runtimes import fived_runtime
+    from fived.planner.runtimes import train_runtime
     from fived.planner.timing import Cluster, step_time
 
     try:
@@ -90,7 +90,7 @@ def predicted(cfg: Config, world: int, hardware=None) -> tuple[dict[str, float],
             cfg.train.seq_len,
             cfg.train.global_batch,
             cfg.train.dtype,
-            fived_runtime(cfg.train.fp8),
+            train_runtime(cfg.train),
         )
     except Exception as e:  # (the run's own figures are written whatever the planner makes of it)
         print(f"fived: no planner prediction for this run's step ({type(e).__name__}: {e})", file=sys.stderr)
