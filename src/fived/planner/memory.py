@@ -32,7 +32,10 @@ full gradient buffer during backward (fived allocates it per step); ZeRO-3's
 gathered weights (the root module for the whole step and two blocks: the one in use and the
 prefetched one; the whole stage under pipelines) and its unsharded gradients while micro-batches
 accumulate; DDP's gradient buckets; tensor-parallel gathered activations of one region; the loss's
-float32 logits; with checkpointing, one block's activations while backward recomputes it; Muon's
+backward on the last stage: the gradients of its log-probabilities and of its logits, [tokens, vocab]
+each in at least float32, beside the log-probabilities it saved (fived's: measured on a CPU rank,
+tests/test_memory_peak.py; one for another framework's loss, `Runtime.loss_gradients`); with checkpointing, one block's activations while backward recomputes it
+(after the loss's gradients are freed: the last stage's peak is the larger of the two); Muon's
 step (`muon_buffers`: its pieces' directions, its owned whole matrices and their
 Newton-Schulz workspace, the all-to-alls' buffers); and a fixed reserve for the CUDA context, NCCL and
 allocator fragmentation (RESERVE_GIB + RESERVE_FRACTION: assumed, not fitted — no published run reports its peak memory).
@@ -520,20 +523,21 @@ class StateMemory:
 
     def of(self, layout: Layout, global_batch: int) -> MemoryEstimate:
         """`memory_per_gpu` of `layout` (its state this one's)."""
-        in_flight, acts, every, logits, accumulates = _option_parts(
+        in_flight, acts, every, loss, accumulates = _option_parts(
             self.key, layout, self.seq_len, self.dtype, self.runtime, global_batch
         )
         # each rank's state + buffers + activations (the integers summed first, exactly): in-flight counts
         # are whole-rank micro-batches (alive stage-micro-batches / stages per rank); the busiest is the
         # first rank with the largest (one list and C's max: a 70B plan asks ~3x10^4 layouts of <= 64 ranks)
+        at_loss = max(every, loss)  # (the last stage's loss gradients are freed before a block recomputes)
         totals = [
-            total + static + every + accumulated * accumulates + logits * last + a * f
+            total + static + (at_loss if last else every) + accumulated * accumulates + a * f
             for (total, static, accumulated, last), a, f in zip(self.sums, acts, in_flight)
         ]
         pp_rank = totals.index(max(totals))
         _, static, accumulated, holds_last = self.sums[pp_rank]
         state, activations = self.states[pp_rank][0], round(acts[pp_rank] * in_flight[pp_rank])
-        buffers = static + every + accumulated * accumulates + logits * holds_last
+        buffers = static + (at_loss if holds_last else every) + accumulated * accumulates
         return MemoryEstimate(state["params"], state["grads"], state["optimizer"], activations, buffers, self.reserve)
 
 
@@ -543,7 +547,7 @@ class StateMemory:
 def _option_parts(key, L: Layout, seq_len: int, dtype: str, runtime: Runtime, global_batch: int) -> tuple:
     """What `StateMemory.of` adds to each rank's state for `L`'s activation option, whatever its state:
     (in-flight micro-batches per rank, one micro-batch's activation bytes per rank, the buffers every
-    rank has, the last stage's logits, whether gradients accumulate), keyed on the fields they read
+    rank has, the last stage's loss gradients, whether gradients accumulate), keyed on the fields they read
     (one look-up a layout: ~3x10^4 a 70B plan, for ~7x10^3 options)."""
     micro = L.microbatches(global_batch)
     in_flight = pipeline_profile(L.pp_schedule, L.pp, L.pp_virtual, micro)[1] if L.pp > 1 else [1]
@@ -554,9 +558,10 @@ def _option_parts(key, L: Layout, seq_len: int, dtype: str, runtime: Runtime, gl
     recompute = _layout_recompute(key, L, seq_len, dtype, runtime) if L.checkpointing != "none" else 0
     m = model_of(key)
     micro_buffers = 2 * tokens * m.dim * e if L.tp > 1 else 0  # one region's gathered input, partial output
-    logits = tokens * local_vocab(m, L.tp) * 4  # the loss's float32 logits of one micro-batch (last stage)
+    # the loss's backward on the last stage: its [tokens, vocab] gradients, in at least float32
+    loss = runtime.loss_gradients * tokens * local_vocab(m, L.tp) * max(e, 4)
     accumulates = micro > 1 or L.pp > 1  # FSDP2 accumulates unsharded gradients across micro-batches
-    return in_flight, acts, recompute + micro_buffers, logits, accumulates
+    return in_flight, acts, recompute + micro_buffers, loss, accumulates
 
 
 @layout_memo(maxsize=65536)

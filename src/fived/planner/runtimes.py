@@ -104,6 +104,10 @@ class Runtime:
     # reduces them per MoE layer during the last backward with parallel.overlap_grad_reduce
     # (fived.parallel.expert_grads), else in one call after it (`for_layout` sets it from the switch)
     expert_grad_overlap: bool = True
+    # [tokens, vocab] float32 gradients alive at once in the loss's backward, beside what it saved: fived's
+    # (torch's cross_entropy) the log-probabilities' and the logits' (tests/test_memory_peak.py); another
+    # framework's fused or vocab-parallel loss is assumed to hold one, as the planner always had
+    loss_gradients: int = 1
 
     @property
     def is_fived(self) -> bool:
@@ -113,7 +117,7 @@ class Runtime:
     __getstate__ = state_without_kept_hash
 
 
-FIVED = Runtime(flash_ring=True, expert_grad_overlap=False)
+FIVED = Runtime(flash_ring=True, expert_grad_overlap=False, loss_gradients=2)
 
 
 def fived_runtime(fp8: str = "none", *, compiled: bool = False) -> Runtime:

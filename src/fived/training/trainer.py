@@ -259,6 +259,7 @@ class Trainer:
             with self.timer.span("forward", micro=i), self._autocast(), self.plan.forward_context(self.activations):
                 logits = self.model(micro, **micro_extra)
                 loss = self.source_losses.loss_sum(self.plan, logits, micro_targets)
+                del logits  # (autograd keeps the log-probabilities, not these: their [tokens, vocab] freed now)
                 self.activations.leave()
             if self.activations.recording:
                 self.activations.stop()
