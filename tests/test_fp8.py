@@ -223,8 +223,8 @@ def test_the_planner_prices_fp8_gemms_at_their_rate_only_where_their_casts_fuse(
 
 def test_a_run_is_priced_with_the_runtime_its_train_section_runs():
     """`train_runtime`: FP8 from train.fp8, fused kernels where the blocks compile with inductor
-    (aot_eager generates no code); `fived train`'s planned breakdown reads it (a compiled run was priced
-    eager)."""
+    (aot_eager generates no code), grouped experts on a GPU in bf16; `fived train`'s planned breakdown
+    reads it (a compiled run was priced eager)."""
     from fived.config import build_config
     from fived.layout.layout import Layout
     from fived.planner.hardware import local_hardware
@@ -235,10 +235,15 @@ def test_a_run_is_priced_with_the_runtime_its_train_section_runs():
     def train(**fields):
         return build_config(overrides={f"train.{k}": v for k, v in fields.items()}).train
 
-    assert train_runtime(train()) == fived_runtime()
-    assert train_runtime(train(compile=True)) == fived_runtime(compiled=True)
-    assert train_runtime(train(compile=True, compile_backend="aot_eager")) == fived_runtime()
-    assert train_runtime(train(fp8="rowwise", compile=True)) == fived_runtime("rowwise", compiled=True)
+    assert train_runtime(train(), gpu=False) == fived_runtime()
+    assert train_runtime(train(compile=True), gpu=False) == fived_runtime(compiled=True)
+    assert train_runtime(train(compile=True, compile_backend="aot_eager"), gpu=False) == fived_runtime()
+    fp8 = train_runtime(train(fp8="rowwise", compile=True), gpu=False)
+    assert fp8 == fived_runtime("rowwise", compiled=True)
+    # (a rank's experts: one grouped GEMM on a GPU in bf16, a loop otherwise)
+    assert train_runtime(train(dtype="bfloat16"), gpu=True).grouped_experts
+    assert not train_runtime(train(dtype="bfloat16"), gpu=False).grouped_experts
+    assert not train_runtime(train(dtype="float32"), gpu=True).grouped_experts
     cfg = build_config(overrides={"model.name": "tiny", "train.compile": True})
     hw = local_hardware(1)
     t = step_time(

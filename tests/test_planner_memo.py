@@ -86,7 +86,8 @@ def test_state_layout_drops_only_what_the_state_and_its_buffers_do_not_read(zero
 @pytest.mark.parametrize("zero", [1, 2, 3])
 def test_memory_per_gpu_memos_key_on_every_field_they_read(zero):
     """`memory_per_gpu`'s memos keyed on a layout's values in short (its state's: `_state_ranks`; its
-    activations': `_layout_activations`, `_layout_recompute`) answer what their functions compute on the
+    activations': `_layout_activations`, `_layout_recompute`; an option's: `_option_parts`, at two global
+    batches) answer what their functions compute on the
     state and activation layouts, uncached, for every field changed in turn after the base warmed them."""
     model, seq_len = model_preset("mixtral-8x7b"), 4096
     key = model_key(model)
@@ -105,6 +106,9 @@ def test_memory_per_gpu_memos_key_on_every_field_they_read(zero):
             assert memory._layout_activations(key, layout, seq_len, "bfloat16", FIVED) == want_acts, name
             want_block = memory._recompute_block.__wrapped__(key, acts, seq_len, "bfloat16", FIVED)
             assert memory._layout_recompute(key, layout, seq_len, "bfloat16", FIVED) == want_block, name
+            for global_batch in (64, 128):
+                args = (key, layout, seq_len, "bfloat16", FIVED, global_batch)
+                assert memory._option_parts(*args) == memory._option_parts.__wrapped__(*args), name
 
 
 def test_layout_memo_keys_on_the_values_and_keeps_the_latest():

@@ -179,7 +179,7 @@ def auto_layout(cfg, world: int) -> None:
 
     hw = local_hardware(world)
     cluster = Cluster(hw, world, world)
-    runtime = train_runtime(cfg.train)
+    runtime = train_runtime(cfg.train, gpu=hw.calibration != "cpu")
     search = plan(cfg.model, cluster, cfg.train.seq_len, cfg.train.global_batch, cfg.train.dtype, runtime, keep=1)
     if not search.plans:
         raise ConfigError(
@@ -284,11 +284,12 @@ def eager_fp8_warning(train) -> str | None:
     """FP8 linears on a GPU without compiled blocks: torchao's float8 casts and scales then run as
     separate kernels, slower than the FP8 GEMMs save (on CPU FP8 is emulated: no speed is promised)."""
     from fived.parallel.process_group import device_type
+    from fived.planner.runtimes import compiles_fused
 
-    if train.fp8 == "none" or train.compile or device_type(train.device) != "cuda":
+    if train.fp8 == "none" or compiles_fused(train) or device_type(train.device) != "cuda":
         return None
     return (
-        f"fived: warning: train.fp8={train.fp8} without train.compile: torchao's float8 casts run unfused, "
+        f"fived: warning: train.fp8={train.fp8} without train.compile (inductor): torchao's float8 casts run unfused, "
         "and such a run trained at 0.49x bf16's tokens/s on an H200 (docs/gpu.md); e.g. --train.compile true"
     )
 

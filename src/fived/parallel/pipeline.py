@@ -176,8 +176,12 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         first = 0 in self.stage_ids
         self.timeline.actions.clear()  # keep the last step's actions only
-        self.schedule.step(
-            inputs if first else None, target=targets if self.has_last_stage else None, losses=losses, **(extra or {})
+        self.schedule.step(  # (return_outputs: else the last stage keeps every micro-batch's logits, then merges them)
+            inputs if first else None,
+            target=targets if self.has_last_stage else None,
+            losses=losses,
+            return_outputs=False,
+            **(extra or {}),
         )
         total = torch.zeros((), dtype=torch.float64, device=inputs.device)
         for loss in losses:

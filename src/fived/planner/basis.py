@@ -84,16 +84,15 @@ def basis(
             f"({covered['moe']} MoE runs in the calibration set{_error(kinds, 'moe')})"
             + (experts if runtime.is_fived else "")
         )
-    if runtime.fp8:
+    if runtime.fp8 and runtime.is_fived and not runtime.fused:
+        lines.append(
+            "FP8 GEMMs uncompiled (no train.compile with inductor): priced at the compute dtype's rate, and"
+            " fived measured 0.49x bf16's tokens/s there (torchao's casts unfused; one H200)"
+        )
+    elif runtime.fp8:
         lines.append(
             f"{'calibrated' if covered['fp8'] else 'extrapolated'}: FP8 GEMMs ({covered['fp8']} FP8 runs"
             f"{_error(kinds, 'fp8')})"
-            + (
-                "; eager (no train.compile): priced at the compute dtype's rate, and fived measured 0.49x"
-                " bf16's tokens/s there (one H200)"
-                if runtime.is_fived and not runtime.fused
-                else ""
-            )
         )
     if layout.cp > 1:
         ring = (

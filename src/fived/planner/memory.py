@@ -523,13 +523,12 @@ class StateMemory:
 
     def of(self, layout: Layout, global_batch: int) -> MemoryEstimate:
         """`memory_per_gpu` of `layout` (its state this one's)."""
-        in_flight, acts, every, loss, accumulates = _option_parts(
+        in_flight, acts, every, at_loss, accumulates = _option_parts(
             self.key, layout, self.seq_len, self.dtype, self.runtime, global_batch
         )
         # each rank's state + buffers + activations (the integers summed first, exactly): in-flight counts
         # are whole-rank micro-batches (alive stage-micro-batches / stages per rank); the busiest is the
         # first rank with the largest (one list and C's max: a 70B plan asks ~3x10^4 layouts of <= 64 ranks)
-        at_loss = max(every, loss)  # (the last stage's loss gradients are freed before a block recomputes)
         totals = [
             total + static + (at_loss if last else every) + accumulated * accumulates + a * f
             for (total, static, accumulated, last), a, f in zip(self.sums, acts, in_flight)
@@ -547,7 +546,7 @@ class StateMemory:
 def _option_parts(key, L: Layout, seq_len: int, dtype: str, runtime: Runtime, global_batch: int) -> tuple:
     """What `StateMemory.of` adds to each rank's state for `L`'s activation option, whatever its state:
     (in-flight micro-batches per rank, one micro-batch's activation bytes per rank, the buffers every
-    rank has, the last stage's loss gradients, whether gradients accumulate), keyed on the fields they read
+    rank has, what the last stage has instead (its loss's gradients or them), whether gradients accumulate), keyed on the fields they read
     (one look-up a layout: ~3x10^4 a 70B plan, for ~7x10^3 options)."""
     micro = L.microbatches(global_batch)
     in_flight = pipeline_profile(L.pp_schedule, L.pp, L.pp_virtual, micro)[1] if L.pp > 1 else [1]
@@ -558,10 +557,13 @@ def _option_parts(key, L: Layout, seq_len: int, dtype: str, runtime: Runtime, gl
     recompute = _layout_recompute(key, L, seq_len, dtype, runtime) if L.checkpointing != "none" else 0
     m = model_of(key)
     micro_buffers = 2 * tokens * m.dim * e if L.tp > 1 else 0  # one region's gathered input, partial output
-    # the loss's backward on the last stage: its [tokens, vocab] gradients, in at least float32
+    # the loss's backward on the last stage: its [tokens, vocab] gradients, in at least float32 (freed
+    # before backward recomputes a block: the last stage holds the larger of the two)
     loss = runtime.loss_gradients * tokens * local_vocab(m, L.tp) * max(e, 4)
+    if L.pp > 1:  # torch's PipelineStage keeps each micro-batch's output, the logits, until its backward
+        loss += tokens * local_vocab(m, L.tp) * e
     accumulates = micro > 1 or L.pp > 1  # FSDP2 accumulates unsharded gradients across micro-batches
-    return in_flight, acts, recompute + micro_buffers, loss, accumulates
+    return in_flight, acts, recompute + micro_buffers, max(recompute, loss) + micro_buffers, accumulates
 
 
 @layout_memo(maxsize=65536)

@@ -105,8 +105,9 @@ class Runtime:
     # (fived.parallel.expert_grads), else in one call after it (`for_layout` sets it from the switch)
     expert_grad_overlap: bool = True
     # [tokens, vocab] float32 gradients alive at once in the loss's backward, beside what it saved: fived's
-    # (torch's cross_entropy) the log-probabilities' and the logits' (tests/test_memory_peak.py); another
-    # framework's fused or vocab-parallel loss is assumed to hold one, as the planner always had
+    # (torch's cross_entropy) the log-probabilities' and the logits' (tests/test_memory_peak.py; without tp:
+    # fived's vocab-parallel loss under tp is priced alike, unmeasured); another framework's fused or
+    # vocab-parallel loss is assumed to hold one, as the planner always had
     loss_gradients: int = 1
 
     @property
@@ -121,20 +122,29 @@ FIVED = Runtime(flash_ring=True, expert_grad_overlap=False, loss_gradients=2)
 
 
 def fived_runtime(fp8: str = "none", *, compiled: bool = False) -> Runtime:
-    """fived's runtime for a run's `train.fp8` and `train.compile`: FP8 GEMMs priced at the FP8 peak
-    unless fp8 is "none" (torchao's float8 linears; weights still gathered and reduced in the compute
-    dtype); compiled blocks price their element-wise work as fused kernels, and their saved activations
-    by Korthikanti et al.'s count, which bounds what a compiled block keeps (inductor's partitioner
-    recomputes the element-wise ops in backward; measured in tests/test_activations.py)."""
+    """fived's runtime for a run's `train.fp8` and `train.compile`: FP8 GEMMs (torchao's float8 linears;
+    weights still gathered and reduced in the compute dtype) priced at the FP8 rate where compiled, at
+    the compute dtype's uncompiled (`timing._compute`); compiled blocks price their element-wise work as
+    fused kernels, and their saved activations by Korthikanti et al.'s count, which bounds what a
+    compiled block keeps (inductor's partitioner recomputes the element-wise ops in backward; measured
+    in tests/test_activations.py)."""
     if not compiled:
         return replace(FIVED, fp8=fp8 != "none")
     return replace(FIVED, fp8=fp8 != "none", fused=True, activations="megatron")
 
 
-def train_runtime(train: TrainConfig) -> Runtime:
-    """The runtime a `fived train` run of `train` runs, to price it with: its `fp8`, and its blocks'
-    kernels fused where they compile with inductor (`aot_eager` traces and generates no code)."""
-    return fived_runtime(train.fp8, compiled=train.compile and train.compile_backend == "inductor")
+def compiles_fused(train: TrainConfig) -> bool:
+    """Whether a run's blocks compile to fused kernels: `train.compile` with inductor (`aot_eager`
+    traces and generates no code: its kernels, and torchao's float8 casts, run as eager ones)."""
+    return train.compile and train.compile_backend == "inductor"
+
+
+def train_runtime(train: TrainConfig, *, gpu: bool) -> Runtime:
+    """The runtime a `fived train` run of `train` runs, to price it with: its `fp8`, its blocks' kernels
+    fused where they compile (`compiles_fused`), and on a GPU in bf16 a rank's experts in one grouped
+    GEMM (`fived.model.grouped_gemm.uses_grouped_mm`; a CPU rank loops over them)."""
+    runtime = fived_runtime(train.fp8, compiled=compiles_fused(train))
+    return replace(runtime, grouped_experts=gpu and train.dtype == "bfloat16")
 
 
 def for_layout(runtime: Runtime, layout) -> Runtime:

@@ -368,7 +368,12 @@ def suggestions(cfg, world: int, run: dict, run_dir: str, limit: int = 3) -> lis
     here = sum(predicted.values())
     out = []
     for candidate in plan(
-        cfg.model, cluster, cfg.train.seq_len, cfg.train.global_batch, cfg.train.dtype, train_runtime(cfg.train)
+        cfg.model,
+        cluster,
+        cfg.train.seq_len,
+        cfg.train.global_batch,
+        cfg.train.dtype,
+        train_runtime(cfg.train, gpu=cluster.hardware.calibration != "cpu"),
     ).plans:
         if candidate.layout == current or not candidate.layout.runnable:
             continue

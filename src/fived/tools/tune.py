@@ -181,7 +181,12 @@ def tune(cfg: Config, world: int, *, minutes: float, top: int, hardware=None, ou
     # every fitting layout priced (no `keep`): the refit re-ranks them all, not what a pruned search kept
     cluster = Cluster(hw, world, world)
     search = plan(
-        cfg.model, cluster, cfg.train.seq_len, cfg.train.global_batch, cfg.train.dtype, train_runtime(cfg.train)
+        cfg.model,
+        cluster,
+        cfg.train.seq_len,
+        cfg.train.global_batch,
+        cfg.train.dtype,
+        train_runtime(cfg.train, gpu=hw.calibration != "cpu"),
     )
     ranked = [p for p in search.plans if p.fits]
     trials = [Trial(p.layout, planned_components(p.time)) for p in distinct(ranked)[:top]]

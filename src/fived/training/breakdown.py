@@ -90,7 +90,7 @@ def predicted(cfg: Config, world: int, hardware=None) -> tuple[dict[str, float],
             cfg.train.seq_len,
             cfg.train.global_batch,
             cfg.train.dtype,
-            train_runtime(cfg.train),
+            train_runtime(cfg.train, gpu=hw.calibration != "cpu"),
         )
     except Exception as e:  # (the run's own figures are written whatever the planner makes of it)
         print(f"fived: no planner prediction for this run's step ({type(e).__name__}: {e})", file=sys.stderr)
