@@ -7,14 +7,16 @@ micro-batch's backward (before 2026-12-01 the planner counted one gradient, and 
 the logits through backward, as torch's schedule kept every micro-batch's output for the step).
 Without tp: fived's vocab-parallel loss is priced alike, unmeasured."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from fived.config import build_config
-from fived.launch.ranks import run_ranks
 from fived.layout.layout import Layout
 from fived.planner.memory import memory_per_gpu
 from fived.planner.runtimes import train_runtime
-from fived.training.trainer import run_training
 
 SHORT, LONG = 256, 2048
 
@@ -40,12 +42,27 @@ def _config(seq_len: int, checkpointing: str, dtype: str, pp: int = 1):
     )
 
 
+# Each run in a fresh interpreter: a rank forked from it starts at its resident size, the same for both
+# runs of a test (forked from pytest's process, it was that process's size at the time, which moves)
+_RUN = """
+import sys
+from fived.launch.ranks import run_ranks
+from fived.training.trainer import run_training
+sys.path.insert(0, sys.argv[1])
+from test_memory_peak import _config
+cfg = _config(int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5]))
+ranks = run_ranks(cfg.parallel.pp, run_training, cfg, False, False, False, device="cpu", deadline_s=300)
+print(max(r["peak_mem_mb"] for rank in ranks for r in rank.metrics) / 1024)
+"""
+
+
 def _measured_gib(cfg) -> float:
-    """The busiest rank's peak resident set (a rank forked from this process starts at its size: the
-    same for both runs of a test, which only subtracts them)."""
-    pp = cfg.parallel.pp
-    ranks = run_ranks(pp, run_training, cfg, False, False, False, device="cpu", deadline_s=300)
-    return max(r["peak_mem_mb"] for rank in ranks for r in rank.metrics) / 1024
+    """The busiest rank's peak resident set."""
+    t = cfg.train
+    args = [str(Path(__file__).parent), str(t.seq_len), t.activation_checkpointing, t.dtype, str(cfg.parallel.pp)]
+    done = subprocess.run([sys.executable, "-c", _RUN, *args], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return float(done.stdout.split()[-1])
 
 
 def _planned_gib(cfg) -> float:
