@@ -557,13 +557,24 @@ def _option_parts(key, L: Layout, seq_len: int, dtype: str, runtime: Runtime, gl
     recompute = _layout_recompute(key, L, seq_len, dtype, runtime) if L.checkpointing != "none" else 0
     m = model_of(key)
     micro_buffers = 2 * tokens * m.dim * e if L.tp > 1 else 0  # one region's gathered input, partial output
-    # the loss's backward on the last stage: its [tokens, vocab] gradients, in at least float32 (freed
-    # before backward recomputes a block: the last stage holds the larger of the two)
-    loss = runtime.loss_gradients * tokens * local_vocab(m, L.tp) * max(e, 4)
-    if L.pp > 1:  # torch's PipelineStage keeps each micro-batch's output, the logits, until its backward
-        loss += tokens * local_vocab(m, L.tp) * e
+    # the loss's backward on the last stage (freed before backward recomputes a block: the last stage
+    # holds the larger of the two), and the logits a pipeline's stage keeps until that backward
+    words = tokens * local_vocab(m, L.tp)
+    loss = words * _loss_backward_bytes(runtime, L.tp, e) + (words * e if L.pp > 1 else 0)
     accumulates = micro > 1 or L.pp > 1  # FSDP2 accumulates unsharded gradients across micro-batches
     return in_flight, acts, recompute + micro_buffers, max(recompute, loss) + micro_buffers, accumulates
+
+
+def _loss_backward_bytes(runtime: Runtime, tp: int, e: int) -> int:
+    """Bytes per token and (local) vocabulary word the loss's backward holds beside what the loss saved
+    (tests/test_memory_peak.py measures fived's): torch's cross-entropy (fived without tp) its
+    `runtime.loss_gradients` float32 gradients (the log-probabilities' and the logits'); fived's
+    vocab-parallel loss (tp > 1) one float32 gradient at a time, and its cast to a narrower compute
+    dtype (the logits'); another framework's loss `loss_gradients` (one: assumed, as before)."""
+    f32 = max(e, 4)
+    if runtime.is_fived and tp > 1:
+        return f32 + (e if e < f32 else 0)
+    return runtime.loss_gradients * f32
 
 
 @layout_memo(maxsize=65536)

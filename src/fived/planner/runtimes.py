@@ -105,9 +105,8 @@ class Runtime:
     # (fived.parallel.expert_grads), else in one call after it (`for_layout` sets it from the switch)
     expert_grad_overlap: bool = True
     # [tokens, vocab] float32 gradients alive at once in the loss's backward, beside what it saved: fived's
-    # (torch's cross_entropy) the log-probabilities' and the logits' (tests/test_memory_peak.py; without tp:
-    # fived's vocab-parallel loss under tp is priced alike, which measured on tp 2 over-counts what 2,048
-    # tokens add by 11% in bf16 and 39-52% in float32, docs/planner.md); another framework's fused or
+    # (torch's cross_entropy) the log-probabilities' and the logits' (tests/test_memory_peak.py; fived's
+    # vocab-parallel loss under tp: `memory._loss_backward_bytes`); another framework's fused or
     # vocab-parallel loss is assumed to hold one, as the planner always had
     loss_gradients: int = 1
 
