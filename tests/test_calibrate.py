@@ -436,3 +436,20 @@ def test_on_cpu_ranks_no_collective_hides_under_compute(profile):
             layout, runtime = twin
             whole = getattr(step_time(cfg.model, layout, Cluster(cpu, 4, 4), 64, 8, "float32", runtime), part)
             assert priced["cpu"] == pytest.approx(whole, rel=1e-12), (name, part)
+
+
+def test_a_cpu_run_on_a_gpu_host_is_priced_as_its_cpu_ranks(monkeypatch):
+    """`local_hardware(world, train.device)`: a run's own device decides, and a CPU run asks nothing of
+    CUDA (its forked ranks must not); `auto` follows what the host has."""
+    import torch
+
+    from fived.planner.hardware import local_hardware
+
+    def no_cuda_here(*_):
+        raise AssertionError("a CPU run asked CUDA")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", no_cuda_here)
+    assert local_hardware(4, "cpu").name == "cpu"
+    with pytest.raises(AssertionError, match="asked CUDA"):
+        local_hardware(4, "auto")

@@ -177,7 +177,7 @@ def auto_layout(cfg, world: int) -> None:
     from fived.planner.search import plan
     from fived.planner.timing import Cluster
 
-    hw = local_hardware(world)
+    hw = local_hardware(world, cfg.train.device)
     cluster = Cluster(hw, world, world)
     runtime = train_runtime(cfg.train, gpu=hw.calibration != "cpu")
     search = plan(cfg.model, cluster, cfg.train.seq_len, cfg.train.global_batch, cfg.train.dtype, runtime, keep=1)

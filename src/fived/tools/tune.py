@@ -177,7 +177,7 @@ def tune(cfg: Config, world: int, *, minutes: float, top: int, hardware=None, ou
 
     started = time.monotonic()
     budget = minutes * 60
-    hw = hardware or local_hardware(world)
+    hw = hardware or local_hardware(world, cfg.train.device)
     # every fitting layout priced (no `keep`): the refit re-ranks them all, not what a pruned search kept
     cluster = Cluster(hw, world, world)
     search = plan(

@@ -78,7 +78,7 @@ def predicted(cfg: Config, world: int, hardware=None) -> tuple[dict[str, float],
     from fived.planner.timing import Cluster, step_time
 
     try:
-        hw = hardware or local_hardware(world)
+        hw = hardware or local_hardware(world, cfg.train.device)
     except ConfigError:
         return None
     layout = Layout.from_config(cfg, world)
