@@ -439,8 +439,8 @@ def test_on_cpu_ranks_no_collective_hides_under_compute(profile):
 
 
 def test_a_cpu_run_on_a_gpu_host_is_priced_as_its_cpu_ranks(monkeypatch):
-    """`local_hardware(world, train.device)`: a run's own device decides, and a CPU run asks nothing of
-    CUDA (its forked ranks must not); `auto` follows what the host has."""
+    """`local_hardware(world, cuda=...)`: a run's own device decides, and a CPU run asks nothing of CUDA
+    (its forked ranks must not); unsaid, what the host has."""
     import torch
 
     from fived.planner.hardware import local_hardware
@@ -450,6 +450,6 @@ def test_a_cpu_run_on_a_gpu_host_is_priced_as_its_cpu_ranks(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", no_cuda_here)
-    assert local_hardware(4, "cpu").name == "cpu"
+    assert local_hardware(4, cuda=False).name == "cpu"
     with pytest.raises(AssertionError, match="asked CUDA"):
-        local_hardware(4, "auto")
+        local_hardware(4)

@@ -171,13 +171,14 @@ def world_size(cfg, nproc: int | None, default: int) -> int:
 def auto_layout(cfg, world: int) -> None:
     """`--layout auto`: the planner's best layout for `world` ranks of the local device, applied to cfg."""
     from fived.config import set_field
+    from fived.parallel.process_group import device_type
     from fived.planner.basis import basis
     from fived.planner.hardware import local_hardware
     from fived.planner.runtimes import train_runtime
     from fived.planner.search import plan
     from fived.planner.timing import Cluster
 
-    hw = local_hardware(world, cfg.train.device)
+    hw = local_hardware(world, cuda=device_type(cfg.train.device) == "cuda")
     cluster = Cluster(hw, world, world)
     runtime = train_runtime(cfg.train, gpu=hw.calibration != "cpu")
     search = plan(cfg.model, cluster, cfg.train.seq_len, cfg.train.global_batch, cfg.train.dtype, runtime, keep=1)

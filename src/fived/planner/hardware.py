@@ -171,18 +171,17 @@ CPU = Hardware(
 )
 
 
-def local_hardware(world: int, device: str = "auto") -> Hardware:
-    """The device the ranks at hand run on (`device`: a run's `train.device`): the catalogue entry of the
-    local GPU, or for CPU ranks a description of this host (measured matmul rate of one thread; memory
-    shared by the ranks; gloo moves tensors through shared memory and loopback sockets — a few GB/s,
-    not fitted). A CPU run on a GPU host is its CPU ranks, and asks nothing of CUDA (a forked rank must not)."""
+def local_hardware(world: int, *, cuda: bool | None = None) -> Hardware:
+    """The device the ranks at hand run on (`cuda`: whether a run's ranks use CUDA, its `train.device`
+    resolved; None: whether the host has it): the catalogue entry of the local GPU, or for CPU ranks a
+    description of this host (measured matmul rate of one thread; memory shared by the ranks; gloo
+    moves tensors through shared memory and loopback sockets — a few GB/s, not fitted). A CPU run on a
+    GPU host is its CPU ranks, and asks nothing of CUDA (a forked rank must not)."""
     import os
 
     import torch
 
-    from fived.parallel.process_group import device_type
-
-    if device_type(device) == "cuda":
+    if torch.cuda.is_available() if cuda is None else cuda:
         name = torch.cuda.get_device_name().upper()
         for key, hw in CATALOGUE.items():
             if key.upper() in name:  # the catalogue's rates, this board's memory (A100 40GB, H100 NVL...)

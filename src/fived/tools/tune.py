@@ -170,6 +170,7 @@ def distinct(plans: list) -> list:
 
 def tune(cfg: Config, world: int, *, minutes: float, top: int, hardware=None, out=sys.stdout) -> dict:
     """Search, measure, refit (see the module docstring); prints as it goes and returns the summary."""
+    from fived.parallel.process_group import device_type
     from fived.planner.hardware import local_hardware
     from fived.planner.runtimes import train_runtime
     from fived.planner.search import plan
@@ -177,7 +178,7 @@ def tune(cfg: Config, world: int, *, minutes: float, top: int, hardware=None, ou
 
     started = time.monotonic()
     budget = minutes * 60
-    hw = hardware or local_hardware(world, cfg.train.device)
+    hw = hardware or local_hardware(world, cuda=device_type(cfg.train.device) == "cuda")
     # every fitting layout priced (no `keep`): the refit re-ranks them all, not what a pruned search kept
     cluster = Cluster(hw, world, world)
     search = plan(

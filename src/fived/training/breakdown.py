@@ -73,12 +73,13 @@ def predicted(cfg: Config, world: int, hardware=None) -> tuple[dict[str, float],
 
     from fived.config import ConfigError
     from fived.layout.layout import Layout
+    from fived.parallel.process_group import device_type
     from fived.planner.hardware import local_hardware
     from fived.planner.runtimes import train_runtime
     from fived.planner.timing import Cluster, step_time
 
     try:
-        hw = hardware or local_hardware(world, cfg.train.device)
+        hw = hardware or local_hardware(world, cuda=device_type(cfg.train.device) == "cuda")
     except ConfigError:
         return None
     layout = Layout.from_config(cfg, world)
