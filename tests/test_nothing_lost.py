@@ -369,3 +369,17 @@ def test_hostile_values_and_paths_are_one_line_before_any_rank(tmp_path, capsys)
     (run / "metrics.jsonl").mkdir()  # (a rank's IsADirectoryError traceback on --resume)
     with pytest.raises(files.Refused, match="metrics.jsonl: is a directory where fived keeps one of its files"):
         files.check_run_dir(run)
+
+
+def _unpicklable_result():
+    return lambda: None  # (a rank's result the launcher cannot be sent)
+
+
+def test_a_rank_whose_report_cannot_be_written_whole_leaves_none():
+    """A rank's report is written whole or not at all (`ranks._rank_main`: a temporary name, then
+    replaced): its writing failing part-way, or a second SIGTERM killing it there, left a torn file
+    whose reading was a traceback ("EOFError: Ran out of input"); now the rank is reported as failed."""
+    from fived.launch.ranks import RankFailed, run_ranks
+
+    with pytest.raises(RankFailed, match="rank 0 exited with code 2, without a report"):
+        run_ranks(1, _unpicklable_result)

@@ -108,9 +108,11 @@ def _rank_main(
         summary = e.summary() if hasattr(e, "summary") else refused_write_summary(e)
         result = ("error", f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}", time.time(), summary)
         code = 1
-    try:
-        with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+    try:  # (whole or absent: a rank killed while writing, e.g. a second SIGTERM, leaves no half of it)
+        path = os.path.join(out_dir, f"rank{rank}.pkl")
+        with open(f"{path}.part", "wb") as f:
             pickle.dump(result, f)
+        os.replace(f"{path}.part", path)
     except Exception:
         code = 2
     # Ending with destroy + os._exit avoids the random aborts at interpreter exit seen with gloo.
@@ -155,13 +157,19 @@ class _Ranks:
         failed_at = None
         while any(p.is_alive() for p in self.procs):
             now = time.monotonic()
-            for r, p in enumerate(self.procs):
-                if p.exitcode not in (None, 0) and r not in self.died:
-                    self.died[r] = time.time()
-                    failed_at = failed_at or now
+            if self._note_dead():
+                failed_at = failed_at or now
             if (failed_at is not None and now - failed_at > FAILURE_REPORT_S) or now > min(deadline, self.stop_by):
                 break
             time.sleep(0.02)
+        self._note_dead()  # (the last ranks may have ended between two looks: before anyone killed them)
+
+    def _note_dead(self) -> bool:
+        """Note the ranks that ended with an error since the last look; whether there were any."""
+        new = [r for r, p in enumerate(self.procs) if p.exitcode not in (None, 0) and r not in self.died]
+        for r in new:
+            self.died[r] = time.time()
+        return bool(new)
 
     def kill_all(self) -> None:
         for p in self.procs:
