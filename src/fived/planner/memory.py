@@ -419,20 +419,9 @@ def _layout_recompute(key, L: Layout, seq_len: int, dtype: str, runtime: Runtime
     return _recompute_block(key, _activation_layout(L), seq_len, dtype, runtime)
 
 
-_activation_values = attrgetter(*_ACTIVATION_FIELDS)
-_ACTIVATION_LAYOUTS: dict[tuple, Layout] = {}
-
-
 def _activation_layout(layout: Layout) -> Layout:
-    """What decides the activation bytes of a chunk: the sizes, micro-batch, SP, checkpointing (one
-    `Layout` per value: a frozen dataclass's `__init__` costs more than the look-up)."""
-    values = _activation_values(layout)
-    found = _ACTIVATION_LAYOUTS.get(values)
-    if found is None:
-        if len(_ACTIVATION_LAYOUTS) >= 65536:
-            _ACTIVATION_LAYOUTS.clear()
-        found = _ACTIVATION_LAYOUTS[values] = Layout(**dict(zip(_ACTIVATION_FIELDS, values)))
-    return found
+    """What decides the activation bytes of a chunk: the sizes, micro-batch, SP, checkpointing."""
+    return Layout(**{name: getattr(layout, name) for name in _ACTIVATION_FIELDS})
 
 
 def _activations(
