@@ -92,6 +92,28 @@ def test_every_pipeline_schedule_evaluates_forward_only(schedule, runs, tokens):
         assert abs(value - reference[step]) <= EXACT * reference[step], (step, value, reference[step])
 
 
+def _outputs_kept_after(cfg) -> list[int]:
+    """On each pipeline rank, after a training step and an evaluation: how many micro-batch outputs its
+    stages still hold (torch's schedules keep every one on the last stage unless told not to)."""
+    from fived.training.trainer import Trainer
+
+    trainer = Trainer(cfg, log=False)
+    trainer.step(0)
+    trainer.evaluate()
+    schedule = trainer.pipeline.schedule
+    stages = getattr(schedule, "_stages", None) or [schedule._stage]
+    return [len(stage.output_chunks) for stage in stages]
+
+
+def test_a_pipeline_evaluation_keeps_no_micro_batchs_logits(tokens):
+    """The last stage holds a micro-batch's logits only while its loss is taken, in evaluation as in
+    training: kept, they are every micro-batch's [tokens, vocab] at once (a 128K vocabulary: 0.5 MB a
+    token in float32)."""
+    cfg = _config(tokens, dict(parallel__pp=2, train__microbatches=4))
+    kept = run_on_ranks(2, _outputs_kept_after, cfg)
+    assert kept == [[0], [0]], kept
+
+
 def test_val_loss_is_the_mean_over_every_validation_token(runs, tokens):
     """Recomputed here from the final weights: cross-entropy summed over all the tokens of the first
     EVAL_BATCHES global batches of the validation sampler, divided by their count."""

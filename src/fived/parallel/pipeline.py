@@ -199,10 +199,11 @@ class Pipeline:
             self.schedule.pipeline_order_with_comms = {rank: forward_only(actions) for rank, actions in order.items()}
         losses: list[torch.Tensor] = []
         try:
-            self.schedule.eval(
+            self.schedule.eval(  # (return_outputs reaches step: as in training, no logits kept)
                 inputs if 0 in self.stage_ids else None,
                 target=targets if self.has_last_stage else None,
                 losses=losses,
+                return_outputs=False,
                 **(extra or {}),
             )
         finally:
