@@ -106,14 +106,20 @@ def test_bad_profile_is_one_line_naming_file_and_field(profile, tmp_path, capsys
 
 def test_a_cpu_profiles_plan_prices_and_runs_what_it_measured(profile, capsys):
     """CPU ranks measured float32 GEMMs: the plan prices float32 and its command trains in it (it
-    priced bf16 with float32's rates and printed `--train.dtype bfloat16`)."""
+    priced bf16 with float32's rates and printed `--train.dtype bfloat16`). And uncompiled blocks, as
+    `fived train` runs on CPU by default (it priced compiled ones and its command compiled them: tens of
+    seconds of inductor on CPU); a GPU's plan compiles them."""
     path, _ = profile
     flags = ["plan", "--model", "tiny", "--gpus", "2", "--seq", "64", "--global-batch-tokens", "512"]
     assert main([*flags, "--machine", str(path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["dtype"] == "float32"
     assert main([*flags, "--machine", str(path)]) == 0
-    run = next(line for line in capsys.readouterr().out.splitlines() if "run it:" in line)
-    assert "--train.dtype float32" in run, run
+    out = capsys.readouterr().out
+    run = next(line for line in out.splitlines() if "run it:" in line)
+    assert "--train.dtype float32" in run and "--train.compile" not in run, run
+    assert out.splitlines()[0].endswith("runtime fived, blocks uncompiled"), out
+    assert main([*flags, "--gpu", "h100"]) == 0
+    assert "--train.compile true" in next(line for line in capsys.readouterr().out.splitlines() if "run it:" in line)
     assert main([*flags, "--gpu", "h100", "--json"]) == 0  # (a GPU's catalogue entry: bf16 mixed precision)
     assert json.loads(capsys.readouterr().out)["dtype"] == "bfloat16"
     # measured on 2 ranks, priced for 4: the basis says so (and not where it prices what it measured)

@@ -20,7 +20,7 @@ RUNTIME_CHOICES = ("fived", "fived-fp8", "fived-eager", "megatron-core", "megatr
 def cmd_plan(ns: argparse.Namespace) -> int:
 
     from fived.planner import calibration, explain
-    from fived.planner.runtimes import PLANNED_RUNTIMES
+    from fived.planner.runtimes import planned_runtime
     from fived.planner.search import plan
 
     if ns.serve:
@@ -35,8 +35,8 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         raise ConfigError("--memory-headroom", ns.memory_headroom, "must be >= 0 (GiB left free on each GPU)", "e.g. 3")
     if ns.top < 1:
         raise ConfigError("--top", ns.top, "must be >= 1", "e.g. 5")
-    runtime = PLANNED_RUNTIMES[ns.runtime]
     model, cluster, global_batch = plan_cluster(ns, "plan")
+    runtime = planned_runtime(ns.runtime, cluster.hardware)
     if ns.memory_headroom >= cluster.hardware.memory_gib:
         raise ConfigError(
             "--memory-headroom",
@@ -105,11 +105,12 @@ def plan_cluster(ns: argparse.Namespace, command: str):
 def cmd_plan_layout(ns: argparse.Namespace) -> int:
     """`fived plan --layout FLAGS`: the planner's figures for that one layout (fitting or not)."""
 
-    from fived.planner.runtimes import PLANNED_RUNTIMES
+    from fived.planner.runtimes import planned_runtime
     from fived.planner.search import plan_of  # (layout_from_flags refused a layout that cannot run)
     from fived.tools.explore import layout_from_flags
 
     model, cluster, global_batch = plan_cluster(ns, "plan")
+    runtime = planned_runtime(ns.runtime, cluster.hardware)
     layout = layout_from_flags(model, ns.layout, cluster.gpus, ns.seq, global_batch)
     plan = plan_of(
         model,
@@ -118,10 +119,10 @@ def cmd_plan_layout(ns: argparse.Namespace) -> int:
         ns.seq,
         global_batch,
         planned_dtype(cluster.hardware),
-        PLANNED_RUNTIMES[ns.runtime],
+        runtime,
         headroom_gib=ns.memory_headroom,
     )
-    out = {**plan.to_dict(global_batch, PLANNED_RUNTIMES[ns.runtime]), "fits": plan.fits}
+    out = {**plan.to_dict(global_batch, runtime), "fits": plan.fits}
     if ns.json:
         dtype = planned_dtype(cluster.hardware)
         print(json.dumps({"model": model.name, "gpus": cluster.gpus, "dtype": dtype, "plans": [out]}, indent=1))

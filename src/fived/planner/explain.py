@@ -154,7 +154,9 @@ def report(
         f"fived plan: {model.name} ({matmul_params_per_token(model) / 1e9:.1f}B matmul params per token), "
         f"{cluster.gpus} x {hw.name} ({cluster.gpus_per_node} per node, {hw.memory_gib:.4g} GiB each), "
         f"seq {seq_len}, global batch {global_batch} sequences ({global_batch * seq_len:,} tokens), "
-        f"runtime {runtime.name}" + (" with FP8 GEMMs" if runtime.fp8 else ""),
+        f"runtime {runtime.name}"
+        + (" with FP8 GEMMs" if runtime.fp8 else "")
+        + (", blocks uncompiled" if runtime.is_fived and not runtime.fused else ""),
         f"{search.considered} valid layouts considered, {search.fitting} fit in memory"
         + (f" ({headroom_gib:g} GiB of each GPU left free)" if headroom_gib else ""),
     ]

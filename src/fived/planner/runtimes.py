@@ -251,6 +251,20 @@ PLANNED_RUNTIMES["megatron-core-fp8"] = replace(PLANNED_RUNTIMES["megatron-core"
 PLANNED_RUNTIMES["fsdp"] = replace(_FSDP, fused=True)  # torch.compile'd, as torchtitan-style runs
 PLANNED_RUNTIMES["fsdp-fp8"] = replace(_FSDP, fused=True, fp8=True, gather_bytes=1)
 
+
+def planned_runtime(name: str, hardware) -> Runtime:
+    """`PLANNED_RUNTIMES[name]` on ranks of `hardware` (a `fived.planner.hardware.Hardware`). On CPU ranks
+    (a CPU machine profile's) fived's runtimes are what `fived train` runs there by default: blocks
+    uncompiled (train.compile is off by default, and inductor spends tens of seconds compiling a CPU run's
+    blocks: 21.8 s for a 3-step tiny run) and a rank's experts in a loop; so the plan's price and its
+    `run it` command (no `--train.compile true`) agree with the run a CPU user starts."""
+    runtime = PLANNED_RUNTIMES[name]
+    on_cpu = hardware.profile is not None and not hardware.profile.on_gpu
+    if not (on_cpu and runtime.is_fived):
+        return runtime
+    return fived_runtime("rowwise" if runtime.fp8 else "none")
+
+
 # Row fields read to describe its runtime: wording -> ZeRO stage (None: not said)
 ZERO_WORDS = (
     ("zero-3", 3),

@@ -36,7 +36,7 @@ from fived.planner.communication import (
 from fived.planner.layer_map import activations, pipeline_ranks, replica_weights
 from fived.planner.layout_cache import collector_paused, layout_memo
 from fived.planner.links import in_node
-from fived.planner.runtimes import PLANNED_RUNTIMES, Runtime
+from fived.planner.runtimes import PLANNED_RUNTIMES, Runtime, planned_runtime
 from fived.planner.search import (
     MICRO_BATCH_TOKENS,
     MICRO_BATCHES,
@@ -387,13 +387,14 @@ def priced_mesh(job: tuple, mesh: tuple) -> tuple[Message, list[tuple[int, list 
     point to it: they pickle in a fraction of the time, and the parent (`EntryTables.merge`) maps each
     distinct value once per message, not once per layout."""
     model, cluster, seq_len, global_batch, dtype, headroom_gib, options = job
+    runtime = planned_runtime("fived", cluster.hardware)  # (fived plan's default, on these ranks)
     tables = MessageTables()
     out: list[tuple[int, list | int]] = []
     for position, layout in mesh_layouts(options, cluster, mesh):
         if isinstance(layout, str):
             out.append((position, tables.reasons.id(layout)))
             continue
-        entry = price(model, layout, cluster, seq_len, global_batch, dtype, headroom_gib)
+        entry = price(model, layout, cluster, seq_len, global_batch, dtype, headroom_gib, runtime)
         if "error" in entry:
             out.append((position, tables.reasons.id(entry["error"])))
             continue
@@ -433,7 +434,8 @@ def ranking(
 ) -> list[dict]:
     """`fived plan`'s best layouts (the same search, runtime and headroom), fastest first, each with
     the toggle values that show it."""
-    search = plan(model, cluster, seq_len, global_batch, dtype, DEFAULT_RUNTIME, headroom_gib, keep=RANKED)
+    runtime = planned_runtime("fived", cluster.hardware)  # (fived plan's default, on these ranks)
+    search = plan(model, cluster, seq_len, global_batch, dtype, runtime, headroom_gib, keep=RANKED)
     return [
         {
             "values": toggle_values(p.layout),
