@@ -16,7 +16,7 @@ from fived.planner.basis import basis
 from fived.planner.constants import CALIBRATION
 from fived.planner.hardware import hardware
 from fived.planner.links import collective_seconds, group_link
-from fived.planner.profile import profile_hardware, read_profile, write_profile
+from fived.planner.profile import RANKS_KEYS, profile_hardware, read_profile, write_profile
 from fived.planner.runtimes import FIVED, PLANNED_RUNTIMES
 from fived.planner.timing import Cluster, attention_seconds, step_time
 from fived.tools.calibrate import calibrate
@@ -142,11 +142,12 @@ def test_calibrate_never_writes_over_a_users_file_or_a_symlink(tmp_path, capsys)
 
 
 def _one_gpu(doc: dict, device: str = "NVIDIA H200", **fitted) -> dict:
-    """`doc` as one GPU's calibration would write it: one rank, no collectives, kernels timed queued."""
+    """`doc` as one GPU's calibration would write it: one rank, no collectives nor what ranks add, kernels
+    timed queued."""
     gpu = copy.deepcopy(doc)
     gpu["machine"].update(device_type="cuda", device=device, memory_gib=139.8)
     gpu.update(nproc=1, timing="queued")
-    gpu["fitted"].update(collectives={}, rank_slowdown=1.0, **fitted)
+    gpu["fitted"].update(collectives={}, rank_slowdown=1.0, dimension_s={}, **fitted)
     return gpu
 
 
@@ -225,7 +226,7 @@ def test_a_gpus_host_dispatch_costs_only_what_outlasts_the_devices_work(profile,
         return step_time(cfg.model, Layout(zero=0), Cluster(hw, 1, 1), 64, 8, "float32")
 
     cpu = copy.deepcopy(doc)
-    cpu["fitted"].update(layer_overhead_s=1e-3, step_overhead_s=1e-3)
+    cpu["fitted"].update(layer_overhead_s=1e-3, step_overhead_s=1e-3, dimension_s={})  # (the host's figures alone)
     on_cpu = priced("cpu.json", cpu)
     assert on_cpu.overhead == pytest.approx(on_cpu.layer_host + 1e-3) and on_cpu.overhead > 0
     hidden = priced("gpu.json", _one_gpu(doc, layer_overhead_s=1e-9, step_overhead_s=1e-9))
@@ -325,7 +326,7 @@ def test_what_fiveds_layers_add_per_dimension_is_measured_and_priced(profile, tm
     only), nothing to a layout without it."""
     path, doc = profile
     on_disk = json.loads(path.read_text())
-    assert set(on_disk["fitted"]["dimension_s"]) == {"tp", "cp", "ep", "pp"}
+    assert set(on_disk["fitted"]["dimension_s"]) == {"tp", "cp", "ep", "pp", *RANKS_KEYS}
     assert all(v >= 0 for v in on_disk["fitted"]["dimension_s"].values())
     runs = on_disk["measured"]["dimensions"]["step_s"]
     assert set(runs) == {"tp", "cp", "ep", "dense base", "moe base", "pp"} and all(
@@ -364,6 +365,44 @@ def test_what_fiveds_layers_add_per_dimension_is_measured_and_priced(profile, tm
         assert step(with_, model, dp=4)[1].total == step(without, model, dp=4)[1].total
 
 
+def test_what_the_calibrations_ranks_add_is_priced_for_every_layout(profile, tmp_path):
+    """The ranks' own figures (the data-parallel bases' steps beyond their price) go to every layout on
+    those ranks, as host overhead: per step, and per layer and micro-batch of the busiest rank (its
+    stage's layers under a pipeline), a MoE model's figures besides on its MoE layers."""
+    path, doc = profile
+    figures = {"ranks_layer": 1e-3, "ranks_step": 2e-3, "moe_layer": 4e-3, "moe_step": 8e-3}
+
+    def ranks(fitted):
+        fitted["dimension_s"] = dict(figures)
+
+    def none(fitted):
+        fitted["dimension_s"] = {}
+
+    with_, without = _variant(tmp_path, doc, "ranks.json", ranks), _variant(tmp_path, doc, "none2.json", none)
+    share = profile_hardware(read_profile(with_), 4).core_share
+    for model, parallel, micro in (
+        ("tiny", dict(dp=4), 1),
+        ("tiny", dict(dp=2, tp=2), 1),
+        ("tiny", dict(dp=2, pp=2), 4),
+        ("tiny-moe", dict(dp=4), 1),
+        ("tiny-moe", dict(dp=2, pp=2), 4),
+    ):
+        cfg = build_config(
+            overrides={"model.name": model, "train.seq_len": 64, "train.global_batch": 8, "train.microbatches": micro}
+        )
+        m, layout = cfg.model, Layout.from_config(cfg, 4)
+        got, base = (
+            step_time(m, layout, Cluster(profile_hardware(read_profile(p), 4), 4, 4), 64, 8, "float32")
+            for p in (with_, without)
+        )
+        passes = m.n_layers // parallel.get("pp", 1) * micro
+        added = figures["ranks_step"] + figures["ranks_layer"] * passes
+        if m.is_moe:
+            added += figures["moe_step"] + figures["moe_layer"] * passes * (m.n_layers - m.n_dense_layers) / m.n_layers
+        assert got.overhead - base.overhead == pytest.approx(added / share), (model, parallel)
+        assert got.total - base.total == pytest.approx(added / share), (model, parallel)
+
+
 @pytest.mark.parametrize(
     "value, field",
     [({"tp": -1.0}, "fitted.dimension_s.tp=-1.0"), ({"dp": 1.0}, "fitted.dimension_s={'dp': 1.0}")],
@@ -382,9 +421,10 @@ def test_a_bad_dimension_figure_is_one_line(profile, tmp_path, capsys, value, fi
 
 
 def test_the_dimension_figures_price_back_what_was_measured(profile):
-    """`unpriced_dimensions`' figures, written into the profile, make the planner put between the
-    calibration's own runs (at its ranks) exactly the slopes that were measured: the sign, the bases
-    and the core share of the fit (a figure clamped at 0 aside: these are far above what is priced)."""
+    """`unpriced_dimensions`' figures, written into the profile, make the planner price the calibration's
+    own runs (at its ranks) as they were measured: the data-parallel bases' steps, and between the runs
+    exactly the slopes that were measured: the sign, the bases and the core share of the fit (a figure
+    clamped at 0 aside: these are far above what is priced)."""
     from fived.planner.profile import profile_of
     from fived.tools import calibrate_ranks as ranks
     from fived.tools.calibrate import unpriced_dimensions
@@ -393,8 +433,9 @@ def test_the_dimension_figures_price_back_what_was_measured(profile):
     doc = json.loads(path.read_text())
     doc["fitted"].pop("dimension_s")
     doc["fitted"]["rank_slowdown"] = 2.0  # (ranks sharing cores: the fit's core share matters)
-    measured = {"tp": 0.05, "cp": 0.06, "ep": 0.07, "pp": 0.08}
-    doc["fitted"]["dimension_s"] = unpriced_dimensions(doc, str(path), measured)
+    added = {"tp": 0.05, "cp": 0.06, "ep": 0.07, "pp": 0.08}
+    bases = {"dense base": [0.3, 0.34], "moe base": [0.6, 0.7]}  # (far above their price: no figure clamped)
+    doc["fitted"]["dimension_s"] = unpriced_dimensions(doc, str(path), {"step_s": bases, "added_s": added})
     fitted = profile_of(doc, str(path))
     n = fitted.nproc
     cluster = Cluster(profile_hardware(fitted, n), n, n)
@@ -409,10 +450,13 @@ def test_the_dimension_figures_price_back_what_was_measured(profile):
     def slope(run):
         return ranks.per_layer([priced(*layouts[run], layers, 1) for layers in ranks.DIMENSION_LAYERS])
 
+    for run, steps in bases.items():  # the bases' steps themselves, at both layer counts
+        got = [priced(*layouts[run], layers, 1) for layers in ranks.DIMENSION_LAYERS]
+        assert got == pytest.approx(steps, rel=1e-9), run
     for dim, base in ranks.DIMENSION_BASES.items():
-        assert slope(dim) - slope(base) == pytest.approx(measured[dim], rel=1e-9), dim
+        assert slope(dim) - slope(base) == pytest.approx(added[dim], rel=1e-9), dim
     pipeline = [priced(ranks.pipeline_layout(n), 0, ranks.PIPELINE_LAYERS, m) for m in ranks.PIPELINE_MICROBATCHES]
-    assert ranks.per_microbatch(pipeline) == pytest.approx(measured["pp"], rel=1e-9)
+    assert ranks.per_microbatch(pipeline) == pytest.approx(added["pp"], rel=1e-9)
 
 
 def test_on_cpu_ranks_no_collective_hides_under_compute(profile):

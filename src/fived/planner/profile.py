@@ -19,7 +19,12 @@ torch's version, the date, the raw measurements and the curves fitted to them:
   the planner, priced by the rest of the profile, puts between the same runs: tp, cp and ep per layer
   and micro-batch (each at 2 against data parallelism alone, 1 and 3 layers), pp per micro-batch (2
   stages, 2 and 4 micro-batches): the host work and waits of the dimension's communication as fived
-  issues it; at a whole core (optional: profiles written before 2026-11-30 lack it);
+  issues it; and from the data-parallel bases of those runs (all nproc ranks, dense and MoE), what the
+  ranks themselves add beyond what is priced for them, per layer and micro-batch and per step
+  (`RANKS_KEYS`: the waits and host work of nproc ranks sharing cores and meeting at every collective,
+  which one rank's host time and the collectives timed apart miss), priced for every layout on
+  those ranks; at a whole core (optional: profiles written before 2026-11-30 lack it, before
+  2026-12-01 its ranks' figures);
 - rank_slowdown: how much slower a small GEMM + element-wise mix runs on each of nproc ranks running
   it at once than in one process alone (ranks sharing cores, and whatever else the host runs);
 - collectives: seconds per call by op, group size and bytes (the ledger's convention: a
@@ -339,12 +344,21 @@ def planned_dtype(hw) -> str:
     return hw.profile.dtype if hw.profile is not None else "bfloat16"
 
 
+# `fitted.dimension_s`' figures: a dimension's (tp, cp, ep per layer and micro-batch, pp per micro-batch)
+# and the calibration's ranks' own (`RANKS_KEYS`: per layer and micro-batch, per step; moe_*: a MoE
+# model's beyond a dense one's, per MoE layer and micro-batch and per step)
+DIMENSION_KEYS = ("tp", "cp", "ep", "pp")
+RANKS_KEYS = ("ranks_layer", "ranks_step", "moe_layer", "moe_step")
+
+
 def _dimension_s(doc: dict, name: str) -> dict[str, float]:
-    """`fitted.dimension_s` ({tp, cp, ep, pp: seconds >= 0}), or {} where the profile has none."""
+    """`fitted.dimension_s` ({DIMENSION_KEYS and RANKS_KEYS: seconds >= 0}), or {} where the profile has none."""
     found = doc["fitted"].get("dimension_s", {})
     where = f"{name}: fitted.dimension_s"
-    if not isinstance(found, dict) or not set(found) <= {"tp", "cp", "ep", "pp"}:
-        raise ConfigError(where, found, "seconds of tp, cp, ep and pp", "rerun fived calibrate")
+    if not isinstance(found, dict) or not set(found) <= {*DIMENSION_KEYS, *RANKS_KEYS}:
+        raise ConfigError(
+            where, found, "seconds of " + ", ".join((*DIMENSION_KEYS, *RANKS_KEYS)), "rerun fived calibrate"
+        )
     for dim, seconds in found.items():
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < math.inf:
             raise ConfigError(f"{where}.{dim}", seconds, "a number of seconds >= 0", "rerun fived calibrate")
