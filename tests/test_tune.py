@@ -42,3 +42,29 @@ def test_tune_refuses_layout_flags_and_an_empty_budget(capsys):
     assert "fived tune chooses the layout" in capsys.readouterr().err
     assert main(["tune", "--model", "tiny", "--minutes", "0"]) == 2
     assert "--minutes=0" in capsys.readouterr().err
+
+
+def test_a_profile_of_another_dtype_is_warned_of_in_one_line(capsys, tmp_path, monkeypatch):
+    """A CPU profile measured float32 matmuls; a bf16 run's first ranking is priced at those rates (a
+    CPU's bf16 matmuls run several times slower): one line says so before anything is measured."""
+    import fived.tools.tune as tuning
+    from fived.planner.profile import read_profile
+
+    profile = "benchmarks/results/cpu-2026-12-01/quiet-profile.json"
+    monkeypatch.chdir(__file__.rsplit("/tests/", 1)[0])
+    assert read_profile(profile).dtype == "float32"
+    seen = []
+    monkeypatch.setattr(tuning, "tune", lambda cfg, world, **kw: seen.append(cfg) or {"winner": None, "trials": []})
+    monkeypatch.setattr("fived.cli.tune.report", lambda *a: "")
+    for dtype, warned in (("bfloat16", True), ("bfloat16-autocast", True), ("float32", False)):
+        main(["tune", "--model", "tiny", "--nproc", "2", "--machine", profile, "--train.dtype", dtype])
+        err = capsys.readouterr().err.strip().splitlines()
+        if warned:
+            assert (
+                len(err) == 1
+                and err[0].startswith("fived: warning: --machine")
+                and "e.g. --train.dtype float32" in err[0]
+            ), err
+        else:
+            assert not err, err
+    assert [c.train.dtype for c in seen] == ["bfloat16", "bfloat16-autocast", "float32"]

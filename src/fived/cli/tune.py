@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from fived.config import ConfigError
 
@@ -33,9 +34,26 @@ def cmd_tune(ns: argparse.Namespace) -> int:
         from fived.planner.profile import profile_hardware, read_profile
 
         hardware = profile_hardware(read_profile(ns.machine), world)
+        warn_dtype(ns.machine, hardware.profile.dtype, cfg.train.dtype)
     summary = tune(cfg, world, minutes=ns.minutes, top=ns.top, hardware=hardware)
     print(report(summary, cfg, world, model_arg(ns, cfg)))
     return 0 if summary["winner"] is not None else 1
+
+
+def warn_dtype(machine: str, measured: str, dtype: str) -> None:
+    """One line where the profile measured matmuls in another dtype than the run computes in: the
+    planner's first ranking prices them at the profile's rates (CPU ranks: bf16 matmuls run several
+    times slower than float32's); the refit then corrects the components from the trials."""
+    from fived.layout.layout import PRECISION_SPECS
+
+    compute = PRECISION_SPECS[dtype].compute
+    if compute != measured:
+        print(
+            f"fived: warning: --machine {machine} measured {measured} matmuls and train.dtype={dtype} computes in "
+            f"{compute}: the first ranking prices them at {measured}'s rates until the refit; e.g. --train.dtype "
+            f"{measured}",
+            file=sys.stderr,
+        )
 
 
 def model_arg(ns: argparse.Namespace, cfg) -> str:
