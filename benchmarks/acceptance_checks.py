@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import statistics
 from pathlib import Path
 
 import torch
@@ -91,10 +90,10 @@ def training_matches_cpu(model: str, *, device: str, steps: int = 4) -> dict:
 
 def breakdown_adds_up(*, device: str, steps: int = 4) -> dict:
     """The measured step breakdown (fived.training.step_timer: CUDA events on a GPU) of a tiny run on `device`:
-    every step's components sum to the breakdown's total; in the median step the named ones (all but
-    "other") cover at least 95% of it, and the total is the step time the trainer logs within 5%. (The
-    median: a CPU step of a few ms that the scheduler suspends outside every span, once, on a loaded
-    machine, says nothing of the bookkeeping: CI failed on one such step. The worst is reported too.)"""
+    every step's components sum to the breakdown's total; the named ones (all but "other") cover at
+    least 95% of it, and the total is the step time the trainer logs within 5%: in every step on a GPU,
+    in all steps but one on CPU (a CPU step of a few ms that a loaded machine's scheduler suspends
+    outside every span says nothing of the bookkeeping: CI failed on one such step)."""
     cfg = tiny_config("tiny", train__steps=steps, train__dtype="float32", train__device=device, train__microbatches=2)
     result = run_ranks(1, run_training, cfg, False, False, False, device=device, deadline_s=600)[0]
     named_shares, total_gaps = [], []
@@ -105,15 +104,15 @@ def breakdown_adds_up(*, device: str, steps: int = 4) -> dict:
         named_shares.append(named / b["total_s"])
         total_gaps.append(abs(b["total_s"] / record["step_time_s"] - 1))
     last = result.metrics[-1]["breakdown"]["components"]
-    named_share, total_gap = statistics.median(named_shares), statistics.median(total_gaps)
+    missed = sum(1 for named, gap in zip(named_shares, total_gaps) if named < 0.95 or gap > 0.05)
     figures = {
-        "median_named_share": named_share,
         "min_named_share": min(named_shares),
-        "median_total_vs_step_time": total_gap,
         "max_total_vs_step_time": max(total_gaps),
+        "steps_missed": missed,
         "last_step_ms": {k: v * 1e3 for k, v in last.items()},
     }
-    return outcome(named_share >= 0.95 and total_gap <= 0.05, figures, f"{device}, {steps} steps, 2 micro-batches")
+    allowed = 0 if device.startswith("cuda") else 1
+    return outcome(missed <= allowed, figures, f"{device}, {steps} steps, 2 micro-batches")
 
 
 def _random(shape, *, device: str, dtype: torch.dtype, seed: int, scale: float = 1.0) -> torch.Tensor:

@@ -401,6 +401,25 @@ def test_what_the_calibrations_ranks_add_is_priced_for_every_layout(profile, tmp
             added += figures["moe_step"] + figures["moe_layer"] * passes * (m.n_layers - m.n_dense_layers) / m.n_layers
         assert got.overhead - base.overhead == pytest.approx(added / share), (model, parallel)
         assert got.total - base.total == pytest.approx(added / share), (model, parallel)
+    # one rank alone meets no other (its host time is the profile's own, measured on one rank)
+    cfg = build_config(overrides={"model.name": "tiny-moe", "train.seq_len": 64, "train.global_batch": 8})
+    alone = [
+        step_time(cfg.model, Layout(), Cluster(profile_hardware(read_profile(p), 1), 1, 1), 64, 8, "float32").total
+        for p in (with_, without)
+    ]
+    assert alone[0] == alone[1]
+
+
+def test_a_clamped_figure_leaves_the_other_fitted_alone():
+    """A base measured with a negative slope beyond its price: its per-layer figure is 0 and its per-step
+    figure the mean of what both runs measured beyond the price (not the intercept of the line the
+    clamp discarded); a negative intercept: the slope through the origin."""
+    from fived.tools.calibrate_ranks import line_at_or_above_zero
+
+    assert line_at_or_above_zero((1, 3), [2.0, 4.0]) == (1.0, 1.0)
+    assert line_at_or_above_zero((1, 3), [5.0, 3.0]) == (0.0, 4.0)  # (the line said -1/layer, 6 a step)
+    assert line_at_or_above_zero((1, 3), [1.0, 5.0]) == pytest.approx((1.6, 0.0))  # (16 / 10 through 0)
+    assert line_at_or_above_zero((1, 3), [-1.0, -3.0]) == (0.0, 0.0)
 
 
 @pytest.mark.parametrize(
@@ -427,7 +446,7 @@ def test_the_dimension_figures_price_back_what_was_measured(profile):
     clamped at 0 aside: these are far above what is priced)."""
     from fived.planner.profile import profile_of
     from fived.tools import calibrate_ranks as ranks
-    from fived.tools.calibrate import unpriced_dimensions
+    from fived.tools.calibrate_ranks import unpriced_dimensions
 
     path, _ = profile
     doc = json.loads(path.read_text())

@@ -48,17 +48,19 @@ def test_a_profile_of_another_dtype_is_warned_of_in_one_line(capsys, tmp_path, m
     """A CPU profile measured float32 matmuls; a bf16 run's first ranking is priced at those rates (a
     CPU's bf16 matmuls run several times slower): one line says so before anything is measured."""
     import fived.tools.tune as tuning
-    from fived.planner.profile import read_profile
+    from fived.tools.calibrate import calibrate
 
-    profile = "benchmarks/results/cpu-2026-12-01/quiet-profile.json"
-    monkeypatch.chdir(__file__.rsplit("/tests/", 1)[0])
-    assert read_profile(profile).dtype == "float32"
+    profile = str(tmp_path / "machine.json")
+    doc = calibrate(profile, nproc=2, minutes=0.02, quick=True)
+    assert doc["dtype"] == "float32"
     seen = []
     monkeypatch.setattr(tuning, "tune", lambda cfg, world, **kw: seen.append(cfg) or {"winner": None, "trials": []})
     monkeypatch.setattr("fived.cli.tune.report", lambda *a: "")
+    capsys.readouterr()
     for dtype, warned in (("bfloat16", True), ("bfloat16-autocast", True), ("float32", False)):
-        main(["tune", "--model", "tiny", "--nproc", "2", "--machine", profile, "--train.dtype", dtype])
+        code = main(["tune", "--model", "tiny", "--nproc", "2", "--machine", profile, "--train.dtype", dtype])
         err = capsys.readouterr().err.strip().splitlines()
+        assert code == 1  # (the stand-in tune measured nothing: no winner)
         if warned:
             assert (
                 len(err) == 1

@@ -130,8 +130,9 @@ class MachineProfile:
     collectives: dict  # {op: {group size: Curve}}; empty where one rank was measured (links: base_hardware's)
     collective_scale: float = 1.0  # the measured times at the planned ranks' core sharing (profile_hardware)
     # what fived adds for tp, cp or ep per layer and micro-batch (ep: per MoE layer), for pp per micro-batch,
-    # beyond what the op-level model prices for them, at a whole core (measured: fived.tools.calibrate.
-    # unpriced_dimensions); empty in profiles written before 2026-11-30 and where one rank was measured
+    # and what the ranks themselves add (RANKS_KEYS), beyond what the op-level model prices for them, at a
+    # whole core (measured: fived.tools.calibrate_ranks.unpriced_dimensions); empty in profiles written
+    # before 2026-11-30 and where one rank was measured
     dimension_s: dict = field(default_factory=dict)
     dtype: str = "float32"  # what its GEMMs and attention computed in: what its ranks run (calibrate's `dtype`)
 

@@ -251,7 +251,8 @@ def step_time(
         moe_layer = hw.profile.moe_layer_overhead_s / hw.core_share
         layer_host += (moe_layer - hw.layer_overhead_s) * moe_here * micro * (1 + recompute)
     overhead = layer_host + hw.step_overhead_s + host
-    if hw.profile and hw.profile.dimension_s:  # what the calibration's ranks add beyond what is priced (measured)
+    if hw.profile and hw.profile.dimension_s and L.world > 1:  # what the calibration's ranks add beyond what is
+        # priced (measured; one rank alone meets no other: its host time is the profile's, measured on one)
         overhead += _ranks_unpriced(hw, m, layers_here * micro * (1 + recompute))
     if hw.profile and hw.profile.on_gpu and not m.is_moe:  # launches are asynchronous: the host runs ahead of
         # the device's work (not past a MoE layer: fived reads its experts' token counts on the host each layer)
@@ -339,16 +340,17 @@ def _unpriced_dimensions(hw: Hardware, m: ModelConfig, L: Layout, layer_passes: 
 
 def _ranks_unpriced(hw: Hardware, m: ModelConfig, layer_passes: float) -> float:
     """What a machine profile measured its ranks adding beyond what the model prices for them (its
-    data-parallel bases, all ranks at once: `fived.tools.calibrate.unpriced_dimensions`), per layer and
+    data-parallel bases, all ranks at once: `fived.tools.calibrate_ranks.unpriced_dimensions`), per layer and
     micro-batch (`layer_passes`: the busiest rank's layers x micro-batches x recomputation, MoE ones in
     the model's proportion) and per step, a MoE model's beyond a dense one's; at the ranks' share of a
     core."""
+    from fived.planner.profile import RANKS_KEYS  # (the profile module reads this one's hardware: no cycle)
+
     assert hw.profile is not None
-    extra = hw.profile.dimension_s
-    seconds = extra.get("ranks_step", 0.0) + extra.get("ranks_layer", 0.0) * layer_passes
+    ranks_layer, ranks_step, moe_layer, moe_step = (hw.profile.dimension_s.get(k, 0.0) for k in RANKS_KEYS)
+    seconds = ranks_step + ranks_layer * layer_passes
     if m.is_moe:
-        moe_share = (m.n_layers - m.n_dense_layers) / m.n_layers
-        seconds += extra.get("moe_step", 0.0) + extra.get("moe_layer", 0.0) * layer_passes * moe_share
+        seconds += moe_step + moe_layer * layer_passes * (m.n_layers - m.n_dense_layers) / m.n_layers
     return seconds / hw.core_share
 
 

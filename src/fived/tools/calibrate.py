@@ -359,7 +359,13 @@ def check_ranks(nproc: int | None, device: torch.device) -> int:
 def calibrate(output: str, *, nproc: int | None = None, minutes: float = DEFAULT_MINUTES, quick: bool = False) -> dict:
     """Measure this machine with `nproc` ranks within `minutes` and write the profile to `output`;
     returns the profile's contents."""
-    from fived.tools.calibrate_ranks import measure_collectives, measure_contention, measure_dimensions, measure_host
+    from fived.tools.calibrate_ranks import (
+        measure_collectives,
+        measure_contention,
+        measure_dimensions,
+        measure_host,
+        unpriced_dimensions,
+    )
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     nproc = check_ranks(nproc, device)
@@ -448,73 +454,3 @@ def calibrate(output: str, *, nproc: int | None = None, minutes: float = DEFAULT
     write_profile(output, doc)
     progress(f"wrote {output}")
     return doc
-
-
-def unpriced_dimensions(doc: dict, name: str, measured: dict) -> dict[str, float]:
-    """What fived's trainer measured on the calibration's ranks (`measured`: measure_dimensions' step_s and
-    added_s) beyond what the planner, priced by this profile, puts there; at a whole core (the ranks'
-    slowdown taken out), each never below 0. First the ranks' own (`profile.RANKS_KEYS`): the dense
-    data-parallel base's steps against their price, per layer and micro-batch (the slope over layers) and
-    per step (the intercept), then the MoE base's beyond those; then, priced with those, what tp, cp and
-    ep add per layer and micro-batch against their base, pp per micro-batch."""
-    from fived.tools import calibrate_ranks as ranks
-
-    step_s, at_a_core = measured["step_s"], 1 / _slowdown_of(doc, name)
-    layouts = {run: (parallel, experts) for run, parallel, experts in ranks.dimension_layouts(doc["nproc"])}
-    figures: dict[str, float] = {}
-
-    def beyond(run: str) -> tuple[float, float]:  # (per layer, per step) measured beyond the price
-        priced = _pricer(doc, name, figures)
-        steps = [priced(*layouts[run], layers, 1) for layers in ranks.DIMENSION_LAYERS]
-        slope, first = ranks.per_layer(step_s[run]) - ranks.per_layer(steps), ranks.DIMENSION_LAYERS[0]
-        return slope * at_a_core, (step_s[run][0] - steps[0] - slope * first) * at_a_core
-
-    for run, (layer, step) in (("dense base", ("ranks_layer", "ranks_step")), ("moe base", ("moe_layer", "moe_step"))):
-        per_layer, per_step = beyond(run)
-        figures.update({layer: max(0.0, per_layer), step: max(0.0, per_step)})
-    priced = _pricer(doc, name, figures)
-
-    def priced_per_layer(run: str) -> float:
-        return ranks.per_layer([priced(*layouts[run], layers, 1) for layers in ranks.DIMENSION_LAYERS])
-
-    added = measured["added_s"]
-    predicted = {dim: priced_per_layer(dim) - priced_per_layer(base) for dim, base in ranks.DIMENSION_BASES.items()}
-    pipeline = ranks.pipeline_layout(doc["nproc"])
-    predicted["pp"] = ranks.per_microbatch(
-        [priced(pipeline, 0, ranks.PIPELINE_LAYERS, micro) for micro in ranks.PIPELINE_MICROBATCHES]
-    )
-    return {**{dim: max(0.0, added[dim] - predicted[dim]) * at_a_core for dim in predicted}, **figures}
-
-
-def _pricer(doc: dict, name: str, figures: dict[str, float]):
-    """priced(parallel, routed experts, layers, micro-batches): the planner's step of calibrate_ranks'
-    negligible model on the calibration's ranks, priced by `doc` with `figures` as its dimension_s."""
-    from fived.layout.layout import Layout
-    from fived.planner.profile import profile_hardware
-    from fived.planner.timing import Cluster, step_time
-    from fived.tools import calibrate_ranks as ranks
-
-    profile = _profile_of(doc, name, figures)
-    n = profile.nproc
-    cluster = Cluster(profile_hardware(profile, n), n, n)
-
-    def priced(parallel: dict, experts: int, layers: int, micro: int) -> float:
-        cfg = ranks.host_config(layers, experts, parallel, micro)
-        t = cfg.train
-        return step_time(cfg.model, Layout.from_config(cfg, n), cluster, t.seq_len, t.global_batch, t.dtype).total
-
-    return priced
-
-
-def _profile_of(doc: dict, name: str, figures: dict[str, float]):
-    from fived.planner.profile import FORMAT, VERSION, profile_of
-
-    fitted = {**doc["fitted"], "dimension_s": dict(figures)}
-    return profile_of({"format": FORMAT, "version": VERSION, **doc, "fitted": fitted}, name)
-
-
-def _slowdown_of(doc: dict, name: str) -> float:
-    from fived.planner.profile import slowdown
-
-    profile = _profile_of(doc, name, {})
-    return slowdown(profile, profile.nproc)

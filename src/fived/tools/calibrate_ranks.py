@@ -318,3 +318,80 @@ def per_layer(steps: list[float]) -> float:
 def per_microbatch(steps: list[float]) -> float:
     """Seconds per micro-batch between the pipeline's PIPELINE_MICROBATCHES runs' steps."""
     return (steps[-1] - steps[0]) / (PIPELINE_MICROBATCHES[-1] - PIPELINE_MICROBATCHES[0])
+
+
+def unpriced_dimensions(doc: dict, name: str, measured: dict) -> dict[str, float]:
+    """What fived's trainer measured on the calibration's ranks (`measured`: measure_dimensions' step_s and
+    added_s) beyond what the planner, priced by `doc` (a profile being written), puts there; at a whole
+    core (the ranks' slowdown taken out), each never below 0. First the ranks' own (`profile.RANKS_KEYS`):
+    the dense data-parallel base's steps against their price, per layer and micro-batch and per step,
+    then the MoE base's beyond those; then, priced with those, what tp, cp and ep add per layer and
+    micro-batch against their base, pp per micro-batch."""
+    from fived.planner.profile import RANKS_KEYS
+
+    step_s, at_a_core = measured["step_s"], 1 / _slowdown_of(doc, name)
+    layouts = {run: (parallel, experts) for run, parallel, experts in dimension_layouts(doc["nproc"])}
+    figures: dict[str, float] = {}
+    for run, keys in (("dense base", RANKS_KEYS[:2]), ("moe base", RANKS_KEYS[2:])):
+        priced = _pricer(doc, name, figures)
+        beyond = [
+            (m - priced(*layouts[run], layers, 1)) * at_a_core for layers, m in zip(DIMENSION_LAYERS, step_s[run])
+        ]
+        figures.update(zip(keys, line_at_or_above_zero(DIMENSION_LAYERS, beyond)))
+    priced = _pricer(doc, name, figures)
+
+    def priced_per_layer(run: str) -> float:
+        return per_layer([priced(*layouts[run], layers, 1) for layers in DIMENSION_LAYERS])
+
+    added = measured["added_s"]
+    predicted = {dim: priced_per_layer(dim) - priced_per_layer(base) for dim, base in DIMENSION_BASES.items()}
+    pipeline = pipeline_layout(doc["nproc"])
+    predicted["pp"] = per_microbatch([priced(pipeline, 0, PIPELINE_LAYERS, micro) for micro in PIPELINE_MICROBATCHES])
+    return {**{dim: max(0.0, added[dim] - predicted[dim]) * at_a_core for dim in predicted}, **figures}
+
+
+def line_at_or_above_zero(xs: tuple[int, ...], ys: list[float]) -> tuple[float, float]:
+    """(slope, intercept) of the line through two points (xs[0], ys[0]), (xs[1], ys[1]), neither below 0: a
+    negative slope is refitted flat (the points' mean), a negative intercept through the origin (least
+    squares); both negative: (0, 0). So a clamped figure never leaves the other one fitted to a line
+    the clamp discarded."""
+    slope = (ys[1] - ys[0]) / (xs[1] - xs[0])
+    intercept = ys[0] - slope * xs[0]
+    if slope < 0:
+        slope, intercept = 0.0, sum(ys) / len(ys)
+    elif intercept < 0:
+        slope, intercept = sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs), 0.0
+    return max(0.0, slope), max(0.0, intercept)
+
+
+def _pricer(doc: dict, name: str, figures: dict[str, float]):
+    """priced(parallel, routed experts, layers, micro-batches): the planner's step of `host_config`'s
+    negligible model on the calibration's ranks, priced by `doc` with `figures` as its dimension_s."""
+    from fived.layout.layout import Layout
+    from fived.planner.profile import profile_hardware
+    from fived.planner.timing import Cluster, step_time
+
+    profile = _profile_of(doc, name, figures)
+    n = profile.nproc
+    cluster = Cluster(profile_hardware(profile, n), n, n)
+
+    def priced(parallel: dict, experts: int, layers: int, micro: int) -> float:
+        cfg = host_config(layers, experts, parallel, micro)
+        t = cfg.train
+        return step_time(cfg.model, Layout.from_config(cfg, n), cluster, t.seq_len, t.global_batch, t.dtype).total
+
+    return priced
+
+
+def _profile_of(doc: dict, name: str, figures: dict[str, float]):
+    from fived.planner.profile import FORMAT, VERSION, profile_of
+
+    fitted = {**doc["fitted"], "dimension_s": dict(figures)}
+    return profile_of({"format": FORMAT, "version": VERSION, **doc, "fitted": fitted}, name)
+
+
+def _slowdown_of(doc: dict, name: str) -> float:
+    from fived.planner.profile import slowdown
+
+    profile = _profile_of(doc, name, {})
+    return slowdown(profile, profile.nproc)

@@ -241,7 +241,8 @@ def replica_members(mesh_key: tuple, group: str) -> tuple[tuple[int, ...], int]:
     return inside, len(ranks) - len(inside)
 
 
-# the runtime the page prices, as `fived plan` (and `fived plan --layout`) does by default
+# what `price` prices with unless told: `fived plan`'s default on GPUs (the page itself prices with
+# `planned_runtime("fived", ...)`, which is this one but on CPU ranks)
 DEFAULT_RUNTIME = PLANNED_RUNTIMES["fived"]
 
 
