@@ -68,6 +68,7 @@ from fived.planner.links import (
     model_parallel_seconds,
 )
 from fived.planner.memory import MOMENT_BYTES
+from fived.planner.profile import RANKS_KEYS
 from fived.planner.runtimes import FIVED, Runtime, for_layout, reduces_every_microbatch
 
 # The fitted constants (GEMM efficiency per GPU generation and its shape dependence, link
@@ -344,8 +345,6 @@ def _ranks_unpriced(hw: Hardware, m: ModelConfig, layer_passes: float) -> float:
     micro-batch (`layer_passes`: the busiest rank's layers x micro-batches x recomputation, MoE ones in
     the model's proportion) and per step, a MoE model's beyond a dense one's; at the ranks' share of a
     core."""
-    from fived.planner.profile import RANKS_KEYS  # (the profile module reads this one's hardware: no cycle)
-
     assert hw.profile is not None
     ranks_layer, ranks_step, moe_layer, moe_step = (hw.profile.dimension_s.get(k, 0.0) for k in RANKS_KEYS)
     seconds = ranks_step + ranks_layer * layer_passes
